@@ -1,0 +1,12 @@
+//! CPU kernels. All take plain slices; "contiguous" means row-major with no gaps.
+
+pub mod adamw;
+pub mod attention;
+pub mod cross_entropy;
+pub mod elementwise;
+pub mod embedding;
+pub mod layer_norm;
+pub mod matmul;
+pub mod reduce;
+pub mod softmax;
+pub mod strided;

@@ -1,0 +1,1 @@
+//! Parallel training for meshgrad (skeleton: strategies land with the parallel issues).

@@ -1,0 +1,1 @@
+//! meshgrad: re-exports.
