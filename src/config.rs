@@ -1,0 +1,916 @@
+//! Training configuration for `meshgrad train`.
+//!
+//! A [`TrainConfig`] is read from a TOML file with the tables `[model]`, `[train]` and `[data]` and
+//! the top-level keys `out` and `metrics`. Every key is optional (missing keys take the defaults
+//! of [`TrainConfig::default`], a small byte-level GPT that trains in a few minutes on two CPU
+//! cores) and unknown keys are errors. `configs/tiny.toml` writes the defaults out with comments.
+//!
+//! The usual flow is:
+//!
+//! ```text
+//! let mut config = TrainConfig::from_toml_file(path)?;   // or TrainConfig::default()
+//! config.apply_override("train.steps", "500")?;          // from --set train.steps=500 or --steps
+//! config.validate()?;
+//! ```
+//!
+//! Every error message is one line and names the file and the key involved.
+//!
+//! This module depends only on `serde` and `toml`.
+
+use std::fmt;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// The model's shape: a GPT-style decoder.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    /// Number of transformer blocks.
+    pub n_layer: usize,
+    /// Attention heads per block; must divide `n_embd`.
+    pub n_head: usize,
+    /// Width of the residual stream (embedding size).
+    pub n_embd: usize,
+    /// Context length: the longest sequence the model sees, and the training window length.
+    pub block_size: usize,
+    /// Number of token ids; 256 for byte-level text.
+    pub vocab_size: usize,
+    /// Dropout probability, in [0, 1).
+    pub dropout: f64,
+    /// Whether linear and layer-norm layers have bias terms.
+    pub bias: bool,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            n_layer: 4,
+            n_head: 4,
+            n_embd: 128,
+            block_size: 128,
+            vocab_size: 256,
+            dropout: 0.0,
+            bias: true,
+        }
+    }
+}
+
+/// The optimisation loop: steps, batch, AdamW and its learning-rate schedule, evaluation and
+/// logging.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainParams {
+    /// Number of optimizer steps.
+    pub steps: usize,
+    /// Global batch size, in sequences of `model.block_size` tokens.
+    pub batch_size: usize,
+    /// Peak learning rate, reached at the end of warmup.
+    pub lr: f64,
+    /// Final learning rate of the cosine decay; in [0, lr].
+    pub min_lr: f64,
+    /// Steps of linear warmup from 0 to `lr`; at most `steps`.
+    pub warmup_steps: usize,
+    /// AdamW decoupled weight decay.
+    pub weight_decay: f64,
+    /// AdamW first-moment decay, in [0, 1).
+    pub beta1: f64,
+    /// AdamW second-moment decay, in [0, 1).
+    pub beta2: f64,
+    /// Clip the global gradient norm to this value; 0 disables clipping.
+    pub grad_clip: f64,
+    /// Seed of weight initialisation, dropout and the data sampler.
+    pub seed: u64,
+    /// Evaluate on the validation split every this many steps; 0 evaluates only at the end.
+    pub eval_interval: usize,
+    /// Batches of `batch_size` windows per evaluation.
+    pub eval_batches: usize,
+    /// Print the training loss every this many steps.
+    pub log_interval: usize,
+    /// Bytes (tokens) of text to sample from the trained model at the end; 0 disables sampling.
+    pub sample_tokens: usize,
+}
+
+impl Default for TrainParams {
+    fn default() -> Self {
+        TrainParams {
+            steps: 300,
+            batch_size: 16,
+            lr: 1e-3,
+            min_lr: 1e-4,
+            warmup_steps: 30,
+            weight_decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            grad_clip: 1.0,
+            seed: 1337,
+            eval_interval: 100,
+            eval_batches: 8,
+            log_interval: 10,
+            sample_tokens: 200,
+        }
+    }
+}
+
+/// Where the training tokens come from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// A token file: `.bin` for little-endian `u16` ids, anything else is read as byte-level text.
+    /// `None` (the key left out) means the built-in corpus, `assets/corpus.txt`.
+    pub path: Option<String>,
+    /// Fraction of the tokens, taken from the end, held out for validation; in (0, 1).
+    pub val_fraction: f64,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        DataConfig {
+            path: None,
+            val_fraction: 0.1,
+        }
+    }
+}
+
+/// The whole configuration of a `meshgrad train` run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Directory for checkpoints and the resolved config.
+    pub out: String,
+    /// Optional file to which per-step metrics are written (JSON lines).
+    pub metrics: Option<String>,
+    /// The `[model]` table.
+    pub model: ModelConfig,
+    /// The `[train]` table.
+    pub train: TrainParams,
+    /// The `[data]` table.
+    pub data: DataConfig,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            out: "runs/latest".to_string(),
+            metrics: None,
+            model: ModelConfig::default(),
+            train: TrainParams::default(),
+            data: DataConfig::default(),
+        }
+    }
+}
+
+/// Errors from reading, overriding and validating a [`TrainConfig`]. Each message is one line.
+#[derive(Debug)]
+pub enum ConfigError {
+    /// The config file could not be read.
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The operating system's error.
+        error: std::io::Error,
+    },
+    /// The TOML is malformed, has an unknown key, or a value of the wrong type.
+    Parse {
+        /// The file (or other origin) of the TOML text.
+        origin: String,
+        /// 1-based line of the error, when known.
+        line: Option<usize>,
+        /// 1-based column of the error, when known.
+        column: Option<usize>,
+        /// Dotted key at the error (e.g. `train.steps`), when it can be told.
+        key: Option<String>,
+        /// The parser's message, on one line.
+        message: String,
+    },
+    /// An override names a key that does not exist.
+    UnknownKey {
+        /// The key as given.
+        key: String,
+        /// The closest known key, if one is close.
+        suggestion: Option<&'static str>,
+    },
+    /// An override's value cannot be parsed as the key's type.
+    BadValue {
+        /// The key.
+        key: String,
+        /// The value as given.
+        value: String,
+        /// What the key takes, e.g. "a non-negative integer".
+        expected: &'static str,
+    },
+    /// An override that is not of the form `key=value`.
+    BadAssignment {
+        /// The text as given.
+        text: String,
+    },
+    /// A value that parses but is not allowed (see [`TrainConfig::validate`]).
+    Invalid {
+        /// The key, or keys, at fault.
+        key: String,
+        /// Why, naming the values.
+        message: String,
+    },
+    /// The config could not be written as TOML.
+    Serialize {
+        /// The serializer's message.
+        message: String,
+    },
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConfigError::Io { path, error } => {
+                write!(f, "cannot read config file {}: {error}", path.display())
+            }
+            ConfigError::Parse {
+                origin,
+                line,
+                column,
+                key,
+                message,
+            } => {
+                write!(f, "invalid config {origin}")?;
+                if let Some(line) = line {
+                    write!(f, ", line {line}")?;
+                    if let Some(column) = column {
+                        write!(f, ", column {column}")?;
+                    }
+                }
+                if let Some(key) = key {
+                    write!(f, ", key `{key}`")?;
+                }
+                write!(f, ": {message}")
+            }
+            ConfigError::UnknownKey { key, suggestion } => {
+                write!(f, "unknown config key `{key}`")?;
+                match suggestion {
+                    Some(s) => write!(f, "; did you mean `{s}`?"),
+                    None => write!(f, "; known keys: {}", TrainConfig::KEYS.join(", ")),
+                }
+            }
+            ConfigError::BadValue {
+                key,
+                value,
+                expected,
+            } => write!(
+                f,
+                "invalid value {value:?} for config key `{key}`: expected {expected}"
+            ),
+            ConfigError::BadAssignment { text } => {
+                write!(
+                    f,
+                    "invalid config override {text:?}: expected KEY=VALUE, e.g. train.steps=500"
+                )
+            }
+            ConfigError::Invalid { key, message } => {
+                write!(f, "invalid config value for `{key}`: {message}")
+            }
+            ConfigError::Serialize { message } => {
+                write!(f, "cannot write config as TOML: {message}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// Parses `value` as `T` for the override of `key`.
+fn parse_value<T: FromStr>(
+    key: &str,
+    value: &str,
+    expected: &'static str,
+) -> Result<T, ConfigError> {
+    value.trim().parse().map_err(|_| ConfigError::BadValue {
+        key: key.to_string(),
+        value: value.to_string(),
+        expected,
+    })
+}
+
+/// A string value for an override: surrounding double quotes, if any, are removed.
+fn string_value(value: &str) -> String {
+    let trimmed = value.trim();
+    trimmed
+        .strip_prefix('"')
+        .and_then(|v| v.strip_suffix('"'))
+        .unwrap_or(trimmed)
+        .to_string()
+}
+
+const INT: &str = "a non-negative integer";
+const FLOAT: &str = "a number";
+const BOOL: &str = "true or false";
+
+impl TrainConfig {
+    /// Every key that [`TrainConfig::apply_override`] accepts, in file order.
+    pub const KEYS: &'static [&'static str] = &[
+        "out",
+        "metrics",
+        "model.n_layer",
+        "model.n_head",
+        "model.n_embd",
+        "model.block_size",
+        "model.vocab_size",
+        "model.dropout",
+        "model.bias",
+        "train.steps",
+        "train.batch_size",
+        "train.lr",
+        "train.min_lr",
+        "train.warmup_steps",
+        "train.weight_decay",
+        "train.beta1",
+        "train.beta2",
+        "train.grad_clip",
+        "train.seed",
+        "train.eval_interval",
+        "train.eval_batches",
+        "train.log_interval",
+        "train.sample_tokens",
+        "data.path",
+        "data.val_fraction",
+    ];
+
+    /// Reads and parses a TOML config file. Keys left out take their defaults.
+    ///
+    /// It does not call [`TrainConfig::validate`]: apply overrides first, then validate.
+    pub fn from_toml_file(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|error| ConfigError::Io {
+            path: path.to_path_buf(),
+            error,
+        })?;
+        TrainConfig::from_toml_str(&text, &path.display().to_string())
+    }
+
+    /// Parses TOML text; `origin` names it in error messages (a file name, or e.g. `"<string>"`).
+    pub fn from_toml_str(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(|err| {
+            let (line, column, key) = match err.span() {
+                Some(span) => locate(text, span),
+                None => (None, None, None),
+            };
+            ConfigError::Parse {
+                origin: origin.to_string(),
+                line,
+                column,
+                key,
+                message: one_line(err.message()),
+            }
+        })
+    }
+
+    /// The config as TOML text (for saving the resolved config next to a checkpoint). Keys whose
+    /// value is `None` are left out.
+    pub fn to_toml_string(&self) -> Result<String, ConfigError> {
+        toml::to_string(self).map_err(|err| ConfigError::Serialize {
+            message: one_line(&err.to_string()),
+        })
+    }
+
+    /// Sets one key from a command-line string: `key` is dotted (`train.steps`, `model.n_embd`,
+    /// `out`; see [`TrainConfig::KEYS`]) and `value` is parsed as the key's type (integers,
+    /// numbers such as `3e-4`, `true`/`false`, or text; surrounding double quotes are removed from
+    /// text). An empty value for `data.path` or `metrics` unsets it.
+    ///
+    /// Errors name the key: [`ConfigError::UnknownKey`] (with a suggestion when one is close) or
+    /// [`ConfigError::BadValue`]. It does not validate ranges; call [`TrainConfig::validate`] after.
+    pub fn apply_override(&mut self, key: &str, value: &str) -> Result<(), ConfigError> {
+        let m = &mut self.model;
+        let t = &mut self.train;
+        match key.trim() {
+            "out" => self.out = string_value(value),
+            "metrics" => {
+                let v = string_value(value);
+                self.metrics = (!v.is_empty()).then_some(v);
+            }
+            "model.n_layer" => m.n_layer = parse_value(key, value, INT)?,
+            "model.n_head" => m.n_head = parse_value(key, value, INT)?,
+            "model.n_embd" => m.n_embd = parse_value(key, value, INT)?,
+            "model.block_size" => m.block_size = parse_value(key, value, INT)?,
+            "model.vocab_size" => m.vocab_size = parse_value(key, value, INT)?,
+            "model.dropout" => m.dropout = parse_value(key, value, FLOAT)?,
+            "model.bias" => m.bias = parse_value(key, value, BOOL)?,
+            "train.steps" => t.steps = parse_value(key, value, INT)?,
+            "train.batch_size" => t.batch_size = parse_value(key, value, INT)?,
+            "train.lr" => t.lr = parse_value(key, value, FLOAT)?,
+            "train.min_lr" => t.min_lr = parse_value(key, value, FLOAT)?,
+            "train.warmup_steps" => t.warmup_steps = parse_value(key, value, INT)?,
+            "train.weight_decay" => t.weight_decay = parse_value(key, value, FLOAT)?,
+            "train.beta1" => t.beta1 = parse_value(key, value, FLOAT)?,
+            "train.beta2" => t.beta2 = parse_value(key, value, FLOAT)?,
+            "train.grad_clip" => t.grad_clip = parse_value(key, value, FLOAT)?,
+            "train.seed" => t.seed = parse_value(key, value, INT)?,
+            "train.eval_interval" => t.eval_interval = parse_value(key, value, INT)?,
+            "train.eval_batches" => t.eval_batches = parse_value(key, value, INT)?,
+            "train.log_interval" => t.log_interval = parse_value(key, value, INT)?,
+            "train.sample_tokens" => t.sample_tokens = parse_value(key, value, INT)?,
+            "data.path" => {
+                let v = string_value(value);
+                self.data.path = (!v.is_empty()).then_some(v);
+            }
+            "data.val_fraction" => self.data.val_fraction = parse_value(key, value, FLOAT)?,
+            other => {
+                return Err(ConfigError::UnknownKey {
+                    key: other.to_string(),
+                    suggestion: closest_key(other),
+                })
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies a `KEY=VALUE` assignment, as given to `--set`; see [`TrainConfig::apply_override`].
+    pub fn apply_assignment(&mut self, assignment: &str) -> Result<(), ConfigError> {
+        match assignment.split_once('=') {
+            Some((key, value)) if !key.trim().is_empty() => self.apply_override(key.trim(), value),
+            _ => Err(ConfigError::BadAssignment {
+                text: assignment.to_string(),
+            }),
+        }
+    }
+
+    /// Checks the values, returning the first problem found as a one-line
+    /// [`ConfigError::Invalid`] that names the key and the value(s).
+    ///
+    /// Checks: all sizes and counts positive (`eval_interval` and `sample_tokens` may be 0);
+    /// `n_embd` divisible by `n_head`; `vocab_size >= 256` for byte-level data (no path, or a
+    /// path not ending in `.bin`); `dropout` in [0, 1); `lr` finite and > 0; `min_lr` in [0, lr];
+    /// `warmup_steps <= steps`; `beta1`, `beta2` in [0, 1); `weight_decay`, `grad_clip` finite and
+    /// >= 0; `val_fraction` in (0, 1); `out`, and `metrics` and `data.path` when set, non-empty.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let m = &self.model;
+        let t = &self.train;
+        let invalid = |key: &str, message: String| {
+            Err(ConfigError::Invalid {
+                key: key.to_string(),
+                message,
+            })
+        };
+        let positive = [
+            ("model.n_layer", m.n_layer),
+            ("model.n_head", m.n_head),
+            ("model.n_embd", m.n_embd),
+            ("model.block_size", m.block_size),
+            ("model.vocab_size", m.vocab_size),
+            ("train.steps", t.steps),
+            ("train.batch_size", t.batch_size),
+            ("train.eval_batches", t.eval_batches),
+            ("train.log_interval", t.log_interval),
+        ];
+        for (key, value) in positive {
+            if value == 0 {
+                return invalid(key, "must be at least 1, got 0".to_string());
+            }
+        }
+        // n_head >= 1 was checked above. (Not `is_multiple_of`: the workspace's MSRV is 1.85.)
+        let remainder = m.n_embd % m.n_head;
+        if remainder != 0 {
+            return invalid(
+                "model.n_embd",
+                format!(
+                    "n_embd = {} is not divisible by n_head = {}",
+                    m.n_embd, m.n_head
+                ),
+            );
+        }
+        let byte_level = match &self.data.path {
+            None => true,
+            Some(p) => !Path::new(p)
+                .extension()
+                .is_some_and(|e| e.eq_ignore_ascii_case("bin")),
+        };
+        if byte_level && m.vocab_size < 256 {
+            return invalid(
+                "model.vocab_size",
+                format!(
+                    "vocab_size = {} is too small for byte-level text data, which needs 256",
+                    m.vocab_size
+                ),
+            );
+        }
+        let unit_open = [
+            ("model.dropout", m.dropout),
+            ("train.beta1", t.beta1),
+            ("train.beta2", t.beta2),
+        ];
+        for (key, value) in unit_open {
+            if !(0.0..1.0).contains(&value) {
+                return invalid(key, format!("must be in [0, 1), got {value}"));
+            }
+        }
+        if !(t.lr.is_finite() && t.lr > 0.0) {
+            return invalid("train.lr", format!("must be a number > 0, got {}", t.lr));
+        }
+        if !(t.min_lr.is_finite() && t.min_lr >= 0.0) {
+            return invalid(
+                "train.min_lr",
+                format!("must be a number >= 0, got {}", t.min_lr),
+            );
+        }
+        if t.min_lr > t.lr {
+            return invalid(
+                "train.min_lr",
+                format!("min_lr = {} is greater than lr = {}", t.min_lr, t.lr),
+            );
+        }
+        if t.warmup_steps > t.steps {
+            return invalid(
+                "train.warmup_steps",
+                format!(
+                    "warmup_steps = {} is greater than steps = {}",
+                    t.warmup_steps, t.steps
+                ),
+            );
+        }
+        let non_negative = [
+            ("train.weight_decay", t.weight_decay),
+            ("train.grad_clip", t.grad_clip),
+        ];
+        for (key, value) in non_negative {
+            if !(value.is_finite() && value >= 0.0) {
+                return invalid(key, format!("must be a number >= 0, got {value}"));
+            }
+        }
+        let vf = self.data.val_fraction;
+        if !(vf > 0.0 && vf < 1.0) {
+            return invalid("data.val_fraction", format!("must be in (0, 1), got {vf}"));
+        }
+        if self.out.trim().is_empty() {
+            return invalid("out", "must not be empty".to_string());
+        }
+        if self.metrics.as_deref().is_some_and(|p| p.trim().is_empty()) {
+            return invalid("metrics", "must not be empty when set".to_string());
+        }
+        if self
+            .data
+            .path
+            .as_deref()
+            .is_some_and(|p| p.trim().is_empty())
+        {
+            return invalid(
+                "data.path",
+                "must not be empty when set (leave it out for the built-in corpus)".to_string(),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Joins a multi-line message into one line.
+fn one_line(message: &str) -> String {
+    message
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// Line, column (1-based) and, when it can be told, the dotted key at byte offset `span.start`.
+///
+/// The key is read from the source line (`key = value`) and the nearest `[table]` header above it.
+fn locate(text: &str, span: Range<usize>) -> (Option<usize>, Option<usize>, Option<String>) {
+    let start = span.start.min(text.len());
+    let before = &text[..start];
+    let line_index = before.matches('\n').count();
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    let column = text[line_start..start].chars().count() + 1;
+    let lines: Vec<&str> = text.lines().collect();
+    let key = lines.get(line_index).and_then(|line| {
+        let line = line.trim();
+        if let Some(header) = table_header(line) {
+            return Some(header);
+        }
+        let (name, _) = line.split_once('=')?;
+        let name = clean_key(name);
+        if name.is_empty() {
+            return None;
+        }
+        let table = lines[..line_index]
+            .iter()
+            .rev()
+            .find_map(|l| table_header(l.trim()));
+        Some(match table {
+            Some(table) => format!("{table}.{name}"),
+            None => name,
+        })
+    });
+    (Some(line_index + 1), Some(column), key)
+}
+
+/// The name of a `[table]` header line.
+fn table_header(line: &str) -> Option<String> {
+    let inner = line.strip_prefix('[')?;
+    let end = inner.find(']')?;
+    Some(clean_key(&inner[..end]))
+}
+
+/// A TOML key with whitespace and quotes removed.
+fn clean_key(key: &str) -> String {
+    key.split('.')
+        .map(|part| part.trim().trim_matches('"').trim_matches('\''))
+        .collect::<Vec<_>>()
+        .join(".")
+}
+
+/// The known key closest to `key` by edit distance, if it is within a third of `key`'s length
+/// (1 to 3 edits); a bare field name (`steps`) matches its dotted key (`train.steps`).
+fn closest_key(key: &str) -> Option<&'static str> {
+    if let Some(exact) = TrainConfig::KEYS
+        .iter()
+        .find(|k| k.rsplit('.').next() == Some(key))
+    {
+        return Some(exact);
+    }
+    let (best, distance) = TrainConfig::KEYS
+        .iter()
+        .map(|k| (*k, edit_distance(k, key)))
+        .min_by_key(|&(_, d)| d)?;
+    let allowed = (key.chars().count() / 3).clamp(1, 3);
+    (distance <= allowed).then_some(best)
+}
+
+/// Levenshtein distance between two strings, by characters.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            let substitute = diagonal + usize::from(ca != cb);
+            diagonal = row[j + 1];
+            row[j + 1] = substitute.min(row[j] + 1).min(row[j + 1] + 1);
+        }
+    }
+    row[b.len()]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_validate() {
+        let config = TrainConfig::default();
+        config.validate().unwrap();
+        assert_eq!(config.model.n_embd % config.model.n_head, 0);
+        assert_eq!(config.out, "runs/latest");
+        assert_eq!(config.data.path, None);
+    }
+
+    #[test]
+    fn empty_file_gives_defaults() {
+        let config = TrainConfig::from_toml_str("", "<empty>").unwrap();
+        assert_eq!(config, TrainConfig::default());
+    }
+
+    #[test]
+    fn parses_partial_file() {
+        let text = r#"
+out = "runs/x"
+metrics = "runs/x/metrics.jsonl"
+
+[model]
+n_layer = 2
+dropout = 0.1
+
+[train]
+steps = 50
+lr = 3e-4
+
+[data]
+path = "data/train.bin"
+val_fraction = 0.05
+"#;
+        let config = TrainConfig::from_toml_str(text, "t.toml").unwrap();
+        assert_eq!(config.out, "runs/x");
+        assert_eq!(config.metrics.as_deref(), Some("runs/x/metrics.jsonl"));
+        assert_eq!(config.model.n_layer, 2);
+        assert_eq!(config.model.n_head, 4); // default kept
+        assert_eq!(config.model.dropout, 0.1);
+        assert_eq!(config.train.steps, 50);
+        assert_eq!(config.train.lr, 3e-4);
+        assert_eq!(config.train.batch_size, 16);
+        assert_eq!(config.data.path.as_deref(), Some("data/train.bin"));
+        assert_eq!(config.data.val_fraction, 0.05);
+        config.validate().unwrap();
+    }
+
+    #[test]
+    fn example_config_file_parses_and_equals_defaults() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny.toml");
+        let config = TrainConfig::from_toml_file(&path).unwrap();
+        config.validate().unwrap();
+        assert_eq!(config, TrainConfig::default());
+    }
+
+    #[test]
+    fn missing_file_error_names_path() {
+        let err = TrainConfig::from_toml_file("no/such/config.toml").unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("no/such/config.toml"), "{msg}");
+        assert!(msg.contains("os error"), "{msg}");
+    }
+
+    #[test]
+    fn unknown_key_error_names_key_and_line() {
+        let text = "[model]\nn_layer = 2\nn_layers = 3\n";
+        let err = TrainConfig::from_toml_str(text, "cfg.toml").unwrap_err();
+        let msg = err.to_string();
+        assert!(!msg.contains('\n'), "{msg}");
+        assert!(msg.contains("cfg.toml"), "{msg}");
+        assert!(msg.contains("line 3"), "{msg}");
+        assert!(msg.contains("`model.n_layers`"), "{msg}");
+        assert!(msg.contains("unknown field `n_layers`"), "{msg}");
+
+        let err = TrainConfig::from_toml_str("outt = \"x\"\n", "cfg.toml").unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("unknown field `outt`"), "{msg}");
+
+        let err = TrainConfig::from_toml_str("[optim]\nlr = 1.0\n", "cfg.toml").unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("unknown field `optim`"), "{msg}");
+        assert!(!msg.contains('\n'), "{msg}");
+    }
+
+    #[test]
+    fn bad_value_error_names_key() {
+        let text = "[train]\nsteps = \"many\"\n";
+        let err = TrainConfig::from_toml_str(text, "cfg.toml").unwrap_err();
+        let msg = err.to_string();
+        assert!(!msg.contains('\n'), "{msg}");
+        assert!(msg.contains("`train.steps`"), "{msg}");
+        assert!(msg.contains("line 2"), "{msg}");
+
+        let err = TrainConfig::from_toml_str("[train]\nsteps = -5\n", "cfg.toml").unwrap_err();
+        assert!(err.to_string().contains("`train.steps`"), "{err}");
+
+        // Malformed TOML gives a one-line message with the position.
+        let err = TrainConfig::from_toml_str("[train\nsteps = 1\n", "cfg.toml").unwrap_err();
+        let msg = err.to_string();
+        assert!(!msg.contains('\n'), "{msg}");
+        assert!(msg.contains("line 1"), "{msg}");
+    }
+
+    #[test]
+    fn validate_reports_bad_values() {
+        let cases: Vec<(&str, &str, &str)> = vec![
+            ("model.n_embd", "130", "not divisible by n_head = 4"),
+            ("model.n_layer", "0", "at least 1"),
+            ("train.batch_size", "0", "at least 1"),
+            ("train.lr", "0", "> 0"),
+            ("train.lr", "-1e-3", "> 0"),
+            ("train.lr", "NaN", "> 0"),
+            ("model.dropout", "1.0", "[0, 1)"),
+            ("model.dropout", "-0.1", "[0, 1)"),
+            ("data.val_fraction", "0", "(0, 1)"),
+            ("data.val_fraction", "1", "(0, 1)"),
+            ("train.min_lr", "0.01", "greater than lr"),
+            ("train.warmup_steps", "301", "greater than steps = 300"),
+            ("train.beta2", "1", "[0, 1)"),
+            ("train.grad_clip", "-1", ">= 0"),
+            ("model.vocab_size", "100", "byte-level"),
+            ("out", "", "empty"),
+        ];
+        for (key, value, expected) in cases {
+            let mut config = TrainConfig::default();
+            config.apply_override(key, value).unwrap();
+            let err = config.validate().unwrap_err();
+            let msg = err.to_string();
+            assert!(msg.contains(key), "{key}={value}: {msg}");
+            assert!(msg.contains(expected), "{key}={value}: {msg}");
+            assert!(!msg.contains('\n'), "{msg}");
+        }
+        // A .bin dataset may have a small vocabulary.
+        let mut config = TrainConfig::default();
+        config.apply_assignment("data.path=tokens.bin").unwrap();
+        config.apply_assignment("model.vocab_size=100").unwrap();
+        config.validate().unwrap();
+    }
+
+    #[test]
+    fn overrides() {
+        let mut config = TrainConfig::default();
+        config.apply_override("train.steps", "500").unwrap();
+        config.apply_override("train.lr", "3e-4").unwrap();
+        config.apply_override("model.bias", "false").unwrap();
+        config.apply_override("out", "\"runs/b\"").unwrap();
+        config.apply_assignment("data.path=corpus.txt").unwrap();
+        config.apply_assignment("metrics = m.jsonl").unwrap();
+        config.apply_assignment("train.seed=7").unwrap();
+        assert_eq!(config.train.steps, 500);
+        assert_eq!(config.train.lr, 3e-4);
+        assert!(!config.model.bias);
+        assert_eq!(config.out, "runs/b");
+        assert_eq!(config.data.path.as_deref(), Some("corpus.txt"));
+        assert_eq!(config.metrics.as_deref(), Some("m.jsonl"));
+        assert_eq!(config.train.seed, 7);
+        config.apply_assignment("data.path=").unwrap();
+        assert_eq!(config.data.path, None);
+        config.validate().unwrap();
+    }
+
+    #[test]
+    fn override_errors_name_the_key() {
+        let mut config = TrainConfig::default();
+        let msg = config
+            .apply_override("train.step", "5")
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("`train.step`"), "{msg}");
+        assert!(msg.contains("did you mean `train.steps`"), "{msg}");
+
+        let msg = config.apply_override("steps", "5").unwrap_err().to_string();
+        assert!(msg.contains("did you mean `train.steps`"), "{msg}");
+
+        let msg = config.apply_override("zzz", "5").unwrap_err().to_string();
+        assert!(msg.contains("known keys"), "{msg}");
+        let msg = config
+            .apply_override("zzz.qqqqqqq", "5")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("known keys: out, metrics, model.n_layer"),
+            "{msg}"
+        );
+
+        let msg = config
+            .apply_override("train.steps", "5x")
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("`train.steps`"), "{msg}");
+        assert!(msg.contains("\"5x\""), "{msg}");
+        assert!(msg.contains("non-negative integer"), "{msg}");
+
+        let msg = config
+            .apply_override("model.bias", "yes")
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("true or false"), "{msg}");
+
+        let msg = config
+            .apply_override("train.lr", "fast")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("`train.lr`") && msg.contains("a number"),
+            "{msg}"
+        );
+
+        let err = config.apply_assignment("train.steps").unwrap_err();
+        assert!(matches!(err, ConfigError::BadAssignment { .. }), "{err}");
+        assert!(config.apply_assignment("=5").is_err());
+        // Nothing was changed by the failed overrides.
+        assert_eq!(config, TrainConfig::default());
+    }
+
+    #[test]
+    fn keys_list_matches_the_structs() {
+        // Every key in KEYS can be overridden, and the serialized config has exactly these keys.
+        let config = TrainConfig {
+            metrics: Some("m".into()),
+            data: DataConfig {
+                path: Some("p".into()),
+                ..DataConfig::default()
+            },
+            ..TrainConfig::default()
+        };
+        let value: toml::Value = toml::from_str(&config.to_toml_string().unwrap()).unwrap();
+        let mut serialized = Vec::new();
+        for (k, v) in value.as_table().unwrap() {
+            match v.as_table() {
+                Some(table) => serialized.extend(table.keys().map(|f| format!("{k}.{f}"))),
+                None => serialized.push(k.clone()),
+            }
+        }
+        let mut known: Vec<String> = TrainConfig::KEYS.iter().map(|k| k.to_string()).collect();
+        serialized.sort();
+        known.sort();
+        assert_eq!(serialized, known);
+        for key in TrainConfig::KEYS {
+            let mut c = TrainConfig::default();
+            let value = match *key {
+                "out" | "metrics" | "data.path" => "x",
+                "model.bias" => "false",
+                _ => "1",
+            };
+            c.apply_override(key, value).unwrap();
+        }
+    }
+
+    #[test]
+    fn toml_round_trip() {
+        let mut config = TrainConfig::default();
+        config.train.lr = 6e-4;
+        config.data.path = Some("d.bin".into());
+        let text = config.to_toml_string().unwrap();
+        let back = TrainConfig::from_toml_str(&text, "<round trip>").unwrap();
+        assert_eq!(back, config);
+    }
+}
