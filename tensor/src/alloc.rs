@@ -1,0 +1,221 @@
+//! Allocator accounting: current and peak bytes per tracker, in total and per [`MemoryTag`].
+//!
+//! Every storage allocation is charged to the thread's current tracker (by default the global
+//! tracker of its device) under the thread's current tag, and refunded to the same tracker when
+//! it is freed (dropped or released). A thread can install its own tracker with
+//! [`with_tracker`], which is how the in-process parallel backend accounts each rank separately.
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use crate::Device;
+
+/// What an allocation holds, for per-category accounting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MemoryTag {
+    /// Anything not tagged otherwise (activations and temporaries by default).
+    Other = 0,
+    /// Model parameters.
+    Params = 1,
+    /// Gradients.
+    Grads = 2,
+    /// Optimizer state (moments, momentum buffers, master weights).
+    OptimizerState = 3,
+    /// Activations saved for backward.
+    Activations = 4,
+}
+
+const TAGS: usize = 5;
+
+impl MemoryTag {
+    /// All tags, in index order.
+    pub const ALL: [MemoryTag; TAGS] =
+        [MemoryTag::Other, MemoryTag::Params, MemoryTag::Grads, MemoryTag::OptimizerState, MemoryTag::Activations];
+}
+
+/// A set of byte counters: current and peak, in total and per tag.
+#[derive(Debug, Default)]
+pub struct MemoryTracker {
+    current: AtomicUsize,
+    peak: AtomicUsize,
+    tag_current: [AtomicUsize; TAGS],
+    tag_peak: [AtomicUsize; TAGS],
+}
+
+/// A snapshot of a tracker's counters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct MemoryStats {
+    /// Bytes allocated now.
+    pub current: usize,
+    /// Highest `current` since creation or the last [`MemoryTracker::reset_peak`].
+    pub peak: usize,
+    /// Per-tag current bytes, indexed by `MemoryTag as usize`.
+    pub tag_current: [usize; TAGS],
+    /// Per-tag peak bytes.
+    pub tag_peak: [usize; TAGS],
+}
+
+impl MemoryStats {
+    /// Current bytes under `tag`.
+    pub fn current_of(&self, tag: MemoryTag) -> usize {
+        self.tag_current[tag as usize]
+    }
+    /// Peak bytes under `tag`.
+    pub fn peak_of(&self, tag: MemoryTag) -> usize {
+        self.tag_peak[tag as usize]
+    }
+}
+
+impl MemoryTracker {
+    /// A fresh tracker with zero counters.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    /// The process-wide tracker of a device.
+    pub fn global(device: Device) -> Arc<Self> {
+        static CPU: OnceLock<Arc<MemoryTracker>> = OnceLock::new();
+        static CUDA: OnceLock<std::sync::Mutex<Vec<Arc<MemoryTracker>>>> = OnceLock::new();
+        match device {
+            Device::Cpu => CPU.get_or_init(MemoryTracker::new).clone(),
+            Device::Cuda(n) => {
+                let mut v = CUDA.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+                while v.len() <= n {
+                    v.push(MemoryTracker::new());
+                }
+                v[n].clone()
+            }
+        }
+    }
+
+    fn charge(&self, tag: MemoryTag, bytes: usize) {
+        let now = self.current.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+        let t = tag as usize;
+        let now = self.tag_current[t].fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.tag_peak[t].fetch_max(now, Ordering::Relaxed);
+    }
+
+    fn refund(&self, tag: MemoryTag, bytes: usize) {
+        self.current.fetch_sub(bytes, Ordering::Relaxed);
+        self.tag_current[tag as usize].fetch_sub(bytes, Ordering::Relaxed);
+    }
+
+    /// The counters now.
+    pub fn stats(&self) -> MemoryStats {
+        let mut s = MemoryStats {
+            current: self.current.load(Ordering::Relaxed),
+            peak: self.peak.load(Ordering::Relaxed),
+            ..Default::default()
+        };
+        for t in 0..TAGS {
+            s.tag_current[t] = self.tag_current[t].load(Ordering::Relaxed);
+            s.tag_peak[t] = self.tag_peak[t].load(Ordering::Relaxed);
+        }
+        s
+    }
+
+    /// Sets every peak to the current value.
+    pub fn reset_peak(&self) {
+        self.peak.store(self.current.load(Ordering::Relaxed), Ordering::Relaxed);
+        for t in 0..TAGS {
+            self.tag_peak[t].store(self.tag_current[t].load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+    }
+}
+
+thread_local! {
+    static THREAD_TRACKER: RefCell<Option<Arc<MemoryTracker>>> = const { RefCell::new(None) };
+    static THREAD_TAG: RefCell<MemoryTag> = const { RefCell::new(MemoryTag::Other) };
+}
+
+/// Runs `f` with allocations on this thread charged to `tracker`.
+pub fn with_tracker<R>(tracker: Arc<MemoryTracker>, f: impl FnOnce() -> R) -> R {
+    let prev = THREAD_TRACKER.with(|t| t.replace(Some(tracker)));
+    let _guard = Restore(Some(prev));
+    f()
+}
+
+struct Restore(Option<Option<Arc<MemoryTracker>>>);
+impl Drop for Restore {
+    fn drop(&mut self) {
+        if let Some(prev) = self.0.take() {
+            THREAD_TRACKER.with(|t| *t.borrow_mut() = prev);
+        }
+    }
+}
+
+/// Runs `f` with allocations on this thread tagged `tag`.
+pub fn with_tag<R>(tag: MemoryTag, f: impl FnOnce() -> R) -> R {
+    struct RestoreTag(MemoryTag);
+    impl Drop for RestoreTag {
+        fn drop(&mut self) {
+            THREAD_TAG.with(|t| *t.borrow_mut() = self.0);
+        }
+    }
+    let prev = THREAD_TAG.with(|t| t.replace(tag));
+    let _guard = RestoreTag(prev);
+    f()
+}
+
+/// The tracker allocations on this thread for `device` are charged to.
+pub fn current_tracker(device: Device) -> Arc<MemoryTracker> {
+    THREAD_TRACKER.with(|t| t.borrow().clone()).unwrap_or_else(|| MemoryTracker::global(device))
+}
+
+/// The stats of the tracker this thread charges for `device`.
+pub fn memory_stats(device: Device) -> MemoryStats {
+    current_tracker(device).stats()
+}
+
+/// Resets the peaks of the tracker this thread charges for `device`.
+pub fn reset_peak(device: Device) {
+    current_tracker(device).reset_peak()
+}
+
+/// A charge held by a live allocation; refunds on drop.
+#[derive(Debug)]
+pub(crate) struct Charge {
+    tracker: Arc<MemoryTracker>,
+    tag: MemoryTag,
+    bytes: usize,
+}
+
+impl Charge {
+    pub(crate) fn new(device: Device, bytes: usize) -> Self {
+        let tracker = current_tracker(device);
+        let tag = THREAD_TAG.with(|t| *t.borrow());
+        tracker.charge(tag, bytes);
+        Charge { tracker, tag, bytes }
+    }
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        self.tracker.refund(self.tag, self.bytes);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn charges_and_peaks() {
+        let tr = MemoryTracker::new();
+        with_tracker(tr.clone(), || {
+            let a = with_tag(MemoryTag::Params, || Charge::new(Device::Cpu, 100));
+            let b = Charge::new(Device::Cpu, 50);
+            assert_eq!(tr.stats().current, 150);
+            assert_eq!(tr.stats().current_of(MemoryTag::Params), 100);
+            drop(a);
+            assert_eq!(tr.stats().current, 50);
+            assert_eq!(tr.stats().peak, 150);
+            tr.reset_peak();
+            assert_eq!(tr.stats().peak, 50);
+            drop(b);
+        });
+        assert_eq!(tr.stats().current, 0);
+    }
+}

@@ -1,0 +1,194 @@
+//! Backend dispatch: every primitive the tensor ops need, matched on the storage variant. This is
+//! the only place that knows which backends exist; a new backend adds its arms here.
+
+use meshgrad_kernels::cpu::attention::AttentionShape;
+use meshgrad_kernels::cpu::elementwise::{BinaryOp, CmpOp, UnaryOp};
+use meshgrad_kernels::cpu::matmul::MatrixLayout;
+
+use crate::cpu_backend::{self as cpu, fused, ReduceOp};
+use crate::storage::{CpuStorage, Storage};
+use crate::{DType, Layout, Result};
+
+/// A storage with the layout of the view being read.
+pub(crate) type Src<'a> = (&'a Storage, &'a Layout);
+
+fn c(s: &Storage) -> &CpuStorage {
+    match s {
+        Storage::Cpu(c) => c,
+    }
+}
+
+fn c_mut(s: &mut Storage) -> &mut CpuStorage {
+    match s {
+        Storage::Cpu(c) => c,
+    }
+}
+
+fn cs<'a>(s: Src<'a>) -> (&'a CpuStorage, &'a Layout) {
+    (c(s.0), s.1)
+}
+
+pub(crate) fn cast(s: &Storage, l: &Layout, dtype: DType) -> Result<Storage> {
+    Ok(Storage::Cpu(cpu::cast(c(s), l, dtype)?))
+}
+
+pub(crate) fn copy_contiguous(s: &Storage, l: &Layout) -> Result<Storage> {
+    Ok(Storage::Cpu(cpu::copy_contiguous(c(s), l)?))
+}
+
+pub(crate) fn copy_into(dst: &mut Storage, dl: &Layout, src: Src<'_>) -> Result<()> {
+    cpu::copy_into(c_mut(dst), dl, c(src.0), src.1)
+}
+
+pub(crate) fn unary(s: Src<'_>, op: UnaryOp) -> Result<Storage> {
+    Ok(Storage::Cpu(cpu::unary(c(s.0), s.1, op)?))
+}
+
+pub(crate) fn binary(op: BinaryOp, a: Src<'_>, b: Src<'_>) -> Result<Storage> {
+    Ok(Storage::Cpu(cpu::binary(op, c(a.0), a.1, c(b.0), b.1)?))
+}
+
+pub(crate) fn compare(op: CmpOp, a: Src<'_>, b: Src<'_>) -> Result<Storage> {
+    Ok(Storage::Cpu(cpu::compare(op, c(a.0), a.1, c(b.0), b.1)?))
+}
+
+pub(crate) fn where_cond(cond: Src<'_>, t: Src<'_>, f: Src<'_>) -> Result<Storage> {
+    Ok(Storage::Cpu(cpu::where_cond(c(cond.0), cond.1, c(t.0), t.1, c(f.0), f.1)?))
+}
+
+pub(crate) fn reduce(op: ReduceOp, s: Src<'_>, outer: usize, red: usize, inner: usize) -> Result<Storage> {
+    Ok(Storage::Cpu(cpu::reduce(op, c(s.0), s.1, outer, red, inner)?))
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul(
+    a: &Storage,
+    al: MatrixLayout,
+    b: &Storage,
+    bl: MatrixLayout,
+    batch: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Result<Storage> {
+    Ok(Storage::Cpu(cpu::matmul(c(a), al, c(b), bl, batch, m, n, k)?))
+}
+
+pub(crate) fn softmax(s: Src<'_>, rows: usize, cols: usize, log: bool) -> Result<Storage> {
+    Ok(Storage::Cpu(cpu::softmax(c(s.0), s.1, rows, cols, log)?))
+}
+
+pub(crate) fn softmax_backward(y: Src<'_>, dy: Src<'_>, rows: usize, cols: usize, log: bool) -> Result<Storage> {
+    Ok(Storage::Cpu(cpu::softmax_backward(c(y.0), y.1, c(dy.0), dy.1, rows, cols, log)?))
+}
+
+pub(crate) fn gelu_backward(x: Src<'_>, dy: Src<'_>, tanh_form: bool) -> Result<Storage> {
+    Ok(Storage::Cpu(cpu::gelu_backward(c(x.0), x.1, c(dy.0), dy.1, tanh_form)?))
+}
+
+pub(crate) fn embedding(w: Src<'_>, ids: Src<'_>, vocab: usize, dim: usize) -> Result<Storage> {
+    Ok(Storage::Cpu(cpu::embedding(c(w.0), w.1, c(ids.0), ids.1, vocab, dim)?))
+}
+
+pub(crate) fn embedding_backward(dout: Src<'_>, ids: Src<'_>, vocab: usize, dim: usize) -> Result<Storage> {
+    Ok(Storage::Cpu(cpu::embedding_backward(c(dout.0), dout.1, c(ids.0), ids.1, vocab, dim)?))
+}
+
+pub(crate) fn layer_norm(
+    x: Src<'_>,
+    w: Option<Src<'_>>,
+    b: Option<Src<'_>>,
+    rows: usize,
+    cols: usize,
+    eps: f64,
+) -> Result<(Storage, Storage, Storage)> {
+    let (y, m, r) = fused::layer_norm(cs(x), w.map(cs), b.map(cs), rows, cols, eps)?;
+    Ok((Storage::Cpu(y), Storage::Cpu(m), Storage::Cpu(r)))
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn layer_norm_backward(
+    x: Src<'_>,
+    w: Option<Src<'_>>,
+    mean: Src<'_>,
+    rstd: Src<'_>,
+    dy: Src<'_>,
+    rows: usize,
+    cols: usize,
+    param_grads: bool,
+) -> Result<(Storage, Option<Storage>, Option<Storage>)> {
+    let (dx, dw, db) = fused::layer_norm_backward(cs(x), w.map(cs), cs(mean), cs(rstd), cs(dy), rows, cols, param_grads)?;
+    Ok((Storage::Cpu(dx), dw.map(Storage::Cpu), db.map(Storage::Cpu)))
+}
+
+pub(crate) fn attention(q: Src<'_>, k: Src<'_>, v: Src<'_>, shape: AttentionShape) -> Result<(Storage, Storage)> {
+    let (o, l) = fused::attention(cs(q), cs(k), cs(v), shape)?;
+    Ok((Storage::Cpu(o), Storage::Cpu(l)))
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention_backward(
+    q: Src<'_>,
+    k: Src<'_>,
+    v: Src<'_>,
+    out: Src<'_>,
+    lse: Src<'_>,
+    dout: Src<'_>,
+    shape: AttentionShape,
+) -> Result<(Storage, Storage, Storage)> {
+    let (dq, dk, dv) = fused::attention_backward(cs(q), cs(k), cs(v), cs(out), cs(lse), cs(dout), shape)?;
+    Ok((Storage::Cpu(dq), Storage::Cpu(dk), Storage::Cpu(dv)))
+}
+
+pub(crate) fn cross_entropy(
+    logits: Src<'_>,
+    targets: Src<'_>,
+    rows: usize,
+    cols: usize,
+    ignore_index: Option<i64>,
+) -> Result<(Storage, Storage)> {
+    let (l, s) = fused::cross_entropy(cs(logits), cs(targets), rows, cols, ignore_index)?;
+    Ok((Storage::Cpu(l), Storage::Cpu(s)))
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn cross_entropy_backward(
+    logits: Src<'_>,
+    lse: Src<'_>,
+    targets: Src<'_>,
+    dloss: Src<'_>,
+    rows: usize,
+    cols: usize,
+    ignore_index: Option<i64>,
+) -> Result<Storage> {
+    Ok(Storage::Cpu(fused::cross_entropy_backward(cs(logits), cs(lse), cs(targets), cs(dloss), rows, cols, ignore_index)?))
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn adamw(
+    param: &mut Storage,
+    pl: &Layout,
+    grad: Src<'_>,
+    m: &mut Storage,
+    ml: &Layout,
+    v: &mut Storage,
+    vl: &Layout,
+    hp: &meshgrad_kernels::cpu::adamw::AdamWStep,
+) -> Result<()> {
+    fused::adamw(c_mut(param), pl, cs(grad), c_mut(m), ml, c_mut(v), vl, hp)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn sgd(
+    param: &mut Storage,
+    pl: &Layout,
+    grad: Src<'_>,
+    buf: &mut Storage,
+    bl: &Layout,
+    lr: f64,
+    momentum: f64,
+    weight_decay: f64,
+    first_step: bool,
+) -> Result<()> {
+    fused::sgd(c_mut(param), pl, cs(grad), c_mut(buf), bl, lr, momentum, weight_decay, first_step)
+}

@@ -1,0 +1,297 @@
+//! The CPU backend: resolves dtypes and layouts, then calls `meshgrad_kernels::cpu`.
+//! f32 and f64 compute natively; bf16 and f16 are widened to f32, computed, and narrowed back.
+
+mod cast;
+pub(crate) mod fused;
+
+use std::borrow::Cow;
+use std::ops::Range;
+
+use half::{bf16, f16};
+use meshgrad_kernels::cpu::{self, elementwise::View, matmul::MatrixLayout};
+use meshgrad_kernels::Float;
+
+pub(crate) use cast::{cast, copy_contiguous, copy_into};
+
+use crate::storage::CpuStorage;
+use crate::{DType, Error, Layout, Result};
+
+/// A float buffer in its compute precision.
+pub(crate) enum Floats<'a> {
+    F32(Cow<'a, [f32]>),
+    F64(&'a [f64]),
+}
+
+/// Borrows (or widens) `range` of a float buffer for computing.
+pub(crate) fn floats<'a>(s: &'a CpuStorage, range: Range<usize>, op: &'static str) -> Result<Floats<'a>> {
+    Ok(match s {
+        CpuStorage::F32(v) => Floats::F32(Cow::Borrowed(&v[range])),
+        CpuStorage::F64(v) => Floats::F64(&v[range]),
+        CpuStorage::BF16(v) => Floats::F32(Cow::Owned(v[range].iter().map(|x| x.to_f32()).collect())),
+        CpuStorage::F16(v) => Floats::F32(Cow::Owned(v[range].iter().map(|x| x.to_f32()).collect())),
+        _ => return Err(Error::UnsupportedDType { op, dtype: s.dtype() }),
+    })
+}
+
+/// Narrows an f32 result back to the storage dtype it was computed for.
+pub(crate) fn from_f32(dtype: DType, v: Vec<f32>) -> CpuStorage {
+    match dtype {
+        DType::BF16 => CpuStorage::BF16(v.into_iter().map(bf16::from_f32).collect()),
+        DType::F16 => CpuStorage::F16(v.into_iter().map(f16::from_f32).collect()),
+        _ => CpuStorage::F32(v),
+    }
+}
+
+/// A result vector in compute precision, narrowed to the storage dtype.
+pub(crate) trait IntoStorage {
+    fn into_storage(self, dtype: DType) -> CpuStorage;
+}
+impl IntoStorage for Vec<f32> {
+    fn into_storage(self, dtype: DType) -> CpuStorage {
+        from_f32(dtype, self)
+    }
+}
+impl IntoStorage for Vec<f64> {
+    fn into_storage(self, _dtype: DType) -> CpuStorage {
+        CpuStorage::F64(self)
+    }
+}
+
+/// Runs `$body` with `$x` bound to a compute-precision slice of one float input. The body is
+/// duplicated per precision, so it may call generic kernels.
+macro_rules! with_floats {
+    ($op:expr, $( ($s:expr, $r:expr) => $x:ident ),+ ; $body:block) => {{
+        match ($( floats($s, $r, $op)?, )+) {
+            ($( Floats::F32($x), )+) => {
+                $( let $x: &[f32] = &$x; )+
+                $body
+            }
+            ($( Floats::F64($x), )+) => {
+                $body
+            }
+            #[allow(unreachable_patterns)]
+            _ => return Err(crate::Error::msg(format!("{}: operands have different dtypes", $op))),
+        }
+    }};
+}
+pub(crate) use with_floats;
+
+fn full(s: &CpuStorage) -> Range<usize> {
+    0..s.len()
+}
+
+fn range(l: &Layout) -> Range<usize> {
+    l.contiguous_range().expect("the tensor layer passes contiguous layouts here")
+}
+
+fn view<'a, T>(data: &'a [T], l: &'a Layout) -> View<'a, T> {
+    View { data, offset: l.offset(), strides: l.strides() }
+}
+
+pub(crate) fn unary(s: &CpuStorage, l: &Layout, op: cpu::elementwise::UnaryOp) -> Result<CpuStorage> {
+    let dt = s.dtype();
+    let n = l.shape().elem_count();
+    if l.is_contiguous() {
+        return Ok(with_floats!("unary", (s, range(l)) => x; {
+            let mut out = vec![Float::ZERO; n];
+            cpu::elementwise::unary(op, x, &mut out);
+            out.into_storage(dt)
+        }));
+    }
+    let c = copy_contiguous(s, l)?;
+    unary(&c, &Layout::contiguous(l.shape().clone()), op)
+}
+
+pub(crate) fn binary(
+    op: cpu::elementwise::BinaryOp,
+    a: &CpuStorage,
+    al: &Layout,
+    b: &CpuStorage,
+    bl: &Layout,
+) -> Result<CpuStorage> {
+    let dt = a.dtype();
+    let shape = al.dims();
+    let n = al.shape().elem_count();
+    Ok(with_floats!("binary", (a, full(a)) => x, (b, full(b)) => y; {
+        let mut out = vec![Float::ZERO; n];
+        cpu::elementwise::binary(op, shape, view(x, al), view(y, bl), &mut out);
+        out.into_storage(dt)
+    }))
+}
+
+pub(crate) fn compare(
+    op: cpu::elementwise::CmpOp,
+    a: &CpuStorage,
+    al: &Layout,
+    b: &CpuStorage,
+    bl: &Layout,
+) -> Result<CpuStorage> {
+    let shape = al.dims();
+    let n = al.shape().elem_count();
+    let mut out = vec![0u8; n];
+    with_floats!("compare", (a, full(a)) => x, (b, full(b)) => y; {
+        cpu::elementwise::compare(op, shape, view(x, al), view(y, bl), &mut out);
+    });
+    Ok(CpuStorage::U8(out))
+}
+
+pub(crate) fn where_cond(
+    c: &CpuStorage,
+    cl: &Layout,
+    t: &CpuStorage,
+    tl: &Layout,
+    f: &CpuStorage,
+    fl: &Layout,
+) -> Result<CpuStorage> {
+    let CpuStorage::U8(cond) = c else {
+        return Err(Error::UnsupportedDType { op: "where_cond (condition)", dtype: c.dtype() });
+    };
+    let shape = cl.dims();
+    let n = cl.shape().elem_count();
+    macro_rules! go {
+        ($($v:ident),*) => {
+            match (t, f) {
+                $( (CpuStorage::$v(tv), CpuStorage::$v(fv)) => {
+                    let mut out = vec![Default::default(); n];
+                    cpu::elementwise::where_cond(shape, view(cond, cl), view(tv, tl), view(fv, fl), &mut out);
+                    CpuStorage::$v(out)
+                } )*
+                _ => return Err(Error::DTypeMismatch { op: "where_cond", lhs: t.dtype(), rhs: f.dtype() }),
+            }
+        };
+    }
+    Ok(go!(F64, F32, BF16, F16, U8, U32, I64))
+}
+
+/// A reduction over one dim of a contiguous buffer viewed as `[outer, reduce, inner]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ReduceOp {
+    Sum,
+    Max,
+    ArgMax,
+}
+
+pub(crate) fn reduce(op: ReduceOp, s: &CpuStorage, l: &Layout, outer: usize, red: usize, inner: usize) -> Result<CpuStorage> {
+    let dt = s.dtype();
+    let mut idx = vec![0i64; if op == ReduceOp::ArgMax { outer * inner } else { 0 }];
+    let out = with_floats!("reduce", (s, range(l)) => x; {
+        let mut out = vec![Float::ZERO; outer * inner];
+        match op {
+            ReduceOp::Sum => cpu::reduce::sum(x, outer, red, inner, &mut out),
+            ReduceOp::Max => cpu::reduce::max(x, outer, red, inner, &mut out),
+            ReduceOp::ArgMax => cpu::reduce::argmax(x, outer, red, inner, &mut idx),
+        }
+        out.into_storage(dt)
+    });
+    Ok(if op == ReduceOp::ArgMax { CpuStorage::I64(idx) } else { out })
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul(
+    a: &CpuStorage,
+    al: MatrixLayout,
+    b: &CpuStorage,
+    bl: MatrixLayout,
+    batch: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Result<CpuStorage> {
+    let dt = a.dtype();
+    let cl = MatrixLayout { offset: 0, batch_stride: m * n, row_stride: n, col_stride: 1 };
+    Ok(with_floats!("matmul", (a, full(a)) => x, (b, full(b)) => y; {
+        let mut out = vec![Float::ZERO; batch * m * n];
+        cpu::matmul::matmul(batch, m, n, k, x, al, y, bl, &mut out, cl, false);
+        out.into_storage(dt)
+    }))
+}
+
+pub(crate) fn softmax(s: &CpuStorage, l: &Layout, rows: usize, cols: usize, log: bool) -> Result<CpuStorage> {
+    let dt = s.dtype();
+    Ok(with_floats!("softmax", (s, range(l)) => x; {
+        let mut out = vec![Float::ZERO; rows * cols];
+        if log {
+            cpu::softmax::log_softmax_forward(x, rows, cols, &mut out);
+        } else {
+            cpu::softmax::softmax_forward(x, rows, cols, &mut out);
+        }
+        out.into_storage(dt)
+    }))
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn softmax_backward(
+    y: &CpuStorage,
+    yl: &Layout,
+    dy: &CpuStorage,
+    dyl: &Layout,
+    rows: usize,
+    cols: usize,
+    log: bool,
+) -> Result<CpuStorage> {
+    let dt = y.dtype();
+    Ok(with_floats!("softmax_backward", (y, range(yl)) => a, (dy, range(dyl)) => g; {
+        let mut out = vec![Float::ZERO; rows * cols];
+        if log {
+            cpu::softmax::log_softmax_backward(a, g, rows, cols, &mut out);
+        } else {
+            cpu::softmax::softmax_backward(a, g, rows, cols, &mut out);
+        }
+        out.into_storage(dt)
+    }))
+}
+
+pub(crate) fn gelu_backward(x: &CpuStorage, xl: &Layout, dy: &CpuStorage, dyl: &Layout, tanh_form: bool) -> Result<CpuStorage> {
+    let dt = x.dtype();
+    let n = xl.shape().elem_count();
+    Ok(with_floats!("gelu_backward", (x, range(xl)) => a, (dy, range(dyl)) => g; {
+        let mut out = vec![Float::ZERO; n];
+        cpu::elementwise::gelu_backward(tanh_form, a, g, &mut out);
+        out.into_storage(dt)
+    }))
+}
+
+/// Borrows (or widens) ids as i64.
+pub(crate) fn ids<'a>(s: &'a CpuStorage, l: &Layout, op: &'static str) -> Result<Cow<'a, [i64]>> {
+    let r = range(l);
+    Ok(match s {
+        CpuStorage::I64(v) => Cow::Borrowed(&v[r]),
+        CpuStorage::U32(v) => Cow::Owned(v[r].iter().map(|&x| x as i64).collect()),
+        CpuStorage::U8(v) => Cow::Owned(v[r].iter().map(|&x| x as i64).collect()),
+        _ => return Err(Error::UnsupportedDType { op, dtype: s.dtype() }),
+    })
+}
+
+pub(crate) fn embedding(w: &CpuStorage, wl: &Layout, ids_s: &CpuStorage, il: &Layout, vocab: usize, dim: usize) -> Result<CpuStorage> {
+    let ids = ids(ids_s, il, "embedding (ids)")?;
+    let r = range(wl);
+    let err;
+    let out = crate::cpu_map!(w, v => {
+        let mut out = vec![Default::default(); ids.len() * dim];
+        err = cpu::embedding::embedding_forward(&v[r], vocab, dim, &ids, &mut out);
+        crate::WithDType::into_cpu_storage(out)
+    });
+    err?;
+    Ok(out)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn embedding_backward(
+    dout: &CpuStorage,
+    dl: &Layout,
+    ids_s: &CpuStorage,
+    il: &Layout,
+    vocab: usize,
+    dim: usize,
+) -> Result<CpuStorage> {
+    let ids = ids(ids_s, il, "embedding_backward (ids)")?;
+    let dt = dout.dtype();
+    let err;
+    let out = with_floats!("embedding_backward", (dout, range(dl)) => g; {
+        let mut out = vec![Float::ZERO; vocab * dim];
+        err = cpu::embedding::embedding_backward(g, &ids, vocab, dim, &mut out);
+        out.into_storage(dt)
+    });
+    err?;
+    Ok(out)
+}

@@ -1,0 +1,34 @@
+//! Tensor operations, grouped by kind. Each checks its operands (shapes, dtypes, devices) and
+//! hands the work to [`crate::backend`].
+
+mod elementwise;
+mod inplace;
+mod matmul;
+mod nn;
+mod reduce;
+mod shape_ops;
+
+pub use elementwise::GeluKind;
+pub use meshgrad_kernels::cpu::adamw::AdamWStep;
+pub use nn::{AttentionOutput, LayerNormOutput};
+
+use crate::{Error, Tensor};
+
+/// Checks that two tensors share a device and dtype.
+pub(crate) fn same_kind(op: &'static str, a: &Tensor, b: &Tensor) -> crate::Result<()> {
+    if a.device() != b.device() {
+        return Err(Error::DeviceMismatch { op, lhs: a.device(), rhs: b.device() });
+    }
+    if a.dtype() != b.dtype() {
+        return Err(Error::DTypeMismatch { op, lhs: a.dtype(), rhs: b.dtype() });
+    }
+    Ok(())
+}
+
+/// Checks that two tensors share a device.
+pub(crate) fn same_device(op: &'static str, a: &Tensor, b: &Tensor) -> crate::Result<()> {
+    if a.device() != b.device() {
+        return Err(Error::DeviceMismatch { op, lhs: a.device(), rhs: b.device() });
+    }
+    Ok(())
+}

@@ -1,0 +1,238 @@
+//! Storage: the flat buffer behind tensors, per backend, and the releasable cell that holds it.
+//!
+//! Dispatch is by storage variant: a tensor op asks its storage to do the work and the match on
+//! the variant picks the backend. Adding a backend adds a variant and its arms here, never a
+//! change at op call sites. GPU backends may queue work; only reads back to the host wait.
+
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use half::{bf16, f16};
+
+use crate::alloc::Charge;
+use crate::{DType, Device, Error, Result};
+
+/// A CPU buffer of one dtype.
+#[derive(Clone, Debug)]
+pub enum CpuStorage {
+    /// f64 elements.
+    F64(Vec<f64>),
+    /// f32 elements.
+    F32(Vec<f32>),
+    /// bf16 elements.
+    BF16(Vec<bf16>),
+    /// f16 elements.
+    F16(Vec<f16>),
+    /// u8 elements.
+    U8(Vec<u8>),
+    /// u32 elements.
+    U32(Vec<u32>),
+    /// i64 elements.
+    I64(Vec<i64>),
+}
+
+/// Applies `$body` with `$v` bound to the inner Vec of any CpuStorage variant.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! cpu_map {
+    ($s:expr, $v:ident => $body:expr) => {
+        match $s {
+            $crate::storage::CpuStorage::F64($v) => $body,
+            $crate::storage::CpuStorage::F32($v) => $body,
+            $crate::storage::CpuStorage::BF16($v) => $body,
+            $crate::storage::CpuStorage::F16($v) => $body,
+            $crate::storage::CpuStorage::U8($v) => $body,
+            $crate::storage::CpuStorage::U32($v) => $body,
+            $crate::storage::CpuStorage::I64($v) => $body,
+        }
+    };
+}
+
+impl CpuStorage {
+    /// The dtype of the elements.
+    pub fn dtype(&self) -> DType {
+        match self {
+            CpuStorage::F64(_) => DType::F64,
+            CpuStorage::F32(_) => DType::F32,
+            CpuStorage::BF16(_) => DType::BF16,
+            CpuStorage::F16(_) => DType::F16,
+            CpuStorage::U8(_) => DType::U8,
+            CpuStorage::U32(_) => DType::U32,
+            CpuStorage::I64(_) => DType::I64,
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        cpu_map!(self, v => v.len())
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A zero-filled buffer.
+    pub fn zeros(dtype: DType, len: usize) -> Self {
+        match dtype {
+            DType::F64 => CpuStorage::F64(vec![0.0; len]),
+            DType::F32 => CpuStorage::F32(vec![0.0; len]),
+            DType::BF16 => CpuStorage::BF16(vec![bf16::ZERO; len]),
+            DType::F16 => CpuStorage::F16(vec![f16::ZERO; len]),
+            DType::U8 => CpuStorage::U8(vec![0; len]),
+            DType::U32 => CpuStorage::U32(vec![0; len]),
+            DType::I64 => CpuStorage::I64(vec![0; len]),
+        }
+    }
+
+    /// The raw little-endian bytes of the buffer.
+    pub fn as_bytes(&self) -> &[u8] {
+        cpu_map!(self, v => bytemuck::cast_slice(v.as_slice()))
+    }
+}
+
+/// A buffer on some backend.
+#[derive(Debug)]
+pub enum Storage {
+    /// Host memory.
+    Cpu(CpuStorage),
+}
+
+impl Storage {
+    /// The device the buffer lives on.
+    pub fn device(&self) -> Device {
+        match self {
+            Storage::Cpu(_) => Device::Cpu,
+        }
+    }
+
+    /// The dtype of the buffer.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Storage::Cpu(s) => s.dtype(),
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Storage::Cpu(s) => s.len(),
+        }
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A live allocation: the storage and its accounting charge.
+#[derive(Debug)]
+pub(crate) struct Allocation {
+    pub(crate) storage: Storage,
+    _charge: Charge,
+}
+
+impl Allocation {
+    pub(crate) fn new(storage: Storage) -> Self {
+        let bytes = storage.len() * storage.dtype().size_in_bytes();
+        let charge = Charge::new(storage.device(), bytes);
+        Allocation { storage, _charge: charge }
+    }
+}
+
+/// The shared, releasable home of a storage. Tensors (and views) hold an `Arc` of it. Releasing
+/// frees the buffer while every handle (and any autograd graph that references it) stays valid;
+/// materialising puts a buffer back. Reading a released cell is an error, not a crash.
+#[derive(Debug)]
+pub struct StorageCell {
+    inner: RwLock<Option<Allocation>>,
+    dtype: DType,
+    device: Device,
+}
+
+impl StorageCell {
+    pub(crate) fn new(storage: Storage) -> Arc<Self> {
+        let (dtype, device) = (storage.dtype(), storage.device());
+        Arc::new(StorageCell { inner: RwLock::new(Some(Allocation::new(storage))), dtype, device })
+    }
+
+    /// The dtype of the storage.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The device of the storage.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    pub(crate) fn read(&self, op: &'static str) -> Result<StorageRead<'_>> {
+        let g = self.inner.read().unwrap_or_else(|e| e.into_inner());
+        if g.is_none() {
+            return Err(Error::Released { op });
+        }
+        Ok(StorageRead(g))
+    }
+
+    pub(crate) fn write(&self, op: &'static str) -> Result<StorageWrite<'_>> {
+        let g = self.inner.write().unwrap_or_else(|e| e.into_inner());
+        if g.is_none() {
+            return Err(Error::Released { op });
+        }
+        Ok(StorageWrite(g))
+    }
+
+    /// Whether the buffer is present.
+    pub fn is_materialized(&self) -> bool {
+        self.inner.read().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
+
+    /// Frees the buffer (a no-op if already released).
+    pub fn release(&self) {
+        let old = self.inner.write().unwrap_or_else(|e| e.into_inner()).take();
+        drop(old);
+    }
+
+    /// Installs `storage` as the buffer, replacing any present one. Its dtype and device must be
+    /// the cell's.
+    pub(crate) fn materialize(&self, storage: Storage) -> Result<()> {
+        if storage.dtype() != self.dtype || storage.device() != self.device {
+            crate::bail!(
+                "materialize: storage of {} on {} does not fit a cell of {} on {}",
+                storage.dtype(),
+                storage.device(),
+                self.dtype,
+                self.device
+            );
+        }
+        *self.inner.write().unwrap_or_else(|e| e.into_inner()) = Some(Allocation::new(storage));
+        Ok(())
+    }
+}
+
+/// A read guard on a materialised storage.
+pub(crate) struct StorageRead<'a>(RwLockReadGuard<'a, Option<Allocation>>);
+
+impl std::ops::Deref for StorageRead<'_> {
+    type Target = Storage;
+    fn deref(&self) -> &Storage {
+        // The constructor checked the option is Some, and the guard keeps it so.
+        &self.0.as_ref().expect("checked materialised").storage
+    }
+}
+
+/// A write guard on a materialised storage.
+pub(crate) struct StorageWrite<'a>(RwLockWriteGuard<'a, Option<Allocation>>);
+
+impl std::ops::Deref for StorageWrite<'_> {
+    type Target = Storage;
+    fn deref(&self) -> &Storage {
+        &self.0.as_ref().expect("checked materialised").storage
+    }
+}
+
+impl std::ops::DerefMut for StorageWrite<'_> {
+    fn deref_mut(&mut self) -> &mut Storage {
+        &mut self.0.as_mut().expect("checked materialised").storage
+    }
+}

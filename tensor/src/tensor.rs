@@ -1,0 +1,441 @@
+//! The tensor handle: a cheap `Arc` over a storage cell plus a strided layout.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::storage::{CpuStorage, Storage, StorageCell};
+use crate::{backend, DType, Device, Error, Layout, Result, Shape, WithDType};
+
+/// A process-unique tensor identity.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TensorId(u64);
+
+impl TensorId {
+    fn next() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        TensorId(NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+struct TensorInner {
+    id: TensorId,
+    storage: Arc<StorageCell>,
+    layout: Layout,
+}
+
+/// An n-dimensional array on a device. Cloning is cheap (an `Arc`); views (reshape of contiguous
+/// data, permute, narrow, expand) share storage. Ops return `Result` with errors naming the
+/// shapes, dtypes and devices involved.
+#[derive(Clone)]
+pub struct Tensor(Arc<TensorInner>);
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tensor[{}, {}, {}]", self.shape(), self.dtype(), self.device())
+    }
+}
+
+impl Tensor {
+    pub(crate) fn from_storage(storage: Storage, shape: impl Into<Shape>) -> Tensor {
+        let layout = Layout::contiguous(shape);
+        debug_assert_eq!(layout.shape().elem_count(), storage.len());
+        Tensor(Arc::new(TensorInner { id: TensorId::next(), storage: StorageCell::new(storage), layout }))
+    }
+
+    pub(crate) fn view_with(&self, layout: Layout) -> Tensor {
+        Tensor(Arc::new(TensorInner { id: TensorId::next(), storage: self.0.storage.clone(), layout }))
+    }
+
+    /// This tensor's identity (views get their own).
+    pub fn id(&self) -> TensorId {
+        self.0.id
+    }
+
+    /// The layout (shape, strides, offset).
+    pub fn layout(&self) -> &Layout {
+        &self.0.layout
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &Shape {
+        self.0.layout.shape()
+    }
+
+    /// The dimensions.
+    pub fn dims(&self) -> &[usize] {
+        self.0.layout.dims()
+    }
+
+    /// Number of dimensions.
+    pub fn rank(&self) -> usize {
+        self.dims().len()
+    }
+
+    /// Number of elements.
+    pub fn elem_count(&self) -> usize {
+        self.shape().elem_count()
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.0.storage.dtype()
+    }
+
+    /// The device.
+    pub fn device(&self) -> Device {
+        self.0.storage.device()
+    }
+
+    /// Whether the layout is row-major without gaps.
+    pub fn is_contiguous(&self) -> bool {
+        self.0.layout.is_contiguous()
+    }
+
+    /// Resolves a possibly negative dim against this tensor's rank.
+    pub fn dim(&self, op: &'static str, dim: isize) -> Result<usize> {
+        self.shape().dim(op, dim)
+    }
+
+    /// Size of dimension `dim` (negative counts from the end).
+    pub fn size(&self, dim: isize) -> Result<usize> {
+        Ok(self.dims()[self.dim("size", dim)?])
+    }
+
+    /// Whether both tensors share one storage cell.
+    pub fn same_storage(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.0.storage, &other.0.storage)
+    }
+
+    // ----- constructors -----
+
+    /// A tensor holding `data` with `shape` on `device`.
+    pub fn from_vec<T: WithDType>(data: Vec<T>, shape: impl Into<Shape>, device: Device) -> Result<Tensor> {
+        let shape = shape.into();
+        if data.len() != shape.elem_count() {
+            crate::bail!("from_vec: {} elements do not fill shape {shape} ({} elements)", data.len(), shape.elem_count());
+        }
+        Tensor::from_cpu(T::into_cpu_storage(data), shape, device)
+    }
+
+    /// A tensor copied from a slice.
+    pub fn from_slice<T: WithDType>(data: &[T], shape: impl Into<Shape>, device: Device) -> Result<Tensor> {
+        Tensor::from_vec(data.to_vec(), shape, device)
+    }
+
+    /// A tensor from a CPU buffer, moved to `device`.
+    pub fn from_cpu(storage: CpuStorage, shape: impl Into<Shape>, device: Device) -> Result<Tensor> {
+        let shape = shape.into();
+        if storage.len() != shape.elem_count() {
+            crate::bail!("from_cpu: {} elements do not fill shape {shape}", storage.len());
+        }
+        device.check_available()?;
+        Ok(Tensor::from_storage(Storage::Cpu(storage), shape))
+    }
+
+    /// A 0-dimensional tensor holding `value` converted to `dtype`.
+    pub fn scalar(value: f64, dtype: DType, device: Device) -> Result<Tensor> {
+        Tensor::full(value, (), dtype, device)
+    }
+
+    /// A tensor filled with `value`.
+    pub fn full(value: f64, shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
+        let shape = shape.into();
+        device.check_available()?;
+        let n = shape.elem_count();
+        let s = match dtype {
+            DType::F64 => CpuStorage::F64(vec![value; n]),
+            DType::F32 => CpuStorage::F32(vec![value as f32; n]),
+            DType::BF16 => CpuStorage::BF16(vec![half::bf16::from_f64(value); n]),
+            DType::F16 => CpuStorage::F16(vec![half::f16::from_f64(value); n]),
+            DType::U8 => CpuStorage::U8(vec![value as u8; n]),
+            DType::U32 => CpuStorage::U32(vec![value as u32; n]),
+            DType::I64 => CpuStorage::I64(vec![value as i64; n]),
+        };
+        Ok(Tensor::from_storage(Storage::Cpu(s), shape))
+    }
+
+    /// Zeros.
+    pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
+        let shape = shape.into();
+        device.check_available()?;
+        Ok(Tensor::from_storage(Storage::Cpu(CpuStorage::zeros(dtype, shape.elem_count())), shape))
+    }
+
+    /// Ones.
+    pub fn ones(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
+        Tensor::full(1.0, shape, dtype, device)
+    }
+
+    /// Zeros of this tensor's shape, dtype and device.
+    pub fn zeros_like(&self) -> Result<Tensor> {
+        Tensor::zeros(self.shape(), self.dtype(), self.device())
+    }
+
+    /// Ones of this tensor's shape, dtype and device.
+    pub fn ones_like(&self) -> Result<Tensor> {
+        Tensor::ones(self.shape(), self.dtype(), self.device())
+    }
+
+    /// `[start, start+1, ..., end-1]`.
+    pub fn arange(start: i64, end: i64, dtype: DType, device: Device) -> Result<Tensor> {
+        let v: Vec<f64> = (start..end.max(start)).map(|i| i as f64).collect();
+        let n = v.len();
+        Tensor::from_vec(v, n, Device::Cpu)?.to_dtype(dtype)?.to_device(device)
+    }
+
+    /// Uniform values in `[low, high)`; element `i` (row-major) takes the counter-based value
+    /// `(seed, start + i)`, so a shard built with its global `start` equals the same slice of the
+    /// whole tensor.
+    pub fn rand_uniform(seed: u64, start: u64, low: f64, high: f64, shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
+        let shape = shape.into();
+        let mut v = vec![0f64; shape.elem_count()];
+        meshgrad_kernels::rng::fill_uniform(seed, start, low, high, &mut v);
+        Tensor::from_vec(v, shape, Device::Cpu)?.to_dtype(dtype)?.to_device(device)
+    }
+
+    /// Normal values with the given mean and std, keyed by `(seed, start + i)` as in
+    /// [`Tensor::rand_uniform`].
+    pub fn randn(seed: u64, start: u64, mean: f64, std: f64, shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
+        let shape = shape.into();
+        let mut v = vec![0f64; shape.elem_count()];
+        meshgrad_kernels::rng::fill_normal(seed, start, mean, std, &mut v);
+        Tensor::from_vec(v, shape, Device::Cpu)?.to_dtype(dtype)?.to_device(device)
+    }
+
+    // ----- reading back -----
+
+    /// The elements in row-major order as `T` (which must be this tensor's dtype). Waits for
+    /// queued device work.
+    pub fn to_vec<T: WithDType>(&self) -> Result<Vec<T>> {
+        if T::DTYPE != self.dtype() {
+            return Err(Error::DTypeMismatch { op: "to_vec", lhs: self.dtype(), rhs: T::DTYPE });
+        }
+        let c = self.contiguous()?;
+        let g = c.0.storage.read("to_vec")?;
+        match &*g {
+            Storage::Cpu(s) => {
+                let slice = T::cpu_slice(s).expect("dtype checked");
+                let r = c.layout().contiguous_range().expect("contiguous");
+                Ok(slice[r].to_vec())
+            }
+        }
+    }
+
+    /// The elements converted to f64.
+    pub fn to_vec_f64(&self) -> Result<Vec<f64>> {
+        self.to_dtype(DType::F64)?.to_vec::<f64>()
+    }
+
+    /// The elements converted to f32.
+    pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
+        self.to_dtype(DType::F32)?.to_vec::<f32>()
+    }
+
+    /// The value of a one-element tensor, as f64.
+    pub fn item(&self) -> Result<f64> {
+        if self.elem_count() != 1 {
+            crate::bail!("item: tensor of shape {} has {} elements, not 1", self.shape(), self.elem_count());
+        }
+        Ok(self.to_vec_f64()?[0])
+    }
+
+    /// A contiguous CPU copy of the elements (for serialisation).
+    pub fn to_cpu_storage(&self) -> Result<CpuStorage> {
+        let c = self.contiguous()?;
+        let g = c.0.storage.read("to_cpu_storage")?;
+        match &*g {
+            Storage::Cpu(s) => {
+                let r = c.layout().contiguous_range().expect("contiguous");
+                if r.start == 0 && r.end == s.len() {
+                    Ok(s.clone())
+                } else {
+                    Ok(crate::cpu_map!(s, v => crate::WithDType::into_cpu_storage(v[r].to_vec())))
+                }
+            }
+        }
+    }
+
+    // ----- conversions -----
+
+    /// A copy converted to `dtype` (or `self` if already of it).
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        if dtype == self.dtype() {
+            return Ok(self.clone());
+        }
+        let g = self.0.storage.read("to_dtype")?;
+        let s = backend::cast(&g, self.layout(), dtype)?;
+        Ok(Tensor::from_storage(s, self.shape()))
+    }
+
+    /// A copy on `device` (or `self` if already there).
+    pub fn to_device(&self, device: Device) -> Result<Tensor> {
+        if device == self.device() {
+            return Ok(self.clone());
+        }
+        device.check_available()?;
+        Err(Error::NotImplemented { op: "to_device", device })
+    }
+
+    /// A contiguous tensor with the same values: `self` if already contiguous (at any offset),
+    /// else a copy.
+    pub fn contiguous(&self) -> Result<Tensor> {
+        if self.is_contiguous() {
+            return Ok(self.clone());
+        }
+        let g = self.0.storage.read("contiguous")?;
+        let s = backend::copy_contiguous(&g, self.layout())?;
+        Ok(Tensor::from_storage(s, self.shape()))
+    }
+
+    /// A contiguous copy that never shares storage with `self`.
+    pub fn deep_clone(&self) -> Result<Tensor> {
+        let g = self.0.storage.read("deep_clone")?;
+        let s = backend::copy_contiguous(&g, self.layout())?;
+        Ok(Tensor::from_storage(s, self.shape()))
+    }
+
+    // ----- views -----
+
+    /// The same elements with a new shape of equal element count: a view when the layout
+    /// allows it, else a copy.
+    pub fn reshape(&self, shape: impl Into<Shape>) -> Result<Tensor> {
+        let shape = shape.into();
+        if shape.elem_count() != self.elem_count() {
+            return Err(Error::ShapeMismatch { op: "reshape", lhs: self.shape().clone(), rhs: shape });
+        }
+        match self.layout().reshape_view(&shape) {
+            Some(l) => Ok(self.view_with(l)),
+            None => self.deep_clone()?.reshape(shape),
+        }
+    }
+
+    /// Reorders dimensions: result dim `i` is `self` dim `perm[i]`.
+    pub fn permute(&self, perm: &[usize]) -> Result<Tensor> {
+        Ok(self.view_with(self.layout().permute(perm)?))
+    }
+
+    /// Swaps two dimensions.
+    pub fn transpose(&self, d0: isize, d1: isize) -> Result<Tensor> {
+        let (a, b) = (self.dim("transpose", d0)?, self.dim("transpose", d1)?);
+        let mut perm: Vec<usize> = (0..self.rank()).collect();
+        perm.swap(a, b);
+        self.permute(&perm)
+    }
+
+    /// Swaps the last two dimensions.
+    pub fn t(&self) -> Result<Tensor> {
+        if self.rank() < 2 {
+            crate::bail!("t: needs at least 2 dims, got shape {}", self.shape());
+        }
+        self.transpose(-2, -1)
+    }
+
+    /// Elements `start..start+len` along `dim` (a view).
+    pub fn narrow(&self, dim: isize, start: usize, len: usize) -> Result<Tensor> {
+        let d = self.dim("narrow", dim)?;
+        Ok(self.view_with(self.layout().narrow(d, start, len)?))
+    }
+
+    /// Broadcasts to `shape` without copying (stride 0 on stretched dims).
+    pub fn expand(&self, shape: impl Into<Shape>) -> Result<Tensor> {
+        Ok(self.view_with(self.layout().broadcast_as(&shape.into())?))
+    }
+
+    /// Inserts a dimension of size 1 at `dim` (`0..=rank`; negative counts from the end).
+    pub fn unsqueeze(&self, dim: isize) -> Result<Tensor> {
+        let rank = self.rank() as isize;
+        let d = if dim < 0 { dim + rank + 1 } else { dim };
+        if d < 0 || d > rank {
+            return Err(Error::DimOutOfRange { op: "unsqueeze", dim, shape: self.shape().clone() });
+        }
+        let d = d as usize;
+        let mut dims = self.dims().to_vec();
+        let mut strides = self.layout().strides().to_vec();
+        let stride = if d < strides.len() { strides[d] * dims[d] } else { 1 };
+        dims.insert(d, 1);
+        strides.insert(d, stride);
+        Ok(self.view_with(Layout::new(Shape::new(dims), strides, self.layout().offset())))
+    }
+
+    /// Removes dimension `dim`, which must have size 1.
+    pub fn squeeze(&self, dim: isize) -> Result<Tensor> {
+        let d = self.dim("squeeze", dim)?;
+        if self.dims()[d] != 1 {
+            crate::bail!("squeeze: dim {d} of shape {} has size {}, not 1", self.shape(), self.dims()[d]);
+        }
+        let mut dims = self.dims().to_vec();
+        let mut strides = self.layout().strides().to_vec();
+        dims.remove(d);
+        strides.remove(d);
+        Ok(self.view_with(Layout::new(Shape::new(dims), strides, self.layout().offset())))
+    }
+
+    /// Splits `dim` into consecutive pieces of the given sizes (views).
+    pub fn split(&self, sizes: &[usize], dim: isize) -> Result<Vec<Tensor>> {
+        let d = self.dim("split", dim)?;
+        let total: usize = sizes.iter().sum();
+        if total != self.dims()[d] {
+            crate::bail!("split: sizes {sizes:?} sum to {total}, but dim {d} of shape {} has size {}", self.shape(), self.dims()[d]);
+        }
+        let mut start = 0;
+        sizes
+            .iter()
+            .map(|&len| {
+                let t = self.narrow(d as isize, start, len);
+                start += len;
+                t
+            })
+            .collect()
+    }
+
+    /// Splits `dim` into `n` equal pieces (views); the size must divide evenly.
+    pub fn chunk(&self, n: usize, dim: isize) -> Result<Vec<Tensor>> {
+        let d = self.dim("chunk", dim)?;
+        let size = self.dims()[d];
+        if n == 0 || size % n != 0 {
+            crate::bail!("chunk: dim {d} of shape {} (size {size}) does not split into {n} equal chunks", self.shape());
+        }
+        self.split(&vec![size / n; n], dim)
+    }
+
+    // ----- releasable storage -----
+
+    /// Frees this tensor's storage while keeping every handle valid; ops on it fail with a
+    /// "released" error until [`Tensor::materialize_from`] puts data back. Views share the state.
+    pub fn release_storage(&self) {
+        self.0.storage.release()
+    }
+
+    /// Whether the storage is present.
+    pub fn is_materialized(&self) -> bool {
+        self.0.storage.is_materialized()
+    }
+
+    /// Re-materialises a (released or live) storage with the values of `src`, which must be
+    /// contiguous-compatible: same dtype, device and element count as the whole storage this
+    /// tensor views. `self` must be a full contiguous view of its storage.
+    pub fn materialize_from(&self, src: &Tensor) -> Result<()> {
+        if src.dtype() != self.dtype() {
+            return Err(Error::DTypeMismatch { op: "materialize_from", lhs: self.dtype(), rhs: src.dtype() });
+        }
+        if src.elem_count() != self.elem_count() || !self.is_contiguous() || self.layout().offset() != 0 {
+            crate::bail!(
+                "materialize_from: source of shape {} does not fill the contiguous tensor of shape {}",
+                src.shape(),
+                self.shape()
+            );
+        }
+        let g = src.0.storage.read("materialize_from")?;
+        let s = backend::copy_contiguous(&g, src.layout())?;
+        drop(g);
+        self.0.storage.materialize(s)
+    }
+
+    pub(crate) fn read_storage(&self, op: &'static str) -> Result<crate::storage::StorageRead<'_>> {
+        self.0.storage.read(op)
+    }
+
+    pub(crate) fn write_storage(&self, op: &'static str) -> Result<crate::storage::StorageWrite<'_>> {
+        self.0.storage.write(op)
+    }
+}
