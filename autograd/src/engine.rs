@@ -1,0 +1,180 @@
+//! The backward engine: runs the recorded graph in reverse, in a fixed order.
+//!
+//! Order: among the nodes whose output gradient is complete, the most recently created runs
+//! first. Gradient contributions to one variable are summed in that processing order, so a
+//! backward pass is bit-for-bit repeatable.
+
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
+
+use meshgrad_tensor::{Error, Result, Tensor};
+
+use crate::var::{Var, VarId};
+
+/// What the engine does with leaf gradients.
+enum Sink<'a> {
+    /// Accumulate into `.grad` and fire gradient-ready hooks.
+    Accumulate,
+    /// Return the gradients of exactly these variables; touch no `.grad`.
+    Capture(&'a [Var]),
+}
+
+/// Runs backward from `roots` (each with its gradient), accumulating into leaf `.grad`s and
+/// firing gradient-ready hooks as each leaf's gradient completes.
+pub fn backward(roots: &[(Var, Tensor)]) -> Result<()> {
+    run(roots, Sink::Accumulate).map(|_| ())
+}
+
+/// Computes the gradients of `roots` with respect to `wrt` (like `torch.autograd.grad`),
+/// without touching any `.grad`. A variable the roots do not depend on gets `None`.
+pub fn grad(roots: &[(Var, Tensor)], wrt: &[Var]) -> Result<Vec<Option<Tensor>>> {
+    run(roots, Sink::Capture(wrt))
+}
+
+fn run(roots: &[(Var, Tensor)], sink: Sink<'_>) -> Result<Vec<Option<Tensor>>> {
+    // Discover the graph and count, for every variable, the edges from recorded nodes into it.
+    let mut consumers: HashMap<VarId, usize> = HashMap::new();
+    let mut vars: HashMap<VarId, Var> = HashMap::new();
+    let mut stack: Vec<Var> = Vec::new();
+    for (v, g) in roots {
+        if g.shape() != v.tensor().shape() {
+            return Err(Error::ShapeMismatch { op: "backward (root gradient)", lhs: v.tensor().shape().clone(), rhs: g.shape().clone() });
+        }
+        if !v.requires_grad() {
+            meshgrad_tensor::bail!("backward: the root ({:?}) does not require grad", v.tensor());
+        }
+        if vars.insert(v.id(), v.clone()).is_none() {
+            stack.push(v.clone());
+        }
+    }
+    while let Some(v) = stack.pop() {
+        if let Some(node) = &v.0.node {
+            for inp in &node.inputs {
+                if !inp.requires_grad() {
+                    continue;
+                }
+                *consumers.entry(inp.id()).or_insert(0) += 1;
+                if vars.insert(inp.id(), inp.clone()).is_none() {
+                    stack.push(inp.clone());
+                }
+            }
+        }
+    }
+
+    let capture: BTreeMap<VarId, usize> = match &sink {
+        Sink::Capture(w) => w.iter().enumerate().map(|(i, v)| (v.id(), i)).collect(),
+        Sink::Accumulate => BTreeMap::new(),
+    };
+    let mut captured: Vec<Option<Tensor>> = vec![None; capture.len()];
+
+    let mut pending: HashMap<VarId, Tensor> = HashMap::new();
+    let mut ready: BinaryHeap<VarId> = BinaryHeap::new();
+    for (v, g) in roots {
+        add_into(&mut pending, v.id(), g.clone())?;
+    }
+    for (v, _) in roots {
+        if consumers.get(&v.id()).copied().unwrap_or(0) == 0 && !ready.iter().any(|&r| r == v.id()) {
+            ready.push(v.id());
+        }
+    }
+
+    while let Some(id) = ready.pop() {
+        let v = vars[&id].clone();
+        let g = pending.remove(&id).expect("a ready variable has a gradient");
+        if let Some(&slot) = capture.get(&id) {
+            captured[slot] = Some(g.clone());
+        }
+        match &v.0.node {
+            None => {
+                if let Sink::Accumulate = sink {
+                    v.accumulate_grad(g)?;
+                    let hooks = v.0.grad_hooks.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                    for h in hooks {
+                        h(&v)?;
+                    }
+                }
+            }
+            Some(node) => {
+                let hooks = node.pre_hooks.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                for h in hooks {
+                    h(&v)?;
+                }
+                let grads = (node.backward)(&g)?;
+                drop(g);
+                if grads.len() != node.inputs.len() {
+                    meshgrad_tensor::bail!(
+                        "backward of {}: returned {} gradients for {} inputs",
+                        node.op,
+                        grads.len(),
+                        node.inputs.len()
+                    );
+                }
+                for (inp, gi) in node.inputs.iter().zip(grads) {
+                    if !inp.requires_grad() {
+                        continue;
+                    }
+                    if let Some(gi) = gi {
+                        if gi.shape() != inp.tensor().shape() {
+                            return Err(Error::ShapeMismatch {
+                                op: node.op,
+                                lhs: inp.tensor().shape().clone(),
+                                rhs: gi.shape().clone(),
+                            });
+                        }
+                        add_into(&mut pending, inp.id(), gi)?;
+                    }
+                    let c = consumers.get_mut(&inp.id()).expect("counted during discovery");
+                    *c -= 1;
+                    if *c == 0 {
+                        if pending.contains_key(&inp.id()) {
+                            ready.push(inp.id());
+                        } else {
+                            // No gradient reached it; its own inputs lose this path too.
+                            release_unreached(inp, &mut consumers, &mut pending, &mut ready);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(captured)
+}
+
+/// A variable all of whose consumers produced no gradient: propagate "nothing" to its inputs.
+fn release_unreached(
+    v: &Var,
+    consumers: &mut HashMap<VarId, usize>,
+    pending: &mut HashMap<VarId, Tensor>,
+    ready: &mut BinaryHeap<VarId>,
+) {
+    let mut stack = vec![v.clone()];
+    while let Some(v) = stack.pop() {
+        if let Some(node) = &v.0.node {
+            for inp in &node.inputs {
+                if !inp.requires_grad() {
+                    continue;
+                }
+                let c = consumers.get_mut(&inp.id()).expect("counted during discovery");
+                *c -= 1;
+                if *c == 0 {
+                    if pending.contains_key(&inp.id()) {
+                        ready.push(inp.id());
+                    } else {
+                        stack.push(inp.clone());
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn add_into(pending: &mut HashMap<VarId, Tensor>, id: VarId, g: Tensor) -> Result<()> {
+    match pending.remove(&id) {
+        None => {
+            pending.insert(id, g);
+        }
+        Some(old) => {
+            pending.insert(id, old.add(&g)?);
+        }
+    }
+    Ok(())
+}

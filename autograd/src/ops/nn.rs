@@ -1,0 +1,164 @@
+//! Matmul and the fused neural-network ops, with their backward rules.
+
+use meshgrad_tensor::{Result, Tensor};
+
+use crate::Var;
+
+/// Parameters of one dropout application. The mask of element `i` (row-major) is the
+/// counter-based draw `(seed, start + i)`: it does not depend on sharding, and re-running the
+/// same spec (as activation checkpointing does) reproduces the same mask.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DropoutSpec {
+    /// Drop probability in `[0, 1)`.
+    pub p: f64,
+    /// Stream seed (derive it from the run seed, the step and the layer).
+    pub seed: u64,
+    /// Global index of this tensor's first element.
+    pub start: u64,
+}
+
+impl Var {
+    /// `self @ rhs` with broadcast batch dims.
+    pub fn matmul(&self, rhs: &Var) -> Result<Var> {
+        let (a, b) = (self.tensor().clone(), rhs.tensor().clone());
+        let v = a.matmul(&b)?;
+        let (ra, rb) = (self.requires_grad(), rhs.requires_grad());
+        Ok(Var::from_op(
+            "matmul",
+            v,
+            &[self, rhs],
+            Box::new(move |g| {
+                let ga = if ra { Some(g.matmul(&b.t()?)?.sum_to_shape(a.shape())?) } else { None };
+                let gb = if rb {
+                    let (k, n) = (b.dims()[b.rank() - 2], b.dims()[b.rank() - 1]);
+                    if b.rank() == 2 && a.rank() > 2 {
+                        // Fold the batch into rows: one [K, rows] @ [rows, N] product.
+                        let a2 = a.reshape((a.elem_count() / k, k))?;
+                        let g2 = g.reshape((g.elem_count() / n, n))?;
+                        Some(a2.t()?.matmul(&g2)?)
+                    } else {
+                        Some(a.t()?.matmul(g)?.sum_to_shape(b.shape())?)
+                    }
+                } else {
+                    None
+                };
+                Ok(vec![ga, gb])
+            }),
+        ))
+    }
+
+    /// Softmax along `dim`.
+    pub fn softmax(&self, dim: isize) -> Result<Var> {
+        let v = self.tensor().softmax(dim)?;
+        let y = v.clone();
+        Ok(Var::from_op("softmax", v, &[self], Box::new(move |g| Ok(vec![Some(y.softmax_backward(g, dim, false)?)]))))
+    }
+
+    /// Log-softmax along `dim`.
+    pub fn log_softmax(&self, dim: isize) -> Result<Var> {
+        let v = self.tensor().log_softmax(dim)?;
+        let y = v.clone();
+        Ok(Var::from_op("log_softmax", v, &[self], Box::new(move |g| Ok(vec![Some(y.softmax_backward(g, dim, true)?)]))))
+    }
+
+    /// Layer norm over the last dim with optional affine weight and bias (fused forward and
+    /// backward). A bias without a weight is refused.
+    pub fn layer_norm(&self, weight: Option<&Var>, bias: Option<&Var>, eps: f64) -> Result<Var> {
+        if bias.is_some() && weight.is_none() {
+            meshgrad_tensor::bail!("layer_norm: a bias needs a weight");
+        }
+        let x = self.tensor().clone();
+        let w = weight.map(|w| w.tensor().clone());
+        let out = x.layer_norm(w.as_ref(), bias.map(|b| b.tensor()), eps)?;
+        let (mean, rstd) = (out.mean, out.rstd);
+        let mut inputs: Vec<&Var> = vec![self];
+        inputs.extend(weight);
+        inputs.extend(bias);
+        let has_bias = bias.is_some();
+        Ok(Var::from_op(
+            "layer_norm",
+            out.y,
+            &inputs,
+            Box::new(move |g| {
+                let (dx, pg) = x.layer_norm_backward(w.as_ref(), &mean, &rstd, g)?;
+                let mut grads = vec![Some(dx)];
+                if let Some((dw, db)) = pg {
+                    grads.push(Some(dw));
+                    if has_bias {
+                        grads.push(Some(db));
+                    }
+                }
+                Ok(grads)
+            }),
+        ))
+    }
+
+    /// Fused scaled dot-product attention over `[..., T, D]` operands (see
+    /// [`Tensor::attention`]); the backward recomputes probabilities from the saved row
+    /// log-sum-exp instead of storing them.
+    pub fn attention(q: &Var, k: &Var, v: &Var, causal: bool, scale: f64) -> Result<Var> {
+        let (qt, kt, vt) = (q.tensor().contiguous()?, k.tensor().contiguous()?, v.tensor().contiguous()?);
+        let out = Tensor::attention(&qt, &kt, &vt, causal, scale)?;
+        let (o, lse) = (out.out.clone(), out.lse);
+        Ok(Var::from_op(
+            "attention",
+            out.out,
+            &[q, k, v],
+            Box::new(move |g| {
+                let (dq, dk, dv) = Tensor::attention_backward(&qt, &kt, &vt, &o, &lse, g, causal, scale)?;
+                Ok(vec![Some(dq), Some(dk), Some(dv)])
+            }),
+        ))
+    }
+
+    /// Mean cross-entropy of `self` (logits `[N, V]`) against integer `targets [N]`, over the
+    /// rows whose target is not `ignore_index` (0 when every row is ignored). Fused: the
+    /// gradient is computed from the saved row log-sum-exp, never from stored probabilities.
+    pub fn cross_entropy(&self, targets: &Tensor, ignore_index: Option<i64>) -> Result<Var> {
+        let logits = self.tensor().clone();
+        let (rows, lse) = logits.cross_entropy_rows(targets, ignore_index)?;
+        let count = match ignore_index {
+            None => targets.elem_count(),
+            Some(ix) => targets.to_vec_f64()?.iter().filter(|&&t| t as i64 != ix).count(),
+        };
+        let scale = 1.0 / count.max(1) as f64;
+        let v = rows.sum_all()?.mul_scalar(scale)?;
+        let targets = targets.clone();
+        Ok(Var::from_op(
+            "cross_entropy",
+            v,
+            &[self],
+            Box::new(move |g| {
+                let n = logits.dims()[0];
+                let dloss = g.to_dtype(lse.dtype())?.mul_scalar(scale)?.expand(n)?.contiguous()?;
+                Ok(vec![Some(logits.cross_entropy_backward(&lse, &targets, &dloss, ignore_index)?)])
+            }),
+        ))
+    }
+
+    /// Rows of `table` (`[vocab, dim]`) picked by integer `ids`; the gradient scatter-adds back.
+    pub fn embedding(table: &Var, ids: &Tensor) -> Result<Var> {
+        let v = table.tensor().embedding(ids)?;
+        let ids = ids.clone();
+        let vocab = table.tensor().dims()[0];
+        let dtype = table.tensor().dtype();
+        Ok(Var::from_op(
+            "embedding",
+            v,
+            &[table],
+            Box::new(move |g| Ok(vec![Some(g.embedding_backward(&ids, vocab)?.to_dtype(dtype)?)])),
+        ))
+    }
+
+    /// Dropout with a counter-based mask (see [`DropoutSpec`]); identity when `p == 0`.
+    pub fn dropout(&self, spec: DropoutSpec) -> Result<Var> {
+        if spec.p == 0.0 {
+            return Ok(self.clone());
+        }
+        let x = self.tensor();
+        let mask = Tensor::dropout_mask(spec.seed, spec.start, spec.p, x.shape(), x.dtype(), x.device())?;
+        let v = x.mul(&mask)?;
+        Ok(Var::from_op("dropout", v, &[self], Box::new(move |g| Ok(vec![Some(g.mul(&mask)?)]))))
+    }
+}
+
