@@ -1,1 +1,11 @@
-//! stub
+//! meshgrad layers and models: the [`Module`] trait, linear/embedding/norm/dropout/attention/MLP
+//! layers, the GPT model, optimizers, learning-rate schedules, state dicts (safetensors and
+//! Hugging Face GPT-2 checkpoints) and token datasets.
+
+pub mod data;
+pub mod gpt;
+pub mod layers;
+pub mod module;
+
+pub use gpt::{Gpt, GptConfig};
+pub use module::{Init, Module, ParamFactory};
