@@ -4,6 +4,7 @@ use std::any::TypeId;
 
 use rayon::prelude::*;
 
+use super::vecops::SendPtr;
 use crate::Float;
 
 /// Where a batch of matrices lives in a flat buffer: element offset and strides.
@@ -53,22 +54,6 @@ impl MatrixLayout {
         let ok2 = n2 <= 1 || n1 <= 1 || s2 > (n1 - 1) * s1;
         let ok3 = n2 <= 1 || s2 >= 1;
         ok1 && ok2 && ok3
-    }
-}
-
-/// A raw pointer that may be sent to another thread (used for the disjoint per-batch outputs).
-#[derive(Clone, Copy)]
-struct SendPtr<T>(*mut T);
-// SAFETY: only used to hand each rayon task a pointer into a distinct, non-overlapping output
-// matrix (checked by the caller); the pointee type is Send.
-unsafe impl<T: Send> Send for SendPtr<T> {}
-// SAFETY: as above; tasks never access the same elements through it.
-unsafe impl<T: Send> Sync for SendPtr<T> {}
-
-impl<T> SendPtr<T> {
-    /// The pointer (a method, so that closures capture the whole `Send` wrapper).
-    fn get(self) -> *mut T {
-        self.0
     }
 }
 

@@ -10,3 +10,6 @@ pub mod matmul;
 pub mod reduce;
 pub mod softmax;
 pub mod strided;
+#[cfg(test)]
+mod testutil;
+mod vecops;

@@ -24,7 +24,6 @@ pub(crate) fn par_chunk_len(total: usize, align: usize) -> usize {
 
 /// Number of rows per parallel task for a loop over `rows` rows of `row_len` elements each, aiming
 /// at about four tasks per thread and at least [`PAR_THRESHOLD`] / 4 elements per task.
-#[allow(dead_code)] // used by the row-wise kernels
 pub(crate) fn rows_per_task(rows: usize, row_len: usize) -> usize {
     let threads = rayon::current_num_threads().max(1);
     let by_threads = rows.div_ceil(threads * 4);
