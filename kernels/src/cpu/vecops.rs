@@ -137,6 +137,14 @@ pub(crate) fn max<T: Float>(x: &[T]) -> T {
     m
 }
 
+/// `y[i] += a · x[i]`.
+#[inline(always)]
+pub(crate) fn axpy<T: Float>(y: &mut [T], a: T, x: &[T]) {
+    for (y, &x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}
+
 /// `y[i] *= a`.
 #[inline(always)]
 pub(crate) fn scale<T: Float>(y: &mut [T], a: T) {
