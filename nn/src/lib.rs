@@ -6,6 +6,8 @@ pub mod data;
 pub mod gpt;
 pub mod layers;
 pub mod module;
+pub mod optim;
+pub mod state;
 
 pub use gpt::{Gpt, GptConfig};
 pub use module::{Init, Module, ParamFactory};
