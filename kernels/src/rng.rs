@@ -14,6 +14,7 @@
 
 use rayon::prelude::*;
 
+use crate::cpu::vecops::simd;
 use crate::Float;
 
 const M0: u32 = 0xD251_1F53;
@@ -81,9 +82,14 @@ pub fn normal(seed: u64, index: u64) -> f64 {
 /// Fills `out[i] = f(start + i)`, in parallel chunks when large.
 fn fill_with<T: Float>(start: u64, out: &mut [T], f: impl Fn(u64) -> T + Sync) {
     let serial = |first: u64, out: &mut [T]| {
-        for (i, o) in out.iter_mut().enumerate() {
-            *o = f(first.wrapping_add(i as u64));
-        }
+        simd(
+            #[inline(always)]
+            || {
+                for (i, o) in out.iter_mut().enumerate() {
+                    *o = f(first.wrapping_add(i as u64));
+                }
+            },
+        )
     };
     if out.len() < PAR_FILL {
         serial(start, out);

@@ -2,6 +2,7 @@
 
 use rayon::prelude::*;
 
+use crate::cpu::vecops::simd;
 use crate::Float;
 
 /// Hyper-parameters of one AdamW step (`step` counts from 1).
@@ -56,17 +57,22 @@ pub fn adamw_step<T: Float>(hp: &AdamWStep, param: &mut [T], grad: &[T], m: &mut
     let eps = T::from_f64(hp.eps);
     let apply_decay = hp.weight_decay != 0.0;
     let run = |p: &mut [T], g: &[T], m: &mut [T], v: &mut [T]| {
-        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-            let mut pv = *p;
-            if apply_decay {
-                pv *= decay;
-            }
-            let mv = b1 * *m + one_minus_b1 * g;
-            let vv = b2 * *v + one_minus_b2 * g * g;
-            *m = mv;
-            *v = vv;
-            *p = pv - step_size * mv / (vv.sqrt() / bc2_sqrt + eps);
-        }
+        simd(
+            #[inline(always)]
+            || {
+                for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+                    let mut pv = *p;
+                    if apply_decay {
+                        pv *= decay;
+                    }
+                    let mv = b1 * *m + one_minus_b1 * g;
+                    let vv = b2 * *v + one_minus_b2 * g * g;
+                    *m = mv;
+                    *v = vv;
+                    *p = pv - step_size * mv / (vv.sqrt() / bc2_sqrt + eps);
+                }
+            },
+        )
     };
     if n < 2 * CHUNK {
         run(param, grad, m, v);
@@ -106,12 +112,17 @@ pub fn sgd_step<T: Float>(
         T::from_f64(weight_decay),
     );
     let run = |p: &mut [T], g: &[T], b: &mut [T]| {
-        for ((p, &g), b) in p.iter_mut().zip(g).zip(b.iter_mut()) {
-            let g = g + wd * *p;
-            let nb = if first_step { g } else { mom * *b + g };
-            *b = nb;
-            *p -= lr * nb;
-        }
+        simd(
+            #[inline(always)]
+            || {
+                for ((p, &g), b) in p.iter_mut().zip(g).zip(b.iter_mut()) {
+                    let g = g + wd * *p;
+                    let nb = if first_step { g } else { mom * *b + g };
+                    *b = nb;
+                    *p -= lr * nb;
+                }
+            },
+        )
     };
     if n < 2 * CHUNK {
         run(param, grad, buf);

@@ -1,9 +1,12 @@
 //! Fused scaled dot-product attention (flash-attention style: online softmax, no score matrix
 //! kept), forward and backward.
 //!
-//! Both passes work on tiles of [`BLOCK_Q`] query rows by [`BLOCK_K`] keys so that a key/value
-//! tile is reused from cache by every query row of the tile. Key tiles wholly past a query tile's
-//! causal limit are never visited, and within a tile each row stops at its own limit.
+//! Both passes work on tiles of [`BLOCK_K`] keys (the forward also on tiles of [`BLOCK_Q`] query
+//! rows) so that a key/value tile is reused from cache by every query row. Each key (and, in the
+//! backward, value) tile is transposed once into a `[head_dim, BLOCK_K]` scratch so that a row's
+//! scores for the whole tile come from `head_dim` vectorised axpys, with no horizontal sums. Key
+//! tiles wholly past the causal limit are never visited, and within a tile each row stops at its
+//! own limit.
 //!
 //! Forward: tasks are (batch-head, query tile) pairs, run in parallel when the problem is large.
 //! Per row, the online softmax keeps a running max `m`, running sum `l` and an unnormalised
@@ -15,11 +18,14 @@
 //! `P = exp(scale q·k - lse)`; with `D_i = dout_i · out_i`, `dS = P (dout·v - D_i)`, and
 //! `dv += Pᵀ dout`, `dq += scale dS k`, `dk += scale dSᵀ q`.
 //!
-//! All arithmetic is in `T`; dot products use the crate's fixed lane order.
+//! All arithmetic is in `T` (f32 uses the crate's vectorised `exp`). Scores `q·k` and `dout·v`
+//! are summed over the head dimension in increasing order, `D_i` and the running sum `l` in the
+//! crate's fixed lane order; nothing depends on the thread count.
 
 use rayon::prelude::*;
 
-use super::vecops::{axpy, dot, scale as scale_slice};
+use super::fastmath::exp;
+use super::vecops::{axpy, dot, scale as scale_slice, simd, sum};
 use crate::Float;
 
 /// Sizes of one attention call. `q` is `[batch_heads, seq_q, head_dim]`, `k` and `v` are
@@ -100,8 +106,41 @@ impl AttentionShape {
     }
 }
 
+/// Copies rows `kb .. kb + n` of the `[*, d]` matrix `src` transposed into `dst` as a
+/// `[d, BLOCK_K]` tile: `dst[c * BLOCK_K + jj] = src[(kb + jj) * d + c]`.
+#[inline(always)]
+fn transpose_tile<T: Float>(src: &[T], d: usize, kb: usize, n: usize, dst: &mut [T]) {
+    for jj in 0..n {
+        let row = &src[(kb + jj) * d..(kb + jj + 1) * d];
+        for (c, &x) in row.iter().enumerate() {
+            dst[c * BLOCK_K + jj] = x;
+        }
+    }
+}
+
+/// `s[jj] = Σ_c x[c] · tile[c][jj]` for `jj < s.len()`, summed over `c` in increasing order
+/// (one vectorised axpy per `c`); `tile` is a `[d, BLOCK_K]` transposed tile.
+#[inline(always)]
+fn tile_scores<T: Float>(x: &[T], tile: &[T], s: &mut [T]) {
+    let n = s.len();
+    for (c, &xc) in x.iter().enumerate() {
+        let t = &tile[c * BLOCK_K..c * BLOCK_K + n];
+        if c == 0 {
+            for (o, &tv) in s.iter_mut().zip(t) {
+                *o = xc * tv;
+            }
+        } else {
+            axpy(s, xc, t);
+        }
+    }
+}
+
 /// Forward over one query tile of one batch-head: rows `i0 .. i0 + lse.len()`; `q`, `k`, `v`
 /// are the batch-head's slices, `out` / `lse` the tile's rows.
+///
+/// Scores are `scale * (Σ_c q_c k_c)` with the sum over `c` in increasing order; the running
+/// sum `l` adds each key tile's probabilities in the crate's lane order.
+#[inline(always)]
 fn forward_tile<T: Float>(
     sh: &AttentionShape,
     q: &[T],
@@ -117,11 +156,13 @@ fn forward_tile<T: Float>(
     let mut m = [T::NEG_INFINITY; BLOCK_Q];
     let mut l = [T::ZERO; BLOCK_Q];
     let mut s = [T::ZERO; BLOCK_K];
+    let mut kt = vec![T::ZERO; d * BLOCK_K];
     out.fill(T::ZERO);
     let kmax = sh.key_limit(i0 + rows - 1);
     let mut kb = 0;
     while kb < kmax {
         let kend = (kb + BLOCK_K).min(kmax);
+        transpose_tile(k, d, kb, kend - kb, &mut kt);
         for r in 0..rows {
             let lim = sh.key_limit(i0 + r).min(kend);
             if lim <= kb {
@@ -129,34 +170,32 @@ fn forward_tile<T: Float>(
             }
             let n = lim - kb;
             let qi = &q[(i0 + r) * d..(i0 + r + 1) * d];
+            let s = &mut s[..n];
+            tile_scores(qi, &kt, s);
             let mut block_max = T::NEG_INFINITY;
-            for (jj, sj) in s[..n].iter_mut().enumerate() {
-                let j = kb + jj;
-                let val = scale * dot(qi, &k[j * d..(j + 1) * d]);
-                *sj = val;
-                if val > block_max {
-                    block_max = val;
-                }
+            for sj in s.iter_mut() {
+                *sj *= scale;
+                block_max = if *sj > block_max { *sj } else { block_max };
             }
             let acc = &mut out[r * d..(r + 1) * d];
             let m_old = m[r];
             if block_max > m_old {
                 if m_old != T::NEG_INFINITY {
-                    let corr = (m_old - block_max).exp();
+                    let corr = exp(m_old - block_max);
                     l[r] *= corr;
                     scale_slice(acc, corr);
                 }
                 m[r] = block_max;
             }
             let m_new = m[r];
-            let mut psum = T::ZERO;
-            for (jj, &sj) in s[..n].iter().enumerate() {
-                let p = (sj - m_new).exp();
-                psum += p;
+            for sj in s.iter_mut() {
+                *sj = exp(*sj - m_new);
+            }
+            l[r] += sum(s);
+            for (jj, &p) in s.iter().enumerate() {
                 let j = kb + jj;
                 axpy(acc, p, &v[j * d..(j + 1) * d]);
             }
-            l[r] += psum;
         }
         kb = kend;
     }
@@ -223,7 +262,10 @@ pub fn attention_forward<T: Float>(
         let kh = &k[b * seq_k * d..(b + 1) * seq_k * d];
         let vh = &v[b * seq_k * d..(b + 1) * seq_k * d];
         let tile = |t: usize, o: &mut [T], l: &mut [T]| {
-            forward_tile(&shape, qh, kh, vh, t * BLOCK_Q, o, l)
+            simd(
+                #[inline(always)]
+                || forward_tile(&shape, qh, kh, vh, t * BLOCK_Q, o, l),
+            )
         };
         if parallel {
             out_h
@@ -258,7 +300,12 @@ pub fn attention_forward<T: Float>(
 }
 
 /// Backward for one batch-head; all slices are that batch-head's.
+///
+/// Scores and `dout · v` are recomputed per key tile from transposed tiles (sums over the head
+/// dimension in increasing order); `dv_j`, `dk_j` accumulate over query rows in increasing
+/// order, `dq_i` over keys in increasing order.
 #[allow(clippy::too_many_arguments)]
+#[inline(always)]
 fn backward_head<T: Float>(
     sh: &AttentionShape,
     q: &[T],
@@ -281,40 +328,47 @@ fn backward_head<T: Float>(
     let dvec: Vec<T> = (0..seq_q)
         .map(|i| dot(&dout[i * d..(i + 1) * d], &out[i * d..(i + 1) * d]))
         .collect();
+    let mut kt = vec![T::ZERO; d * BLOCK_K];
+    let mut vt = vec![T::ZERO; d * BLOCK_K];
+    let mut p = [T::ZERO; BLOCK_K];
     let mut ds = [T::ZERO; BLOCK_K];
-    let mut qb = 0;
-    while qb < seq_q {
-        let qend = (qb + BLOCK_Q).min(seq_q);
-        let kmax = sh.key_limit(qend - 1);
-        let mut kb = 0;
-        while kb < kmax {
-            let kend = (kb + BLOCK_K).min(kmax);
-            for i in qb..qend {
-                let lim = sh.key_limit(i).min(kend);
-                if lim <= kb {
-                    continue;
-                }
-                let qi = &q[i * d..(i + 1) * d];
-                let doi = &dout[i * d..(i + 1) * d];
-                let (lse_i, d_i) = (lse[i], dvec[i]);
-                for j in kb..lim {
-                    let kj = &k[j * d..(j + 1) * d];
-                    let vj = &v[j * d..(j + 1) * d];
-                    let p = (scale * dot(qi, kj) - lse_i).exp();
-                    let dp = dot(doi, vj);
-                    let dsj = scale * (p * (dp - d_i));
-                    ds[j - kb] = dsj;
-                    axpy(&mut dv[j * d..(j + 1) * d], p, doi);
-                    axpy(&mut dk[j * d..(j + 1) * d], dsj, qi);
-                }
-                let dqi = &mut dq[i * d..(i + 1) * d];
-                for j in kb..lim {
-                    axpy(dqi, ds[j - kb], &k[j * d..(j + 1) * d]);
-                }
+    let mut kb = 0;
+    let kmax_all = sh.key_limit(seq_q.max(1) - 1);
+    // Key tiles outer (each K/V tile is transposed once), query rows inner in increasing order.
+    while kb < kmax_all && seq_q > 0 {
+        let kend = (kb + BLOCK_K).min(kmax_all);
+        transpose_tile(k, d, kb, kend - kb, &mut kt);
+        transpose_tile(v, d, kb, kend - kb, &mut vt);
+        for i in 0..seq_q {
+            let lim = sh.key_limit(i).min(kend);
+            if lim <= kb {
+                continue;
             }
-            kb = kend;
+            let n = lim - kb;
+            let qi = &q[i * d..(i + 1) * d];
+            let doi = &dout[i * d..(i + 1) * d];
+            let (lse_i, d_i) = (lse[i], dvec[i]);
+            let (p, ds) = (&mut p[..n], &mut ds[..n]);
+            tile_scores(qi, &kt, p);
+            for pj in p.iter_mut() {
+                *pj = exp(scale * *pj - lse_i);
+            }
+            tile_scores(doi, &vt, ds);
+            for (dsj, &pj) in ds.iter_mut().zip(p.iter()) {
+                *dsj = scale * (pj * (*dsj - d_i));
+            }
+            for (jj, (&pj, &dsj)) in p.iter().zip(ds.iter()).enumerate() {
+                let j = kb + jj;
+                axpy(&mut dv[j * d..(j + 1) * d], pj, doi);
+                axpy(&mut dk[j * d..(j + 1) * d], dsj, qi);
+            }
+            let dqi = &mut dq[i * d..(i + 1) * d];
+            for (jj, &dsj) in ds.iter().enumerate() {
+                let j = kb + jj;
+                axpy(dqi, dsj, &k[j * d..(j + 1) * d]);
+            }
         }
-        qb = qend;
+        kb = kend;
     }
 }
 
@@ -363,20 +417,25 @@ pub fn attention_backward<T: Float>(
         return;
     }
     let head = |b: usize, dq: &mut [T], dk: &mut [T], dv: &mut [T]| {
-        let qs = b * seq_q * d..(b + 1) * seq_q * d;
-        let ks = b * seq_k * d..(b + 1) * seq_k * d;
-        backward_head(
-            &shape,
-            &q[qs.clone()],
-            &k[ks.clone()],
-            &v[ks],
-            &out[qs.clone()],
-            &lse[b * seq_q..(b + 1) * seq_q],
-            &dout[qs],
-            dq,
-            dk,
-            dv,
-        );
+        simd(
+            #[inline(always)]
+            || {
+                let qs = b * seq_q * d..(b + 1) * seq_q * d;
+                let ks = b * seq_k * d..(b + 1) * seq_k * d;
+                backward_head(
+                    &shape,
+                    &q[qs.clone()],
+                    &k[ks.clone()],
+                    &v[ks],
+                    &out[qs.clone()],
+                    &lse[b * seq_q..(b + 1) * seq_q],
+                    &dout[qs],
+                    dq,
+                    dk,
+                    dv,
+                );
+            },
+        )
     };
     // Below the threshold (which includes every empty sequence) run on this thread.
     if shape.work() < PAR_WORK || bh == 1 {

@@ -4,6 +4,7 @@
 //! `softmax = exp(logits - lse)` on the fly. Rows run in parallel when the problem is large; each
 //! row's sums use the fixed lane order of the crate's vector helpers, in `T`.
 
+use super::fastmath::exp;
 use super::vecops::{self, for_each_index2, for_each_row};
 use crate::{Float, KernelError};
 
@@ -47,19 +48,25 @@ pub fn cross_entropy_forward<T: Float>(
             )));
         }
     }
-    for_each_index2(loss, lse, cols, |r, loss_r, lse_r| {
-        let row = &logits[r * cols..(r + 1) * cols];
-        let m = vecops::max(row);
-        let s = vecops::sum_map(row, |v| (v - m).exp());
-        let l = m + s.ln();
-        *lse_r = l;
-        let t = targets[r];
-        *loss_r = if ignored(t, ignore_index) {
-            T::ZERO
-        } else {
-            l - row[t as usize]
-        };
-    });
+    for_each_index2(
+        loss,
+        lse,
+        cols,
+        #[inline(always)]
+        |r, loss_r, lse_r| {
+            let row = &logits[r * cols..(r + 1) * cols];
+            let m = vecops::max(row);
+            let s = vecops::sum_map(row, |v| exp(v - m));
+            let l = m + s.ln();
+            *lse_r = l;
+            let t = targets[r];
+            *loss_r = if ignored(t, ignore_index) {
+                T::ZERO
+            } else {
+                l - row[t as usize]
+            };
+        },
+    );
     Ok(())
 }
 
@@ -92,23 +99,28 @@ pub fn cross_entropy_backward<T: Float>(
         targets.len(),
         dloss.len()
     );
-    for_each_row(dlogits, cols, |r, out| {
-        let t = targets[r];
-        if ignored(t, ignore_index) {
-            out.fill(T::ZERO);
-            return;
-        }
-        assert!(
-            t >= 0 && (t as u64) < cols as u64,
-            "cross_entropy_backward: target {t} at row {r} is outside 0..{cols}"
-        );
-        let row = &logits[r * cols..(r + 1) * cols];
-        let (l, g) = (lse[r], dloss[r]);
-        for (o, &v) in out.iter_mut().zip(row) {
-            *o = g * (v - l).exp();
-        }
-        out[t as usize] -= g;
-    });
+    for_each_row(
+        dlogits,
+        cols,
+        #[inline(always)]
+        |r, out| {
+            let t = targets[r];
+            if ignored(t, ignore_index) {
+                out.fill(T::ZERO);
+                return;
+            }
+            assert!(
+                t >= 0 && (t as u64) < cols as u64,
+                "cross_entropy_backward: target {t} at row {r} is outside 0..{cols}"
+            );
+            let row = &logits[r * cols..(r + 1) * cols];
+            let (l, g) = (lse[r], dloss[r]);
+            for (o, &v) in out.iter_mut().zip(row) {
+                *o = g * exp(v - l);
+            }
+            out[t as usize] -= g;
+        },
+    );
 }
 
 #[cfg(test)]

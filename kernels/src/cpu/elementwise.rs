@@ -2,7 +2,9 @@
 
 use rayon::prelude::*;
 
+use super::fastmath;
 use super::strided::{map_strided, par_chunk_len, PAR_THRESHOLD};
+use super::vecops::simd;
 use crate::Float;
 
 /// A unary elementwise function.
@@ -60,9 +62,14 @@ fn map1<T: Float>(x: &[T], out: &mut [T], f: impl Fn(T) -> T + Sync) {
         out.len()
     );
     let serial = |x: &[T], out: &mut [T]| {
-        for (o, &v) in out.iter_mut().zip(x) {
-            *o = f(v);
-        }
+        simd(
+            #[inline(always)]
+            || {
+                for (o, &v) in out.iter_mut().zip(x) {
+                    *o = f(v);
+                }
+            },
+        )
     };
     if x.len() < PAR_THRESHOLD {
         serial(x, out);
@@ -77,21 +84,23 @@ fn map1<T: Float>(x: &[T], out: &mut [T], f: impl Fn(T) -> T + Sync) {
 /// `out[i] = op(x[i])`; `x` and `out` are contiguous and of equal length.
 ///
 /// `Relu` passes NaN through; `PowScalar(2.0)` is computed as `x * x` and `PowScalar(1.0)` as a
-/// copy, other exponents with `powf`.
+/// copy, other exponents with `powf`. For f32, `Exp`, `Tanh`, `Sigmoid` and `GeluTanh` use the
+/// crate's vectorisable exp/tanh (within a few ulp of the exact functions); `GeluTanh` is
+/// evaluated as the identical `x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3))`.
 pub fn unary<T: Float>(op: UnaryOp, x: &[T], out: &mut [T]) {
     match op {
         UnaryOp::Neg => map1(x, out, |v| -v),
-        UnaryOp::Exp => map1(x, out, |v| v.exp()),
+        UnaryOp::Exp => map1(x, out, fastmath::exp),
         UnaryOp::Log => map1(x, out, |v| v.ln()),
         UnaryOp::Sqrt => map1(x, out, |v| v.sqrt()),
-        UnaryOp::Tanh => map1(x, out, |v| v.tanh()),
+        UnaryOp::Tanh => map1(x, out, fastmath::tanh),
         UnaryOp::Relu => map1(x, out, |v| if v < T::ZERO { T::ZERO } else { v }),
         UnaryOp::GeluTanh => {
-            let c = T::from_f64(SQRT_2_OVER_PI);
+            // 0.5 x (1 + tanh u) == x * sigmoid(2u): one exp, no cancellation for negative x.
+            let c2 = T::from_f64(-2.0 * SQRT_2_OVER_PI);
             let a = T::from_f64(GELU_CUBIC);
-            let half = T::from_f64(0.5);
             map1(x, out, move |v| {
-                half * v * (T::ONE + (c * (v + a * v * v * v)).tanh())
+                v / (T::ONE + fastmath::exp(c2 * (v + a * v * v * v)))
             })
         }
         UnaryOp::GeluErf => {
@@ -102,7 +111,7 @@ pub fn unary<T: Float>(op: UnaryOp, x: &[T], out: &mut [T]) {
         UnaryOp::Abs => map1(x, out, |v| v.abs()),
         UnaryOp::Recip => map1(x, out, |v| T::ONE / v),
         UnaryOp::Square => map1(x, out, |v| v * v),
-        UnaryOp::Sigmoid => map1(x, out, |v| T::ONE / (T::ONE + (-v).exp())),
+        UnaryOp::Sigmoid => map1(x, out, |v| T::ONE / (T::ONE + fastmath::exp(-v))),
         UnaryOp::PowScalar(p) => {
             if p == 2.0 {
                 map1(x, out, |v| v * v)
@@ -128,7 +137,8 @@ pub fn unary<T: Float>(op: UnaryOp, x: &[T], out: &mut [T]) {
 /// for the tanh form (`tanh_form = true`) or the exact erf form.
 ///
 /// Tanh form: with `u = sqrt(2/pi) (x + 0.044715 x^3)` and `t = tanh u`,
-/// `gelu'(x) = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)`.
+/// `gelu'(x) = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)`, evaluated
+/// through `s = sigmoid(2u)` (`0.5 (1 + t) = s`, `1 - t^2 = 4 s (1 - s)`).
 /// Erf form: `gelu'(x) = 0.5 (1 + erf(x / sqrt 2)) + x e^(-x^2/2) / sqrt(2 pi)`.
 pub fn gelu_backward<T: Float>(tanh_form: bool, x: &[T], dy: &[T], dx: &mut [T]) {
     assert!(
@@ -140,26 +150,31 @@ pub fn gelu_backward<T: Float>(tanh_form: bool, x: &[T], dy: &[T], dx: &mut [T])
     );
     let half = T::from_f64(0.5);
     let run = |x: &[T], dy: &[T], dx: &mut [T]| {
-        if tanh_form {
-            let c = T::from_f64(SQRT_2_OVER_PI);
-            let a = T::from_f64(GELU_CUBIC);
-            let a3 = T::from_f64(3.0 * GELU_CUBIC);
-            for ((d, &v), &g) in dx.iter_mut().zip(x).zip(dy) {
-                let v2 = v * v;
-                let t = (c * (v + a * v2 * v)).tanh();
-                let deriv =
-                    half * (T::ONE + t) + half * v * (T::ONE - t * t) * c * (T::ONE + a3 * v2);
-                *d = g * deriv;
-            }
-        } else {
-            let r = T::from_f64(FRAC_1_SQRT_2);
-            let k = T::from_f64(FRAC_1_SQRT_2PI);
-            for ((d, &v), &g) in dx.iter_mut().zip(x).zip(dy) {
-                let cdf = half * (T::ONE + (v * r).erf());
-                let pdf = k * (-half * v * v).exp();
-                *d = g * (cdf + v * pdf);
-            }
-        }
+        simd(
+            #[inline(always)]
+            || {
+                if tanh_form {
+                    let c2 = T::from_f64(-2.0 * SQRT_2_OVER_PI);
+                    let two_c = T::from_f64(2.0 * SQRT_2_OVER_PI);
+                    let a = T::from_f64(GELU_CUBIC);
+                    let a3 = T::from_f64(3.0 * GELU_CUBIC);
+                    for ((d, &v), &g) in dx.iter_mut().zip(x).zip(dy) {
+                        let v2 = v * v;
+                        let s = T::ONE / (T::ONE + fastmath::exp(c2 * (v + a * v2 * v)));
+                        let deriv = s + two_c * v * s * (T::ONE - s) * (T::ONE + a3 * v2);
+                        *d = g * deriv;
+                    }
+                } else {
+                    let r = T::from_f64(FRAC_1_SQRT_2);
+                    let k = T::from_f64(FRAC_1_SQRT_2PI);
+                    for ((d, &v), &g) in dx.iter_mut().zip(x).zip(dy) {
+                        let cdf = half * (T::ONE + (v * r).erf());
+                        let pdf = k * (-half * v * v).exp();
+                        *d = g * (cdf + v * pdf);
+                    }
+                }
+            },
+        )
     };
     if x.len() < PAR_THRESHOLD {
         run(x, dy, dx);
@@ -260,6 +275,7 @@ fn map2<A: Copy + Sync, B: Copy + Sync, O: Send>(
         [lhs.strides, rhs.strides],
         [lhs.offset, rhs.offset],
         out,
+        #[inline(always)]
         |run, [ba, bb], [sa, sb]| run2(run, lhs.data, ba, sa, rhs.data, bb, sb, &f),
     );
 }
@@ -336,6 +352,7 @@ pub fn where_cond<T: Copy + Send + Sync>(
         [cond.strides, on_true.strides, on_false.strides],
         [cond.offset, on_true.offset, on_false.offset],
         out,
+        #[inline(always)]
         |run, [bc, bt, bf], [sc, st, sf]| {
             let (c, t, f) = (cond.data, on_true.data, on_false.data);
             let n = run.len();

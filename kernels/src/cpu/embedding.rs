@@ -43,10 +43,15 @@ pub fn embedding_forward<T: Copy + Send + Sync>(
         ids.len()
     );
     check_ids("embedding", ids, vocab)?;
-    for_each_row(out, dim, |i, row| {
-        let id = ids[i] as usize;
-        row.copy_from_slice(&weight[id * dim..(id + 1) * dim]);
-    });
+    for_each_row(
+        out,
+        dim,
+        #[inline(always)]
+        |i, row| {
+            let id = ids[i] as usize;
+            row.copy_from_slice(&weight[id * dim..(id + 1) * dim]);
+        },
+    );
     Ok(())
 }
 

@@ -10,7 +10,7 @@
 use rayon::prelude::*;
 
 use super::strided::PAR_THRESHOLD;
-use super::vecops::{self, for_each_row};
+use super::vecops::{self, for_each_row, simd};
 use crate::Float;
 
 /// `y = (x - mean) * rstd * weight + bias` row-wise, with `rstd = 1/sqrt(var + eps)` (biased
@@ -63,36 +63,43 @@ pub fn layer_norm_forward<T: Float>(
         return;
     }
     let inv_n = T::ONE / T::from_f64(cols as f64);
-    vecops::for_each_row_stats(y, cols, mean, rstd, |r, yr, mean_r, rstd_r| {
-        let xr = &x[r * cols..(r + 1) * cols];
-        let mu = vecops::sum(xr) * inv_n;
-        let var = vecops::sum_map(xr, |v| (v - mu) * (v - mu)) * inv_n;
-        let rs = T::ONE / (var + eps).sqrt();
-        *mean_r = mu;
-        *rstd_r = rs;
-        match (weight, bias) {
-            (Some(w), Some(b)) => {
-                for (((o, &v), &w), &b) in yr.iter_mut().zip(xr).zip(w).zip(b) {
-                    *o = (v - mu) * rs * w + b;
+    vecops::for_each_row_stats(
+        y,
+        cols,
+        mean,
+        rstd,
+        #[inline(always)]
+        |r, yr, mean_r, rstd_r| {
+            let xr = &x[r * cols..(r + 1) * cols];
+            let mu = vecops::sum(xr) * inv_n;
+            let var = vecops::sum_map(xr, |v| (v - mu) * (v - mu)) * inv_n;
+            let rs = T::ONE / (var + eps).sqrt();
+            *mean_r = mu;
+            *rstd_r = rs;
+            match (weight, bias) {
+                (Some(w), Some(b)) => {
+                    for (((o, &v), &w), &b) in yr.iter_mut().zip(xr).zip(w).zip(b) {
+                        *o = (v - mu) * rs * w + b;
+                    }
+                }
+                (Some(w), None) => {
+                    for ((o, &v), &w) in yr.iter_mut().zip(xr).zip(w) {
+                        *o = (v - mu) * rs * w;
+                    }
+                }
+                (None, Some(b)) => {
+                    for ((o, &v), &b) in yr.iter_mut().zip(xr).zip(b) {
+                        *o = (v - mu) * rs + b;
+                    }
+                }
+                (None, None) => {
+                    for (o, &v) in yr.iter_mut().zip(xr) {
+                        *o = (v - mu) * rs;
+                    }
                 }
             }
-            (Some(w), None) => {
-                for ((o, &v), &w) in yr.iter_mut().zip(xr).zip(w) {
-                    *o = (v - mu) * rs * w;
-                }
-            }
-            (None, Some(b)) => {
-                for ((o, &v), &b) in yr.iter_mut().zip(xr).zip(b) {
-                    *o = (v - mu) * rs + b;
-                }
-            }
-            (None, None) => {
-                for (o, &v) in yr.iter_mut().zip(xr) {
-                    *o = (v - mu) * rs;
-                }
-            }
-        }
-    });
+        },
+    );
 }
 
 /// Backward of [`layer_norm_forward`]: writes (overwrites) `dx`, and `dweight` / `dbias`
@@ -148,81 +155,91 @@ pub fn layer_norm_backward<T: Float>(
     }
     if cols > 0 {
         let inv_n = T::ONE / T::from_f64(cols as f64);
-        for_each_row(dx, cols, |r, dxr| {
-            let xr = &x[r * cols..(r + 1) * cols];
-            let dyr = &dy[r * cols..(r + 1) * cols];
-            let (mu, rs) = (mean[r], rstd[r]);
-            match weight {
-                Some(w) => {
-                    // Use dxr as scratch for g = w * dy.
-                    for ((o, &g), &w) in dxr.iter_mut().zip(dyr).zip(w) {
-                        *o = g * w;
+        for_each_row(
+            dx,
+            cols,
+            #[inline(always)]
+            |r, dxr| {
+                let xr = &x[r * cols..(r + 1) * cols];
+                let dyr = &dy[r * cols..(r + 1) * cols];
+                let (mu, rs) = (mean[r], rstd[r]);
+                match weight {
+                    Some(w) => {
+                        // Use dxr as scratch for g = w * dy.
+                        for ((o, &g), &w) in dxr.iter_mut().zip(dyr).zip(w) {
+                            *o = g * w;
+                        }
+                        let g_mean = vecops::sum(dxr) * inv_n;
+                        let gx_mean = vecops::sum_map2(dxr, xr, |g, v| g * ((v - mu) * rs)) * inv_n;
+                        for (o, &v) in dxr.iter_mut().zip(xr) {
+                            let xhat = (v - mu) * rs;
+                            *o = rs * (*o - g_mean - xhat * gx_mean);
+                        }
                     }
-                    let g_mean = vecops::sum(dxr) * inv_n;
-                    let gx_mean = vecops::sum_map2(dxr, xr, |g, v| g * ((v - mu) * rs)) * inv_n;
-                    for (o, &v) in dxr.iter_mut().zip(xr) {
-                        let xhat = (v - mu) * rs;
-                        *o = rs * (*o - g_mean - xhat * gx_mean);
+                    None => {
+                        let g_mean = vecops::sum(dyr) * inv_n;
+                        let gx_mean = vecops::sum_map2(dyr, xr, |g, v| g * ((v - mu) * rs)) * inv_n;
+                        for ((o, &v), &g) in dxr.iter_mut().zip(xr).zip(dyr) {
+                            let xhat = (v - mu) * rs;
+                            *o = rs * (g - g_mean - xhat * gx_mean);
+                        }
                     }
                 }
-                None => {
-                    let g_mean = vecops::sum(dyr) * inv_n;
-                    let gx_mean = vecops::sum_map2(dyr, xr, |g, v| g * ((v - mu) * rs)) * inv_n;
-                    for ((o, &v), &g) in dxr.iter_mut().zip(xr).zip(dyr) {
-                        let xhat = (v - mu) * rs;
-                        *o = rs * (g - g_mean - xhat * gx_mean);
-                    }
-                }
-            }
-        });
+            },
+        );
     }
 
     // Parameter gradients: per column, over rows in increasing order.
-    let accumulate = |c0: usize, dw: Option<&mut [T]>, db: Option<&mut [T]>| match (dw, db) {
-        (Some(dw), Some(db)) => {
-            dw.fill(T::ZERO);
-            db.fill(T::ZERO);
-            let w = dw.len();
-            for r in 0..rows {
-                let base = r * cols + c0;
-                let (mu, rs) = (mean[r], rstd[r]);
-                for (((a, b), &v), &g) in dw
-                    .iter_mut()
-                    .zip(db.iter_mut())
-                    .zip(&x[base..base + w])
-                    .zip(&dy[base..base + w])
-                {
-                    *a += g * ((v - mu) * rs);
-                    *b += g;
+    let accumulate = |c0: usize, dw: Option<&mut [T]>, db: Option<&mut [T]>| {
+        simd(
+            #[inline(always)]
+            || match (dw, db) {
+                (Some(dw), Some(db)) => {
+                    dw.fill(T::ZERO);
+                    db.fill(T::ZERO);
+                    let w = dw.len();
+                    for r in 0..rows {
+                        let base = r * cols + c0;
+                        let (mu, rs) = (mean[r], rstd[r]);
+                        for (((a, b), &v), &g) in dw
+                            .iter_mut()
+                            .zip(db.iter_mut())
+                            .zip(&x[base..base + w])
+                            .zip(&dy[base..base + w])
+                        {
+                            *a += g * ((v - mu) * rs);
+                            *b += g;
+                        }
+                    }
                 }
-            }
-        }
-        (Some(dw), None) => {
-            dw.fill(T::ZERO);
-            let w = dw.len();
-            for r in 0..rows {
-                let base = r * cols + c0;
-                let (mu, rs) = (mean[r], rstd[r]);
-                for ((a, &v), &g) in dw
-                    .iter_mut()
-                    .zip(&x[base..base + w])
-                    .zip(&dy[base..base + w])
-                {
-                    *a += g * ((v - mu) * rs);
+                (Some(dw), None) => {
+                    dw.fill(T::ZERO);
+                    let w = dw.len();
+                    for r in 0..rows {
+                        let base = r * cols + c0;
+                        let (mu, rs) = (mean[r], rstd[r]);
+                        for ((a, &v), &g) in dw
+                            .iter_mut()
+                            .zip(&x[base..base + w])
+                            .zip(&dy[base..base + w])
+                        {
+                            *a += g * ((v - mu) * rs);
+                        }
+                    }
                 }
-            }
-        }
-        (None, Some(db)) => {
-            db.fill(T::ZERO);
-            let w = db.len();
-            for r in 0..rows {
-                let base = r * cols + c0;
-                for (b, &g) in db.iter_mut().zip(&dy[base..base + w]) {
-                    *b += g;
+                (None, Some(db)) => {
+                    db.fill(T::ZERO);
+                    let w = db.len();
+                    for r in 0..rows {
+                        let base = r * cols + c0;
+                        for (b, &g) in db.iter_mut().zip(&dy[base..base + w]) {
+                            *b += g;
+                        }
+                    }
                 }
-            }
-        }
-        (None, None) => {}
+                (None, None) => {}
+            },
+        )
     };
     let large = rows * cols >= PAR_THRESHOLD && cols >= 128;
     if !large {

@@ -5,6 +5,7 @@ pub mod attention;
 pub mod cross_entropy;
 pub mod elementwise;
 pub mod embedding;
+mod fastmath;
 pub mod layer_norm;
 pub mod matmul;
 pub mod reduce;
@@ -12,4 +13,6 @@ pub mod softmax;
 pub mod strided;
 #[cfg(test)]
 mod testutil;
-mod vecops;
+pub(crate) mod vecops;
+
+pub use vecops::set_simd_enabled;

@@ -7,6 +7,7 @@
 use rayon::prelude::*;
 
 use super::strided::PAR_THRESHOLD;
+use super::vecops::simd;
 use crate::Float;
 
 /// How many independent output rows the `inner == 1` path interleaves (for instruction-level
@@ -51,47 +52,57 @@ fn reduce_generic<T: Float, A: Copy + Send + Sync>(
     // `o0 .. o0 + rows` where `out_block` has `rows * width` elements laid out as rows of `width`
     // (only used with width == inner or rows == 1).
     let inner_block = |o: usize, i0: usize, dst: &mut [A]| {
-        // Row `o`, columns `i0 .. i0 + dst.len()`: accumulate over r in increasing order.
-        let w = dst.len();
-        let base = o * reduce * inner + i0;
-        for (d, &v) in dst.iter_mut().zip(&x[base..base + w]) {
-            *d = init(v);
-        }
-        for r in 1..reduce {
-            let row = &x[base + r * inner..base + r * inner + w];
-            for (d, &v) in dst.iter_mut().zip(row) {
-                *d = step(*d, v, r);
-            }
-        }
+        simd(
+            #[inline(always)]
+            || {
+                // Row `o`, columns `i0 .. i0 + dst.len()`: accumulate over r in increasing order.
+                let w = dst.len();
+                let base = o * reduce * inner + i0;
+                for (d, &v) in dst.iter_mut().zip(&x[base..base + w]) {
+                    *d = init(v);
+                }
+                for r in 1..reduce {
+                    let row = &x[base + r * inner..base + r * inner + w];
+                    for (d, &v) in dst.iter_mut().zip(row) {
+                        *d = step(*d, v, r);
+                    }
+                }
+            },
+        )
     };
     let rows_inner1 = |o0: usize, dst: &mut [A]| {
-        // inner == 1: outputs o0 .. o0 + dst.len(), each the fold of a contiguous row.
-        let mut chunks = dst.chunks_mut(INTERLEAVE);
-        let mut o = o0;
-        for chunk in &mut chunks {
-            if chunk.len() == INTERLEAVE {
-                let rows: [&[T]; INTERLEAVE] =
-                    std::array::from_fn(|j| &x[(o + j) * reduce..(o + j + 1) * reduce]);
-                let mut acc: [A; INTERLEAVE] = std::array::from_fn(|j| init(rows[j][0]));
-                #[allow(clippy::needless_range_loop)]
-                for r in 1..reduce {
-                    for j in 0..INTERLEAVE {
-                        acc[j] = step(acc[j], rows[j][r], r);
+        simd(
+            #[inline(always)]
+            || {
+                // inner == 1: outputs o0 .. o0 + dst.len(), each the fold of a contiguous row.
+                let mut chunks = dst.chunks_mut(INTERLEAVE);
+                let mut o = o0;
+                for chunk in &mut chunks {
+                    if chunk.len() == INTERLEAVE {
+                        let rows: [&[T]; INTERLEAVE] =
+                            std::array::from_fn(|j| &x[(o + j) * reduce..(o + j + 1) * reduce]);
+                        let mut acc: [A; INTERLEAVE] = std::array::from_fn(|j| init(rows[j][0]));
+                        #[allow(clippy::needless_range_loop)]
+                        for r in 1..reduce {
+                            for j in 0..INTERLEAVE {
+                                acc[j] = step(acc[j], rows[j][r], r);
+                            }
+                        }
+                        chunk.copy_from_slice(&acc);
+                    } else {
+                        for (j, d) in chunk.iter_mut().enumerate() {
+                            let row = &x[(o + j) * reduce..(o + j + 1) * reduce];
+                            let mut acc = init(row[0]);
+                            for (r, &v) in row.iter().enumerate().skip(1) {
+                                acc = step(acc, v, r);
+                            }
+                            *d = acc;
+                        }
                     }
+                    o += chunk.len();
                 }
-                chunk.copy_from_slice(&acc);
-            } else {
-                for (j, d) in chunk.iter_mut().enumerate() {
-                    let row = &x[(o + j) * reduce..(o + j + 1) * reduce];
-                    let mut acc = init(row[0]);
-                    for (r, &v) in row.iter().enumerate().skip(1) {
-                        acc = step(acc, v, r);
-                    }
-                    *d = acc;
-                }
-            }
-            o += chunk.len();
-        }
+            },
+        )
     };
     let parallel = x.len() >= PAR_THRESHOLD;
     if inner == 1 {

@@ -3,6 +3,7 @@
 //! Each row is independent (rows run in parallel when the buffer is large); within a row, sums
 //! use the fixed lane order of the crate's vector helpers and are accumulated in `T`.
 
+use super::fastmath::exp;
 use super::vecops::{self, for_each_row};
 use crate::Float;
 
@@ -20,29 +21,39 @@ fn check<T>(name: &str, rows: usize, cols: usize, bufs: &[(&str, &[T])]) {
 /// `y[r] = softmax(x[r])`, max-subtracted for stability.
 pub fn softmax_forward<T: Float>(x: &[T], rows: usize, cols: usize, y: &mut [T]) {
     check("softmax_forward", rows, cols, &[("x", x), ("y", y)]);
-    for_each_row(y, cols, |r, yr| {
-        let xr = &x[r * cols..(r + 1) * cols];
-        let m = vecops::max(xr);
-        for (o, &v) in yr.iter_mut().zip(xr) {
-            *o = (v - m).exp();
-        }
-        let inv = T::ONE / vecops::sum(yr);
-        vecops::scale(yr, inv);
-    });
+    for_each_row(
+        y,
+        cols,
+        #[inline(always)]
+        |r, yr| {
+            let xr = &x[r * cols..(r + 1) * cols];
+            let m = vecops::max(xr);
+            for (o, &v) in yr.iter_mut().zip(xr) {
+                *o = exp(v - m);
+            }
+            let inv = T::ONE / vecops::sum(yr);
+            vecops::scale(yr, inv);
+        },
+    );
 }
 
 /// `y[r] = log_softmax(x[r]) = x[r] - logsumexp(x[r])`.
 pub fn log_softmax_forward<T: Float>(x: &[T], rows: usize, cols: usize, y: &mut [T]) {
     check("log_softmax_forward", rows, cols, &[("x", x), ("y", y)]);
-    for_each_row(y, cols, |r, yr| {
-        let xr = &x[r * cols..(r + 1) * cols];
-        let m = vecops::max(xr);
-        let s = vecops::sum_map(xr, |v| (v - m).exp());
-        let lse = m + s.ln();
-        for (o, &v) in yr.iter_mut().zip(xr) {
-            *o = v - lse;
-        }
-    });
+    for_each_row(
+        y,
+        cols,
+        #[inline(always)]
+        |r, yr| {
+            let xr = &x[r * cols..(r + 1) * cols];
+            let m = vecops::max(xr);
+            let s = vecops::sum_map(xr, |v| exp(v - m));
+            let lse = m + s.ln();
+            for (o, &v) in yr.iter_mut().zip(xr) {
+                *o = v - lse;
+            }
+        },
+    );
 }
 
 /// Given `y = softmax(x)` and `dy`: `dx = y * (dy - sum(dy * y))` row-wise.
@@ -53,14 +64,19 @@ pub fn softmax_backward<T: Float>(y: &[T], dy: &[T], rows: usize, cols: usize, d
         cols,
         &[("y", y), ("dy", dy), ("dx", dx)],
     );
-    for_each_row(dx, cols, |r, dxr| {
-        let yr = &y[r * cols..(r + 1) * cols];
-        let dyr = &dy[r * cols..(r + 1) * cols];
-        let d = vecops::dot(yr, dyr);
-        for ((o, &yv), &g) in dxr.iter_mut().zip(yr).zip(dyr) {
-            *o = yv * (g - d);
-        }
-    });
+    for_each_row(
+        dx,
+        cols,
+        #[inline(always)]
+        |r, dxr| {
+            let yr = &y[r * cols..(r + 1) * cols];
+            let dyr = &dy[r * cols..(r + 1) * cols];
+            let d = vecops::dot(yr, dyr);
+            for ((o, &yv), &g) in dxr.iter_mut().zip(yr).zip(dyr) {
+                *o = yv * (g - d);
+            }
+        },
+    );
 }
 
 /// Given `y = log_softmax(x)` and `dy`: `dx = dy - exp(y) * sum(dy)` row-wise.
@@ -71,14 +87,19 @@ pub fn log_softmax_backward<T: Float>(y: &[T], dy: &[T], rows: usize, cols: usiz
         cols,
         &[("y", y), ("dy", dy), ("dx", dx)],
     );
-    for_each_row(dx, cols, |r, dxr| {
-        let yr = &y[r * cols..(r + 1) * cols];
-        let dyr = &dy[r * cols..(r + 1) * cols];
-        let s = vecops::sum(dyr);
-        for ((o, &yv), &g) in dxr.iter_mut().zip(yr).zip(dyr) {
-            *o = g - yv.exp() * s;
-        }
-    });
+    for_each_row(
+        dx,
+        cols,
+        #[inline(always)]
+        |r, dxr| {
+            let yr = &y[r * cols..(r + 1) * cols];
+            let dyr = &dy[r * cols..(r + 1) * cols];
+            let s = vecops::sum(dyr);
+            for ((o, &yv), &g) in dxr.iter_mut().zip(yr).zip(dyr) {
+                *o = g - exp(yv) * s;
+            }
+        },
+    );
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@
 
 use rayon::prelude::*;
 
+use super::vecops::simd;
 /// Below this many output elements a kernel runs on the calling thread; above it, it splits the
 /// work into chunks for rayon.
 pub(crate) const PAR_THRESHOLD: usize = 32 * 1024;
@@ -109,6 +110,7 @@ impl<const N: usize> Coalesced<N> {
     /// `f(pos, len, bases)` where `pos` is the row-major index of the run's first element, `len`
     /// its length and `bases[v]` the flat index of its first element in view `v` (starting from
     /// `offsets[v]`). Consecutive elements of a run are [`Self::inner_stride`] apart.
+    #[inline(always)]
     pub fn for_each_run(
         &self,
         offsets: [usize; N],
@@ -195,10 +197,21 @@ pub(crate) fn map_strided<O: Send, const N: usize>(
     let c = Coalesced::new(shape, strides);
     let inner: [usize; N] = std::array::from_fn(|v| c.inner_stride(v));
     let work = |lo: usize, chunk: &mut [O]| {
-        let hi = lo + chunk.len();
-        c.for_each_run(offsets, lo, hi, |pos, len, bases| {
-            run(&mut chunk[pos - lo..pos - lo + len], bases, inner);
-        });
+        simd(
+            #[inline(always)]
+            || {
+                let hi = lo + chunk.len();
+                c.for_each_run(
+                    offsets,
+                    lo,
+                    hi,
+                    #[inline(always)]
+                    |pos, len, bases| {
+                        run(&mut chunk[pos - lo..pos - lo + len], bases, inner);
+                    },
+                );
+            },
+        )
     };
     if total < PAR_THRESHOLD {
         work(0, out);
@@ -233,9 +246,14 @@ pub fn copy_strided<T: Copy + Send + Sync>(
     strides: &[usize],
     dst: &mut [T],
 ) {
-    map_strided(shape, [strides], [offset], dst, |run, [b], [s]| {
-        gather_run(src, b, s, run)
-    });
+    map_strided(
+        shape,
+        [strides],
+        [offset],
+        dst,
+        #[inline(always)]
+        |run, [b], [s]| gather_run(src, b, s, run),
+    );
 }
 
 /// Writes the contiguous `src` into the view `(offset, shape, strides)` of `dst`

@@ -6,6 +6,8 @@
 //! pairwise tree, and the leftover tail is then added in increasing order. The order depends
 //! only on the length, never on the thread count or the CPU's vector width.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use rayon::prelude::*;
 
 use super::strided::{rows_per_task, PAR_THRESHOLD};
@@ -30,12 +32,50 @@ impl<T> SendPtr<T> {
     }
 }
 
+/// Whether [`simd`] may use the AVX2 instance (see [`set_simd_enabled`]).
+static SIMD_ENABLED: AtomicBool = AtomicBool::new(true);
+
+/// Enables (the default) or disables the AVX2 instances of the CPU kernels' loops; when disabled
+/// every kernel runs its portable (baseline SSE2 on x86-64) code. Results are the same either
+/// way; this exists for benchmarks and for tests of that claim.
+pub fn set_simd_enabled(enabled: bool) {
+    SIMD_ENABLED.store(enabled, Ordering::Relaxed);
+}
+
+/// Runs `f`, compiled for AVX2 when the CPU has it (x86-64), else as it is.
+///
+/// Kernels wrap their per-chunk work in this so that the loops inside (inlined into the AVX2
+/// instance) vectorise 8 lanes wide instead of the baseline SSE2's 4. The arithmetic is the
+/// same in both instances (Rust never fuses a multiply and an add on its own, and every
+/// reduction here has an explicit order), so results do not depend on which one runs.
+#[inline(always)]
+pub(crate) fn simd<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if SIMD_ENABLED.load(Ordering::Relaxed) && std::arch::is_x86_feature_detected!("avx2") {
+            #[target_feature(enable = "avx2")]
+            fn run_avx2<R>(f: impl FnOnce() -> R) -> R {
+                f()
+            }
+            // SAFETY: the CPU supports AVX2, the only feature `run_avx2` is compiled for
+            // (checked just above).
+            return unsafe { run_avx2(f) };
+        }
+    }
+    f()
+}
+
 /// Number of independent partial sums.
 pub(crate) const LANES: usize = 16;
 
 /// Combines the lanes pairwise: (0+8, 1+9, ...), then (0+4, ...), then (0+2, ...), then (0+1).
-#[inline(always)]
-fn combine<T: Float>(mut acc: [T; LANES]) -> T {
+///
+/// Kept out of line on purpose: when LLVM sees this tree together with the accumulation loop,
+/// its SLP vectoriser builds 2-wide vectors for both; behind a call boundary the accumulators
+/// become full-width vectors.
+#[inline(never)]
+fn combine<T: Float>(acc: [T; LANES]) -> T {
+    let mut acc = std::hint::black_box(acc);
     let mut width = LANES / 2;
     while width > 0 {
         for j in 0..width {
@@ -47,37 +87,49 @@ fn combine<T: Float>(mut acc: [T; LANES]) -> T {
     acc[0]
 }
 
-/// `Σ x[i]` in the lane order described in the module documentation.
+/// Elements mapped per block by [`sum_map`] / [`sum_map2`] before accumulation (a multiple of
+/// [`LANES`]).
+const MAP_BLOCK: usize = 64;
+
+/// Adds the `LANES`-long chunks of `x` (whose length is a multiple of `LANES`) into `acc`.
 #[inline(always)]
-pub(crate) fn sum<T: Float>(x: &[T]) -> T {
-    let mut acc = [T::ZERO; LANES];
-    let chunks = x.chunks_exact(LANES);
-    let tail = chunks.remainder();
-    for c in chunks {
+fn accumulate<T: Float>(acc: &mut [T; LANES], x: &[T]) {
+    for c in x.chunks_exact(LANES) {
         for j in 0..LANES {
             acc[j] += c[j];
         }
     }
+}
+
+/// `Σ x[i]` in the lane order described in the module documentation.
+#[inline(always)]
+pub(crate) fn sum<T: Float>(x: &[T]) -> T {
+    let full = x.len() / LANES * LANES;
+    let mut acc = [T::ZERO; LANES];
+    accumulate(&mut acc, &x[..full]);
     let mut s = combine(acc);
-    for &v in tail {
+    for &v in &x[full..] {
         s += v;
     }
     s
 }
 
-/// `Σ f(x[i])` in the lane order described in the module documentation.
+/// `Σ f(x[i])` in the lane order described in the module documentation. The mapped values are
+/// staged through a small stack buffer so the map and the accumulation each vectorise.
 #[inline(always)]
 pub(crate) fn sum_map<T: Float>(x: &[T], f: impl Fn(T) -> T) -> T {
+    let full = x.len() / LANES * LANES;
     let mut acc = [T::ZERO; LANES];
-    let chunks = x.chunks_exact(LANES);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for j in 0..LANES {
-            acc[j] += f(c[j]);
+    let mut buf = [T::ZERO; MAP_BLOCK];
+    for block in x[..full].chunks(MAP_BLOCK) {
+        let b = &mut buf[..block.len()];
+        for (o, &v) in b.iter_mut().zip(block) {
+            *o = f(v);
         }
+        accumulate(&mut acc, b);
     }
     let mut s = combine(acc);
-    for &v in tail {
+    for &v in &x[full..] {
         s += f(v);
     }
     s
@@ -90,46 +142,71 @@ pub(crate) fn sum_map2<T: Float>(a: &[T], b: &[T], f: impl Fn(T, T) -> T) -> T {
     debug_assert_eq!(a.len(), b.len());
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
+    let full = n / LANES * LANES;
     let mut acc = [T::ZERO; LANES];
-    let ca = a.chunks_exact(LANES);
-    let cb = b.chunks_exact(LANES);
-    let (ta, tb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for j in 0..LANES {
-            acc[j] += f(x[j], y[j]);
+    let mut buf = [T::ZERO; MAP_BLOCK];
+    for (ba, bb) in a[..full].chunks(MAP_BLOCK).zip(b[..full].chunks(MAP_BLOCK)) {
+        let t = &mut buf[..ba.len()];
+        for ((o, &x), &y) in t.iter_mut().zip(ba).zip(bb) {
+            *o = f(x, y);
         }
+        accumulate(&mut acc, t);
     }
     let mut s = combine(acc);
-    for (&x, &y) in ta.iter().zip(tb) {
+    for (&x, &y) in a[full..].iter().zip(&b[full..]) {
         s += f(x, y);
     }
     s
 }
 
-/// `Σ a[i] · b[i]` (see [`sum_map2`]).
+/// `Σ a[i] · b[i]` in the lane order described in the module documentation.
 #[inline(always)]
 pub(crate) fn dot<T: Float>(a: &[T], b: &[T]) -> T {
-    sum_map2(a, b, |x, y| x * y)
-}
-
-/// The largest element, ignoring NaNs (`NEG_INFINITY` for an empty or all-NaN slice).
-#[inline(always)]
-pub(crate) fn max<T: Float>(x: &[T]) -> T {
-    let mut acc = [T::NEG_INFINITY; LANES];
-    let chunks = x.chunks_exact(LANES);
-    let tail = chunks.remainder();
-    for c in chunks {
+    debug_assert_eq!(a.len(), b.len());
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let full = n / LANES * LANES;
+    let mut acc = [T::ZERO; LANES];
+    for (x, y) in a[..full]
+        .chunks_exact(LANES)
+        .zip(b[..full].chunks_exact(LANES))
+    {
         for j in 0..LANES {
-            acc[j] = if c[j] > acc[j] { c[j] } else { acc[j] };
+            acc[j] += x[j] * y[j];
         }
     }
+    let mut s = combine(acc);
+    for (&x, &y) in a[full..].iter().zip(&b[full..]) {
+        s += x * y;
+    }
+    s
+}
+
+/// The largest of the lanes (out of line for the same reason as [`combine`]).
+#[inline(never)]
+fn combine_max<T: Float>(acc: [T; LANES]) -> T {
+    let acc = std::hint::black_box(acc);
     let mut m = T::NEG_INFINITY;
     for a in acc {
         if a > m {
             m = a;
         }
     }
-    for &v in tail {
+    m
+}
+
+/// The largest element, ignoring NaNs (`NEG_INFINITY` for an empty or all-NaN slice).
+#[inline(always)]
+pub(crate) fn max<T: Float>(x: &[T]) -> T {
+    let full = x.len() / LANES * LANES;
+    let mut acc = [T::NEG_INFINITY; LANES];
+    for c in x[..full].chunks_exact(LANES) {
+        for j in 0..LANES {
+            acc[j] = if c[j] > acc[j] { c[j] } else { acc[j] };
+        }
+    }
+    let mut m = combine_max(acc);
+    for &v in &x[full..] {
         if v > m {
             m = v;
         }
@@ -155,6 +232,7 @@ pub(crate) fn scale<T: Float>(y: &mut [T], a: T) {
 
 /// Calls `f(r, row_r)` for every `row_len`-long row of `out` (row `r` is
 /// `out[r * row_len .. (r + 1) * row_len]`), in parallel chunks of rows when `out` is large.
+/// Each chunk runs through [`simd`].
 pub(crate) fn for_each_row<T: Send>(
     out: &mut [T],
     row_len: usize,
@@ -164,19 +242,23 @@ pub(crate) fn for_each_row<T: Send>(
         return;
     }
     let rows = out.len() / row_len;
+    let chunk_fn = |r0: usize, chunk: &mut [T]| {
+        simd(
+            #[inline(always)]
+            || {
+                for (j, row) in chunk.chunks_mut(row_len).enumerate() {
+                    f(r0 + j, row);
+                }
+            },
+        )
+    };
     if out.len() < PAR_THRESHOLD || rows < 2 {
-        for (r, row) in out.chunks_mut(row_len).enumerate() {
-            f(r, row);
-        }
+        chunk_fn(0, out);
     } else {
         let per = rows_per_task(rows, row_len);
         out.par_chunks_mut(per * row_len)
             .enumerate()
-            .for_each(|(c, chunk)| {
-                for (j, row) in chunk.chunks_mut(row_len).enumerate() {
-                    f(c * per + j, row);
-                }
-            });
+            .for_each(|(c, chunk)| chunk_fn(c * per, chunk));
     }
 }
 
@@ -194,35 +276,33 @@ pub(crate) fn for_each_row_stats<T: Send, U: Send>(
     }
     let rows = out.len() / row_len;
     assert!(a.len() == rows && b.len() == rows, "one statistic per row");
+    let chunk_fn = |r0: usize, chunk: &mut [T], ac: &mut [U], bc: &mut [U]| {
+        simd(
+            #[inline(always)]
+            || {
+                let rows = chunk
+                    .chunks_mut(row_len)
+                    .zip(ac.iter_mut())
+                    .zip(bc.iter_mut());
+                for (j, ((row, a), b)) in rows.enumerate() {
+                    f(r0 + j, row, a, b);
+                }
+            },
+        )
+    };
     if out.len() < PAR_THRESHOLD || rows < 2 {
-        for (r, ((row, a), b)) in out
-            .chunks_mut(row_len)
-            .zip(a.iter_mut())
-            .zip(b.iter_mut())
-            .enumerate()
-        {
-            f(r, row, a, b);
-        }
+        chunk_fn(0, out, a, b);
     } else {
         let per = rows_per_task(rows, row_len);
         out.par_chunks_mut(per * row_len)
             .zip(a.par_chunks_mut(per).zip(b.par_chunks_mut(per)))
             .enumerate()
-            .for_each(|(c, (chunk, (ac, bc)))| {
-                for (j, ((row, a), b)) in chunk
-                    .chunks_mut(row_len)
-                    .zip(ac.iter_mut())
-                    .zip(bc.iter_mut())
-                    .enumerate()
-                {
-                    f(c * per + j, row, a, b);
-                }
-            });
+            .for_each(|(c, (chunk, (ac, bc)))| chunk_fn(c * per, chunk, ac, bc));
     }
 }
 
 /// Calls `f(r, &mut a[r], &mut b[r])` for every `r < a.len()` (`a`, `b` of equal length), in
-/// parallel chunks when `a.len() * work_per_item` is large.
+/// parallel chunks when `a.len() * work_per_item` is large. Each chunk runs through [`simd`].
 pub(crate) fn for_each_index2<U: Send>(
     a: &mut [U],
     b: &mut [U],
@@ -231,20 +311,24 @@ pub(crate) fn for_each_index2<U: Send>(
 ) {
     assert_eq!(a.len(), b.len());
     let n = a.len();
+    let chunk_fn = |r0: usize, ac: &mut [U], bc: &mut [U]| {
+        simd(
+            #[inline(always)]
+            || {
+                for (j, (a, b)) in ac.iter_mut().zip(bc.iter_mut()).enumerate() {
+                    f(r0 + j, a, b);
+                }
+            },
+        )
+    };
     if n.saturating_mul(work_per_item) < PAR_THRESHOLD || n < 2 {
-        for (r, (a, b)) in a.iter_mut().zip(b.iter_mut()).enumerate() {
-            f(r, a, b);
-        }
+        chunk_fn(0, a, b);
     } else {
         let per = rows_per_task(n, work_per_item);
         a.par_chunks_mut(per)
             .zip(b.par_chunks_mut(per))
             .enumerate()
-            .for_each(|(c, (ac, bc))| {
-                for (j, (a, b)) in ac.iter_mut().zip(bc.iter_mut()).enumerate() {
-                    f(c * per + j, a, b);
-                }
-            });
+            .for_each(|(c, (ac, bc))| chunk_fn(c * per, ac, bc));
     }
 }
 
