@@ -144,6 +144,9 @@ fn reduce_generic<T: Float, A: Copy + Send + Sync>(
 /// `x[o, 0, i]`; `reduce == 0` gives zeros.
 pub fn sum<T: Float>(x: &[T], outer: usize, reduce: usize, inner: usize, out: &mut [T]) {
     check_sizes("sum", x, outer, reduce, inner, out);
+    if out.is_empty() {
+        return;
+    }
     if reduce == 0 {
         out.fill(T::ZERO);
         return;
@@ -282,6 +285,13 @@ mod tests {
         let mut z = vec![1.0f64; 6];
         sum(&[] as &[f64], 2, 0, 3, &mut z);
         assert_eq!(z, vec![0.0; 6]);
+        // Empty outputs (inner or outer 0) are fine.
+        let mut e: Vec<f64> = vec![];
+        sum(&[] as &[f64], 3, 4, 0, &mut e);
+        sum(&[] as &[f64], 0, 4, 3, &mut e);
+        max(&[] as &[f64], 3, 4, 0, &mut e);
+        let mut ei: Vec<i64> = vec![];
+        argmax(&[] as &[f64], 0, 4, 3, &mut ei);
     }
 
     #[test]
