@@ -71,7 +71,7 @@ pub struct TrainParams {
     pub lr: f64,
     /// Final learning rate of the cosine decay; in [0, lr].
     pub min_lr: f64,
-    /// Steps of linear warmup from 0 to `lr`; at most `steps`.
+    /// Steps of linear warmup from 0 to `lr`; a run shorter than this warms up over all its steps.
     pub warmup_steps: usize,
     /// AdamW decoupled weight decay.
     pub weight_decay: f64,
@@ -440,7 +440,7 @@ impl TrainConfig {
     /// Checks: all sizes and counts positive (`eval_interval` and `sample_tokens` may be 0);
     /// `n_embd` divisible by `n_head`; `vocab_size >= 256` for byte-level data (no path, or a
     /// path not ending in `.bin`); `dropout` in [0, 1); `lr` finite and > 0; `min_lr` in [0, lr];
-    /// `warmup_steps <= steps`; `beta1`, `beta2` in [0, 1); `weight_decay`, `grad_clip` finite and
+    /// `beta1`, `beta2` in [0, 1); `weight_decay`, `grad_clip` finite and
     /// >= 0; `val_fraction` in (0, 1); `out`, and `metrics` and `data.path` when set, non-empty.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let m = &self.model;
@@ -516,15 +516,6 @@ impl TrainConfig {
             return invalid(
                 "train.min_lr",
                 format!("min_lr = {} is greater than lr = {}", t.min_lr, t.lr),
-            );
-        }
-        if t.warmup_steps > t.steps {
-            return invalid(
-                "train.warmup_steps",
-                format!(
-                    "warmup_steps = {} is greater than steps = {}",
-                    t.warmup_steps, t.steps
-                ),
             );
         }
         let non_negative = [
@@ -772,7 +763,6 @@ val_fraction = 0.05
             ("data.val_fraction", "0", "(0, 1)"),
             ("data.val_fraction", "1", "(0, 1)"),
             ("train.min_lr", "0.01", "greater than lr"),
-            ("train.warmup_steps", "301", "greater than steps = 300"),
             ("train.beta2", "1", "[0, 1)"),
             ("train.grad_clip", "-1", ">= 0"),
             ("model.vocab_size", "100", "byte-level"),

@@ -18,8 +18,16 @@ const EVAL_BATCH: usize = 8;
 pub fn mean_loss(model: &Gpt, data: &TokenDataset) -> Result<f64> {
     let t = model.config.block_size;
     let vocab = model.config.vocab_size;
-    if let Some((pos, &id)) = data.tokens.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
-        anyhow::bail!("{}: token {id} at position {pos} is outside the model's vocabulary (size {vocab})", data.source);
+    if let Some((pos, &id)) = data
+        .tokens
+        .iter()
+        .enumerate()
+        .find(|(_, &id)| id as usize >= vocab)
+    {
+        anyhow::bail!(
+            "{}: token {id} at position {pos} is outside the model's vocabulary (size {vocab})",
+            data.source
+        );
     }
     let starts: Vec<usize> = data.eval_windows(t)?.collect();
     let device = model.wte.weight.tensor().device();
@@ -31,7 +39,10 @@ pub fn mean_loss(model: &Gpt, data: &TokenDataset) -> Result<f64> {
             let ids = Tensor::from_vec(batch.inputs, (batch.rows, t), device)?;
             let targets = Tensor::from_vec(batch.targets, batch.rows * t, device)?;
             let logits = model.forward(&ids, &ForwardCtx::default())?;
-            let (rows, _) = logits.tensor().reshape((batch.rows * t, vocab))?.cross_entropy_rows(&targets, None)?;
+            let (rows, _) = logits
+                .tensor()
+                .reshape((batch.rows * t, vocab))?
+                .cross_entropy_rows(&targets, None)?;
             total += rows.to_vec_f64()?.iter().sum::<f64>();
             count += batch.rows * t;
         }
@@ -43,6 +54,7 @@ pub fn mean_loss(model: &Gpt, data: &TokenDataset) -> Result<f64> {
 /// Loads the checkpoint in `checkpoint` and evaluates it on the token file `data`.
 pub fn eval_checkpoint(checkpoint: &Path, data: &Path) -> Result<f64> {
     let model = crate::train::load_checkpoint(checkpoint)?;
-    let ds = TokenDataset::from_path(data).with_context(|| format!("reading eval data {}", data.display()))?;
+    let ds = TokenDataset::from_path(data)
+        .with_context(|| format!("reading eval data {}", data.display()))?;
     mean_loss(&model, &ds)
 }

@@ -18,7 +18,13 @@ pub fn prompt_tokens(text: Option<&str>, ids: Option<&str>, vocab: usize) -> Res
         (None, Some(s)) => s
             .split(|c: char| c == ',' || c.is_whitespace())
             .filter(|p| !p.is_empty())
-            .map(|p| p.parse::<u32>().map_err(|_| anyhow::anyhow!("--prompt-tokens: '{p}' is not a token id (expected e.g. 12,7,99)")))
+            .map(|p| {
+                p.parse::<u32>().map_err(|_| {
+                    anyhow::anyhow!(
+                        "--prompt-tokens: '{p}' is not a token id (expected e.g. 12,7,99)"
+                    )
+                })
+            })
             .collect::<Result<_>>()?,
     };
     if tokens.is_empty() {
@@ -37,6 +43,13 @@ pub fn detokenize(tokens: &[u32]) -> String {
 }
 
 /// Generates `max_new` tokens after `prompt`.
-pub fn generate(model: &Gpt, prompt: &[u32], max_new: usize, temperature: f64, top_k: Option<usize>, seed: u64) -> Result<Vec<u32>> {
+pub fn generate(
+    model: &Gpt,
+    prompt: &[u32],
+    max_new: usize,
+    temperature: f64,
+    top_k: Option<usize>,
+    seed: u64,
+) -> Result<Vec<u32>> {
     Ok(model.generate(prompt, max_new, temperature, top_k, seed)?)
 }

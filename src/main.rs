@@ -9,7 +9,11 @@ use meshgrad::config::TrainConfig;
 use meshgrad::train::Verbosity;
 
 #[derive(Parser)]
-#[command(name = "meshgrad", version, about = "Train, evaluate and sample GPT models with meshgrad")]
+#[command(
+    name = "meshgrad",
+    version,
+    about = "Train, evaluate and sample GPT models with meshgrad"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -121,11 +125,30 @@ fn run(cli: Cli) -> Result<()> {
             let loss = meshgrad::eval::eval_checkpoint(&checkpoint, &data)?;
             println!("loss={loss:.6}");
         }
-        Command::Generate { checkpoint, prompt, prompt_tokens, max_new_tokens, temperature, top_k, seed } => {
+        Command::Generate {
+            checkpoint,
+            prompt,
+            prompt_tokens,
+            max_new_tokens,
+            temperature,
+            top_k,
+            seed,
+        } => {
             let model = meshgrad::train::load_checkpoint(&checkpoint)?;
             let vocab = model.config.vocab_size;
-            let tokens = meshgrad::generate::prompt_tokens(prompt.as_deref(), prompt_tokens.as_deref(), vocab)?;
-            let out = meshgrad::generate::generate(&model, &tokens, max_new_tokens, temperature, top_k, seed)?;
+            let tokens = meshgrad::generate::prompt_tokens(
+                prompt.as_deref(),
+                prompt_tokens.as_deref(),
+                vocab,
+            )?;
+            let out = meshgrad::generate::generate(
+                &model,
+                &tokens,
+                max_new_tokens,
+                temperature,
+                top_k,
+                seed,
+            )?;
             if vocab <= 256 {
                 println!("{}", meshgrad::generate::detokenize(&out));
             }

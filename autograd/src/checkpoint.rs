@@ -35,7 +35,13 @@ pub fn checkpoint(f: BlockFn, inputs: &[Var]) -> Result<Var> {
             let leaves: Vec<Var> = saved_inputs
                 .iter()
                 .zip(&needs)
-                .map(|(t, &n)| if n { Var::leaf(t.clone()) } else { Var::constant(t.clone()) })
+                .map(|(t, &n)| {
+                    if n {
+                        Var::leaf(t.clone())
+                    } else {
+                        Var::constant(t.clone())
+                    }
+                })
                 .collect();
             let out = grad_mode::enable_grad(|| f(&leaves))?;
             if !out.requires_grad() {

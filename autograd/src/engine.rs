@@ -37,10 +37,17 @@ fn run(roots: &[(Var, Tensor)], sink: Sink<'_>) -> Result<Vec<Option<Tensor>>> {
     let mut stack: Vec<Var> = Vec::new();
     for (v, g) in roots {
         if g.shape() != v.tensor().shape() {
-            return Err(Error::ShapeMismatch { op: "backward (root gradient)", lhs: v.tensor().shape().clone(), rhs: g.shape().clone() });
+            return Err(Error::ShapeMismatch {
+                op: "backward (root gradient)",
+                lhs: v.tensor().shape().clone(),
+                rhs: g.shape().clone(),
+            });
         }
         if !v.requires_grad() {
-            meshgrad_tensor::bail!("backward: the root ({:?}) does not require grad", v.tensor());
+            meshgrad_tensor::bail!(
+                "backward: the root ({:?}) does not require grad",
+                v.tensor()
+            );
         }
         if vars.insert(v.id(), v.clone()).is_none() {
             stack.push(v.clone());
@@ -72,14 +79,17 @@ fn run(roots: &[(Var, Tensor)], sink: Sink<'_>) -> Result<Vec<Option<Tensor>>> {
         add_into(&mut pending, v.id(), g.clone())?;
     }
     for (v, _) in roots {
-        if consumers.get(&v.id()).copied().unwrap_or(0) == 0 && !ready.iter().any(|&r| r == v.id()) {
+        if consumers.get(&v.id()).copied().unwrap_or(0) == 0 && !ready.iter().any(|&r| r == v.id())
+        {
             ready.push(v.id());
         }
     }
 
     while let Some(id) = ready.pop() {
         let v = vars[&id].clone();
-        let g = pending.remove(&id).expect("a ready variable has a gradient");
+        let g = pending
+            .remove(&id)
+            .expect("a ready variable has a gradient");
         if let Some(&slot) = capture.get(&id) {
             captured[slot] = Some(g.clone());
         }
@@ -87,14 +97,22 @@ fn run(roots: &[(Var, Tensor)], sink: Sink<'_>) -> Result<Vec<Option<Tensor>>> {
             None => {
                 if let Sink::Accumulate = sink {
                     v.accumulate_grad(g)?;
-                    let hooks = v.0.grad_hooks.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                    let hooks =
+                        v.0.grad_hooks
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .clone();
                     for h in hooks {
                         h(&v)?;
                     }
                 }
             }
             Some(node) => {
-                let hooks = node.pre_hooks.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                let hooks = node
+                    .pre_hooks
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone();
                 for h in hooks {
                     h(&v)?;
                 }
@@ -122,7 +140,9 @@ fn run(roots: &[(Var, Tensor)], sink: Sink<'_>) -> Result<Vec<Option<Tensor>>> {
                         }
                         add_into(&mut pending, inp.id(), gi)?;
                     }
-                    let c = consumers.get_mut(&inp.id()).expect("counted during discovery");
+                    let c = consumers
+                        .get_mut(&inp.id())
+                        .expect("counted during discovery");
                     *c -= 1;
                     if *c == 0 {
                         if pending.contains_key(&inp.id()) {
@@ -153,7 +173,9 @@ fn release_unreached(
                 if !inp.requires_grad() {
                     continue;
                 }
-                let c = consumers.get_mut(&inp.id()).expect("counted during discovery");
+                let c = consumers
+                    .get_mut(&inp.id())
+                    .expect("counted during discovery");
                 *c -= 1;
                 if *c == 0 {
                     if pending.contains_key(&inp.id()) {

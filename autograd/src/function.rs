@@ -14,7 +14,12 @@ pub trait Function: Send + Sync + 'static {
     /// Computes the output from the input values.
     fn forward(&self, inputs: &[Tensor]) -> Result<Tensor>;
     /// From the output gradient (and the saved inputs and output), the gradient of each input.
-    fn backward(&self, inputs: &[Tensor], output: &Tensor, grad: &Tensor) -> Result<Vec<Option<Tensor>>>;
+    fn backward(
+        &self,
+        inputs: &[Tensor],
+        output: &Tensor,
+        grad: &Tensor,
+    ) -> Result<Vec<Option<Tensor>>>;
 }
 
 /// Applies a custom function to variables, recording it in the graph.
@@ -23,5 +28,10 @@ pub fn apply(f: Arc<dyn Function>, inputs: &[&Var]) -> Result<Var> {
     let out = f.forward(&xs)?;
     let saved = out.clone();
     let name = f.name();
-    Ok(Var::from_op(name, out, inputs, Box::new(move |g| f.backward(&xs, &saved, g))))
+    Ok(Var::from_op(
+        name,
+        out,
+        inputs,
+        Box::new(move |g| f.backward(&xs, &saved, g)),
+    ))
 }

@@ -19,7 +19,12 @@ pub struct GradcheckOptions {
 
 impl Default for GradcheckOptions {
     fn default() -> Self {
-        GradcheckOptions { eps: 1e-6, atol: 1e-7, rtol: 1e-5, seed: 7 }
+        GradcheckOptions {
+            eps: 1e-6,
+            atol: 1e-7,
+            rtol: 1e-5,
+            seed: 7,
+        }
     }
 }
 
@@ -29,12 +34,28 @@ impl Default for GradcheckOptions {
 /// random weights `w` (so every output element matters): `L = sum(f(x) * w)`. For every element
 /// of every input, `dL/dx` from backward must match `(L(x+eps) - L(x-eps)) / 2eps` within
 /// `atol + rtol * |numeric|`. Errors name the input, element and both values.
-pub fn gradcheck(f: impl Fn(&[Var]) -> Result<Var>, inputs: &[Tensor], opts: GradcheckOptions) -> Result<()> {
-    let xs: Vec<Tensor> = inputs.iter().map(|t| t.to_dtype(DType::F64)).collect::<Result<_>>()?;
+pub fn gradcheck(
+    f: impl Fn(&[Var]) -> Result<Var>,
+    inputs: &[Tensor],
+    opts: GradcheckOptions,
+) -> Result<()> {
+    let xs: Vec<Tensor> = inputs
+        .iter()
+        .map(|t| t.to_dtype(DType::F64))
+        .collect::<Result<_>>()?;
     let leaves: Vec<Var> = xs.iter().map(|t| Var::leaf(t.clone())).collect();
     let out = f(&leaves)?;
-    let w = Tensor::rand_uniform(opts.seed, 0, -1.0, 1.0, out.tensor().shape(), DType::F64, out.tensor().device())?;
-    let loss_of = |o: &Tensor| -> Result<f64> { o.to_dtype(DType::F64)?.mul(&w)?.sum_all()?.item() };
+    let w = Tensor::rand_uniform(
+        opts.seed,
+        0,
+        -1.0,
+        1.0,
+        out.tensor().shape(),
+        DType::F64,
+        out.tensor().device(),
+    )?;
+    let loss_of =
+        |o: &Tensor| -> Result<f64> { o.to_dtype(DType::F64)?.mul(&w)?.sum_all()?.item() };
     if !out.requires_grad() {
         meshgrad_tensor::bail!("gradcheck: the output does not depend on any input");
     }

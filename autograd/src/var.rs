@@ -52,7 +52,11 @@ pub struct Var(pub(crate) Arc<VarInner>);
 
 impl std::fmt::Debug for Var {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Var({:?}, {:?}, requires_grad={}", self.0.id, self.0.value, self.0.requires_grad)?;
+        write!(
+            f,
+            "Var({:?}, {:?}, requires_grad={}",
+            self.0.id, self.0.value, self.0.requires_grad
+        )?;
         if let Some(n) = &self.0.node {
             write!(f, ", op={}", n.op)?;
         }
@@ -135,7 +139,11 @@ impl Var {
 
     /// The accumulated gradient of a leaf, if any.
     pub fn grad(&self) -> Option<Tensor> {
-        self.0.grad.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.0
+            .grad
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Replaces the accumulated gradient (data-parallel wrappers write reduced gradients here).
@@ -160,12 +168,20 @@ impl Var {
 
     /// Registers a hook run when this leaf's gradient for a backward pass is complete.
     pub fn register_grad_ready_hook(&self, hook: GradReadyHook) {
-        self.0.grad_hooks.lock().unwrap_or_else(|e| e.into_inner()).push(hook);
+        self.0
+            .grad_hooks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(hook);
     }
 
     /// Removes all gradient-ready hooks of this leaf.
     pub fn clear_grad_ready_hooks(&self) {
-        self.0.grad_hooks.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.0
+            .grad_hooks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
     }
 
     /// Registers a hook run just before the backward of the node that computed this variable.
@@ -173,10 +189,15 @@ impl Var {
     pub fn register_pre_backward_hook(&self, hook: PreBackwardHook) -> Result<()> {
         match &self.0.node {
             Some(n) => {
-                n.pre_hooks.lock().unwrap_or_else(|e| e.into_inner()).push(hook);
+                n.pre_hooks
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(hook);
                 Ok(())
             }
-            None => Err(meshgrad_tensor::Error::msg("register_pre_backward_hook: a leaf has no backward node")),
+            None => Err(meshgrad_tensor::Error::msg(
+                "register_pre_backward_hook: a leaf has no backward node",
+            )),
         }
     }
 

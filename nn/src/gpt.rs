@@ -33,11 +33,20 @@ impl GptConfig {
     /// Checks the sizes, with one-line errors.
     pub fn validate(&self) -> Result<()> {
         let c = self;
-        if c.vocab_size == 0 || c.block_size == 0 || c.n_layer == 0 || c.n_head == 0 || c.n_embd == 0 {
+        if c.vocab_size == 0
+            || c.block_size == 0
+            || c.n_layer == 0
+            || c.n_head == 0
+            || c.n_embd == 0
+        {
             meshgrad_tensor::bail!("gpt config: sizes must be positive: {c:?}");
         }
-        if c.n_embd % c.n_head != 0 {
-            meshgrad_tensor::bail!("gpt config: n_embd {} is not divisible by n_head {}", c.n_embd, c.n_head);
+        if !c.n_embd.is_multiple_of(c.n_head) {
+            meshgrad_tensor::bail!(
+                "gpt config: n_embd {} is not divisible by n_head {}",
+                c.n_embd,
+                c.n_head
+            );
         }
         if !(0.0..1.0).contains(&c.dropout) {
             meshgrad_tensor::bail!("gpt config: dropout {} must be in [0, 1)", c.dropout);
@@ -50,7 +59,11 @@ impl GptConfig {
         let (v, t, l, c) = (self.vocab_size, self.block_size, self.n_layer, self.n_embd);
         let b = if self.bias { 1 } else { 0 };
         let ln = c + b * c;
-        let block = 2 * ln + (3 * c * c + b * 3 * c) + (c * c + b * c) + (4 * c * c + b * 4 * c) + (4 * c * c + b * c);
+        let block = 2 * ln
+            + (3 * c * c + b * 3 * c)
+            + (c * c + b * c)
+            + (4 * c * c + b * 4 * c)
+            + (4 * c * c + b * c);
         v * c + t * c + l * block + ln
     }
 }
@@ -80,11 +93,24 @@ impl Gpt {
     /// only on `seed` and its name.
     pub fn new(config: GptConfig, seed: u64, dtype: DType, device: Device) -> Result<Self> {
         config.validate()?;
-        let f = ParamFactory { seed, dtype, device };
+        let f = ParamFactory {
+            seed,
+            dtype,
+            device,
+        };
         let c = config;
         let proj_std = 0.02 / (2.0 * c.n_layer as f64).sqrt();
-        let bc = BlockConfig { n_embd: c.n_embd, n_head: c.n_head, bias: c.bias, dropout: c.dropout, proj_std, eps: c.layer_norm_eps };
-        let h = (0..c.n_layer).map(|i| Block::new(&f, &format!("h.{i}"), bc).map(Arc::new)).collect::<Result<_>>()?;
+        let bc = BlockConfig {
+            n_embd: c.n_embd,
+            n_head: c.n_head,
+            bias: c.bias,
+            dropout: c.dropout,
+            proj_std,
+            eps: c.layer_norm_eps,
+        };
+        let h = (0..c.n_layer)
+            .map(|i| Block::new(&f, &format!("h.{i}"), bc).map(Arc::new))
+            .collect::<Result<_>>()?;
         Ok(Gpt {
             config,
             wte: Embedding::new(&f, "wte", c.vocab_size, c.n_embd, 0.02)?,
@@ -98,11 +124,18 @@ impl Gpt {
 
     fn check_ids(&self, ids: &Tensor) -> Result<(usize, usize)> {
         if ids.rank() != 2 || !ids.dtype().is_int() {
-            meshgrad_tensor::bail!("gpt: token ids must be an integer tensor [B, T], got {} of {}", ids.shape(), ids.dtype());
+            meshgrad_tensor::bail!(
+                "gpt: token ids must be an integer tensor [B, T], got {} of {}",
+                ids.shape(),
+                ids.dtype()
+            );
         }
         let (b, t) = (ids.dims()[0], ids.dims()[1]);
         if t > self.config.block_size || t == 0 {
-            meshgrad_tensor::bail!("gpt: sequence length {t} must be in 1..={} (block_size)", self.config.block_size);
+            meshgrad_tensor::bail!(
+                "gpt: sequence length {t} must be in 1..={} (block_size)",
+                self.config.block_size
+            );
         }
         Ok((b, t))
     }
@@ -114,7 +147,11 @@ impl Gpt {
         let x = self.wte.forward(ids)?.add(&self.wpe.forward(&pos)?)?;
         let mut x = self.drop.forward(&x, ctx)?;
         for block in &self.h {
-            x = if self.activation_checkpointing { block.forward_checkpointed(&x, ctx)? } else { block.forward(&x, ctx)? };
+            x = if self.activation_checkpointing {
+                block.forward_checkpointed(&x, ctx)?
+            } else {
+                block.forward(&x, ctx)?
+            };
         }
         self.ln_f.forward(&x)
     }
@@ -127,26 +164,51 @@ impl Gpt {
 
     /// Mean next-token cross-entropy of `ids [B, T]` against `targets [B, T]` (targets equal to
     /// `ignore_index` are skipped).
-    pub fn loss(&self, ids: &Tensor, targets: &Tensor, ctx: &ForwardCtx, ignore_index: Option<i64>) -> Result<Var> {
+    pub fn loss(
+        &self,
+        ids: &Tensor,
+        targets: &Tensor,
+        ctx: &ForwardCtx,
+        ignore_index: Option<i64>,
+    ) -> Result<Var> {
         let (b, t) = self.check_ids(ids)?;
         if targets.dims() != [b, t] {
-            meshgrad_tensor::bail!("gpt: targets {} must match ids {}", targets.shape(), ids.shape());
+            meshgrad_tensor::bail!(
+                "gpt: targets {} must match ids {}",
+                targets.shape(),
+                ids.shape()
+            );
         }
         let logits = self.forward(ids, ctx)?;
         let v = self.config.vocab_size;
-        logits.reshape((b * t, v))?.cross_entropy(&targets.reshape(b * t)?, ignore_index)
+        logits
+            .reshape((b * t, v))?
+            .cross_entropy(&targets.reshape(b * t)?, ignore_index)
     }
 
     /// Continues `prompt` (token ids) by `max_new` tokens: greedy when `temperature == 0`, else
     /// sampling from `softmax(logits / temperature)` (optionally restricted to the `top_k` most
     /// likely tokens) with the counter-based draw `(seed, position)`. The context is cropped to
     /// the last `block_size` tokens.
-    pub fn generate(&self, prompt: &[u32], max_new: usize, temperature: f64, top_k: Option<usize>, seed: u64) -> Result<Vec<u32>> {
+    pub fn generate(
+        &self,
+        prompt: &[u32],
+        max_new: usize,
+        temperature: f64,
+        top_k: Option<usize>,
+        seed: u64,
+    ) -> Result<Vec<u32>> {
         if prompt.is_empty() {
             meshgrad_tensor::bail!("generate: the prompt is empty (give at least one token)");
         }
-        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.config.vocab_size) {
-            meshgrad_tensor::bail!("generate: prompt token {bad} is outside the vocabulary (size {})", self.config.vocab_size);
+        if let Some(&bad) = prompt
+            .iter()
+            .find(|&&t| t as usize >= self.config.vocab_size)
+        {
+            meshgrad_tensor::bail!(
+                "generate: prompt token {bad} is outside the vocabulary (size {})",
+                self.config.vocab_size
+            );
         }
         let was_training = self.drop.is_training();
         self.set_training(false);
@@ -158,11 +220,19 @@ impl Gpt {
                 let ctx_tokens = &tokens[start..];
                 let ids = Tensor::from_slice(ctx_tokens, (1, ctx_tokens.len()), device)?;
                 let logits = self.forward(&ids, &ForwardCtx::default())?;
-                let last = logits.tensor().narrow(1, ctx_tokens.len() - 1, 1)?.to_vec_f64()?;
+                let last = logits
+                    .tensor()
+                    .narrow(1, ctx_tokens.len() - 1, 1)?
+                    .to_vec_f64()?;
                 let next = if temperature <= 0.0 {
                     argmax(&last)
                 } else {
-                    sample(&last, temperature, top_k, uniform_draw(seed, (tokens.len() + i) as u64))
+                    sample(
+                        &last,
+                        temperature,
+                        top_k,
+                        uniform_draw(seed, (tokens.len() + i) as u64),
+                    )
                 };
                 tokens.push(next as u32);
             }
@@ -192,11 +262,18 @@ fn argmax(v: &[f64]) -> usize {
 
 fn sample(logits: &[f64], temperature: f64, top_k: Option<usize>, u: f64) -> usize {
     let mut order: Vec<usize> = (0..logits.len()).collect();
-    order.sort_by(|&a, &b| logits[b].partial_cmp(&logits[a]).unwrap_or(std::cmp::Ordering::Equal));
+    order.sort_by(|&a, &b| {
+        logits[b]
+            .partial_cmp(&logits[a])
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
     let k = top_k.unwrap_or(logits.len()).clamp(1, logits.len());
     let kept = &order[..k];
     let max = logits[kept[0]];
-    let weights: Vec<f64> = kept.iter().map(|&i| ((logits[i] - max) / temperature).exp()).collect();
+    let weights: Vec<f64> = kept
+        .iter()
+        .map(|&i| ((logits[i] - max) / temperature).exp())
+        .collect();
     let total: f64 = weights.iter().sum();
     let mut acc = 0.0;
     for (j, w) in weights.iter().enumerate() {

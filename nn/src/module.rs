@@ -24,12 +24,18 @@ pub trait Module {
 
     /// All parameters.
     fn parameters(&self) -> Vec<Var> {
-        self.named_parameters().into_iter().map(|(_, v)| v).collect()
+        self.named_parameters()
+            .into_iter()
+            .map(|(_, v)| v)
+            .collect()
     }
 
     /// Total number of parameter elements.
     fn num_parameters(&self) -> usize {
-        self.parameters().iter().map(|p| p.tensor().elem_count()).sum()
+        self.parameters()
+            .iter()
+            .map(|p| p.tensor().elem_count())
+            .sum()
     }
 
     /// Clears every parameter's gradient.
@@ -86,7 +92,11 @@ pub struct ParamFactory {
 
 impl Default for ParamFactory {
     fn default() -> Self {
-        ParamFactory { seed: 0, dtype: DType::F32, device: Device::Cpu }
+        ParamFactory {
+            seed: 0,
+            dtype: DType::F32,
+            device: Device::Cpu,
+        }
     }
 }
 

@@ -8,13 +8,24 @@ use meshgrad_nn::{Gpt, GptConfig, Module};
 use meshgrad_tensor::{DType, Device, Tensor};
 
 fn tiny(dropout: f64) -> GptConfig {
-    GptConfig { vocab_size: 32, block_size: 16, n_layer: 2, n_head: 2, n_embd: 16, dropout, bias: true, layer_norm_eps: 1e-5 }
+    GptConfig {
+        vocab_size: 32,
+        block_size: 16,
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 16,
+        dropout,
+        bias: true,
+        layer_norm_eps: 1e-5,
+    }
 }
 
 fn batch(b: usize, t: usize, vocab: u32, seed: u64) -> (Tensor, Tensor) {
     let mut s = seed;
     let mut next = || {
-        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        s = s
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((s >> 33) as u32) % vocab
     };
     let toks: Vec<u32> = (0..b * (t + 1)).map(|_| next()).collect();
@@ -24,7 +35,10 @@ fn batch(b: usize, t: usize, vocab: u32, seed: u64) -> (Tensor, Tensor) {
         ids.extend_from_slice(&toks[r * (t + 1)..r * (t + 1) + t]);
         tg.extend_from_slice(&toks[r * (t + 1) + 1..(r + 1) * (t + 1)]);
     }
-    (Tensor::from_vec(ids, (b, t), Device::Cpu).unwrap(), Tensor::from_vec(tg, (b, t), Device::Cpu).unwrap())
+    (
+        Tensor::from_vec(ids, (b, t), Device::Cpu).unwrap(),
+        Tensor::from_vec(tg, (b, t), Device::Cpu).unwrap(),
+    )
 }
 
 #[test]
@@ -45,7 +59,10 @@ fn names_follow_gpt2_and_count_matches_config() {
         "ln_f.weight",
         "ln_f.bias",
     ] {
-        assert!(names.iter().any(|n| n == expected), "missing {expected} in {names:?}");
+        assert!(
+            names.iter().any(|n| n == expected),
+            "missing {expected} in {names:?}"
+        );
     }
     assert_eq!(names.len(), 2 + 2 * 12 + 2);
     assert_eq!(m.num_parameters(), cfg.num_parameters());
@@ -72,11 +89,23 @@ fn tiny_gpt_overfits_one_batch() {
     let cfg = tiny(0.0);
     let m = Gpt::new(cfg, 3, DType::F32, Device::Cpu).unwrap();
     let (ids, tg) = batch(4, 16, 32, 9);
-    let group = ParamGroup { params: m.named_parameters(), weight_decay: 0.0, lr_scale: 1.0 };
+    let group = ParamGroup {
+        params: m.named_parameters(),
+        weight_decay: 0.0,
+        lr_scale: 1.0,
+    };
     let mut opt = AdamW::new(vec![group], AdamWConfig::default()).unwrap();
     let ctx = ForwardCtx::default();
-    let first = m.loss(&ids, &tg, &ctx, None).unwrap().tensor().item().unwrap();
-    assert!((first - (32f64).ln()).abs() < 0.3, "initial loss {first} should be near ln(32)");
+    let first = m
+        .loss(&ids, &tg, &ctx, None)
+        .unwrap()
+        .tensor()
+        .item()
+        .unwrap();
+    assert!(
+        (first - (32f64).ln()).abs() < 0.3,
+        "initial loss {first} should be near ln(32)"
+    );
     let mut last = first;
     for _ in 0..300 {
         let loss = m.loss(&ids, &tg, &ctx, None).unwrap();
@@ -85,17 +114,31 @@ fn tiny_gpt_overfits_one_batch() {
         opt.step(3e-3).unwrap();
         last = loss.tensor().item().unwrap();
     }
-    assert!(last < 0.05, "loss after 300 steps on one batch: {last} (from {first})");
+    assert!(
+        last < 0.05,
+        "loss after 300 steps on one batch: {last} (from {first})"
+    );
 }
 
 fn grads(m: &Gpt) -> Vec<Vec<f32>> {
-    m.parameters().iter().map(|p| p.grad().expect("every parameter gets a gradient").to_vec::<f32>().unwrap()).collect()
+    m.parameters()
+        .iter()
+        .map(|p| {
+            p.grad()
+                .expect("every parameter gets a gradient")
+                .to_vec::<f32>()
+                .unwrap()
+        })
+        .collect()
 }
 
 #[test]
 fn activation_checkpointing_gives_identical_gradients() {
     let (ids, tg) = batch(2, 12, 32, 4);
-    let ctx = ForwardCtx { step: 3, first_row: 0 };
+    let ctx = ForwardCtx {
+        step: 3,
+        first_row: 0,
+    };
     let mut m = Gpt::new(tiny(0.1), 7, DType::F32, Device::Cpu).unwrap();
     let l1 = m.loss(&ids, &tg, &ctx, None).unwrap();
     l1.backward().unwrap();
@@ -106,22 +149,69 @@ fn activation_checkpointing_gives_identical_gradients() {
     l2.backward().unwrap();
     let g2 = grads(&m);
     assert_eq!(l1.tensor().item().unwrap(), l2.tensor().item().unwrap());
-    assert_eq!(g1, g2, "checkpointed gradients must be bitwise equal (same ops, same dropout masks)");
+    assert_eq!(
+        g1, g2,
+        "checkpointed gradients must be bitwise equal (same ops, same dropout masks)"
+    );
 }
 
 #[test]
 fn dropout_applies_in_training_only() {
     let (ids, tg) = batch(2, 8, 32, 1);
     let m = Gpt::new(tiny(0.5), 2, DType::F32, Device::Cpu).unwrap();
-    let ctx = ForwardCtx { step: 0, first_row: 0 };
-    let train_a = m.loss(&ids, &tg, &ctx, None).unwrap().tensor().item().unwrap();
-    let train_b = m.loss(&ids, &tg, &ForwardCtx { step: 1, first_row: 0 }, None).unwrap().tensor().item().unwrap();
+    let ctx = ForwardCtx {
+        step: 0,
+        first_row: 0,
+    };
+    let train_a = m
+        .loss(&ids, &tg, &ctx, None)
+        .unwrap()
+        .tensor()
+        .item()
+        .unwrap();
+    let train_b = m
+        .loss(
+            &ids,
+            &tg,
+            &ForwardCtx {
+                step: 1,
+                first_row: 0,
+            },
+            None,
+        )
+        .unwrap()
+        .tensor()
+        .item()
+        .unwrap();
     assert_ne!(train_a, train_b, "different steps draw different masks");
-    let again = m.loss(&ids, &tg, &ctx, None).unwrap().tensor().item().unwrap();
+    let again = m
+        .loss(&ids, &tg, &ctx, None)
+        .unwrap()
+        .tensor()
+        .item()
+        .unwrap();
     assert_eq!(train_a, again, "the same step reproduces its masks");
     m.set_training(false);
-    let e1 = m.loss(&ids, &tg, &ctx, None).unwrap().tensor().item().unwrap();
-    let e2 = m.loss(&ids, &tg, &ForwardCtx { step: 1, first_row: 0 }, None).unwrap().tensor().item().unwrap();
+    let e1 = m
+        .loss(&ids, &tg, &ctx, None)
+        .unwrap()
+        .tensor()
+        .item()
+        .unwrap();
+    let e2 = m
+        .loss(
+            &ids,
+            &tg,
+            &ForwardCtx {
+                step: 1,
+                first_row: 0,
+            },
+            None,
+        )
+        .unwrap()
+        .tensor()
+        .item()
+        .unwrap();
     assert_eq!(e1, e2);
 }
 
@@ -139,7 +229,14 @@ fn greedy_generation_is_deterministic_and_validates_input() {
     assert!(err.contains("40") && err.contains("32"), "{err}");
     // Greedy picks the argmax of the model's own last-position logits.
     let ids = Tensor::from_vec(vec![1u32, 2, 3], (1, 3), Device::Cpu).unwrap();
-    let logits = m.forward(&ids, &ForwardCtx::default()).unwrap().tensor().narrow(1, 2, 1).unwrap().to_vec_f64().unwrap();
+    let logits = m
+        .forward(&ids, &ForwardCtx::default())
+        .unwrap()
+        .tensor()
+        .narrow(1, 2, 1)
+        .unwrap()
+        .to_vec_f64()
+        .unwrap();
     let best = (0..logits.len()).fold(0, |b, i| if logits[i] > logits[b] { i } else { b });
     assert_eq!(a[0] as usize, best);
 }
@@ -148,14 +245,23 @@ fn greedy_generation_is_deterministic_and_validates_input() {
 fn bad_inputs_are_errors() {
     let m = Gpt::new(tiny(0.0), 2, DType::F32, Device::Cpu).unwrap();
     let too_long = Tensor::zeros((1, 17), DType::U32, Device::Cpu).unwrap();
-    let e = m.forward(&too_long, &ForwardCtx::default()).unwrap_err().to_string();
+    let e = m
+        .forward(&too_long, &ForwardCtx::default())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("17") && e.contains("16"), "{e}");
     let float_ids = Tensor::zeros((1, 4), DType::F32, Device::Cpu).unwrap();
     assert!(m.forward(&float_ids, &ForwardCtx::default()).is_err());
     let bad_id = Tensor::from_vec(vec![0u32, 99], (1, 2), Device::Cpu).unwrap();
-    let e = m.forward(&bad_id, &ForwardCtx::default()).unwrap_err().to_string();
+    let e = m
+        .forward(&bad_id, &ForwardCtx::default())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("99"), "{e}");
-    let bad_cfg = GptConfig { n_head: 3, ..tiny(0.0) };
+    let bad_cfg = GptConfig {
+        n_head: 3,
+        ..tiny(0.0)
+    };
     assert!(Gpt::new(bad_cfg, 0, DType::F32, Device::Cpu).is_err());
     let _ = Var::constant(too_long);
 }

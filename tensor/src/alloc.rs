@@ -30,8 +30,13 @@ const TAGS: usize = 5;
 
 impl MemoryTag {
     /// All tags, in index order.
-    pub const ALL: [MemoryTag; TAGS] =
-        [MemoryTag::Other, MemoryTag::Params, MemoryTag::Grads, MemoryTag::OptimizerState, MemoryTag::Activations];
+    pub const ALL: [MemoryTag; TAGS] = [
+        MemoryTag::Other,
+        MemoryTag::Params,
+        MemoryTag::Grads,
+        MemoryTag::OptimizerState,
+        MemoryTag::Activations,
+    ];
 }
 
 /// A set of byte counters: current and peak, in total and per tag.
@@ -80,7 +85,10 @@ impl MemoryTracker {
         match device {
             Device::Cpu => CPU.get_or_init(MemoryTracker::new).clone(),
             Device::Cuda(n) => {
-                let mut v = CUDA.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+                let mut v = CUDA
+                    .get_or_init(Default::default)
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
                 while v.len() <= n {
                     v.push(MemoryTracker::new());
                 }
@@ -118,9 +126,13 @@ impl MemoryTracker {
 
     /// Sets every peak to the current value.
     pub fn reset_peak(&self) {
-        self.peak.store(self.current.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.peak
+            .store(self.current.load(Ordering::Relaxed), Ordering::Relaxed);
         for t in 0..TAGS {
-            self.tag_peak[t].store(self.tag_current[t].load(Ordering::Relaxed), Ordering::Relaxed);
+            self.tag_peak[t].store(
+                self.tag_current[t].load(Ordering::Relaxed),
+                Ordering::Relaxed,
+            );
         }
     }
 }
@@ -161,7 +173,9 @@ pub fn with_tag<R>(tag: MemoryTag, f: impl FnOnce() -> R) -> R {
 
 /// The tracker allocations on this thread for `device` are charged to.
 pub fn current_tracker(device: Device) -> Arc<MemoryTracker> {
-    THREAD_TRACKER.with(|t| t.borrow().clone()).unwrap_or_else(|| MemoryTracker::global(device))
+    THREAD_TRACKER
+        .with(|t| t.borrow().clone())
+        .unwrap_or_else(|| MemoryTracker::global(device))
 }
 
 /// The stats of the tracker this thread charges for `device`.
@@ -187,7 +201,11 @@ impl Charge {
         let tracker = current_tracker(device);
         let tag = THREAD_TAG.with(|t| *t.borrow());
         tracker.charge(tag, bytes);
-        Charge { tracker, tag, bytes }
+        Charge {
+            tracker,
+            tag,
+            bytes,
+        }
     }
 }
 

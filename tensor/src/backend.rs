@@ -53,11 +53,31 @@ pub(crate) fn compare(op: CmpOp, a: Src<'_>, b: Src<'_>) -> Result<Storage> {
 }
 
 pub(crate) fn where_cond(cond: Src<'_>, t: Src<'_>, f: Src<'_>) -> Result<Storage> {
-    Ok(Storage::Cpu(cpu::where_cond(c(cond.0), cond.1, c(t.0), t.1, c(f.0), f.1)?))
+    Ok(Storage::Cpu(cpu::where_cond(
+        c(cond.0),
+        cond.1,
+        c(t.0),
+        t.1,
+        c(f.0),
+        f.1,
+    )?))
 }
 
-pub(crate) fn reduce(op: ReduceOp, s: Src<'_>, outer: usize, red: usize, inner: usize) -> Result<Storage> {
-    Ok(Storage::Cpu(cpu::reduce(op, c(s.0), s.1, outer, red, inner)?))
+pub(crate) fn reduce(
+    op: ReduceOp,
+    s: Src<'_>,
+    outer: usize,
+    red: usize,
+    inner: usize,
+) -> Result<Storage> {
+    Ok(Storage::Cpu(cpu::reduce(
+        op,
+        c(s.0),
+        s.1,
+        outer,
+        red,
+        inner,
+    )?))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -71,27 +91,75 @@ pub(crate) fn matmul(
     n: usize,
     k: usize,
 ) -> Result<Storage> {
-    Ok(Storage::Cpu(cpu::matmul(c(a), al, c(b), bl, batch, m, n, k)?))
+    Ok(Storage::Cpu(cpu::matmul(
+        c(a),
+        al,
+        c(b),
+        bl,
+        batch,
+        m,
+        n,
+        k,
+    )?))
 }
 
 pub(crate) fn softmax(s: Src<'_>, rows: usize, cols: usize, log: bool) -> Result<Storage> {
     Ok(Storage::Cpu(cpu::softmax(c(s.0), s.1, rows, cols, log)?))
 }
 
-pub(crate) fn softmax_backward(y: Src<'_>, dy: Src<'_>, rows: usize, cols: usize, log: bool) -> Result<Storage> {
-    Ok(Storage::Cpu(cpu::softmax_backward(c(y.0), y.1, c(dy.0), dy.1, rows, cols, log)?))
+pub(crate) fn softmax_backward(
+    y: Src<'_>,
+    dy: Src<'_>,
+    rows: usize,
+    cols: usize,
+    log: bool,
+) -> Result<Storage> {
+    Ok(Storage::Cpu(cpu::softmax_backward(
+        c(y.0),
+        y.1,
+        c(dy.0),
+        dy.1,
+        rows,
+        cols,
+        log,
+    )?))
 }
 
 pub(crate) fn gelu_backward(x: Src<'_>, dy: Src<'_>, tanh_form: bool) -> Result<Storage> {
-    Ok(Storage::Cpu(cpu::gelu_backward(c(x.0), x.1, c(dy.0), dy.1, tanh_form)?))
+    Ok(Storage::Cpu(cpu::gelu_backward(
+        c(x.0),
+        x.1,
+        c(dy.0),
+        dy.1,
+        tanh_form,
+    )?))
 }
 
 pub(crate) fn embedding(w: Src<'_>, ids: Src<'_>, vocab: usize, dim: usize) -> Result<Storage> {
-    Ok(Storage::Cpu(cpu::embedding(c(w.0), w.1, c(ids.0), ids.1, vocab, dim)?))
+    Ok(Storage::Cpu(cpu::embedding(
+        c(w.0),
+        w.1,
+        c(ids.0),
+        ids.1,
+        vocab,
+        dim,
+    )?))
 }
 
-pub(crate) fn embedding_backward(dout: Src<'_>, ids: Src<'_>, vocab: usize, dim: usize) -> Result<Storage> {
-    Ok(Storage::Cpu(cpu::embedding_backward(c(dout.0), dout.1, c(ids.0), ids.1, vocab, dim)?))
+pub(crate) fn embedding_backward(
+    dout: Src<'_>,
+    ids: Src<'_>,
+    vocab: usize,
+    dim: usize,
+) -> Result<Storage> {
+    Ok(Storage::Cpu(cpu::embedding_backward(
+        c(dout.0),
+        dout.1,
+        c(ids.0),
+        ids.1,
+        vocab,
+        dim,
+    )?))
 }
 
 pub(crate) fn layer_norm(
@@ -117,11 +185,25 @@ pub(crate) fn layer_norm_backward(
     cols: usize,
     param_grads: bool,
 ) -> Result<(Storage, Option<Storage>, Option<Storage>)> {
-    let (dx, dw, db) = fused::layer_norm_backward(cs(x), w.map(cs), cs(mean), cs(rstd), cs(dy), rows, cols, param_grads)?;
+    let (dx, dw, db) = fused::layer_norm_backward(
+        cs(x),
+        w.map(cs),
+        cs(mean),
+        cs(rstd),
+        cs(dy),
+        rows,
+        cols,
+        param_grads,
+    )?;
     Ok((Storage::Cpu(dx), dw.map(Storage::Cpu), db.map(Storage::Cpu)))
 }
 
-pub(crate) fn attention(q: Src<'_>, k: Src<'_>, v: Src<'_>, shape: AttentionShape) -> Result<(Storage, Storage)> {
+pub(crate) fn attention(
+    q: Src<'_>,
+    k: Src<'_>,
+    v: Src<'_>,
+    shape: AttentionShape,
+) -> Result<(Storage, Storage)> {
     let (o, l) = fused::attention(cs(q), cs(k), cs(v), shape)?;
     Ok((Storage::Cpu(o), Storage::Cpu(l)))
 }
@@ -136,7 +218,8 @@ pub(crate) fn attention_backward(
     dout: Src<'_>,
     shape: AttentionShape,
 ) -> Result<(Storage, Storage, Storage)> {
-    let (dq, dk, dv) = fused::attention_backward(cs(q), cs(k), cs(v), cs(out), cs(lse), cs(dout), shape)?;
+    let (dq, dk, dv) =
+        fused::attention_backward(cs(q), cs(k), cs(v), cs(out), cs(lse), cs(dout), shape)?;
     Ok((Storage::Cpu(dq), Storage::Cpu(dk), Storage::Cpu(dv)))
 }
 
@@ -161,7 +244,15 @@ pub(crate) fn cross_entropy_backward(
     cols: usize,
     ignore_index: Option<i64>,
 ) -> Result<Storage> {
-    Ok(Storage::Cpu(fused::cross_entropy_backward(cs(logits), cs(lse), cs(targets), cs(dloss), rows, cols, ignore_index)?))
+    Ok(Storage::Cpu(fused::cross_entropy_backward(
+        cs(logits),
+        cs(lse),
+        cs(targets),
+        cs(dloss),
+        rows,
+        cols,
+        ignore_index,
+    )?))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -190,5 +281,15 @@ pub(crate) fn sgd(
     weight_decay: f64,
     first_step: bool,
 ) -> Result<()> {
-    fused::sgd(c_mut(param), pl, cs(grad), c_mut(buf), bl, lr, momentum, weight_decay, first_step)
+    fused::sgd(
+        c_mut(param),
+        pl,
+        cs(grad),
+        c_mut(buf),
+        bl,
+        lr,
+        momentum,
+        weight_decay,
+        first_step,
+    )
 }

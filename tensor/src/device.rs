@@ -17,7 +17,10 @@ impl Device {
             Device::Cpu => Ok(()),
             Device::Cuda(_) => {
                 if cfg!(feature = "cuda") {
-                    Err(crate::Error::NotImplemented { op: "tensor allocation", device: self })
+                    Err(crate::Error::NotImplemented {
+                        op: "tensor allocation",
+                        device: self,
+                    })
                 } else {
                     Err(crate::Error::CudaNotBuilt(self))
                 }

@@ -60,7 +60,9 @@ pub enum Error {
         op: &'static str,
     },
     /// The CUDA backend was requested in a build without the `cuda` feature.
-    #[error("device {0} requested but meshgrad was built without CUDA (rebuild with `--features cuda`)")]
+    #[error(
+        "device {0} requested but meshgrad was built without CUDA (rebuild with `--features cuda`)"
+    )]
     CudaNotBuilt(Device),
     /// The backend exists but this op is not implemented on it.
     #[error("{op} is not implemented on {device}")]

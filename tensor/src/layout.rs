@@ -16,13 +16,21 @@ impl Layout {
     pub fn contiguous(shape: impl Into<Shape>) -> Self {
         let shape = shape.into();
         let strides = shape.contiguous_strides();
-        Layout { shape, strides, offset: 0 }
+        Layout {
+            shape,
+            strides,
+            offset: 0,
+        }
     }
 
     /// A layout from its parts.
     pub fn new(shape: Shape, strides: Vec<usize>, offset: usize) -> Self {
         debug_assert_eq!(shape.rank(), strides.len());
-        Layout { shape, strides, offset }
+        Layout {
+            shape,
+            strides,
+            offset,
+        }
     }
 
     /// The shape.
@@ -59,7 +67,8 @@ impl Layout {
 
     /// The contiguous range of storage this layout covers, if it is contiguous.
     pub fn contiguous_range(&self) -> Option<std::ops::Range<usize>> {
-        self.is_contiguous().then(|| self.offset..self.offset + self.shape.elem_count())
+        self.is_contiguous()
+            .then(|| self.offset..self.offset + self.shape.elem_count())
     }
 
     /// One past the largest storage index the layout touches (0 for an empty tensor).
@@ -67,30 +76,60 @@ impl Layout {
         if self.shape.elem_count() == 0 {
             return 0;
         }
-        self.offset + self.shape.dims().iter().zip(&self.strides).map(|(&d, &s)| (d - 1) * s).sum::<usize>() + 1
+        self.offset
+            + self
+                .shape
+                .dims()
+                .iter()
+                .zip(&self.strides)
+                .map(|(&d, &s)| (d - 1) * s)
+                .sum::<usize>()
+            + 1
     }
 
     /// Reorders dimensions: dimension `i` of the result is dimension `perm[i]` of `self`.
     pub fn permute(&self, perm: &[usize]) -> Result<Layout> {
         let rank = self.shape.rank();
         let mut seen = vec![false; rank];
-        if perm.len() != rank || perm.iter().any(|&p| p >= rank || std::mem::replace(&mut seen[p], true)) {
-            crate::bail!("permute: {perm:?} is not a permutation of the {rank} dims of a tensor of shape {}", self.shape);
+        if perm.len() != rank
+            || perm
+                .iter()
+                .any(|&p| p >= rank || std::mem::replace(&mut seen[p], true))
+        {
+            crate::bail!(
+                "permute: {perm:?} is not a permutation of the {rank} dims of a tensor of shape {}",
+                self.shape
+            );
         }
-        let dims = perm.iter().map(|&p| self.shape.dims()[p]).collect::<Vec<_>>();
+        let dims = perm
+            .iter()
+            .map(|&p| self.shape.dims()[p])
+            .collect::<Vec<_>>();
         let strides = perm.iter().map(|&p| self.strides[p]).collect();
-        Ok(Layout { shape: Shape::new(dims), strides, offset: self.offset })
+        Ok(Layout {
+            shape: Shape::new(dims),
+            strides,
+            offset: self.offset,
+        })
     }
 
     /// The sub-range `start..start+len` of dimension `dim`.
     pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Layout> {
         let size = self.shape.dims()[dim];
         if start + len > size {
-            crate::bail!("narrow: range {start}..{} out of bounds for dim {dim} of size {size} (shape {})", start + len, self.shape);
+            crate::bail!(
+                "narrow: range {start}..{} out of bounds for dim {dim} of size {size} (shape {})",
+                start + len,
+                self.shape
+            );
         }
         let mut dims = self.shape.dims().to_vec();
         dims[dim] = len;
-        Ok(Layout { shape: Shape::new(dims), strides: self.strides.clone(), offset: self.offset + start * self.strides[dim] })
+        Ok(Layout {
+            shape: Shape::new(dims),
+            strides: self.strides.clone(),
+            offset: self.offset + start * self.strides[dim],
+        })
     }
 
     /// Broadcasts to `shape` (trailing alignment; size-1 and new leading dims get stride 0).
@@ -98,7 +137,11 @@ impl Layout {
         let rank = shape.rank();
         let own = self.shape.rank();
         if own > rank {
-            return Err(Error::ShapeMismatch { op: "broadcast_as", lhs: self.shape.clone(), rhs: shape.clone() });
+            return Err(Error::ShapeMismatch {
+                op: "broadcast_as",
+                lhs: self.shape.clone(),
+                rhs: shape.clone(),
+            });
         }
         let mut strides = vec![0; rank];
         for i in 0..own {
@@ -106,10 +149,18 @@ impl Layout {
             if d == target {
                 strides[rank - own + i] = self.strides[i];
             } else if d != 1 {
-                return Err(Error::ShapeMismatch { op: "broadcast_as", lhs: self.shape.clone(), rhs: shape.clone() });
+                return Err(Error::ShapeMismatch {
+                    op: "broadcast_as",
+                    lhs: self.shape.clone(),
+                    rhs: shape.clone(),
+                });
             }
         }
-        Ok(Layout { shape: shape.clone(), strides, offset: self.offset })
+        Ok(Layout {
+            shape: shape.clone(),
+            strides,
+            offset: self.offset,
+        })
     }
 
     /// A view with a new shape of the same element count, if one exists without copying
@@ -119,12 +170,22 @@ impl Layout {
             return None;
         }
         if self.is_contiguous() {
-            return Some(Layout { shape: shape.clone(), strides: shape.contiguous_strides(), offset: self.offset });
+            return Some(Layout {
+                shape: shape.clone(),
+                strides: shape.contiguous_strides(),
+                offset: self.offset,
+            });
         }
         // General case: group old dims into chunks that are each contiguous among themselves
         // and map the new dims onto the chunks.
-        let old: Vec<(usize, usize)> =
-            self.shape.dims().iter().zip(&self.strides).filter(|(&d, _)| d != 1).map(|(&d, &s)| (d, s)).collect();
+        let old: Vec<(usize, usize)> = self
+            .shape
+            .dims()
+            .iter()
+            .zip(&self.strides)
+            .filter(|(&d, _)| d != 1)
+            .map(|(&d, &s)| (d, s))
+            .collect();
         let mut new_strides = vec![0; shape.rank()];
         let mut oi = 0;
         let mut ni = 0;
@@ -174,7 +235,11 @@ impl Layout {
         if oi != old.len() {
             return None;
         }
-        Some(Layout { shape: shape.clone(), strides: new_strides, offset: self.offset })
+        Some(Layout {
+            shape: shape.clone(),
+            strides: new_strides,
+            offset: self.offset,
+        })
     }
 }
 
@@ -194,7 +259,9 @@ mod tests {
         assert_eq!(n.offset(), 4);
         assert!(!n.is_contiguous());
         assert!(l.narrow(1, 2, 2).is_err());
-        let b = Layout::contiguous([3, 1]).broadcast_as(&Shape::from([2, 3, 5])).unwrap();
+        let b = Layout::contiguous([3, 1])
+            .broadcast_as(&Shape::from([2, 3, 5]))
+            .unwrap();
         assert_eq!(b.strides(), &[0, 1, 0]);
         assert!(l.permute(&[0, 0, 1]).is_err());
     }
@@ -202,7 +269,10 @@ mod tests {
     #[test]
     fn reshape_views() {
         let l = Layout::contiguous([2, 3, 4]);
-        assert_eq!(l.reshape_view(&Shape::from([6, 4])).unwrap().strides(), &[4, 1]);
+        assert_eq!(
+            l.reshape_view(&Shape::from([6, 4])).unwrap().strides(),
+            &[4, 1]
+        );
         // A transposed matrix cannot be flattened without a copy.
         let t = Layout::contiguous([3, 4]).permute(&[1, 0]).unwrap();
         assert!(t.reshape_view(&Shape::from([12])).is_none());

@@ -43,7 +43,11 @@ impl Shape {
         let rank = self.rank() as isize;
         let d = if dim < 0 { dim + rank } else { dim };
         if d < 0 || d >= rank {
-            return Err(Error::DimOutOfRange { op, dim, shape: self.clone() });
+            return Err(Error::DimOutOfRange {
+                op,
+                dim,
+                shape: self.clone(),
+            });
         }
         Ok(d as usize)
     }
@@ -52,15 +56,27 @@ impl Shape {
     pub fn broadcast(op: &'static str, lhs: &Shape, rhs: &Shape) -> Result<Shape> {
         let rank = lhs.rank().max(rhs.rank());
         let mut dims = vec![0; rank];
-        for i in 0..rank {
-            let l = if i < rank - lhs.rank() { 1 } else { lhs.0[i - (rank - lhs.rank())] };
-            let r = if i < rank - rhs.rank() { 1 } else { rhs.0[i - (rank - rhs.rank())] };
-            dims[i] = if l == r || r == 1 {
+        for (i, out) in dims.iter_mut().enumerate() {
+            let l = if i < rank - lhs.rank() {
+                1
+            } else {
+                lhs.0[i - (rank - lhs.rank())]
+            };
+            let r = if i < rank - rhs.rank() {
+                1
+            } else {
+                rhs.0[i - (rank - rhs.rank())]
+            };
+            *out = if l == r || r == 1 {
                 l
             } else if l == 1 {
                 r
             } else {
-                return Err(Error::ShapeMismatch { op, lhs: lhs.clone(), rhs: rhs.clone() });
+                return Err(Error::ShapeMismatch {
+                    op,
+                    lhs: lhs.clone(),
+                    rhs: rhs.clone(),
+                });
             };
         }
         Ok(Shape(dims))
@@ -140,9 +156,14 @@ mod tests {
     #[test]
     fn broadcast_rules() {
         let s = |v: &[usize]| Shape::from(v);
-        assert_eq!(Shape::broadcast("t", &s(&[2, 1, 3]), &s(&[4, 1])).unwrap(), s(&[2, 4, 3]));
+        assert_eq!(
+            Shape::broadcast("t", &s(&[2, 1, 3]), &s(&[4, 1])).unwrap(),
+            s(&[2, 4, 3])
+        );
         assert_eq!(Shape::broadcast("t", &s(&[]), &s(&[5])).unwrap(), s(&[5]));
-        let err = Shape::broadcast("add", &s(&[2, 3]), &s(&[4])).unwrap_err().to_string();
+        let err = Shape::broadcast("add", &s(&[2, 3]), &s(&[4]))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("[2, 3]") && err.contains("[4]"), "{err}");
     }
 

@@ -136,7 +136,10 @@ impl Allocation {
     pub(crate) fn new(storage: Storage) -> Self {
         let bytes = storage.len() * storage.dtype().size_in_bytes();
         let charge = Charge::new(storage.device(), bytes);
-        Allocation { storage, _charge: charge }
+        Allocation {
+            storage,
+            _charge: charge,
+        }
     }
 }
 
@@ -153,7 +156,11 @@ pub struct StorageCell {
 impl StorageCell {
     pub(crate) fn new(storage: Storage) -> Arc<Self> {
         let (dtype, device) = (storage.dtype(), storage.device());
-        Arc::new(StorageCell { inner: RwLock::new(Some(Allocation::new(storage))), dtype, device })
+        Arc::new(StorageCell {
+            inner: RwLock::new(Some(Allocation::new(storage))),
+            dtype,
+            device,
+        })
     }
 
     /// The dtype of the storage.
@@ -184,7 +191,10 @@ impl StorageCell {
 
     /// Whether the buffer is present.
     pub fn is_materialized(&self) -> bool {
-        self.inner.read().unwrap_or_else(|e| e.into_inner()).is_some()
+        self.inner
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
     }
 
     /// Frees the buffer (a no-op if already released).

@@ -31,7 +31,13 @@ pub struct Tensor(Arc<TensorInner>);
 
 impl std::fmt::Debug for Tensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Tensor[{}, {}, {}]", self.shape(), self.dtype(), self.device())
+        write!(
+            f,
+            "Tensor[{}, {}, {}]",
+            self.shape(),
+            self.dtype(),
+            self.device()
+        )
     }
 }
 
@@ -39,11 +45,19 @@ impl Tensor {
     pub(crate) fn from_storage(storage: Storage, shape: impl Into<Shape>) -> Tensor {
         let layout = Layout::contiguous(shape);
         debug_assert_eq!(layout.shape().elem_count(), storage.len());
-        Tensor(Arc::new(TensorInner { id: TensorId::next(), storage: StorageCell::new(storage), layout }))
+        Tensor(Arc::new(TensorInner {
+            id: TensorId::next(),
+            storage: StorageCell::new(storage),
+            layout,
+        }))
     }
 
     pub(crate) fn view_with(&self, layout: Layout) -> Tensor {
-        Tensor(Arc::new(TensorInner { id: TensorId::next(), storage: self.0.storage.clone(), layout }))
+        Tensor(Arc::new(TensorInner {
+            id: TensorId::next(),
+            storage: self.0.storage.clone(),
+            layout,
+        }))
     }
 
     /// This tensor's identity (views get their own).
@@ -109,24 +123,43 @@ impl Tensor {
     // ----- constructors -----
 
     /// A tensor holding `data` with `shape` on `device`.
-    pub fn from_vec<T: WithDType>(data: Vec<T>, shape: impl Into<Shape>, device: Device) -> Result<Tensor> {
+    pub fn from_vec<T: WithDType>(
+        data: Vec<T>,
+        shape: impl Into<Shape>,
+        device: Device,
+    ) -> Result<Tensor> {
         let shape = shape.into();
         if data.len() != shape.elem_count() {
-            crate::bail!("from_vec: {} elements do not fill shape {shape} ({} elements)", data.len(), shape.elem_count());
+            crate::bail!(
+                "from_vec: {} elements do not fill shape {shape} ({} elements)",
+                data.len(),
+                shape.elem_count()
+            );
         }
         Tensor::from_cpu(T::into_cpu_storage(data), shape, device)
     }
 
     /// A tensor copied from a slice.
-    pub fn from_slice<T: WithDType>(data: &[T], shape: impl Into<Shape>, device: Device) -> Result<Tensor> {
+    pub fn from_slice<T: WithDType>(
+        data: &[T],
+        shape: impl Into<Shape>,
+        device: Device,
+    ) -> Result<Tensor> {
         Tensor::from_vec(data.to_vec(), shape, device)
     }
 
     /// A tensor from a CPU buffer, moved to `device`.
-    pub fn from_cpu(storage: CpuStorage, shape: impl Into<Shape>, device: Device) -> Result<Tensor> {
+    pub fn from_cpu(
+        storage: CpuStorage,
+        shape: impl Into<Shape>,
+        device: Device,
+    ) -> Result<Tensor> {
         let shape = shape.into();
         if storage.len() != shape.elem_count() {
-            crate::bail!("from_cpu: {} elements do not fill shape {shape}", storage.len());
+            crate::bail!(
+                "from_cpu: {} elements do not fill shape {shape}",
+                storage.len()
+            );
         }
         device.check_available()?;
         Ok(Tensor::from_storage(Storage::Cpu(storage), shape))
@@ -138,7 +171,12 @@ impl Tensor {
     }
 
     /// A tensor filled with `value`.
-    pub fn full(value: f64, shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
+    pub fn full(
+        value: f64,
+        shape: impl Into<Shape>,
+        dtype: DType,
+        device: Device,
+    ) -> Result<Tensor> {
         let shape = shape.into();
         device.check_available()?;
         let n = shape.elem_count();
@@ -158,7 +196,10 @@ impl Tensor {
     pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
         let shape = shape.into();
         device.check_available()?;
-        Ok(Tensor::from_storage(Storage::Cpu(CpuStorage::zeros(dtype, shape.elem_count())), shape))
+        Ok(Tensor::from_storage(
+            Storage::Cpu(CpuStorage::zeros(dtype, shape.elem_count())),
+            shape,
+        ))
     }
 
     /// Ones.
@@ -180,26 +221,48 @@ impl Tensor {
     pub fn arange(start: i64, end: i64, dtype: DType, device: Device) -> Result<Tensor> {
         let v: Vec<f64> = (start..end.max(start)).map(|i| i as f64).collect();
         let n = v.len();
-        Tensor::from_vec(v, n, Device::Cpu)?.to_dtype(dtype)?.to_device(device)
+        Tensor::from_vec(v, n, Device::Cpu)?
+            .to_dtype(dtype)?
+            .to_device(device)
     }
 
     /// Uniform values in `[low, high)`; element `i` (row-major) takes the counter-based value
     /// `(seed, start + i)`, so a shard built with its global `start` equals the same slice of the
     /// whole tensor.
-    pub fn rand_uniform(seed: u64, start: u64, low: f64, high: f64, shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
+    pub fn rand_uniform(
+        seed: u64,
+        start: u64,
+        low: f64,
+        high: f64,
+        shape: impl Into<Shape>,
+        dtype: DType,
+        device: Device,
+    ) -> Result<Tensor> {
         let shape = shape.into();
         let mut v = vec![0f64; shape.elem_count()];
         meshgrad_kernels::rng::fill_uniform(seed, start, low, high, &mut v);
-        Tensor::from_vec(v, shape, Device::Cpu)?.to_dtype(dtype)?.to_device(device)
+        Tensor::from_vec(v, shape, Device::Cpu)?
+            .to_dtype(dtype)?
+            .to_device(device)
     }
 
     /// Normal values with the given mean and std, keyed by `(seed, start + i)` as in
     /// [`Tensor::rand_uniform`].
-    pub fn randn(seed: u64, start: u64, mean: f64, std: f64, shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
+    pub fn randn(
+        seed: u64,
+        start: u64,
+        mean: f64,
+        std: f64,
+        shape: impl Into<Shape>,
+        dtype: DType,
+        device: Device,
+    ) -> Result<Tensor> {
         let shape = shape.into();
         let mut v = vec![0f64; shape.elem_count()];
         meshgrad_kernels::rng::fill_normal(seed, start, mean, std, &mut v);
-        Tensor::from_vec(v, shape, Device::Cpu)?.to_dtype(dtype)?.to_device(device)
+        Tensor::from_vec(v, shape, Device::Cpu)?
+            .to_dtype(dtype)?
+            .to_device(device)
     }
 
     // ----- reading back -----
@@ -208,7 +271,11 @@ impl Tensor {
     /// queued device work.
     pub fn to_vec<T: WithDType>(&self) -> Result<Vec<T>> {
         if T::DTYPE != self.dtype() {
-            return Err(Error::DTypeMismatch { op: "to_vec", lhs: self.dtype(), rhs: T::DTYPE });
+            return Err(Error::DTypeMismatch {
+                op: "to_vec",
+                lhs: self.dtype(),
+                rhs: T::DTYPE,
+            });
         }
         let c = self.contiguous()?;
         let g = c.0.storage.read("to_vec")?;
@@ -234,7 +301,11 @@ impl Tensor {
     /// The value of a one-element tensor, as f64.
     pub fn item(&self) -> Result<f64> {
         if self.elem_count() != 1 {
-            crate::bail!("item: tensor of shape {} has {} elements, not 1", self.shape(), self.elem_count());
+            crate::bail!(
+                "item: tensor of shape {} has {} elements, not 1",
+                self.shape(),
+                self.elem_count()
+            );
         }
         Ok(self.to_vec_f64()?[0])
     }
@@ -273,7 +344,10 @@ impl Tensor {
             return Ok(self.clone());
         }
         device.check_available()?;
-        Err(Error::NotImplemented { op: "to_device", device })
+        Err(Error::NotImplemented {
+            op: "to_device",
+            device,
+        })
     }
 
     /// A contiguous tensor with the same values: `self` if already contiguous (at any offset),
@@ -301,7 +375,11 @@ impl Tensor {
     pub fn reshape(&self, shape: impl Into<Shape>) -> Result<Tensor> {
         let shape = shape.into();
         if shape.elem_count() != self.elem_count() {
-            return Err(Error::ShapeMismatch { op: "reshape", lhs: self.shape().clone(), rhs: shape });
+            return Err(Error::ShapeMismatch {
+                op: "reshape",
+                lhs: self.shape().clone(),
+                rhs: shape,
+            });
         }
         match self.layout().reshape_view(&shape) {
             Some(l) => Ok(self.view_with(l)),
@@ -346,28 +424,48 @@ impl Tensor {
         let rank = self.rank() as isize;
         let d = if dim < 0 { dim + rank + 1 } else { dim };
         if d < 0 || d > rank {
-            return Err(Error::DimOutOfRange { op: "unsqueeze", dim, shape: self.shape().clone() });
+            return Err(Error::DimOutOfRange {
+                op: "unsqueeze",
+                dim,
+                shape: self.shape().clone(),
+            });
         }
         let d = d as usize;
         let mut dims = self.dims().to_vec();
         let mut strides = self.layout().strides().to_vec();
-        let stride = if d < strides.len() { strides[d] * dims[d] } else { 1 };
+        let stride = if d < strides.len() {
+            strides[d] * dims[d]
+        } else {
+            1
+        };
         dims.insert(d, 1);
         strides.insert(d, stride);
-        Ok(self.view_with(Layout::new(Shape::new(dims), strides, self.layout().offset())))
+        Ok(self.view_with(Layout::new(
+            Shape::new(dims),
+            strides,
+            self.layout().offset(),
+        )))
     }
 
     /// Removes dimension `dim`, which must have size 1.
     pub fn squeeze(&self, dim: isize) -> Result<Tensor> {
         let d = self.dim("squeeze", dim)?;
         if self.dims()[d] != 1 {
-            crate::bail!("squeeze: dim {d} of shape {} has size {}, not 1", self.shape(), self.dims()[d]);
+            crate::bail!(
+                "squeeze: dim {d} of shape {} has size {}, not 1",
+                self.shape(),
+                self.dims()[d]
+            );
         }
         let mut dims = self.dims().to_vec();
         let mut strides = self.layout().strides().to_vec();
         dims.remove(d);
         strides.remove(d);
-        Ok(self.view_with(Layout::new(Shape::new(dims), strides, self.layout().offset())))
+        Ok(self.view_with(Layout::new(
+            Shape::new(dims),
+            strides,
+            self.layout().offset(),
+        )))
     }
 
     /// Splits `dim` into consecutive pieces of the given sizes (views).
@@ -375,7 +473,11 @@ impl Tensor {
         let d = self.dim("split", dim)?;
         let total: usize = sizes.iter().sum();
         if total != self.dims()[d] {
-            crate::bail!("split: sizes {sizes:?} sum to {total}, but dim {d} of shape {} has size {}", self.shape(), self.dims()[d]);
+            crate::bail!(
+                "split: sizes {sizes:?} sum to {total}, but dim {d} of shape {} has size {}",
+                self.shape(),
+                self.dims()[d]
+            );
         }
         let mut start = 0;
         sizes
@@ -392,8 +494,11 @@ impl Tensor {
     pub fn chunk(&self, n: usize, dim: isize) -> Result<Vec<Tensor>> {
         let d = self.dim("chunk", dim)?;
         let size = self.dims()[d];
-        if n == 0 || size % n != 0 {
-            crate::bail!("chunk: dim {d} of shape {} (size {size}) does not split into {n} equal chunks", self.shape());
+        if n == 0 || !size.is_multiple_of(n) {
+            crate::bail!(
+                "chunk: dim {d} of shape {} (size {size}) does not split into {n} equal chunks",
+                self.shape()
+            );
         }
         self.split(&vec![size / n; n], dim)
     }
@@ -416,9 +521,16 @@ impl Tensor {
     /// tensor views. `self` must be a full contiguous view of its storage.
     pub fn materialize_from(&self, src: &Tensor) -> Result<()> {
         if src.dtype() != self.dtype() {
-            return Err(Error::DTypeMismatch { op: "materialize_from", lhs: self.dtype(), rhs: src.dtype() });
+            return Err(Error::DTypeMismatch {
+                op: "materialize_from",
+                lhs: self.dtype(),
+                rhs: src.dtype(),
+            });
         }
-        if src.elem_count() != self.elem_count() || !self.is_contiguous() || self.layout().offset() != 0 {
+        if src.elem_count() != self.elem_count()
+            || !self.is_contiguous()
+            || self.layout().offset() != 0
+        {
             crate::bail!(
                 "materialize_from: source of shape {} does not fill the contiguous tensor of shape {}",
                 src.shape(),
@@ -435,7 +547,10 @@ impl Tensor {
         self.0.storage.read(op)
     }
 
-    pub(crate) fn write_storage(&self, op: &'static str) -> Result<crate::storage::StorageWrite<'_>> {
+    pub(crate) fn write_storage(
+        &self,
+        op: &'static str,
+    ) -> Result<crate::storage::StorageWrite<'_>> {
         self.0.storage.write(op)
     }
 }

@@ -13,14 +13,34 @@ impl Var {
     pub fn add(&self, rhs: &Var) -> Result<Var> {
         let v = self.tensor().add(rhs.tensor())?;
         let (sa, sb) = (self.tensor().shape().clone(), rhs.tensor().shape().clone());
-        Ok(Var::from_op("add", v, &[self, rhs], Box::new(move |g| Ok(vec![Some(unbroadcast(g.clone(), &sa)?), Some(unbroadcast(g.clone(), &sb)?)]))))
+        Ok(Var::from_op(
+            "add",
+            v,
+            &[self, rhs],
+            Box::new(move |g| {
+                Ok(vec![
+                    Some(unbroadcast(g.clone(), &sa)?),
+                    Some(unbroadcast(g.clone(), &sb)?),
+                ])
+            }),
+        ))
     }
 
     /// `self - rhs` (broadcasting).
     pub fn sub(&self, rhs: &Var) -> Result<Var> {
         let v = self.tensor().sub(rhs.tensor())?;
         let (sa, sb) = (self.tensor().shape().clone(), rhs.tensor().shape().clone());
-        Ok(Var::from_op("sub", v, &[self, rhs], Box::new(move |g| Ok(vec![Some(unbroadcast(g.clone(), &sa)?), Some(unbroadcast(g.neg()?, &sb)?)]))))
+        Ok(Var::from_op(
+            "sub",
+            v,
+            &[self, rhs],
+            Box::new(move |g| {
+                Ok(vec![
+                    Some(unbroadcast(g.clone(), &sa)?),
+                    Some(unbroadcast(g.neg()?, &sb)?),
+                ])
+            }),
+        ))
     }
 
     /// `self * rhs` (broadcasting).
@@ -33,8 +53,16 @@ impl Var {
             v,
             &[self, rhs],
             Box::new(move |g| {
-                let ga = if ra { Some(unbroadcast(g.mul(&b)?, a.shape())?) } else { None };
-                let gb = if rb { Some(unbroadcast(g.mul(&a)?, b.shape())?) } else { None };
+                let ga = if ra {
+                    Some(unbroadcast(g.mul(&b)?, a.shape())?)
+                } else {
+                    None
+                };
+                let gb = if rb {
+                    Some(unbroadcast(g.mul(&a)?, b.shape())?)
+                } else {
+                    None
+                };
                 Ok(vec![ga, gb])
             }),
         ))
@@ -51,9 +79,17 @@ impl Var {
             v,
             &[self, rhs],
             Box::new(move |g| {
-                let ga = if ra { Some(unbroadcast(g.div(&b)?, a.shape())?) } else { None };
+                let ga = if ra {
+                    Some(unbroadcast(g.div(&b)?, a.shape())?)
+                } else {
+                    None
+                };
                 // d(a/b)/db = -(a/b)/b
-                let gb = if rb { Some(unbroadcast(g.mul(&out)?.div(&b)?.neg()?, b.shape())?) } else { None };
+                let gb = if rb {
+                    Some(unbroadcast(g.mul(&out)?.div(&b)?.neg()?, b.shape())?)
+                } else {
+                    None
+                };
                 Ok(vec![ga, gb])
             }),
         ))
@@ -89,7 +125,10 @@ impl Var {
     /// Picks `on_true` where `cond` (a u8 mask tensor, not differentiated) is non-zero.
     pub fn where_cond(cond: &Tensor, on_true: &Var, on_false: &Var) -> Result<Var> {
         let v = cond.where_cond(on_true.tensor(), on_false.tensor())?;
-        let (st, sf) = (on_true.tensor().shape().clone(), on_false.tensor().shape().clone());
+        let (st, sf) = (
+            on_true.tensor().shape().clone(),
+            on_false.tensor().shape().clone(),
+        );
         let cond = cond.clone();
         Ok(Var::from_op(
             "where_cond",
@@ -97,7 +136,10 @@ impl Var {
             &[on_true, on_false],
             Box::new(move |g| {
                 let z = Tensor::zeros((), g.dtype(), g.device())?;
-                Ok(vec![Some(unbroadcast(cond.where_cond(g, &z)?, &st)?), Some(unbroadcast(cond.where_cond(&z, g)?, &sf)?)])
+                Ok(vec![
+                    Some(unbroadcast(cond.where_cond(g, &z)?, &st)?),
+                    Some(unbroadcast(cond.where_cond(&z, g)?, &sf)?),
+                ])
             }),
         ))
     }
@@ -105,28 +147,48 @@ impl Var {
     /// `-x`
     pub fn neg(&self) -> Result<Var> {
         let v = self.tensor().neg()?;
-        Ok(Var::from_op("neg", v, &[self], Box::new(|g| Ok(vec![Some(g.neg()?)]))))
+        Ok(Var::from_op(
+            "neg",
+            v,
+            &[self],
+            Box::new(|g| Ok(vec![Some(g.neg()?)])),
+        ))
     }
 
     /// `e^x`
     pub fn exp(&self) -> Result<Var> {
         let v = self.tensor().exp()?;
         let y = v.clone();
-        Ok(Var::from_op("exp", v, &[self], Box::new(move |g| Ok(vec![Some(g.mul(&y)?)]))))
+        Ok(Var::from_op(
+            "exp",
+            v,
+            &[self],
+            Box::new(move |g| Ok(vec![Some(g.mul(&y)?)])),
+        ))
     }
 
     /// `ln x`
     pub fn log(&self) -> Result<Var> {
         let v = self.tensor().log()?;
         let x = self.tensor().clone();
-        Ok(Var::from_op("log", v, &[self], Box::new(move |g| Ok(vec![Some(g.div(&x)?)]))))
+        Ok(Var::from_op(
+            "log",
+            v,
+            &[self],
+            Box::new(move |g| Ok(vec![Some(g.div(&x)?)])),
+        ))
     }
 
     /// `sqrt x`
     pub fn sqrt(&self) -> Result<Var> {
         let v = self.tensor().sqrt()?;
         let y = v.clone();
-        Ok(Var::from_op("sqrt", v, &[self], Box::new(move |g| Ok(vec![Some(g.div(&y)?.mul_scalar(0.5)?)]))))
+        Ok(Var::from_op(
+            "sqrt",
+            v,
+            &[self],
+            Box::new(move |g| Ok(vec![Some(g.div(&y)?.mul_scalar(0.5)?)])),
+        ))
     }
 
     /// `tanh x`
@@ -179,33 +241,58 @@ impl Var {
     pub fn gelu(&self, kind: GeluKind) -> Result<Var> {
         let x = self.tensor().clone();
         let v = x.gelu(kind)?;
-        Ok(Var::from_op("gelu", v, &[self], Box::new(move |g| Ok(vec![Some(x.gelu_backward(g, kind)?)]))))
+        Ok(Var::from_op(
+            "gelu",
+            v,
+            &[self],
+            Box::new(move |g| Ok(vec![Some(x.gelu_backward(g, kind)?)])),
+        ))
     }
 
     /// `x^p` for a constant real `p`.
     pub fn powf(&self, p: f64) -> Result<Var> {
         let x = self.tensor().clone();
         let v = x.powf(p)?;
-        Ok(Var::from_op("powf", v, &[self], Box::new(move |g| Ok(vec![Some(g.mul(&x.powf(p - 1.0)?)?.mul_scalar(p)?)]))))
+        Ok(Var::from_op(
+            "powf",
+            v,
+            &[self],
+            Box::new(move |g| Ok(vec![Some(g.mul(&x.powf(p - 1.0)?)?.mul_scalar(p)?)])),
+        ))
     }
 
     /// `x²`
     pub fn sqr(&self) -> Result<Var> {
         let x = self.tensor().clone();
         let v = x.sqr()?;
-        Ok(Var::from_op("sqr", v, &[self], Box::new(move |g| Ok(vec![Some(g.mul(&x)?.mul_scalar(2.0)?)]))))
+        Ok(Var::from_op(
+            "sqr",
+            v,
+            &[self],
+            Box::new(move |g| Ok(vec![Some(g.mul(&x)?.mul_scalar(2.0)?)])),
+        ))
     }
 
     /// `x + c`
     pub fn add_scalar(&self, c: f64) -> Result<Var> {
         let v = self.tensor().add_scalar(c)?;
-        Ok(Var::from_op("add_scalar", v, &[self], Box::new(|g| Ok(vec![Some(g.clone())]))))
+        Ok(Var::from_op(
+            "add_scalar",
+            v,
+            &[self],
+            Box::new(|g| Ok(vec![Some(g.clone())])),
+        ))
     }
 
     /// `x * c`
     pub fn mul_scalar(&self, c: f64) -> Result<Var> {
         let v = self.tensor().mul_scalar(c)?;
-        Ok(Var::from_op("mul_scalar", v, &[self], Box::new(move |g| Ok(vec![Some(g.mul_scalar(c)?)]))))
+        Ok(Var::from_op(
+            "mul_scalar",
+            v,
+            &[self],
+            Box::new(move |g| Ok(vec![Some(g.mul_scalar(c)?)])),
+        ))
     }
 
     /// Converts to another float dtype; the gradient is converted back.
@@ -215,6 +302,11 @@ impl Var {
             return Ok(self.clone());
         }
         let v = self.tensor().to_dtype(dtype)?;
-        Ok(Var::from_op("to_dtype", v, &[self], Box::new(move |g| Ok(vec![Some(g.to_dtype(from)?)]))))
+        Ok(Var::from_op(
+            "to_dtype",
+            v,
+            &[self],
+            Box::new(move |g| Ok(vec![Some(g.to_dtype(from)?)])),
+        ))
     }
 }

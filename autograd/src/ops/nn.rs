@@ -28,7 +28,11 @@ impl Var {
             v,
             &[self, rhs],
             Box::new(move |g| {
-                let ga = if ra { Some(g.matmul(&b.t()?)?.sum_to_shape(a.shape())?) } else { None };
+                let ga = if ra {
+                    Some(g.matmul(&b.t()?)?.sum_to_shape(a.shape())?)
+                } else {
+                    None
+                };
                 let gb = if rb {
                     let (k, n) = (b.dims()[b.rank() - 2], b.dims()[b.rank() - 1]);
                     if b.rank() == 2 && a.rank() > 2 {
@@ -51,14 +55,24 @@ impl Var {
     pub fn softmax(&self, dim: isize) -> Result<Var> {
         let v = self.tensor().softmax(dim)?;
         let y = v.clone();
-        Ok(Var::from_op("softmax", v, &[self], Box::new(move |g| Ok(vec![Some(y.softmax_backward(g, dim, false)?)]))))
+        Ok(Var::from_op(
+            "softmax",
+            v,
+            &[self],
+            Box::new(move |g| Ok(vec![Some(y.softmax_backward(g, dim, false)?)])),
+        ))
     }
 
     /// Log-softmax along `dim`.
     pub fn log_softmax(&self, dim: isize) -> Result<Var> {
         let v = self.tensor().log_softmax(dim)?;
         let y = v.clone();
-        Ok(Var::from_op("log_softmax", v, &[self], Box::new(move |g| Ok(vec![Some(y.softmax_backward(g, dim, true)?)]))))
+        Ok(Var::from_op(
+            "log_softmax",
+            v,
+            &[self],
+            Box::new(move |g| Ok(vec![Some(y.softmax_backward(g, dim, true)?)])),
+        ))
     }
 
     /// Layer norm over the last dim with optional affine weight and bias (fused forward and
@@ -97,7 +111,11 @@ impl Var {
     /// [`Tensor::attention`]); the backward recomputes probabilities from the saved row
     /// log-sum-exp instead of storing them.
     pub fn attention(q: &Var, k: &Var, v: &Var, causal: bool, scale: f64) -> Result<Var> {
-        let (qt, kt, vt) = (q.tensor().contiguous()?, k.tensor().contiguous()?, v.tensor().contiguous()?);
+        let (qt, kt, vt) = (
+            q.tensor().contiguous()?,
+            k.tensor().contiguous()?,
+            v.tensor().contiguous()?,
+        );
         let out = Tensor::attention(&qt, &kt, &vt, causal, scale)?;
         let (o, lse) = (out.out.clone(), out.lse);
         Ok(Var::from_op(
@@ -105,7 +123,8 @@ impl Var {
             out.out,
             &[q, k, v],
             Box::new(move |g| {
-                let (dq, dk, dv) = Tensor::attention_backward(&qt, &kt, &vt, &o, &lse, g, causal, scale)?;
+                let (dq, dk, dv) =
+                    Tensor::attention_backward(&qt, &kt, &vt, &o, &lse, g, causal, scale)?;
                 Ok(vec![Some(dq), Some(dk), Some(dv)])
             }),
         ))
@@ -119,7 +138,11 @@ impl Var {
         let (rows, lse) = logits.cross_entropy_rows(targets, ignore_index)?;
         let count = match ignore_index {
             None => targets.elem_count(),
-            Some(ix) => targets.to_vec_f64()?.iter().filter(|&&t| t as i64 != ix).count(),
+            Some(ix) => targets
+                .to_vec_f64()?
+                .iter()
+                .filter(|&&t| t as i64 != ix)
+                .count(),
         };
         let scale = 1.0 / count.max(1) as f64;
         let v = rows.sum_all()?.mul_scalar(scale)?;
@@ -130,8 +153,17 @@ impl Var {
             &[self],
             Box::new(move |g| {
                 let n = logits.dims()[0];
-                let dloss = g.to_dtype(lse.dtype())?.mul_scalar(scale)?.expand(n)?.contiguous()?;
-                Ok(vec![Some(logits.cross_entropy_backward(&lse, &targets, &dloss, ignore_index)?)])
+                let dloss = g
+                    .to_dtype(lse.dtype())?
+                    .mul_scalar(scale)?
+                    .expand(n)?
+                    .contiguous()?;
+                Ok(vec![Some(logits.cross_entropy_backward(
+                    &lse,
+                    &targets,
+                    &dloss,
+                    ignore_index,
+                )?)])
             }),
         ))
     }
@@ -146,7 +178,11 @@ impl Var {
             "embedding",
             v,
             &[table],
-            Box::new(move |g| Ok(vec![Some(g.embedding_backward(&ids, vocab)?.to_dtype(dtype)?)])),
+            Box::new(move |g| {
+                Ok(vec![Some(
+                    g.embedding_backward(&ids, vocab)?.to_dtype(dtype)?,
+                )])
+            }),
         ))
     }
 
@@ -156,9 +192,20 @@ impl Var {
             return Ok(self.clone());
         }
         let x = self.tensor();
-        let mask = Tensor::dropout_mask(spec.seed, spec.start, spec.p, x.shape(), x.dtype(), x.device())?;
+        let mask = Tensor::dropout_mask(
+            spec.seed,
+            spec.start,
+            spec.p,
+            x.shape(),
+            x.dtype(),
+            x.device(),
+        )?;
         let v = x.mul(&mask)?;
-        Ok(Var::from_op("dropout", v, &[self], Box::new(move |g| Ok(vec![Some(g.mul(&mask)?)]))))
+        Ok(Var::from_op(
+            "dropout",
+            v,
+            &[self],
+            Box::new(move |g| Ok(vec![Some(g.mul(&mask)?)])),
+        ))
     }
 }
-

@@ -6,7 +6,10 @@ use crate::Var;
 
 /// The input shape with the reduced dims kept as size 1.
 fn kept_shape(dims: &[usize], reduced: &[usize]) -> Vec<usize> {
-    dims.iter().enumerate().map(|(i, &d)| if reduced.contains(&i) { 1 } else { d }).collect()
+    dims.iter()
+        .enumerate()
+        .map(|(i, &d)| if reduced.contains(&i) { 1 } else { d })
+        .collect()
 }
 
 fn resolve(t: &Tensor, op: &'static str, dims: &[isize]) -> Result<Vec<usize>> {
@@ -20,7 +23,18 @@ impl Var {
         let v = x.sum(dims, keepdim)?;
         let kept = kept_shape(x.dims(), &resolve(x, "sum", dims)?);
         let shape = x.shape().clone();
-        Ok(Var::from_op("sum", v, &[self], Box::new(move |g| Ok(vec![Some(g.reshape(kept.clone())?.expand(shape.clone())?.contiguous()?)]))))
+        Ok(Var::from_op(
+            "sum",
+            v,
+            &[self],
+            Box::new(move |g| {
+                Ok(vec![Some(
+                    g.reshape(kept.clone())?
+                        .expand(shape.clone())?
+                        .contiguous()?,
+                )])
+            }),
+        ))
     }
 
     /// Sum of all elements (0-dim).
@@ -35,7 +49,10 @@ impl Var {
     /// Mean over `dims`.
     pub fn mean(&self, dims: &[isize], keepdim: bool) -> Result<Var> {
         let x = self.tensor();
-        let n: usize = resolve(x, "mean", dims)?.iter().map(|&d| x.dims()[d]).product();
+        let n: usize = resolve(x, "mean", dims)?
+            .iter()
+            .map(|&d| x.dims()[d])
+            .product();
         self.sum(dims, keepdim)?.mul_scalar(1.0 / n as f64)
     }
 
@@ -58,7 +75,8 @@ impl Var {
             Box::new(move |g| {
                 let mut ar = vec![1; x.rank()];
                 ar[d] = x.dims()[d];
-                let positions = Tensor::arange(0, x.dims()[d] as i64, DType::F64, x.device())?.reshape(ar)?;
+                let positions =
+                    Tensor::arange(0, x.dims()[d] as i64, DType::F64, x.device())?.reshape(ar)?;
                 let onehot = positions.eq(&idx.to_dtype(DType::F64)?)?;
                 let kept = kept_shape(x.dims(), &[d]);
                 let gk = g.reshape(kept)?;

@@ -9,7 +9,12 @@ impl Var {
     pub fn reshape(&self, shape: impl Into<Shape>) -> Result<Var> {
         let from = self.tensor().shape().clone();
         let v = self.tensor().reshape(shape)?;
-        Ok(Var::from_op("reshape", v, &[self], Box::new(move |g| Ok(vec![Some(g.reshape(from.clone())?)]))))
+        Ok(Var::from_op(
+            "reshape",
+            v,
+            &[self],
+            Box::new(move |g| Ok(vec![Some(g.reshape(from.clone())?)])),
+        ))
     }
 
     /// Reorders dims.
@@ -19,13 +24,23 @@ impl Var {
         for (i, &p) in perm.iter().enumerate() {
             inv[p] = i;
         }
-        Ok(Var::from_op("permute", v, &[self], Box::new(move |g| Ok(vec![Some(g.permute(&inv)?)]))))
+        Ok(Var::from_op(
+            "permute",
+            v,
+            &[self],
+            Box::new(move |g| Ok(vec![Some(g.permute(&inv)?)])),
+        ))
     }
 
     /// Swaps two dims.
     pub fn transpose(&self, d0: isize, d1: isize) -> Result<Var> {
         let v = self.tensor().transpose(d0, d1)?;
-        Ok(Var::from_op("transpose", v, &[self], Box::new(move |g| Ok(vec![Some(g.transpose(d0, d1)?)]))))
+        Ok(Var::from_op(
+            "transpose",
+            v,
+            &[self],
+            Box::new(move |g| Ok(vec![Some(g.transpose(d0, d1)?)])),
+        ))
     }
 
     /// Elements `start..start+len` of `dim` (a view).
@@ -49,21 +64,36 @@ impl Var {
     pub fn expand(&self, shape: impl Into<Shape>) -> Result<Var> {
         let from = self.tensor().shape().clone();
         let v = self.tensor().expand(shape)?;
-        Ok(Var::from_op("expand", v, &[self], Box::new(move |g| Ok(vec![Some(g.sum_to_shape(&from)?)]))))
+        Ok(Var::from_op(
+            "expand",
+            v,
+            &[self],
+            Box::new(move |g| Ok(vec![Some(g.sum_to_shape(&from)?)])),
+        ))
     }
 
     /// Inserts a size-1 dim.
     pub fn unsqueeze(&self, dim: isize) -> Result<Var> {
         let from = self.tensor().shape().clone();
         let v = self.tensor().unsqueeze(dim)?;
-        Ok(Var::from_op("unsqueeze", v, &[self], Box::new(move |g| Ok(vec![Some(g.reshape(from.clone())?)]))))
+        Ok(Var::from_op(
+            "unsqueeze",
+            v,
+            &[self],
+            Box::new(move |g| Ok(vec![Some(g.reshape(from.clone())?)])),
+        ))
     }
 
     /// Removes a size-1 dim.
     pub fn squeeze(&self, dim: isize) -> Result<Var> {
         let from = self.tensor().shape().clone();
         let v = self.tensor().squeeze(dim)?;
-        Ok(Var::from_op("squeeze", v, &[self], Box::new(move |g| Ok(vec![Some(g.reshape(from.clone())?)]))))
+        Ok(Var::from_op(
+            "squeeze",
+            v,
+            &[self],
+            Box::new(move |g| Ok(vec![Some(g.reshape(from.clone())?)])),
+        ))
     }
 
     /// A contiguous copy (identity for gradients).
@@ -72,7 +102,12 @@ impl Var {
             return Ok(self.clone());
         }
         let v = self.tensor().contiguous()?;
-        Ok(Var::from_op("contiguous", v, &[self], Box::new(|g| Ok(vec![Some(g.clone())]))))
+        Ok(Var::from_op(
+            "contiguous",
+            v,
+            &[self],
+            Box::new(|g| Ok(vec![Some(g.clone())])),
+        ))
     }
 
     /// Splits `dim` into pieces of the given sizes.
@@ -99,8 +134,11 @@ impl Var {
     pub fn chunk(&self, n: usize, dim: isize) -> Result<Vec<Var>> {
         let d = self.tensor().dim("chunk", dim)?;
         let size = self.tensor().dims()[d];
-        if n == 0 || size % n != 0 {
-            meshgrad_tensor::bail!("chunk: dim {d} of shape {} does not split into {n} equal chunks", self.tensor().shape());
+        if n == 0 || !size.is_multiple_of(n) {
+            meshgrad_tensor::bail!(
+                "chunk: dim {d} of shape {} does not split into {n} equal chunks",
+                self.tensor().shape()
+            );
         }
         self.split(&vec![size / n; n], dim)
     }
@@ -109,18 +147,29 @@ impl Var {
     pub fn cat(vars: &[&Var], dim: isize) -> Result<Var> {
         let ts: Vec<&Tensor> = vars.iter().map(|v| v.tensor()).collect();
         let v = Tensor::cat(&ts, dim)?;
-        let sizes: Vec<usize> = ts.iter().map(|t| t.dims()[t.dim("cat", dim).unwrap_or(0)]).collect();
+        let sizes: Vec<usize> = ts
+            .iter()
+            .map(|t| t.dims()[t.dim("cat", dim).unwrap_or(0)])
+            .collect();
         Ok(Var::from_op(
             "cat",
             v,
             vars,
-            Box::new(move |g| Ok(g.split(&sizes, dim)?.into_iter().map(|t| t.contiguous().map(Some)).collect::<Result<Vec<_>>>()?)),
+            Box::new(move |g| {
+                g.split(&sizes, dim)?
+                    .into_iter()
+                    .map(|t| t.contiguous().map(Some))
+                    .collect::<Result<Vec<_>>>()
+            }),
         ))
     }
 
     /// Stacks along a new dim.
     pub fn stack(vars: &[&Var], dim: isize) -> Result<Var> {
-        let v = vars.iter().map(|v| v.unsqueeze(dim)).collect::<Result<Vec<_>>>()?;
+        let v = vars
+            .iter()
+            .map(|v| v.unsqueeze(dim))
+            .collect::<Result<Vec<_>>>()?;
         let refs: Vec<&Var> = v.iter().collect();
         Var::cat(&refs, dim)
     }

@@ -22,9 +22,19 @@ pub struct CausalSelfAttention {
 impl CausalSelfAttention {
     /// A new attention layer named `name`; `proj_std` initialises `c_proj` (GPT-2 scales it by
     /// `1/sqrt(2 n_layer)`).
-    pub fn new(f: &ParamFactory, name: &str, n_embd: usize, n_head: usize, bias: bool, dropout: f64, proj_std: f64) -> Result<Self> {
-        if n_head == 0 || n_embd % n_head != 0 {
-            meshgrad_tensor::bail!("attention: n_embd {n_embd} is not divisible by n_head {n_head}");
+    pub fn new(
+        f: &ParamFactory,
+        name: &str,
+        n_embd: usize,
+        n_head: usize,
+        bias: bool,
+        dropout: f64,
+        proj_std: f64,
+    ) -> Result<Self> {
+        if n_head == 0 || !n_embd.is_multiple_of(n_head) {
+            meshgrad_tensor::bail!(
+                "attention: n_embd {n_embd} is not divisible by n_head {n_head}"
+            );
         }
         Ok(CausalSelfAttention {
             c_attn: Linear::new(f, &join(name, "c_attn"), n_embd, 3 * n_embd, bias, 0.02)?,
@@ -38,7 +48,10 @@ impl CausalSelfAttention {
     pub fn forward(&self, x: &Var, ctx: &ForwardCtx) -> Result<Var> {
         let dims = x.tensor().dims().to_vec();
         if dims.len() != 3 {
-            meshgrad_tensor::bail!("attention: expected input [B, T, C], got {}", x.tensor().shape());
+            meshgrad_tensor::bail!(
+                "attention: expected input [B, T, C], got {}",
+                x.tensor().shape()
+            );
         }
         let (b, t, c) = (dims[0], dims[1], dims[2]);
         let (h, d) = (self.n_head, c / self.n_head);

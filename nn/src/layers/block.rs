@@ -42,9 +42,24 @@ impl Block {
     pub fn new(f: &ParamFactory, name: &str, c: BlockConfig) -> Result<Self> {
         Ok(Block {
             ln_1: LayerNorm::new(f, &join(name, "ln_1"), c.n_embd, c.bias, c.eps)?,
-            attn: CausalSelfAttention::new(f, &join(name, "attn"), c.n_embd, c.n_head, c.bias, c.dropout, c.proj_std)?,
+            attn: CausalSelfAttention::new(
+                f,
+                &join(name, "attn"),
+                c.n_embd,
+                c.n_head,
+                c.bias,
+                c.dropout,
+                c.proj_std,
+            )?,
             ln_2: LayerNorm::new(f, &join(name, "ln_2"), c.n_embd, c.bias, c.eps)?,
-            mlp: Mlp::new(f, &join(name, "mlp"), c.n_embd, c.bias, c.dropout, c.proj_std)?,
+            mlp: Mlp::new(
+                f,
+                &join(name, "mlp"),
+                c.n_embd,
+                c.bias,
+                c.dropout,
+                c.proj_std,
+            )?,
         })
     }
 
@@ -59,7 +74,10 @@ impl Block {
     pub fn forward_checkpointed(self: &Arc<Self>, x: &Var, ctx: &ForwardCtx) -> Result<Var> {
         let me = self.clone();
         let ctx = *ctx;
-        checkpoint(Arc::new(move |xs: &[Var]| me.forward(&xs[0], &ctx)), std::slice::from_ref(x))
+        checkpoint(
+            Arc::new(move |xs: &[Var]| me.forward(&xs[0], &ctx)),
+            std::slice::from_ref(x),
+        )
     }
 }
 

@@ -29,7 +29,11 @@ pub struct Dropout {
 impl Dropout {
     /// A dropout named `name` (the name keys its random stream) with run seed `seed`.
     pub fn new(seed: u64, name: &str, p: f64) -> Self {
-        Dropout { p, training: AtomicBool::new(true), stream: name_seed(seed, name) }
+        Dropout {
+            p,
+            training: AtomicBool::new(true),
+            stream: name_seed(seed, name),
+        }
     }
 
     /// Whether masks are applied (training mode).
@@ -43,7 +47,11 @@ impl Dropout {
             return Ok(x.clone());
         }
         let t = x.tensor();
-        let row_elems = if t.rank() == 0 { 1 } else { t.elem_count() / t.dims()[0].max(1) };
+        let row_elems = if t.rank() == 0 {
+            1
+        } else {
+            t.elem_count() / t.dims()[0].max(1)
+        };
         let spec = DropoutSpec {
             p: self.p,
             seed: name_seed(self.stream, &ctx.step.to_string()),

@@ -14,7 +14,9 @@ pub struct Embedding {
 impl Embedding {
     /// A new table named `name` with entries ~ N(0, std).
     pub fn new(f: &ParamFactory, name: &str, num: usize, dim: usize, std: f64) -> Result<Self> {
-        Ok(Embedding { weight: f.param(&join(name, "weight"), (num, dim), Init::Normal(std))? })
+        Ok(Embedding {
+            weight: f.param(&join(name, "weight"), (num, dim), Init::Normal(std))?,
+        })
     }
 
     /// Looks up integer `ids` of any shape: result `ids.shape + [dim]`.

@@ -19,7 +19,11 @@ impl LayerNorm {
     /// A new layer norm named `name`.
     pub fn new(f: &ParamFactory, name: &str, dim: usize, bias: bool, eps: f64) -> Result<Self> {
         let weight = f.param(&join(name, "weight"), dim, Init::Ones)?;
-        let bias = if bias { Some(f.param(&join(name, "bias"), dim, Init::Zeros)?) } else { None };
+        let bias = if bias {
+            Some(f.param(&join(name, "bias"), dim, Init::Zeros)?)
+        } else {
+            None
+        };
         Ok(LayerNorm { weight, bias, eps })
     }
 

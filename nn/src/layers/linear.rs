@@ -16,9 +16,24 @@ pub struct Linear {
 
 impl Linear {
     /// A new layer named `name` with weights ~ N(0, std) and zero bias.
-    pub fn new(f: &ParamFactory, name: &str, in_features: usize, out_features: usize, bias: bool, std: f64) -> Result<Self> {
-        let weight = f.param(&join(name, "weight"), (out_features, in_features), Init::Normal(std))?;
-        let bias = if bias { Some(f.param(&join(name, "bias"), out_features, Init::Zeros)?) } else { None };
+    pub fn new(
+        f: &ParamFactory,
+        name: &str,
+        in_features: usize,
+        out_features: usize,
+        bias: bool,
+        std: f64,
+    ) -> Result<Self> {
+        let weight = f.param(
+            &join(name, "weight"),
+            (out_features, in_features),
+            Init::Normal(std),
+        )?;
+        let bias = if bias {
+            Some(f.param(&join(name, "bias"), out_features, Init::Zeros)?)
+        } else {
+            None
+        };
         Ok(Linear { weight, bias })
     }
 

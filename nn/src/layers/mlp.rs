@@ -20,7 +20,14 @@ pub struct Mlp {
 
 impl Mlp {
     /// A new MLP named `name`.
-    pub fn new(f: &ParamFactory, name: &str, n_embd: usize, bias: bool, dropout: f64, proj_std: f64) -> Result<Self> {
+    pub fn new(
+        f: &ParamFactory,
+        name: &str,
+        n_embd: usize,
+        bias: bool,
+        dropout: f64,
+        proj_std: f64,
+    ) -> Result<Self> {
         Ok(Mlp {
             c_fc: Linear::new(f, &join(name, "c_fc"), n_embd, 4 * n_embd, bias, 0.02)?,
             c_proj: Linear::new(f, &join(name, "c_proj"), 4 * n_embd, n_embd, bias, proj_std)?,

@@ -22,9 +22,18 @@ pub(crate) fn copy_contiguous(s: &CpuStorage, l: &Layout) -> Result<CpuStorage> 
 }
 
 /// Writes the view `sl` of `src` into the view `dl` of `dst` (same shape and dtype).
-pub(crate) fn copy_into(dst: &mut CpuStorage, dl: &Layout, src: &CpuStorage, sl: &Layout) -> Result<()> {
+pub(crate) fn copy_into(
+    dst: &mut CpuStorage,
+    dl: &Layout,
+    src: &CpuStorage,
+    sl: &Layout,
+) -> Result<()> {
     if dst.dtype() != src.dtype() {
-        return Err(Error::DTypeMismatch { op: "copy_into", lhs: dst.dtype(), rhs: src.dtype() });
+        return Err(Error::DTypeMismatch {
+            op: "copy_into",
+            lhs: dst.dtype(),
+            rhs: src.dtype(),
+        });
     }
     let contiguous_src = copy_contiguous(src, sl)?;
     macro_rules! go {
@@ -64,7 +73,8 @@ pub(crate) fn cast(s: &CpuStorage, l: &Layout, dtype: DType) -> Result<CpuStorag
         (S::F64(v), DType::F32) => S::F32(convert(v, |x| x as f32)),
         _ => {
             // General path through f64 (exact for every supported type except i64 beyond 2^53).
-            let wide: Vec<f64> = crate::cpu_map!(&c, v => v.iter().map(|&x| crate::WithDType::to_f64(x)).collect());
+            let wide: Vec<f64> =
+                crate::cpu_map!(&c, v => v.iter().map(|&x| crate::WithDType::to_f64(x)).collect());
             match dtype {
                 DType::F64 => S::F64(wide),
                 DType::F32 => S::F32(convert(&wide, |x| x as f32)),

@@ -21,15 +21,21 @@ pub(crate) fn layer_norm(
 ) -> Result<(CpuStorage, CpuStorage, CpuStorage)> {
     let dt = x.0.dtype();
     // Weight and bias are computed in the input's precision.
-    let wv = w.map(|(s, l)| floats(s, range(l), "layer_norm (weight)")).transpose()?;
-    let bv = b.map(|(s, l)| floats(s, range(l), "layer_norm (bias)")).transpose()?;
+    let wv = w
+        .map(|(s, l)| floats(s, range(l), "layer_norm (weight)"))
+        .transpose()?;
+    let bv = b
+        .map(|(s, l)| floats(s, range(l), "layer_norm (bias)"))
+        .transpose()?;
     Ok(match floats(x.0, range(x.1), "layer_norm")? {
         Floats::F32(xv) => {
             let wf = as_f32(&wv)?;
             let bf = as_f32(&bv)?;
             let mut y = vec![0f32; rows * cols];
             let (mut m, mut r) = (vec![0f32; rows], vec![0f32; rows]);
-            cpu::layer_norm::layer_norm_forward(&xv, wf, bf, rows, cols, eps, &mut y, &mut m, &mut r);
+            cpu::layer_norm::layer_norm_forward(
+                &xv, wf, bf, rows, cols, eps, &mut y, &mut m, &mut r,
+            );
             (y.into_storage(dt), CpuStorage::F32(m), CpuStorage::F32(r))
         }
         Floats::F64(xv) => {
@@ -37,7 +43,9 @@ pub(crate) fn layer_norm(
             let bf = as_f64(&bv)?;
             let mut y = vec![0f64; rows * cols];
             let (mut m, mut r) = (vec![0f64; rows], vec![0f64; rows]);
-            cpu::layer_norm::layer_norm_forward(xv, wf, bf, rows, cols, eps, &mut y, &mut m, &mut r);
+            cpu::layer_norm::layer_norm_forward(
+                xv, wf, bf, rows, cols, eps, &mut y, &mut m, &mut r,
+            );
             (CpuStorage::F64(y), CpuStorage::F64(m), CpuStorage::F64(r))
         }
     })
@@ -47,7 +55,9 @@ fn as_f32<'a>(v: &'a Option<Floats<'_>>) -> Result<Option<&'a [f32]>> {
     match v {
         None => Ok(None),
         Some(Floats::F32(c)) => Ok(Some(c)),
-        Some(Floats::F64(_)) => Err(Error::msg("layer_norm: weight/bias dtype differs from the input's")),
+        Some(Floats::F64(_)) => Err(Error::msg(
+            "layer_norm: weight/bias dtype differs from the input's",
+        )),
     }
 }
 
@@ -55,7 +65,9 @@ fn as_f64<'a>(v: &'a Option<Floats<'_>>) -> Result<Option<&'a [f64]>> {
     match v {
         None => Ok(None),
         Some(Floats::F64(c)) => Ok(Some(c)),
-        Some(Floats::F32(_)) => Err(Error::msg("layer_norm: weight/bias dtype differs from the input's")),
+        Some(Floats::F32(_)) => Err(Error::msg(
+            "layer_norm: weight/bias dtype differs from the input's",
+        )),
     }
 }
 
@@ -73,32 +85,36 @@ pub(crate) fn layer_norm_backward(
     param_grads: bool,
 ) -> Result<(CpuStorage, Option<CpuStorage>, Option<CpuStorage>)> {
     let dt = x.0.dtype();
-    let wv = w.map(|(s, l)| floats(s, range(l), "layer_norm_backward (weight)")).transpose()?;
+    let wv = w
+        .map(|(s, l)| floats(s, range(l), "layer_norm_backward (weight)"))
+        .transpose()?;
     let wdt = w.map(|(s, _)| s.dtype()).unwrap_or(dt);
-    Ok(with_floats!("layer_norm_backward", (x.0, range(x.1)) => xv, (mean.0, range(mean.1)) => mv, (rstd.0, range(rstd.1)) => rv, (dy.0, range(dy.1)) => gv; {
-        let mut dx = vec![Float::ZERO; rows * cols];
-        let mut dwv = vec![Float::ZERO; if param_grads { cols } else { 0 }];
-        let mut dbv = vec![Float::ZERO; if param_grads { cols } else { 0 }];
-        let wslice = match &wv {
-            None => None,
-            Some(f) => Some(pick(f, xv)?),
-        };
-        cpu::layer_norm::layer_norm_backward(
-            xv,
-            wslice,
-            mv,
-            rv,
-            gv,
-            rows,
-            cols,
-            &mut dx,
-            param_grads.then_some(&mut dwv[..]),
-            param_grads.then_some(&mut dbv[..]),
-        );
-        let dw = param_grads.then(|| dwv.into_storage(wdt));
-        let db = param_grads.then(|| dbv.into_storage(wdt));
-        (dx.into_storage(dt), dw, db)
-    }))
+    Ok(
+        with_floats!("layer_norm_backward", (x.0, range(x.1)) => xv, (mean.0, range(mean.1)) => mv, (rstd.0, range(rstd.1)) => rv, (dy.0, range(dy.1)) => gv; {
+            let mut dx = vec![Float::ZERO; rows * cols];
+            let mut dwv = vec![Float::ZERO; if param_grads { cols } else { 0 }];
+            let mut dbv = vec![Float::ZERO; if param_grads { cols } else { 0 }];
+            let wslice = match &wv {
+                None => None,
+                Some(f) => Some(pick(f, xv)?),
+            };
+            cpu::layer_norm::layer_norm_backward(
+                xv,
+                wslice,
+                mv,
+                rv,
+                gv,
+                rows,
+                cols,
+                &mut dx,
+                param_grads.then_some(&mut dwv[..]),
+                param_grads.then_some(&mut dbv[..]),
+            );
+            let dw = param_grads.then(|| dwv.into_storage(wdt));
+            let db = param_grads.then(|| dbv.into_storage(wdt));
+            (dx.into_storage(dt), dw, db)
+        }),
+    )
 }
 
 /// Selects the slice of `f` with the same element type as `_like`.
@@ -119,20 +135,29 @@ fn pick_slice<'a, T: 'static>(f: &'a Floats<'_>) -> Result<&'a [T]> {
             // SAFETY: T is f64 (checked by TypeId just above), so the slice types are identical.
             Ok(unsafe { std::slice::from_raw_parts(s.as_ptr() as *const T, s.len()) })
         }
-        _ => Err(Error::msg("layer_norm_backward: weight dtype differs from the input's")),
+        _ => Err(Error::msg(
+            "layer_norm_backward: weight dtype differs from the input's",
+        )),
     }
 }
 
 /// Returns `(out, lse)`.
-pub(crate) fn attention(q: In<'_>, k: In<'_>, v: In<'_>, shape: AttentionShape) -> Result<(CpuStorage, CpuStorage)> {
+pub(crate) fn attention(
+    q: In<'_>,
+    k: In<'_>,
+    v: In<'_>,
+    shape: AttentionShape,
+) -> Result<(CpuStorage, CpuStorage)> {
     let dt = q.0.dtype();
     let n = shape.batch_heads * shape.seq_q * shape.head_dim;
-    Ok(with_floats!("attention", (q.0, range(q.1)) => qv, (k.0, range(k.1)) => kv, (v.0, range(v.1)) => vv; {
-        let mut out = vec![Float::ZERO; n];
-        let mut lse = vec![Float::ZERO; shape.batch_heads * shape.seq_q];
-        cpu::attention::attention_forward(shape, qv, kv, vv, &mut out, &mut lse);
-        (out.into_storage(dt), lse.into_storage(crate::DType::F32))
-    }))
+    Ok(
+        with_floats!("attention", (q.0, range(q.1)) => qv, (k.0, range(k.1)) => kv, (v.0, range(v.1)) => vv; {
+            let mut out = vec![Float::ZERO; n];
+            let mut lse = vec![Float::ZERO; shape.batch_heads * shape.seq_q];
+            cpu::attention::attention_forward(shape, qv, kv, vv, &mut out, &mut lse);
+            (out.into_storage(dt), lse.into_storage(crate::DType::F32))
+        }),
+    )
 }
 
 /// Returns `(dq, dk, dv)`.
@@ -149,13 +174,15 @@ pub(crate) fn attention_backward(
     let dt = q.0.dtype();
     let nq = shape.batch_heads * shape.seq_q * shape.head_dim;
     let nk = shape.batch_heads * shape.seq_k * shape.head_dim;
-    Ok(with_floats!("attention_backward", (q.0, range(q.1)) => qv, (k.0, range(k.1)) => kv, (v.0, range(v.1)) => vv, (out.0, range(out.1)) => ov, (lse.0, range(lse.1)) => lv, (dout.0, range(dout.1)) => gv; {
-        let mut dq = vec![Float::ZERO; nq];
-        let mut dk = vec![Float::ZERO; nk];
-        let mut dv = vec![Float::ZERO; nk];
-        cpu::attention::attention_backward(shape, qv, kv, vv, ov, lv, gv, &mut dq, &mut dk, &mut dv);
-        (dq.into_storage(dt), dk.into_storage(dt), dv.into_storage(dt))
-    }))
+    Ok(
+        with_floats!("attention_backward", (q.0, range(q.1)) => qv, (k.0, range(k.1)) => kv, (v.0, range(v.1)) => vv, (out.0, range(out.1)) => ov, (lse.0, range(lse.1)) => lv, (dout.0, range(dout.1)) => gv; {
+            let mut dq = vec![Float::ZERO; nq];
+            let mut dk = vec![Float::ZERO; nk];
+            let mut dv = vec![Float::ZERO; nk];
+            cpu::attention::attention_backward(shape, qv, kv, vv, ov, lv, gv, &mut dq, &mut dk, &mut dv);
+            (dq.into_storage(dt), dk.into_storage(dt), dv.into_storage(dt))
+        }),
+    )
 }
 
 /// Returns `(per-row loss, lse)`, both in compute precision.
@@ -191,11 +218,13 @@ pub(crate) fn cross_entropy_backward(
 ) -> Result<CpuStorage> {
     let dt = logits.0.dtype();
     let t = ids(targets.0, targets.1, "cross_entropy_backward (targets)")?;
-    Ok(with_floats!("cross_entropy_backward", (logits.0, range(logits.1)) => x, (lse.0, range(lse.1)) => l, (dloss.0, range(dloss.1)) => g; {
-        let mut dx = vec![Float::ZERO; rows * cols];
-        cpu::cross_entropy::cross_entropy_backward(x, l, &t, rows, cols, ignore_index, g, &mut dx);
-        dx.into_storage(dt)
-    }))
+    Ok(
+        with_floats!("cross_entropy_backward", (logits.0, range(logits.1)) => x, (lse.0, range(lse.1)) => l, (dloss.0, range(dloss.1)) => g; {
+            let mut dx = vec![Float::ZERO; rows * cols];
+            cpu::cross_entropy::cross_entropy_backward(x, l, &t, rows, cols, ignore_index, g, &mut dx);
+            dx.into_storage(dt)
+        }),
+    )
 }
 
 /// Runs `f` on mutable and shared f32/f64 slices of matching type; half types are refused.
@@ -210,7 +239,12 @@ macro_rules! float_mut {
                 let $x = &mut v[$r];
                 $body
             }
-            other => return Err(Error::UnsupportedDType { op: $op, dtype: other.dtype() }),
+            other => {
+                return Err(Error::UnsupportedDType {
+                    op: $op,
+                    dtype: other.dtype(),
+                })
+            }
         }
     };
 }
@@ -220,14 +254,25 @@ fn same<'a, T: 'static>(s: &'a CpuStorage, l: &Layout, op: &'static str) -> Resu
     let any: &dyn std::any::Any = match s {
         CpuStorage::F32(v) => v,
         CpuStorage::F64(v) => v,
-        other => return Err(Error::UnsupportedDType { op, dtype: other.dtype() }),
+        other => {
+            return Err(Error::UnsupportedDType {
+                op,
+                dtype: other.dtype(),
+            })
+        }
     };
-    any.downcast_ref::<Vec<T>>()
-        .map(|v| &v[r])
-        .ok_or_else(|| Error::msg(format!("{op}: operands must all have the parameter's dtype")))
+    any.downcast_ref::<Vec<T>>().map(|v| &v[r]).ok_or_else(|| {
+        Error::msg(format!(
+            "{op}: operands must all have the parameter's dtype"
+        ))
+    })
 }
 
-fn same_mut<'a, T: 'static>(s: &'a mut CpuStorage, l: &Layout, op: &'static str) -> Result<&'a mut [T]> {
+fn same_mut<'a, T: 'static>(
+    s: &'a mut CpuStorage,
+    l: &Layout,
+    op: &'static str,
+) -> Result<&'a mut [T]> {
     let r = range(l);
     let dt = s.dtype();
     let any: &mut dyn std::any::Any = match s {
@@ -237,7 +282,11 @@ fn same_mut<'a, T: 'static>(s: &'a mut CpuStorage, l: &Layout, op: &'static str)
     };
     any.downcast_mut::<Vec<T>>()
         .map(|v| &mut v[r])
-        .ok_or_else(|| Error::msg(format!("{op}: operands must all have the parameter's dtype")))
+        .ok_or_else(|| {
+            Error::msg(format!(
+                "{op}: operands must all have the parameter's dtype"
+            ))
+        })
 }
 
 /// One AdamW step in place on `param`, `m`, `v` (all of the parameter's dtype, contiguous).

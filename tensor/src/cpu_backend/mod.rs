@@ -23,13 +23,26 @@ pub(crate) enum Floats<'a> {
 }
 
 /// Borrows (or widens) `range` of a float buffer for computing.
-pub(crate) fn floats<'a>(s: &'a CpuStorage, range: Range<usize>, op: &'static str) -> Result<Floats<'a>> {
+pub(crate) fn floats<'a>(
+    s: &'a CpuStorage,
+    range: Range<usize>,
+    op: &'static str,
+) -> Result<Floats<'a>> {
     Ok(match s {
         CpuStorage::F32(v) => Floats::F32(Cow::Borrowed(&v[range])),
         CpuStorage::F64(v) => Floats::F64(&v[range]),
-        CpuStorage::BF16(v) => Floats::F32(Cow::Owned(v[range].iter().map(|x| x.to_f32()).collect())),
-        CpuStorage::F16(v) => Floats::F32(Cow::Owned(v[range].iter().map(|x| x.to_f32()).collect())),
-        _ => return Err(Error::UnsupportedDType { op, dtype: s.dtype() }),
+        CpuStorage::BF16(v) => {
+            Floats::F32(Cow::Owned(v[range].iter().map(|x| x.to_f32()).collect()))
+        }
+        CpuStorage::F16(v) => {
+            Floats::F32(Cow::Owned(v[range].iter().map(|x| x.to_f32()).collect()))
+        }
+        _ => {
+            return Err(Error::UnsupportedDType {
+                op,
+                dtype: s.dtype(),
+            })
+        }
     })
 }
 
@@ -81,14 +94,23 @@ fn full(s: &CpuStorage) -> Range<usize> {
 }
 
 fn range(l: &Layout) -> Range<usize> {
-    l.contiguous_range().expect("the tensor layer passes contiguous layouts here")
+    l.contiguous_range()
+        .expect("the tensor layer passes contiguous layouts here")
 }
 
 fn view<'a, T>(data: &'a [T], l: &'a Layout) -> View<'a, T> {
-    View { data, offset: l.offset(), strides: l.strides() }
+    View {
+        data,
+        offset: l.offset(),
+        strides: l.strides(),
+    }
 }
 
-pub(crate) fn unary(s: &CpuStorage, l: &Layout, op: cpu::elementwise::UnaryOp) -> Result<CpuStorage> {
+pub(crate) fn unary(
+    s: &CpuStorage,
+    l: &Layout,
+    op: cpu::elementwise::UnaryOp,
+) -> Result<CpuStorage> {
     let dt = s.dtype();
     let n = l.shape().elem_count();
     if l.is_contiguous() {
@@ -112,11 +134,13 @@ pub(crate) fn binary(
     let dt = a.dtype();
     let shape = al.dims();
     let n = al.shape().elem_count();
-    Ok(with_floats!("binary", (a, full(a)) => x, (b, full(b)) => y; {
-        let mut out = vec![Float::ZERO; n];
-        cpu::elementwise::binary(op, shape, view(x, al), view(y, bl), &mut out);
-        out.into_storage(dt)
-    }))
+    Ok(
+        with_floats!("binary", (a, full(a)) => x, (b, full(b)) => y; {
+            let mut out = vec![Float::ZERO; n];
+            cpu::elementwise::binary(op, shape, view(x, al), view(y, bl), &mut out);
+            out.into_storage(dt)
+        }),
+    )
 }
 
 pub(crate) fn compare(
@@ -144,7 +168,10 @@ pub(crate) fn where_cond(
     fl: &Layout,
 ) -> Result<CpuStorage> {
     let CpuStorage::U8(cond) = c else {
-        return Err(Error::UnsupportedDType { op: "where_cond (condition)", dtype: c.dtype() });
+        return Err(Error::UnsupportedDType {
+            op: "where_cond (condition)",
+            dtype: c.dtype(),
+        });
     };
     let shape = cl.dims();
     let n = cl.shape().elem_count();
@@ -171,9 +198,23 @@ pub(crate) enum ReduceOp {
     ArgMax,
 }
 
-pub(crate) fn reduce(op: ReduceOp, s: &CpuStorage, l: &Layout, outer: usize, red: usize, inner: usize) -> Result<CpuStorage> {
+pub(crate) fn reduce(
+    op: ReduceOp,
+    s: &CpuStorage,
+    l: &Layout,
+    outer: usize,
+    red: usize,
+    inner: usize,
+) -> Result<CpuStorage> {
     let dt = s.dtype();
-    let mut idx = vec![0i64; if op == ReduceOp::ArgMax { outer * inner } else { 0 }];
+    let mut idx = vec![
+        0i64;
+        if op == ReduceOp::ArgMax {
+            outer * inner
+        } else {
+            0
+        }
+    ];
     let out = with_floats!("reduce", (s, range(l)) => x; {
         let mut out = vec![Float::ZERO; outer * inner];
         match op {
@@ -183,7 +224,11 @@ pub(crate) fn reduce(op: ReduceOp, s: &CpuStorage, l: &Layout, outer: usize, red
         }
         out.into_storage(dt)
     });
-    Ok(if op == ReduceOp::ArgMax { CpuStorage::I64(idx) } else { out })
+    Ok(if op == ReduceOp::ArgMax {
+        CpuStorage::I64(idx)
+    } else {
+        out
+    })
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -198,15 +243,28 @@ pub(crate) fn matmul(
     k: usize,
 ) -> Result<CpuStorage> {
     let dt = a.dtype();
-    let cl = MatrixLayout { offset: 0, batch_stride: m * n, row_stride: n, col_stride: 1 };
-    Ok(with_floats!("matmul", (a, full(a)) => x, (b, full(b)) => y; {
-        let mut out = vec![Float::ZERO; batch * m * n];
-        cpu::matmul::matmul(batch, m, n, k, x, al, y, bl, &mut out, cl, false);
-        out.into_storage(dt)
-    }))
+    let cl = MatrixLayout {
+        offset: 0,
+        batch_stride: m * n,
+        row_stride: n,
+        col_stride: 1,
+    };
+    Ok(
+        with_floats!("matmul", (a, full(a)) => x, (b, full(b)) => y; {
+            let mut out = vec![Float::ZERO; batch * m * n];
+            cpu::matmul::matmul(batch, m, n, k, x, al, y, bl, &mut out, cl, false);
+            out.into_storage(dt)
+        }),
+    )
 }
 
-pub(crate) fn softmax(s: &CpuStorage, l: &Layout, rows: usize, cols: usize, log: bool) -> Result<CpuStorage> {
+pub(crate) fn softmax(
+    s: &CpuStorage,
+    l: &Layout,
+    rows: usize,
+    cols: usize,
+    log: bool,
+) -> Result<CpuStorage> {
     let dt = s.dtype();
     Ok(with_floats!("softmax", (s, range(l)) => x; {
         let mut out = vec![Float::ZERO; rows * cols];
@@ -230,25 +288,35 @@ pub(crate) fn softmax_backward(
     log: bool,
 ) -> Result<CpuStorage> {
     let dt = y.dtype();
-    Ok(with_floats!("softmax_backward", (y, range(yl)) => a, (dy, range(dyl)) => g; {
-        let mut out = vec![Float::ZERO; rows * cols];
-        if log {
-            cpu::softmax::log_softmax_backward(a, g, rows, cols, &mut out);
-        } else {
-            cpu::softmax::softmax_backward(a, g, rows, cols, &mut out);
-        }
-        out.into_storage(dt)
-    }))
+    Ok(
+        with_floats!("softmax_backward", (y, range(yl)) => a, (dy, range(dyl)) => g; {
+            let mut out = vec![Float::ZERO; rows * cols];
+            if log {
+                cpu::softmax::log_softmax_backward(a, g, rows, cols, &mut out);
+            } else {
+                cpu::softmax::softmax_backward(a, g, rows, cols, &mut out);
+            }
+            out.into_storage(dt)
+        }),
+    )
 }
 
-pub(crate) fn gelu_backward(x: &CpuStorage, xl: &Layout, dy: &CpuStorage, dyl: &Layout, tanh_form: bool) -> Result<CpuStorage> {
+pub(crate) fn gelu_backward(
+    x: &CpuStorage,
+    xl: &Layout,
+    dy: &CpuStorage,
+    dyl: &Layout,
+    tanh_form: bool,
+) -> Result<CpuStorage> {
     let dt = x.dtype();
     let n = xl.shape().elem_count();
-    Ok(with_floats!("gelu_backward", (x, range(xl)) => a, (dy, range(dyl)) => g; {
-        let mut out = vec![Float::ZERO; n];
-        cpu::elementwise::gelu_backward(tanh_form, a, g, &mut out);
-        out.into_storage(dt)
-    }))
+    Ok(
+        with_floats!("gelu_backward", (x, range(xl)) => a, (dy, range(dyl)) => g; {
+            let mut out = vec![Float::ZERO; n];
+            cpu::elementwise::gelu_backward(tanh_form, a, g, &mut out);
+            out.into_storage(dt)
+        }),
+    )
 }
 
 /// Borrows (or widens) ids as i64.
@@ -258,11 +326,23 @@ pub(crate) fn ids<'a>(s: &'a CpuStorage, l: &Layout, op: &'static str) -> Result
         CpuStorage::I64(v) => Cow::Borrowed(&v[r]),
         CpuStorage::U32(v) => Cow::Owned(v[r].iter().map(|&x| x as i64).collect()),
         CpuStorage::U8(v) => Cow::Owned(v[r].iter().map(|&x| x as i64).collect()),
-        _ => return Err(Error::UnsupportedDType { op, dtype: s.dtype() }),
+        _ => {
+            return Err(Error::UnsupportedDType {
+                op,
+                dtype: s.dtype(),
+            })
+        }
     })
 }
 
-pub(crate) fn embedding(w: &CpuStorage, wl: &Layout, ids_s: &CpuStorage, il: &Layout, vocab: usize, dim: usize) -> Result<CpuStorage> {
+pub(crate) fn embedding(
+    w: &CpuStorage,
+    wl: &Layout,
+    ids_s: &CpuStorage,
+    il: &Layout,
+    vocab: usize,
+    dim: usize,
+) -> Result<CpuStorage> {
     let ids = ids(ids_s, il, "embedding (ids)")?;
     let r = range(wl);
     let err;

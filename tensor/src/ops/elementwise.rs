@@ -19,10 +19,16 @@ impl Tensor {
     fn binary_op(&self, rhs: &Tensor, op: BinaryOp, name: &'static str) -> Result<Tensor> {
         same_kind(name, self, rhs)?;
         if !self.dtype().is_float() {
-            return Err(crate::Error::UnsupportedDType { op: name, dtype: self.dtype() });
+            return Err(crate::Error::UnsupportedDType {
+                op: name,
+                dtype: self.dtype(),
+            });
         }
         let shape = Shape::broadcast(name, self.shape(), rhs.shape())?;
-        let (la, lb) = (self.layout().broadcast_as(&shape)?, rhs.layout().broadcast_as(&shape)?);
+        let (la, lb) = (
+            self.layout().broadcast_as(&shape)?,
+            rhs.layout().broadcast_as(&shape)?,
+        );
         let (ga, gb) = (self.read_storage(name)?, rhs.read_storage(name)?);
         let s = backend::binary(op, (&ga, &la), (&gb, &lb))?;
         Ok(Tensor::from_storage(s, shape))
@@ -60,7 +66,10 @@ impl Tensor {
 
     fn unary_op(&self, op: UnaryOp, name: &'static str) -> Result<Tensor> {
         if !self.dtype().is_float() {
-            return Err(crate::Error::UnsupportedDType { op: name, dtype: self.dtype() });
+            return Err(crate::Error::UnsupportedDType {
+                op: name,
+                dtype: self.dtype(),
+            });
         }
         let g = self.read_storage(name)?;
         let s = backend::unary((&g, self.layout()), op)?;
@@ -131,11 +140,22 @@ impl Tensor {
     pub fn gelu_backward(&self, dy: &Tensor, kind: GeluKind) -> Result<Tensor> {
         same_kind("gelu_backward", self, dy)?;
         if self.shape() != dy.shape() {
-            return Err(crate::Error::ShapeMismatch { op: "gelu_backward", lhs: self.shape().clone(), rhs: dy.shape().clone() });
+            return Err(crate::Error::ShapeMismatch {
+                op: "gelu_backward",
+                lhs: self.shape().clone(),
+                rhs: dy.shape().clone(),
+            });
         }
         let (x, dy) = (self.contiguous()?, dy.contiguous()?);
-        let (gx, gd) = (x.read_storage("gelu_backward")?, dy.read_storage("gelu_backward")?);
-        let s = backend::gelu_backward((&gx, x.layout()), (&gd, dy.layout()), kind == GeluKind::Tanh)?;
+        let (gx, gd) = (
+            x.read_storage("gelu_backward")?,
+            dy.read_storage("gelu_backward")?,
+        );
+        let s = backend::gelu_backward(
+            (&gx, x.layout()),
+            (&gd, dy.layout()),
+            kind == GeluKind::Tanh,
+        )?;
         Ok(Tensor::from_storage(s, x.shape()))
     }
 
@@ -147,7 +167,10 @@ impl Tensor {
             (self.to_dtype(DType::F64)?, rhs.to_dtype(DType::F64)?)
         };
         let shape = Shape::broadcast(name, a.shape(), b.shape())?;
-        let (la, lb) = (a.layout().broadcast_as(&shape)?, b.layout().broadcast_as(&shape)?);
+        let (la, lb) = (
+            a.layout().broadcast_as(&shape)?,
+            b.layout().broadcast_as(&shape)?,
+        );
         let (ga, gb) = (a.read_storage(name)?, b.read_storage(name)?);
         let s = backend::compare(op, (&ga, &la), (&gb, &lb))?;
         Ok(Tensor::from_storage(s, shape))
@@ -181,7 +204,10 @@ impl Tensor {
     /// Picks `on_true` where `self` (a u8 mask) is non-zero, else `on_false`; all three broadcast.
     pub fn where_cond(&self, on_true: &Tensor, on_false: &Tensor) -> Result<Tensor> {
         if self.dtype() != DType::U8 {
-            return Err(crate::Error::UnsupportedDType { op: "where_cond (condition must be u8)", dtype: self.dtype() });
+            return Err(crate::Error::UnsupportedDType {
+                op: "where_cond (condition must be u8)",
+                dtype: self.dtype(),
+            });
         }
         same_kind("where_cond", on_true, on_false)?;
         super::same_device("where_cond", self, on_true)?;
@@ -192,8 +218,11 @@ impl Tensor {
             on_true.layout().broadcast_as(&shape)?,
             on_false.layout().broadcast_as(&shape)?,
         );
-        let (gc, gt, gf) =
-            (self.read_storage("where_cond")?, on_true.read_storage("where_cond")?, on_false.read_storage("where_cond")?);
+        let (gc, gt, gf) = (
+            self.read_storage("where_cond")?,
+            on_true.read_storage("where_cond")?,
+            on_false.read_storage("where_cond")?,
+        );
         let s = backend::where_cond((&gc, &lc), (&gt, &lt), (&gf, &lf))?;
         Ok(Tensor::from_storage(s, shape))
     }

@@ -9,10 +9,18 @@ impl Tensor {
     pub fn copy_from(&self, src: &Tensor) -> Result<()> {
         same_kind("copy_from", self, src)?;
         if self.shape() != src.shape() {
-            return Err(Error::ShapeMismatch { op: "copy_from", lhs: self.shape().clone(), rhs: src.shape().clone() });
+            return Err(Error::ShapeMismatch {
+                op: "copy_from",
+                lhs: self.shape().clone(),
+                rhs: src.shape().clone(),
+            });
         }
         // A source sharing our storage is copied first so the read and the write never overlap.
-        let src = if self.same_storage(src) { src.deep_clone()? } else { src.clone() };
+        let src = if self.same_storage(src) {
+            src.deep_clone()?
+        } else {
+            src.clone()
+        };
         let gs = src.read_storage("copy_from")?;
         let mut gd = self.write_storage("copy_from")?;
         backend::copy_into(&mut gd, self.layout(), (&gs, src.layout()))
@@ -28,19 +36,30 @@ impl Tensor {
     pub fn add_assign(&self, other: &Tensor) -> Result<()> {
         let sum = self.add(other)?;
         if sum.shape() != self.shape() {
-            return Err(Error::ShapeMismatch { op: "add_assign", lhs: self.shape().clone(), rhs: other.shape().clone() });
+            return Err(Error::ShapeMismatch {
+                op: "add_assign",
+                lhs: self.shape().clone(),
+                rhs: other.shape().clone(),
+            });
         }
         self.copy_from(&sum)
     }
 
     fn check_flat(&self, others: &[&Tensor], op: &'static str) -> Result<()> {
         if !self.is_contiguous() {
-            crate::bail!("{op}: the parameter (shape {}) must be contiguous", self.shape());
+            crate::bail!(
+                "{op}: the parameter (shape {}) must be contiguous",
+                self.shape()
+            );
         }
         for o in others {
             same_kind(op, self, o)?;
             if o.shape() != self.shape() || !o.is_contiguous() {
-                return Err(Error::ShapeMismatch { op, lhs: self.shape().clone(), rhs: o.shape().clone() });
+                return Err(Error::ShapeMismatch {
+                    op,
+                    lhs: self.shape().clone(),
+                    rhs: o.shape().clone(),
+                });
             }
         }
         Ok(())
@@ -48,21 +67,54 @@ impl Tensor {
 
     /// One AdamW step in place: `self` is the parameter, `m` and `v` the moment buffers (all
     /// contiguous, of one dtype and shape).
-    pub fn adamw_step_(&self, grad: &Tensor, m: &Tensor, v: &Tensor, hp: &super::AdamWStep) -> Result<()> {
+    pub fn adamw_step_(
+        &self,
+        grad: &Tensor,
+        m: &Tensor,
+        v: &Tensor,
+        hp: &super::AdamWStep,
+    ) -> Result<()> {
         self.check_flat(&[grad, m, v], "adamw_step")?;
         let g = grad.read_storage("adamw_step")?;
         let mut p = self.write_storage("adamw_step")?;
         let mut gm = m.write_storage("adamw_step")?;
         let mut gv = v.write_storage("adamw_step")?;
-        backend::adamw(&mut p, self.layout(), (&g, grad.layout()), &mut gm, m.layout(), &mut gv, v.layout(), hp)
+        backend::adamw(
+            &mut p,
+            self.layout(),
+            (&g, grad.layout()),
+            &mut gm,
+            m.layout(),
+            &mut gv,
+            v.layout(),
+            hp,
+        )
     }
 
     /// One SGD-with-momentum step in place (PyTorch semantics, see the kernel).
-    pub fn sgd_step_(&self, grad: &Tensor, buf: &Tensor, lr: f64, momentum: f64, weight_decay: f64, first_step: bool) -> Result<()> {
+    pub fn sgd_step_(
+        &self,
+        grad: &Tensor,
+        buf: &Tensor,
+        lr: f64,
+        momentum: f64,
+        weight_decay: f64,
+        first_step: bool,
+    ) -> Result<()> {
         self.check_flat(&[grad, buf], "sgd_step")?;
         let g = grad.read_storage("sgd_step")?;
         let mut p = self.write_storage("sgd_step")?;
         let mut b = buf.write_storage("sgd_step")?;
-        backend::sgd(&mut p, self.layout(), (&g, grad.layout()), &mut b, buf.layout(), lr, momentum, weight_decay, first_step)
+        backend::sgd(
+            &mut p,
+            self.layout(),
+            (&g, grad.layout()),
+            &mut b,
+            buf.layout(),
+            lr,
+            momentum,
+            weight_decay,
+            first_step,
+        )
     }
 }

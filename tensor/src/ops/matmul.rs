@@ -11,7 +11,12 @@ use crate::{backend, Error, Layout, Result, Shape, Tensor};
 fn batch_stride(l: &Layout, nbatch: usize) -> Option<usize> {
     let dims = &l.dims()[..nbatch];
     let strides = &l.strides()[..nbatch];
-    let live: Vec<(usize, usize)> = dims.iter().zip(strides).filter(|(&d, _)| d != 1).map(|(&d, &s)| (d, s)).collect();
+    let live: Vec<(usize, usize)> = dims
+        .iter()
+        .zip(strides)
+        .filter(|(&d, _)| d != 1)
+        .map(|(&d, &s)| (d, s))
+        .collect();
     if live.is_empty() {
         return Some(0);
     }
@@ -31,17 +36,29 @@ impl Tensor {
     pub fn matmul(&self, rhs: &Tensor) -> Result<Tensor> {
         same_kind("matmul", self, rhs)?;
         if self.rank() < 2 || rhs.rank() < 2 {
-            crate::bail!("matmul: operands need rank >= 2, got {} and {}", self.shape(), rhs.shape());
+            crate::bail!(
+                "matmul: operands need rank >= 2, got {} and {}",
+                self.shape(),
+                rhs.shape()
+            );
         }
         let (m, k) = (self.dims()[self.rank() - 2], self.dims()[self.rank() - 1]);
         let (k2, n) = (rhs.dims()[rhs.rank() - 2], rhs.dims()[rhs.rank() - 1]);
         if k != k2 {
-            return Err(Error::ShapeMismatch { op: "matmul", lhs: self.shape().clone(), rhs: rhs.shape().clone() });
+            return Err(Error::ShapeMismatch {
+                op: "matmul",
+                lhs: self.shape().clone(),
+                rhs: rhs.shape().clone(),
+            });
         }
         let ba = Shape::from(&self.dims()[..self.rank() - 2]);
         let bb = Shape::from(&rhs.dims()[..rhs.rank() - 2]);
-        let batch_shape = Shape::broadcast("matmul", &ba, &bb)
-            .map_err(|_| Error::ShapeMismatch { op: "matmul", lhs: self.shape().clone(), rhs: rhs.shape().clone() })?;
+        let batch_shape =
+            Shape::broadcast("matmul", &ba, &bb).map_err(|_| Error::ShapeMismatch {
+                op: "matmul",
+                lhs: self.shape().clone(),
+                rhs: rhs.shape().clone(),
+            })?;
         let nb = batch_shape.rank();
         let batch = batch_shape.elem_count();
         let mut out_dims = batch_shape.dims().to_vec();
@@ -65,9 +82,18 @@ impl Tensor {
                 let (rs, cs) = (la.strides()[nb], la.strides()[nb + 1]);
                 // Row i of batch b sits at b*sa + i*rs; that is one progression of batch*m rows
                 // when sa == m*rs (or trivially when m == 1).
-                let row_stride = if m == 1 { Some(sa) } else { (sa == m * rs).then_some(rs) };
+                let row_stride = if m == 1 {
+                    Some(sa)
+                } else {
+                    (sa == m * rs).then_some(rs)
+                };
                 if let Some(row_stride) = row_stride {
-                    let al = MatrixLayout { offset: la.offset(), batch_stride: 0, row_stride, col_stride: cs };
+                    let al = MatrixLayout {
+                        offset: la.offset(),
+                        batch_stride: 0,
+                        row_stride,
+                        col_stride: cs,
+                    };
                     let bl = mat(&lb, nb, 0);
                     let (ga, gb) = (a.read_storage("matmul")?, b.read_storage("matmul")?);
                     let s = backend::matmul(&ga, al, &gb, bl, 1, batch * m, n, k)?;
@@ -98,5 +124,10 @@ impl Tensor {
 }
 
 fn mat(l: &Layout, nb: usize, batch_stride: usize) -> MatrixLayout {
-    MatrixLayout { offset: l.offset(), batch_stride, row_stride: l.strides()[nb], col_stride: l.strides()[nb + 1] }
+    MatrixLayout {
+        offset: l.offset(),
+        batch_stride,
+        row_stride: l.strides()[nb],
+        col_stride: l.strides()[nb + 1],
+    }
 }

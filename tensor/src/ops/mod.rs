@@ -17,10 +17,18 @@ use crate::{Error, Tensor};
 /// Checks that two tensors share a device and dtype.
 pub(crate) fn same_kind(op: &'static str, a: &Tensor, b: &Tensor) -> crate::Result<()> {
     if a.device() != b.device() {
-        return Err(Error::DeviceMismatch { op, lhs: a.device(), rhs: b.device() });
+        return Err(Error::DeviceMismatch {
+            op,
+            lhs: a.device(),
+            rhs: b.device(),
+        });
     }
     if a.dtype() != b.dtype() {
-        return Err(Error::DTypeMismatch { op, lhs: a.dtype(), rhs: b.dtype() });
+        return Err(Error::DTypeMismatch {
+            op,
+            lhs: a.dtype(),
+            rhs: b.dtype(),
+        });
     }
     Ok(())
 }
@@ -28,7 +36,11 @@ pub(crate) fn same_kind(op: &'static str, a: &Tensor, b: &Tensor) -> crate::Resu
 /// Checks that two tensors share a device.
 pub(crate) fn same_device(op: &'static str, a: &Tensor, b: &Tensor) -> crate::Result<()> {
     if a.device() != b.device() {
-        return Err(Error::DeviceMismatch { op, lhs: a.device(), rhs: b.device() });
+        return Err(Error::DeviceMismatch {
+            op,
+            lhs: a.device(),
+            rhs: b.device(),
+        });
     }
     Ok(())
 }

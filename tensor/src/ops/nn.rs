@@ -28,7 +28,7 @@ pub struct AttentionOutput {
 
 fn rows_cols(t: &Tensor) -> (usize, usize) {
     let cols = *t.dims().last().unwrap_or(&1);
-    let rows = if cols == 0 { 0 } else { t.elem_count() / cols };
+    let rows = t.elem_count().checked_div(cols).unwrap_or(0);
     (rows, cols)
 }
 
@@ -38,7 +38,10 @@ impl Tensor {
         let d = self.dim(name, dim)?;
         let last = self.rank() - 1;
         if d != last {
-            return self.transpose(d as isize, last as isize)?.softmax_impl(-1, log)?.transpose(d as isize, last as isize);
+            return self
+                .transpose(d as isize, last as isize)?
+                .softmax_impl(-1, log)?
+                .transpose(d as isize, last as isize);
         }
         let x = self.contiguous()?;
         let (rows, cols) = rows_cols(&x);
@@ -65,30 +68,51 @@ impl Tensor {
         let last = self.rank() - 1;
         if d != last {
             let (a, b) = (d as isize, last as isize);
-            return self.transpose(a, b)?.softmax_backward(&dy.transpose(a, b)?, -1, log)?.transpose(a, b);
+            return self
+                .transpose(a, b)?
+                .softmax_backward(&dy.transpose(a, b)?, -1, log)?
+                .transpose(a, b);
         }
         let (y, dy) = (self.contiguous()?, dy.contiguous()?);
         let (rows, cols) = rows_cols(&y);
-        let (gy, gd) = (y.read_storage("softmax_backward")?, dy.read_storage("softmax_backward")?);
+        let (gy, gd) = (
+            y.read_storage("softmax_backward")?,
+            dy.read_storage("softmax_backward")?,
+        );
         let s = backend::softmax_backward((&gy, y.layout()), (&gd, dy.layout()), rows, cols, log)?;
         Ok(Tensor::from_storage(s, y.shape()))
     }
 
     /// Layer norm over the last dim with optional affine `weight` and `bias` (shape `[C]`).
-    pub fn layer_norm(&self, weight: Option<&Tensor>, bias: Option<&Tensor>, eps: f64) -> Result<LayerNormOutput> {
+    pub fn layer_norm(
+        &self,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        eps: f64,
+    ) -> Result<LayerNormOutput> {
         let (rows, cols) = rows_cols(self);
         for p in [weight, bias].into_iter().flatten() {
             same_device("layer_norm", self, p)?;
             if p.dims() != [cols] {
-                return Err(Error::ShapeMismatch { op: "layer_norm (weight/bias vs last dim)", lhs: self.shape().clone(), rhs: p.shape().clone() });
+                return Err(Error::ShapeMismatch {
+                    op: "layer_norm (weight/bias vs last dim)",
+                    lhs: self.shape().clone(),
+                    rhs: p.shape().clone(),
+                });
             }
         }
         let x = self.contiguous()?;
         let w = weight.map(|w| w.contiguous()).transpose()?;
         let b = bias.map(|b| b.contiguous()).transpose()?;
         let gx = x.read_storage("layer_norm")?;
-        let gw = w.as_ref().map(|w| w.read_storage("layer_norm")).transpose()?;
-        let gb = b.as_ref().map(|b| b.read_storage("layer_norm")).transpose()?;
+        let gw = w
+            .as_ref()
+            .map(|w| w.read_storage("layer_norm"))
+            .transpose()?;
+        let gb = b
+            .as_ref()
+            .map(|b| b.read_storage("layer_norm"))
+            .transpose()?;
         let (y, mean, rstd) = backend::layer_norm(
             (&gx, x.layout()),
             gw.as_ref().zip(w.as_ref()).map(|(g, t)| (&**g, t.layout())),
@@ -115,10 +139,20 @@ impl Tensor {
     ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
         same_kind("layer_norm_backward", self, dy)?;
         let (rows, cols) = rows_cols(self);
-        let (x, dy, mean, rstd) = (self.contiguous()?, dy.contiguous()?, mean.contiguous()?, rstd.contiguous()?);
+        let (x, dy, mean, rstd) = (
+            self.contiguous()?,
+            dy.contiguous()?,
+            mean.contiguous()?,
+            rstd.contiguous()?,
+        );
         let w = weight.map(|w| w.contiguous()).transpose()?;
         let op = "layer_norm_backward";
-        let (gx, gd, gm, gr) = (x.read_storage(op)?, dy.read_storage(op)?, mean.read_storage(op)?, rstd.read_storage(op)?);
+        let (gx, gd, gm, gr) = (
+            x.read_storage(op)?,
+            dy.read_storage(op)?,
+            mean.read_storage(op)?,
+            rstd.read_storage(op)?,
+        );
         let gw = w.as_ref().map(|w| w.read_storage(op)).transpose()?;
         let (dx, dw, db) = backend::layer_norm_backward(
             (&gx, x.layout()),
@@ -131,25 +165,47 @@ impl Tensor {
             weight.is_some(),
         )?;
         let pg = match (dw, db) {
-            (Some(dw), Some(db)) => Some((Tensor::from_storage(dw, cols), Tensor::from_storage(db, cols))),
+            (Some(dw), Some(db)) => Some((
+                Tensor::from_storage(dw, cols),
+                Tensor::from_storage(db, cols),
+            )),
             _ => None,
         };
         Ok((Tensor::from_storage(dx, x.shape()), pg))
     }
 
-    fn attention_shape(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f64) -> Result<AttentionShape> {
+    fn attention_shape(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        causal: bool,
+        scale: f64,
+    ) -> Result<AttentionShape> {
         same_kind("attention", q, k)?;
         same_kind("attention", q, v)?;
         if q.rank() < 2 || k.shape() != v.shape() || k.rank() != q.rank() {
-            crate::bail!("attention: q {}, k {}, v {} must be [..., T, D] with k and v equal", q.shape(), k.shape(), v.shape());
+            crate::bail!(
+                "attention: q {}, k {}, v {} must be [..., T, D] with k and v equal",
+                q.shape(),
+                k.shape(),
+                v.shape()
+            );
         }
         let r = q.rank();
         if q.dims()[..r - 2] != k.dims()[..r - 2] || q.dims()[r - 1] != k.dims()[r - 1] {
-            crate::bail!("attention: q {} and k {} disagree on batch dims or head dim", q.shape(), k.shape());
+            crate::bail!(
+                "attention: q {} and k {} disagree on batch dims or head dim",
+                q.shape(),
+                k.shape()
+            );
         }
         let (seq_q, seq_k) = (q.dims()[r - 2], k.dims()[r - 2]);
         if causal && seq_k < seq_q {
-            crate::bail!("attention: causal attention needs seq_k >= seq_q, got q {} and k {}", q.shape(), k.shape());
+            crate::bail!(
+                "attention: causal attention needs seq_k >= seq_q, got q {} and k {}",
+                q.shape(),
+                k.shape()
+            );
         }
         Ok(AttentionShape {
             batch_heads: q.dims()[..r - 2].iter().product(),
@@ -163,14 +219,32 @@ impl Tensor {
 
     /// Fused scaled dot-product attention `softmax(scale q kᵀ [+ causal mask]) v` over
     /// `q [..., Tq, D]`, `k, v [..., Tk, D]` (flash-style; the score matrix is never stored).
-    pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f64) -> Result<AttentionOutput> {
+    pub fn attention(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        causal: bool,
+        scale: f64,
+    ) -> Result<AttentionOutput> {
         let shape = Tensor::attention_shape(q, k, v, causal, scale)?;
         let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
         let op = "attention";
-        let (gq, gk, gv) = (q.read_storage(op)?, k.read_storage(op)?, v.read_storage(op)?);
-        let (out, lse) = backend::attention((&gq, q.layout()), (&gk, k.layout()), (&gv, v.layout()), shape)?;
+        let (gq, gk, gv) = (
+            q.read_storage(op)?,
+            k.read_storage(op)?,
+            v.read_storage(op)?,
+        );
+        let (out, lse) = backend::attention(
+            (&gq, q.layout()),
+            (&gk, k.layout()),
+            (&gv, v.layout()),
+            shape,
+        )?;
         let lse_shape = q.dims()[..q.rank() - 1].to_vec();
-        Ok(AttentionOutput { out: Tensor::from_storage(out, q.shape()), lse: Tensor::from_storage(lse, lse_shape) })
+        Ok(AttentionOutput {
+            out: Tensor::from_storage(out, q.shape()),
+            lse: Tensor::from_storage(lse, lse_shape),
+        })
     }
 
     /// The backward of [`Tensor::attention`]: `(dq, dk, dv)`.
@@ -192,7 +266,14 @@ impl Tensor {
         fn g<'a>(t: &'a Tensor, op: &'static str) -> Result<crate::storage::StorageRead<'a>> {
             t.read_storage(op)
         }
-        let (gq, gk, gv, go, gl, gd) = (g(&q, op)?, g(&k, op)?, g(&v, op)?, g(&out, op)?, g(&lse, op)?, g(&dout, op)?);
+        let (gq, gk, gv, go, gl, gd) = (
+            g(&q, op)?,
+            g(&k, op)?,
+            g(&v, op)?,
+            g(&out, op)?,
+            g(&lse, op)?,
+            g(&dout, op)?,
+        );
         let (dq, dk, dv) = backend::attention_backward(
             (&gq, q.layout()),
             (&gk, k.layout()),
@@ -202,38 +283,80 @@ impl Tensor {
             (&gd, dout.layout()),
             shape,
         )?;
-        Ok((Tensor::from_storage(dq, q.shape()), Tensor::from_storage(dk, k.shape()), Tensor::from_storage(dv, v.shape())))
+        Ok((
+            Tensor::from_storage(dq, q.shape()),
+            Tensor::from_storage(dk, k.shape()),
+            Tensor::from_storage(dv, v.shape()),
+        ))
     }
 
-    fn check_targets(logits: &Tensor, targets: &Tensor, op: &'static str) -> Result<(usize, usize)> {
+    fn check_targets(
+        logits: &Tensor,
+        targets: &Tensor,
+        op: &'static str,
+    ) -> Result<(usize, usize)> {
         same_device(op, logits, targets)?;
         if logits.rank() != 2 || targets.dims() != [logits.dims()[0]] {
-            crate::bail!("{op}: expected logits [N, V] and targets [N], got {} and {}", logits.shape(), targets.shape());
+            crate::bail!(
+                "{op}: expected logits [N, V] and targets [N], got {} and {}",
+                logits.shape(),
+                targets.shape()
+            );
         }
         if !targets.dtype().is_int() {
-            return Err(Error::UnsupportedDType { op: "cross_entropy (targets must be integer ids)", dtype: targets.dtype() });
+            return Err(Error::UnsupportedDType {
+                op: "cross_entropy (targets must be integer ids)",
+                dtype: targets.dtype(),
+            });
         }
         Ok((logits.dims()[0], logits.dims()[1]))
     }
 
     /// Fused cross-entropy of `self` (logits `[N, V]`) against integer `targets [N]`: returns the
     /// per-row losses (0 on ignored rows) and the row log-sum-exp, in compute precision.
-    pub fn cross_entropy_rows(&self, targets: &Tensor, ignore_index: Option<i64>) -> Result<(Tensor, Tensor)> {
+    pub fn cross_entropy_rows(
+        &self,
+        targets: &Tensor,
+        ignore_index: Option<i64>,
+    ) -> Result<(Tensor, Tensor)> {
         let (rows, cols) = Tensor::check_targets(self, targets, "cross_entropy")?;
         let (x, t) = (self.contiguous()?, targets.contiguous()?);
-        let (gx, gt) = (x.read_storage("cross_entropy")?, t.read_storage("cross_entropy")?);
-        let (loss, lse) = backend::cross_entropy((&gx, x.layout()), (&gt, t.layout()), rows, cols, ignore_index)?;
-        Ok((Tensor::from_storage(loss, rows), Tensor::from_storage(lse, rows)))
+        let (gx, gt) = (
+            x.read_storage("cross_entropy")?,
+            t.read_storage("cross_entropy")?,
+        );
+        let (loss, lse) = backend::cross_entropy(
+            (&gx, x.layout()),
+            (&gt, t.layout()),
+            rows,
+            cols,
+            ignore_index,
+        )?;
+        Ok((
+            Tensor::from_storage(loss, rows),
+            Tensor::from_storage(lse, rows),
+        ))
     }
 
     /// The backward of [`Tensor::cross_entropy_rows`]: `dlogits` from per-row upstream `dloss`.
-    pub fn cross_entropy_backward(&self, lse: &Tensor, targets: &Tensor, dloss: &Tensor, ignore_index: Option<i64>) -> Result<Tensor> {
+    pub fn cross_entropy_backward(
+        &self,
+        lse: &Tensor,
+        targets: &Tensor,
+        dloss: &Tensor,
+        ignore_index: Option<i64>,
+    ) -> Result<Tensor> {
         let (rows, cols) = Tensor::check_targets(self, targets, "cross_entropy_backward")?;
         let c = |t: &Tensor| t.contiguous();
         let dloss = dloss.to_dtype(lse.dtype())?;
         let (x, l, t, d) = (c(self)?, c(lse)?, c(targets)?, c(&dloss)?);
         let op = "cross_entropy_backward";
-        let (gx, gl, gt, gd) = (x.read_storage(op)?, l.read_storage(op)?, t.read_storage(op)?, d.read_storage(op)?);
+        let (gx, gl, gt, gd) = (
+            x.read_storage(op)?,
+            l.read_storage(op)?,
+            t.read_storage(op)?,
+            d.read_storage(op)?,
+        );
         let s = backend::cross_entropy_backward(
             (&gx, x.layout()),
             (&gl, l.layout()),
@@ -251,7 +374,10 @@ impl Tensor {
     pub fn embedding(&self, ids: &Tensor) -> Result<Tensor> {
         same_device("embedding", self, ids)?;
         if self.rank() != 2 {
-            crate::bail!("embedding: the table must be [vocab, dim], got {}", self.shape());
+            crate::bail!(
+                "embedding: the table must be [vocab, dim], got {}",
+                self.shape()
+            );
         }
         let (vocab, dim) = (self.dims()[0], self.dims()[1]);
         let (w, i) = (self.contiguous()?, ids.contiguous()?);
@@ -268,10 +394,17 @@ impl Tensor {
         same_device("embedding_backward", self, ids)?;
         let dim = *self.dims().last().unwrap_or(&0);
         if self.elem_count() != ids.elem_count() * dim {
-            return Err(Error::ShapeMismatch { op: "embedding_backward", lhs: self.shape().clone(), rhs: ids.shape().clone() });
+            return Err(Error::ShapeMismatch {
+                op: "embedding_backward",
+                lhs: self.shape().clone(),
+                rhs: ids.shape().clone(),
+            });
         }
         let (d, i) = (self.contiguous()?, ids.contiguous()?);
-        let (gd, gi) = (d.read_storage("embedding_backward")?, i.read_storage("embedding_backward")?);
+        let (gd, gi) = (
+            d.read_storage("embedding_backward")?,
+            i.read_storage("embedding_backward")?,
+        );
         let s = backend::embedding_backward((&gd, d.layout()), (&gi, i.layout()), vocab, dim)?;
         Ok(Tensor::from_storage(s, (vocab, dim)))
     }
@@ -279,7 +412,14 @@ impl Tensor {
     /// A dropout mask of `shape`: `1/(1-p)` where the counter-based uniform `(seed, start + i)`
     /// is at least `p`, else 0. Element `i` (row-major) of a shard built with its global `start`
     /// matches the same element of the whole tensor.
-    pub fn dropout_mask(seed: u64, start: u64, p: f64, shape: impl Into<Shape>, dtype: DType, device: crate::Device) -> Result<Tensor> {
+    pub fn dropout_mask(
+        seed: u64,
+        start: u64,
+        p: f64,
+        shape: impl Into<Shape>,
+        dtype: DType,
+        device: crate::Device,
+    ) -> Result<Tensor> {
         if !(0.0..1.0).contains(&p) {
             crate::bail!("dropout: probability {p} must be in [0, 1)");
         }

@@ -6,11 +6,17 @@ use crate::{backend, DType, Result, Shape, Tensor};
 impl Tensor {
     fn reduce_dim(&self, dim: usize, op: ReduceOp, name: &'static str) -> Result<Tensor> {
         if !self.dtype().is_float() {
-            return Err(crate::Error::UnsupportedDType { op: name, dtype: self.dtype() });
+            return Err(crate::Error::UnsupportedDType {
+                op: name,
+                dtype: self.dtype(),
+            });
         }
         let dims = self.dims();
         if matches!(op, ReduceOp::Max | ReduceOp::ArgMax) && dims[dim] == 0 {
-            crate::bail!("{name}: cannot reduce the empty dim {dim} of shape {}", self.shape());
+            crate::bail!(
+                "{name}: cannot reduce the empty dim {dim} of shape {}",
+                self.shape()
+            );
         }
         let outer: usize = dims[..dim].iter().product();
         let inner: usize = dims[dim + 1..].iter().product();
@@ -26,12 +32,21 @@ impl Tensor {
         if keepdim {
             return Ok(t);
         }
-        let shape: Vec<usize> = t.dims().iter().enumerate().filter(|(i, _)| !dims.contains(i)).map(|(_, &d)| d).collect();
+        let shape: Vec<usize> = t
+            .dims()
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !dims.contains(i))
+            .map(|(_, &d)| d)
+            .collect();
         t.reshape(shape)
     }
 
     fn resolve_dims(&self, op: &'static str, dims: &[isize]) -> Result<Vec<usize>> {
-        let mut v = dims.iter().map(|&d| self.dim(op, d)).collect::<Result<Vec<_>>>()?;
+        let mut v = dims
+            .iter()
+            .map(|&d| self.dim(op, d))
+            .collect::<Result<Vec<_>>>()?;
         v.sort_unstable();
         v.dedup();
         Ok(v)
@@ -73,7 +88,11 @@ impl Tensor {
     /// Index (i64) of the first maximum over one dim.
     pub fn argmax(&self, dim: isize, keepdim: bool) -> Result<Tensor> {
         let d = self.dim("argmax", dim)?;
-        Tensor::finish(self.reduce_dim(d, ReduceOp::ArgMax, "argmax")?, &[d], keepdim)
+        Tensor::finish(
+            self.reduce_dim(d, ReduceOp::ArgMax, "argmax")?,
+            &[d],
+            keepdim,
+        )
     }
 
     /// Sums this tensor down to `shape` (the inverse of broadcasting `shape` up to `self`'s shape):
@@ -85,7 +104,11 @@ impl Tensor {
         // Validates that `shape` broadcasts to ours.
         let b = Shape::broadcast("sum_to_shape", shape, self.shape())?;
         if &b != self.shape() {
-            return Err(crate::Error::ShapeMismatch { op: "sum_to_shape", lhs: self.shape().clone(), rhs: shape.clone() });
+            return Err(crate::Error::ShapeMismatch {
+                op: "sum_to_shape",
+                lhs: self.shape().clone(),
+                rhs: shape.clone(),
+            });
         }
         let lead = self.rank() - shape.rank();
         let mut dims: Vec<isize> = (0..lead as isize).collect();

@@ -7,22 +7,35 @@ use crate::{backend, Error, Result, Shape, Tensor};
 impl Tensor {
     /// Concatenates along `dim`; all other dims must agree.
     pub fn cat(tensors: &[&Tensor], dim: isize) -> Result<Tensor> {
-        let first = *tensors.first().ok_or_else(|| Error::msg("cat: no tensors given"))?;
+        let first = *tensors
+            .first()
+            .ok_or_else(|| Error::msg("cat: no tensors given"))?;
         let d = first.dim("cat", dim)?;
         let mut total = 0;
         for t in tensors {
             same_kind("cat", first, t)?;
             let ok = t.rank() == first.rank()
-                && t.dims().iter().zip(first.dims()).enumerate().all(|(i, (a, b))| i == d || a == b);
+                && t.dims()
+                    .iter()
+                    .zip(first.dims())
+                    .enumerate()
+                    .all(|(i, (a, b))| i == d || a == b);
             if !ok {
-                return Err(Error::ShapeMismatch { op: "cat", lhs: first.shape().clone(), rhs: t.shape().clone() });
+                return Err(Error::ShapeMismatch {
+                    op: "cat",
+                    lhs: first.shape().clone(),
+                    rhs: t.shape().clone(),
+                });
             }
             total += t.dims()[d];
         }
         let mut dims = first.dims().to_vec();
         dims[d] = total;
         let shape = Shape::new(dims);
-        let out = Tensor::from_storage(Storage::Cpu(CpuStorage::zeros(first.dtype(), shape.elem_count())), shape);
+        let out = Tensor::from_storage(
+            Storage::Cpu(CpuStorage::zeros(first.dtype(), shape.elem_count())),
+            shape,
+        );
         let mut start = 0;
         for t in tensors {
             let len = t.dims()[d];
@@ -37,7 +50,10 @@ impl Tensor {
 
     /// Stacks equal-shaped tensors along a new dim `dim`.
     pub fn stack(tensors: &[&Tensor], dim: isize) -> Result<Tensor> {
-        let v = tensors.iter().map(|t| t.unsqueeze(dim)).collect::<Result<Vec<_>>>()?;
+        let v = tensors
+            .iter()
+            .map(|t| t.unsqueeze(dim))
+            .collect::<Result<Vec<_>>>()?;
         let refs: Vec<&Tensor> = v.iter().collect();
         Tensor::cat(&refs, dim)
     }
