@@ -2,6 +2,7 @@
 //! built in. This crate re-exports the workspace crates and holds the `meshgrad` CLI's logic
 //! (training, evaluation, generation), so it can be driven from code and tests too.
 
+pub mod bench;
 pub mod config;
 pub mod corpus;
 pub mod eval;

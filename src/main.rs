@@ -21,6 +21,22 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Time the GPT training step on random tokens; prints `params=... step_median_s=...
+    /// tokens_per_s=... gflops=... peak_bytes=...` last (see benches/README.md).
+    Bench {
+        /// tiny-gpt or small-gpt.
+        #[arg(long, default_value = "tiny-gpt")]
+        model: String,
+        /// Timed steps (after 2 warm-up steps).
+        #[arg(long, default_value_t = 10)]
+        steps: usize,
+        /// Rayon threads.
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
+        /// Print a per-op time breakdown and the sgemm ceiling.
+        #[arg(long)]
+        profile: bool,
+    },
     /// Train a GPT (by default a small byte-level model on the built-in corpus, on CPU).
     Train(TrainArgs),
     /// Mean next-token cross-entropy of a checkpoint over a token file; prints `loss=<value>`.
@@ -120,6 +136,23 @@ fn run(cli: Cli) -> Result<()> {
         Command::Train(a) => {
             let cfg = train_config(&a)?;
             meshgrad::train::train(&cfg, Verbosity::Normal)?;
+        }
+        Command::Bench {
+            model,
+            steps,
+            threads,
+            profile,
+        } => {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads.max(1))
+                .build_global()?;
+            let r = meshgrad::bench::run_bench(&meshgrad::bench::BenchOptions {
+                model,
+                steps,
+                threads,
+                profile,
+            })?;
+            println!("{}", r.line());
         }
         Command::Eval { checkpoint, data } => {
             let loss = meshgrad::eval::eval_checkpoint(&checkpoint, &data)?;

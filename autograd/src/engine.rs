@@ -6,7 +6,7 @@
 
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
 
-use meshgrad_tensor::{Error, Result, Tensor};
+use meshgrad_tensor::{profile, Error, Result, Tensor};
 
 use crate::var::{Var, VarId};
 
@@ -31,6 +31,7 @@ pub fn grad(roots: &[(Var, Tensor)], wrt: &[Var]) -> Result<Vec<Option<Tensor>>>
 }
 
 fn run(roots: &[(Var, Tensor)], sink: Sink<'_>) -> Result<Vec<Option<Tensor>>> {
+    let _phase = profile::phase(profile::Phase::Backward);
     // Discover the graph and count, for every variable, the edges from recorded nodes into it.
     let mut consumers: HashMap<VarId, usize> = HashMap::new();
     let mut vars: HashMap<VarId, Var> = HashMap::new();
@@ -190,6 +191,7 @@ fn release_unreached(
 }
 
 fn add_into(pending: &mut HashMap<VarId, Tensor>, id: VarId, g: Tensor) -> Result<()> {
+    let _prof = profile::scope("grad_accumulate");
     match pending.remove(&id) {
         None => {
             pending.insert(id, g);

@@ -180,6 +180,7 @@ impl Tensor {
         let shape = shape.into();
         device.check_available()?;
         let n = shape.elem_count();
+        let _prof = crate::profile::scope("full");
         let s = match dtype {
             DType::F64 => CpuStorage::F64(vec![value; n]),
             DType::F32 => CpuStorage::F32(vec![value as f32; n]),
@@ -194,6 +195,7 @@ impl Tensor {
 
     /// Zeros.
     pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
+        let _prof = crate::profile::scope("zeros");
         let shape = shape.into();
         device.check_available()?;
         Ok(Tensor::from_storage(
@@ -333,6 +335,7 @@ impl Tensor {
         if dtype == self.dtype() {
             return Ok(self.clone());
         }
+        let _prof = crate::profile::scope("to_dtype");
         let g = self.0.storage.read("to_dtype")?;
         let s = backend::cast(&g, self.layout(), dtype)?;
         Ok(Tensor::from_storage(s, self.shape()))
@@ -356,6 +359,7 @@ impl Tensor {
         if self.is_contiguous() {
             return Ok(self.clone());
         }
+        let _prof = crate::profile::scope("contiguous");
         let g = self.0.storage.read("contiguous")?;
         let s = backend::copy_contiguous(&g, self.layout())?;
         Ok(Tensor::from_storage(s, self.shape()))
@@ -363,6 +367,7 @@ impl Tensor {
 
     /// A contiguous copy that never shares storage with `self`.
     pub fn deep_clone(&self) -> Result<Tensor> {
+        let _prof = crate::profile::scope("deep_clone");
         let g = self.0.storage.read("deep_clone")?;
         let s = backend::copy_contiguous(&g, self.layout())?;
         Ok(Tensor::from_storage(s, self.shape()))

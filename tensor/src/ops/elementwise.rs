@@ -17,6 +17,7 @@ pub enum GeluKind {
 
 impl Tensor {
     fn binary_op(&self, rhs: &Tensor, op: BinaryOp, name: &'static str) -> Result<Tensor> {
+        let _prof = crate::profile::scope(name);
         same_kind(name, self, rhs)?;
         if !self.dtype().is_float() {
             return Err(crate::Error::UnsupportedDType {
@@ -65,6 +66,7 @@ impl Tensor {
     }
 
     fn unary_op(&self, op: UnaryOp, name: &'static str) -> Result<Tensor> {
+        let _prof = crate::profile::scope(name);
         if !self.dtype().is_float() {
             return Err(crate::Error::UnsupportedDType {
                 op: name,
@@ -138,6 +140,7 @@ impl Tensor {
 
     /// `dy * gelu'(x)` (the GELU backward, fused).
     pub fn gelu_backward(&self, dy: &Tensor, kind: GeluKind) -> Result<Tensor> {
+        let _prof = crate::profile::scope("gelu_backward");
         same_kind("gelu_backward", self, dy)?;
         if self.shape() != dy.shape() {
             return Err(crate::Error::ShapeMismatch {
@@ -160,6 +163,7 @@ impl Tensor {
     }
 
     fn cmp_op(&self, rhs: &Tensor, op: CmpOp, name: &'static str) -> Result<Tensor> {
+        let _prof = crate::profile::scope(name);
         same_kind(name, self, rhs)?;
         let (a, b) = if self.dtype().is_float() {
             (self.clone(), rhs.clone())
@@ -203,6 +207,7 @@ impl Tensor {
 
     /// Picks `on_true` where `self` (a u8 mask) is non-zero, else `on_false`; all three broadcast.
     pub fn where_cond(&self, on_true: &Tensor, on_false: &Tensor) -> Result<Tensor> {
+        let _prof = crate::profile::scope("where_cond");
         if self.dtype() != DType::U8 {
             return Err(crate::Error::UnsupportedDType {
                 op: "where_cond (condition must be u8)",

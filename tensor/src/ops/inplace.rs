@@ -7,6 +7,7 @@ use crate::{backend, Error, Result, Tensor};
 impl Tensor {
     /// Copies `src`'s values into this tensor's elements (shapes must match; dtypes too).
     pub fn copy_from(&self, src: &Tensor) -> Result<()> {
+        let _prof = crate::profile::scope("copy_from");
         same_kind("copy_from", self, src)?;
         if self.shape() != src.shape() {
             return Err(Error::ShapeMismatch {
@@ -34,6 +35,7 @@ impl Tensor {
 
     /// `self += other` in place (shapes must match).
     pub fn add_assign(&self, other: &Tensor) -> Result<()> {
+        let _prof = crate::profile::scope("add_assign");
         let sum = self.add(other)?;
         if sum.shape() != self.shape() {
             return Err(Error::ShapeMismatch {
@@ -74,6 +76,7 @@ impl Tensor {
         v: &Tensor,
         hp: &super::AdamWStep,
     ) -> Result<()> {
+        let _prof = crate::profile::scope("adamw_step");
         self.check_flat(&[grad, m, v], "adamw_step")?;
         let g = grad.read_storage("adamw_step")?;
         let mut p = self.write_storage("adamw_step")?;
@@ -101,6 +104,7 @@ impl Tensor {
         weight_decay: f64,
         first_step: bool,
     ) -> Result<()> {
+        let _prof = crate::profile::scope("sgd_step");
         self.check_flat(&[grad, buf], "sgd_step")?;
         let g = grad.read_storage("sgd_step")?;
         let mut p = self.write_storage("sgd_step")?;

@@ -34,6 +34,7 @@ fn batch_stride(l: &Layout, nbatch: usize) -> Option<usize> {
 impl Tensor {
     /// `self @ rhs` for operands of rank >= 2 (`[..., m, k] @ [..., k, n]`), batch dims broadcast.
     pub fn matmul(&self, rhs: &Tensor) -> Result<Tensor> {
+        let _prof = crate::profile::scope("matmul");
         same_kind("matmul", self, rhs)?;
         if self.rank() < 2 || rhs.rank() < 2 {
             crate::bail!(

@@ -34,6 +34,7 @@ fn rows_cols(t: &Tensor) -> (usize, usize) {
 
 impl Tensor {
     fn softmax_impl(&self, dim: isize, log: bool) -> Result<Tensor> {
+        let _prof = crate::profile::scope("softmax");
         let name = if log { "log_softmax" } else { "softmax" };
         let d = self.dim(name, dim)?;
         let last = self.rank() - 1;
@@ -63,6 +64,7 @@ impl Tensor {
     /// The input gradient of softmax (`log = false`, `self` = the softmax output) or
     /// log-softmax (`log = true`, `self` = the log-softmax output) along `dim`, from `dy`.
     pub fn softmax_backward(&self, dy: &Tensor, dim: isize, log: bool) -> Result<Tensor> {
+        let _prof = crate::profile::scope("softmax_backward");
         same_kind("softmax_backward", self, dy)?;
         let d = self.dim("softmax_backward", dim)?;
         let last = self.rank() - 1;
@@ -90,6 +92,7 @@ impl Tensor {
         bias: Option<&Tensor>,
         eps: f64,
     ) -> Result<LayerNormOutput> {
+        let _prof = crate::profile::scope("layer_norm");
         let (rows, cols) = rows_cols(self);
         for p in [weight, bias].into_iter().flatten() {
             same_device("layer_norm", self, p)?;
@@ -137,6 +140,7 @@ impl Tensor {
         rstd: &Tensor,
         dy: &Tensor,
     ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
+        let _prof = crate::profile::scope("layer_norm_backward");
         same_kind("layer_norm_backward", self, dy)?;
         let (rows, cols) = rows_cols(self);
         let (x, dy, mean, rstd) = (
@@ -226,6 +230,7 @@ impl Tensor {
         causal: bool,
         scale: f64,
     ) -> Result<AttentionOutput> {
+        let _prof = crate::profile::scope("attention");
         let shape = Tensor::attention_shape(q, k, v, causal, scale)?;
         let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
         let op = "attention";
@@ -259,6 +264,7 @@ impl Tensor {
         causal: bool,
         scale: f64,
     ) -> Result<(Tensor, Tensor, Tensor)> {
+        let _prof = crate::profile::scope("attention_backward");
         let shape = Tensor::attention_shape(q, k, v, causal, scale)?;
         let c = |t: &Tensor| t.contiguous();
         let (q, k, v, out, lse, dout) = (c(q)?, c(k)?, c(v)?, c(out)?, c(lse)?, c(dout)?);
@@ -319,6 +325,7 @@ impl Tensor {
         targets: &Tensor,
         ignore_index: Option<i64>,
     ) -> Result<(Tensor, Tensor)> {
+        let _prof = crate::profile::scope("cross_entropy");
         let (rows, cols) = Tensor::check_targets(self, targets, "cross_entropy")?;
         let (x, t) = (self.contiguous()?, targets.contiguous()?);
         let (gx, gt) = (
@@ -346,6 +353,7 @@ impl Tensor {
         dloss: &Tensor,
         ignore_index: Option<i64>,
     ) -> Result<Tensor> {
+        let _prof = crate::profile::scope("cross_entropy_backward");
         let (rows, cols) = Tensor::check_targets(self, targets, "cross_entropy_backward")?;
         let c = |t: &Tensor| t.contiguous();
         let dloss = dloss.to_dtype(lse.dtype())?;
@@ -372,6 +380,7 @@ impl Tensor {
     /// Embedding lookup: rows of `self` (`[vocab, dim]`) picked by integer `ids` of any shape;
     /// the result has shape `ids.shape + [dim]`.
     pub fn embedding(&self, ids: &Tensor) -> Result<Tensor> {
+        let _prof = crate::profile::scope("embedding");
         same_device("embedding", self, ids)?;
         if self.rank() != 2 {
             crate::bail!(
@@ -391,6 +400,7 @@ impl Tensor {
     /// The backward of [`Tensor::embedding`]: scatter-adds `self` (`ids.shape + [dim]`) into a
     /// zero `[vocab, dim]` gradient, in increasing position order (deterministic).
     pub fn embedding_backward(&self, ids: &Tensor, vocab: usize) -> Result<Tensor> {
+        let _prof = crate::profile::scope("embedding_backward");
         same_device("embedding_backward", self, ids)?;
         let dim = *self.dims().last().unwrap_or(&0);
         if self.elem_count() != ids.elem_count() * dim {

@@ -54,6 +54,7 @@ impl Tensor {
 
     /// Sums over `dims` (negative counts from the end), in increasing index order along each.
     pub fn sum(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
+        let _prof = crate::profile::scope("sum");
         let ds = self.resolve_dims("sum", dims)?;
         let mut t = self.clone();
         for &d in &ds {
@@ -81,6 +82,7 @@ impl Tensor {
 
     /// Maximum over one dim.
     pub fn max(&self, dim: isize, keepdim: bool) -> Result<Tensor> {
+        let _prof = crate::profile::scope("max");
         let d = self.dim("max", dim)?;
         Tensor::finish(self.reduce_dim(d, ReduceOp::Max, "max")?, &[d], keepdim)
     }
@@ -98,6 +100,7 @@ impl Tensor {
     /// Sums this tensor down to `shape` (the inverse of broadcasting `shape` up to `self`'s shape):
     /// the reduction a broadcast operand's gradient needs.
     pub fn sum_to_shape(&self, shape: &Shape) -> Result<Tensor> {
+        let _prof = crate::profile::scope("sum_to_shape");
         if self.shape() == shape {
             return Ok(self.clone());
         }

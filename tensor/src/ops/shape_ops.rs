@@ -7,6 +7,7 @@ use crate::{backend, Error, Result, Shape, Tensor};
 impl Tensor {
     /// Concatenates along `dim`; all other dims must agree.
     pub fn cat(tensors: &[&Tensor], dim: isize) -> Result<Tensor> {
+        let _prof = crate::profile::scope("cat");
         let first = *tensors
             .first()
             .ok_or_else(|| Error::msg("cat: no tensors given"))?;
