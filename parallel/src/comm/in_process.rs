@@ -1,0 +1,839 @@
+//! The in-process backend: every rank is a thread of this process, and a group is a shared
+//! rendezvous table. Contributions are copied into host buffers at launch; the first rank to wait
+//! on a complete collective combines them (in rank order, see [`super::reduce`]) and every rank
+//! copies the shared result into a fresh tensor of its own.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use meshgrad_tensor::storage::CpuStorage;
+use meshgrad_tensor::{DType, Device, Error, Result, Shape, Tensor};
+
+use super::{format_ranks, reduce, Communicator, Pending, ReduceOp, Work};
+
+/// Locks a mutex, recovering the data if a panicking thread poisoned it: every critical section
+/// here leaves the tables consistent, and rank failures are reported through [`World`] instead.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Formats a duration for messages: `2s`, `1.5s`, `250ms`.
+pub(crate) fn fmt_duration(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms < 1000 {
+        format!("{ms}ms")
+    } else if ms.is_multiple_of(1000) {
+        format!("{}s", ms / 1000)
+    } else {
+        format!("{:.1}s", d.as_secs_f64())
+    }
+}
+
+fn fmt_rank_list(ranks: &[usize]) -> String {
+    let parts: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
+    if ranks.len() == 1 {
+        format!("rank {}", parts[0])
+    } else {
+        format!("ranks {}", parts.join(", "))
+    }
+}
+
+/// State shared by all ranks of one run: the timeout, which ranks failed or exited, and the
+/// registry of groups (so failures can wake every waiter).
+pub(crate) struct World {
+    size: usize,
+    timeout: Duration,
+    failed: AtomicBool,
+    failure: Mutex<Option<(usize, String)>>,
+    exited: Vec<AtomicBool>,
+    registry: Mutex<HashMap<GroupKey, Weak<Group>>>,
+    next_group_id: AtomicU64,
+}
+
+/// (parent group id, global members, tag, instance).
+type GroupKey = (u64, Vec<usize>, String, u64);
+
+impl World {
+    pub(crate) fn new(size: usize, timeout: Duration) -> Arc<World> {
+        Arc::new(World {
+            size,
+            timeout,
+            failed: AtomicBool::new(false),
+            failure: Mutex::new(None),
+            exited: (0..size).map(|_| AtomicBool::new(false)).collect(),
+            registry: Mutex::new(HashMap::new()),
+            next_group_id: AtomicU64::new(1),
+        })
+    }
+
+    /// Records that global rank `rank` failed with `reason` (the first failure is kept) and
+    /// wakes every waiter, so pending operations fail at once.
+    pub(crate) fn fail(&self, rank: usize, reason: &str) {
+        {
+            let mut f = lock(&self.failure);
+            if f.is_none() {
+                *f = Some((rank, format!("rank {rank} failed: {reason}")));
+            }
+        }
+        self.failed.store(true, Ordering::SeqCst);
+        self.wake_all();
+    }
+
+    /// The first failure, if any rank failed.
+    pub(crate) fn failure(&self) -> Option<String> {
+        if self.failed.load(Ordering::SeqCst) {
+            lock(&self.failure).as_ref().map(|(_, m)| m.clone())
+        } else {
+            None
+        }
+    }
+
+    /// The global rank that failed first, if any.
+    pub(crate) fn first_failed_rank(&self) -> Option<usize> {
+        lock(&self.failure).as_ref().map(|(r, _)| *r)
+    }
+
+    /// Records that global rank `rank` returned (it will join nothing more) and wakes waiters.
+    pub(crate) fn exit(&self, rank: usize) {
+        if let Some(e) = self.exited.get(rank) {
+            e.store(true, Ordering::SeqCst);
+        }
+        self.wake_all();
+    }
+
+    fn has_exited(&self, rank: usize) -> bool {
+        self.exited
+            .get(rank)
+            .is_some_and(|e| e.load(Ordering::SeqCst))
+    }
+
+    fn wake_all(&self) {
+        let groups: Vec<Arc<Group>> = lock(&self.registry)
+            .values()
+            .filter_map(Weak::upgrade)
+            .collect();
+        for g in groups {
+            // Taking the lock orders this wake-up after any waiter's check of the flags.
+            let _s = lock(&g.state);
+            g.cv.notify_all();
+        }
+    }
+
+    /// Why a wait for the missing `ranks` should stop now, if it should.
+    fn abort_reason(&self, missing: &[usize]) -> Option<String> {
+        if let Some(f) = self.failure() {
+            return Some(format!("aborted: {f}"));
+        }
+        let gone: Vec<usize> = missing
+            .iter()
+            .copied()
+            .filter(|&r| self.has_exited(r))
+            .collect();
+        if gone.is_empty() {
+            None
+        } else {
+            Some(format!("{} exited without joining", fmt_rank_list(&gone)))
+        }
+    }
+}
+
+/// A message or a contribution: a host buffer and its shape.
+struct Payload {
+    data: CpuStorage,
+    shape: Shape,
+}
+
+/// What a rank called, for matching across ranks.
+#[derive(Clone, Debug, PartialEq)]
+enum Kind {
+    AllReduce(ReduceOp),
+    ReduceScatter(ReduceOp),
+    AllGather,
+    Broadcast(usize),
+    Barrier,
+}
+
+impl Kind {
+    fn name(&self) -> &'static str {
+        match self {
+            Kind::AllReduce(_) => "all_reduce",
+            Kind::ReduceScatter(_) => "reduce_scatter",
+            Kind::AllGather => "all_gather",
+            Kind::Broadcast(_) => "broadcast",
+            Kind::Barrier => "barrier",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+struct Call {
+    kind: Kind,
+    /// Dtype and shape of the tensor passed (none for a barrier).
+    tensor: Option<(DType, Shape)>,
+}
+
+impl std::fmt::Display for Call {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut args = Vec::new();
+        match &self.kind {
+            Kind::AllReduce(op) | Kind::ReduceScatter(op) => args.push(op.to_string()),
+            Kind::Broadcast(root) => args.push(format!("root {root}")),
+            Kind::AllGather | Kind::Barrier => {}
+        }
+        if let Some((dt, shape)) = &self.tensor {
+            args.push(format!("{dt} {shape}"));
+        }
+        write!(f, "{}({})", self.kind.name(), args.join(", "))
+    }
+}
+
+enum Outcome {
+    Waiting,
+    Computing,
+    Ready(Arc<Payload>),
+    Failed(String),
+}
+
+/// One collective of a group, identified by its sequence number.
+struct Slot {
+    calls: Vec<Option<Call>>,
+    inputs: Vec<Option<Arc<Payload>>>,
+    joined: usize,
+    outcome: Outcome,
+    /// Members that have not yet taken (or abandoned) the result; the slot goes at zero.
+    unconsumed: usize,
+}
+
+impl Slot {
+    fn new(n: usize) -> Slot {
+        Slot {
+            calls: vec![None; n],
+            inputs: (0..n).map(|_| None).collect(),
+            joined: 0,
+            outcome: Outcome::Waiting,
+            unconsumed: n,
+        }
+    }
+}
+
+#[derive(Default)]
+struct GroupState {
+    slots: HashMap<u64, Slot>,
+    /// Point-to-point messages keyed by (source, destination, per-pair sequence), group ranks.
+    messages: HashMap<(usize, usize, u64), Payload>,
+}
+
+/// The rendezvous table of one group, shared by its members' handles.
+struct Group {
+    id: u64,
+    members: Vec<usize>,
+    label: String,
+    state: Mutex<GroupState>,
+    cv: Condvar,
+}
+
+impl Group {
+    fn new(id: u64, members: Vec<usize>) -> Group {
+        Group {
+            id,
+            label: format_ranks(&members),
+            members,
+            state: Mutex::new(GroupState::default()),
+            cv: Condvar::new(),
+        }
+    }
+}
+
+/// One rank's handle on a group of the in-process backend (see the [`crate::comm`] docs for the
+/// semantics). Obtained from [`crate::comm::run_ranks`] (the world group) and
+/// [`Communicator::new_group`].
+pub struct InProcessComm {
+    world: Arc<World>,
+    group: Arc<Group>,
+    rank: usize,
+    seq: AtomicU64,
+    send_seq: Mutex<HashMap<usize, u64>>,
+    recv_seq: Mutex<HashMap<usize, u64>>,
+    group_counts: Mutex<HashMap<(Vec<usize>, String), u64>>,
+}
+
+impl std::fmt::Debug for InProcessComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "InProcessComm(rank {} of group {})",
+            self.rank, self.group.label
+        )
+    }
+}
+
+impl InProcessComm {
+    /// The world-group handles of a new world of `size` ranks whose operations time out after
+    /// `timeout`; handle `r` belongs to rank `r`. [`crate::comm::run_ranks`] is the usual entry
+    /// point; with this constructor the caller runs the threads and should call
+    /// [`InProcessComm::abort`] when a rank fails and [`InProcessComm::mark_exited`] when it
+    /// returns, so peers fail fast instead of waiting for the timeout.
+    pub fn create_world(size: usize, timeout: Duration) -> Result<Vec<InProcessComm>> {
+        if size == 0 {
+            meshgrad_tensor::bail!("in-process world: the world size must be at least 1");
+        }
+        let world = World::new(size, timeout);
+        Ok(Self::world_handles(&world))
+    }
+
+    pub(crate) fn world_handles(world: &Arc<World>) -> Vec<InProcessComm> {
+        let size = world.size;
+        let group = Arc::new(Group::new(0, (0..size).collect()));
+        lock(&world.registry).insert(
+            (0, (0..size).collect(), String::new(), 0),
+            Arc::downgrade(&group),
+        );
+        (0..size)
+            .map(|rank| InProcessComm::handle(world.clone(), group.clone(), rank))
+            .collect()
+    }
+
+    fn handle(world: Arc<World>, group: Arc<Group>, rank: usize) -> InProcessComm {
+        InProcessComm {
+            world,
+            group,
+            rank,
+            seq: AtomicU64::new(0),
+            send_seq: Mutex::new(HashMap::new()),
+            recv_seq: Mutex::new(HashMap::new()),
+            group_counts: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Marks this rank failed with `reason`: every pending and future operation of every rank of
+    /// the world fails at once with an error naming this rank and the reason.
+    pub fn abort(&self, reason: &str) {
+        self.world.fail(self.global_rank(), reason);
+    }
+
+    /// Marks this rank as gone: operations that still need its contribution fail at once.
+    pub fn mark_exited(&self) {
+        self.world.exit(self.global_rank());
+    }
+
+    /// The timeout of every operation.
+    pub fn timeout(&self) -> Duration {
+        self.world.timeout
+    }
+
+    fn check_tensor(&self, what: &str, t: &Tensor) -> Result<()> {
+        if t.device() != Device::Cpu {
+            meshgrad_tensor::bail!(
+                "rank {}: {what} on group {}: the in-process backend moves CPU tensors, got one on {}",
+                self.global_rank(),
+                self.group.label,
+                t.device()
+            );
+        }
+        Ok(())
+    }
+
+    /// Joins collective `kind` with `tensor` (whose data is contributed when `contribute`).
+    fn launch(&self, kind: Kind, tensor: Option<&Tensor>, contribute: bool) -> Result<Work> {
+        let what = kind.name();
+        if let Some(t) = tensor {
+            self.check_tensor(what, t)?;
+        }
+        let payload = match tensor {
+            Some(t) if contribute => Some(Arc::new(Payload {
+                data: t.to_cpu_storage()?,
+                shape: t.shape().clone(),
+            })),
+            _ => None,
+        };
+        let call = Call {
+            kind: kind.clone(),
+            tensor: tensor.map(|t| (t.dtype(), t.shape().clone())),
+        };
+        let seq = self.seq.fetch_add(1, Ordering::SeqCst);
+        let n = self.world_size();
+        {
+            let mut st = lock(&self.group.state);
+            let slot = st.slots.entry(seq).or_insert_with(|| Slot::new(n));
+            if let Some((other, theirs)) = slot
+                .calls
+                .iter()
+                .enumerate()
+                .find_map(|(i, c)| c.as_ref().map(|c| (i, c)))
+            {
+                if *theirs != call && !matches!(slot.outcome, Outcome::Failed(_)) {
+                    slot.outcome = Outcome::Failed(format!(
+                        "mismatched collectives: rank {} called {call} but rank {} called {theirs}",
+                        self.group.members[self.rank], self.group.members[other]
+                    ));
+                }
+            }
+            slot.calls[self.rank] = Some(call);
+            slot.inputs[self.rank] = payload;
+            slot.joined += 1;
+            self.group.cv.notify_all();
+        }
+        Ok(Work::pending(Box::new(CollectiveWait {
+            world: self.world.clone(),
+            group: self.group.clone(),
+            rank: self.rank,
+            global_rank: self.global_rank(),
+            seq,
+            kind,
+            consumed: false,
+        })))
+    }
+
+    fn check_peer(&self, what: &str, peer: usize, role: &str) -> Result<()> {
+        if peer >= self.world_size() {
+            meshgrad_tensor::bail!(
+                "rank {}: {what} on group {}: {role} {peer} is not a rank of this group of {}",
+                self.global_rank(),
+                self.group.label,
+                self.world_size()
+            );
+        }
+        if peer == self.rank {
+            meshgrad_tensor::bail!(
+                "rank {}: {what} on group {}: a rank cannot {what} to or from itself",
+                self.global_rank(),
+                self.group.label
+            );
+        }
+        Ok(())
+    }
+
+    fn next_pair_seq(map: &Mutex<HashMap<usize, u64>>, peer: usize) -> u64 {
+        let mut m = lock(map);
+        let c = m.entry(peer).or_insert(0);
+        let s = *c;
+        *c += 1;
+        s
+    }
+}
+
+impl Communicator for InProcessComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.group.members.len()
+    }
+
+    fn ranks(&self) -> &[usize] {
+        &self.group.members
+    }
+
+    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
+        if !reduce::supports(op, tensor.dtype()) {
+            meshgrad_tensor::bail!(
+                "rank {}: all_reduce on group {}: {op} needs a float dtype, got {}",
+                self.global_rank(),
+                self.group.label,
+                tensor.dtype()
+            );
+        }
+        self.launch(Kind::AllReduce(op), Some(tensor), true)
+    }
+
+    fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
+        let n = self.world_size();
+        let ok_shape = tensor.rank() >= 1 && tensor.dims()[0].is_multiple_of(n);
+        if !ok_shape {
+            meshgrad_tensor::bail!(
+                "rank {}: reduce_scatter on group {}: the leading dimension of shape {} must be \
+                 divisible by the group size {n}",
+                self.global_rank(),
+                self.group.label,
+                tensor.shape()
+            );
+        }
+        if !reduce::supports(op, tensor.dtype()) {
+            meshgrad_tensor::bail!(
+                "rank {}: reduce_scatter on group {}: {op} needs a float dtype, got {}",
+                self.global_rank(),
+                self.group.label,
+                tensor.dtype()
+            );
+        }
+        self.launch(Kind::ReduceScatter(op), Some(tensor), true)
+    }
+
+    fn all_gather(&self, tensor: &Tensor) -> Result<Work> {
+        self.launch(Kind::AllGather, Some(tensor), true)
+    }
+
+    fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Work> {
+        if root >= self.world_size() {
+            meshgrad_tensor::bail!(
+                "rank {}: broadcast on group {}: root {root} is not a rank of this group of {}",
+                self.global_rank(),
+                self.group.label,
+                self.world_size()
+            );
+        }
+        self.launch(Kind::Broadcast(root), Some(tensor), root == self.rank)
+    }
+
+    fn send(&self, tensor: &Tensor, dst: usize) -> Result<Work<()>> {
+        self.check_peer("send", dst, "destination")?;
+        self.check_tensor("send", tensor)?;
+        let payload = Payload {
+            data: tensor.to_cpu_storage()?,
+            shape: tensor.shape().clone(),
+        };
+        let seq = Self::next_pair_seq(&self.send_seq, dst);
+        let mut st = lock(&self.group.state);
+        st.messages.insert((self.rank, dst, seq), payload);
+        self.group.cv.notify_all();
+        Ok(Work::done(()))
+    }
+
+    fn recv(&self, src: usize) -> Result<Work> {
+        self.check_peer("recv", src, "source")?;
+        let seq = Self::next_pair_seq(&self.recv_seq, src);
+        Ok(Work::pending(Box::new(RecvWait {
+            world: self.world.clone(),
+            group: self.group.clone(),
+            rank: self.rank,
+            src,
+            seq,
+        })))
+    }
+
+    fn barrier(&self) -> Result<Work<()>> {
+        Ok(self.launch(Kind::Barrier, None, false)?.map(|_| Ok(())))
+    }
+
+    fn new_group(&self, ranks: &[usize], tag: &str) -> Result<Arc<dyn Communicator>> {
+        let n = self.world_size();
+        let me = ranks.iter().position(|&r| r == self.rank);
+        let mut seen = vec![false; n];
+        for &r in ranks {
+            if r >= n || std::mem::replace(&mut seen[r], true) {
+                meshgrad_tensor::bail!(
+                    "rank {}: new_group on group {}: ranks {ranks:?} must be distinct ranks below {n}",
+                    self.global_rank(),
+                    self.group.label
+                );
+            }
+        }
+        let me = me.ok_or_else(|| {
+            Error::msg(format!(
+                "rank {}: new_group on group {}: this rank (group rank {}) is not among {ranks:?}; \
+                 only members create a group",
+                self.global_rank(),
+                self.group.label,
+                self.rank
+            ))
+        })?;
+        let members: Vec<usize> = ranks.iter().map(|&r| self.group.members[r]).collect();
+        let instance = {
+            let mut counts = lock(&self.group_counts);
+            let c = counts
+                .entry((members.clone(), tag.to_string()))
+                .or_insert(0);
+            let i = *c;
+            *c += 1;
+            i
+        };
+        let key = (self.group.id, members.clone(), tag.to_string(), instance);
+        let group = {
+            let mut reg = lock(&self.world.registry);
+            match reg.get(&key).and_then(Weak::upgrade) {
+                Some(g) => g,
+                None => {
+                    let id = self.world.next_group_id.fetch_add(1, Ordering::SeqCst);
+                    let g = Arc::new(Group::new(id, members));
+                    reg.insert(key, Arc::downgrade(&g));
+                    g
+                }
+            }
+        };
+        Ok(Arc::new(InProcessComm::handle(
+            self.world.clone(),
+            group,
+            me,
+        )))
+    }
+}
+
+/// A rank waiting for collective `seq` of a group.
+struct CollectiveWait {
+    world: Arc<World>,
+    group: Arc<Group>,
+    rank: usize,
+    global_rank: usize,
+    seq: u64,
+    kind: Kind,
+    consumed: bool,
+}
+
+impl CollectiveWait {
+    fn err(&self, reason: impl std::fmt::Display) -> Error {
+        Error::msg(format!(
+            "rank {}: {} #{} on group {}: {reason}",
+            self.global_rank,
+            self.kind.name(),
+            self.seq,
+            self.group.label
+        ))
+    }
+
+    /// Marks this rank's interest in the slot as over; removes the slot when it was the last.
+    fn consume(&mut self, st: &mut GroupState) {
+        if self.consumed {
+            return;
+        }
+        self.consumed = true;
+        if let Some(slot) = st.slots.get_mut(&self.seq) {
+            slot.unconsumed -= 1;
+            if slot.unconsumed == 0 {
+                st.slots.remove(&self.seq);
+            }
+        }
+    }
+
+    /// This rank's output from the shared result.
+    fn extract(&self, result: &Payload) -> Result<Tensor> {
+        let n = self.group.members.len();
+        match &self.kind {
+            Kind::ReduceScatter(_) => {
+                let mut dims = result.shape.dims().to_vec();
+                dims[0] /= n;
+                let chunk = result.data.len() / n;
+                let data = reduce::slice(&result.data, self.rank * chunk, chunk);
+                Tensor::from_cpu(data, dims, Device::Cpu)
+            }
+            _ => Tensor::from_cpu(result.data.clone(), result.shape.clone(), Device::Cpu),
+        }
+    }
+}
+
+/// Combines the contributions of a complete collective: `inputs` are the contributions present,
+/// in rank order, and `by_rank` the same indexed by group rank.
+fn combine(
+    kind: &Kind,
+    inputs: &[Arc<Payload>],
+    by_rank: &[Option<Arc<Payload>>],
+) -> Result<Arc<Payload>> {
+    let data: Vec<&CpuStorage> = inputs.iter().map(|p| &p.data).collect();
+    let first = || {
+        inputs
+            .first()
+            .ok_or_else(|| Error::msg("internal error: no contributions"))
+    };
+    match kind {
+        Kind::AllReduce(op) | Kind::ReduceScatter(op) => Ok(Arc::new(Payload {
+            data: reduce::reduce(&data, *op)?,
+            shape: first()?.shape.clone(),
+        })),
+        Kind::AllGather => {
+            let s = &first()?.shape;
+            let mut dims = s.dims().to_vec();
+            if dims.is_empty() {
+                dims.push(inputs.len());
+            } else {
+                dims[0] *= inputs.len();
+            }
+            Ok(Arc::new(Payload {
+                data: reduce::concat(&data)?,
+                shape: Shape::new(dims),
+            }))
+        }
+        // The root's buffer is shared as is; each rank copies it when extracting.
+        Kind::Broadcast(root) => by_rank
+            .get(*root)
+            .cloned()
+            .flatten()
+            .ok_or_else(|| Error::msg("internal error: the broadcast root's data is missing")),
+        Kind::Barrier => Ok(Arc::new(Payload {
+            data: CpuStorage::F32(Vec::new()),
+            shape: Shape::new(vec![0]),
+        })),
+    }
+}
+
+/// Puts a `Failed` outcome in place if the combining rank unwinds before finishing.
+struct ComputeGuard<'a> {
+    group: &'a Group,
+    seq: u64,
+    done: bool,
+}
+
+impl Drop for ComputeGuard<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            let mut st = lock(&self.group.state);
+            if let Some(slot) = st.slots.get_mut(&self.seq) {
+                slot.outcome = Outcome::Failed("the rank combining the result panicked".into());
+            }
+            self.group.cv.notify_all();
+        }
+    }
+}
+
+impl Pending<Tensor> for CollectiveWait {
+    fn is_completed(&self) -> bool {
+        let st = lock(&self.group.state);
+        match st.slots.get(&self.seq) {
+            Some(slot) => {
+                slot.joined == slot.calls.len() || matches!(slot.outcome, Outcome::Failed(_))
+            }
+            None => true,
+        }
+    }
+
+    fn wait(mut self: Box<Self>) -> Result<Tensor> {
+        let deadline = Instant::now() + self.world.timeout;
+        let group = self.group.clone();
+        let mut st = lock(&group.state);
+        loop {
+            let Some(slot) = st.slots.get_mut(&self.seq) else {
+                return Err(self.err("internal error: the collective's record is gone"));
+            };
+            match &slot.outcome {
+                Outcome::Failed(reason) => {
+                    let e = self.err(reason);
+                    self.consume(&mut st);
+                    return Err(e);
+                }
+                Outcome::Ready(result) => {
+                    let result = result.clone();
+                    self.consume(&mut st);
+                    drop(st);
+                    return self.extract(&result);
+                }
+                Outcome::Waiting if slot.joined == slot.calls.len() => {
+                    slot.outcome = Outcome::Computing;
+                    let inputs: Vec<Arc<Payload>> = slot.inputs.iter().flatten().cloned().collect();
+                    let roots = slot.inputs.clone();
+                    drop(st);
+                    let mut guard = ComputeGuard {
+                        group: &group,
+                        seq: self.seq,
+                        done: false,
+                    };
+                    let combined = combine(&self.kind, &inputs, &roots);
+                    st = lock(&group.state);
+                    guard.done = true;
+                    if let Some(slot) = st.slots.get_mut(&self.seq) {
+                        slot.outcome = match combined {
+                            Ok(p) => Outcome::Ready(p),
+                            Err(e) => Outcome::Failed(e.to_string()),
+                        };
+                        // The contributions are no longer needed.
+                        slot.inputs.iter_mut().for_each(|i| *i = None);
+                    }
+                    group.cv.notify_all();
+                    continue;
+                }
+                Outcome::Waiting | Outcome::Computing => {}
+            }
+            let missing: Vec<usize> = slot
+                .calls
+                .iter()
+                .enumerate()
+                .filter(|(_, c)| c.is_none())
+                .map(|(i, _)| group.members[i])
+                .collect();
+            if let Some(reason) = self.world.abort_reason(&missing) {
+                let e = self.err(reason);
+                self.consume(&mut st);
+                return Err(e);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let reason = if missing.is_empty() {
+                    format!(
+                        "no result within {} (the combining rank is stuck)",
+                        fmt_duration(self.world.timeout)
+                    )
+                } else {
+                    format!(
+                        "{} did not join within {}",
+                        fmt_rank_list(&missing),
+                        fmt_duration(self.world.timeout)
+                    )
+                };
+                let e = self.err(reason);
+                self.consume(&mut st);
+                return Err(e);
+            }
+            st = group
+                .cv
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+impl Drop for CollectiveWait {
+    fn drop(&mut self) {
+        if !self.consumed {
+            let group = self.group.clone();
+            let mut st = lock(&group.state);
+            self.consume(&mut st);
+        }
+    }
+}
+
+/// A rank waiting for message `seq` from `src`.
+struct RecvWait {
+    world: Arc<World>,
+    group: Arc<Group>,
+    rank: usize,
+    src: usize,
+    seq: u64,
+}
+
+impl RecvWait {
+    fn err(&self, reason: impl std::fmt::Display) -> Error {
+        Error::msg(format!(
+            "rank {}: recv #{} from rank {} on group {}: {reason}",
+            self.group.members[self.rank], self.seq, self.group.members[self.src], self.group.label
+        ))
+    }
+}
+
+impl Pending<Tensor> for RecvWait {
+    fn is_completed(&self) -> bool {
+        lock(&self.group.state)
+            .messages
+            .contains_key(&(self.src, self.rank, self.seq))
+    }
+
+    fn wait(self: Box<Self>) -> Result<Tensor> {
+        let deadline = Instant::now() + self.world.timeout;
+        let mut st = lock(&self.group.state);
+        loop {
+            if let Some(p) = st.messages.remove(&(self.src, self.rank, self.seq)) {
+                drop(st);
+                // The buffer was copied at send time and is owned by this message alone; the
+                // tensor built here is charged to the receiving thread's tracker.
+                return Tensor::from_cpu(p.data, p.shape, Device::Cpu);
+            }
+            let src = self.group.members[self.src];
+            if let Some(reason) = self.world.abort_reason(&[src]) {
+                return Err(self.err(reason));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(self.err(format!(
+                    "rank {src} did not send within {}",
+                    fmt_duration(self.world.timeout)
+                )));
+            }
+            st = self
+                .group
+                .cv
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
