@@ -54,9 +54,16 @@ pub trait Float:
     fn abs(self) -> Self;
     /// Fused multiply-add self * a + b.
     fn mul_add(self, a: Self, b: Self) -> Self;
+    /// `self * a + b` with a single rounding (a true fused multiply-add: the same bits whether
+    /// the CPU's FMA instruction or the library's exact software version computes it).
+    fn fma(self, a: Self, b: Self) -> Self;
 }
 
 impl Float for f32 {
+    #[inline(always)]
+    fn fma(self, a: Self, b: Self) -> Self {
+        f32::mul_add(self, a, b)
+    }
     const ZERO: Self = 0.0;
     const ONE: Self = 1.0;
     const NEG_INFINITY: Self = f32::NEG_INFINITY;
@@ -111,6 +118,10 @@ impl Float for f32 {
 }
 
 impl Float for f64 {
+    #[inline(always)]
+    fn fma(self, a: Self, b: Self) -> Self {
+        f64::mul_add(self, a, b)
+    }
     const ZERO: Self = 0.0;
     const ONE: Self = 1.0;
     const NEG_INFINITY: Self = f64::NEG_INFINITY;

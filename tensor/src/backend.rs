@@ -223,6 +223,33 @@ pub(crate) fn attention_backward(
     Ok((Storage::Cpu(dq), Storage::Cpu(dk), Storage::Cpu(dv)))
 }
 
+pub(crate) fn attention_qkv(
+    qkv: Src<'_>,
+    shape: AttentionShape,
+    heads: usize,
+) -> Result<(Storage, Storage)> {
+    let (o, l) = fused::attention_qkv(cs(qkv), shape, heads)?;
+    Ok((Storage::Cpu(o), Storage::Cpu(l)))
+}
+
+pub(crate) fn attention_qkv_backward(
+    qkv: Src<'_>,
+    out: Src<'_>,
+    lse: Src<'_>,
+    dout: Src<'_>,
+    shape: AttentionShape,
+    heads: usize,
+) -> Result<Storage> {
+    Ok(Storage::Cpu(fused::attention_qkv_backward(
+        cs(qkv),
+        cs(out),
+        cs(lse),
+        cs(dout),
+        shape,
+        heads,
+    )?))
+}
+
 pub(crate) fn cross_entropy(
     logits: Src<'_>,
     targets: Src<'_>,

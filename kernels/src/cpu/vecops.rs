@@ -42,23 +42,27 @@ pub fn set_simd_enabled(enabled: bool) {
     SIMD_ENABLED.store(enabled, Ordering::Relaxed);
 }
 
-/// Runs `f`, compiled for AVX2 when the CPU has it (x86-64), else as it is.
+/// Runs `f`, compiled for AVX2 and FMA when the CPU has them (x86-64), else as it is.
 ///
 /// Kernels wrap their per-chunk work in this so that the loops inside (inlined into the AVX2
 /// instance) vectorise 8 lanes wide instead of the baseline SSE2's 4. The arithmetic is the
-/// same in both instances (Rust never fuses a multiply and an add on its own, and every
+/// same in both instances (Rust never fuses a multiply and an add on its own, explicit fused
+/// multiply-adds ([`Float::fma`]) round once in hardware and in software alike, and every
 /// reduction here has an explicit order), so results do not depend on which one runs.
 #[inline(always)]
 pub(crate) fn simd<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
     {
-        if SIMD_ENABLED.load(Ordering::Relaxed) && std::arch::is_x86_feature_detected!("avx2") {
-            #[target_feature(enable = "avx2")]
+        if SIMD_ENABLED.load(Ordering::Relaxed)
+            && std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+        {
+            #[target_feature(enable = "avx2,fma")]
             fn run_avx2<R>(f: impl FnOnce() -> R) -> R {
                 f()
             }
-            // SAFETY: the CPU supports AVX2, the only feature `run_avx2` is compiled for
-            // (checked just above).
+            // SAFETY: the CPU supports AVX2 and FMA, the only features `run_avx2` is compiled
+            // for (checked just above).
             return unsafe { run_avx2(f) };
         }
     }
@@ -212,14 +216,6 @@ pub(crate) fn max<T: Float>(x: &[T]) -> T {
         }
     }
     m
-}
-
-/// `y[i] += a · x[i]`.
-#[inline(always)]
-pub(crate) fn axpy<T: Float>(y: &mut [T], a: T, x: &[T]) {
-    for (y, &x) in y.iter_mut().zip(x) {
-        *y += a * x;
-    }
 }
 
 /// `y[i] *= a`.

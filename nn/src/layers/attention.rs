@@ -53,14 +53,11 @@ impl CausalSelfAttention {
                 x.tensor().shape()
             );
         }
-        let (b, t, c) = (dims[0], dims[1], dims[2]);
-        let (h, d) = (self.n_head, c / self.n_head);
+        let (h, d) = (self.n_head, dims[2] / self.n_head);
         let qkv = self.c_attn.forward(x)?;
-        let parts = qkv.split(&[c, c, c], -1)?;
-        let heads = |v: &Var| v.reshape((b, t, h, d))?.transpose(1, 2);
-        let (q, k, v) = (heads(&parts[0])?, heads(&parts[1])?, heads(&parts[2])?);
-        let y = Var::attention(&q, &k, &v, true, 1.0 / (d as f64).sqrt())?;
-        let y = y.transpose(1, 2)?.reshape((b, t, c))?;
+        // q, k and v are read straight out of the fused projection and the heads come back side
+        // by side as [B, T, C]: no split, transpose or copy.
+        let y = Var::attention_qkv(&qkv, h, true, 1.0 / (d as f64).sqrt())?;
         self.resid_dropout.forward(&self.c_proj.forward(&y)?, ctx)
     }
 }

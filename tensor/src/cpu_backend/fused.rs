@@ -185,6 +185,71 @@ pub(crate) fn attention_backward(
     )
 }
 
+/// The q, k, v head layouts inside a contiguous `[B, T, 3C]` qkv buffer with `heads` heads.
+fn qkv_layouts(shape: &AttentionShape, heads: usize) -> [cpu::attention::HeadLayout; 3] {
+    let (t, d) = (shape.seq_q, shape.head_dim);
+    let c = heads * d;
+    let at = |offset| cpu::attention::HeadLayout {
+        offset,
+        batch_stride: t * 3 * c,
+        head_stride: d,
+        row_stride: 3 * c,
+    };
+    [at(0), at(c), at(2 * c)]
+}
+
+/// The head layout of a contiguous `[B, T, C]` buffer with `heads` heads.
+fn btc_layout(shape: &AttentionShape, heads: usize) -> cpu::attention::HeadLayout {
+    let (t, d) = (shape.seq_q, shape.head_dim);
+    cpu::attention::HeadLayout {
+        offset: 0,
+        batch_stride: t * heads * d,
+        head_stride: d,
+        row_stride: heads * d,
+    }
+}
+
+/// Attention straight from a contiguous `[B, T, 3C]` qkv buffer: returns `(out [B, T, C], lse
+/// [B, H, T])`.
+pub(crate) fn attention_qkv(
+    qkv: In<'_>,
+    shape: AttentionShape,
+    heads: usize,
+) -> Result<(CpuStorage, CpuStorage)> {
+    let dt = qkv.0.dtype();
+    let [ql, kl, vl] = qkv_layouts(&shape, heads);
+    let ol = btc_layout(&shape, heads);
+    let n = shape.batch_heads * shape.seq_q * shape.head_dim;
+    Ok(with_floats!("attention", (qkv.0, range(qkv.1)) => x; {
+        let mut out = vec![Float::ZERO; n];
+        let mut lse = vec![Float::ZERO; shape.batch_heads * shape.seq_q];
+        cpu::attention::attention_forward_strided(shape, heads, x, ql, x, kl, x, vl, &mut out, ol, &mut lse);
+        (out.into_storage(dt), lse.into_storage(crate::DType::F32))
+    }))
+}
+
+/// The backward of [`attention_qkv`]: returns `dqkv [B, T, 3C]`.
+pub(crate) fn attention_qkv_backward(
+    qkv: In<'_>,
+    out: In<'_>,
+    lse: In<'_>,
+    dout: In<'_>,
+    shape: AttentionShape,
+    heads: usize,
+) -> Result<CpuStorage> {
+    let dt = qkv.0.dtype();
+    let [ql, kl, vl] = qkv_layouts(&shape, heads);
+    let ol = btc_layout(&shape, heads);
+    let n = 3 * shape.batch_heads * shape.seq_q * shape.head_dim;
+    Ok(
+        with_floats!("attention_backward", (qkv.0, range(qkv.1)) => x, (out.0, range(out.1)) => o, (lse.0, range(lse.1)) => l, (dout.0, range(dout.1)) => g; {
+            let mut dqkv = vec![Float::ZERO; n];
+            cpu::attention::attention_backward_strided(shape, heads, x, ql, x, kl, x, vl, o, ol, l, g, ol, &mut dqkv, [ql, kl, vl]);
+            dqkv.into_storage(dt)
+        }),
+    )
+}
+
 /// Returns `(per-row loss, lse)`, both in compute precision.
 pub(crate) fn cross_entropy(
     logits: In<'_>,

@@ -296,6 +296,95 @@ impl Tensor {
         ))
     }
 
+    fn qkv_shape(qkv: &Tensor, heads: usize, causal: bool, scale: f64) -> Result<AttentionShape> {
+        if qkv.rank() != 3 || heads == 0 || !qkv.dims()[2].is_multiple_of(3 * heads) {
+            crate::bail!(
+                "attention_qkv: expected a fused qkv tensor [B, T, 3C] with C divisible by {heads} heads, got {}",
+                qkv.shape()
+            );
+        }
+        if !qkv.dtype().is_float() {
+            return Err(Error::UnsupportedDType {
+                op: "attention_qkv",
+                dtype: qkv.dtype(),
+            });
+        }
+        let (b, t, c3) = (qkv.dims()[0], qkv.dims()[1], qkv.dims()[2]);
+        Ok(AttentionShape {
+            batch_heads: b * heads,
+            seq_q: t,
+            seq_k: t,
+            head_dim: c3 / 3 / heads,
+            causal,
+            scale,
+        })
+    }
+
+    /// Multi-head attention read straight from a fused qkv projection `self` (`[B, T, 3C]`: q, k,
+    /// v each `[B, T, C]` side by side, `C = heads * D`, head `h` at columns `h*D .. (h+1)*D` of
+    /// each): the output comes back as `[B, T, C]` (heads side by side), `lse` as `[B, heads, T]`.
+    /// The same values as splitting, moving heads forward, [`Tensor::attention`] and moving them
+    /// back, without any of the copies.
+    pub fn attention_qkv(&self, heads: usize, causal: bool, scale: f64) -> Result<AttentionOutput> {
+        let _prof = crate::profile::scope("attention");
+        let shape = Tensor::qkv_shape(self, heads, causal, scale)?;
+        let x = self.contiguous()?;
+        let g = x.read_storage("attention_qkv")?;
+        let (out, lse) = backend::attention_qkv((&g, x.layout()), shape, heads)?;
+        let (b, t, c3) = (x.dims()[0], x.dims()[1], x.dims()[2]);
+        Ok(AttentionOutput {
+            out: Tensor::from_storage(out, (b, t, c3 / 3)),
+            lse: Tensor::from_storage(lse, (b, heads, t)),
+        })
+    }
+
+    /// The backward of [`Tensor::attention_qkv`] (`self` is its qkv input): `dqkv [B, T, 3C]`.
+    pub fn attention_qkv_backward(
+        &self,
+        out: &Tensor,
+        lse: &Tensor,
+        dout: &Tensor,
+        heads: usize,
+        causal: bool,
+        scale: f64,
+    ) -> Result<Tensor> {
+        let _prof = crate::profile::scope("attention_backward");
+        let shape = Tensor::qkv_shape(self, heads, causal, scale)?;
+        same_kind("attention_qkv_backward", self, out)?;
+        same_kind("attention_qkv_backward", self, dout)?;
+        let (b, t, c3) = (self.dims()[0], self.dims()[1], self.dims()[2]);
+        if out.dims() != [b, t, c3 / 3]
+            || dout.dims() != [b, t, c3 / 3]
+            || lse.dims() != [b, heads, t]
+        {
+            crate::bail!(
+                "attention_qkv_backward: qkv {}, out {}, dout {}, lse {} do not fit together",
+                self.shape(),
+                out.shape(),
+                dout.shape(),
+                lse.shape()
+            );
+        }
+        let c = |t: &Tensor| t.contiguous();
+        let (x, o, l, d) = (c(self)?, c(out)?, c(lse)?, c(dout)?);
+        let op = "attention_qkv_backward";
+        let (gx, go, gl, gd) = (
+            x.read_storage(op)?,
+            o.read_storage(op)?,
+            l.read_storage(op)?,
+            d.read_storage(op)?,
+        );
+        let s = backend::attention_qkv_backward(
+            (&gx, x.layout()),
+            (&go, o.layout()),
+            (&gl, l.layout()),
+            (&gd, d.layout()),
+            shape,
+            heads,
+        )?;
+        Ok(Tensor::from_storage(s, x.shape()))
+    }
+
     fn check_targets(
         logits: &Tensor,
         targets: &Tensor,
