@@ -159,7 +159,8 @@ impl Gpt {
     /// Logits `[B, T, vocab]` for token ids `[B, T]`.
     pub fn forward(&self, ids: &Tensor, ctx: &ForwardCtx) -> Result<Var> {
         let x = self.hidden(ids, ctx)?;
-        x.matmul(&self.wte.weight.transpose(0, 1)?)
+        // The tied head x wteᵀ as a fused linear: its weight gradient comes out in wte's layout.
+        Var::linear(&x, &self.wte.weight, None)
     }
 
     /// Mean next-token cross-entropy of `ids [B, T]` against `targets [B, T]` (targets equal to

@@ -103,6 +103,29 @@ pub(crate) fn matmul(
     )?))
 }
 
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn linear(
+    x: &Storage,
+    xl: MatrixLayout,
+    w: &Storage,
+    wl: MatrixLayout,
+    bias: Option<Src<'_>>,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Result<Storage> {
+    Ok(Storage::Cpu(fused::linear(
+        c(x),
+        xl,
+        c(w),
+        wl,
+        bias.map(cs),
+        m,
+        n,
+        k,
+    )?))
+}
+
 pub(crate) fn softmax(s: Src<'_>, rows: usize, cols: usize, log: bool) -> Result<Storage> {
     Ok(Storage::Cpu(cpu::softmax(c(s.0), s.1, rows, cols, log)?))
 }

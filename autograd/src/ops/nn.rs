@@ -51,6 +51,44 @@ impl Var {
         ))
     }
 
+    /// The fully connected layer `x Wᵀ + bias` (`x [..., in]`, `weight [out, in]`, `bias [out]`)
+    /// as one fused op (see [`Tensor::linear`]). The backward is three products over all rows:
+    /// `dx = dy W`, `dW = dyᵀ x` (computed straight into the weight's `[out, in]` layout) and
+    /// `dbias = Σ_rows dy`.
+    pub fn linear(x: &Var, weight: &Var, bias: Option<&Var>) -> Result<Var> {
+        let (xt, wt) = (x.tensor().clone(), weight.tensor().clone());
+        let v = xt.linear(&wt, bias.map(|b| b.tensor()))?;
+        let mut inputs: Vec<&Var> = vec![x, weight];
+        inputs.extend(bias);
+        let (rx, rw) = (x.requires_grad(), weight.requires_grad());
+        let rb = bias.map(|b| b.requires_grad());
+        Ok(Var::from_op(
+            "linear",
+            v,
+            &inputs,
+            Box::new(move |g| {
+                let (out_f, in_f) = (wt.dims()[0], wt.dims()[1]);
+                let rows = g.elem_count().checked_div(out_f).unwrap_or(0);
+                let g2 = g.reshape((rows, out_f))?;
+                let gx = if rx {
+                    Some(g2.matmul(&wt)?.reshape(xt.shape().clone())?)
+                } else {
+                    None
+                };
+                let gw = if rw {
+                    Some(g2.t()?.matmul(&xt.reshape((rows, in_f))?)?)
+                } else {
+                    None
+                };
+                let mut grads = vec![gx, gw];
+                if let Some(rb) = rb {
+                    grads.push(if rb { Some(g2.sum(&[0], false)?) } else { None });
+                }
+                Ok(grads)
+            }),
+        ))
+    }
+
     /// Softmax along `dim`.
     pub fn softmax(&self, dim: isize) -> Result<Var> {
         let v = self.tensor().softmax(dim)?;
@@ -288,6 +326,46 @@ mod tests {
             for (p, q) in ga.iter().zip(&gb) {
                 assert!((p - q).abs() < 1e-12, "gradient {p} vs {q}");
             }
+        }
+    }
+
+    #[test]
+    fn linear_matches_matmul_plus_bias_and_finite_differences() {
+        let x = Tensor::randn(1, 0, 0.0, 1.0, (2, 3, 4), DType::F64, Device::Cpu).unwrap();
+        let w = Tensor::randn(2, 0, 0.0, 1.0, (5, 4), DType::F64, Device::Cpu).unwrap();
+        let b = Tensor::randn(3, 0, 0.0, 1.0, 5, DType::F64, Device::Cpu).unwrap();
+        let fused = |xs: &[Var]| Var::linear(&xs[0], &xs[1], Some(&xs[2]));
+        let plain = |xs: &[Var]| xs[0].matmul(&xs[1].transpose(0, 1)?)?.add(&xs[2]);
+        let no_bias = |xs: &[Var]| Var::linear(&xs[0], &xs[1], None);
+        let inputs = [x.clone(), w.clone(), b.clone()];
+        gradcheck(fused, &inputs, GradcheckOptions::default()).unwrap();
+        gradcheck(no_bias, &inputs[..2], GradcheckOptions::default()).unwrap();
+        // A strided (transposed) weight view is read through its strides.
+        let wt = w.t().unwrap().contiguous().unwrap();
+        let through_view = |xs: &[Var]| Var::linear(&xs[0], &xs[1].transpose(0, 1)?, Some(&xs[2]));
+        gradcheck(
+            through_view,
+            &[x.clone(), wt, b.clone()],
+            GradcheckOptions::default(),
+        )
+        .unwrap();
+
+        let va: Vec<Var> = inputs.iter().map(|t| Var::leaf(t.clone())).collect();
+        let vb: Vec<Var> = inputs.iter().map(|t| Var::leaf(t.clone())).collect();
+        let (ya, yb) = (fused(&va).unwrap(), plain(&vb).unwrap());
+        let close = |p: &Tensor, q: &Tensor| {
+            let (p, q) = (p.to_vec_f64().unwrap(), q.to_vec_f64().unwrap());
+            assert_eq!(p.len(), q.len());
+            for (a, b) in p.iter().zip(&q) {
+                assert!((a - b).abs() < 1e-12, "{a} vs {b}");
+            }
+        };
+        close(ya.tensor(), yb.tensor());
+        ya.sum_all().unwrap().backward().unwrap();
+        yb.sum_all().unwrap().backward().unwrap();
+        for (a, b) in va.iter().zip(&vb) {
+            close(&a.grad().unwrap(), &b.grad().unwrap());
+            assert!(a.grad().unwrap().is_contiguous());
         }
     }
 }

@@ -47,11 +47,8 @@ impl Linear {
                 self.weight.tensor().shape()
             );
         }
-        let y = x.matmul(&self.weight.transpose(0, 1)?)?;
-        match &self.bias {
-            Some(b) => y.add(b),
-            None => Ok(y),
-        }
+        // One fused op: a single gemm over all rows with the bias as its starting value.
+        Var::linear(x, &self.weight, self.bias.as_ref())
     }
 }
 

@@ -4,7 +4,7 @@ use meshgrad_kernels::cpu;
 use meshgrad_kernels::cpu::attention::AttentionShape;
 use meshgrad_kernels::Float;
 
-use super::{floats, ids, range, with_floats, Floats, IntoStorage};
+use super::{floats, full, ids, range, with_floats, Floats, IntoStorage};
 use crate::storage::CpuStorage;
 use crate::{Error, Layout, Result};
 
@@ -117,6 +117,49 @@ pub(crate) fn layer_norm_backward(
     )
 }
 
+/// `x Wᵀ (+ bias)` as one gemm: `x` is `m × k` (layout `xl`), `W` is read as the `k × n`
+/// matrix `wl` (the transposed view of a `[n, k]` weight), the bias (`[n]`, contiguous) is
+/// written into every output row first and the product accumulates onto it.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn linear(
+    x: &CpuStorage,
+    xl: cpu::matmul::MatrixLayout,
+    w: &CpuStorage,
+    wl: cpu::matmul::MatrixLayout,
+    bias: Option<In<'_>>,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Result<CpuStorage> {
+    let dt = x.dtype();
+    let bv = bias
+        .map(|(s, l)| floats(s, range(l), "linear (bias)"))
+        .transpose()?;
+    let cl = cpu::matmul::MatrixLayout {
+        offset: 0,
+        batch_stride: 0,
+        row_stride: n,
+        col_stride: 1,
+    };
+    Ok(
+        with_floats!("linear", (x, full(x)) => a, (w, full(w)) => b; {
+            let mut out = vec![Float::ZERO; m * n];
+            let accumulate = match &bv {
+                None => false,
+                Some(f) => {
+                    let bs = pick(f, a)?;
+                    for row in out.chunks_exact_mut(n) {
+                        row.copy_from_slice(bs);
+                    }
+                    true
+                }
+            };
+            cpu::matmul::matmul(1, m, n, k, a, xl, b, wl, &mut out, cl, accumulate);
+            out.into_storage(dt)
+        }),
+    )
+}
+
 /// Selects the slice of `f` with the same element type as `_like`.
 fn pick<'a, T: 'static>(f: &'a Floats<'_>, _like: &[T]) -> Result<&'a [T]> {
     pick_slice(f)
@@ -136,7 +179,7 @@ fn pick_slice<'a, T: 'static>(f: &'a Floats<'_>) -> Result<&'a [T]> {
             Ok(unsafe { std::slice::from_raw_parts(s.as_ptr() as *const T, s.len()) })
         }
         _ => Err(Error::msg(
-            "layer_norm_backward: weight dtype differs from the input's",
+            "a weight or bias dtype differs from the input's",
         )),
     }
 }

@@ -89,7 +89,7 @@ macro_rules! with_floats {
 }
 pub(crate) use with_floats;
 
-fn full(s: &CpuStorage) -> Range<usize> {
+pub(crate) fn full(s: &CpuStorage) -> Range<usize> {
     0..s.len()
 }
 

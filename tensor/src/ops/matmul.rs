@@ -124,6 +124,67 @@ impl Tensor {
     }
 }
 
+impl Tensor {
+    /// The fully connected layer `self Wᵀ + bias` for `self [..., in]`, `weight [out, in]` and an
+    /// optional `bias [out]`: one gemm over all rows, reading `Wᵀ` through its strides, with the
+    /// bias written into the output before the product accumulates onto it (no separate add).
+    pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        let _prof = crate::profile::scope("linear");
+        same_kind("linear", self, weight)?;
+        if let Some(b) = bias {
+            same_kind("linear (bias)", self, b)?;
+        }
+        let in_f = *self.dims().last().unwrap_or(&0);
+        if self.rank() < 1 || weight.rank() != 2 || weight.dims()[1] != in_f {
+            return Err(Error::ShapeMismatch {
+                op: "linear (input [..., in] vs weight [out, in])",
+                lhs: self.shape().clone(),
+                rhs: weight.shape().clone(),
+            });
+        }
+        let out_f = weight.dims()[0];
+        if let Some(b) = bias {
+            if b.dims() != [out_f] {
+                return Err(Error::ShapeMismatch {
+                    op: "linear (bias vs weight [out, in])",
+                    lhs: b.shape().clone(),
+                    rhs: weight.shape().clone(),
+                });
+            }
+        }
+        let rows = self.elem_count().checked_div(in_f).unwrap_or(0);
+        let mut out_dims = self.dims().to_vec();
+        *out_dims.last_mut().expect("rank >= 1") = out_f;
+        let x = self.reshape((rows, in_f))?;
+        let xl = MatrixLayout {
+            offset: x.layout().offset(),
+            batch_stride: 0,
+            row_stride: x.layout().strides()[0],
+            col_stride: x.layout().strides()[1],
+        };
+        let wl = MatrixLayout {
+            offset: weight.layout().offset(),
+            batch_stride: 0,
+            row_stride: weight.layout().strides()[1],
+            col_stride: weight.layout().strides()[0],
+        };
+        let b = bias.map(|b| b.contiguous()).transpose()?;
+        let (gx, gw) = (x.read_storage("linear")?, weight.read_storage("linear")?);
+        let gb = b.as_ref().map(|b| b.read_storage("linear")).transpose()?;
+        let s = backend::linear(
+            &gx,
+            xl,
+            &gw,
+            wl,
+            gb.as_ref().zip(b.as_ref()).map(|(g, t)| (&**g, t.layout())),
+            rows,
+            out_f,
+            in_f,
+        )?;
+        Ok(Tensor::from_storage(s, out_dims))
+    }
+}
+
 fn mat(l: &Layout, nb: usize, batch_stride: usize) -> MatrixLayout {
     MatrixLayout {
         offset: l.offset(),
