@@ -64,6 +64,18 @@ impl Tensor {
                 });
             }
         }
+        // The step holds a read lock on the gradient and write locks on the others: operands
+        // sharing one storage would deadlock on its lock, so they are refused.
+        let all: Vec<&Tensor> = std::iter::once(self)
+            .chain(others.iter().copied())
+            .collect();
+        for (i, a) in all.iter().enumerate() {
+            if all[i + 1..].iter().any(|b| a.same_storage(b)) {
+                crate::bail!(
+                    "{op}: the parameter, gradient and state buffers must not share storage"
+                );
+            }
+        }
         Ok(())
     }
 

@@ -1,0 +1,301 @@
+//! Releasable storage, allocator accounting (per tracker, per tag, peaks), devices and error
+//! messages.
+
+mod common;
+
+use common::*;
+use meshgrad_tensor::alloc::{self, MemoryTag, MemoryTracker};
+use meshgrad_tensor::{DType, Device, Tensor};
+
+#[test]
+fn released_storage_errors_and_materialize_brings_it_back() {
+    let t = tensor(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3], DType::F32);
+    let view = t.t().unwrap(); // created before release; shares the storage
+    assert!(t.is_materialized());
+    t.release_storage();
+    assert!(!t.is_materialized());
+    assert!(!view.is_materialized(), "views share the released state");
+    // Metadata survives; ops fail with a message naming the release.
+    assert_eq!(t.dims(), &[2, 3]);
+    assert_eq!(t.dtype(), DType::F32);
+    for (what, r) in [
+        ("add", t.add(&t).map(|_| ())),
+        ("exp", t.exp().map(|_| ())),
+        ("sum", t.sum(&[0], false).map(|_| ())),
+        ("matmul", view.matmul(&t).map(|_| ())),
+        ("contiguous of a view", view.contiguous().map(|_| ())),
+        ("to_vec", t.to_vec::<f32>().map(|_| ())),
+        ("to_dtype", t.to_dtype(DType::F64).map(|_| ())),
+        (
+            "copy_from",
+            t.copy_from(&Tensor::zeros((2, 3), DType::F32, Device::Cpu).unwrap()),
+        ),
+    ] {
+        let e = r.expect_err(what).to_string();
+        assert!(e.contains("released"), "{what}: {e}");
+    }
+    // An op whose other operand is released fails too.
+    let live = Tensor::ones((2, 3), DType::F32, Device::Cpu).unwrap();
+    assert!(live.add(&t).unwrap_err().to_string().contains("released"));
+    // Releasing twice is fine.
+    t.release_storage();
+    // Re-materialise from a non-contiguous source (copied in logical order); the old view sees
+    // the new values.
+    let src = tensor(&[10.0, 20.0, 30.0, 40.0, 50.0, 60.0], &[3, 2], DType::F32)
+        .t()
+        .unwrap();
+    assert!(!src.is_contiguous());
+    t.materialize_from(&src).unwrap();
+    assert!(t.is_materialized() && view.is_materialized());
+    check(
+        &t,
+        &[2, 3],
+        &[10.0, 30.0, 50.0, 20.0, 40.0, 60.0],
+        0.0,
+        0.0,
+        "materialised values",
+    );
+    check(
+        &view,
+        &[3, 2],
+        &[10.0, 20.0, 30.0, 40.0, 50.0, 60.0],
+        0.0,
+        0.0,
+        "old view after materialise",
+    );
+    assert!(!t.same_storage(&src));
+    // The source is copied: changing it later does not change the tensor.
+    src.fill_(0.0).unwrap();
+    check(
+        &t,
+        &[2, 3],
+        &[10.0, 30.0, 50.0, 20.0, 40.0, 60.0],
+        0.0,
+        0.0,
+        "independent of the source",
+    );
+    // Live storage can be replaced too.
+    t.materialize_from(&Tensor::zeros((2, 3), DType::F32, Device::Cpu).unwrap())
+        .unwrap();
+    assert_eq!(vals(&view), vec![0.0; 6]);
+    // Errors: wrong dtype, wrong element count, a partial view as destination.
+    assert!(t
+        .materialize_from(&Tensor::zeros((2, 3), DType::F64, Device::Cpu).unwrap())
+        .is_err());
+    assert!(t
+        .materialize_from(&Tensor::zeros(5, DType::F32, Device::Cpu).unwrap())
+        .is_err());
+    assert!(t
+        .narrow(0, 1, 1)
+        .unwrap()
+        .materialize_from(&Tensor::zeros((1, 3), DType::F32, Device::Cpu).unwrap())
+        .is_err());
+    assert!(
+        view.materialize_from(&Tensor::zeros((3, 2), DType::F32, Device::Cpu).unwrap())
+            .is_err(),
+        "a transposed destination"
+    );
+}
+
+#[test]
+fn tracker_counts_current_and_peak_bytes() {
+    let tr = MemoryTracker::new();
+    alloc::with_tracker(tr.clone(), || {
+        let base = tr.stats().current;
+        assert_eq!(base, 0);
+        let a = Tensor::zeros(1000, DType::F32, Device::Cpu).unwrap();
+        assert_eq!(tr.stats().current, 4000);
+        assert_eq!(
+            alloc::memory_stats(Device::Cpu).current,
+            4000,
+            "memory_stats reads the installed tracker"
+        );
+        // Views allocate nothing.
+        let v = a
+            .reshape((10, 100))
+            .unwrap()
+            .t()
+            .unwrap()
+            .narrow(0, 0, 5)
+            .unwrap();
+        assert_eq!(tr.stats().current, 4000);
+        // A copy does.
+        let c = v.contiguous().unwrap();
+        assert_eq!(tr.stats().current, 4000 + 5 * 10 * 4);
+        drop(c);
+        let b = Tensor::zeros((10, 10), DType::F64, Device::Cpu).unwrap();
+        assert_eq!(tr.stats().current, 4800);
+        assert_eq!(tr.stats().peak, 4800);
+        drop(a);
+        assert_eq!(tr.stats().current, 4800, "the view keeps the storage alive");
+        drop(v);
+        assert_eq!(tr.stats().current, 800);
+        drop(b);
+        assert_eq!(tr.stats().current, 0);
+        assert_eq!(tr.stats().peak, 4800, "peak stays");
+        tr.reset_peak();
+        assert_eq!(tr.stats().peak, 0);
+        let h = Tensor::zeros(10, DType::BF16, Device::Cpu).unwrap();
+        assert_eq!(tr.stats().current, 20);
+        alloc::reset_peak(Device::Cpu);
+        assert_eq!(tr.stats().peak, 20);
+        drop(h);
+    });
+    assert_eq!(tr.stats().current, 0);
+}
+
+#[test]
+fn views_keep_storage_alive() {
+    let tr = MemoryTracker::new();
+    alloc::with_tracker(tr.clone(), || {
+        let a = Tensor::zeros(1000, DType::F32, Device::Cpu).unwrap();
+        let v = a.narrow(0, 0, 10).unwrap();
+        drop(a);
+        assert_eq!(tr.stats().current, 4000, "a view keeps its storage alive");
+        drop(v);
+        assert_eq!(tr.stats().current, 0);
+    });
+}
+
+#[test]
+fn release_and_materialize_are_accounted() {
+    let tr = MemoryTracker::new();
+    alloc::with_tracker(tr.clone(), || {
+        let p = alloc::with_tag(MemoryTag::Params, || {
+            Tensor::zeros(256, DType::F32, Device::Cpu).unwrap()
+        });
+        assert_eq!(tr.stats().current_of(MemoryTag::Params), 1024);
+        p.release_storage();
+        assert_eq!(tr.stats().current, 0, "release frees the bytes");
+        assert_eq!(tr.stats().peak, 1024);
+        let src = Tensor::ones(256, DType::F32, Device::Cpu).unwrap();
+        assert_eq!(tr.stats().current, 1024);
+        alloc::with_tag(MemoryTag::Params, || p.materialize_from(&src)).unwrap();
+        assert_eq!(tr.stats().current, 2048);
+        assert_eq!(tr.stats().current_of(MemoryTag::Params), 1024);
+        drop(src);
+        drop(p);
+        assert_eq!(tr.stats().current, 0);
+    });
+}
+
+#[test]
+fn tags_are_counted_separately() {
+    let tr = MemoryTracker::new();
+    alloc::with_tracker(tr.clone(), || {
+        let p = alloc::with_tag(MemoryTag::Params, || {
+            Tensor::zeros(100, DType::F32, Device::Cpu).unwrap()
+        });
+        let g = alloc::with_tag(MemoryTag::Grads, || {
+            // Nested tags restore on exit.
+            let inner = alloc::with_tag(MemoryTag::OptimizerState, || {
+                Tensor::zeros(10, DType::F64, Device::Cpu).unwrap()
+            });
+            let g = Tensor::zeros(100, DType::F32, Device::Cpu).unwrap();
+            (g, inner)
+        });
+        let other = Tensor::zeros(3, DType::U8, Device::Cpu).unwrap();
+        let s = tr.stats();
+        assert_eq!(s.current_of(MemoryTag::Params), 400);
+        assert_eq!(s.current_of(MemoryTag::Grads), 400);
+        assert_eq!(s.current_of(MemoryTag::OptimizerState), 80);
+        assert_eq!(s.current_of(MemoryTag::Other), 3);
+        assert_eq!(s.current_of(MemoryTag::Activations), 0);
+        assert_eq!(s.current, 883);
+        drop(p);
+        let s = tr.stats();
+        assert_eq!(s.current_of(MemoryTag::Params), 0);
+        assert_eq!(s.peak_of(MemoryTag::Params), 400);
+        // The refund goes to the tag charged at allocation, whatever the tag at drop time.
+        alloc::with_tag(MemoryTag::Activations, || drop(g));
+        let s = tr.stats();
+        assert_eq!(s.current_of(MemoryTag::Grads), 0);
+        assert_eq!(s.current_of(MemoryTag::OptimizerState), 0);
+        assert_eq!(s.current_of(MemoryTag::Activations), 0);
+        drop(other);
+        assert_eq!(tr.stats().current, 0);
+    });
+}
+
+#[test]
+fn trackers_are_per_thread_and_restored() {
+    let outer = MemoryTracker::new();
+    let inner = MemoryTracker::new();
+    alloc::with_tracker(outer.clone(), || {
+        let a = Tensor::zeros(10, DType::F32, Device::Cpu).unwrap();
+        let b = alloc::with_tracker(inner.clone(), || {
+            Tensor::zeros(20, DType::F32, Device::Cpu).unwrap()
+        });
+        let c = Tensor::zeros(30, DType::F32, Device::Cpu).unwrap();
+        assert_eq!(outer.stats().current, 160);
+        assert_eq!(inner.stats().current, 80);
+        // Another thread charges its own (global) tracker, not ours.
+        std::thread::spawn(|| {
+            let _x = Tensor::zeros(1000, DType::F32, Device::Cpu).unwrap();
+        })
+        .join()
+        .unwrap();
+        assert_eq!(outer.stats().current, 160);
+        // Freed on this thread after the inner scope ended: refunded to the tracker charged.
+        drop(b);
+        assert_eq!(inner.stats().current, 0);
+        drop((a, c));
+    });
+    assert_eq!(outer.stats().current, 0);
+    // A tensor moved to another thread refunds the tracker it was charged to.
+    let t = alloc::with_tracker(outer.clone(), || {
+        Tensor::zeros(50, DType::F32, Device::Cpu).unwrap()
+    });
+    assert_eq!(outer.stats().current, 200);
+    std::thread::spawn(move || drop(t)).join().unwrap();
+    assert_eq!(outer.stats().current, 0);
+}
+
+#[test]
+fn errors_name_shapes_dtypes_and_devices() {
+    let a = Tensor::zeros((2, 3), DType::F32, Device::Cpu).unwrap();
+    let b = Tensor::zeros(4, DType::F32, Device::Cpu).unwrap();
+    let e = a.add(&b).unwrap_err().to_string();
+    assert!(
+        e.contains("add") && e.contains("[2, 3]") && e.contains("[4]"),
+        "{e}"
+    );
+    let e = a
+        .mul(&Tensor::zeros((3, 3), DType::F32, Device::Cpu).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("mul") && e.contains("[2, 3]") && e.contains("[3, 3]"),
+        "{e}"
+    );
+    let e = a
+        .matmul(&Tensor::zeros((2, 3), DType::F32, Device::Cpu).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("matmul") && e.contains("[2, 3]"), "{e}");
+    let e = a.softmax(2).unwrap_err().to_string();
+    assert!(e.contains("[2, 3]"), "{e}");
+}
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn cuda_without_the_feature_is_a_clear_error() {
+    let d: Device = "cuda:0".parse().unwrap();
+    assert_eq!(d, Device::Cuda(0));
+    assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda(0));
+    assert_eq!("cpu".parse::<Device>().unwrap(), Device::Cpu);
+    assert!("tpu".parse::<Device>().is_err());
+    for r in [
+        Tensor::zeros(3, DType::F32, Device::Cuda(0)).map(|_| ()),
+        Tensor::from_vec(vec![1f32], 1, Device::Cuda(0)).map(|_| ()),
+        Tensor::ones(3, DType::F32, Device::Cuda(1)).map(|_| ()),
+        Tensor::rand_uniform(0, 0, 0.0, 1.0, 3, DType::F32, Device::Cuda(0)).map(|_| ()),
+        Tensor::zeros(3, DType::F32, Device::Cpu)
+            .unwrap()
+            .to_device(Device::Cuda(0))
+            .map(|_| ()),
+    ] {
+        let e = r.unwrap_err().to_string();
+        assert!(e.contains("built without CUDA"), "{e}");
+    }
+}
