@@ -1,8 +1,10 @@
 //! The backward engine: runs the recorded graph in reverse, in a fixed order.
 //!
-//! Order: among the nodes whose output gradient is complete, the most recently created runs
-//! first. Gradient contributions to one variable are summed in that processing order, so a
-//! backward pass is bit-for-bit repeatable.
+//! Order: a leaf whose gradient is complete is handled (accumulated, hooks fired) before any
+//! further node runs, so gradient-ready hooks fire as early as possible, in reverse order of use;
+//! among the nodes whose output gradient is complete, the most recently created runs first.
+//! Gradient contributions to one variable are summed in that processing order, so a backward
+//! pass is bit-for-bit repeatable.
 
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
 
@@ -75,18 +77,19 @@ fn run(roots: &[(Var, Tensor)], sink: Sink<'_>) -> Result<Vec<Option<Tensor>>> {
     let mut captured: Vec<Option<Tensor>> = vec![None; capture.len()];
 
     let mut pending: HashMap<VarId, Tensor> = HashMap::new();
-    let mut ready: BinaryHeap<VarId> = BinaryHeap::new();
+    let mut ready: BinaryHeap<(bool, VarId)> = BinaryHeap::new();
     for (v, g) in roots {
         add_into(&mut pending, v.id(), g.clone())?;
     }
     for (v, _) in roots {
-        if consumers.get(&v.id()).copied().unwrap_or(0) == 0 && !ready.iter().any(|&r| r == v.id())
+        if consumers.get(&v.id()).copied().unwrap_or(0) == 0
+            && !ready.iter().any(|&r| r == ready_key(v))
         {
-            ready.push(v.id());
+            ready.push(ready_key(v));
         }
     }
 
-    while let Some(id) = ready.pop() {
+    while let Some((_, id)) = ready.pop() {
         let v = vars[&id].clone();
         let g = pending
             .remove(&id)
@@ -147,7 +150,7 @@ fn run(roots: &[(Var, Tensor)], sink: Sink<'_>) -> Result<Vec<Option<Tensor>>> {
                     *c -= 1;
                     if *c == 0 {
                         if pending.contains_key(&inp.id()) {
-                            ready.push(inp.id());
+                            ready.push(ready_key(inp));
                         } else {
                             // No gradient reached it; its own inputs lose this path too.
                             release_unreached(inp, &mut consumers, &mut pending, &mut ready);
@@ -165,7 +168,7 @@ fn release_unreached(
     v: &Var,
     consumers: &mut HashMap<VarId, usize>,
     pending: &mut HashMap<VarId, Tensor>,
-    ready: &mut BinaryHeap<VarId>,
+    ready: &mut BinaryHeap<(bool, VarId)>,
 ) {
     let mut stack = vec![v.clone()];
     while let Some(v) = stack.pop() {
@@ -180,7 +183,7 @@ fn release_unreached(
                 *c -= 1;
                 if *c == 0 {
                     if pending.contains_key(&inp.id()) {
-                        ready.push(inp.id());
+                        ready.push(ready_key(inp));
                     } else {
                         stack.push(inp.clone());
                     }
@@ -188,6 +191,14 @@ fn release_unreached(
             }
         }
     }
+}
+
+/// The priority of a variable whose gradient is complete: leaves first (their gradient is final,
+/// and a gradient-ready hook may start communication that overlaps the rest of backward), then
+/// nodes by decreasing creation order. Leaves have no inputs, so handling them early never
+/// changes the order in which nodes run or gradients are summed.
+fn ready_key(v: &Var) -> (bool, VarId) {
+    (v.is_leaf(), v.id())
 }
 
 fn add_into(pending: &mut HashMap<VarId, Tensor>, id: VarId, g: Tensor) -> Result<()> {

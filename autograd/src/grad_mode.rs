@@ -50,8 +50,16 @@ pub(crate) fn collect_leaves<R>(f: impl FnOnce() -> R) -> (R, Vec<Var>) {
     }
     let mut guard = RestoreCollector(Some(prev));
     let r = no_grad(f);
-    let prev = guard.0.take().expect("set above");
-    let leaves = COLLECTOR.with(|c| c.replace(prev)).unwrap_or_default();
+    let mut prev = guard.0.take().expect("set above");
+    let leaves = COLLECTOR.with(|c| c.take()).unwrap_or_default();
+    // A nested collection (a checkpoint inside a checkpointed block) reports its leaves to the
+    // enclosing one too: the outer block's recomputation needs their gradients.
+    if let Some(outer) = prev.as_mut() {
+        for (id, v) in &leaves {
+            outer.entry(*id).or_insert_with(|| v.clone());
+        }
+    }
+    COLLECTOR.with(|c| *c.borrow_mut() = prev);
     (r, leaves.into_values().collect())
 }
 

@@ -12,8 +12,16 @@ fn kept_shape(dims: &[usize], reduced: &[usize]) -> Vec<usize> {
         .collect()
 }
 
+/// The reduced dims, resolved, sorted and deduplicated (as the tensor reductions treat them: a
+/// dim named twice is reduced once).
 fn resolve(t: &Tensor, op: &'static str, dims: &[isize]) -> Result<Vec<usize>> {
-    dims.iter().map(|&d| t.dim(op, d)).collect()
+    let mut v = dims
+        .iter()
+        .map(|&d| t.dim(op, d))
+        .collect::<Result<Vec<_>>>()?;
+    v.sort_unstable();
+    v.dedup();
+    Ok(v)
 }
 
 impl Var {
