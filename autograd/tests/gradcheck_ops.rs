@@ -690,3 +690,65 @@ fn gradcheck_catches_a_wrong_rule() {
     .to_string();
     assert!(e.contains("element") && e.contains("analytic"), "{e}");
 }
+
+#[test]
+fn linear_with_and_without_bias() {
+    let x = rand(300, &[2, 3, 4], -1.0, 1.0);
+    let w = rand(301, &[5, 4], -1.0, 1.0);
+    let b = rand(302, &[5], -1.0, 1.0);
+    gc(
+        "linear with bias",
+        |v| Var::linear(&v[0], &v[1], Some(&v[2])),
+        &[x.clone(), w.clone(), b.clone()],
+    );
+    gc(
+        "linear without bias",
+        |v| Var::linear(&v[0], &v[1], None),
+        &[x.clone(), w.clone()],
+    );
+    // Non-contiguous input (transposed) and weight (a transposed [in, out] leaf).
+    let xt = rand(303, &[4, 3], -1.0, 1.0);
+    let wt = rand(304, &[4, 5], -1.0, 1.0);
+    gc(
+        "linear of strided views",
+        |v| Var::linear(&v[0].t_(), &v[1].t_(), Some(&v[2])),
+        &[xt, wt, b.clone()],
+    );
+    // A vector input.
+    let x1 = rand(305, &[4], -1.0, 1.0);
+    gc(
+        "linear of a vector",
+        |v| Var::linear(&v[0], &v[1], Some(&v[2]))?.tanh(),
+        &[x1, w.clone(), b.clone()],
+    );
+    // Equals matmul with the transposed weight plus bias.
+    let (xv, wv, bv) = (Var::leaf(x), Var::leaf(w), Var::leaf(b));
+    let fused = Var::linear(&xv, &wv, Some(&bv)).unwrap();
+    let plain = xv.matmul(&wv.t_()).unwrap().add(&bv).unwrap();
+    assert_close(
+        &vals(fused.tensor()),
+        &vals(plain.tensor()),
+        1e-14,
+        1e-14,
+        "linear vs matmul + bias",
+    );
+}
+
+#[test]
+fn attention_from_fused_qkv() {
+    for causal in [true, false] {
+        let qkv = rand(310, &[2, 3, 12], -1.0, 1.0); // 2 heads of 2
+        gc(
+            &format!("attention_qkv causal={causal}"),
+            |v| Var::attention_qkv(&v[0], 2, causal, 0.6),
+            std::slice::from_ref(&qkv),
+        );
+        // A strided qkv: a transposed [B, 3C, T] leaf.
+        let qt = qkv.transpose(1, 2).unwrap().contiguous().unwrap();
+        gc(
+            &format!("attention_qkv of a transposed view causal={causal}"),
+            |v| Var::attention_qkv(&v[0].transpose(1, 2)?, 1, causal, 0.6),
+            &[qt],
+        );
+    }
+}

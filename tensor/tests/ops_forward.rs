@@ -1677,3 +1677,230 @@ fn dropout_mask_statistics_and_layout_invariance() {
     let other = vals(&Tensor::dropout_mask(6, 0, p, shape, DType::F32, Device::Cpu).unwrap());
     assert_ne!(other, v);
 }
+
+#[test]
+fn linear_matches_reference() {
+    let mut rng = Rng::new(14);
+    let cases: Vec<Vec<usize>> = vec![
+        vec![5, 4],
+        vec![2, 3, 4],
+        vec![4],
+        vec![2, 1, 3, 4],
+        vec![1, 4],
+        vec![33, 4],
+    ];
+    let (out_f, in_f) = (6, 4);
+    for (case, xd) in cases.into_iter().enumerate() {
+        let s = case as u64;
+        let x = uniform_vals(2400 + s, numel(&xd), -1.0, 1.0);
+        let w = uniform_vals(2500 + s, out_f * in_f, -1.0, 1.0);
+        let b = uniform_vals(2600 + s, out_f, -1.0, 1.0);
+        for dtype in [DType::F64, DType::F32] {
+            let (xr, wr, br) = (
+                round_to(&x, dtype),
+                round_to(&w, dtype),
+                round_to(&b, dtype),
+            );
+            let rows = xr.len() / in_f;
+            for with_bias in [false, true] {
+                let mut exp = vec![0.0; rows * out_f];
+                for r in 0..rows {
+                    for j in 0..out_f {
+                        let dot: f64 = (0..in_f).map(|p| xr[r * in_f + p] * wr[j * in_f + p]).sum();
+                        exp[r * out_f + j] = dot + if with_bias { br[j] } else { 0.0 };
+                    }
+                }
+                let mut od = xd.clone();
+                *od.last_mut().unwrap() = out_f;
+                for _ in 0..3 {
+                    let (lx, lw) = (Lay::random(&mut rng, xd.len()), Lay::random(&mut rng, 2));
+                    let tx = strided(&x, &xd, &lx, dtype);
+                    let tw = strided(&w, &[out_f, in_f], &lw, dtype);
+                    let tb = strided(&b, &[out_f], &Lay::random(&mut rng, 1), dtype);
+                    let out = tx
+                        .linear(&tw, if with_bias { Some(&tb) } else { None })
+                        .unwrap();
+                    assert_eq!(out.dtype(), dtype);
+                    let (rtol, atol) = if dtype == DType::F64 {
+                        F64_TOL
+                    } else {
+                        (1e-5, 1e-5)
+                    };
+                    check(
+                        &out,
+                        &od,
+                        &exp,
+                        rtol,
+                        atol,
+                        &format!("linear x {xd:?} ({lx:?}) W ({lw:?}) bias={with_bias} {dtype}"),
+                    );
+                }
+            }
+        }
+    }
+    // An input that is an expanded (stride-0) view.
+    let x = uniform_vals(2700, in_f, -1.0, 1.0);
+    let w = uniform_vals(2701, out_f * in_f, -1.0, 1.0);
+    let tx = tensor(&x, &[1, in_f], DType::F64)
+        .expand([3, in_f])
+        .unwrap();
+    let out = tx
+        .linear(&tensor(&w, &[out_f, in_f], DType::F64), None)
+        .unwrap();
+    let row: Vec<f64> = (0..out_f)
+        .map(|j| (0..in_f).map(|p| x[p] * w[j * in_f + p]).sum())
+        .collect();
+    check(
+        &out,
+        &[3, out_f],
+        &row.repeat(3),
+        1e-12,
+        1e-12,
+        "linear of an expanded input",
+    );
+    // Errors.
+    let z = |d: &[usize]| Tensor::zeros(d, DType::F32, Device::Cpu).unwrap();
+    let e = z(&[2, 5])
+        .linear(&z(&[6, 4]), None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("[2, 5]") && e.contains("[6, 4]"), "{e}");
+    assert!(
+        z(&[2, 4]).linear(&z(&[6, 4]), Some(&z(&[4]))).is_err(),
+        "bias of the wrong size"
+    );
+    assert!(
+        z(&[2, 4]).linear(&z(&[6, 4, 1]), None).is_err(),
+        "3-D weight"
+    );
+}
+
+#[test]
+fn attention_qkv_matches_split_heads_reference() {
+    let mut rng = Rng::new(15);
+    for (case, (b, t, heads, d, causal)) in [
+        (1, 4, 1, 4, true),
+        (2, 5, 2, 3, false),
+        (2, 5, 2, 3, true),
+        (1, 17, 4, 8, true),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let c = heads * d;
+        let x = uniform_vals(2800 + case as u64, b * t * 3 * c, -1.0, 1.0);
+        let scale = 1.0 / (d as f64).sqrt();
+        // Split q, k, v and move heads forward with our own index arithmetic.
+        let part = |which: usize| -> Vec<f64> {
+            let mut out = vec![0.0; b * heads * t * d];
+            for bb in 0..b {
+                for h in 0..heads {
+                    for tt in 0..t {
+                        for dd in 0..d {
+                            out[((bb * heads + h) * t + tt) * d + dd] =
+                                x[(bb * t + tt) * 3 * c + which * c + h * d + dd];
+                        }
+                    }
+                }
+            }
+            out
+        };
+        for dtype in [DType::F64, DType::F32] {
+            let (q, k, v) = (
+                round_to(&part(0), dtype),
+                round_to(&part(1), dtype),
+                round_to(&part(2), dtype),
+            );
+            let (o, lse) = ref_attention(&q, &k, &v, b * heads, t, t, d, causal, scale);
+            // Heads back to the last dim.
+            let mut exp = vec![0.0; b * t * c];
+            for bb in 0..b {
+                for h in 0..heads {
+                    for tt in 0..t {
+                        for dd in 0..d {
+                            exp[(bb * t + tt) * c + h * d + dd] =
+                                o[((bb * heads + h) * t + tt) * d + dd];
+                        }
+                    }
+                }
+            }
+            let tx = strided(&x, &[b, t, 3 * c], &Lay::random(&mut rng, 3), dtype);
+            let out = tx.attention_qkv(heads, causal, scale).unwrap();
+            let (rtol, atol) = if dtype == DType::F64 {
+                (1e-11, 1e-12)
+            } else {
+                (1e-4, 1e-5)
+            };
+            let what = format!("attention_qkv b{b} t{t} heads{heads} d{d} causal={causal} {dtype}");
+            check(&out.out, &[b, t, c], &exp, rtol, atol, &what);
+            check(
+                &out.lse,
+                &[b, heads, t],
+                &lse,
+                rtol,
+                atol,
+                &format!("lse: {what}"),
+            );
+        }
+        // The backward equals attention_backward on the split tensors, re-packed.
+        let tx = tensor(&x, &[b, t, 3 * c], DType::F64);
+        let out = tx.attention_qkv(heads, causal, scale).unwrap();
+        let dout = uniform_vals(2900 + case as u64, b * t * c, -1.0, 1.0);
+        let tdo = tensor(&dout, &[b, t, c], DType::F64);
+        let dqkv = tx
+            .attention_qkv_backward(&out.out, &out.lse, &tdo, heads, causal, scale)
+            .unwrap();
+        let split = |v: &[f64]| tensor(v, &[b, heads, t, d], DType::F64);
+        let (tq, tk, tv) = (split(&part(0)), split(&part(1)), split(&part(2)));
+        let o4 = Tensor::attention(&tq, &tk, &tv, causal, scale).unwrap();
+        let do4 = tdo
+            .reshape([b, t, heads, d])
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap();
+        let (gq, gk, gv) =
+            Tensor::attention_backward(&tq, &tk, &tv, &o4.out, &o4.lse, &do4, causal, scale)
+                .unwrap();
+        let pack = |g: &Tensor| g.transpose(1, 2).unwrap().reshape([b, t, c]).unwrap();
+        let want = Tensor::cat(&[&pack(&gq), &pack(&gk), &pack(&gv)], 2).unwrap();
+        check(
+            &dqkv,
+            &[b, t, 3 * c],
+            &vals(&want),
+            1e-10,
+            1e-12,
+            "attention_qkv_backward",
+        );
+    }
+    let z = Tensor::zeros((1, 4, 10), DType::F32, Device::Cpu).unwrap();
+    assert!(
+        z.attention_qkv(2, true, 1.0).is_err(),
+        "3C not divisible by 3 * heads"
+    );
+    assert!(Tensor::zeros((4, 12), DType::F32, Device::Cpu)
+        .unwrap()
+        .attention_qkv(2, true, 1.0)
+        .is_err());
+}
+
+#[test]
+fn sqr_sum_in_f64() {
+    let x = uniform_vals(3000, 50, -1.0, 1.0);
+    let t = strided(
+        &x,
+        &[5, 10],
+        &Lay::Strided {
+            perm: vec![1, 0],
+            pad: 1,
+        },
+        DType::F32,
+    );
+    let want: f64 = round_to(&x, DType::F32).iter().map(|v| v * v).sum();
+    assert_close(
+        &[t.sqr_sum_f64().unwrap()],
+        &[want],
+        1e-12,
+        0.0,
+        "sqr_sum_f64",
+    );
+}
