@@ -146,3 +146,10 @@ impl std::fmt::Debug for dyn Communicator {
         )
     }
 }
+
+/// All-reduces one f64 value (a loss, a squared norm, a count) across the group and returns the
+/// result (the same on every rank).
+pub fn all_reduce_scalar(comm: &dyn Communicator, value: f64, op: ReduceOp) -> Result<f64> {
+    let t = Tensor::from_vec(vec![value], 1, meshgrad_tensor::Device::Cpu)?;
+    Ok(comm.all_reduce(&t, op)?.wait()?.to_vec::<f64>()?[0])
+}
