@@ -208,8 +208,61 @@ fn add_into(pending: &mut HashMap<VarId, Tensor>, id: VarId, g: Tensor) -> Resul
             pending.insert(id, g);
         }
         Some(old) => {
-            pending.insert(id, old.add(&g)?);
+            pending.insert(id, accumulate(old, g)?);
         }
     }
     Ok(())
+}
+
+/// `old + g`, in place in whichever operand nobody else holds (float addition commutes exactly,
+/// so the result is the same bits as `old.add(&g)`), else into a new tensor.
+pub(crate) fn accumulate(old: Tensor, g: Tensor) -> Result<Tensor> {
+    let fits = |a: &Tensor, b: &Tensor| {
+        a.is_exclusive()
+            && a.is_contiguous()
+            && b.is_contiguous()
+            && a.shape() == b.shape()
+            && a.dtype() == b.dtype()
+            && a.dtype().is_float()
+    };
+    if fits(&old, &g) {
+        old.add_assign(&g)?;
+        Ok(old)
+    } else if fits(&g, &old) {
+        g.add_assign(&old)?;
+        Ok(g)
+    } else {
+        old.add(&g)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use meshgrad_tensor::{Device, Tensor};
+
+    use super::accumulate;
+
+    #[test]
+    fn accumulate_never_writes_into_a_shared_tensor() {
+        let a = Tensor::from_vec(vec![1f32, 2., 3.], 3, Device::Cpu).unwrap();
+        let b = Tensor::from_vec(vec![10f32, 20., 30.], 3, Device::Cpu).unwrap();
+        let (a_seen, b_seen) = (a.clone(), b.clone());
+        let s = accumulate(a, b).unwrap();
+        assert_eq!(s.to_vec::<f32>().unwrap(), vec![11., 22., 33.]);
+        assert_eq!(a_seen.to_vec::<f32>().unwrap(), vec![1., 2., 3.]);
+        assert_eq!(b_seen.to_vec::<f32>().unwrap(), vec![10., 20., 30.]);
+        // An exclusive operand is reused in place.
+        let c = Tensor::from_vec(vec![1f32, 1., 1.], 3, Device::Cpu).unwrap();
+        let s2 = accumulate(s, c).unwrap();
+        assert_eq!(s2.to_vec::<f32>().unwrap(), vec![12., 23., 34.]);
+        // A view of the same storage blocks in-place reuse too.
+        let d = Tensor::from_vec(vec![1f32, 2., 3., 4.], 4, Device::Cpu).unwrap();
+        let view = d.narrow(0, 0, 3).unwrap();
+        let e = Tensor::from_vec(vec![5f32, 5., 5.], 3, Device::Cpu).unwrap();
+        let e_seen = e.clone();
+        let s3 = accumulate(view, e).unwrap();
+        assert_eq!(s3.to_vec::<f32>().unwrap(), vec![6., 7., 8.]);
+        assert_eq!(d.to_vec::<f32>().unwrap(), vec![1., 2., 3., 4.]);
+        assert_eq!(e_seen.to_vec::<f32>().unwrap(), vec![5., 5., 5.]);
+    }
 }

@@ -161,7 +161,7 @@ impl Var {
         let mut slot = self.0.grad.lock().unwrap_or_else(|e| e.into_inner());
         *slot = Some(match slot.take() {
             None => g,
-            Some(old) => old.add(&g)?,
+            Some(old) => crate::engine::accumulate(old, g)?,
         });
         Ok(())
     }

@@ -40,6 +40,10 @@ pub(crate) fn copy_into(dst: &mut Storage, dl: &Layout, src: Src<'_>) -> Result<
     cpu::copy_into(c_mut(dst), dl, c(src.0), src.1)
 }
 
+pub(crate) fn add_assign_contiguous(dst: &mut Storage, dl: &Layout, src: Src<'_>) -> Result<bool> {
+    cpu::add_assign_contiguous(c_mut(dst), dl, c(src.0), src.1)
+}
+
 pub(crate) fn unary(s: Src<'_>, op: UnaryOp) -> Result<Storage> {
     Ok(Storage::Cpu(cpu::unary(c(s.0), s.1, op)?))
 }

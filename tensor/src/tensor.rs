@@ -115,6 +115,12 @@ impl Tensor {
         Ok(self.dims()[self.dim("size", dim)?])
     }
 
+    /// Whether this handle is the only one to its storage: no clone of it and no view of the same
+    /// storage exists, so an in-place update cannot be observed by anyone else.
+    pub fn is_exclusive(&self) -> bool {
+        Arc::strong_count(&self.0) == 1 && Arc::strong_count(&self.0.storage) == 1
+    }
+
     /// Whether both tensors share one storage cell.
     pub fn same_storage(&self, other: &Tensor) -> bool {
         Arc::ptr_eq(&self.0.storage, &other.0.storage)

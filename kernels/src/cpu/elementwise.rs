@@ -81,6 +81,36 @@ fn map1<T: Float>(x: &[T], out: &mut [T], f: impl Fn(T) -> T + Sync) {
     }
 }
 
+/// `acc[i] += x[i]` in place (the same sums, bit for bit, as [`binary`] with [`BinaryOp::Add`]
+/// into a fresh buffer); both contiguous and of equal length.
+pub fn add_assign<T: Float>(acc: &mut [T], x: &[T]) {
+    assert_eq!(
+        acc.len(),
+        x.len(),
+        "add_assign: accumulator has {} elements, input {}",
+        acc.len(),
+        x.len()
+    );
+    let serial = |acc: &mut [T], x: &[T]| {
+        simd(
+            #[inline(always)]
+            || {
+                for (a, &v) in acc.iter_mut().zip(x) {
+                    *a += v;
+                }
+            },
+        )
+    };
+    if x.len() < PAR_THRESHOLD {
+        serial(acc, x);
+    } else {
+        let cl = par_chunk_len(x.len(), 64);
+        acc.par_chunks_mut(cl)
+            .zip(x.par_chunks(cl))
+            .for_each(|(a, x)| serial(a, x));
+    }
+}
+
 /// `out[i] = op(x[i])`; `x` and `out` are contiguous and of equal length.
 ///
 /// `Relu` passes NaN through; `PowScalar(2.0)` is computed as `x * x` and `PowScalar(1.0)` as a

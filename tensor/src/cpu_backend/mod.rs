@@ -124,6 +124,28 @@ pub(crate) fn unary(
     unary(&c, &Layout::contiguous(l.shape().clone()), op)
 }
 
+/// `dst += src` in place for contiguous float buffers of one dtype and equal element count;
+/// `Ok(false)` (nothing done) when the dtypes are not f32 or f64.
+pub(crate) fn add_assign_contiguous(
+    dst: &mut CpuStorage,
+    dl: &Layout,
+    src: &CpuStorage,
+    sl: &Layout,
+) -> Result<bool> {
+    let (dr, sr) = (range(dl), range(sl));
+    match (dst, src) {
+        (CpuStorage::F32(d), CpuStorage::F32(s)) => {
+            cpu::elementwise::add_assign(&mut d[dr], &s[sr]);
+            Ok(true)
+        }
+        (CpuStorage::F64(d), CpuStorage::F64(s)) => {
+            cpu::elementwise::add_assign(&mut d[dr], &s[sr]);
+            Ok(true)
+        }
+        _ => Ok(false),
+    }
+}
+
 pub(crate) fn binary(
     op: cpu::elementwise::BinaryOp,
     a: &CpuStorage,

@@ -33,9 +33,25 @@ impl Tensor {
         self.copy_from(&v)
     }
 
-    /// `self += other` in place (shapes must match).
+    /// `self += other` in place (shapes must match). Contiguous float operands of one shape
+    /// and dtype that do not share storage are added straight into `self`'s buffer (the same
+    /// values, bit for bit, as `self.add(other)`); anything else goes through a temporary sum.
     pub fn add_assign(&self, other: &Tensor) -> Result<()> {
         let _prof = crate::profile::scope("add_assign");
+        if self.shape() == other.shape()
+            && self.dtype() == other.dtype()
+            && self.device() == other.device()
+            && self.dtype().is_float()
+            && self.is_contiguous()
+            && other.is_contiguous()
+            && !self.same_storage(other)
+        {
+            let gs = other.read_storage("add_assign")?;
+            let mut gd = self.write_storage("add_assign")?;
+            if backend::add_assign_contiguous(&mut gd, self.layout(), (&gs, other.layout()))? {
+                return Ok(());
+            }
+        }
         let sum = self.add(other)?;
         if sum.shape() != self.shape() {
             return Err(Error::ShapeMismatch {
