@@ -584,3 +584,110 @@ fn var_debug_and_identity() {
     let c = x.clone();
     assert_eq!(c.id(), x.id(), "clones share the variable");
 }
+
+#[test]
+fn released_parameters_rematerialised_by_a_pre_backward_hook() {
+    // The FSDP pattern: free a weight after forward, gather it back just before the backward of
+    // the node that needs it. The graph stays valid throughout.
+    let wv = rand(400, &[3, 2], -1.0, 1.0);
+    let w = Var::leaf(wv.deep_clone().unwrap());
+    let x = Var::leaf(rand(401, &[4, 3], -1.0, 1.0));
+    let y = x.matmul(&w).unwrap();
+    let loss = y.sqr().unwrap().sum_all().unwrap();
+    w.tensor().release_storage();
+    // Without the hook, backward fails with a "released" error.
+    let e = loss.backward().unwrap_err().to_string();
+    assert!(e.contains("released"), "{e}");
+    x.zero_grad();
+    w.zero_grad();
+    let (wt, full) = (w.tensor().clone(), wv.clone());
+    let gathers = Arc::new(Mutex::new(0));
+    let gc_ = gathers.clone();
+    y.register_pre_backward_hook(Arc::new(move |_| {
+        *gc_.lock().unwrap() += 1;
+        wt.materialize_from(&full)
+    }))
+    .unwrap();
+    loss.backward().unwrap();
+    assert_eq!(*gathers.lock().unwrap(), 1);
+    // Same gradients as a run that never released anything.
+    let (x2, w2) = (Var::leaf(x.tensor().clone()), Var::leaf(wv));
+    x2.matmul(&w2)
+        .unwrap()
+        .sqr()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert_bitwise(&grad_of(&x), &grad_of(&x2), "grad x");
+    assert_bitwise(&grad_of(&w), &grad_of(&w2), "grad w");
+}
+
+#[test]
+fn leaves_as_roots_and_kinks() {
+    // backward_with on a leaf accumulates the supplied gradient.
+    let x = Var::leaf(t64(&[1.0, 2.0], &[2]));
+    x.backward_with(t64(&[0.5, -1.0], &[2])).unwrap();
+    assert_eq!(grad_of(&x), vec![0.5, -1.0]);
+    // relu has gradient 0 at 0; maximum of equal values sends the gradient to the lhs.
+    let z = Var::leaf(t64(&[-1.0, 0.0, 2.0], &[3]));
+    z.relu().unwrap().sum_all().unwrap().backward().unwrap();
+    assert_eq!(grad_of(&z), vec![0.0, 0.0, 1.0]);
+    let (a, b) = (
+        Var::leaf(t64(&[1.0, 2.0], &[2])),
+        Var::leaf(t64(&[1.0, 3.0], &[2])),
+    );
+    a.maximum(&b)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert_eq!((grad_of(&a), grad_of(&b)), (vec![1.0, 0.0], vec![0.0, 1.0]));
+    let (a, b) = (
+        Var::leaf(t64(&[1.0, 2.0], &[2])),
+        Var::leaf(t64(&[1.0, 3.0], &[2])),
+    );
+    a.minimum(&b)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert_eq!((grad_of(&a), grad_of(&b)), (vec![1.0, 1.0], vec![0.0, 0.0]));
+}
+
+#[test]
+fn graphs_work_across_threads_and_grad_mode_is_per_thread() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Var>();
+    assert_send_sync::<Tensor>();
+    let w = Var::leaf(rand(410, &[3, 3], -1.0, 1.0));
+    // Forward on one thread, backward on another.
+    let w2 = w.clone();
+    let loss = std::thread::spawn(move || w2.tanh().unwrap().sum_all().unwrap())
+        .join()
+        .unwrap();
+    std::thread::spawn(move || loss.backward().unwrap())
+        .join()
+        .unwrap();
+    let wv = vals(w.tensor());
+    let want: Vec<f64> = wv.iter().map(|v| 1.0 - v.tanh().powi(2)).collect();
+    assert_close(
+        &grad_of(&w),
+        &want,
+        1e-15,
+        0.0,
+        "grad after cross-thread backward",
+    );
+    // no_grad on this thread does not switch recording off on another.
+    no_grad(|| {
+        let w3 = w.clone();
+        let recorded = std::thread::spawn(move || w3.exp().unwrap().requires_grad())
+            .join()
+            .unwrap();
+        assert!(recorded);
+        assert!(!w.exp().unwrap().requires_grad());
+    });
+}

@@ -1904,3 +1904,34 @@ fn sqr_sum_in_f64() {
         "sqr_sum_f64",
     );
 }
+
+#[test]
+fn empty_tensors() {
+    let z = |d: &[usize]| Tensor::zeros(d, DType::F64, Device::Cpu).unwrap();
+    let e = z(&[0, 3]);
+    assert_eq!(e.add(&z(&[3])).unwrap().dims(), &[0, 3]);
+    assert_eq!(e.exp().unwrap().dims(), &[0, 3]);
+    check(
+        &e.sum(&[0], false).unwrap(),
+        &[3],
+        &[0.0; 3],
+        0.0,
+        0.0,
+        "sum over an empty dim",
+    );
+    assert_eq!(e.sum(&[1], false).unwrap().dims(), &[0]);
+    check(
+        &z(&[2, 0]).matmul(&z(&[0, 3])).unwrap(),
+        &[2, 3],
+        &[0.0; 6],
+        0.0,
+        0.0,
+        "matmul with k = 0",
+    );
+    assert_eq!(z(&[0, 4]).matmul(&z(&[4, 3])).unwrap().dims(), &[0, 3]);
+    let a = tensor(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3], DType::F64);
+    let c = Tensor::cat(&[&z(&[2, 0]), &a, &a.narrow(1, 1, 0).unwrap()], 1).unwrap();
+    check(&c, &[2, 3], &vals(&a), 0.0, 0.0, "cat with empty pieces");
+    assert_eq!(e.softmax(-1).unwrap().dims(), &[0, 3]);
+    assert_eq!(e.t().unwrap().contiguous().unwrap().dims(), &[3, 0]);
+}
