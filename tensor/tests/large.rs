@@ -461,3 +461,146 @@ fn large_cross_entropy_embedding_and_adamw() {
         .collect();
     assert_close(&vals(&tp), &want, 1e-12, 1e-15, "large adamw");
 }
+
+#[test]
+fn large_backward_kernels() {
+    let (rows, cols) = (260, 131);
+    let x = uniform_vals(30, rows * cols, -2.0, 2.0);
+    let dy = uniform_vals(31, rows * cols, -1.0, 1.0);
+    let tx = tensor(&x, &[rows, cols], DType::F64);
+    let tdy = strided(&dy, &[rows, cols], &perm_lay(&[1, 0], 1), DType::F64);
+    // softmax / log-softmax backward.
+    for log in [false, true] {
+        let y = ref_softmax(&x, &[rows, cols], 1, log);
+        let mut exp = vec![0.0; x.len()];
+        for r in 0..rows {
+            let (yr, gr) = (&y[r * cols..(r + 1) * cols], &dy[r * cols..(r + 1) * cols]);
+            let s: f64 = if log {
+                gr.iter().sum()
+            } else {
+                yr.iter().zip(gr).map(|(a, b)| a * b).sum()
+            };
+            for c in 0..cols {
+                exp[r * cols + c] = if log {
+                    gr[c] - yr[c].exp() * s
+                } else {
+                    yr[c] * (gr[c] - s)
+                };
+            }
+        }
+        let out = tensor(&y, &[rows, cols], DType::F64)
+            .softmax_backward(&tdy, -1, log)
+            .unwrap();
+        check(
+            &out,
+            &[rows, cols],
+            &exp,
+            1e-10,
+            1e-12,
+            &format!("large softmax_backward log={log}"),
+        );
+    }
+    // layer norm backward.
+    let w = uniform_vals(32, cols, 0.5, 1.5);
+    let (_, mean, rstd) = ref_layer_norm(&x, cols, None, None, 1e-5);
+    let (mut dx, mut dw, mut db) = (vec![0.0; x.len()], vec![0.0; cols], vec![0.0; cols]);
+    for r in 0..rows {
+        let xh: Vec<f64> = (0..cols)
+            .map(|c| (x[r * cols + c] - mean[r]) * rstd[r])
+            .collect();
+        let g: Vec<f64> = (0..cols).map(|c| dy[r * cols + c] * w[c]).collect();
+        let (mg, mgx) = (
+            g.iter().sum::<f64>() / cols as f64,
+            g.iter().zip(&xh).map(|(a, b)| a * b).sum::<f64>() / cols as f64,
+        );
+        for c in 0..cols {
+            dx[r * cols + c] = rstd[r] * (g[c] - mg - xh[c] * mgx);
+            dw[c] += dy[r * cols + c] * xh[c];
+            db[c] += dy[r * cols + c];
+        }
+    }
+    let tw = tensor(&w, &[cols], DType::F64);
+    let ln = tx.layer_norm(Some(&tw), None, 1e-5).unwrap();
+    let (gx, pg) = tx
+        .layer_norm_backward(Some(&tw), &ln.mean, &ln.rstd, &tdy)
+        .unwrap();
+    check(
+        &gx,
+        &[rows, cols],
+        &dx,
+        1e-9,
+        1e-12,
+        "large layer_norm_backward dx",
+    );
+    let (gw, gb) = pg.unwrap();
+    check(
+        &gw,
+        &[cols],
+        &dw,
+        1e-9,
+        1e-11,
+        "large layer_norm_backward dw",
+    );
+    check(
+        &gb,
+        &[cols],
+        &db,
+        1e-9,
+        1e-11,
+        "large layer_norm_backward db",
+    );
+    // gelu backward (tanh form).
+    let c0 = (2.0 / std::f64::consts::PI).sqrt();
+    let exp: Vec<f64> = x
+        .iter()
+        .zip(&dy)
+        .map(|(&v, &g)| {
+            let t = (c0 * (v + 0.044715 * v * v * v)).tanh();
+            g * (0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * c0 * (1.0 + 3.0 * 0.044715 * v * v))
+        })
+        .collect();
+    check(
+        &tx.gelu_backward(&tdy, meshgrad_tensor::GeluKind::Tanh)
+            .unwrap(),
+        &[rows, cols],
+        &exp,
+        1e-12,
+        1e-12,
+        "large gelu_backward",
+    );
+    // cross-entropy backward.
+    let targets: Vec<i64> = (0..rows)
+        .map(|r| {
+            if r % 9 == 0 {
+                -1
+            } else {
+                ((r * 13) % cols) as i64
+            }
+        })
+        .collect();
+    let tt = Tensor::from_vec(targets.clone(), rows, Device::Cpu).unwrap();
+    let (_, lse) = tx.cross_entropy_rows(&tt, Some(-1)).unwrap();
+    let dl = uniform_vals(33, rows, 0.5, 1.5);
+    let g = tx
+        .cross_entropy_backward(&lse, &tt, &tensor(&dl, &[rows], DType::F64), Some(-1))
+        .unwrap();
+    let ls = ref_softmax(&x, &[rows, cols], 1, false);
+    let exp: Vec<f64> = (0..rows * cols)
+        .map(|i| {
+            let (r, c) = (i / cols, i % cols);
+            if targets[r] == -1 {
+                0.0
+            } else {
+                dl[r] * (ls[i] - if c as i64 == targets[r] { 1.0 } else { 0.0 })
+            }
+        })
+        .collect();
+    check(
+        &g,
+        &[rows, cols],
+        &exp,
+        1e-10,
+        1e-12,
+        "large cross_entropy_backward",
+    );
+}
