@@ -187,14 +187,23 @@ fn check_disjoint(
     for &(what, l, seq) in layouts {
         for bh in 0..batch_heads {
             for t in 0..seq {
+                // Mark bits start .. start + d a word at a time.
                 let start = l.row(heads, bh, t);
-                for idx in start..start + d {
+                let mut idx = start;
+                while idx < start + d {
                     let (w, b) = (idx / 64, idx % 64);
+                    let n = (64 - b).min(start + d - idx);
+                    let mask = if n == 64 {
+                        u64::MAX
+                    } else {
+                        ((1u64 << n) - 1) << b
+                    };
                     assert!(
-                        bits[w] & (1 << b) == 0,
-                        "attention: output {what} (layout {l:?}) overlaps another written row at element {idx}"
+                        bits[w] & mask == 0,
+                        "attention: output {what} (layout {l:?}) overlaps another written row near element {idx}"
                     );
-                    bits[w] |= 1 << b;
+                    bits[w] |= mask;
+                    idx += n;
                 }
             }
         }
