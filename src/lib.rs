@@ -8,6 +8,7 @@ pub mod corpus;
 pub mod eval;
 pub mod generate;
 pub mod train;
+pub mod train_parallel;
 
 pub use meshgrad_autograd as autograd;
 pub use meshgrad_nn as nn;

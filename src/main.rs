@@ -103,6 +103,13 @@ struct TrainArgs {
     /// Any config key, e.g. --set model.n_layer=2 (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
+    /// Parallel layout, run as threads on the CPU: dp=N (zero1=N, zero2=N, fsdp=N, hsdp=RxS
+    /// parse but are not implemented yet). The global batch is the same for every layout.
+    #[arg(long, value_name = "SPEC")]
+    layout: Option<String>,
+    /// Gradient accumulation: split each rank's rows of a step into this many micro-batches.
+    #[arg(long, default_value_t = 1)]
+    microbatches: usize,
 }
 
 fn train_config(a: &TrainArgs) -> Result<TrainConfig> {
@@ -135,7 +142,23 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Train(a) => {
             let cfg = train_config(&a)?;
-            meshgrad::train::train(&cfg, Verbosity::Normal)?;
+            let opts = meshgrad::train::TrainOptions {
+                microbatches: a.microbatches,
+            };
+            match &a.layout {
+                None => {
+                    meshgrad::train::train_with(&cfg, &opts, Verbosity::Normal)?;
+                }
+                Some(spec) => {
+                    let layout: meshgrad::parallel::ParallelLayout = spec.parse()?;
+                    meshgrad::train_parallel::train_parallel(
+                        &cfg,
+                        &layout,
+                        &opts,
+                        Verbosity::Normal,
+                    )?;
+                }
+            }
         }
         Command::Bench {
             model,

@@ -1,7 +1,10 @@
-//! `meshgrad train`: the single-device training loop (data, model, AdamW with warmup + cosine,
-//! clipping, periodic validation, metrics, checkpoint, sample).
+//! `meshgrad train`: the training loop (data, model, AdamW with warmup + cosine, gradient
+//! accumulation, clipping, periodic validation, metrics, checkpoint, sample). The loop is written
+//! once for one device and for a data-parallel rank ([`GradSync`] is the difference); the
+//! parallel launcher is in [`crate::train_parallel`].
 
 use std::io::Write;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -15,6 +18,7 @@ use meshgrad_nn::optim::{
 };
 use meshgrad_nn::state::hf_gpt2;
 use meshgrad_nn::{Gpt, GptConfig, Module};
+use meshgrad_parallel::micro_rows;
 use meshgrad_tensor::{DType, Device, Tensor};
 
 use crate::config::TrainConfig;
@@ -90,18 +94,145 @@ pub fn load_checkpoint(dir: &Path) -> Result<Gpt> {
 /// Mixed into the seed for validation draws, so they never coincide with training draws.
 const VAL_STREAM: u64 = 0x5eed_0f7a_1d00_0001;
 
-/// Mean loss over `batches` fixed validation batches (the same batches at every evaluation).
-fn val_loss(model: &Gpt, val: &TokenDataset, cfg: &TrainConfig) -> Result<f64> {
-    let (b, t) = (cfg.train.batch_size, cfg.model.block_size);
+/// Options of a training run that are not part of the saved config.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TrainOptions {
+    /// Gradient accumulation: each rank's rows of a step are processed in this many equal
+    /// micro-batches, each loss scaled by `1 / microbatches`, before one optimizer step.
+    pub microbatches: usize,
+}
+
+impl Default for TrainOptions {
+    fn default() -> Self {
+        TrainOptions { microbatches: 1 }
+    }
+}
+
+/// How a training loop synchronises across ranks. One device: nothing to do.
+pub(crate) trait GradSync {
+    /// Whether the next backward synchronises gradients (off for non-final micro-batches).
+    fn set_sync(&self, on: bool);
+    /// Completes gradient synchronisation after the final backward of a step.
+    fn finish(&self) -> Result<()>;
+    /// The mean of `local` over the ranks (losses).
+    fn mean(&self, local: f64) -> Result<f64>;
+}
+
+/// The single-device [`GradSync`]: gradients are already complete.
+pub(crate) struct SingleDevice;
+
+impl GradSync for SingleDevice {
+    fn set_sync(&self, _on: bool) {}
+    fn finish(&self) -> Result<()> {
+        Ok(())
+    }
+    fn mean(&self, local: f64) -> Result<f64> {
+        Ok(local)
+    }
+}
+
+/// Checks that each rank's `rows` split evenly into `microbatches`, with a one-line reason.
+pub(crate) fn check_microbatches(
+    cfg: &TrainConfig,
+    ranks: usize,
+    microbatches: usize,
+) -> Result<()> {
+    let b = cfg.train.batch_size;
+    if microbatches == 0 {
+        anyhow::bail!("--microbatches must be at least 1");
+    }
+    if !b.is_multiple_of(ranks) || !(b / ranks).is_multiple_of(microbatches) {
+        anyhow::bail!(
+            "train.batch_size {b} does not split evenly into {ranks} rank(s) x {microbatches} \
+             micro-batches"
+        );
+    }
+    Ok(())
+}
+
+/// The data of a run: the train and validation splits and where they came from.
+pub(crate) struct RunData {
+    pub(crate) source: String,
+    pub(crate) train: TokenDataset,
+    pub(crate) val: TokenDataset,
+}
+
+/// Loads and splits the data the config names.
+pub(crate) fn run_data(cfg: &TrainConfig) -> Result<RunData> {
+    let data = load_data(cfg)?;
+    let (train, val) = data.split(cfg.data.val_fraction, cfg.model.block_size + 1)?;
+    Ok(RunData {
+        source: data.source,
+        train,
+        val,
+    })
+}
+
+/// The model, optimizer and schedule of a run.
+pub(crate) struct RunModel {
+    pub(crate) model: Gpt,
+    pub(crate) opt: AdamW,
+    pub(crate) schedule: CosineSchedule,
+}
+
+/// Builds the model (weights from the run seed), AdamW and the learning-rate schedule.
+pub(crate) fn run_model(cfg: &TrainConfig) -> Result<RunModel> {
+    let model = Gpt::new(gpt_config(cfg), cfg.train.seed, DType::F32, Device::Cpu)?;
+    let opt = AdamW::new(
+        param_groups_for_decay(model.named_parameters(), cfg.train.weight_decay),
+        AdamWConfig {
+            beta1: cfg.train.beta1,
+            beta2: cfg.train.beta2,
+            ..Default::default()
+        },
+    )?;
+    let schedule = CosineSchedule::new(
+        cfg.train.lr,
+        cfg.train.min_lr,
+        cfg.train.warmup_steps,
+        cfg.train.steps,
+    )?;
+    Ok(RunModel {
+        model,
+        opt,
+        schedule,
+    })
+}
+
+/// Ids and targets `[rows, t]` of global rows `rows` at `step` (of stream `seed`).
+fn batch_tensors(
+    ds: &TokenDataset,
+    seed: u64,
+    step: u64,
+    rows: Range<u64>,
+    t: usize,
+) -> Result<(Tensor, Tensor)> {
+    let n = (rows.end - rows.start) as usize;
+    let batch = ds.batch(seed, step, rows, t)?;
+    Ok((
+        Tensor::from_vec(batch.inputs, (n, t), Device::Cpu)?,
+        Tensor::from_vec(batch.targets, (n, t), Device::Cpu)?,
+    ))
+}
+
+/// Mean loss over `eval_batches` fixed validation batches (the same batches at every
+/// evaluation). Each rank evaluates its `rows` of every batch; the ranks' means are averaged.
+fn val_loss(
+    model: &Gpt,
+    val: &TokenDataset,
+    cfg: &TrainConfig,
+    rows: &Range<u64>,
+    sync: &dyn GradSync,
+) -> Result<f64> {
+    let t = cfg.model.block_size;
     model.set_training(false);
     let r = no_grad(|| -> Result<f64> {
         let mut total = 0.0;
         let n = cfg.train.eval_batches.max(1);
         for i in 0..n {
             // Validation draws use their own stream of "steps", far from the training ones.
-            let batch = val.batch(cfg.train.seed ^ VAL_STREAM, i as u64, 0..b as u64, t)?;
-            let ids = Tensor::from_vec(batch.inputs, (b, t), Device::Cpu)?;
-            let targets = Tensor::from_vec(batch.targets, (b, t), Device::Cpu)?;
+            let (ids, targets) =
+                batch_tensors(val, cfg.train.seed ^ VAL_STREAM, i as u64, rows.clone(), t)?;
             total += model
                 .loss(&ids, &targets, &ForwardCtx::default(), None)?
                 .tensor()
@@ -110,7 +241,7 @@ fn val_loss(model: &Gpt, val: &TokenDataset, cfg: &TrainConfig) -> Result<f64> {
         Ok(total / n as f64)
     });
     model.set_training(true);
-    r
+    sync.mean(r?)
 }
 
 /// One JSON line of metrics.
@@ -135,78 +266,110 @@ fn metrics_line(
     m.to_string()
 }
 
-/// Trains a GPT as `cfg` describes and writes the checkpoint to `cfg.out`.
-pub fn train(cfg: &TrainConfig, verbosity: Verbosity) -> Result<TrainSummary> {
-    cfg.validate()?;
-    let data = load_data(cfg)?;
-    let (t, b) = (cfg.model.block_size, cfg.train.batch_size);
-    let (train_ds, val_ds) = data.split(cfg.data.val_fraction, t + 1)?;
-    let model = Gpt::new(gpt_config(cfg), cfg.train.seed, DType::F32, Device::Cpu)?;
-    let params = model.parameters();
-    let mut opt = AdamW::new(
-        param_groups_for_decay(model.named_parameters(), cfg.train.weight_decay),
-        AdamWConfig {
-            beta1: cfg.train.beta1,
-            beta2: cfg.train.beta2,
-            ..Default::default()
-        },
-    )?;
-    let schedule = CosineSchedule::new(
-        cfg.train.lr,
-        cfg.train.min_lr,
-        cfg.train.warmup_steps,
-        cfg.train.steps,
-    )?;
+/// Progress output and the metrics file. Only the leader (rank 0) reports; the others get a
+/// silent reporter.
+pub(crate) struct Reporter {
+    quiet: bool,
+    pb: ProgressBar,
+    metrics: Option<std::io::BufWriter<std::fs::File>>,
+}
 
-    let out = PathBuf::from(&cfg.out);
-    let mut metrics = match &cfg.metrics {
-        None => None,
-        Some(p) => {
-            if let Some(dir) = Path::new(p).parent().filter(|d| !d.as_os_str().is_empty()) {
-                std::fs::create_dir_all(dir)
-                    .with_context(|| format!("creating {}", dir.display()))?;
+impl Reporter {
+    /// The leader's reporter: a progress bar (unless quiet) and the metrics file, if configured.
+    pub(crate) fn leader(cfg: &TrainConfig, verbosity: Verbosity) -> Result<Reporter> {
+        let metrics = match &cfg.metrics {
+            None => None,
+            Some(p) => {
+                if let Some(dir) = Path::new(p).parent().filter(|d| !d.as_os_str().is_empty()) {
+                    std::fs::create_dir_all(dir)
+                        .with_context(|| format!("creating {}", dir.display()))?;
+                }
+                Some(std::io::BufWriter::new(
+                    std::fs::File::create(p)
+                        .with_context(|| format!("creating metrics file {p}"))?,
+                ))
             }
-            Some(std::io::BufWriter::new(
-                std::fs::File::create(p).with_context(|| format!("creating metrics file {p}"))?,
-            ))
-        }
-    };
+        };
+        let quiet = verbosity == Verbosity::Quiet;
+        let pb = if quiet {
+            ProgressBar::hidden()
+        } else {
+            ProgressBar::with_draw_target(
+                Some(cfg.train.steps as u64),
+                ProgressDrawTarget::stderr(),
+            )
+        };
+        pb.set_style(
+            ProgressStyle::with_template(
+                "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        Ok(Reporter { quiet, pb, metrics })
+    }
 
-    let quiet = verbosity == Verbosity::Quiet;
-    let say = |pb: &ProgressBar, s: String| {
-        if quiet {
-        } else if pb.is_hidden() {
+    /// A reporter that reports nothing (ranks other than the leader).
+    pub(crate) fn silent() -> Reporter {
+        Reporter {
+            quiet: true,
+            pb: ProgressBar::hidden(),
+            metrics: None,
+        }
+    }
+
+    /// Prints a log line (above the progress bar when there is one).
+    pub(crate) fn say(&self, s: String) {
+        if self.quiet {
+        } else if self.pb.is_hidden() {
             println!("{s}");
         } else {
-            pb.println(s);
+            self.pb.println(s);
         }
-    };
-    let pb = if quiet {
-        ProgressBar::hidden()
-    } else {
-        ProgressBar::with_draw_target(Some(cfg.train.steps as u64), ProgressDrawTarget::stderr())
-    };
-    pb.set_style(
-        ProgressStyle::with_template(
-            "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    say(
-        &pb,
-        format!(
-            "meshgrad train: {} parameters, {} train / {} val tokens from {}, {} steps of {} x {} tokens",
-            model.num_parameters(),
-            train_ds.len(),
-            val_ds.len(),
-            data.source,
-            cfg.train.steps,
-            b,
-            t
-        ),
-    );
-    let initial_val = val_loss(&model, &val_ds, cfg)?;
-    say(&pb, format!("step 0: val_loss={initial_val:.4}"));
+    }
+
+    fn metrics(&mut self, line: String) -> Result<()> {
+        if let Some(w) = self.metrics.as_mut() {
+            writeln!(w, "{line}").context("writing metrics")?;
+        }
+        Ok(())
+    }
+
+    fn finish(self) -> Result<()> {
+        self.pb.finish_and_clear();
+        if let Some(mut w) = self.metrics {
+            w.flush().context("writing metrics")?;
+        }
+        Ok(())
+    }
+}
+
+/// What the training loop reports back.
+pub(crate) struct LoopResult {
+    pub(crate) initial_val_loss: f64,
+    pub(crate) final_val_loss: f64,
+    pub(crate) final_train_loss: f64,
+    pub(crate) tokens_per_s: f64,
+    pub(crate) elapsed_s: f64,
+}
+
+/// The training loop, for one device or one data-parallel rank: each step, this rank's `rows`
+/// of the global batch in `microbatches` micro-batches (losses scaled by `1/microbatches`,
+/// gradients accumulated, synchronised by `sync` on the final one), clipping, the optimizer
+/// step, the global loss, periodic validation and reporting.
+pub(crate) fn run_loop(
+    cfg: &TrainConfig,
+    data: &RunData,
+    run: &mut RunModel,
+    rows: Range<u64>,
+    microbatches: usize,
+    sync: &dyn GradSync,
+    rep: &mut Reporter,
+) -> Result<LoopResult> {
+    let (t, b) = (cfg.model.block_size, cfg.train.batch_size);
+    let micro = micro_rows(rows.clone(), microbatches)?;
+    let params = run.model.parameters();
+    let initial_val = val_loss(&run.model, &data.val, cfg, &rows, sync)?;
+    rep.say(format!("step 0: val_loss={initial_val:.4}"));
 
     let started = Instant::now();
     let mut last_loss = f64::NAN;
@@ -214,24 +377,34 @@ pub fn train(cfg: &TrainConfig, verbosity: Verbosity) -> Result<TrainSummary> {
     let mut tokens_done = 0usize;
     for step in 0..cfg.train.steps {
         let t0 = Instant::now();
-        let batch = train_ds.batch(cfg.train.seed, step as u64, 0..b as u64, t)?;
-        let ids = Tensor::from_vec(batch.inputs, (b, t), Device::Cpu)?;
-        let targets = Tensor::from_vec(batch.targets, (b, t), Device::Cpu)?;
-        let ctx = ForwardCtx {
-            step: step as u64,
-            first_row: 0,
-        };
-        let loss = model.loss(&ids, &targets, &ctx, None)?;
-        opt.zero_grad();
-        loss.backward()?;
+        run.opt.zero_grad();
+        let mut loss_sum = 0.0;
+        for (m, r) in micro.iter().enumerate() {
+            let (ids, targets) =
+                batch_tensors(&data.train, cfg.train.seed, step as u64, r.clone(), t)?;
+            let ctx = ForwardCtx {
+                step: step as u64,
+                first_row: r.start,
+            };
+            let loss = run.model.loss(&ids, &targets, &ctx, None)?;
+            loss_sum += loss.tensor().item()?;
+            let loss = if microbatches > 1 {
+                loss.mul_scalar(1.0 / microbatches as f64)?
+            } else {
+                loss
+            };
+            sync.set_sync(m + 1 == microbatches);
+            loss.backward()?;
+        }
+        sync.finish()?;
         let grad_norm = if cfg.train.grad_clip > 0.0 {
             clip_grad_norm(&params, cfg.train.grad_clip)?
         } else {
             f64::NAN
         };
-        let lr = schedule.lr_at(step);
-        opt.step(lr)?;
-        last_loss = loss.tensor().item()?;
+        let lr = run.schedule.lr_at(step);
+        run.opt.step(lr)?;
+        last_loss = sync.mean(loss_sum / microbatches as f64)?;
         if !last_loss.is_finite() {
             anyhow::bail!(
                 "training diverged: loss is {last_loss} at step {}",
@@ -245,26 +418,19 @@ pub fn train(cfg: &TrainConfig, verbosity: Verbosity) -> Result<TrainSummary> {
         let eval_now =
             is_last || (cfg.train.eval_interval > 0 && (step + 1) % cfg.train.eval_interval == 0);
         let val = if eval_now {
-            Some(val_loss(&model, &val_ds, cfg)?)
+            Some(val_loss(&run.model, &data.val, cfg, &rows, sync)?)
         } else {
             None
         };
         if let Some(v) = val {
             last_val = v;
-            say(&pb, format!("step {}: val_loss={v:.4}", step + 1));
+            rep.say(format!("step {}: val_loss={v:.4}", step + 1));
         }
-        if let Some(w) = metrics.as_mut() {
-            writeln!(
-                w,
-                "{}",
-                metrics_line(step + 1, last_loss, lr, tps, grad_norm, val)
-            )
-            .context("writing metrics")?;
-        }
+        rep.metrics(metrics_line(step + 1, last_loss, lr, tps, grad_norm, val))?;
         if cfg.train.log_interval > 0
             && (step + 1) % cfg.train.log_interval == 0
-            && pb.is_hidden()
-            && !quiet
+            && rep.pb.is_hidden()
+            && !rep.quiet
         {
             println!(
                 "step {:>5}/{} | loss {last_loss:.4} | lr {lr:.2e} | {tps:.0} tok/s",
@@ -272,16 +438,46 @@ pub fn train(cfg: &TrainConfig, verbosity: Verbosity) -> Result<TrainSummary> {
                 cfg.train.steps
             );
         }
-        pb.set_message(format!("loss {last_loss:.4} | {tps:.0} tok/s"));
-        pb.inc(1);
-    }
-    pb.finish_and_clear();
-    if let Some(mut w) = metrics {
-        w.flush().context("writing metrics")?;
+        rep.pb
+            .set_message(format!("loss {last_loss:.4} | {tps:.0} tok/s"));
+        rep.pb.inc(1);
     }
     let elapsed = started.elapsed().as_secs_f64();
+    Ok(LoopResult {
+        initial_val_loss: initial_val,
+        final_val_loss: last_val,
+        final_train_loss: last_loss,
+        tokens_per_s: tokens_done as f64 / elapsed,
+        elapsed_s: elapsed,
+    })
+}
 
-    hf_gpt2::save_gpt2(&model, &out)
+/// The first log line of a run.
+pub(crate) fn header(cfg: &TrainConfig, model: &Gpt, data: &RunData, layout: &str) -> String {
+    format!(
+        "meshgrad train: {} parameters, {} train / {} val tokens from {}, {} steps of {} x {} tokens{layout}",
+        model.num_parameters(),
+        data.train.len(),
+        data.val.len(),
+        data.source,
+        cfg.train.steps,
+        cfg.train.batch_size,
+        cfg.model.block_size
+    )
+}
+
+/// The leader's end of a run: closes the reporter, writes the checkpoint and the resolved
+/// config, samples and prints the summary.
+pub(crate) fn finish_run(
+    cfg: &TrainConfig,
+    model: &Gpt,
+    rep: Reporter,
+    r: LoopResult,
+    verbosity: Verbosity,
+) -> Result<TrainSummary> {
+    rep.finish()?;
+    let out = PathBuf::from(&cfg.out);
+    hf_gpt2::save_gpt2(model, &out)
         .with_context(|| format!("saving checkpoint to {}", out.display()))?;
     let cfg_text = cfg.to_toml_string()?;
     std::fs::write(out.join("meshgrad.toml"), cfg_text)
@@ -301,18 +497,19 @@ pub fn train(cfg: &TrainConfig, verbosity: Verbosity) -> Result<TrainSummary> {
         String::new()
     };
     let summary = TrainSummary {
-        initial_val_loss: initial_val,
-        final_val_loss: last_val,
-        final_train_loss: last_loss,
+        initial_val_loss: r.initial_val_loss,
+        final_val_loss: r.final_val_loss,
+        final_train_loss: r.final_train_loss,
         steps: cfg.train.steps,
-        tokens_per_s: tokens_done as f64 / elapsed,
+        tokens_per_s: r.tokens_per_s,
         checkpoint: out,
         sample,
     };
-    if !quiet {
+    if verbosity != Verbosity::Quiet {
         println!(
-            "done: {} steps in {elapsed:.1}s ({:.0} tok/s); val_loss {:.4} -> {:.4}; checkpoint in {}",
+            "done: {} steps in {:.1}s ({:.0} tok/s); val_loss {:.4} -> {:.4}; checkpoint in {}",
             summary.steps,
+            r.elapsed_s,
             summary.tokens_per_s,
             summary.initial_val_loss,
             summary.final_val_loss,
@@ -323,4 +520,39 @@ pub fn train(cfg: &TrainConfig, verbosity: Verbosity) -> Result<TrainSummary> {
         }
     }
     Ok(summary)
+}
+
+/// Trains a GPT on one device as `cfg` describes and writes the checkpoint to `cfg.out`.
+pub fn train(cfg: &TrainConfig, verbosity: Verbosity) -> Result<TrainSummary> {
+    train_with(cfg, &TrainOptions::default(), verbosity)
+}
+
+/// [`train`] with run options (gradient accumulation).
+pub fn train_with(
+    cfg: &TrainConfig,
+    opts: &TrainOptions,
+    verbosity: Verbosity,
+) -> Result<TrainSummary> {
+    cfg.validate()?;
+    check_microbatches(cfg, 1, opts.microbatches)?;
+    let data = run_data(cfg)?;
+    let mut run = run_model(cfg)?;
+    let mut rep = Reporter::leader(cfg, verbosity)?;
+    let micro = if opts.microbatches > 1 {
+        format!(", {} micro-batches", opts.microbatches)
+    } else {
+        String::new()
+    };
+    rep.say(header(cfg, &run.model, &data, &micro));
+    let rows = 0..cfg.train.batch_size as u64;
+    let r = run_loop(
+        cfg,
+        &data,
+        &mut run,
+        rows,
+        opts.microbatches,
+        &SingleDevice,
+        &mut rep,
+    )?;
+    finish_run(cfg, &run.model, rep, r, verbosity)
 }

@@ -1,0 +1,129 @@
+//! `meshgrad train --layout SPEC`: the training loop of [`crate::train`] on several ranks, each a
+//! thread of this process computing on the CPU, with the same global batch as one device.
+//!
+//! Every rank builds the model from the run seed (and [`Ddp`] broadcasts rank 0's weights anyway),
+//! takes its rows `[r * B / n, (r + 1) * B / n)` of each global batch (split further into
+//! micro-batches with `--microbatches`), and averages gradients with [`Ddp`]; validation is
+//! spread the same way. Rank 0 prints progress, writes the metrics and the checkpoint. Losses are
+//! the mean of the ranks' means, so they equal the single-device run's to rounding.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use meshgrad_parallel::comm::{all_reduce_scalar, run_ranks, RunOptions};
+use meshgrad_parallel::{rank_rows, Communicator, Ddp, DdpConfig, ParallelLayout, ReduceOp};
+
+use crate::config::TrainConfig;
+use crate::train::{
+    check_microbatches, finish_run, header, run_data, run_loop, run_model, GradSync, Reporter,
+    TrainOptions, TrainSummary, Verbosity,
+};
+
+/// How long a rank waits for its peers in any collective before failing the run. Ranks do the
+/// same work between collectives, so this only matters when something is stuck.
+const COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// A data-parallel rank's [`GradSync`]: DDP for gradients, an all-reduce for losses.
+struct DdpSync<'a> {
+    ddp: &'a Ddp,
+    comm: &'a dyn Communicator,
+}
+
+impl GradSync for DdpSync<'_> {
+    fn set_sync(&self, on: bool) {
+        self.ddp.set_sync(on);
+    }
+    fn finish(&self) -> Result<()> {
+        Ok(self.ddp.finish()?)
+    }
+    fn mean(&self, local: f64) -> Result<f64> {
+        Ok(all_reduce_scalar(self.comm, local, ReduceOp::Avg)?)
+    }
+}
+
+/// The number of ranks of `layout`, or a one-line reason it cannot run (yet) or does not fit the
+/// run, before any work.
+pub fn check_layout(
+    cfg: &TrainConfig,
+    layout: &ParallelLayout,
+    opts: &TrainOptions,
+) -> Result<usize> {
+    let world = match *layout {
+        ParallelLayout::DataParallel { degree } => degree,
+        other => anyhow::bail!(
+            "layout {other}: sharded data parallelism is not implemented yet (only dp=N runs today)"
+        ),
+    };
+    layout.check(cfg.train.batch_size, opts.microbatches, None)?;
+    check_microbatches(cfg, world, opts.microbatches)?;
+    Ok(world)
+}
+
+/// Trains a GPT as `cfg` describes on the ranks of `layout` (threads of this process, on the
+/// CPU) and writes rank 0's checkpoint to `cfg.out`.
+pub fn train_parallel(
+    cfg: &TrainConfig,
+    layout: &ParallelLayout,
+    opts: &TrainOptions,
+    verbosity: Verbosity,
+) -> Result<TrainSummary> {
+    cfg.validate()?;
+    let world = check_layout(cfg, layout, opts)?;
+    let data = run_data(cfg)?;
+    let run_opts = RunOptions::with_timeout(COLLECTIVE_TIMEOUT);
+    let summaries = run_ranks(world, &run_opts, |ctx| {
+        let r = (|| -> Result<Option<TrainSummary>> {
+            let mut run = run_model(cfg)?;
+            let ddp = Ddp::new(
+                meshgrad_nn::Module::named_parameters(&run.model),
+                ctx.comm.clone(),
+                DdpConfig::default(),
+            )?;
+            let rows = rank_rows(cfg.train.batch_size, world, ctx.rank)?;
+            let leader = ctx.rank == 0;
+            let mut rep = if leader {
+                Reporter::leader(cfg, verbosity)?
+            } else {
+                Reporter::silent()
+            };
+            let micro = if opts.microbatches > 1 {
+                format!(" x {} micro-batches", opts.microbatches)
+            } else {
+                String::new()
+            };
+            let desc = format!(
+                ", layout {layout} ({world} ranks x {} rows{micro})",
+                rows.end - rows.start
+            );
+            rep.say(header(cfg, &run.model, &data, &desc));
+            let sync = DdpSync {
+                ddp: &ddp,
+                comm: ctx.comm.as_ref(),
+            };
+            let result = run_loop(
+                cfg,
+                &data,
+                &mut run,
+                rows,
+                opts.microbatches,
+                &sync,
+                &mut rep,
+            )?;
+            if leader {
+                Ok(Some(finish_run(cfg, &run.model, rep, result, verbosity)?))
+            } else {
+                Ok(None)
+            }
+        })();
+        // anyhow's chain, flattened to one line, for the tensor-level error type.
+        r.map_err(|e| {
+            let msg: Vec<String> = e.chain().map(|c| c.to_string()).collect();
+            meshgrad_tensor::Error::msg(msg.join(": "))
+        })
+    })?;
+    summaries
+        .into_iter()
+        .flatten()
+        .next()
+        .ok_or_else(|| anyhow::anyhow!("rank 0 returned no summary"))
+}
