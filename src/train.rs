@@ -1,6 +1,6 @@
 //! `meshgrad train`: the training loop (data, model, AdamW with warmup + cosine, gradient
 //! accumulation, clipping, periodic validation, metrics, checkpoint, sample). The loop is written
-//! once for one device and for a data-parallel rank ([`GradSync`] is the difference); the
+//! once for one device and for a data-parallel rank (`GradSync` is the difference); the
 //! parallel launcher is in [`crate::train_parallel`].
 
 use std::io::Write;
