@@ -37,6 +37,15 @@ impl MemoryTag {
         MemoryTag::OptimizerState,
         MemoryTag::Activations,
     ];
+
+    /// Whether the tag is part of the *model states* (parameters, gradients, optimizer state),
+    /// whose sum the tracker also follows (see [`MemoryStats::model_state_peak`]).
+    pub fn is_model_state(self) -> bool {
+        matches!(
+            self,
+            MemoryTag::Params | MemoryTag::Grads | MemoryTag::OptimizerState
+        )
+    }
 }
 
 /// A set of byte counters: current and peak, in total and per tag.
@@ -46,6 +55,8 @@ pub struct MemoryTracker {
     peak: AtomicUsize,
     tag_current: [AtomicUsize; TAGS],
     tag_peak: [AtomicUsize; TAGS],
+    state_current: AtomicUsize,
+    state_peak: AtomicUsize,
 }
 
 /// A snapshot of a tracker's counters.
@@ -59,6 +70,11 @@ pub struct MemoryStats {
     pub tag_current: [usize; TAGS],
     /// Per-tag peak bytes.
     pub tag_peak: [usize; TAGS],
+    /// Bytes of the model states (parameters + gradients + optimizer state) now.
+    pub model_state_current: usize,
+    /// Highest `model_state_current`: the most model-state bytes held at one time (at most,
+    /// and usually less than, the sum of the three tags' separate peaks).
+    pub model_state_peak: usize,
 }
 
 impl MemoryStats {
@@ -103,11 +119,18 @@ impl MemoryTracker {
         let t = tag as usize;
         let now = self.tag_current[t].fetch_add(bytes, Ordering::Relaxed) + bytes;
         self.tag_peak[t].fetch_max(now, Ordering::Relaxed);
+        if tag.is_model_state() {
+            let now = self.state_current.fetch_add(bytes, Ordering::Relaxed) + bytes;
+            self.state_peak.fetch_max(now, Ordering::Relaxed);
+        }
     }
 
     fn refund(&self, tag: MemoryTag, bytes: usize) {
         self.current.fetch_sub(bytes, Ordering::Relaxed);
         self.tag_current[tag as usize].fetch_sub(bytes, Ordering::Relaxed);
+        if tag.is_model_state() {
+            self.state_current.fetch_sub(bytes, Ordering::Relaxed);
+        }
     }
 
     /// The counters now.
@@ -115,6 +138,8 @@ impl MemoryTracker {
         let mut s = MemoryStats {
             current: self.current.load(Ordering::Relaxed),
             peak: self.peak.load(Ordering::Relaxed),
+            model_state_current: self.state_current.load(Ordering::Relaxed),
+            model_state_peak: self.state_peak.load(Ordering::Relaxed),
             ..Default::default()
         };
         for t in 0..TAGS {
@@ -128,6 +153,10 @@ impl MemoryTracker {
     pub fn reset_peak(&self) {
         self.peak
             .store(self.current.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.state_peak.store(
+            self.state_current.load(Ordering::Relaxed),
+            Ordering::Relaxed,
+        );
         for t in 0..TAGS {
             self.tag_peak[t].store(
                 self.tag_current[t].load(Ordering::Relaxed),
@@ -227,11 +256,17 @@ mod tests {
             let b = Charge::new(Device::Cpu, 50);
             assert_eq!(tr.stats().current, 150);
             assert_eq!(tr.stats().current_of(MemoryTag::Params), 100);
+            let c = with_tag(MemoryTag::Grads, || Charge::new(Device::Cpu, 30));
+            assert_eq!(tr.stats().model_state_current, 130);
+            drop(c);
             drop(a);
             assert_eq!(tr.stats().current, 50);
-            assert_eq!(tr.stats().peak, 150);
+            assert_eq!(tr.stats().peak, 180);
+            assert_eq!(tr.stats().model_state_peak, 130);
+            assert_eq!(tr.stats().model_state_current, 0);
             tr.reset_peak();
             assert_eq!(tr.stats().peak, 50);
+            assert_eq!(tr.stats().model_state_peak, 0);
             drop(b);
         });
         assert_eq!(tr.stats().current, 0);
