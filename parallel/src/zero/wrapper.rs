@@ -1,0 +1,471 @@
+//! [`ShardedDataParallel`]: construction, the shared per-rank state and the public entry points.
+//! The work is split over the sibling modules: gradient reduction (`grads`), gathering and
+//! releasing ZeRO-3 units (`gather`), the sharded optimizer and clipping (`optim`), and full state
+//! dicts (`checkpoint`).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use meshgrad_autograd::{Var, VarId};
+use meshgrad_nn::hooks::Staged;
+use meshgrad_nn::optim::{AdamWConfig, ParamGroup};
+use meshgrad_tensor::alloc::{with_tag, MemoryTag};
+use meshgrad_tensor::{DType, Error, Result, Tensor};
+
+use super::config::{ShardConfig, ZeroStage};
+use super::gather::{FsdpHooks, GatherState};
+use super::plan::{ParamSpec, ShardPlan};
+use super::topology::ShardTopology;
+use crate::comm::Work;
+
+/// Per-group optimizer hyper-parameters.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct GroupHp {
+    pub(crate) weight_decay: f64,
+    pub(crate) lr_scale: f64,
+}
+
+/// Everything one rank's wrapper shares with its hooks.
+pub(crate) struct Inner {
+    pub(crate) plan: ShardPlan,
+    pub(crate) vars: Vec<Var>,
+    pub(crate) index_of: HashMap<VarId, usize>,
+    pub(crate) config: ShardConfig,
+    pub(crate) topo: ShardTopology,
+    pub(crate) adamw: AdamWConfig,
+    pub(crate) groups: Vec<GroupHp>,
+    /// Names of the model's stages, and the units each one reads (ZeRO-3).
+    pub(crate) stage_names: Vec<String>,
+    pub(crate) stage_units: Vec<Vec<usize>>,
+    /// The order units' gradients are reduced in: reverse unit order (the order backward
+    /// completes them in), the root unit last.
+    pub(crate) launch_order: Vec<usize>,
+    pub(crate) param_dtype: DType,
+    pub(crate) reduce_dtype: DType,
+    pub(crate) master_dtype: DType,
+    /// This rank's index in the shard group.
+    pub(crate) shard_rank: usize,
+    pub(crate) sync: AtomicBool,
+    pub(crate) state: Mutex<State>,
+}
+
+/// The mutable state of one rank.
+pub(crate) struct State {
+    // ----- the backward in progress -----
+    /// Per parameter: its gradient arrived in this backward (since its unit was last launched).
+    pub(crate) ready: Vec<bool>,
+    /// Per unit: parameters whose gradient has not arrived yet.
+    pub(crate) pending: Vec<usize>,
+    /// Per unit: the flat gradient being assembled (reduce dtype).
+    pub(crate) flats: Vec<Option<Tensor>>,
+    /// Position in `launch_order` of the next unit to reduce.
+    pub(crate) next_launch: usize,
+    /// Per unit: reductions in flight, one per synchronised backward.
+    pub(crate) works: Vec<Vec<Work>>,
+    /// Per parameter: got a gradient on this rank since the last `finish`.
+    pub(crate) had_grad: Vec<bool>,
+    /// Reductions launched since the last `finish` from gradient-ready hooks (during backward)
+    /// and by `finish` itself; and those counts for the last completed `finish`.
+    pub(crate) launches: (usize, usize),
+    pub(crate) last_launches: (usize, usize),
+    // ----- the step -----
+    /// Per unit: reduced gradients in the master dtype; ZeRO-1 the whole padded flat, ZeRO-2/3
+    /// this rank's shard.
+    pub(crate) grads: Vec<Option<Tensor>>,
+    /// Per parameter: got a gradient on some rank (set by `finish`; the optimizer skips the rest).
+    pub(crate) used: Vec<bool>,
+    // ----- the optimizer -----
+    /// Per unit: this rank's shard of the weights in the master dtype. ZeRO-3: always (it is
+    /// the parameter storage between uses); ZeRO-1/2: only when the parameters have another
+    /// dtype (otherwise the parameters' own elements are updated in place).
+    pub(crate) master: Vec<Option<Tensor>>,
+    /// Per unit: AdamW moments of this rank's shard (allocated at the first step).
+    pub(crate) m: Vec<Option<Tensor>>,
+    pub(crate) v: Vec<Option<Tensor>>,
+    /// Per parameter: AdamW steps taken (PyTorch's per-parameter count).
+    pub(crate) steps: Vec<u64>,
+    /// Completed optimizer steps.
+    pub(crate) step_count: u64,
+    // ----- ZeRO-3 -----
+    /// Per unit: whether its full parameters are present, in flight, or released.
+    pub(crate) gather: Vec<GatherState>,
+    /// `summon_full_params` is in effect: the hooks leave the units gathered.
+    pub(crate) summoned: bool,
+}
+
+pub(crate) fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
+    // Sections leave the state consistent; a panic elsewhere is reported by the launcher.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Sharded data parallelism (ZeRO-1, ZeRO-2, ZeRO-3 / FSDP, hybrid) with a built-in sharded
+/// AdamW. See the [module docs](crate::zero) for the semantics and the training loop.
+pub struct ShardedDataParallel {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for ShardedDataParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let i = &self.inner;
+        write!(
+            f,
+            "ShardedDataParallel({:?}, {} params in {} units, {:?})",
+            i.config.stage,
+            i.plan.params.len(),
+            i.plan.units.len(),
+            i.topo
+        )
+    }
+}
+
+impl ShardedDataParallel {
+    /// Wraps `model` for sharded data parallelism over `topo`, with AdamW over `groups` (which
+    /// must list every parameter of the model exactly once, e.g.
+    /// [`meshgrad_nn::optim::param_groups_for_decay`]).
+    ///
+    /// Every rank of `topo.dp` must call it with the same model structure and configuration.
+    /// It broadcasts the parameters from data-parallel rank 0 (unless
+    /// [`ShardConfig::broadcast_params`] is off), builds the plan, registers a gradient-ready
+    /// hook on every parameter and, for ZeRO-3, keeps only this rank's shard of each unit
+    /// (releasing the parameters' storage) and installs forward hooks in the model. A ZeRO-3
+    /// model must not be used after its wrapper is dropped (its parameters stay released; call
+    /// [`ShardedDataParallel::summon_full_params`] first to keep them).
+    pub fn new(
+        model: &dyn Staged,
+        groups: Vec<ParamGroup>,
+        adamw: AdamWConfig,
+        topo: ShardTopology,
+        config: ShardConfig,
+    ) -> Result<Self> {
+        let ctx = |e: Error| Error::msg(format!("sharded data parallel: {e}"));
+        config.mixed_precision.validate().map_err(ctx)?;
+        adamw.validate().map_err(ctx)?;
+        topo.validate().map_err(ctx)?;
+        if config.stage == ZeroStage::Three && model.forward_hooks().is_set() {
+            return Err(ctx(Error::msg(
+                "the model already has forward hooks installed (is it wrapped twice?)",
+            )));
+        }
+        let named = model.named_parameters();
+        let (group_of, hps) = assign_groups(&named, &groups).map_err(ctx)?;
+        let param_dtype = named
+            .first()
+            .map(|(_, v)| v.tensor().dtype())
+            .ok_or_else(|| ctx(Error::msg("the model has no parameters")))?;
+        for (name, v) in &named {
+            let t = v.tensor();
+            if t.dtype() != param_dtype || !t.dtype().is_float() {
+                return Err(ctx(Error::msg(format!(
+                    "parameter {name} has dtype {}, but every parameter must share one float \
+                     dtype ({} for {})",
+                    t.dtype(),
+                    param_dtype,
+                    named[0].0
+                ))));
+            }
+            if !t.is_contiguous() || t.layout().offset() != 0 || !t.is_materialized() {
+                return Err(ctx(Error::msg(format!(
+                    "parameter {name} (shape {}) must be a whole, contiguous, materialised tensor",
+                    t.shape()
+                ))));
+            }
+        }
+        let names: Vec<String> = named.iter().map(|(n, _)| n.clone()).collect();
+        let stages = model.stages();
+        let (unit_names, unit_of) = config.wrap.assign(&names, &stages).map_err(ctx)?;
+        let specs = named
+            .iter()
+            .enumerate()
+            .map(|(i, (n, v))| ParamSpec {
+                name: n.clone(),
+                shape: v.tensor().dims().to_vec(),
+                unit: unit_of[i],
+                group: group_of[i],
+            })
+            .collect();
+        let plan = ShardPlan::new(specs, unit_names, topo.shard_degree()).map_err(ctx)?;
+        let stage_units: Vec<Vec<usize>> = stages
+            .iter()
+            .map(|s| {
+                let mut u: Vec<usize> = plan
+                    .params
+                    .iter()
+                    .filter(|p| s.reads(&p.name))
+                    .map(|p| p.unit)
+                    .collect();
+                u.sort_unstable();
+                u.dedup();
+                u
+            })
+            .collect();
+        if config.stage == ZeroStage::Three {
+            if stages.is_empty() {
+                return Err(ctx(Error::msg(
+                    "ZeRO-3 needs a model whose forward runs in stages (Staged::stages is empty)",
+                )));
+            }
+            for p in &plan.params {
+                if !stages.iter().any(|s| s.reads(&p.name)) {
+                    return Err(ctx(Error::msg(format!(
+                        "ZeRO-3: parameter {} is read by no stage of the model's forward, so it \
+                         would never be gathered",
+                        p.name
+                    ))));
+                }
+            }
+        }
+        let vars: Vec<Var> = named.into_iter().map(|(_, v)| v).collect();
+        if config.broadcast_params {
+            broadcast_params(&plan, &vars, &topo)?;
+        }
+        let n_units = plan.units.len();
+        let mut launch_order: Vec<usize> = (0..n_units).rev().collect();
+        if let Some(pos) = plan.units.iter().position(|u| u.name == "root") {
+            launch_order.retain(|&u| u != pos);
+            launch_order.push(pos);
+        }
+        let mp = config.mixed_precision;
+        let shard_rank = topo.shard.rank();
+        let inner = Inner {
+            index_of: vars.iter().enumerate().map(|(i, v)| (v.id(), i)).collect(),
+            vars,
+            groups: hps,
+            stage_names: stages.iter().map(|s| s.name.clone()).collect(),
+            stage_units,
+            launch_order,
+            param_dtype,
+            reduce_dtype: mp.reduce_dtype.unwrap_or(param_dtype),
+            master_dtype: mp.master_dtype,
+            shard_rank,
+            sync: AtomicBool::new(true),
+            state: Mutex::new(State {
+                ready: vec![false; plan.params.len()],
+                pending: plan.units.iter().map(|u| u.params.len()).collect(),
+                flats: vec![None; n_units],
+                next_launch: 0,
+                works: (0..n_units).map(|_| Vec::new()).collect(),
+                had_grad: vec![false; plan.params.len()],
+                launches: (0, 0),
+                last_launches: (0, 0),
+                grads: vec![None; n_units],
+                used: vec![false; plan.params.len()],
+                master: vec![None; n_units],
+                m: vec![None; n_units],
+                v: vec![None; n_units],
+                steps: vec![0; plan.params.len()],
+                step_count: 0,
+                gather: (0..n_units).map(|_| GatherState::Gathered).collect(),
+                summoned: false,
+            }),
+            plan,
+            config,
+            topo,
+            adamw,
+        };
+        inner.init_master()?;
+        let inner = Arc::new(inner);
+        for v in &inner.vars {
+            let weak: Weak<Inner> = Arc::downgrade(&inner);
+            v.register_grad_ready_hook(Arc::new(move |v: &Var| match weak.upgrade() {
+                Some(i) => i.grad_ready(v),
+                None => Ok(()),
+            }));
+        }
+        if inner.config.stage == ZeroStage::Three {
+            {
+                let mut st = lock(&inner.state);
+                for u in 0..n_units {
+                    inner.release(&mut st, u);
+                }
+            }
+            model
+                .forward_hooks()
+                .set(Some(Arc::new(FsdpHooks::new(Arc::downgrade(&inner)))));
+        }
+        Ok(ShardedDataParallel { inner })
+    }
+
+    /// The strategy.
+    pub fn stage(&self) -> ZeroStage {
+        self.inner.config.stage
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ShardConfig {
+        &self.inner.config
+    }
+
+    /// The process groups.
+    pub fn topology(&self) -> &ShardTopology {
+        &self.inner.topo
+    }
+
+    /// The sharding plan (units, parameters, segments).
+    pub fn plan(&self) -> &ShardPlan {
+        &self.inner.plan
+    }
+
+    /// This rank's index in the shard group.
+    pub fn shard_rank(&self) -> usize {
+        self.inner.shard_rank
+    }
+
+    /// Whether the next backward reduces gradients (see [`ShardedDataParallel::set_sync`]).
+    pub fn is_sync(&self) -> bool {
+        self.inner.sync.load(Ordering::SeqCst)
+    }
+
+    /// Turns gradient reduction on or off for the following backward passes. Off (the
+    /// non-final micro-batches of gradient accumulation), gradients accumulate locally in the
+    /// parameters' `.grad` at full size and are reduced by the next synchronised backward;
+    /// on (the default), every backward reduces its gradients unit by unit as they become ready
+    /// and keeps only the reduced shard, the memory-lean choice.
+    pub fn set_sync(&self, on: bool) {
+        self.inner.sync.store(on, Ordering::SeqCst);
+    }
+
+    /// How many unit reductions the last [`ShardedDataParallel::finish`] completed that were
+    /// launched during backward (from gradient-ready hooks, overlapping the rest of backward),
+    /// and how many `finish` had to launch itself.
+    pub fn last_reduction_launches(&self) -> (usize, usize) {
+        lock(&self.inner.state).last_launches
+    }
+
+    /// Completed optimizer steps.
+    pub fn step_count(&self) -> u64 {
+        lock(&self.inner.state).step_count
+    }
+
+    /// Drops the reduced gradients (and any local `.grad`), before the next step's backward.
+    pub fn zero_grad(&self) {
+        let mut st = lock(&self.inner.state);
+        st.grads.iter_mut().for_each(|g| *g = None);
+        st.used.iter_mut().for_each(|u| *u = false);
+        for v in &self.inner.vars {
+            v.zero_grad();
+        }
+    }
+}
+
+impl Inner {
+    /// The parameter's index in the plan and its name, for a var.
+    pub(crate) fn param_index(&self, v: &Var) -> Option<usize> {
+        self.index_of.get(&v.id()).copied()
+    }
+
+    /// Whether ZeRO-1/2 keep a separate master copy of their shard.
+    pub(crate) fn separate_master(&self) -> bool {
+        self.config.stage == ZeroStage::Three || self.param_dtype != self.master_dtype
+    }
+
+    /// Fills the master shards from the parameters (ZeRO-3, or another master dtype).
+    pub(crate) fn init_master(&self) -> Result<()> {
+        if !self.separate_master() {
+            return Ok(());
+        }
+        let tag = if self.config.stage == ZeroStage::Three {
+            MemoryTag::Params
+        } else {
+            MemoryTag::OptimizerState
+        };
+        let mut st = lock(&self.state);
+        for u in 0..self.plan.units.len() {
+            let shard = self.shard_from_params(u)?;
+            st.master[u] = Some(with_tag(tag, || {
+                shard.to_dtype(self.master_dtype)?.deep_clone()
+            })?);
+        }
+        Ok(())
+    }
+
+    /// This rank's shard of unit `u` read from the (materialised) parameters, in their dtype;
+    /// padding is zero.
+    pub(crate) fn shard_from_params(&self, u: usize) -> Result<Tensor> {
+        let unit = &self.plan.units[u];
+        let shard = Tensor::zeros(
+            unit.shard_len,
+            self.param_dtype,
+            meshgrad_tensor::Device::Cpu,
+        )?;
+        for s in self.plan.segments(u, self.shard_rank) {
+            let p = &self.plan.params[s.param];
+            let src = self.vars[s.param].tensor().reshape(p.numel)?.narrow(
+                0,
+                s.param_range.start,
+                s.len(),
+            )?;
+            shard.narrow(0, s.shard_offset, s.len())?.copy_from(&src)?;
+        }
+        Ok(shard)
+    }
+}
+
+/// Maps every model parameter to its group; checks the groups against the model.
+fn assign_groups(
+    named: &[(String, Var)],
+    groups: &[ParamGroup],
+) -> Result<(Vec<usize>, Vec<GroupHp>)> {
+    let mut of: HashMap<VarId, usize> = HashMap::new();
+    let model_ids: HashMap<VarId, &str> = named.iter().map(|(n, v)| (v.id(), n.as_str())).collect();
+    let mut hps = Vec::with_capacity(groups.len());
+    for (gi, g) in groups.iter().enumerate() {
+        for (what, x) in [("weight_decay", g.weight_decay), ("lr_scale", g.lr_scale)] {
+            if !x.is_finite() || x < 0.0 {
+                meshgrad_tensor::bail!(
+                    "optimizer group {gi} has {what} {x}; it must be finite and >= 0"
+                );
+            }
+        }
+        hps.push(GroupHp {
+            weight_decay: g.weight_decay,
+            lr_scale: g.lr_scale,
+        });
+        for (name, v) in &g.params {
+            if !model_ids.contains_key(&v.id()) {
+                meshgrad_tensor::bail!(
+                    "optimizer group {gi} lists {name}, which is not a parameter of the model"
+                );
+            }
+            if let Some(prev) = of.insert(v.id(), gi) {
+                meshgrad_tensor::bail!(
+                    "parameter {name} is in optimizer groups {prev} and {gi}; list it once"
+                );
+            }
+        }
+    }
+    let mut out = Vec::with_capacity(named.len());
+    for (name, v) in named {
+        match of.get(&v.id()) {
+            Some(&g) => out.push(g),
+            None => meshgrad_tensor::bail!(
+                "parameter {name} is in no optimizer group; every parameter must be in one"
+            ),
+        }
+    }
+    Ok((out, hps))
+}
+
+/// Copies every parameter's values from data-parallel rank 0.
+fn broadcast_params(plan: &ShardPlan, vars: &[Var], topo: &ShardTopology) -> Result<()> {
+    let dp = topo.dp.as_ref();
+    if dp.world_size() == 1 {
+        return Ok(());
+    }
+    let works: Vec<Work> = vars
+        .iter()
+        .map(|v| dp.broadcast(v.tensor(), 0))
+        .collect::<Result<_>>()?;
+    for ((p, v), w) in plan.params.iter().zip(vars).zip(works) {
+        let t = w.wait().map_err(|e| {
+            Error::msg(format!(
+                "sharded data parallel: broadcasting parameter {}: {e}",
+                p.name
+            ))
+        })?;
+        if dp.rank() != 0 {
+            v.tensor().copy_from(&t)?;
+        }
+    }
+    Ok(())
+}
