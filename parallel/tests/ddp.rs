@@ -77,12 +77,14 @@ struct Setup {
     microbatches: usize,
     clip: bool,
     dropout: f64,
+    checkpointing: bool,
 }
 
 const PLAIN: Setup = Setup {
     microbatches: 1,
     clip: false,
     dropout: 0.0,
+    checkpointing: false,
 };
 
 /// Forward and backward of `rows` (at step `step`) in micro-batches; returns the mean loss.
@@ -167,7 +169,8 @@ fn ddp_run(world: usize, s: Setup, config: DdpConfig) -> Vec<RankOut> {
     let data = dataset();
     let opts = RunOptions::with_timeout(Duration::from_secs(20));
     run_ranks(world, &opts, |ctx| {
-        let model = Gpt::new(gpt_config(s.dropout), SEED, DType::F32, Device::Cpu)?;
+        let mut model = Gpt::new(gpt_config(s.dropout), SEED, DType::F32, Device::Cpu)?;
+        model.activation_checkpointing = s.checkpointing;
         // Ranks other than 0 start from different weights: the broadcast must fix that.
         if ctx.rank != 0 {
             for p in model.parameters() {
@@ -344,6 +347,20 @@ fn dropout_masks_follow_global_rows() {
         1e-5,
         1e-5,
     );
+}
+
+#[test]
+fn activation_checkpointing_keeps_hooks_and_overlap() {
+    // Checkpointed blocks hand their parameters' gradients to the outer backward, so the
+    // gradient-ready hooks fire as usual and buckets still launch during backward.
+    let reference = single_device(PLAIN);
+    let s = Setup {
+        checkpointing: true,
+        ..PLAIN
+    };
+    let outs = ddp_run(2, s, tiny_buckets());
+    assert_eq!(outs[0].overlapped_steps, STEPS);
+    assert_close("dp=2 checkpointed", &outs[0].run, &reference, 1e-5, 1e-5);
 }
 
 #[test]
