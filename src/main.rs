@@ -103,8 +103,9 @@ struct TrainArgs {
     /// Any config key, e.g. --set model.n_layer=2 (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
-    /// Parallel layout, run as threads on the CPU: dp=N (zero1=N, zero2=N, fsdp=N, hsdp=RxS
-    /// parse but are not implemented yet). The global batch is the same for every layout.
+    /// Parallel layout, run as threads on the CPU: dp=N, zero1=N, zero2=N, fsdp=N (zero3=N) or
+    /// hsdp=RxS (fully sharded over S ranks, replicated R times). The global batch is the same
+    /// for every layout.
     #[arg(long, value_name = "SPEC")]
     layout: Option<String>,
     /// Gradient accumulation: split each rank's rows of a step into this many micro-batches.

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use meshgrad_autograd::no_grad;
+use meshgrad_autograd::{no_grad, Var};
 use meshgrad_nn::data::TokenDataset;
 use meshgrad_nn::layers::ForwardCtx;
 use meshgrad_nn::optim::{
@@ -116,6 +116,21 @@ pub(crate) trait GradSync {
     fn finish(&self) -> Result<()>;
     /// The mean of `local` over the ranks (losses).
     fn mean(&self, local: f64) -> Result<f64>;
+    /// Clears the gradients before a step's first backward (default: the optimizer's).
+    fn zero_grad(&self, opt: &AdamW) {
+        opt.zero_grad();
+    }
+    /// Clips the global gradient norm to `max_norm` and returns the norm before clipping
+    /// (default: the local gradients, which are complete after `finish`; sharded strategies
+    /// combine their shards).
+    fn clip(&self, params: &[Var], max_norm: f64) -> Result<f64> {
+        Ok(clip_grad_norm(params, max_norm)?)
+    }
+    /// The optimizer step with learning rate `lr` (default: the run's AdamW; sharded
+    /// strategies step their own shard of the optimizer).
+    fn step(&self, opt: &mut AdamW, lr: f64) -> Result<()> {
+        Ok(opt.step(lr)?)
+    }
 }
 
 /// The single-device [`GradSync`]: gradients are already complete.
@@ -377,7 +392,7 @@ pub(crate) fn run_loop(
     let mut tokens_done = 0usize;
     for step in 0..cfg.train.steps {
         let t0 = Instant::now();
-        run.opt.zero_grad();
+        sync.zero_grad(&run.opt);
         let mut loss_sum = 0.0;
         for (m, r) in micro.iter().enumerate() {
             let (ids, targets) =
@@ -398,12 +413,12 @@ pub(crate) fn run_loop(
         }
         sync.finish()?;
         let grad_norm = if cfg.train.grad_clip > 0.0 {
-            clip_grad_norm(&params, cfg.train.grad_clip)?
+            sync.clip(&params, cfg.train.grad_clip)?
         } else {
             f64::NAN
         };
         let lr = run.schedule.lr_at(step);
-        run.opt.step(lr)?;
+        sync.step(&mut run.opt, lr)?;
         last_loss = sync.mean(loss_sum / microbatches as f64)?;
         if !last_loss.is_finite() {
             anyhow::bail!(

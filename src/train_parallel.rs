@@ -3,20 +3,28 @@
 //!
 //! Every rank builds the model from the run seed (and [`Ddp`] broadcasts rank 0's weights anyway),
 //! takes its rows `[r * B / n, (r + 1) * B / n)` of each global batch (split further into
-//! micro-batches with `--microbatches`), and averages gradients with [`Ddp`]; validation is
-//! spread the same way. Rank 0 prints progress, writes the metrics and the checkpoint. Losses are
-//! the mean of the ranks' means, so they equal the single-device run's to rounding.
+//! micro-batches with `--microbatches`), and averages gradients with [`Ddp`] (`dp=N`) or
+//! [`ShardedDataParallel`] (`zero1=N`, `zero2=N`, `fsdp=N`, `hsdp=RxS`: sharded gradients,
+//! optimizer state and, for fsdp/hsdp, parameters; clipping and the AdamW step run on each
+//! rank's shard); validation is spread the same way. Rank 0 prints progress, writes the metrics
+//! and the checkpoint (fsdp/hsdp gather the full parameters for it first). Losses are the mean
+//! of the ranks' means, so they equal the single-device run's to rounding.
 
 use std::time::Duration;
 
 use anyhow::Result;
-use meshgrad_parallel::comm::{all_reduce_scalar, run_ranks, RunOptions};
-use meshgrad_parallel::{rank_rows, Communicator, Ddp, DdpConfig, ParallelLayout, ReduceOp};
+use meshgrad_autograd::Var;
+use meshgrad_nn::optim::{AdamW, Optimizer};
+use meshgrad_parallel::comm::{all_reduce_scalar, run_ranks, RankCtx, RunOptions};
+use meshgrad_parallel::zero::{ShardConfig, ShardTopology, ShardedDataParallel, ZeroStage};
+use meshgrad_parallel::{
+    rank_rows, Communicator, Ddp, DdpConfig, DeviceMesh, ParallelLayout, ReduceOp,
+};
 
 use crate::config::TrainConfig;
 use crate::train::{
     check_microbatches, finish_run, header, run_data, run_loop, run_model, GradSync, Reporter,
-    TrainOptions, TrainSummary, Verbosity,
+    RunModel, TrainOptions, TrainSummary, Verbosity,
 };
 
 /// How long a rank waits for its peers in any collective before failing the run. Ranks do the
@@ -41,6 +49,57 @@ impl GradSync for DdpSync<'_> {
     }
 }
 
+/// A sharded rank's [`GradSync`]: [`ShardedDataParallel`] reduces the gradients, clips across
+/// the shards and steps its shard of AdamW.
+struct ZeroSync<'a> {
+    sdp: &'a ShardedDataParallel,
+    comm: &'a dyn Communicator,
+}
+
+impl GradSync for ZeroSync<'_> {
+    fn set_sync(&self, on: bool) {
+        self.sdp.set_sync(on);
+    }
+    fn finish(&self) -> Result<()> {
+        Ok(self.sdp.finish()?)
+    }
+    fn mean(&self, local: f64) -> Result<f64> {
+        Ok(all_reduce_scalar(self.comm, local, ReduceOp::Avg)?)
+    }
+    fn zero_grad(&self, _opt: &AdamW) {
+        self.sdp.zero_grad();
+    }
+    fn clip(&self, _params: &[Var], max_norm: f64) -> Result<f64> {
+        Ok(self.sdp.clip_grad_norm(max_norm)?)
+    }
+    fn step(&self, _opt: &mut AdamW, lr: f64) -> Result<()> {
+        Ok(self.sdp.step(lr)?)
+    }
+}
+
+/// Wraps a rank's model for a sharded layout, with the run's AdamW groups and hyper-parameters.
+fn shard(ctx: &RankCtx, run: &RunModel, layout: &ParallelLayout) -> Result<ShardedDataParallel> {
+    let (stage, topo) = match *layout {
+        ParallelLayout::Zero { stage, .. } => (stage, ShardTopology::flat(ctx.comm.clone())),
+        ParallelLayout::HybridShard { replicate, shard } => {
+            let mesh = DeviceMesh::new(
+                ctx.comm.clone(),
+                &["dp_replicate", "dp_shard"],
+                &[replicate, shard],
+            )?;
+            (ZeroStage::Three, ShardTopology::from_mesh(&mesh)?)
+        }
+        ParallelLayout::DataParallel { .. } => anyhow::bail!("layout {layout} is not sharded"),
+    };
+    Ok(ShardedDataParallel::new(
+        &run.model,
+        run.opt.param_groups().to_vec(),
+        *run.opt.config(),
+        topo,
+        ShardConfig::new(stage),
+    )?)
+}
+
 /// The number of ranks of `layout`, or a one-line reason it cannot run (yet) or does not fit the
 /// run, before any work.
 pub fn check_layout(
@@ -48,12 +107,7 @@ pub fn check_layout(
     layout: &ParallelLayout,
     opts: &TrainOptions,
 ) -> Result<usize> {
-    let world = match *layout {
-        ParallelLayout::DataParallel { degree } => degree,
-        other => anyhow::bail!(
-            "layout {other}: sharded data parallelism is not implemented yet (only dp=N runs today)"
-        ),
-    };
+    let world = layout.world_size();
     layout.check(cfg.train.batch_size, opts.microbatches, None)?;
     check_microbatches(cfg, world, opts.microbatches)?;
     Ok(world)
@@ -74,11 +128,17 @@ pub fn train_parallel(
     let summaries = run_ranks(world, &run_opts, |ctx| {
         let r = (|| -> Result<Option<TrainSummary>> {
             let mut run = run_model(cfg)?;
-            let ddp = Ddp::new(
-                meshgrad_nn::Module::named_parameters(&run.model),
-                ctx.comm.clone(),
-                DdpConfig::default(),
-            )?;
+            let (ddp, sdp) = match layout {
+                ParallelLayout::DataParallel { .. } => (
+                    Some(Ddp::new(
+                        meshgrad_nn::Module::named_parameters(&run.model),
+                        ctx.comm.clone(),
+                        DdpConfig::default(),
+                    )?),
+                    None,
+                ),
+                _ => (None, Some(shard(&ctx, &run, layout)?)),
+            };
             let rows = rank_rows(cfg.train.batch_size, world, ctx.rank)?;
             let leader = ctx.rank == 0;
             let mut rep = if leader {
@@ -96,9 +156,11 @@ pub fn train_parallel(
                 rows.end - rows.start
             );
             rep.say(header(cfg, &run.model, &data, &desc));
-            let sync = DdpSync {
-                ddp: &ddp,
-                comm: ctx.comm.as_ref(),
+            let comm = ctx.comm.as_ref();
+            let sync: Box<dyn GradSync + '_> = match (&ddp, &sdp) {
+                (Some(ddp), _) => Box::new(DdpSync { ddp, comm }),
+                (None, Some(sdp)) => Box::new(ZeroSync { sdp, comm }),
+                (None, None) => anyhow::bail!("internal error: layout {layout} has no wrapper"),
             };
             let result = run_loop(
                 cfg,
@@ -106,9 +168,14 @@ pub fn train_parallel(
                 &mut run,
                 rows,
                 opts.microbatches,
-                &sync,
+                sync.as_ref(),
                 &mut rep,
             )?;
+            if let Some(sdp) = &sdp {
+                // fsdp/hsdp keep only shards: gather the full weights (every rank takes part)
+                // for the checkpoint and the sample.
+                sdp.summon_full_params()?;
+            }
             if leader {
                 Ok(Some(finish_run(cfg, &run.model, rep, result, verbosity)?))
             } else {

@@ -124,7 +124,14 @@ fn bad_layouts_are_refused_in_one_line() {
         (&["--layout", "dp=0"][..], "at least 1"),
         (&["--layout", "hsdp=2x0"][..], "at least 1"),
         (&["--layout", "pp=2"][..], "unknown strategy 'pp'"),
-        (&["--layout", "fsdp=2"][..], "not implemented yet"),
+        (
+            &["--layout", "zero2=3"][..],
+            "8 rows does not split evenly over 3",
+        ),
+        (
+            &["--layout", "hsdp=2x2", "--microbatches", "4"][..],
+            "4 micro-batches",
+        ),
         (
             &["--layout", "dp=2", "--microbatches", "3"][..],
             "3 micro-batches",
