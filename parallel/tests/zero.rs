@@ -408,6 +408,43 @@ fn reductions_are_launched_during_backward() {
 }
 
 #[test]
+fn zero3_gathers_one_unit_at_a_time_with_the_next_prefetched() {
+    // Stages embed (root), h.0, h.1, head (root). Per step: forward gathers root on demand the
+    // first time, then h.0, h.1 and root (head) from prefetches; backward keeps root for the
+    // head, then h.1, h.0 and root (embed) from prefetches. Never more than one unit present.
+    let opts = RunOptions::with_timeout(Duration::from_secs(30));
+    for (checkpointing, prefetch) in [(false, true), (true, true), (false, false)] {
+        run_ranks(2, &opts, |ctx| {
+            let mut model = Gpt::new(gpt_config(), SEED, DType::F32, Device::Cpu)?;
+            model.activation_checkpointing = checkpointing;
+            let mut config = ShardConfig::new(ZeroStage::Three);
+            config.prefetch = prefetch;
+            let sdp = ShardedDataParallel::new(
+                &model,
+                param_groups_for_decay(model.named_parameters(), WD),
+                AdamWConfig::default(),
+                ShardTopology::flat(ctx.comm.clone()),
+                config,
+            )?;
+            let l = Layout::new(ZeroStage::Three, 1, 2);
+            for step in 0..2 {
+                train_step(&ctx, &model, &sdp, &l, step)?;
+            }
+            let g = sdp.gather_stats();
+            let what = format!("checkpointing {checkpointing}, prefetch {prefetch}: {g:?}");
+            assert_eq!(g.max_gathered, 1, "{what}");
+            if prefetch {
+                assert_eq!((g.prefetched, g.on_demand), (12, 2), "{what}");
+            } else {
+                assert_eq!((g.prefetched, g.on_demand), (0, 14), "{what}");
+            }
+            Ok(())
+        })
+        .unwrap();
+    }
+}
+
+#[test]
 fn gradient_accumulation_matches_the_large_batch() {
     // Two micro-batches per rank: the first accumulates locally (sync off), the second reduces.
     for stage in [ZeroStage::Two, ZeroStage::Three] {

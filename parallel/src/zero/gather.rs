@@ -75,10 +75,15 @@ impl Inner {
                 st.gather[u] = GatherState::Gathered;
                 return Ok(());
             }
-            GatherState::InFlight(w) => w,
-            GatherState::Released => self
-                .launch_gather(st, u)
-                .map_err(|e| self.err(&what(), e))?,
+            GatherState::InFlight(w) => {
+                st.gather_stats.prefetched += 1;
+                w
+            }
+            GatherState::Released => {
+                st.gather_stats.on_demand += 1;
+                self.launch_gather(st, u)
+                    .map_err(|e| self.err(&what(), e))?
+            }
         };
         let full = work.wait().map_err(|e| self.err(&what(), e))?;
         with_tag(MemoryTag::Params, || -> Result<()> {
@@ -93,6 +98,14 @@ impl Inner {
         })
         .map_err(|e| self.err(&what(), e))?;
         st.gather[u] = GatherState::Gathered;
+        if !st.summoned {
+            let n = st
+                .gather
+                .iter()
+                .filter(|g| matches!(g, GatherState::Gathered))
+                .count();
+            st.gather_stats.max_gathered = st.gather_stats.max_gathered.max(n);
+        }
         Ok(())
     }
 

@@ -89,4 +89,4 @@ pub use checkpoint::FullStateDictOptions;
 pub use config::{MixedPrecision, ShardConfig, WrapPolicy, ZeroStage};
 pub use plan::{Segment, ShardPlan};
 pub use topology::ShardTopology;
-pub use wrapper::ShardedDataParallel;
+pub use wrapper::{GatherStats, ShardedDataParallel};

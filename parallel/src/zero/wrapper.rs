@@ -92,6 +92,20 @@ pub(crate) struct State {
     pub(crate) gather: Vec<GatherState>,
     /// `summon_full_params` is in effect: the hooks leave the units gathered.
     pub(crate) summoned: bool,
+    /// Counters of the gathers so far.
+    pub(crate) gather_stats: GatherStats,
+}
+
+/// ZeRO-3 gather counters (see [`ShardedDataParallel::gather_stats`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GatherStats {
+    /// Units made present from a prefetch launched earlier (communication overlapped).
+    pub prefetched: usize,
+    /// Units gathered on demand (launched and waited for at once).
+    pub on_demand: usize,
+    /// The most units whose full parameters were present at one time (in-flight prefetches
+    /// not counted), outside `summon_full_params`.
+    pub max_gathered: usize,
 }
 
 pub(crate) fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
@@ -257,6 +271,7 @@ impl ShardedDataParallel {
                 step_count: 0,
                 gather: (0..n_units).map(|_| GatherState::Gathered).collect(),
                 summoned: false,
+                gather_stats: GatherStats::default(),
             }),
             plan,
             config,
@@ -330,6 +345,11 @@ impl ShardedDataParallel {
     /// and how many `finish` had to launch itself.
     pub fn last_reduction_launches(&self) -> (usize, usize) {
         lock(&self.inner.state).last_launches
+    }
+
+    /// ZeRO-3 gather counters since the wrapper was built (zero for ZeRO-1/2).
+    pub fn gather_stats(&self) -> GatherStats {
+        lock(&self.inner.state).gather_stats
     }
 
     /// Completed optimizer steps.
