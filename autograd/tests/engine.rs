@@ -691,3 +691,75 @@ fn graphs_work_across_threads_and_grad_mode_is_per_thread() {
         assert!(!w.exp().unwrap().requires_grad());
     });
 }
+
+#[test]
+fn gradients_handed_out_are_never_modified_later() {
+    // In-place accumulation must only reuse buffers nobody else can see.
+    let x = Var::leaf(t64(&[1.0, 2.0], &[2]));
+    let supplied = t64(&[1.0, 1.0], &[2]);
+    x.backward_with(supplied.clone()).unwrap();
+    let first = x.grad().unwrap();
+    let first_view = first.narrow(0, 0, 1).unwrap();
+    x.mul_scalar(3.0)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    x.backward_with(supplied.clone()).unwrap();
+    assert_eq!(
+        vals(&supplied),
+        vec![1.0, 1.0],
+        "the supplied root gradient"
+    );
+    assert_eq!(vals(&first), vec![1.0, 1.0], "a gradient read before");
+    assert_eq!(
+        vals(&first_view),
+        vec![1.0],
+        "a view of a gradient read before"
+    );
+    assert_eq!(grad_of(&x), vec![5.0, 5.0]);
+    // A gradient kept by a hook.
+    let kept: Arc<Mutex<Vec<Tensor>>> = Arc::new(Mutex::new(Vec::new()));
+    let k = kept.clone();
+    let w = Var::leaf(t64(&[1.0, -1.0], &[2]));
+    w.register_grad_ready_hook(Arc::new(move |v| {
+        k.lock().unwrap().push(v.grad().unwrap());
+        Ok(())
+    }));
+    for _ in 0..3 {
+        w.sqr()
+            .unwrap()
+            .add(&w)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+    }
+    {
+        let kept = kept.lock().unwrap();
+        assert_eq!(vals(&kept[0]), vec![3.0, -1.0]);
+        assert_eq!(vals(&kept[1]), vec![6.0, -2.0]);
+        assert_eq!(vals(&kept[2]), vec![9.0, -3.0]);
+    }
+    w.clear_grad_ready_hooks();
+    // Gradients from grad() stay as returned.
+    let y = w.mul(&w).unwrap().sum_all().unwrap();
+    let one = Tensor::ones((), DType::F64, Device::Cpu).unwrap();
+    let g = grad(&[(y.clone(), one.clone())], std::slice::from_ref(&w)).unwrap()[0]
+        .clone()
+        .unwrap();
+    let before = vals(&g);
+    w.set_grad(Some(g.clone()));
+    y.backward().unwrap();
+    assert_eq!(
+        vals(&g),
+        before,
+        "a tensor installed with set_grad and still held"
+    );
+    assert_eq!(
+        grad_of(&w),
+        before.iter().map(|v| v * 2.0).collect::<Vec<_>>()
+    );
+}
