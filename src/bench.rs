@@ -96,6 +96,19 @@ fn random_tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
+/// CPU time (seconds) consumed so far by all threads of this process, from
+/// `/proc/self/task/*/schedstat` (Linux; `None` elsewhere). Under a shared machine's load this
+/// is steadier than wall time for comparing the work a step does.
+fn process_cpu_seconds() -> Option<f64> {
+    let mut ns = 0u64;
+    for e in std::fs::read_dir("/proc/self/task").ok()? {
+        let path = e.ok()?.path().join("schedstat");
+        let s = std::fs::read_to_string(path).ok()?;
+        ns += s.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(ns as f64 * 1e-9)
+}
+
 fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
@@ -238,12 +251,16 @@ pub fn run_bench(opts: &BenchOptions) -> Result<BenchResult> {
     profile::set_enabled(opts.profile);
     let mut times = Vec::with_capacity(opts.steps);
     let mut last_loss = f64::NAN;
+    let cpu0 = process_cpu_seconds();
     for _ in 0..opts.steps {
         let t0 = Instant::now();
         last_loss = step(&mut opt)?;
         times.push(t0.elapsed().as_secs_f64());
     }
     profile::set_enabled(false);
+    let cpu_per_step = cpu0
+        .zip(process_cpu_seconds())
+        .map(|(a, b)| (b - a) / opts.steps as f64);
     let peak_bytes = alloc::memory_stats(Device::Cpu).peak;
     if !last_loss.is_finite() {
         bail!("bench: the loss is {last_loss}");
@@ -273,6 +290,13 @@ pub fn run_bench(opts: &BenchOptions) -> Result<BenchResult> {
         step_median_s,
         times.iter().cloned().fold(0.0, f64::max),
     );
+    if let Some(c) = cpu_per_step {
+        let wall = times.iter().sum::<f64>() / times.len() as f64;
+        println!(
+            "cpu time per step: {c:.4} s over {wall:.4} s of wall time ({:.2} cores busy on average)",
+            c / wall
+        );
+    }
     if opts.profile {
         print_profile(&times);
         let ceiling = sgemm_ceiling(&cfg, batch);

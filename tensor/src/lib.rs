@@ -21,6 +21,7 @@ mod dtype;
 mod error;
 mod layout;
 mod ops;
+pub mod pool;
 pub mod profile;
 mod shape;
 pub mod storage;

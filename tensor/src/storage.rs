@@ -132,6 +132,16 @@ pub(crate) struct Allocation {
     _charge: Charge,
 }
 
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        // Large f32 buffers go back to the recycling pool (see `crate::pool`).
+        let Storage::Cpu(s) = &mut self.storage;
+        if let CpuStorage::F32(v) = s {
+            crate::pool::give(std::mem::take(v));
+        }
+    }
+}
+
 impl Allocation {
     pub(crate) fn new(storage: Storage) -> Self {
         let bytes = storage.len() * storage.dtype().size_in_bytes();

@@ -27,6 +27,29 @@ const GEMM_PAR_WORK: usize = 48 * 48 * 256;
 /// Total work (batch·m·n·k) above which small products of a batch run in parallel over the batch.
 const BATCH_PAR_WORK: usize = 1 << 18;
 
+/// Whether large products are split into blocks by [`split_pieces`] (`MESHGRAD_GEMM_SPLIT=0`
+/// hands them to gemm's own parallelism instead; read once).
+fn split_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("MESHGRAD_GEMM_SPLIT").map_or(true, |v| v != "0"))
+}
+
+/// Smallest block side along a split dimension.
+const SPLIT_MIN: usize = 128;
+/// Most blocks one product is split into.
+const SPLIT_MAX: usize = 4;
+
+/// How many blocks of rows and of columns a large `m×n` product is split into: the longer side
+/// into up to [`SPLIT_MAX`] pieces of at least [`SPLIT_MIN`]. Depends only on the sizes.
+fn split_pieces(m: usize, n: usize) -> (usize, usize) {
+    let pieces = |d: usize| (d / SPLIT_MIN).clamp(1, SPLIT_MAX);
+    if m >= n {
+        (pieces(m), 1)
+    } else {
+        (1, pieces(n))
+    }
+}
+
 impl MatrixLayout {
     /// One past the largest flat index the layout touches for `batch` matrices of `rows×cols`
     /// (all three at least 1).
@@ -143,6 +166,54 @@ pub fn matmul<T: Float>(
     }
 
     let work = m * n * k;
+    if (batch == 1 || c_layout.batch_stride == 0) && work >= GEMM_PAR_WORK && split_enabled() {
+        // Split C into blocks of rows (or columns) by a rule that depends only on the sizes, and
+        // run the blocks as independent single-threaded products: every element of C is summed
+        // by exactly one product, in the same order whatever the thread count.
+        let (pieces_m, pieces_n) = split_pieces(m, n);
+        let (bm, bn) = (m.div_ceil(pieces_m), n.div_ceil(pieces_n));
+        let cptr = SendPtr(c.as_mut_ptr());
+        (0..pieces_m * pieces_n).into_par_iter().for_each(|t| {
+            let (i0, j0) = ((t / pieces_n) * bm, (t % pieces_n) * bn);
+            if i0 >= m || j0 >= n {
+                return;
+            }
+            let (mm, nn) = (bm.min(m - i0), bn.min(n - j0));
+            for bi in 0..batch {
+                let acc = accumulate || (c_layout.batch_stride == 0 && bi > 0);
+                // SAFETY: extents of all three layouts were checked above for every batch index;
+                // rows i0..i0+mm and columns j0..j0+nn are inside the m×n product. Distinct tasks
+                // write disjoint (row, column) blocks of C, which map to disjoint elements because
+                // one C matrix is injective (checked above); the batches of one task run in
+                // order, so a shared C (batch_stride 0) is never raced. A and B are only read.
+                unsafe {
+                    gemm_one(
+                        mm,
+                        nn,
+                        k,
+                        a.as_ptr().add(
+                            a_layout.offset + bi * a_layout.batch_stride + i0 * a_layout.row_stride,
+                        ),
+                        a_layout,
+                        b.as_ptr().add(
+                            b_layout.offset + bi * b_layout.batch_stride + j0 * b_layout.col_stride,
+                        ),
+                        b_layout,
+                        cptr.get().add(
+                            c_layout.offset
+                                + bi * c_layout.batch_stride
+                                + i0 * c_layout.row_stride
+                                + j0 * c_layout.col_stride,
+                        ),
+                        c_layout,
+                        acc,
+                        gemm::Parallelism::None,
+                    )
+                };
+            }
+        });
+        return;
+    }
     if batch == 1 || c_layout.batch_stride == 0 {
         // Sequential over the batch (a reduction when C is shared).
         let par = if work >= GEMM_PAR_WORK {
@@ -474,6 +545,10 @@ mod tests {
         check_case(&mut rng, 6, 40, 50, 70, false, true);
         check_case(&mut rng, 3, 1, 300, 200, false, false);
         check_case(&mut rng, 2, 300, 1, 200, true, false);
+        // Split into blocks of columns (m < n), and a batch summed into one shared C.
+        check_case(&mut rng, 1, 130, 600, 80, false, false);
+        check_case(&mut rng, 3, 300, 200, 100, true, true);
+        check_case(&mut rng, 2, 517, 131, 90, false, true);
     }
 
     #[test]

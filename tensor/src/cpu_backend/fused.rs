@@ -31,7 +31,7 @@ pub(crate) fn layer_norm(
         Floats::F32(xv) => {
             let wf = as_f32(&wv)?;
             let bf = as_f32(&bv)?;
-            let mut y = vec![0f32; rows * cols];
+            let mut y: Vec<f32> = crate::pool::output(rows * cols);
             let (mut m, mut r) = (vec![0f32; rows], vec![0f32; rows]);
             cpu::layer_norm::layer_norm_forward(
                 &xv, wf, bf, rows, cols, eps, &mut y, &mut m, &mut r,
@@ -91,7 +91,7 @@ pub(crate) fn layer_norm_backward(
     let wdt = w.map(|(s, _)| s.dtype()).unwrap_or(dt);
     Ok(
         with_floats!("layer_norm_backward", (x.0, range(x.1)) => xv, (mean.0, range(mean.1)) => mv, (rstd.0, range(rstd.1)) => rv, (dy.0, range(dy.1)) => gv; {
-            let mut dx = vec![Float::ZERO; rows * cols];
+            let mut dx = crate::pool::output(rows * cols);
             let mut dwv = vec![Float::ZERO; if param_grads { cols } else { 0 }];
             let mut dbv = vec![Float::ZERO; if param_grads { cols } else { 0 }];
             let wslice = match &wv {
@@ -143,7 +143,7 @@ pub(crate) fn linear(
     };
     Ok(
         with_floats!("linear", (x, full(x)) => a, (w, full(w)) => b; {
-            let mut out = vec![Float::ZERO; m * n];
+            let mut out = crate::pool::output(m * n);
             let accumulate = match &bv {
                 None => false,
                 Some(f) => {
@@ -195,7 +195,7 @@ pub(crate) fn attention(
     let n = shape.batch_heads * shape.seq_q * shape.head_dim;
     Ok(
         with_floats!("attention", (q.0, range(q.1)) => qv, (k.0, range(k.1)) => kv, (v.0, range(v.1)) => vv; {
-            let mut out = vec![Float::ZERO; n];
+            let mut out = crate::pool::output(n);
             let mut lse = vec![Float::ZERO; shape.batch_heads * shape.seq_q];
             cpu::attention::attention_forward(shape, qv, kv, vv, &mut out, &mut lse);
             (out.into_storage(dt), lse.into_storage(crate::DType::F32))
@@ -219,9 +219,9 @@ pub(crate) fn attention_backward(
     let nk = shape.batch_heads * shape.seq_k * shape.head_dim;
     Ok(
         with_floats!("attention_backward", (q.0, range(q.1)) => qv, (k.0, range(k.1)) => kv, (v.0, range(v.1)) => vv, (out.0, range(out.1)) => ov, (lse.0, range(lse.1)) => lv, (dout.0, range(dout.1)) => gv; {
-            let mut dq = vec![Float::ZERO; nq];
-            let mut dk = vec![Float::ZERO; nk];
-            let mut dv = vec![Float::ZERO; nk];
+            let mut dq = crate::pool::output(nq);
+            let mut dk = crate::pool::output(nk);
+            let mut dv = crate::pool::output(nk);
             cpu::attention::attention_backward(shape, qv, kv, vv, ov, lv, gv, &mut dq, &mut dk, &mut dv);
             (dq.into_storage(dt), dk.into_storage(dt), dv.into_storage(dt))
         }),
@@ -264,7 +264,7 @@ pub(crate) fn attention_qkv(
     let ol = btc_layout(&shape, heads);
     let n = shape.batch_heads * shape.seq_q * shape.head_dim;
     Ok(with_floats!("attention", (qkv.0, range(qkv.1)) => x; {
-        let mut out = vec![Float::ZERO; n];
+        let mut out = crate::pool::output(n);
         let mut lse = vec![Float::ZERO; shape.batch_heads * shape.seq_q];
         cpu::attention::attention_forward_strided(shape, heads, x, ql, x, kl, x, vl, &mut out, ol, &mut lse);
         (out.into_storage(dt), lse.into_storage(crate::DType::F32))
@@ -286,7 +286,7 @@ pub(crate) fn attention_qkv_backward(
     let n = 3 * shape.batch_heads * shape.seq_q * shape.head_dim;
     Ok(
         with_floats!("attention_backward", (qkv.0, range(qkv.1)) => x, (out.0, range(out.1)) => o, (lse.0, range(lse.1)) => l, (dout.0, range(dout.1)) => g; {
-            let mut dqkv = vec![Float::ZERO; n];
+            let mut dqkv = crate::pool::output(n);
             cpu::attention::attention_backward_strided(shape, heads, x, ql, x, kl, x, vl, o, ol, l, g, ol, &mut dqkv, [ql, kl, vl]);
             dqkv.into_storage(dt)
         }),
@@ -328,7 +328,7 @@ pub(crate) fn cross_entropy_backward(
     let t = ids(targets.0, targets.1, "cross_entropy_backward (targets)")?;
     Ok(
         with_floats!("cross_entropy_backward", (logits.0, range(logits.1)) => x, (lse.0, range(lse.1)) => l, (dloss.0, range(dloss.1)) => g; {
-            let mut dx = vec![Float::ZERO; rows * cols];
+            let mut dx = crate::pool::output(rows * cols);
             cpu::cross_entropy::cross_entropy_backward(x, l, &t, rows, cols, ignore_index, g, &mut dx);
             dx.into_storage(dt)
         }),

@@ -115,7 +115,7 @@ pub(crate) fn unary(
     let n = l.shape().elem_count();
     if l.is_contiguous() {
         return Ok(with_floats!("unary", (s, range(l)) => x; {
-            let mut out = vec![Float::ZERO; n];
+            let mut out = crate::pool::output(n);
             cpu::elementwise::unary(op, x, &mut out);
             out.into_storage(dt)
         }));
@@ -158,7 +158,7 @@ pub(crate) fn binary(
     let n = al.shape().elem_count();
     Ok(
         with_floats!("binary", (a, full(a)) => x, (b, full(b)) => y; {
-            let mut out = vec![Float::ZERO; n];
+            let mut out = crate::pool::output(n);
             cpu::elementwise::binary(op, shape, view(x, al), view(y, bl), &mut out);
             out.into_storage(dt)
         }),
@@ -238,7 +238,7 @@ pub(crate) fn reduce(
         }
     ];
     let out = with_floats!("reduce", (s, range(l)) => x; {
-        let mut out = vec![Float::ZERO; outer * inner];
+        let mut out = crate::pool::output(outer * inner);
         match op {
             ReduceOp::Sum => cpu::reduce::sum(x, outer, red, inner, &mut out),
             ReduceOp::Max => cpu::reduce::max(x, outer, red, inner, &mut out),
@@ -273,7 +273,7 @@ pub(crate) fn matmul(
     };
     Ok(
         with_floats!("matmul", (a, full(a)) => x, (b, full(b)) => y; {
-            let mut out = vec![Float::ZERO; batch * m * n];
+            let mut out = crate::pool::output(batch * m * n);
             cpu::matmul::matmul(batch, m, n, k, x, al, y, bl, &mut out, cl, false);
             out.into_storage(dt)
         }),
@@ -289,7 +289,7 @@ pub(crate) fn softmax(
 ) -> Result<CpuStorage> {
     let dt = s.dtype();
     Ok(with_floats!("softmax", (s, range(l)) => x; {
-        let mut out = vec![Float::ZERO; rows * cols];
+        let mut out = crate::pool::output(rows * cols);
         if log {
             cpu::softmax::log_softmax_forward(x, rows, cols, &mut out);
         } else {
@@ -312,7 +312,7 @@ pub(crate) fn softmax_backward(
     let dt = y.dtype();
     Ok(
         with_floats!("softmax_backward", (y, range(yl)) => a, (dy, range(dyl)) => g; {
-            let mut out = vec![Float::ZERO; rows * cols];
+            let mut out = crate::pool::output(rows * cols);
             if log {
                 cpu::softmax::log_softmax_backward(a, g, rows, cols, &mut out);
             } else {
@@ -334,7 +334,7 @@ pub(crate) fn gelu_backward(
     let n = xl.shape().elem_count();
     Ok(
         with_floats!("gelu_backward", (x, range(xl)) => a, (dy, range(dyl)) => g; {
-            let mut out = vec![Float::ZERO; n];
+            let mut out = crate::pool::output(n);
             cpu::elementwise::gelu_backward(tanh_form, a, g, &mut out);
             out.into_storage(dt)
         }),
