@@ -4,7 +4,8 @@
 //! outermost scope on a thread records its wall time under the thread's current [`Phase`] (the
 //! autograd engine sets [`Phase::Backward`] while it runs backward rules; an optimizer step can
 //! set [`Phase::Optimizer`]). Nested scopes (an op calling other ops) are not recorded, so times
-//! never double count. When profiling is disabled a scope costs one relaxed atomic load.
+//! never double count, and neither are ops running inside rayon tasks (the op that spawned the
+//! tasks covers them). When profiling is disabled a scope costs one relaxed atomic load.
 
 use std::cell::Cell;
 use std::collections::HashMap;
@@ -128,7 +129,8 @@ impl Drop for Scope {
 /// is off). Keep the guard alive for the op's duration: `let _p = profile::scope("matmul");`.
 #[inline]
 pub fn scope(name: &'static str) -> Option<Scope> {
-    if !is_enabled() {
+    // Ops running inside rayon tasks are covered by the scope of the op that spawned them.
+    if !is_enabled() || rayon::current_thread_index().is_some() {
         return None;
     }
     DEPTH.with(|d| d.set(d.get() + 1));

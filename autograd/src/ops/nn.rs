@@ -67,22 +67,10 @@ impl Var {
             v,
             &inputs,
             Box::new(move |g| {
-                let (out_f, in_f) = (wt.dims()[0], wt.dims()[1]);
-                let rows = g.elem_count().checked_div(out_f).unwrap_or(0);
-                let g2 = g.reshape((rows, out_f))?;
-                let gx = if rx {
-                    Some(g2.matmul(&wt)?.reshape(xt.shape().clone())?)
-                } else {
-                    None
-                };
-                let gw = if rw {
-                    Some(g2.t()?.matmul(&xt.reshape((rows, in_f))?)?)
-                } else {
-                    None
-                };
+                let (gx, gw, gb) = xt.linear_backward(&wt, g, (rx, rw, rb == Some(true)))?;
                 let mut grads = vec![gx, gw];
-                if let Some(rb) = rb {
-                    grads.push(if rb { Some(g2.sum(&[0], false)?) } else { None });
+                if rb.is_some() {
+                    grads.push(gb);
                 }
                 Ok(grads)
             }),

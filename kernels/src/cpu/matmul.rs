@@ -27,13 +27,6 @@ const GEMM_PAR_WORK: usize = 48 * 48 * 256;
 /// Total work (batch·m·n·k) above which small products of a batch run in parallel over the batch.
 const BATCH_PAR_WORK: usize = 1 << 18;
 
-/// Whether large products are split into blocks by [`split_pieces`] (`MESHGRAD_GEMM_SPLIT=0`
-/// hands them to gemm's own parallelism instead; read once).
-fn split_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("MESHGRAD_GEMM_SPLIT").map_or(true, |v| v != "0"))
-}
-
 /// Smallest block side along a split dimension.
 const SPLIT_MIN: usize = 128;
 /// Most blocks one product is split into.
@@ -90,9 +83,12 @@ impl MatrixLayout {
 ///   must not overlap itself (distinct `(row, col)` map to distinct elements); violations panic.
 /// - `c_layout.batch_stride == 0` with `batch > 1` sums the products over the batch into the one
 ///   C matrix, in increasing `b`: `C = [C +] Σ_b A[b] · B[b]` (useful for weight gradients).
-/// - Batches are otherwise independent; small products are spread over rayon threads by batch,
-///   large ones use gemm's internal parallelism. Which path runs depends only on the sizes, so
-///   results do not depend on the number of threads beyond what gemm itself guarantees.
+/// - Batches are otherwise independent; small products are spread over rayon threads by batch.
+///   A large single (or batch-summed) product called from outside rayon is split into blocks of
+///   rows or columns by a rule that depends only on the sizes, each block one single-threaded
+///   gemm run as a rayon task; called from inside a rayon task (as one of several products
+///   running side by side) it runs whole on that thread. The k-blocking of gemm depends only on
+///   `k`, so each element of C is summed in the same order either way, for any thread count.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul<T: Float>(
     batch: usize,
@@ -166,7 +162,10 @@ pub fn matmul<T: Float>(
     }
 
     let work = m * n * k;
-    if (batch == 1 || c_layout.batch_stride == 0) && work >= GEMM_PAR_WORK && split_enabled() {
+    // A product computed inside a rayon task (one of several running side by side) stays on
+    // that task's thread: the parallelism is already outside it.
+    let nested = rayon::current_thread_index().is_some();
+    if (batch == 1 || c_layout.batch_stride == 0) && work >= GEMM_PAR_WORK && !nested {
         // Split C into blocks of rows (or columns) by a rule that depends only on the sizes, and
         // run the blocks as independent single-threaded products: every element of C is summed
         // by exactly one product, in the same order whatever the thread count.
@@ -216,11 +215,7 @@ pub fn matmul<T: Float>(
     }
     if batch == 1 || c_layout.batch_stride == 0 {
         // Sequential over the batch (a reduction when C is shared).
-        let par = if work >= GEMM_PAR_WORK {
-            gemm::Parallelism::Rayon(0)
-        } else {
-            gemm::Parallelism::None
-        };
+        let par = gemm::Parallelism::None;
         let cptr = c.as_mut_ptr();
         for bi in 0..batch {
             let acc = accumulate || (c_layout.batch_stride == 0 && bi > 0);
@@ -273,7 +268,7 @@ pub fn matmul<T: Float>(
         return;
     }
 
-    let par = if big_single {
+    let par = if big_single && !nested {
         gemm::Parallelism::Rayon(0)
     } else {
         gemm::Parallelism::None
@@ -549,6 +544,60 @@ mod tests {
         check_case(&mut rng, 1, 130, 600, 80, false, false);
         check_case(&mut rng, 3, 300, 200, 100, true, true);
         check_case(&mut rng, 2, 517, 131, 90, false, true);
+    }
+
+    #[test]
+    fn split_and_whole_products_agree_bit_for_bit() {
+        // Outside rayon a large product is split into blocks; inside a rayon task it runs whole.
+        // Both must give the same bits (and so must any thread count).
+        let mut rng = Rng(99);
+        for &(m, n, k, bt) in &[(600usize, 200usize, 300usize, false), (130, 700, 257, true)] {
+            let a: Vec<f32> = (0..m * k).map(|_| rng.float() as f32).collect();
+            let b: Vec<f32> = (0..k * n).map(|_| rng.float() as f32).collect();
+            let al = MatrixLayout {
+                offset: 0,
+                batch_stride: 0,
+                row_stride: k,
+                col_stride: 1,
+            };
+            let bl = if bt {
+                MatrixLayout {
+                    offset: 0,
+                    batch_stride: 0,
+                    row_stride: 1,
+                    col_stride: k,
+                }
+            } else {
+                MatrixLayout {
+                    offset: 0,
+                    batch_stride: 0,
+                    row_stride: n,
+                    col_stride: 1,
+                }
+            };
+            let cl = MatrixLayout {
+                offset: 0,
+                batch_stride: 0,
+                row_stride: n,
+                col_stride: 1,
+            };
+            let run = || {
+                let mut c = vec![0f32; m * n];
+                matmul(1, m, n, k, &a, al, &b, bl, &mut c, cl, false);
+                c.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            };
+            let split = run();
+            for threads in [1, 3] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                assert!(
+                    pool.install(run) == split,
+                    "{m}x{n}x{k} nested, {threads} threads"
+                );
+            }
+        }
     }
 
     #[test]

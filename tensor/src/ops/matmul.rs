@@ -185,6 +185,51 @@ impl Tensor {
     }
 }
 
+/// The gradients of [`Tensor::linear`]: `(dx, dweight, dbias)`, each when asked for.
+pub type LinearGrads = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
+
+impl Tensor {
+    /// The backward of [`Tensor::linear`] (`self` is its input `x [..., in]`) from `dy [..., out]`:
+    /// `dx = dy W`, `dW = dyᵀ x` (straight into the weight's `[out, in]` layout) and
+    /// `dbias = Σ_rows dy`, each computed only when its flag is set. `dx` and `dW` are
+    /// independent products of equal size: they run side by side on two rayon tasks, each one
+    /// whole single-threaded product (so the results do not depend on the thread count).
+    pub fn linear_backward(
+        &self,
+        weight: &Tensor,
+        dy: &Tensor,
+        want: (bool, bool, bool),
+    ) -> Result<LinearGrads> {
+        let _prof = crate::profile::scope("linear_backward");
+        let (out_f, in_f) = (weight.dims()[0], weight.dims()[1]);
+        let rows = dy.elem_count().checked_div(out_f).unwrap_or(0);
+        let g2 = dy.reshape((rows, out_f))?;
+        let dx = || -> Result<Option<Tensor>> {
+            if !want.0 {
+                return Ok(None);
+            }
+            Ok(Some(g2.matmul(weight)?.reshape(self.shape().clone())?))
+        };
+        let dw = || -> Result<Option<Tensor>> {
+            if !want.1 {
+                return Ok(None);
+            }
+            Ok(Some(g2.t()?.matmul(&self.reshape((rows, in_f))?)?))
+        };
+        let (dx, dw) = if want.0 && want.1 {
+            rayon::join(dx, dw)
+        } else {
+            (dx(), dw())
+        };
+        let db = if want.2 {
+            Some(g2.sum(&[0], false)?)
+        } else {
+            None
+        };
+        Ok((dx?, dw?, db))
+    }
+}
+
 fn mat(l: &Layout, nb: usize, batch_stride: usize) -> MatrixLayout {
     MatrixLayout {
         offset: l.offset(),

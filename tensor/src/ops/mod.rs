@@ -9,6 +9,7 @@ mod reduce;
 mod shape_ops;
 
 pub use elementwise::GeluKind;
+pub use matmul::LinearGrads;
 pub use meshgrad_kernels::cpu::adamw::AdamWStep;
 pub use nn::{AttentionOutput, LayerNormOutput};
 
