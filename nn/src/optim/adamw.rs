@@ -119,35 +119,55 @@ impl Optimizer for AdamW {
         validate_lr("adamw", lr)?;
         let c = self.config;
         no_grad(|| {
+            // Gather every update first (creating state as needed), then run them all in one
+            // multi-tensor call; step counts advance only for the updates that succeeded.
+            let mut work: Vec<(&str, Tensor, Tensor, &mut AdamState, AdamWStep)> = Vec::new();
             for (group, states) in self.groups.iter().zip(self.state.iter_mut()) {
                 for ((name, p), slot) in group.params.iter().zip(states.iter_mut()) {
                     let Some(g) = p.grad() else { continue };
-                    let run = |slot: &mut Option<AdamState>| -> Result<()> {
+                    let prep = |slot: &mut Option<AdamState>| -> Result<Tensor> {
                         let g = kernel_grad(p, &g)?;
-                        let s = match slot {
-                            Some(s) => s,
-                            None => slot.insert(AdamState {
+                        if slot.is_none() {
+                            *slot = Some(AdamState {
                                 m: state_zeros(p)?,
                                 v: state_zeros(p)?,
                                 step: 0,
-                            }),
-                        };
-                        let hp = AdamWStep {
-                            lr: lr * group.lr_scale,
-                            beta1: c.beta1,
-                            beta2: c.beta2,
-                            eps: c.eps,
-                            weight_decay: group.weight_decay,
-                            step: s.step + 1,
-                        };
-                        p.tensor().adamw_step_(&g, &s.m, &s.v, &hp)?;
-                        s.step += 1;
-                        Ok(())
+                            });
+                        }
+                        Ok(g)
                     };
-                    run(slot).map_err(|e| ctx_err("adamw", name, e))?;
+                    let g = prep(slot).map_err(|e| ctx_err("adamw", name, e))?;
+                    let s = slot.as_mut().expect("state created above");
+                    let hp = AdamWStep {
+                        lr: lr * group.lr_scale,
+                        beta1: c.beta1,
+                        beta2: c.beta2,
+                        eps: c.eps,
+                        weight_decay: group.weight_decay,
+                        step: s.step + 1,
+                    };
+                    work.push((name.as_str(), p.tensor().clone(), g, s, hp));
                 }
             }
-            Ok::<(), meshgrad_tensor::Error>(())
+            let items: Vec<_> = work
+                .iter()
+                .map(|(_, p, g, s, hp)| (p, g, &s.m, &s.v, *hp))
+                .collect();
+            let results = Tensor::adamw_step_many(&items);
+            drop(items);
+            let mut first_err = None;
+            for ((name, _, _, s, _), r) in work.iter_mut().zip(results) {
+                match r {
+                    Ok(()) => s.step += 1,
+                    Err(e) => {
+                        first_err.get_or_insert_with(|| ctx_err("adamw", name, e));
+                    }
+                }
+            }
+            match first_err {
+                Some(e) => Err(e),
+                None => Ok::<(), meshgrad_tensor::Error>(()),
+            }
         })?;
         self.step_count += 1;
         Ok(())

@@ -95,6 +95,22 @@ impl Tensor {
         Ok(())
     }
 
+    /// One AdamW step on many parameters at once (the "foreach" form of
+    /// [`Tensor::adamw_step_`]): each item is `(param, grad, m, v, hyper-parameters)`, updated
+    /// exactly as `adamw_step_` would, with the parameters spread over rayon tasks (the update is
+    /// elementwise, so the results do not depend on the split). Returns one result per item, in
+    /// order.
+    pub fn adamw_step_many(
+        items: &[(&Tensor, &Tensor, &Tensor, &Tensor, super::AdamWStep)],
+    ) -> Vec<Result<()>> {
+        use rayon::prelude::*;
+        let _prof = crate::profile::scope("adamw_step");
+        items
+            .par_iter()
+            .map(|(p, g, m, v, hp)| p.adamw_step_(g, m, v, hp))
+            .collect()
+    }
+
     /// One AdamW step in place: `self` is the parameter, `m` and `v` the moment buffers (all
     /// contiguous, of one dtype and shape).
     pub fn adamw_step_(

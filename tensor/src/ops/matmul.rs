@@ -210,23 +210,27 @@ impl Tensor {
             }
             Ok(Some(g2.matmul(weight)?.reshape(self.shape().clone())?))
         };
-        let dw = || -> Result<Option<Tensor>> {
-            if !want.1 {
-                return Ok(None);
-            }
-            Ok(Some(g2.t()?.matmul(&self.reshape((rows, in_f))?)?))
+        // The bias gradient (a column sum, cheap) rides along with dW.
+        let dw_db = || -> Result<(Option<Tensor>, Option<Tensor>)> {
+            let dw = if want.1 {
+                Some(g2.t()?.matmul(&self.reshape((rows, in_f))?)?)
+            } else {
+                None
+            };
+            let db = if want.2 {
+                Some(g2.sum(&[0], false)?)
+            } else {
+                None
+            };
+            Ok((dw, db))
         };
-        let (dx, dw) = if want.0 && want.1 {
-            rayon::join(dx, dw)
+        let (dx, dw_db) = if want.0 && want.1 {
+            rayon::join(dx, dw_db)
         } else {
-            (dx(), dw())
+            (dx(), dw_db())
         };
-        let db = if want.2 {
-            Some(g2.sum(&[0], false)?)
-        } else {
-            None
-        };
-        Ok((dx?, dw?, db))
+        let (dw, db) = dw_db?;
+        Ok((dx?, dw, db))
     }
 }
 
