@@ -295,7 +295,10 @@ mod tests {
             gradcheck(fused, std::slice::from_ref(&x), GradcheckOptions::default()).unwrap();
 
             let (xa, xb) = (Var::leaf(x.clone()), Var::leaf(x.clone()));
-            let (ya, yb) = (fused(&[xa.clone()]).unwrap(), split(&[xb.clone()]).unwrap());
+            let (ya, yb) = (
+                fused(std::slice::from_ref(&xa)).unwrap(),
+                split(std::slice::from_ref(&xb)).unwrap(),
+            );
             let (va, vb) = (
                 ya.tensor().to_vec_f64().unwrap(),
                 yb.tensor().to_vec_f64().unwrap(),

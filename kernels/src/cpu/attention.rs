@@ -155,7 +155,7 @@ fn check_operands(sh: &AttentionShape, heads: usize, ops: &[(&str, usize, HeadLa
         sh.seq_k
     );
     assert!(
-        heads >= 1 && sh.batch_heads % heads == 0,
+        heads >= 1 && sh.batch_heads.is_multiple_of(heads),
         "attention: batch_heads {} is not a multiple of heads {heads}",
         sh.batch_heads
     );
