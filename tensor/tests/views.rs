@@ -232,7 +232,7 @@ fn reshape_is_a_view_when_possible_else_a_copy() {
         let mut rest = numel(&dims);
         let mut nd = Vec::new();
         while rest > 1 {
-            let divs: Vec<usize> = (2..=rest).filter(|d| rest % d == 0).collect();
+            let divs: Vec<usize> = (2..=rest).filter(|d| rest.is_multiple_of(*d)).collect();
             let d = divs[rng.below(divs.len())];
             nd.push(d);
             rest /= d;
