@@ -98,8 +98,8 @@ impl Default for TrainParams {
         TrainParams {
             steps: 300,
             batch_size: 16,
-            lr: 1e-3,
-            min_lr: 1e-4,
+            lr: 3e-3,
+            min_lr: 3e-4,
             warmup_steps: 30,
             weight_decay: 0.1,
             beta1: 0.9,

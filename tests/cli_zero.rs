@@ -35,7 +35,14 @@ fn train(dir: &Path, tag: &str, extra: &[&str]) -> Output {
             "--set",
             "train.eval_interval=2",
         ])
-        .args(["--set", "train.sample_tokens=0"])
+        .args([
+            "--set",
+            "train.sample_tokens=0",
+            "--lr",
+            "1e-3",
+            "--set",
+            "train.min_lr=1e-4",
+        ])
         .args(extra)
         .output()
         .unwrap()
