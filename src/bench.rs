@@ -10,7 +10,6 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use meshgrad_kernels::cpu::matmul::{matmul, MatrixLayout};
-use meshgrad_nn::layers::ForwardCtx;
 use meshgrad_nn::optim::{AdamW, AdamWConfig, Optimizer, ParamGroup};
 use meshgrad_nn::{Gpt, GptConfig, Module};
 use meshgrad_tensor::profile::{self, Phase};
@@ -227,10 +226,9 @@ pub fn run_bench(opts: &BenchOptions) -> Result<BenchResult> {
     }
     let ids = Tensor::from_vec(inputs, (batch, t), Device::Cpu)?;
     let targets = Tensor::from_vec(targets, (batch, t), Device::Cpu)?;
-    let ctx = ForwardCtx::default();
 
     let step = |opt: &mut AdamW| -> Result<f64> {
-        let loss = model.loss(&ids, &targets, &ctx, None)?;
+        let loss = model.loss(&ids, &targets, None)?;
         opt.zero_grad();
         loss.backward()?;
         {

@@ -5,7 +5,6 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use meshgrad_autograd::no_grad;
 use meshgrad_nn::data::TokenDataset;
-use meshgrad_nn::layers::ForwardCtx;
 use meshgrad_nn::Gpt;
 use meshgrad_tensor::Tensor;
 
@@ -38,7 +37,7 @@ pub fn mean_loss(model: &Gpt, data: &TokenDataset) -> Result<f64> {
             let batch = data.batch_at(chunk, t)?;
             let ids = Tensor::from_vec(batch.inputs, (batch.rows, t), device)?;
             let targets = Tensor::from_vec(batch.targets, batch.rows * t, device)?;
-            let logits = model.forward(&ids, &ForwardCtx::default())?;
+            let logits = model.forward(&ids)?;
             let (rows, _) = logits
                 .tensor()
                 .reshape((batch.rows * t, vocab))?

@@ -1,6 +1,36 @@
 //! meshgrad: a deep-learning framework written from scratch in Rust, with parallel training
-//! built in. This crate re-exports the workspace crates and holds the `meshgrad` CLI's logic
+//! built in. This crate re-exports the workspace crates ([`tensor`], [`autograd`], [`nn`],
+//! [`parallel`]), gathers the everyday names in [`prelude`], and holds the `meshgrad` CLI's logic
 //! (training, evaluation, generation), so it can be driven from code and tests too.
+//!
+//! ```
+//! use meshgrad::prelude::*;
+//!
+//! #[derive(Module)]
+//! struct TwoLayer {
+//!     fc1: Linear,
+//!     fc2: Linear,
+//! }
+//!
+//! impl Forward for TwoLayer {
+//!     fn forward(&self, x: &Var) -> Result<Var> {
+//!         self.fc2.forward(&self.fc1.forward(x)?.relu()?)
+//!     }
+//! }
+//!
+//! let model = ParamBuilder::new(42).build(|p| {
+//!     Ok(TwoLayer { fc1: Linear::new(p, 3, 8)?, fc2: Linear::new(p, 8, 1)? })
+//! })?;
+//! let mut opt = AdamW::for_module(&model).build()?;
+//! let x = Var::constant(Tensor::from_vec(vec![1f32, 2., 3., 4., 5., 6.], (2, 3), Device::Cpu)?);
+//! let loss = model.forward(&x)?.sqr()?.mean_all()?;
+//! loss.backward()?;
+//! opt.step(1e-2)?;
+//! assert_eq!(model.num_parameters(), 3 * 8 + 8 + 8 + 1);
+//! # Ok::<(), meshgrad::tensor::Error>(())
+//! ```
+
+extern crate self as meshgrad;
 
 pub mod bench;
 pub mod config;
@@ -14,3 +44,14 @@ pub use meshgrad_autograd as autograd;
 pub use meshgrad_nn as nn;
 pub use meshgrad_parallel as parallel;
 pub use meshgrad_tensor as tensor;
+
+/// The everyday names: `use meshgrad::prelude::*;`.
+pub mod prelude {
+    pub use crate::autograd::{checkpoint, no_grad, ForwardCtx, Var};
+    pub use crate::nn::optim::{clip_grad_norm, AdamW, CosineSchedule, Optimizer, Sgd};
+    pub use crate::nn::{
+        Activation, Dropout, Embedding, Forward, Gpt, GptConfig, Init, LayerNorm, Linear,
+        LinearConfig, Module, ParamBuilder, Sequential,
+    };
+    pub use crate::tensor::{DType, Device, Error, Result, Shape, Tensor};
+}

@@ -12,11 +12,11 @@ use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use meshgrad_autograd::{no_grad, Var};
 use meshgrad_nn::data::TokenDataset;
-use meshgrad_nn::layers::ForwardCtx;
 use meshgrad_nn::optim::{
     clip_grad_norm, param_groups_for_decay, AdamW, AdamWConfig, CosineSchedule, Optimizer,
 };
 use meshgrad_nn::state::hf_gpt2;
+use meshgrad_nn::ForwardCtx;
 use meshgrad_nn::{Gpt, GptConfig, Module};
 use meshgrad_parallel::micro_rows;
 use meshgrad_tensor::{DType, Device, Tensor};
@@ -248,10 +248,7 @@ fn val_loss(
             // Validation draws use their own stream of "steps", far from the training ones.
             let (ids, targets) =
                 batch_tensors(val, cfg.train.seed ^ VAL_STREAM, i as u64, rows.clone(), t)?;
-            total += model
-                .loss(&ids, &targets, &ForwardCtx::default(), None)?
-                .tensor()
-                .item()?;
+            total += model.loss(&ids, &targets, None)?.tensor().item()?;
         }
         Ok(total / n as f64)
     });
@@ -397,11 +394,8 @@ pub(crate) fn run_loop(
         for (m, r) in micro.iter().enumerate() {
             let (ids, targets) =
                 batch_tensors(&data.train, cfg.train.seed, step as u64, r.clone(), t)?;
-            let ctx = ForwardCtx {
-                step: step as u64,
-                first_row: r.start,
-            };
-            let loss = run.model.loss(&ids, &targets, &ctx, None)?;
+            let ctx = ForwardCtx::new(step as u64, r.start);
+            let loss = ctx.scope(|| run.model.loss(&ids, &targets, None))?;
             loss_sum += loss.tensor().item()?;
             let loss = if microbatches > 1 {
                 loss.mul_scalar(1.0 / microbatches as f64)?

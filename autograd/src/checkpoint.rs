@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use meshgrad_tensor::Result;
 
-use crate::{engine, grad_mode, Var};
+use crate::{engine, forward_ctx, grad_mode, Var};
 
 /// A block whose forward can be re-run.
 pub type BlockFn = Arc<dyn Fn(&[Var]) -> Result<Var> + Send + Sync>;
@@ -12,9 +12,12 @@ pub type BlockFn = Arc<dyn Fn(&[Var]) -> Result<Var> + Send + Sync>;
 /// Runs `f(inputs)` without storing its intermediate activations; during backward the forward
 /// is recomputed with recording on and differentiated. Gradients reach the inputs and every
 /// gradient-requiring leaf (parameter) that `f` uses, as without checkpointing. `f` must be
-/// deterministic given its inputs (use counter-based dropout, see `DropoutSpec`).
+/// deterministic given its inputs and the [`ForwardCtx`](crate::ForwardCtx): the context and its
+/// use counters are saved when the block first runs and replayed when it is recomputed, so
+/// counter-based dropout draws the same masks both times.
 pub fn checkpoint(f: BlockFn, inputs: &[Var]) -> Result<Var> {
     let detached: Vec<Var> = inputs.iter().map(|v| v.detach()).collect();
+    let ctx_state = forward_ctx::snapshot();
     let (out, params) = grad_mode::collect_leaves(|| f(&detached));
     let out = out?;
     if !grad_mode::is_enabled() {
@@ -43,7 +46,8 @@ pub fn checkpoint(f: BlockFn, inputs: &[Var]) -> Result<Var> {
                     }
                 })
                 .collect();
-            let out = grad_mode::enable_grad(|| f(&leaves))?;
+            let out =
+                forward_ctx::replay(ctx_state.clone(), || grad_mode::enable_grad(|| f(&leaves)))?;
             if !out.requires_grad() {
                 return Ok(vec![None; n_in + params_c.len()]);
             }

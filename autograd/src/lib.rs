@@ -16,6 +16,7 @@
 
 mod checkpoint;
 mod engine;
+mod forward_ctx;
 mod function;
 mod grad_mode;
 mod gradcheck;
@@ -24,6 +25,7 @@ mod var;
 
 pub use checkpoint::{checkpoint, BlockFn};
 pub use engine::{backward, grad};
+pub use forward_ctx::{next_use, ForwardCtx};
 pub use function::{apply, Function};
 pub use grad_mode::{enable_grad, is_enabled as is_grad_enabled, no_grad};
 pub use gradcheck::{gradcheck, GradcheckOptions};

@@ -1,6 +1,6 @@
 //! `Var`: a tensor that records how it was computed, so gradients can flow back to it.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use meshgrad_tensor::{Result, Tensor};
@@ -39,7 +39,7 @@ pub(crate) struct Node {
 pub(crate) struct VarInner {
     pub(crate) id: VarId,
     pub(crate) value: Tensor,
-    pub(crate) requires_grad: bool,
+    pub(crate) requires_grad: AtomicBool,
     pub(crate) node: Option<Node>,
     pub(crate) grad: Mutex<Option<Tensor>>,
     pub(crate) grad_hooks: Mutex<Vec<GradReadyHook>>,
@@ -55,7 +55,9 @@ impl std::fmt::Debug for Var {
         write!(
             f,
             "Var({:?}, {:?}, requires_grad={}",
-            self.0.id, self.0.value, self.0.requires_grad
+            self.0.id,
+            self.0.value,
+            self.requires_grad()
         )?;
         if let Some(n) = &self.0.node {
             write!(f, ", op={}", n.op)?;
@@ -69,7 +71,7 @@ impl Var {
         Var(Arc::new(VarInner {
             id: VarId::next(),
             value,
-            requires_grad,
+            requires_grad: AtomicBool::new(requires_grad),
             node,
             grad: Mutex::new(None),
             grad_hooks: Mutex::new(Vec::new()),
@@ -119,7 +121,23 @@ impl Var {
 
     /// Whether gradients flow to this variable.
     pub fn requires_grad(&self) -> bool {
-        self.0.requires_grad
+        self.0.requires_grad.load(Ordering::Relaxed)
+    }
+
+    /// Freezes (`false`) or unfreezes (`true`) a leaf: a frozen parameter receives no gradient
+    /// and ops on it record no graph unless another input requires grad. Changing it affects
+    /// ops recorded afterwards. An error on a non-leaf, whose gradient requirement follows from
+    /// its inputs.
+    pub fn set_requires_grad(&self, requires_grad: bool) -> Result<()> {
+        if !self.is_leaf() {
+            meshgrad_tensor::bail!(
+                "set_requires_grad: {} is the result of op {}, not a leaf; detach() it first",
+                self.tensor().shape(),
+                self.op_name().unwrap_or("?")
+            );
+        }
+        self.0.requires_grad.store(requires_grad, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Whether this is a leaf (not computed by a recorded op).

@@ -6,8 +6,8 @@ use meshgrad_autograd::{no_grad, Var};
 use meshgrad_tensor::{DType, Device, Result, Tensor};
 
 use crate::hooks::{run_stage, HookSlot, Stage, Staged};
-use crate::layers::{Block, BlockConfig, Dropout, Embedding, ForwardCtx, LayerNorm};
-use crate::module::{join, Module, ParamFactory};
+use crate::layers::{Block, BlockConfig, Dropout, Embedding, LayerNorm};
+use crate::module::{Forward, Module, ParamBuilder};
 
 /// GPT hyper-parameters (GPT-2 naming in comments).
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -71,6 +71,8 @@ impl GptConfig {
 
 /// The GPT model. Parameter names follow Hugging Face GPT-2 (`wte.weight`,
 /// `h.0.attn.c_attn.weight`, ..., `ln_f.bias`); the output head is `wte` (tied).
+#[derive(crate::Module)]
+#[module(crate = crate)]
 pub struct Gpt {
     /// Hyper-parameters.
     pub config: GptConfig,
@@ -97,11 +99,6 @@ impl Gpt {
     /// only on `seed` and its name.
     pub fn new(config: GptConfig, seed: u64, dtype: DType, device: Device) -> Result<Self> {
         config.validate()?;
-        let f = ParamFactory {
-            seed,
-            dtype,
-            device,
-        };
         let c = config;
         let proj_std = 0.02 / (2.0 * c.n_layer as f64).sqrt();
         let bc = BlockConfig {
@@ -112,19 +109,23 @@ impl Gpt {
             proj_std,
             eps: c.layer_norm_eps,
         };
-        let h = (0..c.n_layer)
-            .map(|i| Block::new(&f, &format!("h.{i}"), bc).map(Arc::new))
-            .collect::<Result<_>>()?;
-        Ok(Gpt {
-            config,
-            wte: Embedding::new(&f, "wte", c.vocab_size, c.n_embd, 0.02)?,
-            wpe: Embedding::new(&f, "wpe", c.block_size, c.n_embd, 0.01)?,
-            drop: Dropout::new(seed, "drop", c.dropout),
-            h,
-            ln_f: LayerNorm::new(&f, "ln_f", c.n_embd, c.bias, c.layer_norm_eps)?,
-            activation_checkpointing: false,
-            hooks: HookSlot::default(),
-        })
+        ParamBuilder::new(seed)
+            .dtype(dtype)
+            .device(device)
+            .build(|p| {
+                Ok(Gpt {
+                    config,
+                    wte: Embedding::new(p, c.vocab_size, c.n_embd, 0.02)?,
+                    wpe: Embedding::new(p, c.block_size, c.n_embd, 0.01)?,
+                    drop: Dropout::new(c.dropout)?,
+                    h: (0..c.n_layer)
+                        .map(|_| Block::new(p, bc).map(Arc::new))
+                        .collect::<Result<_>>()?,
+                    ln_f: LayerNorm::new(p, c.n_embd, c.bias, c.layer_norm_eps)?,
+                    activation_checkpointing: false,
+                    hooks: HookSlot::default(),
+                })
+            })
     }
 
     fn check_ids(&self, ids: &Tensor) -> Result<(usize, usize)> {
@@ -146,33 +147,34 @@ impl Gpt {
     }
 
     /// The final hidden states `[B, T, C]` (after `ln_f`) for token ids `[B, T]`.
-    pub fn hidden(&self, ids: &Tensor, ctx: &ForwardCtx) -> Result<Var> {
-        self.run(ids, ctx, false)
+    pub fn hidden(&self, ids: &Tensor) -> Result<Var> {
+        self.run(ids, false)
     }
 
-    /// Logits `[B, T, vocab]` for token ids `[B, T]`.
-    pub fn forward(&self, ids: &Tensor, ctx: &ForwardCtx) -> Result<Var> {
-        self.run(ids, ctx, true)
+    /// Logits `[B, T, vocab]` for token ids `[B, T]`. Dropout masks follow the current
+    /// [`ForwardCtx`](meshgrad_autograd::ForwardCtx).
+    pub fn forward(&self, ids: &Tensor) -> Result<Var> {
+        self.run(ids, true)
     }
 
     /// The forward as [`Staged`] stages: `embed` (token + position embeddings, dropout), one
     /// stage per block (`h.i`), and `head` (`ln_f`, then with `logits` the tied projection
     /// x wteᵀ as a fused linear, whose weight gradient comes out in wte's layout).
-    fn run(&self, ids: &Tensor, ctx: &ForwardCtx, logits: bool) -> Result<Var> {
+    fn run(&self, ids: &Tensor, logits: bool) -> Result<Var> {
         let (_, t) = self.check_ids(ids)?;
         let hooks = self.hooks.get();
         let hooks = hooks.as_ref();
         let mut x = run_stage(hooks, 0, || {
             let pos = Tensor::arange(0, t as i64, DType::I64, ids.device())?;
             let x = self.wte.forward(ids)?.add(&self.wpe.forward(&pos)?)?;
-            self.drop.forward(&x, ctx)
+            self.drop.forward(&x)
         })?;
         for (i, block) in self.h.iter().enumerate() {
             x = run_stage(hooks, 1 + i, || {
                 if self.activation_checkpointing {
-                    block.forward_checkpointed(&x, ctx)
+                    block.forward_checkpointed(&x)
                 } else {
-                    block.forward(&x, ctx)
+                    block.forward(&x)
                 }
             })?;
         }
@@ -188,13 +190,7 @@ impl Gpt {
 
     /// Mean next-token cross-entropy of `ids [B, T]` against `targets [B, T]` (targets equal to
     /// `ignore_index` are skipped).
-    pub fn loss(
-        &self,
-        ids: &Tensor,
-        targets: &Tensor,
-        ctx: &ForwardCtx,
-        ignore_index: Option<i64>,
-    ) -> Result<Var> {
+    pub fn loss(&self, ids: &Tensor, targets: &Tensor, ignore_index: Option<i64>) -> Result<Var> {
         let (b, t) = self.check_ids(ids)?;
         if targets.dims() != [b, t] {
             meshgrad_tensor::bail!(
@@ -203,7 +199,7 @@ impl Gpt {
                 ids.shape()
             );
         }
-        let logits = self.forward(ids, ctx)?;
+        let logits = self.forward(ids)?;
         let v = self.config.vocab_size;
         logits
             .reshape((b * t, v))?
@@ -243,7 +239,7 @@ impl Gpt {
                 let start = tokens.len().saturating_sub(self.config.block_size);
                 let ctx_tokens = &tokens[start..];
                 let ids = Tensor::from_slice(ctx_tokens, (1, ctx_tokens.len()), device)?;
-                let logits = self.forward(&ids, &ForwardCtx::default())?;
+                let logits = self.forward(&ids)?;
                 let last = logits
                     .tensor()
                     .narrow(1, ctx_tokens.len() - 1, 1)?
@@ -329,22 +325,5 @@ impl Staged for Gpt {
 
     fn forward_hooks(&self) -> &HookSlot {
         &self.hooks
-    }
-}
-
-impl Module for Gpt {
-    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(String, &Var)) {
-        self.wte.visit_params(&join(prefix, "wte"), f);
-        self.wpe.visit_params(&join(prefix, "wpe"), f);
-        for (i, b) in self.h.iter().enumerate() {
-            b.visit_params(&join(prefix, &format!("h.{i}")), f);
-        }
-        self.ln_f.visit_params(&join(prefix, "ln_f"), f);
-    }
-    fn set_training(&self, training: bool) {
-        self.drop.set_training(training);
-        for b in &self.h {
-            b.set_training(training);
-        }
     }
 }

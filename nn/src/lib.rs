@@ -12,4 +12,11 @@ pub mod state;
 
 pub use gpt::{Gpt, GptConfig};
 pub use hooks::{ForwardHooks, HookSlot, Stage, Staged};
-pub use module::{Init, Module, ParamFactory};
+pub use layers::{
+    Activation, Block, BlockConfig, CausalSelfAttention, Dropout, Embedding, LayerNorm, Linear,
+    LinearConfig, Mlp, Sequential,
+};
+pub use meshgrad_autograd::ForwardCtx;
+/// Derives [`Module`] from a struct's fields (see [`module`] and the `meshgrad-derive` crate).
+pub use meshgrad_derive::Module;
+pub use module::{Forward, Init, Module, ParamBuilder};

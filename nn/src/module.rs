@@ -1,19 +1,104 @@
-//! The `Module` trait: hierarchical parameter names, train/eval mode.
+//! The `Module` trait: a tree of named parameters and submodules, train/eval mode, freezing, and
+//! the [`ParamBuilder`] that creates parameters and initialises them by name.
+//!
+//! Write a model as a struct and derive [`Module`](macro@crate::Module): every parameter and
+//! submodule is named once, by its field name, and the names form dotted paths
+//! (`h.0.attn.c_attn.weight`) that are stable across runs and match checkpoint formats.
+//!
+//! ```
+//! use meshgrad_nn::{Forward, Linear, Module, ParamBuilder};
+//! use meshgrad_autograd::Var;
+//! use meshgrad_tensor::{Device, Result, Tensor};
+//!
+//! #[derive(meshgrad_nn::Module)]
+//! #[module(crate = meshgrad_nn)] // code that uses the `meshgrad` crate leaves this out
+//! struct Mlp {
+//!     up: Linear,
+//!     down: Linear,
+//!     width: usize, // plain data: not visited
+//! }
+//!
+//! impl Forward for Mlp {
+//!     fn forward(&self, x: &Var) -> Result<Var> {
+//!         self.down.forward(&self.up.forward(x)?.relu()?)
+//!     }
+//! }
+//!
+//! let model = ParamBuilder::new(0).build(|p| {
+//!     Ok(Mlp { up: Linear::new(p, 4, 16)?, down: Linear::new(p, 16, 2)?, width: 16 })
+//! })?;
+//! let names: Vec<String> = model.named_parameters().into_iter().map(|(n, _)| n).collect();
+//! assert_eq!(names, ["up.weight", "up.bias", "down.weight", "down.bias"]);
+//! let y = model.forward(&Var::constant(Tensor::zeros((3, 4), meshgrad_tensor::DType::F32, Device::Cpu)?))?;
+//! assert_eq!(y.tensor().dims(), &[3, 2]);
+//! # Ok::<(), meshgrad_tensor::Error>(())
+//! ```
+
+use std::sync::{Arc, Mutex};
 
 use meshgrad_autograd::Var;
 use meshgrad_tensor::alloc::{with_tag, MemoryTag};
 use meshgrad_tensor::{DType, Device, Result, Shape, Tensor};
 
-/// A layer or model: something that owns parameters under stable hierarchical names.
-///
-/// Names are dotted paths (`h.0.attn.c_attn.weight`) built from each container's field names,
-/// so they are stable across runs and match the checkpoint formats.
-pub trait Module {
-    /// Calls `f(name, param)` for every parameter, names prefixed by `prefix` (`""` at the top).
-    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(String, &Var));
+/// One immediate child of a module: a parameter or a submodule.
+#[derive(Clone, Copy)]
+pub enum Child<'a> {
+    /// A parameter.
+    Param(&'a Var),
+    /// A submodule.
+    Module(&'a dyn Module),
+}
 
-    /// Switches dropout (and any other mode-dependent behaviour) between training and eval.
-    fn set_training(&self, _training: bool) {}
+/// A layer or model: a tree of parameters and submodules under stable names.
+///
+/// Implement it with `#[derive(Module)]`, which writes [`Module::visit_children`] from the
+/// fields; everything else is provided. Leaf layers with state beyond parameters (dropout)
+/// override [`Module::set_own_training`] or [`Module::on_init`].
+pub trait Module: AsDynModule + Send + Sync {
+    /// Calls `f(name, child)` for every immediate parameter and submodule, in a fixed order.
+    fn visit_children(&self, f: &mut dyn FnMut(&str, Child<'_>));
+
+    /// A short name of the module's type for messages (the struct name when derived).
+    fn module_type(&self) -> &'static str {
+        "Module"
+    }
+
+    /// Switches this module's own mode-dependent behaviour (dropout); children are switched by
+    /// [`Module::set_training`].
+    fn set_own_training(&self, _training: bool) {}
+
+    /// Called once per module by [`ParamBuilder::init`] with the module's full path and the
+    /// run seed (dropout keys its random stream by them).
+    fn on_init(&self, _path: &str, _seed: u64) {}
+
+    /// Calls `f(name, param)` for every parameter in the tree, names prefixed by `prefix` (`""`
+    /// at the top).
+    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(String, &Var)) {
+        self.visit_children(&mut |name, child| {
+            let path = join(prefix, name);
+            match child {
+                Child::Param(v) => f(path, v),
+                Child::Module(m) => m.visit_params(&path, f),
+            }
+        });
+    }
+
+    /// Calls `f(path, module)` for this module (path `prefix`) and every submodule below it, in
+    /// pre-order.
+    fn visit_modules(&self, prefix: &str, f: &mut dyn FnMut(&str, &dyn Module)) {
+        f(prefix, self.as_dyn_module());
+        self.visit_children(&mut |name, child| {
+            if let Child::Module(m) = child {
+                m.visit_modules(&join(prefix, name), f);
+            }
+        });
+    }
+
+    /// Switches dropout (and any other mode-dependent behaviour) in the whole tree between
+    /// training and eval.
+    fn set_training(&self, training: bool) {
+        self.visit_modules("", &mut |_, m| m.set_own_training(training));
+    }
 
     /// All parameters with their names, in a fixed order (the order of `visit_params`).
     fn named_parameters(&self) -> Vec<(String, Var)> {
@@ -30,6 +115,21 @@ pub trait Module {
             .collect()
     }
 
+    /// The parameters that are not frozen (see [`Module::freeze`]).
+    fn trainable_parameters(&self) -> Vec<(String, Var)> {
+        self.named_parameters()
+            .into_iter()
+            .filter(|(_, v)| v.requires_grad())
+            .collect()
+    }
+
+    /// The paths of every submodule (the root is `""`).
+    fn module_paths(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        self.visit_modules("", &mut |p, _| out.push(p.to_string()));
+        out
+    }
+
     /// Total number of parameter elements.
     fn num_parameters(&self) -> usize {
         self.parameters()
@@ -44,6 +144,72 @@ pub trait Module {
             p.zero_grad();
         }
     }
+
+    /// Freezes the parameters selected by `pattern` (see [`path_matches`]: a parameter name or
+    /// a module path, `*` matching one component, e.g. `h.*.attn` or `wte.weight`): they get no
+    /// gradient and the optimizers skip them. Returns how many were frozen; an error naming the
+    /// module's top-level children if the pattern selects nothing.
+    fn freeze(&self, pattern: &str) -> Result<usize> {
+        set_frozen(self, pattern, true)
+    }
+
+    /// Undoes [`Module::freeze`] for the parameters selected by `pattern`.
+    fn unfreeze(&self, pattern: &str) -> Result<usize> {
+        set_frozen(self, pattern, false)
+    }
+}
+
+fn set_frozen<M: Module + ?Sized>(m: &M, pattern: &str, frozen: bool) -> Result<usize> {
+    let mut n = 0;
+    let mut err = None;
+    m.visit_params("", &mut |name, v| {
+        if err.is_none() && path_selects(pattern, &name) {
+            match v.set_requires_grad(!frozen) {
+                Ok(()) => n += 1,
+                Err(e) => err = Some(e),
+            }
+        }
+    });
+    if let Some(e) = err {
+        return Err(e);
+    }
+    if n == 0 {
+        meshgrad_tensor::bail!(
+            "{}: pattern `{pattern}` selects no parameter of this {} (its children: {})",
+            if frozen { "freeze" } else { "unfreeze" },
+            m.module_type(),
+            child_names(m).join(", ")
+        );
+    }
+    Ok(n)
+}
+
+/// The names of a module's immediate children (for error messages).
+pub fn child_names<M: Module + ?Sized>(m: &M) -> Vec<String> {
+    let mut out = Vec::new();
+    m.visit_children(&mut |n, _| out.push(n.to_string()));
+    out
+}
+
+/// Whether the dotted path `pattern` matches `path` component by component, `*` matching any
+/// one component (`h.*` matches `h.3` but not `h.3.attn` or `h`).
+pub fn path_matches(pattern: &str, path: &str) -> bool {
+    let (mut p, mut q) = (pattern.split('.'), path.split('.'));
+    loop {
+        match (p.next(), q.next()) {
+            (None, None) => return true,
+            (Some(a), Some(b)) if a == "*" || a == b => {}
+            _ => return false,
+        }
+    }
+}
+
+/// Whether `pattern` selects parameter `name`: the pattern matches the name itself or one of its
+/// ancestors (`h.*` selects `h.3.attn.c_attn.weight`).
+pub fn path_selects(pattern: &str, name: &str) -> bool {
+    let parts: Vec<&str> = name.split('.').collect();
+    let n = pattern.split('.').count();
+    n <= parts.len() && path_matches(pattern, &parts[..n].join("."))
 }
 
 /// Joins a prefix and a name with a dot (`"" + "w"` is `"w"`).
@@ -79,39 +245,326 @@ pub enum Init {
     Uniform(f64),
 }
 
-/// Where and how parameters are created.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct ParamFactory {
-    /// Run seed; each parameter's stream is `name_seed(seed, full_name)`.
-    pub seed: u64,
-    /// Parameter dtype.
-    pub dtype: DType,
-    /// Parameter device.
-    pub device: Device,
-}
-
-impl Default for ParamFactory {
-    fn default() -> Self {
-        ParamFactory {
-            seed: 0,
-            dtype: DType::F32,
-            device: Device::Cpu,
-        }
-    }
-}
-
-impl ParamFactory {
-    /// Creates the parameter `name` (the full dotted name) of `shape`, counted as parameter memory.
-    pub fn param(&self, name: &str, shape: impl Into<Shape>, init: Init) -> Result<Var> {
-        let shape = shape.into();
-        let (dtype, device) = (self.dtype, self.device);
-        let s = name_seed(self.seed, name);
-        let t = with_tag(MemoryTag::Params, || match init {
+impl Init {
+    /// The values of parameter `name` of `shape` for run seed `seed`.
+    fn values(
+        self,
+        seed: u64,
+        name: &str,
+        shape: Shape,
+        dtype: DType,
+        device: Device,
+    ) -> Result<Tensor> {
+        let s = name_seed(seed, name);
+        match self {
             Init::Zeros => Tensor::zeros(shape, dtype, device),
             Init::Ones => Tensor::ones(shape, dtype, device),
             Init::Normal(std) => Tensor::randn(s, 0, 0.0, std, shape, dtype, device),
             Init::Uniform(a) => Tensor::rand_uniform(s, 0, -a, a, shape, dtype, device),
+        }
+    }
+}
+
+/// Creates a model's parameters and initialises each one by its full name.
+///
+/// Layers take `&ParamBuilder` and create their parameters with [`ParamBuilder::param`],
+/// giving only a shape and an [`Init`]; names come later from the model tree. [`ParamBuilder::init`]
+/// (or [`ParamBuilder::build`], which calls it) then walks the finished model, fills every
+/// parameter from the stream `(seed, full name)` — so a parameter's initial values depend only on
+/// the run seed and its name, never on creation order or on how it is sharded — calls
+/// [`Module::on_init`] on every module, and checks that every parameter it created is reachable
+/// from the model (a field whose type does not derive `Module` would otherwise be silently left
+/// out of training).
+pub struct ParamBuilder {
+    seed: u64,
+    dtype: DType,
+    device: Device,
+    created: Mutex<Vec<(Var, Init)>>,
+    initialised: std::sync::atomic::AtomicBool,
+}
+
+impl std::fmt::Debug for ParamBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "ParamBuilder(seed={}, {}, {:?}, {} params)",
+            self.seed,
+            self.dtype,
+            self.device,
+            self.created().len()
+        )
+    }
+}
+
+impl ParamBuilder {
+    /// A builder for f32 parameters on the CPU with run seed `seed`.
+    pub fn new(seed: u64) -> Self {
+        ParamBuilder {
+            seed,
+            dtype: DType::F32,
+            device: Device::Cpu,
+            created: Mutex::new(Vec::new()),
+            initialised: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// Sets the parameter dtype.
+    pub fn dtype(mut self, dtype: DType) -> Self {
+        self.dtype = dtype;
+        self
+    }
+
+    /// Sets the parameter device.
+    pub fn device(mut self, device: Device) -> Self {
+        self.device = device;
+        self
+    }
+
+    /// The run seed.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// The parameter dtype.
+    pub fn param_dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The parameter device.
+    pub fn param_device(&self) -> Device {
+        self.device
+    }
+
+    fn created(&self) -> std::sync::MutexGuard<'_, Vec<(Var, Init)>> {
+        self.created.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A new parameter of `shape`, filled by `init` when [`ParamBuilder::init`] names it. Counted
+    /// as parameter memory.
+    pub fn param(&self, shape: impl Into<Shape>, init: Init) -> Result<Var> {
+        let shape = shape.into();
+        let t = with_tag(MemoryTag::Params, || {
+            Tensor::zeros(shape, self.dtype, self.device)
         })?;
-        Ok(Var::leaf(t))
+        let v = Var::leaf(t);
+        self.created().push((v.clone(), init));
+        Ok(v)
+    }
+
+    /// Builds a model with `f` and initialises it ([`ParamBuilder::init`]).
+    pub fn build<M: Module>(self, f: impl FnOnce(&ParamBuilder) -> Result<M>) -> Result<M> {
+        let m = f(&self)?;
+        self.init(&m)?;
+        Ok(m)
+    }
+
+    /// Fills every parameter this builder created from `(seed, full name)` by its [`Init`], calls
+    /// [`Module::on_init`] on every module of `model`, and checks that every created parameter
+    /// is reachable from `model` exactly once under one name.
+    pub fn init<M: Module + ?Sized>(&self, model: &M) -> Result<()> {
+        self.initialised
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        let created = std::mem::take(&mut *self.created());
+        let mut index: std::collections::HashMap<meshgrad_autograd::VarId, usize> = created
+            .iter()
+            .enumerate()
+            .map(|(i, (v, _))| (v.id(), i))
+            .collect();
+        let mut named: Vec<(String, Var, Init)> = Vec::with_capacity(created.len());
+        for (name, v) in model.named_parameters() {
+            if let Some(i) = index.remove(&v.id()) {
+                named.push((name, v, created[i].1));
+            }
+        }
+        if !index.is_empty() {
+            let mut lost: Vec<usize> = index.into_values().collect();
+            lost.sort_unstable();
+            let shapes: Vec<String> = lost
+                .iter()
+                .map(|&i| created[i].0.tensor().shape().to_string())
+                .collect();
+            meshgrad_tensor::bail!(
+                "ParamBuilder::init: {} parameter(s) created for this {} are not reachable \
+                 through its fields (shapes {}): a field holding them is skipped; does its type \
+                 derive Module (or is it marked #[module(skip)])?",
+                lost.len(),
+                model.module_type(),
+                shapes.join(", ")
+            );
+        }
+        with_tag(MemoryTag::Params, || -> Result<()> {
+            for (name, v, init) in &named {
+                if matches!(init, Init::Zeros) {
+                    continue;
+                }
+                let t = v.tensor();
+                let vals =
+                    init.values(self.seed, name, t.shape().clone(), t.dtype(), t.device())?;
+                t.copy_from(&vals)?;
+            }
+            Ok(())
+        })?;
+        let seed = self.seed;
+        model.visit_modules("", &mut |path, m| m.on_init(path, seed));
+        Ok(())
+    }
+}
+
+impl Drop for ParamBuilder {
+    fn drop(&mut self) {
+        let n = self.created().len();
+        if n > 0 && !self.initialised.load(std::sync::atomic::Ordering::Relaxed) {
+            eprintln!(
+                "meshgrad: warning: {n} parameter(s) were created by a ParamBuilder that was \
+                 dropped without init(&model); they hold zeros (use ParamBuilder::build or init)"
+            );
+        }
+    }
+}
+
+/// A module with a forward pass from one variable to one variable: what [`crate::Sequential`]
+/// chains and what generic wrappers call. Models with several inputs (token ids, masks) add
+/// their own methods.
+pub trait Forward: Module {
+    /// Applies the module to `x`.
+    fn forward(&self, x: &Var) -> Result<Var>;
+}
+
+impl<M: Module + ?Sized> Module for Box<M> {
+    fn visit_children(&self, f: &mut dyn FnMut(&str, Child<'_>)) {
+        (**self).visit_children(f)
+    }
+    fn module_type(&self) -> &'static str {
+        (**self).module_type()
+    }
+    fn set_own_training(&self, training: bool) {
+        (**self).set_own_training(training)
+    }
+    fn on_init(&self, path: &str, seed: u64) {
+        (**self).on_init(path, seed)
+    }
+}
+
+impl<M: Module + ?Sized> Module for Arc<M> {
+    fn visit_children(&self, f: &mut dyn FnMut(&str, Child<'_>)) {
+        (**self).visit_children(f)
+    }
+    fn module_type(&self) -> &'static str {
+        (**self).module_type()
+    }
+    fn set_own_training(&self, training: bool) {
+        (**self).set_own_training(training)
+    }
+    fn on_init(&self, path: &str, seed: u64) {
+        (**self).on_init(path, seed)
+    }
+}
+
+impl<M: Forward + ?Sized> Forward for Box<M> {
+    fn forward(&self, x: &Var) -> Result<Var> {
+        (**self).forward(x)
+    }
+}
+
+impl<M: Forward + ?Sized> Forward for Arc<M> {
+    fn forward(&self, x: &Var) -> Result<Var> {
+        (**self).forward(x)
+    }
+}
+
+/// What a struct field can contribute to its module's children (used by the derive).
+pub trait ModuleField {
+    /// Visits the field's parameters and submodules under `name`.
+    fn visit_field(&self, name: &str, f: &mut dyn FnMut(&str, Child<'_>));
+}
+
+impl ModuleField for Var {
+    fn visit_field(&self, name: &str, f: &mut dyn FnMut(&str, Child<'_>)) {
+        f(name, Child::Param(self))
+    }
+}
+
+impl<M: Module> ModuleField for M {
+    fn visit_field(&self, name: &str, f: &mut dyn FnMut(&str, Child<'_>)) {
+        f(name, Child::Module(self))
+    }
+}
+
+/// Views a module as `&dyn Module` (implemented for every sized module; lets provided methods
+/// of [`Module`] hand `self` out as a trait object).
+pub trait AsDynModule {
+    /// `self` as a trait object.
+    fn as_dyn_module(&self) -> &dyn Module;
+}
+
+impl<M: Module> AsDynModule for M {
+    fn as_dyn_module(&self) -> &dyn Module {
+        self
+    }
+}
+
+impl<T: ModuleField> ModuleField for Option<T> {
+    fn visit_field(&self, name: &str, f: &mut dyn FnMut(&str, Child<'_>)) {
+        if let Some(x) = self {
+            x.visit_field(name, f)
+        }
+    }
+}
+
+impl<T: ModuleField> ModuleField for Vec<T> {
+    fn visit_field(&self, name: &str, f: &mut dyn FnMut(&str, Child<'_>)) {
+        for (i, x) in self.iter().enumerate() {
+            x.visit_field(&format!("{name}.{i}"), f)
+        }
+    }
+}
+
+/// Support code for `#[derive(Module)]`: picks [`ModuleField`] for fields that implement it and
+/// ignores every other field (plain data), by method-resolution order. Not part of the API.
+#[doc(hidden)]
+pub mod __derive {
+    use super::{Child, ModuleField};
+
+    /// Wraps a field reference.
+    pub struct Wrap<'a, T: ?Sized>(pub &'a T);
+
+    /// Chosen for fields that are parameters or modules.
+    pub trait ViaField {
+        /// Visits the field.
+        fn __visit_field(&self, name: &str, f: &mut dyn FnMut(&str, Child<'_>));
+    }
+
+    impl<T: ModuleField + ?Sized> ViaField for &Wrap<'_, T> {
+        fn __visit_field(&self, name: &str, f: &mut dyn FnMut(&str, Child<'_>)) {
+            self.0.visit_field(name, f)
+        }
+    }
+
+    /// Chosen for every other field: nothing to visit.
+    pub trait ViaNothing {
+        /// Does nothing.
+        fn __visit_field(&self, name: &str, f: &mut dyn FnMut(&str, Child<'_>));
+    }
+
+    impl<T: ?Sized> ViaNothing for Wrap<'_, T> {
+        fn __visit_field(&self, _name: &str, _f: &mut dyn FnMut(&str, Child<'_>)) {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn patterns_match_whole_components() {
+        assert!(path_matches("h.*", "h.3"));
+        assert!(!path_matches("h.*", "h.3.attn"));
+        assert!(!path_matches("h.*", "h"));
+        assert!(path_matches("wte", "wte"));
+        assert!(path_selects("h.*", "h.3.attn.c_attn.weight"));
+        assert!(path_selects("h.1", "h.1.ln_1.weight"));
+        assert!(!path_selects("h.1", "h.10.ln_1.weight"));
+        assert!(path_selects("wte.weight", "wte.weight"));
+        assert!(!path_selects("wte.weight.x", "wte.weight"));
     }
 }

@@ -2,8 +2,8 @@
 //! equivalence, dropout modes, generation determinism, input errors.
 
 use meshgrad_autograd::Var;
-use meshgrad_nn::layers::ForwardCtx;
 use meshgrad_nn::optim::{AdamW, AdamWConfig, Optimizer, ParamGroup};
+use meshgrad_nn::ForwardCtx;
 use meshgrad_nn::{Gpt, GptConfig, Module};
 use meshgrad_tensor::{DType, Device, Tensor};
 
@@ -95,9 +95,9 @@ fn tiny_gpt_overfits_one_batch() {
         lr_scale: 1.0,
     };
     let mut opt = AdamW::new(vec![group], AdamWConfig::default()).unwrap();
-    let ctx = ForwardCtx::default();
-    let first = m
-        .loss(&ids, &tg, &ctx, None)
+    let ctx = ForwardCtx::new(0, 0);
+    let first = ctx
+        .scope(|| m.loss(&ids, &tg, None))
         .unwrap()
         .tensor()
         .item()
@@ -108,7 +108,7 @@ fn tiny_gpt_overfits_one_batch() {
     );
     let mut last = first;
     for _ in 0..300 {
-        let loss = m.loss(&ids, &tg, &ctx, None).unwrap();
+        let loss = ctx.scope(|| m.loss(&ids, &tg, None)).unwrap();
         opt.zero_grad();
         loss.backward().unwrap();
         opt.step(3e-3).unwrap();
@@ -135,17 +135,14 @@ fn grads(m: &Gpt) -> Vec<Vec<f32>> {
 #[test]
 fn activation_checkpointing_gives_identical_gradients() {
     let (ids, tg) = batch(2, 12, 32, 4);
-    let ctx = ForwardCtx {
-        step: 3,
-        first_row: 0,
-    };
+    let ctx = ForwardCtx::new(3, 0);
     let mut m = Gpt::new(tiny(0.1), 7, DType::F32, Device::Cpu).unwrap();
-    let l1 = m.loss(&ids, &tg, &ctx, None).unwrap();
+    let l1 = ctx.scope(|| m.loss(&ids, &tg, None)).unwrap();
     l1.backward().unwrap();
     let g1 = grads(&m);
     m.zero_grad();
     m.activation_checkpointing = true;
-    let l2 = m.loss(&ids, &tg, &ctx, None).unwrap();
+    let l2 = ctx.scope(|| m.loss(&ids, &tg, None)).unwrap();
     l2.backward().unwrap();
     let g2 = grads(&m);
     assert_eq!(l1.tensor().item().unwrap(), l2.tensor().item().unwrap());
@@ -159,55 +156,36 @@ fn activation_checkpointing_gives_identical_gradients() {
 fn dropout_applies_in_training_only() {
     let (ids, tg) = batch(2, 8, 32, 1);
     let m = Gpt::new(tiny(0.5), 2, DType::F32, Device::Cpu).unwrap();
-    let ctx = ForwardCtx {
-        step: 0,
-        first_row: 0,
-    };
-    let train_a = m
-        .loss(&ids, &tg, &ctx, None)
+    let ctx = ForwardCtx::new(0, 0);
+    let train_a = ctx
+        .scope(|| m.loss(&ids, &tg, None))
         .unwrap()
         .tensor()
         .item()
         .unwrap();
-    let train_b = m
-        .loss(
-            &ids,
-            &tg,
-            &ForwardCtx {
-                step: 1,
-                first_row: 0,
-            },
-            None,
-        )
+    let train_b = ForwardCtx::new(1, 0)
+        .scope(|| m.loss(&ids, &tg, None))
         .unwrap()
         .tensor()
         .item()
         .unwrap();
     assert_ne!(train_a, train_b, "different steps draw different masks");
-    let again = m
-        .loss(&ids, &tg, &ctx, None)
+    let again = ctx
+        .scope(|| m.loss(&ids, &tg, None))
         .unwrap()
         .tensor()
         .item()
         .unwrap();
     assert_eq!(train_a, again, "the same step reproduces its masks");
     m.set_training(false);
-    let e1 = m
-        .loss(&ids, &tg, &ctx, None)
+    let e1 = ctx
+        .scope(|| m.loss(&ids, &tg, None))
         .unwrap()
         .tensor()
         .item()
         .unwrap();
-    let e2 = m
-        .loss(
-            &ids,
-            &tg,
-            &ForwardCtx {
-                step: 1,
-                first_row: 0,
-            },
-            None,
-        )
+    let e2 = ForwardCtx::new(1, 0)
+        .scope(|| m.loss(&ids, &tg, None))
         .unwrap()
         .tensor()
         .item()
@@ -230,7 +208,7 @@ fn greedy_generation_is_deterministic_and_validates_input() {
     // Greedy picks the argmax of the model's own last-position logits.
     let ids = Tensor::from_vec(vec![1u32, 2, 3], (1, 3), Device::Cpu).unwrap();
     let logits = m
-        .forward(&ids, &ForwardCtx::default())
+        .forward(&ids)
         .unwrap()
         .tensor()
         .narrow(1, 2, 1)
@@ -245,18 +223,12 @@ fn greedy_generation_is_deterministic_and_validates_input() {
 fn bad_inputs_are_errors() {
     let m = Gpt::new(tiny(0.0), 2, DType::F32, Device::Cpu).unwrap();
     let too_long = Tensor::zeros((1, 17), DType::U32, Device::Cpu).unwrap();
-    let e = m
-        .forward(&too_long, &ForwardCtx::default())
-        .unwrap_err()
-        .to_string();
+    let e = m.forward(&too_long).unwrap_err().to_string();
     assert!(e.contains("17") && e.contains("16"), "{e}");
     let float_ids = Tensor::zeros((1, 4), DType::F32, Device::Cpu).unwrap();
-    assert!(m.forward(&float_ids, &ForwardCtx::default()).is_err());
+    assert!(m.forward(&float_ids).is_err());
     let bad_id = Tensor::from_vec(vec![0u32, 99], (1, 2), Device::Cpu).unwrap();
-    let e = m
-        .forward(&bad_id, &ForwardCtx::default())
-        .unwrap_err()
-        .to_string();
+    let e = m.forward(&bad_id).unwrap_err().to_string();
     assert!(e.contains("99"), "{e}");
     let bad_cfg = GptConfig {
         n_head: 3,

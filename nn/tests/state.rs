@@ -4,7 +4,6 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
-use meshgrad_nn::layers::ForwardCtx;
 use meshgrad_nn::state::{
     gpt_config_from_hf_json, load_gpt2, load_gpt2_into, load_safetensors,
     load_safetensors_with_metadata, load_state_dict, save_gpt2, save_safetensors, state_dict,
@@ -287,7 +286,7 @@ fn ids() -> Tensor {
 
 fn logits(model: &Gpt) -> Vec<f32> {
     model.set_training(false);
-    let l = meshgrad_autograd::no_grad(|| model.forward(&ids(), &ForwardCtx::default())).unwrap();
+    let l = meshgrad_autograd::no_grad(|| model.forward(&ids())).unwrap();
     assert_eq!(l.tensor().dims(), &[2, 5, model.config.vocab_size]);
     l.tensor().to_vec_f32().unwrap()
 }
@@ -713,7 +712,7 @@ fn hf_gpt2_checkpoint_loads_and_matches_reference() {
 
     // Other dtypes: f64 parameters from the f32 file match the reference more closely.
     let model64 = load_gpt2(&plain, DType::F64, Device::Cpu).unwrap();
-    let l64 = meshgrad_autograd::no_grad(|| model64.forward(&ids(), &ForwardCtx::default()))
+    let l64 = meshgrad_autograd::no_grad(|| model64.forward(&ids()))
         .unwrap()
         .tensor()
         .to_vec_f64()

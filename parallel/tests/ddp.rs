@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 
 use meshgrad_autograd::Var;
 use meshgrad_nn::data::TokenDataset;
-use meshgrad_nn::layers::ForwardCtx;
 use meshgrad_nn::optim::{clip_grad_norm, param_groups_for_decay, AdamW, AdamWConfig, Optimizer};
+use meshgrad_nn::ForwardCtx;
 use meshgrad_nn::{Gpt, GptConfig, Module};
 use meshgrad_parallel::comm::{all_reduce_scalar, run_ranks, run_ranks_each, RunOptions};
 use meshgrad_parallel::{micro_rows, rank_rows, Ddp, DdpConfig, ReduceOp};
@@ -110,7 +110,7 @@ fn forward_backward(
             step: step as u64,
             first_row: r.start,
         };
-        let loss = model.loss(&ids, &targets, &ctx, None)?;
+        let loss = ctx.scope(|| model.loss(&ids, &targets, None))?;
         loss_sum += loss.tensor().item()?;
         let loss = if microbatches > 1 {
             loss.mul_scalar(1.0 / microbatches as f64)?

@@ -18,9 +18,9 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use meshgrad_nn::data::TokenDataset;
-use meshgrad_nn::layers::ForwardCtx;
 use meshgrad_nn::optim::{clip_grad_norm, param_groups_for_decay, AdamW, AdamWConfig, Optimizer};
 use meshgrad_nn::state::{load_state_dict, state_dict};
+use meshgrad_nn::ForwardCtx;
 use meshgrad_nn::{Gpt, GptConfig, Module};
 use meshgrad_parallel::comm::{all_reduce_scalar, run_ranks, RunOptions};
 use meshgrad_parallel::zero::{
@@ -119,7 +119,7 @@ fn single_device(checkpointing: bool, microbatches: usize) -> RunOut {
         let mut loss_sum = 0.0;
         for rows in micro_rows(0..BATCH as u64, microbatches).unwrap() {
             let (ids, targets, ctx) = batch(step, rows).unwrap();
-            let loss = model.loss(&ids, &targets, &ctx, None).unwrap();
+            let loss = ctx.scope(|| model.loss(&ids, &targets, None)).unwrap();
             loss_sum += loss.tensor().item().unwrap();
             let loss = if microbatches > 1 {
                 loss.mul_scalar(1.0 / microbatches as f64).unwrap()
@@ -216,7 +216,7 @@ fn train_step(
     let mut local = 0.0;
     for (m, r) in micro.iter().enumerate() {
         let (ids, targets, fctx) = batch(step, r.clone())?;
-        let loss = model.loss(&ids, &targets, &fctx, None)?;
+        let loss = fctx.scope(|| model.loss(&ids, &targets, None))?;
         local += loss.tensor().item()?;
         let loss = if l.microbatches > 1 {
             loss.mul_scalar(1.0 / l.microbatches as f64)?
@@ -397,7 +397,8 @@ fn reductions_are_launched_during_backward() {
             sdp.zero_grad();
             sdp.set_sync(false);
             let (ids, targets, fctx) = batch(1, rank_rows(BATCH, 2, ctx.rank)?)?;
-            model.loss(&ids, &targets, &fctx, None)?.backward()?;
+            fctx.scope(|| model.loss(&ids, &targets, None))?
+                .backward()?;
             sdp.set_sync(true);
             sdp.finish()?;
             assert_eq!(sdp.last_reduction_launches(), (0, 3), "{l:?}");
@@ -510,7 +511,7 @@ fn bf16_parameters_with_f32_master_weights_train() {
 /// Logits of a fixed batch, as f32.
 fn logits(model: &Gpt) -> Result<Vec<f32>> {
     let (ids, _, ctx) = batch(99, 0..4)?;
-    meshgrad_autograd::no_grad(|| model.forward(&ids, &ctx))?
+    meshgrad_autograd::no_grad(|| ctx.scope(|| model.forward(&ids)))?
         .tensor()
         .to_vec_f32()
 }
@@ -560,8 +561,7 @@ fn full_state_dict_moves_between_layouts() {
     assert_eq!(single_logits, z3_logits, "single device vs ZeRO-3 logits");
     // One more step on the single device.
     let (ids, targets, ctx) = batch(2, 0..BATCH as u64).unwrap();
-    single
-        .loss(&ids, &targets, &ctx, None)
+    ctx.scope(|| single.loss(&ids, &targets, None))
         .unwrap()
         .backward()
         .unwrap();

@@ -1,30 +1,30 @@
-//! Causal multi-head self-attention (GPT-2 layout: one fused qkv projection).
+//! Causal multi-head self-attention (GPT-2 style, fused qkv projection).
 
 use meshgrad_autograd::Var;
 use meshgrad_tensor::Result;
 
-use super::{Dropout, ForwardCtx, Linear};
-use crate::module::{join, Module, ParamFactory};
+use super::{Dropout, Linear, LinearConfig};
+use crate::module::{Forward, ParamBuilder};
 
-/// Causal multi-head self-attention with a fused `c_attn` (qkv) projection and an output
-/// projection `c_proj`; attention itself is the fused flash-style kernel.
+/// `c_proj(attention(split_heads(c_attn(x))))` with a causal mask, then residual dropout.
+/// `c_attn` maps `C -> 3C` (`[q | k | v]`, heads contiguous within each).
+#[derive(crate::Module)]
+#[module(crate = crate)]
 pub struct CausalSelfAttention {
-    /// `[3C, C]` qkv projection.
+    /// Fused q/k/v projection `[3C, C]`.
     pub c_attn: Linear,
-    /// `[C, C]` output projection.
+    /// Output projection `[C, C]`.
     pub c_proj: Linear,
-    /// Residual dropout.
+    /// Dropout after the output projection.
     pub resid_dropout: Dropout,
     /// Number of heads.
     pub n_head: usize,
 }
 
 impl CausalSelfAttention {
-    /// A new attention layer named `name`; `proj_std` initialises `c_proj` (GPT-2 scales it by
-    /// `1/sqrt(2 n_layer)`).
+    /// Width `n_embd` split into `n_head` heads; `proj_std` is the output projection's init std.
     pub fn new(
-        f: &ParamFactory,
-        name: &str,
+        p: &ParamBuilder,
         n_embd: usize,
         n_head: usize,
         bias: bool,
@@ -37,37 +37,31 @@ impl CausalSelfAttention {
             );
         }
         Ok(CausalSelfAttention {
-            c_attn: Linear::new(f, &join(name, "c_attn"), n_embd, 3 * n_embd, bias, 0.02)?,
-            c_proj: Linear::new(f, &join(name, "c_proj"), n_embd, n_embd, bias, proj_std)?,
-            resid_dropout: Dropout::new(f.seed, &join(name, "resid_dropout"), dropout),
+            c_attn: LinearConfig::new(n_embd, 3 * n_embd).bias(bias).build(p)?,
+            c_proj: LinearConfig::new(n_embd, n_embd)
+                .bias(bias)
+                .std(proj_std)
+                .build(p)?,
+            resid_dropout: Dropout::new(dropout)?,
             n_head,
         })
     }
+}
 
+impl Forward for CausalSelfAttention {
     /// `x [B, T, C]` -> `[B, T, C]`.
-    pub fn forward(&self, x: &Var, ctx: &ForwardCtx) -> Result<Var> {
+    fn forward(&self, x: &Var) -> Result<Var> {
         let dims = x.tensor().dims().to_vec();
         if dims.len() != 3 {
             meshgrad_tensor::bail!(
-                "attention: expected input [B, T, C], got {}",
+                "attention {}: expected input [B, T, C], got {}",
+                self.c_attn.path().trim_end_matches(".c_attn"),
                 x.tensor().shape()
             );
         }
         let (h, d) = (self.n_head, dims[2] / self.n_head);
         let qkv = self.c_attn.forward(x)?;
-        // q, k and v are read straight out of the fused projection and the heads come back side
-        // by side as [B, T, C]: no split, transpose or copy.
         let y = Var::attention_qkv(&qkv, h, true, 1.0 / (d as f64).sqrt())?;
-        self.resid_dropout.forward(&self.c_proj.forward(&y)?, ctx)
-    }
-}
-
-impl Module for CausalSelfAttention {
-    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(String, &Var)) {
-        self.c_attn.visit_params(&join(prefix, "c_attn"), f);
-        self.c_proj.visit_params(&join(prefix, "c_proj"), f);
-    }
-    fn set_training(&self, training: bool) {
-        self.resid_dropout.set_training(training);
+        self.resid_dropout.forward(&self.c_proj.forward(&y)?)
     }
 }

@@ -3,41 +3,38 @@
 use meshgrad_autograd::Var;
 use meshgrad_tensor::Result;
 
-use crate::module::{join, Init, Module, ParamFactory};
+use crate::module::{Forward, Init, ParamBuilder};
 
-/// Layer norm over the last dim with learned weight (init 1) and optional bias (init 0).
+/// Layer norm over the last dim with a learned scale and (optionally) shift.
+#[derive(crate::Module)]
+#[module(crate = crate)]
 pub struct LayerNorm {
-    /// `[dim]`
+    /// Scale `[dim]` (initialised to ones).
     pub weight: Var,
-    /// `[dim]`, if present.
+    /// Shift `[dim]` (zeros), if present.
     pub bias: Option<Var>,
-    /// Variance epsilon.
+    /// Added to the variance.
     pub eps: f64,
 }
 
 impl LayerNorm {
-    /// A new layer norm named `name`.
-    pub fn new(f: &ParamFactory, name: &str, dim: usize, bias: bool, eps: f64) -> Result<Self> {
-        let weight = f.param(&join(name, "weight"), dim, Init::Ones)?;
+    /// A norm over `dim` features, with a bias when `bias`. `eps` must be positive and finite.
+    pub fn new(p: &ParamBuilder, dim: usize, bias: bool, eps: f64) -> Result<Self> {
+        if !(eps.is_finite() && eps > 0.0) {
+            meshgrad_tensor::bail!("layer norm: eps must be positive and finite, got {eps}");
+        }
+        let weight = p.param(dim, Init::Ones)?;
         let bias = if bias {
-            Some(f.param(&join(name, "bias"), dim, Init::Zeros)?)
+            Some(p.param(dim, Init::Zeros)?)
         } else {
             None
         };
         Ok(LayerNorm { weight, bias, eps })
     }
-
-    /// Normalises `x [..., dim]` (fused kernel).
-    pub fn forward(&self, x: &Var) -> Result<Var> {
-        x.layer_norm(Some(&self.weight), self.bias.as_ref(), self.eps)
-    }
 }
 
-impl Module for LayerNorm {
-    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(String, &Var)) {
-        f(join(prefix, "weight"), &self.weight);
-        if let Some(b) = &self.bias {
-            f(join(prefix, "bias"), b);
-        }
+impl Forward for LayerNorm {
+    fn forward(&self, x: &Var) -> Result<Var> {
+        x.layer_norm(Some(&self.weight), self.bias.as_ref(), self.eps)
     }
 }

@@ -1,9 +1,11 @@
 //! Fully connected layer.
 
+use std::sync::OnceLock;
+
 use meshgrad_autograd::Var;
 use meshgrad_tensor::Result;
 
-use crate::module::{join, Init, Module, ParamFactory};
+use crate::module::{Child, Forward, Init, Module, ParamBuilder};
 
 /// `y = x Wᵀ + b` with `W` stored `[out, in]` (the PyTorch `nn.Linear` convention; the
 /// transposed read is a strided view, never a copy).
@@ -12,37 +14,94 @@ pub struct Linear {
     pub weight: Var,
     /// `[out_features]`, if present.
     pub bias: Option<Var>,
+    path: OnceLock<String>,
 }
 
-impl Linear {
-    /// A new layer named `name` with weights ~ N(0, std) and zero bias.
-    pub fn new(
-        f: &ParamFactory,
-        name: &str,
-        in_features: usize,
-        out_features: usize,
-        bias: bool,
-        std: f64,
-    ) -> Result<Self> {
-        let weight = f.param(
-            &join(name, "weight"),
-            (out_features, in_features),
-            Init::Normal(std),
+/// Options of a [`Linear`] layer: sizes, bias, and the weight's initial standard deviation.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LinearConfig {
+    /// Input width.
+    pub in_features: usize,
+    /// Output width.
+    pub out_features: usize,
+    /// Whether the layer has a bias (zero-initialised). Default true.
+    pub bias: bool,
+    /// The weight is drawn from N(0, std). Default 0.02 (GPT-2).
+    pub std: f64,
+}
+
+impl LinearConfig {
+    /// `in_features -> out_features` with a bias and N(0, 0.02) weights.
+    pub fn new(in_features: usize, out_features: usize) -> Self {
+        LinearConfig {
+            in_features,
+            out_features,
+            bias: true,
+            std: 0.02,
+        }
+    }
+
+    /// With or without a bias.
+    pub fn bias(mut self, bias: bool) -> Self {
+        self.bias = bias;
+        self
+    }
+
+    /// The weight's initial standard deviation.
+    pub fn std(mut self, std: f64) -> Self {
+        self.std = std;
+        self
+    }
+
+    /// Creates the layer's parameters through `p`.
+    pub fn build(self, p: &ParamBuilder) -> Result<Linear> {
+        let weight = p.param(
+            (self.out_features, self.in_features),
+            Init::Normal(self.std),
         )?;
-        let bias = if bias {
-            Some(f.param(&join(name, "bias"), out_features, Init::Zeros)?)
+        let bias = if self.bias {
+            Some(p.param(self.out_features, Init::Zeros)?)
         } else {
             None
         };
-        Ok(Linear { weight, bias })
+        Ok(Linear {
+            weight,
+            bias,
+            path: OnceLock::new(),
+        })
+    }
+}
+
+impl Linear {
+    /// `in_features -> out_features` with a bias and N(0, 0.02) weights (see [`LinearConfig`]
+    /// for the other options).
+    pub fn new(p: &ParamBuilder, in_features: usize, out_features: usize) -> Result<Self> {
+        LinearConfig::new(in_features, out_features).build(p)
     }
 
+    /// A layer over existing parameters (`weight [out, in]`, `bias [out]`).
+    pub fn from_params(weight: Var, bias: Option<Var>) -> Self {
+        Linear {
+            weight,
+            bias,
+            path: OnceLock::new(),
+        }
+    }
+
+    /// The layer's path in its model (empty before [`ParamBuilder::init`]).
+    pub fn path(&self) -> &str {
+        self.path.get().map(String::as_str).unwrap_or("")
+    }
+}
+
+impl Forward for Linear {
     /// Applies the layer to `x [..., in]`.
-    pub fn forward(&self, x: &Var) -> Result<Var> {
+    fn forward(&self, x: &Var) -> Result<Var> {
         let in_features = self.weight.tensor().dims()[1];
         if x.tensor().dims().last() != Some(&in_features) {
             meshgrad_tensor::bail!(
-                "linear: input of shape {} does not end in in_features {in_features} (weight {})",
+                "linear {}: input of shape {} does not end in in_features {in_features} (weight {})",
+                self.path(),
                 x.tensor().shape(),
                 self.weight.tensor().shape()
             );
@@ -53,10 +112,16 @@ impl Linear {
 }
 
 impl Module for Linear {
-    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(String, &Var)) {
-        f(join(prefix, "weight"), &self.weight);
+    fn visit_children(&self, f: &mut dyn FnMut(&str, Child<'_>)) {
+        f("weight", Child::Param(&self.weight));
         if let Some(b) = &self.bias {
-            f(join(prefix, "bias"), b);
+            f("bias", Child::Param(b));
         }
+    }
+    fn module_type(&self) -> &'static str {
+        "Linear"
+    }
+    fn on_init(&self, path: &str, _seed: u64) {
+        let _ = self.path.set(path.to_string());
     }
 }

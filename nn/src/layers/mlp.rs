@@ -1,54 +1,49 @@
-//! The transformer MLP: Linear(C, 4C), GELU (tanh form), Linear(4C, C), dropout.
+//! The GPT-2 feed-forward block.
 
 use meshgrad_autograd::Var;
 use meshgrad_tensor::{GeluKind, Result};
 
-use super::{Dropout, ForwardCtx, Linear};
-use crate::module::{join, Module, ParamFactory};
+use super::{Dropout, Linear, LinearConfig};
+use crate::module::{Forward, ParamBuilder};
 
-/// GPT-2's feed-forward block.
+/// `dropout(c_proj(gelu(c_fc(x))))` with a 4x hidden width.
+#[derive(crate::Module)]
+#[module(crate = crate)]
 pub struct Mlp {
-    /// `[4C, C]`
+    /// Up-projection `[4C, C]`.
     pub c_fc: Linear,
-    /// `[C, 4C]`
+    /// Down-projection `[C, 4C]`.
     pub c_proj: Linear,
-    /// Output dropout.
+    /// Dropout after the down-projection.
     pub dropout: Dropout,
-    /// GELU form.
+    /// The GELU variant (GPT-2 uses the tanh approximation).
     pub gelu: GeluKind,
 }
 
 impl Mlp {
-    /// A new MLP named `name`.
+    /// Width `n_embd`; `proj_std` is the down-projection's init std.
     pub fn new(
-        f: &ParamFactory,
-        name: &str,
+        p: &ParamBuilder,
         n_embd: usize,
         bias: bool,
         dropout: f64,
         proj_std: f64,
     ) -> Result<Self> {
         Ok(Mlp {
-            c_fc: Linear::new(f, &join(name, "c_fc"), n_embd, 4 * n_embd, bias, 0.02)?,
-            c_proj: Linear::new(f, &join(name, "c_proj"), 4 * n_embd, n_embd, bias, proj_std)?,
-            dropout: Dropout::new(f.seed, &join(name, "dropout"), dropout),
+            c_fc: LinearConfig::new(n_embd, 4 * n_embd).bias(bias).build(p)?,
+            c_proj: LinearConfig::new(4 * n_embd, n_embd)
+                .bias(bias)
+                .std(proj_std)
+                .build(p)?,
+            dropout: Dropout::new(dropout)?,
             gelu: GeluKind::Tanh,
         })
     }
-
-    /// `x [..., C]` -> `[..., C]`.
-    pub fn forward(&self, x: &Var, ctx: &ForwardCtx) -> Result<Var> {
-        let h = self.c_fc.forward(x)?.gelu(self.gelu)?;
-        self.dropout.forward(&self.c_proj.forward(&h)?, ctx)
-    }
 }
 
-impl Module for Mlp {
-    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(String, &Var)) {
-        self.c_fc.visit_params(&join(prefix, "c_fc"), f);
-        self.c_proj.visit_params(&join(prefix, "c_proj"), f);
-    }
-    fn set_training(&self, training: bool) {
-        self.dropout.set_training(training);
+impl Forward for Mlp {
+    fn forward(&self, x: &Var) -> Result<Var> {
+        let h = self.c_fc.forward(x)?.gelu(self.gelu)?;
+        self.dropout.forward(&self.c_proj.forward(&h)?)
     }
 }

@@ -1,5 +1,7 @@
-//! Building blocks: linear, embedding, layer norm, dropout, attention, MLP, transformer block.
+//! Building blocks: linear, embedding, layer norm, dropout, attention, MLP, transformer block,
+//! activations and [`Sequential`].
 
+mod activation;
 mod attention;
 mod block;
 mod dropout;
@@ -7,11 +9,14 @@ mod embedding;
 mod layer_norm;
 mod linear;
 mod mlp;
+mod sequential;
 
+pub use activation::Activation;
 pub use attention::CausalSelfAttention;
 pub use block::{Block, BlockConfig};
-pub use dropout::{Dropout, ForwardCtx};
+pub use dropout::Dropout;
 pub use embedding::Embedding;
 pub use layer_norm::LayerNorm;
-pub use linear::Linear;
+pub use linear::{Linear, LinearConfig};
 pub use mlp::Mlp;
+pub use sequential::Sequential;

@@ -6,6 +6,8 @@
 //! * Parameters are organised in [`ParamGroup`]s, each with its own weight decay and learning-rate
 //!   scale; [`param_groups_for_decay`] applies the nanoGPT rule (decay matrices and embeddings,
 //!   not biases and norm weights).
+//! * [`AdamW::for_module`] and [`Sgd::for_module`] build an optimizer over a module's trainable
+//!   (not frozen) parameters with defaults.
 //! * [`CosineSchedule`] is linear warm-up followed by cosine decay.
 //! * [`clip_grad_norm`] clips the global L2 norm of the gradients (PyTorch's
 //!   `clip_grad_norm_`), with the sum of squares ([`grad_sq_sum`]) and the scaling
@@ -15,11 +17,13 @@
 //! to [`MemoryTag::OptimizerState`](meshgrad_tensor::alloc::MemoryTag::OptimizerState).
 
 mod adamw;
+mod builder;
 mod clip;
 mod schedule;
 mod sgd;
 
 pub use adamw::{AdamW, AdamWConfig};
+pub use builder::{AdamWBuilder, SgdBuilder};
 pub use clip::{clip_grad_norm, clip_grads_with_norm, grad_norm, grad_sq_sum};
 pub use schedule::CosineSchedule;
 pub use sgd::{Sgd, SgdConfig};

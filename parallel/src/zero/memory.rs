@@ -21,8 +21,8 @@
 use std::time::Duration;
 
 use meshgrad_nn::data::{splitmix64, TokenDataset};
-use meshgrad_nn::layers::ForwardCtx;
 use meshgrad_nn::optim::{clip_grad_norm, param_groups_for_decay, AdamW, AdamWConfig, Optimizer};
+use meshgrad_nn::ForwardCtx;
 use meshgrad_nn::{Gpt, GptConfig, Module};
 use meshgrad_tensor::alloc::{MemoryStats, MemoryTag};
 use meshgrad_tensor::{DType, Device, Error, Result, Tensor};
@@ -252,7 +252,8 @@ fn measure_rank(
             for step in 0..cfg.steps {
                 opt.zero_grad();
                 let (ids, targets, fctx) = batch(step)?;
-                model.loss(&ids, &targets, &fctx, None)?.backward()?;
+                fctx.scope(|| model.loss(&ids, &targets, None))?
+                    .backward()?;
                 ddp.finish()?;
                 clip_grad_norm(&model.parameters(), 1.0)?;
                 opt.step(lr)?;
@@ -271,7 +272,8 @@ fn measure_rank(
             for step in 0..cfg.steps {
                 sdp.zero_grad();
                 let (ids, targets, fctx) = batch(step)?;
-                model.loss(&ids, &targets, &fctx, None)?.backward()?;
+                fctx.scope(|| model.loss(&ids, &targets, None))?
+                    .backward()?;
                 sdp.finish()?;
                 sdp.clip_grad_norm(1.0)?;
                 sdp.step(lr)?;
