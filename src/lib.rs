@@ -32,12 +32,18 @@
 
 extern crate self as meshgrad;
 
+#[cfg(feature = "cli")]
 pub mod bench;
+#[cfg(feature = "cli")]
 pub mod config;
 pub mod corpus;
+#[cfg(feature = "cli")]
 pub mod eval;
+#[cfg(feature = "cli")]
 pub mod generate;
+#[cfg(feature = "cli")]
 pub mod train;
+#[cfg(feature = "cli")]
 pub mod train_parallel;
 
 pub use meshgrad_autograd as autograd;

@@ -20,3 +20,10 @@ pub use meshgrad_autograd::ForwardCtx;
 /// Derives [`Module`] from a struct's fields (see [`module`] and the `meshgrad-derive` crate).
 pub use meshgrad_derive::Module;
 pub use module::{Forward, Init, Module, ParamBuilder};
+
+impl From<data::DataError> for meshgrad_tensor::Error {
+    /// Data errors join the framework's one error type, so `?` works across both.
+    fn from(e: data::DataError) -> Self {
+        meshgrad_tensor::Error::msg(e.to_string())
+    }
+}
