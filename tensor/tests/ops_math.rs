@@ -8,6 +8,7 @@ use common::*;
 use meshgrad_tensor::{DType, Device, Result, Tensor};
 
 type Un = Box<dyn Fn(&Tensor) -> Result<Tensor>>;
+type Case = (&'static str, Un, fn(f64) -> f64);
 
 fn sigmoid(x: f64) -> f64 {
     1.0 / (1.0 + (-x).exp())
@@ -30,7 +31,7 @@ fn clamp_ref(x: f64, lo: f64, hi: f64) -> f64 {
     }
 }
 
-fn ops() -> Vec<(&'static str, Un, fn(f64) -> f64)> {
+fn ops() -> Vec<Case> {
     vec![
         ("sin", Box::new(|t| t.sin()), f64::sin),
         ("cos", Box::new(|t| t.cos()), f64::cos),
