@@ -126,6 +126,9 @@ fn unary_ops() -> Vec<(&'static str, Un, f64, f64)> {
         ("sqr", Box::new(|x| x.sqr()), -2.0, 2.0),
         ("add_scalar", Box::new(|x| x.add_scalar(0.75)), -2.0, 2.0),
         ("mul_scalar", Box::new(|x| x.mul_scalar(-1.25)), -2.0, 2.0),
+        ("sin", Box::new(|x| x.sin()), -3.0, 3.0),
+        ("cos", Box::new(|x| x.cos()), -3.0, 3.0),
+        ("silu", Box::new(|x| x.silu()), -4.0, 4.0),
     ]
 }
 
@@ -751,4 +754,220 @@ fn attention_from_fused_qkv() {
             &[qt],
         );
     }
+}
+
+#[test]
+fn clamp_gradient_passes_inside_the_bounds() {
+    type Clamp = (&'static str, Option<f64>, Option<f64>);
+    let cases: [Clamp; 3] = [
+        ("clamp(-0.5, 0.7)", Some(-0.5), Some(0.7)),
+        ("clamp(min -0.3)", Some(-0.3), None),
+        ("clamp(max 0.4)", None, Some(0.4)),
+    ];
+    for (k, (name, lo, hi)) in cases.into_iter().enumerate() {
+        // Away from the kinks at the bounds.
+        let bounds: Vec<f64> = lo.into_iter().chain(hi).collect();
+        let x = rand_where(400 + k as u64, &[3, 4], -2.0, 2.0, |v| {
+            min_gap(v, &bounds) > 1e-3
+        });
+        gc(
+            name,
+            |v| v[0].clamp(lo, hi)?.sqr(),
+            std::slice::from_ref(&x),
+        );
+        gc(
+            &format!("{name} on a strided view"),
+            |v| v[0].transpose(0, 1)?.narrow(0, 1, 3)?.clamp(lo, hi),
+            &[x],
+        );
+    }
+    // At a bound the gradient passes (PyTorch's convention); outside it is 0.
+    let x = Var::leaf(t64(&[-1.0, -1.5, 0.2, 1.0, 1.25], &[5]));
+    x.clamp(Some(-1.0), Some(1.0))
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert_eq!(grad_of(&x), vec![1.0, 0.0, 1.0, 1.0, 0.0]);
+    assert!(x.clamp(None, None).is_err());
+    assert!(x.clamp(Some(1.0), Some(0.0)).is_err());
+}
+
+#[test]
+fn logsumexp_any_dim() {
+    let x = rand(410, &[3, 4, 2], -2.0, 2.0);
+    for dim in [0isize, 1, -1] {
+        for keepdim in [false, true] {
+            gc(
+                &format!("logsumexp dim {dim} keepdim={keepdim}"),
+                |v| v[0].logsumexp(dim, keepdim),
+                std::slice::from_ref(&x),
+            );
+        }
+    }
+    // A permuted view, large values (where the max shift matters), and a composite use.
+    let big = rand(411, &[4, 3], 300.0, 304.0);
+    gc(
+        "logsumexp of a transposed view",
+        |v| v[0].t_().logsumexp(1, false)?.sqr(),
+        std::slice::from_ref(&big),
+    );
+    // The gradient is softmax along the dim times the upstream gradient.
+    let xv = Var::leaf(x.clone());
+    let g = rand(412, &[3, 2], -1.0, 1.0);
+    xv.logsumexp(1, false)
+        .unwrap()
+        .backward_with(g.clone())
+        .unwrap();
+    let (xs, gs, got) = (vals(&x), vals(&g), grad_of(&xv));
+    for a in 0..3 {
+        for c in 0..2 {
+            let at = |b: usize| xs[(a * 4 + b) * 2 + c];
+            let z: f64 = (0..4).map(|b| at(b).exp()).sum();
+            for b in 0..4 {
+                let want = at(b).exp() / z * gs[a * 2 + c];
+                assert_close(
+                    &[got[(a * 4 + b) * 2 + c]],
+                    &[want],
+                    1e-12,
+                    1e-14,
+                    "softmax * g",
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn gather_and_index_select_accumulate_repeated_indices() {
+    let x = rand(420, &[3, 4], -1.0, 1.0);
+    // dim 0, index [2, 4] with repeats; dim 1, index [3, 5] wider than the input.
+    let i0 = Tensor::from_vec(vec![2i64, 0, 2, 1, 2, 2, 0, 1], (2, 4), Device::Cpu).unwrap();
+    let i1 = Tensor::from_vec(
+        vec![3i64, 3, 0, 1, 3, 2, 2, 2, 0, 0, 1, 3, 1, 0, 3],
+        (3, 5),
+        Device::Cpu,
+    )
+    .unwrap();
+    gc(
+        "gather dim 0",
+        |v| v[0].gather(0, &i0)?.sqr(),
+        std::slice::from_ref(&x),
+    );
+    gc(
+        "gather dim 1",
+        |v| v[0].gather(-1, &i1)?.tanh(),
+        std::slice::from_ref(&x),
+    );
+    // A strided input: the transpose of a [4, 3] leaf.
+    let xt = x.t().unwrap().contiguous().unwrap();
+    gc(
+        "gather of a transposed view",
+        |v| v[0].t_().gather(1, &i1)?.sqr(),
+        std::slice::from_ref(&xt),
+    );
+    let ids = Tensor::from_vec(vec![3u32, 1, 3, 3, 0], 5, Device::Cpu).unwrap();
+    gc(
+        "index_select dim 1",
+        |v| v[0].index_select(1, &ids)?.sqr(),
+        std::slice::from_ref(&x),
+    );
+    let rows = Tensor::from_vec(vec![2i64, 2, 0], 3, Device::Cpu).unwrap();
+    gc(
+        "index_select dim 0 of a transposed view",
+        |v| v[0].t_().index_select(0, &rows)?.tanh(),
+        std::slice::from_ref(&xt),
+    );
+    // Exact accumulation: column 3 is read three times, column 2 never.
+    let xv = Var::leaf(x.clone());
+    let g = rand(421, &[3, 5], -1.0, 1.0);
+    xv.index_select(1, &ids)
+        .unwrap()
+        .backward_with(g.clone())
+        .unwrap();
+    let (gv, gx) = (vals(&g), grad_of(&xv));
+    for r in 0..3 {
+        let want = gv[r * 5] + gv[r * 5 + 2] + gv[r * 5 + 3];
+        assert_close(&[gx[r * 4 + 3]], &[want], 1e-15, 0.0, "column 3");
+        assert_eq!(gx[r * 4 + 2], 0.0, "unused column 2");
+    }
+    // gather along dim 0: the expected scatter-add, from the index values in a plain loop.
+    let xv = Var::leaf(x);
+    let g = rand(422, &[2, 4], -1.0, 1.0);
+    xv.gather(0, &i0).unwrap().backward_with(g.clone()).unwrap();
+    let (gv, gx) = (vals(&g), grad_of(&xv));
+    let idx = vals(&i0);
+    let mut want = vec![0.0; 12];
+    for p in 0..8 {
+        want[idx[p] as usize * 4 + p % 4] += gv[p];
+    }
+    assert_close(&gx, &want, 1e-15, 0.0, "gather scatter-add");
+}
+
+#[test]
+fn cross_entropy_over_nd_logits() {
+    // Logits [B, T, V] = [2, 3, 4] with targets [2, 3] (one ignored), read through a permuted
+    // view of a [4, 3, 2] leaf.
+    let logits = rand(430, &[4, 3, 2], -2.0, 2.0);
+    let targets = Tensor::from_vec(vec![1i64, -100, 3, 0, 2, 2], (2, 3), Device::Cpu).unwrap();
+    gc(
+        "cross_entropy [B, T, V] ignore_index",
+        |v| {
+            v[0].permute(&[2, 1, 0])?
+                .cross_entropy(&targets, Some(-100))
+        },
+        std::slice::from_ref(&logits),
+    );
+    let t32 = Tensor::from_vec(vec![1u32, 0, 3, 0, 2, 2], (2, 3), Device::Cpu).unwrap();
+    gc(
+        "cross_entropy [B, T, V] u32 targets",
+        |v| v[0].permute(&[2, 1, 0])?.cross_entropy(&t32, None),
+        std::slice::from_ref(&logits),
+    );
+    // The same loss and gradient as the flattened [B*T, V] form that existing callers use.
+    let l3 = logits.permute(&[2, 1, 0]).unwrap().contiguous().unwrap();
+    let (a, b) = (
+        Var::leaf(l3.clone()),
+        Var::leaf(l3.reshape((6, 4)).unwrap()),
+    );
+    let la = a.cross_entropy(&targets, Some(-100)).unwrap();
+    let lb = b
+        .cross_entropy(&targets.reshape(6).unwrap(), Some(-100))
+        .unwrap();
+    assert_eq!(vals(la.tensor()), vals(lb.tensor()));
+    la.backward().unwrap();
+    lb.backward().unwrap();
+    assert_eq!(a.grad().unwrap().dims(), [2, 3, 4]);
+    assert_eq!(grad_of(&a), grad_of(&b));
+    // Mean over the non-ignored positions, against a plain f64 loop.
+    let x = vals(&l3);
+    let t = [1i64, -100, 3, 0, 2, 2];
+    let mut sum = 0.0;
+    for (r, &tr) in t.iter().enumerate() {
+        if tr != -100 {
+            let row = &x[r * 4..r * 4 + 4];
+            sum += row.iter().map(|v| v.exp()).sum::<f64>().ln() - row[tr as usize];
+        }
+    }
+    assert_close(
+        &[la.tensor().item().unwrap()],
+        &[sum / 5.0],
+        1e-12,
+        0.0,
+        "mean over 5 positions",
+    );
+    // Shape mismatch names both shapes; out-of-range targets are errors.
+    let bad = Tensor::from_vec(vec![0i64; 6], (3, 2), Device::Cpu).unwrap();
+    let e = a.cross_entropy(&bad, None).unwrap_err().to_string();
+    assert!(e.contains("[2, 3, 4]") && e.contains("[3, 2]"), "{e}");
+    let oob = Tensor::from_vec(vec![0i64, 1, 4, 0, 0, 0], (2, 3), Device::Cpu).unwrap();
+    assert!(a.cross_entropy(&oob, Some(-100)).is_err());
+    // Every position ignored: loss 0, gradient 0.
+    let all = Tensor::from_vec(vec![-100i64; 6], (2, 3), Device::Cpu).unwrap();
+    let c = Var::leaf(l3);
+    let loss = c.cross_entropy(&all, Some(-100)).unwrap();
+    assert_eq!(loss.tensor().item().unwrap(), 0.0);
+    loss.backward().unwrap();
+    assert!(grad_of(&c).iter().all(|&g| g == 0.0));
 }

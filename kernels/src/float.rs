@@ -44,6 +44,10 @@ pub trait Float:
     fn tanh(self) -> Self;
     /// Error function.
     fn erf(self) -> Self;
+    /// Sine (radians).
+    fn sin(self) -> Self;
+    /// Cosine (radians).
+    fn cos(self) -> Self;
     /// self^e for a real exponent.
     fn powf(self, e: Self) -> Self;
     /// Larger of the two (NaN-propagating is not required).
@@ -94,6 +98,14 @@ impl Float for f32 {
     #[inline]
     fn erf(self) -> Self {
         libm::erff(self)
+    }
+    #[inline]
+    fn sin(self) -> Self {
+        f32::sin(self)
+    }
+    #[inline]
+    fn cos(self) -> Self {
+        f32::cos(self)
     }
     #[inline]
     fn powf(self, e: Self) -> Self {
@@ -152,6 +164,14 @@ impl Float for f64 {
     #[inline]
     fn erf(self) -> Self {
         libm::erf(self)
+    }
+    #[inline]
+    fn sin(self) -> Self {
+        f64::sin(self)
+    }
+    #[inline]
+    fn cos(self) -> Self {
+        f64::cos(self)
     }
     #[inline]
     fn powf(self, e: Self) -> Self {

@@ -4,8 +4,9 @@
 use meshgrad_kernels::cpu::attention::AttentionShape;
 use meshgrad_kernels::cpu::elementwise::{BinaryOp, CmpOp, UnaryOp};
 use meshgrad_kernels::cpu::matmul::MatrixLayout;
+use meshgrad_kernels::cpu::unary_backward::UnaryGrad;
 
-use crate::cpu_backend::{self as cpu, fused, ReduceOp};
+use crate::cpu_backend::{self as cpu, fused, indexing, math, ReduceOp};
 use crate::storage::{CpuStorage, Storage};
 use crate::{DType, Layout, Result};
 
@@ -346,4 +347,90 @@ pub(crate) fn sgd(
         weight_decay,
         first_step,
     )
+}
+
+pub(crate) fn unary_backward(x: Src<'_>, dy: Src<'_>, op: UnaryGrad) -> Result<Storage> {
+    Ok(Storage::Cpu(math::unary_backward(
+        c(x.0),
+        x.1,
+        c(dy.0),
+        dy.1,
+        op,
+    )?))
+}
+
+pub(crate) fn logsumexp(s: Src<'_>, outer: usize, red: usize, inner: usize) -> Result<Storage> {
+    Ok(Storage::Cpu(math::logsumexp(
+        c(s.0),
+        s.1,
+        outer,
+        red,
+        inner,
+    )?))
+}
+
+pub(crate) fn gather(x: Src<'_>, index: Src<'_>, dim: usize) -> Result<Storage> {
+    Ok(Storage::Cpu(indexing::gather(
+        c(x.0),
+        x.1,
+        c(index.0),
+        index.1,
+        dim,
+    )?))
+}
+
+pub(crate) fn gather_backward(
+    dout: Src<'_>,
+    index: Src<'_>,
+    x_dims: &[usize],
+    dim: usize,
+) -> Result<Storage> {
+    Ok(Storage::Cpu(indexing::gather_backward(
+        c(dout.0),
+        dout.1,
+        c(index.0),
+        index.1,
+        x_dims,
+        dim,
+    )?))
+}
+
+pub(crate) fn index_select(
+    x: Src<'_>,
+    ids: Src<'_>,
+    outer: usize,
+    x_n: usize,
+    inner: usize,
+    dim: usize,
+) -> Result<Storage> {
+    Ok(Storage::Cpu(indexing::index_select(
+        c(x.0),
+        x.1,
+        c(ids.0),
+        ids.1,
+        outer,
+        x_n,
+        inner,
+        dim,
+    )?))
+}
+
+pub(crate) fn index_select_backward(
+    dout: Src<'_>,
+    ids: Src<'_>,
+    outer: usize,
+    x_n: usize,
+    inner: usize,
+    dim: usize,
+) -> Result<Storage> {
+    Ok(Storage::Cpu(indexing::index_select_backward(
+        c(dout.0),
+        dout.1,
+        c(ids.0),
+        ids.1,
+        outer,
+        x_n,
+        inner,
+        dim,
+    )?))
 }

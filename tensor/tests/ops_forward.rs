@@ -1229,6 +1229,114 @@ fn cross_entropy_errors() {
 }
 
 #[test]
+fn cross_entropy_over_nd_logits() {
+    // Logits [B, T, V] (classes last) with targets [B, T]; the leading dims fold into rows.
+    let (b, t, v) = (2, 3, 5);
+    let x = uniform_vals(28, b * t * v, -4.0, 4.0);
+    let targets: Vec<i64> = vec![4, -1, 0, 2, 2, -1];
+    let ignore = Some(-1);
+    let (mut loss, mut lse) = (vec![0.0; b * t], vec![0.0; b * t]);
+    for r in 0..b * t {
+        let row = &x[r * v..(r + 1) * v];
+        let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        lse[r] = m + row.iter().map(|a| (a - m).exp()).sum::<f64>().ln();
+        if targets[r] != -1 {
+            loss[r] = lse[r] - row[targets[r] as usize];
+        }
+    }
+    let dloss = uniform_vals(29, b * t, 0.5, 1.5);
+    let mut dlogits = vec![0.0; b * t * v];
+    for r in 0..b * t {
+        if targets[r] == -1 {
+            continue;
+        }
+        for c in 0..v {
+            let onehot = if c as i64 == targets[r] { 1.0 } else { 0.0 };
+            dlogits[r * v + c] = dloss[r] * ((x[r * v + c] - lse[r]).exp() - onehot);
+        }
+    }
+    let mut rng = Rng::new(14);
+    let tt = Tensor::from_vec(targets.clone(), (b, t), Device::Cpu).unwrap();
+    for dtype in [DType::F64, DType::F32] {
+        let (rtol, atol) = if dtype == DType::F64 {
+            (1e-12, 1e-12)
+        } else {
+            (1e-5, 1e-5)
+        };
+        for _ in 0..3 {
+            let lay = Lay::random(&mut rng, 3);
+            let tx = strided(&x, &[b, t, v], &lay, dtype);
+            let what = format!("cross_entropy [{b}, {t}, {v}] {lay:?} {dtype}");
+            let (l, s) = tx.cross_entropy_rows(&tt, ignore).unwrap();
+            check(&l, &[b, t], &loss, rtol, atol, &what);
+            check(&s, &[b, t], &lse, rtol, atol, &what);
+            // Upstream gradient shaped like the targets, or flat.
+            for dl in [
+                tensor(&dloss, &[b, t], DType::F64),
+                tensor(&dloss, &[b * t], DType::F64),
+            ] {
+                let g = tx.cross_entropy_backward(&s, &tt, &dl, ignore).unwrap();
+                assert_eq!(g.dtype(), dtype);
+                check(&g, &[b, t, v], &dlogits, rtol * 10.0, atol, &what);
+            }
+        }
+    }
+    // Non-contiguous targets: the transpose of a [T, B] buffer.
+    let tt_t = Tensor::from_vec(vec![4i64, 2, -1, 2, 0, -1], (t, b), Device::Cpu)
+        .unwrap()
+        .t()
+        .unwrap();
+    let (l, _) = tensor(&x, &[b, t, v], DType::F64)
+        .cross_entropy_rows(&tt_t, ignore)
+        .unwrap();
+    check(&l, &[b, t], &loss, 1e-12, 1e-12, "strided targets");
+    // Rank 1: one position, a 0-dim target.
+    let t0 = Tensor::from_vec(vec![3i64], (), Device::Cpu).unwrap();
+    let (l, _) = tensor(&x[..v], &[v], DType::F64)
+        .cross_entropy_rows(&t0, None)
+        .unwrap();
+    let row = &x[..v];
+    let want = row.iter().map(|a| a.exp()).sum::<f64>().ln() - row[3];
+    check(&l, &[], &[want], 1e-12, 1e-12, "rank-1 logits");
+}
+
+#[test]
+fn cross_entropy_nd_errors() {
+    let x = Tensor::zeros((2, 3, 5), DType::F32, Device::Cpu).unwrap();
+    for dims in [vec![3usize, 2], vec![6], vec![2, 3, 5], vec![2]] {
+        let t = Tensor::zeros(dims.as_slice(), DType::I64, Device::Cpu).unwrap();
+        let e = x.cross_entropy_rows(&t, None).unwrap_err().to_string();
+        assert!(
+            e.contains("[2, 3, 5]") && e.contains(&format!("{}", t.shape())),
+            "targets {dims:?}: {e}"
+        );
+    }
+    // An out-of-range target at position [1, 0] (flat row 3) names its value.
+    let t = Tensor::from_vec(vec![0i64, 1, 2, 5, 4, 3], (2, 3), Device::Cpu).unwrap();
+    let e = x
+        .cross_entropy_rows(&t, Some(-100))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("target 5") && e.contains("[2, 3]"), "{e}");
+    let scalar = Tensor::zeros((), DType::F32, Device::Cpu).unwrap();
+    let t0 = Tensor::zeros((), DType::I64, Device::Cpu).unwrap();
+    assert!(
+        scalar.cross_entropy_rows(&t0, None).is_err(),
+        "0-dim logits"
+    );
+    // lse / dloss with the wrong number of positions.
+    let t = Tensor::zeros((2, 3), DType::I64, Device::Cpu).unwrap();
+    let (_, lse) = x.cross_entropy_rows(&t, None).unwrap();
+    let bad = Tensor::zeros(5, DType::F32, Device::Cpu).unwrap();
+    let e = x
+        .cross_entropy_backward(&lse, &t, &bad, None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("dloss") && e.contains("[5]"), "{e}");
+    assert!(x.cross_entropy_backward(&bad, &t, &lse, None).is_err());
+}
+
+#[test]
 fn embedding_and_backward_with_repeated_ids() {
     let (vocab, dim) = (6, 4);
     let w = uniform_vals(26, vocab * dim, -1.0, 1.0);

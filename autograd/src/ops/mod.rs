@@ -2,6 +2,8 @@
 //! its backward rule beside it.
 
 mod arith;
+mod indexing;
+mod math;
 mod nn;
 mod reduce;
 mod shape;

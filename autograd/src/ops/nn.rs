@@ -175,9 +175,14 @@ impl Var {
         ))
     }
 
-    /// Mean cross-entropy of `self` (logits `[N, V]`) against integer `targets [N]`, over the
-    /// rows whose target is not `ignore_index` (0 when every row is ignored). Fused: the
-    /// gradient is computed from the saved row log-sum-exp, never from stored probabilities.
+    /// Mean cross-entropy of `self` (logits `[..., V]`, classes in the last dim, for example
+    /// `[B, T, V]` or `[N, V]`) against integer `targets` shaped like the leading dims (`[B, T]`
+    /// or `[N]`), over the positions whose target is not `ignore_index` (0 when every position
+    /// is ignored). Fused: the leading dims are folded into rows of one kernel, and the gradient
+    /// is computed from the saved per-position log-sum-exp, never from stored probabilities.
+    ///
+    /// Errors: a targets shape other than the logits' leading dims (naming both shapes),
+    /// non-integer targets, or a target outside `0..V` that is not `ignore_index`.
     pub fn cross_entropy(&self, targets: &Tensor, ignore_index: Option<i64>) -> Result<Var> {
         let logits = self.tensor().clone();
         let (rows, lse) = logits.cross_entropy_rows(targets, ignore_index)?;
@@ -197,11 +202,10 @@ impl Var {
             v,
             &[self],
             Box::new(move |g| {
-                let n = logits.dims()[0];
                 let dloss = g
                     .to_dtype(lse.dtype())?
                     .mul_scalar(scale)?
-                    .expand(n)?
+                    .expand(lse.shape().clone())?
                     .contiguous()?;
                 Ok(vec![Some(logits.cross_entropy_backward(
                     &lse,

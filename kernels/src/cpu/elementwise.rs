@@ -40,6 +40,15 @@ pub enum UnaryOp {
     AddScalar(f64),
     /// x * c
     MulScalar(f64),
+    /// sin x
+    Sin,
+    /// cos x
+    Cos,
+    /// SiLU (swish): x * sigmoid(x) = x / (1 + e^-x)
+    Silu,
+    /// min(max(x, lo), hi): `Clamp(lo, hi)` with `lo <= hi`; an infinite bound is no bound.
+    /// NaN passes through.
+    Clamp(f64, f64),
 }
 
 /// sqrt(2 / pi)
@@ -113,10 +122,11 @@ pub fn add_assign<T: Float>(acc: &mut [T], x: &[T]) {
 
 /// `out[i] = op(x[i])`; `x` and `out` are contiguous and of equal length.
 ///
-/// `Relu` passes NaN through; `PowScalar(2.0)` is computed as `x * x` and `PowScalar(1.0)` as a
-/// copy, other exponents with `powf`. For f32, `Exp`, `Tanh`, `Sigmoid` and `GeluTanh` use the
-/// crate's vectorisable exp/tanh (within a few ulp of the exact functions); `GeluTanh` is
-/// evaluated as the identical `x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3))`.
+/// `Relu` and `Clamp` pass NaN through; `PowScalar(2.0)` is computed as `x * x` and
+/// `PowScalar(1.0)` as a copy, other exponents with `powf`. For f32, `Exp`, `Tanh`, `Sigmoid`,
+/// `Silu` and `GeluTanh` use the crate's vectorisable exp/tanh (within a few ulp of the exact
+/// functions); `GeluTanh` is evaluated as the identical
+/// `x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3))`. `Sin` and `Cos` use the standard library's.
 pub fn unary<T: Float>(op: UnaryOp, x: &[T], out: &mut [T]) {
     match op {
         UnaryOp::Neg => map1(x, out, |v| -v),
@@ -159,6 +169,21 @@ pub fn unary<T: Float>(op: UnaryOp, x: &[T], out: &mut [T]) {
         UnaryOp::MulScalar(c) => {
             let c = T::from_f64(c);
             map1(x, out, move |v| v * c)
+        }
+        UnaryOp::Sin => map1(x, out, |v| v.sin()),
+        UnaryOp::Cos => map1(x, out, |v| v.cos()),
+        UnaryOp::Silu => map1(x, out, |v| v / (T::ONE + fastmath::exp(-v))),
+        UnaryOp::Clamp(lo, hi) => {
+            let (lo, hi) = (T::from_f64(lo), T::from_f64(hi));
+            map1(x, out, move |v| {
+                if v < lo {
+                    lo
+                } else if v > hi {
+                    hi
+                } else {
+                    v
+                }
+            })
         }
     }
 }
@@ -477,10 +502,14 @@ mod tests {
             UnaryOp::PowScalar(p) => x.powf(p),
             UnaryOp::AddScalar(c) => x + c,
             UnaryOp::MulScalar(c) => x * c,
+            UnaryOp::Sin => x.sin(),
+            UnaryOp::Cos => x.cos(),
+            UnaryOp::Silu => x / (1.0 + (-x).exp()),
+            UnaryOp::Clamp(lo, hi) => x.max(lo).min(hi),
         }
     }
 
-    const ALL_UNARY: [UnaryOp; 18] = [
+    const ALL_UNARY: [UnaryOp; 23] = [
         UnaryOp::Neg,
         UnaryOp::Exp,
         UnaryOp::Log,
@@ -499,6 +528,11 @@ mod tests {
         UnaryOp::PowScalar(-1.5),
         UnaryOp::AddScalar(-0.75),
         UnaryOp::MulScalar(3.25),
+        UnaryOp::Sin,
+        UnaryOp::Cos,
+        UnaryOp::Silu,
+        UnaryOp::Clamp(-1.5, 2.25),
+        UnaryOp::Clamp(f64::NEG_INFINITY, 0.5),
     ];
 
     fn positive_only(op: UnaryOp) -> bool {

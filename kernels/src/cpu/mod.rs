@@ -6,13 +6,16 @@ pub mod cross_entropy;
 pub mod elementwise;
 pub mod embedding;
 mod fastmath;
+pub mod gather;
 pub mod layer_norm;
+pub mod logsumexp;
 pub mod matmul;
 pub mod reduce;
 pub mod softmax;
 pub mod strided;
 #[cfg(test)]
 mod testutil;
+pub mod unary_backward;
 pub(crate) mod vecops;
 
 pub use vecops::set_simd_enabled;

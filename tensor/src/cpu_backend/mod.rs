@@ -3,6 +3,8 @@
 
 mod cast;
 pub(crate) mod fused;
+pub(crate) mod indexing;
+pub(crate) mod math;
 
 use std::borrow::Cow;
 use std::ops::Range;

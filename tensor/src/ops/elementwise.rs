@@ -65,7 +65,7 @@ impl Tensor {
         self.binary_op(rhs, BinaryOp::Minimum, "minimum")
     }
 
-    fn unary_op(&self, op: UnaryOp, name: &'static str) -> Result<Tensor> {
+    pub(crate) fn unary_op(&self, op: UnaryOp, name: &'static str) -> Result<Tensor> {
         let _prof = crate::profile::scope(name);
         if !self.dtype().is_float() {
             return Err(crate::Error::UnsupportedDType {

@@ -2,7 +2,9 @@
 //! hands the work to [`crate::backend`].
 
 mod elementwise;
+mod indexing;
 mod inplace;
+mod math;
 mod matmul;
 mod nn;
 mod reduce;

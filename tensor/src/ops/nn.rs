@@ -385,15 +385,18 @@ impl Tensor {
         Ok(Tensor::from_storage(s, x.shape()))
     }
 
+    /// Checks logits `[..., V]` against integer targets `[...]` (the leading dims); returns
+    /// `(rows, V)` with `rows` the product of the leading dims.
     fn check_targets(
         logits: &Tensor,
         targets: &Tensor,
         op: &'static str,
     ) -> Result<(usize, usize)> {
         same_device(op, logits, targets)?;
-        if logits.rank() != 2 || targets.dims() != [logits.dims()[0]] {
+        let r = logits.rank();
+        if r == 0 || targets.dims() != &logits.dims()[..r - 1] {
             crate::bail!(
-                "{op}: expected logits [N, V] and targets [N], got {} and {}",
+                "{op}: expected logits [..., V] and targets of their leading dims [...], got logits {} and targets {}",
                 logits.shape(),
                 targets.shape()
             );
@@ -404,11 +407,16 @@ impl Tensor {
                 dtype: targets.dtype(),
             });
         }
-        Ok((logits.dims()[0], logits.dims()[1]))
+        let cols = logits.dims()[r - 1];
+        Ok((targets.elem_count(), cols))
     }
 
-    /// Fused cross-entropy of `self` (logits `[N, V]`) against integer `targets [N]`: returns the
-    /// per-row losses (0 on ignored rows) and the row log-sum-exp, in compute precision.
+    /// Fused cross-entropy of `self` (logits `[..., V]`, classes in the last dim) against
+    /// integer `targets` shaped like the leading dims `[...]`: returns the per-position losses
+    /// `logsumexp(logits) - logits[target]` (0 where the target is `ignore_index`) and the
+    /// per-position log-sum-exp, both shaped like `targets`, in compute precision (f32 for f32
+    /// and half types, f64 for f64). The leading dims are folded into rows; no probability
+    /// tensor is materialised. A target outside `0..V` that is not `ignore_index` is an error.
     pub fn cross_entropy_rows(
         &self,
         targets: &Tensor,
@@ -427,14 +435,24 @@ impl Tensor {
             rows,
             cols,
             ignore_index,
-        )?;
+        )
+        .map_err(|e| {
+            Error::msg(format!(
+                "{e} (logits {}, targets {} folded into {rows} rows, ignore_index {ignore_index:?})",
+                self.shape(),
+                targets.shape()
+            ))
+        })?;
         Ok((
-            Tensor::from_storage(loss, rows),
-            Tensor::from_storage(lse, rows),
+            Tensor::from_storage(loss, targets.shape()),
+            Tensor::from_storage(lse, targets.shape()),
         ))
     }
 
-    /// The backward of [`Tensor::cross_entropy_rows`]: `dlogits` from per-row upstream `dloss`.
+    /// The backward of [`Tensor::cross_entropy_rows`] (`self` is the logits `[..., V]`):
+    /// `dlogits = dloss * (softmax(logits) - onehot(target))` per position, 0 where the target
+    /// is ignored, from the saved `lse` and the per-position upstream `dloss` (each with one
+    /// element per position, shaped like `targets` or flat). Returns the logits' shape and dtype.
     pub fn cross_entropy_backward(
         &self,
         lse: &Tensor,
@@ -444,6 +462,16 @@ impl Tensor {
     ) -> Result<Tensor> {
         let _prof = crate::profile::scope("cross_entropy_backward");
         let (rows, cols) = Tensor::check_targets(self, targets, "cross_entropy_backward")?;
+        for (what, t) in [("lse", lse), ("dloss", dloss)] {
+            if t.elem_count() != rows {
+                crate::bail!(
+                    "cross_entropy_backward: {what} {} must have one element per position of targets {} (logits {})",
+                    t.shape(),
+                    targets.shape(),
+                    self.shape()
+                );
+            }
+        }
         let c = |t: &Tensor| t.contiguous();
         let dloss = dloss.to_dtype(lse.dtype())?;
         let (x, l, t, d) = (c(self)?, c(lse)?, c(targets)?, c(&dloss)?);
