@@ -314,3 +314,24 @@ fn checkpoint_recomputes_the_same_masks_for_repeated_dropout() {
     };
     run(&m);
 }
+
+#[test]
+fn save_then_load_restores_every_parameter() {
+    let a = tree(11).unwrap();
+    let b = tree(12).unwrap();
+    let dir = std::env::temp_dir().join(format!("meshgrad_module_api_{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("tree.safetensors");
+    a.save(&file).unwrap();
+    b.load(&file).unwrap();
+    for ((na, pa), (nb, pb)) in a.named_parameters().iter().zip(b.named_parameters().iter()) {
+        assert_eq!(na, nb);
+        assert_eq!(pa.tensor().to_vec::<f32>().unwrap(), pb.tensor().to_vec::<f32>().unwrap());
+    }
+    // A model of another shape refuses the file and stays unchanged.
+    let other = ParamBuilder::new(0).build(|p| Linear::new(p, 3, 2)).unwrap();
+    let before = other.weight.tensor().to_vec::<f32>().unwrap();
+    assert!(other.load(&file).is_err());
+    assert_eq!(other.weight.tensor().to_vec::<f32>().unwrap(), before);
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -157,6 +157,26 @@ pub trait Module: AsDynModule + Send + Sync {
     fn unfreeze(&self, pattern: &str) -> Result<usize> {
         set_frozen(self, pattern, false)
     }
+
+    /// Writes every parameter, by name, to a safetensors file (atomically: the file holds its old
+    /// contents or the complete new ones).
+    fn save(&self, path: impl AsRef<std::path::Path>) -> Result<()>
+    where
+        Self: Sized,
+    {
+        crate::state::save_safetensors(path, &crate::state::state_dict(self), None)
+    }
+
+    /// Loads every parameter from a safetensors file written by [`Module::save`] (or any file with
+    /// the same names and shapes), strictly: a missing, unknown or misshapen tensor is an error
+    /// naming it, and on error the module is unchanged.
+    fn load(&self, path: impl AsRef<std::path::Path>) -> Result<()>
+    where
+        Self: Sized,
+    {
+        let tensors = crate::state::load_safetensors(path)?;
+        crate::state::load_state_dict(self, &tensors, true)
+    }
 }
 
 fn set_frozen<M: Module + ?Sized>(m: &M, pattern: &str, frozen: bool) -> Result<usize> {
