@@ -328,6 +328,7 @@ fn read_file(path: &Path) -> Result<Vec<u8>> {
 mod tests {
     use super::*;
     use crate::data::splitmix64;
+    use std::path::PathBuf;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     /// A file in the temp dir that is removed when dropped.
