@@ -452,10 +452,10 @@ impl TrainConfig {
     ///
     /// Checks: all sizes and counts positive (`eval_interval` and `sample_tokens` may be 0);
     /// `n_embd` divisible by `n_head`; `vocab_size >= 256` for byte-level data (no tokenizer, and
-    /// no path or a path that is neither a `.bin` file nor a folder of shards); `dropout` in [0, 1); `lr` finite and > 0; `min_lr` in [0, lr];
-    /// `beta1`, `beta2` in [0, 1); `weight_decay`, `grad_clip` finite and
-    /// >= 0; `val_fraction` in (0, 1); `out`, and `metrics`, `data.path` and `data.tokenizer` when
-    /// set, non-empty.
+    /// no path or a path that is neither a `.bin` file nor a folder of shards); `dropout` in
+    /// [0, 1); `lr` finite and > 0; `min_lr` in [0, lr]; `beta1`, `beta2` in [0, 1);
+    /// `weight_decay`, `grad_clip` finite and at least 0; `val_fraction` in (0, 1); `out`, and
+    /// `metrics`, `data.path` and `data.tokenizer` when set, non-empty.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let m = &self.model;
         let t = &self.train;

@@ -187,7 +187,7 @@ fn training_from_files_and_errors_naming_them() {
     let js = jsonl(&dir);
     let tok = Tokenizer::train(TokenizerKind::Bpe, 300, &[txt.clone(), js.clone()]).unwrap();
     assert_eq!(tok.vocab_size(), 300);
-    let wp = Tokenizer::train(TokenizerKind::WordPiece, 200, &[txt.clone()]).unwrap();
+    let wp = Tokenizer::train(TokenizerKind::WordPiece, 200, std::slice::from_ref(&txt)).unwrap();
     for (i, t) in ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
         .iter()
         .enumerate()
@@ -206,7 +206,7 @@ fn training_from_files_and_errors_naming_them() {
 
     let bad = dir.join("bad.txt");
     std::fs::write(&bad, b"abc\xffdef").unwrap();
-    let msg = Tokenizer::train(TokenizerKind::WordPiece, 100, &[bad.clone()])
+    let msg = Tokenizer::train(TokenizerKind::WordPiece, 100, std::slice::from_ref(&bad))
         .unwrap_err()
         .to_string();
     assert!(
