@@ -118,11 +118,18 @@ impl Default for TrainParams {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
-    /// A token file: `.bin` for little-endian `u16` ids, anything else is read as byte-level text.
-    /// `None` (the key left out) means the built-in corpus, `assets/corpus.txt`.
+    /// The training data (see `meshgrad_nn::data::DataFormat`): a folder of llm.c token shards
+    /// (`*_val_*` shards are the validation set), a `.bin` file (an llm.c shard if it starts with
+    /// the shard header, little-endian `u16` ids otherwise), a `.jsonl` file (a `text` field per
+    /// line), or any other file as text. `None` (the key left out) means the built-in corpus,
+    /// `assets/corpus.txt`.
     pub path: Option<String>,
-    /// Fraction of the tokens, taken from the end, held out for validation; in (0, 1).
+    /// Fraction of the tokens, taken from the end, held out for validation; in (0, 1). Not used
+    /// for a folder of shards that has validation shards.
     pub val_fraction: f64,
+    /// A `tokenizer.json` (Hugging Face format) that text and JSONL data go through; the model's
+    /// vocabulary size becomes the tokenizer's. `None`: text is byte-level (vocabulary 256).
+    pub tokenizer: Option<String>,
 }
 
 impl Default for DataConfig {
@@ -130,6 +137,7 @@ impl Default for DataConfig {
         DataConfig {
             path: None,
             val_fraction: 0.1,
+            tokenizer: None,
         }
     }
 }
@@ -333,6 +341,7 @@ impl TrainConfig {
         "train.sample_tokens",
         "data.path",
         "data.val_fraction",
+        "data.tokenizer",
     ];
 
     /// Reads and parses a TOML config file. Keys left out take their defaults.
@@ -375,7 +384,7 @@ impl TrainConfig {
     /// Sets one key from a command-line string: `key` is dotted (`train.steps`, `model.n_embd`,
     /// `out`; see [`TrainConfig::KEYS`]) and `value` is parsed as the key's type (integers,
     /// numbers such as `3e-4`, `true`/`false`, or text; surrounding double quotes are removed from
-    /// text). An empty value for `data.path` or `metrics` unsets it.
+    /// text). An empty value for `data.path`, `data.tokenizer` or `metrics` unsets it.
     ///
     /// Errors name the key: [`ConfigError::UnknownKey`] (with a suggestion when one is close) or
     /// [`ConfigError::BadValue`]. It does not validate ranges; call [`TrainConfig::validate`] after.
@@ -414,6 +423,10 @@ impl TrainConfig {
                 self.data.path = (!v.is_empty()).then_some(v);
             }
             "data.val_fraction" => self.data.val_fraction = parse_value(key, value, FLOAT)?,
+            "data.tokenizer" => {
+                let v = string_value(value);
+                self.data.tokenizer = (!v.is_empty()).then_some(v);
+            }
             other => {
                 return Err(ConfigError::UnknownKey {
                     key: other.to_string(),
@@ -438,10 +451,11 @@ impl TrainConfig {
     /// [`ConfigError::Invalid`] that names the key and the value(s).
     ///
     /// Checks: all sizes and counts positive (`eval_interval` and `sample_tokens` may be 0);
-    /// `n_embd` divisible by `n_head`; `vocab_size >= 256` for byte-level data (no path, or a
-    /// path not ending in `.bin`); `dropout` in [0, 1); `lr` finite and > 0; `min_lr` in [0, lr];
-    /// `beta1`, `beta2` in [0, 1); `weight_decay`, `grad_clip` finite and
-    /// >= 0; `val_fraction` in (0, 1); `out`, and `metrics` and `data.path` when set, non-empty.
+    /// `n_embd` divisible by `n_head`; `vocab_size >= 256` for byte-level data (no tokenizer, and
+    /// no path or a path that is neither a `.bin` file nor a folder of shards); `dropout` in
+    /// [0, 1); `lr` finite and > 0; `min_lr` in [0, lr]; `beta1`, `beta2` in [0, 1);
+    /// `weight_decay`, `grad_clip` finite and at least 0; `val_fraction` in (0, 1); `out`, and
+    /// `metrics`, `data.path` and `data.tokenizer` when set, non-empty.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let m = &self.model;
         let t = &self.train;
@@ -478,12 +492,15 @@ impl TrainConfig {
                 ),
             );
         }
-        let byte_level = match &self.data.path {
-            None => true,
-            Some(p) => !Path::new(p)
-                .extension()
-                .is_some_and(|e| e.eq_ignore_ascii_case("bin")),
+        let token_ids = |p: &str| {
+            let p = Path::new(p);
+            p.extension().is_some_and(|e| e.eq_ignore_ascii_case("bin")) || p.is_dir()
         };
+        let byte_level = self.data.tokenizer.is_none()
+            && match &self.data.path {
+                None => true,
+                Some(p) => !token_ids(p),
+            };
         if byte_level && m.vocab_size < 256 {
             return invalid(
                 "model.vocab_size",
@@ -536,6 +553,17 @@ impl TrainConfig {
         }
         if self.metrics.as_deref().is_some_and(|p| p.trim().is_empty()) {
             return invalid("metrics", "must not be empty when set".to_string());
+        }
+        if self
+            .data
+            .tokenizer
+            .as_deref()
+            .is_some_and(|p| p.trim().is_empty())
+        {
+            return invalid(
+                "data.tokenizer",
+                "must not be empty when set (leave it out for byte-level text)".to_string(),
+            );
         }
         if self
             .data
@@ -782,6 +810,14 @@ val_fraction = 0.05
         config.apply_assignment("data.path=tokens.bin").unwrap();
         config.apply_assignment("model.vocab_size=100").unwrap();
         config.validate().unwrap();
+        // So may text through a tokenizer.
+        let mut config = TrainConfig::default();
+        config.apply_assignment("data.tokenizer=tok.json").unwrap();
+        config.apply_assignment("model.vocab_size=100").unwrap();
+        config.validate().unwrap();
+        config.apply_assignment("data.tokenizer=").unwrap();
+        assert_eq!(config.data.tokenizer, None);
+        assert!(config.validate().is_err());
     }
 
     #[test]
@@ -867,6 +903,7 @@ val_fraction = 0.05
             metrics: Some("m".into()),
             data: DataConfig {
                 path: Some("p".into()),
+                tokenizer: Some("t".into()),
                 ..DataConfig::default()
             },
             ..TrainConfig::default()
@@ -886,7 +923,7 @@ val_fraction = 0.05
         for key in TrainConfig::KEYS {
             let mut c = TrainConfig::default();
             let value = match *key {
-                "out" | "metrics" | "data.path" => "x",
+                "out" | "metrics" | "data.path" | "data.tokenizer" => "x",
                 "model.bias" => "false",
                 _ => "1",
             };

@@ -4,29 +4,39 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use meshgrad_autograd::no_grad;
-use meshgrad_nn::data::TokenDataset;
+use meshgrad_nn::data::{load_dataset, LoadOptions, TokenSource};
 use meshgrad_nn::Gpt;
 use meshgrad_tensor::Tensor;
 
 /// Windows per forward pass during evaluation.
 const EVAL_BATCH: usize = 8;
 
+/// Tokens read at a time when checking ids against the model's vocabulary.
+const CHECK_CHUNK: usize = 1 << 16;
+
 /// Mean cross-entropy of `model` over `data`, by this definition: windows of the model's
 /// context length T starting at 0, T, 2T, ... while `start + T + 1 <= len`; inputs
 /// `tokens[s..s+T]`, targets `tokens[s+1..s+T+1]`; the mean over all targets (summed in f64).
-pub fn mean_loss(model: &Gpt, data: &TokenDataset) -> Result<f64> {
+pub fn mean_loss(model: &Gpt, data: &dyn TokenSource) -> Result<f64> {
     let t = model.config.block_size;
     let vocab = model.config.vocab_size;
-    if let Some((pos, &id)) = data
-        .tokens
-        .iter()
-        .enumerate()
-        .find(|(_, &id)| id as usize >= vocab)
-    {
-        anyhow::bail!(
-            "{}: token {id} at position {pos} is outside the model's vocabulary (size {vocab})",
-            data.source
-        );
+    if data.vocab_size() > vocab {
+        // Name the first id the model cannot take.
+        let mut buf = vec![0u32; CHECK_CHUNK];
+        let mut pos = 0;
+        while pos < data.len() {
+            let n = CHECK_CHUNK.min(data.len() - pos);
+            data.read(pos, &mut buf[..n])?;
+            if let Some(i) = buf[..n].iter().position(|&id| id as usize >= vocab) {
+                anyhow::bail!(
+                    "{}: token {} at position {} is outside the model's vocabulary (size {vocab})",
+                    data.source(),
+                    buf[i],
+                    pos + i
+                );
+            }
+            pos += n;
+        }
     }
     let starts: Vec<usize> = data.eval_windows(t)?.collect();
     let device = model.wte.weight.tensor().device();
@@ -50,10 +60,17 @@ pub fn mean_loss(model: &Gpt, data: &TokenDataset) -> Result<f64> {
     Ok(total / count as f64)
 }
 
-/// Loads the checkpoint in `checkpoint` and evaluates it on the token file `data`.
+/// Loads the checkpoint in `checkpoint` and evaluates it on `data`: text and JSONL go through the
+/// checkpoint's `tokenizer.json` when it has one (byte-level otherwise); a folder of token shards
+/// is evaluated on its validation shards when it has any, on all its shards otherwise.
 pub fn eval_checkpoint(checkpoint: &Path, data: &Path) -> Result<f64> {
     let model = crate::train::load_checkpoint(checkpoint)?;
-    let ds = TokenDataset::from_path(data)
+    let tokenizer = crate::train::load_checkpoint_tokenizer(checkpoint)?;
+    let opts = LoadOptions {
+        tokenizer: tokenizer.as_ref(),
+        shard_vocab_size: model.config.vocab_size,
+    };
+    let ds = load_dataset(data, &opts)
         .with_context(|| format!("reading eval data {}", data.display()))?;
     mean_loss(&model, &ds)
 }

@@ -1,18 +1,19 @@
-//! The `meshgrad` command line: train, evaluate and sample GPT models.
+//! The `meshgrad` command line: train, evaluate and sample GPT models; train and run tokenizers.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use meshgrad::config::TrainConfig;
+use meshgrad::nn::tokenizer::{Tokenizer, TokenizerKind};
 use meshgrad::train::Verbosity;
 
 #[derive(Parser)]
 #[command(
     name = "meshgrad",
     version,
-    about = "Train, evaluate and sample GPT models with meshgrad"
+    about = "Train, evaluate and sample GPT models with meshgrad; train and run tokenizers"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -41,10 +42,13 @@ enum Command {
     Train(TrainArgs),
     /// Mean next-token cross-entropy of a checkpoint over a token file; prints `loss=<value>`.
     Eval {
-        /// Checkpoint directory (config.json + model.safetensors).
+        /// Checkpoint directory (config.json + model.safetensors, and tokenizer.json when it was
+        /// trained with a tokenizer).
         #[arg(long)]
         checkpoint: PathBuf,
-        /// Token file: .bin (u16 ids) or text (bytes).
+        /// Data, as for `train --data`: text and .jsonl go through the checkpoint's
+        /// tokenizer.json (byte-level without one); a folder of shards is evaluated on its
+        /// validation shards (*_val_*.bin) when it has any, on all of them otherwise.
         #[arg(long)]
         data: PathBuf,
     },
@@ -53,7 +57,8 @@ enum Command {
         /// Checkpoint directory.
         #[arg(long)]
         checkpoint: PathBuf,
-        /// Prompt text (byte-level tokens).
+        /// Prompt text: encoded by the checkpoint's tokenizer.json (without special tokens) when
+        /// it has one, as bytes otherwise.
         #[arg(long)]
         prompt: Option<String>,
         /// Prompt as token ids, e.g. "12,7,99".
@@ -72,6 +77,45 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
+    /// Train tokenizers (Hugging Face tokenizer.json format).
+    Tokenizer {
+        #[command(subcommand)]
+        command: TokenizerCommand,
+    },
+    /// Encode text with a tokenizer; prints `tokens=[...]` (JSON) and, last, `ids=1,2,3`.
+    Tokenize {
+        /// A tokenizer.json (from `meshgrad tokenizer train`, or Hugging Face).
+        #[arg(long)]
+        tokenizer: PathBuf,
+        /// The text to encode.
+        #[arg(long)]
+        text: String,
+        /// Leave out the special tokens the tokenizer adds ([CLS] ... [SEP] for WordPiece); by
+        /// default they are added, as Hugging Face's `encode` does.
+        #[arg(long)]
+        no_special_tokens: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum TokenizerCommand {
+    /// Train a tokenizer on text files and write it as tokenizer.json. Text files are read line
+    /// by line, .jsonl files by their `text` fields.
+    Train {
+        /// bpe: byte-level BPE, GPT-2 style (special token <|endoftext|>); wordpiece: BERT style,
+        /// uncased (special tokens [PAD] [UNK] [CLS] [SEP] [MASK]).
+        #[arg(long, value_parser = ["bpe", "wordpiece"])]
+        kind: String,
+        /// Target vocabulary size, special tokens included (bpe: at least 257).
+        #[arg(long)]
+        vocab_size: usize,
+        /// Training text: a text file or a .jsonl file (repeatable).
+        #[arg(long, required = true)]
+        data: Vec<PathBuf>,
+        /// Where to write the tokenizer.json.
+        #[arg(long)]
+        out: PathBuf,
+    },
 }
 
 #[derive(clap::Args)]
@@ -85,9 +129,17 @@ struct TrainArgs {
     /// Run seed (weights, dropout, data order).
     #[arg(long)]
     seed: Option<u64>,
-    /// Training data: .bin (u16 ids) or a text file (bytes); default: the built-in corpus.
+    /// Training data (default: the built-in corpus): a folder of llm.c token shards (*.bin,
+    /// memory-mapped; *_val_*.bin are the validation set, else the last data.val_fraction is
+    /// held out), a .bin file (one llm.c shard, or raw little-endian u16 ids), a .jsonl file (a
+    /// "text" field per line) or a text file. Text and .jsonl are byte-level unless --tokenizer
+    /// is given.
     #[arg(long)]
     data: Option<String>,
+    /// A tokenizer.json for text and .jsonl data; the model's vocab size becomes the
+    /// tokenizer's and the checkpoint keeps a copy (tokenizer.json).
+    #[arg(long)]
+    tokenizer: Option<String>,
     /// Checkpoint directory.
     #[arg(long)]
     out: Option<String>,
@@ -118,10 +170,11 @@ fn train_config(a: &TrainArgs) -> Result<TrainConfig> {
         Some(p) => TrainConfig::from_toml_file(p)?,
         None => TrainConfig::default(),
     };
-    let flags: [(&str, Option<String>); 7] = [
+    let flags: [(&str, Option<String>); 8] = [
         ("train.steps", a.steps.map(|v| v.to_string())),
         ("train.seed", a.seed.map(|v| v.to_string())),
         ("data.path", a.data.clone()),
+        ("data.tokenizer", a.tokenizer.clone()),
         ("out", a.out.clone()),
         ("metrics", a.metrics.clone()),
         ("train.batch_size", a.batch_size.map(|v| v.to_string())),
@@ -192,11 +245,13 @@ fn run(cli: Cli) -> Result<()> {
             seed,
         } => {
             let model = meshgrad::train::load_checkpoint(&checkpoint)?;
+            let tokenizer = meshgrad::train::load_checkpoint_tokenizer(&checkpoint)?;
             let vocab = model.config.vocab_size;
-            let tokens = meshgrad::generate::prompt_tokens(
+            let tokens = meshgrad::generate::prompt_tokens_with(
                 prompt.as_deref(),
                 prompt_tokens.as_deref(),
                 vocab,
+                tokenizer.as_ref(),
             )?;
             let out = meshgrad::generate::generate(
                 &model,
@@ -206,14 +261,58 @@ fn run(cli: Cli) -> Result<()> {
                 top_k,
                 seed,
             )?;
-            if vocab <= 256 {
-                println!("{}", meshgrad::generate::detokenize(&out));
+            match &tokenizer {
+                Some(tok) => println!("{}", tok.decode(&out, true)?),
+                None if vocab <= 256 => println!("{}", meshgrad::generate::detokenize(&out)),
+                None => {}
             }
-            let ids: Vec<String> = out.iter().map(|t| t.to_string()).collect();
-            println!("ids={}", ids.join(","));
+            println!("ids={}", id_list(&out));
+        }
+        Command::Tokenizer {
+            command:
+                TokenizerCommand::Train {
+                    kind,
+                    vocab_size,
+                    data,
+                    out,
+                },
+        } => {
+            let kind: TokenizerKind = kind.parse()?;
+            let started = std::time::Instant::now();
+            let tok = Tokenizer::train(kind, vocab_size, &data)?;
+            if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::create_dir_all(dir)
+                    .with_context(|| format!("creating {}", dir.display()))?;
+            }
+            tok.save(&out)?;
+            println!(
+                "trained a {kind} tokenizer on {} file(s) in {:.1}s: vocab_size={} (target {vocab_size})",
+                data.len(),
+                started.elapsed().as_secs_f64(),
+                tok.vocab_size()
+            );
+            println!("wrote {}", out.display());
+        }
+        Command::Tokenize {
+            tokenizer,
+            text,
+            no_special_tokens,
+        } => {
+            let tok = Tokenizer::from_file(&tokenizer)?;
+            let (ids, pieces) = tok.encode_pieces(&text, !no_special_tokens)?;
+            println!("tokens={}", serde_json::to_string(&pieces)?);
+            println!("ids={}", id_list(&ids));
         }
     }
     Ok(())
+}
+
+/// Ids as `1,2,3`.
+fn id_list(ids: &[u32]) -> String {
+    ids.iter()
+        .map(|t| t.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 fn main() -> ExitCode {

@@ -11,12 +11,13 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use meshgrad_autograd::{no_grad, Var};
-use meshgrad_nn::data::TokenDataset;
+use meshgrad_nn::data::{load_split, split_dataset, Dataset, LoadOptions, TokenSource};
+use meshgrad_nn::ForwardCtx;
 use meshgrad_nn::optim::{
     clip_grad_norm, param_groups_for_decay, AdamW, AdamWConfig, CosineSchedule, Optimizer,
 };
 use meshgrad_nn::state::hf_gpt2;
-use meshgrad_nn::ForwardCtx;
+use meshgrad_nn::tokenizer::Tokenizer;
 use meshgrad_nn::{Gpt, GptConfig, Module};
 use meshgrad_parallel::micro_rows;
 use meshgrad_tensor::{DType, Device, Tensor};
@@ -66,23 +67,32 @@ pub fn gpt_config(cfg: &TrainConfig) -> GptConfig {
     }
 }
 
-/// Loads the training data the config names (the built-in corpus when no path is given).
-pub fn load_data(cfg: &TrainConfig) -> Result<TokenDataset> {
-    let ds = match &cfg.data.path {
-        None => crate::corpus::builtin_dataset(),
+/// The config a run trains with, and its tokenizer: with `data.tokenizer` set, the tokenizer is
+/// loaded and `model.vocab_size` becomes its vocabulary size. The result is validated.
+pub fn resolve_tokenizer(cfg: &TrainConfig) -> Result<(TrainConfig, Option<Tokenizer>)> {
+    let mut cfg = cfg.clone();
+    let tokenizer = match &cfg.data.tokenizer {
+        None => None,
         Some(p) => {
-            TokenDataset::from_path(p).with_context(|| format!("reading training data {p}"))?
+            let tok = Tokenizer::from_file(p)?;
+            cfg.model.vocab_size = tok.vocab_size();
+            Some(tok)
         }
     };
-    if ds.vocab_size > cfg.model.vocab_size {
-        anyhow::bail!(
-            "{}: token ids need a vocabulary of {} but model.vocab_size is {}",
-            ds.source,
-            ds.vocab_size,
-            cfg.model.vocab_size
-        );
+    cfg.validate()?;
+    Ok((cfg, tokenizer))
+}
+
+/// The name of the tokenizer file in a checkpoint directory.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+
+/// The tokenizer stored in a checkpoint directory (`tokenizer.json`), if there is one.
+pub fn load_checkpoint_tokenizer(dir: &Path) -> Result<Option<Tokenizer>> {
+    let path = dir.join(TOKENIZER_FILE);
+    if !path.exists() {
+        return Ok(None);
     }
-    Ok(ds)
+    Ok(Some(Tokenizer::from_file(&path)?))
 }
 
 /// Loads a checkpoint directory written by `meshgrad train` (Hugging Face GPT-2 format).
@@ -165,21 +175,51 @@ pub(crate) fn check_microbatches(
     Ok(())
 }
 
-/// The data of a run: the train and validation splits and where they came from.
+/// The data of a run: the train and validation splits, where they came from and the tokenizer
+/// (if any) that made them.
 pub(crate) struct RunData {
     pub(crate) source: String,
-    pub(crate) train: TokenDataset,
-    pub(crate) val: TokenDataset,
+    pub(crate) validation: String,
+    pub(crate) train: Dataset,
+    pub(crate) val: Dataset,
+    pub(crate) tokenizer: Option<Tokenizer>,
 }
 
-/// Loads and splits the data the config names.
-pub(crate) fn run_data(cfg: &TrainConfig) -> Result<RunData> {
-    let data = load_data(cfg)?;
-    let (train, val) = data.split(cfg.data.val_fraction, cfg.model.block_size + 1)?;
+/// Loads and splits the data the config names (the built-in corpus when no path is given), text
+/// through `tokenizer` when there is one. `cfg` is the resolved config
+/// ([`resolve_tokenizer`]): token shards are checked against its `model.vocab_size`.
+pub(crate) fn run_data(cfg: &TrainConfig, tokenizer: Option<Tokenizer>) -> Result<RunData> {
+    let min_len = cfg.model.block_size + 1;
+    let vf = cfg.data.val_fraction;
+    let split = match &cfg.data.path {
+        None => {
+            let ds = crate::corpus::builtin_dataset_with(tokenizer.as_ref())?;
+            let source = ds.source.clone();
+            split_dataset(ds.into(), source, vf, min_len)?
+        }
+        Some(p) => {
+            let opts = LoadOptions {
+                tokenizer: tokenizer.as_ref(),
+                shard_vocab_size: cfg.model.vocab_size,
+            };
+            load_split(Path::new(p), &opts, vf, min_len)
+                .with_context(|| format!("reading training data {p}"))?
+        }
+    };
+    if split.train.vocab_size() > cfg.model.vocab_size {
+        anyhow::bail!(
+            "{}: token ids need a vocabulary of {} but model.vocab_size is {}",
+            split.source,
+            split.train.vocab_size(),
+            cfg.model.vocab_size
+        );
+    }
     Ok(RunData {
-        source: data.source,
-        train,
-        val,
+        source: split.source,
+        validation: split.validation,
+        train: split.train,
+        val: split.val,
+        tokenizer,
     })
 }
 
@@ -216,7 +256,7 @@ pub(crate) fn run_model(cfg: &TrainConfig) -> Result<RunModel> {
 
 /// Ids and targets `[rows, t]` of global rows `rows` at `step` (of stream `seed`).
 fn batch_tensors(
-    ds: &TokenDataset,
+    ds: &Dataset,
     seed: u64,
     step: u64,
     rows: Range<u64>,
@@ -234,7 +274,7 @@ fn batch_tensors(
 /// evaluation). Each rank evaluates its `rows` of every batch; the ranks' means are averaged.
 fn val_loss(
     model: &Gpt,
-    val: &TokenDataset,
+    val: &Dataset,
     cfg: &TrainConfig,
     rows: &Range<u64>,
     sync: &dyn GradSync,
@@ -463,23 +503,41 @@ pub(crate) fn run_loop(
 
 /// The first log line of a run.
 pub(crate) fn header(cfg: &TrainConfig, model: &Gpt, data: &RunData, layout: &str) -> String {
+    let tokens = match &data.tokenizer {
+        Some(t) => format!("tokenizer {} (vocab {})", t.name(), t.vocab_size()),
+        None => "byte-level text".to_string(),
+    };
     format!(
-        "meshgrad train: {} parameters, {} train / {} val tokens from {}, {} steps of {} x {} tokens{layout}",
+        "meshgrad train: {} parameters, {} train / {} val tokens from {} (validation: {}; {tokens}), \
+         {} steps of {} x {} tokens{layout}",
         model.num_parameters(),
         data.train.len(),
         data.val.len(),
         data.source,
+        data.validation,
         cfg.train.steps,
         cfg.train.batch_size,
         cfg.model.block_size
     )
 }
 
-/// The leader's end of a run: closes the reporter, writes the checkpoint and the resolved
-/// config, samples and prints the summary.
+/// The prompt of the sample at the end of a run with a tokenizer: a newline, or the first special
+/// token the tokenizer adds (`[CLS]`) when a newline encodes to nothing, or id 0.
+fn sample_prompt(tok: &Tokenizer) -> Result<Vec<u32>> {
+    let newline = tok.encode("\n", false)?;
+    if !newline.is_empty() {
+        return Ok(newline);
+    }
+    Ok(vec![tok.encode("", true)?.first().copied().unwrap_or(0)])
+}
+
+/// The leader's end of a run: closes the reporter, writes the checkpoint, the resolved config
+/// and the tokenizer (`tokenizer.json`, when the run has one; a stale one is removed otherwise),
+/// samples and prints the summary.
 pub(crate) fn finish_run(
     cfg: &TrainConfig,
     model: &Gpt,
+    tokenizer: Option<&Tokenizer>,
     rep: Reporter,
     r: LoopResult,
     verbosity: Verbosity,
@@ -491,19 +549,38 @@ pub(crate) fn finish_run(
     let cfg_text = cfg.to_toml_string()?;
     std::fs::write(out.join("meshgrad.toml"), cfg_text)
         .with_context(|| format!("writing {}/meshgrad.toml", out.display()))?;
+    let tok_path = out.join(TOKENIZER_FILE);
+    match tokenizer {
+        Some(tok) => tok.save(&tok_path)?,
+        None if tok_path.exists() => std::fs::remove_file(&tok_path)
+            .with_context(|| format!("removing the stale {}", tok_path.display()))?,
+        None => {}
+    }
 
-    let sample = if cfg.train.sample_tokens > 0 && cfg.model.vocab_size >= 256 {
-        let prompt = b"\n".iter().map(|&c| c as u32).collect::<Vec<_>>();
-        let toks = model.generate(
-            &prompt,
-            cfg.train.sample_tokens,
-            0.8,
-            Some(40),
-            cfg.train.seed,
-        )?;
-        crate::generate::detokenize(&toks)
-    } else {
-        String::new()
+    let sample = match tokenizer {
+        _ if cfg.train.sample_tokens == 0 => String::new(),
+        Some(tok) => {
+            let toks = model.generate(
+                &sample_prompt(tok)?,
+                cfg.train.sample_tokens,
+                0.8,
+                Some(40),
+                cfg.train.seed,
+            )?;
+            tok.decode(&toks, true)?
+        }
+        None if cfg.model.vocab_size >= 256 => {
+            let prompt = b"\n".iter().map(|&c| c as u32).collect::<Vec<_>>();
+            let toks = model.generate(
+                &prompt,
+                cfg.train.sample_tokens,
+                0.8,
+                Some(40),
+                cfg.train.seed,
+            )?;
+            crate::generate::detokenize(&toks)
+        }
+        None => String::new(),
     };
     let summary = TrainSummary {
         initial_val_loss: r.initial_val_loss,
@@ -542,9 +619,10 @@ pub fn train_with(
     opts: &TrainOptions,
     verbosity: Verbosity,
 ) -> Result<TrainSummary> {
-    cfg.validate()?;
+    let (cfg, tokenizer) = resolve_tokenizer(cfg)?;
+    let cfg = &cfg;
     check_microbatches(cfg, 1, opts.microbatches)?;
-    let data = run_data(cfg)?;
+    let data = run_data(cfg, tokenizer)?;
     let mut run = run_model(cfg)?;
     let mut rep = Reporter::leader(cfg, verbosity)?;
     let micro = if opts.microbatches > 1 {
@@ -563,5 +641,5 @@ pub fn train_with(
         &SingleDevice,
         &mut rep,
     )?;
-    finish_run(cfg, &run.model, rep, r, verbosity)
+    finish_run(cfg, &run.model, data.tokenizer.as_ref(), rep, r, verbosity)
 }

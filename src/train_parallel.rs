@@ -23,8 +23,8 @@ use meshgrad_parallel::{
 
 use crate::config::TrainConfig;
 use crate::train::{
-    check_microbatches, finish_run, header, run_data, run_loop, run_model, GradSync, Reporter,
-    RunModel, TrainOptions, TrainSummary, Verbosity,
+    check_microbatches, finish_run, header, resolve_tokenizer, run_data, run_loop, run_model,
+    GradSync, Reporter, RunModel, TrainOptions, TrainSummary, Verbosity,
 };
 
 /// How long a rank waits for its peers in any collective before failing the run. Ranks do the
@@ -121,9 +121,10 @@ pub fn train_parallel(
     opts: &TrainOptions,
     verbosity: Verbosity,
 ) -> Result<TrainSummary> {
-    cfg.validate()?;
+    let (cfg, tokenizer) = resolve_tokenizer(cfg)?;
+    let cfg = &cfg;
     let world = check_layout(cfg, layout, opts)?;
-    let data = run_data(cfg)?;
+    let data = run_data(cfg, tokenizer)?;
     let run_opts = RunOptions::with_timeout(COLLECTIVE_TIMEOUT);
     let summaries = run_ranks(world, &run_opts, |ctx| {
         let r = (|| -> Result<Option<TrainSummary>> {
@@ -177,7 +178,14 @@ pub fn train_parallel(
                 sdp.summon_full_params()?;
             }
             if leader {
-                Ok(Some(finish_run(cfg, &run.model, rep, result, verbosity)?))
+                Ok(Some(finish_run(
+                    cfg,
+                    &run.model,
+                    data.tokenizer.as_ref(),
+                    rep,
+                    result,
+                    verbosity,
+                )?))
             } else {
                 Ok(None)
             }

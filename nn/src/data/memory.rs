@@ -1,155 +1,10 @@
-//! Token datasets for language-model training.
-//!
-//! A [`TokenDataset`] is a flat sequence of token ids. It is loaded from
-//!
-//! * a nanoGPT-style `.bin` file of little-endian `u16` ids ([`TokenDataset::from_bin`]),
-//! * any other file, read as bytes, one token per byte ([`TokenDataset::from_text_file`]),
-//! * bytes in memory, such as the built-in corpus ([`TokenDataset::from_bytes`]).
-//!
-//! Training draws random windows with a *layout-invariant* sampler: the window of global batch row
-//! `b` at step `s` is a pure function of `(seed, s, b)` (see [`window_hash`]). A data-parallel rank
-//! that owns rows `lo..hi` of the global batch calls [`TokenDataset::batch`] with that range and gets
-//! exactly the rows a single device would get for the same range.
-//!
-//! Evaluation uses fixed, non-overlapping windows ([`TokenDataset::eval_windows`]).
-//!
-//! This module depends only on `std` and `thiserror`.
+//! In-memory token datasets: [`TokenDataset`], a flat `Vec<u32>` of token ids.
 
 use std::fmt;
 use std::ops::Range;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-/// Errors from loading, splitting and sampling token datasets.
-///
-/// Every message names the file or dataset and the numbers involved, on one line.
-#[derive(Debug, thiserror::Error)]
-pub enum DataError {
-    /// A file could not be opened or read.
-    #[error("cannot read dataset file {}: {error}", path.display())]
-    Io {
-        /// The file that could not be read.
-        path: PathBuf,
-        /// The operating system's error.
-        error: std::io::Error,
-    },
-    /// A `.bin` token file whose length is not a multiple of 2 bytes.
-    #[error(
-        "token file {} has an odd length of {len} bytes; a .bin file holds little-endian u16 \
-         token ids, 2 bytes each",
-        path.display()
-    )]
-    OddLength {
-        /// The file.
-        path: PathBuf,
-        /// Its length in bytes.
-        len: u64,
-    },
-    /// A file with no tokens in it.
-    #[error("dataset file {} is empty (0 bytes)", path.display())]
-    EmptyFile {
-        /// The file.
-        path: PathBuf,
-    },
-    /// A token id that is not below the dataset's vocabulary size.
-    #[error(
-        "dataset {name}: token id {id} at position {position} is out of range for vocab_size \
-         {vocab_size} (ids must be < vocab_size)"
-    )]
-    TokenOutOfRange {
-        /// The dataset's name ([`TokenDataset::source`]).
-        name: String,
-        /// The offending id.
-        id: u32,
-        /// Its position in the token sequence.
-        position: usize,
-        /// The vocabulary size it violates.
-        vocab_size: usize,
-    },
-    /// A vocabulary size of zero for a non-empty dataset, or one too large to index.
-    #[error("dataset {name}: invalid vocab_size {vocab_size}")]
-    BadVocabSize {
-        /// The dataset's name.
-        name: String,
-        /// The rejected vocabulary size.
-        vocab_size: usize,
-    },
-    /// A validation fraction outside the open interval (0, 1).
-    #[error("dataset {name}: val_fraction must be in (0, 1), got {val_fraction}")]
-    BadValFraction {
-        /// The dataset's name.
-        name: String,
-        /// The rejected fraction.
-        val_fraction: f64,
-    },
-    /// A split whose train or validation part is shorter than required.
-    #[error(
-        "dataset {name}: splitting {len} tokens with val_fraction {val_fraction} gives {train} \
-         train and {val} validation tokens, but each part needs at least {min_len}"
-    )]
-    SplitTooShort {
-        /// The dataset's name.
-        name: String,
-        /// Total number of tokens.
-        len: usize,
-        /// The requested validation fraction.
-        val_fraction: f64,
-        /// Tokens in the train part.
-        train: usize,
-        /// Tokens in the validation part.
-        val: usize,
-        /// The required minimum length of each part.
-        min_len: usize,
-    },
-    /// A sequence length of zero.
-    #[error("dataset {name}: seq_len must be at least 1, got 0")]
-    ZeroSeqLen {
-        /// The dataset's name.
-        name: String,
-    },
-    /// A dataset too short to hold a single window of `seq_len + 1` tokens.
-    #[error(
-        "dataset {name} has {len} tokens, but a window of seq_len {seq_len} needs at least {need} \
-         (seq_len + 1 for the shifted targets)"
-    )]
-    TooShort {
-        /// The dataset's name.
-        name: String,
-        /// Its length in tokens.
-        len: usize,
-        /// The requested sequence length.
-        seq_len: usize,
-        /// Tokens needed: `seq_len + 1`.
-        need: usize,
-    },
-    /// A window start that does not leave room for `seq_len + 1` tokens.
-    #[error(
-        "dataset {name}: window start {start} with seq_len {seq_len} runs past the end of its \
-         {len} tokens (needs start + seq_len + 1 <= len)"
-    )]
-    WindowOutOfRange {
-        /// The dataset's name.
-        name: String,
-        /// The requested start.
-        start: usize,
-        /// The requested sequence length.
-        seq_len: usize,
-        /// The dataset's length in tokens.
-        len: usize,
-    },
-    /// A request for a batch with no rows.
-    #[error("dataset {name}: a batch needs at least one row, got rows {start}..{end}")]
-    EmptyBatch {
-        /// The dataset's name.
-        name: String,
-        /// First requested row.
-        start: u64,
-        /// One past the last requested row.
-        end: u64,
-    },
-}
-
-/// Result type of this module.
-pub type Result<T, E = DataError> = std::result::Result<T, E>;
+use super::{reduce, window_hash, Batch, DataError, Result};
 
 /// A flat sequence of token ids with its vocabulary size and a human-readable origin.
 #[derive(Clone, PartialEq, Eq)]
@@ -173,68 +28,6 @@ impl fmt::Debug for TokenDataset {
             .field("vocab_size", &self.vocab_size)
             .finish()
     }
-}
-
-/// A batch of training or evaluation windows, row-major `[rows, seq_len]`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Batch {
-    /// Input ids, `rows * seq_len` of them; row `r` is `inputs[r * seq_len..(r + 1) * seq_len]`.
-    pub inputs: Vec<u32>,
-    /// Target ids, the inputs shifted left by one token within the corpus.
-    pub targets: Vec<u32>,
-    /// Number of rows (sequences).
-    pub rows: usize,
-    /// Tokens per row.
-    pub seq_len: usize,
-}
-
-impl Batch {
-    /// The inputs and targets of row `r`, or `None` when `r >= rows`.
-    pub fn row(&self, r: usize) -> Option<(&[u32], &[u32])> {
-        if r >= self.rows {
-            return None;
-        }
-        let span = r * self.seq_len..(r + 1) * self.seq_len;
-        Some((&self.inputs[span.clone()], &self.targets[span]))
-    }
-}
-
-/// Domain tag mixed into the sampler's key so that its stream differs from other users of the same
-/// seed (dropout masks, weight initialisation). It is the ASCII bytes of `"mg-data\0"`.
-pub const SAMPLER_DOMAIN: u64 = 0x6d67_2d64_6174_6100;
-
-/// One SplitMix64 step: adds the golden-ratio increment to `x` and applies the SplitMix64
-/// finaliser. A bijection on `u64` with strong avalanche.
-pub fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-/// The sampler's counter-based hash of `(seed, step, row)`.
-///
-/// Defined as
-///
-/// ```text
-/// h = splitmix64(seed ^ SAMPLER_DOMAIN)
-/// h = splitmix64(h ^ step)
-/// h = splitmix64(h ^ row)
-/// ```
-///
-/// Each stage is a bijection of its input, so for a fixed `(seed, step)` distinct rows give
-/// distinct hashes, and nothing depends on how many rows were drawn before or by whom.
-pub fn window_hash(seed: u64, step: u64, row: u64) -> u64 {
-    let h = splitmix64(seed ^ SAMPLER_DOMAIN);
-    let h = splitmix64(h ^ step);
-    splitmix64(h ^ row)
-}
-
-/// Maps a 64-bit hash uniformly onto `0..n` by taking the high 64 bits of `hash * n`
-/// (Lemire's multiply-shift). The bias is at most `n / 2^64`.
-fn reduce(hash: u64, n: usize) -> usize {
-    // n <= usize::MAX <= u64::MAX on all supported targets; the result is < n.
-    ((u128::from(hash) * n as u128) >> 64) as usize
 }
 
 impl TokenDataset {
@@ -392,22 +185,7 @@ impl TokenDataset {
     /// Checks that at least one window of `seq_len` inputs plus one target fits, and returns the
     /// number of valid window starts, `len - seq_len`.
     pub fn num_window_starts(&self, seq_len: usize) -> Result<usize> {
-        if seq_len == 0 {
-            return Err(DataError::ZeroSeqLen {
-                name: self.source.clone(),
-            });
-        }
-        let len = self.tokens.len();
-        let need = seq_len.saturating_add(1);
-        if len < need {
-            return Err(DataError::TooShort {
-                name: self.source.clone(),
-                len,
-                seq_len,
-                need,
-            });
-        }
-        Ok(len - seq_len)
+        super::window_starts(&self.source, self.tokens.len(), seq_len)
     }
 
     /// Start of the training window of global batch row `row` at step `step`.
@@ -549,6 +327,8 @@ fn read_file(path: &Path) -> Result<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::data::splitmix64;
+    use std::path::PathBuf;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     /// A file in the temp dir that is removed when dropped.
