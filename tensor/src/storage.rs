@@ -166,7 +166,9 @@ pub type Materializer = Arc<dyn Fn() -> Result<()> + Send + Sync>;
 /// Reading or writing a released cell runs its [`Materializer`] first, if it has one (outside the
 /// cell's lock, so the materialiser may take the lock itself), then proceeds; without one it is
 /// a [`Error::Released`] error, not a crash. Shape, dtype and device queries never need the
-/// buffer and never run the materialiser.
+/// buffer and never run the materialiser. A materialiser never runs on a rayon pool thread
+/// (that is an error): an op that reads tensors inside rayon tasks first calls
+/// [`crate::Tensor::ensure_materialized`] on them.
 pub struct StorageCell {
     inner: RwLock<Option<Allocation>>,
     materializer: RwLock<Option<Materializer>>,
@@ -219,6 +221,15 @@ impl StorageCell {
         let Some(m) = self.materializer() else {
             return Err(Error::Released { op });
         };
+        if rayon::current_thread_index().is_some() {
+            // A materialiser may wait for other ranks (a collective); a pool thread blocked on
+            // them could starve the ops those ranks need to get there.
+            return Err(Error::Msg(format!(
+                "{op}: a released tensor was read inside a rayon task, where its materialiser \
+                 must not run; the op should call Tensor::ensure_materialized() on its inputs \
+                 before spawning tasks"
+            )));
+        }
         m().map_err(|e| Error::Msg(format!("{op}: materialising a released tensor: {e}")))
     }
 

@@ -548,6 +548,16 @@ impl Tensor {
         self.0.storage.set_materializer(m)
     }
 
+    /// Makes the storage present now, on this thread: runs its materialiser if it is released
+    /// (an error if it is released with none). Ops that read tensors inside rayon tasks call it
+    /// on them first, since a materialiser must not run on a pool thread.
+    pub fn ensure_materialized(&self) -> Result<()> {
+        if self.is_materialized() {
+            return Ok(());
+        }
+        self.0.storage.read("ensure_materialized").map(drop)
+    }
+
     /// Whether this tensor's storage has a materialiser.
     pub fn has_materializer(&self) -> bool {
         self.0.storage.has_materializer()

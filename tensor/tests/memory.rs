@@ -146,6 +146,21 @@ fn a_materializer_runs_when_a_released_storage_is_used() {
     assert_eq!(seen.load(Ordering::SeqCst), 1, "in use: not released");
     assert!(live.is_materialized());
     assert!(t.try_release_storage() && !t.is_materialized());
+    // Inside a rayon task a materialiser must not run (it may wait for other ranks): an error;
+    // ensure_materialized() on the calling thread first is the way.
+    t.release_storage();
+    let e = rayon::join(|| t.exp().map(drop), || ())
+        .0
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("rayon task") && e.contains("ensure_materialized"),
+        "{e}"
+    );
+    t.ensure_materialized().unwrap();
+    assert!(t.is_materialized());
+    rayon::join(|| t.exp().unwrap(), || ());
+    t.release_storage();
     // A failing materialiser's error comes back from the op; one that does not materialise is
     // an error too; without one, the error says what to do.
     t.set_materializer(Some(Arc::new(|| meshgrad_tensor::bail!("no shards here"))));
