@@ -4,14 +4,12 @@
 
 pub mod data;
 pub mod gpt;
-pub mod hooks;
 pub mod layers;
 pub mod module;
 pub mod optim;
 pub mod state;
 
 pub use gpt::{Gpt, GptConfig};
-pub use hooks::{ForwardHooks, HookSlot, Stage, Staged};
 pub use layers::{
     Activation, Block, BlockConfig, CausalSelfAttention, Dropout, Embedding, LayerNorm, Linear,
     LinearConfig, Mlp, Sequential,
