@@ -3,7 +3,8 @@
 //! forward. Units are chosen by module path (`layers.*`, or the default Auto policy, which finds
 //! the same list), and the run is trained in lockstep with a single device on the same global
 //! batch. Also: the errors for a unit pattern that matches nothing and for running the model
-//! after its wrapper is dropped, without panics or hangs.
+//! after its wrapper is dropped, without panics or hangs; and an op that reads parameters of two
+//! units at once (both are gathered; the one in use is not released under it).
 //!
 //! Tolerances (f32, 2 ranks): per-step losses within 1e-5 relative; final weights within 1e-5
 //! of each tensor's largest magnitude (`max |a - b| <= 1e-5 * max |b|`). The two ranks sum the
@@ -312,4 +313,86 @@ fn a_model_used_after_its_wrapper_is_dropped_says_what_to_do() {
     })
     .unwrap();
     assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+}
+
+/// Two linears whose first op reads a parameter of each (`x a.weightᵀ + b.bias`): with `a` and
+/// `b` as separate units, one op needs both units at once.
+#[derive(meshgrad_nn::Module)]
+#[module(crate = meshgrad_nn)]
+struct CrossUnit {
+    a: Linear,
+    b: Linear,
+}
+
+impl CrossUnit {
+    fn loss(&self, x: &Var) -> Result<Var> {
+        let h = Var::linear(x, &self.a.weight, self.b.bias.as_ref())?.relu()?;
+        let y = self.b.forward(&self.a.forward(&h)?.relu()?)?;
+        y.sqr()?.mean_all()
+    }
+}
+
+#[test]
+fn an_op_reading_two_units_gathers_both() {
+    let build = |seed| {
+        ParamBuilder::new(seed).build(|p| {
+            Ok(CrossUnit {
+                a: Linear::new(p, 8, 8)?,
+                b: Linear::new(p, 8, 8)?,
+            })
+        })
+    };
+    let input = |rows: std::ops::Range<u64>| -> Result<Var> {
+        let n = (rows.end - rows.start) as usize;
+        let v: Vec<f32> = rows
+            .flat_map(|r| (0..8u64).map(move |c| ((r * 8 + c) % 7) as f32 / 7.0 - 0.4))
+            .collect();
+        Ok(Var::constant(Tensor::from_vec(v, (n, 8), Device::Cpu)?))
+    };
+    // Single device.
+    let model: CrossUnit = build(SEED).unwrap();
+    let mut opt = AdamW::new(
+        param_groups_for_decay(model.named_parameters(), WD),
+        AdamWConfig::default(),
+    )
+    .unwrap();
+    let mut want = Vec::new();
+    for _ in 0..3 {
+        opt.zero_grad();
+        let loss = model.loss(&input(0..4).unwrap()).unwrap();
+        want.push(loss.tensor().item().unwrap());
+        loss.backward().unwrap();
+        opt.step(LR).unwrap();
+    }
+    let want = (want, to_weights(state_dict(&model)));
+    let opts = RunOptions::with_timeout(Duration::from_secs(30));
+    let outs = run_ranks(2, &opts, |ctx| {
+        let model: CrossUnit = build(SEED)?;
+        let mut config = ShardConfig::new(ZeroStage::Three);
+        config.wrap = WrapPolicy::paths(["a", "b"]);
+        let sdp = ShardedDataParallel::new(
+            &model,
+            param_groups_for_decay(model.named_parameters(), WD),
+            AdamWConfig::default(),
+            ShardTopology::flat(ctx.comm.clone()),
+            config,
+        )?;
+        let mut losses = Vec::new();
+        for _ in 0..3 {
+            sdp.zero_grad();
+            let loss = model.loss(&input(rank_rows(4, 2, ctx.rank)?)?)?;
+            let local = loss.tensor().item()?;
+            loss.backward()?;
+            sdp.finish()?;
+            sdp.step(LR)?;
+            losses.push(all_reduce_scalar(ctx.comm.as_ref(), local, ReduceOp::Avg)?);
+        }
+        // The op held a.weight while b was gathered, so both were present at once.
+        assert_eq!(sdp.gather_stats().max_gathered, 2);
+        let weights = to_weights(sdp.full_state_dict(FullStateDictOptions::default())?);
+        Ok((losses, weights))
+    })
+    .unwrap();
+    assert_eq!(outs[0], outs[1]);
+    assert_close("cross-unit op", &outs[0], &want);
 }
