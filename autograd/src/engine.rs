@@ -6,6 +6,7 @@
 //! Gradient contributions to one variable are summed in that processing order, so a backward
 //! pass is bit-for-bit repeatable.
 
+use std::cell::Cell;
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
 
 use meshgrad_tensor::{profile, Error, Result, Tensor};
@@ -32,8 +33,39 @@ pub fn grad(roots: &[(Var, Tensor)], wrt: &[Var]) -> Result<Vec<Option<Tensor>>>
     run(roots, Sink::Capture(wrt))
 }
 
+thread_local! {
+    /// How many backward passes ([`backward`] or [`grad`]) are running on this thread (nested:
+    /// a checkpointed block's backward runs `grad` inside the outer pass).
+    static BACKWARD_DEPTH: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Whether a backward pass ([`backward`] or [`grad`]) is running on this thread: true inside
+/// backward closures, gradient-ready and pre-backward hooks, and the forward that activation
+/// checkpointing recomputes during backward. Sharded data parallelism asks it to tell whether
+/// a parameter is read by the forward or by the backward.
+pub fn is_backward_running() -> bool {
+    BACKWARD_DEPTH.with(|d| d.get() > 0)
+}
+
+/// Marks this thread as running a backward pass while alive (panic-safe).
+struct BackwardScope;
+
+impl BackwardScope {
+    fn enter() -> Self {
+        BACKWARD_DEPTH.with(|d| d.set(d.get() + 1));
+        BackwardScope
+    }
+}
+
+impl Drop for BackwardScope {
+    fn drop(&mut self) {
+        BACKWARD_DEPTH.with(|d| d.set(d.get() - 1));
+    }
+}
+
 fn run(roots: &[(Var, Tensor)], sink: Sink<'_>) -> Result<Vec<Option<Tensor>>> {
     let _phase = profile::phase(profile::Phase::Backward);
+    let _scope = BackwardScope::enter();
     // Discover the graph and count, for every variable, the edges from recorded nodes into it.
     let mut consumers: HashMap<VarId, usize> = HashMap::new();
     let mut vars: HashMap<VarId, Var> = HashMap::new();
@@ -241,6 +273,22 @@ mod tests {
     use meshgrad_tensor::{Device, Tensor};
 
     use super::accumulate;
+
+    #[test]
+    fn backward_running_is_visible_inside_backward_only() {
+        use std::sync::{Arc, Mutex};
+        let x = crate::Var::leaf(Tensor::from_vec(vec![1f32, 2.], 2, Device::Cpu).unwrap());
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let s = seen.clone();
+        x.register_grad_ready_hook(Arc::new(move |_| {
+            s.lock().unwrap().push(super::is_backward_running());
+            Ok(())
+        }));
+        assert!(!super::is_backward_running());
+        x.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+        assert!(!super::is_backward_running());
+        assert_eq!(*seen.lock().unwrap(), vec![true]);
+    }
 
     #[test]
     fn accumulate_never_writes_into_a_shared_tensor() {

@@ -24,7 +24,7 @@ mod ops;
 mod var;
 
 pub use checkpoint::{checkpoint, BlockFn};
-pub use engine::{backward, grad};
+pub use engine::{backward, grad, is_backward_running};
 pub use forward_ctx::{next_use, ForwardCtx};
 pub use function::{apply, Function};
 pub use grad_mode::{enable_grad, is_enabled as is_grad_enabled, no_grad};

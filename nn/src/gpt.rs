@@ -5,7 +5,6 @@ use std::sync::Arc;
 use meshgrad_autograd::{no_grad, Var};
 use meshgrad_tensor::{DType, Device, Result, Tensor};
 
-use crate::hooks::{run_stage, HookSlot, Stage, Staged};
 use crate::layers::{Block, BlockConfig, Dropout, Embedding, LayerNorm};
 use crate::module::{Forward, Module, ParamBuilder};
 
@@ -88,9 +87,6 @@ pub struct Gpt {
     pub ln_f: LayerNorm,
     /// Recompute each block's activations during backward instead of storing them.
     pub activation_checkpointing: bool,
-    /// Hooks called around each forward stage (see [`Staged`]); empty unless a wrapper such as
-    /// FSDP installs some.
-    hooks: HookSlot,
 }
 
 impl Gpt {
@@ -123,7 +119,6 @@ impl Gpt {
                         .collect::<Result<_>>()?,
                     ln_f: LayerNorm::new(p, c.n_embd, c.bias, c.layer_norm_eps)?,
                     activation_checkpointing: false,
-                    hooks: HookSlot::default(),
                 })
             })
     }
@@ -157,35 +152,27 @@ impl Gpt {
         self.run(ids, true)
     }
 
-    /// The forward as [`Staged`] stages: `embed` (token + position embeddings, dropout), one
-    /// stage per block (`h.i`), and `head` (`ln_f`, then with `logits` the tied projection
-    /// x wteᵀ as a fused linear, whose weight gradient comes out in wte's layout).
+    /// The forward: token + position embeddings and dropout, the blocks (each recomputed in
+    /// backward with activation checkpointing), `ln_f`, then with `logits` the tied projection
+    /// x wteᵀ as a fused linear, whose weight gradient comes out in wte's layout.
     fn run(&self, ids: &Tensor, logits: bool) -> Result<Var> {
         let (_, t) = self.check_ids(ids)?;
-        let hooks = self.hooks.get();
-        let hooks = hooks.as_ref();
-        let mut x = run_stage(hooks, 0, || {
-            let pos = Tensor::arange(0, t as i64, DType::I64, ids.device())?;
-            let x = self.wte.forward(ids)?.add(&self.wpe.forward(&pos)?)?;
-            self.drop.forward(&x)
-        })?;
-        for (i, block) in self.h.iter().enumerate() {
-            x = run_stage(hooks, 1 + i, || {
-                if self.activation_checkpointing {
-                    block.forward_checkpointed(&x)
-                } else {
-                    block.forward(&x)
-                }
-            })?;
-        }
-        run_stage(hooks, 1 + self.h.len(), || {
-            let x = self.ln_f.forward(&x)?;
-            if logits {
-                Var::linear(&x, &self.wte.weight, None)
+        let pos = Tensor::arange(0, t as i64, DType::I64, ids.device())?;
+        let x = self.wte.forward(ids)?.add(&self.wpe.forward(&pos)?)?;
+        let mut x = self.drop.forward(&x)?;
+        for block in &self.h {
+            x = if self.activation_checkpointing {
+                block.forward_checkpointed(&x)?
             } else {
-                Ok(x)
-            }
-        })
+                block.forward(&x)?
+            };
+        }
+        let x = self.ln_f.forward(&x)?;
+        if logits {
+            Var::linear(&x, &self.wte.weight, None)
+        } else {
+            Ok(x)
+        }
     }
 
     /// Mean next-token cross-entropy of `ids [B, T]` against `targets [B, T]` (targets equal to
@@ -303,27 +290,4 @@ fn sample(logits: &[f64], temperature: f64, top_k: Option<usize>, u: f64) -> usi
         }
     }
     kept[k - 1]
-}
-
-impl Staged for Gpt {
-    /// `embed` (reads `wte`, `wpe`), `h.0` .. `h.{n_layer-1}` (each its own sharding unit by
-    /// default), `head` (reads `ln_f` and the tied `wte`).
-    fn stages(&self) -> Vec<Stage> {
-        let stage = |name: &str, prefixes: &[&str], own_unit| Stage {
-            name: name.to_string(),
-            param_prefixes: prefixes.iter().map(|p| p.to_string()).collect(),
-            own_unit,
-        };
-        let mut v = vec![stage("embed", &["wte", "wpe"], false)];
-        for i in 0..self.h.len() {
-            let n = format!("h.{i}");
-            v.push(stage(&n, &[&n], true));
-        }
-        v.push(stage("head", &["ln_f", "wte"], false));
-        v
-    }
-
-    fn forward_hooks(&self) -> &HookSlot {
-        &self.hooks
-    }
 }

@@ -5,7 +5,6 @@
 
 pub mod data;
 pub mod gpt;
-pub mod hooks;
 pub mod layers;
 pub mod module;
 pub mod optim;
@@ -13,7 +12,6 @@ pub mod state;
 pub mod tokenizer;
 
 pub use gpt::{Gpt, GptConfig};
-pub use hooks::{ForwardHooks, HookSlot, Stage, Staged};
 pub use layers::{
     Activation, Block, BlockConfig, CausalSelfAttention, Dropout, Embedding, LayerNorm, Linear,
     LinearConfig, Mlp, Sequential,

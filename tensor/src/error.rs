@@ -53,8 +53,14 @@ pub enum Error {
         /// The tensor's shape.
         shape: Shape,
     },
-    /// The storage was released (see [`crate::Tensor::release_storage`]) and not re-materialised.
-    #[error("{op}: the tensor's storage is released (not materialised)")]
+    /// The storage was released (see [`crate::Tensor::release_storage`]), not re-materialised,
+    /// and has no materialiser.
+    #[error(
+        "{op}: the tensor's storage is released (freed by release_storage, as ZeRO-3 / FSDP does \
+         with parameters between uses) and nothing materialises it: put data back with \
+         materialize_from, or run the model while the ShardedDataParallel wrapper that sharded it \
+         is alive (or call its summon_full_params() before dropping it)"
+    )]
     Released {
         /// The operation.
         op: &'static str,

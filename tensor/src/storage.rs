@@ -153,14 +153,38 @@ impl Allocation {
     }
 }
 
+/// A callback that materialises a released [`StorageCell`] when an op reads or writes it (see
+/// [`crate::Tensor::set_materializer`]). It runs on the thread of the op, with no lock of the
+/// cell held, and must put a buffer back (e.g. with [`crate::Tensor::materialize_from`]) or
+/// return an error that says why it cannot.
+pub type Materializer = Arc<dyn Fn() -> Result<()> + Send + Sync>;
+
 /// The shared, releasable home of a storage. Tensors (and views) hold an `Arc` of it. Releasing
 /// frees the buffer while every handle (and any autograd graph that references it) stays valid;
-/// materialising puts a buffer back. Reading a released cell is an error, not a crash.
-#[derive(Debug)]
+/// materialising puts a buffer back.
+///
+/// Reading or writing a released cell runs its [`Materializer`] first, if it has one (outside the
+/// cell's lock, so the materialiser may take the lock itself), then proceeds; without one it is
+/// a [`Error::Released`] error, not a crash. Shape, dtype and device queries never need the
+/// buffer and never run the materialiser. A materialiser never runs on a rayon pool thread
+/// (that is an error): an op that reads tensors inside rayon tasks first calls
+/// [`crate::Tensor::ensure_materialized`] on them.
 pub struct StorageCell {
     inner: RwLock<Option<Allocation>>,
+    materializer: RwLock<Option<Materializer>>,
     dtype: DType,
     device: Device,
+}
+
+impl std::fmt::Debug for StorageCell {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StorageCell")
+            .field("dtype", &self.dtype)
+            .field("device", &self.device)
+            .field("materialized", &self.is_materialized())
+            .field("has_materializer", &self.has_materializer())
+            .finish()
+    }
 }
 
 impl StorageCell {
@@ -168,6 +192,7 @@ impl StorageCell {
         let (dtype, device) = (storage.dtype(), storage.device());
         Arc::new(StorageCell {
             inner: RwLock::new(Some(Allocation::new(storage))),
+            materializer: RwLock::new(None),
             dtype,
             device,
         })
@@ -183,34 +208,103 @@ impl StorageCell {
         self.device
     }
 
+    fn materializer(&self) -> Option<Materializer> {
+        self.materializer
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Runs the materialiser of a released cell (the caller holds no lock of it); an error if
+    /// there is none or it fails.
+    fn run_materializer(&self, op: &'static str) -> Result<()> {
+        let Some(m) = self.materializer() else {
+            return Err(Error::Released { op });
+        };
+        if rayon::current_thread_index().is_some() {
+            // A materialiser may wait for other ranks (a collective); a pool thread blocked on
+            // them could starve the ops those ranks need to get there.
+            return Err(Error::Msg(format!(
+                "{op}: a released tensor was read inside a rayon task, where its materialiser \
+                 must not run; the op should call Tensor::ensure_materialized() on its inputs \
+                 before spawning tasks"
+            )));
+        }
+        m().map_err(|e| Error::Msg(format!("{op}: materialising a released tensor: {e}")))
+    }
+
     pub(crate) fn read(&self, op: &'static str) -> Result<StorageRead<'_>> {
         let g = self.inner.read().unwrap_or_else(|e| e.into_inner());
+        if g.is_some() {
+            return Ok(StorageRead(g));
+        }
+        drop(g);
+        self.run_materializer(op)?;
+        let g = self.inner.read().unwrap_or_else(|e| e.into_inner());
         if g.is_none() {
-            return Err(Error::Released { op });
+            return Err(Error::Msg(format!(
+                "{op}: the tensor's storage is still released after its materialiser ran"
+            )));
         }
         Ok(StorageRead(g))
     }
 
     pub(crate) fn write(&self, op: &'static str) -> Result<StorageWrite<'_>> {
         let g = self.inner.write().unwrap_or_else(|e| e.into_inner());
+        if g.is_some() {
+            return Ok(StorageWrite(g));
+        }
+        drop(g);
+        self.run_materializer(op)?;
+        let g = self.inner.write().unwrap_or_else(|e| e.into_inner());
         if g.is_none() {
-            return Err(Error::Released { op });
+            return Err(Error::Msg(format!(
+                "{op}: the tensor's storage is still released after its materialiser ran"
+            )));
         }
         Ok(StorageWrite(g))
     }
 
-    /// Whether the buffer is present.
+    /// Whether the buffer is present. Never blocks: a cell whose lock is held (by an op using
+    /// it, or by a materialisation in progress) counts as present.
     pub fn is_materialized(&self) -> bool {
-        self.inner
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_some()
+        match self.inner.try_read() {
+            Ok(g) => g.is_some(),
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner().is_some(),
+            Err(std::sync::TryLockError::WouldBlock) => true,
+        }
     }
 
-    /// Frees the buffer (a no-op if already released).
+    /// Frees the buffer (a no-op if already released), waiting for ops using it to finish.
     pub fn release(&self) {
         let old = self.inner.write().unwrap_or_else(|e| e.into_inner()).take();
         drop(old);
+    }
+
+    /// Frees the buffer unless an op is using it right now (its lock is held, possibly by the
+    /// calling thread). Returns whether the cell is released afterwards.
+    pub fn try_release(&self) -> bool {
+        let old = match self.inner.try_write() {
+            Ok(mut g) => g.take(),
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner().take(),
+            Err(std::sync::TryLockError::WouldBlock) => return false,
+        };
+        drop(old);
+        true
+    }
+
+    /// Installs (or with `None` removes) the materialiser; returns the previous one.
+    pub fn set_materializer(&self, m: Option<Materializer>) -> Option<Materializer> {
+        let mut g = self.materializer.write().unwrap_or_else(|e| e.into_inner());
+        std::mem::replace(&mut *g, m)
+    }
+
+    /// Whether a materialiser is installed.
+    pub fn has_materializer(&self) -> bool {
+        self.materializer
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
     }
 
     /// Installs `storage` as the buffer, replacing any present one. Its dtype and device must be

@@ -516,15 +516,51 @@ impl Tensor {
 
     // ----- releasable storage -----
 
-    /// Frees this tensor's storage while keeping every handle valid; ops on it fail with a
-    /// "released" error until [`Tensor::materialize_from`] puts data back. Views share the state.
+    /// Frees this tensor's storage while keeping every handle valid; until
+    /// [`Tensor::materialize_from`] puts data back, an op that reads or writes it runs the
+    /// storage's materialiser ([`Tensor::set_materializer`]) or, without one, fails with a
+    /// "released" error. Views share the state. Waits for ops using the storage to finish.
     pub fn release_storage(&self) {
         self.0.storage.release()
     }
 
-    /// Whether the storage is present.
+    /// Like [`Tensor::release_storage`], but leaves the storage alone if an op is using it right
+    /// now (possibly on this thread). Returns whether the storage is released afterwards.
+    pub fn try_release_storage(&self) -> bool {
+        self.0.storage.try_release()
+    }
+
+    /// Whether the storage is present (never blocks; storage in use counts as present).
     pub fn is_materialized(&self) -> bool {
         self.0.storage.is_materialized()
+    }
+
+    /// Installs a materialiser on this tensor's storage (shared by its views), or removes it with
+    /// `None`; returns the previous one. When an op reads or writes the storage while it is
+    /// released, the materialiser runs first (on the op's thread, no lock of the storage held)
+    /// and must materialise it ([`Tensor::materialize_from`]); then the op proceeds. Shape,
+    /// dtype and device queries never run it. Sharded data parallelism (ZeRO-3 / FSDP) uses it
+    /// to gather a parameter's unit when the parameter is first read.
+    pub fn set_materializer(
+        &self,
+        m: Option<crate::storage::Materializer>,
+    ) -> Option<crate::storage::Materializer> {
+        self.0.storage.set_materializer(m)
+    }
+
+    /// Makes the storage present now, on this thread: runs its materialiser if it is released
+    /// (an error if it is released with none). Ops that read tensors inside rayon tasks call it
+    /// on them first, since a materialiser must not run on a pool thread.
+    pub fn ensure_materialized(&self) -> Result<()> {
+        if self.is_materialized() {
+            return Ok(());
+        }
+        self.0.storage.read("ensure_materialized").map(drop)
+    }
+
+    /// Whether this tensor's storage has a materialiser.
+    pub fn has_materializer(&self) -> bool {
+        self.0.storage.has_materializer()
     }
 
     /// Re-materialises a (released or live) storage with the values of `src`, which must be

@@ -98,6 +98,88 @@ fn released_storage_errors_and_materialize_brings_it_back() {
 }
 
 #[test]
+fn a_materializer_runs_when_a_released_storage_is_used() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let t = tensor(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3], DType::F32);
+    let saved = t.deep_clone().unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (t2, runs2, saved2) = (t.clone(), runs.clone(), saved.clone());
+    assert!(!t.has_materializer());
+    t.set_materializer(Some(Arc::new(move || {
+        runs2.fetch_add(1, Ordering::SeqCst);
+        t2.materialize_from(&saved2)
+    })));
+    assert!(t.has_materializer());
+    t.release_storage();
+    // Metadata and views need no data: the materialiser does not run.
+    let view = t.t().unwrap();
+    assert_eq!((t.dims(), view.dims()), (&[2, 3][..], &[3, 2][..]));
+    assert!(!t.is_materialized());
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    // A read materialises first, then proceeds; a second read finds the data present.
+    assert_eq!(
+        vals(&view.contiguous().unwrap()),
+        vec![1.0, 4.0, 2.0, 5.0, 3.0, 6.0]
+    );
+    assert_eq!(vals(&t), vals(&saved));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    // A write too.
+    t.release_storage();
+    t.fill_(7.0).unwrap();
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    assert_eq!(vals(&t), vec![7.0; 6]);
+    // The storage an op is using cannot be released under it: try_release_storage says so
+    // (here from inside the materialiser of the op's other operand).
+    let live = Tensor::ones((2, 3), DType::F32, Device::Cpu).unwrap();
+    let (live2, seen) = (live.clone(), Arc::new(AtomicUsize::new(0)));
+    let (t3, saved3, seen2) = (t.clone(), saved.clone(), seen.clone());
+    t.set_materializer(Some(Arc::new(move || {
+        seen2.store(live2.try_release_storage() as usize + 1, Ordering::SeqCst);
+        t3.materialize_from(&saved3)
+    })));
+    t.release_storage();
+    assert_eq!(
+        vals(&live.add(&t).unwrap()),
+        vec![2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+    );
+    assert_eq!(seen.load(Ordering::SeqCst), 1, "in use: not released");
+    assert!(live.is_materialized());
+    assert!(t.try_release_storage() && !t.is_materialized());
+    // Inside a rayon task a materialiser must not run (it may wait for other ranks): an error;
+    // ensure_materialized() on the calling thread first is the way.
+    t.release_storage();
+    let e = rayon::join(|| t.exp().map(drop), || ())
+        .0
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("rayon task") && e.contains("ensure_materialized"),
+        "{e}"
+    );
+    t.ensure_materialized().unwrap();
+    assert!(t.is_materialized());
+    rayon::join(|| t.exp().unwrap(), || ());
+    t.release_storage();
+    // A failing materialiser's error comes back from the op; one that does not materialise is
+    // an error too; without one, the error says what to do.
+    t.set_materializer(Some(Arc::new(|| meshgrad_tensor::bail!("no shards here"))));
+    let e = t.exp().unwrap_err().to_string();
+    assert!(e.contains("no shards here"), "{e}");
+    t.set_materializer(Some(Arc::new(|| Ok(()))));
+    let e = t.exp().unwrap_err().to_string();
+    assert!(e.contains("still released"), "{e}");
+    assert!(t.set_materializer(None).is_some());
+    let e = t.exp().unwrap_err().to_string();
+    assert!(
+        e.contains("released")
+            && e.contains("materialize_from")
+            && e.contains("summon_full_params"),
+        "{e}"
+    );
+}
+
+#[test]
 fn tracker_counts_current_and_peak_bytes() {
     let tr = MemoryTracker::new();
     alloc::with_tracker(tr.clone(), || {

@@ -1,78 +1,166 @@
 //! Options of sharded data parallelism: the stage, the wrap policy and the mixed-precision
 //! policy.
 
-use meshgrad_nn::hooks::{prefix_matches, Stage};
+use meshgrad_nn::module::{path_selects, Module};
 use meshgrad_tensor::{DType, Result};
 
 pub use crate::layout::ZeroStage;
 
-/// Which parameters form each sharding unit (FSDP's wrap policy). Each unit is a flat buffer
-/// that is sharded, reduce-scattered and (ZeRO-3) gathered as a whole.
+/// Which parameters form each sharding unit (FSDP's wrap policy), chosen by module path. Each
+/// unit is a flat buffer that is sharded, reduce-scattered and (ZeRO-3) gathered as a whole;
+/// a root unit (named `root`) takes every parameter no other unit takes.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub enum WrapPolicy {
-    /// One unit per stage that has [`Stage::own_unit`] set (a transformer block), and one root
-    /// unit with every other parameter (embeddings, final norm, tied head). The default.
+    /// The default: one unit per element of the model's shallowest module lists (the module
+    /// paths ending in an index at the smallest depth: `h.0`, `h.1`, ... of a GPT,
+    /// `encoder.layer.0`, ... of a BERT), and the root unit for the rest (embeddings, final
+    /// norm, head). A model with no module list (holding parameters) is a single unit.
     #[default]
-    Stages,
-    /// One unit per listed name prefix (`h.0`, `h.1`, ...; a prefix covers the parameter of that
-    /// name and everything below it), and a root unit for the parameters no prefix covers.
-    Prefixes(Vec<String>),
+    Auto,
+    /// One unit per distinct match of each pattern. A pattern is a dotted path whose `*`
+    /// matches any one component ([`meshgrad_nn::module::path_matches`]); it matches a module
+    /// path or a parameter name, or a prefix of them (`h` takes every `h.*` block as one unit,
+    /// `h.*` makes each block a unit, `wte.weight` a single parameter). A unit is named by the
+    /// path it matched (`h.3`). A pattern that matches nothing, or two patterns taking the same
+    /// parameter, is an error.
+    Paths(Vec<String>),
     /// A single unit with every parameter.
     Whole,
 }
 
 impl WrapPolicy {
-    /// The unit names and, for every parameter name, its unit index. The root unit (index 0,
-    /// named `root`) holds the parameters no other unit takes; it is left out when empty.
-    pub fn assign(&self, names: &[String], stages: &[Stage]) -> Result<(Vec<String>, Vec<usize>)> {
-        let prefixes: Vec<String> = match self {
+    /// [`WrapPolicy::Paths`] from any list of patterns: `WrapPolicy::paths(["layers.*"])`.
+    pub fn paths<S: Into<String>>(patterns: impl IntoIterator<Item = S>) -> Self {
+        WrapPolicy::Paths(patterns.into_iter().map(Into::into).collect())
+    }
+
+    /// The unit names and, for every parameter of `model` (in
+    /// [`Module::named_parameters`] order), its unit index. The root unit (index 0, named
+    /// `root`) holds the parameters no other unit takes and is left out when empty; the other
+    /// units follow in the order of their first parameter.
+    pub fn assign(&self, model: &dyn Module) -> Result<(Vec<String>, Vec<usize>)> {
+        let names: Vec<String> = model
+            .named_parameters()
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        let patterns: Vec<String> = match self {
             WrapPolicy::Whole => Vec::new(),
-            WrapPolicy::Stages => stages
-                .iter()
-                .filter(|s| s.own_unit)
-                .flat_map(|s| s.param_prefixes.iter().cloned())
-                .collect(),
-            WrapPolicy::Prefixes(p) => p.clone(),
-        };
-        for (i, p) in prefixes.iter().enumerate() {
-            if prefixes[..i].contains(p) {
-                meshgrad_tensor::bail!("wrap policy: unit prefix {p} is listed twice");
+            WrapPolicy::Auto => auto_units(model, &names),
+            WrapPolicy::Paths(p) => {
+                check_patterns(p)?;
+                p.clone()
             }
-        }
-        // Unit 0 is the root; prefix k is unit k + 1 (renumbered below if the root is empty).
-        let mut of: Vec<usize> = Vec::with_capacity(names.len());
-        for n in names {
-            let hits: Vec<usize> = prefixes
-                .iter()
-                .enumerate()
-                .filter(|(_, p)| prefix_matches(p, n))
-                .map(|(k, _)| k)
+        };
+        // Each parameter's unit key: the prefix of its name that a pattern matched.
+        let mut keys: Vec<Option<String>> = Vec::with_capacity(names.len());
+        let mut matched = vec![false; patterns.len()];
+        for n in &names {
+            let hits: Vec<usize> = (0..patterns.len())
+                .filter(|&k| path_selects(&patterns[k], n))
                 .collect();
             match hits.as_slice() {
-                [] => of.push(0),
-                [k] => of.push(k + 1),
+                [] => keys.push(None),
+                [k] => {
+                    matched[*k] = true;
+                    let depth = patterns[*k].split('.').count();
+                    keys.push(Some(n.split('.').take(depth).collect::<Vec<_>>().join(".")));
+                }
                 _ => meshgrad_tensor::bail!(
-                    "wrap policy: parameter {n} matches several unit prefixes ({})",
+                    "wrap policy: parameter {n} is taken by several unit patterns ({}); units \
+                     must not overlap",
                     hits.iter()
-                        .map(|&k| prefixes[k].as_str())
+                        .map(|&k| format!("`{}`", patterns[k]))
                         .collect::<Vec<_>>()
                         .join(", ")
                 ),
             }
         }
-        for (k, p) in prefixes.iter().enumerate() {
-            if !of.contains(&(k + 1)) {
-                meshgrad_tensor::bail!("wrap policy: unit prefix {p} matches no parameter");
-            }
+        if let Some(k) = matched.iter().position(|m| !m) {
+            meshgrad_tensor::bail!(
+                "wrap policy: pattern `{}` matches no module path or parameter of this {} \
+                 (`*` matches one path component); its module paths: {}",
+                patterns[k],
+                model.module_type(),
+                module_path_list(model)
+            );
         }
         let mut unit_names = vec!["root".to_string()];
-        unit_names.extend(prefixes);
+        let mut of = Vec::with_capacity(names.len());
+        for key in keys {
+            match key {
+                None => of.push(0),
+                Some(key) => match unit_names.iter().skip(1).position(|u| *u == key) {
+                    Some(i) => of.push(i + 1),
+                    None => {
+                        unit_names.push(key);
+                        of.push(unit_names.len() - 1);
+                    }
+                },
+            }
+        }
         if !of.contains(&0) {
             unit_names.remove(0);
             of.iter_mut().for_each(|u| *u -= 1);
         }
         Ok((unit_names, of))
     }
+}
+
+fn check_patterns(patterns: &[String]) -> Result<()> {
+    for (i, p) in patterns.iter().enumerate() {
+        if p.is_empty() || p.split('.').any(str::is_empty) {
+            meshgrad_tensor::bail!(
+                "wrap policy: pattern `{p}` is not a dotted module path (e.g. `h.*`, \
+                 `encoder.layer.*`)"
+            );
+        }
+        if patterns[..i].contains(p) {
+            meshgrad_tensor::bail!("wrap policy: pattern `{p}` is listed twice");
+        }
+    }
+    Ok(())
+}
+
+/// [`WrapPolicy::Auto`]'s units: the module paths ending in an index, at the smallest depth
+/// among those that hold parameters.
+fn auto_units(model: &dyn Module, names: &[String]) -> Vec<String> {
+    let mut lists: Vec<String> = Vec::new();
+    model.visit_modules("", &mut |path, _| {
+        let last = path.rsplit('.').next().unwrap_or("");
+        if !path.is_empty() && last.parse::<usize>().is_ok() {
+            lists.push(path.to_string());
+        }
+    });
+    lists.retain(|p| names.iter().any(|n| path_selects(p, n)));
+    let Some(depth) = lists.iter().map(|p| p.split('.').count()).min() else {
+        return Vec::new();
+    };
+    lists.retain(|p| p.split('.').count() == depth);
+    lists
+}
+
+/// The model's module paths for messages (the first 64).
+fn module_path_list(model: &dyn Module) -> String {
+    let paths: Vec<String> = model
+        .module_paths()
+        .into_iter()
+        .filter(|p| !p.is_empty())
+        .collect();
+    if paths.is_empty() {
+        return "(none: the model has no submodules)".to_string();
+    }
+    const SHOWN: usize = 64;
+    let mut s = paths
+        .iter()
+        .take(SHOWN)
+        .map(String::as_str)
+        .collect::<Vec<_>>()
+        .join(", ");
+    if paths.len() > SHOWN {
+        s.push_str(&format!(", ... ({} more)", paths.len() - SHOWN));
+    }
+    s
 }
 
 /// The mixed-precision policy.
@@ -163,44 +251,102 @@ impl ShardConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use meshgrad_nn::{Gpt, GptConfig};
+    use meshgrad_tensor::Device;
 
-    fn stage(name: &str, prefixes: &[&str], own: bool) -> Stage {
-        Stage {
-            name: name.into(),
-            param_prefixes: prefixes.iter().map(|s| s.to_string()).collect(),
-            own_unit: own,
-        }
+    fn gpt() -> Gpt {
+        let c = GptConfig {
+            vocab_size: 16,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 8,
+            dropout: 0.0,
+            bias: false,
+            layer_norm_eps: 1e-5,
+        };
+        Gpt::new(c, 0, DType::F32, Device::Cpu).unwrap()
+    }
+
+    fn units_of(model: &Gpt, policy: &WrapPolicy) -> Vec<(String, String)> {
+        let (units, of) = policy.assign(model).unwrap();
+        model
+            .named_parameters()
+            .into_iter()
+            .zip(of)
+            .map(|((n, _), u)| (n, units[u].clone()))
+            .collect()
     }
 
     #[test]
     fn wrap_policies_assign_units() {
-        let names: Vec<String> = ["wte.weight", "h.0.w", "h.0.b", "h.1.w", "ln_f.weight"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-        let stages = vec![
-            stage("embed", &["wte"], false),
-            stage("h.0", &["h.0"], true),
-            stage("h.1", &["h.1"], true),
-            stage("head", &["ln_f", "wte"], false),
-        ];
-        let (units, of) = WrapPolicy::Stages.assign(&names, &stages).unwrap();
+        let m = gpt();
+        // Auto: the blocks, the rest in root.
+        let (units, _) = WrapPolicy::Auto.assign(&m).unwrap();
         assert_eq!(units, vec!["root", "h.0", "h.1"]);
-        assert_eq!(of, vec![0, 1, 1, 2, 0]);
-        let (units, of) = WrapPolicy::Whole.assign(&names, &stages).unwrap();
+        let by = units_of(&m, &WrapPolicy::Auto);
+        assert!(by.contains(&("wte.weight".into(), "root".into())));
+        assert!(by.contains(&("h.1.attn.c_attn.weight".into(), "h.1".into())));
+        assert!(by.contains(&("ln_f.weight".into(), "root".into())));
+        // Patterns: `h.*` equals Auto; `h` is one unit of every block.
+        assert_eq!(
+            WrapPolicy::paths(["h.*"]).assign(&m).unwrap(),
+            WrapPolicy::Auto.assign(&m).unwrap()
+        );
+        let (units, _) = WrapPolicy::paths(["wte", "h"]).assign(&m).unwrap();
+        assert_eq!(units, vec!["root", "wte", "h"]);
+        let (units, _) = WrapPolicy::paths(["h.*.attn", "h.*.mlp"])
+            .assign(&m)
+            .unwrap();
+        assert_eq!(
+            units,
+            vec!["root", "h.0.attn", "h.0.mlp", "h.1.attn", "h.1.mlp"]
+        );
+        // Whole; and patterns that take everything leave no root.
+        let (units, of) = WrapPolicy::Whole.assign(&m).unwrap();
         assert_eq!(units, vec!["root"]);
-        assert_eq!(of, vec![0; 5]);
-        let all = WrapPolicy::Prefixes(vec!["wte".into(), "h".into(), "ln_f".into()]);
-        let (units, of) = all.assign(&names, &stages).unwrap();
-        assert_eq!(units, vec!["wte", "h", "ln_f"]);
-        assert_eq!(of, vec![0, 1, 1, 1, 2]);
-        let e = WrapPolicy::Prefixes(vec!["h.7".into()])
-            .assign(&names, &stages)
-            .unwrap_err();
-        assert!(e.to_string().contains("h.7 matches no parameter"), "{e}");
-        let e = WrapPolicy::Prefixes(vec!["h".into(), "h.0".into()])
-            .assign(&names, &stages)
-            .unwrap_err();
-        assert!(e.to_string().contains("h.0.w matches several"), "{e}");
+        assert!(of.iter().all(|&u| u == 0));
+        let (units, _) = WrapPolicy::paths(["wte", "wpe", "h", "ln_f"])
+            .assign(&m)
+            .unwrap();
+        assert_eq!(units, vec!["wte", "wpe", "h", "ln_f"]);
+    }
+
+    #[test]
+    fn bad_patterns_say_what_the_model_has() {
+        let m = gpt();
+        let e = WrapPolicy::paths(["layers.*"])
+            .assign(&m)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`layers.*` matches no module path")
+                && e.contains("h.0, h.0.ln_1")
+                && e.contains("ln_f"),
+            "{e}"
+        );
+        let e = WrapPolicy::paths(["h.7"])
+            .assign(&m)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`h.7` matches no"), "{e}");
+        let e = WrapPolicy::paths(["h", "h.*.attn"])
+            .assign(&m)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("h.0.attn.c_attn.weight is taken by several"),
+            "{e}"
+        );
+        let e = WrapPolicy::paths(["h.*", "h.*"])
+            .assign(&m)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("listed twice"), "{e}");
+        let e = WrapPolicy::paths(["h..x"])
+            .assign(&m)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not a dotted module path"), "{e}");
     }
 }

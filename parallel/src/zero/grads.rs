@@ -266,6 +266,7 @@ impl Inner {
             st.flats[u] = None;
             self.release(&mut st, u);
         }
+        st.order.end_phase();
         Ok(())
     }
 }

@@ -27,8 +27,6 @@ use meshgrad_nn::{Gpt, GptConfig, Module};
 use meshgrad_tensor::alloc::{MemoryStats, MemoryTag};
 use meshgrad_tensor::{DType, Device, Error, Result, Tensor};
 
-use meshgrad_nn::hooks::Staged;
-
 use super::config::{ShardConfig, WrapPolicy, ZeroStage};
 use super::plan::{ParamSpec, ShardPlan};
 use super::topology::ShardTopology;
@@ -287,8 +285,7 @@ fn measure_rank(
 fn largest_unit(cfg: &MemoryReportConfig) -> Result<(String, usize)> {
     let model = Gpt::new(cfg.model, cfg.seed, DType::F32, Device::Cpu)?;
     let named = model.named_parameters();
-    let names: Vec<String> = named.iter().map(|(n, _)| n.clone()).collect();
-    let (units, of) = WrapPolicy::Stages.assign(&names, &model.stages())?;
+    let (units, of) = WrapPolicy::Auto.assign(&model)?;
     let specs = named
         .iter()
         .zip(of)

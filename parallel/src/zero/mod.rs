@@ -4,7 +4,7 @@
 //! |-------|-----------------|-----------|------------|
 //! | ZeRO-1 | sharded | all-reduced, whole on every rank | whole |
 //! | ZeRO-2 | sharded | reduce-scattered, a shard per rank | whole |
-//! | ZeRO-3 / FSDP | sharded | reduce-scattered | sharded; a unit is gathered around its forward and its backward |
+//! | ZeRO-3 / FSDP | sharded | reduce-scattered | sharded; a unit is gathered when its forward or backward reads it |
 //!
 //! and **hybrid sharding** ([`ShardTopology::hybrid`], a `[dp_replicate, dp_shard]`
 //! [`crate::DeviceMesh`]): everything is sharded within groups of the shard degree and replicated
@@ -16,12 +16,63 @@
 //!
 //! # Sharding plan
 //!
-//! Parameters are grouped into units by a [`WrapPolicy`] (default: one unit per transformer
-//! block and a root unit with the embeddings, the final norm and the tied head). Each unit is a
-//! flat buffer of its parameters in registration order, padded to a multiple of the shard degree;
-//! rank r of the shard group owns the contiguous slice r ([`ShardPlan`]). Parameters may straddle
-//! shards: the optimizer updates every [`Segment`] (a shard's intersection with a parameter) with
-//! that parameter's group hyper-parameters and step count.
+//! Parameters are grouped into units by a [`WrapPolicy`] over module paths: the default
+//! [`WrapPolicy::Auto`] makes each element of the model's shallowest module list a unit (`h.0`,
+//! `h.1`, ... of a GPT: one unit per transformer block), [`WrapPolicy::Paths`] takes patterns
+//! (`layers.*`, `encoder.layer.*`; `*` matches one path component), and a root unit holds every
+//! parameter no unit takes (embeddings, final norm, tied head). Each unit is a flat buffer of
+//! its parameters in registration order, padded to a multiple of the shard degree; rank r of
+//! the shard group owns the contiguous slice r ([`ShardPlan`]). Parameters may straddle
+//! shards: the optimizer updates every [`Segment`] (a shard's intersection with a parameter)
+//! with that parameter's group hyper-parameters and step count.
+//!
+//! # ZeRO-3 on any model
+//!
+//! ZeRO-3 needs nothing from the model beyond [`meshgrad_nn::Module`] (a `#[derive(Module)]`
+//! struct will do): no staging, no hooks in its forward. Between uses each parameter's storage is
+//! released and carries a *materialiser*
+//! ([`Tensor::set_materializer`](meshgrad_tensor::Tensor::set_materializer)):
+//!
+//! * **Gather on first read.** The first op that reads a parameter of a released unit, in the
+//!   forward, in the forward that activation checkpointing recomputes, or in a backward closure
+//!   reading a weight it captured, runs the materialiser: the unit is all-gathered (or its
+//!   prefetch waited for) into the parameters' own tensors, then the op proceeds.
+//! * **Release.** Gathering a unit first releases every other gathered unit, so at most one
+//!   unit is gathered and one prefetch is in flight; a unit needed again (GPT's root, read by
+//!   the embeddings and by the tied head) is gathered again. After backward a unit is released
+//!   as soon as all its gradients have arrived. `finish`, `step` and
+//!   [`ShardedDataParallel::reshard`] release everything; the unit an evaluation forward read
+//!   last stays gathered until one of them (or the next gather).
+//! * **Prefetch.** Each forward and backward records the order it gathered units in
+//!   ([`ShardedDataParallel::gather_order`]); the autograd engine says which of the two is
+//!   running ([`meshgrad_autograd::is_backward_running`]). When a unit is gathered, the one that
+//!   followed it last time is prefetched; the end of a forward with gradients enabled
+//!   prefetches the start of the backward. The first forward is predicted from the registration
+//!   order, the first backward from the reversed forward. [`GatherStats`] counts prefetched
+//!   and on-demand gathers.
+//! * **Rules.** Every rank must read the same parameters in the same order (true of one program
+//!   on every rank; a rank printing a released weight on its own would start an all-gather the
+//!   others never join, which times out with an error). Keep the wrapper alive while the model
+//!   runs: after it is dropped, reading a parameter is an error that says so, unless
+//!   [`ShardedDataParallel::summon_full_params`] was called first (the model then keeps its full
+//!   parameters). A model is wrapped once.
+//!
+//! ```no_run
+//! # use std::sync::Arc;
+//! # use meshgrad_parallel::{Communicator, zero::*};
+//! # use meshgrad_nn::{Module, optim::{param_groups_for_decay, AdamWConfig}};
+//! # fn f(comm: Arc<dyn Communicator>, model: &dyn Module) -> meshgrad_tensor::Result<()> {
+//! let mut config = ShardConfig::new(ZeroStage::Three);
+//! config.wrap = WrapPolicy::paths(["layers.*"]); // each `layers.i` a unit, the rest in root
+//! let sdp = ShardedDataParallel::new(
+//!     model,
+//!     param_groups_for_decay(model.named_parameters(), 0.1),
+//!     AdamWConfig::default(),
+//!     ShardTopology::flat(comm),
+//!     config,
+//! )?;
+//! # Ok(()) }
+//! ```
 //!
 //! # Training loop
 //!
@@ -87,6 +138,7 @@ mod wrapper;
 
 pub use checkpoint::FullStateDictOptions;
 pub use config::{MixedPrecision, ShardConfig, WrapPolicy, ZeroStage};
+pub use gather::GatherOrder;
 pub use plan::{Segment, ShardPlan};
 pub use topology::ShardTopology;
 pub use wrapper::{GatherStats, ShardedDataParallel};

@@ -200,6 +200,10 @@ impl Inner {
                         self.ensure_gathered(&mut st, u)?;
                     }
                     st.summoned = true;
+                } else {
+                    // A unit gathered since `finish` (an evaluation forward) is stale now.
+                    self.release_all(&mut st);
+                    st.order.end_phase();
                 }
                 Ok(())
             }

@@ -8,13 +8,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use meshgrad_autograd::{Var, VarId};
-use meshgrad_nn::hooks::Staged;
 use meshgrad_nn::optim::{AdamWConfig, ParamGroup};
+use meshgrad_nn::Module;
 use meshgrad_tensor::alloc::{with_tag, MemoryTag};
 use meshgrad_tensor::{DType, Error, Result, Tensor};
 
 use super::config::{ShardConfig, ZeroStage};
-use super::gather::{FsdpHooks, GatherState};
+use super::gather::{GatherState, UnitOrder};
 use super::plan::{ParamSpec, ShardPlan};
 use super::topology::ShardTopology;
 use crate::comm::Work;
@@ -35,9 +35,6 @@ pub(crate) struct Inner {
     pub(crate) topo: ShardTopology,
     pub(crate) adamw: AdamWConfig,
     pub(crate) groups: Vec<GroupHp>,
-    /// Names of the model's stages, and the units each one reads (ZeRO-3).
-    pub(crate) stage_names: Vec<String>,
-    pub(crate) stage_units: Vec<Vec<usize>>,
     /// The order units' gradients are reduced in: reverse unit order (the order backward
     /// completes them in), the root unit last.
     pub(crate) launch_order: Vec<usize>,
@@ -90,10 +87,12 @@ pub(crate) struct State {
     // ----- ZeRO-3 -----
     /// Per unit: whether its full parameters are present, in flight, or released.
     pub(crate) gather: Vec<GatherState>,
-    /// `summon_full_params` is in effect: the hooks leave the units gathered.
+    /// `summon_full_params` is in effect: every unit stays gathered.
     pub(crate) summoned: bool,
     /// Counters of the gathers so far.
     pub(crate) gather_stats: GatherStats,
+    /// The recorded order of unit gathers, for prefetching.
+    pub(crate) order: UnitOrder,
 }
 
 /// ZeRO-3 gather counters (see [`ShardedDataParallel::gather_stats`]).
@@ -104,7 +103,7 @@ pub struct GatherStats {
     /// Units gathered on demand (launched and waited for at once).
     pub on_demand: usize,
     /// The most units whose full parameters were present at one time (in-flight prefetches
-    /// not counted), outside `summon_full_params`.
+    /// not counted), outside `summon_full_params`: 1 when no op reads parameters of two units.
     pub max_gathered: usize,
 }
 
@@ -138,15 +137,20 @@ impl ShardedDataParallel {
     /// must list every parameter of the model exactly once, e.g.
     /// [`meshgrad_nn::optim::param_groups_for_decay`]).
     ///
+    /// Any [`Module`] can be wrapped: units are chosen by module path
+    /// ([`ShardConfig::wrap`]), and ZeRO-3 needs nothing else from the model.
+    ///
     /// Every rank of `topo.dp` must call it with the same model structure and configuration.
     /// It broadcasts the parameters from data-parallel rank 0 (unless
     /// [`ShardConfig::broadcast_params`] is off), builds the plan, registers a gradient-ready
-    /// hook on every parameter and, for ZeRO-3, keeps only this rank's shard of each unit
-    /// (releasing the parameters' storage) and installs forward hooks in the model. A ZeRO-3
-    /// model must not be used after its wrapper is dropped (its parameters stay released; call
-    /// [`ShardedDataParallel::summon_full_params`] first to keep them).
+    /// hook on every parameter and, for ZeRO-3, keeps only this rank's shard of each unit:
+    /// the parameters' storage is released and given a materialiser that gathers their unit when
+    /// an op first reads them (see the [module docs](crate::zero)). Run the model as usual while
+    /// the wrapper is alive. A ZeRO-3 model cannot run after its wrapper is dropped (its
+    /// parameters stay released, and reading them is an error saying so) unless
+    /// [`ShardedDataParallel::summon_full_params`] was called first.
     pub fn new(
-        model: &dyn Staged,
+        model: &dyn Module,
         groups: Vec<ParamGroup>,
         adamw: AdamWConfig,
         topo: ShardTopology,
@@ -156,12 +160,24 @@ impl ShardedDataParallel {
         config.mixed_precision.validate().map_err(ctx)?;
         adamw.validate().map_err(ctx)?;
         topo.validate().map_err(ctx)?;
-        if config.stage == ZeroStage::Three && model.forward_hooks().is_set() {
-            return Err(ctx(Error::msg(
-                "the model already has forward hooks installed (is it wrapped twice?)",
-            )));
-        }
         let named = model.named_parameters();
+        let mut seen: HashMap<VarId, &str> = HashMap::new();
+        for (name, v) in &named {
+            if let Some(first) = seen.insert(v.id(), name) {
+                return Err(ctx(Error::msg(format!(
+                    "parameter {first} is also reachable as {name}: a parameter shared by two \
+                     modules cannot be sharded twice; keep it in one module and read it from \
+                     there (as the GPT's tied head reads wte.weight)"
+                ))));
+            }
+            if v.tensor().has_materializer() {
+                return Err(ctx(Error::msg(format!(
+                    "parameter {name} is already sharded by a ZeRO-3 ShardedDataParallel (is the \
+                     model wrapped twice, or was its wrapper dropped without \
+                     summon_full_params()?); wrap a model once"
+                ))));
+            }
+        }
         let (group_of, hps) = assign_groups(&named, &groups).map_err(ctx)?;
         let param_dtype = named
             .first()
@@ -185,9 +201,7 @@ impl ShardedDataParallel {
                 ))));
             }
         }
-        let names: Vec<String> = named.iter().map(|(n, _)| n.clone()).collect();
-        let stages = model.stages();
-        let (unit_names, unit_of) = config.wrap.assign(&names, &stages).map_err(ctx)?;
+        let (unit_names, unit_of) = config.wrap.assign(model).map_err(ctx)?;
         let specs = named
             .iter()
             .enumerate()
@@ -199,36 +213,6 @@ impl ShardedDataParallel {
             })
             .collect();
         let plan = ShardPlan::new(specs, unit_names, topo.shard_degree()).map_err(ctx)?;
-        let stage_units: Vec<Vec<usize>> = stages
-            .iter()
-            .map(|s| {
-                let mut u: Vec<usize> = plan
-                    .params
-                    .iter()
-                    .filter(|p| s.reads(&p.name))
-                    .map(|p| p.unit)
-                    .collect();
-                u.sort_unstable();
-                u.dedup();
-                u
-            })
-            .collect();
-        if config.stage == ZeroStage::Three {
-            if stages.is_empty() {
-                return Err(ctx(Error::msg(
-                    "ZeRO-3 needs a model whose forward runs in stages (Staged::stages is empty)",
-                )));
-            }
-            for p in &plan.params {
-                if !stages.iter().any(|s| s.reads(&p.name)) {
-                    return Err(ctx(Error::msg(format!(
-                        "ZeRO-3: parameter {} is read by no stage of the model's forward, so it \
-                         would never be gathered",
-                        p.name
-                    ))));
-                }
-            }
-        }
         let vars: Vec<Var> = named.into_iter().map(|(_, v)| v).collect();
         if config.broadcast_params {
             broadcast_params(&plan, &vars, &topo)?;
@@ -245,8 +229,6 @@ impl ShardedDataParallel {
             index_of: vars.iter().enumerate().map(|(i, v)| (v.id(), i)).collect(),
             vars,
             groups: hps,
-            stage_names: stages.iter().map(|s| s.name.clone()).collect(),
-            stage_units,
             launch_order,
             param_dtype,
             reduce_dtype: mp.reduce_dtype.unwrap_or(param_dtype),
@@ -272,6 +254,7 @@ impl ShardedDataParallel {
                 gather: (0..n_units).map(|_| GatherState::Gathered).collect(),
                 summoned: false,
                 gather_stats: GatherStats::default(),
+                order: UnitOrder::new(registration_order(&plan)),
             }),
             plan,
             config,
@@ -288,15 +271,15 @@ impl ShardedDataParallel {
             }));
         }
         if inner.config.stage == ZeroStage::Three {
-            {
-                let mut st = lock(&inner.state);
-                for u in 0..n_units {
-                    inner.release(&mut st, u);
+            let mut st = lock(&inner.state);
+            for u in 0..n_units {
+                for v in inner.plan.units[u].params.iter().map(|&pi| &inner.vars[pi]) {
+                    v.tensor().release_storage();
+                    v.tensor()
+                        .set_materializer(Some(Inner::materializer(&inner, u)));
                 }
+                st.gather[u] = GatherState::Released;
             }
-            model
-                .forward_hooks()
-                .set(Some(Arc::new(FsdpHooks::new(Arc::downgrade(&inner)))));
         }
         Ok(ShardedDataParallel { inner })
     }
@@ -366,6 +349,33 @@ impl ShardedDataParallel {
             v.zero_grad();
         }
     }
+}
+
+impl Drop for ShardedDataParallel {
+    /// ZeRO-3: a summoned model keeps its full parameters and becomes a plain model again (its
+    /// materialisers are removed); otherwise every unit is released, and reading a parameter
+    /// is an error that says the wrapper was dropped.
+    fn drop(&mut self) {
+        let i = &self.inner;
+        if i.config.stage != ZeroStage::Three {
+            return;
+        }
+        let mut st = lock(&i.state);
+        if st.summoned {
+            for v in &i.vars {
+                v.tensor().set_materializer(None);
+            }
+        } else {
+            i.release_all(&mut st);
+        }
+    }
+}
+
+/// The units in the order of their first parameter: the guess of the first forward's order.
+fn registration_order(plan: &ShardPlan) -> Vec<usize> {
+    let mut units: Vec<usize> = (0..plan.units.len()).collect();
+    units.sort_by_key(|&u| plan.units[u].params.iter().min().copied());
+    units
 }
 
 impl Inner {

@@ -105,9 +105,19 @@ impl Tensor {
     ) -> Vec<Result<()>> {
         use rayon::prelude::*;
         let _prof = crate::profile::scope("adamw_step");
+        // Released storage is materialised here, on the calling thread, never in a task.
+        let ready: Vec<Result<()>> = items
+            .iter()
+            .map(|(p, g, m, v, _)| {
+                [*p, *g, *m, *v]
+                    .iter()
+                    .try_for_each(|t| t.ensure_materialized())
+            })
+            .collect();
         items
             .par_iter()
-            .map(|(p, g, m, v, hp)| p.adamw_step_(g, m, v, hp))
+            .zip(ready)
+            .map(|((p, g, m, v, hp), r)| r.and_then(|()| p.adamw_step_(g, m, v, hp)))
             .collect()
     }
 

@@ -225,6 +225,9 @@ impl Tensor {
             Ok((dw, db))
         };
         let (dx, dw_db) = if want.0 && want.1 {
+            for t in [self, weight, dy] {
+                t.ensure_materialized()?;
+            }
             rayon::join(dx, dw_db)
         } else {
             (dx(), dw_db())
