@@ -2,14 +2,17 @@
 //! layers, the GPT model, optimizers, learning-rate schedules, state dicts (safetensors and
 //! Hugging Face GPT-2 checkpoints) and token datasets.
 
+pub mod bert;
 pub mod data;
 pub mod gpt;
 pub mod hooks;
 pub mod layers;
+pub mod mlm;
 pub mod module;
 pub mod optim;
 pub mod state;
 
+pub use bert::{BertConfig, BertForMaskedLM};
 pub use gpt::{Gpt, GptConfig};
 pub use hooks::{ForwardHooks, HookSlot, Stage, Staged};
 pub use layers::{
