@@ -50,8 +50,12 @@ pub fn mean_loss(model: &Gpt, data: &TokenDataset) -> Result<f64> {
     Ok(total / count as f64)
 }
 
-/// Loads the checkpoint in `checkpoint` and evaluates it on the token file `data`.
+/// Loads the checkpoint in `checkpoint` and evaluates it on the token file `data`. A BERT
+/// checkpoint (`"model_type": "bert"`) takes a JSON-lines file instead (see [`crate::eval_bert`]).
 pub fn eval_checkpoint(checkpoint: &Path, data: &Path) -> Result<f64> {
+    if meshgrad_nn::state::hf_bert::is_bert_checkpoint(checkpoint) {
+        return crate::eval_bert::eval_bert_checkpoint(checkpoint, data);
+    }
     let model = crate::train::load_checkpoint(checkpoint)?;
     let ds = TokenDataset::from_path(data)
         .with_context(|| format!("reading eval data {}", data.display()))?;

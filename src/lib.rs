@@ -36,8 +36,10 @@ pub mod bench;
 pub mod config;
 pub mod corpus;
 pub mod eval;
+pub mod eval_bert;
 pub mod generate;
 pub mod train;
+pub mod train_bert;
 pub mod train_parallel;
 
 pub use meshgrad_autograd as autograd;

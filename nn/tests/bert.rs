@@ -4,8 +4,12 @@
 //! over labels with -100; gradients against finite differences in f64; dropout masks that follow
 //! global rows; activation checkpointing; the MLM masking.
 
+mod bert_ref;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+
+use bert_ref::{RefConfig, Reference, Seq};
 
 use meshgrad_autograd::no_grad;
 use meshgrad_nn::bert::{BertConfig, BertForMaskedLM, IGNORE_INDEX};
@@ -14,7 +18,6 @@ use meshgrad_nn::state::hf_bert::{bert_config_from_hf_json, is_bert_checkpoint};
 use meshgrad_nn::state::{load_bert, load_state_dict, save_bert, save_safetensors};
 use meshgrad_nn::{ForwardCtx, Module, Staged};
 use meshgrad_tensor::{DType, Device, Tensor};
-use safetensors::SafeTensors;
 
 // ----- helpers -----
 
@@ -67,6 +70,17 @@ fn small_config() -> BertConfig {
         attention_probs_dropout_prob: 0.1,
         pad_token_id: 0,
         initializer_range: 0.02,
+    }
+}
+
+fn ref_config() -> RefConfig {
+    let c = small_config();
+    RefConfig {
+        hidden_size: c.hidden_size,
+        num_attention_heads: c.num_attention_heads,
+        num_hidden_layers: c.num_hidden_layers,
+        vocab_size: c.vocab_size,
+        layer_norm_eps: c.layer_norm_eps,
     }
 }
 
@@ -138,226 +152,6 @@ fn tensors(inp: &Inputs) -> (Tensor, Tensor, Tensor, Tensor) {
     (ids, mask, types, labels)
 }
 
-// ----- the independent f64 reference -----
-
-/// A tensor read straight from the safetensors bytes: shape and values as f64.
-struct Raw {
-    shape: Vec<usize>,
-    v: Vec<f64>,
-}
-
-/// Every tensor of `path`, read with the safetensors crate (f32 or f64 data).
-fn read_raw(path: &Path) -> HashMap<String, Raw> {
-    let bytes = std::fs::read(path).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let mut out = HashMap::new();
-    for (name, view) in st.tensors() {
-        let d = view.data();
-        let v: Vec<f64> = match view.dtype() {
-            safetensors::Dtype::F32 => d
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
-                .collect(),
-            safetensors::Dtype::F64 => d
-                .chunks_exact(8)
-                .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
-                .collect(),
-            other => panic!("{name}: unexpected dtype {other:?}"),
-        };
-        out.insert(
-            name.to_string(),
-            Raw {
-                shape: view.shape().to_vec(),
-                v,
-            },
-        );
-    }
-    out
-}
-
-/// erf(x) in f64: the Taylor series below 3, the continued fraction of erfc above.
-fn erf(x: f64) -> f64 {
-    let z = x.abs();
-    let r = if z < 3.0 {
-        let mut term = z;
-        let mut sum = z;
-        for n in 1..200 {
-            term *= -z * z / n as f64;
-            let add = term / (2 * n + 1) as f64;
-            sum += add;
-            if add.abs() < 1e-17 * sum.abs() {
-                break;
-            }
-        }
-        sum * 2.0 / std::f64::consts::PI.sqrt()
-    } else {
-        let mut f = z;
-        for n in (1..=80).rev() {
-            f = z + (n as f64 / 2.0) / f;
-        }
-        1.0 - (-z * z).exp() / (std::f64::consts::PI.sqrt() * f)
-    };
-    if x < 0.0 {
-        -r
-    } else {
-        r
-    }
-}
-
-fn gelu(x: f64) -> f64 {
-    0.5 * x * (1.0 + erf(x / std::f64::consts::SQRT_2))
-}
-
-struct Reference<'a> {
-    w: &'a HashMap<String, Raw>,
-    prefix: &'a str,
-    cfg: BertConfig,
-}
-
-impl Reference<'_> {
-    fn get(&self, name: &str) -> &Raw {
-        let full = if name.starts_with("cls.") {
-            name.to_string()
-        } else {
-            format!("{}{name}", self.prefix)
-        };
-        self.w
-            .get(&full)
-            .unwrap_or_else(|| panic!("missing {full}"))
-    }
-
-    /// `x W^T + b` for rows `x`.
-    fn linear(&self, x: &[Vec<f64>], name: &str) -> Vec<Vec<f64>> {
-        let w = self.get(&format!("{name}.weight"));
-        let b = self.get(&format!("{name}.bias"));
-        let (o, i) = (w.shape[0], w.shape[1]);
-        x.iter()
-            .map(|row| {
-                assert_eq!(row.len(), i);
-                (0..o)
-                    .map(|r| b.v[r] + (0..i).map(|c| w.v[r * i + c] * row[c]).sum::<f64>())
-                    .collect()
-            })
-            .collect()
-    }
-
-    fn layer_norm(&self, x: &[Vec<f64>], name: &str) -> Vec<Vec<f64>> {
-        let w = &self.get(&format!("{name}.weight")).v;
-        let b = &self.get(&format!("{name}.bias")).v;
-        x.iter()
-            .map(|row| {
-                let n = row.len() as f64;
-                let mean = row.iter().sum::<f64>() / n;
-                let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / n;
-                let rstd = 1.0 / (var + self.cfg.layer_norm_eps).sqrt();
-                row.iter()
-                    .enumerate()
-                    .map(|(j, v)| (v - mean) * rstd * w[j] + b[j])
-                    .collect()
-            })
-            .collect()
-    }
-
-    /// Logits `[T][V]` of one sequence.
-    fn logits(&self, ids: &[usize], mask: &[f64], types: &[usize]) -> Vec<Vec<f64>> {
-        let h = self.cfg.hidden_size;
-        let nh = self.cfg.num_attention_heads;
-        let d = h / nh;
-        let t = ids.len();
-        let we = self.get("embeddings.word_embeddings.weight");
-        let pe = self.get("embeddings.position_embeddings.weight");
-        let te = self.get("embeddings.token_type_embeddings.weight");
-        let x: Vec<Vec<f64>> = (0..t)
-            .map(|i| {
-                (0..h)
-                    .map(|j| we.v[ids[i] * h + j] + pe.v[i * h + j] + te.v[types[i] * h + j])
-                    .collect()
-            })
-            .collect();
-        let mut x = self.layer_norm(&x, "embeddings.LayerNorm");
-        for l in 0..self.cfg.num_hidden_layers {
-            let p = format!("encoder.layer.{l}");
-            let q = self.linear(&x, &format!("{p}.attention.self.query"));
-            let k = self.linear(&x, &format!("{p}.attention.self.key"));
-            let v = self.linear(&x, &format!("{p}.attention.self.value"));
-            let mut ctx = vec![vec![0.0; h]; t];
-            for head in 0..nh {
-                let cols = head * d..(head + 1) * d;
-                for i in 0..t {
-                    // Padded keys take no part (HF's additive mask gives them probability 0).
-                    let keys: Vec<usize> = (0..t).filter(|&j| mask[j] != 0.0).collect();
-                    let s: Vec<f64> = keys
-                        .iter()
-                        .map(|&j| {
-                            cols.clone().map(|c| q[i][c] * k[j][c]).sum::<f64>() / (d as f64).sqrt()
-                        })
-                        .collect();
-                    let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                    let e: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();
-                    let z: f64 = e.iter().sum();
-                    for (n, &j) in keys.iter().enumerate() {
-                        for c in cols.clone() {
-                            ctx[i][c] += e[n] / z * v[j][c];
-                        }
-                    }
-                }
-            }
-            let a = self.linear(&ctx, &format!("{p}.attention.output.dense"));
-            let a: Vec<Vec<f64>> = a
-                .iter()
-                .zip(&x)
-                .map(|(r, s)| r.iter().zip(s).map(|(u, w)| u + w).collect())
-                .collect();
-            let a = self.layer_norm(&a, &format!("{p}.attention.output.LayerNorm"));
-            let inter: Vec<Vec<f64>> = self
-                .linear(&a, &format!("{p}.intermediate.dense"))
-                .into_iter()
-                .map(|r| r.into_iter().map(gelu).collect())
-                .collect();
-            let o = self.linear(&inter, &format!("{p}.output.dense"));
-            let o: Vec<Vec<f64>> = o
-                .iter()
-                .zip(&a)
-                .map(|(r, s)| r.iter().zip(s).map(|(u, w)| u + w).collect())
-                .collect();
-            x = self.layer_norm(&o, &format!("{p}.output.LayerNorm"));
-        }
-        let hd: Vec<Vec<f64>> = self
-            .linear(&x, "cls.predictions.transform.dense")
-            .into_iter()
-            .map(|r| r.into_iter().map(gelu).collect())
-            .collect();
-        let hd = self.layer_norm(&hd, "cls.predictions.transform.LayerNorm");
-        let bias = &self.get("cls.predictions.bias").v;
-        let vocab = self.cfg.vocab_size;
-        hd.iter()
-            .map(|row| {
-                (0..vocab)
-                    .map(|tok| bias[tok] + (0..h).map(|j| we.v[tok * h + j] * row[j]).sum::<f64>())
-                    .collect()
-            })
-            .collect()
-    }
-
-    /// The mean cross-entropy over labelled tokens.
-    fn loss(&self, inp: &Inputs) -> f64 {
-        let (mut total, mut n) = (0.0, 0);
-        for r in 0..inp.ids.len() {
-            let lg = self.logits(&inp.ids[r], &inp.mask[r], &inp.types[r]);
-            for (i, &l) in inp.labels[r].iter().enumerate() {
-                if l == -100 {
-                    continue;
-                }
-                let m = lg[i].iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let lse = m + lg[i].iter().map(|v| (v - m).exp()).sum::<f64>().ln();
-                total += lse - lg[i][l as usize];
-                n += 1;
-            }
-        }
-        total / n as f64
-    }
-}
-
 fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
     assert_eq!(a.len(), b.len());
     a.iter()
@@ -375,13 +169,19 @@ fn model_logits(m: &BertForMaskedLM, inp: &Inputs) -> Vec<f64> {
         .unwrap()
 }
 
+fn seqs(inp: &Inputs) -> Vec<Seq> {
+    (0..inp.ids.len())
+        .map(|b| Seq {
+            ids: inp.ids[b].clone(),
+            mask: inp.mask[b].clone(),
+            types: inp.types[b].clone(),
+            labels: inp.labels[b].clone(),
+        })
+        .collect()
+}
+
 fn reference_logits(dir: &Path, prefix: &str, inp: &Inputs) -> Vec<f64> {
-    let raw = read_raw(&dir.join("model.safetensors"));
-    let r = Reference {
-        w: &raw,
-        prefix,
-        cfg: small_config(),
-    };
+    let r = Reference::load(dir, prefix, ref_config());
     let mut out = Vec::new();
     for b in 0..inp.ids.len() {
         for row in r.logits(&inp.ids[b], &inp.mask[b], &inp.types[b]) {
@@ -576,13 +376,7 @@ fn loss_is_the_mean_over_labelled_tokens() {
     let m = random_model(DType::F64);
     let dir = TempDir::new("loss");
     save_bert(&m, dir.path()).unwrap();
-    let raw = read_raw(&dir.path().join("model.safetensors"));
-    let r = Reference {
-        w: &raw,
-        prefix: "bert.",
-        cfg: small_config(),
-    };
-    let want = r.loss(&inp);
+    let want = Reference::load(dir.path(), "bert.", ref_config()).loss(&seqs(&inp));
     let (ids, mask, types, labels) = tensors(&inp);
     let got = no_grad(|| m.loss(&ids, Some(&mask), Some(&types), &labels))
         .unwrap()
@@ -607,13 +401,7 @@ fn loss_is_the_mean_over_labelled_tokens() {
         .unwrap();
     let dir32 = TempDir::new("loss32");
     save_bert(&m32, dir32.path()).unwrap();
-    let raw32 = read_raw(&dir32.path().join("model.safetensors"));
-    let want32 = Reference {
-        w: &raw32,
-        prefix: "bert.",
-        cfg: small_config(),
-    }
-    .loss(&inp);
+    let want32 = Reference::load(dir32.path(), "bert.", ref_config()).loss(&seqs(&inp));
     assert!(
         (got32 - want32).abs() < 1e-4 * want32.abs(),
         "{got32} vs {want32}"
