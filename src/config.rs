@@ -24,7 +24,8 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-/// The model's shape: a GPT-style decoder.
+/// The model's shape: a GPT-style decoder (`kind = "gpt"`) or a BERT encoder trained by masked
+/// language modelling (`kind = "bert"`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
@@ -42,6 +43,9 @@ pub struct ModelConfig {
     pub dropout: f64,
     /// Whether linear and layer-norm layers have bias terms.
     pub bias: bool,
+    /// `"gpt"` (next-token prediction) or `"bert"` (masked language modelling; see
+    /// [`crate::train_bert`]).
+    pub kind: String,
 }
 
 impl Default for ModelConfig {
@@ -54,6 +58,7 @@ impl Default for ModelConfig {
             vocab_size: 256,
             dropout: 0.0,
             bias: true,
+            kind: "gpt".to_string(),
         }
     }
 }
@@ -325,6 +330,7 @@ impl TrainConfig {
         "model.vocab_size",
         "model.dropout",
         "model.bias",
+        "model.kind",
         "train.steps",
         "train.batch_size",
         "train.lr",
@@ -404,6 +410,7 @@ impl TrainConfig {
             "model.vocab_size" => m.vocab_size = parse_value(key, value, INT)?,
             "model.dropout" => m.dropout = parse_value(key, value, FLOAT)?,
             "model.bias" => m.bias = parse_value(key, value, BOOL)?,
+            "model.kind" => m.kind = string_value(value),
             "train.steps" => t.steps = parse_value(key, value, INT)?,
             "train.batch_size" => t.batch_size = parse_value(key, value, INT)?,
             "train.lr" => t.lr = parse_value(key, value, FLOAT)?,
@@ -450,12 +457,13 @@ impl TrainConfig {
     /// Checks the values, returning the first problem found as a one-line
     /// [`ConfigError::Invalid`] that names the key and the value(s).
     ///
-    /// Checks: all sizes and counts positive (`eval_interval` and `sample_tokens` may be 0);
-    /// `n_embd` divisible by `n_head`; `vocab_size >= 256` for byte-level data (no tokenizer, and
-    /// no path or a path that is neither a `.bin` file nor a folder of shards); `dropout` in
-    /// [0, 1); `lr` finite and > 0; `min_lr` in [0, lr]; `beta1`, `beta2` in [0, 1);
-    /// `weight_decay`, `grad_clip` finite and at least 0; `val_fraction` in (0, 1); `out`, and
-    /// `metrics`, `data.path` and `data.tokenizer` when set, non-empty.
+    /// Checks: `model.kind` is `gpt` or `bert` (which needs `bias`); all sizes and counts
+    /// positive (`eval_interval` and `sample_tokens` may be 0); `n_embd` divisible by `n_head`;
+    /// `vocab_size >= 256` for byte-level data (no tokenizer, and no path or a path that is
+    /// neither a `.bin` file nor a folder of shards); `dropout` in [0, 1); `lr` finite and > 0;
+    /// `min_lr` in [0, lr]; `beta1`, `beta2` in [0, 1); `weight_decay`, `grad_clip` finite and at
+    /// least 0; `val_fraction` in (0, 1); `out`, and `metrics`, `data.path` and `data.tokenizer`
+    /// when set, non-empty.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let m = &self.model;
         let t = &self.train;
@@ -465,6 +473,18 @@ impl TrainConfig {
                 message,
             })
         };
+        if m.kind != "gpt" && m.kind != "bert" {
+            return invalid(
+                "model.kind",
+                format!("must be \"gpt\" or \"bert\", got {:?}", m.kind),
+            );
+        }
+        if m.kind == "bert" && !m.bias {
+            return invalid(
+                "model.bias",
+                "BERT always has biases (model.kind = \"bert\" needs bias = true)".to_string(),
+            );
+        }
         let positive = [
             ("model.n_layer", m.n_layer),
             ("model.n_head", m.n_head),
@@ -795,6 +815,7 @@ val_fraction = 0.05
             ("train.grad_clip", "-1", ">= 0"),
             ("model.vocab_size", "100", "byte-level"),
             ("out", "", "empty"),
+            ("model.kind", "t5", "\"gpt\" or \"bert\""),
         ];
         for (key, value, expected) in cases {
             let mut config = TrainConfig::default();

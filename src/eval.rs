@@ -63,7 +63,12 @@ pub fn mean_loss(model: &Gpt, data: &dyn TokenSource) -> Result<f64> {
 /// Loads the checkpoint in `checkpoint` and evaluates it on `data`: text and JSONL go through the
 /// checkpoint's `tokenizer.json` when it has one (byte-level otherwise); a folder of token shards
 /// is evaluated on its validation shards when it has any, on all its shards otherwise.
+/// A BERT checkpoint (`"model_type": "bert"`) takes a JSON-lines file of labelled examples
+/// instead (see [`crate::eval_bert`]).
 pub fn eval_checkpoint(checkpoint: &Path, data: &Path) -> Result<f64> {
+    if meshgrad_nn::state::hf_bert::is_bert_checkpoint(checkpoint) {
+        return crate::eval_bert::eval_bert_checkpoint(checkpoint, data);
+    }
     let model = crate::train::load_checkpoint(checkpoint)?;
     let tokenizer = crate::train::load_checkpoint_tokenizer(checkpoint)?;
     let opts = LoadOptions {

@@ -40,9 +40,13 @@ pub mod corpus;
 #[cfg(feature = "cli")]
 pub mod eval;
 #[cfg(feature = "cli")]
+pub mod eval_bert;
+#[cfg(feature = "cli")]
 pub mod generate;
 #[cfg(feature = "cli")]
 pub mod train;
+#[cfg(feature = "cli")]
+pub mod train_bert;
 #[cfg(feature = "cli")]
 pub mod train_parallel;
 

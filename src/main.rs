@@ -120,6 +120,9 @@ enum TokenizerCommand {
 
 #[derive(clap::Args)]
 struct TrainArgs {
+    /// Model kind: gpt (next-token prediction) or bert (masked LM); sets model.kind.
+    #[arg(long)]
+    model: Option<String>,
     /// TOML config (see configs/tiny.toml); flags override it.
     #[arg(long)]
     config: Option<PathBuf>,
@@ -170,7 +173,8 @@ fn train_config(a: &TrainArgs) -> Result<TrainConfig> {
         Some(p) => TrainConfig::from_toml_file(p)?,
         None => TrainConfig::default(),
     };
-    let flags: [(&str, Option<String>); 8] = [
+    let flags: [(&str, Option<String>); 9] = [
+        ("model.kind", a.model.clone()),
         ("train.steps", a.steps.map(|v| v.to_string())),
         ("train.seed", a.seed.map(|v| v.to_string())),
         ("data.path", a.data.clone()),
@@ -199,6 +203,12 @@ fn run(cli: Cli) -> Result<()> {
             let opts = meshgrad::train::TrainOptions {
                 microbatches: a.microbatches,
             };
+            if cfg.model.kind == "bert" {
+                let layout: Option<meshgrad::parallel::ParallelLayout> =
+                    a.layout.as_deref().map(str::parse).transpose()?;
+                meshgrad::train_bert::train_bert(&cfg, layout.as_ref(), &opts, Verbosity::Normal)?;
+                return Ok(());
+            }
             match &a.layout {
                 None => {
                     meshgrad::train::train_with(&cfg, &opts, Verbosity::Normal)?;

@@ -297,7 +297,7 @@ fn val_loss(
 }
 
 /// One JSON line of metrics.
-fn metrics_line(
+pub(crate) fn metrics_line(
     step: usize,
     loss: f64,
     lr: f64,
@@ -321,8 +321,8 @@ fn metrics_line(
 /// Progress output and the metrics file. Only the leader (rank 0) reports; the others get a
 /// silent reporter.
 pub(crate) struct Reporter {
-    quiet: bool,
-    pb: ProgressBar,
+    pub(crate) quiet: bool,
+    pub(crate) pb: ProgressBar,
     metrics: Option<std::io::BufWriter<std::fs::File>>,
 }
 
@@ -379,14 +379,14 @@ impl Reporter {
         }
     }
 
-    fn metrics(&mut self, line: String) -> Result<()> {
+    pub(crate) fn metrics(&mut self, line: String) -> Result<()> {
         if let Some(w) = self.metrics.as_mut() {
             writeln!(w, "{line}").context("writing metrics")?;
         }
         Ok(())
     }
 
-    fn finish(self) -> Result<()> {
+    pub(crate) fn finish(self) -> Result<()> {
         self.pb.finish_and_clear();
         if let Some(mut w) = self.metrics {
             w.flush().context("writing metrics")?;

@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use meshgrad_autograd::Var;
+use meshgrad_nn::Module;
 use meshgrad_nn::optim::{AdamW, Optimizer};
 use meshgrad_parallel::comm::{all_reduce_scalar, run_ranks, RankCtx, RunOptions};
 use meshgrad_parallel::zero::{ShardConfig, ShardTopology, ShardedDataParallel, ZeroStage};
@@ -24,7 +25,7 @@ use meshgrad_parallel::{
 use crate::config::TrainConfig;
 use crate::train::{
     check_microbatches, finish_run, header, resolve_tokenizer, run_data, run_loop, run_model,
-    GradSync, Reporter, RunModel, TrainOptions, TrainSummary, Verbosity,
+    GradSync, Reporter, TrainOptions, TrainSummary, Verbosity,
 };
 
 /// How long a rank waits for its peers in any collective before failing the run. Ranks do the
@@ -78,7 +79,12 @@ impl GradSync for ZeroSync<'_> {
 }
 
 /// Wraps a rank's model for a sharded layout, with the run's AdamW groups and hyper-parameters.
-fn shard(ctx: &RankCtx, run: &RunModel, layout: &ParallelLayout) -> Result<ShardedDataParallel> {
+fn shard(
+    ctx: &RankCtx,
+    model: &dyn Module,
+    opt: &AdamW,
+    layout: &ParallelLayout,
+) -> Result<ShardedDataParallel> {
     let (stage, topo) = match *layout {
         ParallelLayout::Zero { stage, .. } => (stage, ShardTopology::flat(ctx.comm.clone())),
         ParallelLayout::HybridShard { replicate, shard } => {
@@ -92,12 +98,79 @@ fn shard(ctx: &RankCtx, run: &RunModel, layout: &ParallelLayout) -> Result<Shard
         ParallelLayout::DataParallel { .. } => anyhow::bail!("layout {layout} is not sharded"),
     };
     Ok(ShardedDataParallel::new(
-        &run.model,
-        run.opt.param_groups().to_vec(),
-        *run.opt.config(),
+        model,
+        opt.param_groups().to_vec(),
+        *opt.config(),
         topo,
         ShardConfig::new(stage),
     )?)
+}
+
+/// What a rank's model is wrapped in for `layout`: DDP (`dp=N`) or sharded data parallelism
+/// (the others). Shared by the GPT and BERT training loops.
+pub(crate) enum RankWrapper {
+    /// `dp=N`.
+    Ddp(Ddp),
+    /// `zero1=N`, `zero2=N`, `fsdp=N`, `hsdp=RxS`.
+    Sharded(ShardedDataParallel),
+}
+
+impl RankWrapper {
+    /// Wraps `model` (whose optimizer is `opt`) on this rank for `layout`.
+    pub(crate) fn new(
+        ctx: &RankCtx,
+        layout: &ParallelLayout,
+        model: &dyn Module,
+        opt: &AdamW,
+    ) -> Result<Self> {
+        Ok(match layout {
+            ParallelLayout::DataParallel { .. } => RankWrapper::Ddp(Ddp::new(
+                model.named_parameters(),
+                ctx.comm.clone(),
+                DdpConfig::default(),
+            )?),
+            _ => RankWrapper::Sharded(shard(ctx, model, opt, layout)?),
+        })
+    }
+
+    /// The [`GradSync`] a training loop uses on this rank.
+    pub(crate) fn sync<'a>(&'a self, comm: &'a dyn Communicator) -> Box<dyn GradSync + 'a> {
+        match self {
+            RankWrapper::Ddp(ddp) => Box::new(DdpSync { ddp, comm }),
+            RankWrapper::Sharded(sdp) => Box::new(ZeroSync { sdp, comm }),
+        }
+    }
+
+    /// fsdp/hsdp keep only shards: gathers the full weights (every rank takes part) for the
+    /// checkpoint. Nothing to do for the other layouts.
+    pub(crate) fn summon_full_params(&self) -> Result<()> {
+        if let RankWrapper::Sharded(sdp) = self {
+            sdp.summon_full_params()?;
+        }
+        Ok(())
+    }
+}
+
+/// Runs `body` on the ranks of `layout` (threads of this process, each with the collective
+/// timeout of a training run) and returns what rank 0 returned. `body` returns `Some` on the
+/// leader only.
+pub(crate) fn on_ranks<T: Send>(
+    layout: &ParallelLayout,
+    body: impl Fn(&RankCtx) -> Result<Option<T>> + Send + Sync,
+) -> Result<T> {
+    let run_opts = RunOptions::with_timeout(COLLECTIVE_TIMEOUT);
+    let results = run_ranks(layout.world_size(), &run_opts, |ctx| {
+        // anyhow's chain, flattened to one line, for the tensor-level error type.
+        body(&ctx).map_err(|e| {
+            let msg: Vec<String> = e.chain().map(|c| c.to_string()).collect();
+            meshgrad_tensor::Error::msg(msg.join(": "))
+        })
+    })?;
+    results
+        .into_iter()
+        .flatten()
+        .next()
+        .ok_or_else(|| anyhow::anyhow!("rank 0 returned no result"))
 }
 
 /// The number of ranks of `layout`, or a one-line reason it cannot run (yet) or does not fit the
@@ -125,80 +198,49 @@ pub fn train_parallel(
     let cfg = &cfg;
     let world = check_layout(cfg, layout, opts)?;
     let data = run_data(cfg, tokenizer)?;
-    let run_opts = RunOptions::with_timeout(COLLECTIVE_TIMEOUT);
-    let summaries = run_ranks(world, &run_opts, |ctx| {
-        let r = (|| -> Result<Option<TrainSummary>> {
-            let mut run = run_model(cfg)?;
-            let (ddp, sdp) = match layout {
-                ParallelLayout::DataParallel { .. } => (
-                    Some(Ddp::new(
-                        meshgrad_nn::Module::named_parameters(&run.model),
-                        ctx.comm.clone(),
-                        DdpConfig::default(),
-                    )?),
-                    None,
-                ),
-                _ => (None, Some(shard(&ctx, &run, layout)?)),
-            };
-            let rows = rank_rows(cfg.train.batch_size, world, ctx.rank)?;
-            let leader = ctx.rank == 0;
-            let mut rep = if leader {
-                Reporter::leader(cfg, verbosity)?
-            } else {
-                Reporter::silent()
-            };
-            let micro = if opts.microbatches > 1 {
-                format!(" x {} micro-batches", opts.microbatches)
-            } else {
-                String::new()
-            };
-            let desc = format!(
-                ", layout {layout} ({world} ranks x {} rows{micro})",
-                rows.end - rows.start
-            );
-            rep.say(header(cfg, &run.model, &data, &desc));
-            let comm = ctx.comm.as_ref();
-            let sync: Box<dyn GradSync + '_> = match (&ddp, &sdp) {
-                (Some(ddp), _) => Box::new(DdpSync { ddp, comm }),
-                (None, Some(sdp)) => Box::new(ZeroSync { sdp, comm }),
-                (None, None) => anyhow::bail!("internal error: layout {layout} has no wrapper"),
-            };
-            let result = run_loop(
+    on_ranks(layout, |ctx| {
+        let mut run = run_model(cfg)?;
+        let wrapper = RankWrapper::new(ctx, layout, &run.model, &run.opt)?;
+        let rows = rank_rows(cfg.train.batch_size, world, ctx.rank)?;
+        let leader = ctx.rank == 0;
+        let mut rep = if leader {
+            Reporter::leader(cfg, verbosity)?
+        } else {
+            Reporter::silent()
+        };
+        let micro = if opts.microbatches > 1 {
+            format!(" x {} micro-batches", opts.microbatches)
+        } else {
+            String::new()
+        };
+        let desc = format!(
+            ", layout {layout} ({world} ranks x {} rows{micro})",
+            rows.end - rows.start
+        );
+        rep.say(header(cfg, &run.model, &data, &desc));
+        let sync = wrapper.sync(ctx.comm.as_ref());
+        let result = run_loop(
+            cfg,
+            &data,
+            &mut run,
+            rows,
+            opts.microbatches,
+            sync.as_ref(),
+            &mut rep,
+        )?;
+        // fsdp/hsdp: the full weights for the checkpoint and the sample.
+        wrapper.summon_full_params()?;
+        if leader {
+            Ok(Some(finish_run(
                 cfg,
-                &data,
-                &mut run,
-                rows,
-                opts.microbatches,
-                sync.as_ref(),
-                &mut rep,
-            )?;
-            if let Some(sdp) = &sdp {
-                // fsdp/hsdp keep only shards: gather the full weights (every rank takes part)
-                // for the checkpoint and the sample.
-                sdp.summon_full_params()?;
-            }
-            if leader {
-                Ok(Some(finish_run(
-                    cfg,
-                    &run.model,
-                    data.tokenizer.as_ref(),
-                    rep,
-                    result,
-                    verbosity,
-                )?))
-            } else {
-                Ok(None)
-            }
-        })();
-        // anyhow's chain, flattened to one line, for the tensor-level error type.
-        r.map_err(|e| {
-            let msg: Vec<String> = e.chain().map(|c| c.to_string()).collect();
-            meshgrad_tensor::Error::msg(msg.join(": "))
-        })
-    })?;
-    summaries
-        .into_iter()
-        .flatten()
-        .next()
-        .ok_or_else(|| anyhow::anyhow!("rank 0 returned no summary"))
+                &run.model,
+                data.tokenizer.as_ref(),
+                rep,
+                result,
+                verbosity,
+            )?))
+        } else {
+            Ok(None)
+        }
+    })
 }

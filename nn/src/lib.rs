@@ -3,14 +3,17 @@
 //! Hugging Face GPT-2 checkpoints), token datasets (in memory, JSONL, memory-mapped llm.c shards)
 //! and tokenizers (Hugging Face `tokenizers`: byte-level BPE and WordPiece).
 
+pub mod bert;
 pub mod data;
 pub mod gpt;
 pub mod layers;
+pub mod mlm;
 pub mod module;
 pub mod optim;
 pub mod state;
 pub mod tokenizer;
 
+pub use bert::{BertConfig, BertForMaskedLM};
 pub use gpt::{Gpt, GptConfig};
 pub use layers::{
     Activation, Block, BlockConfig, CausalSelfAttention, Dropout, Embedding, LayerNorm, Linear,

@@ -2,9 +2,11 @@
 //! ([`save_safetensors`], [`load_safetensors`]) and Hugging Face GPT-2 checkpoint folders
 //! ([`load_gpt2`], [`save_gpt2`]).
 
+pub mod hf_bert;
 pub mod hf_gpt2;
 pub mod safetensors_io;
 
+pub use hf_bert::{load_bert, save_bert};
 pub use hf_gpt2::{gpt_config_from_hf_json, hf_config_json, load_gpt2, load_gpt2_into, save_gpt2};
 pub use safetensors_io::{
     from_safetensors_dtype, load_safetensors, load_safetensors_with_metadata, save_safetensors,

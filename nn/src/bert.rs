@@ -1,0 +1,708 @@
+//! BERT for masked language modelling, with Hugging Face's `BertForMaskedLM` architecture and
+//! parameter names.
+//!
+//! The module tree mirrors Hugging Face's, so every parameter name equals the name in a
+//! `BertForMaskedLM` checkpoint (`bert.embeddings.word_embeddings.weight`,
+//! `bert.encoder.layer.0.attention.self.query.weight`, ...,
+//! `cls.predictions.transform.LayerNorm.bias`, `cls.predictions.bias`):
+//!
+//! * embeddings: word + position (absolute, `0..T`) + token type (type 0 when none are given),
+//!   then `LayerNorm` and dropout;
+//! * `num_hidden_layers` post-LayerNorm encoder layers: self-attention (`query`, `key`, `value`,
+//!   softmax with the padding mask, dropout on the probabilities), `attention.output.dense`,
+//!   dropout, `LayerNorm(x + attention)`; `intermediate.dense` with exact (erf) GELU;
+//!   `output.dense`, dropout, `LayerNorm(x + mlp)`;
+//! * the MLM head: `cls.predictions.transform.dense`, exact GELU, `transform.LayerNorm`, and the
+//!   decoder, whose weight is the word-embedding table (tied, not a parameter of its own) and
+//!   whose bias is `cls.predictions.bias`.
+//!
+//! See [`crate::state::hf_bert`] for checkpoints and [`crate::mlm`] for the masking of inputs.
+
+use std::sync::Arc;
+
+use meshgrad_autograd::{checkpoint, Var};
+use meshgrad_tensor::{DType, Device, GeluKind, Result, Tensor};
+
+use crate::layers::{Dropout, Embedding, LayerNorm, Linear, LinearConfig};
+use crate::module::{Forward, Init, ParamBuilder};
+
+/// The label of tokens that take no part in the loss (PyTorch's `CrossEntropyLoss` default).
+pub const IGNORE_INDEX: i64 = -100;
+
+/// BERT hyper-parameters, with Hugging Face's `BertConfig` field names. [`Default`] is
+/// Hugging Face's default (the `bert-base` shape).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct BertConfig {
+    /// Token ids `0..vocab_size`.
+    pub vocab_size: usize,
+    /// Model width.
+    pub hidden_size: usize,
+    /// Encoder layers.
+    pub num_hidden_layers: usize,
+    /// Attention heads; must divide `hidden_size`.
+    pub num_attention_heads: usize,
+    /// Width of the feed-forward layer.
+    pub intermediate_size: usize,
+    /// The longest sequence (rows of the position table).
+    pub max_position_embeddings: usize,
+    /// Token types (segments).
+    pub type_vocab_size: usize,
+    /// Layer-norm epsilon.
+    pub layer_norm_eps: f64,
+    /// Dropout after the embeddings and after each residual branch.
+    pub hidden_dropout_prob: f64,
+    /// Dropout on the attention probabilities.
+    pub attention_probs_dropout_prob: f64,
+    /// The padding token (its word-embedding row starts at zero, as Hugging Face initialises it).
+    pub pad_token_id: usize,
+    /// Standard deviation of the initial weights.
+    pub initializer_range: f64,
+}
+
+impl Default for BertConfig {
+    fn default() -> Self {
+        BertConfig {
+            vocab_size: 30522,
+            hidden_size: 768,
+            num_hidden_layers: 12,
+            num_attention_heads: 12,
+            intermediate_size: 3072,
+            max_position_embeddings: 512,
+            type_vocab_size: 2,
+            layer_norm_eps: 1e-12,
+            hidden_dropout_prob: 0.1,
+            attention_probs_dropout_prob: 0.1,
+            pad_token_id: 0,
+            initializer_range: 0.02,
+        }
+    }
+}
+
+impl BertConfig {
+    /// Checks the values, with one-line errors naming the field.
+    pub fn validate(&self) -> Result<()> {
+        let c = self;
+        for (k, v) in [
+            ("vocab_size", c.vocab_size),
+            ("hidden_size", c.hidden_size),
+            ("num_hidden_layers", c.num_hidden_layers),
+            ("num_attention_heads", c.num_attention_heads),
+            ("intermediate_size", c.intermediate_size),
+            ("max_position_embeddings", c.max_position_embeddings),
+            ("type_vocab_size", c.type_vocab_size),
+        ] {
+            if v == 0 {
+                meshgrad_tensor::bail!("bert config: {k} must be at least 1, got 0");
+            }
+        }
+        if !c.hidden_size.is_multiple_of(c.num_attention_heads) {
+            meshgrad_tensor::bail!(
+                "bert config: hidden_size {} is not divisible by num_attention_heads {}",
+                c.hidden_size,
+                c.num_attention_heads
+            );
+        }
+        for (k, p) in [
+            ("hidden_dropout_prob", c.hidden_dropout_prob),
+            (
+                "attention_probs_dropout_prob",
+                c.attention_probs_dropout_prob,
+            ),
+        ] {
+            if !(0.0..1.0).contains(&p) {
+                meshgrad_tensor::bail!("bert config: {k} must be in [0, 1), got {p}");
+            }
+        }
+        if !(c.layer_norm_eps.is_finite() && c.layer_norm_eps > 0.0) {
+            meshgrad_tensor::bail!(
+                "bert config: layer_norm_eps must be positive and finite, got {}",
+                c.layer_norm_eps
+            );
+        }
+        if !(c.initializer_range.is_finite() && c.initializer_range >= 0.0) {
+            meshgrad_tensor::bail!(
+                "bert config: initializer_range must be a finite number >= 0, got {}",
+                c.initializer_range
+            );
+        }
+        if c.pad_token_id >= c.vocab_size {
+            meshgrad_tensor::bail!(
+                "bert config: pad_token_id {} is outside the vocabulary (vocab_size {})",
+                c.pad_token_id,
+                c.vocab_size
+            );
+        }
+        Ok(())
+    }
+
+    /// Number of parameters of the [`BertForMaskedLM`] this config builds (the tied decoder
+    /// counted once, as part of the word embeddings).
+    pub fn num_parameters(&self) -> usize {
+        let (v, h, i) = (self.vocab_size, self.hidden_size, self.intermediate_size);
+        let ln = 2 * h;
+        let embeddings = (v + self.max_position_embeddings + self.type_vocab_size) * h + ln;
+        let layer = 4 * (h * h + h) + ln + (h * i + i) + (i * h + h) + ln;
+        let head = (h * h + h) + ln + v;
+        embeddings + self.num_hidden_layers * layer + head
+    }
+}
+
+/// Word, position and token-type embeddings, summed, then `LayerNorm` and dropout.
+#[derive(crate::Module)]
+#[module(crate = crate)]
+pub struct BertEmbeddings {
+    /// `[vocab_size, hidden]`; also the MLM decoder's weight.
+    pub word_embeddings: Embedding,
+    /// `[max_position_embeddings, hidden]`.
+    pub position_embeddings: Embedding,
+    /// `[type_vocab_size, hidden]`.
+    pub token_type_embeddings: Embedding,
+    /// Norm of the sum.
+    #[module(rename = "LayerNorm")]
+    pub layer_norm: LayerNorm,
+    /// Dropout after the norm.
+    pub dropout: Dropout,
+}
+
+impl BertEmbeddings {
+    fn new(p: &ParamBuilder, c: &BertConfig) -> Result<Self> {
+        let std = c.initializer_range;
+        Ok(BertEmbeddings {
+            word_embeddings: Embedding::new(p, c.vocab_size, c.hidden_size, std)?,
+            position_embeddings: Embedding::new(p, c.max_position_embeddings, c.hidden_size, std)?,
+            token_type_embeddings: Embedding::new(p, c.type_vocab_size, c.hidden_size, std)?,
+            layer_norm: LayerNorm::new(p, c.hidden_size, true, c.layer_norm_eps)?,
+            dropout: Dropout::new(c.hidden_dropout_prob)?,
+        })
+    }
+
+    /// `ids [B, T]`, `token_type_ids [B, T]` (type 0 when `None`) -> `[B, T, hidden]`.
+    pub fn forward(&self, ids: &Tensor, token_type_ids: Option<&Tensor>) -> Result<Var> {
+        let t = ids.dims()[1];
+        let pos = Tensor::arange(0, t as i64, DType::I64, ids.device())?;
+        let zeros;
+        let types = match token_type_ids {
+            Some(tt) => tt,
+            None => {
+                zeros = Tensor::zeros(ids.shape().clone(), DType::U32, ids.device())?;
+                &zeros
+            }
+        };
+        let x = self
+            .word_embeddings
+            .forward(ids)?
+            .add(&self.token_type_embeddings.forward(types)?)?
+            .add(&self.position_embeddings.forward(&pos)?)?;
+        self.dropout.forward(&self.layer_norm.forward(&x)?)
+    }
+}
+
+/// Multi-head self-attention: `query`, `key`, `value` projections and dropout on the
+/// probabilities (Hugging Face's `attention.self`).
+#[derive(crate::Module)]
+#[module(crate = crate)]
+pub struct BertSelfAttention {
+    /// `[hidden, hidden]`.
+    pub query: Linear,
+    /// `[hidden, hidden]`.
+    pub key: Linear,
+    /// `[hidden, hidden]`.
+    pub value: Linear,
+    /// Dropout on the attention probabilities.
+    pub dropout: Dropout,
+    /// Heads.
+    pub num_heads: usize,
+}
+
+impl BertSelfAttention {
+    /// `x [B, T, C]` and the additive mask `[B, 1, 1, T]` -> the heads' context `[B, T, C]`.
+    pub fn forward(&self, x: &Var, mask: Option<&Tensor>) -> Result<Var> {
+        let q = self.query.forward(x)?;
+        let k = self.key.forward(x)?;
+        let v = self.value.forward(x)?;
+        masked_attention(&q, &k, &v, mask, self.num_heads, &self.dropout)
+    }
+}
+
+/// Scaled dot-product attention of `q`, `k`, `v` (each `[B, T, C]`, heads contiguous in `C`)
+/// with an optional additive key mask `[B, 1, 1, T]` (0 to attend, a large negative number for
+/// padding), softmax over the keys and dropout on the probabilities; returns `[B, T, C]`.
+///
+/// This is the one place where BERT's attention is computed, composed from `Var` ops (per-head
+/// `q kᵀ`, scale, mask, softmax, dropout, product with `v`), so the scores `[B, H, T, T]` are
+/// materialised. SWAP POINT: when the fused attention op with a key-padding mask lands, replace
+/// the body of this function by it (when dropout is off or the op supports it).
+fn masked_attention(
+    q: &Var,
+    k: &Var,
+    v: &Var,
+    mask: Option<&Tensor>,
+    heads: usize,
+    dropout: &Dropout,
+) -> Result<Var> {
+    let dims = q.tensor().dims().to_vec();
+    let (b, t, c) = (dims[0], dims[1], dims[2]);
+    let d = c / heads;
+    // [B, T, C] -> [B, H, T, D] (views: the products read strided operands).
+    let split = |x: &Var| x.reshape((b, t, heads, d))?.permute(&[0, 2, 1, 3]);
+    let (q, v) = (split(q)?, split(v)?);
+    let kt = k.reshape((b, t, heads, d))?.permute(&[0, 2, 3, 1])?; // [B, H, D, T]
+    let mut scores = q.matmul(&kt)?.mul_scalar(1.0 / (d as f64).sqrt())?;
+    if let Some(m) = mask {
+        scores = scores.add(&Var::constant(m.clone()))?;
+    }
+    let probs = dropout.forward(&scores.softmax(-1)?)?;
+    probs
+        .matmul(&v)?
+        .permute(&[0, 2, 1, 3])?
+        .contiguous()?
+        .reshape((b, t, c))
+}
+
+/// `LayerNorm(input + dropout(dense(x)))`: the residual branch after attention
+/// (`attention.output`) or after the feed-forward layer (`output`).
+#[derive(crate::Module)]
+#[module(crate = crate)]
+pub struct BertResidualOutput {
+    /// The projection.
+    pub dense: Linear,
+    /// The post-residual norm.
+    #[module(rename = "LayerNorm")]
+    pub layer_norm: LayerNorm,
+    /// Dropout on the projection.
+    pub dropout: Dropout,
+}
+
+impl BertResidualOutput {
+    fn new(p: &ParamBuilder, c: &BertConfig, from: usize) -> Result<Self> {
+        Ok(BertResidualOutput {
+            dense: LinearConfig::new(from, c.hidden_size)
+                .std(c.initializer_range)
+                .build(p)?,
+            layer_norm: LayerNorm::new(p, c.hidden_size, true, c.layer_norm_eps)?,
+            dropout: Dropout::new(c.hidden_dropout_prob)?,
+        })
+    }
+
+    /// `LayerNorm(input + dropout(dense(x)))`.
+    pub fn forward(&self, x: &Var, input: &Var) -> Result<Var> {
+        let h = self.dropout.forward(&self.dense.forward(x)?)?;
+        self.layer_norm.forward(&h.add(input)?)
+    }
+}
+
+/// Self-attention and its output projection (Hugging Face's `attention`).
+#[derive(crate::Module)]
+#[module(crate = crate)]
+pub struct BertAttention {
+    /// `attention.self`.
+    #[module(rename = "self")]
+    pub self_attention: BertSelfAttention,
+    /// `attention.output`.
+    pub output: BertResidualOutput,
+}
+
+/// The feed-forward up-projection with exact GELU (`intermediate`).
+#[derive(crate::Module)]
+#[module(crate = crate)]
+pub struct BertIntermediate {
+    /// `[intermediate, hidden]`.
+    pub dense: Linear,
+}
+
+/// One post-LayerNorm encoder layer (`encoder.layer.N`).
+#[derive(crate::Module)]
+#[module(crate = crate)]
+pub struct BertLayer {
+    /// Attention block.
+    pub attention: BertAttention,
+    /// Feed-forward up-projection.
+    pub intermediate: BertIntermediate,
+    /// Feed-forward down-projection, residual and norm.
+    pub output: BertResidualOutput,
+}
+
+impl BertLayer {
+    fn new(p: &ParamBuilder, c: &BertConfig) -> Result<Self> {
+        let lin = |i, o| LinearConfig::new(i, o).std(c.initializer_range).build(p);
+        let h = c.hidden_size;
+        Ok(BertLayer {
+            attention: BertAttention {
+                self_attention: BertSelfAttention {
+                    query: lin(h, h)?,
+                    key: lin(h, h)?,
+                    value: lin(h, h)?,
+                    dropout: Dropout::new(c.attention_probs_dropout_prob)?,
+                    num_heads: c.num_attention_heads,
+                },
+                output: BertResidualOutput::new(p, c, h)?,
+            },
+            intermediate: BertIntermediate {
+                dense: lin(h, c.intermediate_size)?,
+            },
+            output: BertResidualOutput::new(p, c, c.intermediate_size)?,
+        })
+    }
+
+    /// `x [B, T, C]` with the additive mask `[B, 1, 1, T]` -> `[B, T, C]`.
+    pub fn forward(&self, x: &Var, mask: Option<&Tensor>) -> Result<Var> {
+        let a = self.attention.self_attention.forward(x, mask)?;
+        let a = self.attention.output.forward(&a, x)?;
+        let h = self.intermediate.forward(&a)?;
+        self.output.forward(&h, &a)
+    }
+
+    /// As [`BertLayer::forward`], keeping only the layer's input and recomputing its activations
+    /// during backward (activation checkpointing).
+    pub fn forward_checkpointed(self: &Arc<Self>, x: &Var, mask: Option<&Tensor>) -> Result<Var> {
+        let me = self.clone();
+        let mask = mask.cloned();
+        checkpoint(
+            Arc::new(move |xs: &[Var]| me.forward(&xs[0], mask.as_ref())),
+            std::slice::from_ref(x),
+        )
+    }
+}
+
+/// The stack of encoder layers (`encoder`).
+#[derive(crate::Module)]
+#[module(crate = crate)]
+pub struct BertEncoder {
+    /// `encoder.layer.N`.
+    pub layer: Vec<Arc<BertLayer>>,
+}
+
+/// The encoder without a head (Hugging Face's `BertModel` without the pooler).
+#[derive(crate::Module)]
+#[module(crate = crate)]
+pub struct BertModel {
+    /// Embeddings.
+    pub embeddings: BertEmbeddings,
+    /// Encoder layers.
+    pub encoder: BertEncoder,
+}
+
+/// `dense`, exact GELU, `LayerNorm` (`cls.predictions.transform`).
+#[derive(crate::Module)]
+#[module(crate = crate)]
+pub struct BertPredictionHeadTransform {
+    /// `[hidden, hidden]`.
+    pub dense: Linear,
+    /// Norm after the activation.
+    #[module(rename = "LayerNorm")]
+    pub layer_norm: LayerNorm,
+}
+
+/// The transform and the output bias of the MLM head (`cls.predictions`); the decoder weight
+/// is the word-embedding table.
+#[derive(crate::Module)]
+#[module(crate = crate)]
+pub struct BertLMPredictionHead {
+    /// `cls.predictions.transform`.
+    pub transform: BertPredictionHeadTransform,
+    /// `[vocab_size]`: the decoder's bias.
+    pub bias: Var,
+}
+
+/// The MLM head (`cls`).
+#[derive(crate::Module)]
+#[module(crate = crate)]
+pub struct BertOnlyMLMHead {
+    /// `cls.predictions`.
+    pub predictions: BertLMPredictionHead,
+}
+
+/// BERT with the masked-language-modelling head (Hugging Face's `BertForMaskedLM`).
+///
+/// ```
+/// use meshgrad_nn::bert::{BertConfig, BertForMaskedLM};
+/// use meshgrad_tensor::{DType, Device, Tensor};
+/// let config = BertConfig {
+///     vocab_size: 50, hidden_size: 16, num_hidden_layers: 1, num_attention_heads: 2,
+///     intermediate_size: 32, max_position_embeddings: 8, ..BertConfig::default()
+/// };
+/// let model = BertForMaskedLM::new(config, 0, DType::F32, Device::Cpu)?;
+/// let ids = Tensor::from_vec(vec![1u32, 2, 3, 0], (1, 4), Device::Cpu)?;
+/// let mask = Tensor::from_vec(vec![1u32, 1, 1, 0], (1, 4), Device::Cpu)?;
+/// let logits = model.forward(&ids, Some(&mask), None)?;
+/// assert_eq!(logits.tensor().dims(), &[1, 4, 50]);
+/// # Ok::<(), meshgrad_tensor::Error>(())
+/// ```
+#[derive(crate::Module)]
+#[module(crate = crate)]
+pub struct BertForMaskedLM {
+    /// Hyper-parameters.
+    pub config: BertConfig,
+    /// The encoder (`bert.`).
+    pub bert: BertModel,
+    /// The MLM head (`cls.`).
+    pub cls: BertOnlyMLMHead,
+    /// Recompute each layer's activations during backward instead of storing them.
+    pub activation_checkpointing: bool,
+}
+
+impl BertForMaskedLM {
+    /// A new model with Hugging Face's initialisation: N(0, initializer_range) weights and
+    /// embeddings (the padding token's word-embedding row zero), zero biases, unit norm weights.
+    /// Each parameter's values depend only on `seed` and its name.
+    pub fn new(config: BertConfig, seed: u64, dtype: DType, device: Device) -> Result<Self> {
+        config.validate()?;
+        let c = config;
+        let model = ParamBuilder::new(seed)
+            .dtype(dtype)
+            .device(device)
+            .build(|p| {
+                Ok(BertForMaskedLM {
+                    config,
+                    bert: BertModel {
+                        embeddings: BertEmbeddings::new(p, &c)?,
+                        encoder: BertEncoder {
+                            layer: (0..c.num_hidden_layers)
+                                .map(|_| BertLayer::new(p, &c).map(Arc::new))
+                                .collect::<Result<_>>()?,
+                        },
+                    },
+                    cls: BertOnlyMLMHead {
+                        predictions: BertLMPredictionHead {
+                            transform: BertPredictionHeadTransform {
+                                dense: LinearConfig::new(c.hidden_size, c.hidden_size)
+                                    .std(c.initializer_range)
+                                    .build(p)?,
+                                layer_norm: LayerNorm::new(
+                                    p,
+                                    c.hidden_size,
+                                    true,
+                                    c.layer_norm_eps,
+                                )?,
+                            },
+                            bias: p.param(c.vocab_size, Init::Zeros)?,
+                        },
+                    },
+                    activation_checkpointing: false,
+                })
+            })?;
+        let w = model.bert.embeddings.word_embeddings.weight.tensor();
+        let zeros = Tensor::zeros(c.hidden_size, dtype, device)?;
+        w.narrow(0, c.pad_token_id, 1)?
+            .copy_from(&zeros.reshape((1, c.hidden_size))?)?;
+        Ok(model)
+    }
+
+    /// The word-embedding table `[vocab_size, hidden]` (the decoder's weight).
+    pub fn word_embeddings(&self) -> &Var {
+        &self.bert.embeddings.word_embeddings.weight
+    }
+
+    /// Checks the shapes and dtypes of the inputs; returns `(B, T)`.
+    fn check_inputs(
+        &self,
+        ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        token_type_ids: Option<&Tensor>,
+    ) -> Result<(usize, usize)> {
+        if ids.rank() != 2 || !ids.dtype().is_int() {
+            meshgrad_tensor::bail!(
+                "bert: input_ids must be an integer tensor [B, T], got {} of {}",
+                ids.shape(),
+                ids.dtype()
+            );
+        }
+        let (b, t) = (ids.dims()[0], ids.dims()[1]);
+        if t == 0 || t > self.config.max_position_embeddings {
+            meshgrad_tensor::bail!(
+                "bert: sequence length {t} must be in 1..={} (max_position_embeddings)",
+                self.config.max_position_embeddings
+            );
+        }
+        for (name, x) in [
+            ("attention_mask", attention_mask),
+            ("token_type_ids", token_type_ids),
+        ] {
+            if let Some(x) = x {
+                if x.dims() != ids.dims() {
+                    meshgrad_tensor::bail!(
+                        "bert: {name} has shape {} but input_ids has {}",
+                        x.shape(),
+                        ids.shape()
+                    );
+                }
+            }
+        }
+        if let Some(tt) = token_type_ids {
+            if !tt.dtype().is_int() {
+                meshgrad_tensor::bail!("bert: token_type_ids must be integers, got {}", tt.dtype());
+            }
+        }
+        Ok((b, t))
+    }
+
+    /// The additive attention mask `[B, 1, 1, T]` of `attention_mask [B, T]` (1 = attend,
+    /// 0 = padding), as Hugging Face builds it: `(1 - mask) * min`, with `min` the most
+    /// negative finite value of the parameters' dtype.
+    fn additive_mask(&self, mask: &Tensor) -> Result<Tensor> {
+        let w = self.word_embeddings().tensor();
+        let min = match w.dtype() {
+            DType::F64 => f64::MIN,
+            DType::F32 => f32::MIN as f64,
+            DType::BF16 => half::bf16::MIN.to_f64(),
+            DType::F16 => half::f16::MIN.to_f64(),
+            other => meshgrad_tensor::bail!("bert: parameters of dtype {other} are not supported"),
+        };
+        let (b, t) = (mask.dims()[0], mask.dims()[1]);
+        let v: Vec<f64> = mask
+            .to_vec_f64()?
+            .into_iter()
+            .map(|m| (1.0 - m) * min)
+            .collect();
+        Tensor::from_vec(v, (b, 1, 1, t), Device::Cpu)?
+            .to_dtype(w.dtype())?
+            .to_device(w.device())
+    }
+
+    /// The final hidden states `[B, T, hidden]` (the encoder's output).
+    pub fn hidden_states(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        token_type_ids: Option<&Tensor>,
+    ) -> Result<Var> {
+        self.run(input_ids, attention_mask, token_type_ids, false)
+    }
+
+    /// MLM logits `[B, T, vocab_size]` for `input_ids [B, T]` (integers), with an optional
+    /// `attention_mask [B, T]` (1 = attend, 0 = padding; any dtype) and `token_type_ids [B, T]`
+    /// (type 0 when `None`). Dropout masks follow the current
+    /// [`ForwardCtx`](meshgrad_autograd::ForwardCtx).
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        token_type_ids: Option<&Tensor>,
+    ) -> Result<Var> {
+        self.run(input_ids, attention_mask, token_type_ids, true)
+    }
+
+    /// The forward: embeddings, the encoder layers (each checkpointed when
+    /// `activation_checkpointing`), then with `logits` the head (transform, tied decoder).
+    fn run(
+        &self,
+        ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        token_type_ids: Option<&Tensor>,
+        logits: bool,
+    ) -> Result<Var> {
+        self.check_inputs(ids, attention_mask, token_type_ids)?;
+        let mask = attention_mask.map(|m| self.additive_mask(m)).transpose()?;
+        let mut x = self.bert.embeddings.forward(ids, token_type_ids)?;
+        for layer in &self.bert.encoder.layer {
+            x = if self.activation_checkpointing {
+                layer.forward_checkpointed(&x, mask.as_ref())?
+            } else {
+                layer.forward(&x, mask.as_ref())?
+            };
+        }
+        if !logits {
+            return Ok(x);
+        }
+        let p = &self.cls.predictions;
+        let h = p.transform.dense.forward(&x)?.gelu(GeluKind::Erf)?;
+        let h = p.transform.layer_norm.forward(&h)?;
+        Var::linear(&h, self.word_embeddings(), Some(&p.bias))
+    }
+
+    /// Checks labels `[B, T]`: integers, each [`IGNORE_INDEX`] or a token id. Returns how many
+    /// are not ignored.
+    pub fn count_labels(&self, labels: &Tensor) -> Result<usize> {
+        if !labels.dtype().is_int() || labels.rank() != 2 {
+            meshgrad_tensor::bail!(
+                "bert: labels must be an integer tensor [B, T], got {} of {}",
+                labels.shape(),
+                labels.dtype()
+            );
+        }
+        let v = self.config.vocab_size as i64;
+        let mut n = 0;
+        for (i, &l) in labels
+            .to_dtype(DType::I64)?
+            .to_vec::<i64>()?
+            .iter()
+            .enumerate()
+        {
+            if l == IGNORE_INDEX {
+                continue;
+            }
+            if !(0..v).contains(&l) {
+                let t = labels.dims()[1];
+                meshgrad_tensor::bail!(
+                    "bert: label {l} at row {}, position {} is neither {IGNORE_INDEX} nor a token id below vocab_size {v}",
+                    i / t,
+                    i % t
+                );
+            }
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    /// The MLM loss as Hugging Face's `BertForMaskedLM` computes it: the mean cross-entropy of
+    /// the logits over the tokens whose label is not -100 ([`IGNORE_INDEX`]). `labels [B, T]`
+    /// must be `i64`. When every label is -100 the loss is 0 (Hugging Face returns NaN).
+    pub fn loss(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        token_type_ids: Option<&Tensor>,
+        labels: &Tensor,
+    ) -> Result<Var> {
+        let n = self.count_labels(labels)?;
+        self.loss_over(
+            input_ids,
+            attention_mask,
+            token_type_ids,
+            labels,
+            n.max(1) as f64,
+        )
+    }
+
+    /// The summed cross-entropy over the labelled tokens divided by `denominator`: the share of
+    /// these rows in the mean over a larger batch that has `denominator` labelled tokens in all
+    /// (split across micro-batches or ranks). With `denominator` equal to this batch's count it
+    /// is [`BertForMaskedLM::loss`].
+    pub fn loss_over(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        token_type_ids: Option<&Tensor>,
+        labels: &Tensor,
+        denominator: f64,
+    ) -> Result<Var> {
+        if labels.dims() != input_ids.dims() {
+            meshgrad_tensor::bail!(
+                "bert: labels {} must match input_ids {}",
+                labels.shape(),
+                input_ids.shape()
+            );
+        }
+        if !(denominator.is_finite() && denominator > 0.0) {
+            meshgrad_tensor::bail!(
+                "bert: the loss denominator must be positive, got {denominator}"
+            );
+        }
+        let n = self.count_labels(labels)?;
+        let labels = labels.to_dtype(DType::I64)?;
+        let logits = self.forward(input_ids, attention_mask, token_type_ids)?;
+        let (b, t) = (input_ids.dims()[0], input_ids.dims()[1]);
+        let mean = logits
+            .reshape((b * t, self.config.vocab_size))?
+            .cross_entropy(&labels.reshape(b * t)?, Some(IGNORE_INDEX))?;
+        // The op's mean is over the n labelled rows (0 when there are none).
+        mean.mul_scalar(n as f64 / denominator)
+    }
+}
+
+impl Forward for BertIntermediate {
+    /// `gelu_erf(dense(x))`.
+    fn forward(&self, x: &Var) -> Result<Var> {
+        self.dense.forward(x)?.gelu(GeluKind::Erf)
+    }
+}

@@ -1,0 +1,196 @@
+//! `meshgrad eval` on a BERT checkpoint (`config.json` with `"model_type": "bert"`): the masked-LM
+//! loss over a JSON-lines file of labelled examples.
+//!
+//! Each non-blank line is an object
+//! `{"input_ids": [...], "attention_mask": [...], "token_type_ids": [...], "labels": [...]}`;
+//! `attention_mask` (default all ones) and `token_type_ids` (default all zeros) may be left out,
+//! every given list has the length of `input_ids`, and a label is -100 (ignored) or a token id.
+//! The loss is the mean cross-entropy over all labelled tokens of the file, which is Hugging
+//! Face's `BertForMaskedLM` loss over the concatenated labels. Bad lines are errors naming the
+//! file and the line.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use meshgrad_autograd::no_grad;
+use meshgrad_nn::bert::{BertConfig, BertForMaskedLM, IGNORE_INDEX};
+use meshgrad_nn::state::hf_bert;
+use meshgrad_nn::Module;
+use meshgrad_tensor::{DType, Device, Tensor};
+use serde_json::Value;
+
+/// Examples per forward pass (consecutive examples of equal length).
+const EVAL_BATCH: usize = 8;
+
+/// One labelled example.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MlmExample {
+    /// Token ids.
+    pub input_ids: Vec<u32>,
+    /// 1 = attend, 0 = padding.
+    pub attention_mask: Vec<u32>,
+    /// Segment ids.
+    pub token_type_ids: Vec<u32>,
+    /// The token to predict at each position, or -100.
+    pub labels: Vec<i64>,
+}
+
+/// Parses one JSON line against `config` (ids below `vocab_size`, types below `type_vocab_size`,
+/// at most `max_position_embeddings` tokens).
+fn parse_line(text: &str, config: &BertConfig) -> Result<MlmExample> {
+    let v: Value = serde_json::from_str(text).context("invalid JSON")?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| anyhow::anyhow!("expected a JSON object"))?;
+    for k in obj.keys() {
+        if !["input_ids", "attention_mask", "token_type_ids", "labels"].contains(&k.as_str()) {
+            anyhow::bail!(
+                "unknown key {k:?} (expected input_ids, attention_mask, token_type_ids, labels)"
+            );
+        }
+    }
+    let ints = |k: &str| -> Result<Option<Vec<i64>>> {
+        match obj.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Array(a)) => a
+                .iter()
+                .enumerate()
+                .map(|(i, x)| {
+                    x.as_i64()
+                        .ok_or_else(|| anyhow::anyhow!("{k}[{i}] is {x}, not an integer"))
+                })
+                .collect::<Result<Vec<i64>>>()
+                .map(Some),
+            Some(x) => anyhow::bail!("{k} must be a list of integers, got {x}"),
+        }
+    };
+    let ids = ints("input_ids")?.ok_or_else(|| anyhow::anyhow!("missing input_ids"))?;
+    let labels = ints("labels")?.ok_or_else(|| anyhow::anyhow!("missing labels"))?;
+    let n = ids.len();
+    if n == 0 || n > config.max_position_embeddings {
+        anyhow::bail!(
+            "input_ids has {n} tokens; the model takes 1 to {} (max_position_embeddings)",
+            config.max_position_embeddings
+        );
+    }
+    let vocab = config.vocab_size as i64;
+    let check = |k: &str, v: &[i64], ok: &dyn Fn(i64) -> bool, what: &str| -> Result<()> {
+        if v.len() != n {
+            anyhow::bail!("{k} has {} entries but input_ids has {n}", v.len());
+        }
+        if let Some((i, x)) = v.iter().enumerate().find(|(_, &x)| !ok(x)) {
+            anyhow::bail!("{k}[{i}] = {x} is not {what}");
+        }
+        Ok(())
+    };
+    let in_vocab = format!("a token id below vocab_size {vocab}");
+    check("input_ids", &ids, &|x| (0..vocab).contains(&x), &in_vocab)?;
+    check(
+        "labels",
+        &labels,
+        &|x| x == IGNORE_INDEX || (0..vocab).contains(&x),
+        &format!("-100 or {in_vocab}"),
+    )?;
+    let mask = match ints("attention_mask")? {
+        Some(m) => {
+            check("attention_mask", &m, &|x| x == 0 || x == 1, "0 or 1")?;
+            m
+        }
+        None => vec![1; n],
+    };
+    let types = match ints("token_type_ids")? {
+        Some(t) => {
+            let tv = config.type_vocab_size as i64;
+            check(
+                "token_type_ids",
+                &t,
+                &|x| (0..tv).contains(&x),
+                &format!("a type below type_vocab_size {tv}"),
+            )?;
+            t
+        }
+        None => vec![0; n],
+    };
+    let u = |v: Vec<i64>| v.into_iter().map(|x| x as u32).collect();
+    Ok(MlmExample {
+        input_ids: u(ids),
+        attention_mask: u(mask),
+        token_type_ids: u(types),
+        labels,
+    })
+}
+
+/// Reads a JSON-lines file of examples for a model of `config` (blank lines are skipped). Errors
+/// name the file and the line.
+pub fn read_mlm_jsonl(path: &Path, config: &BertConfig) -> Result<Vec<MlmExample>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading eval data {}", path.display()))?;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let ex = parse_line(line, config)
+            .with_context(|| format!("{}: line {}", path.display(), i + 1))?;
+        out.push(ex);
+    }
+    if out.is_empty() {
+        anyhow::bail!("{}: no examples", path.display());
+    }
+    Ok(out)
+}
+
+/// The mean cross-entropy of `model` over every labelled token of `examples` (summed in f64).
+pub fn mean_mlm_loss(model: &BertForMaskedLM, examples: &[MlmExample]) -> Result<f64> {
+    let (mut total, mut count) = (0.0f64, 0usize);
+    let v = model.config.vocab_size;
+    let device = model.word_embeddings().tensor().device();
+    let was_training = model.bert.embeddings.dropout.is_training();
+    model.set_training(false);
+    let r = no_grad(|| -> Result<()> {
+        let mut start = 0;
+        while start < examples.len() {
+            let t = examples[start].input_ids.len();
+            let mut end = start + 1;
+            while end < examples.len()
+                && end - start < EVAL_BATCH
+                && examples[end].input_ids.len() == t
+            {
+                end += 1;
+            }
+            let batch = &examples[start..end];
+            let b = batch.len();
+            let cat = |f: &dyn Fn(&MlmExample) -> &Vec<u32>| -> Vec<u32> {
+                batch.iter().flat_map(|e| f(e).iter().copied()).collect()
+            };
+            let ids = Tensor::from_vec(cat(&|e| &e.input_ids), (b, t), device)?;
+            let mask = Tensor::from_vec(cat(&|e| &e.attention_mask), (b, t), device)?;
+            let types = Tensor::from_vec(cat(&|e| &e.token_type_ids), (b, t), device)?;
+            let labels: Vec<i64> = batch.iter().flat_map(|e| e.labels.clone()).collect();
+            count += labels.iter().filter(|&&l| l != IGNORE_INDEX).count();
+            let labels = Tensor::from_vec(labels, b * t, device)?;
+            let logits = model.forward(&ids, Some(&mask), Some(&types))?;
+            let (rows, _) = logits
+                .tensor()
+                .reshape((b * t, v))?
+                .cross_entropy_rows(&labels, Some(IGNORE_INDEX))?;
+            total += rows.to_vec_f64()?.iter().sum::<f64>();
+            start = end;
+        }
+        Ok(())
+    });
+    model.set_training(was_training);
+    r?;
+    if count == 0 {
+        anyhow::bail!("the eval data has no labelled token (every label is -100)");
+    }
+    Ok(total / count as f64)
+}
+
+/// Loads the BERT checkpoint in `checkpoint` and evaluates it on the JSON-lines file `data`.
+pub fn eval_bert_checkpoint(checkpoint: &Path, data: &Path) -> Result<f64> {
+    let model = hf_bert::load_bert(checkpoint, DType::F32, Device::Cpu)
+        .with_context(|| format!("loading checkpoint {}", checkpoint.display()))?;
+    let examples = read_mlm_jsonl(data, &model.config)?;
+    mean_mlm_loss(&model, &examples)
+}

@@ -1,0 +1,442 @@
+//! `meshgrad train --model bert` (config `model.kind = "bert"`): a [`BertForMaskedLM`] trained by
+//! masked language modelling, on one device or on the ranks of a parallel layout.
+//!
+//! **Tokenizer.** Token ids are those of the data (bytes 0..=255 for text, the file's ids for a
+//! `.bin`), below `model.vocab_size`, and the five special tokens `[PAD] [UNK] [CLS] [SEP]
+//! [MASK]` are appended after them: for text with the default `vocab_size = 256` they are ids
+//! 256..=260 and the model's vocabulary is 261 (see [`meshgrad_nn::mlm::byte_level`]).
+//!
+//! **Batches.** Row `b` of step `s` is `[CLS]`, the `block_size - 2` tokens of the data window
+//! the GPT sampler draws for `(seed, s, b)`, and `[SEP]`; no padding. [`mlm_mask`] then selects
+//! 15% of the non-special tokens (80% become `[MASK]`, 10% a random byte, 10% stay) by draws
+//! keyed by `(seed, s)` and the token's global row and column, so every layout sees the same
+//! batch.
+//!
+//! **Loss.** The step's loss is Hugging Face's: the mean cross-entropy over the labelled tokens
+//! of the whole global batch. Micro-batches and ranks do not hold equal numbers of labelled
+//! tokens, so each computes its summed cross-entropy divided by the global count (every rank
+//! counts the labels of all rows: masking is a pure function of the global position), scaled
+//! by the number of ranks because gradient synchronisation averages. The result equals the
+//! single-device step to rounding under any layout. Validation is the mean over all labelled
+//! tokens of `eval_batches` fixed batches of the validation split.
+
+use std::ops::Range;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use meshgrad_autograd::no_grad;
+use meshgrad_nn::bert::{BertConfig, BertForMaskedLM, IGNORE_INDEX};
+use meshgrad_nn::data::{Dataset, TokenSource};
+use meshgrad_nn::mlm::{mlm_mask_rows, MlmConfig, SpecialTokens};
+use meshgrad_nn::optim::{param_groups_for_decay, AdamW, AdamWConfig, CosineSchedule};
+use meshgrad_nn::state::hf_bert;
+use meshgrad_nn::{ForwardCtx, Module};
+use meshgrad_parallel::{micro_rows, rank_rows, ParallelLayout};
+use meshgrad_tensor::{DType, Device, Tensor};
+
+use crate::config::TrainConfig;
+use crate::train::{
+    check_microbatches, metrics_line, run_data, GradSync, Reporter, RunData, SingleDevice,
+    TrainOptions, TrainSummary, Verbosity,
+};
+use crate::train_parallel::{check_layout, on_ranks, RankWrapper};
+
+/// Mixed into the run seed for the masking draws.
+const MLM_STREAM: u64 = 0x6d6c_6d5f_6d61_736b;
+/// Mixed into the run seed for validation batches (windows and masks).
+const VAL_STREAM: u64 = 0x5eed_0f7a_1d00_0002;
+
+/// The special tokens of a run: appended after `model.vocab_size` ordinary ids.
+pub fn special_tokens(cfg: &TrainConfig) -> SpecialTokens {
+    SpecialTokens::after(cfg.model.vocab_size as u32)
+}
+
+/// The BERT a training config describes: `n_embd` wide, `n_layer` layers of `n_head` heads, a
+/// 4x feed-forward, `block_size` positions, two token types, `model.dropout` on the hidden states
+/// and the attention probabilities, the vocabulary of [`special_tokens`].
+pub fn bert_config(cfg: &TrainConfig) -> BertConfig {
+    let m = &cfg.model;
+    let sp = special_tokens(cfg);
+    BertConfig {
+        vocab_size: sp.mask as usize + 1,
+        hidden_size: m.n_embd,
+        num_hidden_layers: m.n_layer,
+        num_attention_heads: m.n_head,
+        intermediate_size: 4 * m.n_embd,
+        max_position_embeddings: m.block_size,
+        type_vocab_size: 2,
+        layer_norm_eps: 1e-12,
+        hidden_dropout_prob: m.dropout,
+        attention_probs_dropout_prob: m.dropout,
+        pad_token_id: sp.pad as usize,
+        initializer_range: 0.02,
+    }
+}
+
+/// The masking of a run: BERT's proportions, random replacements among the ordinary ids.
+pub fn mlm_config(cfg: &TrainConfig) -> MlmConfig {
+    MlmConfig::bert(cfg.model.vocab_size as u32, special_tokens(cfg))
+}
+
+/// One part of a masked batch.
+struct MlmBatch {
+    ids: Tensor,
+    labels: Tensor,
+    /// Labelled tokens.
+    count: usize,
+}
+
+/// What a run needs to draw batches.
+struct Sampler<'a> {
+    cfg: &'a TrainConfig,
+    sp: SpecialTokens,
+    mlm: MlmConfig,
+}
+
+impl Sampler<'_> {
+    /// Global rows `rows` of batch `step` of `ds` (streams `seed`): `[CLS] window [SEP]`, masked.
+    fn batch(&self, ds: &Dataset, seed: u64, step: u64, rows: Range<u64>) -> Result<MlmBatch> {
+        let t = self.cfg.model.block_size;
+        let n = (rows.end - rows.start) as usize;
+        let b = ds.batch(seed, step, rows.clone(), t - 2)?;
+        let mut ids = Vec::with_capacity(n * t);
+        for r in 0..n {
+            ids.push(self.sp.cls);
+            ids.extend_from_slice(&b.inputs[r * (t - 2)..(r + 1) * (t - 2)]);
+            ids.push(self.sp.sep);
+        }
+        let (masked, labels) =
+            mlm_mask_rows(&ids, t, rows.start, step, seed ^ MLM_STREAM, &self.mlm)?;
+        let count = labels.iter().filter(|&&l| l != IGNORE_INDEX).count();
+        Ok(MlmBatch {
+            ids: Tensor::from_vec(masked, (n, t), Device::Cpu)?,
+            labels: Tensor::from_vec(labels, (n, t), Device::Cpu)?,
+            count,
+        })
+    }
+
+    /// Labelled tokens of the whole global batch `step` (the same on every rank).
+    fn global_count(&self, ds: &Dataset, seed: u64, step: u64) -> Result<usize> {
+        let rows = 0..self.cfg.train.batch_size as u64;
+        Ok(self.batch(ds, seed, step, rows)?.count)
+    }
+}
+
+/// The model, optimizer and schedule of a run.
+struct BertRun {
+    model: BertForMaskedLM,
+    opt: AdamW,
+    schedule: CosineSchedule,
+}
+
+fn bert_run(cfg: &TrainConfig) -> Result<BertRun> {
+    let model = BertForMaskedLM::new(bert_config(cfg), cfg.train.seed, DType::F32, Device::Cpu)?;
+    let opt = AdamW::new(
+        param_groups_for_decay(model.named_parameters(), cfg.train.weight_decay),
+        AdamWConfig {
+            beta1: cfg.train.beta1,
+            beta2: cfg.train.beta2,
+            ..Default::default()
+        },
+    )?;
+    // A run shorter than the warmup warms up over all its steps (as the config documents).
+    let schedule = CosineSchedule::new(
+        cfg.train.lr,
+        cfg.train.min_lr,
+        cfg.train.warmup_steps.min(cfg.train.steps),
+        cfg.train.steps,
+    )?;
+    Ok(BertRun {
+        model,
+        opt,
+        schedule,
+    })
+}
+
+/// Mean MLM loss over all labelled tokens of `eval_batches` fixed validation batches (the same
+/// batches at every evaluation). Each rank computes its `rows`; the sums are combined.
+fn val_loss(
+    run: &BertRun,
+    s: &Sampler<'_>,
+    val: &Dataset,
+    rows: &Range<u64>,
+    world: usize,
+    sync: &dyn GradSync,
+) -> Result<f64> {
+    let seed = s.cfg.train.seed ^ VAL_STREAM;
+    run.model.set_training(false);
+    let r = no_grad(|| -> Result<(f64, usize)> {
+        let (mut sum, mut count) = (0.0, 0);
+        for i in 0..s.cfg.train.eval_batches.max(1) as u64 {
+            let b = s.batch(val, seed, i, rows.clone())?;
+            let part = run.model.loss_over(&b.ids, None, None, &b.labels, 1.0)?;
+            sum += part.tensor().item()?;
+            count += s.global_count(val, seed, i)?;
+        }
+        Ok((sum, count))
+    });
+    run.model.set_training(true);
+    let (sum, count) = r?;
+    Ok(sync.mean(sum)? * world as f64 / count.max(1) as f64)
+}
+
+/// What the loop reports back.
+struct LoopResult {
+    initial_val_loss: f64,
+    final_val_loss: f64,
+    final_train_loss: f64,
+    tokens_per_s: f64,
+    elapsed_s: f64,
+}
+
+/// The training loop for one device or one rank of `world`: this rank's `rows` of each global
+/// batch in `microbatches` parts (see the module docs for the loss scaling), clipping, the
+/// optimizer step, periodic validation and reporting.
+#[allow(clippy::too_many_arguments)]
+fn run_loop(
+    s: &Sampler<'_>,
+    data: &RunData,
+    run: &mut BertRun,
+    rows: Range<u64>,
+    world: usize,
+    microbatches: usize,
+    sync: &dyn GradSync,
+    rep: &mut Reporter,
+) -> Result<LoopResult> {
+    let cfg = s.cfg;
+    let (t, b, seed) = (cfg.model.block_size, cfg.train.batch_size, cfg.train.seed);
+    let micro = micro_rows(rows.clone(), microbatches)?;
+    let params = run.model.parameters();
+    let initial_val = val_loss(run, s, &data.val, &rows, world, sync)?;
+    rep.say(format!("step 0: val_loss={initial_val:.4}"));
+
+    let started = Instant::now();
+    let (mut last_loss, mut last_val, mut tokens_done) = (f64::NAN, initial_val, 0usize);
+    for step in 0..cfg.train.steps {
+        let t0 = Instant::now();
+        let step64 = step as u64;
+        sync.zero_grad(&run.opt);
+        let total = s.global_count(&data.train, seed, step64)?.max(1) as f64;
+        let mut local = 0.0;
+        for (m, r) in micro.iter().enumerate() {
+            let mb = s.batch(&data.train, seed, step64, r.clone())?;
+            let ctx = ForwardCtx::new(step64, r.start);
+            let part = ctx.scope(|| run.model.loss_over(&mb.ids, None, None, &mb.labels, total))?;
+            local += part.tensor().item()?;
+            let part = if world > 1 {
+                part.mul_scalar(world as f64)?
+            } else {
+                part
+            };
+            sync.set_sync(m + 1 == microbatches);
+            part.backward()?;
+        }
+        sync.finish()?;
+        let grad_norm = if cfg.train.grad_clip > 0.0 {
+            sync.clip(&params, cfg.train.grad_clip)?
+        } else {
+            f64::NAN
+        };
+        let lr = run.schedule.lr_at(step);
+        sync.step(&mut run.opt, lr)?;
+        last_loss = sync.mean(local)? * world as f64;
+        if !last_loss.is_finite() {
+            anyhow::bail!(
+                "training diverged: loss is {last_loss} at step {}",
+                step + 1
+            );
+        }
+        let dt = t0.elapsed().as_secs_f64();
+        tokens_done += b * t;
+        let tps = (b * t) as f64 / dt;
+        let is_last = step + 1 == cfg.train.steps;
+        let eval_now =
+            is_last || (cfg.train.eval_interval > 0 && (step + 1) % cfg.train.eval_interval == 0);
+        let val = if eval_now {
+            Some(val_loss(run, s, &data.val, &rows, world, sync)?)
+        } else {
+            None
+        };
+        if let Some(v) = val {
+            last_val = v;
+            rep.say(format!("step {}: val_loss={v:.4}", step + 1));
+        }
+        rep.metrics(metrics_line(step + 1, last_loss, lr, tps, grad_norm, val))?;
+        if cfg.train.log_interval > 0
+            && (step + 1) % cfg.train.log_interval == 0
+            && rep.pb.is_hidden()
+            && !rep.quiet
+        {
+            println!(
+                "step {:>5}/{} | loss {last_loss:.4} | lr {lr:.2e} | {tps:.0} tok/s",
+                step + 1,
+                cfg.train.steps
+            );
+        }
+        rep.pb
+            .set_message(format!("loss {last_loss:.4} | {tps:.0} tok/s"));
+        rep.pb.inc(1);
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    Ok(LoopResult {
+        initial_val_loss: initial_val,
+        final_val_loss: last_val,
+        final_train_loss: last_loss,
+        tokens_per_s: tokens_done as f64 / elapsed,
+        elapsed_s: elapsed,
+    })
+}
+
+fn header(cfg: &TrainConfig, model: &BertForMaskedLM, data: &RunData, layout: &str) -> String {
+    format!(
+        "meshgrad train: BERT (masked LM, vocabulary {}), {} parameters, {} train / {} val tokens from {}, {} steps of {} x {} tokens{layout}",
+        model.config.vocab_size,
+        model.num_parameters(),
+        data.train.len(),
+        data.val.len(),
+        data.source,
+        cfg.train.steps,
+        cfg.train.batch_size,
+        cfg.model.block_size
+    )
+}
+
+/// The leader's end of a run: the checkpoint (Hugging Face BERT format), the resolved config
+/// and the summary line.
+fn finish(
+    cfg: &TrainConfig,
+    model: &BertForMaskedLM,
+    rep: Reporter,
+    r: LoopResult,
+    verbosity: Verbosity,
+) -> Result<TrainSummary> {
+    rep.finish()?;
+    let out = PathBuf::from(&cfg.out);
+    hf_bert::save_bert(model, &out)
+        .with_context(|| format!("saving checkpoint to {}", out.display()))?;
+    std::fs::write(out.join("meshgrad.toml"), cfg.to_toml_string()?)
+        .with_context(|| format!("writing {}/meshgrad.toml", out.display()))?;
+    let summary = TrainSummary {
+        initial_val_loss: r.initial_val_loss,
+        final_val_loss: r.final_val_loss,
+        final_train_loss: r.final_train_loss,
+        steps: cfg.train.steps,
+        tokens_per_s: r.tokens_per_s,
+        checkpoint: out,
+        sample: String::new(),
+    };
+    if verbosity != Verbosity::Quiet {
+        println!(
+            "done: {} steps in {:.1}s ({:.0} tok/s); val_loss {:.4} -> {:.4} (ln vocab = {:.4}); checkpoint in {}",
+            summary.steps,
+            r.elapsed_s,
+            summary.tokens_per_s,
+            summary.initial_val_loss,
+            summary.final_val_loss,
+            (model.config.vocab_size as f64).ln(),
+            summary.checkpoint.display()
+        );
+    }
+    Ok(summary)
+}
+
+/// Trains a BERT by masked language modelling as `cfg` describes (with `model.kind = "bert"`),
+/// on one device or, with `layout`, on its ranks (threads of this process), and writes the
+/// checkpoint (Hugging Face BERT format) to `cfg.out`.
+pub fn train_bert(
+    cfg: &TrainConfig,
+    layout: Option<&ParallelLayout>,
+    opts: &TrainOptions,
+    verbosity: Verbosity,
+) -> Result<TrainSummary> {
+    cfg.validate()?;
+    if cfg.model.block_size < 3 {
+        anyhow::bail!(
+            "invalid config value for `model.block_size`: BERT rows hold [CLS], at least one token and [SEP], so block_size must be at least 3, got {}",
+            cfg.model.block_size
+        );
+    }
+    let world = match layout {
+        None => {
+            check_microbatches(cfg, 1, opts.microbatches)?;
+            1
+        }
+        Some(l) => check_layout(cfg, l, opts)?,
+    };
+    if let Some(t) = &cfg.data.tokenizer {
+        anyhow::bail!(
+            "train --model bert uses the byte-level vocabulary with [PAD] [UNK] [CLS] [SEP] [MASK] \
+             appended; a tokenizer ({}) is not supported for BERT yet",
+            t
+        );
+    }
+    let data = run_data(cfg, None)?;
+    let s = Sampler {
+        cfg,
+        sp: special_tokens(cfg),
+        mlm: mlm_config(cfg),
+    };
+    let micro = if opts.microbatches > 1 {
+        format!(" x {} micro-batches", opts.microbatches)
+    } else {
+        String::new()
+    };
+    match layout {
+        None => {
+            let mut run = bert_run(cfg)?;
+            let mut rep = Reporter::leader(cfg, verbosity)?;
+            let desc = if opts.microbatches > 1 {
+                format!(", {} micro-batches", opts.microbatches)
+            } else {
+                String::new()
+            };
+            rep.say(header(cfg, &run.model, &data, &desc));
+            let rows = 0..cfg.train.batch_size as u64;
+            let r = run_loop(
+                &s,
+                &data,
+                &mut run,
+                rows,
+                1,
+                opts.microbatches,
+                &SingleDevice,
+                &mut rep,
+            )?;
+            finish(cfg, &run.model, rep, r, verbosity)
+        }
+        Some(layout) => on_ranks(layout, |ctx| {
+            let mut run = bert_run(cfg)?;
+            let wrapper = RankWrapper::new(ctx, layout, &run.model, &run.opt)?;
+            let rows = rank_rows(cfg.train.batch_size, world, ctx.rank)?;
+            let leader = ctx.rank == 0;
+            let mut rep = if leader {
+                Reporter::leader(cfg, verbosity)?
+            } else {
+                Reporter::silent()
+            };
+            let desc = format!(
+                ", layout {layout} ({world} ranks x {} rows{micro})",
+                rows.end - rows.start
+            );
+            rep.say(header(cfg, &run.model, &data, &desc));
+            let sync = wrapper.sync(ctx.comm.as_ref());
+            let r = run_loop(
+                &s,
+                &data,
+                &mut run,
+                rows,
+                world,
+                opts.microbatches,
+                sync.as_ref(),
+                &mut rep,
+            )?;
+            wrapper.summon_full_params()?;
+            if leader {
+                Ok(Some(finish(cfg, &run.model, rep, r, verbosity)?))
+            } else {
+                Ok(None)
+            }
+        }),
+    }
+}
