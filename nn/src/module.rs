@@ -2,7 +2,7 @@
 
 use meshgrad_autograd::Var;
 use meshgrad_tensor::alloc::{with_tag, MemoryTag};
-use meshgrad_tensor::{DType, Device, Result, Shape, Tensor};
+use meshgrad_tensor::{DType, Device, Random, Result, Shape, Tensor};
 
 /// A layer or model: something that owns parameters under stable hierarchical names.
 ///
@@ -109,8 +109,14 @@ impl ParamFactory {
         let t = with_tag(MemoryTag::Params, || match init {
             Init::Zeros => Tensor::zeros(shape, dtype, device),
             Init::Ones => Tensor::ones(shape, dtype, device),
-            Init::Normal(std) => Tensor::randn(s, 0, 0.0, std, shape, dtype, device),
-            Init::Uniform(a) => Tensor::rand_uniform(s, 0, -a, a, shape, dtype, device),
+            Init::Normal(std) => Random::new(s)
+                .dtype(dtype)
+                .device(device)
+                .normal(shape, 0.0, std),
+            Init::Uniform(a) => Random::new(s)
+                .dtype(dtype)
+                .device(device)
+                .uniform(shape, -a, a),
         })?;
         Ok(Var::leaf(t))
     }

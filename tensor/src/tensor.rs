@@ -234,45 +234,6 @@ impl Tensor {
             .to_device(device)
     }
 
-    /// Uniform values in `[low, high)`; element `i` (row-major) takes the counter-based value
-    /// `(seed, start + i)`, so a shard built with its global `start` equals the same slice of the
-    /// whole tensor.
-    pub fn rand_uniform(
-        seed: u64,
-        start: u64,
-        low: f64,
-        high: f64,
-        shape: impl Into<Shape>,
-        dtype: DType,
-        device: Device,
-    ) -> Result<Tensor> {
-        let shape = shape.into();
-        let mut v = vec![0f64; shape.elem_count()];
-        meshgrad_kernels::rng::fill_uniform(seed, start, low, high, &mut v);
-        Tensor::from_vec(v, shape, Device::Cpu)?
-            .to_dtype(dtype)?
-            .to_device(device)
-    }
-
-    /// Normal values with the given mean and std, keyed by `(seed, start + i)` as in
-    /// [`Tensor::rand_uniform`].
-    pub fn randn(
-        seed: u64,
-        start: u64,
-        mean: f64,
-        std: f64,
-        shape: impl Into<Shape>,
-        dtype: DType,
-        device: Device,
-    ) -> Result<Tensor> {
-        let shape = shape.into();
-        let mut v = vec![0f64; shape.elem_count()];
-        meshgrad_kernels::rng::fill_normal(seed, start, mean, std, &mut v);
-        Tensor::from_vec(v, shape, Device::Cpu)?
-            .to_dtype(dtype)?
-            .to_device(device)
-    }
-
     // ----- reading back -----
 
     /// The elements in row-major order as `T` (which must be this tensor's dtype). Waits for
