@@ -25,6 +25,7 @@ pub mod pool;
 pub mod profile;
 mod random;
 mod shape;
+mod shape_spec;
 pub mod storage;
 mod tensor;
 
@@ -35,4 +36,5 @@ pub use layout::Layout;
 pub use ops::{AdamWStep, AttentionOutput, GeluKind, LayerNormOutput, LinearGrads};
 pub use random::Random;
 pub use shape::Shape;
+pub use shape_spec::{IntoShapeSpec, ShapeSpec, SpecDim};
 pub use tensor::{Tensor, TensorId};

@@ -343,16 +343,20 @@ impl Tensor {
     // ----- views -----
 
     /// The same elements with a new shape of equal element count: a view when the layout
-    /// allows it, else a copy.
-    pub fn reshape(&self, shape: impl Into<Shape>) -> Result<Tensor> {
-        let shape = shape.into();
-        if shape.elem_count() != self.elem_count() {
-            return Err(Error::ShapeMismatch {
-                op: "reshape",
-                lhs: self.shape().clone(),
-                rhs: shape,
-            });
-        }
+    /// allows it, else a copy. The target is any [`IntoShapeSpec`](crate::IntoShapeSpec): a
+    /// shape (`(2, 3)`, `[4, 6]`, `&dims`, `n`) or a signed spec with one inferred `-1`
+    /// (`(b, t, -1)`, `&[b as isize, -1]`, `-1` to flatten); see [`ShapeSpec`](crate::ShapeSpec).
+    ///
+    /// ```
+    /// use meshgrad_tensor::{DType, Device, Tensor};
+    /// let x = Tensor::zeros((2, 3, 4), DType::F32, Device::Cpu)?;
+    /// assert_eq!(x.reshape((6, -1))?.dims(), &[6, 4]);
+    /// let e = x.reshape((5, -1)).unwrap_err().to_string();
+    /// assert!(e.contains("[2, 3, 4] (24 elements) into [5, -1]"), "{e}");
+    /// # Ok::<(), meshgrad_tensor::Error>(())
+    /// ```
+    pub fn reshape(&self, spec: impl crate::IntoShapeSpec) -> Result<Tensor> {
+        let shape = spec.into_shape_spec().resolve("reshape", self.shape())?;
         match self.layout().reshape_view(&shape) {
             Some(l) => Ok(self.view_with(l)),
             None => self.deep_clone()?.reshape(shape),
