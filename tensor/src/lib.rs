@@ -10,6 +10,12 @@
 //! assert_eq!(c.to_vec::<f32>()?, vec![14., 32., 32., 77.]);
 //! assert_eq!(a.sum(&[1], false)?.to_vec::<f32>()?, vec![6., 15.]);
 //! assert_eq!(a.to_dtype(DType::BF16)?.dtype(), DType::BF16);
+//! // Tensors print their values (Display and Debug alike; see `Tensor::fmt_named`).
+//! assert_eq!(
+//!     format!("{a}"),
+//!     "Tensor([[1.0000, 2.0000, 3.0000],\n        [4.0000, 5.0000, 6.0000]], \
+//!      shape=[2, 3], dtype=f32, device=cpu)"
+//! );
 //! # Ok::<(), meshgrad_tensor::Error>(())
 //! ```
 
@@ -17,6 +23,7 @@ pub mod alloc;
 mod backend;
 mod cpu_backend;
 mod device;
+mod display;
 mod dtype;
 mod error;
 mod layout;

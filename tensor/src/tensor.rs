@@ -25,21 +25,10 @@ struct TensorInner {
 
 /// An n-dimensional array on a device. Cloning is cheap (an `Arc`); views (reshape of contiguous
 /// data, permute, narrow, expand) share storage. Ops return `Result` with errors naming the
-/// shapes, dtypes and devices involved.
+/// shapes, dtypes and devices involved. `Display` and `Debug` print the values (see
+/// [`Tensor::fmt_named`] for the format).
 #[derive(Clone)]
 pub struct Tensor(Arc<TensorInner>);
-
-impl std::fmt::Debug for Tensor {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "Tensor[{}, {}, {}]",
-            self.shape(),
-            self.dtype(),
-            self.device()
-        )
-    }
-}
 
 impl Tensor {
     pub(crate) fn from_storage(storage: Storage, shape: impl Into<Shape>) -> Tensor {
