@@ -3,6 +3,7 @@
 
 mod arith;
 mod nn;
+mod overload;
 mod reduce;
 mod shape;
 

@@ -5,6 +5,7 @@ mod elementwise;
 mod inplace;
 mod matmul;
 mod nn;
+mod overload;
 mod reduce;
 mod shape_ops;
 
