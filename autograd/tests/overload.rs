@@ -168,7 +168,7 @@ fn reshape_with_an_inferred_dimension_is_differentiable() {
     let y = x.reshape((b * t, -1)).unwrap();
     assert_eq!(y.tensor().dims(), &[6, 4]);
     assert_eq!(y.op_name(), Some("reshape"));
-    let z = y.reshape(&[b as isize, -1]).unwrap();
+    let z = y.reshape([b as isize, -1]).unwrap();
     assert_eq!(z.tensor().dims(), &[2, 12]);
     (&z * &z).unwrap().sum_all().unwrap().backward().unwrap();
     let g = x.grad().unwrap();

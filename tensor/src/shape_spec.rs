@@ -71,7 +71,7 @@ impl ShapeSpec {
                 if known == 0 {
                     return fail("the other sizes multiply to 0, so -1 is undetermined".into());
                 }
-                if n % known != 0 {
+                if !n.is_multiple_of(known) {
                     return fail(format!(
                         "{n} is not a multiple of {known} (the product of the other sizes)"
                     ));
@@ -217,6 +217,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::needless_borrows_for_generic_args)] // the borrowed forms are under test
     fn every_form_resolves() {
         let from = [2usize, 3, 4];
         let (b, t) = (2usize, 3usize);

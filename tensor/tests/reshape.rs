@@ -12,6 +12,7 @@ fn iota(dims: &[usize]) -> Tensor {
 }
 
 #[test]
+#[allow(clippy::needless_borrows_for_generic_args)] // the borrowed forms are under test
 fn inferred_dimension_on_contiguous_and_strided_tensors() {
     let x = iota(&[2, 3, 4]);
     let (b, t) = (2usize, 3usize);
