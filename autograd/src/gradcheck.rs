@@ -1,6 +1,6 @@
 //! Gradient checking against central finite differences in f64.
 
-use meshgrad_tensor::{DType, Result, Tensor};
+use meshgrad_tensor::{DType, Random, Result, Tensor};
 
 use crate::{engine, Var};
 
@@ -45,15 +45,10 @@ pub fn gradcheck(
         .collect::<Result<_>>()?;
     let leaves: Vec<Var> = xs.iter().map(|t| Var::leaf(t.clone())).collect();
     let out = f(&leaves)?;
-    let w = Tensor::rand_uniform(
-        opts.seed,
-        0,
-        -1.0,
-        1.0,
-        out.tensor().shape(),
-        DType::F64,
-        out.tensor().device(),
-    )?;
+    let w = Random::new(opts.seed)
+        .dtype(DType::F64)
+        .device(out.tensor().device())
+        .uniform(out.tensor().shape(), -1.0, 1.0)?;
     let loss_of =
         |o: &Tensor| -> Result<f64> { o.to_dtype(DType::F64)?.mul(&w)?.sum_all()?.item() };
     if !out.requires_grad() {

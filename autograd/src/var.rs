@@ -50,19 +50,30 @@ pub(crate) struct VarInner {
 #[derive(Clone)]
 pub struct Var(pub(crate) Arc<VarInner>);
 
+/// Prints the value as a tensor prints (see [`Tensor::fmt_named`]) under the name `Var`, with
+/// `requires_grad` and, for a recorded result, the op that computed it:
+/// `Var([1.0000, 2.0000], shape=[2], dtype=f32, device=cpu, requires_grad=true, op=mul)`.
 impl std::fmt::Debug for Var {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "Var({:?}, {:?}, requires_grad={}",
-            self.0.id,
-            self.0.value,
-            self.requires_grad()
-        )?;
-        if let Some(n) = &self.0.node {
-            write!(f, ", op={}", n.op)?;
+        let requires_grad = self.requires_grad();
+        match &self.0.node {
+            Some(n) => self.0.value.fmt_named(
+                f,
+                "Var",
+                &[("requires_grad", &requires_grad), ("op", &n.op)],
+            ),
+            None => self
+                .0
+                .value
+                .fmt_named(f, "Var", &[("requires_grad", &requires_grad)]),
         }
-        write!(f, ")")
+    }
+}
+
+/// The same as `Debug`.
+impl std::fmt::Display for Var {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(self, f)
     }
 }
 

@@ -9,6 +9,9 @@
 //!   finite), `u2 = w1 · 2^-32` in `[0, 1)`, `n = sqrt(-2 ln u1) · cos(2π u2)`; `|n|` is at most
 //!   `sqrt(64 ln 2) ≈ 6.66`.
 //!
+//! - integer in `[low, high)`: with `x = w1 · 2^32 + w0` (64 random bits) and `n = high - low`,
+//!   `low + floor(x · n / 2^64)` (a multiply-shift, no rejection; the bias is below `n / 2^64`).
+//!
 //! Words `w2`, `w3` are unused. Large fills run in parallel chunks; the values do not depend on
 //! the split.
 
@@ -79,8 +82,16 @@ pub fn normal(seed: u64, index: u64) -> f64 {
     (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
 }
 
+/// The integer in `[0, n)` of element `index` in stream `seed` (multiply-shift of the 64 bits
+/// `w1 · 2^32 + w0`, see the module documentation); 0 when `n` is 0.
+pub fn below(seed: u64, index: u64, n: u64) -> u64 {
+    let w = block(seed, index);
+    let x = (u64::from(w[1]) << 32) | u64::from(w[0]);
+    ((u128::from(x) * u128::from(n)) >> 64) as u64
+}
+
 /// Fills `out[i] = f(start + i)`, in parallel chunks when large.
-fn fill_with<T: Float>(start: u64, out: &mut [T], f: impl Fn(u64) -> T + Sync) {
+fn fill_with<T: Copy + Send>(start: u64, out: &mut [T], f: impl Fn(u64) -> T + Sync) {
     let serial = |first: u64, out: &mut [T]| {
         simd(
             #[inline(always)]
@@ -117,6 +128,17 @@ pub fn fill_uniform<T: Float>(seed: u64, start: u64, low: f64, high: f64, out: &
 /// `n` is [`normal`]: computed in f64, `mean + std * n` rounded to `T`.
 pub fn fill_normal<T: Float>(seed: u64, start: u64, mean: f64, std: f64, out: &mut [T]) {
     fill_with(start, out, |i| T::from_f64(mean + std * normal(seed, i)));
+}
+
+/// `out[i] = low + below(seed, start + i, high - low)`: integers uniform in `[low, high)`
+/// (see [`below`]). Panics if `high <= low`.
+pub fn fill_randint(seed: u64, start: u64, low: i64, high: i64, out: &mut [i64]) {
+    assert!(high > low, "fill_randint: empty range [{low}, {high})");
+    // The width fits in u64 for any pair of i64 (at most 2^64 - 1).
+    let width = (i128::from(high) - i128::from(low)) as u64;
+    fill_with(start, out, |i| {
+        (i128::from(low) + i128::from(below(seed, i, width))) as i64
+    });
 }
 
 #[cfg(test)]
@@ -188,6 +210,42 @@ mod tests {
         let u2 = w[1] as f64 / 4_294_967_296.0;
         let want = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
         assert_eq!(one[0], want);
+    }
+
+    #[test]
+    fn randint_is_the_documented_function_and_split_invariant() {
+        let seed = 5;
+        let start = (1u64 << 32) - 3;
+        let n = 20_000usize;
+        let mut full = vec![0i64; n];
+        fill_randint(seed, start, -7, 10, &mut full);
+        for (i, &v) in full.iter().enumerate().take(50) {
+            let w = philox4x32_10(
+                [
+                    (start + i as u64) as u32,
+                    ((start + i as u64) >> 32) as u32,
+                    0,
+                    0,
+                ],
+                [seed as u32, 0],
+            );
+            let x = ((w[1] as u128) << 32) | w[0] as u128;
+            assert_eq!(v, -7 + ((x * 17) >> 64) as i64, "at {i}");
+        }
+        assert!(full.iter().all(|v| (-7..10).contains(v)));
+        let mut a = vec![0i64; 17_001];
+        let mut b = vec![0i64; n - 17_001];
+        fill_randint(seed, start, -7, 10, &mut a);
+        fill_randint(seed, start + 17_001, -7, 10, &mut b);
+        a.extend_from_slice(&b);
+        assert_eq!(a, full);
+        // The full i64 range and a one-value range.
+        let mut wide = vec![0i64; 1000];
+        fill_randint(seed, 0, i64::MIN, i64::MAX, &mut wide);
+        assert!(wide.iter().any(|&v| v < 0) && wide.iter().any(|&v| v > 0));
+        let mut one = vec![1i64; 10];
+        fill_randint(seed, 0, 3, 4, &mut one);
+        assert_eq!(one, vec![3; 10]);
     }
 
     #[test]

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use meshgrad_autograd::{no_grad, Var};
-use meshgrad_tensor::{DType, Device, Result, Tensor};
+use meshgrad_tensor::{DType, Device, Random, Result, Tensor};
 
 use crate::layers::{Block, BlockConfig, Dropout, Embedding, LayerNorm};
 use crate::module::{Forward, Module, ParamBuilder};
@@ -252,7 +252,10 @@ impl Gpt {
 
 /// A uniform draw in [0, 1) keyed by (seed, index), through the tensor RNG.
 fn uniform_draw(seed: u64, index: u64) -> f64 {
-    Tensor::rand_uniform(seed, index, 0.0, 1.0, 1, DType::F64, Device::Cpu)
+    Random::new(seed)
+        .offset(index)
+        .dtype(DType::F64)
+        .uniform(1, 0.0, 1.0)
         .and_then(|t| t.item())
         .unwrap_or(0.5)
 }

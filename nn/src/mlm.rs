@@ -13,7 +13,7 @@
 
 use std::ops::Range;
 
-use meshgrad_tensor::{DType, Device, Result, Tensor};
+use meshgrad_tensor::{DType, Device, Random, Result, Tensor};
 
 use crate::bert::IGNORE_INDEX;
 use crate::module::name_seed;
@@ -140,7 +140,11 @@ const MLM_DOMAIN: &str = "meshgrad.mlm";
 /// the draws do not depend on the row length either.
 fn row_draws(keys: [u64; 3], row: u64, t: usize) -> Result<[Vec<f64>; 3]> {
     let draw = |k: u64| -> Result<Vec<f64>> {
-        Tensor::rand_uniform(k, row << 32, 0.0, 1.0, t, DType::F64, Device::Cpu)?.to_vec::<f64>()
+        Random::new(k)
+            .offset(row << 32)
+            .dtype(DType::F64)
+            .uniform(t, 0.0, 1.0)?
+            .to_vec::<f64>()
     };
     Ok([draw(keys[0])?, draw(keys[1])?, draw(keys[2])?])
 }

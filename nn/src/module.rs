@@ -38,7 +38,7 @@ use std::sync::{Arc, Mutex};
 
 use meshgrad_autograd::Var;
 use meshgrad_tensor::alloc::{with_tag, MemoryTag};
-use meshgrad_tensor::{DType, Device, Result, Shape, Tensor};
+use meshgrad_tensor::{DType, Device, Random, Result, Shape, Tensor};
 
 /// One immediate child of a module: a parameter or a submodule.
 #[derive(Clone, Copy)]
@@ -279,8 +279,14 @@ impl Init {
         match self {
             Init::Zeros => Tensor::zeros(shape, dtype, device),
             Init::Ones => Tensor::ones(shape, dtype, device),
-            Init::Normal(std) => Tensor::randn(s, 0, 0.0, std, shape, dtype, device),
-            Init::Uniform(a) => Tensor::rand_uniform(s, 0, -a, a, shape, dtype, device),
+            Init::Normal(std) => Random::new(s)
+                .dtype(dtype)
+                .device(device)
+                .normal(shape, 0.0, std),
+            Init::Uniform(a) => Random::new(s)
+                .dtype(dtype)
+                .device(device)
+                .uniform(shape, -a, a),
         }
     }
 }

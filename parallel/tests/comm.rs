@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
 use meshgrad_parallel::comm::{run_ranks, run_ranks_each, ReduceOp, RunOptions};
-use meshgrad_tensor::{DType, Device, Result, Tensor};
+use meshgrad_tensor::{DType, Device, Random, Result, Tensor};
 
 fn opts() -> RunOptions {
     RunOptions::with_timeout(Duration::from_secs(5))
@@ -14,25 +14,15 @@ fn opts() -> RunOptions {
 /// Rank r's test input: distinct random values per rank, with a spread of magnitudes.
 fn input(rank: usize, shape: &[usize], dtype: DType) -> Result<Tensor> {
     let n: usize = shape.iter().product();
-    let t = Tensor::randn(
-        7,
-        (rank * n) as u64,
-        0.0,
-        3.0,
-        shape.to_vec(),
-        DType::F64,
-        Device::Cpu,
-    )?;
-    let scale = Tensor::randn(
-        8,
-        (rank * n) as u64,
-        0.0,
-        2.0,
-        shape.to_vec(),
-        DType::F64,
-        Device::Cpu,
-    )?
-    .exp()?;
+    let t = Random::new(7)
+        .offset((rank * n) as u64)
+        .dtype(DType::F64)
+        .normal(shape.to_vec(), 0.0, 3.0)?;
+    let scale = Random::new(8)
+        .offset((rank * n) as u64)
+        .dtype(DType::F64)
+        .normal(shape.to_vec(), 0.0, 2.0)?
+        .exp()?;
     t.mul(&scale)?.to_dtype(dtype)
 }
 

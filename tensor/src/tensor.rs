@@ -25,21 +25,10 @@ struct TensorInner {
 
 /// An n-dimensional array on a device. Cloning is cheap (an `Arc`); views (reshape of contiguous
 /// data, permute, narrow, expand) share storage. Ops return `Result` with errors naming the
-/// shapes, dtypes and devices involved.
+/// shapes, dtypes and devices involved. `Display` and `Debug` print the values (see
+/// [`Tensor::fmt_named`] for the format).
 #[derive(Clone)]
 pub struct Tensor(Arc<TensorInner>);
-
-impl std::fmt::Debug for Tensor {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "Tensor[{}, {}, {}]",
-            self.shape(),
-            self.dtype(),
-            self.device()
-        )
-    }
-}
 
 impl Tensor {
     pub(crate) fn from_storage(storage: Storage, shape: impl Into<Shape>) -> Tensor {
@@ -234,45 +223,6 @@ impl Tensor {
             .to_device(device)
     }
 
-    /// Uniform values in `[low, high)`; element `i` (row-major) takes the counter-based value
-    /// `(seed, start + i)`, so a shard built with its global `start` equals the same slice of the
-    /// whole tensor.
-    pub fn rand_uniform(
-        seed: u64,
-        start: u64,
-        low: f64,
-        high: f64,
-        shape: impl Into<Shape>,
-        dtype: DType,
-        device: Device,
-    ) -> Result<Tensor> {
-        let shape = shape.into();
-        let mut v = vec![0f64; shape.elem_count()];
-        meshgrad_kernels::rng::fill_uniform(seed, start, low, high, &mut v);
-        Tensor::from_vec(v, shape, Device::Cpu)?
-            .to_dtype(dtype)?
-            .to_device(device)
-    }
-
-    /// Normal values with the given mean and std, keyed by `(seed, start + i)` as in
-    /// [`Tensor::rand_uniform`].
-    pub fn randn(
-        seed: u64,
-        start: u64,
-        mean: f64,
-        std: f64,
-        shape: impl Into<Shape>,
-        dtype: DType,
-        device: Device,
-    ) -> Result<Tensor> {
-        let shape = shape.into();
-        let mut v = vec![0f64; shape.elem_count()];
-        meshgrad_kernels::rng::fill_normal(seed, start, mean, std, &mut v);
-        Tensor::from_vec(v, shape, Device::Cpu)?
-            .to_dtype(dtype)?
-            .to_device(device)
-    }
-
     // ----- reading back -----
 
     /// The elements in row-major order as `T` (which must be this tensor's dtype). Waits for
@@ -382,16 +332,20 @@ impl Tensor {
     // ----- views -----
 
     /// The same elements with a new shape of equal element count: a view when the layout
-    /// allows it, else a copy.
-    pub fn reshape(&self, shape: impl Into<Shape>) -> Result<Tensor> {
-        let shape = shape.into();
-        if shape.elem_count() != self.elem_count() {
-            return Err(Error::ShapeMismatch {
-                op: "reshape",
-                lhs: self.shape().clone(),
-                rhs: shape,
-            });
-        }
+    /// allows it, else a copy. The target is any [`IntoShapeSpec`](crate::IntoShapeSpec): a
+    /// shape (`(2, 3)`, `[4, 6]`, `&dims`, `n`) or a signed spec with one inferred `-1`
+    /// (`(b, t, -1)`, `&[b as isize, -1]`, `-1` to flatten); see [`ShapeSpec`](crate::ShapeSpec).
+    ///
+    /// ```
+    /// use meshgrad_tensor::{DType, Device, Tensor};
+    /// let x = Tensor::zeros((2, 3, 4), DType::F32, Device::Cpu)?;
+    /// assert_eq!(x.reshape((6, -1))?.dims(), &[6, 4]);
+    /// let e = x.reshape((5, -1)).unwrap_err().to_string();
+    /// assert!(e.contains("[2, 3, 4] (24 elements) into [5, -1]"), "{e}");
+    /// # Ok::<(), meshgrad_tensor::Error>(())
+    /// ```
+    pub fn reshape(&self, spec: impl crate::IntoShapeSpec) -> Result<Tensor> {
+        let shape = spec.into_shape_spec().resolve("reshape", self.shape())?;
         match self.layout().reshape_view(&shape) {
             Some(l) => Ok(self.view_with(l)),
             None => self.deep_clone()?.reshape(shape),

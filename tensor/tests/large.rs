@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use meshgrad_tensor::{AdamWStep, DType, Device, Tensor};
+use meshgrad_tensor::{AdamWStep, DType, Device, Random, Tensor};
 
 fn perm_lay(perm: &[usize], pad: usize) -> Lay {
     Lay::Strided {
@@ -366,13 +366,17 @@ fn large_copies_casts_and_in_place_writes() {
 fn large_random_fills_and_masks_are_layout_invariant() {
     let n = 100_003;
     let start = 12_345u64;
-    let whole = vals(&Tensor::rand_uniform(7, 0, 0.0, 1.0, n, DType::F64, Device::Cpu).unwrap());
-    let shard = vals(
-        &Tensor::rand_uniform(7, start, 0.0, 1.0, (101, 401), DType::F64, Device::Cpu).unwrap(),
-    );
+    let f64s = Random::new(7).dtype(DType::F64);
+    let whole = vals(&f64s.uniform(n, 0.0, 1.0).unwrap());
+    let shard = vals(&f64s.offset(start).uniform((101, 401), 0.0, 1.0).unwrap());
     assert_eq!(shard, whole[start as usize..start as usize + 101 * 401]);
-    let wn = vals(&Tensor::randn(7, 0, 0.0, 1.0, n, DType::F32, Device::Cpu).unwrap());
-    let sn = vals(&Tensor::randn(7, start, 0.0, 1.0, 50_000, DType::F32, Device::Cpu).unwrap());
+    let wn = vals(&Tensor::randn(n, 7).unwrap());
+    let sn = vals(
+        &Random::new(7)
+            .offset(start)
+            .normal(50_000, 0.0, 1.0)
+            .unwrap(),
+    );
     assert_eq!(sn, wn[start as usize..start as usize + 50_000]);
     let wm = vals(&Tensor::dropout_mask(7, 0, 0.1, n, DType::F32, Device::Cpu).unwrap());
     let sm = vals(&Tensor::dropout_mask(7, start, 0.1, 50_000, DType::F32, Device::Cpu).unwrap());

@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use meshgrad_tensor::{DType, Device, GeluKind, Result, Tensor};
+use meshgrad_tensor::{DType, Device, GeluKind, Random, Result, Tensor};
 
 type Bin = fn(&Tensor, &Tensor) -> Result<Tensor>;
 type BinCase = (&'static str, Bin, fn(f64, f64) -> f64);
@@ -1689,46 +1689,50 @@ fn mixed_dtypes_and_integer_arithmetic_are_refused() {
 fn random_fills_are_layout_invariant() {
     let (n, s, len) = (1000u64, 123u64, 200usize);
     for dtype in [DType::F64, DType::F32] {
-        let whole =
-            vals(&Tensor::rand_uniform(42, 0, -1.0, 2.0, n as usize, dtype, Device::Cpu).unwrap());
-        let shard = vals(&Tensor::rand_uniform(42, s, -1.0, 2.0, len, dtype, Device::Cpu).unwrap());
+        let r = Random::new(42).dtype(dtype);
+        let whole = vals(&r.uniform(n as usize, -1.0, 2.0).unwrap());
+        let shard = vals(&r.offset(s).uniform(len, -1.0, 2.0).unwrap());
         assert_eq!(
             shard,
             whole[s as usize..s as usize + len],
-            "rand_uniform shard {dtype}"
+            "uniform shard {dtype}"
         );
-        let shaped =
-            vals(&Tensor::rand_uniform(42, 0, -1.0, 2.0, (10, 100), dtype, Device::Cpu).unwrap());
-        assert_eq!(shaped, whole, "rand_uniform shape does not matter");
-        let wn = vals(&Tensor::randn(42, 0, 0.5, 2.0, n as usize, dtype, Device::Cpu).unwrap());
-        let sn = vals(&Tensor::randn(42, s, 0.5, 2.0, (20, 10), dtype, Device::Cpu).unwrap());
+        let shaped = vals(&r.uniform((10, 100), -1.0, 2.0).unwrap());
+        assert_eq!(shaped, whole, "uniform: the shape does not matter");
+        let wn = vals(&r.normal(n as usize, 0.5, 2.0).unwrap());
+        let sn = vals(&r.offset(s).normal((20, 10), 0.5, 2.0).unwrap());
         assert_eq!(sn, wn[s as usize..s as usize + len], "randn shard {dtype}");
     }
     // f32 values are the f64 ones rounded.
-    let w64 = vals(&Tensor::randn(9, 0, 0.0, 1.0, 100, DType::F64, Device::Cpu).unwrap());
-    let w32 = vals(&Tensor::randn(9, 0, 0.0, 1.0, 100, DType::F32, Device::Cpu).unwrap());
+    let w64 = vals(
+        &Random::new(9)
+            .dtype(DType::F64)
+            .normal(100, 0.0, 1.0)
+            .unwrap(),
+    );
+    let w32 = vals(&Tensor::randn(100, 9).unwrap());
     assert_eq!(
         w32,
         w64.iter().map(|&v| v as f32 as f64).collect::<Vec<_>>()
     );
     // Seeds matter.
-    let other =
-        vals(&Tensor::rand_uniform(43, 0, -1.0, 2.0, 1000, DType::F64, Device::Cpu).unwrap());
-    let whole =
-        vals(&Tensor::rand_uniform(42, 0, -1.0, 2.0, 1000, DType::F64, Device::Cpu).unwrap());
+    let f64s = |seed| Random::new(seed).dtype(DType::F64);
+    let other = vals(&f64s(43).uniform(1000, -1.0, 2.0).unwrap());
+    let whole = vals(&f64s(42).uniform(1000, -1.0, 2.0).unwrap());
     assert!(other.iter().zip(&whole).filter(|(a, b)| a == b).count() < 5);
 }
 
 #[test]
 fn random_fill_statistics() {
     let n = 20000;
-    let u = vals(&Tensor::rand_uniform(1, 0, -1.0, 3.0, n, DType::F64, Device::Cpu).unwrap());
+    let f64s = |seed| Random::new(seed).dtype(DType::F64);
+    let u = vals(&f64s(1).uniform(n, -1.0, 3.0).unwrap());
     assert!(u.iter().all(|&v| (-1.0..3.0).contains(&v)));
     let mean = u.iter().sum::<f64>() / n as f64;
     let var = u.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n as f64;
     assert!((mean - 1.0).abs() < 0.05, "uniform mean {mean}");
     assert!((var - 16.0 / 12.0).abs() < 0.05, "uniform variance {var}");
-    let g = vals(&Tensor::randn(2, 0, 0.5, 2.0, n, DType::F64, Device::Cpu).unwrap());
+    let g = vals(&f64s(2).normal(n, 0.5, 2.0).unwrap());
     let mean = g.iter().sum::<f64>() / n as f64;
     let var = g.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n as f64;
     assert!((mean - 0.5).abs() < 0.06, "normal mean {mean}");
@@ -1756,7 +1760,7 @@ fn dropout_mask_statistics_and_layout_invariance() {
     let dropped = v.iter().filter(|&&x| x == 0.0).count() as f64 / v.len() as f64;
     assert!((dropped - p).abs() < 0.03, "dropped fraction {dropped}");
     // The mask is the documented function of the counter-based uniforms.
-    let u = vals(&Tensor::rand_uniform(5, 0, 0.0, 1.0, 4096, DType::F32, Device::Cpu).unwrap());
+    let u = vals(&Tensor::rand(4096, 5).unwrap());
     let exp: Vec<f64> = u.iter().map(|&x| if x >= p { keep } else { 0.0 }).collect();
     assert_eq!(v, exp);
     // A shard built with its global start equals the same slice of the whole mask.

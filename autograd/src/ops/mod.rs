@@ -5,6 +5,7 @@ mod arith;
 mod indexing;
 mod math;
 mod nn;
+mod overload;
 mod reduce;
 mod shape;
 

@@ -261,7 +261,7 @@ impl Var {
 
 #[cfg(test)]
 mod tests {
-    use meshgrad_tensor::{DType, Device, Tensor};
+    use meshgrad_tensor::{DType, Random, Tensor};
 
     use crate::{gradcheck, GradcheckOptions, Var};
 
@@ -292,7 +292,10 @@ mod tests {
             &[(2usize, 5usize, 2usize, 3usize, true), (1, 7, 3, 4, false)]
         {
             let c3 = 3 * heads * d;
-            let x = Tensor::randn(11, 0, 0.0, 1.0, (b, t, c3), DType::F64, Device::Cpu).unwrap();
+            let x = Random::new(11)
+                .dtype(DType::F64)
+                .normal((b, t, c3), 0.0, 1.0)
+                .unwrap();
             let scale = 1.0 / (d as f64).sqrt();
             let fused = |xs: &[Var]| Var::attention_qkv(&xs[0], heads, causal, scale);
             let split = |xs: &[Var]| split_path(&xs[0], heads, causal);
@@ -310,7 +313,9 @@ mod tests {
             for (p, q) in va.iter().zip(&vb) {
                 assert!((p - q).abs() < 1e-12, "forward {p} vs {q}");
             }
-            let w = Tensor::randn(5, 0, 0.0, 1.0, ya.tensor().shape(), DType::F64, Device::Cpu)
+            let w = Random::new(5)
+                .dtype(DType::F64)
+                .normal(ya.tensor().shape(), 0.0, 1.0)
                 .unwrap();
             ya.backward_with(w.clone()).unwrap();
             yb.backward_with(w).unwrap();
@@ -326,9 +331,10 @@ mod tests {
 
     #[test]
     fn linear_matches_matmul_plus_bias_and_finite_differences() {
-        let x = Tensor::randn(1, 0, 0.0, 1.0, (2, 3, 4), DType::F64, Device::Cpu).unwrap();
-        let w = Tensor::randn(2, 0, 0.0, 1.0, (5, 4), DType::F64, Device::Cpu).unwrap();
-        let b = Tensor::randn(3, 0, 0.0, 1.0, 5, DType::F64, Device::Cpu).unwrap();
+        let f64s = |seed| Random::new(seed).dtype(DType::F64);
+        let x = f64s(1).normal((2, 3, 4), 0.0, 1.0).unwrap();
+        let w = f64s(2).normal((5, 4), 0.0, 1.0).unwrap();
+        let b = f64s(3).normal(5, 0.0, 1.0).unwrap();
         let fused = |xs: &[Var]| Var::linear(&xs[0], &xs[1], Some(&xs[2]));
         let plain = |xs: &[Var]| xs[0].matmul(&xs[1].transpose(0, 1)?)?.add(&xs[2]);
         let no_bias = |xs: &[Var]| Var::linear(&xs[0], &xs[1], None);

@@ -1,14 +1,24 @@
 //! Views and joins: reshape, permute, transpose, narrow, expand, (un)squeeze, cat, split, stack.
 
-use meshgrad_tensor::{Result, Shape, Tensor};
+use meshgrad_tensor::{IntoShapeSpec, Result, Shape, Tensor};
 
 use crate::Var;
 
 impl Var {
-    /// Reshape (a view when possible).
-    pub fn reshape(&self, shape: impl Into<Shape>) -> Result<Var> {
+    /// Reshape (a view when possible); the target is any [`IntoShapeSpec`], so one size may be
+    /// `-1` (inferred), as in [`Tensor::reshape`].
+    ///
+    /// ```
+    /// use meshgrad_autograd::Var;
+    /// use meshgrad_tensor::{DType, Device, Tensor};
+    /// let x = Var::leaf(Tensor::zeros((2, 3, 4), DType::F32, Device::Cpu)?);
+    /// let (b, t) = (2usize, 3usize);
+    /// assert_eq!(x.reshape((b * t, -1))?.tensor().dims(), &[6, 4]);
+    /// # Ok::<(), meshgrad_tensor::Error>(())
+    /// ```
+    pub fn reshape(&self, spec: impl IntoShapeSpec) -> Result<Var> {
         let from = self.tensor().shape().clone();
-        let v = self.tensor().reshape(shape)?;
+        let v = self.tensor().reshape(spec)?;
         Ok(Var::from_op(
             "reshape",
             v,

@@ -3,11 +3,14 @@
 #![allow(dead_code)]
 
 use meshgrad_autograd::{gradcheck, GradcheckOptions, Var};
-use meshgrad_tensor::{DType, Device, Result, Tensor};
+use meshgrad_tensor::{DType, Device, Random, Result, Tensor};
 
 /// Uniform f64 values in `[lo, hi)` from the crate's counter-based RNG, as a tensor.
 pub fn rand(seed: u64, dims: &[usize], lo: f64, hi: f64) -> Tensor {
-    Tensor::rand_uniform(seed, 0, lo, hi, dims, DType::F64, Device::Cpu).unwrap()
+    Random::new(seed)
+        .dtype(DType::F64)
+        .uniform(dims, lo, hi)
+        .unwrap()
 }
 
 /// A contiguous f64 tensor holding `v`.

@@ -7,6 +7,7 @@ mod inplace;
 mod math;
 mod matmul;
 mod nn;
+mod overload;
 mod reduce;
 mod shape_ops;
 

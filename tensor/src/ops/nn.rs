@@ -550,7 +550,9 @@ impl Tensor {
         if !(0.0..1.0).contains(&p) {
             crate::bail!("dropout: probability {p} must be in [0, 1)");
         }
-        let u = Tensor::rand_uniform(seed, start, 0.0, 1.0, shape, DType::F32, crate::Device::Cpu)?;
+        let u = crate::Random::new(seed)
+            .offset(start)
+            .uniform(shape, 0.0, 1.0)?;
         let keep = u.ge(&Tensor::scalar(p, DType::F32, crate::Device::Cpu)?)?;
         let scale = Tensor::scalar(1.0 / (1.0 - p), dtype, crate::Device::Cpu)?;
         let zero = Tensor::scalar(0.0, dtype, crate::Device::Cpu)?;

@@ -6,7 +6,7 @@
 
 #![allow(dead_code)]
 
-use meshgrad_tensor::{DType, Device, Tensor};
+use meshgrad_tensor::{DType, Device, Random, Tensor};
 
 /// xorshift64* generator for shapes and choices (independent of the crate's Philox RNG).
 pub struct Rng(u64);
@@ -477,7 +477,12 @@ pub fn strided(v: &[f64], dims: &[usize], lay: &Lay, dtype: DType) -> Tensor {
 
 /// Uniform random values in `[lo, hi)` from the crate's counter-based RNG (as f64).
 pub fn uniform_vals(seed: u64, n: usize, lo: f64, hi: f64) -> Vec<f64> {
-    vals(&Tensor::rand_uniform(seed, 0, lo, hi, n, DType::F64, Device::Cpu).unwrap())
+    vals(
+        &Random::new(seed)
+            .dtype(DType::F64)
+            .uniform(n, lo, hi)
+            .unwrap(),
+    )
 }
 
 /// Values rounded through `dtype` (what a tensor of that dtype holds).
