@@ -13,6 +13,7 @@ pub mod softmax;
 pub mod strided;
 #[cfg(test)]
 mod testutil;
+pub(crate) mod tile_gemm;
 pub(crate) mod vecops;
 
 pub use vecops::set_simd_enabled;
