@@ -197,7 +197,7 @@ pub(crate) fn attention(
         with_floats!("attention", (q.0, range(q.1)) => qv, (k.0, range(k.1)) => kv, (v.0, range(v.1)) => vv; {
             let mut out = crate::pool::output(n);
             let mut lse = vec![Float::ZERO; shape.batch_heads * shape.seq_q];
-            cpu::attention::attention_forward(shape, qv, kv, vv, &mut out, &mut lse);
+            cpu::attention::attention_forward(shape, &cpu::attention::ScoreMask::none(), qv, kv, vv, &mut out, &mut lse);
             (out.into_storage(dt), lse.into_storage(crate::DType::F32))
         }),
     )
@@ -222,7 +222,7 @@ pub(crate) fn attention_backward(
             let mut dq = crate::pool::output(nq);
             let mut dk = crate::pool::output(nk);
             let mut dv = crate::pool::output(nk);
-            cpu::attention::attention_backward(shape, qv, kv, vv, ov, lv, gv, &mut dq, &mut dk, &mut dv);
+            cpu::attention::attention_backward(shape, &cpu::attention::ScoreMask::none(), qv, kv, vv, ov, lv, gv, &mut dq, &mut dk, &mut dv, None);
             (dq.into_storage(dt), dk.into_storage(dt), dv.into_storage(dt))
         }),
     )
@@ -266,7 +266,7 @@ pub(crate) fn attention_qkv(
     Ok(with_floats!("attention", (qkv.0, range(qkv.1)) => x; {
         let mut out = crate::pool::output(n);
         let mut lse = vec![Float::ZERO; shape.batch_heads * shape.seq_q];
-        cpu::attention::attention_forward_strided(shape, heads, x, ql, x, kl, x, vl, &mut out, ol, &mut lse);
+        cpu::attention::attention_forward_strided(shape, &cpu::attention::ScoreMask::none(), heads, x, ql, x, kl, x, vl, &mut out, ol, &mut lse);
         (out.into_storage(dt), lse.into_storage(crate::DType::F32))
     }))
 }
@@ -287,7 +287,7 @@ pub(crate) fn attention_qkv_backward(
     Ok(
         with_floats!("attention_backward", (qkv.0, range(qkv.1)) => x, (out.0, range(out.1)) => o, (lse.0, range(lse.1)) => l, (dout.0, range(dout.1)) => g; {
             let mut dqkv = crate::pool::output(n);
-            cpu::attention::attention_backward_strided(shape, heads, x, ql, x, kl, x, vl, o, ol, l, g, ol, &mut dqkv, [ql, kl, vl]);
+            cpu::attention::attention_backward_strided(shape, &cpu::attention::ScoreMask::none(), heads, x, ql, x, kl, x, vl, o, ol, l, g, ol, &mut dqkv, [ql, kl, vl], None);
             dqkv.into_storage(dt)
         }),
     )

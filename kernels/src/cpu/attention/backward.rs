@@ -2,8 +2,9 @@
 
 use rayon::prelude::*;
 
+use super::mask::HeadMask;
 use super::{
-    check_disjoint, check_operands, transpose_tile, AttentionShape, HeadLayout, Operand,
+    check_disjoint, check_operands, transpose_tile, AttentionShape, HeadLayout, Operand, ScoreMask,
     TileScratch, BLOCK_K, BLOCK_Q, PAR_WORK,
 };
 use crate::cpu::fastmath::exp;
@@ -12,13 +13,18 @@ use crate::cpu::vecops::{dot, simd, SendPtr};
 use crate::Float;
 
 /// Backward for one batch-head `bh`; `dq_loc` (`[seq_q, d]`), `dk_loc`, `dv_loc` (`[seq_k, d]`)
-/// are the task's contiguous results.
+/// are the task's contiguous results, `dz_loc` (`[seq_q, seq_k]`, when wanted) the gradient of
+/// the batch-head's softmax inputs (0 where masked).
+///
+/// `MASKED` instances apply `hm` and write `dz_loc`; the unmasked instance never looks at
+/// either.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn backward_head<T: Float>(
+fn backward_head<T: Float, const MASKED: bool>(
     sh: &AttentionShape,
     heads: usize,
     bh: usize,
+    hm: &HeadMask<'_, T>,
     q: Operand<'_, T>,
     k: Operand<'_, T>,
     v: Operand<'_, T>,
@@ -28,15 +34,19 @@ fn backward_head<T: Float>(
     dq_loc: &mut [T],
     dk_loc: &mut [T],
     dv_loc: &mut [T],
+    mut dz_loc: Option<&mut [T]>,
     dvec: &mut Vec<T>,
     scratch: &mut TileScratch<T>,
 ) {
     let d = sh.head_dim;
-    let seq_q = sh.seq_q;
+    let (seq_q, seq_k) = (sh.seq_q, sh.seq_k);
     let scale = T::from_f64(sh.scale);
     dq_loc.fill(T::ZERO);
     dk_loc.fill(T::ZERO);
     dv_loc.fill(T::ZERO);
+    if let Some(dz) = dz_loc.as_deref_mut() {
+        dz.fill(T::ZERO);
+    }
     if seq_q == 0 {
         return;
     }
@@ -58,7 +68,10 @@ fn backward_head<T: Float>(
         dot(&dout.data[g..g + d], &out.data[o..o + d])
     }));
     let TileScratch { kt, vt, s, dp, .. } = scratch;
-    let kmax_all = sh.key_limit(seq_q - 1);
+    let mut kmax_all = sh.key_limit(seq_q - 1);
+    if MASKED {
+        kmax_all = kmax_all.min(hm.key_end);
+    }
     let mut kb = 0;
     while kb < kmax_all {
         let n = (kb + BLOCK_K).min(kmax_all) - kb;
@@ -98,14 +111,41 @@ fn backward_head<T: Float>(
             );
             for r in 0..rows {
                 let i = i0 + r;
-                let lim = sh.key_limit(i).saturating_sub(kb).min(n);
+                let mut lim = sh.key_limit(i).saturating_sub(kb).min(n);
                 let (lse_i, d_i) = (lse[i], dvec[i]);
                 let prow = &mut s[r * BLOCK_K..r * BLOCK_K + n];
                 let dsrow = &mut dp[r * BLOCK_K..r * BLOCK_K + n];
-                for (p, ds) in prow[..lim].iter_mut().zip(dsrow[..lim].iter_mut()) {
-                    let pv = exp(scale * *p - lse_i);
-                    *p = pv;
-                    *ds = scale * (pv * (*ds - d_i));
+                if !MASKED {
+                    for (p, ds) in prow[..lim].iter_mut().zip(dsrow[..lim].iter_mut()) {
+                        let pv = exp(scale * *p - lse_i);
+                        *p = pv;
+                        *ds = scale * (pv * (*ds - d_i));
+                    }
+                } else {
+                    if lse_i == T::NEG_INFINITY {
+                        // The row saw no key: no probability, no gradient.
+                        lim = 0;
+                    }
+                    for p in prow[..lim].iter_mut() {
+                        *p *= scale;
+                    }
+                    hm.apply(i, kb, &mut prow[..lim]);
+                    let mut dz_row = dz_loc
+                        .as_deref_mut()
+                        .map(|dz| &mut dz[i * seq_k + kb..i * seq_k + kb + lim]);
+                    for (j, (p, ds)) in prow[..lim]
+                        .iter_mut()
+                        .zip(dsrow[..lim].iter_mut())
+                        .enumerate()
+                    {
+                        let pv = exp(*p - lse_i);
+                        *p = pv;
+                        let dz = pv * (*ds - d_i);
+                        if let Some(row) = dz_row.as_deref_mut() {
+                            row[j] = dz;
+                        }
+                        *ds = scale * dz;
+                    }
                 }
                 prow[lim..].fill(T::ZERO);
                 dsrow[lim..].fill(T::ZERO);
@@ -157,14 +197,18 @@ fn backward_head<T: Float>(
     }
 }
 
-/// Backward of [`attention_forward`] from `dout`, recomputing probabilities from `lse`;
-/// overwrites `dq`, `dk`, `dv`. All operands contiguous.
+/// Backward of [`attention_forward`](super::attention_forward) from `dout` (with the same
+/// `mask`), recomputing probabilities from `lse`; overwrites `dq`, `dk`, `dv`, and `dbias` when
+/// given: the gradient of the softmax inputs (`[batch_heads, seq_q, seq_k]`, contiguous; 0
+/// where masked), which a caller sums over the dimensions its bias was broadcast along. All
+/// operands contiguous.
 ///
 /// Gradients are accumulated in a fixed order for any thread count (see the module
 /// documentation).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward<T: Float>(
     shape: AttentionShape,
+    mask: &ScoreMask<'_, T>,
     q: &[T],
     k: &[T],
     v: &[T],
@@ -174,6 +218,7 @@ pub fn attention_backward<T: Float>(
     dq: &mut [T],
     dk: &mut [T],
     dv: &mut [T],
+    dbias: Option<&mut [T]>,
 ) {
     let AttentionShape {
         batch_heads: bh,
@@ -209,6 +254,7 @@ pub fn attention_backward<T: Float>(
     let at = |off: usize, l: HeadLayout| HeadLayout { offset: off, ..l };
     attention_backward_strided(
         shape,
+        mask,
         1,
         q,
         lq,
@@ -223,6 +269,7 @@ pub fn attention_backward<T: Float>(
         lq,
         &mut g,
         [at(0, lq), at(nq, lk), at(nq + nk, lk)],
+        dbias,
     );
     dq.copy_from_slice(&g[..nq]);
     dk.copy_from_slice(&g[nq..nq + nk]);
@@ -232,10 +279,12 @@ pub fn attention_backward<T: Float>(
 /// [`attention_backward`] over operands with any [`HeadLayout`]s (`heads` heads per batch
 /// entry). The three gradients are written (overwritten) into one buffer `grads` at the layouts
 /// `grad_layouts = [dq, dk, dv]`, which must not overlap (checked: it panics otherwise); a fused
-/// `[B, T, 3C]` qkv gradient is one such buffer. `lse` is contiguous `[batch_heads, seq_q]`.
+/// `[B, T, 3C]` qkv gradient is one such buffer. `lse` is contiguous `[batch_heads, seq_q]`;
+/// `dbias` as for [`attention_backward`].
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_strided<T: Float>(
     shape: AttentionShape,
+    mask: &ScoreMask<'_, T>,
     heads: usize,
     q: &[T],
     ql: HeadLayout,
@@ -250,6 +299,7 @@ pub fn attention_backward_strided<T: Float>(
     dol: HeadLayout,
     grads: &mut [T],
     grad_layouts: [HeadLayout; 3],
+    mut dbias: Option<&mut [T]>,
 ) {
     let AttentionShape {
         batch_heads: bh,
@@ -280,6 +330,19 @@ pub fn attention_backward_strided<T: Float>(
         lse.len(),
         bh * seq_q
     );
+    mask.check(&shape);
+    if let Some(dz) = dbias.as_deref_mut() {
+        assert_eq!(
+            dz.len(),
+            bh * seq_q * seq_k,
+            "attention_backward: dbias has {} elements, expected [{bh}, {seq_q}, {seq_k}]",
+            dz.len()
+        );
+        if d == 0 {
+            // dP = 0 and D = 0, so every softmax-input gradient is 0.
+            dz.fill(T::ZERO);
+        }
+    }
     if bh == 0 || d == 0 {
         return;
     }
@@ -291,8 +354,39 @@ pub fn attention_backward_strided<T: Float>(
         &[("dq", dql, seq_q), ("dk", dkl, seq_k), ("dv", dvl, seq_k)],
     );
     let op = |data, layout| Operand { data, layout };
-    let (q, k, v, out, dout) = (op(q, ql), op(k, kl), op(v, vl), op(out, ol), op(dout, dol));
+    let ops = [op(q, ql), op(k, kl), op(v, vl), op(out, ol), op(dout, dol)];
+    if mask.is_none() && dbias.is_none() {
+        backward_tasks::<T, false>(shape, mask, heads, ops, lse, grads, grad_layouts, None);
+    } else {
+        backward_tasks::<T, true>(shape, mask, heads, ops, lse, grads, grad_layouts, dbias);
+    }
+}
+
+/// Runs the backward tasks of a checked call (see [`backward_head`] for `MASKED`); `ops` are
+/// q, k, v, out and dout.
+#[allow(clippy::too_many_arguments)]
+fn backward_tasks<T: Float, const MASKED: bool>(
+    shape: AttentionShape,
+    mask: &ScoreMask<'_, T>,
+    heads: usize,
+    ops: [Operand<'_, T>; 5],
+    lse: &[T],
+    grads: &mut [T],
+    grad_layouts: [HeadLayout; 3],
+    dbias: Option<&mut [T]>,
+) {
+    let AttentionShape {
+        batch_heads: bh,
+        seq_q,
+        seq_k,
+        head_dim: d,
+        ..
+    } = shape;
+    let [dql, dkl, dvl] = grad_layouts;
+    let [q, k, v, out, dout] = ops;
     let gptr = SendPtr(grads.as_mut_ptr());
+    let dz_ptr = dbias.map(|dz| SendPtr(dz.as_mut_ptr()));
+    let dz_len = seq_q * seq_k;
     struct Bufs<T> {
         dq: Vec<T>,
         dk: Vec<T>,
@@ -308,13 +402,23 @@ pub fn attention_backward_strided<T: Float>(
         scratch: TileScratch::new(d, true),
     };
     let task = |b: usize, w: &mut Bufs<T>| {
+        let hm = if MASKED {
+            mask.head(&shape, b)
+        } else {
+            HeadMask::unmasked(seq_k)
+        };
+        // SAFETY: batch-head b's [seq_q, seq_k] block of the [bh, seq_q, seq_k] buffer (length
+        // checked by the caller) belongs to this task alone.
+        let dz = dz_ptr
+            .map(|p| unsafe { std::slice::from_raw_parts_mut(p.get().add(b * dz_len), dz_len) });
         simd(
             #[inline(always)]
             || {
-                backward_head(
+                backward_head::<T, MASKED>(
                     &shape,
                     heads,
                     b,
+                    &hm,
                     q,
                     k,
                     v,
@@ -324,6 +428,7 @@ pub fn attention_backward_strided<T: Float>(
                     &mut w.dq,
                     &mut w.dk,
                     &mut w.dv,
+                    dz,
                     &mut w.dvec,
                     &mut w.scratch,
                 )

@@ -2,8 +2,9 @@
 
 use rayon::prelude::*;
 
+use super::mask::HeadMask;
 use super::{
-    check_disjoint, check_operands, transpose_tile, AttentionShape, HeadLayout, Operand,
+    check_disjoint, check_operands, transpose_tile, AttentionShape, HeadLayout, Operand, ScoreMask,
     TileScratch, BLOCK_K, BLOCK_Q, PAR_WORK,
 };
 use crate::cpu::fastmath::exp;
@@ -13,12 +14,16 @@ use crate::Float;
 
 /// Forward over query rows `i0 .. i0 + rows` of batch-head `bh`, writing those rows of `out`
 /// (through `out_ptr`, laid out by `ol`) and of `lse` (`lse_bh`, the batch-head's `[seq_q]`).
+///
+/// `MASKED` instances apply `hm` (padding, bias, skipping key tiles past `hm.key_end`); the
+/// unmasked instance never looks at it.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn forward_tile<T: Float>(
+fn forward_tile<T: Float, const MASKED: bool>(
     sh: &AttentionShape,
     heads: usize,
     bh: usize,
+    hm: &HeadMask<'_, T>,
     q: Operand<'_, T>,
     k: Operand<'_, T>,
     v: Operand<'_, T>,
@@ -42,7 +47,10 @@ fn forward_tile<T: Float>(
     let mut m = [T::NEG_INFINITY; BLOCK_Q];
     let mut l = [T::ZERO; BLOCK_Q];
     o[..rows * d].fill(T::ZERO);
-    let kmax = sh.key_limit(i0 + rows - 1);
+    let mut kmax = sh.key_limit(i0 + rows - 1);
+    if MASKED {
+        kmax = kmax.min(hm.key_end);
+    }
     let mut kb = 0;
     while kb < kmax {
         let n = (kb + BLOCK_K).min(kmax) - kb;
@@ -71,7 +79,15 @@ fn forward_tile<T: Float>(
             for x in srow[..lim].iter_mut() {
                 *x *= scale;
             }
+            if MASKED {
+                hm.apply(i0 + r, kb, &mut srow[..lim]);
+            }
             let bmax = vmax(&srow[..lim]);
+            if MASKED && bmax == T::NEG_INFINITY {
+                // Every key of this tile is masked for this row: nothing to add.
+                srow.fill(T::ZERO);
+                continue;
+            }
             let m_old = m[r];
             let m_new = if bmax > m_old { bmax } else { m_old };
             if m_new > m_old && m_old != T::NEG_INFINITY {
@@ -113,19 +129,21 @@ fn forward_tile<T: Float>(
             }
             lse[r] = m[r] + l[r].ln();
         } else {
-            // No visible key (seq_k == 0): output 0, lse -inf.
+            // No visible key (seq_k == 0, or all masked): output 0, lse -inf.
             orow.fill(T::ZERO);
             lse[r] = T::NEG_INFINITY;
         }
     }
 }
 
-/// `out = softmax(scale · q kᵀ + mask) v`; also writes `lse` (`[batch_heads, seq_q]`), the
-/// log-sum-exp of each row of scaled scores, for the backward pass. All operands contiguous.
+/// `out = softmax(scale · q kᵀ + bias + mask) v` (causal mask from `shape`, padding and bias
+/// from `mask`, see [`ScoreMask`]); also writes `lse` (`[batch_heads, seq_q]`), the log-sum-exp
+/// of each row of softmax inputs, for the backward pass. All operands contiguous.
 ///
-/// With `seq_k == 0` every row sees no key: `out` is 0 and `lse` is `-inf`.
+/// A row that sees no key (`seq_k == 0`, every key masked) gets `out` 0 and `lse` `-inf`.
 pub fn attention_forward<T: Float>(
     shape: AttentionShape,
+    mask: &ScoreMask<'_, T>,
     q: &[T],
     k: &[T],
     v: &[T],
@@ -145,7 +163,7 @@ pub fn attention_forward<T: Float>(
         );
     }
     let (lq, lk) = (HeadLayout::contiguous(sq, d), HeadLayout::contiguous(sk, d));
-    attention_forward_strided(shape, 1, q, lq, k, lk, v, lk, out, lq, lse);
+    attention_forward_strided(shape, mask, 1, q, lq, k, lk, v, lk, out, lq, lse);
 }
 
 /// [`attention_forward`] over operands with any [`HeadLayout`]s (`heads` heads per batch entry;
@@ -154,6 +172,7 @@ pub fn attention_forward<T: Float>(
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward_strided<T: Float>(
     shape: AttentionShape,
+    mask: &ScoreMask<'_, T>,
     heads: usize,
     q: &[T],
     ql: HeadLayout,
@@ -188,18 +207,38 @@ pub fn attention_forward_strided<T: Float>(
         "attention_forward: lse has {} elements, expected [{bh}, {seq_q}]",
         lse.len()
     );
+    mask.check(&shape);
     if bh == 0 || seq_q == 0 {
         return;
     }
     if d == 0 {
-        // Every score is 0: lse = ln(number of visible keys); out has no elements.
-        for (idx, l) in lse.iter_mut().enumerate() {
-            let n = shape.key_limit(idx % seq_q);
-            *l = if n == 0 {
-                T::NEG_INFINITY
-            } else {
-                T::from_f64(n as f64).ln()
-            };
+        // Every product is 0; out has no elements.
+        if mask.is_none() {
+            // lse = ln(number of visible keys).
+            for (idx, l) in lse.iter_mut().enumerate() {
+                let n = shape.key_limit(idx % seq_q);
+                *l = if n == 0 {
+                    T::NEG_INFINITY
+                } else {
+                    T::from_f64(n as f64).ln()
+                };
+            }
+        } else {
+            // lse = log-sum-exp of the visible keys' bias.
+            let mut row = Vec::new();
+            for (idx, l) in lse.iter_mut().enumerate() {
+                let (b, i) = (idx / seq_q, idx % seq_q);
+                let hm = mask.head(&shape, b);
+                row.clear();
+                row.resize(shape.key_limit(i).min(hm.key_end), T::ZERO);
+                hm.apply(i, 0, &mut row);
+                let mx = vmax(&row);
+                *l = if mx == T::NEG_INFINITY {
+                    T::NEG_INFINITY
+                } else {
+                    mx + row.iter().map(|&x| (x - mx).exp()).sum::<T>().ln()
+                };
+            }
         }
         return;
     }
@@ -218,6 +257,32 @@ pub fn attention_forward_strided<T: Float>(
             layout: vl,
         },
     );
+    if mask.is_none() {
+        forward_tasks::<T, false>(shape, mask, heads, q, k, v, out, ol, lse);
+    } else {
+        forward_tasks::<T, true>(shape, mask, heads, q, k, v, out, ol, lse);
+    }
+}
+
+/// Runs the forward tasks of a checked call (see [`forward_tile`] for `MASKED`).
+#[allow(clippy::too_many_arguments)]
+fn forward_tasks<T: Float, const MASKED: bool>(
+    shape: AttentionShape,
+    mask: &ScoreMask<'_, T>,
+    heads: usize,
+    q: Operand<'_, T>,
+    k: Operand<'_, T>,
+    v: Operand<'_, T>,
+    out: &mut [T],
+    ol: HeadLayout,
+    lse: &mut [T],
+) {
+    let AttentionShape {
+        batch_heads: bh,
+        seq_q,
+        head_dim: d,
+        ..
+    } = shape;
     let tiles = seq_q.div_ceil(BLOCK_Q);
     let out_len = out.len();
     let out_ptr = SendPtr(out.as_mut_ptr());
@@ -231,9 +296,18 @@ pub fn attention_forward_strided<T: Float>(
         // the [bh, seq_q] buffer checked above).
         let lse_t =
             unsafe { std::slice::from_raw_parts_mut(lse_ptr.get().add(b * seq_q + i0), rows) };
+        let hm = if MASKED {
+            mask.head(&shape, b)
+        } else {
+            HeadMask::unmasked(shape.seq_k)
+        };
         simd(
             #[inline(always)]
-            || forward_tile(&shape, heads, b, q, k, v, i0, rows, buf, lse_t, scratch),
+            || {
+                forward_tile::<T, MASKED>(
+                    &shape, heads, b, &hm, q, k, v, i0, rows, buf, lse_t, scratch,
+                )
+            },
         );
         for r in 0..rows {
             let at = ol.row(heads, b, i0 + r);

@@ -29,11 +29,13 @@
 
 mod backward;
 mod forward;
+mod mask;
 #[cfg(test)]
 mod tests;
 
 pub use backward::{attention_backward, attention_backward_strided};
 pub use forward::{attention_forward, attention_forward_strided};
+pub use mask::{BiasLayout, ScoreMask};
 
 use crate::Float;
 
