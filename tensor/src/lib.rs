@@ -31,6 +31,9 @@ pub use device::Device;
 pub use dtype::{DType, WithDType};
 pub use error::{Error, Result};
 pub use layout::Layout;
-pub use ops::{AdamWStep, AttentionOutput, GeluKind, LayerNormOutput, LinearGrads};
+pub use ops::{
+    AdamWStep, AttentionGrads, AttentionMask, AttentionOutput, GeluKind, LayerNormOutput,
+    LinearGrads,
+};
 pub use shape::Shape;
 pub use tensor::{Tensor, TensorId};

@@ -2,6 +2,7 @@
 //! its backward rule beside it.
 
 mod arith;
+mod attention;
 mod nn;
 mod reduce;
 mod shape;

@@ -1,6 +1,7 @@
 //! The CPU backend: resolves dtypes and layouts, then calls `meshgrad_kernels::cpu`.
 //! f32 and f64 compute natively; bf16 and f16 are widened to f32, computed, and narrowed back.
 
+pub(crate) mod attention;
 mod cast;
 pub(crate) mod fused;
 

@@ -1,6 +1,7 @@
 //! Tensor operations, grouped by kind. Each checks its operands (shapes, dtypes, devices) and
 //! hands the work to [`crate::backend`].
 
+mod attention;
 mod elementwise;
 mod inplace;
 mod matmul;
@@ -8,10 +9,11 @@ mod nn;
 mod reduce;
 mod shape_ops;
 
+pub use attention::{AttentionGrads, AttentionMask, AttentionOutput};
 pub use elementwise::GeluKind;
 pub use matmul::LinearGrads;
 pub use meshgrad_kernels::cpu::adamw::AdamWStep;
-pub use nn::{AttentionOutput, LayerNormOutput};
+pub use nn::LayerNormOutput;
 
 use crate::{Error, Tensor};
 
