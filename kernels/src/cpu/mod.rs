@@ -9,8 +9,11 @@ mod fastmath;
 pub mod layer_norm;
 pub mod matmul;
 pub mod reduce;
+pub mod rms_norm;
+pub mod rotary;
 pub mod softmax;
 pub mod strided;
+pub mod swiglu;
 #[cfg(test)]
 mod testutil;
 pub(crate) mod tile_gemm;
