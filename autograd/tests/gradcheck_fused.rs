@@ -148,3 +148,119 @@ fn attention_bias_without_grad_gets_none() {
     assert!(q.grad().is_some());
     assert!(bias.grad().is_none());
 }
+
+#[test]
+fn rms_norm_with_and_without_weight() {
+    let x = rand(40, &[3, 2, 5], -2.0, 2.0);
+    let w = rand(41, &[5], 0.5, 1.5);
+    gc(
+        "rms_norm with weight",
+        |v| v[0].rms_norm(Some(&v[1]), 1e-6),
+        &[x.clone(), w.clone()],
+    );
+    gc(
+        "rms_norm without weight",
+        |v| v[0].rms_norm(None, 0.0),
+        std::slice::from_ref(&x),
+    );
+    // Non-contiguous input and weight views: x read through a transpose, w reversed via a
+    // transposed [5, 1] leaf.
+    let xt = rand(42, &[5, 3, 2], -2.0, 2.0);
+    let wt = rand(43, &[1, 5], 0.5, 1.5);
+    gc(
+        "rms_norm of views",
+        |v| {
+            let w = v[1].transpose(0, 1)?.reshape(5)?;
+            v[0].permute(&[1, 2, 0])?.rms_norm(Some(&w), 1e-5)
+        },
+        &[xt, wt],
+    );
+}
+
+#[test]
+fn rms_norm_weight_without_grad_gets_none() {
+    let x = Var::leaf(rand(44, &[2, 4], -1.0, 1.0));
+    let w = Var::constant(rand(45, &[4], 0.5, 1.5));
+    x.rms_norm(Some(&w), 1e-6)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert!(x.grad().is_some() && w.grad().is_none());
+    // eps is checked.
+    assert!(x.rms_norm(None, -1.0).is_err());
+    assert!(x.rms_norm(None, f64::NAN).is_err());
+}
+
+#[test]
+fn rotary_embedding_gradient() {
+    let pos = Tensor::from_vec(vec![5i64, 0, 9, 2], 4, Device::Cpu).unwrap();
+    // [B, T, H, D] = [2, 4, 2, 6] read through a transposed [B, H, T, D] leaf.
+    let x = rand(50, &[2, 2, 4, 6], -1.0, 1.0);
+    gc(
+        "rotary_embedding of a view",
+        |v| v[0].transpose(1, 2)?.rotary_embedding(&pos, 10_000.0),
+        std::slice::from_ref(&x),
+    );
+    gc(
+        "rotary_embedding theta 3",
+        |v| v[0].rotary_embedding(&pos, 3.0),
+        &[rand(51, &[1, 4, 1, 4], -1.0, 1.0)],
+    );
+}
+
+#[test]
+fn swiglu_gradient() {
+    let g = rand(60, &[3, 4], -4.0, 4.0);
+    let u = rand(61, &[4, 3], -2.0, 2.0);
+    gc(
+        "swiglu (up through a transpose)",
+        |v| Var::swiglu(&v[0], &v[1].transpose(0, 1)?),
+        &[g.clone(), u.clone()],
+    );
+    // Only one input requires grad.
+    let (gv, uv) = (Var::leaf(g), Var::constant(u.transpose(0, 1).unwrap()));
+    Var::swiglu(&gv, &uv)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert!(gv.grad().is_some() && uv.grad().is_none());
+}
+
+#[test]
+fn a_llama_block_end_to_end() {
+    // rms_norm -> q/k projections with RoPE -> causal attention with padding -> SwiGLU MLP.
+    let (b, t, h, d) = (2, 3, 2, 2);
+    let c = h * d;
+    let x = rand(70, &[b, t, c], -1.0, 1.0);
+    let wn = rand(71, &[c], 0.5, 1.5);
+    let wq = rand(72, &[c, c], -0.5, 0.5);
+    let wk = rand(73, &[c, c], -0.5, 0.5);
+    let wg = rand(74, &[c, 5], -0.5, 0.5);
+    let wu = rand(75, &[c, 5], -0.5, 0.5);
+    let pos = Tensor::arange(0, t as i64, meshgrad_tensor::DType::I64, Device::Cpu).unwrap();
+    let pad = padding(b, t, &[(1, 2)]);
+    gc(
+        "llama block",
+        |v| {
+            let n = v[0].rms_norm(Some(&v[1]), 1e-6)?;
+            let heads = |p: &Var| -> meshgrad_tensor::Result<Var> {
+                p.reshape((b, t, h, d))?
+                    .rotary_embedding(&pos, 10_000.0)?
+                    .transpose(1, 2)
+            };
+            let q = heads(&n.matmul(&v[2])?)?;
+            let k = heads(&n.matmul(&v[3])?)?;
+            let val = n.reshape((b, t, h, d))?.transpose(1, 2)?;
+            let m = AttentionMask::causal().with_key_padding(pad.clone());
+            let a = Var::attention(&q, &k, &val, &m, 0.7)?
+                .transpose(1, 2)?
+                .reshape((b, t, c))?;
+            Var::swiglu(&a.matmul(&v[4])?, &a.matmul(&v[5])?)
+        },
+        &[x, wn, wq, wk, wg, wu],
+    );
+}

@@ -5,7 +5,7 @@ use meshgrad_kernels::cpu::attention::{AttentionShape, BiasLayout};
 use meshgrad_kernels::cpu::elementwise::{BinaryOp, CmpOp, UnaryOp};
 use meshgrad_kernels::cpu::matmul::MatrixLayout;
 
-use crate::cpu_backend::{self as cpu, attention, fused, ReduceOp};
+use crate::cpu_backend::{self as cpu, attention, fused, llama, ReduceOp};
 use crate::storage::{CpuStorage, Storage};
 use crate::{DType, Layout, Result};
 
@@ -312,6 +312,60 @@ pub(crate) fn attention_qkv_backward(
         want_dz,
     )?;
     Ok((Storage::Cpu(g), dz.map(Storage::Cpu)))
+}
+
+pub(crate) fn rms_norm(
+    x: Src<'_>,
+    w: Option<Src<'_>>,
+    rows: usize,
+    cols: usize,
+    eps: f64,
+) -> Result<(Storage, Storage)> {
+    let (y, r) = llama::rms_norm(cs(x), w.map(cs), rows, cols, eps)?;
+    Ok((Storage::Cpu(y), Storage::Cpu(r)))
+}
+
+pub(crate) fn rms_norm_backward(
+    x: Src<'_>,
+    w: Option<Src<'_>>,
+    rstd: Src<'_>,
+    dy: Src<'_>,
+    rows: usize,
+    cols: usize,
+    weight_grad: bool,
+) -> Result<(Storage, Option<Storage>)> {
+    let (dx, dw) =
+        llama::rms_norm_backward(cs(x), w.map(cs), cs(rstd), cs(dy), rows, cols, weight_grad)?;
+    Ok((Storage::Cpu(dx), dw.map(Storage::Cpu)))
+}
+
+pub(crate) fn rotary_embedding(
+    x: Src<'_>,
+    positions: Src<'_>,
+    dims: [usize; 4],
+    theta: f64,
+    inverse: bool,
+) -> Result<Storage> {
+    Ok(Storage::Cpu(llama::rotary_embedding(
+        cs(x),
+        cs(positions),
+        dims,
+        theta,
+        inverse,
+    )?))
+}
+
+pub(crate) fn swiglu(gate: Src<'_>, up: Src<'_>) -> Result<Storage> {
+    Ok(Storage::Cpu(llama::swiglu(cs(gate), cs(up))?))
+}
+
+pub(crate) fn swiglu_backward(
+    gate: Src<'_>,
+    up: Src<'_>,
+    dy: Src<'_>,
+) -> Result<(Storage, Storage)> {
+    let (dg, du) = llama::swiglu_backward(cs(gate), cs(up), cs(dy))?;
+    Ok((Storage::Cpu(dg), Storage::Cpu(du)))
 }
 
 pub(crate) fn cross_entropy(

@@ -33,7 +33,7 @@ pub use error::{Error, Result};
 pub use layout::Layout;
 pub use ops::{
     AdamWStep, AttentionGrads, AttentionMask, AttentionOutput, GeluKind, LayerNormOutput,
-    LinearGrads,
+    LinearGrads, RmsNormOutput,
 };
 pub use shape::Shape;
 pub use tensor::{Tensor, TensorId};

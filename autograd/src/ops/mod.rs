@@ -3,6 +3,7 @@
 
 mod arith;
 mod attention;
+mod llama;
 mod nn;
 mod reduce;
 mod shape;

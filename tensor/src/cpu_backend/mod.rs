@@ -4,6 +4,7 @@
 pub(crate) mod attention;
 mod cast;
 pub(crate) mod fused;
+pub(crate) mod llama;
 
 use std::borrow::Cow;
 use std::ops::Range;

@@ -7,13 +7,17 @@ mod inplace;
 mod matmul;
 mod nn;
 mod reduce;
+mod rms_norm;
+mod rotary;
 mod shape_ops;
+mod swiglu;
 
 pub use attention::{AttentionGrads, AttentionMask, AttentionOutput};
 pub use elementwise::GeluKind;
 pub use matmul::LinearGrads;
 pub use meshgrad_kernels::cpu::adamw::AdamWStep;
 pub use nn::LayerNormOutput;
+pub use rms_norm::RmsNormOutput;
 
 use crate::{Error, Tensor};
 
