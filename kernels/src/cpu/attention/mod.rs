@@ -5,10 +5,15 @@
 //!
 //! Both passes work on tiles of [`BLOCK_Q`] query rows by [`BLOCK_K`] keys. Every product inside
 //! a tile (`S = Q Kᵀ`, `O += P V`, and in the backward `dP = dO Vᵀ`, `dV += Pᵀ dO`,
-//! `dK += dSᵀ Q`, `dQ += dS K`) is a small register-blocked matrix product
-//! ([`gemm_tile`](super::tile_gemm::gemm_tile)) whose every output element sums its terms in
-//! increasing index order with fused multiply-adds. Key tiles wholly past the causal limit are never visited; inside a tile masked scores are
-//! computed and then discarded.
+//! `dK += dSᵀ Q`, `dQ += dS K`) is a small register-blocked matrix product (`gemm_tile` in
+//! `cpu/tile_gemm.rs`) whose every output element sums its terms in increasing index order with
+//! fused multiply-adds. Key tiles wholly past the causal limit (or past the last key the padding
+//! mask keeps) are never visited; inside a tile masked scores are computed and then discarded.
+//!
+//! Masking beyond causal ([`ScoreMask`]: a key padding mask and an additive bias): the softmax
+//! inputs are `z = scale q·k + bias`, `-inf` where padded; a row with no finite input gets output
+//! 0, `lse = -inf` and zero gradients. Both passes exist in a masked and an unmasked instance
+//! (a const generic chosen once per call), so the unmasked loops never look at a mask.
 //!
 //! Forward: tasks are (batch-head, query tile) pairs, run in parallel when the problem is large.
 //! Per row, the online softmax keeps a running max `m`, running sum `l` and an unnormalised
@@ -17,15 +22,17 @@
 //! Backward: one task per batch-head (each writes only its own rows of `dq`, `dk`, `dv`), so
 //! every gradient element is accumulated in a fixed order (query rows increasing for `dk`/`dv`,
 //! keys increasing for `dq`) whatever the thread count. Probabilities are recomputed as
-//! `P = exp(scale q·k - lse)`; with `D_i = dout_i · out_i`, `dS = scale P (dout·v - D_i)`, and
-//! `dv += Pᵀ dout`, `dq += dS k`, `dk += dSᵀ q`.
+//! `P = exp(z - lse)`; with `D_i = dout_i · out_i`, the softmax-input gradient is
+//! `dZ = P (dout·v - D_i)` (what a bias gradient is summed from, written out on request),
+//! `dS = scale dZ`, and `dv += Pᵀ dout`, `dq += dS k`, `dk += dSᵀ q`.
 //!
 //! All arithmetic is in `T` (f32 uses the crate's vectorised `exp`); nothing depends on the
 //! thread count or on which instance (AVX2+FMA or portable) of the loops runs.
 //!
 //! Files: this one holds the shapes, layouts, checks and scratch shared by both passes;
 //! `forward.rs` and `backward.rs` the two passes; the tile products live in
-//! [`super::tile_gemm`], which knows nothing of attention.
+//! `cpu/tile_gemm.rs`, which knows nothing of attention; `mask.rs` the key padding mask and
+//! additive bias.
 
 mod backward;
 mod forward;
