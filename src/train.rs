@@ -12,12 +12,12 @@ use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use meshgrad_autograd::{no_grad, Var};
 use meshgrad_nn::data::{load_split, split_dataset, Dataset, LoadOptions, TokenSource};
-use meshgrad_nn::ForwardCtx;
 use meshgrad_nn::optim::{
     clip_grad_norm, param_groups_for_decay, AdamW, AdamWConfig, CosineSchedule, Optimizer,
 };
 use meshgrad_nn::state::hf_gpt2;
 use meshgrad_nn::tokenizer::Tokenizer;
+use meshgrad_nn::ForwardCtx;
 use meshgrad_nn::{Gpt, GptConfig, Module};
 use meshgrad_parallel::micro_rows;
 use meshgrad_tensor::{DType, Device, Tensor};

@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use anyhow::Result;
 use meshgrad_autograd::Var;
-use meshgrad_nn::Module;
 use meshgrad_nn::optim::{AdamW, Optimizer};
+use meshgrad_nn::Module;
 use meshgrad_parallel::comm::{all_reduce_scalar, run_ranks, RankCtx, RunOptions};
 use meshgrad_parallel::zero::{ShardConfig, ShardTopology, ShardedDataParallel, ZeroStage};
 use meshgrad_parallel::{

@@ -326,10 +326,15 @@ fn save_then_load_restores_every_parameter() {
     b.load(&file).unwrap();
     for ((na, pa), (nb, pb)) in a.named_parameters().iter().zip(b.named_parameters().iter()) {
         assert_eq!(na, nb);
-        assert_eq!(pa.tensor().to_vec::<f32>().unwrap(), pb.tensor().to_vec::<f32>().unwrap());
+        assert_eq!(
+            pa.tensor().to_vec::<f32>().unwrap(),
+            pb.tensor().to_vec::<f32>().unwrap()
+        );
     }
     // A model of another shape refuses the file and stays unchanged.
-    let other = ParamBuilder::new(0).build(|p| Linear::new(p, 3, 2)).unwrap();
+    let other = ParamBuilder::new(0)
+        .build(|p| Linear::new(p, 3, 2))
+        .unwrap();
     let before = other.weight.tensor().to_vec::<f32>().unwrap();
     assert!(other.load(&file).is_err());
     assert_eq!(other.weight.tensor().to_vec::<f32>().unwrap(), before);

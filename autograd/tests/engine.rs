@@ -10,7 +10,7 @@ use common::*;
 use meshgrad_autograd::{
     apply, backward, enable_grad, grad, is_grad_enabled, no_grad, Function, GradReadyHook, Var,
 };
-use meshgrad_tensor::{DType, Device, Result, Tensor};
+use meshgrad_tensor::{AttentionMask, DType, Device, Result, Tensor};
 
 #[test]
 fn gradients_accumulate_across_backward_calls_until_zero_grad() {
@@ -526,7 +526,7 @@ fn determinism_loss(seed: u64) -> (Vec<Var>, Var) {
         .layer_norm(Some(&g), None, 1e-5)
         .unwrap();
     let q = h.reshape([2, 4, 2, 4]).unwrap().transpose(1, 2).unwrap();
-    let a = Var::attention(&q, &q, &q, true, 0.5)
+    let a = Var::attention(&q, &q, &q, &AttentionMask::causal(), 0.5)
         .unwrap()
         .transpose(1, 2)
         .unwrap()

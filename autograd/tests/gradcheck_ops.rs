@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use meshgrad_autograd::{gradcheck, DropoutSpec, GradcheckOptions, Var};
-use meshgrad_tensor::{DType, Device, GeluKind, Result, Tensor};
+use meshgrad_tensor::{AttentionMask, DType, Device, GeluKind, Result, Tensor};
 
 type BinOp = fn(&Var, &Var) -> Result<Var>;
 
@@ -496,7 +496,7 @@ fn attention_causal_and_not() {
                     &x[0].transpose(1, 2)?,
                     &x[1].transpose(1, 2)?,
                     &x[2].transpose(1, 2)?,
-                    causal,
+                    &causal_mask(causal),
                     0.5,
                 )
             },
@@ -510,7 +510,7 @@ fn attention_causal_and_not() {
         let v = rand(85, &[2, 4, 3], -1.0, 1.0);
         gc(
             &format!("attention seq_q < seq_k causal={causal}"),
-            |x| Var::attention(&x[0], &x[1], &x[2], causal, 0.8),
+            |x| Var::attention(&x[0], &x[1], &x[2], &causal_mask(causal), 0.8),
             &[q, k, v],
         );
     }
@@ -662,7 +662,7 @@ fn small_networks() {
         |v| {
             let (q, k) = (v[0].matmul(&v[1])?, v[0].matmul(&v[2])?);
             let val = v[0].narrow(2, 0, 2)?;
-            Var::attention(&q, &k, &val, true, 0.7)?.softmax(-1)
+            Var::attention(&q, &k, &val, &AttentionMask::causal(), 0.7)?.softmax(-1)
         },
         &[x, wq, wk],
     );
@@ -743,14 +743,14 @@ fn attention_from_fused_qkv() {
         let qkv = rand(310, &[2, 3, 12], -1.0, 1.0); // 2 heads of 2
         gc(
             &format!("attention_qkv causal={causal}"),
-            |v| Var::attention_qkv(&v[0], 2, causal, 0.6),
+            |v| Var::attention_qkv(&v[0], 2, &causal_mask(causal), 0.6),
             std::slice::from_ref(&qkv),
         );
         // A strided qkv: a transposed [B, 3C, T] leaf.
         let qt = qkv.transpose(1, 2).unwrap().contiguous().unwrap();
         gc(
             &format!("attention_qkv of a transposed view causal={causal}"),
-            |v| Var::attention_qkv(&v[0].transpose(1, 2)?, 1, causal, 0.6),
+            |v| Var::attention_qkv(&v[0].transpose(1, 2)?, 1, &causal_mask(causal), 0.6),
             &[qt],
         );
     }
@@ -970,4 +970,12 @@ fn cross_entropy_over_nd_logits() {
     assert_eq!(loss.tensor().item().unwrap(), 0.0);
     loss.backward().unwrap();
     assert!(grad_of(&c).iter().all(|&g| g == 0.0));
+}
+
+/// The attention mask with only the causal flag set.
+fn causal_mask(causal: bool) -> AttentionMask<Var> {
+    AttentionMask {
+        causal,
+        ..AttentionMask::none()
+    }
 }

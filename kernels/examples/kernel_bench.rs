@@ -5,7 +5,9 @@
 use std::time::Instant;
 
 use meshgrad_kernels::cpu::adamw::{adamw_step, AdamWStep};
-use meshgrad_kernels::cpu::attention::{attention_backward, attention_forward, AttentionShape};
+use meshgrad_kernels::cpu::attention::{
+    attention_backward, attention_forward, AttentionShape, BiasLayout, ScoreMask,
+};
 use meshgrad_kernels::cpu::cross_entropy::{cross_entropy_backward, cross_entropy_forward};
 use meshgrad_kernels::cpu::elementwise::{binary, unary, BinaryOp, UnaryOp, View};
 use meshgrad_kernels::cpu::layer_norm::{layer_norm_backward, layer_norm_forward};
@@ -126,9 +128,24 @@ fn main() {
                 vec![0f32; q.len()],
                 vec![0f32; q.len()],
             );
-            let fwd = time(7, || attention_forward(sh, &q, &k, &v, &mut out, &mut lse));
+            let fwd = time(7, || {
+                attention_forward(sh, &ScoreMask::none(), &q, &k, &v, &mut out, &mut lse)
+            });
             let bwd = time(7, || {
-                attention_backward(sh, &q, &k, &v, &out, &lse, &dout, &mut dq, &mut dk, &mut dv)
+                attention_backward(
+                    sh,
+                    &ScoreMask::none(),
+                    &q,
+                    &k,
+                    &v,
+                    &out,
+                    &lse,
+                    &dout,
+                    &mut dq,
+                    &mut dk,
+                    &mut dv,
+                    None,
+                )
             });
             // Useful flops: 4 t^2 d per head forward (2 matmuls), 10 t^2 d backward (5), halved if causal.
             let frac = if causal { 0.5 } else { 1.0 };
@@ -139,6 +156,45 @@ fn main() {
                 ff / fwd / 1e9,
                 bwd * 1e3,
                 2.5 * ff / bwd / 1e9
+            );
+            // The masked instances on the same work: a padding mask that masks nothing, an
+            // additive [4, t, t] bias shared by the batch, and its gradient.
+            let heads = 4;
+            let pad = vec![1u8; bh / heads * t];
+            let bias = rand(heads * t * t, 9);
+            let mut dbias = vec![0f32; bh * t * t];
+            let bl = BiasLayout {
+                batch_stride: 0,
+                ..BiasLayout::contiguous(heads, t, t)
+            };
+            let mask = ScoreMask {
+                heads,
+                key_padding: Some(&pad),
+                bias: Some((&bias, bl)),
+            };
+            let mfwd = time(7, || {
+                attention_forward(sh, &mask, &q, &k, &v, &mut out, &mut lse)
+            });
+            let mbwd = time(7, || {
+                attention_backward(
+                    sh,
+                    &mask,
+                    &q,
+                    &k,
+                    &v,
+                    &out,
+                    &lse,
+                    &dout,
+                    &mut dq,
+                    &mut dk,
+                    &mut dv,
+                    Some(&mut dbias),
+                )
+            });
+            println!(
+                "  with padding + [4, t, t] bias (+ dbias): fwd {:.2} ms, bwd {:.2} ms",
+                mfwd * 1e3,
+                mbwd * 1e3,
             );
         }
     }

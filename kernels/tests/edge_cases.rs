@@ -1,7 +1,9 @@
 //! Empty and degenerate sizes must not panic (and must write what the contracts promise).
 
 use meshgrad_kernels::cpu::adamw::{adamw_step, sgd_step, AdamWStep};
-use meshgrad_kernels::cpu::attention::{attention_backward, attention_forward, AttentionShape};
+use meshgrad_kernels::cpu::attention::{
+    attention_backward, attention_forward, AttentionShape, ScoreMask,
+};
 use meshgrad_kernels::cpu::cross_entropy::{cross_entropy_backward, cross_entropy_forward};
 use meshgrad_kernels::cpu::elementwise::{
     binary, compare, unary, where_cond, BinaryOp, CmpOp, UnaryOp, View,
@@ -83,8 +85,21 @@ fn zero_sized_inputs() {
         causal: true,
         scale: 1.0,
     };
-    attention_forward(sh, &e, &e, &e, &mut o, &mut []);
-    attention_backward(sh, &e, &e, &e, &e, &e, &e, &mut [], &mut [], &mut []);
+    attention_forward(sh, &ScoreMask::none(), &e, &e, &e, &mut o, &mut []);
+    attention_backward(
+        sh,
+        &ScoreMask::none(),
+        &e,
+        &e,
+        &e,
+        &e,
+        &e,
+        &e,
+        &mut [],
+        &mut [],
+        &mut [],
+        None,
+    );
     let l = MatrixLayout {
         offset: 0,
         batch_stride: 0,

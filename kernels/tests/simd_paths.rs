@@ -3,7 +3,9 @@
 //! test process, so toggling the global switch cannot disturb other tests.
 
 use meshgrad_kernels::cpu::adamw::{adamw_step, AdamWStep};
-use meshgrad_kernels::cpu::attention::{attention_backward, attention_forward, AttentionShape};
+use meshgrad_kernels::cpu::attention::{
+    attention_backward, attention_forward, AttentionShape, ScoreMask,
+};
 use meshgrad_kernels::cpu::cross_entropy::{cross_entropy_backward, cross_entropy_forward};
 use meshgrad_kernels::cpu::elementwise::{binary, gelu_backward, unary, BinaryOp, UnaryOp, View};
 use meshgrad_kernels::cpu::layer_norm::{layer_norm_backward, layer_norm_forward};
@@ -128,13 +130,26 @@ fn run_all() -> Vec<Vec<u32>> {
         let dout = rand(3 * 70 * 40, 11, 1.0);
         let mut out = vec![0f32; q.len()];
         let mut lse = vec![0f32; 3 * 70];
-        attention_forward(sh, &q, &k, &v, &mut out, &mut lse);
+        attention_forward(sh, &ScoreMask::none(), &q, &k, &v, &mut out, &mut lse);
         let (mut dq, mut dk, mut dv) = (
             vec![0f32; q.len()],
             vec![0f32; k.len()],
             vec![0f32; v.len()],
         );
-        attention_backward(sh, &q, &k, &v, &out, &lse, &dout, &mut dq, &mut dk, &mut dv);
+        attention_backward(
+            sh,
+            &ScoreMask::none(),
+            &q,
+            &k,
+            &v,
+            &out,
+            &lse,
+            &dout,
+            &mut dq,
+            &mut dk,
+            &mut dv,
+            None,
+        );
         outs.extend([out, lse, dq, dk, dv]);
     }
 

@@ -244,8 +244,15 @@ fn names_follow_hugging_face_and_count_matches_config() {
     assert!(w[32..64].iter().any(|&x| x != 0.0));
     // The encoder layers form a module list (what FSDP's default wrap policy shards by).
     let paths = m.module_paths();
-    for p in ["bert.encoder.layer.0", "bert.encoder.layer.1", "cls.predictions.transform"] {
-        assert!(paths.iter().any(|x| x == p), "missing module {p}: {paths:?}");
+    for p in [
+        "bert.encoder.layer.0",
+        "bert.encoder.layer.1",
+        "cls.predictions.transform",
+    ] {
+        assert!(
+            paths.iter().any(|x| x == p),
+            "missing module {p}: {paths:?}"
+        );
     }
 }
 

@@ -1,12 +1,12 @@
 //! Backend dispatch: every primitive the tensor ops need, matched on the storage variant. This is
 //! the only place that knows which backends exist; a new backend adds its arms here.
 
-use meshgrad_kernels::cpu::attention::AttentionShape;
+use meshgrad_kernels::cpu::attention::{AttentionShape, BiasLayout};
 use meshgrad_kernels::cpu::elementwise::{BinaryOp, CmpOp, UnaryOp};
 use meshgrad_kernels::cpu::matmul::MatrixLayout;
 use meshgrad_kernels::cpu::unary_backward::UnaryGrad;
 
-use crate::cpu_backend::{self as cpu, fused, indexing, math, ReduceOp};
+use crate::cpu_backend::{self as cpu, attention, fused, indexing, llama, math, ReduceOp};
 use crate::storage::{CpuStorage, Storage};
 use crate::{DType, Layout, Result};
 
@@ -226,17 +226,38 @@ pub(crate) fn layer_norm_backward(
     Ok((Storage::Cpu(dx), dw.map(Storage::Cpu), db.map(Storage::Cpu)))
 }
 
+/// The key padding mask and additive bias of one attention call, as the backend sees them:
+/// `heads` heads per batch entry index both; the padding mask is a contiguous integer
+/// `[batch, seq_k]` tensor, the bias a contiguous float tensor in q's dtype read through
+/// `BiasLayout` (strides 0 where it broadcasts).
+pub(crate) struct AttentionMaskArgs<'a> {
+    pub heads: usize,
+    pub key_padding: Option<Src<'a>>,
+    pub bias: Option<(Src<'a>, BiasLayout)>,
+}
+
+fn cpu_mask<'a>(m: &AttentionMaskArgs<'a>) -> attention::CpuMask<'a> {
+    attention::CpuMask {
+        heads: m.heads,
+        key_padding: m.key_padding.map(cs),
+        bias: m.bias.map(|(s, l)| (cs(s), l)),
+    }
+}
+
 pub(crate) fn attention(
     q: Src<'_>,
     k: Src<'_>,
     v: Src<'_>,
     shape: AttentionShape,
+    mask: &AttentionMaskArgs<'_>,
 ) -> Result<(Storage, Storage)> {
-    let (o, l) = fused::attention(cs(q), cs(k), cs(v), shape)?;
+    let (o, l) = attention::attention(cs(q), cs(k), cs(v), shape, &cpu_mask(mask))?;
     Ok((Storage::Cpu(o), Storage::Cpu(l)))
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Returns `(dq, dk, dv, dz)`; `dz` (the `[batch_heads, seq_q, seq_k]` gradient of the softmax
+/// inputs, compute precision) when `want_dz`.
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
 pub(crate) fn attention_backward(
     q: Src<'_>,
     k: Src<'_>,
@@ -245,21 +266,35 @@ pub(crate) fn attention_backward(
     lse: Src<'_>,
     dout: Src<'_>,
     shape: AttentionShape,
-) -> Result<(Storage, Storage, Storage)> {
-    let (dq, dk, dv) =
-        fused::attention_backward(cs(q), cs(k), cs(v), cs(out), cs(lse), cs(dout), shape)?;
-    Ok((Storage::Cpu(dq), Storage::Cpu(dk), Storage::Cpu(dv)))
+    mask: &AttentionMaskArgs<'_>,
+    want_dz: bool,
+) -> Result<(Storage, Storage, Storage, Option<Storage>)> {
+    let (dq, dk, dv, dz) = attention::attention_backward(
+        [cs(q), cs(k), cs(v), cs(out), cs(lse), cs(dout)],
+        shape,
+        &cpu_mask(mask),
+        want_dz,
+    )?;
+    Ok((
+        Storage::Cpu(dq),
+        Storage::Cpu(dk),
+        Storage::Cpu(dv),
+        dz.map(Storage::Cpu),
+    ))
 }
 
 pub(crate) fn attention_qkv(
     qkv: Src<'_>,
     shape: AttentionShape,
     heads: usize,
+    mask: &AttentionMaskArgs<'_>,
 ) -> Result<(Storage, Storage)> {
-    let (o, l) = fused::attention_qkv(cs(qkv), shape, heads)?;
+    let (o, l) = attention::attention_qkv(cs(qkv), shape, heads, &cpu_mask(mask))?;
     Ok((Storage::Cpu(o), Storage::Cpu(l)))
 }
 
+/// Returns `(dqkv, dz)` (see [`attention_backward`] for `dz`).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_qkv_backward(
     qkv: Src<'_>,
     out: Src<'_>,
@@ -267,15 +302,71 @@ pub(crate) fn attention_qkv_backward(
     dout: Src<'_>,
     shape: AttentionShape,
     heads: usize,
-) -> Result<Storage> {
-    Ok(Storage::Cpu(fused::attention_qkv_backward(
-        cs(qkv),
-        cs(out),
-        cs(lse),
-        cs(dout),
+    mask: &AttentionMaskArgs<'_>,
+    want_dz: bool,
+) -> Result<(Storage, Option<Storage>)> {
+    let (g, dz) = attention::attention_qkv_backward(
+        [cs(qkv), cs(out), cs(lse), cs(dout)],
         shape,
         heads,
+        &cpu_mask(mask),
+        want_dz,
+    )?;
+    Ok((Storage::Cpu(g), dz.map(Storage::Cpu)))
+}
+
+pub(crate) fn rms_norm(
+    x: Src<'_>,
+    w: Option<Src<'_>>,
+    rows: usize,
+    cols: usize,
+    eps: f64,
+) -> Result<(Storage, Storage)> {
+    let (y, r) = llama::rms_norm(cs(x), w.map(cs), rows, cols, eps)?;
+    Ok((Storage::Cpu(y), Storage::Cpu(r)))
+}
+
+pub(crate) fn rms_norm_backward(
+    x: Src<'_>,
+    w: Option<Src<'_>>,
+    rstd: Src<'_>,
+    dy: Src<'_>,
+    rows: usize,
+    cols: usize,
+    weight_grad: bool,
+) -> Result<(Storage, Option<Storage>)> {
+    let (dx, dw) =
+        llama::rms_norm_backward(cs(x), w.map(cs), cs(rstd), cs(dy), rows, cols, weight_grad)?;
+    Ok((Storage::Cpu(dx), dw.map(Storage::Cpu)))
+}
+
+pub(crate) fn rotary_embedding(
+    x: Src<'_>,
+    positions: Src<'_>,
+    dims: [usize; 4],
+    theta: f64,
+    inverse: bool,
+) -> Result<Storage> {
+    Ok(Storage::Cpu(llama::rotary_embedding(
+        cs(x),
+        cs(positions),
+        dims,
+        theta,
+        inverse,
     )?))
+}
+
+pub(crate) fn swiglu(gate: Src<'_>, up: Src<'_>) -> Result<Storage> {
+    Ok(Storage::Cpu(llama::swiglu(cs(gate), cs(up))?))
+}
+
+pub(crate) fn swiglu_backward(
+    gate: Src<'_>,
+    up: Src<'_>,
+    dy: Src<'_>,
+) -> Result<(Storage, Storage)> {
+    let (dg, du) = llama::swiglu_backward(cs(gate), cs(up), cs(dy))?;
+    Ok((Storage::Cpu(dg), Storage::Cpu(du)))
 }
 
 pub(crate) fn cross_entropy(

@@ -78,7 +78,10 @@ pub use device::Device;
 pub use dtype::{DType, WithDType};
 pub use error::{Error, Result};
 pub use layout::Layout;
-pub use ops::{AdamWStep, AttentionOutput, GeluKind, LayerNormOutput, LinearGrads};
+pub use ops::{
+    AdamWStep, AttentionGrads, AttentionMask, AttentionOutput, GeluKind, LayerNormOutput,
+    LinearGrads, RmsNormOutput,
+};
 pub use random::Random;
 pub use shape::Shape;
 pub use shape_spec::{IntoShapeSpec, ShapeSpec, SpecDim};

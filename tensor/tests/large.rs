@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use meshgrad_tensor::{AdamWStep, DType, Device, Random, Tensor};
+use meshgrad_tensor::{AdamWStep, AttentionMask, DType, Device, Random, Tensor};
 
 fn perm_lay(perm: &[usize], pad: usize) -> Lay {
     Lay::Strided {
@@ -237,7 +237,7 @@ fn large_attention_forward_and_backward() {
             let tq_ = strided(&q, &[bh, tq, d], &perm_lay(&[1, 0, 2], 0), dtype);
             let tk_ = tensor(&k, &[bh, tk, d], dtype);
             let tv_ = strided(&v, &[bh, tk, d], &perm_lay(&[0, 2, 1], 1), dtype);
-            let o = Tensor::attention(&tq_, &tk_, &tv_, causal, scale).unwrap();
+            let o = Tensor::attention(&tq_, &tk_, &tv_, &mask(causal), scale).unwrap();
             let (rtol, atol) = if dtype == DType::F64 {
                 (1e-10, 1e-12)
             } else {
@@ -267,11 +267,11 @@ fn large_attention_forward_and_backward() {
             tensor(&k, &[bh, tk, d], DType::F64),
             tensor(&v, &[bh, tk, d], DType::F64),
         );
-        let o = Tensor::attention(&tq_, &tk_, &tv_, causal, scale).unwrap();
+        let o = Tensor::attention(&tq_, &tk_, &tv_, &mask(causal), scale).unwrap();
         let tdo = tensor(&dout, &[bh, tq, d], DType::F64);
-        let (gq, gk, gv) =
-            Tensor::attention_backward(&tq_, &tk_, &tv_, &o.out, &o.lse, &tdo, causal, scale)
-                .unwrap();
+        let g = Tensor::attention_backward(&tq_, &tk_, &tv_, &o, &tdo, &mask(causal), scale, false)
+            .unwrap();
+        let (gq, gk, gv) = (g.dq, g.dk, g.dv);
         let dirs = [
             uniform_vals(13, q.len(), -1.0, 1.0),
             uniform_vals(14, k.len(), -1.0, 1.0),
@@ -607,4 +607,12 @@ fn large_backward_kernels() {
         1e-12,
         "large cross_entropy_backward",
     );
+}
+
+/// The attention mask with only the causal flag set.
+fn mask(causal: bool) -> AttentionMask {
+    AttentionMask {
+        causal,
+        ..AttentionMask::none()
+    }
 }

@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use meshgrad_tensor::{DType, Device, GeluKind, Random, Result, Tensor};
+use meshgrad_tensor::{AttentionMask, DType, Device, GeluKind, Random, Result, Tensor};
 
 type Bin = fn(&Tensor, &Tensor) -> Result<Tensor>;
 type BinCase = (&'static str, Bin, fn(f64, f64) -> f64);
@@ -1008,7 +1008,7 @@ fn attention_matches_naive_softmax_reference() {
             let tq_ = strided(&q, &qd, &Lay::random(&mut rng, 4), dtype);
             let tk_ = strided(&k, &kd, &Lay::random(&mut rng, 4), dtype);
             let tv_ = strided(&v, &kd, &Lay::random(&mut rng, 4), dtype);
-            let o = Tensor::attention(&tq_, &tk_, &tv_, causal, scale).unwrap();
+            let o = Tensor::attention(&tq_, &tk_, &tv_, &mask(causal), scale).unwrap();
             let (rtol, atol) = if dtype == DType::F64 {
                 (1e-11, 1e-12)
             } else {
@@ -1030,9 +1030,9 @@ fn attention_matches_naive_softmax_reference() {
     // Causal attention needs seq_k >= seq_q.
     let q = Tensor::zeros((1, 4, 2), DType::F32, Device::Cpu).unwrap();
     let k = Tensor::zeros((1, 3, 2), DType::F32, Device::Cpu).unwrap();
-    assert!(Tensor::attention(&q, &k, &k, true, 1.0).is_err());
+    assert!(Tensor::attention(&q, &k, &k, &mask(true), 1.0).is_err());
     assert!(
-        Tensor::attention(&q, &k, &q, false, 1.0).is_err(),
+        Tensor::attention(&q, &k, &q, &mask(false), 1.0).is_err(),
         "k and v shapes differ"
     );
 }
@@ -1091,7 +1091,7 @@ fn attention_backward_matches_reference() {
             tensor(&k, &kd, DType::F64),
             tensor(&v, &kd, DType::F64),
         );
-        let o = Tensor::attention(&tq_, &tk_, &tv_, causal, scale).unwrap();
+        let o = Tensor::attention(&tq_, &tk_, &tv_, &mask(causal), scale).unwrap();
         let tdo = strided(
             &dout,
             &qd,
@@ -1101,9 +1101,9 @@ fn attention_backward_matches_reference() {
             },
             DType::F64,
         );
-        let (gq, gk, gv) =
-            Tensor::attention_backward(&tq_, &tk_, &tv_, &o.out, &o.lse, &tdo, causal, scale)
-                .unwrap();
+        let g = Tensor::attention_backward(&tq_, &tk_, &tv_, &o, &tdo, &mask(causal), scale, false)
+            .unwrap();
+        let (gq, gk, gv) = (g.dq, g.dk, g.dv);
         let what = format!("attention_backward b{b} h{h} tq{tq} tk{tk} d{d} causal={causal}");
         check(&gq, &qd, &dq, 1e-10, 1e-12, &format!("dq: {what}"));
         check(&gk, &kd, &dk, 1e-10, 1e-12, &format!("dk: {what}"));
@@ -1937,7 +1937,7 @@ fn attention_qkv_matches_split_heads_reference() {
                 }
             }
             let tx = strided(&x, &[b, t, 3 * c], &Lay::random(&mut rng, 3), dtype);
-            let out = tx.attention_qkv(heads, causal, scale).unwrap();
+            let out = tx.attention_qkv(heads, &mask(causal), scale).unwrap();
             let (rtol, atol) = if dtype == DType::F64 {
                 (1e-11, 1e-12)
             } else {
@@ -1956,23 +1956,24 @@ fn attention_qkv_matches_split_heads_reference() {
         }
         // The backward equals attention_backward on the split tensors, re-packed.
         let tx = tensor(&x, &[b, t, 3 * c], DType::F64);
-        let out = tx.attention_qkv(heads, causal, scale).unwrap();
+        let out = tx.attention_qkv(heads, &mask(causal), scale).unwrap();
         let dout = uniform_vals(2900 + case as u64, b * t * c, -1.0, 1.0);
         let tdo = tensor(&dout, &[b, t, c], DType::F64);
         let dqkv = tx
-            .attention_qkv_backward(&out.out, &out.lse, &tdo, heads, causal, scale)
-            .unwrap();
+            .attention_qkv_backward(&out, &tdo, heads, &mask(causal), scale, false)
+            .unwrap()
+            .0;
         let split = |v: &[f64]| tensor(v, &[b, heads, t, d], DType::F64);
         let (tq, tk, tv) = (split(&part(0)), split(&part(1)), split(&part(2)));
-        let o4 = Tensor::attention(&tq, &tk, &tv, causal, scale).unwrap();
+        let o4 = Tensor::attention(&tq, &tk, &tv, &mask(causal), scale).unwrap();
         let do4 = tdo
             .reshape([b, t, heads, d])
             .unwrap()
             .transpose(1, 2)
             .unwrap();
-        let (gq, gk, gv) =
-            Tensor::attention_backward(&tq, &tk, &tv, &o4.out, &o4.lse, &do4, causal, scale)
-                .unwrap();
+        let g = Tensor::attention_backward(&tq, &tk, &tv, &o4, &do4, &mask(causal), scale, false)
+            .unwrap();
+        let (gq, gk, gv) = (g.dq, g.dk, g.dv);
         let pack = |g: &Tensor| g.transpose(1, 2).unwrap().reshape([b, t, c]).unwrap();
         let want = Tensor::cat(&[&pack(&gq), &pack(&gk), &pack(&gv)], 2).unwrap();
         check(
@@ -1986,12 +1987,12 @@ fn attention_qkv_matches_split_heads_reference() {
     }
     let z = Tensor::zeros((1, 4, 10), DType::F32, Device::Cpu).unwrap();
     assert!(
-        z.attention_qkv(2, true, 1.0).is_err(),
+        z.attention_qkv(2, &mask(true), 1.0).is_err(),
         "3C not divisible by 3 * heads"
     );
     assert!(Tensor::zeros((4, 12), DType::F32, Device::Cpu)
         .unwrap()
-        .attention_qkv(2, true, 1.0)
+        .attention_qkv(2, &mask(true), 1.0)
         .is_err());
 }
 
@@ -2046,4 +2047,12 @@ fn empty_tensors() {
     check(&c, &[2, 3], &vals(&a), 0.0, 0.0, "cat with empty pieces");
     assert_eq!(e.softmax(-1).unwrap().dims(), &[0, 3]);
     assert_eq!(e.t().unwrap().contiguous().unwrap().dims(), &[3, 0]);
+}
+
+/// The attention mask with only the causal flag set.
+fn mask(causal: bool) -> AttentionMask {
+    AttentionMask {
+        causal,
+        ..AttentionMask::none()
+    }
 }

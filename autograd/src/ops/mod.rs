@@ -2,7 +2,9 @@
 //! its backward rule beside it.
 
 mod arith;
+mod attention;
 mod indexing;
+mod llama;
 mod math;
 mod nn;
 mod overload;

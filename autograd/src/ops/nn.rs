@@ -133,48 +133,6 @@ impl Var {
         ))
     }
 
-    /// Fused scaled dot-product attention over `[..., T, D]` operands (see
-    /// [`Tensor::attention`]); the backward recomputes probabilities from the saved row
-    /// log-sum-exp instead of storing them.
-    pub fn attention(q: &Var, k: &Var, v: &Var, causal: bool, scale: f64) -> Result<Var> {
-        let (qt, kt, vt) = (
-            q.tensor().contiguous()?,
-            k.tensor().contiguous()?,
-            v.tensor().contiguous()?,
-        );
-        let out = Tensor::attention(&qt, &kt, &vt, causal, scale)?;
-        let (o, lse) = (out.out.clone(), out.lse);
-        Ok(Var::from_op(
-            "attention",
-            out.out,
-            &[q, k, v],
-            Box::new(move |g| {
-                let (dq, dk, dv) =
-                    Tensor::attention_backward(&qt, &kt, &vt, &o, &lse, g, causal, scale)?;
-                Ok(vec![Some(dq), Some(dk), Some(dv)])
-            }),
-        ))
-    }
-
-    /// Multi-head attention straight from a fused qkv projection `[B, T, 3C]` (see
-    /// [`Tensor::attention_qkv`]): returns `[B, T, C]`; the gradient comes back as one `[B, T, 3C]`
-    /// tensor, with no split, transpose or copy on either pass.
-    pub fn attention_qkv(qkv: &Var, heads: usize, causal: bool, scale: f64) -> Result<Var> {
-        let x = qkv.tensor().clone();
-        let out = x.attention_qkv(heads, causal, scale)?;
-        let (o, lse) = (out.out.clone(), out.lse);
-        Ok(Var::from_op(
-            "attention_qkv",
-            out.out,
-            &[qkv],
-            Box::new(move |g| {
-                Ok(vec![Some(x.attention_qkv_backward(
-                    &o, &lse, g, heads, causal, scale,
-                )?)])
-            }),
-        ))
-    }
-
     /// Mean cross-entropy of `self` (logits `[..., V]`, classes in the last dim, for example
     /// `[B, T, V]` or `[N, V]`) against integer `targets` shaped like the leading dims (`[B, T]`
     /// or `[N]`), over the positions whose target is not `ignore_index` (0 when every position
@@ -264,70 +222,6 @@ mod tests {
     use meshgrad_tensor::{DType, Random, Tensor};
 
     use crate::{gradcheck, GradcheckOptions, Var};
-
-    /// The reference path: split the fused projection, move heads forward, contiguous attention,
-    /// move heads back.
-    fn split_path(qkv: &Var, heads: usize, causal: bool) -> meshgrad_tensor::Result<Var> {
-        let (b, t, c3) = {
-            let d = qkv.tensor().dims();
-            (d[0], d[1], d[2])
-        };
-        let c = c3 / 3;
-        let d = c / heads;
-        let parts = qkv.split(&[c, c, c], -1)?;
-        let h = |v: &Var| v.reshape((b, t, heads, d))?.transpose(1, 2);
-        let y = Var::attention(
-            &h(&parts[0])?,
-            &h(&parts[1])?,
-            &h(&parts[2])?,
-            causal,
-            1.0 / (d as f64).sqrt(),
-        )?;
-        y.transpose(1, 2)?.reshape((b, t, c))
-    }
-
-    #[test]
-    fn attention_qkv_matches_the_split_path_and_finite_differences() {
-        for &(b, t, heads, d, causal) in
-            &[(2usize, 5usize, 2usize, 3usize, true), (1, 7, 3, 4, false)]
-        {
-            let c3 = 3 * heads * d;
-            let x = Random::new(11)
-                .dtype(DType::F64)
-                .normal((b, t, c3), 0.0, 1.0)
-                .unwrap();
-            let scale = 1.0 / (d as f64).sqrt();
-            let fused = |xs: &[Var]| Var::attention_qkv(&xs[0], heads, causal, scale);
-            let split = |xs: &[Var]| split_path(&xs[0], heads, causal);
-            gradcheck(fused, std::slice::from_ref(&x), GradcheckOptions::default()).unwrap();
-
-            let (xa, xb) = (Var::leaf(x.clone()), Var::leaf(x.clone()));
-            let (ya, yb) = (
-                fused(std::slice::from_ref(&xa)).unwrap(),
-                split(std::slice::from_ref(&xb)).unwrap(),
-            );
-            let (va, vb) = (
-                ya.tensor().to_vec_f64().unwrap(),
-                yb.tensor().to_vec_f64().unwrap(),
-            );
-            for (p, q) in va.iter().zip(&vb) {
-                assert!((p - q).abs() < 1e-12, "forward {p} vs {q}");
-            }
-            let w = Random::new(5)
-                .dtype(DType::F64)
-                .normal(ya.tensor().shape(), 0.0, 1.0)
-                .unwrap();
-            ya.backward_with(w.clone()).unwrap();
-            yb.backward_with(w).unwrap();
-            let (ga, gb) = (
-                xa.grad().unwrap().to_vec_f64().unwrap(),
-                xb.grad().unwrap().to_vec_f64().unwrap(),
-            );
-            for (p, q) in ga.iter().zip(&gb) {
-                assert!((p - q).abs() < 1e-12, "gradient {p} vs {q}");
-            }
-        }
-    }
 
     #[test]
     fn linear_matches_matmul_plus_bias_and_finite_differences() {

@@ -11,10 +11,14 @@ pub mod layer_norm;
 pub mod logsumexp;
 pub mod matmul;
 pub mod reduce;
+pub mod rms_norm;
+pub mod rotary;
 pub mod softmax;
 pub mod strided;
+pub mod swiglu;
 #[cfg(test)]
 mod testutil;
+pub(crate) mod tile_gemm;
 pub mod unary_backward;
 pub(crate) mod vecops;
 

@@ -38,12 +38,13 @@ pub(crate) fn to_f64(x: &[f32]) -> Vec<f64> {
     x.iter().map(|&v| v as f64).collect()
 }
 
-/// Asserts `|got - want| <= atol + rtol * |want|` elementwise, naming the first failure.
+/// Asserts `|got - want| <= atol + rtol * |want|` elementwise (equal infinities pass), naming
+/// the first failure.
 #[track_caller]
 pub(crate) fn assert_close(what: &str, got: &[f64], want: &[f64], rtol: f64, atol: f64) {
     assert_eq!(got.len(), want.len(), "{what}: lengths differ");
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let ok = (g - w).abs() <= atol + rtol * w.abs() || (g.is_nan() && w.is_nan());
+        let ok = g == w || (g - w).abs() <= atol + rtol * w.abs() || (g.is_nan() && w.is_nan());
         assert!(
             ok,
             "{what}: element {i}: got {g}, want {w} (rtol {rtol}, atol {atol})"

@@ -1,7 +1,7 @@
 //! Causal multi-head self-attention (GPT-2 style, fused qkv projection).
 
 use meshgrad_autograd::Var;
-use meshgrad_tensor::Result;
+use meshgrad_tensor::{AttentionMask, Result};
 
 use super::{Dropout, Linear, LinearConfig};
 use crate::module::{Forward, ParamBuilder};
@@ -61,7 +61,9 @@ impl Forward for CausalSelfAttention {
         }
         let (h, d) = (self.n_head, dims[2] / self.n_head);
         let qkv = self.c_attn.forward(x)?;
-        let y = Var::attention_qkv(&qkv, h, true, 1.0 / (d as f64).sqrt())?;
+        // q, k and v are read straight out of the fused projection and the heads come back side
+        // by side as [B, T, C]: no split, transpose or copy.
+        let y = Var::attention_qkv(&qkv, h, &AttentionMask::causal(), 1.0 / (d as f64).sqrt())?;
         self.resid_dropout.forward(&self.c_proj.forward(&y)?)
     }
 }

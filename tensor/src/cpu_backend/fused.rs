@@ -1,7 +1,7 @@
-//! Fused kernels on the CPU: layer norm, attention, cross-entropy, optimizer steps.
+//! Fused kernels on the CPU: layer norm, cross-entropy, optimizer steps (attention is in
+//! `attention.rs`).
 
 use meshgrad_kernels::cpu;
-use meshgrad_kernels::cpu::attention::AttentionShape;
 use meshgrad_kernels::Float;
 
 use super::{floats, full, ids, range, with_floats, Floats, IntoStorage};
@@ -161,7 +161,7 @@ pub(crate) fn linear(
 }
 
 /// Selects the slice of `f` with the same element type as `_like`.
-fn pick<'a, T: 'static>(f: &'a Floats<'_>, _like: &[T]) -> Result<&'a [T]> {
+pub(crate) fn pick<'a, T: 'static>(f: &'a Floats<'_>, _like: &[T]) -> Result<&'a [T]> {
     pick_slice(f)
 }
 
@@ -182,115 +182,6 @@ fn pick_slice<'a, T: 'static>(f: &'a Floats<'_>) -> Result<&'a [T]> {
             "a weight or bias dtype differs from the input's",
         )),
     }
-}
-
-/// Returns `(out, lse)`.
-pub(crate) fn attention(
-    q: In<'_>,
-    k: In<'_>,
-    v: In<'_>,
-    shape: AttentionShape,
-) -> Result<(CpuStorage, CpuStorage)> {
-    let dt = q.0.dtype();
-    let n = shape.batch_heads * shape.seq_q * shape.head_dim;
-    Ok(
-        with_floats!("attention", (q.0, range(q.1)) => qv, (k.0, range(k.1)) => kv, (v.0, range(v.1)) => vv; {
-            let mut out = crate::pool::output(n);
-            let mut lse = vec![Float::ZERO; shape.batch_heads * shape.seq_q];
-            cpu::attention::attention_forward(shape, qv, kv, vv, &mut out, &mut lse);
-            (out.into_storage(dt), lse.into_storage(crate::DType::F32))
-        }),
-    )
-}
-
-/// Returns `(dq, dk, dv)`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn attention_backward(
-    q: In<'_>,
-    k: In<'_>,
-    v: In<'_>,
-    out: In<'_>,
-    lse: In<'_>,
-    dout: In<'_>,
-    shape: AttentionShape,
-) -> Result<(CpuStorage, CpuStorage, CpuStorage)> {
-    let dt = q.0.dtype();
-    let nq = shape.batch_heads * shape.seq_q * shape.head_dim;
-    let nk = shape.batch_heads * shape.seq_k * shape.head_dim;
-    Ok(
-        with_floats!("attention_backward", (q.0, range(q.1)) => qv, (k.0, range(k.1)) => kv, (v.0, range(v.1)) => vv, (out.0, range(out.1)) => ov, (lse.0, range(lse.1)) => lv, (dout.0, range(dout.1)) => gv; {
-            let mut dq = crate::pool::output(nq);
-            let mut dk = crate::pool::output(nk);
-            let mut dv = crate::pool::output(nk);
-            cpu::attention::attention_backward(shape, qv, kv, vv, ov, lv, gv, &mut dq, &mut dk, &mut dv);
-            (dq.into_storage(dt), dk.into_storage(dt), dv.into_storage(dt))
-        }),
-    )
-}
-
-/// The q, k, v head layouts inside a contiguous `[B, T, 3C]` qkv buffer with `heads` heads.
-fn qkv_layouts(shape: &AttentionShape, heads: usize) -> [cpu::attention::HeadLayout; 3] {
-    let (t, d) = (shape.seq_q, shape.head_dim);
-    let c = heads * d;
-    let at = |offset| cpu::attention::HeadLayout {
-        offset,
-        batch_stride: t * 3 * c,
-        head_stride: d,
-        row_stride: 3 * c,
-    };
-    [at(0), at(c), at(2 * c)]
-}
-
-/// The head layout of a contiguous `[B, T, C]` buffer with `heads` heads.
-fn btc_layout(shape: &AttentionShape, heads: usize) -> cpu::attention::HeadLayout {
-    let (t, d) = (shape.seq_q, shape.head_dim);
-    cpu::attention::HeadLayout {
-        offset: 0,
-        batch_stride: t * heads * d,
-        head_stride: d,
-        row_stride: heads * d,
-    }
-}
-
-/// Attention straight from a contiguous `[B, T, 3C]` qkv buffer: returns `(out [B, T, C], lse
-/// [B, H, T])`.
-pub(crate) fn attention_qkv(
-    qkv: In<'_>,
-    shape: AttentionShape,
-    heads: usize,
-) -> Result<(CpuStorage, CpuStorage)> {
-    let dt = qkv.0.dtype();
-    let [ql, kl, vl] = qkv_layouts(&shape, heads);
-    let ol = btc_layout(&shape, heads);
-    let n = shape.batch_heads * shape.seq_q * shape.head_dim;
-    Ok(with_floats!("attention", (qkv.0, range(qkv.1)) => x; {
-        let mut out = crate::pool::output(n);
-        let mut lse = vec![Float::ZERO; shape.batch_heads * shape.seq_q];
-        cpu::attention::attention_forward_strided(shape, heads, x, ql, x, kl, x, vl, &mut out, ol, &mut lse);
-        (out.into_storage(dt), lse.into_storage(crate::DType::F32))
-    }))
-}
-
-/// The backward of [`attention_qkv`]: returns `dqkv [B, T, 3C]`.
-pub(crate) fn attention_qkv_backward(
-    qkv: In<'_>,
-    out: In<'_>,
-    lse: In<'_>,
-    dout: In<'_>,
-    shape: AttentionShape,
-    heads: usize,
-) -> Result<CpuStorage> {
-    let dt = qkv.0.dtype();
-    let [ql, kl, vl] = qkv_layouts(&shape, heads);
-    let ol = btc_layout(&shape, heads);
-    let n = 3 * shape.batch_heads * shape.seq_q * shape.head_dim;
-    Ok(
-        with_floats!("attention_backward", (qkv.0, range(qkv.1)) => x, (out.0, range(out.1)) => o, (lse.0, range(lse.1)) => l, (dout.0, range(dout.1)) => g; {
-            let mut dqkv = crate::pool::output(n);
-            cpu::attention::attention_backward_strided(shape, heads, x, ql, x, kl, x, vl, o, ol, l, g, ol, &mut dqkv, [ql, kl, vl]);
-            dqkv.into_storage(dt)
-        }),
-    )
 }
 
 /// Returns `(per-row loss, lse)`, both in compute precision.

@@ -1,9 +1,11 @@
 //! The CPU backend: resolves dtypes and layouts, then calls `meshgrad_kernels::cpu`.
 //! f32 and f64 compute natively; bf16 and f16 are widened to f32, computed, and narrowed back.
 
+pub(crate) mod attention;
 mod cast;
 pub(crate) mod fused;
 pub(crate) mod indexing;
+pub(crate) mod llama;
 pub(crate) mod math;
 
 use std::borrow::Cow;

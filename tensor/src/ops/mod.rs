@@ -1,6 +1,7 @@
 //! Tensor operations, grouped by kind. Each checks its operands (shapes, dtypes, devices) and
 //! hands the work to [`crate::backend`].
 
+mod attention;
 mod elementwise;
 mod indexing;
 mod inplace;
@@ -9,12 +10,17 @@ mod matmul;
 mod nn;
 mod overload;
 mod reduce;
+mod rms_norm;
+mod rotary;
 mod shape_ops;
+mod swiglu;
 
+pub use attention::{AttentionGrads, AttentionMask, AttentionOutput};
 pub use elementwise::GeluKind;
 pub use matmul::LinearGrads;
 pub use meshgrad_kernels::cpu::adamw::AdamWStep;
-pub use nn::{AttentionOutput, LayerNormOutput};
+pub use nn::LayerNormOutput;
+pub use rms_norm::RmsNormOutput;
 
 use crate::{Error, Tensor};
 

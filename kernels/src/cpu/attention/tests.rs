@@ -1,0 +1,1435 @@
+//! Tests of fused attention against a naive f64 reference and finite differences.
+#![allow(clippy::needless_range_loop)]
+
+use super::*;
+use crate::cpu::testutil::{assert_close, dot64, to_f32, to_f64, Rng};
+
+/// Naive f64 attention: explicit masked score rows, explicit softmax. Returns (out, lse, P)
+/// with `P` the full `[bh, seq_q, seq_k]` probability tensor (0 where masked).
+fn forward_ref(
+    sh: &AttentionShape,
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let AttentionShape {
+        batch_heads: bh,
+        seq_q: sq,
+        seq_k: sk,
+        head_dim: d,
+        causal,
+        scale,
+    } = *sh;
+    let mut out = vec![0.0; bh * sq * d];
+    let mut lse = vec![0.0; bh * sq];
+    let mut probs = vec![0.0; bh * sq * sk];
+    for b in 0..bh {
+        for i in 0..sq {
+            let visible: Vec<usize> = (0..sk).filter(|&j| !causal || j + sq <= i + sk).collect();
+            let scores: Vec<f64> = visible
+                .iter()
+                .map(|&j| {
+                    scale
+                        * (0..d)
+                            .map(|c| q[(b * sq + i) * d + c] * k[(b * sk + j) * d + c])
+                            .sum::<f64>()
+                })
+                .collect();
+            let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let z: f64 = scores.iter().map(|s| (s - m).exp()).sum();
+            lse[b * sq + i] = m + z.ln();
+            for (&j, &s) in visible.iter().zip(&scores) {
+                let p = (s - m).exp() / z;
+                probs[(b * sq + i) * sk + j] = p;
+                for c in 0..d {
+                    out[(b * sq + i) * d + c] += p * v[(b * sk + j) * d + c];
+                }
+            }
+        }
+    }
+    (out, lse, probs)
+}
+
+/// Naive f64 backward through the explicit softmax Jacobian (no lse / D shortcuts).
+fn backward_ref(
+    sh: &AttentionShape,
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    dout: &[f64],
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let AttentionShape {
+        batch_heads: bh,
+        seq_q: sq,
+        seq_k: sk,
+        head_dim: d,
+        scale,
+        ..
+    } = *sh;
+    let (_, _, p) = forward_ref(sh, q, k, v);
+    let mut dq = vec![0.0; bh * sq * d];
+    let mut dk = vec![0.0; bh * sk * d];
+    let mut dv = vec![0.0; bh * sk * d];
+    for b in 0..bh {
+        for i in 0..sq {
+            let prow = &p[(b * sq + i) * sk..(b * sq + i + 1) * sk];
+            // dP_ij = dout_i · v_j
+            let dp: Vec<f64> = (0..sk)
+                .map(|j| {
+                    (0..d)
+                        .map(|c| dout[(b * sq + i) * d + c] * v[(b * sk + j) * d + c])
+                        .sum()
+                })
+                .collect();
+            for j in 0..sk {
+                // dS_ij = Σ_j' dP_ij' · ∂P_ij'/∂S_ij = Σ_j' dP_ij' P_ij' (δ_jj' - P_ij)
+                let mut dsij = 0.0;
+                for jp in 0..sk {
+                    let delta = if j == jp { 1.0 } else { 0.0 };
+                    dsij += dp[jp] * prow[jp] * (delta - prow[j]);
+                }
+                for c in 0..d {
+                    dv[(b * sk + j) * d + c] += prow[j] * dout[(b * sq + i) * d + c];
+                    dq[(b * sq + i) * d + c] += scale * dsij * k[(b * sk + j) * d + c];
+                    dk[(b * sk + j) * d + c] += scale * dsij * q[(b * sq + i) * d + c];
+                }
+            }
+        }
+    }
+    (dq, dk, dv)
+}
+
+fn shape(bh: usize, sq: usize, sk: usize, d: usize, causal: bool) -> AttentionShape {
+    AttentionShape {
+        batch_heads: bh,
+        seq_q: sq,
+        seq_k: sk,
+        head_dim: d,
+        causal,
+        scale: 1.0 / (d.max(1) as f64).sqrt(),
+    }
+}
+
+fn cases() -> Vec<AttentionShape> {
+    let mut v = Vec::new();
+    for causal in [false, true] {
+        v.push(shape(1, 1, 1, 1, causal));
+        v.push(shape(2, 5, 5, 8, causal));
+        v.push(shape(3, 7, 13, 16, causal));
+        v.push(shape(1, 1, 70, 32, causal));
+        v.push(shape(2, 33, 65, 24, causal));
+        v.push(shape(2, 70, 130, 32, causal));
+        v.push(shape(3, 64, 64, 64, causal));
+        v.push(shape(2, 100, 100, 64, causal));
+    }
+    v.push(shape(2, 40, 20, 16, false)); // seq_q > seq_k without mask
+    v
+}
+
+fn inputs(rng: &mut Rng, sh: &AttentionShape) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let nq = sh.batch_heads * sh.seq_q * sh.head_dim;
+    let nk = sh.batch_heads * sh.seq_k * sh.head_dim;
+    // Larger q so the softmax is not flat and the running max changes across key tiles.
+    (
+        rng.vec(nq, -3.0, 3.0),
+        rng.vec(nk, -1.5, 1.5),
+        rng.vec(nk, -1.0, 1.0),
+    )
+}
+
+#[test]
+fn forward_matches_reference() {
+    let mut rng = Rng(0xa77e);
+    for sh in cases() {
+        let (q, k, v) = inputs(&mut rng, &sh);
+        let (ow, lw, _) = forward_ref(&sh, &q, &k, &v);
+        let mut out = vec![f64::NAN; q.len()];
+        let mut lse = vec![f64::NAN; sh.batch_heads * sh.seq_q];
+        attention_forward(sh, &ScoreMask::none(), &q, &k, &v, &mut out, &mut lse);
+        assert_close(&format!("attn out f64 {sh:?}"), &out, &ow, 1e-10, 1e-12);
+        assert_close(&format!("attn lse f64 {sh:?}"), &lse, &lw, 1e-12, 1e-12);
+
+        let (q32, k32, v32) = (to_f32(&q), to_f32(&k), to_f32(&v));
+        let (ow, lw, _) = forward_ref(&sh, &to_f64(&q32), &to_f64(&k32), &to_f64(&v32));
+        let mut out32 = vec![f32::NAN; q.len()];
+        let mut lse32 = vec![f32::NAN; sh.batch_heads * sh.seq_q];
+        attention_forward(
+            sh,
+            &ScoreMask::none(),
+            &q32,
+            &k32,
+            &v32,
+            &mut out32,
+            &mut lse32,
+        );
+        assert_close(
+            &format!("attn out f32 {sh:?}"),
+            &to_f64(&out32),
+            &ow,
+            1e-4,
+            1e-5,
+        );
+        assert_close(
+            &format!("attn lse f32 {sh:?}"),
+            &to_f64(&lse32),
+            &lw,
+            1e-5,
+            1e-5,
+        );
+    }
+}
+
+#[test]
+fn causal_first_row_sees_only_the_first_keys() {
+    // seq_q < seq_k: row 0 sees keys 0..=seq_k-seq_q; with v = one-hot positions the output
+    // shows exactly which keys contributed.
+    let sh = shape(1, 3, 6, 6, true);
+    let q = vec![0.0; 3 * 6];
+    let k = vec![0.0; 6 * 6];
+    let mut v = vec![0.0; 6 * 6];
+    for j in 0..6 {
+        v[j * 6 + j] = 1.0;
+    }
+    let mut out = vec![0.0; 18];
+    let mut lse = vec![0.0; 3];
+    attention_forward(sh, &ScoreMask::none(), &q, &k, &v, &mut out, &mut lse);
+    for i in 0..3 {
+        let n = 4 + i;
+        for j in 0..6 {
+            let want = if j < n { 1.0 / n as f64 } else { 0.0 };
+            assert!((out[i * 6 + j] - want).abs() < 1e-15, "row {i} key {j}");
+        }
+        assert!((lse[i] - (n as f64).ln()).abs() < 1e-15);
+    }
+}
+
+#[test]
+fn backward_matches_reference_and_finite_differences() {
+    let mut rng = Rng(0xbac4);
+    for sh in cases() {
+        let (q, k, v) = inputs(&mut rng, &sh);
+        let dout = rng.vec(q.len(), -1.0, 1.0);
+        let mut out = vec![0.0; q.len()];
+        let mut lse = vec![0.0; sh.batch_heads * sh.seq_q];
+        attention_forward(sh, &ScoreMask::none(), &q, &k, &v, &mut out, &mut lse);
+        let (mut dq, mut dk, mut dv) = (
+            vec![f64::NAN; q.len()],
+            vec![f64::NAN; k.len()],
+            vec![f64::NAN; v.len()],
+        );
+        attention_backward(
+            sh,
+            &ScoreMask::none(),
+            &q,
+            &k,
+            &v,
+            &out,
+            &lse,
+            &dout,
+            &mut dq,
+            &mut dk,
+            &mut dv,
+            None,
+        );
+        let (dqw, dkw, dvw) = backward_ref(&sh, &q, &k, &v, &dout);
+        assert_close(&format!("attn dq {sh:?}"), &dq, &dqw, 1e-9, 1e-11);
+        assert_close(&format!("attn dk {sh:?}"), &dk, &dkw, 1e-9, 1e-11);
+        assert_close(&format!("attn dv {sh:?}"), &dv, &dvw, 1e-9, 1e-11);
+
+        // Central finite differences of L = Σ dout · out (f64 forward kernel).
+        let loss = |q: &[f64], k: &[f64], v: &[f64]| {
+            let mut o = vec![0.0; q.len()];
+            let mut l = vec![0.0; sh.batch_heads * sh.seq_q];
+            attention_forward(sh, &ScoreMask::none(), q, k, v, &mut o, &mut l);
+            dot64(&dout, &o)
+        };
+        let h = 1e-5;
+        for which in 0..3 {
+            for _ in 0..4 {
+                let (mut qp, mut kp, mut vp) = (q.clone(), k.clone(), v.clone());
+                let (mut qm, mut km, mut vm) = (q.clone(), k.clone(), v.clone());
+                let (i, analytic) = match which {
+                    0 => {
+                        let i = rng.below(q.len());
+                        qp[i] += h;
+                        qm[i] -= h;
+                        (i, dq[i])
+                    }
+                    1 => {
+                        let i = rng.below(k.len());
+                        kp[i] += h;
+                        km[i] -= h;
+                        (i, dk[i])
+                    }
+                    _ => {
+                        let i = rng.below(v.len());
+                        vp[i] += h;
+                        vm[i] -= h;
+                        (i, dv[i])
+                    }
+                };
+                let fd = (loss(&qp, &kp, &vp) - loss(&qm, &km, &vm)) / (2.0 * h);
+                assert!(
+                    (fd - analytic).abs() <= 1e-6 * (1.0 + fd.abs()),
+                    "attn fd {sh:?} tensor {which} element {i}: fd {fd} analytic {analytic}"
+                );
+            }
+        }
+
+        // f32 backward against the f64 reference on rounded inputs.
+        let (q32, k32, v32, do32) = (to_f32(&q), to_f32(&k), to_f32(&v), to_f32(&dout));
+        let mut out32 = vec![0f32; q.len()];
+        let mut lse32 = vec![0f32; lse.len()];
+        attention_forward(
+            sh,
+            &ScoreMask::none(),
+            &q32,
+            &k32,
+            &v32,
+            &mut out32,
+            &mut lse32,
+        );
+        let (mut dq32, mut dk32, mut dv32) = (
+            vec![0f32; q.len()],
+            vec![0f32; k.len()],
+            vec![0f32; v.len()],
+        );
+        attention_backward(
+            sh,
+            &ScoreMask::none(),
+            &q32,
+            &k32,
+            &v32,
+            &out32,
+            &lse32,
+            &do32,
+            &mut dq32,
+            &mut dk32,
+            &mut dv32,
+            None,
+        );
+        let (dqw, dkw, dvw) = backward_ref(
+            &sh,
+            &to_f64(&q32),
+            &to_f64(&k32),
+            &to_f64(&v32),
+            &to_f64(&do32),
+        );
+        let atol = 2e-5 * (sh.seq_q.max(sh.seq_k) as f64).sqrt();
+        assert_close(
+            &format!("attn dq f32 {sh:?}"),
+            &to_f64(&dq32),
+            &dqw,
+            1e-3,
+            atol,
+        );
+        assert_close(
+            &format!("attn dk f32 {sh:?}"),
+            &to_f64(&dk32),
+            &dkw,
+            1e-3,
+            atol,
+        );
+        assert_close(
+            &format!("attn dv f32 {sh:?}"),
+            &to_f64(&dv32),
+            &dvw,
+            1e-3,
+            atol,
+        );
+    }
+}
+
+#[test]
+fn empty_and_degenerate_shapes() {
+    // seq_k == 0: out 0, lse -inf, gradients 0.
+    let sh = shape(2, 3, 0, 4, false);
+    let q = vec![1.0f32; 24];
+    let mut out = vec![f32::NAN; 24];
+    let mut lse = vec![0f32; 6];
+    attention_forward(sh, &ScoreMask::none(), &q, &[], &[], &mut out, &mut lse);
+    assert!(out.iter().all(|&v| v == 0.0));
+    assert!(lse.iter().all(|&v| v == f32::NEG_INFINITY));
+    let mut dq = vec![f32::NAN; 24];
+    attention_backward(
+        sh,
+        &ScoreMask::none(),
+        &q,
+        &[],
+        &[],
+        &out,
+        &lse,
+        &q,
+        &mut dq,
+        &mut [],
+        &mut [],
+        None,
+    );
+    assert!(dq.iter().all(|&v| v == 0.0));
+    // seq_q == 0.
+    let sh = shape(2, 0, 5, 4, true);
+    let kv = vec![1.0f32; 40];
+    let (mut dk, mut dv) = (vec![f32::NAN; 40], vec![f32::NAN; 40]);
+    attention_forward(sh, &ScoreMask::none(), &[], &kv, &kv, &mut [], &mut []);
+    attention_backward(
+        sh,
+        &ScoreMask::none(),
+        &[],
+        &kv,
+        &kv,
+        &[],
+        &[],
+        &[],
+        &mut [],
+        &mut dk,
+        &mut dv,
+        None,
+    );
+    assert!(dk.iter().chain(&dv).all(|&v| v == 0.0));
+}
+
+#[test]
+fn backward_is_deterministic_across_thread_counts() {
+    let sh = shape(4, 96, 96, 32, true);
+    let mut rng = Rng(1);
+    let (q, k, v) = inputs(&mut rng, &sh);
+    let (q, k, v) = (to_f32(&q), to_f32(&k), to_f32(&v));
+    let dout = to_f32(&rng.vec(q.len(), -1.0, 1.0));
+    let run = || {
+        let mut out = vec![0f32; q.len()];
+        let mut lse = vec![0f32; sh.batch_heads * sh.seq_q];
+        attention_forward(sh, &ScoreMask::none(), &q, &k, &v, &mut out, &mut lse);
+        let (mut dq, mut dk, mut dv) = (
+            vec![0f32; q.len()],
+            vec![0f32; k.len()],
+            vec![0f32; v.len()],
+        );
+        attention_backward(
+            sh,
+            &ScoreMask::none(),
+            &q,
+            &k,
+            &v,
+            &out,
+            &lse,
+            &dout,
+            &mut dq,
+            &mut dk,
+            &mut dv,
+            None,
+        );
+        (out, lse, dq, dk, dv)
+    };
+    let one = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap()
+        .install(run);
+    let three = rayon::ThreadPoolBuilder::new()
+        .num_threads(3)
+        .build()
+        .unwrap()
+        .install(run);
+    assert!(one == three, "results differ between 1 and 3 threads");
+}
+
+/// Gathers batch-head `bh`'s rows of an operand with layout `l` into a contiguous
+/// `[batch_heads, seq, d]` f64 buffer.
+fn gather(buf: &[f64], l: HeadLayout, heads: usize, bh: usize, seq: usize, d: usize) -> Vec<f64> {
+    let mut out = Vec::with_capacity(bh * seq * d);
+    for b in 0..bh {
+        for t in 0..seq {
+            let at = l.row(heads, b, t);
+            out.extend_from_slice(&buf[at..at + d]);
+        }
+    }
+    out
+}
+
+#[test]
+fn strided_qkv_layouts_match_the_reference() {
+    // q, k, v read from one fused [B, T, 3C] buffer, the output written to [B, T, C] and the
+    // gradients to one [B, T, 3C] buffer: against the f64 reference on gathered copies.
+    let mut rng = Rng(0x9c7);
+    for &(b, heads, t, d, causal) in &[
+        (2usize, 3usize, 37usize, 16usize, true),
+        (1, 2, 130, 32, true),
+        (2, 4, 64, 8, false),
+        (1, 1, 5, 3, true),
+    ] {
+        let c = heads * d;
+        let bh = b * heads;
+        let sh = shape(bh, t, t, d, causal);
+        let at = |offset| HeadLayout {
+            offset,
+            batch_stride: t * 3 * c,
+            head_stride: d,
+            row_stride: 3 * c,
+        };
+        let (ql, kl, vl) = (at(0), at(c), at(2 * c));
+        let ol = HeadLayout {
+            offset: 0,
+            batch_stride: t * c,
+            head_stride: d,
+            row_stride: c,
+        };
+        let qkv = rng.vec(b * t * 3 * c, -2.0, 2.0);
+        let dout = rng.vec(b * t * c, -1.0, 1.0);
+        let (q, k, v) = (
+            gather(&qkv, ql, heads, bh, t, d),
+            gather(&qkv, kl, heads, bh, t, d),
+            gather(&qkv, vl, heads, bh, t, d),
+        );
+        let (ow, lw, _) = forward_ref(&sh, &q, &k, &v);
+        let mut out = vec![f64::NAN; b * t * c];
+        let mut lse = vec![f64::NAN; bh * t];
+        attention_forward_strided(
+            sh,
+            &ScoreMask::none(),
+            heads,
+            &qkv,
+            ql,
+            &qkv,
+            kl,
+            &qkv,
+            vl,
+            &mut out,
+            ol,
+            &mut lse,
+        );
+        let og = gather(&out, ol, heads, bh, t, d);
+        assert_close(&format!("strided out {sh:?}"), &og, &ow, 1e-10, 1e-12);
+        assert_close(&format!("strided lse {sh:?}"), &lse, &lw, 1e-12, 1e-12);
+
+        let dog = gather(&dout, ol, heads, bh, t, d);
+        let (dqw, dkw, dvw) = backward_ref(&sh, &q, &k, &v, &dog);
+        let mut g = vec![f64::NAN; qkv.len()];
+        attention_backward_strided(
+            sh,
+            &ScoreMask::none(),
+            heads,
+            &qkv,
+            ql,
+            &qkv,
+            kl,
+            &qkv,
+            vl,
+            &out,
+            ol,
+            &lse,
+            &dout,
+            ol,
+            &mut g,
+            [ql, kl, vl],
+            None,
+        );
+        assert_close(
+            "strided dq",
+            &gather(&g, ql, heads, bh, t, d),
+            &dqw,
+            1e-9,
+            1e-11,
+        );
+        assert_close(
+            "strided dk",
+            &gather(&g, kl, heads, bh, t, d),
+            &dkw,
+            1e-9,
+            1e-11,
+        );
+        assert_close(
+            "strided dv",
+            &gather(&g, vl, heads, bh, t, d),
+            &dvw,
+            1e-9,
+            1e-11,
+        );
+
+        // f32 through the same layouts.
+        let q32 = to_f32(&qkv);
+        let d32 = to_f32(&dout);
+        let (q64, d64) = (to_f64(&q32), to_f64(&d32));
+        let (qr, kr, vr) = (
+            gather(&q64, ql, heads, bh, t, d),
+            gather(&q64, kl, heads, bh, t, d),
+            gather(&q64, vl, heads, bh, t, d),
+        );
+        let (ow, _, _) = forward_ref(&sh, &qr, &kr, &vr);
+        let mut out32 = vec![0f32; out.len()];
+        let mut lse32 = vec![0f32; lse.len()];
+        attention_forward_strided(
+            sh,
+            &ScoreMask::none(),
+            heads,
+            &q32,
+            ql,
+            &q32,
+            kl,
+            &q32,
+            vl,
+            &mut out32,
+            ol,
+            &mut lse32,
+        );
+        let o64 = to_f64(&out32);
+        assert_close(
+            "strided out f32",
+            &gather(&o64, ol, heads, bh, t, d),
+            &ow,
+            1e-4,
+            1e-5,
+        );
+        let (dqw, dkw, dvw) = backward_ref(&sh, &qr, &kr, &vr, &gather(&d64, ol, heads, bh, t, d));
+        let mut g32 = vec![0f32; qkv.len()];
+        attention_backward_strided(
+            sh,
+            &ScoreMask::none(),
+            heads,
+            &q32,
+            ql,
+            &q32,
+            kl,
+            &q32,
+            vl,
+            &out32,
+            ol,
+            &lse32,
+            &d32,
+            ol,
+            &mut g32,
+            [ql, kl, vl],
+            None,
+        );
+        let g64 = to_f64(&g32);
+        let atol = 2e-5 * (t as f64).sqrt();
+        assert_close(
+            "strided dq f32",
+            &gather(&g64, ql, heads, bh, t, d),
+            &dqw,
+            1e-3,
+            atol,
+        );
+        assert_close(
+            "strided dk f32",
+            &gather(&g64, kl, heads, bh, t, d),
+            &dkw,
+            1e-3,
+            atol,
+        );
+        assert_close(
+            "strided dv f32",
+            &gather(&g64, vl, heads, bh, t, d),
+            &dvw,
+            1e-3,
+            atol,
+        );
+    }
+}
+
+#[test]
+#[should_panic(expected = "overlaps")]
+fn overlapping_gradient_layouts_panic() {
+    let sh = shape(2, 4, 4, 4, false);
+    let x = vec![0.5f32; 2 * 4 * 4];
+    let l = HeadLayout::contiguous(4, 4);
+    let mut g = vec![0f32; 2 * 4 * 4];
+    attention_backward_strided(
+        sh,
+        &ScoreMask::none(),
+        1,
+        &x,
+        l,
+        &x,
+        l,
+        &x,
+        l,
+        &x,
+        l,
+        &[0.0; 8],
+        &x,
+        l,
+        &mut g,
+        [l, l, l],
+        None,
+    );
+}
+
+#[test]
+#[should_panic(expected = "needs")]
+fn out_of_bounds_layout_panics() {
+    let sh = shape(2, 4, 4, 4, false);
+    let x = vec![0.5f32; 2 * 4 * 4];
+    let l = HeadLayout::contiguous(4, 4);
+    let wide = HeadLayout { row_stride: 5, ..l };
+    let mut out = vec![0f32; 32];
+    let mut lse = vec![0f32; 8];
+    attention_forward_strided(
+        sh,
+        &ScoreMask::none(),
+        1,
+        &x,
+        wide,
+        &x,
+        l,
+        &x,
+        l,
+        &mut out,
+        l,
+        &mut lse,
+    );
+}
+
+// ---- Key padding and additive bias -------------------------------------------------------
+
+/// A padding mask and bias for the masked tests, owned.
+struct Mods {
+    heads: usize,
+    pad: Option<Vec<u8>>,
+    bias: Option<(Vec<f64>, BiasLayout)>,
+}
+
+impl Mods {
+    fn mask(&self) -> ScoreMask<'_, f64> {
+        ScoreMask {
+            heads: self.heads,
+            key_padding: self.pad.as_deref(),
+            bias: self.bias.as_ref().map(|(d, l)| (&d[..], *l)),
+        }
+    }
+
+    fn bias32(&self) -> Option<(Vec<f32>, BiasLayout)> {
+        self.bias.as_ref().map(|(d, l)| (to_f32(d), *l))
+    }
+
+    /// The f64 mask of the f32-rounded bias (for comparing f32 runs).
+    fn rounded(&self) -> Mods {
+        Mods {
+            heads: self.heads,
+            pad: self.pad.clone(),
+            bias: self.bias.as_ref().map(|(d, l)| (to_f64(&to_f32(d)), *l)),
+        }
+    }
+
+    /// The softmax input of query `i`, key `j` of batch-head `bh` given the scaled product `s`
+    /// (`None` when masked), read straight from the definitions.
+    fn score(&self, sh: &AttentionShape, bh: usize, i: usize, j: usize, s: f64) -> Option<f64> {
+        let (b, h) = (bh / self.heads, bh % self.heads);
+        if sh.causal && j + sh.seq_q > i + sh.seq_k {
+            return None;
+        }
+        if let Some(p) = &self.pad {
+            if p[b * sh.seq_k + j] == 0 {
+                return None;
+            }
+        }
+        let bias = self.bias.as_ref().map_or(0.0, |(d, l)| {
+            d[l.offset
+                + b * l.batch_stride
+                + h * l.head_stride
+                + i * l.row_stride
+                + j * l.col_stride]
+        });
+        Some(s + bias)
+    }
+}
+
+/// Naive f64 masked attention: (out, lse, P) with `P` `[bh, seq_q, seq_k]`, explicit softmax
+/// over the unmasked scores of each row; a row without any finite score gets out 0, lse -inf.
+fn masked_forward_ref(
+    sh: &AttentionShape,
+    m: &Mods,
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let (bh, sq, sk, d) = (sh.batch_heads, sh.seq_q, sh.seq_k, sh.head_dim);
+    let mut out = vec![0.0; bh * sq * d];
+    let mut lse = vec![f64::NEG_INFINITY; bh * sq];
+    let mut probs = vec![0.0; bh * sq * sk];
+    for b in 0..bh {
+        for i in 0..sq {
+            let z: Vec<Option<f64>> = (0..sk)
+                .map(|j| {
+                    let s: f64 = (0..d)
+                        .map(|c| q[(b * sq + i) * d + c] * k[(b * sk + j) * d + c])
+                        .sum();
+                    m.score(sh, b, i, j, sh.scale * s)
+                })
+                .collect();
+            let mx = z
+                .iter()
+                .flatten()
+                .cloned()
+                .fold(f64::NEG_INFINITY, f64::max);
+            if mx == f64::NEG_INFINITY {
+                continue;
+            }
+            let tot: f64 = z.iter().flatten().map(|s| (s - mx).exp()).sum();
+            lse[b * sq + i] = mx + tot.ln();
+            for (j, zj) in z.iter().enumerate() {
+                if let Some(zj) = zj {
+                    let p = (zj - mx).exp() / tot;
+                    probs[(b * sq + i) * sk + j] = p;
+                    for c in 0..d {
+                        out[(b * sq + i) * d + c] += p * v[(b * sk + j) * d + c];
+                    }
+                }
+            }
+        }
+    }
+    (out, lse, probs)
+}
+
+/// Naive f64 masked backward through the explicit softmax Jacobian: (dq, dk, dv, dz) with `dz`
+/// the `[bh, seq_q, seq_k]` gradient of the softmax inputs.
+#[allow(clippy::type_complexity)]
+fn masked_backward_ref(
+    sh: &AttentionShape,
+    m: &Mods,
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    dout: &[f64],
+) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
+    let (bh, sq, sk, d, scale) = (sh.batch_heads, sh.seq_q, sh.seq_k, sh.head_dim, sh.scale);
+    let (_, _, p) = masked_forward_ref(sh, m, q, k, v);
+    let mut dq = vec![0.0; bh * sq * d];
+    let mut dk = vec![0.0; bh * sk * d];
+    let mut dv = vec![0.0; bh * sk * d];
+    let mut dz = vec![0.0; bh * sq * sk];
+    for b in 0..bh {
+        for i in 0..sq {
+            let prow = &p[(b * sq + i) * sk..(b * sq + i + 1) * sk];
+            let dp: Vec<f64> = (0..sk)
+                .map(|j| {
+                    (0..d)
+                        .map(|c| dout[(b * sq + i) * d + c] * v[(b * sk + j) * d + c])
+                        .sum()
+                })
+                .collect();
+            for j in 0..sk {
+                let mut g = 0.0;
+                for jp in 0..sk {
+                    let delta = if j == jp { 1.0 } else { 0.0 };
+                    g += dp[jp] * prow[jp] * (delta - prow[j]);
+                }
+                dz[(b * sq + i) * sk + j] = g;
+                for c in 0..d {
+                    dv[(b * sk + j) * d + c] += prow[j] * dout[(b * sq + i) * d + c];
+                    dq[(b * sq + i) * d + c] += scale * g * k[(b * sk + j) * d + c];
+                    dk[(b * sk + j) * d + c] += scale * g * q[(b * sq + i) * d + c];
+                }
+            }
+        }
+    }
+    (dq, dk, dv, dz)
+}
+
+/// A padding mask for `batch` entries of `seq_k` keys: entry 0 pads a tail, entry 1 (if any)
+/// pads every third key, entry 2 (if any) pads everything, later ones pad nothing.
+fn padding(batch: usize, seq_k: usize, rng: &mut Rng) -> Vec<u8> {
+    let mut p = vec![1u8; batch * seq_k];
+    for b in 0..batch {
+        let row = &mut p[b * seq_k..(b + 1) * seq_k];
+        match b {
+            0 => {
+                let keep = 1 + rng.below(seq_k.max(1));
+                row[keep.min(seq_k)..].fill(0);
+            }
+            1 => row.iter_mut().step_by(3).for_each(|m| *m = 0),
+            2 => row.fill(0),
+            _ => {}
+        }
+    }
+    p
+}
+
+/// A bias of shape `dims` (`[B or 1, H or 1, Tq or 1, Tk or 1]`) with its broadcasting layout.
+fn bias(dims: [usize; 4], rng: &mut Rng, neg_inf: bool) -> (Vec<f64>, BiasLayout) {
+    let n: usize = dims.iter().product();
+    let mut data = rng.vec(n, -2.0, 2.0);
+    if neg_inf {
+        for (idx, x) in data.iter_mut().enumerate() {
+            if idx % 5 == 1 {
+                *x = f64::NEG_INFINITY;
+            }
+        }
+    }
+    let st = |i: usize| -> usize {
+        if dims[i] == 1 {
+            0
+        } else {
+            dims[i + 1..].iter().product()
+        }
+    };
+    let l = BiasLayout {
+        offset: 0,
+        batch_stride: st(0),
+        head_stride: st(1),
+        row_stride: st(2),
+        col_stride: st(3),
+    };
+    (data, l)
+}
+
+/// Runs the masked kernel (f64) and checks forward and backward against the references, the
+/// gradients also against finite differences, and the f32 kernel against the reference on
+/// rounded inputs.
+fn check_masked(what: &str, sh: AttentionShape, m: &Mods, rng: &mut Rng) {
+    let (q, k, v) = inputs(rng, &sh);
+    let dout = rng.vec(q.len(), -1.0, 1.0);
+    let mask = m.mask();
+    let (ow, lw, _) = masked_forward_ref(&sh, m, &q, &k, &v);
+    let mut out = vec![f64::NAN; q.len()];
+    let mut lse = vec![f64::NAN; sh.batch_heads * sh.seq_q];
+    attention_forward(sh, &mask, &q, &k, &v, &mut out, &mut lse);
+    assert_close(&format!("{what} out {sh:?}"), &out, &ow, 1e-10, 1e-12);
+    assert_close(&format!("{what} lse {sh:?}"), &lse, &lw, 1e-12, 1e-12);
+
+    let (mut dq, mut dk, mut dv) = (
+        vec![f64::NAN; q.len()],
+        vec![f64::NAN; k.len()],
+        vec![f64::NAN; v.len()],
+    );
+    let mut dz = vec![f64::NAN; sh.batch_heads * sh.seq_q * sh.seq_k];
+    attention_backward(
+        sh,
+        &mask,
+        &q,
+        &k,
+        &v,
+        &out,
+        &lse,
+        &dout,
+        &mut dq,
+        &mut dk,
+        &mut dv,
+        Some(&mut dz),
+    );
+    let (dqw, dkw, dvw, dzw) = masked_backward_ref(&sh, m, &q, &k, &v, &dout);
+    assert_close(&format!("{what} dq {sh:?}"), &dq, &dqw, 1e-9, 1e-11);
+    assert_close(&format!("{what} dk {sh:?}"), &dk, &dkw, 1e-9, 1e-11);
+    assert_close(&format!("{what} dv {sh:?}"), &dv, &dvw, 1e-9, 1e-11);
+    assert_close(&format!("{what} dz {sh:?}"), &dz, &dzw, 1e-9, 1e-11);
+    // Without dbias the other gradients are the same bits.
+    let (mut dq2, mut dk2, mut dv2) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+    attention_backward(
+        sh, &mask, &q, &k, &v, &out, &lse, &dout, &mut dq2, &mut dk2, &mut dv2, None,
+    );
+    assert!(
+        dq2 == dq && dk2 == dk && dv2 == dv,
+        "{what}: dbias changed dq/dk/dv"
+    );
+
+    // Finite differences of L = Σ dout · out on a few elements of q, k, v and the bias.
+    let loss = |q: &[f64], k: &[f64], v: &[f64], m: &Mods| {
+        let mut o = vec![0.0; q.len()];
+        let mut l = vec![0.0; sh.batch_heads * sh.seq_q];
+        attention_forward(sh, &m.mask(), q, k, v, &mut o, &mut l);
+        dot64(&dout, &o)
+    };
+    let h = 1e-5;
+    for which in 0..3 {
+        for _ in 0..3 {
+            let (mut qp, mut kp, mut vp) = (q.clone(), k.clone(), v.clone());
+            let (mut qm, mut km, mut vm) = (q.clone(), k.clone(), v.clone());
+            let (bufs, grads): ([&mut Vec<f64>; 2], &[f64]) = match which {
+                0 => ([&mut qp, &mut qm], &dq),
+                1 => ([&mut kp, &mut km], &dk),
+                _ => ([&mut vp, &mut vm], &dv),
+            };
+            let i = rng.below(grads.len());
+            let [p, mm] = bufs;
+            p[i] += h;
+            mm[i] -= h;
+            let fd = (loss(&qp, &kp, &vp, m) - loss(&qm, &km, &vm, m)) / (2.0 * h);
+            assert!(
+                (fd - grads[i]).abs() <= 1e-6 * (1.0 + fd.abs()),
+                "{what} fd {sh:?} tensor {which} element {i}: fd {fd} analytic {}",
+                grads[i]
+            );
+        }
+    }
+    if let Some((bd, bl)) = &m.bias {
+        // dL/dbias[e] = Σ of dz over the score positions that read element e.
+        let heads = m.heads;
+        for _ in 0..4 {
+            let e = rng.below(bd.len());
+            if !bd[e].is_finite() {
+                continue;
+            }
+            let mut analytic = 0.0;
+            for b in 0..sh.batch_heads {
+                for i in 0..sh.seq_q {
+                    for j in 0..sh.seq_k {
+                        let at = bl.offset
+                            + (b / heads) * bl.batch_stride
+                            + (b % heads) * bl.head_stride
+                            + i * bl.row_stride
+                            + j * bl.col_stride;
+                        if at == e {
+                            analytic += dz[(b * sh.seq_q + i) * sh.seq_k + j];
+                        }
+                    }
+                }
+            }
+            let shift = |delta: f64| {
+                let mut bb = bd.clone();
+                bb[e] += delta;
+                let mm = Mods {
+                    heads,
+                    pad: m.pad.clone(),
+                    bias: Some((bb, *bl)),
+                };
+                loss(&q, &k, &v, &mm)
+            };
+            let fd = (shift(h) - shift(-h)) / (2.0 * h);
+            assert!(
+                (fd - analytic).abs() <= 1e-6 * (1.0 + fd.abs()),
+                "{what} fd {sh:?} bias element {e}: fd {fd} analytic {analytic}"
+            );
+        }
+    }
+
+    // f32 kernel against the reference on rounded inputs.
+    let (q32, k32, v32, do32) = (to_f32(&q), to_f32(&k), to_f32(&v), to_f32(&dout));
+    let b32 = m.bias32();
+    let mask32 = ScoreMask {
+        heads: m.heads,
+        key_padding: m.pad.as_deref(),
+        bias: b32.as_ref().map(|(d, l)| (&d[..], *l)),
+    };
+    let mr = m.rounded();
+    let (qr, kr, vr, dr) = (to_f64(&q32), to_f64(&k32), to_f64(&v32), to_f64(&do32));
+    let (ow, _, _) = masked_forward_ref(&sh, &mr, &qr, &kr, &vr);
+    let mut out32 = vec![f32::NAN; q.len()];
+    let mut lse32 = vec![f32::NAN; lse.len()];
+    attention_forward(sh, &mask32, &q32, &k32, &v32, &mut out32, &mut lse32);
+    assert_close(
+        &format!("{what} out f32 {sh:?}"),
+        &to_f64(&out32),
+        &ow,
+        1e-4,
+        1e-5,
+    );
+    let (mut dq32, mut dk32, mut dv32) = (
+        vec![0f32; q.len()],
+        vec![0f32; k.len()],
+        vec![0f32; v.len()],
+    );
+    let mut dz32 = vec![f32::NAN; dz.len()];
+    attention_backward(
+        sh,
+        &mask32,
+        &q32,
+        &k32,
+        &v32,
+        &out32,
+        &lse32,
+        &do32,
+        &mut dq32,
+        &mut dk32,
+        &mut dv32,
+        Some(&mut dz32),
+    );
+    let (dqw, dkw, dvw, dzw) = masked_backward_ref(&sh, &mr, &qr, &kr, &vr, &dr);
+    let atol = 2e-5 * (sh.seq_q.max(sh.seq_k) as f64).sqrt();
+    assert_close(&format!("{what} dq f32"), &to_f64(&dq32), &dqw, 1e-3, atol);
+    assert_close(&format!("{what} dk f32"), &to_f64(&dk32), &dkw, 1e-3, atol);
+    assert_close(&format!("{what} dv f32"), &to_f64(&dv32), &dvw, 1e-3, atol);
+    assert_close(&format!("{what} dz f32"), &to_f64(&dz32), &dzw, 1e-3, atol);
+    for x in out32
+        .iter()
+        .chain(&dq32)
+        .chain(&dk32)
+        .chain(&dv32)
+        .chain(&dz32)
+    {
+        assert!(!x.is_nan(), "{what}: NaN in an f32 result");
+    }
+}
+
+/// `(batch, heads, seq_q, seq_k, head_dim)` of the masked cases (key counts crossing tiles).
+const MASKED_SIZES: &[(usize, usize, usize, usize, usize)] = &[
+    (1, 1, 1, 1, 1),
+    (2, 2, 5, 5, 8),
+    (3, 2, 7, 13, 16),
+    (3, 1, 33, 70, 24),
+    (4, 2, 40, 130, 32),
+    (1, 3, 65, 65, 8),
+];
+
+fn masked_shape(
+    b: usize,
+    h: usize,
+    sq: usize,
+    sk: usize,
+    d: usize,
+    causal: bool,
+) -> AttentionShape {
+    shape(b * h, sq, sk, d, causal)
+}
+
+#[test]
+fn key_padding_matches_the_reference() {
+    let mut rng = Rng(0x9ad);
+    for &(b, h, sq, sk, d) in MASKED_SIZES {
+        let m = Mods {
+            heads: h,
+            pad: Some(padding(b, sk, &mut rng)),
+            bias: None,
+        };
+        check_masked(
+            "padding",
+            masked_shape(b, h, sq, sk, d, false),
+            &m,
+            &mut rng,
+        );
+    }
+}
+
+#[test]
+fn bias_matches_the_reference_for_every_broadcast() {
+    let mut rng = Rng(0xb1a5);
+    for &(b, h, sq, sk, d) in MASKED_SIZES {
+        for (dims, neg_inf) in [
+            ([b, h, sq, sk], false),
+            ([1, h, sq, sk], true),
+            ([b, 1, 1, sk], false),
+            ([1, 1, sq, sk], false),
+            ([b, h, sq, 1], false),
+        ] {
+            let m = Mods {
+                heads: h,
+                pad: None,
+                bias: Some(bias(dims, &mut rng, neg_inf)),
+            };
+            check_masked(
+                &format!("bias {dims:?}"),
+                masked_shape(b, h, sq, sk, d, false),
+                &m,
+                &mut rng,
+            );
+        }
+    }
+}
+
+#[test]
+fn causal_padding_and_bias_combine() {
+    let mut rng = Rng(0xc0b);
+    for &(b, h, sq, sk, d) in MASKED_SIZES {
+        let m = Mods {
+            heads: h,
+            pad: Some(padding(b, sk, &mut rng)),
+            bias: Some(bias([1, h, sq, sk], &mut rng, true)),
+        };
+        check_masked(
+            "causal+padding+bias",
+            masked_shape(b, h, sq, sk, d, true),
+            &m,
+            &mut rng,
+        );
+    }
+}
+
+#[test]
+fn fully_masked_rows_give_zeros_not_nan() {
+    // Batch entry 0 pads every key; in batch entry 1 query row 2 has a bias of -inf everywhere.
+    let (b, h, sq, sk, d) = (2, 2, 4, 70, 8);
+    let sh = masked_shape(b, h, sq, sk, d, false);
+    let mut rng = Rng(0xf11);
+    let mut pad = vec![1u8; b * sk];
+    pad[..sk].fill(0);
+    let (mut bias_v, bl) = bias([1, 1, sq, sk], &mut rng, false);
+    bias_v[2 * sk..3 * sk].fill(f64::NEG_INFINITY);
+    let m = Mods {
+        heads: h,
+        pad: Some(pad),
+        bias: Some((bias_v, bl)),
+    };
+    check_masked("fully masked", sh, &m, &mut rng);
+    let (q, k, v) = inputs(&mut rng, &sh);
+    let dout = rng.vec(q.len(), -1.0, 1.0);
+    let mut out = vec![f64::NAN; q.len()];
+    let mut lse = vec![f64::NAN; b * h * sq];
+    attention_forward(sh, &m.mask(), &q, &k, &v, &mut out, &mut lse);
+    let (mut dq, mut dk, mut dv) = (vec![1.0; q.len()], vec![1.0; k.len()], vec![1.0; v.len()]);
+    let mut dz = vec![1.0; b * h * sq * sk];
+    attention_backward(
+        sh,
+        &m.mask(),
+        &q,
+        &k,
+        &v,
+        &out,
+        &lse,
+        &dout,
+        &mut dq,
+        &mut dk,
+        &mut dv,
+        Some(&mut dz),
+    );
+    let dead_row = |bh: usize, i: usize| bh < h || i == 2;
+    for bh in 0..b * h {
+        for i in 0..sq {
+            if dead_row(bh, i) {
+                let r = (bh * sq + i) * d;
+                assert!(out[r..r + d].iter().all(|&x| x == 0.0), "out row {bh} {i}");
+                assert!(dq[r..r + d].iter().all(|&x| x == 0.0), "dq row {bh} {i}");
+                let z = (bh * sq + i) * sk;
+                assert!(dz[z..z + sk].iter().all(|&x| x == 0.0), "dz row {bh} {i}");
+                assert_eq!(lse[bh * sq + i], f64::NEG_INFINITY);
+            }
+        }
+    }
+    // Batch entry 0 has no live row at all: its keys get no gradient.
+    assert!(dk[..h * sk * d]
+        .iter()
+        .chain(&dv[..h * sk * d])
+        .all(|&x| x == 0.0));
+}
+
+#[test]
+fn an_all_ones_padding_mask_gives_the_unmasked_bits() {
+    // The masked instances do the same arithmetic as the unmasked ones when nothing is masked.
+    let mut rng = Rng(0x5a3e);
+    for causal in [false, true] {
+        let sh = shape(4, 70, 130, 32, causal);
+        let (q, k, v) = inputs(&mut rng, &sh);
+        let (q, k, v) = (to_f32(&q), to_f32(&k), to_f32(&v));
+        let dout = to_f32(&rng.vec(q.len(), -1.0, 1.0));
+        let ones = vec![1u8; 2 * sh.seq_k];
+        let zero_bias = vec![0f32; sh.seq_k];
+        let run = |mask: &ScoreMask<'_, f32>| {
+            let mut out = vec![0f32; q.len()];
+            let mut lse = vec![0f32; sh.batch_heads * sh.seq_q];
+            attention_forward(sh, mask, &q, &k, &v, &mut out, &mut lse);
+            let (mut dq, mut dk, mut dv) = (
+                vec![0f32; q.len()],
+                vec![0f32; k.len()],
+                vec![0f32; v.len()],
+            );
+            attention_backward(
+                sh, mask, &q, &k, &v, &out, &lse, &dout, &mut dq, &mut dk, &mut dv, None,
+            );
+            (out, lse, dq, dk, dv)
+        };
+        let plain = run(&ScoreMask::none());
+        let padded = run(&ScoreMask {
+            heads: 2,
+            key_padding: Some(&ones),
+            bias: None,
+        });
+        let biased = run(&ScoreMask {
+            heads: 2,
+            key_padding: None,
+            bias: Some((
+                &zero_bias,
+                BiasLayout {
+                    offset: 0,
+                    batch_stride: 0,
+                    head_stride: 0,
+                    row_stride: 0,
+                    col_stride: 1,
+                },
+            )),
+        });
+        assert!(
+            plain == padded,
+            "all-ones padding differs (causal={causal})"
+        );
+        assert!(plain == biased, "zero bias differs (causal={causal})");
+    }
+}
+
+#[test]
+fn masked_strided_qkv_layouts_match_the_reference() {
+    let mut rng = Rng(0x57d);
+    for &(b, heads, t, d, causal) in &[
+        (3usize, 2usize, 37usize, 16usize, true),
+        (3, 3, 70, 8, false),
+    ] {
+        let c = heads * d;
+        let bh = b * heads;
+        let sh = shape(bh, t, t, d, causal);
+        let at = |offset| HeadLayout {
+            offset,
+            batch_stride: t * 3 * c,
+            head_stride: d,
+            row_stride: 3 * c,
+        };
+        let (ql, kl, vl) = (at(0), at(c), at(2 * c));
+        let ol = HeadLayout {
+            offset: 0,
+            batch_stride: t * c,
+            head_stride: d,
+            row_stride: c,
+        };
+        let m = Mods {
+            heads,
+            pad: Some(padding(b, t, &mut rng)),
+            bias: Some(bias([b, 1, 1, t], &mut rng, false)),
+        };
+        let mask = m.mask();
+        let qkv = rng.vec(b * t * 3 * c, -2.0, 2.0);
+        let dout = rng.vec(b * t * c, -1.0, 1.0);
+        let (q, k, v) = (
+            gather(&qkv, ql, heads, bh, t, d),
+            gather(&qkv, kl, heads, bh, t, d),
+            gather(&qkv, vl, heads, bh, t, d),
+        );
+        let (ow, lw, _) = masked_forward_ref(&sh, &m, &q, &k, &v);
+        let mut out = vec![f64::NAN; b * t * c];
+        let mut lse = vec![f64::NAN; bh * t];
+        attention_forward_strided(
+            sh, &mask, heads, &qkv, ql, &qkv, kl, &qkv, vl, &mut out, ol, &mut lse,
+        );
+        let og = gather(&out, ol, heads, bh, t, d);
+        assert_close("masked strided out", &og, &ow, 1e-10, 1e-12);
+        assert_close("masked strided lse", &lse, &lw, 1e-12, 1e-12);
+        let dog = gather(&dout, ol, heads, bh, t, d);
+        let (dqw, dkw, dvw, dzw) = masked_backward_ref(&sh, &m, &q, &k, &v, &dog);
+        let mut g = vec![f64::NAN; qkv.len()];
+        let mut dz = vec![f64::NAN; bh * t * t];
+        attention_backward_strided(
+            sh,
+            &mask,
+            heads,
+            &qkv,
+            ql,
+            &qkv,
+            kl,
+            &qkv,
+            vl,
+            &out,
+            ol,
+            &lse,
+            &dout,
+            ol,
+            &mut g,
+            [ql, kl, vl],
+            Some(&mut dz),
+        );
+        let gg = |l| gather(&g, l, heads, bh, t, d);
+        assert_close("masked strided dq", &gg(ql), &dqw, 1e-9, 1e-11);
+        assert_close("masked strided dk", &gg(kl), &dkw, 1e-9, 1e-11);
+        assert_close("masked strided dv", &gg(vl), &dvw, 1e-9, 1e-11);
+        assert_close("masked strided dz", &dz, &dzw, 1e-9, 1e-11);
+    }
+}
+
+#[test]
+fn masked_backward_is_deterministic_across_thread_counts() {
+    let (b, h) = (2, 3);
+    let sh = shape(b * h, 96, 96, 32, true);
+    let mut rng = Rng(3);
+    let (q, k, v) = inputs(&mut rng, &sh);
+    let (q, k, v) = (to_f32(&q), to_f32(&k), to_f32(&v));
+    let dout = to_f32(&rng.vec(q.len(), -1.0, 1.0));
+    let pad = padding(b, sh.seq_k, &mut rng);
+    let (bias_v, bl) = bias([1, h, sh.seq_q, sh.seq_k], &mut rng, true);
+    let bias_v = to_f32(&bias_v);
+    let mask = ScoreMask {
+        heads: h,
+        key_padding: Some(&pad),
+        bias: Some((&bias_v, bl)),
+    };
+    let run = || {
+        let mut out = vec![0f32; q.len()];
+        let mut lse = vec![0f32; sh.batch_heads * sh.seq_q];
+        attention_forward(sh, &mask, &q, &k, &v, &mut out, &mut lse);
+        let (mut dq, mut dk, mut dv) = (
+            vec![0f32; q.len()],
+            vec![0f32; k.len()],
+            vec![0f32; v.len()],
+        );
+        let mut dz = vec![0f32; sh.batch_heads * sh.seq_q * sh.seq_k];
+        attention_backward(
+            sh,
+            &mask,
+            &q,
+            &k,
+            &v,
+            &out,
+            &lse,
+            &dout,
+            &mut dq,
+            &mut dk,
+            &mut dv,
+            Some(&mut dz),
+        );
+        (out, lse, dq, dk, dv, dz)
+    };
+    let pool = |n| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build()
+            .unwrap()
+    };
+    assert!(pool(1).install(run) == pool(3).install(run));
+}
+
+#[test]
+fn masked_head_dim_zero() {
+    // d == 0: lse is the log-sum-exp of the visible keys' bias, dz is 0.
+    let (b, h, sq, sk) = (2, 1, 3, 5);
+    let sh = shape(b * h, sq, sk, 0, false);
+    let mut rng = Rng(9);
+    let m = Mods {
+        heads: h,
+        pad: Some(padding(b, sk, &mut rng)),
+        bias: Some(bias([1, 1, sq, sk], &mut rng, false)),
+    };
+    let (_, lw, _) = masked_forward_ref(&sh, &m, &[], &[], &[]);
+    let mut lse = vec![f64::NAN; b * sq];
+    attention_forward(sh, &m.mask(), &[], &[], &[], &mut [], &mut lse);
+    assert_close("d=0 lse", &lse, &lw, 1e-12, 1e-12);
+    let mut dz = vec![f64::NAN; b * sq * sk];
+    attention_backward(
+        sh,
+        &m.mask(),
+        &[],
+        &[],
+        &[],
+        &[],
+        &lse,
+        &[],
+        &mut [],
+        &mut [],
+        &mut [],
+        Some(&mut dz),
+    );
+    assert!(dz.iter().all(|&x| x == 0.0));
+}
+
+#[test]
+#[should_panic(expected = "key padding has")]
+fn a_padding_mask_of_the_wrong_size_panics() {
+    let sh = shape(4, 3, 5, 2, false);
+    let x = vec![0.5f32; 4 * 5 * 2];
+    let pad = vec![1u8; 5];
+    let mask = ScoreMask {
+        heads: 2,
+        key_padding: Some(&pad),
+        bias: None,
+    };
+    let mut out = vec![0f32; 4 * 3 * 2];
+    let mut lse = vec![0f32; 12];
+    attention_forward(sh, &mask, &x[..24], &x, &x, &mut out, &mut lse);
+}
+
+#[test]
+#[should_panic(expected = "bias layout")]
+fn a_bias_outside_its_buffer_panics() {
+    let sh = shape(2, 3, 5, 2, false);
+    let x = vec![0.5f32; 2 * 5 * 2];
+    let b = vec![0f32; 14];
+    let mask = ScoreMask {
+        heads: 1,
+        key_padding: None,
+        bias: Some((&b, BiasLayout::contiguous(1, 3, 5))),
+    };
+    let mut out = vec![0f32; 12];
+    let mut lse = vec![0f32; 6];
+    attention_forward(sh, &mask, &x[..12], &x, &x, &mut out, &mut lse);
+}

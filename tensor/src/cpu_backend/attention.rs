@@ -1,0 +1,202 @@
+//! Fused attention on the CPU: resolves dtypes and the mask, then calls
+//! `meshgrad_kernels::cpu::attention`.
+
+use std::borrow::Cow;
+
+use meshgrad_kernels::cpu::attention::{
+    self as kernel, AttentionShape, BiasLayout, HeadLayout, ScoreMask,
+};
+use meshgrad_kernels::Float;
+
+use super::fused::pick;
+use super::{floats, range, with_floats, Floats, IntoStorage};
+use crate::storage::CpuStorage;
+use crate::{Error, Layout, Result};
+
+type In<'a> = (&'a CpuStorage, &'a Layout);
+
+/// The padding mask and bias of one call on the CPU (see `backend::AttentionMaskArgs`).
+pub(crate) struct CpuMask<'a> {
+    pub heads: usize,
+    pub key_padding: Option<In<'a>>,
+    pub bias: Option<(In<'a>, BiasLayout)>,
+}
+
+/// The mask's inputs in the kernel's terms: the padding mask as bytes (nonzero = attend) and
+/// the bias in compute precision.
+struct Prepared<'a> {
+    heads: usize,
+    pad: Option<Cow<'a, [u8]>>,
+    bias: Option<(Floats<'a>, BiasLayout)>,
+}
+
+impl<'a> Prepared<'a> {
+    fn new(m: &CpuMask<'a>, op: &'static str) -> Result<Self> {
+        let pad = match m.key_padding {
+            None => None,
+            Some((s, l)) => {
+                let r = range(l);
+                Some(match s {
+                    CpuStorage::U8(v) => Cow::Borrowed(&v[r]),
+                    CpuStorage::U32(v) => {
+                        Cow::Owned(v[r].iter().map(|&x| u8::from(x != 0)).collect())
+                    }
+                    CpuStorage::I64(v) => {
+                        Cow::Owned(v[r].iter().map(|&x| u8::from(x != 0)).collect())
+                    }
+                    other => {
+                        return Err(Error::UnsupportedDType {
+                            op: "attention (key padding mask)",
+                            dtype: other.dtype(),
+                        })
+                    }
+                })
+            }
+        };
+        let bias = m
+            .bias
+            .map(|((s, l), bl)| floats(s, range(l), op).map(|f| (f, bl)))
+            .transpose()?;
+        Ok(Prepared {
+            heads: m.heads,
+            pad,
+            bias,
+        })
+    }
+
+    /// The kernel's mask, with the bias as a slice of `like`'s element type.
+    fn mask<T: Float>(&self, _like: &[T]) -> Result<ScoreMask<'_, T>> {
+        let bias = match &self.bias {
+            None => None,
+            Some((f, l)) => Some((pick(f, _like)?, *l)),
+        };
+        Ok(ScoreMask {
+            heads: self.heads,
+            key_padding: self.pad.as_deref(),
+            bias,
+        })
+    }
+}
+
+/// Returns `(out, lse)`.
+pub(crate) fn attention(
+    q: In<'_>,
+    k: In<'_>,
+    v: In<'_>,
+    shape: AttentionShape,
+    mask: &CpuMask<'_>,
+) -> Result<(CpuStorage, CpuStorage)> {
+    let dt = q.0.dtype();
+    let n = shape.batch_heads * shape.seq_q * shape.head_dim;
+    let m = Prepared::new(mask, "attention")?;
+    Ok(
+        with_floats!("attention", (q.0, range(q.1)) => qv, (k.0, range(k.1)) => kv, (v.0, range(v.1)) => vv; {
+            let sm = m.mask(qv)?;
+            let mut out = crate::pool::output(n);
+            let mut lse = vec![Float::ZERO; shape.batch_heads * shape.seq_q];
+            kernel::attention_forward(shape, &sm, qv, kv, vv, &mut out, &mut lse);
+            (out.into_storage(dt), lse.into_storage(crate::DType::F32))
+        }),
+    )
+}
+
+/// `ops` are q, k, v, out, lse, dout. Returns `(dq, dk, dv, dz)` with `dz` (compute precision)
+/// when `want_dz`.
+#[allow(clippy::type_complexity)]
+pub(crate) fn attention_backward(
+    ops: [In<'_>; 6],
+    shape: AttentionShape,
+    mask: &CpuMask<'_>,
+    want_dz: bool,
+) -> Result<(CpuStorage, CpuStorage, CpuStorage, Option<CpuStorage>)> {
+    let [q, k, v, out, lse, dout] = ops;
+    let dt = q.0.dtype();
+    let nq = shape.batch_heads * shape.seq_q * shape.head_dim;
+    let nk = shape.batch_heads * shape.seq_k * shape.head_dim;
+    let nz = shape.batch_heads * shape.seq_q * shape.seq_k;
+    let m = Prepared::new(mask, "attention_backward")?;
+    Ok(
+        with_floats!("attention_backward", (q.0, range(q.1)) => qv, (k.0, range(k.1)) => kv, (v.0, range(v.1)) => vv, (out.0, range(out.1)) => ov, (lse.0, range(lse.1)) => lv, (dout.0, range(dout.1)) => gv; {
+            let sm = m.mask(qv)?;
+            let mut dq = crate::pool::output(nq);
+            let mut dk = crate::pool::output(nk);
+            let mut dv = crate::pool::output(nk);
+            let mut dz = want_dz.then(|| crate::pool::output(nz));
+            kernel::attention_backward(shape, &sm, qv, kv, vv, ov, lv, gv, &mut dq, &mut dk, &mut dv, dz.as_deref_mut());
+            (dq.into_storage(dt), dk.into_storage(dt), dv.into_storage(dt), dz.map(|z| z.into_storage(crate::DType::F32)))
+        }),
+    )
+}
+
+/// The q, k, v head layouts inside a contiguous `[B, T, 3C]` qkv buffer with `heads` heads.
+fn qkv_layouts(shape: &AttentionShape, heads: usize) -> [HeadLayout; 3] {
+    let (t, d) = (shape.seq_q, shape.head_dim);
+    let c = heads * d;
+    let at = |offset| HeadLayout {
+        offset,
+        batch_stride: t * 3 * c,
+        head_stride: d,
+        row_stride: 3 * c,
+    };
+    [at(0), at(c), at(2 * c)]
+}
+
+/// The head layout of a contiguous `[B, T, C]` buffer with `heads` heads.
+fn btc_layout(shape: &AttentionShape, heads: usize) -> HeadLayout {
+    let (t, d) = (shape.seq_q, shape.head_dim);
+    HeadLayout {
+        offset: 0,
+        batch_stride: t * heads * d,
+        head_stride: d,
+        row_stride: heads * d,
+    }
+}
+
+/// Attention straight from a contiguous `[B, T, 3C]` qkv buffer: returns `(out [B, T, C], lse
+/// [B, H, T])`.
+pub(crate) fn attention_qkv(
+    qkv: In<'_>,
+    shape: AttentionShape,
+    heads: usize,
+    mask: &CpuMask<'_>,
+) -> Result<(CpuStorage, CpuStorage)> {
+    let dt = qkv.0.dtype();
+    let [ql, kl, vl] = qkv_layouts(&shape, heads);
+    let ol = btc_layout(&shape, heads);
+    let n = shape.batch_heads * shape.seq_q * shape.head_dim;
+    let m = Prepared::new(mask, "attention_qkv")?;
+    Ok(with_floats!("attention", (qkv.0, range(qkv.1)) => x; {
+        let sm = m.mask(x)?;
+        let mut out = crate::pool::output(n);
+        let mut lse = vec![Float::ZERO; shape.batch_heads * shape.seq_q];
+        kernel::attention_forward_strided(shape, &sm, heads, x, ql, x, kl, x, vl, &mut out, ol, &mut lse);
+        (out.into_storage(dt), lse.into_storage(crate::DType::F32))
+    }))
+}
+
+/// The backward of [`attention_qkv`]; `ops` are qkv, out, lse, dout. Returns `dqkv [B, T, 3C]`
+/// and, when `want_dz`, the `[B, H, T, T]` gradient of the softmax inputs (compute precision).
+pub(crate) fn attention_qkv_backward(
+    ops: [In<'_>; 4],
+    shape: AttentionShape,
+    heads: usize,
+    mask: &CpuMask<'_>,
+    want_dz: bool,
+) -> Result<(CpuStorage, Option<CpuStorage>)> {
+    let [qkv, out, lse, dout] = ops;
+    let dt = qkv.0.dtype();
+    let [ql, kl, vl] = qkv_layouts(&shape, heads);
+    let ol = btc_layout(&shape, heads);
+    let n = 3 * shape.batch_heads * shape.seq_q * shape.head_dim;
+    let nz = shape.batch_heads * shape.seq_q * shape.seq_k;
+    let m = Prepared::new(mask, "attention_qkv_backward")?;
+    Ok(
+        with_floats!("attention_backward", (qkv.0, range(qkv.1)) => x, (out.0, range(out.1)) => o, (lse.0, range(lse.1)) => l, (dout.0, range(dout.1)) => g; {
+            let sm = m.mask(x)?;
+            let mut dqkv = crate::pool::output(n);
+            let mut dz = want_dz.then(|| crate::pool::output(nz));
+            kernel::attention_backward_strided(shape, &sm, heads, x, ql, x, kl, x, vl, o, ol, l, g, ol, &mut dqkv, [ql, kl, vl], dz.as_deref_mut());
+            (dqkv.into_storage(dt), dz.map(|z| z.into_storage(crate::DType::F32)))
+        }),
+    )
+}
