@@ -43,6 +43,7 @@ pub mod eval;
 pub mod eval_bert;
 #[cfg(feature = "cli")]
 pub mod generate;
+pub mod guide;
 #[cfg(feature = "cli")]
 pub mod train;
 #[cfg(feature = "cli")]
@@ -50,9 +51,13 @@ pub mod train_bert;
 #[cfg(feature = "cli")]
 pub mod train_parallel;
 
+#[doc(inline)]
 pub use meshgrad_autograd as autograd;
+#[doc(inline)]
 pub use meshgrad_nn as nn;
+#[doc(inline)]
 pub use meshgrad_parallel as parallel;
+#[doc(inline)]
 pub use meshgrad_tensor as tensor;
 
 /// The everyday names: `use meshgrad::prelude::*;`.

@@ -21,7 +21,7 @@
 use std::sync::Arc;
 
 use meshgrad_autograd::{checkpoint, Var};
-use meshgrad_tensor::{DType, Device, GeluKind, Result, Tensor};
+use meshgrad_tensor::{AttentionMask, DType, Device, GeluKind, Result, Tensor};
 
 use crate::layers::{Dropout, Embedding, LayerNorm, Linear, LinearConfig};
 use crate::module::{Forward, Init, ParamBuilder};
@@ -228,10 +228,12 @@ impl BertSelfAttention {
 /// with an optional additive key mask `[B, 1, 1, T]` (0 to attend, a large negative number for
 /// padding), softmax over the keys and dropout on the probabilities; returns `[B, T, C]`.
 ///
-/// This is the one place where BERT's attention is computed, composed from `Var` ops (per-head
-/// `q kᵀ`, scale, mask, softmax, dropout, product with `v`), so the scores `[B, H, T, T]` are
-/// materialised. SWAP POINT: when the fused attention op with a key-padding mask lands, replace
-/// the body of this function by it (when dropout is off or the op supports it).
+/// This is the one place where BERT's attention is computed. Without attention-probability
+/// dropout (eval mode, or `attention_probs_dropout_prob` 0) it is the fused flash-style op
+/// ([`Var::attention`] with the additive mask as a score bias, so a fully padded row behaves as
+/// in Hugging Face's implementation); with dropout on the probabilities it is composed from
+/// `Var` ops (per-head `q kᵀ`, scale, mask, softmax, dropout, product with `v`), since the fused
+/// op has no dropout. Both compute the same function.
 fn masked_attention(
     q: &Var,
     k: &Var,
@@ -243,20 +245,26 @@ fn masked_attention(
     let dims = q.tensor().dims().to_vec();
     let (b, t, c) = (dims[0], dims[1], dims[2]);
     let d = c / heads;
-    // [B, T, C] -> [B, H, T, D] (views: the products read strided operands).
+    let scale = 1.0 / (d as f64).sqrt();
+    // [B, T, C] -> [B, H, T, D] (views).
     let split = |x: &Var| x.reshape((b, t, heads, d))?.permute(&[0, 2, 1, 3]);
     let (q, v) = (split(q)?, split(v)?);
-    let kt = k.reshape((b, t, heads, d))?.permute(&[0, 2, 3, 1])?; // [B, H, D, T]
-    let mut scores = q.matmul(&kt)?.mul_scalar(1.0 / (d as f64).sqrt())?;
-    if let Some(m) = mask {
-        scores = scores.add(&Var::constant(m.clone()))?;
-    }
-    let probs = dropout.forward(&scores.softmax(-1)?)?;
-    probs
-        .matmul(&v)?
-        .permute(&[0, 2, 1, 3])?
-        .contiguous()?
-        .reshape((b, t, c))
+    let probs_dropout = dropout.is_training() && dropout.p > 0.0;
+    let out = if probs_dropout {
+        let kt = k.reshape((b, t, heads, d))?.permute(&[0, 2, 3, 1])?; // [B, H, D, T]
+        let mut scores = q.matmul(&kt)?.mul_scalar(scale)?;
+        if let Some(m) = mask {
+            scores = scores.add(&Var::constant(m.clone()))?;
+        }
+        dropout.forward(&scores.softmax(-1)?)?.matmul(&v)?
+    } else {
+        let mut am = AttentionMask::none();
+        if let Some(m) = mask {
+            am = am.with_bias(Var::constant(m.clone()));
+        }
+        Var::attention(&q, &split(k)?, &v, &am, scale)?
+    };
+    out.permute(&[0, 2, 1, 3])?.contiguous()?.reshape((b, t, c))
 }
 
 /// `LayerNorm(input + dropout(dense(x)))`: the residual branch after attention

@@ -3,7 +3,7 @@
 //!
 //! When a storage allocation of a large f32 buffer is freed, its `Vec` goes back to this pool
 //! (bounded in total bytes and per length) instead of to the system allocator. Ops whose kernels
-//! overwrite every element of their output ask for [`output`] buffers, which come from the pool
+//! overwrite every element of their output ask for `output` buffers, which come from the pool
 //! when one of exactly that length is free (holding stale values that the kernel overwrites), else
 //! fresh zeros. Memory accounting is unaffected: the tracker charges live storages only.
 

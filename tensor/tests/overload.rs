@@ -193,8 +193,9 @@ fn errors_are_values_and_the_first_one_wins() {
     // A released operand.
     let r = t32(&[1.0, 2.0, 3.0], &[3]);
     r.release_storage();
-    assert_eq!(
-        msg(&b + &r),
-        "add: the tensor's storage is released (not materialised)"
+    let m = msg(&b + &r);
+    assert!(
+        m.starts_with("add: the tensor's storage is released"),
+        "{m}"
     );
 }
