@@ -7,7 +7,7 @@
 //! 256..=260 and the model's vocabulary is 261 (see [`meshgrad_nn::mlm::byte_level`]).
 //!
 //! **Batches.** Row `b` of step `s` is `[CLS]`, the `block_size - 2` tokens of the data window
-//! the GPT sampler draws for `(seed, s, b)`, and `[SEP]`; no padding. [`mlm_mask`] then selects
+//! the GPT sampler draws for `(seed, s, b)`, and `[SEP]`; no padding. [`mlm_mask`](meshgrad_nn::mlm::mlm_mask) then selects
 //! 15% of the non-special tokens (80% become `[MASK]`, 10% a random byte, 10% stay) by draws
 //! keyed by `(seed, s)` and the token's global row and column, so every layout sees the same
 //! batch.
