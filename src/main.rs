@@ -13,7 +13,7 @@ use meshgrad::train::Verbosity;
 #[command(
     name = "meshgrad",
     version,
-    about = "Train, evaluate and sample GPT models with meshgrad; train and run tokenizers"
+    about = "Train, evaluate and sample GPT and BERT models with meshgrad; train and run tokenizers"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -38,9 +38,11 @@ enum Command {
         #[arg(long)]
         profile: bool,
     },
-    /// Train a GPT (by default a small byte-level model on the built-in corpus, on CPU).
+    /// Train a GPT, or a BERT with --model bert (by default a small byte-level model on the built-in
+    /// corpus, on CPU).
     Train(TrainArgs),
-    /// Mean next-token cross-entropy of a checkpoint over a token file; prints `loss=<value>`.
+    /// Evaluate a checkpoint; prints `loss=<value>` last: a GPT's mean next-token cross-entropy over
+    /// a token file, or a BERT's mean MLM cross-entropy over a JSONL file of labelled examples.
     Eval {
         /// Checkpoint directory (config.json + model.safetensors, and tokenizer.json when it was
         /// trained with a tokenizer).
