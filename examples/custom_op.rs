@@ -63,7 +63,7 @@ fn main() -> Result<()> {
     )?;
     gradcheck(
         |v| softplus(&v[0]),
-        &[x.clone()],
+        std::slice::from_ref(&x),
         GradcheckOptions::default(),
     )?;
     println!("gradcheck: softplus backward matches finite differences");
