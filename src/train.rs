@@ -417,25 +417,22 @@ pub(crate) fn run_loop(
     sync: &dyn GradSync,
     rep: &mut Reporter,
 ) -> Result<LoopResult> {
-    let (t, b) = (cfg.model.block_size, cfg.train.batch_size);
+    let t = cfg.model.block_size;
     let micro = micro_rows(rows.clone(), microbatches)?;
-    let params = run.model.parameters();
-    let initial_val = val_loss(&run.model, &data.val, cfg, &rows, sync)?;
-    rep.say(format!("step 0: val_loss={initial_val:.4}"));
-
-    let started = Instant::now();
-    let mut last_loss = f64::NAN;
-    let mut last_val = initial_val;
-    let mut tokens_done = 0usize;
-    for step in 0..cfg.train.steps {
-        let t0 = Instant::now();
-        sync.zero_grad(&run.opt);
+    let RunModel {
+        model,
+        opt,
+        schedule,
+    } = run;
+    let model = &*model;
+    let params = model.parameters();
+    let micro_step = |step: usize| -> Result<f64> {
         let mut loss_sum = 0.0;
         for (m, r) in micro.iter().enumerate() {
             let (ids, targets) =
                 batch_tensors(&data.train, cfg.train.seed, step as u64, r.clone(), t)?;
             let ctx = ForwardCtx::new(step as u64, r.start);
-            let loss = ctx.scope(|| run.model.loss(&ids, &targets, None))?;
+            let loss = ctx.scope(|| model.loss(&ids, &targets, None))?;
             loss_sum += loss.tensor().item()?;
             let loss = if microbatches > 1 {
                 loss.mul_scalar(1.0 / microbatches as f64)?
@@ -445,15 +442,51 @@ pub(crate) fn run_loop(
             sync.set_sync(m + 1 == microbatches);
             loss.backward()?;
         }
+        Ok(loss_sum / microbatches as f64)
+    };
+    let val = || val_loss(model, &data.val, cfg, &rows, sync);
+    drive_loop(cfg, opt, schedule, &params, sync, rep, 1.0, micro_step, val)
+}
+
+/// The part of the training loop that does not depend on the model (GPT or BERT): validation
+/// before the first step; each step, `micro_step(step)` runs the forward and backward passes of
+/// this rank's micro-batches and returns this rank's share of the step's loss (the global loss is
+/// `sync.mean(share) * loss_scale`); then gradient synchronisation, clipping, the optimizer step,
+/// the divergence check, validation with `val` every `eval_interval` steps and at the end, the
+/// metrics line, the log line and the progress bar.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn drive_loop(
+    cfg: &TrainConfig,
+    opt: &mut AdamW,
+    schedule: &CosineSchedule,
+    params: &[Var],
+    sync: &dyn GradSync,
+    rep: &mut Reporter,
+    loss_scale: f64,
+    mut micro_step: impl FnMut(usize) -> Result<f64>,
+    mut val: impl FnMut() -> Result<f64>,
+) -> Result<LoopResult> {
+    let (t, b) = (cfg.model.block_size, cfg.train.batch_size);
+    let initial_val = val()?;
+    rep.say(format!("step 0: val_loss={initial_val:.4}"));
+
+    let started = Instant::now();
+    let mut last_loss = f64::NAN;
+    let mut last_val = initial_val;
+    let mut tokens_done = 0usize;
+    for step in 0..cfg.train.steps {
+        let t0 = Instant::now();
+        sync.zero_grad(opt);
+        let share = micro_step(step)?;
         sync.finish()?;
         let grad_norm = if cfg.train.grad_clip > 0.0 {
-            sync.clip(&params, cfg.train.grad_clip)?
+            sync.clip(params, cfg.train.grad_clip)?
         } else {
             f64::NAN
         };
-        let lr = run.schedule.lr_at(step);
-        sync.step(&mut run.opt, lr)?;
-        last_loss = sync.mean(loss_sum / microbatches as f64)?;
+        let lr = schedule.lr_at(step);
+        sync.step(opt, lr)?;
+        last_loss = sync.mean(share)? * loss_scale;
         if !last_loss.is_finite() {
             anyhow::bail!(
                 "training diverged: loss is {last_loss} at step {}",
@@ -466,11 +499,7 @@ pub(crate) fn run_loop(
         let is_last = step + 1 == cfg.train.steps;
         let eval_now =
             is_last || (cfg.train.eval_interval > 0 && (step + 1) % cfg.train.eval_interval == 0);
-        let val = if eval_now {
-            Some(val_loss(&run.model, &data.val, cfg, &rows, sync)?)
-        } else {
-            None
-        };
+        let val = if eval_now { Some(val()?) } else { None };
         if let Some(v) = val {
             last_val = v;
             rep.say(format!("step {}: val_loss={v:.4}", step + 1));

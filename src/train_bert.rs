@@ -22,7 +22,6 @@
 
 use std::ops::Range;
 use std::path::PathBuf;
-use std::time::Instant;
 
 use anyhow::{Context, Result};
 use meshgrad_autograd::no_grad;
@@ -37,8 +36,8 @@ use meshgrad_tensor::{DType, Device, Tensor};
 
 use crate::config::TrainConfig;
 use crate::train::{
-    check_microbatches, metrics_line, run_data, GradSync, Reporter, RunData, SingleDevice,
-    TrainOptions, TrainSummary, Verbosity,
+    check_microbatches, drive_loop, run_data, GradSync, LoopResult, Reporter, RunData,
+    SingleDevice, TrainOptions, TrainSummary, Verbosity,
 };
 use crate::train_parallel::{check_layout, on_ranks, RankWrapper};
 
@@ -157,7 +156,7 @@ fn bert_run(cfg: &TrainConfig) -> Result<BertRun> {
 /// Mean MLM loss over all labelled tokens of `eval_batches` fixed validation batches (the same
 /// batches at every evaluation). Each rank computes its `rows`; the sums are combined.
 fn val_loss(
-    run: &BertRun,
+    model: &BertForMaskedLM,
     s: &Sampler<'_>,
     val: &Dataset,
     rows: &Range<u64>,
@@ -165,29 +164,20 @@ fn val_loss(
     sync: &dyn GradSync,
 ) -> Result<f64> {
     let seed = s.cfg.train.seed ^ VAL_STREAM;
-    run.model.set_training(false);
+    model.set_training(false);
     let r = no_grad(|| -> Result<(f64, usize)> {
         let (mut sum, mut count) = (0.0, 0);
         for i in 0..s.cfg.train.eval_batches.max(1) as u64 {
             let b = s.batch(val, seed, i, rows.clone())?;
-            let part = run.model.loss_over(&b.ids, None, None, &b.labels, 1.0)?;
+            let part = model.loss_over(&b.ids, None, None, &b.labels, 1.0)?;
             sum += part.tensor().item()?;
             count += s.global_count(val, seed, i)?;
         }
         Ok((sum, count))
     });
-    run.model.set_training(true);
+    model.set_training(true);
     let (sum, count) = r?;
     Ok(sync.mean(sum)? * world as f64 / count.max(1) as f64)
-}
-
-/// What the loop reports back.
-struct LoopResult {
-    initial_val_loss: f64,
-    final_val_loss: f64,
-    final_train_loss: f64,
-    tokens_per_s: f64,
-    elapsed_s: f64,
 }
 
 /// The training loop for one device or one rank of `world`: this rank's `rows` of each global
@@ -205,24 +195,23 @@ fn run_loop(
     rep: &mut Reporter,
 ) -> Result<LoopResult> {
     let cfg = s.cfg;
-    let (t, b, seed) = (cfg.model.block_size, cfg.train.batch_size, cfg.train.seed);
+    let seed = cfg.train.seed;
     let micro = micro_rows(rows.clone(), microbatches)?;
     let params = run.model.parameters();
-    let initial_val = val_loss(run, s, &data.val, &rows, world, sync)?;
-    rep.say(format!("step 0: val_loss={initial_val:.4}"));
-
-    let started = Instant::now();
-    let (mut last_loss, mut last_val, mut tokens_done) = (f64::NAN, initial_val, 0usize);
-    for step in 0..cfg.train.steps {
-        let t0 = Instant::now();
+    let BertRun {
+        model,
+        opt,
+        schedule,
+    } = run;
+    let model = &*model;
+    let micro_step = |step: usize| -> Result<f64> {
         let step64 = step as u64;
-        sync.zero_grad(&run.opt);
         let total = s.global_count(&data.train, seed, step64)?.max(1) as f64;
         let mut local = 0.0;
         for (m, r) in micro.iter().enumerate() {
             let mb = s.batch(&data.train, seed, step64, r.clone())?;
             let ctx = ForwardCtx::new(step64, r.start);
-            let part = ctx.scope(|| run.model.loss_over(&mb.ids, None, None, &mb.labels, total))?;
+            let part = ctx.scope(|| model.loss_over(&mb.ids, None, None, &mb.labels, total))?;
             local += part.tensor().item()?;
             let part = if world > 1 {
                 part.mul_scalar(world as f64)?
@@ -232,60 +221,13 @@ fn run_loop(
             sync.set_sync(m + 1 == microbatches);
             part.backward()?;
         }
-        sync.finish()?;
-        let grad_norm = if cfg.train.grad_clip > 0.0 {
-            sync.clip(&params, cfg.train.grad_clip)?
-        } else {
-            f64::NAN
-        };
-        let lr = run.schedule.lr_at(step);
-        sync.step(&mut run.opt, lr)?;
-        last_loss = sync.mean(local)? * world as f64;
-        if !last_loss.is_finite() {
-            anyhow::bail!(
-                "training diverged: loss is {last_loss} at step {}",
-                step + 1
-            );
-        }
-        let dt = t0.elapsed().as_secs_f64();
-        tokens_done += b * t;
-        let tps = (b * t) as f64 / dt;
-        let is_last = step + 1 == cfg.train.steps;
-        let eval_now =
-            is_last || (cfg.train.eval_interval > 0 && (step + 1) % cfg.train.eval_interval == 0);
-        let val = if eval_now {
-            Some(val_loss(run, s, &data.val, &rows, world, sync)?)
-        } else {
-            None
-        };
-        if let Some(v) = val {
-            last_val = v;
-            rep.say(format!("step {}: val_loss={v:.4}", step + 1));
-        }
-        rep.metrics(metrics_line(step + 1, last_loss, lr, tps, grad_norm, val))?;
-        if cfg.train.log_interval > 0
-            && (step + 1) % cfg.train.log_interval == 0
-            && rep.pb.is_hidden()
-            && !rep.quiet
-        {
-            println!(
-                "step {:>5}/{} | loss {last_loss:.4} | lr {lr:.2e} | {tps:.0} tok/s",
-                step + 1,
-                cfg.train.steps
-            );
-        }
-        rep.pb
-            .set_message(format!("loss {last_loss:.4} | {tps:.0} tok/s"));
-        rep.pb.inc(1);
-    }
-    let elapsed = started.elapsed().as_secs_f64();
-    Ok(LoopResult {
-        initial_val_loss: initial_val,
-        final_val_loss: last_val,
-        final_train_loss: last_loss,
-        tokens_per_s: tokens_done as f64 / elapsed,
-        elapsed_s: elapsed,
-    })
+        Ok(local)
+    };
+    let val = || val_loss(model, s, &data.val, &rows, world, sync);
+    let scale = world as f64;
+    drive_loop(
+        cfg, opt, schedule, &params, sync, rep, scale, micro_step, val,
+    )
 }
 
 fn header(cfg: &TrainConfig, model: &BertForMaskedLM, data: &RunData, layout: &str) -> String {

@@ -1,79 +1,25 @@
 //! End-to-end tests of the `meshgrad` binary: train -> eval -> generate, and one-line errors.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_meshgrad"))
-}
+use std::path::Path;
+use std::process::Output;
 
-fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("meshgrad-cli-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+use common::{assert_one_line_error, bin, eval, loss_line, read_json, text, tmpdir};
 
-fn text(o: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
-}
-
-/// Asserts a failed run: non-zero exit, a single `error:` line naming `needle`, no panic trace.
-fn assert_one_line_error(o: &Output, needle: &str) {
-    let (_, err) = text(o);
-    assert!(!o.status.success(), "expected failure, stderr: {err}");
-    assert!(
-        !err.contains("panicked"),
-        "panic instead of an error: {err}"
-    );
-    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(lines.len(), 1, "expected one line, got: {err}");
-    assert!(
-        lines[0].starts_with("error: ") && lines[0].contains(needle),
-        "{err}"
-    );
-}
-
+/// Trains a tiny model for 6 steps into `dir/ckpt` (metrics in `dir/ckpt.jsonl`).
 fn small_train(dir: &Path, extra: &[&str]) -> Output {
-    let out = dir.join("ckpt");
-    let metrics = dir.join("metrics.jsonl");
-    let mut cmd = bin();
-    cmd.args([
-        "train",
-        "--steps",
-        "6",
-        "--out",
-        out.to_str().unwrap(),
-        "--metrics",
-        metrics.to_str().unwrap(),
-    ])
-    .args([
-        "--set",
+    let sets = [
         "model.n_layer=1",
-        "--set",
         "model.n_embd=32",
-        "--set",
         "model.n_head=2",
-    ])
-    .args([
-        "--set",
         "model.block_size=32",
-        "--set",
         "train.batch_size=4",
-        "--set",
         "train.warmup_steps=2",
-    ])
-    .args([
-        "--set",
         "train.eval_batches=1",
-        "--set",
         "train.sample_tokens=10",
-    ])
-    .args(extra);
-    cmd.output().unwrap()
+    ];
+    common::train(dir, "ckpt", 6, &sets, extra)
 }
 
 #[test]
@@ -88,7 +34,7 @@ fn train_eval_generate_round_trip() {
         assert!(ckpt.join(f).exists(), "missing {f}");
     }
     // Metrics: one JSON object per step with the required keys.
-    let m = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    let m = std::fs::read_to_string(dir.join("ckpt.jsonl")).unwrap();
     let lines: Vec<serde_json::Value> = m
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
@@ -104,23 +50,9 @@ fn train_eval_generate_round_trip() {
     // Eval over a text file: a value, printed as loss=<value>.
     let data = dir.join("eval.txt");
     std::fs::write(&data, "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife. ".repeat(3)).unwrap();
-    let o = bin()
-        .args([
-            "eval",
-            "--checkpoint",
-            ckpt.to_str().unwrap(),
-            "--data",
-            data.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    let (out, err) = text(&o);
-    assert!(o.status.success(), "{err}");
-    let line = out
-        .lines()
-        .find(|l| l.starts_with("loss="))
-        .expect("a loss= line");
-    let loss: f64 = line["loss=".len()..].parse().unwrap();
+    let o = eval(&ckpt, &data);
+    assert!(o.status.success(), "{}", text(&o).1);
+    let loss = loss_line(&o);
     assert!(loss.is_finite() && loss > 0.0 && loss < 6.0, "{loss}");
 
     // Greedy generation is deterministic and prints ids.
@@ -174,24 +106,24 @@ fn bad_inputs_give_one_line_errors() {
         .args(["train", "--config", cfg.to_str().unwrap()])
         .output()
         .unwrap();
-    assert_one_line_error(&o, "stepz");
+    assert_one_line_error(&o, &["stepz"]);
     // Bad value.
     let o = bin()
         .args(["train", "--set", "model.n_head=3"])
         .output()
         .unwrap();
-    assert_one_line_error(&o, "n_head");
+    assert_one_line_error(&o, &["n_head"]);
     let o = bin()
         .args(["train", "--set", "train.lr=fast"])
         .output()
         .unwrap();
-    assert_one_line_error(&o, "train.lr");
+    assert_one_line_error(&o, &["train.lr"]);
     // Missing data file.
     let o = bin()
         .args(["train", "--data", "/nonexistent/meshgrad.txt"])
         .output()
         .unwrap();
-    assert_one_line_error(&o, "/nonexistent/meshgrad.txt");
+    assert_one_line_error(&o, &["/nonexistent/meshgrad.txt"]);
     // Data file too short for one window.
     let short = dir.join("short.txt");
     std::fs::write(&short, "tiny").unwrap();
@@ -207,19 +139,10 @@ fn bad_inputs_give_one_line_errors() {
         ])
         .output()
         .unwrap();
-    assert_one_line_error(&o, "short.txt");
+    assert_one_line_error(&o, &["short.txt"]);
     // Missing checkpoint.
-    let o = bin()
-        .args([
-            "eval",
-            "--checkpoint",
-            "/nonexistent/ckpt",
-            "--data",
-            short.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    assert_one_line_error(&o, "/nonexistent/ckpt");
+    let o = eval(Path::new("/nonexistent/ckpt"), &short);
+    assert_one_line_error(&o, &["/nonexistent/ckpt"]);
 }
 
 #[test]
@@ -230,23 +153,13 @@ fn checkpoint_with_wrong_shape_is_named() {
     let ckpt = dir.join("ckpt");
     // Claim a wider model in config.json: every tensor then has the wrong shape.
     let cfg_path = ckpt.join("config.json");
-    let mut cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    let mut cfg = read_json(&cfg_path);
     cfg["n_embd"] = serde_json::json!(64);
     std::fs::write(&cfg_path, cfg.to_string()).unwrap();
     let data = dir.join("d.txt");
     std::fs::write(&data, "x".repeat(200)).unwrap();
-    let o = bin()
-        .args([
-            "eval",
-            "--checkpoint",
-            ckpt.to_str().unwrap(),
-            "--data",
-            data.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    assert_one_line_error(&o, "wte.weight");
+    let o = eval(&ckpt, &data);
+    assert_one_line_error(&o, &["wte.weight"]);
     let (_, err) = text(&o);
     assert!(
         err.contains("[256, 32]") && err.contains("[256, 64]"),

@@ -6,34 +6,17 @@
 #[path = "../nn/tests/bert_ref/mod.rs"]
 mod bert_ref;
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
+
+use std::path::Path;
+use std::process::Output;
 
 use bert_ref::{RefConfig, Reference, Seq};
+use common::{assert_lockstep, assert_ok, eval, last_loss, metrics, read_json, tmpdir};
 use meshgrad::nn::bert::{BertConfig, BertForMaskedLM};
 use meshgrad::nn::state::{load_state_dict, save_bert};
 use meshgrad::nn::Module;
 use meshgrad::tensor::{DType, Device, Tensor};
-
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_meshgrad"))
-}
-
-fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("meshgrad-cli-bert-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn assert_ok(o: &Output) {
-    assert!(
-        o.status.success(),
-        "{}\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-}
 
 /// Deterministic pseudo-random values in [-1, 1).
 fn values(seed: u64, n: usize) -> Vec<f64> {
@@ -48,19 +31,9 @@ fn values(seed: u64, n: usize) -> Vec<f64> {
         .collect()
 }
 
-/// The `loss=` value of the last stdout line.
-fn loss_of(o: &Output) -> f64 {
-    let out = String::from_utf8_lossy(&o.stdout);
-    let last = out.lines().last().unwrap_or("");
-    last.strip_prefix("loss=")
-        .unwrap_or_else(|| panic!("last line is not loss=: {out}"))
-        .parse()
-        .unwrap()
-}
-
 #[test]
 fn eval_matches_the_f64_reference_loss() {
-    let dir = tmpdir("eval");
+    let dir = tmpdir("bert-eval");
     let cfg = BertConfig {
         vocab_size: 40,
         hidden_size: 16,
@@ -141,18 +114,9 @@ fn eval_matches_the_f64_reference_loss() {
     let data = dir.join("eval.jsonl");
     std::fs::write(&data, &text).unwrap();
 
-    let o = bin()
-        .args([
-            "eval",
-            "--checkpoint",
-            ckpt.to_str().unwrap(),
-            "--data",
-            data.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
+    let o = eval(&ckpt, &data);
     assert_ok(&o);
-    let got = loss_of(&o);
+    let got = last_loss(&o);
     let want = Reference::load(
         &ckpt,
         "bert.",
@@ -193,16 +157,7 @@ fn eval_matches_the_f64_reference_loss() {
     ] {
         let f = dir.join("bad.jsonl");
         std::fs::write(&f, format!("{}\n{bad}\n", text.lines().next().unwrap())).unwrap();
-        let o = bin()
-            .args([
-                "eval",
-                "--checkpoint",
-                ckpt.to_str().unwrap(),
-                "--data",
-                f.to_str().unwrap(),
-            ])
-            .output()
-            .unwrap();
+        let o = eval(&ckpt, &f);
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(!o.status.success(), "{bad}: {err}");
         let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
@@ -218,66 +173,40 @@ fn eval_matches_the_f64_reference_loss() {
 
 /// Trains a tiny BERT for `steps` steps into `dir/<tag>`.
 fn train(dir: &Path, tag: &str, steps: usize, extra: &[&str]) -> Output {
-    let out = dir.join(tag);
-    let metrics = dir.join(format!("{tag}.jsonl"));
-    bin()
-        .args(["train", "--model", "bert", "--steps", &steps.to_string()])
-        .args([
-            "--out",
-            out.to_str().unwrap(),
-            "--metrics",
-            metrics.to_str().unwrap(),
-        ])
-        .args(["--set", "model.n_layer=2", "--set", "model.n_embd=32"])
-        .args(["--set", "model.n_head=2", "--set", "model.block_size=32"])
-        .args([
-            "--set",
-            "train.batch_size=8",
-            "--set",
-            "train.warmup_steps=2",
-        ])
-        .args([
-            "--set",
-            "train.eval_batches=1",
-            "--set",
-            "train.eval_interval=2",
-        ])
-        .args(extra)
-        .output()
-        .unwrap()
-}
-
-/// (loss, val_loss if present, grad_norm) per metrics line.
-fn metrics(dir: &Path, tag: &str) -> Vec<(f64, Option<f64>, f64)> {
-    std::fs::read_to_string(dir.join(format!("{tag}.jsonl")))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (
-                v["loss"].as_f64().unwrap(),
-                v["val_loss"].as_f64(),
-                v["grad_norm"].as_f64().unwrap(),
-            )
-        })
-        .collect()
-}
-
-fn rel(a: f64, b: f64) -> f64 {
-    (a - b).abs() / b.abs()
+    let sets = [
+        "model.n_layer=2",
+        "model.n_embd=32",
+        "model.n_head=2",
+        "model.block_size=32",
+        "train.batch_size=8",
+        "train.warmup_steps=2",
+        "train.eval_batches=1",
+        "train.eval_interval=2",
+    ];
+    common::train(
+        dir,
+        tag,
+        steps,
+        &sets,
+        &[&["--model", "bert"], extra].concat(),
+    )
 }
 
 #[test]
 fn train_bert_lowers_the_mlm_loss_and_writes_a_bert_checkpoint() {
-    let dir = tmpdir("train");
+    let dir = tmpdir("bert-train");
     let o = train(&dir, "run", 20, &["--lr", "3e-3"]);
     assert_ok(&o);
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(out.contains("BERT (masked LM, vocabulary 261)"), "{out}");
     let m = metrics(&dir, "run");
     assert_eq!(m.len(), 20);
-    let first: f64 = m[..3].iter().map(|x| x.0).sum::<f64>() / 3.0;
-    let last: f64 = m[17..].iter().map(|x| x.0).sum::<f64>() / 3.0;
+    assert!(
+        m.iter().all(|s| s.grad_norm.is_finite()),
+        "grad_norm on every line"
+    );
+    let first: f64 = m[..3].iter().map(|x| x.loss).sum::<f64>() / 3.0;
+    let last: f64 = m[17..].iter().map(|x| x.loss).sum::<f64>() / 3.0;
     assert!(
         (first - (261f64).ln()).abs() < 0.3,
         "initial loss {first} vs ln 261"
@@ -285,8 +214,7 @@ fn train_bert_lowers_the_mlm_loss_and_writes_a_bert_checkpoint() {
     assert!(last < first - 0.5, "loss did not fall: {first} -> {last}");
     // The checkpoint is a Hugging Face BERT folder that `eval` reads.
     let ckpt = dir.join("run");
-    let cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(ckpt.join("config.json")).unwrap()).unwrap();
+    let cfg = read_json(&ckpt.join("config.json"));
     assert_eq!(cfg["model_type"], "bert");
     assert_eq!(cfg["vocab_size"], 261);
     let data = dir.join("e.jsonl");
@@ -302,23 +230,14 @@ fn train_bert_lowers_the_mlm_loss_and_writes_a_bert_checkpoint() {
         serde_json::json!({"input_ids": ids, "labels": labels}).to_string(),
     )
     .unwrap();
-    let o = bin()
-        .args([
-            "eval",
-            "--checkpoint",
-            ckpt.to_str().unwrap(),
-            "--data",
-            data.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
+    let o = eval(&ckpt, &data);
     assert_ok(&o);
-    assert!(loss_of(&o).is_finite());
+    assert!(last_loss(&o).is_finite());
 }
 
 #[test]
 fn bert_trains_in_lockstep_under_dp_and_fsdp() {
-    let dir = tmpdir("lockstep");
+    let dir = tmpdir("bert-lockstep");
     let common = ["--set", "model.dropout=0.1", "--lr", "1e-3"];
     let o = train(&dir, "single", 4, &common);
     assert_ok(&o);
@@ -341,19 +260,7 @@ fn bert_trains_in_lockstep_under_dp_and_fsdp() {
             out.contains(&format!("layout {}", layout[1])),
             "{tag}: {out}"
         );
-        let got = metrics(&dir, tag);
-        assert_eq!(got.len(), single.len(), "{tag}");
-        for (step, ((a, va, na), (b, vb, nb))) in got.iter().zip(&single).enumerate() {
-            assert!(rel(*a, *b) <= 1e-5, "{tag} step {step}: loss {a} vs {b}");
-            assert!(
-                rel(*na, *nb) <= 1e-4,
-                "{tag} step {step}: grad norm {na} vs {nb}"
-            );
-            assert_eq!(va.is_some(), vb.is_some());
-            if let (Some(va), Some(vb)) = (va, vb) {
-                assert!(rel(*va, *vb) <= 1e-5, "{tag} step {step}: val {va} vs {vb}");
-            }
-        }
+        assert_lockstep(tag, &metrics(&dir, tag), &single, true);
         assert!(dir.join(tag).join("model.safetensors").exists(), "{tag}");
     }
 }

@@ -3,87 +3,30 @@
 //! tokenizer (stored in the checkpoint and used by generate and eval), and one-line errors for bad
 //! shards and bad JSONL lines.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
+use std::path::Path;
+use std::process::Output;
+
+use common::{
+    assert_ok, assert_one_line_error, bin, eval, loss_line, metrics, read_json, text, tmpdir,
+};
 use meshgrad::nn::data::write_shard;
-
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_meshgrad"))
-}
-
-fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("meshgrad-cli-data-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn text(o: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
-}
-
-fn assert_ok(o: &Output) {
-    let (out, err) = text(o);
-    assert!(o.status.success(), "{out}\n{err}");
-}
-
-/// Asserts a failed run: non-zero exit, a single `error:` line containing every needle.
-fn assert_one_line_error(o: &Output, needles: &[&str]) {
-    let (_, err) = text(o);
-    assert!(!o.status.success(), "expected failure, stderr: {err}");
-    assert!(
-        !err.contains("panicked"),
-        "panic instead of an error: {err}"
-    );
-    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(lines.len(), 1, "expected one line, got: {err}");
-    assert!(lines[0].starts_with("error: "), "{err}");
-    for n in needles {
-        assert!(lines[0].contains(n), "{n:?} not in {err}");
-    }
-}
 
 /// Trains a tiny model for 4 steps into `dir/<tag>` (metrics in `dir/<tag>.jsonl`).
 fn train(dir: &Path, tag: &str, extra: &[&str]) -> Output {
-    let out = dir.join(tag);
-    let metrics = dir.join(format!("{tag}.jsonl"));
-    bin()
-        .args(["train", "--steps", "4", "--out", out.to_str().unwrap()])
-        .args(["--metrics", metrics.to_str().unwrap()])
-        .args(["--set", "model.n_layer=1", "--set", "model.n_embd=32"])
-        .args(["--set", "model.n_head=2", "--set", "model.block_size=16"])
-        .args([
-            "--set",
-            "train.batch_size=4",
-            "--set",
-            "train.warmup_steps=2",
-        ])
-        .args([
-            "--set",
-            "train.eval_batches=1",
-            "--set",
-            "train.eval_interval=2",
-        ])
-        .args(["--set", "train.sample_tokens=8"])
-        .args(extra)
-        .output()
-        .unwrap()
-}
-
-/// (loss, val_loss if present) per metrics line.
-fn metrics(dir: &Path, tag: &str) -> Vec<(f64, Option<f64>)> {
-    std::fs::read_to_string(dir.join(format!("{tag}.jsonl")))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (v["loss"].as_f64().unwrap(), v["val_loss"].as_f64())
-        })
-        .collect()
+    let sets = [
+        "model.n_layer=1",
+        "model.n_embd=32",
+        "model.n_head=2",
+        "model.block_size=16",
+        "train.batch_size=4",
+        "train.warmup_steps=2",
+        "train.eval_batches=1",
+        "train.eval_interval=2",
+        "train.sample_tokens=8",
+    ];
+    common::train(dir, tag, 4, &sets, extra)
 }
 
 /// Tokens below 300 with some structure (so a model can learn a little).
@@ -91,15 +34,9 @@ fn tokens(n: usize, salt: u16) -> Vec<u16> {
     (0..n as u16).map(|i| (i * 7 + salt) % 300).collect()
 }
 
-fn loss_line(o: &Output) -> f64 {
-    let (out, _) = text(o);
-    let line = out.lines().find(|l| l.starts_with("loss=")).expect("loss=");
-    line["loss=".len()..].parse().unwrap()
-}
-
 #[test]
 fn shard_folder_trains_evaluates_and_splits_like_one_device() {
-    let dir = tmpdir("shards");
+    let dir = tmpdir("data-shards");
     let data = dir.join("shards");
     std::fs::create_dir_all(&data).unwrap();
     for i in 0..3 {
@@ -131,15 +68,15 @@ fn shard_folder_trains_evaluates_and_splits_like_one_device() {
     let (one, dp) = (metrics(&dir, "one"), metrics(&dir, "dp"));
     assert_eq!(one.len(), 4);
     for (a, b) in one.iter().zip(&dp) {
-        assert!((a.0 - b.0).abs() <= 1e-5 * a.0.abs(), "{one:?} vs {dp:?}");
-        assert_eq!(a.1.is_some(), b.1.is_some());
+        assert!(
+            (a.loss - b.loss).abs() <= 1e-5 * a.loss.abs(),
+            "{one:?} vs {dp:?}"
+        );
+        assert_eq!(a.val_loss.is_some(), b.val_loss.is_some());
     }
     // eval on the folder: its validation shard.
     let ckpt = dir.join("one");
-    let o = bin()
-        .args(["eval", "--checkpoint", ckpt.to_str().unwrap(), "--data", d])
-        .output()
-        .unwrap();
+    let o = eval(&ckpt, &data);
     assert_ok(&o);
     let loss = loss_line(&o);
     assert!(loss.is_finite() && loss > 0.0, "{loss}");
@@ -161,7 +98,7 @@ fn shard_folder_trains_evaluates_and_splits_like_one_device() {
 
 #[test]
 fn jsonl_through_a_tokenizer_end_to_end() {
-    let dir = tmpdir("jsonl");
+    let dir = tmpdir("data-jsonl");
     let corpus =
         std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/corpus.txt"))
             .unwrap();
@@ -205,8 +142,7 @@ fn jsonl_through_a_tokenizer_end_to_end() {
     let saved = std::fs::read_to_string(ckpt.join("tokenizer.json")).unwrap();
     let given = std::fs::read_to_string(&tok).unwrap();
     assert_eq!(saved, given);
-    let cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(ckpt.join("config.json")).unwrap()).unwrap();
+    let cfg = read_json(&ckpt.join("config.json"));
     assert_eq!(cfg["vocab_size"].as_u64(), Some(400));
 
     // generate encodes the prompt and decodes the output with it.
@@ -235,10 +171,7 @@ fn jsonl_through_a_tokenizer_end_to_end() {
     assert_eq!(ids.len(), 6);
     assert!(ids.iter().all(|&i| i < 400));
     // eval reads the JSONL through the checkpoint's tokenizer.
-    let o = bin()
-        .args(["eval", "--checkpoint", ckpt.to_str().unwrap(), "--data", j])
-        .output()
-        .unwrap();
+    let o = eval(&ckpt, &jsonl);
     assert_ok(&o);
     assert!(loss_line(&o) < 7.0);
 

@@ -6,47 +6,12 @@
 //! prints `skipped: <reason>` (on stderr, also when the harness captures output) and passes, unless `MESHGRAD_REQUIRE_PY_TOKENIZERS=1` is set (CI
 //! sets it when it could install the module), in which case it fails.
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_meshgrad"))
-}
-
-fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("meshgrad-cli-tok-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn text(o: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
-}
-
-fn assert_ok(o: &Output) {
-    let (out, err) = text(o);
-    assert!(o.status.success(), "{out}\n{err}");
-}
-
-/// Asserts a failed run: non-zero exit, a single `error:` line containing every needle.
-fn assert_one_line_error(o: &Output, needles: &[&str]) {
-    let (_, err) = text(o);
-    assert!(!o.status.success(), "expected failure, stderr: {err}");
-    assert!(
-        !err.contains("panicked"),
-        "panic instead of an error: {err}"
-    );
-    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(lines.len(), 1, "expected one line, got: {err}");
-    assert!(lines[0].starts_with("error: "), "{err}");
-    for n in needles {
-        assert!(lines[0].contains(n), "{n:?} not in {err}");
-    }
-}
+use common::{assert_ok, assert_one_line_error, bin, text, tmpdir};
 
 /// Strings that exercise the pre-tokenizers: whitespace runs, newlines, punctuation, digits,
 /// contractions, accents, CJK, emoji, special tokens written out, and the empty string.
@@ -153,7 +118,7 @@ fn python_ids(dir: &Path, tokenizer: &Path) -> Vec<Vec<u32>> {
 
 #[test]
 fn tokenizers_match_hugging_face_python() {
-    let dir = tmpdir("python");
+    let dir = tmpdir("tok-python");
     let data = training_file(&dir);
     let bpe = train_tokenizer(&dir, "bpe", 600, &data);
     let wordpiece = train_tokenizer(&dir, "wordpiece", 500, &data);
@@ -202,7 +167,7 @@ fn tokenizers_match_hugging_face_python() {
 
 #[test]
 fn tokenize_prints_tokens_then_ids() {
-    let dir = tmpdir("format");
+    let dir = tmpdir("tok-format");
     let data = training_file(&dir);
     let wp = train_tokenizer(&dir, "wordpiece", 300, &data);
     let o = bin()
@@ -237,7 +202,7 @@ fn tokenize_prints_tokens_then_ids() {
 
 #[test]
 fn tokenizer_errors_are_one_line_naming_the_file() {
-    let dir = tmpdir("errors");
+    let dir = tmpdir("tok-errors");
     let missing = dir.join("missing.txt");
     let out = dir.join("t.json");
     let o = bin()

@@ -4,73 +4,33 @@
 //! the metrics and a checkpoint holding the single device's weights to rounding (1e-5 of each
 //! tensor's scale).
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
-fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("meshgrad-cli-zero-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+use std::path::Path;
+use std::process::Output;
+
+use common::{assert_lockstep, metrics, tmpdir};
 
 /// Trains a tiny model for 4 steps into `dir/<tag>`.
 fn train(dir: &Path, tag: &str, extra: &[&str]) -> Output {
-    let out = dir.join(tag);
-    let metrics = dir.join(format!("{tag}.jsonl"));
-    Command::new(env!("CARGO_BIN_EXE_meshgrad"))
-        .args(["train", "--steps", "4", "--out", out.to_str().unwrap()])
-        .args(["--metrics", metrics.to_str().unwrap()])
-        .args(["--set", "model.n_layer=2", "--set", "model.n_embd=32"])
-        .args(["--set", "model.n_head=2", "--set", "model.block_size=32"])
-        .args([
-            "--set",
-            "train.batch_size=8",
-            "--set",
-            "train.warmup_steps=2",
-        ])
-        .args([
-            "--set",
-            "train.eval_batches=1",
-            "--set",
-            "train.eval_interval=2",
-        ])
-        .args([
-            "--set",
-            "train.sample_tokens=0",
-            "--lr",
-            "1e-3",
-            "--set",
-            "train.min_lr=1e-4",
-        ])
-        .args(extra)
-        .output()
-        .unwrap()
-}
-
-/// (loss, val_loss if present, grad_norm) per metrics line.
-fn metrics(dir: &Path, tag: &str) -> Vec<(f64, Option<f64>, f64)> {
-    std::fs::read_to_string(dir.join(format!("{tag}.jsonl")))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (
-                v["loss"].as_f64().unwrap(),
-                v["val_loss"].as_f64(),
-                v["grad_norm"].as_f64().unwrap_or(f64::NAN),
-            )
-        })
-        .collect()
-}
-
-fn rel(a: f64, b: f64) -> f64 {
-    (a - b).abs() / b.abs()
+    let sets = [
+        "model.n_layer=2",
+        "model.n_embd=32",
+        "model.n_head=2",
+        "model.block_size=32",
+        "train.batch_size=8",
+        "train.warmup_steps=2",
+        "train.eval_batches=1",
+        "train.eval_interval=2",
+        "train.sample_tokens=0",
+        "train.min_lr=1e-4",
+    ];
+    common::train(dir, tag, 4, &sets, &[&["--lr", "1e-3"], extra].concat())
 }
 
 #[test]
 fn sharded_layouts_match_single_device() {
-    let dir = tmpdir("lockstep");
+    let dir = tmpdir("zero-lockstep");
     let o = train(&dir, "single", &[]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let single = metrics(&dir, "single");
@@ -92,19 +52,7 @@ fn sharded_layouts_match_single_device() {
             out.contains(&format!("layout {}", extra[1])),
             "{tag}: {out}"
         );
-        let got = metrics(&dir, tag);
-        assert_eq!(got.len(), single.len(), "{tag}: one metrics line per step");
-        for (step, ((a, va, na), (b, vb, nb))) in got.iter().zip(&single).enumerate() {
-            assert!(rel(*a, *b) <= 1e-5, "{tag} step {step}: loss {a} vs {b}");
-            assert!(
-                rel(*na, *nb) <= 1e-4,
-                "{tag} step {step}: grad norm {na} vs {nb}"
-            );
-            assert_eq!(va.is_some(), vb.is_some());
-            if let (Some(va), Some(vb)) = (va, vb) {
-                assert!(rel(*va, *vb) <= 1e-5, "{tag} step {step}: val {va} vs {vb}");
-            }
-        }
+        assert_lockstep(tag, &metrics(&dir, tag), &single, true);
         assert!(dir.join(tag).join("model.safetensors").exists(), "{tag}");
     }
     // The checkpoints written from gathered shards hold the single device's weights.

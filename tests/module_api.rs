@@ -1,6 +1,8 @@
 //! The model-writing API: `#[derive(Module)]`, `ParamBuilder`, `Sequential`, freezing, optimizer
 //! builders and dropout randomness that advances by itself.
 
+mod common;
+
 use std::sync::Arc;
 
 use meshgrad::nn::module::path_selects;
@@ -319,8 +321,7 @@ fn checkpoint_recomputes_the_same_masks_for_repeated_dropout() {
 fn save_then_load_restores_every_parameter() {
     let a = tree(11).unwrap();
     let b = tree(12).unwrap();
-    let dir = std::env::temp_dir().join(format!("meshgrad_module_api_{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::tmpdir("module-api");
     let file = dir.join("tree.safetensors");
     a.save(&file).unwrap();
     b.load(&file).unwrap();

@@ -26,13 +26,12 @@ use std::path::Path;
 use meshgrad_tensor::{DType, Device, Error, Result, Tensor};
 use serde_json::{json, Value};
 
-use super::safetensors_io::write_atomic_with;
-use super::{check_shape, load_safetensors, load_state_dict, name_list, save_safetensors};
+use super::hf_folder::{
+    read_config, tensors_equal, write_folder, ConfigKeys, CONFIG_FILE, WEIGHTS_FILE,
+};
+use super::{check_shape, load_safetensors, load_state_dict, name_list};
 use crate::bert::{BertConfig, BertForMaskedLM};
 use crate::module::Module;
-
-const CONFIG_FILE: &str = "config.json";
-const WEIGHTS_FILE: &str = "model.safetensors";
 
 /// Parses the text of a Hugging Face BERT `config.json` into a [`BertConfig`].
 ///
@@ -44,41 +43,18 @@ const WEIGHTS_FILE: &str = "model.safetensors";
 /// `hidden_act` other than `gelu`, a `position_embedding_type` other than `absolute`,
 /// `is_decoder` or `add_cross_attention` true, `tie_word_embeddings` false.
 pub fn bert_config_from_hf_json(text: &str) -> Result<BertConfig> {
-    let v: Value = serde_json::from_str(text)
-        .map_err(|e| Error::Msg(format!("BERT config: invalid JSON: {e}")))?;
-    let Some(obj) = v.as_object() else {
-        meshgrad_tensor::bail!("BERT config: expected a JSON object");
-    };
-    match obj.get("model_type").and_then(Value::as_str) {
+    let keys = ConfigKeys::parse(text, "BERT config")?;
+    match keys.string("model_type") {
         Some("bert") => {}
         Some(other) => {
             meshgrad_tensor::bail!("BERT config: model_type is {other:?}, expected \"bert\"")
         }
         None => meshgrad_tensor::bail!("BERT config: missing key model_type (expected \"bert\")"),
     }
-    let int = |k: &str| -> Result<Option<usize>> {
-        match obj.get(k) {
-            None | Some(Value::Null) => Ok(None),
-            Some(x) => match x.as_u64() {
-                Some(n) => Ok(Some(n as usize)),
-                None => meshgrad_tensor::bail!(
-                    "BERT config: {k} must be a non-negative integer, got {x}"
-                ),
-            },
-        }
-    };
-    let req = |k: &str| -> Result<usize> {
-        int(k)?.ok_or_else(|| Error::Msg(format!("BERT config: missing key {k}")))
-    };
-    let float = |k: &str, default: f64| -> Result<f64> {
-        match obj.get(k) {
-            None | Some(Value::Null) => Ok(default),
-            Some(x) => x
-                .as_f64()
-                .ok_or_else(|| Error::Msg(format!("BERT config: {k} must be a number, got {x}"))),
-        }
-    };
-    let string = |k: &str| obj.get(k).and_then(Value::as_str);
+    let int = |k: &str| keys.int(k);
+    let req = |k: &str| keys.req(k);
+    let float = |k: &str, default: f64| keys.float(k, default);
+    let string = |k: &str| keys.string(k);
     if let Some(act) = string("hidden_act") {
         if act != "gelu" {
             meshgrad_tensor::bail!(
@@ -94,11 +70,11 @@ pub fn bert_config_from_hf_json(text: &str) -> Result<BertConfig> {
         }
     }
     for k in ["is_decoder", "add_cross_attention"] {
-        if obj.get(k).and_then(Value::as_bool) == Some(true) {
+        if keys.flag(k) == Some(true) {
             meshgrad_tensor::bail!("BERT config: {k} true is not supported (encoder only)");
         }
     }
-    if obj.get("tie_word_embeddings").and_then(Value::as_bool) == Some(false) {
+    if keys.flag("tie_word_embeddings") == Some(false) {
         meshgrad_tensor::bail!(
             "BERT config: tie_word_embeddings false is not supported (meshgrad ties the decoder to the word embeddings)"
         );
@@ -166,11 +142,7 @@ pub fn hf_bert_config_json(model: &BertForMaskedLM) -> Result<String> {
 
 /// Reads `dir/config.json` as a BERT config (errors name the file).
 pub fn read_bert_config(dir: impl AsRef<Path>) -> Result<BertConfig> {
-    let path = dir.as_ref().join(CONFIG_FILE);
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| Error::Msg(format!("load_bert: cannot read {}: {e}", path.display())))?;
-    bert_config_from_hf_json(&text)
-        .map_err(|e| Error::Msg(format!("load_bert: {}: {e}", path.display())))
+    read_config(dir.as_ref(), "load_bert", bert_config_from_hf_json)
 }
 
 /// Whether the checkpoint folder `dir` holds a BERT model: its `config.json` has
@@ -306,11 +278,6 @@ pub fn load_bert_weights(model: &BertForMaskedLM, dir: impl AsRef<Path>) -> Resu
     load_state_dict(model, &converted, true).map_err(ctx)
 }
 
-/// Whether two tensors have the same shape and values (compared as f64).
-fn tensors_equal(a: &Tensor, b: &Tensor) -> Result<bool> {
-    Ok(a.dims() == b.dims() && a.to_vec_f64()? == b.to_vec_f64()?)
-}
-
 /// Writes `model` as a Hugging Face BERT checkpoint folder `dir` (created if missing):
 /// `model.safetensors` with Hugging Face's `BertForMaskedLM` names (`bert.` prefix, no tied
 /// decoder tensors, metadata `{"format": "pt"}`) and `config.json` (see
@@ -318,16 +285,11 @@ fn tensors_equal(a: &Tensor, b: &Tensor) -> Result<bool> {
 pub fn save_bert(model: &BertForMaskedLM, dir: impl AsRef<Path>) -> Result<()> {
     let dir = dir.as_ref();
     let config = hf_bert_config_json(model)?;
-    std::fs::create_dir_all(dir)
-        .map_err(|e| Error::Msg(format!("save_bert: cannot create {}: {e}", dir.display())))?;
-    let tensors: Vec<(String, Tensor)> = model
-        .named_parameters()
-        .into_iter()
-        .map(|(n, p)| (n, p.tensor().clone()))
-        .collect();
-    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    save_safetensors(dir.join(WEIGHTS_FILE), &tensors, Some(meta))?;
-    write_atomic_with(&dir.join(CONFIG_FILE), "save_bert", |tmp| {
-        std::fs::write(tmp, config.as_bytes()).map_err(|e| e.to_string())
+    write_folder(dir, "save_bert", &config, || {
+        Ok(model
+            .named_parameters()
+            .into_iter()
+            .map(|(n, p)| (n, p.tensor().clone()))
+            .collect())
     })
 }

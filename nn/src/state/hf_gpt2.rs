@@ -18,13 +18,13 @@ use std::path::Path;
 use meshgrad_tensor::{DType, Device, Error, GeluKind, Result, Tensor};
 use serde_json::{json, Value};
 
-use super::safetensors_io::write_atomic_with;
-use super::{check_shape, load_safetensors, load_state_dict, name_list, save_safetensors};
+use super::hf_folder::{
+    read_config as read_folder_config, tensors_equal, write_folder, ConfigKeys, CONFIG_FILE,
+    WEIGHTS_FILE,
+};
+use super::{check_shape, load_safetensors, load_state_dict, name_list};
 use crate::gpt::{Gpt, GptConfig};
 use crate::module::Module;
-
-const CONFIG_FILE: &str = "config.json";
-const WEIGHTS_FILE: &str = "model.safetensors";
 
 /// Whether `name` (without prefix) is one of the four HF `Conv1D` weights stored `[in, out]`:
 /// `h.<N>.attn.c_attn.weight`, `h.<N>.attn.c_proj.weight`, `h.<N>.mlp.c_fc.weight` or
@@ -86,35 +86,12 @@ fn model_gelu(model: &Gpt) -> GeluKind {
 /// `n_inner` other than `4 * n_embd`, `tie_word_embeddings: false`, `scale_attn_weights: false`,
 /// `scale_attn_by_inverse_layer_idx` or `reorder_and_upcast_attn` true.
 pub fn gpt_config_from_hf_json(text: &str) -> Result<(GptConfig, GeluKind)> {
-    let v: Value = serde_json::from_str(text)
-        .map_err(|e| Error::Msg(format!("GPT-2 config: invalid JSON: {e}")))?;
-    let Some(obj) = v.as_object() else {
-        meshgrad_tensor::bail!("GPT-2 config: expected a JSON object");
-    };
-    let int = |k: &str| -> Result<Option<usize>> {
-        match obj.get(k) {
-            None | Some(Value::Null) => Ok(None),
-            Some(x) => match x.as_u64() {
-                Some(n) => Ok(Some(n as usize)),
-                None => meshgrad_tensor::bail!(
-                    "GPT-2 config: {k} must be a non-negative integer, got {x}"
-                ),
-            },
-        }
-    };
-    let req = |k: &str| -> Result<usize> {
-        int(k)?.ok_or_else(|| Error::Msg(format!("GPT-2 config: missing key {k}")))
-    };
-    let float = |k: &str, default: f64| -> Result<f64> {
-        match obj.get(k) {
-            None | Some(Value::Null) => Ok(default),
-            Some(x) => x
-                .as_f64()
-                .ok_or_else(|| Error::Msg(format!("GPT-2 config: {k} must be a number, got {x}"))),
-        }
-    };
-    let flag = |k: &str| -> Option<bool> { obj.get(k).and_then(Value::as_bool) };
-    if let Some(mt) = obj.get("model_type").and_then(Value::as_str) {
+    let keys = ConfigKeys::parse(text, "GPT-2 config")?;
+    let int = |k: &str| keys.int(k);
+    let req = |k: &str| keys.req(k);
+    let float = |k: &str, default: f64| keys.float(k, default);
+    let flag = |k: &str| keys.flag(k);
+    if let Some(mt) = keys.string("model_type") {
         if mt != "gpt2" {
             meshgrad_tensor::bail!("GPT-2 config: model_type is {mt:?}, expected \"gpt2\"");
         }
@@ -141,7 +118,7 @@ pub fn gpt_config_from_hf_json(text: &str) -> Result<(GptConfig, GeluKind)> {
             meshgrad_tensor::bail!("GPT-2 config: {k} true is not supported");
         }
     }
-    let gelu = match obj.get("activation_function") {
+    let gelu = match keys.get("activation_function") {
         None | Some(Value::Null) => GeluKind::Tanh,
         Some(Value::String(s)) => gelu_from_hf(s)?,
         Some(x) => {
@@ -203,11 +180,7 @@ pub fn hf_config_json(model: &Gpt) -> Result<String> {
 }
 
 fn read_config(dir: &Path) -> Result<(GptConfig, GeluKind)> {
-    let path = dir.join(CONFIG_FILE);
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| Error::Msg(format!("load_gpt2: cannot read {}: {e}", path.display())))?;
-    gpt_config_from_hf_json(&text)
-        .map_err(|e| Error::Msg(format!("load_gpt2: {}: {e}", path.display())))
+    read_folder_config(dir, "load_gpt2", gpt_config_from_hf_json)
 }
 
 /// Builds a GPT from the Hugging Face GPT-2 checkpoint folder `dir` (`config.json` and
@@ -355,28 +328,6 @@ fn load_weights(model: &Gpt, dir: &Path) -> Result<()> {
     load_state_dict(model, &converted, true).map_err(ctx)
 }
 
-/// Whether two tensors have the same shape and values (compared as f64, in chunks of rows).
-fn tensors_equal(a: &Tensor, b: &Tensor) -> Result<bool> {
-    if a.dims() != b.dims() {
-        return Ok(false);
-    }
-    if a.rank() == 0 || a.elem_count() == 0 {
-        return Ok(a.to_vec_f64()? == b.to_vec_f64()?);
-    }
-    let rows = a.dims()[0];
-    let per_row = (a.elem_count() / rows).max(1);
-    let chunk = (1 << 20) / per_row + 1;
-    let mut start = 0;
-    while start < rows {
-        let len = chunk.min(rows - start);
-        if a.narrow(0, start, len)?.to_vec_f64()? != b.narrow(0, start, len)?.to_vec_f64()? {
-            return Ok(false);
-        }
-        start += len;
-    }
-    Ok(true)
-}
-
 /// Writes `model` as a Hugging Face GPT-2 checkpoint folder `dir` (created if missing):
 /// `model.safetensors` with HF names (no `transformer.` prefix, `Conv1D` weights transposed to
 /// `[in, out]`, metadata `{"format": "pt"}`, no mask buffers, no `lm_head.weight`) and
@@ -390,21 +341,17 @@ pub fn save_gpt2(model: &Gpt, dir: impl AsRef<Path>) -> Result<()> {
         );
     }
     let config = hf_config_json(model)?;
-    std::fs::create_dir_all(dir)
-        .map_err(|e| Error::Msg(format!("save_gpt2: cannot create {}: {e}", dir.display())))?;
-    let mut tensors = Vec::new();
-    for (name, p) in model.named_parameters() {
-        let t = p.tensor();
-        let t = if is_conv1d_weight(&name) {
-            t.t()?.contiguous()?
-        } else {
-            t.clone()
-        };
-        tensors.push((name, t));
-    }
-    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    save_safetensors(dir.join(WEIGHTS_FILE), &tensors, Some(meta))?;
-    write_atomic_with(&dir.join(CONFIG_FILE), "save_gpt2", |tmp| {
-        std::fs::write(tmp, config.as_bytes()).map_err(|e| e.to_string())
+    write_folder(dir, "save_gpt2", &config, || {
+        let mut tensors = Vec::new();
+        for (name, p) in model.named_parameters() {
+            let t = p.tensor();
+            let t = if is_conv1d_weight(&name) {
+                t.t()?.contiguous()?
+            } else {
+                t.clone()
+            };
+            tensors.push((name, t));
+        }
+        Ok(tensors)
     })
 }

@@ -3,6 +3,7 @@
 //! ([`load_gpt2`], [`save_gpt2`]).
 
 pub mod hf_bert;
+mod hf_folder;
 pub mod hf_gpt2;
 pub mod safetensors_io;
 

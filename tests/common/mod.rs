@@ -1,0 +1,150 @@
+//! Helpers shared by the CLI integration tests: running the `meshgrad` binary, temporary
+//! folders, checking a run's outcome, and reading the metrics and losses it writes.
+//!
+//! Each test file is its own crate and uses only some of these.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// The `meshgrad` binary built for these tests.
+pub fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_meshgrad"))
+}
+
+/// A fresh, empty `meshgrad-cli-<name>-<pid>` folder under the system temp dir.
+pub fn tmpdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("meshgrad-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// (stdout, stderr) of a run.
+pub fn text(o: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+/// Asserts a successful run, showing its stdout and stderr otherwise.
+pub fn assert_ok(o: &Output) {
+    let (out, err) = text(o);
+    assert!(o.status.success(), "{out}\n{err}");
+}
+
+/// Asserts a failed run: non-zero exit, a single `error:` line containing every needle, no
+/// panic trace.
+pub fn assert_one_line_error(o: &Output, needles: &[&str]) {
+    let (_, err) = text(o);
+    assert!(!o.status.success(), "expected failure, stderr: {err}");
+    assert!(
+        !err.contains("panicked"),
+        "panic instead of an error: {err}"
+    );
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "expected one line, got: {err}");
+    assert!(lines[0].starts_with("error: "), "{err}");
+    for n in needles {
+        assert!(lines[0].contains(n), "{n:?} not in {err}");
+    }
+}
+
+/// `meshgrad train --steps <steps>` into `dir/<tag>` with metrics in `dir/<tag>.jsonl`, one
+/// `--set` per entry of `sets` (in order), then `extra`.
+pub fn train(dir: &Path, tag: &str, steps: usize, sets: &[&str], extra: &[&str]) -> Output {
+    let out = dir.join(tag);
+    let metrics = dir.join(format!("{tag}.jsonl"));
+    let mut cmd = bin();
+    cmd.args(["train", "--steps", &steps.to_string()])
+        .args(["--out", out.to_str().unwrap()])
+        .args(["--metrics", metrics.to_str().unwrap()]);
+    for s in sets {
+        cmd.args(["--set", s]);
+    }
+    cmd.args(extra).output().unwrap()
+}
+
+/// `meshgrad eval --checkpoint <ckpt> --data <data>`.
+pub fn eval(ckpt: &Path, data: &Path) -> Output {
+    bin()
+        .args(["eval", "--checkpoint", ckpt.to_str().unwrap()])
+        .args(["--data", data.to_str().unwrap()])
+        .output()
+        .unwrap()
+}
+
+/// The value of the first `loss=` line of stdout.
+pub fn loss_line(o: &Output) -> f64 {
+    let (out, _) = text(o);
+    let line = out.lines().find(|l| l.starts_with("loss=")).expect("loss=");
+    line["loss=".len()..].parse().unwrap()
+}
+
+/// The `loss=` value of the last stdout line.
+pub fn last_loss(o: &Output) -> f64 {
+    let (out, _) = text(o);
+    let last = out.lines().last().unwrap_or("");
+    last.strip_prefix("loss=")
+        .unwrap_or_else(|| panic!("last line is not loss=: {out}"))
+        .parse()
+        .unwrap()
+}
+
+/// A JSON file (a checkpoint's config.json, say).
+pub fn read_json(path: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// One line of a metrics file.
+#[derive(Debug, Clone, Copy)]
+pub struct Step {
+    pub loss: f64,
+    /// Present on the steps that evaluate.
+    pub val_loss: Option<f64>,
+    /// NaN when the line has none.
+    pub grad_norm: f64,
+}
+
+/// The lines of `dir/<tag>.jsonl`.
+pub fn metrics(dir: &Path, tag: &str) -> Vec<Step> {
+    std::fs::read_to_string(dir.join(format!("{tag}.jsonl")))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            Step {
+                loss: v["loss"].as_f64().unwrap(),
+                val_loss: v["val_loss"].as_f64(),
+                grad_norm: v["grad_norm"].as_f64().unwrap_or(f64::NAN),
+            }
+        })
+        .collect()
+}
+
+/// |a - b| relative to |b|.
+pub fn rel(a: f64, b: f64) -> f64 {
+    (a - b).abs() / b.abs()
+}
+
+/// Asserts that run `tag` went step by step like `want`: losses within 1e-5 relative, gradient
+/// norms (when `grad_norms`) within 1e-4, validation losses at the same steps within 1e-5.
+pub fn assert_lockstep(tag: &str, got: &[Step], want: &[Step], grad_norms: bool) {
+    assert_eq!(got.len(), want.len(), "{tag}: one metrics line per step");
+    for (step, (a, b)) in got.iter().zip(want).enumerate() {
+        let (la, lb) = (a.loss, b.loss);
+        assert!(rel(la, lb) <= 1e-5, "{tag} step {step}: loss {la} vs {lb}");
+        if grad_norms {
+            let (na, nb) = (a.grad_norm, b.grad_norm);
+            assert!(
+                rel(na, nb) <= 1e-4,
+                "{tag} step {step}: grad norm {na} vs {nb}"
+            );
+        }
+        assert_eq!(a.val_loss.is_some(), b.val_loss.is_some());
+        if let (Some(va), Some(vb)) = (a.val_loss, b.val_loss) {
+            assert!(rel(va, vb) <= 1e-5, "{tag} step {step}: val {va} vs {vb}");
+        }
+    }
+}
