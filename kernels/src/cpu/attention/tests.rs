@@ -4,53 +4,20 @@
 use super::*;
 use crate::cpu::testutil::{assert_close, dot64, to_f32, to_f64, Rng};
 
-/// Naive f64 attention: explicit masked score rows, explicit softmax. Returns (out, lse, P)
-/// with `P` the full `[bh, seq_q, seq_k]` probability tensor (0 where masked).
+/// Naive f64 attention without padding or bias (the masked reference with nothing masked but
+/// the causal limit). Returns (out, lse, P) with `P` the full `[bh, seq_q, seq_k]` probability
+/// tensor (0 where masked).
 fn forward_ref(
     sh: &AttentionShape,
     q: &[f64],
     k: &[f64],
     v: &[f64],
 ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
-    let AttentionShape {
-        batch_heads: bh,
-        seq_q: sq,
-        seq_k: sk,
-        head_dim: d,
-        causal,
-        scale,
-    } = *sh;
-    let mut out = vec![0.0; bh * sq * d];
-    let mut lse = vec![0.0; bh * sq];
-    let mut probs = vec![0.0; bh * sq * sk];
-    for b in 0..bh {
-        for i in 0..sq {
-            let visible: Vec<usize> = (0..sk).filter(|&j| !causal || j + sq <= i + sk).collect();
-            let scores: Vec<f64> = visible
-                .iter()
-                .map(|&j| {
-                    scale
-                        * (0..d)
-                            .map(|c| q[(b * sq + i) * d + c] * k[(b * sk + j) * d + c])
-                            .sum::<f64>()
-                })
-                .collect();
-            let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let z: f64 = scores.iter().map(|s| (s - m).exp()).sum();
-            lse[b * sq + i] = m + z.ln();
-            for (&j, &s) in visible.iter().zip(&scores) {
-                let p = (s - m).exp() / z;
-                probs[(b * sq + i) * sk + j] = p;
-                for c in 0..d {
-                    out[(b * sq + i) * d + c] += p * v[(b * sk + j) * d + c];
-                }
-            }
-        }
-    }
-    (out, lse, probs)
+    masked_forward_ref(sh, &Mods::plain(), q, k, v)
 }
 
-/// Naive f64 backward through the explicit softmax Jacobian (no lse / D shortcuts).
+/// Naive f64 backward through the explicit softmax Jacobian (no lse / D shortcuts), without
+/// padding or bias.
 fn backward_ref(
     sh: &AttentionShape,
     q: &[f64],
@@ -58,44 +25,7 @@ fn backward_ref(
     v: &[f64],
     dout: &[f64],
 ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
-    let AttentionShape {
-        batch_heads: bh,
-        seq_q: sq,
-        seq_k: sk,
-        head_dim: d,
-        scale,
-        ..
-    } = *sh;
-    let (_, _, p) = forward_ref(sh, q, k, v);
-    let mut dq = vec![0.0; bh * sq * d];
-    let mut dk = vec![0.0; bh * sk * d];
-    let mut dv = vec![0.0; bh * sk * d];
-    for b in 0..bh {
-        for i in 0..sq {
-            let prow = &p[(b * sq + i) * sk..(b * sq + i + 1) * sk];
-            // dP_ij = dout_i · v_j
-            let dp: Vec<f64> = (0..sk)
-                .map(|j| {
-                    (0..d)
-                        .map(|c| dout[(b * sq + i) * d + c] * v[(b * sk + j) * d + c])
-                        .sum()
-                })
-                .collect();
-            for j in 0..sk {
-                // dS_ij = Σ_j' dP_ij' · ∂P_ij'/∂S_ij = Σ_j' dP_ij' P_ij' (δ_jj' - P_ij)
-                let mut dsij = 0.0;
-                for jp in 0..sk {
-                    let delta = if j == jp { 1.0 } else { 0.0 };
-                    dsij += dp[jp] * prow[jp] * (delta - prow[j]);
-                }
-                for c in 0..d {
-                    dv[(b * sk + j) * d + c] += prow[j] * dout[(b * sq + i) * d + c];
-                    dq[(b * sq + i) * d + c] += scale * dsij * k[(b * sk + j) * d + c];
-                    dk[(b * sk + j) * d + c] += scale * dsij * q[(b * sq + i) * d + c];
-                }
-            }
-        }
-    }
+    let (dq, dk, dv, _) = masked_backward_ref(sh, &Mods::plain(), q, k, v, dout);
     (dq, dk, dv)
 }
 
@@ -137,31 +67,102 @@ fn inputs(rng: &mut Rng, sh: &AttentionShape) -> (Vec<f64>, Vec<f64>, Vec<f64>) 
     )
 }
 
+/// Rounds each of `xs` to f32.
+fn round<const N: usize>(xs: [&[f64]; N]) -> [Vec<f32>; N] {
+    xs.map(to_f32)
+}
+
+/// Widens each of `xs` to f64.
+fn widen<const N: usize>(xs: [&[f32]; N]) -> [Vec<f64>; N] {
+    xs.map(to_f64)
+}
+
+/// Runs the forward kernel into `out` and `lse` buffers pre-filled with `fill`: (out, lse).
+fn forward<T: Float>(
+    sh: AttentionShape,
+    mask: &ScoreMask<'_, T>,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    fill: T,
+) -> (Vec<T>, Vec<T>) {
+    let mut out = vec![fill; q.len()];
+    let mut lse = vec![fill; sh.batch_heads * sh.seq_q];
+    attention_forward(sh, mask, q, k, v, &mut out, &mut lse);
+    (out, lse)
+}
+
+/// (dq, dk, dv, dz) of one backward run, `dz` only where it was asked for.
+type Grads<T> = (Vec<T>, Vec<T>, Vec<T>, Option<Vec<T>>);
+
+/// Runs the backward kernel into dq, dk, dv buffers pre-filled with `fill` and, where `dz_fill`
+/// is given, a dbias buffer pre-filled with it.
+#[allow(clippy::too_many_arguments)]
+fn backward<T: Float>(
+    sh: AttentionShape,
+    mask: &ScoreMask<'_, T>,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    (out, lse): (&[T], &[T]),
+    dout: &[T],
+    fill: T,
+    dz_fill: Option<T>,
+) -> Grads<T> {
+    let (mut dq, mut dk, mut dv) = (
+        vec![fill; q.len()],
+        vec![fill; k.len()],
+        vec![fill; v.len()],
+    );
+    let mut dz = dz_fill.map(|f| vec![f; sh.batch_heads * sh.seq_q * sh.seq_k]);
+    attention_backward(
+        sh,
+        mask,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dout,
+        &mut dq,
+        &mut dk,
+        &mut dv,
+        dz.as_deref_mut(),
+    );
+    (dq, dk, dv, dz)
+}
+
+/// `assert_close` on each of `got` against `want`, labelled `{what} {name}{suffix}` with the
+/// names dq, dk, dv, dz in that order.
+#[track_caller]
+fn assert_grads_close(
+    what: &str,
+    suffix: &str,
+    got: &[&[f64]],
+    want: &[&[f64]],
+    rtol: f64,
+    atol: f64,
+) {
+    assert_eq!(got.len(), want.len());
+    for ((name, g), w) in ["dq", "dk", "dv", "dz"].iter().zip(got).zip(want) {
+        assert_close(&format!("{what} {name}{suffix}"), g, w, rtol, atol);
+    }
+}
+
 #[test]
 fn forward_matches_reference() {
     let mut rng = Rng(0xa77e);
     for sh in cases() {
         let (q, k, v) = inputs(&mut rng, &sh);
         let (ow, lw, _) = forward_ref(&sh, &q, &k, &v);
-        let mut out = vec![f64::NAN; q.len()];
-        let mut lse = vec![f64::NAN; sh.batch_heads * sh.seq_q];
-        attention_forward(sh, &ScoreMask::none(), &q, &k, &v, &mut out, &mut lse);
+        let (out, lse) = forward(sh, &ScoreMask::none(), &q, &k, &v, f64::NAN);
         assert_close(&format!("attn out f64 {sh:?}"), &out, &ow, 1e-10, 1e-12);
         assert_close(&format!("attn lse f64 {sh:?}"), &lse, &lw, 1e-12, 1e-12);
 
-        let (q32, k32, v32) = (to_f32(&q), to_f32(&k), to_f32(&v));
-        let (ow, lw, _) = forward_ref(&sh, &to_f64(&q32), &to_f64(&k32), &to_f64(&v32));
-        let mut out32 = vec![f32::NAN; q.len()];
-        let mut lse32 = vec![f32::NAN; sh.batch_heads * sh.seq_q];
-        attention_forward(
-            sh,
-            &ScoreMask::none(),
-            &q32,
-            &k32,
-            &v32,
-            &mut out32,
-            &mut lse32,
-        );
+        let [q32, k32, v32] = round([&q, &k, &v]);
+        let [qr, kr, vr] = widen([&q32, &k32, &v32]);
+        let (ow, lw, _) = forward_ref(&sh, &qr, &kr, &vr);
+        let (out32, lse32) = forward(sh, &ScoreMask::none(), &q32, &k32, &v32, f32::NAN);
         assert_close(
             &format!("attn out f32 {sh:?}"),
             &to_f64(&out32),
@@ -209,32 +210,19 @@ fn backward_matches_reference_and_finite_differences() {
     for sh in cases() {
         let (q, k, v) = inputs(&mut rng, &sh);
         let dout = rng.vec(q.len(), -1.0, 1.0);
-        let mut out = vec![0.0; q.len()];
-        let mut lse = vec![0.0; sh.batch_heads * sh.seq_q];
-        attention_forward(sh, &ScoreMask::none(), &q, &k, &v, &mut out, &mut lse);
-        let (mut dq, mut dk, mut dv) = (
-            vec![f64::NAN; q.len()],
-            vec![f64::NAN; k.len()],
-            vec![f64::NAN; v.len()],
-        );
-        attention_backward(
-            sh,
-            &ScoreMask::none(),
-            &q,
-            &k,
-            &v,
-            &out,
-            &lse,
-            &dout,
-            &mut dq,
-            &mut dk,
-            &mut dv,
-            None,
-        );
+        let none = ScoreMask::none();
+        let (out, lse) = forward(sh, &none, &q, &k, &v, 0.0);
+        let (dq, dk, dv, _) = backward(sh, &none, &q, &k, &v, (&out, &lse), &dout, f64::NAN, None);
         let (dqw, dkw, dvw) = backward_ref(&sh, &q, &k, &v, &dout);
-        assert_close(&format!("attn dq {sh:?}"), &dq, &dqw, 1e-9, 1e-11);
-        assert_close(&format!("attn dk {sh:?}"), &dk, &dkw, 1e-9, 1e-11);
-        assert_close(&format!("attn dv {sh:?}"), &dv, &dvw, 1e-9, 1e-11);
+        let suffix = format!(" {sh:?}");
+        assert_grads_close(
+            "attn",
+            &suffix,
+            &[&dq, &dk, &dv],
+            &[&dqw, &dkw, &dvw],
+            1e-9,
+            1e-11,
+        );
 
         // Central finite differences of L = Σ dout · out (f64 forward kernel).
         let loss = |q: &[f64], k: &[f64], v: &[f64]| {
@@ -277,66 +265,18 @@ fn backward_matches_reference_and_finite_differences() {
         }
 
         // f32 backward against the f64 reference on rounded inputs.
-        let (q32, k32, v32, do32) = (to_f32(&q), to_f32(&k), to_f32(&v), to_f32(&dout));
-        let mut out32 = vec![0f32; q.len()];
-        let mut lse32 = vec![0f32; lse.len()];
-        attention_forward(
-            sh,
-            &ScoreMask::none(),
-            &q32,
-            &k32,
-            &v32,
-            &mut out32,
-            &mut lse32,
-        );
-        let (mut dq32, mut dk32, mut dv32) = (
-            vec![0f32; q.len()],
-            vec![0f32; k.len()],
-            vec![0f32; v.len()],
-        );
-        attention_backward(
-            sh,
-            &ScoreMask::none(),
-            &q32,
-            &k32,
-            &v32,
-            &out32,
-            &lse32,
-            &do32,
-            &mut dq32,
-            &mut dk32,
-            &mut dv32,
-            None,
-        );
-        let (dqw, dkw, dvw) = backward_ref(
-            &sh,
-            &to_f64(&q32),
-            &to_f64(&k32),
-            &to_f64(&v32),
-            &to_f64(&do32),
-        );
+        let [q32, k32, v32, do32] = round([&q, &k, &v, &dout]);
+        let none = ScoreMask::none();
+        let (out32, lse32) = forward(sh, &none, &q32, &k32, &v32, 0f32);
+        let fwd32 = (&out32[..], &lse32[..]);
+        let (dq32, dk32, dv32, _) = backward(sh, &none, &q32, &k32, &v32, fwd32, &do32, 0f32, None);
+        let [qr, kr, vr, dr] = widen([&q32, &k32, &v32, &do32]);
+        let (dqw, dkw, dvw) = backward_ref(&sh, &qr, &kr, &vr, &dr);
         let atol = 2e-5 * (sh.seq_q.max(sh.seq_k) as f64).sqrt();
-        assert_close(
-            &format!("attn dq f32 {sh:?}"),
-            &to_f64(&dq32),
-            &dqw,
-            1e-3,
-            atol,
-        );
-        assert_close(
-            &format!("attn dk f32 {sh:?}"),
-            &to_f64(&dk32),
-            &dkw,
-            1e-3,
-            atol,
-        );
-        assert_close(
-            &format!("attn dv f32 {sh:?}"),
-            &to_f64(&dv32),
-            &dvw,
-            1e-3,
-            atol,
-        );
+        let [dq64, dk64, dv64] = widen([&dq32, &dk32, &dv32]);
+        let suffix = format!(" f32 {sh:?}");
+        let (got, want) = ([&dq64[..], &dk64, &dv64], [&dqw[..], &dkw, &dvw]);
+        assert_grads_close("attn", &suffix, &got, &want, 1e-3, atol);
     }
 }
 
@@ -393,32 +333,13 @@ fn backward_is_deterministic_across_thread_counts() {
     let sh = shape(4, 96, 96, 32, true);
     let mut rng = Rng(1);
     let (q, k, v) = inputs(&mut rng, &sh);
-    let (q, k, v) = (to_f32(&q), to_f32(&k), to_f32(&v));
+    let [q, k, v] = round([&q, &k, &v]);
     let dout = to_f32(&rng.vec(q.len(), -1.0, 1.0));
     let run = || {
-        let mut out = vec![0f32; q.len()];
-        let mut lse = vec![0f32; sh.batch_heads * sh.seq_q];
-        attention_forward(sh, &ScoreMask::none(), &q, &k, &v, &mut out, &mut lse);
-        let (mut dq, mut dk, mut dv) = (
-            vec![0f32; q.len()],
-            vec![0f32; k.len()],
-            vec![0f32; v.len()],
-        );
-        attention_backward(
-            sh,
-            &ScoreMask::none(),
-            &q,
-            &k,
-            &v,
-            &out,
-            &lse,
-            &dout,
-            &mut dq,
-            &mut dk,
-            &mut dv,
-            None,
-        );
-        (out, lse, dq, dk, dv)
+        let none = ScoreMask::none();
+        let (out, lse) = forward(sh, &none, &q, &k, &v, 0f32);
+        let grads = backward(sh, &none, &q, &k, &v, (&out, &lse), &dout, 0f32, None);
+        (out, lse, grads)
     };
     let one = rayon::ThreadPoolBuilder::new()
         .num_threads(1)
@@ -689,6 +610,15 @@ struct Mods {
 }
 
 impl Mods {
+    /// Nothing masked beyond the causal limit.
+    fn plain() -> Mods {
+        Mods {
+            heads: 1,
+            pad: None,
+            bias: None,
+        }
+    }
+
     fn mask(&self) -> ScoreMask<'_, f64> {
         ScoreMask {
             heads: self.heads,
