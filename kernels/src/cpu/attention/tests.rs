@@ -810,42 +810,18 @@ fn check_masked(what: &str, sh: AttentionShape, m: &Mods, rng: &mut Rng) {
     let dout = rng.vec(q.len(), -1.0, 1.0);
     let mask = m.mask();
     let (ow, lw, _) = masked_forward_ref(&sh, m, &q, &k, &v);
-    let mut out = vec![f64::NAN; q.len()];
-    let mut lse = vec![f64::NAN; sh.batch_heads * sh.seq_q];
-    attention_forward(sh, &mask, &q, &k, &v, &mut out, &mut lse);
+    let (out, lse) = forward(sh, &mask, &q, &k, &v, f64::NAN);
     assert_close(&format!("{what} out {sh:?}"), &out, &ow, 1e-10, 1e-12);
     assert_close(&format!("{what} lse {sh:?}"), &lse, &lw, 1e-12, 1e-12);
 
-    let (mut dq, mut dk, mut dv) = (
-        vec![f64::NAN; q.len()],
-        vec![f64::NAN; k.len()],
-        vec![f64::NAN; v.len()],
-    );
-    let mut dz = vec![f64::NAN; sh.batch_heads * sh.seq_q * sh.seq_k];
-    attention_backward(
-        sh,
-        &mask,
-        &q,
-        &k,
-        &v,
-        &out,
-        &lse,
-        &dout,
-        &mut dq,
-        &mut dk,
-        &mut dv,
-        Some(&mut dz),
-    );
+    let fwd = (&out[..], &lse[..]);
+    let (dq, dk, dv, dz) = backward(sh, &mask, &q, &k, &v, fwd, &dout, f64::NAN, Some(f64::NAN));
+    let dz = dz.unwrap();
     let (dqw, dkw, dvw, dzw) = masked_backward_ref(&sh, m, &q, &k, &v, &dout);
-    assert_close(&format!("{what} dq {sh:?}"), &dq, &dqw, 1e-9, 1e-11);
-    assert_close(&format!("{what} dk {sh:?}"), &dk, &dkw, 1e-9, 1e-11);
-    assert_close(&format!("{what} dv {sh:?}"), &dv, &dvw, 1e-9, 1e-11);
-    assert_close(&format!("{what} dz {sh:?}"), &dz, &dzw, 1e-9, 1e-11);
+    let (got, want) = ([&dq[..], &dk, &dv, &dz], [&dqw[..], &dkw, &dvw, &dzw]);
+    assert_grads_close(what, &format!(" {sh:?}"), &got, &want, 1e-9, 1e-11);
     // Without dbias the other gradients are the same bits.
-    let (mut dq2, mut dk2, mut dv2) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
-    attention_backward(
-        sh, &mask, &q, &k, &v, &out, &lse, &dout, &mut dq2, &mut dk2, &mut dv2, None,
-    );
+    let (dq2, dk2, dv2, _) = backward(sh, &mask, &q, &k, &v, fwd, &dout, 0.0, None);
     assert!(
         dq2 == dq && dk2 == dk && dv2 == dv,
         "{what}: dbias changed dq/dk/dv"
@@ -922,7 +898,7 @@ fn check_masked(what: &str, sh: AttentionShape, m: &Mods, rng: &mut Rng) {
     }
 
     // f32 kernel against the reference on rounded inputs.
-    let (q32, k32, v32, do32) = (to_f32(&q), to_f32(&k), to_f32(&v), to_f32(&dout));
+    let [q32, k32, v32, do32] = round([&q, &k, &v, &dout]);
     let b32 = m.bias32();
     let mask32 = ScoreMask {
         heads: m.heads,
@@ -930,11 +906,9 @@ fn check_masked(what: &str, sh: AttentionShape, m: &Mods, rng: &mut Rng) {
         bias: b32.as_ref().map(|(d, l)| (&d[..], *l)),
     };
     let mr = m.rounded();
-    let (qr, kr, vr, dr) = (to_f64(&q32), to_f64(&k32), to_f64(&v32), to_f64(&do32));
+    let [qr, kr, vr, dr] = widen([&q32, &k32, &v32, &do32]);
     let (ow, _, _) = masked_forward_ref(&sh, &mr, &qr, &kr, &vr);
-    let mut out32 = vec![f32::NAN; q.len()];
-    let mut lse32 = vec![f32::NAN; lse.len()];
-    attention_forward(sh, &mask32, &q32, &k32, &v32, &mut out32, &mut lse32);
+    let (out32, lse32) = forward(sh, &mask32, &q32, &k32, &v32, f32::NAN);
     assert_close(
         &format!("{what} out f32 {sh:?}"),
         &to_f64(&out32),
@@ -942,32 +916,27 @@ fn check_masked(what: &str, sh: AttentionShape, m: &Mods, rng: &mut Rng) {
         1e-4,
         1e-5,
     );
-    let (mut dq32, mut dk32, mut dv32) = (
-        vec![0f32; q.len()],
-        vec![0f32; k.len()],
-        vec![0f32; v.len()],
-    );
-    let mut dz32 = vec![f32::NAN; dz.len()];
-    attention_backward(
+    let fwd32 = (&out32[..], &lse32[..]);
+    let (dq32, dk32, dv32, dz32) = backward(
         sh,
         &mask32,
         &q32,
         &k32,
         &v32,
-        &out32,
-        &lse32,
+        fwd32,
         &do32,
-        &mut dq32,
-        &mut dk32,
-        &mut dv32,
-        Some(&mut dz32),
+        0f32,
+        Some(f32::NAN),
     );
+    let dz32 = dz32.unwrap();
     let (dqw, dkw, dvw, dzw) = masked_backward_ref(&sh, &mr, &qr, &kr, &vr, &dr);
     let atol = 2e-5 * (sh.seq_q.max(sh.seq_k) as f64).sqrt();
-    assert_close(&format!("{what} dq f32"), &to_f64(&dq32), &dqw, 1e-3, atol);
-    assert_close(&format!("{what} dk f32"), &to_f64(&dk32), &dkw, 1e-3, atol);
-    assert_close(&format!("{what} dv f32"), &to_f64(&dv32), &dvw, 1e-3, atol);
-    assert_close(&format!("{what} dz f32"), &to_f64(&dz32), &dzw, 1e-3, atol);
+    let [dq64, dk64, dv64, dz64] = widen([&dq32, &dk32, &dv32, &dz32]);
+    let (got, want) = (
+        [&dq64[..], &dk64, &dv64, &dz64],
+        [&dqw[..], &dkw, &dvw, &dzw],
+    );
+    assert_grads_close(what, " f32", &got, &want, 1e-3, atol);
     for x in out32
         .iter()
         .chain(&dq32)
@@ -1080,25 +1049,10 @@ fn fully_masked_rows_give_zeros_not_nan() {
     check_masked("fully masked", sh, &m, &mut rng);
     let (q, k, v) = inputs(&mut rng, &sh);
     let dout = rng.vec(q.len(), -1.0, 1.0);
-    let mut out = vec![f64::NAN; q.len()];
-    let mut lse = vec![f64::NAN; b * h * sq];
-    attention_forward(sh, &m.mask(), &q, &k, &v, &mut out, &mut lse);
-    let (mut dq, mut dk, mut dv) = (vec![1.0; q.len()], vec![1.0; k.len()], vec![1.0; v.len()]);
-    let mut dz = vec![1.0; b * h * sq * sk];
-    attention_backward(
-        sh,
-        &m.mask(),
-        &q,
-        &k,
-        &v,
-        &out,
-        &lse,
-        &dout,
-        &mut dq,
-        &mut dk,
-        &mut dv,
-        Some(&mut dz),
-    );
+    let (out, lse) = forward(sh, &m.mask(), &q, &k, &v, f64::NAN);
+    let fwd = (&out[..], &lse[..]);
+    let (dq, dk, dv, dz) = backward(sh, &m.mask(), &q, &k, &v, fwd, &dout, 1.0, Some(1.0));
+    let dz = dz.unwrap();
     let dead_row = |bh: usize, i: usize| bh < h || i == 2;
     for bh in 0..b * h {
         for i in 0..sq {
@@ -1126,23 +1080,14 @@ fn an_all_ones_padding_mask_gives_the_unmasked_bits() {
     for causal in [false, true] {
         let sh = shape(4, 70, 130, 32, causal);
         let (q, k, v) = inputs(&mut rng, &sh);
-        let (q, k, v) = (to_f32(&q), to_f32(&k), to_f32(&v));
+        let [q, k, v] = round([&q, &k, &v]);
         let dout = to_f32(&rng.vec(q.len(), -1.0, 1.0));
         let ones = vec![1u8; 2 * sh.seq_k];
         let zero_bias = vec![0f32; sh.seq_k];
         let run = |mask: &ScoreMask<'_, f32>| {
-            let mut out = vec![0f32; q.len()];
-            let mut lse = vec![0f32; sh.batch_heads * sh.seq_q];
-            attention_forward(sh, mask, &q, &k, &v, &mut out, &mut lse);
-            let (mut dq, mut dk, mut dv) = (
-                vec![0f32; q.len()],
-                vec![0f32; k.len()],
-                vec![0f32; v.len()],
-            );
-            attention_backward(
-                sh, mask, &q, &k, &v, &out, &lse, &dout, &mut dq, &mut dk, &mut dv, None,
-            );
-            (out, lse, dq, dk, dv)
+            let (out, lse) = forward(sh, mask, &q, &k, &v, 0f32);
+            let grads = backward(sh, mask, &q, &k, &v, (&out, &lse), &dout, 0f32, None);
+            (out, lse, grads)
         };
         let plain = run(&ScoreMask::none());
         let padded = run(&ScoreMask {
@@ -1254,7 +1199,7 @@ fn masked_backward_is_deterministic_across_thread_counts() {
     let sh = shape(b * h, 96, 96, 32, true);
     let mut rng = Rng(3);
     let (q, k, v) = inputs(&mut rng, &sh);
-    let (q, k, v) = (to_f32(&q), to_f32(&k), to_f32(&v));
+    let [q, k, v] = round([&q, &k, &v]);
     let dout = to_f32(&rng.vec(q.len(), -1.0, 1.0));
     let pad = padding(b, sh.seq_k, &mut rng);
     let (bias_v, bl) = bias([1, h, sh.seq_q, sh.seq_k], &mut rng, true);
@@ -1265,30 +1210,9 @@ fn masked_backward_is_deterministic_across_thread_counts() {
         bias: Some((&bias_v, bl)),
     };
     let run = || {
-        let mut out = vec![0f32; q.len()];
-        let mut lse = vec![0f32; sh.batch_heads * sh.seq_q];
-        attention_forward(sh, &mask, &q, &k, &v, &mut out, &mut lse);
-        let (mut dq, mut dk, mut dv) = (
-            vec![0f32; q.len()],
-            vec![0f32; k.len()],
-            vec![0f32; v.len()],
-        );
-        let mut dz = vec![0f32; sh.batch_heads * sh.seq_q * sh.seq_k];
-        attention_backward(
-            sh,
-            &mask,
-            &q,
-            &k,
-            &v,
-            &out,
-            &lse,
-            &dout,
-            &mut dq,
-            &mut dk,
-            &mut dv,
-            Some(&mut dz),
-        );
-        (out, lse, dq, dk, dv, dz)
+        let (out, lse) = forward(sh, &mask, &q, &k, &v, 0f32);
+        let grads = backward(sh, &mask, &q, &k, &v, (&out, &lse), &dout, 0f32, Some(0f32));
+        (out, lse, grads)
     };
     let pool = |n| {
         rayon::ThreadPoolBuilder::new()
