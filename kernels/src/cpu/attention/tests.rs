@@ -367,6 +367,25 @@ fn gather(buf: &[f64], l: HeadLayout, heads: usize, bh: usize, seq: usize, d: us
     out
 }
 
+/// The layouts of q, k and v in one fused `[B, T, 3C]` buffer (`C = heads·d`) and of a
+/// `[B, T, C]` output.
+fn fused_layouts(heads: usize, t: usize, d: usize) -> ([HeadLayout; 3], HeadLayout) {
+    let c = heads * d;
+    let at = |offset| HeadLayout {
+        offset,
+        batch_stride: t * 3 * c,
+        head_stride: d,
+        row_stride: 3 * c,
+    };
+    let ol = HeadLayout {
+        offset: 0,
+        batch_stride: t * c,
+        head_stride: d,
+        row_stride: c,
+    };
+    ([at(0), at(c), at(2 * c)], ol)
+}
+
 #[test]
 fn strided_qkv_layouts_match_the_reference() {
     // q, k, v read from one fused [B, T, 3C] buffer, the output written to [B, T, C] and the
@@ -381,26 +400,10 @@ fn strided_qkv_layouts_match_the_reference() {
         let c = heads * d;
         let bh = b * heads;
         let sh = shape(bh, t, t, d, causal);
-        let at = |offset| HeadLayout {
-            offset,
-            batch_stride: t * 3 * c,
-            head_stride: d,
-            row_stride: 3 * c,
-        };
-        let (ql, kl, vl) = (at(0), at(c), at(2 * c));
-        let ol = HeadLayout {
-            offset: 0,
-            batch_stride: t * c,
-            head_stride: d,
-            row_stride: c,
-        };
+        let ([ql, kl, vl], ol) = fused_layouts(heads, t, d);
         let qkv = rng.vec(b * t * 3 * c, -2.0, 2.0);
         let dout = rng.vec(b * t * c, -1.0, 1.0);
-        let (q, k, v) = (
-            gather(&qkv, ql, heads, bh, t, d),
-            gather(&qkv, kl, heads, bh, t, d),
-            gather(&qkv, vl, heads, bh, t, d),
-        );
+        let [q, k, v] = [ql, kl, vl].map(|l| gather(&qkv, l, heads, bh, t, d));
         let (ow, lw, _) = forward_ref(&sh, &q, &k, &v);
         let mut out = vec![f64::NAN; b * t * c];
         let mut lse = vec![f64::NAN; bh * t];
@@ -444,37 +447,15 @@ fn strided_qkv_layouts_match_the_reference() {
             [ql, kl, vl],
             None,
         );
-        assert_close(
-            "strided dq",
-            &gather(&g, ql, heads, bh, t, d),
-            &dqw,
-            1e-9,
-            1e-11,
-        );
-        assert_close(
-            "strided dk",
-            &gather(&g, kl, heads, bh, t, d),
-            &dkw,
-            1e-9,
-            1e-11,
-        );
-        assert_close(
-            "strided dv",
-            &gather(&g, vl, heads, bh, t, d),
-            &dvw,
-            1e-9,
-            1e-11,
-        );
+        let [gq, gk, gv] = [ql, kl, vl].map(|l| gather(&g, l, heads, bh, t, d));
+        let (got, want) = ([&gq[..], &gk, &gv], [&dqw[..], &dkw, &dvw]);
+        assert_grads_close("strided", "", &got, &want, 1e-9, 1e-11);
 
         // f32 through the same layouts.
         let q32 = to_f32(&qkv);
         let d32 = to_f32(&dout);
         let (q64, d64) = (to_f64(&q32), to_f64(&d32));
-        let (qr, kr, vr) = (
-            gather(&q64, ql, heads, bh, t, d),
-            gather(&q64, kl, heads, bh, t, d),
-            gather(&q64, vl, heads, bh, t, d),
-        );
+        let [qr, kr, vr] = [ql, kl, vl].map(|l| gather(&q64, l, heads, bh, t, d));
         let (ow, _, _) = forward_ref(&sh, &qr, &kr, &vr);
         let mut out32 = vec![0f32; out.len()];
         let mut lse32 = vec![0f32; lse.len()];
@@ -523,27 +504,9 @@ fn strided_qkv_layouts_match_the_reference() {
         );
         let g64 = to_f64(&g32);
         let atol = 2e-5 * (t as f64).sqrt();
-        assert_close(
-            "strided dq f32",
-            &gather(&g64, ql, heads, bh, t, d),
-            &dqw,
-            1e-3,
-            atol,
-        );
-        assert_close(
-            "strided dk f32",
-            &gather(&g64, kl, heads, bh, t, d),
-            &dkw,
-            1e-3,
-            atol,
-        );
-        assert_close(
-            "strided dv f32",
-            &gather(&g64, vl, heads, bh, t, d),
-            &dvw,
-            1e-3,
-            atol,
-        );
+        let [gq, gk, gv] = [ql, kl, vl].map(|l| gather(&g64, l, heads, bh, t, d));
+        let (got, want) = ([&gq[..], &gk, &gv], [&dqw[..], &dkw, &dvw]);
+        assert_grads_close("strided", " f32", &got, &want, 1e-3, atol);
     }
 }
 
@@ -1127,19 +1090,7 @@ fn masked_strided_qkv_layouts_match_the_reference() {
         let c = heads * d;
         let bh = b * heads;
         let sh = shape(bh, t, t, d, causal);
-        let at = |offset| HeadLayout {
-            offset,
-            batch_stride: t * 3 * c,
-            head_stride: d,
-            row_stride: 3 * c,
-        };
-        let (ql, kl, vl) = (at(0), at(c), at(2 * c));
-        let ol = HeadLayout {
-            offset: 0,
-            batch_stride: t * c,
-            head_stride: d,
-            row_stride: c,
-        };
+        let ([ql, kl, vl], ol) = fused_layouts(heads, t, d);
         let m = Mods {
             heads,
             pad: Some(padding(b, t, &mut rng)),
@@ -1148,11 +1099,7 @@ fn masked_strided_qkv_layouts_match_the_reference() {
         let mask = m.mask();
         let qkv = rng.vec(b * t * 3 * c, -2.0, 2.0);
         let dout = rng.vec(b * t * c, -1.0, 1.0);
-        let (q, k, v) = (
-            gather(&qkv, ql, heads, bh, t, d),
-            gather(&qkv, kl, heads, bh, t, d),
-            gather(&qkv, vl, heads, bh, t, d),
-        );
+        let [q, k, v] = [ql, kl, vl].map(|l| gather(&qkv, l, heads, bh, t, d));
         let (ow, lw, _) = masked_forward_ref(&sh, &m, &q, &k, &v);
         let mut out = vec![f64::NAN; b * t * c];
         let mut lse = vec![f64::NAN; bh * t];
@@ -1185,11 +1132,9 @@ fn masked_strided_qkv_layouts_match_the_reference() {
             [ql, kl, vl],
             Some(&mut dz),
         );
-        let gg = |l| gather(&g, l, heads, bh, t, d);
-        assert_close("masked strided dq", &gg(ql), &dqw, 1e-9, 1e-11);
-        assert_close("masked strided dk", &gg(kl), &dkw, 1e-9, 1e-11);
-        assert_close("masked strided dv", &gg(vl), &dvw, 1e-9, 1e-11);
-        assert_close("masked strided dz", &dz, &dzw, 1e-9, 1e-11);
+        let [gq, gk, gv] = [ql, kl, vl].map(|l| gather(&g, l, heads, bh, t, d));
+        let (got, want) = ([&gq[..], &gk, &gv, &dz], [&dqw[..], &dkw, &dvw, &dzw]);
+        assert_grads_close("masked strided", "", &got, &want, 1e-9, 1e-11);
     }
 }
 
