@@ -367,23 +367,107 @@ fn gather(buf: &[f64], l: HeadLayout, heads: usize, bh: usize, seq: usize, d: us
     out
 }
 
-/// The layouts of q, k and v in one fused `[B, T, 3C]` buffer (`C = heads·d`) and of a
-/// `[B, T, C]` output.
-fn fused_layouts(heads: usize, t: usize, d: usize) -> ([HeadLayout; 3], HeadLayout) {
-    let c = heads * d;
-    let at = |offset| HeadLayout {
-        offset,
-        batch_stride: t * 3 * c,
-        head_stride: d,
-        row_stride: 3 * c,
-    };
-    let ol = HeadLayout {
-        offset: 0,
-        batch_stride: t * c,
-        head_stride: d,
-        row_stride: c,
-    };
-    ([at(0), at(c), at(2 * c)], ol)
+/// q, k and v read from one fused `[B, T, 3C]` buffer (`C = heads·d`), the output written to
+/// a `[B, T, C]` one.
+struct Fused {
+    heads: usize,
+    bh: usize,
+    t: usize,
+    d: usize,
+    qkv: [HeadLayout; 3],
+    out: HeadLayout,
+}
+
+impl Fused {
+    fn new(heads: usize, bh: usize, t: usize, d: usize) -> Fused {
+        let c = heads * d;
+        let at = |offset| HeadLayout {
+            offset,
+            batch_stride: t * 3 * c,
+            head_stride: d,
+            row_stride: 3 * c,
+        };
+        let out = HeadLayout {
+            offset: 0,
+            batch_stride: t * c,
+            head_stride: d,
+            row_stride: c,
+        };
+        Fused {
+            heads,
+            bh,
+            t,
+            d,
+            qkv: [at(0), at(c), at(2 * c)],
+            out,
+        }
+    }
+
+    /// `buf`'s rows under layout `l`, gathered contiguous.
+    fn gather(&self, buf: &[f64], l: HeadLayout) -> Vec<f64> {
+        gather(buf, l, self.heads, self.bh, self.t, self.d)
+    }
+
+    /// q, k and v (or dq, dk and dv) of a fused buffer, gathered contiguous.
+    fn gather3(&self, buf: &[f64]) -> [Vec<f64>; 3] {
+        self.qkv.map(|l| self.gather(buf, l))
+    }
+
+    /// Runs the strided forward kernel on the fused buffer `qkv` into `out` and `lse` buffers
+    /// pre-filled with `fill`: (out, lse).
+    fn forward<T: Float>(
+        &self,
+        sh: AttentionShape,
+        mask: &ScoreMask<'_, T>,
+        qkv: &[T],
+        fill: T,
+    ) -> (Vec<T>, Vec<T>) {
+        let [ql, kl, vl] = self.qkv;
+        let mut out = vec![fill; self.bh * self.t * self.d];
+        let mut lse = vec![fill; self.bh * self.t];
+        attention_forward_strided(
+            sh, mask, self.heads, qkv, ql, qkv, kl, qkv, vl, &mut out, self.out, &mut lse,
+        );
+        (out, lse)
+    }
+
+    /// Runs the strided backward kernel into one fused gradient buffer pre-filled with `fill`
+    /// and, where `dz_fill` is given, a dbias buffer pre-filled with it: (gradient, dz).
+    #[allow(clippy::too_many_arguments)]
+    fn backward<T: Float>(
+        &self,
+        sh: AttentionShape,
+        mask: &ScoreMask<'_, T>,
+        qkv: &[T],
+        (out, lse): (&[T], &[T]),
+        dout: &[T],
+        fill: T,
+        dz_fill: Option<T>,
+    ) -> (Vec<T>, Option<Vec<T>>) {
+        let [ql, kl, vl] = self.qkv;
+        let mut g = vec![fill; qkv.len()];
+        let mut dz = dz_fill.map(|f| vec![f; self.bh * self.t * self.t]);
+        attention_backward_strided(
+            sh,
+            mask,
+            self.heads,
+            qkv,
+            ql,
+            qkv,
+            kl,
+            qkv,
+            vl,
+            out,
+            self.out,
+            lse,
+            dout,
+            self.out,
+            &mut g,
+            self.qkv,
+            dz.as_deref_mut(),
+        );
+        (g, dz)
+    }
 }
 
 #[test]
@@ -400,54 +484,21 @@ fn strided_qkv_layouts_match_the_reference() {
         let c = heads * d;
         let bh = b * heads;
         let sh = shape(bh, t, t, d, causal);
-        let ([ql, kl, vl], ol) = fused_layouts(heads, t, d);
+        let f = Fused::new(heads, bh, t, d);
+        let none = ScoreMask::none();
         let qkv = rng.vec(b * t * 3 * c, -2.0, 2.0);
         let dout = rng.vec(b * t * c, -1.0, 1.0);
-        let [q, k, v] = [ql, kl, vl].map(|l| gather(&qkv, l, heads, bh, t, d));
+        let [q, k, v] = f.gather3(&qkv);
         let (ow, lw, _) = forward_ref(&sh, &q, &k, &v);
-        let mut out = vec![f64::NAN; b * t * c];
-        let mut lse = vec![f64::NAN; bh * t];
-        attention_forward_strided(
-            sh,
-            &ScoreMask::none(),
-            heads,
-            &qkv,
-            ql,
-            &qkv,
-            kl,
-            &qkv,
-            vl,
-            &mut out,
-            ol,
-            &mut lse,
-        );
-        let og = gather(&out, ol, heads, bh, t, d);
+        let (out, lse) = f.forward(sh, &none, &qkv, f64::NAN);
+        let og = f.gather(&out, f.out);
         assert_close(&format!("strided out {sh:?}"), &og, &ow, 1e-10, 1e-12);
         assert_close(&format!("strided lse {sh:?}"), &lse, &lw, 1e-12, 1e-12);
 
-        let dog = gather(&dout, ol, heads, bh, t, d);
+        let dog = f.gather(&dout, f.out);
         let (dqw, dkw, dvw) = backward_ref(&sh, &q, &k, &v, &dog);
-        let mut g = vec![f64::NAN; qkv.len()];
-        attention_backward_strided(
-            sh,
-            &ScoreMask::none(),
-            heads,
-            &qkv,
-            ql,
-            &qkv,
-            kl,
-            &qkv,
-            vl,
-            &out,
-            ol,
-            &lse,
-            &dout,
-            ol,
-            &mut g,
-            [ql, kl, vl],
-            None,
-        );
-        let [gq, gk, gv] = [ql, kl, vl].map(|l| gather(&g, l, heads, bh, t, d));
+        let (g, _) = f.backward(sh, &none, &qkv, (&out, &lse), &dout, f64::NAN, None);
+        let [gq, gk, gv] = f.gather3(&g);
         let (got, want) = ([&gq[..], &gk, &gv], [&dqw[..], &dkw, &dvw]);
         assert_grads_close("strided", "", &got, &want, 1e-9, 1e-11);
 
@@ -455,56 +506,24 @@ fn strided_qkv_layouts_match_the_reference() {
         let q32 = to_f32(&qkv);
         let d32 = to_f32(&dout);
         let (q64, d64) = (to_f64(&q32), to_f64(&d32));
-        let [qr, kr, vr] = [ql, kl, vl].map(|l| gather(&q64, l, heads, bh, t, d));
+        let [qr, kr, vr] = f.gather3(&q64);
         let (ow, _, _) = forward_ref(&sh, &qr, &kr, &vr);
-        let mut out32 = vec![0f32; out.len()];
-        let mut lse32 = vec![0f32; lse.len()];
-        attention_forward_strided(
-            sh,
-            &ScoreMask::none(),
-            heads,
-            &q32,
-            ql,
-            &q32,
-            kl,
-            &q32,
-            vl,
-            &mut out32,
-            ol,
-            &mut lse32,
-        );
+        let (out32, lse32) = f.forward(sh, &ScoreMask::none(), &q32, 0f32);
         let o64 = to_f64(&out32);
-        assert_close(
-            "strided out f32",
-            &gather(&o64, ol, heads, bh, t, d),
-            &ow,
-            1e-4,
-            1e-5,
-        );
-        let (dqw, dkw, dvw) = backward_ref(&sh, &qr, &kr, &vr, &gather(&d64, ol, heads, bh, t, d));
-        let mut g32 = vec![0f32; qkv.len()];
-        attention_backward_strided(
+        assert_close("strided out f32", &f.gather(&o64, f.out), &ow, 1e-4, 1e-5);
+        let (dqw, dkw, dvw) = backward_ref(&sh, &qr, &kr, &vr, &f.gather(&d64, f.out));
+        let (g32, _) = f.backward(
             sh,
             &ScoreMask::none(),
-            heads,
             &q32,
-            ql,
-            &q32,
-            kl,
-            &q32,
-            vl,
-            &out32,
-            ol,
-            &lse32,
+            (&out32, &lse32),
             &d32,
-            ol,
-            &mut g32,
-            [ql, kl, vl],
+            0f32,
             None,
         );
         let g64 = to_f64(&g32);
         let atol = 2e-5 * (t as f64).sqrt();
-        let [gq, gk, gv] = [ql, kl, vl].map(|l| gather(&g64, l, heads, bh, t, d));
+        let [gq, gk, gv] = f.gather3(&g64);
         let (got, want) = ([&gq[..], &gk, &gv], [&dqw[..], &dkw, &dvw]);
         assert_grads_close("strided", " f32", &got, &want, 1e-3, atol);
     }
@@ -1090,7 +1109,7 @@ fn masked_strided_qkv_layouts_match_the_reference() {
         let c = heads * d;
         let bh = b * heads;
         let sh = shape(bh, t, t, d, causal);
-        let ([ql, kl, vl], ol) = fused_layouts(heads, t, d);
+        let f = Fused::new(heads, bh, t, d);
         let m = Mods {
             heads,
             pad: Some(padding(b, t, &mut rng)),
@@ -1099,40 +1118,18 @@ fn masked_strided_qkv_layouts_match_the_reference() {
         let mask = m.mask();
         let qkv = rng.vec(b * t * 3 * c, -2.0, 2.0);
         let dout = rng.vec(b * t * c, -1.0, 1.0);
-        let [q, k, v] = [ql, kl, vl].map(|l| gather(&qkv, l, heads, bh, t, d));
+        let [q, k, v] = f.gather3(&qkv);
         let (ow, lw, _) = masked_forward_ref(&sh, &m, &q, &k, &v);
-        let mut out = vec![f64::NAN; b * t * c];
-        let mut lse = vec![f64::NAN; bh * t];
-        attention_forward_strided(
-            sh, &mask, heads, &qkv, ql, &qkv, kl, &qkv, vl, &mut out, ol, &mut lse,
-        );
-        let og = gather(&out, ol, heads, bh, t, d);
+        let (out, lse) = f.forward(sh, &mask, &qkv, f64::NAN);
+        let og = f.gather(&out, f.out);
         assert_close("masked strided out", &og, &ow, 1e-10, 1e-12);
         assert_close("masked strided lse", &lse, &lw, 1e-12, 1e-12);
-        let dog = gather(&dout, ol, heads, bh, t, d);
+        let dog = f.gather(&dout, f.out);
         let (dqw, dkw, dvw, dzw) = masked_backward_ref(&sh, &m, &q, &k, &v, &dog);
-        let mut g = vec![f64::NAN; qkv.len()];
-        let mut dz = vec![f64::NAN; bh * t * t];
-        attention_backward_strided(
-            sh,
-            &mask,
-            heads,
-            &qkv,
-            ql,
-            &qkv,
-            kl,
-            &qkv,
-            vl,
-            &out,
-            ol,
-            &lse,
-            &dout,
-            ol,
-            &mut g,
-            [ql, kl, vl],
-            Some(&mut dz),
-        );
-        let [gq, gk, gv] = [ql, kl, vl].map(|l| gather(&g, l, heads, bh, t, d));
+        let fwd = (&out[..], &lse[..]);
+        let (g, dz) = f.backward(sh, &mask, &qkv, fwd, &dout, f64::NAN, Some(f64::NAN));
+        let dz = dz.unwrap();
+        let [gq, gk, gv] = f.gather3(&g);
         let (got, want) = ([&gq[..], &gk, &gv, &dz], [&dqw[..], &dkw, &dvw, &dzw]);
         assert_grads_close("masked strided", "", &got, &want, 1e-9, 1e-11);
     }
