@@ -271,7 +271,9 @@ pub fn layer_norm_backward<T: Float>(
 #[allow(clippy::needless_range_loop)]
 mod tests {
     use super::*;
-    use crate::cpu::testutil::{assert_close, dot64, to_f32, to_f64, Rng};
+    use crate::cpu::testutil::{
+        assert_close, assert_fd, central_diff, dot64, order_sensitive_inputs, to_f32, to_f64, Rng,
+    };
 
     /// Naive f64 layer norm of a `[rows, cols]` buffer: (y, mean, rstd).
     fn forward_ref(
@@ -466,62 +468,25 @@ mod tests {
                 // Finite differences of L = Σ dy · y over one row, on a few x and w elements.
                 if cols <= 200 {
                     let h = 1e-5;
-                    let mut yp = vec![0.0; rows * cols];
-                    let mut ym = vec![0.0; rows * cols];
-                    let (mut mm, mut rr) = (vec![0.0; rows], vec![0.0; rows]);
+                    // y for the given x and w.
+                    let forward = |x: &[f64], w: Option<&[f64]>| {
+                        let mut y = vec![0.0; rows * cols];
+                        let (mut mm, mut rr) = (vec![0.0; rows], vec![0.0; rows]);
+                        layer_norm_forward(x, w, None, rows, cols, eps, &mut y, &mut mm, &mut rr);
+                        y
+                    };
                     for _ in 0..6 {
                         let i = rng.below(rows * cols);
                         let row = i / cols * cols..(i / cols + 1) * cols;
-                        let (mut xp, mut xm) = (x.clone(), x.clone());
-                        xp[i] += h;
-                        xm[i] -= h;
-                        layer_norm_forward(
-                            &xp, w, None, rows, cols, eps, &mut yp, &mut mm, &mut rr,
-                        );
-                        layer_norm_forward(
-                            &xm, w, None, rows, cols, eps, &mut ym, &mut mm, &mut rr,
-                        );
-                        let fd = (dot64(&dy[row.clone()], &yp[row.clone()])
-                            - dot64(&dy[row.clone()], &ym[row]))
-                            / (2.0 * h);
-                        assert!(
-                            (fd - dx[i]).abs() <= 1e-6 * (1.0 + fd.abs()),
-                            "ln fd dx {fd} vs {}",
-                            dx[i]
-                        );
+                        let fd = central_diff(&x, i, h, |xs| {
+                            dot64(&dy[row.clone()], &forward(xs, w)[row.clone()])
+                        });
+                        assert_fd("ln fd dx", fd, dx[i]);
                         if use_w {
                             let c = rng.below(cols);
-                            let (mut wp, mut wm) = (wv.clone(), wv.clone());
-                            wp[c] += h;
-                            wm[c] -= h;
-                            layer_norm_forward(
-                                &x,
-                                Some(&wp),
-                                None,
-                                rows,
-                                cols,
-                                eps,
-                                &mut yp,
-                                &mut mm,
-                                &mut rr,
-                            );
-                            layer_norm_forward(
-                                &x,
-                                Some(&wm),
-                                None,
-                                rows,
-                                cols,
-                                eps,
-                                &mut ym,
-                                &mut mm,
-                                &mut rr,
-                            );
-                            let fd = (dot64(&dy, &yp) - dot64(&dy, &ym)) / (2.0 * h);
-                            assert!(
-                                (fd - dw[c]).abs() <= 1e-6 * (1.0 + fd.abs()),
-                                "ln fd dw {fd} vs {}",
-                                dw[c]
-                            );
+                            let fd =
+                                central_diff(&wv, c, h, |ws| dot64(&dy, &forward(&x, Some(ws))));
+                            assert_fd("ln fd dw", fd, dw[c]);
                         }
                     }
                 }
@@ -571,16 +536,7 @@ mod tests {
         // sequential row-order sum bit for bit, including on the column-parallel path.
         let (rows, cols) = (300, 257);
         let mut rng = Rng(30);
-        let x = to_f32(&rng.vec(rows * cols, -1.0, 1.0));
-        let dy: Vec<f32> = (0..rows * cols)
-            .map(|i| {
-                if i % 7 == 0 {
-                    1e4
-                } else {
-                    rng.uniform(-1.0, 1.0) as f32
-                }
-            })
-            .collect();
+        let (x, dy) = order_sensitive_inputs(&mut rng, rows * cols);
         let (mut y, mut m, mut rs) = (vec![0f32; rows * cols], vec![0f32; rows], vec![0f32; rows]);
         layer_norm_forward(&x, None, None, rows, cols, 1e-5, &mut y, &mut m, &mut rs);
         let mut dx = vec![0f32; rows * cols];

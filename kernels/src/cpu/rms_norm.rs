@@ -201,7 +201,9 @@ pub fn rms_norm_backward<T: Float>(
 #[allow(clippy::needless_range_loop)]
 mod tests {
     use super::*;
-    use crate::cpu::testutil::{assert_close, dot64, to_f32, to_f64, Rng};
+    use crate::cpu::testutil::{
+        assert_close, assert_fd, central_diff, dot64, order_sensitive_inputs, to_f32, to_f64, Rng,
+    };
 
     /// Naive f64 RMSNorm: (y, rstd).
     fn forward_ref(
@@ -323,34 +325,20 @@ mod tests {
 
                 if cols <= 200 {
                     let h = 1e-5;
-                    let (mut yp, mut ym) = (vec![0.0; rows * cols], vec![0.0; rows * cols]);
-                    let mut rr = vec![0.0; rows];
+                    // L = Σ dy · y as a function of x and of w.
+                    let loss = |x: &[f64], w: Option<&[f64]>| {
+                        let (mut y, mut rr) = (vec![0.0; rows * cols], vec![0.0; rows]);
+                        rms_norm_forward(x, w, rows, cols, eps, &mut y, &mut rr);
+                        dot64(&dy, &y)
+                    };
                     for _ in 0..6 {
                         let i = rng.below(rows * cols);
-                        let (mut xp, mut xm) = (x.clone(), x.clone());
-                        xp[i] += h;
-                        xm[i] -= h;
-                        rms_norm_forward(&xp, w, rows, cols, eps, &mut yp, &mut rr);
-                        rms_norm_forward(&xm, w, rows, cols, eps, &mut ym, &mut rr);
-                        let fd = (dot64(&dy, &yp) - dot64(&dy, &ym)) / (2.0 * h);
-                        assert!(
-                            (fd - dx[i]).abs() <= 1e-6 * (1.0 + fd.abs()),
-                            "rms fd dx {fd} vs {}",
-                            dx[i]
-                        );
+                        let fd = central_diff(&x, i, h, |xs| loss(xs, w));
+                        assert_fd("rms fd dx", fd, dx[i]);
                         if use_w {
                             let c = rng.below(cols);
-                            let (mut wp, mut wm) = (wv.clone(), wv.clone());
-                            wp[c] += h;
-                            wm[c] -= h;
-                            rms_norm_forward(&x, Some(&wp), rows, cols, eps, &mut yp, &mut rr);
-                            rms_norm_forward(&x, Some(&wm), rows, cols, eps, &mut ym, &mut rr);
-                            let fd = (dot64(&dy, &yp) - dot64(&dy, &ym)) / (2.0 * h);
-                            assert!(
-                                (fd - dw[c]).abs() <= 1e-6 * (1.0 + fd.abs()),
-                                "rms fd dw {fd} vs {}",
-                                dw[c]
-                            );
+                            let fd = central_diff(&wv, c, h, |ws| loss(&x, Some(ws)));
+                            assert_fd("rms fd dw", fd, dw[c]);
                         }
                     }
                 }
@@ -394,16 +382,7 @@ mod tests {
         // sum, including on the column-parallel path.
         let (rows, cols) = (300, 257);
         let mut rng = Rng(31);
-        let x = to_f32(&rng.vec(rows * cols, -1.0, 1.0));
-        let dy: Vec<f32> = (0..rows * cols)
-            .map(|i| {
-                if i % 7 == 0 {
-                    1e4
-                } else {
-                    rng.uniform(-1.0, 1.0) as f32
-                }
-            })
-            .collect();
+        let (x, dy) = order_sensitive_inputs(&mut rng, rows * cols);
         let (mut y, mut rs) = (vec![0f32; rows * cols], vec![0f32; rows]);
         rms_norm_forward(&x, None, rows, cols, 1e-6, &mut y, &mut rs);
         let mut dx = vec![0f32; rows * cols];

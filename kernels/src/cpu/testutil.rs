@@ -56,3 +56,38 @@ pub(crate) fn assert_close(what: &str, got: &[f64], want: &[f64], rtol: f64, ato
 pub(crate) fn dot64(a: &[f64], b: &[f64]) -> f64 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
+
+/// Central difference `(f(x + h e_i) - f(x - h e_i)) / 2h` of `f` at `x` along element `i`.
+pub(crate) fn central_diff(x: &[f64], i: usize, h: f64, mut f: impl FnMut(&[f64]) -> f64) -> f64 {
+    let (mut xp, mut xm) = (x.to_vec(), x.to_vec());
+    xp[i] += h;
+    xm[i] -= h;
+    (f(&xp) - f(&xm)) / (2.0 * h)
+}
+
+/// Asserts a finite difference agrees with the analytic gradient:
+/// `|fd - analytic| <= 1e-6 (1 + |fd|)`, the failure reading `{what} {fd} vs {analytic}`.
+#[track_caller]
+pub(crate) fn assert_fd(what: &str, fd: f64, analytic: f64) {
+    assert!(
+        (fd - analytic).abs() <= 1e-6 * (1.0 + fd.abs()),
+        "{what} {fd} vs {analytic}"
+    );
+}
+
+/// f32 `(x, dy)` of `n` elements for the summation-order tests: `x` uniform in `[-1, 1)`, `dy`
+/// too but for every seventh element, which is 1e4, so that the order of a sum shows in its
+/// bits.
+pub(crate) fn order_sensitive_inputs(rng: &mut Rng, n: usize) -> (Vec<f32>, Vec<f32>) {
+    let x = to_f32(&rng.vec(n, -1.0, 1.0));
+    let dy = (0..n)
+        .map(|i| {
+            if i % 7 == 0 {
+                1e4
+            } else {
+                rng.uniform(-1.0, 1.0) as f32
+            }
+        })
+        .collect();
+    (x, dy)
+}
