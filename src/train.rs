@@ -12,9 +12,7 @@ use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use meshgrad_autograd::{no_grad, Var};
 use meshgrad_nn::data::{load_split, split_dataset, Dataset, LoadOptions, TokenSource};
-use meshgrad_nn::optim::{
-    clip_grad_norm, param_groups_for_decay, AdamW, AdamWConfig, CosineSchedule, Optimizer,
-};
+use meshgrad_nn::optim::{clip_grad_norm, AdamW, CosineSchedule, Optimizer};
 use meshgrad_nn::state::hf_gpt2;
 use meshgrad_nn::tokenizer::Tokenizer;
 use meshgrad_nn::ForwardCtx;
@@ -233,25 +231,28 @@ pub(crate) struct RunModel {
 /// Builds the model (weights from the run seed), AdamW and the learning-rate schedule.
 pub(crate) fn run_model(cfg: &TrainConfig) -> Result<RunModel> {
     let model = Gpt::new(gpt_config(cfg), cfg.train.seed, DType::F32, Device::Cpu)?;
-    let opt = AdamW::new(
-        param_groups_for_decay(model.named_parameters(), cfg.train.weight_decay),
-        AdamWConfig {
-            beta1: cfg.train.beta1,
-            beta2: cfg.train.beta2,
-            ..Default::default()
-        },
-    )?;
-    let schedule = CosineSchedule::new(
-        cfg.train.lr,
-        cfg.train.min_lr,
-        cfg.train.warmup_steps,
-        cfg.train.steps,
-    )?;
+    let (opt, schedule) = optimizer_and_schedule(cfg, &model)?;
     Ok(RunModel {
         model,
         opt,
         schedule,
     })
+}
+
+/// AdamW over `model`'s trainable parameters (nanoGPT decay groups) with the config's
+/// hyper-parameters, and the warm-up + cosine schedule. A run shorter than `warmup_steps` warms
+/// up over all its steps (as the config documents). Shared by every model kind.
+pub(crate) fn optimizer_and_schedule(
+    cfg: &TrainConfig,
+    model: &dyn Module,
+) -> Result<(AdamW, CosineSchedule)> {
+    let t = &cfg.train;
+    let opt = AdamW::for_module(model)
+        .weight_decay(t.weight_decay)
+        .betas(t.beta1, t.beta2)
+        .build()?;
+    let schedule = CosineSchedule::new(t.lr, t.min_lr, t.warmup_steps.min(t.steps), t.steps)?;
+    Ok((opt, schedule))
 }
 
 /// Ids and targets `[rows, t]` of global rows `rows` at `step` (of stream `seed`).

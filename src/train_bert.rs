@@ -28,7 +28,7 @@ use meshgrad_autograd::no_grad;
 use meshgrad_nn::bert::{BertConfig, BertForMaskedLM, IGNORE_INDEX};
 use meshgrad_nn::data::{Dataset, TokenSource};
 use meshgrad_nn::mlm::{mlm_mask_rows, MlmConfig, SpecialTokens};
-use meshgrad_nn::optim::{param_groups_for_decay, AdamW, AdamWConfig, CosineSchedule};
+use meshgrad_nn::optim::{AdamW, CosineSchedule};
 use meshgrad_nn::state::hf_bert;
 use meshgrad_nn::{ForwardCtx, Module};
 use meshgrad_parallel::{micro_rows, rank_rows, ParallelLayout};
@@ -36,8 +36,8 @@ use meshgrad_tensor::{DType, Device, Tensor};
 
 use crate::config::TrainConfig;
 use crate::train::{
-    check_microbatches, drive_loop, run_data, GradSync, LoopResult, Reporter, RunData,
-    SingleDevice, TrainOptions, TrainSummary, Verbosity,
+    check_microbatches, drive_loop, optimizer_and_schedule, run_data, GradSync, LoopResult,
+    Reporter, RunData, SingleDevice, TrainOptions, TrainSummary, Verbosity,
 };
 use crate::train_parallel::{check_layout, on_ranks, RankWrapper};
 
@@ -131,21 +131,7 @@ struct BertRun {
 
 fn bert_run(cfg: &TrainConfig) -> Result<BertRun> {
     let model = BertForMaskedLM::new(bert_config(cfg), cfg.train.seed, DType::F32, Device::Cpu)?;
-    let opt = AdamW::new(
-        param_groups_for_decay(model.named_parameters(), cfg.train.weight_decay),
-        AdamWConfig {
-            beta1: cfg.train.beta1,
-            beta2: cfg.train.beta2,
-            ..Default::default()
-        },
-    )?;
-    // A run shorter than the warmup warms up over all its steps (as the config documents).
-    let schedule = CosineSchedule::new(
-        cfg.train.lr,
-        cfg.train.min_lr,
-        cfg.train.warmup_steps.min(cfg.train.steps),
-        cfg.train.steps,
-    )?;
+    let (opt, schedule) = optimizer_and_schedule(cfg, &model)?;
     Ok(BertRun {
         model,
         opt,

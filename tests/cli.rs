@@ -166,3 +166,37 @@ fn checkpoint_with_wrong_shape_is_named() {
         "{err}"
     );
 }
+
+#[test]
+fn a_run_shorter_than_the_warmup_warms_up_over_all_its_steps() {
+    // Default warmup is 30 steps; 4 steps must train (GPT and BERT), warming up over the 4.
+    let dir = tmpdir("short-warmup");
+    let sets = [
+        "model.n_layer=1",
+        "model.n_embd=32",
+        "model.n_head=2",
+        "model.block_size=16",
+        "train.batch_size=2",
+        "train.eval_batches=1",
+        "train.sample_tokens=0",
+    ];
+    for (tag, extra) in [("gpt", vec![]), ("bert", vec!["--model", "bert"])] {
+        let o = common::train(&dir, tag, 4, &sets, &extra);
+        let (stdout, stderr) = text(&o);
+        assert!(o.status.success(), "{tag}: {stdout}\n{stderr}");
+        let lrs: Vec<f64> = std::fs::read_to_string(dir.join(format!("{tag}.jsonl")))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["lr"]
+                    .as_f64()
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(lrs.len(), 4, "{tag}");
+        // Linear warmup to the peak (3e-3) at the last step: lr rises every step.
+        assert!(lrs.windows(2).all(|w| w[1] > w[0]), "{tag}: {lrs:?}");
+        assert!(lrs[3] <= 3e-3 + 1e-12, "{tag}: {lrs:?}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
