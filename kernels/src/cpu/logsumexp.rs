@@ -99,20 +99,7 @@ pub fn logsumexp<T: Float>(x: &[T], outer: usize, reduce: usize, inner: usize, o
             },
         )
     };
-    if !parallel {
-        for (o, dst) in out.chunks_mut(inner).enumerate() {
-            block(o, 0, dst);
-        }
-        return;
-    }
-    let threads = rayon::current_num_threads();
-    let blocks_wanted = (threads * 4).div_ceil(outer).max(1);
-    let width = inner.div_ceil(blocks_wanted).max(256).min(inner);
-    out.par_chunks_mut(inner).enumerate().for_each(|(o, row)| {
-        row.par_chunks_mut(width)
-            .enumerate()
-            .for_each(|(b, dst)| block(o, b * width, dst));
-    });
+    super::reduce::for_each_column_block(out, outer, inner, parallel, block);
 }
 
 #[cfg(test)]

@@ -119,21 +119,34 @@ fn reduce_generic<T: Float, A: Copy + Send + Sync>(
         }
         return;
     }
+    for_each_column_block(out, outer, inner, parallel, inner_block);
+}
+
+/// Runs `block(o, i0, dst)` over every output row `o` of `out` (`outer` rows of `inner`
+/// columns), `dst` being columns `i0..` of that row. Serially one whole row at a time, or, when
+/// `parallel`, with every row split into column blocks (at least 256 columns each) and all
+/// (row, block) pairs run in parallel. Each output element is written by exactly one call, so
+/// the result does not depend on the split.
+pub(crate) fn for_each_column_block<A: Send>(
+    out: &mut [A],
+    outer: usize,
+    inner: usize,
+    parallel: bool,
+    block: impl Fn(usize, usize, &mut [A]) + Sync,
+) {
     if !parallel {
         for (o, dst) in out.chunks_mut(inner).enumerate() {
-            inner_block(o, 0, dst);
+            block(o, 0, dst);
         }
         return;
     }
-    // Split every output row into column blocks (at least 256 columns each), then parallelise
-    // over all (row, block) pairs.
     let threads = rayon::current_num_threads();
     let blocks_wanted = (threads * 4).div_ceil(outer).max(1);
     let width = inner.div_ceil(blocks_wanted).max(256).min(inner);
     out.par_chunks_mut(inner).enumerate().for_each(|(o, row)| {
         row.par_chunks_mut(width)
             .enumerate()
-            .for_each(|(b, dst)| inner_block(o, b * width, dst));
+            .for_each(|(b, dst)| block(o, b * width, dst));
     });
 }
 
