@@ -18,12 +18,22 @@ use crate::{DType, Error, Result, Shape, Tensor};
 /// padding mask hides. A query that sees no key at all (every key padded, or every visible bias
 /// `-inf`) gets a zero output and zero gradients, never NaN.
 ///
-/// ```ignore
-/// // GPT: causal only. BERT: padding from the tokenizer's attention_mask [B, T].
-/// let gpt = AttentionMask::causal();
+/// ```
+/// use meshgrad_tensor::{AttentionMask, DType, Device, Tensor};
+/// let (b, h, t, d) = (2, 4, 5, 8);
+/// let q = Tensor::randn((b, h, t, d), 1)?;
+/// // GPT: causal only.
+/// let gpt: AttentionMask = AttentionMask::causal();
+/// // BERT: padding from the tokenizer's attention_mask [B, T] (1 = attend).
+/// let attention_mask = Tensor::from_vec(vec![1u8, 1, 1, 0, 0, 1, 1, 1, 1, 1], (b, t), Device::Cpu)?;
 /// let bert = AttentionMask::none().with_key_padding(attention_mask);
 /// // T5-style relative position bias [H, T, T] on top of a causal mask.
-/// let t5 = AttentionMask::causal().with_bias(position_bias);
+/// let t5 = AttentionMask::causal().with_bias(Tensor::zeros((h, t, t), DType::F32, Device::Cpu)?);
+/// for mask in [&gpt, &bert, &t5] {
+///     let out = Tensor::attention(&q, &q, &q, mask, 1.0 / (d as f64).sqrt())?;
+///     assert_eq!(out.out.dims(), &[b, h, t, d]);
+/// }
+/// # Ok::<(), meshgrad_tensor::Error>(())
 /// ```
 #[derive(Clone, Debug)]
 pub struct AttentionMask<B = Tensor> {
