@@ -48,6 +48,7 @@
 //! ```
 
 mod checkpoint;
+pub mod distributed;
 mod engine;
 mod forward_ctx;
 mod function;

@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use meshgrad_tensor::{Result, Tensor};
 
+use crate::distributed::Placement;
 use crate::grad_mode;
 
 /// A process-unique, creation-ordered variable identity. Later vars have larger ids, which the
@@ -43,6 +44,7 @@ pub(crate) struct VarInner {
     pub(crate) node: Option<Node>,
     pub(crate) grad: Mutex<Option<Tensor>>,
     pub(crate) grad_hooks: Mutex<Vec<GradReadyHook>>,
+    pub(crate) placement: Mutex<Option<Placement>>,
 }
 
 /// A differentiable value: a tensor plus, for results of ops on variables that require grad,
@@ -86,6 +88,7 @@ impl Var {
             node,
             grad: Mutex::new(None),
             grad_hooks: Mutex::new(Vec::new()),
+            placement: Mutex::new(None),
         }))
     }
 
@@ -123,6 +126,22 @@ impl Var {
     /// This variable's identity.
     pub fn id(&self) -> VarId {
         self.0.id
+    }
+
+    /// How this variable is split across ranks (`None`: replicated, or not parallel at all).
+    /// Parameters of tensor-parallel layers record theirs (see [`Placement`]); gradient
+    /// clipping, checkpoints and sharded data parallelism read it.
+    pub fn placement(&self) -> Option<Placement> {
+        self.0
+            .placement
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Records how this variable is split across ranks (see [`Var::placement`]).
+    pub fn set_placement(&self, placement: Option<Placement>) {
+        *self.0.placement.lock().unwrap_or_else(|e| e.into_inner()) = placement;
     }
 
     /// The value.

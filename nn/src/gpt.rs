@@ -5,8 +5,9 @@ use std::sync::Arc;
 use meshgrad_autograd::{no_grad, Var};
 use meshgrad_tensor::{DType, Device, Random, Result, Tensor};
 
-use crate::layers::{Block, BlockConfig, Dropout, Embedding, LayerNorm};
+use crate::layers::{Block, BlockConfig, Dropout, Embedding, LayerNorm, LmHead};
 use crate::module::{Forward, Module, ParamBuilder};
+use crate::tp::{ParallelStyle, TpPlan};
 
 /// GPT hyper-parameters (GPT-2 naming in comments).
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -85,6 +86,8 @@ pub struct Gpt {
     pub h: Vec<Arc<Block>>,
     /// Final norm.
     pub ln_f: LayerNorm,
+    /// The output head over `wte` (tied; owns no parameters).
+    pub lm_head: LmHead,
     /// Recompute each block's activations during backward instead of storing them.
     pub activation_checkpointing: bool,
 }
@@ -94,6 +97,13 @@ impl Gpt {
     /// N(0, 0.02/sqrt(2 n_layer)), zero biases, unit norm weights. Each parameter's values depend
     /// only on `seed` and its name.
     pub fn new(config: GptConfig, seed: u64, dtype: DType, device: Device) -> Result<Self> {
+        Gpt::build(config, ParamBuilder::new(seed).dtype(dtype).device(device))
+    }
+
+    /// A new model whose parameters `builder` creates (its seed, dtype and device; with
+    /// [`ParamBuilder::tensor_parallel`] and [`Gpt::tp_plan`], this rank's part of a
+    /// tensor-parallel model, every value equal to the single-device one).
+    pub fn build(config: GptConfig, builder: ParamBuilder) -> Result<Self> {
         config.validate()?;
         let c = config;
         let proj_std = 0.02 / (2.0 * c.n_layer as f64).sqrt();
@@ -105,22 +115,46 @@ impl Gpt {
             proj_std,
             eps: c.layer_norm_eps,
         };
-        ParamBuilder::new(seed)
-            .dtype(dtype)
-            .device(device)
-            .build(|p| {
-                Ok(Gpt {
-                    config,
-                    wte: Embedding::new(p, c.vocab_size, c.n_embd, 0.02)?,
-                    wpe: Embedding::new(p, c.block_size, c.n_embd, 0.01)?,
-                    drop: Dropout::new(c.dropout)?,
-                    h: (0..c.n_layer)
-                        .map(|_| Block::new(p, bc).map(Arc::new))
-                        .collect::<Result<_>>()?,
-                    ln_f: LayerNorm::new(p, c.n_embd, c.bias, c.layer_norm_eps)?,
-                    activation_checkpointing: false,
-                })
+        builder.build(|p| {
+            Ok(Gpt {
+                config,
+                wte: Embedding::new(p, c.vocab_size, c.n_embd, 0.02)?,
+                wpe: Embedding::new(p, c.block_size, c.n_embd, 0.01)?,
+                drop: Dropout::new(c.dropout)?,
+                h: (0..c.n_layer)
+                    .map(|_| Block::new(p, bc).map(Arc::new))
+                    .collect::<Result<_>>()?,
+                ln_f: LayerNorm::new(p, c.n_embd, c.bias, c.layer_norm_eps)?,
+                lm_head: LmHead::new(),
+                activation_checkpointing: false,
             })
+        })
+    }
+
+    /// The tensor-parallel plan of the GPT (Megatron-LM's split): q/k/v and the MLP
+    /// up-projection column-parallel (q, k and v each split by heads), the output projections
+    /// row-parallel, the token table split by vocabulary (the tied head and the loss stay split),
+    /// the norms and dropouts sequence-parallel (the embedding dropout starts that region).
+    pub fn tp_plan() -> TpPlan {
+        TpPlan::new()
+            .with("wte", ParallelStyle::VocabEmbedding)
+            .with("drop", ParallelStyle::SequenceSplit)
+            .with("h.*.ln_1", ParallelStyle::SequenceParallel)
+            .with("h.*.attn.c_attn", ParallelStyle::Colwise { chunks: 3 })
+            .with("h.*.attn.c_proj", ParallelStyle::Rowwise)
+            .with("h.*.attn.resid_dropout", ParallelStyle::SequenceParallel)
+            .with("h.*.ln_2", ParallelStyle::SequenceParallel)
+            .with("h.*.mlp.c_fc", ParallelStyle::Colwise { chunks: 1 })
+            .with("h.*.mlp.c_proj", ParallelStyle::Rowwise)
+            .with("h.*.mlp.dropout", ParallelStyle::SequenceParallel)
+            .with("ln_f", ParallelStyle::SequenceParallel)
+            .with("lm_head", ParallelStyle::VocabHead)
+    }
+
+    /// Checks that the sizes split over `tp` ranks, with one line naming them (heads, width,
+    /// vocabulary); `sequence` is the training sequence length when sequence parallelism is on.
+    pub fn check_tensor_parallel(&self, tp: usize, sequence: Option<usize>) -> Result<()> {
+        check_tp_sizes(&self.config, tp, sequence)
     }
 
     fn check_ids(&self, ids: &Tensor) -> Result<(usize, usize)> {
@@ -141,12 +175,14 @@ impl Gpt {
         Ok((b, t))
     }
 
-    /// The final hidden states `[B, T, C]` (after `ln_f`) for token ids `[B, T]`.
+    /// The final hidden states `[B, T, C]` (after `ln_f`) for token ids `[B, T]` (under sequence
+    /// parallelism, this rank's positions `[B, T / tp, C]`).
     pub fn hidden(&self, ids: &Tensor) -> Result<Var> {
         self.run(ids, false)
     }
 
-    /// Logits `[B, T, vocab]` for token ids `[B, T]`. Dropout masks follow the current
+    /// Logits `[B, T, vocab]` for token ids `[B, T]` (under tensor parallelism, this rank's
+    /// vocabulary slice `[B, T, vocab / tp]`). Dropout masks follow the current
     /// [`ForwardCtx`](meshgrad_autograd::ForwardCtx).
     pub fn forward(&self, ids: &Tensor) -> Result<Var> {
         self.run(ids, true)
@@ -169,7 +205,7 @@ impl Gpt {
         }
         let x = self.ln_f.forward(&x)?;
         if logits {
-            Var::linear(&x, &self.wte.weight, None)
+            self.lm_head.forward(&x, &self.wte.weight)
         } else {
             Ok(x)
         }
@@ -187,10 +223,7 @@ impl Gpt {
             );
         }
         let logits = self.forward(ids)?;
-        let v = self.config.vocab_size;
-        logits
-            .reshape((b * t, v))?
-            .cross_entropy(&targets.reshape(b * t)?, ignore_index)
+        self.lm_head.loss(&logits, targets, ignore_index)
     }
 
     /// Continues `prompt` (token ids) by `max_new` tokens: greedy when `temperature == 0`, else
@@ -207,6 +240,12 @@ impl Gpt {
     ) -> Result<Vec<u32>> {
         if prompt.is_empty() {
             meshgrad_tensor::bail!("generate: the prompt is empty (give at least one token)");
+        }
+        if self.lm_head.vocab_parallel().is_some() {
+            meshgrad_tensor::bail!(
+                "generate: this model's logits are split over tensor-parallel ranks; generate \
+                 from a single-device model (load the gathered checkpoint)"
+            );
         }
         if let Some(&bad) = prompt
             .iter()
@@ -248,6 +287,37 @@ impl Gpt {
         self.set_training(was_training);
         r
     }
+}
+
+/// The tensor-parallel size checks of [`Gpt::check_tensor_parallel`].
+pub fn check_tp_sizes(c: &GptConfig, tp: usize, sequence: Option<usize>) -> Result<()> {
+    if tp <= 1 {
+        return Ok(());
+    }
+    for (what, n) in [
+        ("n_head", c.n_head),
+        ("the MLP width 4 x n_embd", 4 * c.n_embd),
+        ("vocab_size", c.vocab_size),
+    ] {
+        if !n.is_multiple_of(tp) {
+            meshgrad_tensor::bail!(
+                "tensor parallelism: {what} = {n} is not divisible by tp = {tp}{}",
+                if what == "vocab_size" {
+                    " (choose a vocabulary size that is a multiple of tp)"
+                } else {
+                    ""
+                }
+            );
+        }
+    }
+    if let Some(t) = sequence {
+        if !t.is_multiple_of(tp) {
+            meshgrad_tensor::bail!(
+                "sequence parallelism: the sequence length {t} is not divisible by tp = {tp}"
+            );
+        }
+    }
+    Ok(())
 }
 
 /// A uniform draw in [0, 1) keyed by (seed, index), through the tensor RNG.

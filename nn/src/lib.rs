@@ -12,6 +12,7 @@ pub mod module;
 pub mod optim;
 pub mod state;
 pub mod tokenizer;
+pub mod tp;
 
 pub use bert::{BertConfig, BertForMaskedLM};
 pub use gpt::{Gpt, GptConfig};

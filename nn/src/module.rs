@@ -40,6 +40,8 @@ use meshgrad_autograd::Var;
 use meshgrad_tensor::alloc::{with_tag, MemoryTag};
 use meshgrad_tensor::{DType, Device, Random, Result, Shape, Tensor};
 
+use crate::tp::{ParallelStyle, Placement, TensorParallel, TpPlan};
+
 /// One immediate child of a module: a parameter or a submodule.
 #[derive(Clone, Copy)]
 pub enum Child<'a> {
@@ -70,6 +72,18 @@ pub trait Module: AsDynModule + Send + Sync {
     /// Called once per module by [`ParamBuilder::init`] with the module's full path and the
     /// run seed (dropout keys its random stream by them).
     fn on_init(&self, _path: &str, _seed: u64) {}
+
+    /// Takes the tensor-parallel `style` a [`TpPlan`](crate::tp::TpPlan) gives this module (at
+    /// `path`): its forward then splits its work over `tp`. Its parameters already have their
+    /// local shapes. The default refuses with an error naming the module: only layers that know
+    /// a split form accept one (`Linear`, `Embedding`, `LayerNorm`, `Dropout`, `LmHead`).
+    fn parallelize(&self, path: &str, style: &ParallelStyle, tp: &TensorParallel) -> Result<()> {
+        let _ = tp;
+        meshgrad_tensor::bail!(
+            "tensor-parallel plan: module `{path}` ({}) has no {style:?} form",
+            self.module_type()
+        )
+    }
 
     /// Calls `f(name, param)` for every parameter in the tree, names prefixed by `prefix` (`""`
     /// at the top).
@@ -289,6 +303,46 @@ impl Init {
                 .uniform(shape, -a, a),
         }
     }
+
+    /// This rank's part (`placement`, local shape `local`) of the values of parameter `name`:
+    /// element for element the slice of [`Init::values`] of the full shape, drawn by global
+    /// index without creating the full tensor.
+    fn shard_values(
+        self,
+        seed: u64,
+        name: &str,
+        placement: &Placement,
+        local: &[usize],
+        dtype: DType,
+        device: Device,
+    ) -> Result<Tensor> {
+        if matches!(self, Init::Zeros | Init::Ones) {
+            return self.values(seed, name, local.into(), dtype, device);
+        }
+        let global = placement.global_dims(local);
+        let d = placement.dim;
+        let outer: usize = global[..d].iter().product();
+        let inner: usize = global[d + 1..].iter().product();
+        let ranges = placement.ranges(global[d], placement.index());
+        let s = name_seed(seed, name);
+        let mut runs = Vec::with_capacity(outer * ranges.len());
+        for o in 0..outer {
+            for r in &ranges {
+                let start = (o * global[d] + r.start) * inner;
+                let rng = Random::new(s).offset(start as u64).dtype(dtype);
+                let n = r.len() * inner;
+                runs.push(match self {
+                    Init::Normal(std) => rng.normal(n, 0.0, std)?,
+                    Init::Uniform(a) => rng.uniform(n, -a, a)?,
+                    Init::Zeros | Init::Ones => unreachable!("handled above"),
+                });
+            }
+        }
+        let refs: Vec<&Tensor> = runs.iter().collect();
+        Tensor::cat(&refs, 0)?
+            .reshape(local.to_vec())?
+            .to_device(device)
+    }
 }
 
 /// Creates a model's parameters and initialises each one by its full name.
@@ -307,6 +361,12 @@ pub struct ParamBuilder {
     device: Device,
     created: Mutex<Vec<(Var, Init)>>,
     initialised: std::sync::atomic::AtomicBool,
+    /// A meta build: parameters get shapes but no storage (to learn names before allocating).
+    meta: bool,
+    /// Tensor parallelism: the group and the plan.
+    tp: Option<(TensorParallel, TpPlan)>,
+    /// Under a plan, the placement of the n-th parameter created (from the meta build).
+    splits: Mutex<Vec<Option<Placement>>>,
 }
 
 impl std::fmt::Debug for ParamBuilder {
@@ -331,7 +391,20 @@ impl ParamBuilder {
             device: Device::Cpu,
             created: Mutex::new(Vec::new()),
             initialised: std::sync::atomic::AtomicBool::new(false),
+            meta: false,
+            tp: None,
+            splits: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Builds the model tensor-parallel over `tp` as `plan` says (see [`crate::tp`]): each
+    /// parameter the plan splits is created at its local shape only, filled with the values of
+    /// its slice of the single-device parameter, and records its [`Placement`]; the matched
+    /// modules get their styles. The model function runs twice (first without allocating
+    /// anything, to learn the parameters' names), so it must be deterministic.
+    pub fn tensor_parallel(mut self, tp: TensorParallel, plan: TpPlan) -> Self {
+        self.tp = Some((tp, plan));
+        self
     }
 
     /// Sets the parameter dtype.
@@ -369,19 +442,87 @@ impl ParamBuilder {
     /// as parameter memory.
     pub fn param(&self, shape: impl Into<Shape>, init: Init) -> Result<Var> {
         let shape = shape.into();
+        if self.meta {
+            let v = Var::leaf(Tensor::unallocated(shape, self.dtype, self.device));
+            self.created().push((v.clone(), init));
+            return Ok(v);
+        }
+        let index = self.created().len();
+        let split = self
+            .splits
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(index)
+            .cloned()
+            .flatten();
+        let local: Shape = match &split {
+            Some(p) => p.local_dims(shape.dims())?.into(),
+            None => shape,
+        };
         let t = with_tag(MemoryTag::Params, || {
-            Tensor::zeros(shape, self.dtype, self.device)
+            Tensor::zeros(local, self.dtype, self.device)
         })?;
         let v = Var::leaf(t);
+        v.set_placement(split);
         self.created().push((v.clone(), init));
         Ok(v)
     }
 
     /// Builds a model with `f` and initialises it ([`ParamBuilder::init`]).
-    pub fn build<M: Module>(self, f: impl FnOnce(&ParamBuilder) -> Result<M>) -> Result<M> {
+    pub fn build<M: Module>(self, f: impl Fn(&ParamBuilder) -> Result<M>) -> Result<M> {
+        if let Some((tp, plan)) = &self.tp {
+            let splits = self.plan_splits(&f, tp, plan)?;
+            *self.splits.lock().unwrap_or_else(|e| e.into_inner()) = splits;
+        }
         let m = f(&self)?;
         self.init(&m)?;
+        if let Some((tp, plan)) = &self.tp {
+            plan.apply(&m, tp)?;
+        }
         Ok(m)
+    }
+
+    /// Runs `f` once without allocating to learn each parameter's name, and returns the
+    /// placement the plan gives the n-th parameter created (checking that its shape splits).
+    fn plan_splits<M: Module>(
+        &self,
+        f: &impl Fn(&ParamBuilder) -> Result<M>,
+        tp: &TensorParallel,
+        plan: &TpPlan,
+    ) -> Result<Vec<Option<Placement>>> {
+        let mut meta = ParamBuilder::new(self.seed)
+            .dtype(self.dtype)
+            .device(self.device);
+        meta.meta = true;
+        let model = f(&meta)?;
+        meta.initialised
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        let styles = plan.resolve(&model)?;
+        let names: std::collections::HashMap<meshgrad_autograd::VarId, String> = model
+            .named_parameters()
+            .into_iter()
+            .map(|(n, v)| (v.id(), n))
+            .collect();
+        let created = std::mem::take(&mut *meta.created());
+        created
+            .iter()
+            .map(|(v, _)| {
+                let Some(name) = names.get(&v.id()) else {
+                    return Ok(None);
+                };
+                let Some((dim, chunks)) = TpPlan::split_of(&styles, name) else {
+                    return Ok(None);
+                };
+                let p = tp.placement(dim, chunks);
+                p.local_dims(v.tensor().dims()).map_err(|e| {
+                    meshgrad_tensor::Error::msg(format!(
+                        "tensor parallelism over {} ranks: parameter {name}: {e}",
+                        tp.degree()
+                    ))
+                })?;
+                Ok(Some(p))
+            })
+            .collect()
     }
 
     /// Fills every parameter this builder created from `(seed, full name)` by its [`Init`], calls
@@ -424,8 +565,14 @@ impl ParamBuilder {
                     continue;
                 }
                 let t = v.tensor();
-                let vals =
-                    init.values(self.seed, name, t.shape().clone(), t.dtype(), t.device())?;
+                let vals = match v.placement() {
+                    Some(p) => {
+                        init.shard_values(self.seed, name, &p, t.dims(), t.dtype(), t.device())?
+                    }
+                    None => {
+                        init.values(self.seed, name, t.shape().clone(), t.dtype(), t.device())?
+                    }
+                };
                 t.copy_from(&vals)?;
             }
             Ok(())
@@ -460,6 +607,9 @@ impl<M: Module + ?Sized> Module for Box<M> {
     fn visit_children(&self, f: &mut dyn FnMut(&str, Child<'_>)) {
         (**self).visit_children(f)
     }
+    fn parallelize(&self, path: &str, style: &ParallelStyle, tp: &TensorParallel) -> Result<()> {
+        (**self).parallelize(path, style, tp)
+    }
     fn module_type(&self) -> &'static str {
         (**self).module_type()
     }
@@ -474,6 +624,9 @@ impl<M: Module + ?Sized> Module for Box<M> {
 impl<M: Module + ?Sized> Module for Arc<M> {
     fn visit_children(&self, f: &mut dyn FnMut(&str, Child<'_>)) {
         (**self).visit_children(f)
+    }
+    fn parallelize(&self, path: &str, style: &ParallelStyle, tp: &TensorParallel) -> Result<()> {
+        (**self).parallelize(path, style, tp)
     }
     fn module_type(&self) -> &'static str {
         (**self).module_type()

@@ -18,6 +18,7 @@ pub mod ddp;
 pub mod layout;
 pub mod mesh;
 pub mod sampler;
+pub mod tp;
 pub mod zero;
 
 pub use comm::{

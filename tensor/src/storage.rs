@@ -198,6 +198,17 @@ impl StorageCell {
         })
     }
 
+    /// A cell with no buffer yet (released from the start): nothing is allocated until a
+    /// materialiser or [`crate::Tensor::materialize_from`] puts one there.
+    pub(crate) fn unallocated(dtype: DType, device: Device) -> Arc<Self> {
+        Arc::new(StorageCell {
+            inner: RwLock::new(None),
+            materializer: RwLock::new(None),
+            dtype,
+            device,
+        })
+    }
+
     /// The dtype of the storage.
     pub fn dtype(&self) -> DType {
         self.dtype

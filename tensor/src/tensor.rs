@@ -31,6 +31,27 @@ struct TensorInner {
 pub struct Tensor(Arc<TensorInner>);
 
 impl Tensor {
+    /// A tensor of `shape` whose storage is not allocated (it starts released, see
+    /// [`Tensor::release_storage`]): shape, dtype and device queries work, reading or writing
+    /// it is an error until [`Tensor::materialize_from`] (or a materialiser) gives it data.
+    /// Models are built this way to learn their parameters' names and shapes without
+    /// allocating them (a "meta" build).
+    ///
+    /// ```
+    /// use meshgrad_tensor::{DType, Device, Tensor};
+    /// let t = Tensor::unallocated((1 << 20, 1 << 20), DType::F32, Device::Cpu);
+    /// assert_eq!(t.dims(), &[1 << 20, 1 << 20]);
+    /// assert!(!t.is_materialized());
+    /// assert!(t.to_vec::<f32>().is_err());
+    /// ```
+    pub fn unallocated(shape: impl Into<Shape>, dtype: DType, device: crate::Device) -> Tensor {
+        Tensor(Arc::new(TensorInner {
+            id: TensorId::next(),
+            storage: StorageCell::unallocated(dtype, device),
+            layout: Layout::contiguous(shape),
+        }))
+    }
+
     pub(crate) fn from_storage(storage: Storage, shape: impl Into<Shape>) -> Tensor {
         let layout = Layout::contiguous(shape);
         debug_assert_eq!(layout.shape().elem_count(), storage.len());

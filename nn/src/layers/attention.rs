@@ -59,7 +59,9 @@ impl Forward for CausalSelfAttention {
                 x.tensor().shape()
             );
         }
-        let (h, d) = (self.n_head, dims[2] / self.n_head);
+        // Under tensor parallelism c_attn holds this rank's heads of q, k and v.
+        let d = dims[2] / self.n_head;
+        let h = self.c_attn.weight.tensor().dims()[0] / (3 * d);
         let qkv = self.c_attn.forward(x)?;
         // q, k and v are read straight out of the fused projection and the heads come back side
         // by side as [B, T, C]: no split, transpose or copy.

@@ -1,11 +1,14 @@
 //! Dropout with counter-based masks keyed by layer, step, use and global element index.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::OnceLock;
 
+use meshgrad_autograd::distributed::split_dim;
 use meshgrad_autograd::{next_use, DropoutSpec, ForwardCtx, Var};
-use meshgrad_tensor::Result;
+use meshgrad_tensor::{Result, Tensor};
 
 use crate::module::{name_seed, Child, Forward, Module};
+use crate::tp::{ParallelStyle, TensorParallel};
 
 /// Dropout layer; identity in eval mode or with `p == 0`.
 ///
@@ -13,12 +16,16 @@ use crate::module::{name_seed, Child, Forward, Module};
 /// [`ParamBuilder::init`](crate::ParamBuilder::init)), the [`ForwardCtx`] step, the use of this
 /// layer within the current context (a second call in the same forward gets a fresh mask) and
 /// the global element index (`first_row` of the context times the row size, plus the local
-/// index), so every parallel layout draws the same masks as one device.
+/// index), so every parallel layout draws the same masks as one device. Under sequence
+/// parallelism ([`ParallelStyle::SequenceParallel`], or [`ParallelStyle::SequenceSplit`] which
+/// first cuts a replicated `[B, T, C]` input to this rank's positions) the mask of each local
+/// element is the one its global position gets.
 pub struct Dropout {
     /// Drop probability.
     pub p: f64,
     training: AtomicBool,
     stream: AtomicU64,
+    tp: OnceLock<(ParallelStyle, TensorParallel)>,
 }
 
 impl Dropout {
@@ -33,6 +40,7 @@ impl Dropout {
             p,
             training: AtomicBool::new(true),
             stream: AtomicU64::new(name_seed(NEXT.fetch_add(1, Ordering::Relaxed), "dropout")),
+            tp: OnceLock::new(),
         })
     }
 
@@ -45,26 +53,71 @@ impl Dropout {
 impl Forward for Dropout {
     /// Applies dropout to `x` whose first dim is the batch (rows).
     fn forward(&self, x: &Var) -> Result<Var> {
-        if !self.is_training() || self.p == 0.0 {
-            return Ok(x.clone());
-        }
-        let t = x.tensor();
-        let row_elems = if t.rank() == 0 {
-            1
-        } else {
-            t.elem_count() / t.dims()[0].max(1)
+        let sp = self.tp.get().filter(|(_, tp)| tp.splits_sequence());
+        let x = match sp {
+            Some((ParallelStyle::SequenceSplit, tp)) => split_dim(x, 1, &tp.group)?,
+            _ => x.clone(),
         };
+        if !self.is_training() || self.p == 0.0 {
+            return Ok(x);
+        }
         let stream = self.stream.load(Ordering::Relaxed);
         let ctx = ForwardCtx::current();
         let seed = match next_use(stream) {
             0 => name_seed(stream, &ctx.step.to_string()),
             n => name_seed(stream, &format!("{}.{n}", ctx.step)),
         };
+        let t = x.tensor();
+        if let Some((_, tp)) = sp {
+            return self.sequence_parallel_mask(&x, seed, ctx.first_row, tp);
+        }
+        let row_elems = if t.rank() == 0 {
+            1
+        } else {
+            t.elem_count() / t.dims()[0].max(1)
+        };
         x.dropout(DropoutSpec {
             p: self.p,
             seed,
             start: ctx.first_row * row_elems as u64,
         })
+    }
+}
+
+impl Dropout {
+    /// Dropout of this rank's positions `[B, T/tp, C]` of a `[B, T, C]` activation: each
+    /// sequence's run of local elements gets the masks of its global indices.
+    fn sequence_parallel_mask(
+        &self,
+        x: &Var,
+        seed: u64,
+        first_row: u64,
+        tp: &TensorParallel,
+    ) -> Result<Var> {
+        let t = x.tensor();
+        if t.rank() != 3 {
+            meshgrad_tensor::bail!(
+                "dropout: sequence parallelism needs [B, T, C] activations, got {}",
+                t.shape()
+            );
+        }
+        let (b, tl, c) = (t.dims()[0], t.dims()[1], t.dims()[2]);
+        let row = (tl * tp.degree() * c) as u64;
+        let mine = (tp.rank() * tl * c) as u64;
+        let masks: Vec<Tensor> = (0..b as u64)
+            .map(|i| {
+                Tensor::dropout_mask(
+                    seed,
+                    (first_row + i) * row + mine,
+                    self.p,
+                    (1, tl, c),
+                    t.dtype(),
+                    t.device(),
+                )
+            })
+            .collect::<Result<_>>()?;
+        let refs: Vec<&Tensor> = masks.iter().collect();
+        x.mul(&Var::constant(Tensor::cat(&refs, 0)?))
     }
 }
 
@@ -78,5 +131,18 @@ impl Module for Dropout {
     }
     fn on_init(&self, path: &str, seed: u64) {
         self.stream.store(name_seed(seed, path), Ordering::Relaxed);
+    }
+    fn parallelize(&self, path: &str, style: &ParallelStyle, tp: &TensorParallel) -> Result<()> {
+        if !matches!(
+            style,
+            ParallelStyle::SequenceParallel | ParallelStyle::SequenceSplit
+        ) {
+            meshgrad_tensor::bail!(
+                "tensor-parallel plan: dropout `{path}` takes SequenceParallel or SequenceSplit, \
+                 not {style:?}"
+            );
+        }
+        let _ = self.tp.set((*style, tp.clone()));
+        Ok(())
     }
 }

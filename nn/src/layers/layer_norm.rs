@@ -1,13 +1,20 @@
 //! Layer normalisation.
 
+use std::sync::OnceLock;
+
+use meshgrad_autograd::distributed::{all_reduce_backward, split_dim};
 use meshgrad_autograd::Var;
 use meshgrad_tensor::Result;
 
-use crate::module::{Forward, Init, ParamBuilder};
+use crate::module::{Child, Forward, Init, Module, ParamBuilder};
+use crate::tp::{ParallelStyle, TensorParallel};
 
 /// Layer norm over the last dim with a learned scale and (optionally) shift.
-#[derive(crate::Module)]
-#[module(crate = crate)]
+///
+/// Under sequence parallelism ([`ParallelStyle::SequenceParallel`], or
+/// [`ParallelStyle::SequenceSplit`] which first cuts a replicated input to this rank's positions)
+/// it normalises this rank's positions; its replicated parameters' gradients are summed over the
+/// tensor-parallel ranks.
 pub struct LayerNorm {
     /// Scale `[dim]` (initialised to ones).
     pub weight: Var,
@@ -15,6 +22,7 @@ pub struct LayerNorm {
     pub bias: Option<Var>,
     /// Added to the variance.
     pub eps: f64,
+    tp: OnceLock<(ParallelStyle, TensorParallel)>,
 }
 
 impl LayerNorm {
@@ -29,12 +37,59 @@ impl LayerNorm {
         } else {
             None
         };
-        Ok(LayerNorm { weight, bias, eps })
+        Ok(LayerNorm {
+            weight,
+            bias,
+            eps,
+            tp: OnceLock::new(),
+        })
     }
 }
 
 impl Forward for LayerNorm {
     fn forward(&self, x: &Var) -> Result<Var> {
-        x.layer_norm(Some(&self.weight), self.bias.as_ref(), self.eps)
+        match self.tp.get() {
+            Some((style, tp)) if tp.splits_sequence() => {
+                let g = &tp.group;
+                let x = if *style == ParallelStyle::SequenceSplit {
+                    split_dim(x, 1, g)?
+                } else {
+                    x.clone()
+                };
+                let w = all_reduce_backward(&self.weight, g)?;
+                let b = self
+                    .bias
+                    .as_ref()
+                    .map(|b| all_reduce_backward(b, g))
+                    .transpose()?;
+                x.layer_norm(Some(&w), b.as_ref(), self.eps)
+            }
+            _ => x.layer_norm(Some(&self.weight), self.bias.as_ref(), self.eps),
+        }
+    }
+}
+
+impl Module for LayerNorm {
+    fn visit_children(&self, f: &mut dyn FnMut(&str, Child<'_>)) {
+        f("weight", Child::Param(&self.weight));
+        if let Some(b) = &self.bias {
+            f("bias", Child::Param(b));
+        }
+    }
+    fn module_type(&self) -> &'static str {
+        "LayerNorm"
+    }
+    fn parallelize(&self, path: &str, style: &ParallelStyle, tp: &TensorParallel) -> Result<()> {
+        if !matches!(
+            style,
+            ParallelStyle::SequenceParallel | ParallelStyle::SequenceSplit
+        ) {
+            meshgrad_tensor::bail!(
+                "tensor-parallel plan: layer norm `{path}` takes SequenceParallel or \
+                 SequenceSplit, not {style:?}"
+            );
+        }
+        let _ = self.tp.set((*style, tp.clone()));
+        Ok(())
     }
 }

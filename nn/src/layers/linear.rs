@@ -2,19 +2,27 @@
 
 use std::sync::OnceLock;
 
+use meshgrad_autograd::distributed::{
+    all_gather_dim, all_reduce_backward, all_reduce_forward, reduce_scatter_dim,
+};
 use meshgrad_autograd::Var;
 use meshgrad_tensor::Result;
 
 use crate::module::{Child, Forward, Init, Module, ParamBuilder};
+use crate::tp::{ParallelStyle, TensorParallel};
 
 /// `y = x Wᵀ + b` with `W` stored `[out, in]` (the PyTorch `nn.Linear` convention; the
 /// transposed read is a strided view, never a copy).
+///
+/// Under tensor parallelism ([`ParallelStyle::Colwise`] / [`ParallelStyle::Rowwise`]) the
+/// parameters hold this rank's rows / columns and the forward communicates (see [`crate::tp`]).
 pub struct Linear {
-    /// `[out_features, in_features]`
+    /// `[out_features, in_features]` (this rank's part under tensor parallelism)
     pub weight: Var,
     /// `[out_features]`, if present.
     pub bias: Option<Var>,
     path: OnceLock<String>,
+    tp: OnceLock<(ParallelStyle, TensorParallel)>,
 }
 
 /// Options of a [`Linear`] layer: sizes, bias, and the weight's initial standard deviation.
@@ -68,6 +76,7 @@ impl LinearConfig {
             weight,
             bias,
             path: OnceLock::new(),
+            tp: OnceLock::new(),
         })
     }
 }
@@ -85,6 +94,7 @@ impl Linear {
             weight,
             bias,
             path: OnceLock::new(),
+            tp: OnceLock::new(),
         }
     }
 
@@ -106,8 +116,46 @@ impl Forward for Linear {
                 self.weight.tensor().shape()
             );
         }
-        // One fused op: a single gemm over all rows with the bias as its starting value.
-        Var::linear(x, &self.weight, self.bias.as_ref())
+        match self.tp.get() {
+            Some((style, tp)) if tp.degree() > 1 => self.forward_parallel(x, *style, tp),
+            // One fused op: a single gemm over all rows with the bias as its starting value.
+            _ => Var::linear(x, &self.weight, self.bias.as_ref()),
+        }
+    }
+}
+
+impl Linear {
+    /// Column-parallel: the (sequence-gathered or replicated) input times this rank's rows.
+    /// Row-parallel: this rank's columns times its input features, summed over the ranks (or
+    /// reduce-scattered along the sequence), then the replicated bias.
+    fn forward_parallel(&self, x: &Var, style: ParallelStyle, tp: &TensorParallel) -> Result<Var> {
+        let g = &tp.group;
+        let sp = tp.splits_sequence();
+        match style {
+            ParallelStyle::Colwise { .. } => {
+                let x = if sp {
+                    all_gather_dim(x, 1, g)?
+                } else {
+                    all_reduce_backward(x, g)?
+                };
+                Var::linear(&x, &self.weight, self.bias.as_ref())
+            }
+            _ => {
+                let y = Var::linear(x, &self.weight, None)?;
+                let y = if sp {
+                    reduce_scatter_dim(&y, 1, g)?
+                } else {
+                    all_reduce_forward(&y, g)?
+                };
+                match &self.bias {
+                    None => Ok(y),
+                    // Under sequence parallelism each rank adds the bias to its own positions,
+                    // so its gradient is summed over the ranks.
+                    Some(b) if sp => y.add(&all_reduce_backward(b, g)?),
+                    Some(b) => y.add(b),
+                }
+            }
+        }
     }
 }
 
@@ -123,5 +171,17 @@ impl Module for Linear {
     }
     fn on_init(&self, path: &str, _seed: u64) {
         let _ = self.path.set(path.to_string());
+    }
+    fn parallelize(&self, path: &str, style: &ParallelStyle, tp: &TensorParallel) -> Result<()> {
+        if !matches!(
+            style,
+            ParallelStyle::Colwise { .. } | ParallelStyle::Rowwise
+        ) {
+            meshgrad_tensor::bail!(
+                "tensor-parallel plan: linear `{path}` takes Colwise or Rowwise, not {style:?}"
+            );
+        }
+        let _ = self.tp.set((*style, tp.clone()));
+        Ok(())
     }
 }

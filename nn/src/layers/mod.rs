@@ -8,6 +8,7 @@ mod dropout;
 mod embedding;
 mod layer_norm;
 mod linear;
+mod lm_head;
 mod mlp;
 mod sequential;
 
@@ -18,5 +19,6 @@ pub use dropout::Dropout;
 pub use embedding::Embedding;
 pub use layer_norm::LayerNorm;
 pub use linear::{Linear, LinearConfig};
+pub use lm_head::LmHead;
 pub use mlp::Mlp;
 pub use sequential::Sequential;

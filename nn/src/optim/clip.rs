@@ -1,18 +1,42 @@
 //! Gradient-norm clipping (PyTorch's `clip_grad_norm_` rule).
 
+use std::sync::Arc;
+
+use meshgrad_autograd::distributed::Collectives;
 use meshgrad_autograd::{no_grad, Var};
-use meshgrad_tensor::Result;
+use meshgrad_tensor::{Device, Result, Tensor};
 
 /// Sum of the squares of every element of every gradient, in f64: each gradient's sum of squares
 /// ([`meshgrad_tensor::Tensor::sqr_sum_f64`]) added in parameter order. Parameters without a
 /// gradient contribute nothing. A sharded optimizer all-reduces this value across shards before
 /// taking the square root.
+///
+/// Parameters split across ranks (a [`Placement`](meshgrad_autograd::distributed::Placement),
+/// as tensor parallelism records) count every element exactly once: their sums are added over
+/// their group (one all-reduce per group, a collective every member calls), while replicated
+/// parameters count once.
 pub fn grad_sq_sum(params: &[Var]) -> Result<f64> {
     let mut total = 0.0;
+    let mut split: Vec<(Arc<dyn Collectives>, f64)> = Vec::new();
     for p in params {
-        if let Some(g) = p.grad() {
-            total += g.sqr_sum_f64()?;
+        let Some(g) = p.grad() else { continue };
+        let s = g.sqr_sum_f64()?;
+        match p.placement() {
+            Some(pl) if pl.degree() > 1 => {
+                match split
+                    .iter_mut()
+                    .find(|(grp, _)| Arc::ptr_eq(grp, &pl.group))
+                {
+                    Some((_, acc)) => *acc += s,
+                    None => split.push((pl.group.clone(), s)),
+                }
+            }
+            _ => total += s,
         }
+    }
+    for (group, local) in split {
+        let t = Tensor::from_vec(vec![local], 1, Device::Cpu)?;
+        total += group.all_reduce_sum(&t)?.to_vec::<f64>()?[0];
     }
     Ok(total)
 }

@@ -1,0 +1,322 @@
+//! What autograd needs to know about ranks: a narrow view of a process group ([`Collectives`]),
+//! how a parameter is placed across one ([`Placement`]), and communication as differentiable
+//! functions, each with its forward and backward side by side (the conjugate pairs of tensor
+//! and sequence parallelism):
+//!
+//! | function                     | forward                       | backward                     |
+//! |------------------------------|-------------------------------|------------------------------|
+//! | [`all_reduce_backward`]      | identity                      | sum over the group           |
+//! | [`all_reduce_forward`]       | sum over the group            | identity                     |
+//! | [`all_gather_dim`]           | concatenate the ranks' chunks | this rank's chunk of the sum |
+//! | [`reduce_scatter_dim`]       | this rank's chunk of the sum  | concatenate the chunks       |
+//! | [`split_dim`]                | this rank's chunk             | concatenate the chunks       |
+//!
+//! On a group of one rank every function returns its input unchanged (no copy, no node), so a
+//! model written for tensor parallelism runs at degree 1 exactly as the plain model.
+//!
+//! The crate `meshgrad_parallel` implements [`Collectives`] for every `Communicator`; tests can
+//! implement it for anything that reduces tensors.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use meshgrad_tensor::{Result, Tensor};
+
+use crate::Var;
+
+/// The collectives tensor and sequence parallelism need, on one group of ranks. Every member
+/// calls the same collectives in the same order (the usual matching rule); results are fresh
+/// tensors.
+pub trait Collectives: Send + Sync {
+    /// This rank's index in the group.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the group.
+    fn size(&self) -> usize;
+    /// The elementwise sum of every rank's `t`, on every rank.
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor>;
+    /// The elementwise maximum of every rank's `t`, on every rank.
+    fn all_reduce_max(&self, t: &Tensor) -> Result<Tensor>;
+    /// Every rank's `t` (all of one shape) concatenated along dimension 0 in rank order.
+    fn all_gather(&self, t: &Tensor) -> Result<Tensor>;
+    /// The sum of every rank's `t`, split along dimension 0 into `size()` equal blocks: this
+    /// rank's block.
+    fn reduce_scatter_sum(&self, t: &Tensor) -> Result<Tensor>;
+    /// The group's members for messages, e.g. `tp[0,1]`.
+    fn describe(&self) -> String;
+}
+
+impl std::fmt::Debug for dyn Collectives {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "rank {} of {}", self.rank(), self.describe())
+    }
+}
+
+/// How a parameter (or any tensor) is split across a group: along dimension `dim`, which is seen
+/// as `chunks` equal blocks, each cut into `group.size()` equal parts; rank `r` holds part `r` of
+/// every block, side by side. `chunks` is 1 for a plain split; a fused q/k/v projection uses 3,
+/// so each rank holds its heads of q, of k and of v. A tensor without a placement is replicated
+/// (the same on every rank).
+#[derive(Clone)]
+pub struct Placement {
+    /// The split dimension.
+    pub dim: usize,
+    /// Equal blocks along `dim`, each split across the group.
+    pub chunks: usize,
+    /// The mesh dimension the group runs along (`"tp"`), for messages and checkpoints.
+    pub mesh_dim: String,
+    /// The ranks sharing the tensor.
+    pub group: Arc<dyn Collectives>,
+}
+
+impl std::fmt::Debug for Placement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Shard(dim {}, {} chunk(s), {} of {} over {})",
+            self.dim,
+            self.chunks,
+            self.group.rank(),
+            self.group.size(),
+            self.mesh_dim
+        )
+    }
+}
+
+impl Placement {
+    /// A split of `dim` into `chunks` blocks across `group` along mesh dimension `mesh_dim`.
+    pub fn shard(dim: usize, chunks: usize, mesh_dim: &str, group: Arc<dyn Collectives>) -> Self {
+        Placement {
+            dim,
+            chunks: chunks.max(1),
+            mesh_dim: mesh_dim.to_string(),
+            group,
+        }
+    }
+
+    /// Number of parts (the group size).
+    pub fn degree(&self) -> usize {
+        self.group.size()
+    }
+
+    /// This rank's part.
+    pub fn index(&self) -> usize {
+        self.group.rank()
+    }
+
+    /// The local shape of a tensor whose full shape is `global`, or an error naming the sizes
+    /// when `global[dim]` does not split evenly.
+    pub fn local_dims(&self, global: &[usize]) -> Result<Vec<usize>> {
+        let parts = self.chunks * self.degree();
+        match global.get(self.dim) {
+            Some(&n) if n % parts == 0 => {
+                let mut d = global.to_vec();
+                d[self.dim] = n / self.degree();
+                Ok(d)
+            }
+            Some(&n) => meshgrad_tensor::bail!(
+                "placement: dimension {} of size {n} (shape {global:?}) does not split into {} \
+                 block(s) x {} parts over {}",
+                self.dim,
+                self.chunks,
+                self.degree(),
+                self.mesh_dim
+            ),
+            None => meshgrad_tensor::bail!(
+                "placement: shape {global:?} has no dimension {} to split over {}",
+                self.dim,
+                self.mesh_dim
+            ),
+        }
+    }
+
+    /// The full shape of a tensor whose local shape is `local`.
+    pub fn global_dims(&self, local: &[usize]) -> Vec<usize> {
+        let mut d = local.to_vec();
+        if let Some(n) = d.get_mut(self.dim) {
+            *n *= self.degree();
+        }
+        d
+    }
+
+    /// The ranges of the full dimension (of length `global_len`) that rank `index` holds, one per
+    /// chunk, in order.
+    pub fn ranges(&self, global_len: usize, index: usize) -> Vec<Range<usize>> {
+        let block = global_len / self.chunks;
+        let part = block / self.degree();
+        (0..self.chunks)
+            .map(|c| c * block + index * part..c * block + (index + 1) * part)
+            .collect()
+    }
+
+    /// This rank's part of a full tensor (a contiguous copy).
+    pub fn shard_of(&self, full: &Tensor) -> Result<Tensor> {
+        self.local_dims(full.dims())?;
+        let ranges = self.ranges(full.dims()[self.dim], self.index());
+        let parts: Vec<Tensor> = ranges
+            .iter()
+            .map(|r| full.narrow(self.dim as isize, r.start, r.len()))
+            .collect::<Result<_>>()?;
+        let refs: Vec<&Tensor> = parts.iter().collect();
+        Tensor::cat(&refs, self.dim as isize)?.contiguous()
+    }
+
+    /// The full tensor from every rank's part (a collective: every member calls it).
+    pub fn gather(&self, local: &Tensor) -> Result<Tensor> {
+        let w = self.degree();
+        if w == 1 {
+            return local.contiguous();
+        }
+        let per_rank = gather_chunks(local, w, &*self.group)?;
+        // Rank r's part holds its slice of every chunk: interleave them chunk by chunk.
+        let c = self.chunks;
+        let mut ordered = Vec::with_capacity(c * w);
+        let local_len = local.dims()[self.dim];
+        for ci in 0..c {
+            for part in &per_rank {
+                ordered.push(part.narrow(self.dim as isize, ci * local_len / c, local_len / c)?);
+            }
+        }
+        let refs: Vec<&Tensor> = ordered.iter().collect();
+        Tensor::cat(&refs, self.dim as isize)
+    }
+}
+
+/// Every rank's `local` (one shape on all), gathered as a list in rank order.
+fn gather_chunks(local: &Tensor, w: usize, group: &dyn Collectives) -> Result<Vec<Tensor>> {
+    let flat = local.contiguous()?.reshape(local.elem_count())?;
+    let all = group.all_gather(&flat)?;
+    let n = local.elem_count();
+    (0..w)
+        .map(|r| all.narrow(0, r * n, n)?.reshape(local.shape().clone()))
+        .collect()
+}
+
+/// Concatenates every rank's `local` along `dim`.
+fn gather_along(local: &Tensor, dim: usize, group: &dyn Collectives) -> Result<Tensor> {
+    let parts = gather_chunks(local, group.size(), group)?;
+    let refs: Vec<&Tensor> = parts.iter().collect();
+    Tensor::cat(&refs, dim as isize)
+}
+
+/// The sum over the group of `full`, split along `dim`: this rank's chunk.
+fn reduce_scatter_along(full: &Tensor, dim: usize, group: &dyn Collectives) -> Result<Tensor> {
+    let w = group.size();
+    let n = full.dims()[dim] / w;
+    let chunks: Vec<Tensor> = (0..w)
+        .map(|r| {
+            let c = full.narrow(dim as isize, r * n, n)?.contiguous()?;
+            c.reshape(c.elem_count())
+        })
+        .collect::<Result<_>>()?;
+    let refs: Vec<&Tensor> = chunks.iter().collect();
+    let mine = group.reduce_scatter_sum(&Tensor::cat(&refs, 0)?)?;
+    let mut dims = full.dims().to_vec();
+    dims[dim] = n;
+    mine.reshape(dims)
+}
+
+fn check_dim(what: &str, x: &Var, dim: usize, group: &dyn Collectives, split: bool) -> Result<()> {
+    let dims = x.tensor().dims();
+    match dims.get(dim) {
+        None => meshgrad_tensor::bail!(
+            "{what}: shape {} has no dimension {dim} (group {})",
+            x.tensor().shape(),
+            group.describe()
+        ),
+        Some(&n) if split && n % group.size() != 0 => meshgrad_tensor::bail!(
+            "{what}: dimension {dim} of size {n} (shape {}) does not split over the {} ranks of {}",
+            x.tensor().shape(),
+            group.size(),
+            group.describe()
+        ),
+        _ => Ok(()),
+    }
+}
+
+type Group = Arc<dyn Collectives>;
+
+/// Identity forward; in backward the gradient becomes the sum of every rank's gradient. Put it
+/// where a replicated tensor enters computations that differ per rank (the input of a
+/// column-parallel linear; a replicated weight used on each rank's own tokens).
+pub fn all_reduce_backward(x: &Var, group: &Group) -> Result<Var> {
+    if group.size() == 1 {
+        return Ok(x.clone());
+    }
+    let g = group.clone();
+    Ok(Var::from_op(
+        "all_reduce_backward",
+        x.tensor().clone(),
+        &[x],
+        Box::new(move |grad| Ok(vec![Some(g.all_reduce_sum(grad)?)])),
+    ))
+}
+
+/// The sum of every rank's `x` forward; identity backward (the output of a row-parallel
+/// linear, a vocabulary-parallel embedding).
+pub fn all_reduce_forward(x: &Var, group: &Group) -> Result<Var> {
+    if group.size() == 1 {
+        return Ok(x.clone());
+    }
+    let sum = group.all_reduce_sum(x.tensor())?;
+    Ok(Var::from_op(
+        "all_reduce_forward",
+        sum,
+        &[x],
+        Box::new(move |grad| Ok(vec![Some(grad.clone())])),
+    ))
+}
+
+/// Every rank's `x` concatenated along `dim` forward; backward, the sum of the gradients cut
+/// back to this rank's chunk (leaving a sequence-parallel region).
+pub fn all_gather_dim(x: &Var, dim: usize, group: &Group) -> Result<Var> {
+    check_dim("all_gather_dim", x, dim, &**group, false)?;
+    if group.size() == 1 {
+        return Ok(x.clone());
+    }
+    let full = gather_along(x.tensor(), dim, &**group)?;
+    let g = group.clone();
+    Ok(Var::from_op(
+        "all_gather_dim",
+        full,
+        &[x],
+        Box::new(move |grad| Ok(vec![Some(reduce_scatter_along(grad, dim, &*g)?)])),
+    ))
+}
+
+/// The sum over the ranks of `x`, cut along `dim` to this rank's chunk, forward; backward, the
+/// chunks' gradients concatenated (entering a sequence-parallel region from partial sums).
+pub fn reduce_scatter_dim(x: &Var, dim: usize, group: &Group) -> Result<Var> {
+    check_dim("reduce_scatter_dim", x, dim, &**group, true)?;
+    if group.size() == 1 {
+        return Ok(x.clone());
+    }
+    let mine = reduce_scatter_along(x.tensor(), dim, &**group)?;
+    let g = group.clone();
+    Ok(Var::from_op(
+        "reduce_scatter_dim",
+        mine,
+        &[x],
+        Box::new(move |grad| Ok(vec![Some(gather_along(grad, dim, &*g)?)])),
+    ))
+}
+
+/// This rank's chunk of a replicated `x` along `dim` forward; backward, the chunks' gradients
+/// concatenated (entering a sequence-parallel region from replicated values).
+pub fn split_dim(x: &Var, dim: usize, group: &Group) -> Result<Var> {
+    check_dim("split_dim", x, dim, &**group, true)?;
+    if group.size() == 1 {
+        return Ok(x.clone());
+    }
+    let n = x.tensor().dims()[dim] / group.size();
+    let mine = x
+        .tensor()
+        .narrow(dim as isize, group.rank() * n, n)?
+        .contiguous()?;
+    let g = group.clone();
+    Ok(Var::from_op(
+        "split_dim",
+        mine,
+        &[x],
+        Box::new(move |grad| Ok(vec![Some(gather_along(grad, dim, &*g)?)])),
+    ))
+}

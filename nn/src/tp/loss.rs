@@ -1,0 +1,128 @@
+//! Loss-parallel cross-entropy over logits split by vocabulary: the full logits are never
+//! gathered, only per-row statistics cross the group.
+
+use meshgrad_autograd::Var;
+use meshgrad_tensor::{DType, Result, Tensor};
+
+use super::TensorParallel;
+
+/// Mean cross-entropy of `logits [N, V / tp]` (this rank's vocabulary slice `[r V/tp, (r+1) V/tp)`
+/// of every row) against global `targets [N]`, skipping rows whose target is `ignore_index`; the
+/// same value on every rank, equal to the single-device loss over the full logits.
+///
+/// Forward: each rank's row log-sum-exp is all-gathered (N values per rank) and combined into the
+/// global one; the target logit comes from the rank that holds it (an all-reduce of N values).
+/// Backward: `softmax - onehot` on the local slice, with no communication.
+pub fn vocab_parallel_cross_entropy(
+    logits: &Var,
+    targets: &Tensor,
+    ignore_index: Option<i64>,
+    tp: &TensorParallel,
+) -> Result<Var> {
+    let x = logits.tensor().clone();
+    if x.rank() != 2 || targets.dims() != [x.dims()[0]] {
+        meshgrad_tensor::bail!(
+            "vocab-parallel cross-entropy: logits must be [N, V/tp] and targets [N], got {} and {}",
+            x.shape(),
+            targets.shape()
+        );
+    }
+    let (n, vl) = (x.dims()[0], x.dims()[1]);
+    let (w, r) = (tp.degree(), tp.rank());
+    let offset = (r * vl) as i64;
+    let t: Vec<i64> = targets.to_vec_f64()?.iter().map(|&v| v as i64).collect();
+    let vocab = (vl * w) as i64;
+    if let Some(&bad) = t
+        .iter()
+        .find(|&&v| Some(v) != ignore_index && !(0..vocab).contains(&v))
+    {
+        meshgrad_tensor::bail!(
+            "vocab-parallel cross-entropy: target {bad} is outside the vocabulary of {vocab}"
+        );
+    }
+    // Global log-sum-exp per row from every rank's local one.
+    let local_lse = x.logsumexp(1, false)?.to_dtype(DType::F64)?;
+    let all_lse = tp.group.all_gather(&local_lse)?.to_vec::<f64>()?;
+    let lse: Vec<f64> = (0..n)
+        .map(|i| {
+            let m = (0..w)
+                .map(|k| all_lse[k * n + i])
+                .fold(f64::NEG_INFINITY, f64::max);
+            if m == f64::NEG_INFINITY {
+                return m;
+            }
+            m + (0..w)
+                .map(|k| (all_lse[k * n + i] - m).exp())
+                .sum::<f64>()
+                .ln()
+        })
+        .collect();
+    // The target logit, from the rank whose slice holds it.
+    let local_idx: Vec<i64> = t
+        .iter()
+        .map(|&v| {
+            if (offset..offset + vl as i64).contains(&v) {
+                v - offset
+            } else {
+                0
+            }
+        })
+        .collect();
+    let picked = x
+        .gather(1, &Tensor::from_vec(local_idx, (n, 1), x.device())?)?
+        .to_vec_f64()?;
+    let mine: Vec<f64> = (0..n)
+        .map(|i| {
+            if (offset..offset + vl as i64).contains(&t[i]) {
+                picked[i]
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let target_logit = tp
+        .group
+        .all_reduce_sum(&Tensor::from_vec(mine, n, x.device())?)?
+        .to_vec::<f64>()?;
+    let keep: Vec<bool> = t.iter().map(|&v| Some(v) != ignore_index).collect();
+    let count = keep.iter().filter(|&&k| k).count();
+    let scale = 1.0 / count.max(1) as f64;
+    let rows: Vec<f64> = (0..n)
+        .map(|i| {
+            if keep[i] {
+                lse[i] - target_logit[i]
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let loss = Tensor::from_vec(rows, n, x.device())?
+        .sum_all()?
+        .mul_scalar(scale)?
+        .to_dtype(x.dtype())?;
+    Ok(Var::from_op(
+        "vocab_parallel_cross_entropy",
+        loss,
+        &[logits],
+        Box::new(move |g| {
+            let g = g.to_dtype(DType::F64)?.item()? * scale;
+            let xv = x.to_vec_f64()?;
+            let mut d = vec![0f64; n * vl];
+            for i in 0..n {
+                if !keep[i] {
+                    continue;
+                }
+                let row = &xv[i * vl..(i + 1) * vl];
+                for (j, &v) in row.iter().enumerate() {
+                    d[i * vl + j] = (v - lse[i]).exp() * g;
+                }
+                if (offset..offset + vl as i64).contains(&t[i]) {
+                    d[i * vl + (t[i] - offset) as usize] -= g;
+                }
+            }
+            Ok(vec![Some(
+                Tensor::from_vec(d, (n, vl), x.device())?.to_dtype(x.dtype())?,
+            )])
+        }),
+    ))
+}

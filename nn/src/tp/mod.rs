@@ -1,0 +1,96 @@
+//! Tensor and sequence parallelism, as data.
+//!
+//! A [`TpPlan`] maps module path patterns (`h.*.attn.c_attn`, `*` = one path component) to a
+//! [`ParallelStyle`]. Building a model through a [`ParamBuilder`](crate::ParamBuilder) that
+//! carries a plan ([`ParamBuilder::tensor_parallel`](crate::ParamBuilder::tensor_parallel))
+//!
+//! 1. creates every parameter at its **local** shape only (a split parameter is never
+//!    materialised whole on any rank), recording its [`Placement`] on the variable;
+//! 2. fills each local part with exactly the values the same slice of the single-device
+//!    parameter has (initialisation is keyed by name and global element index);
+//! 3. hands each matched module its style ([`Module::parallelize`](crate::Module::parallelize)),
+//!    so its forward inserts the communication (the differentiable functions of
+//!    [`meshgrad_autograd::distributed`]) where Megatron-LM puts it.
+//!
+//! | style                 | modules             | parameters                          | forward |
+//! |-----------------------|---------------------|-------------------------------------|---------|
+//! | `Colwise { chunks }`  | `Linear`            | weight, bias split by output rows    | input gathered (SP) or replicated; output split by features |
+//! | `Rowwise`             | `Linear`            | weight split by input columns        | partial output summed (all-reduce), or reduce-scattered along the sequence (SP); then the bias |
+//! | `VocabEmbedding`      | `Embedding`         | table split by vocabulary rows        | lookups outside the shard are zeros; summed |
+//! | `VocabHead`           | `LmHead`            | (reads a vocab-split table)           | logits stay split by vocabulary; loss-parallel cross-entropy |
+//! | `SequenceParallel`    | `LayerNorm`, `Dropout` | replicated                        | SP: runs on this rank's sequence chunk |
+//! | `SequenceSplit`       | `LayerNorm`, `Dropout` | replicated                        | SP: first cuts the replicated input to this rank's chunk |
+//!
+//! With sequence parallelism off, the last two are plain replicated computation. On a group of
+//! one rank, every style degenerates to the plain module (no communication, no copies).
+//!
+//! Sequence parallelism splits activations `[B, T, C]` along `T` (dimension 1): rank `r` holds
+//! positions `[r T / tp, (r + 1) T / tp)` of every sequence. Dropout keys its masks by global
+//! element index, so a sequence-parallel run draws the masks a single device draws.
+
+mod loss;
+mod plan;
+
+pub use loss::vocab_parallel_cross_entropy;
+pub use meshgrad_autograd::distributed::{Collectives, Placement};
+pub use plan::{ParallelStyle, TpPlan};
+
+use std::sync::Arc;
+
+/// The tensor-parallel group of this rank and whether sequence parallelism is on.
+#[derive(Clone)]
+pub struct TensorParallel {
+    /// The ranks that split each layer (mesh dimension `tp`).
+    pub group: Arc<dyn Collectives>,
+    /// Split the LayerNorm / dropout regions along the sequence.
+    pub sequence_parallel: bool,
+}
+
+impl std::fmt::Debug for TensorParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "TensorParallel(rank {} of {}, sequence_parallel={})",
+            self.group.rank(),
+            self.group.size(),
+            self.sequence_parallel
+        )
+    }
+}
+
+impl TensorParallel {
+    /// Tensor parallelism over `group`, without sequence parallelism.
+    pub fn new(group: Arc<dyn Collectives>) -> Self {
+        TensorParallel {
+            group,
+            sequence_parallel: false,
+        }
+    }
+
+    /// With or without sequence parallelism.
+    pub fn sequence_parallel(mut self, on: bool) -> Self {
+        self.sequence_parallel = on;
+        self
+    }
+
+    /// Number of ranks.
+    pub fn degree(&self) -> usize {
+        self.group.size()
+    }
+
+    /// This rank's index in the group.
+    pub fn rank(&self) -> usize {
+        self.group.rank()
+    }
+
+    /// A placement splitting dimension `dim` (in `chunks` blocks) over this group.
+    pub fn placement(&self, dim: usize, chunks: usize) -> Placement {
+        Placement::shard(dim, chunks, "tp", self.group.clone())
+    }
+
+    /// Whether activations in the LayerNorm / dropout regions are split along the sequence
+    /// (sequence parallelism on a group of more than one rank).
+    pub fn splits_sequence(&self) -> bool {
+        self.sequence_parallel && self.degree() > 1
+    }
+}

@@ -1,0 +1,59 @@
+//! Tensor and sequence parallelism over a [`Communicator`]: the [`Collectives`] view that the
+//! layers of `meshgrad_nn::tp` communicate through, and [`tensor_parallel`] to make the
+//! [`TensorParallel`] a model is built with (see `meshgrad_nn::tp` for plans and styles).
+
+use std::sync::Arc;
+
+use meshgrad_autograd::distributed::Collectives;
+use meshgrad_nn::tp::TensorParallel;
+use meshgrad_tensor::{Result, Tensor};
+
+use crate::comm::{Communicator, ReduceOp};
+
+/// A communicator seen as the [`Collectives`] tensor parallelism needs (each call launches the
+/// collective and waits for it).
+pub struct CommCollectives {
+    comm: Arc<dyn Communicator>,
+    name: String,
+}
+
+impl CommCollectives {
+    /// The collectives of `comm`, named `name` (the mesh dimension) in messages.
+    pub fn new(comm: Arc<dyn Communicator>, name: &str) -> Self {
+        CommCollectives {
+            comm,
+            name: name.to_string(),
+        }
+    }
+}
+
+impl Collectives for CommCollectives {
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+    fn size(&self) -> usize {
+        self.comm.world_size()
+    }
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
+        self.comm.all_reduce(t, ReduceOp::Sum)?.wait()
+    }
+    fn all_reduce_max(&self, t: &Tensor) -> Result<Tensor> {
+        self.comm.all_reduce(t, ReduceOp::Max)?.wait()
+    }
+    fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
+        self.comm.all_gather(t)?.wait()
+    }
+    fn reduce_scatter_sum(&self, t: &Tensor) -> Result<Tensor> {
+        self.comm.reduce_scatter(t, ReduceOp::Sum)?.wait()
+    }
+    fn describe(&self) -> String {
+        format!("{}{}", self.name, self.comm.describe())
+    }
+}
+
+/// Tensor parallelism over `group` (this rank's `tp` group of the mesh), with or without
+/// sequence parallelism.
+pub fn tensor_parallel(group: Arc<dyn Communicator>, sequence_parallel: bool) -> TensorParallel {
+    TensorParallel::new(Arc::new(CommCollectives::new(group, "tp")))
+        .sequence_parallel(sequence_parallel)
+}
