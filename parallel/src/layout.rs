@@ -464,7 +464,10 @@ mod tests {
             (c.world_size(), c.data_parallel_degree(), c.tp(), c.pp()),
             (8, 4, 2, 1)
         );
-        assert_eq!((c.dp_replicate(), c.dp_shard(), c.zero()), (2, 2, Some(One)));
+        assert_eq!(
+            (c.dp_replicate(), c.dp_shard(), c.zero()),
+            (2, 2, Some(One))
+        );
         assert_eq!(c.mesh_shape(), [1, 2, 2, 2]);
         let c = p("hsdp=2x2,tp=4").unwrap();
         assert_eq!((c.world_size(), c.data_parallel_degree()), (16, 4));
@@ -476,7 +479,9 @@ mod tests {
     #[test]
     fn display_is_canonical_and_parses_back() {
         // Today's single-strategy forms print as they always did.
-        for s in ["dp=4", "zero1=4", "zero2=4", "fsdp=4", "hsdp=2x2", "dp=1", "fsdp=1"] {
+        for s in [
+            "dp=4", "zero1=4", "zero2=4", "fsdp=4", "hsdp=2x2", "dp=1", "fsdp=1",
+        ] {
             assert_eq!(p(s).unwrap().to_string(), s);
         }
         for (s, canonical) in [
@@ -532,7 +537,9 @@ mod tests {
             assert!(e.contains(&format!("'{s}'")), "{s}: {e}");
             assert!(!e.contains('\n'), "{s}: {e}");
         }
-        let e = ParallelLayout::new(1, 2, 2, None, 1).unwrap_err().to_string();
+        let e = ParallelLayout::new(1, 2, 2, None, 1)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("dp_shard 2 needs a ZeRO stage"), "{e}");
         let e = ParallelLayout::new(1, usize::MAX, 2, Some(ZeroStage::One), 1)
             .unwrap_err()
@@ -553,7 +560,10 @@ mod tests {
             .check(8, 1, Some(8))
             .unwrap_err()
             .to_string();
-        assert!(e.contains("multiply to 4 ranks, but the world has 8"), "{e}");
+        assert!(
+            e.contains("multiply to 4 ranks, but the world has 8"),
+            "{e}"
+        );
         // tp ranks read the same rows: 6 rows over dp=2,tp=2 is 3 per data-parallel rank.
         let c = p("dp=2,tp=2").unwrap();
         assert!(c.check(6, 3, Some(4)).is_ok());
