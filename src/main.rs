@@ -160,14 +160,21 @@ struct TrainArgs {
     /// Any config key, e.g. --set model.n_layer=2 (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
-    /// Parallel layout, run as threads on the CPU: dp=N, zero1=N, zero2=N, fsdp=N (zero3=N) or
-    /// hsdp=RxS (fully sharded over S ranks, replicated R times). The global batch is the same
-    /// for every layout.
+    /// Parallel layout, run as threads on the CPU: comma-separated degrees whose product is the
+    /// number of ranks. dp=R (data parallel), fsdp=S (= zero3=S), zero1=S or zero2=S (sharded
+    /// over S ranks), hsdp=RxS (= dp=R,fsdp=S: sharded over S ranks, replicated R times), e.g.
+    /// dp=4, fsdp=4, hsdp=2x2, dp=2,zero1=2. tp=T parses but tensor parallelism is not wired into
+    /// train yet (T>1 is refused); pipeline parallelism is not available (only pp=1). The global
+    /// batch is the same for every layout.
     #[arg(long, value_name = "SPEC")]
     layout: Option<String>,
     /// Gradient accumulation: split each rank's rows of a step into this many micro-batches.
     #[arg(long, default_value_t = 1)]
     microbatches: usize,
+    /// Sequence parallelism: split the activations outside the tensor-parallel layers along the
+    /// sequence across the tensor-parallel ranks. Needs tp>1 in --layout.
+    #[arg(long)]
+    sequence_parallel: bool,
 }
 
 fn train_config(a: &TrainArgs) -> Result<TrainConfig> {
@@ -204,22 +211,22 @@ fn run(cli: Cli) -> Result<()> {
             let cfg = train_config(&a)?;
             let opts = meshgrad::train::TrainOptions {
                 microbatches: a.microbatches,
+                sequence_parallel: a.sequence_parallel,
             };
+            let layout: Option<meshgrad::parallel::ParallelLayout> =
+                a.layout.as_deref().map(str::parse).transpose()?;
             if cfg.model.kind == "bert" {
-                let layout: Option<meshgrad::parallel::ParallelLayout> =
-                    a.layout.as_deref().map(str::parse).transpose()?;
                 meshgrad::train_bert::train_bert(&cfg, layout.as_ref(), &opts, Verbosity::Normal)?;
                 return Ok(());
             }
-            match &a.layout {
+            match &layout {
                 None => {
                     meshgrad::train::train_with(&cfg, &opts, Verbosity::Normal)?;
                 }
-                Some(spec) => {
-                    let layout: meshgrad::parallel::ParallelLayout = spec.parse()?;
+                Some(layout) => {
                     meshgrad::train_parallel::train_parallel(
                         &cfg,
-                        &layout,
+                        layout,
                         &opts,
                         Verbosity::Normal,
                     )?;

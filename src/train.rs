@@ -108,12 +108,28 @@ pub struct TrainOptions {
     /// Gradient accumulation: each rank's rows of a step are processed in this many equal
     /// micro-batches, each loss scaled by `1 / microbatches`, before one optimizer step.
     pub microbatches: usize,
+    /// Sequence parallelism (`--sequence-parallel`): with tensor parallelism, the activations
+    /// outside the tensor-parallel layers are split along the sequence across the tensor-parallel
+    /// ranks. Needs `tp > 1` in the layout; refused otherwise.
+    pub sequence_parallel: bool,
 }
 
 impl Default for TrainOptions {
     fn default() -> Self {
-        TrainOptions { microbatches: 1 }
+        TrainOptions {
+            microbatches: 1,
+            sequence_parallel: false,
+        }
     }
+}
+
+/// Refuses `--sequence-parallel` without tensor parallelism (`tp` is the layout's
+/// tensor-parallel degree, 1 on one device), in one line.
+pub(crate) fn check_sequence_parallel(opts: &TrainOptions, tp: usize) -> Result<()> {
+    if opts.sequence_parallel && tp <= 1 {
+        anyhow::bail!("--sequence-parallel needs tensor parallelism (tp>1 in --layout)");
+    }
+    Ok(())
 }
 
 /// How a training loop synchronises across ranks. One device: nothing to do.
@@ -649,6 +665,7 @@ pub fn train_with(
     opts: &TrainOptions,
     verbosity: Verbosity,
 ) -> Result<TrainSummary> {
+    check_sequence_parallel(opts, 1)?;
     let (cfg, tokenizer) = resolve_tokenizer(cfg)?;
     let cfg = &cfg;
     check_microbatches(cfg, 1, opts.microbatches)?;

@@ -36,10 +36,10 @@ use meshgrad_tensor::{DType, Device, Tensor};
 
 use crate::config::TrainConfig;
 use crate::train::{
-    check_microbatches, drive_loop, optimizer_and_schedule, run_data, GradSync, LoopResult,
-    Reporter, RunData, SingleDevice, TrainOptions, TrainSummary, Verbosity,
+    check_microbatches, check_sequence_parallel, drive_loop, optimizer_and_schedule, run_data,
+    GradSync, LoopResult, Reporter, RunData, SingleDevice, TrainOptions, TrainSummary, Verbosity,
 };
-use crate::train_parallel::{check_layout, on_ranks, RankWrapper};
+use crate::train_parallel::{check_layout, layout_desc, on_ranks, RankWrapper};
 
 /// Mixed into the run seed for the masking draws.
 const MLM_STREAM: u64 = 0x6d6c_6d5f_6d61_736b;
@@ -285,12 +285,17 @@ pub fn train_bert(
             cfg.model.block_size
         );
     }
+    // The number of data-parallel ranks (those reading different rows).
     let world = match layout {
         None => {
+            check_sequence_parallel(opts, 1)?;
             check_microbatches(cfg, 1, opts.microbatches)?;
             1
         }
-        Some(l) => check_layout(cfg, l, opts)?,
+        Some(l) => {
+            check_layout(cfg, l, opts)?;
+            l.data_parallel_degree()
+        }
     };
     if let Some(t) = &cfg.data.tokenizer {
         anyhow::bail!(
@@ -304,11 +309,6 @@ pub fn train_bert(
         cfg,
         sp: special_tokens(cfg),
         mlm: mlm_config(cfg),
-    };
-    let micro = if opts.microbatches > 1 {
-        format!(" x {} micro-batches", opts.microbatches)
-    } else {
-        String::new()
     };
     match layout {
         None => {
@@ -333,22 +333,20 @@ pub fn train_bert(
             )?;
             finish(cfg, &run.model, rep, r, verbosity)
         }
-        Some(layout) => on_ranks(layout, |ctx| {
+        Some(layout) => on_ranks(layout, |ctx, mesh| {
             let mut run = bert_run(cfg)?;
-            let wrapper = RankWrapper::new(ctx, layout, &run.model, &run.opt)?;
-            let rows = rank_rows(cfg.train.batch_size, world, ctx.rank)?;
+            let wrapper = RankWrapper::new(mesh, &run.model, &run.opt)?;
+            let rows = rank_rows(cfg.train.batch_size, mesh.dp_degree(), mesh.dp_rank())?;
             let leader = ctx.rank == 0;
             let mut rep = if leader {
                 Reporter::leader(cfg, verbosity)?
             } else {
                 Reporter::silent()
             };
-            let desc = format!(
-                ", layout {layout} ({world} ranks x {} rows{micro})",
-                rows.end - rows.start
-            );
+            let desc = layout_desc(layout, (rows.end - rows.start) as usize, opts.microbatches);
             rep.say(header(cfg, &run.model, &data, &desc));
-            let sync = wrapper.sync(ctx.comm.as_ref());
+            let dp_group = mesh.dp_group();
+            let sync = wrapper.sync(dp_group.as_ref());
             let r = run_loop(
                 &s,
                 &data,

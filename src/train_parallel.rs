@@ -1,14 +1,18 @@
 //! `meshgrad train --layout SPEC`: the training loop of [`crate::train`] on several ranks, each a
 //! thread of this process computing on the CPU, with the same global batch as one device.
 //!
-//! Every rank builds the model from the run seed (and [`Ddp`] broadcasts rank 0's weights anyway),
-//! takes its rows `[r * B / n, (r + 1) * B / n)` of each global batch (split further into
-//! micro-batches with `--microbatches`), and averages gradients with [`Ddp`] (`dp=N`) or
-//! [`ShardedDataParallel`] (`zero1=N`, `zero2=N`, `fsdp=N`, `hsdp=RxS`: sharded gradients,
-//! optimizer state and, for fsdp/hsdp, parameters; clipping and the AdamW step run on each
-//! rank's shard); validation is spread the same way. Rank 0 prints progress, writes the metrics
-//! and the checkpoint (fsdp/hsdp gather the full parameters for it first). Losses are the mean
-//! of the ranks' means, so they equal the single-device run's to rounding.
+//! Every rank builds its [`LayoutMesh`] (the `[pp, dp_replicate, dp_shard, tp]` mesh of the
+//! layout) and the model from the run seed (and [`Ddp`] broadcasts rank 0's weights anyway),
+//! takes its rows `[r * B / n, (r + 1) * B / n)` of each global batch, where `n` is the
+//! data-parallel degree and `r` its data-parallel rank (split further into micro-batches with
+//! `--microbatches`), and averages gradients over the data-parallel group with [`Ddp`] (no
+//! sharding: `dp=N`) or [`ShardedDataParallel`] over the mesh's shard topology (`zero1=N`,
+//! `zero2=N`, `fsdp=N`, `hsdp=RxS`, `dp=R,zero1=S`, ...: sharded gradients, optimizer state and,
+//! for fsdp/hsdp, parameters; clipping and the AdamW step run on each rank's shard); validation is
+//! spread the same way. Rank 0 prints progress, writes the metrics and the checkpoint
+//! (fsdp/hsdp gather the full parameters for it first). Losses are the mean of the ranks' means,
+//! so they equal the single-device run's to rounding. Tensor parallelism (`tp` above 1) is refused
+//! by [`check_layout`] until the training loops use it.
 
 use std::time::Duration;
 
@@ -17,22 +21,23 @@ use meshgrad_autograd::Var;
 use meshgrad_nn::optim::{AdamW, Optimizer};
 use meshgrad_nn::Module;
 use meshgrad_parallel::comm::{all_reduce_scalar, run_ranks, RankCtx, RunOptions};
-use meshgrad_parallel::zero::{ShardConfig, ShardTopology, ShardedDataParallel, ZeroStage};
+use meshgrad_parallel::zero::{ShardConfig, ShardedDataParallel};
 use meshgrad_parallel::{
-    rank_rows, Communicator, Ddp, DdpConfig, DeviceMesh, ParallelLayout, ReduceOp,
+    rank_rows, Communicator, Ddp, DdpConfig, LayoutMesh, ParallelLayout, ReduceOp,
 };
 
 use crate::config::TrainConfig;
 use crate::train::{
-    check_microbatches, finish_run, header, resolve_tokenizer, run_data, run_loop, run_model,
-    GradSync, Reporter, TrainOptions, TrainSummary, Verbosity,
+    check_microbatches, check_sequence_parallel, finish_run, header, resolve_tokenizer, run_data,
+    run_loop, run_model, GradSync, Reporter, TrainOptions, TrainSummary, Verbosity,
 };
 
 /// How long a rank waits for its peers in any collective before failing the run. Ranks do the
 /// same work between collectives, so this only matters when something is stuck.
 const COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(300);
 
-/// A data-parallel rank's [`GradSync`]: DDP for gradients, an all-reduce for losses.
+/// A data-parallel rank's [`GradSync`]: DDP for gradients, an all-reduce over the data-parallel
+/// group for losses.
 struct DdpSync<'a> {
     ddp: &'a Ddp,
     comm: &'a dyn Communicator,
@@ -78,58 +83,33 @@ impl GradSync for ZeroSync<'_> {
     }
 }
 
-/// Wraps a rank's model for a sharded layout, with the run's AdamW groups and hyper-parameters.
-fn shard(
-    ctx: &RankCtx,
-    model: &dyn Module,
-    opt: &AdamW,
-    layout: &ParallelLayout,
-) -> Result<ShardedDataParallel> {
-    let (stage, topo) = match *layout {
-        ParallelLayout::Zero { stage, .. } => (stage, ShardTopology::flat(ctx.comm.clone())),
-        ParallelLayout::HybridShard { replicate, shard } => {
-            let mesh = DeviceMesh::new(
-                ctx.comm.clone(),
-                &["dp_replicate", "dp_shard"],
-                &[replicate, shard],
-            )?;
-            (ZeroStage::Three, ShardTopology::from_mesh(&mesh)?)
-        }
-        ParallelLayout::DataParallel { .. } => anyhow::bail!("layout {layout} is not sharded"),
-    };
-    Ok(ShardedDataParallel::new(
-        model,
-        opt.param_groups().to_vec(),
-        *opt.config(),
-        topo,
-        ShardConfig::new(stage),
-    )?)
-}
-
-/// What a rank's model is wrapped in for `layout`: DDP (`dp=N`) or sharded data parallelism
-/// (the others). Shared by the GPT and BERT training loops.
+/// What a rank's model is wrapped in for its layout: DDP over the data-parallel group when
+/// nothing is sharded (`dp=N`), else sharded data parallelism over the layout's
+/// [`ShardTopology`](meshgrad_parallel::ShardTopology). Shared by the GPT and BERT training
+/// loops.
 pub(crate) enum RankWrapper {
     /// `dp=N`.
     Ddp(Ddp),
-    /// `zero1=N`, `zero2=N`, `fsdp=N`, `hsdp=RxS`.
+    /// `zero1=N`, `zero2=N`, `fsdp=N`, `hsdp=RxS`, `dp=R,zero1=S`, ...
     Sharded(ShardedDataParallel),
 }
 
 impl RankWrapper {
-    /// Wraps `model` (whose optimizer is `opt`) on this rank for `layout`.
-    pub(crate) fn new(
-        ctx: &RankCtx,
-        layout: &ParallelLayout,
-        model: &dyn Module,
-        opt: &AdamW,
-    ) -> Result<Self> {
-        Ok(match layout {
-            ParallelLayout::DataParallel { .. } => RankWrapper::Ddp(Ddp::new(
+    /// Wraps `model` (whose optimizer is `opt`) on this rank of `mesh`.
+    pub(crate) fn new(mesh: &LayoutMesh, model: &dyn Module, opt: &AdamW) -> Result<Self> {
+        Ok(match mesh.layout().zero() {
+            None => RankWrapper::Ddp(Ddp::new(
                 model.named_parameters(),
-                ctx.comm.clone(),
+                mesh.dp_group(),
                 DdpConfig::default(),
             )?),
-            _ => RankWrapper::Sharded(shard(ctx, model, opt, layout)?),
+            Some(stage) => RankWrapper::Sharded(ShardedDataParallel::new(
+                model,
+                opt.param_groups().to_vec(),
+                *opt.config(),
+                mesh.shard_topology()?,
+                ShardConfig::new(stage),
+            )?),
         })
     }
 
@@ -152,16 +132,17 @@ impl RankWrapper {
 }
 
 /// Runs `body` on the ranks of `layout` (threads of this process, each with the collective
-/// timeout of a training run) and returns what rank 0 returned. `body` returns `Some` on the
-/// leader only.
+/// timeout of a training run), each with its [`LayoutMesh`], and returns what rank 0 returned.
+/// `body` returns `Some` on the leader only.
 pub(crate) fn on_ranks<T: Send>(
     layout: &ParallelLayout,
-    body: impl Fn(&RankCtx) -> Result<Option<T>> + Send + Sync,
+    body: impl Fn(&RankCtx, &LayoutMesh) -> Result<Option<T>> + Send + Sync,
 ) -> Result<T> {
     let run_opts = RunOptions::with_timeout(COLLECTIVE_TIMEOUT);
     let results = run_ranks(layout.world_size(), &run_opts, |ctx| {
+        let mesh = layout.mesh(ctx.comm.clone())?;
         // anyhow's chain, flattened to one line, for the tensor-level error type.
-        body(&ctx).map_err(|e| {
+        body(&ctx, &mesh).map_err(|e| {
             let msg: Vec<String> = e.chain().map(|c| c.to_string()).collect();
             meshgrad_tensor::Error::msg(msg.join(": "))
         })
@@ -173,17 +154,35 @@ pub(crate) fn on_ranks<T: Send>(
         .ok_or_else(|| anyhow::anyhow!("rank 0 returned no result"))
 }
 
-/// The number of ranks of `layout`, or a one-line reason it cannot run (yet) or does not fit the
-/// run, before any work.
-pub fn check_layout(
-    cfg: &TrainConfig,
-    layout: &ParallelLayout,
-    opts: &TrainOptions,
-) -> Result<usize> {
-    let world = layout.world_size();
+/// A one-line reason `layout` cannot run (yet) or does not fit the run, before any work.
+pub fn check_layout(cfg: &TrainConfig, layout: &ParallelLayout, opts: &TrainOptions) -> Result<()> {
+    // The one place that refuses tensor parallelism until it is wired into the training loops.
+    if layout.tp() > 1 {
+        anyhow::bail!(
+            "layout {layout}: tensor parallelism (tp={}) is not wired into `meshgrad train` yet",
+            layout.tp()
+        );
+    }
+    check_sequence_parallel(opts, layout.tp())?;
     layout.check(cfg.train.batch_size, opts.microbatches, None)?;
-    check_microbatches(cfg, world, opts.microbatches)?;
-    Ok(world)
+    check_microbatches(cfg, layout.data_parallel_degree(), opts.microbatches)?;
+    Ok(())
+}
+
+/// What the header says about the layout: `, layout dp=2 (2 ranks x 4 rows)`; when tensor or
+/// pipeline ranks share rows, how many of the ranks are data parallel.
+pub(crate) fn layout_desc(layout: &ParallelLayout, rows: usize, microbatches: usize) -> String {
+    let micro = if microbatches > 1 {
+        format!(" x {microbatches} micro-batches")
+    } else {
+        String::new()
+    };
+    let (world, dp) = (layout.world_size(), layout.data_parallel_degree());
+    if world == dp {
+        format!(", layout {layout} ({world} ranks x {rows} rows{micro})")
+    } else {
+        format!(", layout {layout} ({world} ranks; {dp} data-parallel x {rows} rows{micro})")
+    }
 }
 
 /// Trains a GPT as `cfg` describes on the ranks of `layout` (threads of this process, on the
@@ -196,29 +195,22 @@ pub fn train_parallel(
 ) -> Result<TrainSummary> {
     let (cfg, tokenizer) = resolve_tokenizer(cfg)?;
     let cfg = &cfg;
-    let world = check_layout(cfg, layout, opts)?;
+    check_layout(cfg, layout, opts)?;
     let data = run_data(cfg, tokenizer)?;
-    on_ranks(layout, |ctx| {
+    on_ranks(layout, |ctx, mesh| {
         let mut run = run_model(cfg)?;
-        let wrapper = RankWrapper::new(ctx, layout, &run.model, &run.opt)?;
-        let rows = rank_rows(cfg.train.batch_size, world, ctx.rank)?;
+        let wrapper = RankWrapper::new(mesh, &run.model, &run.opt)?;
+        let rows = rank_rows(cfg.train.batch_size, mesh.dp_degree(), mesh.dp_rank())?;
         let leader = ctx.rank == 0;
         let mut rep = if leader {
             Reporter::leader(cfg, verbosity)?
         } else {
             Reporter::silent()
         };
-        let micro = if opts.microbatches > 1 {
-            format!(" x {} micro-batches", opts.microbatches)
-        } else {
-            String::new()
-        };
-        let desc = format!(
-            ", layout {layout} ({world} ranks x {} rows{micro})",
-            rows.end - rows.start
-        );
+        let desc = layout_desc(layout, (rows.end - rows.start) as usize, opts.microbatches);
         rep.say(header(cfg, &run.model, &data, &desc));
-        let sync = wrapper.sync(ctx.comm.as_ref());
+        let dp_group = mesh.dp_group();
+        let sync = wrapper.sync(dp_group.as_ref());
         let result = run_loop(
             cfg,
             &data,

@@ -1,5 +1,7 @@
 //! `meshgrad train --layout`: data-parallel runs as threads give the single-device losses (same
-//! global batch), with and without gradient accumulation; bad layouts are refused in one line.
+//! global batch), with and without gradient accumulation; layouts compose (`dp=2,fsdp=2` is
+//! `hsdp=2x2`); bad layouts (and `--sequence-parallel` without tensor parallelism) are refused in
+//! one line.
 
 mod common;
 
@@ -56,7 +58,32 @@ fn bad_layouts_are_refused_in_one_line() {
         ),
         (&["--layout", "dp=0"][..], "at least 1"),
         (&["--layout", "hsdp=2x0"][..], "at least 1"),
-        (&["--layout", "pp=2"][..], "unknown strategy 'pp'"),
+        (
+            &["--layout", "pp=2"][..],
+            "pipeline parallelism (pp=2) is not available yet",
+        ),
+        (
+            &["--layout", "dp=3,fsdp=2"][..],
+            "8 rows does not split evenly over 6 data-parallel ranks",
+        ),
+        (
+            &["--layout", "dp=2,tp=2"][..],
+            "tensor parallelism (tp=2) is not wired into `meshgrad train` yet",
+        ),
+        (
+            &["--layout", "fsdp=2,zero1=2"][..],
+            "fsdp and zero1 conflict",
+        ),
+        (&["--layout", "dp=2,dp=2"][..], "dp is given twice"),
+        (&["--layout", "hsdp=2x2,dp=2"][..], "hsdp and dp conflict"),
+        (
+            &["--sequence-parallel"][..],
+            "--sequence-parallel needs tensor parallelism (tp>1 in --layout)",
+        ),
+        (
+            &["--layout", "dp=2", "--sequence-parallel"][..],
+            "--sequence-parallel needs tensor parallelism",
+        ),
         (
             &["--layout", "zero2=3"][..],
             "8 rows does not split evenly over 3",
@@ -78,5 +105,36 @@ fn bad_layouts_are_refused_in_one_line() {
             !dir.join("bad.jsonl").exists(),
             "{extra:?} started training"
         );
+    }
+}
+
+#[test]
+fn composed_layout_equals_hybrid_sharding() {
+    let dir = tmpdir("par-compose");
+    let sets = [
+        "model.n_layer=1",
+        "model.n_embd=32",
+        "model.n_head=2",
+        "model.block_size=32",
+        "train.batch_size=8",
+        "train.warmup_steps=2",
+        "train.eval_batches=1",
+        "train.eval_interval=2",
+        "train.sample_tokens=0",
+    ];
+    let o = common::train(&dir, "dp2fsdp2", 2, &sets, &["--layout", "dp=2,fsdp=2"]);
+    assert_ok(&o);
+    let out = String::from_utf8_lossy(&o.stdout);
+    // dp=2,fsdp=2 is hsdp=2x2 (4 ranks, each 2 of the 8 rows) and prints as such.
+    assert!(out.contains("layout hsdp=2x2 (4 ranks x 2 rows"), "{out}");
+    assert!(dir.join("dp2fsdp2").join("model.safetensors").exists());
+    let o = common::train(&dir, "hsdp", 2, &sets, &["--layout", "hsdp=2x2"]);
+    assert_ok(&o);
+    let (a, b) = (metrics(&dir, "dp2fsdp2"), metrics(&dir, "hsdp"));
+    assert_eq!(a.len(), 2);
+    // The same layout: the same run, bit for bit.
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(x.loss.to_bits(), y.loss.to_bits());
+        assert_eq!(x.grad_norm.to_bits(), y.grad_norm.to_bits());
     }
 }

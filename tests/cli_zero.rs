@@ -1,8 +1,8 @@
 //! `meshgrad train --layout` with sharded data parallelism: zero1=2, zero2=2, fsdp=2 (with
-//! gradient accumulation) and hsdp=2x2 give the single-device losses on the same global batch
-//! (within 1e-5 relative, train and validation; gradient norms within 1e-4), and rank 0 writes
-//! the metrics and a checkpoint holding the single device's weights to rounding (1e-5 of each
-//! tensor's scale).
+//! gradient accumulation), hsdp=2x2 and dp=2,zero2=2 (hybrid ZeRO-2) give the single-device
+//! losses on the same global batch (within 1e-5 relative, train and validation; gradient norms
+//! within 1e-4), and rank 0 writes the metrics and a checkpoint holding the single device's
+//! weights to rounding (1e-5 of each tensor's scale).
 
 mod common;
 
@@ -40,6 +40,8 @@ fn sharded_layouts_match_single_device() {
         ("zero2", &["--layout", "zero2=2"][..]),
         ("fsdp", &["--layout", "fsdp=2", "--microbatches", "2"][..]),
         ("hsdp", &["--layout", "hsdp=2x2"][..]),
+        // Hybrid ZeRO-2: sharded over 2 ranks, replicated twice.
+        ("dp2zero2", &["--layout", "dp=2,zero2=2"][..]),
     ] {
         let o = train(&dir, tag, extra);
         let out = String::from_utf8_lossy(&o.stdout);
@@ -64,7 +66,7 @@ fn sharded_layouts_match_single_device() {
             .collect()
     };
     let want = weights("single");
-    for tag in ["zero1", "zero2", "fsdp", "hsdp"] {
+    for tag in ["zero1", "zero2", "fsdp", "hsdp", "dp2zero2"] {
         for ((n, a), (_, b)) in weights(tag).iter().zip(&want) {
             // The key projection's bias (the middle third of c_attn.bias) has a gradient that
             // is zero up to rounding (softmax ignores a constant shift of the scores), which

@@ -10,12 +10,19 @@
 //! * [`zero`]: sharded data parallelism ([`ShardedDataParallel`]): ZeRO-1, ZeRO-2, ZeRO-3 /
 //!   FSDP and hybrid sharding, with a sharded AdamW, clipping across shards, full state dicts and
 //!   a memory report.
-//! * [`layout`]: the `--layout` spec ([`ParallelLayout`]: `dp=4`, `zero1=4`, `fsdp=4`,
-//!   `hsdp=2x2`, ...).
+//! * [`layout`]: the `--layout` spec ([`ParallelLayout`]): comma-separated degrees `dp=R`,
+//!   `fsdp=S` / `zero1=S` / `zero2=S` / `zero3=S`, `hsdp=RxS` (= `dp=R,fsdp=S`), `tp=T` and
+//!   `pp=1` in any combination, e.g. `dp=4`, `fsdp=4`, `hsdp=2x2`, `dp=2,zero1=2`, `dp=2,tp=2`.
+//! * [`layout_mesh`]: [`LayoutMesh`], a layout's [`DeviceMesh`] (`["pp", "dp_replicate",
+//!   "dp_shard", "tp"]`) on one rank, handing out the data-parallel, tensor-parallel and pipeline
+//!   groups and the [`ShardTopology`] of sharded data parallelism. Data parallelism (DDP, ZeRO,
+//!   hybrid sharding) runs over it today; tensor parallelism has its group but is not wired into
+//!   `meshgrad train` yet, and pipeline parallelism (`pp` above 1) is not available.
 
 pub mod comm;
 pub mod ddp;
 pub mod layout;
+pub mod layout_mesh;
 pub mod mesh;
 pub mod sampler;
 pub mod tp;
@@ -26,6 +33,7 @@ pub use comm::{
 };
 pub use ddp::{Ddp, DdpConfig};
 pub use layout::{ParallelLayout, ZeroStage};
+pub use layout_mesh::LayoutMesh;
 pub use mesh::DeviceMesh;
 pub use sampler::{micro_rows, rank_rows, DistributedSampler};
 pub use zero::{ShardConfig, ShardTopology, ShardedDataParallel};
