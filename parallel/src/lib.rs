@@ -8,8 +8,9 @@
 //!   gradient-ready hooks, `no_sync` gradient accumulation and optional half-precision reduction.
 //! * [`sampler`]: which data each data-parallel rank reads.
 //! * [`zero`]: sharded data parallelism ([`ShardedDataParallel`]): ZeRO-1, ZeRO-2, ZeRO-3 /
-//!   FSDP and hybrid sharding, with a sharded AdamW, clipping across shards, full state dicts and
-//!   a memory report.
+//!   FSDP and hybrid sharding, with a pluggable optimizer (AdamW, SGD or any
+//!   `meshgrad_nn::optim::Optimizer`) over each rank's shard, clipping across shards, full state
+//!   dicts and a memory report.
 //! * [`layout`]: the `--layout` spec ([`ParallelLayout`]: `dp=4`, `zero1=4`, `fsdp=4`,
 //!   `hsdp=2x2`, ...).
 
