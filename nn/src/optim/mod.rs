@@ -143,7 +143,10 @@ pub enum StateKind {
 impl StateKind {
     /// `Elementwise` or `PerParam` of the name after `prefix` in `key` (a non-empty name).
     pub(crate) fn parse(key: &str, prefix: &str, elementwise: bool) -> Option<StateKind> {
-        let param = key.strip_prefix(prefix).filter(|p| !p.is_empty())?.to_string();
+        let param = key
+            .strip_prefix(prefix)
+            .filter(|p| !p.is_empty())?
+            .to_string();
         Some(if elementwise {
             StateKind::Elementwise { param }
         } else {

@@ -148,11 +148,7 @@ impl Inner {
                 .all_gather(&Tensor::from_vec(info, 2 * n, Device::Cpu)?)?
                 .wait()?
                 .to_vec::<f64>()?;
-            let found = |pi: usize| {
-                info.chunks(2 * n)
-                    .find(|r| r[pi] == 1.0)
-                    .map(|r| r[n + pi])
-            };
+            let found = |pi: usize| info.chunks(2 * n).find(|r| r[pi] == 1.0).map(|r| r[n + pi]);
             if slot.elementwise {
                 let mut shards = Vec::with_capacity(self.plan.units.len());
                 for u in 0..self.plan.units.len() {

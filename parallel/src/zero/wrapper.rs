@@ -476,12 +476,10 @@ fn shard_vars(
             };
             let var = Var::leaf(weights);
             let p = &plan.params[seg.param];
-            out_groups[p.group].params.push((p.name.clone(), var.clone()));
-            shards.push(ShardVar {
-                unit: u,
-                seg,
-                var,
-            });
+            out_groups[p.group]
+                .params
+                .push((p.name.clone(), var.clone()));
+            shards.push(ShardVar { unit: u, seg, var });
         }
     }
     Ok((shards, out_groups))
