@@ -118,7 +118,9 @@
 //! [`run_ranks`](crate::parallel::run_ranks) starts ranks as threads with an in-process
 //! communicator. [`Ddp`](crate::parallel::Ddp) averages gradients during backward;
 //! [`ShardedDataParallel`](crate::parallel::ShardedDataParallel) shards optimizer state (ZeRO-1),
-//! gradients (ZeRO-2) and parameters (ZeRO-3 / FSDP) of any `Module`. ZeRO-3 units are chosen by
+//! gradients (ZeRO-2) and parameters (ZeRO-3 / FSDP) of any `Module`, with any optimizer
+//! ([`OptimizerFactory`](crate::parallel::zero::OptimizerFactory): an `AdamWConfig`, an
+//! `SgdConfig` or a closure) over each rank's shard. ZeRO-3 units are chosen by
 //! module path ([`WrapPolicy`](crate::parallel::zero::WrapPolicy): `paths(["blocks.*"])`, or the
 //! default that takes the elements of the model's first module list); a unit is gathered when
 //! its parameters are first read and released when the next one is, so the model's forward needs

@@ -16,7 +16,8 @@ use meshgrad_nn::optim::{clip_grad_norm, AdamW, CosineSchedule, Optimizer};
 use meshgrad_nn::state::hf_gpt2;
 use meshgrad_nn::tokenizer::Tokenizer;
 use meshgrad_nn::ForwardCtx;
-use meshgrad_nn::{Gpt, GptConfig, Module};
+use meshgrad_nn::tp::TensorParallel;
+use meshgrad_nn::{Gpt, GptConfig, Module, ParamBuilder};
 use meshgrad_parallel::micro_rows;
 use meshgrad_tensor::{DType, Device, Tensor};
 
@@ -245,8 +246,14 @@ pub(crate) struct RunModel {
 }
 
 /// Builds the model (weights from the run seed), AdamW and the learning-rate schedule.
-pub(crate) fn run_model(cfg: &TrainConfig) -> Result<RunModel> {
-    let model = Gpt::new(gpt_config(cfg), cfg.train.seed, DType::F32, Device::Cpu)?;
+pub(crate) fn run_model(cfg: &TrainConfig, tp: Option<TensorParallel>) -> Result<RunModel> {
+    let mut builder = ParamBuilder::new(cfg.train.seed)
+        .dtype(DType::F32)
+        .device(Device::Cpu);
+    if let Some(tp) = tp {
+        builder = builder.tensor_parallel(tp, Gpt::tp_plan());
+    }
+    let model = Gpt::build(gpt_config(cfg), builder)?;
     let (opt, schedule) = optimizer_and_schedule(cfg, &model)?;
     Ok(RunModel {
         model,
@@ -556,7 +563,7 @@ pub(crate) fn header(cfg: &TrainConfig, model: &Gpt, data: &RunData, layout: &st
     format!(
         "meshgrad train: {} parameters, {} train / {} val tokens from {} (validation: {}; {tokens}), \
          {} steps of {} x {} tokens{layout}",
-        model.num_parameters(),
+        model.config.num_parameters(),
         data.train.len(),
         data.val.len(),
         data.source,
@@ -670,7 +677,7 @@ pub fn train_with(
     let cfg = &cfg;
     check_microbatches(cfg, 1, opts.microbatches)?;
     let data = run_data(cfg, tokenizer)?;
-    let mut run = run_model(cfg)?;
+    let mut run = run_model(cfg, None)?;
     let mut rep = Reporter::leader(cfg, verbosity)?;
     let micro = if opts.microbatches > 1 {
         format!(", {} micro-batches", opts.microbatches)

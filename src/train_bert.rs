@@ -293,6 +293,13 @@ pub fn train_bert(
             1
         }
         Some(l) => {
+            if l.tp() > 1 {
+                anyhow::bail!(
+                    "layout {l}: tensor parallelism (tp={}) is not wired into BERT training yet \
+                     (the GPT supports it)",
+                    l.tp()
+                );
+            }
             check_layout(cfg, l, opts)?;
             l.data_parallel_degree()
         }

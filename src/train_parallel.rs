@@ -11,25 +11,34 @@
 //! for fsdp/hsdp, parameters; clipping and the AdamW step run on each rank's shard); validation is
 //! spread the same way. Rank 0 prints progress, writes the metrics and the checkpoint
 //! (fsdp/hsdp gather the full parameters for it first). Losses are the mean of the ranks' means,
-//! so they equal the single-device run's to rounding. Tensor parallelism (`tp` above 1) is refused
-//! by [`check_layout`] until the training loops use it.
+//! so they equal the single-device run's to rounding.
+//!
+//! With `tp=T` the ranks of each tensor-parallel group read the same rows and each builds only its
+//! part of the GPT ([`Gpt::tp_plan`]: split attention and MLP, vocabulary-parallel embedding and
+//! loss; `--sequence-parallel` splits the norm and dropout regions along the sequence). Data
+//! parallelism runs over the data-parallel group of the mesh as above. For the checkpoint the
+//! split parameters are gathered into the single-device model on rank 0.
 
 use std::time::Duration;
 
 use anyhow::Result;
 use meshgrad_autograd::Var;
 use meshgrad_nn::optim::{AdamW, Optimizer};
-use meshgrad_nn::Module;
+use meshgrad_nn::state::load_state_dict;
+use meshgrad_nn::tp::full_state_dict;
+use meshgrad_nn::{Gpt, Module};
 use meshgrad_parallel::comm::{all_reduce_scalar, run_ranks, RankCtx, RunOptions};
+use meshgrad_parallel::tp::tensor_parallel;
 use meshgrad_parallel::zero::{ShardConfig, ShardedDataParallel};
 use meshgrad_parallel::{
     rank_rows, Communicator, Ddp, DdpConfig, LayoutMesh, ParallelLayout, ReduceOp,
 };
+use meshgrad_tensor::{DType, Device};
 
 use crate::config::TrainConfig;
 use crate::train::{
-    check_microbatches, check_sequence_parallel, finish_run, header, resolve_tokenizer, run_data,
-    run_loop, run_model, GradSync, Reporter, TrainOptions, TrainSummary, Verbosity,
+    check_microbatches, check_sequence_parallel, finish_run, gpt_config, header, resolve_tokenizer,
+    run_data, run_loop, run_model, GradSync, Reporter, TrainOptions, TrainSummary, Verbosity,
 };
 
 /// How long a rank waits for its peers in any collective before failing the run. Ranks do the
@@ -156,13 +165,6 @@ pub(crate) fn on_ranks<T: Send>(
 
 /// A one-line reason `layout` cannot run (yet) or does not fit the run, before any work.
 pub fn check_layout(cfg: &TrainConfig, layout: &ParallelLayout, opts: &TrainOptions) -> Result<()> {
-    // The one place that refuses tensor parallelism until it is wired into the training loops.
-    if layout.tp() > 1 {
-        anyhow::bail!(
-            "layout {layout}: tensor parallelism (tp={}) is not wired into `meshgrad train` yet",
-            layout.tp()
-        );
-    }
     check_sequence_parallel(opts, layout.tp())?;
     layout.check(cfg.train.batch_size, opts.microbatches, None)?;
     check_microbatches(cfg, layout.data_parallel_degree(), opts.microbatches)?;
@@ -197,8 +199,15 @@ pub fn train_parallel(
     let cfg = &cfg;
     check_layout(cfg, layout, opts)?;
     let data = run_data(cfg, tokenizer)?;
+    meshgrad_nn::gpt::check_tp_sizes(
+        &gpt_config(cfg),
+        layout.tp(),
+        opts.sequence_parallel.then_some(cfg.model.block_size),
+    )?;
     on_ranks(layout, |ctx, mesh| {
-        let mut run = run_model(cfg)?;
+        let tp = (mesh.tp_degree() > 1)
+            .then(|| tensor_parallel(mesh.tp_group(), opts.sequence_parallel));
+        let mut run = run_model(cfg, tp)?;
         let wrapper = RankWrapper::new(mesh, &run.model, &run.opt)?;
         let rows = rank_rows(cfg.train.batch_size, mesh.dp_degree(), mesh.dp_rank())?;
         let leader = ctx.rank == 0;
@@ -222,10 +231,12 @@ pub fn train_parallel(
         )?;
         // fsdp/hsdp: the full weights for the checkpoint and the sample.
         wrapper.summon_full_params()?;
+        // tp: the leader assembles the single-device model from every rank's parts.
+        let gathered = gather_tensor_parallel(cfg, &run.model, mesh, leader)?;
         if leader {
             Ok(Some(finish_run(
                 cfg,
-                &run.model,
+                gathered.as_ref().unwrap_or(&run.model),
                 data.tokenizer.as_ref(),
                 rep,
                 result,
@@ -235,4 +246,24 @@ pub fn train_parallel(
             Ok(None)
         }
     })
+}
+
+/// Under tensor parallelism, the single-device model (on the leader only) with every split
+/// parameter gathered from its tensor-parallel ranks (every rank takes part); `None` otherwise.
+fn gather_tensor_parallel(
+    cfg: &TrainConfig,
+    model: &Gpt,
+    mesh: &LayoutMesh,
+    leader: bool,
+) -> Result<Option<Gpt>> {
+    if mesh.tp_degree() <= 1 {
+        return Ok(None);
+    }
+    let tensors = full_state_dict(model)?;
+    if !leader {
+        return Ok(None);
+    }
+    let full = Gpt::new(gpt_config(cfg), cfg.train.seed, DType::F32, Device::Cpu)?;
+    load_state_dict(&full, &tensors, true)?;
+    Ok(Some(full))
 }

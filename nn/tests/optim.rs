@@ -3,7 +3,7 @@
 use meshgrad_autograd::Var;
 use meshgrad_nn::optim::{
     clip_grad_norm, clip_grads_with_norm, grad_norm, grad_sq_sum, param_groups_for_decay, AdamW,
-    AdamWConfig, CosineSchedule, Optimizer, ParamGroup, Sgd, SgdConfig,
+    AdamWConfig, CosineSchedule, Optimizer, ParamGroup, Sgd, SgdConfig, StateKind,
 };
 use meshgrad_nn::{Gpt, GptConfig, Module};
 use meshgrad_tensor::alloc::{with_tracker, MemoryTag, MemoryTracker};
@@ -701,4 +701,46 @@ fn sgd_state_dict_round_trip_continues_bitwise() {
     run_steps(&mut b, &named_b, 3..6);
     assert_eq!(bits(&named), bits(&named_b));
     assert!(b.load_state_dict(&[]).is_err());
+}
+
+#[test]
+fn state_kind_describes_every_state_dict_entry() {
+    // Every entry an optimizer writes is described, from the name alone; other names are not.
+    let (named, _) = make_params(DType::F32);
+    set_grads(&named, 0, DType::F32);
+    let el = |p: &str| {
+        Some(StateKind::Elementwise {
+            param: p.to_string(),
+        })
+    };
+    let mut adam = AdamW::new(two_groups(&named), AdamWConfig::default()).unwrap();
+    adam.step(1e-3).unwrap();
+    let mut sgd = Sgd::new(two_groups(&named), SgdConfig { momentum: 0.9 }).unwrap();
+    sgd.step(1e-3).unwrap();
+    let opts: [&dyn Optimizer; 2] = [&adam, &sgd];
+    for opt in opts {
+        for (key, _) in opt.state_dict().unwrap() {
+            match opt.state_kind(&key) {
+                Some(StateKind::Global) => assert!(key.ends_with("step_count"), "{key}"),
+                Some(StateKind::Elementwise { param } | StateKind::PerParam { param }) => {
+                    assert!(key.ends_with(&format!(".{param}")), "{key}");
+                    assert!(named.iter().any(|(n, _)| *n == param), "{key}");
+                }
+                None => panic!("{key} is not described"),
+            }
+        }
+    }
+    assert_eq!(adam.state_kind("adamw.m.h.0.w"), el("h.0.w"));
+    assert_eq!(adam.state_kind("adamw.v.x"), el("x"));
+    assert_eq!(
+        adam.state_kind("adamw.step.x"),
+        Some(StateKind::PerParam { param: "x".into() })
+    );
+    assert_eq!(adam.state_kind("adamw.step_count"), Some(StateKind::Global));
+    assert_eq!(sgd.state_kind("sgd.momentum_buffer.a.b"), el("a.b"));
+    assert_eq!(sgd.state_kind("sgd.step_count"), Some(StateKind::Global));
+    for other in ["adamw.m.", "sgd.momentum_buffer.x", "wte.weight"] {
+        assert_eq!(adam.state_kind(other), None, "{other}");
+    }
+    assert_eq!(sgd.state_kind("adamw.m.x"), None);
 }

@@ -8,16 +8,18 @@
 //!   gradient-ready hooks, `no_sync` gradient accumulation and optional half-precision reduction.
 //! * [`sampler`]: which data each data-parallel rank reads.
 //! * [`zero`]: sharded data parallelism ([`ShardedDataParallel`]): ZeRO-1, ZeRO-2, ZeRO-3 /
-//!   FSDP and hybrid sharding, with a sharded AdamW, clipping across shards, full state dicts and
-//!   a memory report.
+//!   FSDP and hybrid sharding, with a pluggable optimizer (AdamW, SGD or any
+//!   `meshgrad_nn::optim::Optimizer`) over each rank's shard, clipping across shards, full state
+//!   dicts and a memory report.
+//! * [`tp`]: tensor and sequence parallelism over a communicator (the plans, styles and layers
+//!   are in `meshgrad_nn::tp`).
 //! * [`layout`]: the `--layout` spec ([`ParallelLayout`]): comma-separated degrees `dp=R`,
 //!   `fsdp=S` / `zero1=S` / `zero2=S` / `zero3=S`, `hsdp=RxS` (= `dp=R,fsdp=S`), `tp=T` and
 //!   `pp=1` in any combination, e.g. `dp=4`, `fsdp=4`, `hsdp=2x2`, `dp=2,zero1=2`, `dp=2,tp=2`.
 //! * [`layout_mesh`]: [`LayoutMesh`], a layout's [`DeviceMesh`] (`["pp", "dp_replicate",
 //!   "dp_shard", "tp"]`) on one rank, handing out the data-parallel, tensor-parallel and pipeline
-//!   groups and the [`ShardTopology`] of sharded data parallelism. Data parallelism (DDP, ZeRO,
-//!   hybrid sharding) runs over it today; tensor parallelism has its group but is not wired into
-//!   `meshgrad train` yet, and pipeline parallelism (`pp` above 1) is not available.
+//!   groups and the [`ShardTopology`] of sharded data parallelism. Pipeline parallelism (`pp`
+//!   above 1) is not available yet.
 
 pub mod comm;
 pub mod ddp;

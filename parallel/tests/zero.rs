@@ -18,7 +18,9 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use meshgrad_nn::data::TokenDataset;
-use meshgrad_nn::optim::{clip_grad_norm, param_groups_for_decay, AdamW, AdamWConfig, Optimizer};
+use meshgrad_nn::optim::{
+    clip_grad_norm, param_groups_for_decay, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig,
+};
 use meshgrad_nn::state::{load_state_dict, state_dict};
 use meshgrad_nn::ForwardCtx;
 use meshgrad_nn::{Gpt, GptConfig, Module};
@@ -805,4 +807,152 @@ fn a_failing_rank_makes_the_others_fail_instead_of_hanging() {
         "took {:?}",
         t0.elapsed()
     );
+}
+
+/// SGD in the lockstep tests: momentum 0.9, the same groups (weight decay WD on the decay
+/// group, as L2 added to the gradient), clipping at CLIP, a learning rate that moves the weights
+/// visibly in STEPS steps.
+const SGD: SgdConfig = SgdConfig { momentum: 0.9 };
+const SGD_LR: f64 = 0.05;
+
+/// Losses, weights and momentum buffers (by parameter name) of a run.
+type SgdOut = (RunOut, Weights);
+
+fn momentum_buffers(state: &[(String, Tensor)]) -> Weights {
+    let mut out: Weights = state
+        .iter()
+        .filter_map(|(n, t)| {
+            n.strip_prefix("sgd.momentum_buffer.")
+                .map(|p| (p.to_string(), t.to_vec_f32().unwrap()))
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+fn sgd_single_device() -> SgdOut {
+    let model = Gpt::new(gpt_config(), SEED, DType::F32, Device::Cpu).unwrap();
+    let mut opt = Sgd::new(param_groups_for_decay(model.named_parameters(), WD), SGD).unwrap();
+    let mut losses = Vec::new();
+    for step in 0..STEPS {
+        opt.zero_grad();
+        let (ids, targets, ctx) = batch(step, 0..BATCH as u64).unwrap();
+        let loss = ctx.scope(|| model.loss(&ids, &targets, None)).unwrap();
+        losses.push(loss.tensor().item().unwrap());
+        loss.backward().unwrap();
+        clip_grad_norm(&model.parameters(), CLIP).unwrap();
+        opt.step(SGD_LR).unwrap();
+    }
+    let buffers = momentum_buffers(&opt.state_dict().unwrap());
+    let run = RunOut {
+        losses,
+        weights: to_weights(state_dict(&model)),
+    };
+    (run, buffers)
+}
+
+/// Trains with SGD under `stage` on `world` ranks; every rank's result and full state dict.
+fn sgd_run(stage: ZeroStage, world: usize) -> Vec<(SgdOut, Vec<(String, Tensor)>)> {
+    let opts = RunOptions::with_timeout(Duration::from_secs(30));
+    run_ranks(world, &opts, |ctx| {
+        let seed = if ctx.rank == 0 { SEED } else { SEED + 7 };
+        let model = Gpt::new(gpt_config(), seed, DType::F32, Device::Cpu)?;
+        let sdp = ShardedDataParallel::new(
+            &model,
+            param_groups_for_decay(model.named_parameters(), WD),
+            SGD,
+            ShardTopology::flat(ctx.comm.clone()),
+            ShardConfig::new(stage),
+        )?;
+        let mut losses = Vec::new();
+        for step in 0..STEPS {
+            sdp.zero_grad();
+            let (ids, targets, fctx) = batch(step, rank_rows(BATCH, world, ctx.rank)?)?;
+            let loss = fctx.scope(|| model.loss(&ids, &targets, None))?;
+            let local = loss.tensor().item()?;
+            loss.backward()?;
+            sdp.finish()?;
+            sdp.clip_grad_norm(CLIP)?;
+            sdp.step(SGD_LR)?;
+            losses.push(all_reduce_scalar(ctx.comm.as_ref(), local, ReduceOp::Avg)?);
+        }
+        assert_eq!(sdp.step_count(), STEPS as u64);
+        let full = sdp.full_state_dict(FullStateDictOptions {
+            optimizer: true,
+            rank0_only: false,
+        })?;
+        let weights = to_weights(
+            full.iter()
+                .filter(|(n, _)| !n.starts_with("sgd."))
+                .cloned()
+                .collect(),
+        );
+        let buffers = momentum_buffers(&full);
+        Ok(((RunOut { losses, weights }, buffers), full))
+    })
+    .unwrap_or_else(|e| panic!("{stage:?} x {world}: {e}"))
+}
+
+#[test]
+fn sgd_with_momentum_matches_single_device() {
+    // The optimizer is the caller's: SGD with momentum over each rank's shard. One rank equals
+    // the single device bit for bit (weights and momentum buffers); 2 and 4 ranks match to
+    // rounding (losses 1e-5 relative, weights and buffers 1e-5 of each tensor's largest
+    // magnitude), and every rank agrees bit for bit.
+    let (want, want_buffers) = sgd_single_device();
+    let l = Layout::new(ZeroStage::Two, 1, 1);
+    let one = sgd_run(ZeroStage::Two, 1);
+    assert_eq!(one[0].0 .0, want, "ZeRO-2 on one rank vs single device");
+    assert_eq!(one[0].0 .1, want_buffers, "momentum buffers on one rank");
+    let mut saved = None;
+    for (stage, world) in [(ZeroStage::Two, 2), (ZeroStage::Three, 4)] {
+        let l = Layout::new(stage, 1, world);
+        let outs = sgd_run(stage, world);
+        for (r, o) in outs.iter().enumerate().skip(1) {
+            assert_eq!(o.0, outs[0].0, "{l:?}: rank {r} differs from rank 0");
+        }
+        let ((got, got_buffers), full) = &outs[0];
+        assert_close(&l, got, &want, 1e-5, 1e-5);
+        let as_run = |w: &Weights| RunOut {
+            losses: vec![],
+            weights: w.clone(),
+        };
+        assert_eq!(got_buffers.len(), want_buffers.len(), "{l:?}: buffers");
+        assert_close(&l, &as_run(got_buffers), &as_run(&want_buffers), 0.0, 1e-5);
+        if stage == ZeroStage::Two {
+            saved = Some(full.clone());
+        }
+    }
+    // The full state (SGD names) moves between layouts: ZeRO-2 x 2 into ZeRO-3 x 4 and back out.
+    let full = saved.unwrap();
+    assert!(full.iter().any(|(n, _)| n == "sgd.step_count"));
+    let opts = RunOptions::with_timeout(Duration::from_secs(30));
+    let again = run_ranks(4, &opts, |ctx| {
+        let model = Gpt::new(gpt_config(), 3, DType::F32, Device::Cpu)?;
+        let sdp = ShardedDataParallel::new(
+            &model,
+            param_groups_for_decay(model.named_parameters(), WD),
+            SGD,
+            ShardTopology::flat(ctx.comm.clone()),
+            ShardConfig::new(ZeroStage::Three),
+        )?;
+        sdp.load_full_state_dict(&full, true)?;
+        assert_eq!(sdp.step_count(), STEPS as u64);
+        sdp.full_state_dict(FullStateDictOptions {
+            optimizer: true,
+            rank0_only: false,
+        })
+    })
+    .unwrap();
+    let key = |t: &[(String, Tensor)]| -> Vec<(String, Vec<f64>)> {
+        let mut v: Vec<_> = t
+            .iter()
+            .map(|(n, t)| (n.clone(), t.to_dtype(DType::F64).unwrap().to_vec().unwrap()))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    };
+    for got in &again {
+        assert_eq!(key(got), key(&full), "{l:?}: reloaded state differs");
+    }
 }

@@ -7,7 +7,7 @@ use meshgrad_tensor::{AdamWStep, Result, Tensor};
 
 use super::{
     counter_tensor, ctx_err, kernel_grad, read_counter, state_copy, state_zeros, validate_groups,
-    validate_lr, Optimizer, ParamGroup,
+    validate_lr, Optimizer, ParamGroup, StateKind,
 };
 
 /// AdamW hyper-parameters shared by all groups (weight decay is per group).
@@ -251,5 +251,14 @@ impl Optimizer for AdamW {
         self.state = new_state;
         self.step_count = step_count;
         Ok(())
+    }
+
+    fn state_kind(&self, key: &str) -> Option<StateKind> {
+        if key == "adamw.step_count" {
+            return Some(StateKind::Global);
+        }
+        StateKind::parse(key, "adamw.m.", true)
+            .or_else(|| StateKind::parse(key, "adamw.v.", true))
+            .or_else(|| StateKind::parse(key, "adamw.step.", false))
     }
 }

@@ -13,6 +13,11 @@
 //!   `clip_grad_norm_`), with the sum of squares ([`grad_sq_sum`]) and the scaling
 //!   ([`clip_grads_with_norm`]) exposed separately so a sharded version can all-reduce in between.
 //!
+//! * [`Optimizer::state_kind`] says what each state-dict entry holds ([`StateKind`]: elementwise
+//!   per-parameter state, a per-parameter value, or optimizer-wide), so code that shards the
+//!   parameters (ZeRO's `ShardedDataParallel`, which runs any `Box<dyn Optimizer + Send>` over
+//!   its shards; [`AdamW`] and [`Sgd`] are `Send`) can split and merge the state of any optimizer.
+//!
 //! Optimizer state (moments, momentum buffers) is allocated lazily at the first step and charged
 //! to [`MemoryTag::OptimizerState`](meshgrad_tensor::alloc::MemoryTag::OptimizerState).
 
@@ -105,7 +110,57 @@ pub trait Optimizer {
     /// Restores state saved by [`Optimizer::state_dict`] for parameters with the same names and
     /// shapes. Validates everything before changing anything: on error the state is unchanged.
     fn load_state_dict(&mut self, tensors: &[(String, Tensor)]) -> Result<()>;
+
+    /// What the state-dict entry named `key` holds, from the form of the name alone (the
+    /// parameter need not be one of this optimizer's), or `None` when this optimizer never
+    /// writes such a name. Code that shards parameters across ranks (ZeRO's
+    /// `ShardedDataParallel`) uses it to split a full state dict into per-shard ones and to
+    /// assemble them again, for any optimizer.
+    fn state_kind(&self, key: &str) -> Option<StateKind>;
 }
+
+/// What an entry of an optimizer's state dict holds ([`Optimizer::state_kind`]). The key of a
+/// per-parameter entry ends with the parameter's name (`<prefix><name>`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StateKind {
+    /// Elementwise state of parameter `param`: a tensor of the parameter's shape whose element
+    /// `i` belongs to element `i` of the parameter (AdamW's moments, SGD's momentum buffer), so
+    /// a slice of the parameter has the same slice of this state.
+    Elementwise {
+        /// The parameter's name.
+        param: String,
+    },
+    /// One value for parameter `param` as a whole, a one-element tensor (AdamW's
+    /// per-parameter step count).
+    PerParam {
+        /// The parameter's name.
+        param: String,
+    },
+    /// Optimizer-wide (the completed-step count).
+    Global,
+}
+
+impl StateKind {
+    /// `Elementwise` or `PerParam` of the name after `prefix` in `key` (a non-empty name).
+    pub(crate) fn parse(key: &str, prefix: &str, elementwise: bool) -> Option<StateKind> {
+        let param = key
+            .strip_prefix(prefix)
+            .filter(|p| !p.is_empty())?
+            .to_string();
+        Some(if elementwise {
+            StateKind::Elementwise { param }
+        } else {
+            StateKind::PerParam { param }
+        })
+    }
+}
+
+// The wrappers that own an optimizer on a rank's thread need these.
+const _: () = {
+    const fn send<T: Send>() {}
+    send::<AdamW>();
+    send::<Sgd>();
+};
 
 /// Checks that group hyper-parameters are finite and parameter names are unique.
 pub(crate) fn validate_groups(opt: &str, groups: &[ParamGroup]) -> Result<()> {

@@ -7,7 +7,7 @@ use meshgrad_tensor::{Result, Tensor};
 
 use super::{
     counter_tensor, ctx_err, kernel_grad, read_counter, state_copy, state_zeros, validate_groups,
-    validate_lr, Optimizer, ParamGroup,
+    validate_lr, Optimizer, ParamGroup, StateKind,
 };
 
 /// SGD hyper-parameters shared by all groups (weight decay is per group).
@@ -175,5 +175,12 @@ impl Optimizer for Sgd {
         self.buffers = new_buffers;
         self.step_count = step_count;
         Ok(())
+    }
+
+    fn state_kind(&self, key: &str) -> Option<StateKind> {
+        if key == "sgd.step_count" {
+            return Some(StateKind::Global);
+        }
+        StateKind::parse(key, "sgd.momentum_buffer.", true)
     }
 }

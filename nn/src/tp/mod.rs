@@ -94,3 +94,22 @@ impl TensorParallel {
         self.sequence_parallel && self.degree() > 1
     }
 }
+
+/// Every parameter of `model` by name at its full shape: parameters split across ranks are
+/// gathered over their group (a collective: every rank of the group calls it, in the same
+/// order), replicated ones are copied as they are. The result is the single-device state dict.
+pub fn full_state_dict(
+    model: &dyn crate::Module,
+) -> meshgrad_tensor::Result<Vec<(String, meshgrad_tensor::Tensor)>> {
+    model
+        .named_parameters()
+        .into_iter()
+        .map(|(name, p)| {
+            let t = match p.placement() {
+                Some(pl) => pl.gather(p.tensor())?,
+                None => p.tensor().contiguous()?,
+            };
+            Ok((name, t))
+        })
+        .collect()
+}

@@ -1,14 +1,20 @@
 //! Full (unsharded) state dicts: gathered from any strategy, loaded into any.
 //!
-//! The names are those of the model's parameters and, for the optimizer, those of
-//! [`meshgrad_nn::optim::AdamW`]'s state dict (`adamw.step_count`, `adamw.m.<name>`,
-//! `adamw.v.<name>`, `adamw.step.<name>`), so a full state dict saved from any layout loads into
-//! a single-device model ([`meshgrad_nn::state::load_state_dict`]) and optimizer, or into any
+//! The names are those of the model's parameters and, for the optimizer, those of the
+//! optimizer's own state dict over the full parameters (AdamW: `adamw.step_count`,
+//! `adamw.m.<name>`, `adamw.v.<name>`, `adamw.step.<name>`; SGD: `sgd.step_count`,
+//! `sgd.momentum_buffer.<name>`), so a full state dict saved from any layout loads into a
+//! single-device model ([`meshgrad_nn::state::load_state_dict`]) and optimizer, or into any
 //! other layout, whatever its shard degree.
+//!
+//! Each rank's optimizer holds the state of its shard variables, named after their parameters
+//! ([`super::optim`]). [`Optimizer::state_kind`](meshgrad_nn::optim::Optimizer::state_kind)
+//! says which entries are elementwise (gathered and split like the weights), per-parameter
+//! (one value, the same on every rank owning part of the parameter) or global.
 
 use std::collections::{HashMap, HashSet};
 
-use meshgrad_tensor::alloc::{with_tag, MemoryTag};
+use meshgrad_nn::optim::StateKind;
 use meshgrad_tensor::{DType, Device, Error, Result, Tensor};
 
 use super::config::ZeroStage;
@@ -17,12 +23,30 @@ use super::wrapper::{lock, Inner, ShardedDataParallel, State};
 /// What [`ShardedDataParallel::full_state_dict`] returns.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FullStateDictOptions {
-    /// Include the optimizer state (AdamW names).
+    /// Include the optimizer state (the optimizer's names).
     pub optimizer: bool,
     /// Only data-parallel rank 0 gets the tensors (the others get an empty list); every rank
     /// still takes part in the gathers.
     pub rank0_only: bool,
 }
+
+/// A kind of per-parameter optimizer state: the keys `<prefix><parameter name>`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Slot {
+    prefix: String,
+    elementwise: bool,
+    dtype: DType,
+}
+
+const DTYPES: [DType; 7] = [
+    DType::F64,
+    DType::F32,
+    DType::BF16,
+    DType::F16,
+    DType::U8,
+    DType::U32,
+    DType::I64,
+];
 
 impl Inner {
     /// Gathers one per-unit shard tensor (`[shard_len]`, one per unit) into full per-parameter
@@ -44,6 +68,174 @@ impl Inner {
                         .reshape(p.shape.clone())?
                         .deep_clone()?,
                 );
+            }
+        }
+        Ok(out)
+    }
+
+    /// The optimizer's state over the full parameters: every rank's entries (see the module
+    /// docs) assembled over the shard group. Collective over the shard group.
+    fn full_optimizer_state(&self, st: &State) -> Result<Vec<(String, Tensor)>> {
+        let n = self.plan.params.len();
+        let index: HashMap<&str, usize> = self
+            .plan
+            .params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.name.as_str(), i))
+            .collect();
+        let mut globals = Vec::new();
+        // The per-parameter entries this rank has, by slot (the key without the parameter name).
+        let mut slots: Vec<Slot> = Vec::new();
+        let mut local: HashMap<(usize, usize), Tensor> = HashMap::new();
+        for (key, t) in st.opt.state_dict()? {
+            let (param, elementwise) = match st.opt.state_kind(&key) {
+                Some(StateKind::Global) => {
+                    globals.push((key, t));
+                    continue;
+                }
+                Some(StateKind::Elementwise { param }) => (param, true),
+                Some(StateKind::PerParam { param }) => (param, false),
+                None => meshgrad_tensor::bail!(
+                    "the optimizer's state dict has {key}, which its state_kind does not describe"
+                ),
+            };
+            let (Some(&pi), Some(prefix)) = (index.get(param.as_str()), key.strip_suffix(&param))
+            else {
+                meshgrad_tensor::bail!(
+                    "optimizer state {key}: no parameter {param} (or the key does not end with it)"
+                );
+            };
+            if !elementwise && t.elem_count() != 1 {
+                meshgrad_tensor::bail!(
+                    "optimizer state {key}: a per-parameter value must have one element, got {}",
+                    t.shape()
+                );
+            }
+            let slot = Slot {
+                prefix: prefix.to_string(),
+                elementwise,
+                dtype: t.dtype(),
+            };
+            let si = match slots.iter().position(|s| *s == slot) {
+                Some(i) => i,
+                None => {
+                    slots.push(slot);
+                    slots.len() - 1
+                }
+            };
+            local.insert((si, pi), t);
+        }
+        // Every rank of the shard group must run the same gathers: agree on the slots first.
+        let all = self.union_slots(&slots)?;
+        let mut per_param: Vec<Vec<(String, Tensor)>> = vec![Vec::new(); n];
+        for slot in &all {
+            let si = slots.iter().position(|s| s == slot);
+            let mine = |pi: usize| si.and_then(|si| local.get(&(si, pi)));
+            // Per parameter: whether this rank has the entry, and its value (per-parameter).
+            let mut info = vec![0f64; 2 * n];
+            for pi in 0..n {
+                if let Some(t) = mine(pi) {
+                    info[pi] = 1.0;
+                    if !slot.elementwise {
+                        info[n + pi] = t.to_dtype(DType::F64)?.to_vec::<f64>()?[0];
+                    }
+                }
+            }
+            let info = self
+                .topo
+                .shard
+                .all_gather(&Tensor::from_vec(info, 2 * n, Device::Cpu)?)?
+                .wait()?
+                .to_vec::<f64>()?;
+            let found = |pi: usize| info.chunks(2 * n).find(|r| r[pi] == 1.0).map(|r| r[n + pi]);
+            if slot.elementwise {
+                let mut shards = Vec::with_capacity(self.plan.units.len());
+                for u in 0..self.plan.units.len() {
+                    let shard =
+                        Tensor::zeros(self.plan.units[u].shard_len, slot.dtype, Device::Cpu)?;
+                    for s in self.plan.segments(u, self.shard_rank) {
+                        if let Some(t) = mine(s.param) {
+                            shard.narrow(0, s.shard_offset, s.len())?.copy_from(t)?;
+                        }
+                    }
+                    shards.push(Some(shard));
+                }
+                for (pi, full) in self.gather_full(&shards)?.into_iter().enumerate() {
+                    if let (Some(full), Some(_)) = (full, found(pi)) {
+                        let name = format!("{}{}", slot.prefix, self.plan.params[pi].name);
+                        per_param[pi].push((name, full));
+                    }
+                }
+            } else {
+                for (pi, out) in per_param.iter_mut().enumerate() {
+                    if let Some(v) = found(pi) {
+                        let name = format!("{}{}", slot.prefix, self.plan.params[pi].name);
+                        let t = Tensor::from_vec(vec![v], 1, Device::Cpu)?.to_dtype(slot.dtype)?;
+                        out.push((name, t));
+                    }
+                }
+            }
+        }
+        globals.extend(per_param.into_iter().flatten());
+        Ok(globals)
+    }
+
+    /// The slots of every rank of the shard group, in order of first appearance (rank order).
+    fn union_slots(&self, mine: &[Slot]) -> Result<Vec<Slot>> {
+        let shard = &self.topo.shard;
+        if shard.world_size() == 1 {
+            return Ok(mine.to_vec());
+        }
+        let text: String = mine
+            .iter()
+            .map(|s| format!("{}\t{}\t{}\n", s.elementwise as u8, s.dtype, s.prefix))
+            .collect();
+        let bytes: Vec<f64> = text.bytes().map(f64::from).collect();
+        let lens = shard
+            .all_gather(&Tensor::from_vec(vec![bytes.len() as f64], 1, Device::Cpu)?)?
+            .wait()?
+            .to_vec::<f64>()?;
+        let max = lens.iter().fold(0f64, |a, &b| a.max(b)) as usize;
+        let mut padded = bytes;
+        padded.resize(max.max(1), 0.0);
+        let all = shard
+            .all_gather(&Tensor::from_vec(padded, max.max(1), Device::Cpu)?)?
+            .wait()?
+            .to_vec::<f64>()?;
+        let mut out: Vec<Slot> = Vec::new();
+        for (r, &len) in lens.iter().enumerate() {
+            let start = r * max.max(1);
+            let bytes: Vec<u8> = all[start..start + len as usize]
+                .iter()
+                .map(|&b| b as u8)
+                .collect();
+            let text = String::from_utf8(bytes)
+                .map_err(|e| Error::msg(format!("optimizer state names: {e}")))?;
+            for line in text.lines() {
+                let mut f = line.splitn(3, '\t');
+                let (Some(e), Some(d), Some(prefix)) = (f.next(), f.next(), f.next()) else {
+                    meshgrad_tensor::bail!("internal error: bad optimizer slot {line:?}");
+                };
+                let dtype = DTYPES
+                    .into_iter()
+                    .find(|t| t.to_string() == d)
+                    .ok_or_else(|| Error::msg(format!("internal error: dtype {d}")))?;
+                let slot = Slot {
+                    prefix: prefix.to_string(),
+                    elementwise: e == "1",
+                    dtype,
+                };
+                match out.iter().find(|s| s.prefix == slot.prefix) {
+                    None => out.push(slot),
+                    Some(s) if *s == slot => {}
+                    Some(s) => meshgrad_tensor::bail!(
+                        "optimizer state {}*: ranks disagree on its kind or dtype ({:?} vs {:?})",
+                        slot.prefix,
+                        s,
+                        slot
+                    ),
+                }
             }
         }
         Ok(out)
@@ -71,16 +263,7 @@ impl Inner {
             }
         }
         if opts.optimizer {
-            let ms = self.gather_full(&st.m)?;
-            let vs = self.gather_full(&st.v)?;
-            out.push(("adamw.step_count".into(), counter(st.step_count)?));
-            for (pi, p) in self.plan.params.iter().enumerate() {
-                if let (Some(m), Some(v), true) = (&ms[pi], &vs[pi], st.steps[pi] > 0) {
-                    out.push((format!("adamw.m.{}", p.name), m.clone()));
-                    out.push((format!("adamw.v.{}", p.name), v.clone()));
-                    out.push((format!("adamw.step.{}", p.name), counter(st.steps[pi])?));
-                }
-            }
+            out.extend(self.full_optimizer_state(&st)?);
         }
         if opts.rank0_only && self.topo.dp.rank() != 0 {
             out.clear();
@@ -112,46 +295,60 @@ impl Inner {
                 }
             }
         }
-        let optim = match map.get("adamw.step_count") {
-            None => None,
-            Some(t) => {
-                used.insert("adamw.step_count");
-                let count = read_counter("adamw.step_count", t)?;
-                let mut per = Vec::with_capacity(self.plan.params.len());
-                for p in &self.plan.params {
-                    let keys = [
-                        format!("adamw.m.{}", p.name),
-                        format!("adamw.v.{}", p.name),
-                        format!("adamw.step.{}", p.name),
-                    ];
-                    let found: Vec<Option<&&Tensor>> =
-                        keys.iter().map(|k| map.get(k.as_str())).collect();
-                    match (found[0], found[1], found[2]) {
-                        (None, None, None) => per.push(None),
-                        (Some(m), Some(v), Some(s)) => {
-                            per.push(Some((
-                                convert(&keys[0], m, &p.shape, master)?,
-                                convert(&keys[1], v, &p.shape, master)?,
-                                read_counter(&keys[2], s)?,
-                            )));
-                            for k in &keys {
-                                if let Some((k, _)) = map.get_key_value(k.as_str()) {
-                                    used.insert(k);
-                                }
-                            }
-                        }
-                        _ => meshgrad_tensor::bail!(
-                            "parameter {} needs all of {}, {} and {}; the state dict has only some",
-                            p.name,
-                            keys[0],
-                            keys[1],
-                            keys[2]
-                        ),
-                    }
+        // The optimizer's entries: this rank's part of each, under the same names.
+        let mut optim: Vec<(String, Tensor)> = Vec::new();
+        let mut has_optim = false;
+        {
+            let st = lock(&self.state);
+            let index: HashMap<&str, usize> = self
+                .plan
+                .params
+                .iter()
+                .enumerate()
+                .map(|(i, p)| (p.name.as_str(), i))
+                .collect();
+            for (key, t) in tensors {
+                if index.contains_key(key.as_str()) {
+                    continue;
                 }
-                Some((count, per))
+                let (param, elementwise) = match st.opt.state_kind(key) {
+                    None => continue,
+                    Some(StateKind::Global) => {
+                        used.insert(key.as_str());
+                        has_optim = true;
+                        optim.push((key.clone(), t.clone()));
+                        continue;
+                    }
+                    Some(StateKind::Elementwise { param }) => (param, true),
+                    Some(StateKind::PerParam { param }) => (param, false),
+                };
+                // State of a parameter the model does not have is an unexpected tensor.
+                let Some(&pi) = index.get(param.as_str()) else {
+                    continue;
+                };
+                used.insert(key.as_str());
+                has_optim = true;
+                let p = &self.plan.params[pi];
+                if elementwise && t.dims() != p.shape.as_slice() {
+                    meshgrad_tensor::bail!(
+                        "{key}: the state dict has shape {:?} but parameter {} has shape {:?}",
+                        t.dims(),
+                        p.name,
+                        p.shape
+                    );
+                }
+                let Some(k) = self.shard_of[pi] else { continue };
+                let t = if elementwise {
+                    let r = &self.shards[k].seg.param_range;
+                    t.to_device(Device::Cpu)?
+                        .reshape(p.numel)?
+                        .narrow(0, r.start, r.len())?
+                } else {
+                    t.clone()
+                };
+                optim.push((key.clone(), t));
             }
-        };
+        }
         if strict {
             if !missing.is_empty() {
                 meshgrad_tensor::bail!("the state dict is missing {}", list(&missing));
@@ -167,6 +364,12 @@ impl Inner {
             }
         }
         let mut st = lock(&self.state);
+        // The optimizer checks its part before changing anything; then nothing can fail.
+        if has_optim {
+            st.opt
+                .load_state_dict(&optim)
+                .map_err(|e| Error::msg(format!("optimizer state: {e}")))?;
+        }
         let summoned = st.summoned;
         // Weights: ZeRO-1/2 hold them whole; the master shards take this rank's slices.
         if self.config.stage != ZeroStage::Three {
@@ -182,34 +385,6 @@ impl Inner {
         let r = self.scatter_into(&mut shards, &weights);
         st.master = shards;
         r?;
-        if let Some((count, per)) = optim {
-            for u in 0..self.plan.units.len() {
-                let n = self.plan.units[u].shard_len;
-                with_tag(MemoryTag::OptimizerState, || -> Result<()> {
-                    st.m[u] = Some(Tensor::zeros(n, master, Device::Cpu)?);
-                    st.v[u] = Some(Tensor::zeros(n, master, Device::Cpu)?);
-                    Ok(())
-                })?;
-            }
-            let ms: Vec<Option<Tensor>> = per
-                .iter()
-                .map(|x| x.as_ref().map(|s| s.0.clone()))
-                .collect();
-            let vs: Vec<Option<Tensor>> = per
-                .iter()
-                .map(|x| x.as_ref().map(|s| s.1.clone()))
-                .collect();
-            let mut m = std::mem::take(&mut st.m);
-            let mut v = std::mem::take(&mut st.v);
-            let r = self
-                .scatter_into(&mut m, &ms)
-                .and_then(|_| self.scatter_into(&mut v, &vs));
-            st.m = m;
-            st.v = v;
-            r?;
-            st.steps = per.iter().map(|x| x.as_ref().map_or(0, |s| s.2)).collect();
-            st.step_count = count;
-        }
         if self.config.stage == ZeroStage::Three {
             st.summoned = false;
             for u in 0..self.plan.units.len() {
@@ -256,21 +431,6 @@ fn convert(name: &str, t: &Tensor, shape: &[usize], dtype: DType) -> Result<Tens
         .map_err(|e| Error::msg(format!("{name}: {e}")))
 }
 
-fn counter(v: u64) -> Result<Tensor> {
-    Tensor::from_vec(vec![v as i64], 1, Device::Cpu)
-}
-
-fn read_counter(name: &str, t: &Tensor) -> Result<u64> {
-    if t.elem_count() != 1 {
-        meshgrad_tensor::bail!("{name}: expected one element, got shape {}", t.shape());
-    }
-    let v = t.to_dtype(DType::F64)?.to_vec::<f64>()?[0];
-    if !(v >= 0.0 && v.fract() == 0.0) {
-        meshgrad_tensor::bail!("{name}: {v} is not a step count");
-    }
-    Ok(v as u64)
-}
-
 fn list(names: &[&str]) -> String {
     const SHOWN: usize = 10;
     let mut s = names
@@ -287,8 +447,9 @@ fn list(names: &[&str]) -> String {
 
 impl ShardedDataParallel {
     /// The full (unsharded) state: every parameter's values (in the master dtype, so mixed
-    /// precision loses nothing) and, with `opts.optimizer`, the AdamW state, gathered from the
-    /// shards. Works for every strategy; collective over the shard group.
+    /// precision loses nothing) and, with `opts.optimizer`, the optimizer's state as the same
+    /// optimizer over the whole model would name it, gathered from the shards. Works for every
+    /// strategy; collective over the shard group.
     pub fn full_state_dict(&self, opts: FullStateDictOptions) -> Result<Vec<(String, Tensor)>> {
         self.inner
             .full_state_dict(opts)
@@ -296,11 +457,13 @@ impl ShardedDataParallel {
     }
 
     /// Loads a full state dict (as [`ShardedDataParallel::full_state_dict`] or
-    /// [`meshgrad_nn::state::state_dict`] / `AdamW::state_dict` write it) into any strategy:
-    /// each rank takes its shard (ZeRO-1/2 also copy the whole parameters). Optimizer state is
-    /// loaded when the dict has `adamw.step_count`. With `strict`, every parameter must be
-    /// present and every tensor known. Everything is checked before anything changes. Local: no
-    /// communication (every rank must load the same dict).
+    /// [`meshgrad_nn::state::state_dict`] / the single-device optimizer's `state_dict` write it)
+    /// into any strategy: each rank takes its shard (ZeRO-1/2 also copy the whole parameters).
+    /// Optimizer state is loaded when the dict has entries of this wrapper's optimizer (by
+    /// [`Optimizer::state_kind`](meshgrad_nn::optim::Optimizer::state_kind)); it then replaces
+    /// the whole optimizer state, as the optimizer's `load_state_dict` does. With `strict`,
+    /// every parameter must be present and every tensor known. Everything is checked before
+    /// anything changes. Local: no communication (every rank must load the same dict).
     pub fn load_full_state_dict(&self, tensors: &[(String, Tensor)], strict: bool) -> Result<()> {
         self.inner
             .load_full_state_dict(tensors, strict)

@@ -11,7 +11,7 @@
 //!   whatever order its hooks fire in. A unit completed early waits for the ones before it.
 //! * [`ShardedDataParallel::finish`] launches what is left (parameters without a gradient
 //!   contribute zeros), agrees on which parameters had a gradient on any rank (a small max
-//!   all-reduce; the optimizer skips the others, as unsharded AdamW does), waits, converts to the
+//!   all-reduce; the optimizer skips the others, as it would unsharded), waits, converts to the
 //!   master dtype, and for hybrid sharding averages the ZeRO-2/3 shards across replicas (an
 //!   all-reduce over the replicate group).
 //! * With sync off ([`ShardedDataParallel::set_sync`]), the hooks only track completion (ZeRO-3

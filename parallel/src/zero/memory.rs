@@ -12,11 +12,11 @@
 //!
 //! What each tag holds: parameters (ZeRO-3: the shards plus the units gathered at the moment),
 //! the gradient buffers a strategy keeps (DDP's buckets, ZeRO's flat unit buffers being
-//! assembled and reduced gradients), AdamW moments and master weights. The per-parameter
-//! gradients the autograd engine hands to the gradient-ready hooks are counted under `Other`
-//! (ZeRO copies each into its unit's buffer and drops it at once). With the in-process backend a
-//! collective's result is allocated when it is waited for, so a prefetch in flight costs nothing
-//! until it is used.
+//! assembled and reduced gradients), the optimizer's state (here AdamW's moments; under ZeRO, of
+//! this rank's segments only) and master weights. The per-parameter gradients the autograd
+//! engine hands to the gradient-ready hooks are counted under `Other` (ZeRO copies each into its
+//! unit's buffer and drops it at once). With the in-process backend a collective's result is
+//! allocated when it is waited for, so a prefetch in flight costs nothing until it is used.
 
 use std::time::Duration;
 

@@ -26,6 +26,19 @@
 //! shards: the optimizer updates every [`Segment`] (a shard's intersection with a parameter)
 //! with that parameter's group hyper-parameters and step count.
 //!
+//! # Optimizer
+//!
+//! The update rule is pluggable: [`ShardedDataParallel::new`] takes an [`OptimizerFactory`], an
+//! [`AdamWConfig`](meshgrad_nn::optim::AdamWConfig) or [`SgdConfig`](meshgrad_nn::optim::SgdConfig)
+//! for those optimizers, or a closure building any [`meshgrad_nn::optim::Optimizer`]. ZeRO keeps
+//! the plan, the gradient reduction, the master weights, clipping across shards and the gathers;
+//! the optimizer runs over one *shard variable* per segment this rank owns: a leaf over the
+//! segment's weights (so its in-place update writes the real weights), named after its
+//! parameter, in its parameter's group (same weight decay and learning-rate scale). Before each
+//! step its gradient is set to the segment's reduced gradient. Optimizer state (moments,
+//! momentum buffers, step counts) lives in the optimizer, keyed by those names, and covers only
+//! this rank's segments.
+//!
 //! # ZeRO-3 on any model
 //!
 //! ZeRO-3 needs nothing from the model beyond [`meshgrad_nn::Module`] (a `#[derive(Module)]`
@@ -60,14 +73,14 @@
 //! ```no_run
 //! # use std::sync::Arc;
 //! # use meshgrad_parallel::{Communicator, zero::*};
-//! # use meshgrad_nn::{Module, optim::{param_groups_for_decay, AdamWConfig}};
+//! # use meshgrad_nn::{Module, optim::{param_groups_for_decay, SgdConfig}};
 //! # fn f(comm: Arc<dyn Communicator>, model: &dyn Module) -> meshgrad_tensor::Result<()> {
 //! let mut config = ShardConfig::new(ZeroStage::Three);
 //! config.wrap = WrapPolicy::paths(["layers.*"]); // each `layers.i` a unit, the rest in root
 //! let sdp = ShardedDataParallel::new(
 //!     model,
-//!     param_groups_for_decay(model.named_parameters(), 0.1),
-//!     AdamWConfig::default(),
+//!     param_groups_for_decay(model.named_parameters(), 1e-4),
+//!     SgdConfig { momentum: 0.9 }, // SGD with momentum over each rank's shard
 //!     ShardTopology::flat(comm),
 //!     config,
 //! )?;
@@ -85,7 +98,7 @@
 //! let sdp = ShardedDataParallel::new(
 //!     model,
 //!     groups,
-//!     AdamWConfig::default(),
+//!     AdamWConfig::default(), // AdamW over each rank's shard
 //!     ShardTopology::flat(comm),
 //!     ShardConfig::new(ZeroStage::Three),
 //! )?;
@@ -102,14 +115,15 @@
 //!
 //! [`MixedPrecision`]: the model's dtype is the compute dtype (build it in bf16 for bf16
 //! compute); gradients are reduced in `reduce_dtype`; the optimizer's shard of the weights
-//! (master weights), its moments and the gradient shards are kept in `master_dtype` (f32).
+//! (master weights), the gradient shards and so the optimizer's state (created in the dtype of
+//! the shard variables) are kept in `master_dtype` (f32).
 //!
 //! # Reproducibility
 //!
 //! * Every collective combines contributions in rank order and every rank receives the same
 //!   bits, so all ranks hold bit-identical parameters after every step, and a run repeated with
 //!   the same layout is bit-for-bit identical.
-//! * The AdamW kernel is elementwise: a segment's update is exactly the unsharded update of
+//! * AdamW and SGD are elementwise: a segment's update is exactly the unsharded update of
 //!   those elements given the same gradient. On one rank every strategy therefore equals the
 //!   single-device run bit for bit (copies into flat buffers and averages over one rank are
 //!   exact; the clipping norm adds per-parameter sums of squares in parameter order, as
@@ -122,8 +136,9 @@
 //!
 //! Parameters are tagged [`MemoryTag::Params`](meshgrad_tensor::alloc::MemoryTag::Params)
 //! (ZeRO-3: the shards and the gathered units), reduced gradients and the flat buffers being
-//! assembled [`MemoryTag::Grads`](meshgrad_tensor::alloc::MemoryTag::Grads), and moments and
-//! master weights [`MemoryTag::OptimizerState`](meshgrad_tensor::alloc::MemoryTag::OptimizerState).
+//! assembled [`MemoryTag::Grads`](meshgrad_tensor::alloc::MemoryTag::Grads), and ZeRO-1/2's
+//! separate master weights and the optimizer's state (which nn's optimizers allocate under it)
+//! [`MemoryTag::OptimizerState`](meshgrad_tensor::alloc::MemoryTag::OptimizerState).
 //! [`memory`] measures them per rank during training.
 
 mod checkpoint;
@@ -139,6 +154,7 @@ mod wrapper;
 pub use checkpoint::FullStateDictOptions;
 pub use config::{MixedPrecision, ShardConfig, WrapPolicy, ZeroStage};
 pub use gather::GatherOrder;
+pub use optim::OptimizerFactory;
 pub use plan::{Segment, ShardPlan};
 pub use topology::ShardTopology;
 pub use wrapper::{GatherStats, ShardedDataParallel};

@@ -1,19 +1,74 @@
-//! The sharded AdamW step and gradient-norm clipping across shards.
+//! The optimizer step over this rank's shard, and gradient-norm clipping across shards.
 //!
-//! Each rank updates only its shard, segment by segment (see [`super::plan`]), with the fused
-//! kernel [`meshgrad_tensor::Tensor::adamw_step_`] and its segment's group hyper-parameters and
-//! per-parameter step count, so every element gets exactly the update unsharded AdamW gives it
-//! (the kernel is elementwise). ZeRO-1/2 then all-gather the updated shards into every rank's
-//! full parameters; ZeRO-3 keeps them sharded until the next forward gathers them.
+//! ZeRO does not own an update rule: the caller's optimizer ([`OptimizerFactory`]) runs over
+//! *shard variables*, one per segment this rank owns (see [`super::plan`]), each named after
+//! its parameter and placed in its parameter's group. Before the optimizer's step each shard
+//! variable's gradient is set to its segment of the reduced gradient (parameters that got no
+//! gradient on any rank get none, so the optimizer skips them as it would unsharded); the
+//! update writes this rank's weights in place. An elementwise optimizer (AdamW, SGD with
+//! momentum) therefore gives every element exactly the unsharded update, with the same
+//! per-parameter step counts, learning-rate scale and weight decay. ZeRO-1/2 then all-gather the
+//! updated shards into every rank's full parameters; ZeRO-3 keeps them sharded until the next
+//! forward gathers them.
 
 use meshgrad_autograd::no_grad;
-use meshgrad_tensor::alloc::{with_tag, MemoryTag};
-use meshgrad_tensor::{AdamWStep, Device, Error, Result, Tensor};
+use meshgrad_nn::optim::{AdamW, AdamWConfig, Optimizer, ParamGroup, Sgd, SgdConfig};
+use meshgrad_tensor::{Device, Error, Result, Tensor};
 
 use super::config::ZeroStage;
 use super::plan::Segment;
 use super::wrapper::{lock, Inner, ShardedDataParallel, State};
 use crate::comm::{ReduceOp, Work};
+
+/// Builds the optimizer [`ShardedDataParallel`] steps this rank's shard with, from the
+/// parameter groups of the shard variables (the caller's groups, same order and
+/// hyper-parameters, each parameter replaced by this rank's part of it under the same name;
+/// parameters the rank owns none of are left out, so a group may be empty).
+///
+/// Implemented by [`AdamWConfig`] (AdamW with that configuration), [`SgdConfig`] (SGD with
+/// that configuration), and any closure `FnOnce(Vec<ParamGroup>) -> Result<Box<dyn Optimizer +
+/// Send>>`:
+///
+/// ```no_run
+/// # use meshgrad_nn::optim::{Optimizer, ParamGroup, Sgd, SgdConfig};
+/// # use meshgrad_parallel::zero::OptimizerFactory;
+/// # fn takes(_: impl OptimizerFactory) {}
+/// takes(SgdConfig { momentum: 0.9 });
+/// takes(|groups: Vec<ParamGroup>| -> meshgrad_tensor::Result<Box<dyn Optimizer + Send>> {
+///     Ok(Box::new(Sgd::new(groups, SgdConfig { momentum: 0.9 })?))
+/// });
+/// ```
+///
+/// ZeRO gives each segment the update the optimizer gives those elements, so the result equals
+/// the unsharded run only for an *elementwise* optimizer (each element's update depends only on
+/// that element's weight, gradient and state, and on per-parameter counters), as AdamW and SGD
+/// are. Its checkpoints ([`ShardedDataParallel::full_state_dict`]) rely on
+/// [`Optimizer::state_kind`] to tell sharded state from per-parameter and global values.
+pub trait OptimizerFactory {
+    /// The optimizer over `groups`.
+    fn build(self, groups: Vec<ParamGroup>) -> Result<Box<dyn Optimizer + Send>>;
+}
+
+impl OptimizerFactory for AdamWConfig {
+    fn build(self, groups: Vec<ParamGroup>) -> Result<Box<dyn Optimizer + Send>> {
+        Ok(Box::new(AdamW::new(groups, self)?))
+    }
+}
+
+impl OptimizerFactory for SgdConfig {
+    fn build(self, groups: Vec<ParamGroup>) -> Result<Box<dyn Optimizer + Send>> {
+        Ok(Box::new(Sgd::new(groups, self)?))
+    }
+}
+
+impl<F> OptimizerFactory for F
+where
+    F: FnOnce(Vec<ParamGroup>) -> Result<Box<dyn Optimizer + Send>>,
+{
+    fn build(self, groups: Vec<ParamGroup>) -> Result<Box<dyn Optimizer + Send>> {
+        self(groups)
+    }
+}
 
 impl Inner {
     /// The reduced gradient of segment `s` of unit `u`, if the unit has one.
@@ -41,22 +96,6 @@ impl Inner {
             }
             ZeroStage::Two | ZeroStage::Three => g.clone(),
         }))
-    }
-
-    /// The weights segment `s` of unit `u` updates: the master shard, or (ZeRO-1/2 without a
-    /// separate master) the parameter's own elements.
-    fn weight_view(&self, st: &State, u: usize, s: &Segment) -> Result<Tensor> {
-        match &st.master[u] {
-            Some(m) => m.narrow(0, s.shard_offset, s.len()),
-            None => {
-                let p = &self.plan.params[s.param];
-                self.vars[s.param].tensor().reshape(p.numel)?.narrow(
-                    0,
-                    s.param_range.start,
-                    s.len(),
-                )
-            }
-        }
     }
 
     /// Per parameter, the sum of squares of its reduced gradient, summed over the shard group
@@ -123,70 +162,27 @@ impl Inner {
             meshgrad_tensor::bail!("learning rate {lr} must be finite and >= 0");
         }
         let mut st = lock(&self.state);
-        let c = self.adamw;
-        no_grad(|| -> Result<()> {
-            for u in 0..self.plan.units.len() {
-                if st.grads[u].is_none() {
-                    continue;
-                }
-                if st.m[u].is_none() {
-                    let n = self.plan.units[u].shard_len;
-                    let (m, v) = with_tag(MemoryTag::OptimizerState, || -> Result<_> {
-                        Ok((
-                            Tensor::zeros(n, self.master_dtype, Device::Cpu)?,
-                            Tensor::zeros(n, self.master_dtype, Device::Cpu)?,
-                        ))
-                    })?;
-                    st.m[u] = Some(m);
-                    st.v[u] = Some(v);
-                }
-                let (Some(m), Some(v)) = (st.m[u].clone(), st.v[u].clone()) else {
-                    continue;
+        let r = (|| -> Result<()> {
+            for sv in &self.shards {
+                let g = if st.used[sv.seg.param] {
+                    self.grad_view(&st, sv.unit, &sv.seg)?
+                } else {
+                    None
                 };
-                for s in self.plan.segments(u, self.shard_rank) {
-                    if !st.used[s.param] {
-                        continue;
-                    }
-                    let p = &self.plan.params[s.param];
-                    let hp = self.groups[p.group];
-                    let r = (|| -> Result<()> {
-                        let Some(g) = self.grad_view(&st, u, &s)? else {
-                            return Ok(());
-                        };
-                        let w = self.weight_view(&st, u, &s)?;
-                        let step = AdamWStep {
-                            lr: lr * hp.lr_scale,
-                            beta1: c.beta1,
-                            beta2: c.beta2,
-                            eps: c.eps,
-                            weight_decay: hp.weight_decay,
-                            step: st.steps[s.param] + 1,
-                        };
-                        w.adamw_step_(
-                            &g,
-                            &m.narrow(0, s.shard_offset, s.len())?,
-                            &v.narrow(0, s.shard_offset, s.len())?,
-                            &step,
-                        )
-                    })();
-                    r.map_err(|e| {
-                        Error::msg(format!(
-                            "rank {}: sharded adamw: parameter {} (elements {:?}): {e}",
-                            self.topo.dp.global_rank(),
-                            p.name,
-                            s.param_range
-                        ))
-                    })?;
-                }
+                sv.var.set_grad(g);
             }
-            Ok(())
-        })?;
-        for (pi, p) in self.plan.params.iter().enumerate() {
-            if st.used[pi] && st.grads[p.unit].is_some() {
-                st.steps[pi] += 1;
-            }
+            no_grad(|| st.opt.step(lr))
+        })();
+        // The gradient views must not outlive the reduced gradients (`zero_grad` frees them).
+        for sv in &self.shards {
+            sv.var.set_grad(None);
         }
-        st.step_count += 1;
+        r.map_err(|e| {
+            Error::msg(format!(
+                "rank {} (the optimizer over this rank's shard): {e}",
+                self.topo.dp.global_rank()
+            ))
+        })?;
         match self.config.stage {
             ZeroStage::One | ZeroStage::Two => self.publish_params(&st),
             ZeroStage::Three => {
@@ -247,10 +243,18 @@ impl ShardedDataParallel {
         Ok(norm)
     }
 
-    /// One AdamW step of this rank's shard with base learning rate `lr` (each group uses
-    /// `lr * lr_scale`), then (ZeRO-1/2) the all-gather of the updated parameters. Parameters
-    /// that had no gradient on any rank are skipped, as unsharded AdamW skips them. Collective
-    /// over the shard group.
+    /// This rank's optimizer state: the optimizer's state dict over its shard variables, named
+    /// after their parameters, whose elementwise entries hold only this rank's segment (see the
+    /// [module docs](crate::zero#optimizer)). [`ShardedDataParallel::full_state_dict`] gives the
+    /// unsharded state.
+    pub fn local_optimizer_state_dict(&self) -> Result<Vec<(String, Tensor)>> {
+        lock(&self.inner.state).opt.state_dict()
+    }
+
+    /// One step of the optimizer over this rank's shard with base learning rate `lr` (each
+    /// group uses `lr * lr_scale`), then (ZeRO-1/2) the all-gather of the updated parameters.
+    /// Parameters that had no gradient on any rank get no gradient, so the optimizer skips them
+    /// as it would unsharded. Collective over the shard group.
     pub fn step(&self, lr: f64) -> Result<()> {
         self.inner
             .step(lr)

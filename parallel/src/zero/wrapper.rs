@@ -8,22 +8,28 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use meshgrad_autograd::{Var, VarId};
-use meshgrad_nn::optim::{AdamWConfig, ParamGroup};
+use meshgrad_nn::optim::{Optimizer, ParamGroup};
 use meshgrad_nn::Module;
 use meshgrad_tensor::alloc::{with_tag, MemoryTag};
 use meshgrad_tensor::{DType, Error, Result, Tensor};
 
 use super::config::{ShardConfig, ZeroStage};
 use super::gather::{GatherState, UnitOrder};
-use super::plan::{ParamSpec, ShardPlan};
+use super::optim::OptimizerFactory;
+use super::plan::{ParamSpec, Segment, ShardPlan};
 use super::topology::ShardTopology;
 use crate::comm::Work;
 
-/// Per-group optimizer hyper-parameters.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct GroupHp {
-    pub(crate) weight_decay: f64,
-    pub(crate) lr_scale: f64,
+/// The variable the optimizer updates for one segment this rank owns: a leaf over the
+/// segment's elements of this rank's weights (the master shard, or without a separate master
+/// the parameter's own elements), so an in-place update writes the real weights. It is named
+/// after its parameter (a parameter has at most one segment per rank: it lies in one unit, and
+/// a rank's shard of a unit is one contiguous range). Its gradient is set to the segment's
+/// reduced gradient for the optimizer's step only.
+pub(crate) struct ShardVar {
+    pub(crate) unit: usize,
+    pub(crate) seg: Segment,
+    pub(crate) var: Var,
 }
 
 /// Everything one rank's wrapper shares with its hooks.
@@ -33,8 +39,10 @@ pub(crate) struct Inner {
     pub(crate) index_of: HashMap<VarId, usize>,
     pub(crate) config: ShardConfig,
     pub(crate) topo: ShardTopology,
-    pub(crate) adamw: AdamWConfig,
-    pub(crate) groups: Vec<GroupHp>,
+    /// The optimizer's variables, one per segment of this rank, in unit and segment order.
+    pub(crate) shards: Vec<ShardVar>,
+    /// Per parameter: its index in `shards`, if this rank owns some of it.
+    pub(crate) shard_of: Vec<Option<usize>>,
     /// The order units' gradients are reduced in: reverse unit order (the order backward
     /// completes them in), the root unit last.
     pub(crate) launch_order: Vec<usize>,
@@ -77,13 +85,9 @@ pub(crate) struct State {
     /// the parameter storage between uses); ZeRO-1/2: only when the parameters have another
     /// dtype (otherwise the parameters' own elements are updated in place).
     pub(crate) master: Vec<Option<Tensor>>,
-    /// Per unit: AdamW moments of this rank's shard (allocated at the first step).
-    pub(crate) m: Vec<Option<Tensor>>,
-    pub(crate) v: Vec<Option<Tensor>>,
-    /// Per parameter: AdamW steps taken (PyTorch's per-parameter count).
-    pub(crate) steps: Vec<u64>,
-    /// Completed optimizer steps.
-    pub(crate) step_count: u64,
+    /// The user's optimizer over the shard variables ([`Inner::shards`]); it owns the
+    /// optimizer state (moments, momentum buffers, step counts) of this rank's shard.
+    pub(crate) opt: Box<dyn Optimizer + Send>,
     // ----- ZeRO-3 -----
     /// Per unit: whether its full parameters are present, in flight, or released.
     pub(crate) gather: Vec<GatherState>,
@@ -112,8 +116,9 @@ pub(crate) fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Sharded data parallelism (ZeRO-1, ZeRO-2, ZeRO-3 / FSDP, hybrid) with a built-in sharded
-/// AdamW. See the [module docs](crate::zero) for the semantics and the training loop.
+/// Sharded data parallelism (ZeRO-1, ZeRO-2, ZeRO-3 / FSDP, hybrid) with any
+/// [`meshgrad_nn::optim::Optimizer`] updating this rank's shard. See the
+/// [module docs](crate::zero) for the semantics and the training loop.
 pub struct ShardedDataParallel {
     pub(crate) inner: Arc<Inner>,
 }
@@ -133,9 +138,13 @@ impl std::fmt::Debug for ShardedDataParallel {
 }
 
 impl ShardedDataParallel {
-    /// Wraps `model` for sharded data parallelism over `topo`, with AdamW over `groups` (which
-    /// must list every parameter of the model exactly once, e.g.
-    /// [`meshgrad_nn::optim::param_groups_for_decay`]).
+    /// Wraps `model` for sharded data parallelism over `topo`. `groups` must list every
+    /// parameter of the model exactly once (e.g.
+    /// [`meshgrad_nn::optim::param_groups_for_decay`]); `optimizer` builds the update rule
+    /// ([`OptimizerFactory`]: an [`AdamWConfig`](meshgrad_nn::optim::AdamWConfig), an
+    /// [`SgdConfig`](meshgrad_nn::optim::SgdConfig), or a closure building any optimizer) over
+    /// the same groups with each parameter replaced by this rank's part of it (see the
+    /// [module docs](crate::zero#optimizer)).
     ///
     /// Any [`Module`] can be wrapped: units are chosen by module path
     /// ([`ShardConfig::wrap`]), and ZeRO-3 needs nothing else from the model.
@@ -152,13 +161,12 @@ impl ShardedDataParallel {
     pub fn new(
         model: &dyn Module,
         groups: Vec<ParamGroup>,
-        adamw: AdamWConfig,
+        optimizer: impl OptimizerFactory,
         topo: ShardTopology,
         config: ShardConfig,
     ) -> Result<Self> {
         let ctx = |e: Error| Error::msg(format!("sharded data parallel: {e}"));
         config.mixed_precision.validate().map_err(ctx)?;
-        adamw.validate().map_err(ctx)?;
         topo.validate().map_err(ctx)?;
         let named = model.named_parameters();
         let mut seen: HashMap<VarId, &str> = HashMap::new();
@@ -178,7 +186,7 @@ impl ShardedDataParallel {
                 ))));
             }
         }
-        let (group_of, hps) = assign_groups(&named, &groups).map_err(ctx)?;
+        let group_of = assign_groups(&named, &groups).map_err(ctx)?;
         let param_dtype = named
             .first()
             .map(|(_, v)| v.tensor().dtype())
@@ -225,14 +233,41 @@ impl ShardedDataParallel {
         }
         let mp = config.mixed_precision;
         let shard_rank = topo.shard.rank();
+        let master_dtype = mp.master_dtype;
+        let separate_master = config.stage == ZeroStage::Three || param_dtype != master_dtype;
+        let master = if separate_master {
+            // ZeRO-3: the shards are the parameters' storage between uses.
+            let tag = if config.stage == ZeroStage::Three {
+                MemoryTag::Params
+            } else {
+                MemoryTag::OptimizerState
+            };
+            (0..n_units)
+                .map(|u| {
+                    let shard = params_shard(&plan, &vars, shard_rank, param_dtype, u)?;
+                    with_tag(tag, || shard.to_dtype(master_dtype)?.deep_clone()).map(Some)
+                })
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            vec![None; n_units]
+        };
+        let (shards, opt_groups) = shard_vars(&plan, &vars, &master, shard_rank, &groups)?;
+        let mut shard_of = vec![None; plan.params.len()];
+        for (k, sv) in shards.iter().enumerate() {
+            shard_of[sv.seg.param] = Some(k);
+        }
+        let opt = optimizer
+            .build(opt_groups)
+            .map_err(|e| ctx(Error::msg(format!("building the optimizer: {e}"))))?;
         let inner = Inner {
             index_of: vars.iter().enumerate().map(|(i, v)| (v.id(), i)).collect(),
             vars,
-            groups: hps,
+            shards,
+            shard_of,
             launch_order,
             param_dtype,
             reduce_dtype: mp.reduce_dtype.unwrap_or(param_dtype),
-            master_dtype: mp.master_dtype,
+            master_dtype,
             shard_rank,
             sync: AtomicBool::new(true),
             state: Mutex::new(State {
@@ -246,11 +281,8 @@ impl ShardedDataParallel {
                 last_launches: (0, 0),
                 grads: vec![None; n_units],
                 used: vec![false; plan.params.len()],
-                master: vec![None; n_units],
-                m: vec![None; n_units],
-                v: vec![None; n_units],
-                steps: vec![0; plan.params.len()],
-                step_count: 0,
+                master,
+                opt,
                 gather: (0..n_units).map(|_| GatherState::Gathered).collect(),
                 summoned: false,
                 gather_stats: GatherStats::default(),
@@ -259,9 +291,7 @@ impl ShardedDataParallel {
             plan,
             config,
             topo,
-            adamw,
         };
-        inner.init_master()?;
         let inner = Arc::new(inner);
         for v in &inner.vars {
             let weak: Weak<Inner> = Arc::downgrade(&inner);
@@ -335,9 +365,9 @@ impl ShardedDataParallel {
         lock(&self.inner.state).gather_stats
     }
 
-    /// Completed optimizer steps.
+    /// Completed optimizer steps (the optimizer's [`Optimizer::step_count`]).
     pub fn step_count(&self) -> u64 {
-        lock(&self.inner.state).step_count
+        lock(&self.inner.state).opt.step_count()
     }
 
     /// Drops the reduced gradients (and any local `.grad`), before the next step's backward.
@@ -384,61 +414,81 @@ impl Inner {
         self.index_of.get(&v.id()).copied()
     }
 
-    /// Whether ZeRO-1/2 keep a separate master copy of their shard.
-    pub(crate) fn separate_master(&self) -> bool {
-        self.config.stage == ZeroStage::Three || self.param_dtype != self.master_dtype
-    }
-
-    /// Fills the master shards from the parameters (ZeRO-3, or another master dtype).
-    pub(crate) fn init_master(&self) -> Result<()> {
-        if !self.separate_master() {
-            return Ok(());
-        }
-        let tag = if self.config.stage == ZeroStage::Three {
-            MemoryTag::Params
-        } else {
-            MemoryTag::OptimizerState
-        };
-        let mut st = lock(&self.state);
-        for u in 0..self.plan.units.len() {
-            let shard = self.shard_from_params(u)?;
-            st.master[u] = Some(with_tag(tag, || {
-                shard.to_dtype(self.master_dtype)?.deep_clone()
-            })?);
-        }
-        Ok(())
-    }
-
     /// This rank's shard of unit `u` read from the (materialised) parameters, in their dtype;
     /// padding is zero.
     pub(crate) fn shard_from_params(&self, u: usize) -> Result<Tensor> {
-        let unit = &self.plan.units[u];
-        let shard = Tensor::zeros(
-            unit.shard_len,
-            self.param_dtype,
-            meshgrad_tensor::Device::Cpu,
-        )?;
-        for s in self.plan.segments(u, self.shard_rank) {
-            let p = &self.plan.params[s.param];
-            let src = self.vars[s.param].tensor().reshape(p.numel)?.narrow(
-                0,
-                s.param_range.start,
-                s.len(),
-            )?;
-            shard.narrow(0, s.shard_offset, s.len())?.copy_from(&src)?;
-        }
-        Ok(shard)
+        params_shard(&self.plan, &self.vars, self.shard_rank, self.param_dtype, u)
     }
 }
 
-/// Maps every model parameter to its group; checks the groups against the model.
-fn assign_groups(
-    named: &[(String, Var)],
+/// Rank `rank`'s shard of unit `u` read from the (materialised) parameters `vars`, in `dtype`
+/// (theirs); padding is zero.
+fn params_shard(
+    plan: &ShardPlan,
+    vars: &[Var],
+    rank: usize,
+    dtype: DType,
+    u: usize,
+) -> Result<Tensor> {
+    let shard = Tensor::zeros(plan.units[u].shard_len, dtype, meshgrad_tensor::Device::Cpu)?;
+    for s in plan.segments(u, rank) {
+        shard
+            .narrow(0, s.shard_offset, s.len())?
+            .copy_from(&param_segment(plan, vars, &s)?)?;
+    }
+    Ok(shard)
+}
+
+/// Segment `s`'s elements of its parameter (a view).
+fn param_segment(plan: &ShardPlan, vars: &[Var], s: &Segment) -> Result<Tensor> {
+    let p = &plan.params[s.param];
+    vars[s.param]
+        .tensor()
+        .reshape(p.numel)?
+        .narrow(0, s.param_range.start, s.len())
+}
+
+/// The shard variables of rank `rank` (see [`ShardVar`]) over the weights it updates, `master`
+/// or (units without one) the parameters, and the user's `groups` with each parameter replaced
+/// by its shard variable (parameters this rank owns none of are left out; a group may end up
+/// empty).
+fn shard_vars(
+    plan: &ShardPlan,
+    vars: &[Var],
+    master: &[Option<Tensor>],
+    rank: usize,
     groups: &[ParamGroup],
-) -> Result<(Vec<usize>, Vec<GroupHp>)> {
+) -> Result<(Vec<ShardVar>, Vec<ParamGroup>)> {
+    let mut out_groups: Vec<ParamGroup> = groups
+        .iter()
+        .map(|g| ParamGroup {
+            params: Vec::new(),
+            weight_decay: g.weight_decay,
+            lr_scale: g.lr_scale,
+        })
+        .collect();
+    let mut shards = Vec::new();
+    for (u, m) in master.iter().enumerate() {
+        for seg in plan.segments(u, rank) {
+            let weights = match m {
+                Some(m) => m.narrow(0, seg.shard_offset, seg.len())?,
+                None => param_segment(plan, vars, &seg)?,
+            };
+            let var = Var::leaf(weights);
+            let p = &plan.params[seg.param];
+            out_groups[p.group]
+                .params
+                .push((p.name.clone(), var.clone()));
+            shards.push(ShardVar { unit: u, seg, var });
+        }
+    }
+    Ok((shards, out_groups))
+}
+
+/// Maps every model parameter to its group; checks the groups against the model.
+fn assign_groups(named: &[(String, Var)], groups: &[ParamGroup]) -> Result<Vec<usize>> {
     let mut of: HashMap<VarId, usize> = HashMap::new();
     let model_ids: HashMap<VarId, &str> = named.iter().map(|(n, v)| (v.id(), n.as_str())).collect();
-    let mut hps = Vec::with_capacity(groups.len());
     for (gi, g) in groups.iter().enumerate() {
         for (what, x) in [("weight_decay", g.weight_decay), ("lr_scale", g.lr_scale)] {
             if !x.is_finite() || x < 0.0 {
@@ -447,10 +497,6 @@ fn assign_groups(
                 );
             }
         }
-        hps.push(GroupHp {
-            weight_decay: g.weight_decay,
-            lr_scale: g.lr_scale,
-        });
         for (name, v) in &g.params {
             if !model_ids.contains_key(&v.id()) {
                 meshgrad_tensor::bail!(
@@ -473,7 +519,7 @@ fn assign_groups(
             ),
         }
     }
-    Ok((out, hps))
+    Ok(out)
 }
 
 /// Copies every parameter's values from data-parallel rank 0.
