@@ -15,8 +15,8 @@ use meshgrad_nn::data::{load_split, split_dataset, Dataset, LoadOptions, TokenSo
 use meshgrad_nn::optim::{clip_grad_norm, AdamW, CosineSchedule, Optimizer};
 use meshgrad_nn::state::hf_gpt2;
 use meshgrad_nn::tokenizer::Tokenizer;
-use meshgrad_nn::ForwardCtx;
 use meshgrad_nn::tp::TensorParallel;
+use meshgrad_nn::ForwardCtx;
 use meshgrad_nn::{Gpt, GptConfig, Module, ParamBuilder};
 use meshgrad_parallel::micro_rows;
 use meshgrad_tensor::{DType, Device, Tensor};

@@ -1,6 +1,7 @@
 //! Tensor and sequence parallelism in lockstep with a single device: a small GPT trained on the
 //! same seed and global batch under tp=2, tp=4, tp=2 with sequence parallelism, and tp composed
-//! with data parallelism (dp=2,tp=2) on one mesh. Losses and the gathered final weights must
+//! with data parallelism on one mesh (dp=2,tp=2; fsdp=2,tp=2; hsdp=2x2,tp=2 with sequence
+//! parallelism; clipping across every dimension). Losses and the gathered final weights must
 //! agree within 1e-5 relative (f32). The initial shards must equal their slices of the
 //! single-device parameters bit for bit (initialisation by global index).
 //!
@@ -21,7 +22,8 @@ use meshgrad_nn::optim::{
 use meshgrad_nn::{ForwardCtx, Gpt, GptConfig, Module, ParamBuilder};
 use meshgrad_parallel::comm::{all_reduce_scalar, run_ranks, RunOptions};
 use meshgrad_parallel::tp::tensor_parallel;
-use meshgrad_parallel::{rank_rows, Ddp, DdpConfig, DeviceMesh, ReduceOp};
+use meshgrad_parallel::zero::{ShardConfig, ShardedDataParallel};
+use meshgrad_parallel::{rank_rows, Ddp, DdpConfig, ParallelLayout, ReduceOp};
 use meshgrad_tensor::{DType, Device, Result, Tensor};
 
 const SEED: u64 = 7;
@@ -139,15 +141,17 @@ fn single_device(s: Setup) -> RunOut {
     }
 }
 
-/// The run on a `dp x tp` mesh (rank 0's view, full weights gathered), with the initial shards
+/// The run under `layout` (rank 0's view, full weights gathered), with the initial shards
 /// checked against `initial` (the single-device initial weights).
-fn mesh_run(dp: usize, tp: usize, sp: bool, s: Setup, initial: &[(String, Vec<f32>)]) -> RunOut {
+fn mesh_run(layout: &str, sp: bool, s: Setup, initial: &[(String, Vec<f32>)]) -> RunOut {
     let data = dataset();
+    let layout: ParallelLayout = layout.parse().unwrap();
     let opts = RunOptions::with_timeout(Duration::from_secs(60));
-    let outs = run_ranks(dp * tp, &opts, |ctx| {
-        let mesh = DeviceMesh::new(ctx.comm.clone(), &["dp", "tp"], &[dp, tp])?;
+    let outs = run_ranks(layout.world_size(), &opts, |ctx| {
+        let mesh = layout.mesh(ctx.comm.clone())?;
+        let tp = mesh.tp_degree();
         let builder = ParamBuilder::new(SEED)
-            .tensor_parallel(tensor_parallel(mesh.group("tp")?, sp), Gpt::tp_plan());
+            .tensor_parallel(tensor_parallel(mesh.tp_group(), sp), Gpt::tp_plan());
         let model = Gpt::build(gpt_config(s.bias, s.dropout), builder)?;
         // Initialisation by global index: each shard is its slice of the single-device tensor.
         for ((name, p), (_, want)) in model.named_parameters().iter().zip(initial) {
@@ -162,30 +166,70 @@ fn mesh_run(dp: usize, tp: usize, sp: bool, s: Setup, initial: &[(String, Vec<f3
             let ids = Tensor::zeros((1, T), DType::I64, Device::Cpu)?;
             assert_eq!(model.hidden(&ids)?.tensor().dims(), &[1, T / tp, 32]);
         }
-        let dp_group = mesh.group("dp")?;
-        let ddp = if dp > 1 {
-            Some(Ddp::new(
-                model.named_parameters(),
-                dp_group.clone(),
-                DdpConfig::default(),
-            )?)
-        } else {
-            None
+        let dp_group = mesh.dp_group();
+        let (ddp, sdp) = match layout.zero() {
+            Some(stage) => {
+                let groups = param_groups_for_decay(model.named_parameters(), 0.1);
+                let sdp = if s.sgd {
+                    ShardedDataParallel::new(
+                        &model,
+                        groups,
+                        SgdConfig { momentum: 0.9 },
+                        mesh.shard_topology()?,
+                        ShardConfig::new(stage),
+                    )?
+                } else {
+                    ShardedDataParallel::new(
+                        &model,
+                        groups,
+                        AdamWConfig::default(),
+                        mesh.shard_topology()?,
+                        ShardConfig::new(stage),
+                    )?
+                };
+                (None, Some(sdp))
+            }
+            None if mesh.dp_degree() > 1 => (
+                Some(Ddp::new(
+                    model.named_parameters(),
+                    dp_group.clone(),
+                    DdpConfig::default(),
+                )?),
+                None,
+            ),
+            None => (None, None),
         };
         let mut opt = optimizer(&model, s)?;
-        let rows = rank_rows(BATCH, dp, mesh.coord("dp")?)?;
+        let rows = rank_rows(BATCH, mesh.dp_degree(), mesh.dp_rank())?;
         let mut losses = Vec::new();
         for step in 0..STEPS {
-            opt.zero_grad();
+            match &sdp {
+                Some(z) => z.zero_grad(),
+                None => opt.zero_grad(),
+            }
             let local = forward_backward(&model, &data, step, rows.clone())?;
             if let Some(d) = &ddp {
                 d.finish()?;
             }
-            if s.clip {
-                clip_grad_norm(&model.parameters(), 0.5)?;
+            match &sdp {
+                Some(z) => {
+                    z.finish()?;
+                    if s.clip {
+                        z.clip_grad_norm(0.5)?;
+                    }
+                    z.step(LR)?;
+                }
+                None => {
+                    if s.clip {
+                        clip_grad_norm(&model.parameters(), 0.5)?;
+                    }
+                    opt.step(LR)?;
+                }
             }
-            opt.step(LR)?;
             losses.push(all_reduce_scalar(dp_group.as_ref(), local, ReduceOp::Avg)?);
+        }
+        if let Some(z) = &sdp {
+            z.summon_full_params()?;
         }
         Ok(RunOut {
             losses,
@@ -233,16 +277,26 @@ fn initial(s: Setup) -> Vec<(String, Vec<f32>)> {
 fn tp2_and_tp4_match_single_device() {
     let want = single_device(ADAMW);
     let init = initial(ADAMW);
-    assert_close("tp=2", &mesh_run(1, 2, false, ADAMW, &init), &want, 1e-5);
-    assert_close("tp=4", &mesh_run(1, 4, false, ADAMW, &init), &want, 1e-5);
+    assert_close("tp=2", &mesh_run("tp=2", false, ADAMW, &init), &want, 1e-5);
+    assert_close("tp=4", &mesh_run("tp=4", false, ADAMW, &init), &want, 1e-5);
 }
 
 #[test]
 fn sequence_parallel_matches_single_device() {
     let want = single_device(ADAMW);
     let init = initial(ADAMW);
-    assert_close("tp=2 +sp", &mesh_run(1, 2, true, ADAMW, &init), &want, 1e-5);
-    assert_close("tp=4 +sp", &mesh_run(1, 4, true, ADAMW, &init), &want, 1e-5);
+    assert_close(
+        "tp=2 +sp",
+        &mesh_run("tp=2", true, ADAMW, &init),
+        &want,
+        1e-5,
+    );
+    assert_close(
+        "tp=4 +sp",
+        &mesh_run("tp=4", true, ADAMW, &init),
+        &want,
+        1e-5,
+    );
 }
 
 #[test]
@@ -251,10 +305,20 @@ fn dp2_tp2_matches_single_device() {
     let init = initial(ADAMW);
     assert_close(
         "dp=2,tp=2",
-        &mesh_run(2, 2, false, ADAMW, &init),
+        &mesh_run("dp=2,tp=2", false, ADAMW, &init),
         &want,
         1e-5,
     );
+}
+
+#[test]
+fn fsdp2_tp2_and_hsdp_tp2_match_single_device() {
+    let want = single_device(ADAMW);
+    let init = initial(ADAMW);
+    let got = mesh_run("fsdp=2,tp=2", false, ADAMW, &init);
+    assert_close("fsdp=2,tp=2", &got, &want, 1e-5);
+    let got = mesh_run("hsdp=2x2,tp=2", true, ADAMW, &init);
+    assert_close("hsdp=2x2,tp=2 +sp", &got, &want, 1e-5);
 }
 
 #[test]
@@ -267,16 +331,16 @@ fn biases_and_dropout_with_sgd() {
     };
     let want = single_device(s);
     let init = initial(s);
-    assert_close("tp=2 bias", &mesh_run(1, 2, false, s, &init), &want, 1e-5);
+    assert_close("tp=2 bias", &mesh_run("tp=2", false, s, &init), &want, 1e-5);
     assert_close(
         "tp=2 +sp bias",
-        &mesh_run(1, 2, true, s, &init),
+        &mesh_run("tp=2", true, s, &init),
         &want,
         1e-5,
     );
     assert_close(
         "tp=4 +sp bias",
-        &mesh_run(1, 4, true, s, &init),
+        &mesh_run("tp=4", true, s, &init),
         &want,
         1e-5,
     );
