@@ -67,8 +67,8 @@ fn bad_layouts_are_refused_in_one_line() {
             "8 rows does not split evenly over 6 data-parallel ranks",
         ),
         (
-            &["--layout", "dp=2,tp=2"][..],
-            "tensor parallelism (tp=2) is not wired into `meshgrad train` yet",
+            &["--layout", "tp=4"][..],
+            "n_head = 2 is not divisible by tp = 4",
         ),
         (
             &["--layout", "fsdp=2,zero1=2"][..],
