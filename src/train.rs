@@ -246,10 +246,17 @@ pub(crate) struct RunModel {
 }
 
 /// Builds the model (weights from the run seed), AdamW and the learning-rate schedule.
-pub(crate) fn run_model(cfg: &TrainConfig, tp: Option<TensorParallel>) -> Result<RunModel> {
+pub(crate) fn run_model(
+    cfg: &TrainConfig,
+    tp: Option<TensorParallel>,
+    delayed_init: bool,
+) -> Result<RunModel> {
     let mut builder = ParamBuilder::new(cfg.train.seed)
         .dtype(DType::F32)
         .device(Device::Cpu);
+    if delayed_init {
+        builder = builder.delayed_init();
+    }
     if let Some(tp) = tp {
         builder = builder.tensor_parallel(tp, Gpt::tp_plan());
     }
@@ -677,7 +684,7 @@ pub fn train_with(
     let cfg = &cfg;
     check_microbatches(cfg, 1, opts.microbatches)?;
     let data = run_data(cfg, tokenizer)?;
-    let mut run = run_model(cfg, None)?;
+    let mut run = run_model(cfg, None, false)?;
     let mut rep = Reporter::leader(cfg, verbosity)?;
     let micro = if opts.microbatches > 1 {
         format!(", {} micro-batches", opts.microbatches)

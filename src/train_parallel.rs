@@ -29,7 +29,7 @@ use meshgrad_nn::tp::full_state_dict;
 use meshgrad_nn::{Gpt, Module};
 use meshgrad_parallel::comm::{all_reduce_scalar, run_ranks, RankCtx, RunOptions};
 use meshgrad_parallel::tp::tensor_parallel;
-use meshgrad_parallel::zero::{ShardConfig, ShardedDataParallel};
+use meshgrad_parallel::zero::{ShardConfig, ShardedDataParallel, ZeroStage};
 use meshgrad_parallel::{
     rank_rows, Communicator, Ddp, DdpConfig, LayoutMesh, ParallelLayout, ReduceOp,
 };
@@ -207,7 +207,10 @@ pub fn train_parallel(
     on_ranks(layout, |ctx, mesh| {
         let tp = (mesh.tp_degree() > 1)
             .then(|| tensor_parallel(mesh.tp_group(), opts.sequence_parallel));
-        let mut run = run_model(cfg, tp)?;
+        // ZeRO-3 / FSDP cuts its shards from a delayed-initialisation model one unit at a time,
+        // so no rank holds the whole model.
+        let fsdp = layout.zero() == Some(ZeroStage::Three);
+        let mut run = run_model(cfg, tp, fsdp)?;
         let wrapper = RankWrapper::new(mesh, &run.model, &run.opt)?;
         let rows = rank_rows(cfg.train.batch_size, mesh.dp_degree(), mesh.dp_rank())?;
         let leader = ctx.rank == 0;

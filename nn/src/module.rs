@@ -363,6 +363,8 @@ pub struct ParamBuilder {
     initialised: std::sync::atomic::AtomicBool,
     /// A meta build: parameters get shapes but no storage (to learn names before allocating).
     meta: bool,
+    /// Delayed initialisation: parameters are allocated and filled on first use.
+    delayed: bool,
     /// Tensor parallelism: the group and the plan.
     tp: Option<(TensorParallel, TpPlan)>,
     /// Under a plan, the placement of the n-th parameter created (from the meta build).
@@ -392,9 +394,20 @@ impl ParamBuilder {
             created: Mutex::new(Vec::new()),
             initialised: std::sync::atomic::AtomicBool::new(false),
             meta: false,
+            delayed: false,
             tp: None,
             splits: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Delayed parameter initialisation: no parameter is allocated when the model is built; each
+    /// gets its values (the same as without delay) when an op first uses it
+    /// ([`Tensor::set_lazy_values`]). A sharding wrapper (ZeRO-3 / FSDP) then reads one parameter
+    /// at a time to cut its shard and releases it, so a model larger than one rank's memory can
+    /// start. (SageMaker's model-parallel library calls this delayed parameter initialisation.)
+    pub fn delayed_init(mut self) -> Self {
+        self.delayed = true;
+        self
     }
 
     /// Builds the model tensor-parallel over `tp` as `plan` says (see [`crate::tp`]): each
@@ -459,9 +472,13 @@ impl ParamBuilder {
             Some(p) => p.local_dims(shape.dims())?.into(),
             None => shape,
         };
-        let t = with_tag(MemoryTag::Params, || {
-            Tensor::zeros(local, self.dtype, self.device)
-        })?;
+        let t = if self.delayed {
+            Tensor::unallocated(local, self.dtype, self.device)
+        } else {
+            with_tag(MemoryTag::Params, || {
+                Tensor::zeros(local, self.dtype, self.device)
+            })?
+        };
         let v = Var::leaf(t);
         v.set_placement(split);
         self.created().push((v.clone(), init));
@@ -561,6 +578,16 @@ impl ParamBuilder {
         }
         with_tag(MemoryTag::Params, || -> Result<()> {
             for (name, v, init) in &named {
+                if self.delayed {
+                    let (init, seed, name) = (*init, self.seed, name.clone());
+                    let (t, placement) = (v.tensor(), v.placement());
+                    let (dims, dtype, device) = (t.dims().to_vec(), t.dtype(), t.device());
+                    t.set_lazy_values(move || match &placement {
+                        Some(p) => init.shard_values(seed, &name, p, &dims, dtype, device),
+                        None => init.values(seed, &name, dims.clone().into(), dtype, device),
+                    })?;
+                    continue;
+                }
                 if matches!(init, Init::Zeros) {
                     continue;
                 }

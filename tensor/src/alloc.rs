@@ -200,6 +200,11 @@ pub fn with_tag<R>(tag: MemoryTag, f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// The tag allocations on this thread get now (see [`with_tag`]).
+pub fn current_tag() -> MemoryTag {
+    THREAD_TAG.with(|t| *t.borrow())
+}
+
 /// The tracker allocations on this thread for `device` are charged to.
 pub fn current_tracker(device: Device) -> Arc<MemoryTracker> {
     THREAD_TRACKER

@@ -172,6 +172,7 @@ pub type Materializer = Arc<dyn Fn() -> Result<()> + Send + Sync>;
 pub struct StorageCell {
     inner: RwLock<Option<Allocation>>,
     materializer: RwLock<Option<Materializer>>,
+    lazy: std::sync::atomic::AtomicBool,
     dtype: DType,
     device: Device,
 }
@@ -193,6 +194,7 @@ impl StorageCell {
         Arc::new(StorageCell {
             inner: RwLock::new(Some(Allocation::new(storage))),
             materializer: RwLock::new(None),
+            lazy: std::sync::atomic::AtomicBool::new(false),
             dtype,
             device,
         })
@@ -204,6 +206,7 @@ impl StorageCell {
         Arc::new(StorageCell {
             inner: RwLock::new(None),
             materializer: RwLock::new(None),
+            lazy: std::sync::atomic::AtomicBool::new(false),
             dtype,
             device,
         })
@@ -308,6 +311,16 @@ impl StorageCell {
     pub fn set_materializer(&self, m: Option<Materializer>) -> Option<Materializer> {
         let mut g = self.materializer.write().unwrap_or_else(|e| e.into_inner());
         std::mem::replace(&mut *g, m)
+    }
+
+    /// Marks the cell as waiting for its delayed initialisation (or not).
+    pub(crate) fn set_lazy(&self, lazy: bool) {
+        self.lazy.store(lazy, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether the cell waits for its delayed initialisation.
+    pub fn is_lazy(&self) -> bool {
+        self.lazy.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether a materialiser is installed.

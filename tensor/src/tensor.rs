@@ -515,11 +515,13 @@ impl Tensor {
     /// released, the materialiser runs first (on the op's thread, no lock of the storage held)
     /// and must materialise it ([`Tensor::materialize_from`]); then the op proceeds. Shape,
     /// dtype and device queries never run it. Sharded data parallelism (ZeRO-3 / FSDP) uses it
-    /// to gather a parameter's unit when the parameter is first read.
+    /// to gather a parameter's unit when the parameter is first read. It replaces a delayed
+    /// initialisation ([`Tensor::set_lazy_values`]) not yet run.
     pub fn set_materializer(
         &self,
         m: Option<crate::storage::Materializer>,
     ) -> Option<crate::storage::Materializer> {
+        self.0.storage.set_lazy(false);
         self.0.storage.set_materializer(m)
     }
 
@@ -563,6 +565,69 @@ impl Tensor {
         let s = backend::copy_contiguous(&g, src.layout())?;
         drop(g);
         self.0.storage.materialize(s)
+    }
+
+    /// Delayed initialisation: gives this unallocated tensor (see [`Tensor::unallocated`]) its
+    /// values on first use. The first op that reads or writes it runs `values` (which must return
+    /// a tensor of this shape, dtype and device), keeps the result as the storage and forgets
+    /// `values`; until then nothing is allocated. The storage is charged to the memory tag that
+    /// was active when `set_lazy_values` was called. [`Tensor::is_lazy`] tells such a tensor apart
+    /// from one released by a sharding wrapper. The closure holds no handle on this tensor, so a
+    /// tensor dropped before its first use frees everything.
+    ///
+    /// ```
+    /// use meshgrad_tensor::{DType, Device, Tensor};
+    /// let t = Tensor::unallocated(3, DType::F32, Device::Cpu);
+    /// t.set_lazy_values(|| Tensor::from_vec(vec![1f32, 2., 3.], 3, Device::Cpu))?;
+    /// assert!(t.is_lazy() && !t.is_materialized());
+    /// assert_eq!(t.to_vec::<f32>()?, vec![1., 2., 3.]);
+    /// assert!(!t.is_lazy() && t.is_materialized());
+    /// # Ok::<(), meshgrad_tensor::Error>(())
+    /// ```
+    pub fn set_lazy_values(
+        &self,
+        values: impl Fn() -> Result<Tensor> + Send + Sync + 'static,
+    ) -> Result<()> {
+        if self.is_materialized() || !self.is_contiguous() || self.layout().offset() != 0 {
+            crate::bail!(
+                "set_lazy_values: the tensor of shape {} must be a whole unallocated tensor",
+                self.shape()
+            );
+        }
+        let cell = Arc::downgrade(&self.0.storage);
+        let (shape, dtype, device) = (self.shape().clone(), self.dtype(), self.device());
+        let tag = crate::alloc::current_tag();
+        self.0.storage.set_lazy(true);
+        self.0.storage.set_materializer(Some(Arc::new(move || {
+            crate::alloc::with_tag(tag, || -> Result<()> {
+                let Some(cell) = cell.upgrade() else {
+                    return Ok(());
+                };
+                let v = values()?;
+                if v.shape() != &shape || v.dtype() != dtype || v.device() != device {
+                    crate::bail!(
+                    "delayed initialisation: the values are {} {} on {:?}, the tensor is {shape} \
+                     {dtype} on {device:?}",
+                    v.shape(),
+                    v.dtype(),
+                    v.device()
+                );
+                }
+                let g = v.0.storage.read("set_lazy_values")?;
+                let s = backend::copy_contiguous(&g, v.layout())?;
+                drop(g);
+                cell.materialize(s)?;
+                cell.set_lazy(false);
+                cell.set_materializer(None);
+                Ok(())
+            })
+        })));
+        Ok(())
+    }
+
+    /// Whether this tensor still waits for its delayed initialisation ([`Tensor::set_lazy_values`]).
+    pub fn is_lazy(&self) -> bool {
+        self.0.storage.is_lazy()
     }
 
     pub(crate) fn read_storage(&self, op: &'static str) -> Result<crate::storage::StorageRead<'_>> {

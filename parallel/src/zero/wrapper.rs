@@ -178,7 +178,7 @@ impl ShardedDataParallel {
                      there (as the GPT's tied head reads wte.weight)"
                 ))));
             }
-            if v.tensor().has_materializer() {
+            if v.tensor().has_materializer() && !v.tensor().is_lazy() {
                 return Err(ctx(Error::msg(format!(
                     "parameter {name} is already sharded by a ZeRO-3 ShardedDataParallel (is the \
                      model wrapped twice, or was its wrapper dropped without \
@@ -202,9 +202,13 @@ impl ShardedDataParallel {
                     named[0].0
                 ))));
             }
-            if !t.is_contiguous() || t.layout().offset() != 0 || !t.is_materialized() {
+            if !t.is_contiguous()
+                || t.layout().offset() != 0
+                || !(t.is_materialized() || t.is_lazy())
+            {
                 return Err(ctx(Error::msg(format!(
-                    "parameter {name} (shape {}) must be a whole, contiguous, materialised tensor",
+                    "parameter {name} (shape {}) must be a whole, contiguous, materialised (or \
+                     delayed-initialisation) tensor",
                     t.shape()
                 ))));
             }
@@ -245,6 +249,13 @@ impl ShardedDataParallel {
             (0..n_units)
                 .map(|u| {
                     let shard = params_shard(&plan, &vars, shard_rank, param_dtype, u)?;
+                    if config.stage == ZeroStage::Three {
+                        // Released unit by unit (not all at the end), so delayed-initialisation
+                        // parameters are whole one unit at a time.
+                        for &pi in &plan.units[u].params {
+                            vars[pi].tensor().release_storage();
+                        }
+                    }
                     with_tag(tag, || shard.to_dtype(master_dtype)?.deep_clone()).map(Some)
                 })
                 .collect::<Result<Vec<_>>>()?
@@ -528,11 +539,19 @@ fn broadcast_params(plan: &ShardPlan, vars: &[Var], topo: &ShardTopology) -> Res
     if dp.world_size() == 1 {
         return Ok(());
     }
-    let works: Vec<Work> = vars
+    // Delayed-initialisation parameters get the same values on every rank (they are drawn from
+    // the seed and their names), so they are not read, let alone sent.
+    let eager: Vec<(&crate::zero::plan::PlanParam, &Var)> = plan
+        .params
         .iter()
-        .map(|v| dp.broadcast(v.tensor(), 0))
+        .zip(vars)
+        .filter(|(_, v)| !v.tensor().is_lazy())
+        .collect();
+    let works: Vec<Work> = eager
+        .iter()
+        .map(|(_, v)| dp.broadcast(v.tensor(), 0))
         .collect::<Result<_>>()?;
-    for ((p, v), w) in plan.params.iter().zip(vars).zip(works) {
+    for ((p, v), w) in eager.into_iter().zip(works) {
         let t = w.wait().map_err(|e| {
             Error::msg(format!(
                 "sharded data parallel: broadcasting parameter {}: {e}",
