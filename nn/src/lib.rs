@@ -1,5 +1,6 @@
 //! meshgrad layers and models: the [`Module`] trait, linear/embedding/norm/dropout/attention/MLP
-//! layers, the GPT model, optimizers, learning-rate schedules, state dicts (safetensors and
+//! layers, the GPT model (whole, or as stages: a range of blocks with or without the embedding
+//! and the head), optimizers, learning-rate schedules, state dicts (safetensors and
 //! Hugging Face GPT-2 checkpoints), token datasets (in memory, JSONL, memory-mapped llm.c shards)
 //! and tokenizers (Hugging Face `tokenizers`: byte-level BPE and WordPiece).
 
@@ -10,12 +11,13 @@ pub mod layers;
 pub mod mlm;
 pub mod module;
 pub mod optim;
+pub mod stage;
 pub mod state;
 pub mod tokenizer;
 pub mod tp;
 
 pub use bert::{BertConfig, BertForMaskedLM};
-pub use gpt::{Gpt, GptConfig};
+pub use gpt::{Gpt, GptBatch, GptConfig, GptStage};
 pub use layers::{
     Activation, Block, BlockConfig, CausalSelfAttention, Dropout, Embedding, LayerNorm, Linear,
     LinearConfig, Mlp, Sequential,
@@ -24,6 +26,7 @@ pub use meshgrad_autograd::ForwardCtx;
 /// Derives [`Module`] from a struct's fields (see [`module`] and the `meshgrad-derive` crate).
 pub use meshgrad_derive::Module;
 pub use module::{Forward, Init, Module, ParamBuilder};
+pub use stage::{BlockRange, ModelStage, StageInput, StageSpec};
 
 impl From<data::DataError> for meshgrad_tensor::Error {
     /// Data errors join the framework's one error type, so `?` works across both.

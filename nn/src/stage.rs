@@ -1,0 +1,288 @@
+//! Model stages: a contiguous range of a layered model's blocks, with or without the input
+//! embedding and the output head.
+//!
+//! A stage is a model of its own ([`Module`]) that allocates only its part of the parameters.
+//! Its blocks keep their **global** indices in their names (`h.2`, `h.3` for blocks 2 and 3 of a
+//! GPT, whatever stage holds them), so a stage's state dict uses exactly the names of the full
+//! model's and a checkpoint can be split or joined by name. Dropout masks are keyed by module path
+//! and the [`ForwardCtx`](meshgrad_autograd::ForwardCtx), so a stage run in the context the full
+//! model runs in draws the same masks.
+//!
+//! * [`StageSpec`] says which part a stage holds; [`StageSpec::check_partition`] checks that a
+//!   list of stages covers every block once, in order.
+//! * [`BlockRange`] holds a stage's blocks under their global indices.
+//! * [`ModelStage`] is what every staged model provides (see [`GptStage`](crate::gpt::GptStage)):
+//!   its spec, the parameters tied between its first and last stage, and one forward that maps
+//!   a microbatch and the previous stage's hidden states to hidden states, or to the loss on the
+//!   stage with the head.
+//!
+//! Chaining the stages — feeding each stage's output, as a new leaf, to the next, and its
+//! gradient back with [`Var::backward_with`] — computes the full model's loss and gradients
+//! bit for bit, once the gradients of the tied parameters ([`ModelStage::tied_parameters`]) are
+//! summed between the stages that hold a copy.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use meshgrad_autograd::Var;
+use meshgrad_tensor::Result;
+
+use crate::module::{Child, Module, ModuleField};
+
+/// Which part of a model a stage holds: a contiguous, non-empty range of blocks by global index,
+/// and whether it also holds the input embedding (it then reads token ids and must start at
+/// block 0) and the output head (final norm, head and loss; it must end at the last block).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct StageSpec {
+    /// Global indices of the stage's blocks.
+    pub blocks: Range<usize>,
+    /// Holds the input embedding (the first stage).
+    pub embedding: bool,
+    /// Holds the final norm and the output head (the last stage).
+    pub head: bool,
+}
+
+impl StageSpec {
+    /// A stage of blocks `blocks`, with or without the embedding and the head.
+    pub fn new(blocks: Range<usize>, embedding: bool, head: bool) -> Self {
+        StageSpec {
+            blocks,
+            embedding,
+            head,
+        }
+    }
+
+    /// The whole model of `n_layer` blocks as one stage.
+    pub fn full(n_layer: usize) -> Self {
+        StageSpec::new(0..n_layer, true, true)
+    }
+
+    /// Consecutive stages of `sizes[i]` blocks each (the first with the embedding, the last with
+    /// the head), checked against `n_layer` with [`StageSpec::check_partition`].
+    pub fn split(n_layer: usize, sizes: &[usize]) -> Result<Vec<StageSpec>> {
+        let mut start = 0;
+        let specs: Vec<StageSpec> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                let s = StageSpec::new(start..start + n, i == 0, i + 1 == sizes.len());
+                start += n;
+                s
+            })
+            .collect();
+        StageSpec::check_partition(&specs, n_layer)?;
+        Ok(specs)
+    }
+
+    /// `stages` stages of as equal a number of blocks as `n_layer` allows (the earlier stages
+    /// get one more when it does not divide).
+    pub fn even(n_layer: usize, stages: usize) -> Result<Vec<StageSpec>> {
+        if stages == 0 || stages > n_layer {
+            meshgrad_tensor::bail!(
+                "stages: {stages} stages of {n_layer} blocks (need 1..={n_layer} stages, each \
+                 with at least one block)"
+            );
+        }
+        let sizes: Vec<usize> = (0..stages)
+            .map(|i| n_layer / stages + usize::from(i < n_layer % stages))
+            .collect();
+        StageSpec::split(n_layer, &sizes)
+    }
+
+    /// Checks this stage against a model of `n_layer` blocks, with a one-line error: the range is
+    /// non-empty and inside `0..n_layer`, a stage with the embedding starts at block 0 and a
+    /// stage with the head ends at block `n_layer`.
+    pub fn validate(&self, n_layer: usize) -> Result<()> {
+        let r = &self.blocks;
+        if r.start >= r.end {
+            meshgrad_tensor::bail!(
+                "stage spec: block range {}..{} is empty (a stage holds at least one block)",
+                r.start,
+                r.end
+            );
+        }
+        if r.end > n_layer {
+            meshgrad_tensor::bail!(
+                "stage spec: block range {}..{} goes past the model's {n_layer} blocks \
+                 (n_layer = {n_layer})",
+                r.start,
+                r.end
+            );
+        }
+        if self.embedding && r.start != 0 {
+            meshgrad_tensor::bail!(
+                "stage spec: a stage with the embedding must start at block 0, not {}",
+                r.start
+            );
+        }
+        if self.head && r.end != n_layer {
+            meshgrad_tensor::bail!(
+                "stage spec: a stage with the head must end at the last block ({n_layer}), not \
+                 at {}",
+                r.end
+            );
+        }
+        Ok(())
+    }
+
+    /// Checks that `stages`, in order, split a model of `n_layer` blocks: each is valid, they
+    /// neither overlap nor leave a gap, the first holds the embedding and the last the head (and
+    /// no other stage does). One-line errors naming the stage.
+    pub fn check_partition(stages: &[StageSpec], n_layer: usize) -> Result<()> {
+        if stages.is_empty() {
+            meshgrad_tensor::bail!("stages: no stage given for a model of {n_layer} blocks");
+        }
+        let mut next = 0;
+        for (i, s) in stages.iter().enumerate() {
+            s.validate(n_layer)
+                .map_err(|e| meshgrad_tensor::Error::msg(format!("stage {i}: {e}")))?;
+            let r = &s.blocks;
+            if r.start < next {
+                meshgrad_tensor::bail!(
+                    "stages: stage {i} (blocks {}..{}) overlaps the stages before it, which hold \
+                     blocks up to {next}",
+                    r.start,
+                    r.end
+                );
+            }
+            if r.start > next {
+                meshgrad_tensor::bail!(
+                    "stages: blocks {next}..{} are held by no stage (stage {i} starts at {})",
+                    r.start,
+                    r.start
+                );
+            }
+            next = r.end;
+            if s.embedding != (i == 0) {
+                meshgrad_tensor::bail!(
+                    "stages: {} (stage {i} of {})",
+                    if i == 0 {
+                        "the first stage must hold the embedding"
+                    } else {
+                        "only the first stage may hold the embedding"
+                    },
+                    stages.len()
+                );
+            }
+            if s.head != (i + 1 == stages.len()) {
+                meshgrad_tensor::bail!(
+                    "stages: {} (stage {i} of {})",
+                    if i + 1 == stages.len() {
+                        "the last stage must hold the head"
+                    } else {
+                        "only the last stage may hold the head"
+                    },
+                    stages.len()
+                );
+            }
+        }
+        if next != n_layer {
+            meshgrad_tensor::bail!("stages: blocks {next}..{n_layer} are held by no stage");
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for StageSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "blocks {}..{}", self.blocks.start, self.blocks.end)?;
+        if self.embedding {
+            write!(f, " + embedding")?;
+        }
+        if self.head {
+            write!(f, " + head")?;
+        }
+        Ok(())
+    }
+}
+
+/// A stage's blocks under their global indices: as a field named `h` holding blocks 2..4 it
+/// names them `h.2` and `h.3` (a `Vec` field would name them `h.0` and `h.1`), so parameter
+/// names, module paths (hence dropout masks) and tensor-parallel plans are the full model's.
+pub struct BlockRange<B> {
+    start: usize,
+    blocks: Vec<Arc<B>>,
+}
+
+impl<B> BlockRange<B> {
+    /// Blocks `start`, `start + 1`, ... (global indices).
+    pub fn new(start: usize, blocks: Vec<Arc<B>>) -> Self {
+        BlockRange { start, blocks }
+    }
+
+    /// The global indices of the blocks.
+    pub fn range(&self) -> Range<usize> {
+        self.start..self.start + self.blocks.len()
+    }
+
+    /// The blocks in order (the first is block [`BlockRange::range`]`().start`).
+    pub fn blocks(&self) -> &[Arc<B>] {
+        &self.blocks
+    }
+
+    /// The block of global index `index`, if this range holds it.
+    pub fn get(&self, index: usize) -> Option<&Arc<B>> {
+        index
+            .checked_sub(self.start)
+            .and_then(|i| self.blocks.get(i))
+    }
+
+    /// `(global index, block)` in order.
+    pub fn iter(&self) -> impl Iterator<Item = (usize, &Arc<B>)> {
+        self.blocks
+            .iter()
+            .enumerate()
+            .map(move |(i, b)| (self.start + i, b))
+    }
+
+    /// Number of blocks.
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Whether it holds no block.
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+}
+
+impl<B: Module> ModuleField for BlockRange<B> {
+    fn visit_field(&self, name: &str, f: &mut dyn FnMut(&str, Child<'_>)) {
+        for (i, b) in self.iter() {
+            f(&format!("{name}.{i}"), Child::Module(&**b));
+        }
+    }
+}
+
+/// What a stage's forward starts from.
+#[derive(Clone, Copy, Debug)]
+pub enum StageInput<'a> {
+    /// Token ids `[B, T]` (the stage with the embedding).
+    Ids(&'a meshgrad_tensor::Tensor),
+    /// The previous stage's hidden states `[B, T, C]` (every later stage).
+    Hidden(&'a Var),
+}
+
+/// A stage of a layered model (see the [module docs](self)).
+///
+/// `Batch` is what every stage reads of a microbatch besides the previous stage's hidden
+/// states: the first stage reads the inputs (token ids), the stage with the head the targets,
+/// models with masks read them in every stage.
+pub trait ModelStage: Module {
+    /// A microbatch as the stages read it.
+    type Batch;
+
+    /// The part of the model this stage holds.
+    fn spec(&self) -> &StageSpec;
+
+    /// Names of the parameters that the first and the last stage each hold a copy of (a tied
+    /// embedding and head). Both copies start equal; the gradient of the tied parameter is the
+    /// sum of the copies' gradients, and both copies must take the same update. Empty when the
+    /// model ties nothing, and always held once by a single stage that is the whole model.
+    fn tied_parameters(&self) -> Vec<String>;
+
+    /// Runs the stage on `batch`: the stage with the embedding reads the inputs from `batch`
+    /// (`hidden` is `None`), a later stage reads `hidden`, the previous stage's output. Returns
+    /// the hidden states for the next stage, or the mean loss on the stage with the head.
+    fn forward_stage(&self, batch: &Self::Batch, hidden: Option<&Var>) -> Result<Var>;
+}
