@@ -17,7 +17,8 @@
 //! once (tp=2 +sp). Everything else with dropout, key biases unfrozen, is checked with SGD with
 //! momentum, which does not amplify rounding; there a key bias stays pure noise (~5e-16, and
 //! ~8e-16 apart across layouts), so a tensor whose single-device value is that small is compared
-//! absolutely (L2 of the difference within 1e-12) instead of relatively.
+//! absolutely (L2 of the difference within 1e-12) instead of relatively. The SGD test also runs
+//! tp=2 +sp with activation checkpointing (the layers' collectives rerun during backward).
 
 use std::time::Duration;
 
@@ -122,18 +123,22 @@ struct Setup {
     sgd: bool,
     /// Freeze the attention key biases (their gradient is identically zero).
     freeze_key_bias: bool,
+    /// Activation checkpointing (the tensor-parallel collectives rerun during backward).
+    checkpoint: bool,
 }
 
 const ADAMW: Setup = Setup {
     dropout: 0.0,
     sgd: false,
     freeze_key_bias: true,
+    checkpoint: false,
 };
 
 const SGD_DROPOUT: Setup = Setup {
     dropout: 0.1,
     sgd: true,
     freeze_key_bias: false,
+    checkpoint: false,
 };
 
 fn optimizer(model: &BertForMaskedLM, s: Setup) -> Result<Box<dyn Optimizer>> {
@@ -212,7 +217,8 @@ fn mesh_run(dp: usize, tp: usize, sp: bool, s: Setup, initial: &[(String, Vec<f3
             tensor_parallel(mesh.group("tp")?, sp),
             BertForMaskedLM::tp_plan(),
         );
-        let model = BertForMaskedLM::build(bert_config(s.dropout), builder)?;
+        let mut model = BertForMaskedLM::build(bert_config(s.dropout), builder)?;
+        model.activation_checkpointing = s.checkpoint;
         // Initialisation by global index: each shard is its slice of the single-device tensor.
         let params = model.named_parameters();
         assert_eq!(params.len(), initial.len());
@@ -389,6 +395,16 @@ fn key_biases_and_dropout_with_sgd() {
     assert_close(
         "dp=2,tp=2 sgd+dropout",
         &mesh_run(2, 2, false, s, &init),
+        &want,
+        1e-5,
+    );
+    let ckpt = Setup {
+        checkpoint: true,
+        ..s
+    };
+    assert_close(
+        "tp=2 +sp sgd+dropout checkpointed",
+        &mesh_run(1, 2, true, ckpt, &init),
         &want,
         1e-5,
     );
