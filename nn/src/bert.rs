@@ -17,14 +17,46 @@
 //!   whose bias is `cls.predictions.bias`.
 //!
 //! See [`crate::state::hf_bert`] for checkpoints and [`crate::mlm`] for the masking of inputs.
+//!
+//! # Tensor and sequence parallelism
+//!
+//! [`BertForMaskedLM::build`] with a [`ParamBuilder::tensor_parallel`] builder and
+//! [`BertForMaskedLM::tp_plan`] builds this rank's part of the model (see [`crate::tp`]); every
+//! split parameter holds exactly its slice of the single-device one. Over `tp` ranks:
+//!
+//! | parameters                                           | split                                   |
+//! |------------------------------------------------------|-----------------------------------------|
+//! | `attention.self.{query,key,value}.{weight,bias}`     | rows (Colwise): rank `r` holds heads `[r H/tp, (r+1) H/tp)` |
+//! | `attention.output.dense.weight`                      | columns (Rowwise); its bias replicated, added after the sum |
+//! | `intermediate.dense.{weight,bias}`                   | rows (Colwise)                          |
+//! | `output.dense.weight`                                | columns (Rowwise); bias replicated      |
+//! | `embeddings.word_embeddings.weight`                  | vocabulary rows (VocabEmbedding); the tied decoder reads the same split table |
+//! | `cls.predictions.bias`                               | vocabulary (VocabHead), like the table  |
+//! | position / token-type embeddings, every `LayerNorm`, `cls.predictions.transform.dense` | replicated |
+//!
+//! Attention infers its local head count from the local `query` weight and computes its heads
+//! over the whole sequence (padding mask included); the probability dropout draws the masks of
+//! its global heads ([`Dropout::forward_heads`]), so every layout drops what one device drops.
+//! The MLM logits stay split by vocabulary (`[B, T, vocab / tp]`) and the loss is the
+//! loss-parallel cross-entropy: the full logits are never gathered.
+//!
+//! BERT normalises after each residual, so with sequence parallelism the region split along the
+//! sequence (`[B, T / tp, C]` per rank) starts at `embeddings.LayerNorm` (which cuts the
+//! replicated embedding sum to this rank's positions) and holds the embedding dropout, each
+//! residual dropout, the residual additions and each residual `LayerNorm`. Query/key/value and
+//! `intermediate.dense` all-gather the sequence on entry; both output projections
+//! reduce-scatter into the region. The MLM head's transform (dense, GELU, `LayerNorm`) runs on
+//! this rank's positions (its replicated parameters' gradients summed over the ranks); the
+//! decoder gathers the positions and produces its vocabulary slice for all of them.
 
 use std::sync::Arc;
 
 use meshgrad_autograd::{checkpoint, Var};
 use meshgrad_tensor::{AttentionMask, DType, Device, GeluKind, Result, Tensor};
 
-use crate::layers::{Dropout, Embedding, LayerNorm, Linear, LinearConfig};
-use crate::module::{Forward, Init, ParamBuilder};
+use crate::layers::{Dropout, Embedding, LayerNorm, Linear, LinearConfig, LmHead};
+use crate::module::{Child, Forward, Init, Module, ParamBuilder};
+use crate::tp::{ParallelStyle, TensorParallel, TpPlan};
 
 /// The label of tokens that take no part in the loss (PyTorch's `CrossEntropyLoss` default).
 pub const IGNORE_INDEX: i64 = -100;
@@ -216,12 +248,38 @@ pub struct BertSelfAttention {
 
 impl BertSelfAttention {
     /// `x [B, T, C]` and the additive mask `[B, 1, 1, T]` -> the heads' context `[B, T, C]`.
+    ///
+    /// Under tensor parallelism `query`, `key` and `value` hold this rank's heads (the local head
+    /// count comes from the local `query` weight, `[C / tp, C]`), the context is `[B, T, C / tp]`
+    /// and the probability dropout draws the masks of the global heads.
     pub fn forward(&self, x: &Var, mask: Option<&Tensor>) -> Result<Var> {
+        let w = self.query.weight.tensor().dims().to_vec();
+        let d = w[1] / self.num_heads;
+        let local = w[0] / d;
+        let first = self
+            .query
+            .weight
+            .placement()
+            .map_or(0, |p| p.index() * local);
         let q = self.query.forward(x)?;
         let k = self.key.forward(x)?;
         let v = self.value.forward(x)?;
-        masked_attention(&q, &k, &v, mask, self.num_heads, &self.dropout)
+        let heads = HeadSlice {
+            local,
+            first,
+            total: self.num_heads,
+        };
+        masked_attention(&q, &k, &v, mask, heads, &self.dropout)
     }
+}
+
+/// Which heads of the layer a rank computes: `local` heads starting at global head `first` of
+/// `total` (all of them on one device).
+#[derive(Clone, Copy)]
+struct HeadSlice {
+    local: usize,
+    first: usize,
+    total: usize,
 }
 
 /// Scaled dot-product attention of `q`, `k`, `v` (each `[B, T, C]`, heads contiguous in `C`)
@@ -233,17 +291,20 @@ impl BertSelfAttention {
 /// ([`Var::attention`] with the additive mask as a score bias, so a fully padded row behaves as
 /// in Hugging Face's implementation); with dropout on the probabilities it is composed from
 /// `Var` ops (per-head `q kᵀ`, scale, mask, softmax, dropout, product with `v`), since the fused
-/// op has no dropout. Both compute the same function.
+/// op has no dropout. Both compute the same function. `q`, `k`, `v` hold the heads `heads`
+/// describes (this rank's, under tensor parallelism); the dropout masks are those of the global
+/// heads ([`Dropout::forward_heads`]).
 fn masked_attention(
     q: &Var,
     k: &Var,
     v: &Var,
     mask: Option<&Tensor>,
-    heads: usize,
+    slice: HeadSlice,
     dropout: &Dropout,
 ) -> Result<Var> {
     let dims = q.tensor().dims().to_vec();
     let (b, t, c) = (dims[0], dims[1], dims[2]);
+    let heads = slice.local;
     let d = c / heads;
     let scale = 1.0 / (d as f64).sqrt();
     // [B, T, C] -> [B, H, T, D] (views).
@@ -256,7 +317,9 @@ fn masked_attention(
         if let Some(m) = mask {
             scores = scores.add(&Var::constant(m.clone()))?;
         }
-        dropout.forward(&scores.softmax(-1)?)?.matmul(&v)?
+        dropout
+            .forward_heads(&scores.softmax(-1)?, slice.total, slice.first)?
+            .matmul(&v)?
     } else {
         let mut am = AttentionMask::none();
         if let Some(m) = mask {
@@ -403,13 +466,30 @@ pub struct BertPredictionHeadTransform {
 
 /// The transform and the output bias of the MLM head (`cls.predictions`); the decoder weight
 /// is the word-embedding table.
-#[derive(crate::Module)]
-#[module(crate = crate)]
+///
+/// Its tensor-parallel style is [`ParallelStyle::VocabHead`]: `bias` is split by vocabulary like
+/// the (tied) table and the logits and loss stay split (the `decoder` carries the style).
 pub struct BertLMPredictionHead {
     /// `cls.predictions.transform`.
     pub transform: BertPredictionHeadTransform,
-    /// `[vocab_size]`: the decoder's bias.
+    /// `[vocab_size]`: the decoder's bias (this rank's `[vocab_size / tp]` under tensor
+    /// parallelism).
     pub bias: Var,
+    /// The decoder over the word-embedding table (owns no parameters; not a named child).
+    pub decoder: LmHead,
+}
+
+impl Module for BertLMPredictionHead {
+    fn visit_children(&self, f: &mut dyn FnMut(&str, Child<'_>)) {
+        f("transform", Child::Module(&self.transform));
+        f("bias", Child::Param(&self.bias));
+    }
+    fn module_type(&self) -> &'static str {
+        "BertLMPredictionHead"
+    }
+    fn parallelize(&self, path: &str, style: &ParallelStyle, tp: &TensorParallel) -> Result<()> {
+        self.decoder.parallelize(path, style, tp)
+    }
 }
 
 /// The MLM head (`cls`).
@@ -454,46 +534,118 @@ impl BertForMaskedLM {
     /// embeddings (the padding token's word-embedding row zero), zero biases, unit norm weights.
     /// Each parameter's values depend only on `seed` and its name.
     pub fn new(config: BertConfig, seed: u64, dtype: DType, device: Device) -> Result<Self> {
+        BertForMaskedLM::build(config, ParamBuilder::new(seed).dtype(dtype).device(device))
+    }
+
+    /// A new model whose parameters `builder` creates (its seed, dtype and device; with
+    /// [`ParamBuilder::tensor_parallel`] and [`BertForMaskedLM::tp_plan`], this rank's part of a
+    /// tensor-parallel model, every value equal to the single-device one). Sizes that do not
+    /// split over the tensor-parallel ranks are refused first ([`check_tp_sizes`]).
+    pub fn build(config: BertConfig, builder: ParamBuilder) -> Result<Self> {
         config.validate()?;
+        if let Some(tp) = builder.tensor_parallel_group() {
+            check_tp_sizes(&config, tp.degree(), None)?;
+        }
         let c = config;
-        let model = ParamBuilder::new(seed)
-            .dtype(dtype)
-            .device(device)
-            .build(|p| {
-                Ok(BertForMaskedLM {
-                    config,
-                    bert: BertModel {
-                        embeddings: BertEmbeddings::new(p, &c)?,
-                        encoder: BertEncoder {
-                            layer: (0..c.num_hidden_layers)
-                                .map(|_| BertLayer::new(p, &c).map(Arc::new))
-                                .collect::<Result<_>>()?,
-                        },
+        let model = builder.build(|p| {
+            Ok(BertForMaskedLM {
+                config,
+                bert: BertModel {
+                    embeddings: BertEmbeddings::new(p, &c)?,
+                    encoder: BertEncoder {
+                        layer: (0..c.num_hidden_layers)
+                            .map(|_| BertLayer::new(p, &c).map(Arc::new))
+                            .collect::<Result<_>>()?,
                     },
-                    cls: BertOnlyMLMHead {
-                        predictions: BertLMPredictionHead {
-                            transform: BertPredictionHeadTransform {
-                                dense: LinearConfig::new(c.hidden_size, c.hidden_size)
-                                    .std(c.initializer_range)
-                                    .build(p)?,
-                                layer_norm: LayerNorm::new(
-                                    p,
-                                    c.hidden_size,
-                                    true,
-                                    c.layer_norm_eps,
-                                )?,
-                            },
-                            bias: p.param(c.vocab_size, Init::Zeros)?,
+                },
+                cls: BertOnlyMLMHead {
+                    predictions: BertLMPredictionHead {
+                        transform: BertPredictionHeadTransform {
+                            dense: LinearConfig::new(c.hidden_size, c.hidden_size)
+                                .std(c.initializer_range)
+                                .build(p)?,
+                            layer_norm: LayerNorm::new(p, c.hidden_size, true, c.layer_norm_eps)?,
                         },
+                        bias: p.param(c.vocab_size, Init::Zeros)?,
+                        decoder: LmHead::new(),
                     },
-                    activation_checkpointing: false,
-                })
-            })?;
-        let w = model.bert.embeddings.word_embeddings.weight.tensor();
-        let zeros = Tensor::zeros(c.hidden_size, dtype, device)?;
-        w.narrow(0, c.pad_token_id, 1)?
-            .copy_from(&zeros.reshape((1, c.hidden_size))?)?;
+                },
+                activation_checkpointing: false,
+            })
+        })?;
+        // The padding row starts at zero (on the rank whose vocabulary slice holds it).
+        let table = &model.bert.embeddings.word_embeddings.weight;
+        let w = table.tensor();
+        let rows = match table.placement() {
+            Some(p) => p.ranges(c.vocab_size, p.index())[0].clone(),
+            None => 0..c.vocab_size,
+        };
+        if rows.contains(&c.pad_token_id) {
+            let zeros = Tensor::zeros((1, c.hidden_size), w.dtype(), w.device())?;
+            w.narrow(0, c.pad_token_id - rows.start, 1)?
+                .copy_from(&zeros)?;
+        }
         Ok(model)
+    }
+
+    /// The tensor-parallel plan of BERT (see the [module docs](self)): query/key/value and the
+    /// feed-forward up-projection column-parallel (split by heads / by features), both output
+    /// projections row-parallel, the word embeddings and the tied MLM decoder with its bias split
+    /// by vocabulary (loss-parallel cross-entropy), and the post-residual norms and dropouts
+    /// sequence-parallel, the region starting at `embeddings.LayerNorm` and running through the
+    /// MLM-head transform.
+    pub fn tp_plan() -> TpPlan {
+        let layer = |s: &str| format!("bert.encoder.layer.*.{s}");
+        TpPlan::new()
+            .with(
+                "bert.embeddings.word_embeddings",
+                ParallelStyle::VocabEmbedding,
+            )
+            .with("bert.embeddings.LayerNorm", ParallelStyle::SequenceSplit)
+            .with("bert.embeddings.dropout", ParallelStyle::SequenceParallel)
+            .with(
+                layer("attention.self.query"),
+                ParallelStyle::Colwise { chunks: 1 },
+            )
+            .with(
+                layer("attention.self.key"),
+                ParallelStyle::Colwise { chunks: 1 },
+            )
+            .with(
+                layer("attention.self.value"),
+                ParallelStyle::Colwise { chunks: 1 },
+            )
+            .with(layer("attention.output.dense"), ParallelStyle::Rowwise)
+            .with(
+                layer("attention.output.dropout"),
+                ParallelStyle::SequenceParallel,
+            )
+            .with(
+                layer("attention.output.LayerNorm"),
+                ParallelStyle::SequenceParallel,
+            )
+            .with(
+                layer("intermediate.dense"),
+                ParallelStyle::Colwise { chunks: 1 },
+            )
+            .with(layer("output.dense"), ParallelStyle::Rowwise)
+            .with(layer("output.dropout"), ParallelStyle::SequenceParallel)
+            .with(layer("output.LayerNorm"), ParallelStyle::SequenceParallel)
+            .with(
+                "cls.predictions.transform.dense",
+                ParallelStyle::SequenceParallel,
+            )
+            .with(
+                "cls.predictions.transform.LayerNorm",
+                ParallelStyle::SequenceParallel,
+            )
+            .with("cls.predictions", ParallelStyle::VocabHead)
+    }
+
+    /// Checks that the sizes split over `tp` ranks, with one line naming them; `sequence` is the
+    /// training sequence length when sequence parallelism is on.
+    pub fn check_tensor_parallel(&self, tp: usize, sequence: Option<usize>) -> Result<()> {
+        check_tp_sizes(&self.config, tp, sequence)
     }
 
     /// The word-embedding table `[vocab_size, hidden]` (the decoder's weight).
@@ -567,7 +719,8 @@ impl BertForMaskedLM {
             .to_device(w.device())
     }
 
-    /// The final hidden states `[B, T, hidden]` (the encoder's output).
+    /// The final hidden states `[B, T, hidden]` (the encoder's output; under sequence
+    /// parallelism this rank's positions `[B, T / tp, hidden]`).
     pub fn hidden_states(
         &self,
         input_ids: &Tensor,
@@ -580,7 +733,8 @@ impl BertForMaskedLM {
     /// MLM logits `[B, T, vocab_size]` for `input_ids [B, T]` (integers), with an optional
     /// `attention_mask [B, T]` (1 = attend, 0 = padding; any dtype) and `token_type_ids [B, T]`
     /// (type 0 when `None`). Dropout masks follow the current
-    /// [`ForwardCtx`](meshgrad_autograd::ForwardCtx).
+    /// [`ForwardCtx`](meshgrad_autograd::ForwardCtx). Under tensor parallelism the logits are
+    /// this rank's vocabulary slice `[B, T, vocab_size / tp]`.
     pub fn forward(
         &self,
         input_ids: &Tensor,
@@ -615,7 +769,8 @@ impl BertForMaskedLM {
         let p = &self.cls.predictions;
         let h = p.transform.dense.forward(&x)?.gelu(GeluKind::Erf)?;
         let h = p.transform.layer_norm.forward(&h)?;
-        Var::linear(&h, self.word_embeddings(), Some(&p.bias))
+        p.decoder
+            .forward_with_bias(&h, self.word_embeddings(), Some(&p.bias))
     }
 
     /// Checks labels `[B, T]`: integers, each [`IGNORE_INDEX`] or a token id. Returns how many
@@ -699,13 +854,50 @@ impl BertForMaskedLM {
         let n = self.count_labels(labels)?;
         let labels = labels.to_dtype(DType::I64)?;
         let logits = self.forward(input_ids, attention_mask, token_type_ids)?;
-        let (b, t) = (input_ids.dims()[0], input_ids.dims()[1]);
-        let mean = logits
-            .reshape((b * t, self.config.vocab_size))?
-            .cross_entropy(&labels.reshape(b * t)?, Some(IGNORE_INDEX))?;
+        // Under tensor parallelism the logits are this rank's vocabulary slice and the loss is
+        // loss-parallel (the full logits are never gathered).
+        let mean = self
+            .cls
+            .predictions
+            .decoder
+            .loss(&logits, &labels, Some(IGNORE_INDEX))?;
         // The op's mean is over the n labelled rows (0 when there are none).
         mean.mul_scalar(n as f64 / denominator)
     }
+}
+
+/// The tensor-parallel size checks of [`BertForMaskedLM::check_tensor_parallel`]: the heads,
+/// the hidden and intermediate widths and the vocabulary must split over `tp` ranks (and the
+/// sequence length, with sequence parallelism); the error is one line naming the size.
+pub fn check_tp_sizes(c: &BertConfig, tp: usize, sequence: Option<usize>) -> Result<()> {
+    if tp <= 1 {
+        return Ok(());
+    }
+    for (what, n) in [
+        ("num_attention_heads", c.num_attention_heads),
+        ("hidden_size", c.hidden_size),
+        ("intermediate_size", c.intermediate_size),
+        ("vocab_size", c.vocab_size),
+    ] {
+        if !n.is_multiple_of(tp) {
+            meshgrad_tensor::bail!(
+                "tensor parallelism: bert {what} = {n} is not divisible by tp = {tp}{}",
+                if what == "vocab_size" {
+                    " (choose a vocabulary size that is a multiple of tp)"
+                } else {
+                    ""
+                }
+            );
+        }
+    }
+    if let Some(t) = sequence {
+        if !t.is_multiple_of(tp) {
+            meshgrad_tensor::bail!(
+                "sequence parallelism: the sequence length {t} is not divisible by tp = {tp}"
+            );
+        }
+    }
+    Ok(())
 }
 
 impl Forward for BertIntermediate {

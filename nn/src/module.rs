@@ -420,6 +420,12 @@ impl ParamBuilder {
         self
     }
 
+    /// The tensor parallelism this builder builds for, if any (so a model can check that its
+    /// sizes split before building).
+    pub fn tensor_parallel_group(&self) -> Option<&TensorParallel> {
+        self.tp.as_ref().map(|(tp, _)| tp)
+    }
+
     /// Sets the parameter dtype.
     pub fn dtype(mut self, dtype: DType) -> Self {
         self.dtype = dtype;

@@ -61,12 +61,7 @@ impl Forward for Dropout {
         if !self.is_training() || self.p == 0.0 {
             return Ok(x);
         }
-        let stream = self.stream.load(Ordering::Relaxed);
-        let ctx = ForwardCtx::current();
-        let seed = match next_use(stream) {
-            0 => name_seed(stream, &ctx.step.to_string()),
-            n => name_seed(stream, &format!("{}.{n}", ctx.step)),
-        };
+        let (seed, ctx) = self.next_seed();
         let t = x.tensor();
         if let Some((_, tp)) = sp {
             return self.sequence_parallel_mask(&x, seed, ctx.first_row, tp);
@@ -85,6 +80,62 @@ impl Forward for Dropout {
 }
 
 impl Dropout {
+    /// The mask seed of this use of the layer in the current [`ForwardCtx`] (taking the use).
+    fn next_seed(&self) -> (u64, ForwardCtx) {
+        let stream = self.stream.load(Ordering::Relaxed);
+        let ctx = ForwardCtx::current();
+        let seed = match next_use(stream) {
+            0 => name_seed(stream, &ctx.step.to_string()),
+            n => name_seed(stream, &format!("{}.{n}", ctx.step)),
+        };
+        (seed, ctx)
+    }
+
+    /// Dropout of a slice of attention heads: `x [B, h, ...]` holds heads
+    /// `first_head..first_head + h` of a `[B, heads, ...]` tensor (tensor parallelism splits
+    /// attention by heads, rank `r` holding heads `[r heads/tp, (r+1) heads/tp)`). Each local
+    /// element `(b, i, rest)` gets the mask of its global element `(b, first_head + i, rest)`,
+    /// i.e. global index `((first_row + b) heads + first_head + i) * rest + ...`, so the masks are
+    /// the ones a single device draws for the whole tensor. With `h == heads` this is
+    /// [`Forward::forward`].
+    pub fn forward_heads(&self, x: &Var, heads: usize, first_head: usize) -> Result<Var> {
+        let t = x.tensor();
+        let h = match t.dims() {
+            [_, h, ..] if first_head + h <= heads => *h,
+            _ => meshgrad_tensor::bail!(
+                "dropout: heads {first_head}.. of {heads} do not fit an input of shape {} \
+                 ([B, heads, ...] expected)",
+                t.shape()
+            ),
+        };
+        if h == heads {
+            return self.forward(x);
+        }
+        if !self.is_training() || self.p == 0.0 {
+            return Ok(x.clone());
+        }
+        let (seed, ctx) = self.next_seed();
+        let b = t.dims()[0];
+        let per_head = (t.elem_count() / (b * h).max(1)) as u64;
+        let row = heads as u64 * per_head;
+        let mut one = t.dims().to_vec();
+        one[0] = 1;
+        let masks: Vec<Tensor> = (0..b as u64)
+            .map(|i| {
+                Tensor::dropout_mask(
+                    seed,
+                    (ctx.first_row + i) * row + first_head as u64 * per_head,
+                    self.p,
+                    one.clone(),
+                    t.dtype(),
+                    t.device(),
+                )
+            })
+            .collect::<Result<_>>()?;
+        let refs: Vec<&Tensor> = masks.iter().collect();
+        x.mul(&Var::constant(Tensor::cat(&refs, 0)?))
+    }
+
     /// Dropout of this rank's positions `[B, T/tp, C]` of a `[B, T, C]` activation: each
     /// sequence's run of local elements gets the masks of its global indices.
     fn sequence_parallel_mask(

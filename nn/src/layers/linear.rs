@@ -16,6 +16,9 @@ use crate::tp::{ParallelStyle, TensorParallel};
 ///
 /// Under tensor parallelism ([`ParallelStyle::Colwise`] / [`ParallelStyle::Rowwise`]) the
 /// parameters hold this rank's rows / columns and the forward communicates (see [`crate::tp`]).
+/// Under [`ParallelStyle::SequenceParallel`] the layer stays replicated and, with sequence
+/// parallelism on, applies to this rank's positions, its gradients summed over the ranks (BERT's
+/// MLM-head transform).
 pub struct Linear {
     /// `[out_features, in_features]` (this rank's part under tensor parallelism)
     pub weight: Var,
@@ -127,11 +130,22 @@ impl Forward for Linear {
 impl Linear {
     /// Column-parallel: the (sequence-gathered or replicated) input times this rank's rows.
     /// Row-parallel: this rank's columns times its input features, summed over the ranks (or
-    /// reduce-scattered along the sequence), then the replicated bias.
+    /// reduce-scattered along the sequence), then the replicated bias. Sequence-parallel: the
+    /// replicated layer on this rank's positions, its parameters' gradients summed.
     fn forward_parallel(&self, x: &Var, style: ParallelStyle, tp: &TensorParallel) -> Result<Var> {
         let g = &tp.group;
         let sp = tp.splits_sequence();
         match style {
+            ParallelStyle::SequenceParallel if sp => {
+                let w = all_reduce_backward(&self.weight, g)?;
+                let b = self
+                    .bias
+                    .as_ref()
+                    .map(|b| all_reduce_backward(b, g))
+                    .transpose()?;
+                Var::linear(x, &w, b.as_ref())
+            }
+            ParallelStyle::SequenceParallel => Var::linear(x, &self.weight, self.bias.as_ref()),
             ParallelStyle::Colwise { .. } => {
                 let x = if sp {
                     all_gather_dim(x, 1, g)?
@@ -175,10 +189,13 @@ impl Module for Linear {
     fn parallelize(&self, path: &str, style: &ParallelStyle, tp: &TensorParallel) -> Result<()> {
         if !matches!(
             style,
-            ParallelStyle::Colwise { .. } | ParallelStyle::Rowwise
+            ParallelStyle::Colwise { .. }
+                | ParallelStyle::Rowwise
+                | ParallelStyle::SequenceParallel
         ) {
             meshgrad_tensor::bail!(
-                "tensor-parallel plan: linear `{path}` takes Colwise or Rowwise, not {style:?}"
+                "tensor-parallel plan: linear `{path}` takes Colwise, Rowwise or \
+                 SequenceParallel, not {style:?}"
             );
         }
         let _ = self.tp.set((*style, tp.clone()));

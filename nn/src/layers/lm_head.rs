@@ -34,6 +34,13 @@ impl LmHead {
     /// Logits `[..., vocab]` (this rank's vocabulary slice under [`ParallelStyle::VocabHead`]) of
     /// hidden states `x [..., C]`.
     pub fn forward(&self, x: &Var, table: &Var) -> Result<Var> {
+        self.forward_with_bias(x, table, None)
+    }
+
+    /// As [`LmHead::forward`] with an output bias `[vocab]` (BERT's decoder bias); under
+    /// [`ParallelStyle::VocabHead`] the bias is this rank's vocabulary slice `[vocab / tp]`, like
+    /// the table.
+    pub fn forward_with_bias(&self, x: &Var, table: &Var, bias: Option<&Var>) -> Result<Var> {
         match self.vocab_parallel() {
             Some(tp) => {
                 let x = if tp.splits_sequence() {
@@ -41,9 +48,9 @@ impl LmHead {
                 } else {
                     all_reduce_backward(x, &tp.group)?
                 };
-                Var::linear(&x, table, None)
+                Var::linear(&x, table, bias)
             }
-            None => Var::linear(x, table, None),
+            None => Var::linear(x, table, bias),
         }
     }
 

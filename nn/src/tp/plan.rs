@@ -22,10 +22,12 @@ pub enum ParallelStyle {
     /// An `Embedding` split by vocabulary rows.
     VocabEmbedding,
     /// An output head over a vocabulary-split table: logits stay split, the loss is
-    /// loss-parallel.
+    /// loss-parallel. A `bias` parameter of the head's module (BERT's `cls.predictions.bias`) is
+    /// split by vocabulary like the table.
     VocabHead,
-    /// A `LayerNorm` or `Dropout` whose input is already split along the sequence (under
-    /// sequence parallelism).
+    /// A `LayerNorm`, `Dropout` or replicated `Linear` whose input is already split along the
+    /// sequence (under sequence parallelism); replicated parameters get their gradients summed
+    /// over the group.
     SequenceParallel,
     /// A `LayerNorm` or `Dropout` whose replicated input is first cut to this rank's sequence
     /// chunk (where a sequence-parallel region begins).
@@ -40,6 +42,7 @@ impl ParallelStyle {
             (ParallelStyle::Colwise { chunks }, "weight" | "bias") => Some((0, *chunks)),
             (ParallelStyle::Rowwise, "weight") => Some((1, 1)),
             (ParallelStyle::VocabEmbedding, "weight") => Some((0, 1)),
+            (ParallelStyle::VocabHead, "bias") => Some((0, 1)),
             _ => None,
         }
     }
