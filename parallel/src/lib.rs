@@ -9,8 +9,8 @@
 //! * [`sampler`]: which data each data-parallel rank reads.
 //! * [`zero`]: sharded data parallelism ([`ShardedDataParallel`]): ZeRO-1, ZeRO-2, ZeRO-3 /
 //!   FSDP and hybrid sharding, with a pluggable optimizer (AdamW, SGD or any
-//!   `meshgrad_nn::optim::Optimizer`) over each rank's shard, clipping across shards, full state
-//!   dicts and a memory report.
+//!   `meshgrad_nn::optim::Optimizer`) over each rank's shard, clipping across shards and full
+//!   state dicts.
 //! * [`tp`]: tensor and sequence parallelism over a communicator (the plans, styles and layers
 //!   are in `meshgrad_nn::tp`).
 //! * [`layout`]: the `--layout` spec ([`ParallelLayout`]): comma-separated degrees `dp=R`,
@@ -20,11 +20,15 @@
 //!   "dp_shard", "tp"]`) on one rank, handing out the data-parallel, tensor-parallel and pipeline
 //!   groups and the [`ShardTopology`] of sharded data parallelism. Pipeline parallelism (`pp`
 //!   above 1) is not available yet.
+//! * [`memory_report`]: per-rank peak bytes of parameters, gradients, optimizer state and
+//!   activations of a GPT trained under any layout (DDP, ZeRO-1/2/3, tensor and sequence
+//!   parallelism and their compositions), beside the theory's figures.
 
 pub mod comm;
 pub mod ddp;
 pub mod layout;
 pub mod layout_mesh;
+pub mod memory_report;
 pub mod mesh;
 pub mod sampler;
 pub mod tp;

@@ -139,13 +139,12 @@
 //! assembled [`MemoryTag::Grads`](meshgrad_tensor::alloc::MemoryTag::Grads), and ZeRO-1/2's
 //! separate master weights and the optimizer's state (which nn's optimizers allocate under it)
 //! [`MemoryTag::OptimizerState`](meshgrad_tensor::alloc::MemoryTag::OptimizerState).
-//! [`memory`] measures them per rank during training.
+//! [`crate::memory_report`] measures them per rank during training.
 
 mod checkpoint;
 mod config;
 mod gather;
 mod grads;
-pub mod memory;
 mod optim;
 pub mod plan;
 mod topology;

@@ -1,0 +1,138 @@
+//! The memory report (the README table): per-rank peak bytes of parameters, gradients, optimizer
+//! state and activations, measured by each rank's tracker during real training steps.
+//!
+//! * At world size 4 under DDP and ZeRO-1/2/3, the ZeRO-3 target: the model states held at one
+//!   time by a rank are at most 1/4 of the unsharded model states (16 bytes per parameter: f32
+//!   parameters, gradients and two AdamW moments) plus the largest unit's gathered parameters.
+//! * Under tensor parallelism: with tp=4 each rank holds at most 1/4 of the split parameters
+//!   (the blocks' matmul weights and column-parallel biases, the token table) plus the replicated
+//!   ones (norms, row-parallel biases, position table), the bound computed here from the config;
+//!   sequence parallelism lowers the activation bytes per rank.
+//!
+//! Byte counts are deterministic (the same allocations in the same order on every run).
+
+use meshgrad_parallel::memory_report::{memory_report, MemoryReportConfig, MemoryStrategy};
+use meshgrad_parallel::zero::ZeroStage;
+
+#[test]
+fn zero3_meets_the_memory_target_at_world_4() {
+    let cfg = MemoryReportConfig::small_gpt(4);
+    let report = memory_report(&cfg, &MemoryStrategy::data_parallel(4).unwrap()).unwrap();
+    println!("{}", report.to_markdown());
+    let row = |s: MemoryStrategy| *report.row(&s).unwrap();
+    let ddp = row(MemoryStrategy::ddp(4).unwrap());
+    let z1 = row(MemoryStrategy::zero(ZeroStage::One, 4).unwrap());
+    let z2 = row(MemoryStrategy::zero(ZeroStage::Two, 4).unwrap());
+    let z3 = row(MemoryStrategy::zero(ZeroStage::Three, 4).unwrap());
+    let p = 4 * report.num_params; // f32 parameter bytes
+                                   // The target.
+    assert!(
+        z3.model_states <= report.zero3_target(),
+        "ZeRO-3 model states {} > target {}",
+        z3.model_states,
+        report.zero3_target()
+    );
+    // Optimizer state: two f32 moments, whole for DDP, a quarter (plus padding) when sharded.
+    let pad = 4 * 4 * 2 * 16; // < world elements of padding per unit and buffer, generously
+    assert_eq!(ddp.optimizer, 2 * p);
+    for z in [z1, z2, z3] {
+        assert!(z.optimizer <= 2 * p / 4 + pad, "{z:?}");
+    }
+    // Gradients: ZeRO-1 keeps them whole, ZeRO-2/3 a shard plus the unit being reduced.
+    assert!(z1.grads >= p, "{z1:?}");
+    assert!(z2.grads < z1.grads && z3.grads < z1.grads, "{z2:?} {z3:?}");
+    // Parameters: whole for DDP and ZeRO-1/2; ZeRO-3 a shard plus one gathered unit.
+    assert_eq!(ddp.params, p);
+    assert_eq!(z1.params, p);
+    assert_eq!(z2.params, p);
+    assert!(
+        z3.params <= p / 4 + report.largest_unit_params + pad,
+        "{z3:?} vs {}",
+        p / 4 + report.largest_unit_params
+    );
+    assert!(z3.model_states < z2.model_states && z2.model_states < z1.model_states);
+    assert!(z1.model_states < ddp.model_states);
+    // Every rank of every strategy runs the same forward on 2 rows.
+    assert!(ddp.activations > 0);
+    for z in [z1, z2, z3] {
+        assert_eq!(z.activations, ddp.activations, "{z:?}");
+    }
+    // The measured figures stay within the theory's.
+    for r in [ddp, z1, z2, z3] {
+        assert!(r.params <= r.theory.params, "{r:?}");
+        assert!(r.grads <= r.theory.grads, "{r:?}");
+        assert!(r.optimizer <= r.theory.optimizer, "{r:?}");
+    }
+}
+
+#[test]
+fn tensor_parallelism_splits_parameters_and_sequence_parallelism_activations() {
+    let cfg = MemoryReportConfig::small_gpt(4);
+    let m = cfg.model;
+    assert!(m.n_head.is_multiple_of(4) && m.vocab_size.is_multiple_of(4));
+    let strategies = [
+        MemoryStrategy::new("tp=2", false).unwrap(),
+        MemoryStrategy::new("tp=2", true).unwrap(),
+        MemoryStrategy::new("tp=4", false).unwrap(),
+        MemoryStrategy::new("fsdp=2,tp=2", false).unwrap(),
+    ];
+    let report = memory_report(&cfg, &strategies).unwrap();
+    println!("{}", report.to_markdown());
+    let row = |i: usize| *report.row(&strategies[i]).unwrap();
+    let (tp2, tp2_sp, tp4, fsdp2_tp2) = (row(0), row(1), row(2), row(3));
+
+    // The bound from the config (f32, biases on): split over tp are the token table and, per
+    // block, the q/k/v and MLP up-projection weights and biases and both output-projection
+    // weights; replicated are the position table, the LayerNorms (weight and bias) and the two
+    // row-parallel output-projection biases per block.
+    let (c, l) = (m.n_embd, m.n_layer);
+    assert!(m.bias);
+    let split_per_block = (3 * c * c + 3 * c) + (4 * c * c + 4 * c) + c * c + 4 * c * c;
+    let split = m.vocab_size * c + l * split_per_block;
+    let replicated = m.block_size * c + l * (2 * c + 2 * c + c + c) + 2 * c;
+    assert_eq!(split + replicated, report.num_params);
+    assert_eq!(split, report.split_params);
+    assert_eq!(replicated, report.replicated_params);
+    let bound = |tp: usize| 4 * (split / tp + replicated);
+
+    // tp=4: every rank holds at most a quarter of the split parameters plus the replicated ones,
+    // and as many gradient bytes (DDP's buckets over a data-parallel group of one rank) and
+    // twice as many bytes of AdamW moments.
+    assert!(
+        tp4.params <= bound(4),
+        "tp=4 parameters {} > {}",
+        tp4.params,
+        bound(4)
+    );
+    assert!(tp4.grads <= bound(4), "{tp4:?}");
+    assert!(tp4.optimizer <= 2 * bound(4), "{tp4:?}");
+    assert!(tp4.params > 0 && tp4.optimizer > 0);
+    assert!(tp2.params <= bound(2), "{tp2:?}");
+    assert!(tp4.model_states < tp2.model_states);
+
+    // fsdp=2 x tp=2: the tp=2 parameters sharded over 2 ranks plus one gathered unit.
+    assert!(fsdp2_tp2.params < tp2.params, "{fsdp2_tp2:?}");
+    assert!(
+        fsdp2_tp2.optimizer <= tp2.optimizer / 2 + 4 * 2 * 16,
+        "{fsdp2_tp2:?}"
+    );
+    assert!(fsdp2_tp2.model_states < tp2.model_states);
+
+    // Sequence parallelism: the same model states, fewer activation bytes per rank.
+    assert_eq!(tp2_sp.params, tp2.params);
+    assert_eq!(tp2_sp.optimizer, tp2.optimizer);
+    assert!(
+        tp2_sp.activations < tp2.activations,
+        "tp=2 +sp activations {} >= tp=2 {}",
+        tp2_sp.activations,
+        tp2.activations
+    );
+
+    // The measured figures stay within the theory's.
+    for r in [tp2, tp2_sp, tp4, fsdp2_tp2] {
+        assert!(r.params <= r.theory.params, "{r:?}");
+        assert!(r.grads <= r.theory.grads, "{r:?}");
+        assert!(r.optimizer <= r.theory.optimizer, "{r:?}");
+    }
+    assert_eq!(tp4.theory.params, bound(4));
+}
