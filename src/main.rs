@@ -163,10 +163,10 @@ struct TrainArgs {
     /// Parallel layout, run as threads on the CPU: comma-separated degrees whose product is the
     /// number of ranks. dp=R (data parallel), fsdp=S (= zero3=S), zero1=S or zero2=S (sharded
     /// over S ranks), hsdp=RxS (= dp=R,fsdp=S: sharded over S ranks, replicated R times), e.g.
-    /// dp=4, fsdp=4, hsdp=2x2, dp=2,zero1=2. tp=T splits each GPT block across T ranks (tensor
-    /// parallelism; composes: dp=2,tp=2, fsdp=2,tp=2, hsdp=2x2,tp=2); BERT takes no tp yet;
-    /// pipeline parallelism is not available (only pp=1). The global batch is the same for every
-    /// layout.
+    /// dp=4, fsdp=4, hsdp=2x2, dp=2,zero1=2. tp=T splits each GPT or BERT layer across T ranks
+    /// (tensor parallelism; composes: dp=2,tp=2, fsdp=2,tp=2, hsdp=2x2,tp=2; for BERT, T must
+    /// divide its vocabulary of 261); pipeline parallelism is not available (only pp=1). The
+    /// global batch is the same for every layout.
     #[arg(long, value_name = "SPEC")]
     layout: Option<String>,
     /// Gradient accumulation: split each rank's rows of a step into this many micro-batches.

@@ -29,9 +29,11 @@ use meshgrad_nn::bert::{BertConfig, BertForMaskedLM, IGNORE_INDEX};
 use meshgrad_nn::data::{Dataset, TokenSource};
 use meshgrad_nn::mlm::{mlm_mask_rows, MlmConfig, SpecialTokens};
 use meshgrad_nn::optim::{AdamW, CosineSchedule};
-use meshgrad_nn::state::hf_bert;
-use meshgrad_nn::{ForwardCtx, Module};
-use meshgrad_parallel::{micro_rows, rank_rows, ParallelLayout};
+use meshgrad_nn::state::{hf_bert, load_state_dict};
+use meshgrad_nn::tp::{full_state_dict, TensorParallel};
+use meshgrad_nn::{ForwardCtx, Module, ParamBuilder};
+use meshgrad_parallel::tp::tensor_parallel;
+use meshgrad_parallel::{micro_rows, rank_rows, ParallelLayout, ZeroStage};
 use meshgrad_tensor::{DType, Device, Tensor};
 
 use crate::config::TrainConfig;
@@ -129,8 +131,19 @@ struct BertRun {
     schedule: CosineSchedule,
 }
 
-fn bert_run(cfg: &TrainConfig) -> Result<BertRun> {
-    let model = BertForMaskedLM::new(bert_config(cfg), cfg.train.seed, DType::F32, Device::Cpu)?;
+/// The run's model (this rank's part under tensor parallelism; with `delayed_init`, allocated on
+/// first use), its optimizer and schedule.
+fn bert_run(cfg: &TrainConfig, tp: Option<TensorParallel>, delayed_init: bool) -> Result<BertRun> {
+    let mut builder = ParamBuilder::new(cfg.train.seed)
+        .dtype(DType::F32)
+        .device(Device::Cpu);
+    if let Some(tp) = tp {
+        builder = builder.tensor_parallel(tp, BertForMaskedLM::tp_plan());
+    }
+    if delayed_init {
+        builder = builder.delayed_init();
+    }
+    let model = BertForMaskedLM::build(bert_config(cfg), builder)?;
     let (opt, schedule) = optimizer_and_schedule(cfg, &model)?;
     Ok(BertRun {
         model,
@@ -220,7 +233,7 @@ fn header(cfg: &TrainConfig, model: &BertForMaskedLM, data: &RunData, layout: &s
     format!(
         "meshgrad train: BERT (masked LM, vocabulary {}), {} parameters, {} train / {} val tokens from {}, {} steps of {} x {} tokens{layout}",
         model.config.vocab_size,
-        model.num_parameters(),
+        model.config.num_parameters(),
         data.train.len(),
         data.val.len(),
         data.source,
@@ -293,14 +306,21 @@ pub fn train_bert(
             1
         }
         Some(l) => {
-            if l.tp() > 1 {
+            check_layout(cfg, l, opts)?;
+            let vocab = bert_config(cfg).vocab_size;
+            if l.tp() > 1 && !vocab.is_multiple_of(l.tp()) {
                 anyhow::bail!(
-                    "layout {l}: tensor parallelism (tp={}) is not wired into BERT training yet \
-                     (the GPT supports it)",
+                    "layout {l}: BERT's byte-level vocabulary has {vocab} entries (256 bytes and 5 \
+                     special tokens), which tp={} does not divide; use a tp that divides {vocab} \
+                     (e.g. tp=3): the vocabulary is not padded",
                     l.tp()
                 );
             }
-            check_layout(cfg, l, opts)?;
+            meshgrad_nn::bert::check_tp_sizes(
+                &bert_config(cfg),
+                l.tp(),
+                opts.sequence_parallel.then_some(cfg.model.block_size),
+            )?;
             l.data_parallel_degree()
         }
     };
@@ -319,7 +339,7 @@ pub fn train_bert(
     };
     match layout {
         None => {
-            let mut run = bert_run(cfg)?;
+            let mut run = bert_run(cfg, None, false)?;
             let mut rep = Reporter::leader(cfg, verbosity)?;
             let desc = if opts.microbatches > 1 {
                 format!(", {} micro-batches", opts.microbatches)
@@ -341,7 +361,10 @@ pub fn train_bert(
             finish(cfg, &run.model, rep, r, verbosity)
         }
         Some(layout) => on_ranks(layout, |ctx, mesh| {
-            let mut run = bert_run(cfg)?;
+            let tp = (mesh.tp_degree() > 1)
+                .then(|| tensor_parallel(mesh.tp_group(), opts.sequence_parallel));
+            let fsdp = layout.zero() == Some(ZeroStage::Three);
+            let mut run = bert_run(cfg, tp, fsdp)?;
             let wrapper = RankWrapper::new(mesh, &run.model, &run.opt)?;
             let rows = rank_rows(cfg.train.batch_size, mesh.dp_degree(), mesh.dp_rank())?;
             let leader = ctx.rank == 0;
@@ -365,8 +388,27 @@ pub fn train_bert(
                 &mut rep,
             )?;
             wrapper.summon_full_params()?;
+            // tp: the leader assembles the single-device model from every rank's parts.
+            let gathered = if mesh.tp_degree() > 1 {
+                let tensors = full_state_dict(&run.model)?;
+                if leader {
+                    let full = BertForMaskedLM::new(
+                        bert_config(cfg),
+                        cfg.train.seed,
+                        DType::F32,
+                        Device::Cpu,
+                    )?;
+                    load_state_dict(&full, &tensors, true)?;
+                    Some(full)
+                } else {
+                    None
+                }
+            } else {
+                None
+            };
             if leader {
-                Ok(Some(finish(cfg, &run.model, rep, r, verbosity)?))
+                let model = gathered.as_ref().unwrap_or(&run.model);
+                Ok(Some(finish(cfg, model, rep, r, verbosity)?))
             } else {
                 Ok(None)
             }

@@ -2,7 +2,9 @@
 //! fsdp=2,tp=2 and hsdp=2x2,tp=2 (with sequence parallelism) give the single-device losses on
 //! the same global batch (within 1e-5 relative, train and validation; gradient norms within
 //! 1e-4), rank 0 writes a checkpoint gathered from the tensor-parallel ranks that holds the single
-//! device's weights to rounding (1e-5 of each tensor's scale) and that `eval` reads.
+//! device's weights to rounding (1e-5 of each tensor's scale) and that `eval` reads. BERT
+//! (byte-level vocabulary of 261 = 9 x 29 entries, so tp=3) trains in lockstep under tp=3 and
+//! fsdp=2,tp=3 with sequence parallelism.
 
 mod common;
 
@@ -137,4 +139,52 @@ fn sizes_that_do_not_split_over_tp_are_refused() {
         let o = train(&dir, "bad", extra);
         assert_one_line_error(&o, &[needle]);
     }
+}
+
+/// Trains a tiny BERT (3 heads of 16, sequence 33) for 4 steps into `dir/<tag>`.
+fn train_bert(dir: &Path, tag: &str, extra: &[&str]) -> Output {
+    let sets = [
+        "model.n_layer=2",
+        "model.n_embd=48",
+        "model.n_head=3",
+        "model.block_size=33",
+        "train.batch_size=4",
+        "train.warmup_steps=2",
+        "train.eval_batches=1",
+        "train.eval_interval=2",
+    ];
+    common::train(
+        dir,
+        tag,
+        4,
+        &sets,
+        &[&["--model", "bert", "--lr", "1e-3"], extra].concat(),
+    )
+}
+
+#[test]
+fn bert_trains_in_lockstep_under_tensor_parallelism() {
+    let dir = tmpdir("tp-bert");
+    let o = train_bert(&dir, "single", &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let single = metrics(&dir, "single");
+    for (tag, extra) in [
+        ("tp3", &["--layout", "tp=3"][..]),
+        (
+            "fsdp2tp3sp",
+            &["--layout", "fsdp=2,tp=3", "--sequence-parallel"][..],
+        ),
+    ] {
+        let o = train_bert(&dir, tag, extra);
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            o.status.success(),
+            "{tag}: {out}\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert_lockstep(tag, &metrics(&dir, tag), &single, true);
+        assert!(dir.join(tag).join("model.safetensors").exists(), "{tag}");
+    }
+    let o = train_bert(&dir, "bad", &["--layout", "tp=2"]);
+    assert_one_line_error(&o, &["261 entries", "tp=2 does not divide"]);
 }

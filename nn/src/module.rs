@@ -73,7 +73,7 @@ pub trait Module: AsDynModule + Send + Sync {
     /// run seed (dropout keys its random stream by them).
     fn on_init(&self, _path: &str, _seed: u64) {}
 
-    /// Takes the tensor-parallel `style` a [`TpPlan`](crate::tp::TpPlan) gives this module (at
+    /// Takes the tensor-parallel `style` a [`TpPlan`] gives this module (at
     /// `path`): its forward then splits its work over `tp`. Its parameters already have their
     /// local shapes. The default refuses with an error naming the module: only layers that know
     /// a split form accept one (`Linear`, `Embedding`, `LayerNorm`, `Dropout`, `LmHead`).
