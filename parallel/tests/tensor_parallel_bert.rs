@@ -1,7 +1,8 @@
 //! Tensor and sequence parallelism for BERT in lockstep with a single device: a small
 //! `BertForMaskedLM` trained on the same seed and global MLM batches (padded rows, two token
 //! types, BERT's 80/10/10 masking) under tp=2, tp=4, tp=2 with sequence parallelism, and tp
-//! composed with data parallelism (dp=2,tp=2) on one mesh. Losses and the gathered final weights
+//! composed with data parallelism on one mesh (dp=2,tp=2; fsdp=2,tp=2; hsdp=2x2,tp=2 with
+//! sequence parallelism, where ZeRO shards the frozen key biases but never updates them). Losses and the gathered final weights
 //! must agree within 1e-5 relative (f32). The initial shards must equal their slices of the
 //! single-device parameters bit for bit (initialisation by global index, the padding row zeroed
 //! on the rank that holds it).
@@ -31,7 +32,8 @@ use meshgrad_nn::optim::{
 use meshgrad_nn::{ForwardCtx, Module, ParamBuilder};
 use meshgrad_parallel::comm::{all_reduce_scalar, run_ranks, RunOptions};
 use meshgrad_parallel::tp::tensor_parallel;
-use meshgrad_parallel::{rank_rows, Ddp, DdpConfig, DeviceMesh, ReduceOp};
+use meshgrad_parallel::zero::{ShardConfig, ShardedDataParallel};
+use meshgrad_parallel::{rank_rows, Ddp, DdpConfig, ParallelLayout, ReduceOp};
 use meshgrad_tensor::{DType, Device, Result, Tensor};
 
 const SEED: u64 = 11;
@@ -168,7 +170,6 @@ fn forward_backward(
 ) -> Result<f64> {
     let total = batch(step, 0..BATCH as u64).count.max(1) as f64;
     let b = batch(step, rows.clone());
-    assert!(b.count > 0);
     let loss = ForwardCtx::new(step as u64, rows.start)
         .scope(|| model.loss_over(&b.ids, Some(&b.mask), Some(&b.types), &b.labels, total))?;
     loss.mul_scalar(dp as f64)?.backward()?;
@@ -207,14 +208,16 @@ fn single_device(s: Setup) -> RunOut {
     }
 }
 
-/// The run on a `dp x tp` mesh (rank 0's view, full weights gathered), with the initial shards
-/// checked against `initial` (the single-device initial weights).
-fn mesh_run(dp: usize, tp: usize, sp: bool, s: Setup, initial: &[(String, Vec<f32>)]) -> RunOut {
+/// The run under `layout` (rank 0's view, full weights gathered), with the initial shards checked
+/// against `initial` (the single-device initial weights).
+fn mesh_run(layout: &str, sp: bool, s: Setup, initial: &[(String, Vec<f32>)]) -> RunOut {
+    let layout: ParallelLayout = layout.parse().unwrap();
     let opts = RunOptions::with_timeout(Duration::from_secs(120));
-    let outs = run_ranks(dp * tp, &opts, |ctx| {
-        let mesh = DeviceMesh::new(ctx.comm.clone(), &["dp", "tp"], &[dp, tp])?;
+    let outs = run_ranks(layout.world_size(), &opts, |ctx| {
+        let mesh = layout.mesh(ctx.comm.clone())?;
+        let (tp, dp) = (mesh.tp_degree(), mesh.dp_degree());
         let builder = ParamBuilder::new(SEED).tensor_parallel(
-            tensor_parallel(mesh.group("tp")?, sp),
+            tensor_parallel(mesh.tp_group(), sp),
             BertForMaskedLM::tp_plan(),
         );
         let mut model = BertForMaskedLM::build(bert_config(s.dropout), builder)?;
@@ -239,28 +242,62 @@ fn mesh_run(dp: usize, tp: usize, sp: bool, s: Setup, initial: &[(String, Vec<f3
             let h = model.hidden_states(&ids, None, None)?;
             assert_eq!(h.tensor().dims(), &[1, T / tp, HIDDEN]);
         }
-        let dp_group = mesh.group("dp")?;
-        let ddp = if dp > 1 {
-            Some(Ddp::new(
-                model.named_parameters(),
-                dp_group.clone(),
-                DdpConfig::default(),
-            )?)
-        } else {
-            None
-        };
+        let dp_group = mesh.dp_group();
         let mut opt = optimizer(&model, s)?;
-        let rows = rank_rows(BATCH, dp, mesh.coord("dp")?)?;
+        let (ddp, sdp) = match layout.zero() {
+            Some(stage) => {
+                let groups = param_groups_for_decay(model.trainable_parameters(), 0.1);
+                let topo = mesh.shard_topology()?;
+                let config = ShardConfig::new(stage);
+                let sdp = if s.sgd {
+                    ShardedDataParallel::new(
+                        &model,
+                        groups,
+                        SgdConfig { momentum: 0.9 },
+                        topo,
+                        config,
+                    )?
+                } else {
+                    ShardedDataParallel::new(&model, groups, AdamWConfig::default(), topo, config)?
+                };
+                (None, Some(sdp))
+            }
+            None if dp > 1 => (
+                Some(Ddp::new(
+                    model.named_parameters(),
+                    dp_group.clone(),
+                    DdpConfig::default(),
+                )?),
+                None,
+            ),
+            None => (None, None),
+        };
+        let rows = rank_rows(BATCH, dp, mesh.dp_rank())?;
         let mut losses = Vec::new();
         for step in 0..STEPS {
-            opt.zero_grad();
+            match &sdp {
+                Some(z) => z.zero_grad(),
+                None => opt.zero_grad(),
+            }
             let share = forward_backward(&model, step, rows.clone(), dp)?;
             if let Some(d) = &ddp {
                 d.finish()?;
             }
-            clip_grad_norm(&model.parameters(), 0.5)?;
-            opt.step(LR)?;
+            match &sdp {
+                Some(z) => {
+                    z.finish()?;
+                    z.clip_grad_norm(0.5)?;
+                    z.step(LR)?;
+                }
+                None => {
+                    clip_grad_norm(&model.parameters(), 0.5)?;
+                    opt.step(LR)?;
+                }
+            }
             losses.push(all_reduce_scalar(dp_group.as_ref(), share, ReduceOp::Sum)?);
+        }
+        if let Some(z) = &sdp {
+            z.summon_full_params()?;
         }
         Ok(RunOut {
             losses,
@@ -321,16 +358,26 @@ fn initial(s: Setup) -> Vec<(String, Vec<f32>)> {
 fn tp2_and_tp4_match_single_device() {
     let want = single_device(ADAMW);
     let init = initial(ADAMW);
-    assert_close("tp=2", &mesh_run(1, 2, false, ADAMW, &init), &want, 1e-5);
-    assert_close("tp=4", &mesh_run(1, 4, false, ADAMW, &init), &want, 1e-5);
+    assert_close("tp=2", &mesh_run("tp=2", false, ADAMW, &init), &want, 1e-5);
+    assert_close("tp=4", &mesh_run("tp=4", false, ADAMW, &init), &want, 1e-5);
 }
 
 #[test]
 fn sequence_parallel_matches_single_device() {
     let want = single_device(ADAMW);
     let init = initial(ADAMW);
-    assert_close("tp=2 +sp", &mesh_run(1, 2, true, ADAMW, &init), &want, 1e-5);
-    assert_close("tp=4 +sp", &mesh_run(1, 4, true, ADAMW, &init), &want, 1e-5);
+    assert_close(
+        "tp=2 +sp",
+        &mesh_run("tp=2", true, ADAMW, &init),
+        &want,
+        1e-5,
+    );
+    assert_close(
+        "tp=4 +sp",
+        &mesh_run("tp=4", true, ADAMW, &init),
+        &want,
+        1e-5,
+    );
 }
 
 #[test]
@@ -339,10 +386,21 @@ fn dp2_tp2_matches_single_device() {
     let init = initial(ADAMW);
     assert_close(
         "dp=2,tp=2",
-        &mesh_run(2, 2, false, ADAMW, &init),
+        &mesh_run("dp=2,tp=2", false, ADAMW, &init),
         &want,
         1e-5,
     );
+}
+
+#[test]
+fn fsdp2_tp2_and_hsdp_tp2_match_single_device() {
+    // The frozen key biases are sharded with the rest and never updated.
+    let want = single_device(ADAMW);
+    let init = initial(ADAMW);
+    let got = mesh_run("fsdp=2,tp=2", false, ADAMW, &init);
+    assert_close("fsdp=2,tp=2", &got, &want, 1e-5);
+    let got = mesh_run("hsdp=2x2,tp=2", true, ADAMW, &init);
+    assert_close("hsdp=2x2,tp=2 +sp", &got, &want, 1e-5);
 }
 
 #[test]
@@ -355,7 +413,7 @@ fn dropout_with_adamw() {
     let init = initial(s);
     assert_close(
         "tp=2 +sp adamw+dropout",
-        &mesh_run(1, 2, true, s, &init),
+        &mesh_run("tp=2", true, s, &init),
         &want,
         1e-5,
     );
@@ -376,25 +434,25 @@ fn key_biases_and_dropout_with_sgd() {
     let s = SGD_DROPOUT;
     assert_close(
         "tp=2 sgd+dropout",
-        &mesh_run(1, 2, false, s, &init),
+        &mesh_run("tp=2", false, s, &init),
         &want,
         1e-5,
     );
     assert_close(
         "tp=4 sgd+dropout",
-        &mesh_run(1, 4, false, s, &init),
+        &mesh_run("tp=4", false, s, &init),
         &want,
         1e-5,
     );
     assert_close(
         "tp=2 +sp sgd+dropout",
-        &mesh_run(1, 2, true, s, &init),
+        &mesh_run("tp=2", true, s, &init),
         &want,
         1e-5,
     );
     assert_close(
         "dp=2,tp=2 sgd+dropout",
-        &mesh_run(2, 2, false, s, &init),
+        &mesh_run("dp=2,tp=2", false, s, &init),
         &want,
         1e-5,
     );
@@ -404,7 +462,7 @@ fn key_biases_and_dropout_with_sgd() {
     };
     assert_close(
         "tp=2 +sp sgd+dropout checkpointed",
-        &mesh_run(1, 2, true, ckpt, &init),
+        &mesh_run("tp=2", true, ckpt, &init),
         &want,
         1e-5,
     );

@@ -186,7 +186,8 @@ impl ShardedDataParallel {
                 ))));
             }
         }
-        let group_of = assign_groups(&named, &groups).map_err(ctx)?;
+        let mut groups = groups;
+        let group_of = assign_groups(&named, &mut groups).map_err(ctx)?;
         let param_dtype = named
             .first()
             .map(|(_, v)| v.tensor().dtype())
@@ -497,7 +498,10 @@ fn shard_vars(
 }
 
 /// Maps every model parameter to its group; checks the groups against the model.
-fn assign_groups(named: &[(String, Var)], groups: &[ParamGroup]) -> Result<Vec<usize>> {
+/// The optimizer group of every parameter of `named`. A frozen parameter (see
+/// `Module::freeze`) that no group lists goes into an extra group appended to `groups`: it is
+/// sharded like the others but never gets a gradient, so the optimizer never updates it.
+fn assign_groups(named: &[(String, Var)], groups: &mut Vec<ParamGroup>) -> Result<Vec<usize>> {
     let mut of: HashMap<VarId, usize> = HashMap::new();
     let model_ids: HashMap<VarId, &str> = named.iter().map(|(n, v)| (v.id(), n.as_str())).collect();
     for (gi, g) in groups.iter().enumerate() {
@@ -522,11 +526,20 @@ fn assign_groups(named: &[(String, Var)], groups: &[ParamGroup]) -> Result<Vec<u
         }
     }
     let mut out = Vec::with_capacity(named.len());
+    let mut frozen_group = None;
     for (name, v) in named {
         match of.get(&v.id()) {
             Some(&g) => out.push(g),
+            None if !v.requires_grad() => {
+                let g = *frozen_group.get_or_insert_with(|| {
+                    groups.push(ParamGroup::new(Vec::new(), 0.0));
+                    groups.len() - 1
+                });
+                out.push(g);
+            }
             None => meshgrad_tensor::bail!(
-                "parameter {name} is in no optimizer group; every parameter must be in one"
+                "parameter {name} is in no optimizer group; every trainable parameter must be in \
+                 one"
             ),
         }
     }
