@@ -22,7 +22,7 @@ use meshgrad_nn::optim::{
 use meshgrad_nn::{ForwardCtx, Gpt, GptConfig, Module, ParamBuilder};
 use meshgrad_parallel::comm::{all_reduce_scalar, run_ranks, RunOptions};
 use meshgrad_parallel::tp::tensor_parallel;
-use meshgrad_parallel::zero::{ShardConfig, ShardedDataParallel};
+use meshgrad_parallel::zero::{FullStateDictOptions, ShardConfig, ShardedDataParallel};
 use meshgrad_parallel::{rank_rows, Ddp, DdpConfig, ParallelLayout, ReduceOp};
 use meshgrad_tensor::{DType, Device, Result, Tensor};
 
@@ -228,13 +228,42 @@ fn mesh_run(layout: &str, sp: bool, s: Setup, initial: &[(String, Vec<f32>)]) ->
             }
             losses.push(all_reduce_scalar(dp_group.as_ref(), local, ReduceOp::Avg)?);
         }
-        if let Some(z) = &sdp {
-            z.summon_full_params()?;
+        // ZeRO's full state dict gathers over the tensor-parallel ranks too, and loads back
+        // (each rank taking its part): the single-device names and shapes, weights and moments.
+        let dict = match &sdp {
+            Some(z) => {
+                let opts = FullStateDictOptions {
+                    optimizer: true,
+                    rank0_only: false,
+                };
+                let dict = z.full_state_dict(opts)?;
+                z.load_full_state_dict(&dict, true)?;
+                let again = z.full_state_dict(opts)?;
+                assert_eq!(dict.len(), again.len());
+                for ((k, a), (_, b)) in dict.iter().zip(&again) {
+                    assert_eq!(a.to_vec_f64()?, b.to_vec_f64()?, "{k} after a round trip");
+                }
+                z.summon_full_params()?;
+                Some(dict)
+            }
+            None => None,
+        };
+        let weights = full_weights(&model)?;
+        if let Some(dict) = dict {
+            for (name, w) in &weights {
+                let (_, t) = dict
+                    .iter()
+                    .find(|(k, _)| k == name)
+                    .expect("every parameter");
+                assert_eq!(&t.to_vec::<f32>()?, w, "full_state_dict {name}");
+            }
+            let (_, m) = dict
+                .iter()
+                .find(|(k, _)| k == "adamw.m.wte.weight")
+                .expect("AdamW's first moment of wte.weight");
+            assert_eq!(m.dims(), &[64, 32], "moments gathered over tp");
         }
-        Ok(RunOut {
-            losses,
-            weights: full_weights(&model)?,
-        })
+        Ok(RunOut { losses, weights })
     })
     .unwrap();
     outs.into_iter().next().unwrap()

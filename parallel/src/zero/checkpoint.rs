@@ -14,6 +14,7 @@
 
 use std::collections::{HashMap, HashSet};
 
+use meshgrad_autograd::distributed::Placement;
 use meshgrad_nn::optim::StateKind;
 use meshgrad_tensor::{DType, Device, Error, Result, Tensor};
 
@@ -450,10 +451,20 @@ impl ShardedDataParallel {
     /// precision loses nothing) and, with `opts.optimizer`, the optimizer's state as the same
     /// optimizer over the whole model would name it, gathered from the shards. Works for every
     /// strategy; collective over the shard group.
+    ///
+    /// Parameters split by tensor parallelism (a [`Placement`] on the variable) and their
+    /// elementwise optimizer state are also gathered over their group (a collective of the
+    /// tensor-parallel ranks, which every one of them calls), so the result is the
+    /// single-device state whatever the layout.
     pub fn full_state_dict(&self, opts: FullStateDictOptions) -> Result<Vec<(String, Tensor)>> {
-        self.inner
-            .full_state_dict(opts)
-            .map_err(|e| Error::msg(format!("sharded data parallel full_state_dict: {e}")))
+        let ctx = |e: Error| Error::msg(format!("sharded data parallel full_state_dict: {e}"));
+        let out = self.inner.full_state_dict(opts).map_err(ctx)?;
+        out.into_iter()
+            .map(|(key, t)| match self.inner.placement_of_key(&key) {
+                Some(p) => Ok((key, p.gather(&t).map_err(ctx)?)),
+                None => Ok((key, t)),
+            })
+            .collect()
     }
 
     /// Loads a full state dict (as [`ShardedDataParallel::full_state_dict`] or
@@ -464,9 +475,40 @@ impl ShardedDataParallel {
     /// the whole optimizer state, as the optimizer's `load_state_dict` does. With `strict`,
     /// every parameter must be present and every tensor known. Everything is checked before
     /// anything changes. Local: no communication (every rank must load the same dict).
+    ///
+    /// Under tensor parallelism each rank first takes its part of every split parameter (and of
+    /// its elementwise optimizer state) from the full tensors.
     pub fn load_full_state_dict(&self, tensors: &[(String, Tensor)], strict: bool) -> Result<()> {
-        self.inner
-            .load_full_state_dict(tensors, strict)
-            .map_err(|e| Error::msg(format!("sharded data parallel load_full_state_dict: {e}")))
+        let ctx = |e: Error| Error::msg(format!("sharded data parallel load_full_state_dict: {e}"));
+        let local: Vec<(String, Tensor)> = tensors
+            .iter()
+            .map(|(key, t)| match self.inner.placement_of_key(key) {
+                Some(p) => Ok((
+                    key.clone(),
+                    p.shard_of(t)
+                        .map_err(|e| ctx(Error::msg(format!("{key}: {e}"))))?,
+                )),
+                None => Ok((key.clone(), t.clone())),
+            })
+            .collect::<Result<_>>()?;
+        self.inner.load_full_state_dict(&local, strict).map_err(ctx)
+    }
+}
+
+impl Inner {
+    /// The tensor-parallel placement of a full-state-dict entry: a split parameter's weights or
+    /// its elementwise optimizer state.
+    fn placement_of_key(&self, key: &str) -> Option<Placement> {
+        let param = match self.plan.params.iter().position(|p| p.name == key) {
+            Some(i) => i,
+            None => {
+                let kind = lock(&self.state).opt.state_kind(key);
+                let Some(StateKind::Elementwise { param }) = kind else {
+                    return None;
+                };
+                self.plan.params.iter().position(|p| p.name == param)?
+            }
+        };
+        self.vars[param].placement().filter(|p| p.degree() > 1)
     }
 }
