@@ -62,44 +62,8 @@ fn tensor_parallel_layouts_match_single_device() {
         assert_lockstep(tag, &metrics(&dir, tag), &single, true);
     }
     // The checkpoints gathered from the tensor-parallel ranks hold the single device's weights.
-    let weights = |tag: &str| -> Vec<(String, Vec<f32>)> {
-        let m = meshgrad::train::load_checkpoint(&dir.join(tag)).unwrap();
-        meshgrad::nn::state::state_dict(&m)
-            .into_iter()
-            .map(|(n, t)| (n, t.to_vec_f32().unwrap()))
-            .collect()
-    };
-    let want = weights("single");
-    for (tag, _) in LAYOUTS {
-        let got = weights(tag);
-        assert_eq!(got.len(), want.len());
-        for ((n, a), (wn, b)) in got.iter().zip(&want) {
-            assert_eq!(n, wn);
-            // The key projection's bias has a gradient that is zero up to rounding, which AdamW
-            // turns into lr-sized steps of arbitrary sign (see tests/cli_zero.rs): compare the
-            // query and value parts only.
-            let (a, b): (Vec<f32>, Vec<f32>) = if n.ends_with("attn.c_attn.bias") {
-                let c = a.len() / 3;
-                a.iter()
-                    .zip(b)
-                    .enumerate()
-                    .filter(|(i, _)| !(c..2 * c).contains(i))
-                    .map(|(_, (x, y))| (*x, *y))
-                    .unzip()
-            } else {
-                (a.clone(), b.clone())
-            };
-            let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
-            let diff = a
-                .iter()
-                .zip(&b)
-                .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
-            assert!(
-                diff <= 1e-5 * scale,
-                "{tag}: {n}: {diff:e} vs scale {scale:e}"
-            );
-        }
-    }
+    let tags: Vec<&str> = LAYOUTS.iter().map(|(t, _)| *t).collect();
+    common::assert_checkpoints_match(&dir, &tags, "single");
     // `eval` reads a checkpoint written by a tensor-parallel run.
     let data = dir.join("eval.txt");
     std::fs::write(

@@ -13,8 +13,11 @@
 //! and the dropout masks (replicated, and keyed by global position under sequence parallelism)
 //! are checked with SGD with momentum, which does not amplify rounding.
 
+mod common;
+
 use std::time::Duration;
 
+use common::{full_weights, DataParallel, OptKind};
 use meshgrad_nn::data::TokenDataset;
 use meshgrad_nn::optim::{
     clip_grad_norm, param_groups_for_decay, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig,
@@ -22,8 +25,8 @@ use meshgrad_nn::optim::{
 use meshgrad_nn::{ForwardCtx, Gpt, GptConfig, Module, ParamBuilder};
 use meshgrad_parallel::comm::{all_reduce_scalar, run_ranks, RunOptions};
 use meshgrad_parallel::tp::tensor_parallel;
-use meshgrad_parallel::zero::{FullStateDictOptions, ShardConfig, ShardedDataParallel};
-use meshgrad_parallel::{rank_rows, Ddp, DdpConfig, ParallelLayout, ReduceOp};
+use meshgrad_parallel::zero::FullStateDictOptions;
+use meshgrad_parallel::{rank_rows, ParallelLayout, ReduceOp};
 use meshgrad_tensor::{DType, Device, Result, Tensor};
 
 const SEED: u64 = 7;
@@ -107,21 +110,6 @@ fn forward_backward(
     loss.tensor().item()
 }
 
-/// Every parameter, full (split ones gathered over their group: a collective).
-fn full_weights(model: &Gpt) -> Result<Vec<(String, Vec<f32>)>> {
-    model
-        .named_parameters()
-        .into_iter()
-        .map(|(n, p)| {
-            let t = match p.placement() {
-                Some(pl) => pl.gather(p.tensor())?,
-                None => p.tensor().clone(),
-            };
-            Ok((n, t.to_vec::<f32>()?))
-        })
-        .collect()
-}
-
 fn single_device(s: Setup) -> RunOut {
     let data = dataset();
     let model = Gpt::new(gpt_config(s.bias, s.dropout), SEED, DType::F32, Device::Cpu).unwrap();
@@ -167,70 +155,20 @@ fn mesh_run(layout: &str, sp: bool, s: Setup, initial: &[(String, Vec<f32>)]) ->
             assert_eq!(model.hidden(&ids)?.tensor().dims(), &[1, T / tp, 32]);
         }
         let dp_group = mesh.dp_group();
-        let (ddp, sdp) = match layout.zero() {
-            Some(stage) => {
-                let groups = param_groups_for_decay(model.named_parameters(), 0.1);
-                let sdp = if s.sgd {
-                    ShardedDataParallel::new(
-                        &model,
-                        groups,
-                        SgdConfig { momentum: 0.9 },
-                        mesh.shard_topology()?,
-                        ShardConfig::new(stage),
-                    )?
-                } else {
-                    ShardedDataParallel::new(
-                        &model,
-                        groups,
-                        AdamWConfig::default(),
-                        mesh.shard_topology()?,
-                        ShardConfig::new(stage),
-                    )?
-                };
-                (None, Some(sdp))
-            }
-            None if mesh.dp_degree() > 1 => (
-                Some(Ddp::new(
-                    model.named_parameters(),
-                    dp_group.clone(),
-                    DdpConfig::default(),
-                )?),
-                None,
-            ),
-            None => (None, None),
-        };
-        let mut opt = optimizer(&model, s)?;
+        let groups = param_groups_for_decay(model.named_parameters(), 0.1);
+        let kind = if s.sgd { OptKind::Sgd } else { OptKind::AdamW };
+        let mut wrapper = DataParallel::new(&model, &mesh, groups, kind)?;
         let rows = rank_rows(BATCH, mesh.dp_degree(), mesh.dp_rank())?;
         let mut losses = Vec::new();
         for step in 0..STEPS {
-            match &sdp {
-                Some(z) => z.zero_grad(),
-                None => opt.zero_grad(),
-            }
+            wrapper.zero_grad();
             let local = forward_backward(&model, &data, step, rows.clone())?;
-            if let Some(d) = &ddp {
-                d.finish()?;
-            }
-            match &sdp {
-                Some(z) => {
-                    z.finish()?;
-                    if s.clip {
-                        z.clip_grad_norm(0.5)?;
-                    }
-                    z.step(LR)?;
-                }
-                None => {
-                    if s.clip {
-                        clip_grad_norm(&model.parameters(), 0.5)?;
-                    }
-                    opt.step(LR)?;
-                }
-            }
+            wrapper.step(&model.parameters(), s.clip.then_some(0.5), LR)?;
             losses.push(all_reduce_scalar(dp_group.as_ref(), local, ReduceOp::Avg)?);
         }
         // ZeRO's full state dict gathers over the tensor-parallel ranks too, and loads back
         // (each rank taking its part): the single-device names and shapes, weights and moments.
-        let dict = match &sdp {
+        let dict = match wrapper.sharded() {
             Some(z) => {
                 let opts = FullStateDictOptions {
                     optimizer: true,

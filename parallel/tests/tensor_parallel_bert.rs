@@ -21,19 +21,22 @@
 //! absolutely (L2 of the difference within 1e-12) instead of relatively. The SGD test also runs
 //! tp=2 +sp with activation checkpointing (the layers' collectives rerun during backward).
 
+mod common;
+
 use std::time::Duration;
 
+use common::{full_weights, DataParallel, OptKind};
 use meshgrad_nn::bert::{check_tp_sizes, BertConfig, BertForMaskedLM, IGNORE_INDEX};
 use meshgrad_nn::data::splitmix64;
 use meshgrad_nn::mlm::{mlm_mask_rows, MlmConfig, SpecialTokens};
 use meshgrad_nn::optim::{
-    clip_grad_norm, param_groups_for_decay, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig,
+    clip_grad_norm, param_groups_for_decay, AdamW, AdamWConfig, Optimizer, ParamGroup, Sgd,
+    SgdConfig,
 };
 use meshgrad_nn::{ForwardCtx, Module, ParamBuilder};
 use meshgrad_parallel::comm::{all_reduce_scalar, run_ranks, RunOptions};
 use meshgrad_parallel::tp::tensor_parallel;
-use meshgrad_parallel::zero::{ShardConfig, ShardedDataParallel};
-use meshgrad_parallel::{rank_rows, Ddp, DdpConfig, ParallelLayout, ReduceOp};
+use meshgrad_parallel::{rank_rows, ParallelLayout, ReduceOp};
 use meshgrad_tensor::{DType, Device, Result, Tensor};
 
 const SEED: u64 = 11;
@@ -143,11 +146,16 @@ const SGD_DROPOUT: Setup = Setup {
     checkpoint: false,
 };
 
-fn optimizer(model: &BertForMaskedLM, s: Setup) -> Result<Box<dyn Optimizer>> {
+/// The optimizer groups of a run (the key biases frozen when the setup says so).
+fn optimizer_groups(model: &BertForMaskedLM, s: Setup) -> Result<Vec<ParamGroup>> {
     if s.freeze_key_bias {
         model.freeze("bert.encoder.layer.*.attention.self.key.bias")?;
     }
-    let groups = param_groups_for_decay(model.trainable_parameters(), 0.1);
+    Ok(param_groups_for_decay(model.trainable_parameters(), 0.1))
+}
+
+fn optimizer(model: &BertForMaskedLM, s: Setup) -> Result<Box<dyn Optimizer>> {
+    let groups = optimizer_groups(model, s)?;
     Ok(if s.sgd {
         Box::new(Sgd::new(groups, SgdConfig { momentum: 0.9 })?)
     } else {
@@ -174,21 +182,6 @@ fn forward_backward(
         .scope(|| model.loss_over(&b.ids, Some(&b.mask), Some(&b.types), &b.labels, total))?;
     loss.mul_scalar(dp as f64)?.backward()?;
     loss.tensor().item()
-}
-
-/// Every parameter, full (split ones gathered over their group: a collective).
-fn full_weights(model: &BertForMaskedLM) -> Result<Vec<(String, Vec<f32>)>> {
-    model
-        .named_parameters()
-        .into_iter()
-        .map(|(n, p)| {
-            let t = match p.placement() {
-                Some(pl) => pl.gather(p.tensor())?,
-                None => p.tensor().clone(),
-            };
-            Ok((n, t.to_vec::<f32>()?))
-        })
-        .collect()
 }
 
 fn single_device(s: Setup) -> RunOut {
@@ -243,62 +236,18 @@ fn mesh_run(layout: &str, sp: bool, s: Setup, initial: &[(String, Vec<f32>)]) ->
             assert_eq!(h.tensor().dims(), &[1, T / tp, HIDDEN]);
         }
         let dp_group = mesh.dp_group();
-        let mut opt = optimizer(&model, s)?;
-        let (ddp, sdp) = match layout.zero() {
-            Some(stage) => {
-                let groups = param_groups_for_decay(model.trainable_parameters(), 0.1);
-                let topo = mesh.shard_topology()?;
-                let config = ShardConfig::new(stage);
-                let sdp = if s.sgd {
-                    ShardedDataParallel::new(
-                        &model,
-                        groups,
-                        SgdConfig { momentum: 0.9 },
-                        topo,
-                        config,
-                    )?
-                } else {
-                    ShardedDataParallel::new(&model, groups, AdamWConfig::default(), topo, config)?
-                };
-                (None, Some(sdp))
-            }
-            None if dp > 1 => (
-                Some(Ddp::new(
-                    model.named_parameters(),
-                    dp_group.clone(),
-                    DdpConfig::default(),
-                )?),
-                None,
-            ),
-            None => (None, None),
-        };
+        let groups = optimizer_groups(&model, s)?;
+        let kind = if s.sgd { OptKind::Sgd } else { OptKind::AdamW };
+        let mut wrapper = DataParallel::new(&model, &mesh, groups, kind)?;
         let rows = rank_rows(BATCH, dp, mesh.dp_rank())?;
         let mut losses = Vec::new();
         for step in 0..STEPS {
-            match &sdp {
-                Some(z) => z.zero_grad(),
-                None => opt.zero_grad(),
-            }
+            wrapper.zero_grad();
             let share = forward_backward(&model, step, rows.clone(), dp)?;
-            if let Some(d) = &ddp {
-                d.finish()?;
-            }
-            match &sdp {
-                Some(z) => {
-                    z.finish()?;
-                    z.clip_grad_norm(0.5)?;
-                    z.step(LR)?;
-                }
-                None => {
-                    clip_grad_norm(&model.parameters(), 0.5)?;
-                    opt.step(LR)?;
-                }
-            }
+            wrapper.step(&model.parameters(), Some(0.5), LR)?;
             losses.push(all_reduce_scalar(dp_group.as_ref(), share, ReduceOp::Sum)?);
         }
-        if let Some(z) = &sdp {
-            z.summon_full_params()?;
-        }
+        wrapper.summon_full_params()?;
         Ok(RunOut {
             losses,
             weights: full_weights(&model)?,

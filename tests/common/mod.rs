@@ -148,3 +148,49 @@ pub fn assert_lockstep(tag: &str, got: &[Step], want: &[Step], grad_norms: bool)
         }
     }
 }
+
+/// The weights of the GPT checkpoint `dir/<tag>`, by name.
+pub fn checkpoint_weights(dir: &Path, tag: &str) -> Vec<(String, Vec<f32>)> {
+    let m = meshgrad::train::load_checkpoint(&dir.join(tag)).unwrap();
+    meshgrad::nn::state::state_dict(&m)
+        .into_iter()
+        .map(|(n, t)| (n, t.to_vec_f32().unwrap()))
+        .collect()
+}
+
+/// Asserts that the GPT checkpoint of every run in `tags` holds the weights of the checkpoint
+/// `reference` to rounding: each tensor within 1e-5 of its largest magnitude. The key
+/// projection's bias (the middle third of `c_attn.bias`) has a gradient that is zero up to
+/// rounding (softmax ignores a constant shift of the scores), which AdamW turns into lr-sized
+/// steps of arbitrary sign: it cannot match a run that sums differently, whatever the layout, so
+/// only the query and value parts are compared.
+pub fn assert_checkpoints_match(dir: &Path, tags: &[&str], reference: &str) {
+    let want = checkpoint_weights(dir, reference);
+    for tag in tags {
+        let got = checkpoint_weights(dir, tag);
+        assert_eq!(got.len(), want.len(), "{tag}");
+        for ((n, a), (wn, b)) in got.iter().zip(&want) {
+            assert_eq!(n, wn, "{tag}");
+            let (a, b): (Vec<f32>, Vec<f32>) = if n.ends_with("attn.c_attn.bias") {
+                let c = a.len() / 3;
+                a.iter()
+                    .zip(b)
+                    .enumerate()
+                    .filter(|(i, _)| !(c..2 * c).contains(i))
+                    .map(|(_, (x, y))| (*x, *y))
+                    .unzip()
+            } else {
+                (a.clone(), b.clone())
+            };
+            let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let diff = a
+                .iter()
+                .zip(&b)
+                .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(
+                diff <= 1e-5 * scale,
+                "{tag}: {n}: {diff:e} vs scale {scale:e}"
+            );
+        }
+    }
+}
