@@ -55,7 +55,8 @@ use meshgrad_autograd::{checkpoint, Var};
 use meshgrad_tensor::{AttentionMask, DType, Device, GeluKind, Result, Tensor};
 
 use crate::layers::{Dropout, Embedding, LayerNorm, Linear, LinearConfig, LmHead};
-use crate::module::{Child, Forward, Init, Module, ParamBuilder};
+use crate::module::{Child, Forward, Module};
+use crate::param_builder::{Init, ParamBuilder};
 use crate::tp::{ParallelStyle, TensorParallel, TpPlan};
 
 /// The label of tokens that take no part in the loss (PyTorch's `CrossEntropyLoss` default).

@@ -10,7 +10,8 @@ use meshgrad_autograd::{no_grad, Var};
 use meshgrad_tensor::{DType, Device, Random, Result, Tensor};
 
 use crate::layers::{Block, BlockConfig, Dropout, Embedding, LayerNorm, LmHead};
-use crate::module::{Forward, Module, ParamBuilder};
+use crate::module::{Forward, Module};
+use crate::param_builder::ParamBuilder;
 use crate::stage::{BlockRange, ModelStage, StageInput, StageSpec};
 use crate::tp::{ParallelStyle, TpPlan};
 

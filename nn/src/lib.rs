@@ -11,6 +11,7 @@ pub mod layers;
 pub mod mlm;
 pub mod module;
 pub mod optim;
+pub mod param_builder;
 pub mod stage;
 pub mod state;
 pub mod tokenizer;
@@ -25,7 +26,8 @@ pub use layers::{
 pub use meshgrad_autograd::ForwardCtx;
 /// Derives [`Module`] from a struct's fields (see [`module`] and the `meshgrad-derive` crate).
 pub use meshgrad_derive::Module;
-pub use module::{Forward, Init, Module, ParamBuilder};
+pub use module::{Forward, Module};
+pub use param_builder::{Init, ParamBuilder};
 pub use stage::{BlockRange, ModelStage, StageInput, StageSpec};
 
 impl From<data::DataError> for meshgrad_tensor::Error {

@@ -4,7 +4,8 @@ use meshgrad_autograd::Var;
 use meshgrad_tensor::{AttentionMask, Result};
 
 use super::{Dropout, Linear, LinearConfig};
-use crate::module::{Forward, ParamBuilder};
+use crate::module::Forward;
+use crate::param_builder::ParamBuilder;
 
 /// `c_proj(attention(split_heads(c_attn(x))))` with a causal mask, then residual dropout.
 /// `c_attn` maps `C -> 3C` (`[q | k | v]`, heads contiguous within each).

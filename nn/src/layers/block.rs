@@ -6,7 +6,8 @@ use meshgrad_autograd::{checkpoint, Var};
 use meshgrad_tensor::Result;
 
 use super::{CausalSelfAttention, LayerNorm, Mlp};
-use crate::module::{Forward, ParamBuilder};
+use crate::module::Forward;
+use crate::param_builder::ParamBuilder;
 
 /// `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`.
 #[derive(crate::Module)]

@@ -6,7 +6,8 @@ use meshgrad_autograd::distributed::all_reduce_forward;
 use meshgrad_autograd::Var;
 use meshgrad_tensor::{DType, Result, Tensor};
 
-use crate::module::{Child, Init, Module, ParamBuilder};
+use crate::module::{Child, Module};
+use crate::param_builder::{Init, ParamBuilder};
 use crate::tp::{ParallelStyle, TensorParallel};
 
 /// A lookup table `[num, dim]`; `forward(ids)` gathers rows.

@@ -6,7 +6,8 @@ use meshgrad_autograd::distributed::{all_reduce_backward, split_dim};
 use meshgrad_autograd::Var;
 use meshgrad_tensor::Result;
 
-use crate::module::{Child, Forward, Init, Module, ParamBuilder};
+use crate::module::{Child, Forward, Module};
+use crate::param_builder::{Init, ParamBuilder};
 use crate::tp::{ParallelStyle, TensorParallel};
 
 /// Layer norm over the last dim with a learned scale and (optionally) shift.

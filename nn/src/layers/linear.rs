@@ -8,7 +8,8 @@ use meshgrad_autograd::distributed::{
 use meshgrad_autograd::Var;
 use meshgrad_tensor::Result;
 
-use crate::module::{Child, Forward, Init, Module, ParamBuilder};
+use crate::module::{Child, Forward, Module};
+use crate::param_builder::{Init, ParamBuilder};
 use crate::tp::{ParallelStyle, TensorParallel};
 
 /// `y = x Wᵀ + b` with `W` stored `[out, in]` (the PyTorch `nn.Linear` convention; the

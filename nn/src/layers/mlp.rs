@@ -4,7 +4,8 @@ use meshgrad_autograd::Var;
 use meshgrad_tensor::{GeluKind, Result};
 
 use super::{Dropout, Linear, LinearConfig};
-use crate::module::{Forward, ParamBuilder};
+use crate::module::Forward;
+use crate::param_builder::ParamBuilder;
 
 /// `dropout(c_proj(gelu(c_fc(x))))` with a 4x hidden width.
 #[derive(crate::Module)]
