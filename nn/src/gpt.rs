@@ -571,33 +571,16 @@ fn run_block(block: &Arc<Block>, x: &Var, checkpointed: bool) -> Result<Var> {
 
 /// The tensor-parallel size checks of [`Gpt::check_tensor_parallel`].
 pub fn check_tp_sizes(c: &GptConfig, tp: usize, sequence: Option<usize>) -> Result<()> {
-    if tp <= 1 {
-        return Ok(());
-    }
-    for (what, n) in [
-        ("n_head", c.n_head),
-        ("the MLP width 4 x n_embd", 4 * c.n_embd),
-        ("vocab_size", c.vocab_size),
-    ] {
-        if !n.is_multiple_of(tp) {
-            meshgrad_tensor::bail!(
-                "tensor parallelism: {what} = {n} is not divisible by tp = {tp}{}",
-                if what == "vocab_size" {
-                    " (choose a vocabulary size that is a multiple of tp)"
-                } else {
-                    ""
-                }
-            );
-        }
-    }
-    if let Some(t) = sequence {
-        if !t.is_multiple_of(tp) {
-            meshgrad_tensor::bail!(
-                "sequence parallelism: the sequence length {t} is not divisible by tp = {tp}"
-            );
-        }
-    }
-    Ok(())
+    crate::tp::check_split_sizes(
+        "gpt",
+        tp,
+        &[
+            ("n_head", c.n_head),
+            ("MLP width 4 x n_embd", 4 * c.n_embd),
+            ("vocab_size", c.vocab_size),
+        ],
+        sequence,
+    )
 }
 
 /// A uniform draw in [0, 1) keyed by (seed, index), through the tensor RNG.

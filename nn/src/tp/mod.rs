@@ -113,3 +113,38 @@ pub fn full_state_dict(
         })
         .collect()
 }
+
+/// Checks that each named size splits over `tp` ranks (and `sequence`, the sequence length
+/// under sequence parallelism): a one-line error naming the first that does not, e.g.
+/// `tensor parallelism: gpt n_head = 3 is not divisible by tp = 2`. A model's own check
+/// (`check_tp_sizes`) lists its sizes; a vocabulary that does not split says it is not padded.
+pub fn check_split_sizes(
+    model: &str,
+    tp: usize,
+    sizes: &[(&str, usize)],
+    sequence: Option<usize>,
+) -> meshgrad_tensor::Result<()> {
+    if tp <= 1 {
+        return Ok(());
+    }
+    for &(what, n) in sizes {
+        if !n.is_multiple_of(tp) {
+            meshgrad_tensor::bail!(
+                "tensor parallelism: {model} {what} = {n} is not divisible by tp = {tp}{}",
+                if what == "vocab_size" {
+                    " (the vocabulary is not padded: choose a size that is a multiple of tp)"
+                } else {
+                    ""
+                }
+            );
+        }
+    }
+    if let Some(t) = sequence {
+        if !t.is_multiple_of(tp) {
+            meshgrad_tensor::bail!(
+                "sequence parallelism: the sequence length {t} is not divisible by tp = {tp}"
+            );
+        }
+    }
+    Ok(())
+}
