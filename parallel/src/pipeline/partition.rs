@@ -539,9 +539,10 @@ fn check_boundaries(b: &[usize], stages: usize, n_blocks: usize) -> Result<()> {
     let last = *b.last().expect("checked non-empty");
     if last >= n_blocks {
         bail!(
-            "--partition {}: boundary {last} is past the last block of {n_blocks} (blocks \
-             0..{n_blocks}; each stage needs at least one block)",
-            join(b)
+            "--partition {}: boundary {last} leaves the last stage no block (the model has \
+             {n_blocks} blocks, 0 to {})",
+            join(b),
+            n_blocks - 1
         );
     }
     Ok(())
