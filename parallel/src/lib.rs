@@ -23,6 +23,11 @@
 //! * [`memory_report`]: per-rank peak bytes of parameters, gradients, optimizer state and
 //!   activations of a GPT trained under any layout (DDP, ZeRO-1/2/3, tensor and sequence
 //!   parallelism and their compositions), beside the theory's figures.
+//! * [`pipeline`]: pipeline parallelism; [`pipeline::partition`] cuts a model into stages from
+//!   per-layer costs (`--partition auto|speed|memory|even|B0,B1,...`): a dynamic program
+//!   minimising the slowest stage's time or the largest stage's memory under an optional
+//!   per-stage memory limit, even splits and explicit boundaries, convertible into
+//!   `meshgrad_nn::StageSpec`s.
 
 pub mod comm;
 pub mod ddp;
@@ -30,6 +35,7 @@ pub mod layout;
 pub mod layout_mesh;
 pub mod memory_report;
 pub mod mesh;
+pub mod pipeline;
 pub mod sampler;
 pub mod tp;
 pub mod zero;
