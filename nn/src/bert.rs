@@ -210,23 +210,48 @@ impl BertEmbeddings {
 
     /// `ids [B, T]`, `token_type_ids [B, T]` (type 0 when `None`) -> `[B, T, hidden]`.
     pub fn forward(&self, ids: &Tensor, token_type_ids: Option<&Tensor>) -> Result<Var> {
-        let t = ids.dims()[1];
-        let pos = Tensor::arange(0, t as i64, DType::I64, ids.device())?;
-        let zeros;
-        let types = match token_type_ids {
-            Some(tt) => tt,
-            None => {
-                zeros = Tensor::zeros(ids.shape().clone(), DType::U32, ids.device())?;
-                &zeros
-            }
-        };
-        let x = self
-            .word_embeddings
-            .forward(ids)?
-            .add(&self.token_type_embeddings.forward(types)?)?
-            .add(&self.position_embeddings.forward(&pos)?)?;
-        self.dropout.forward(&self.layer_norm.forward(&x)?)
+        embed(
+            EmbeddingParts {
+                word: &self.word_embeddings,
+                position: &self.position_embeddings,
+                token_type: &self.token_type_embeddings,
+                layer_norm: &self.layer_norm,
+                dropout: &self.dropout,
+            },
+            ids,
+            token_type_ids,
+        )
     }
+}
+
+/// The parts of the embeddings, borrowed from a [`BertEmbeddings`].
+struct EmbeddingParts<'a> {
+    word: &'a Embedding,
+    position: &'a Embedding,
+    token_type: &'a Embedding,
+    layer_norm: &'a LayerNorm,
+    dropout: &'a Dropout,
+}
+
+/// Word + token-type + position embeddings of `ids [B, T]` (type 0 when `token_type_ids` is
+/// `None`), then `LayerNorm` and dropout: the one embedding forward of the model and its stages.
+fn embed(e: EmbeddingParts<'_>, ids: &Tensor, token_type_ids: Option<&Tensor>) -> Result<Var> {
+    let t = ids.dims()[1];
+    let pos = Tensor::arange(0, t as i64, DType::I64, ids.device())?;
+    let zeros;
+    let types = match token_type_ids {
+        Some(tt) => tt,
+        None => {
+            zeros = Tensor::zeros(ids.shape().clone(), DType::U32, ids.device())?;
+            &zeros
+        }
+    };
+    let x = e
+        .word
+        .forward(ids)?
+        .add(&e.token_type.forward(types)?)?
+        .add(&e.position.forward(&pos)?)?;
+    e.dropout.forward(&e.layer_norm.forward(&x)?)
 }
 
 /// Multi-head self-attention: `query`, `key`, `value` projections and dropout on the
@@ -435,6 +460,30 @@ impl BertLayer {
     }
 }
 
+/// Encoder layers `range` (global indices; only their names, given by the model tree, depend on
+/// them).
+fn new_layers(
+    p: &ParamBuilder,
+    c: &BertConfig,
+    range: std::ops::Range<usize>,
+) -> Result<Vec<Arc<BertLayer>>> {
+    range.map(|_| BertLayer::new(p, c).map(Arc::new)).collect()
+}
+
+/// One encoder layer, recomputed in backward with activation checkpointing.
+fn run_layer(
+    layer: &Arc<BertLayer>,
+    x: &Var,
+    mask: Option<&Tensor>,
+    checkpointed: bool,
+) -> Result<Var> {
+    if checkpointed {
+        layer.forward_checkpointed(x, mask)
+    } else {
+        layer.forward(x, mask)
+    }
+}
+
 /// The stack of encoder layers (`encoder`).
 #[derive(crate::Module)]
 #[module(crate = crate)]
@@ -500,6 +549,52 @@ pub struct BertOnlyMLMHead {
     pub predictions: BertLMPredictionHead,
 }
 
+impl BertOnlyMLMHead {
+    fn new(p: &ParamBuilder, c: &BertConfig) -> Result<Self> {
+        Ok(BertOnlyMLMHead {
+            predictions: BertLMPredictionHead {
+                transform: BertPredictionHeadTransform {
+                    dense: LinearConfig::new(c.hidden_size, c.hidden_size)
+                        .std(c.initializer_range)
+                        .build(p)?,
+                    layer_norm: LayerNorm::new(p, c.hidden_size, true, c.layer_norm_eps)?,
+                },
+                bias: p.param(c.vocab_size, Init::Zeros)?,
+                decoder: LmHead::new(),
+            },
+        })
+    }
+
+    /// MLM logits of the final hidden states `x`: the transform (dense, exact GELU,
+    /// `LayerNorm`), then the decoder over the word-embedding table `table` with
+    /// `cls.predictions.bias` (under tensor parallelism, this rank's vocabulary slice).
+    fn logits(&self, x: &Var, table: &Var) -> Result<Var> {
+        let p = &self.predictions;
+        let h = p.transform.dense.forward(x)?.gelu(GeluKind::Erf)?;
+        let h = p.transform.layer_norm.forward(&h)?;
+        p.decoder.forward_with_bias(&h, table, Some(&p.bias))
+    }
+
+    /// The summed cross-entropy of `logits` over the labelled tokens of `labels` (`n` of them,
+    /// [`count_labels`]) divided by `denominator` (see [`BertForMaskedLM::loss_over`]).
+    fn loss(&self, logits: &Var, labels: &Tensor, n: usize, denominator: f64) -> Result<Var> {
+        if !(denominator.is_finite() && denominator > 0.0) {
+            meshgrad_tensor::bail!(
+                "bert: the loss denominator must be positive, got {denominator}"
+            );
+        }
+        let labels = labels.to_dtype(DType::I64)?;
+        // Under tensor parallelism the logits are this rank's vocabulary slice and the loss is
+        // loss-parallel (the full logits are never gathered).
+        let mean = self
+            .predictions
+            .decoder
+            .loss(logits, &labels, Some(IGNORE_INDEX))?;
+        // The op's mean is over the n labelled rows (0 when there are none).
+        mean.mul_scalar(n as f64 / denominator)
+    }
+}
+
 /// BERT with the masked-language-modelling head (Hugging Face's `BertForMaskedLM`).
 ///
 /// ```
@@ -553,38 +648,14 @@ impl BertForMaskedLM {
                 bert: BertModel {
                     embeddings: BertEmbeddings::new(p, &c)?,
                     encoder: BertEncoder {
-                        layer: (0..c.num_hidden_layers)
-                            .map(|_| BertLayer::new(p, &c).map(Arc::new))
-                            .collect::<Result<_>>()?,
+                        layer: new_layers(p, &c, 0..c.num_hidden_layers)?,
                     },
                 },
-                cls: BertOnlyMLMHead {
-                    predictions: BertLMPredictionHead {
-                        transform: BertPredictionHeadTransform {
-                            dense: LinearConfig::new(c.hidden_size, c.hidden_size)
-                                .std(c.initializer_range)
-                                .build(p)?,
-                            layer_norm: LayerNorm::new(p, c.hidden_size, true, c.layer_norm_eps)?,
-                        },
-                        bias: p.param(c.vocab_size, Init::Zeros)?,
-                        decoder: LmHead::new(),
-                    },
-                },
+                cls: BertOnlyMLMHead::new(p, &c)?,
                 activation_checkpointing: false,
             })
         })?;
-        // The padding row starts at zero (on the rank whose vocabulary slice holds it).
-        let table = &model.bert.embeddings.word_embeddings.weight;
-        let w = table.tensor();
-        let rows = match table.placement() {
-            Some(p) => p.ranges(c.vocab_size, p.index())[0].clone(),
-            None => 0..c.vocab_size,
-        };
-        if rows.contains(&c.pad_token_id) {
-            let zeros = Tensor::zeros((1, c.hidden_size), w.dtype(), w.device())?;
-            w.narrow(0, c.pad_token_id - rows.start, 1)?
-                .copy_from(&zeros)?;
-        }
+        zero_padding_row(&model.bert.embeddings.word_embeddings.weight, &c)?;
         Ok(model)
     }
 
@@ -653,72 +724,6 @@ impl BertForMaskedLM {
         &self.bert.embeddings.word_embeddings.weight
     }
 
-    /// Checks the shapes and dtypes of the inputs; returns `(B, T)`.
-    fn check_inputs(
-        &self,
-        ids: &Tensor,
-        attention_mask: Option<&Tensor>,
-        token_type_ids: Option<&Tensor>,
-    ) -> Result<(usize, usize)> {
-        if ids.rank() != 2 || !ids.dtype().is_int() {
-            meshgrad_tensor::bail!(
-                "bert: input_ids must be an integer tensor [B, T], got {} of {}",
-                ids.shape(),
-                ids.dtype()
-            );
-        }
-        let (b, t) = (ids.dims()[0], ids.dims()[1]);
-        if t == 0 || t > self.config.max_position_embeddings {
-            meshgrad_tensor::bail!(
-                "bert: sequence length {t} must be in 1..={} (max_position_embeddings)",
-                self.config.max_position_embeddings
-            );
-        }
-        for (name, x) in [
-            ("attention_mask", attention_mask),
-            ("token_type_ids", token_type_ids),
-        ] {
-            if let Some(x) = x {
-                if x.dims() != ids.dims() {
-                    meshgrad_tensor::bail!(
-                        "bert: {name} has shape {} but input_ids has {}",
-                        x.shape(),
-                        ids.shape()
-                    );
-                }
-            }
-        }
-        if let Some(tt) = token_type_ids {
-            if !tt.dtype().is_int() {
-                meshgrad_tensor::bail!("bert: token_type_ids must be integers, got {}", tt.dtype());
-            }
-        }
-        Ok((b, t))
-    }
-
-    /// The additive attention mask `[B, 1, 1, T]` of `attention_mask [B, T]` (1 = attend,
-    /// 0 = padding), as Hugging Face builds it: `(1 - mask) * min`, with `min` the most
-    /// negative finite value of the parameters' dtype.
-    fn additive_mask(&self, mask: &Tensor) -> Result<Tensor> {
-        let w = self.word_embeddings().tensor();
-        let min = match w.dtype() {
-            DType::F64 => f64::MIN,
-            DType::F32 => f32::MIN as f64,
-            DType::BF16 => half::bf16::MIN.to_f64(),
-            DType::F16 => half::f16::MIN.to_f64(),
-            other => meshgrad_tensor::bail!("bert: parameters of dtype {other} are not supported"),
-        };
-        let (b, t) = (mask.dims()[0], mask.dims()[1]);
-        let v: Vec<f64> = mask
-            .to_vec_f64()?
-            .into_iter()
-            .map(|m| (1.0 - m) * min)
-            .collect();
-        Tensor::from_vec(v, (b, 1, 1, t), Device::Cpu)?
-            .to_dtype(w.dtype())?
-            .to_device(w.device())
-    }
-
     /// The final hidden states `[B, T, hidden]` (the encoder's output; under sequence
     /// parallelism this rank's positions `[B, T / tp, hidden]`).
     pub fn hidden_states(
@@ -753,58 +758,24 @@ impl BertForMaskedLM {
         token_type_ids: Option<&Tensor>,
         logits: bool,
     ) -> Result<Var> {
-        self.check_inputs(ids, attention_mask, token_type_ids)?;
-        let mask = attention_mask.map(|m| self.additive_mask(m)).transpose()?;
+        check_inputs(&self.config, ids, attention_mask, token_type_ids)?;
+        let mask = attention_mask
+            .map(|m| additive_mask(m, self.word_embeddings().tensor()))
+            .transpose()?;
         let mut x = self.bert.embeddings.forward(ids, token_type_ids)?;
         for layer in &self.bert.encoder.layer {
-            x = if self.activation_checkpointing {
-                layer.forward_checkpointed(&x, mask.as_ref())?
-            } else {
-                layer.forward(&x, mask.as_ref())?
-            };
+            x = run_layer(layer, &x, mask.as_ref(), self.activation_checkpointing)?;
         }
         if !logits {
             return Ok(x);
         }
-        let p = &self.cls.predictions;
-        let h = p.transform.dense.forward(&x)?.gelu(GeluKind::Erf)?;
-        let h = p.transform.layer_norm.forward(&h)?;
-        p.decoder
-            .forward_with_bias(&h, self.word_embeddings(), Some(&p.bias))
+        self.cls.logits(&x, self.word_embeddings())
     }
 
     /// Checks labels `[B, T]`: integers, each [`IGNORE_INDEX`] or a token id. Returns how many
     /// are not ignored.
     pub fn count_labels(&self, labels: &Tensor) -> Result<usize> {
-        if !labels.dtype().is_int() || labels.rank() != 2 {
-            meshgrad_tensor::bail!(
-                "bert: labels must be an integer tensor [B, T], got {} of {}",
-                labels.shape(),
-                labels.dtype()
-            );
-        }
-        let v = self.config.vocab_size as i64;
-        let mut n = 0;
-        for (i, &l) in labels
-            .to_dtype(DType::I64)?
-            .to_vec::<i64>()?
-            .iter()
-            .enumerate()
-        {
-            if l == IGNORE_INDEX {
-                continue;
-            }
-            if !(0..v).contains(&l) {
-                let t = labels.dims()[1];
-                meshgrad_tensor::bail!(
-                    "bert: label {l} at row {}, position {} is neither {IGNORE_INDEX} nor a token id below vocab_size {v}",
-                    i / t,
-                    i % t
-                );
-            }
-            n += 1;
-        }
-        Ok(n)
+        count_labels(&self.config, labels)
     }
 
     /// The MLM loss as Hugging Face's `BertForMaskedLM` computes it: the mean cross-entropy of
@@ -852,18 +823,125 @@ impl BertForMaskedLM {
             );
         }
         let n = self.count_labels(labels)?;
-        let labels = labels.to_dtype(DType::I64)?;
         let logits = self.forward(input_ids, attention_mask, token_type_ids)?;
-        // Under tensor parallelism the logits are this rank's vocabulary slice and the loss is
-        // loss-parallel (the full logits are never gathered).
-        let mean = self
-            .cls
-            .predictions
-            .decoder
-            .loss(&logits, &labels, Some(IGNORE_INDEX))?;
-        // The op's mean is over the n labelled rows (0 when there are none).
-        mean.mul_scalar(n as f64 / denominator)
+        self.cls.loss(&logits, labels, n, denominator)
     }
+}
+
+/// Checks the shapes and dtypes of the inputs against `c`; returns `(B, T)`.
+fn check_inputs(
+    c: &BertConfig,
+    ids: &Tensor,
+    attention_mask: Option<&Tensor>,
+    token_type_ids: Option<&Tensor>,
+) -> Result<(usize, usize)> {
+    if ids.rank() != 2 || !ids.dtype().is_int() {
+        meshgrad_tensor::bail!(
+            "bert: input_ids must be an integer tensor [B, T], got {} of {}",
+            ids.shape(),
+            ids.dtype()
+        );
+    }
+    let (b, t) = (ids.dims()[0], ids.dims()[1]);
+    if t == 0 || t > c.max_position_embeddings {
+        meshgrad_tensor::bail!(
+            "bert: sequence length {t} must be in 1..={} (max_position_embeddings)",
+            c.max_position_embeddings
+        );
+    }
+    for (name, x) in [
+        ("attention_mask", attention_mask),
+        ("token_type_ids", token_type_ids),
+    ] {
+        if let Some(x) = x {
+            if x.dims() != ids.dims() {
+                meshgrad_tensor::bail!(
+                    "bert: {name} has shape {} but input_ids has {}",
+                    x.shape(),
+                    ids.shape()
+                );
+            }
+        }
+    }
+    if let Some(tt) = token_type_ids {
+        if !tt.dtype().is_int() {
+            meshgrad_tensor::bail!("bert: token_type_ids must be integers, got {}", tt.dtype());
+        }
+    }
+    Ok((b, t))
+}
+
+/// The additive attention mask `[B, 1, 1, T]` of `attention_mask [B, T]` (1 = attend,
+/// 0 = padding), as Hugging Face builds it: `(1 - mask) * min`, with `min` the most negative
+/// finite value of the parameters' dtype; in the dtype and on the device of `like` (a
+/// parameter).
+fn additive_mask(mask: &Tensor, like: &Tensor) -> Result<Tensor> {
+    let min = match like.dtype() {
+        DType::F64 => f64::MIN,
+        DType::F32 => f32::MIN as f64,
+        DType::BF16 => half::bf16::MIN.to_f64(),
+        DType::F16 => half::f16::MIN.to_f64(),
+        other => meshgrad_tensor::bail!("bert: parameters of dtype {other} are not supported"),
+    };
+    let (b, t) = (mask.dims()[0], mask.dims()[1]);
+    let v: Vec<f64> = mask
+        .to_vec_f64()?
+        .into_iter()
+        .map(|m| (1.0 - m) * min)
+        .collect();
+    Tensor::from_vec(v, (b, 1, 1, t), Device::Cpu)?
+        .to_dtype(like.dtype())?
+        .to_device(like.device())
+}
+
+/// Checks labels `[B, T]` against `c` (integers, each [`IGNORE_INDEX`] or a token id); returns
+/// how many are not ignored.
+fn count_labels(c: &BertConfig, labels: &Tensor) -> Result<usize> {
+    if !labels.dtype().is_int() || labels.rank() != 2 {
+        meshgrad_tensor::bail!(
+            "bert: labels must be an integer tensor [B, T], got {} of {}",
+            labels.shape(),
+            labels.dtype()
+        );
+    }
+    let v = c.vocab_size as i64;
+    let mut n = 0;
+    for (i, &l) in labels
+        .to_dtype(DType::I64)?
+        .to_vec::<i64>()?
+        .iter()
+        .enumerate()
+    {
+        if l == IGNORE_INDEX {
+            continue;
+        }
+        if !(0..v).contains(&l) {
+            let t = labels.dims()[1];
+            meshgrad_tensor::bail!(
+                "bert: label {l} at row {}, position {} is neither {IGNORE_INDEX} nor a token id below vocab_size {v}",
+                i / t,
+                i % t
+            );
+        }
+        n += 1;
+    }
+    Ok(n)
+}
+
+/// Zeroes the padding token's row of the word-embedding table `table` (on the rank whose
+/// vocabulary slice holds it), as Hugging Face initialises it.
+fn zero_padding_row(table: &Var, c: &BertConfig) -> Result<()> {
+    let w = table.tensor();
+    let rows = match table.placement() {
+        Some(p) => p.ranges(c.vocab_size, p.index())[0].clone(),
+        None => 0..c.vocab_size,
+    };
+    if rows.contains(&c.pad_token_id) {
+        let zeros = Tensor::zeros((1, c.hidden_size), w.dtype(), w.device())?;
+        w.narrow(0, c.pad_token_id - rows.start, 1)?
+            .copy_from(&zeros)?;
+    }
+    Ok(())
 }
 
 /// The tensor-parallel size checks of [`BertForMaskedLM::check_tensor_parallel`]: the heads,
