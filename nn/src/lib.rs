@@ -16,7 +16,7 @@ pub mod state;
 pub mod tokenizer;
 pub mod tp;
 
-pub use bert::{BertConfig, BertForMaskedLM};
+pub use bert::{BertBatch, BertConfig, BertForMaskedLM, BertStage};
 pub use gpt::{Gpt, GptBatch, GptConfig, GptStage};
 pub use layers::{
     Activation, Block, BlockConfig, CausalSelfAttention, Dropout, Embedding, LayerNorm, Linear,
