@@ -18,6 +18,15 @@
 //!
 //! See [`crate::state::hf_bert`] for checkpoints and [`crate::mlm`] for the masking of inputs.
 //!
+//! # Stages
+//!
+//! [`BertStage`] is a contiguous range of the encoder layers, with or without the embeddings and
+//! the MLM head, under the full model's parameter names (`bert.encoder.layer.{i}` keeps its
+//! global `i`; see [`crate::stage`]). A later stage with the head holds its own copy of the
+//! word-embedding table for the tied decoder ([`ModelStage::tied_parameters`]). [`BertBatch`]
+//! is a microbatch as the stages read it; [`BertStage::tp_plan`] is the part of
+//! [`BertForMaskedLM::tp_plan`] that a stage's modules take.
+//!
 //! # Tensor and sequence parallelism
 //!
 //! [`BertForMaskedLM::build`] with a [`ParamBuilder::tensor_parallel`] builder and

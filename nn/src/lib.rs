@@ -1,8 +1,9 @@
 //! meshgrad layers and models: the [`Module`] trait, linear/embedding/norm/dropout/attention/MLP
-//! layers, the GPT model (whole, or as stages: a range of blocks with or without the embedding
-//! and the head), optimizers, learning-rate schedules, state dicts (safetensors and
-//! Hugging Face GPT-2 checkpoints), token datasets (in memory, JSONL, memory-mapped llm.c shards)
-//! and tokenizers (Hugging Face `tokenizers`: byte-level BPE and WordPiece).
+//! layers, the GPT and BERT (masked-LM) models (each whole, or as stages: a range of blocks with
+//! or without the embedding and the head, under the whole model's parameter names), MLM masking,
+//! optimizers, learning-rate schedules, state dicts (safetensors and Hugging Face GPT-2 and BERT
+//! checkpoints), token datasets (in memory, JSONL, memory-mapped llm.c shards) and tokenizers
+//! (Hugging Face `tokenizers`: byte-level BPE and WordPiece).
 
 pub mod bert;
 pub mod data;
