@@ -18,6 +18,15 @@
 //!
 //! See [`crate::state::hf_bert`] for checkpoints and [`crate::mlm`] for the masking of inputs.
 //!
+//! # Stages
+//!
+//! [`BertStage`] is a contiguous range of the encoder layers, with or without the embeddings and
+//! the MLM head, under the full model's parameter names (`bert.encoder.layer.{i}` keeps its
+//! global `i`; see [`crate::stage`]). A later stage with the head holds its own copy of the
+//! word-embedding table for the tied decoder ([`ModelStage::tied_parameters`]). [`BertBatch`]
+//! is a microbatch as the stages read it; [`BertStage::tp_plan`] is the part of
+//! [`BertForMaskedLM::tp_plan`] that a stage's modules take.
+//!
 //! # Tensor and sequence parallelism
 //!
 //! [`BertForMaskedLM::build`] with a [`ParamBuilder::tensor_parallel`] builder and
@@ -57,6 +66,7 @@ use meshgrad_tensor::{AttentionMask, DType, Device, GeluKind, Result, Tensor};
 use crate::layers::{Dropout, Embedding, LayerNorm, Linear, LinearConfig, LmHead};
 use crate::module::{Child, Forward, Module};
 use crate::param_builder::{Init, ParamBuilder};
+use crate::stage::{BlockRange, ModelStage, StageInput, StageSpec};
 use crate::tp::{ParallelStyle, TensorParallel, TpPlan};
 
 /// The label of tokens that take no part in the loss (PyTorch's `CrossEntropyLoss` default).
@@ -211,23 +221,48 @@ impl BertEmbeddings {
 
     /// `ids [B, T]`, `token_type_ids [B, T]` (type 0 when `None`) -> `[B, T, hidden]`.
     pub fn forward(&self, ids: &Tensor, token_type_ids: Option<&Tensor>) -> Result<Var> {
-        let t = ids.dims()[1];
-        let pos = Tensor::arange(0, t as i64, DType::I64, ids.device())?;
-        let zeros;
-        let types = match token_type_ids {
-            Some(tt) => tt,
-            None => {
-                zeros = Tensor::zeros(ids.shape().clone(), DType::U32, ids.device())?;
-                &zeros
-            }
-        };
-        let x = self
-            .word_embeddings
-            .forward(ids)?
-            .add(&self.token_type_embeddings.forward(types)?)?
-            .add(&self.position_embeddings.forward(&pos)?)?;
-        self.dropout.forward(&self.layer_norm.forward(&x)?)
+        embed(
+            EmbeddingParts {
+                word: &self.word_embeddings,
+                position: &self.position_embeddings,
+                token_type: &self.token_type_embeddings,
+                layer_norm: &self.layer_norm,
+                dropout: &self.dropout,
+            },
+            ids,
+            token_type_ids,
+        )
     }
+}
+
+/// The parts of the embeddings, borrowed from a [`BertEmbeddings`] or a [`BertStageEmbeddings`].
+struct EmbeddingParts<'a> {
+    word: &'a Embedding,
+    position: &'a Embedding,
+    token_type: &'a Embedding,
+    layer_norm: &'a LayerNorm,
+    dropout: &'a Dropout,
+}
+
+/// Word + token-type + position embeddings of `ids [B, T]` (type 0 when `token_type_ids` is
+/// `None`), then `LayerNorm` and dropout: the one embedding forward of the model and its stages.
+fn embed(e: EmbeddingParts<'_>, ids: &Tensor, token_type_ids: Option<&Tensor>) -> Result<Var> {
+    let t = ids.dims()[1];
+    let pos = Tensor::arange(0, t as i64, DType::I64, ids.device())?;
+    let zeros;
+    let types = match token_type_ids {
+        Some(tt) => tt,
+        None => {
+            zeros = Tensor::zeros(ids.shape().clone(), DType::U32, ids.device())?;
+            &zeros
+        }
+    };
+    let x = e
+        .word
+        .forward(ids)?
+        .add(&e.token_type.forward(types)?)?
+        .add(&e.position.forward(&pos)?)?;
+    e.dropout.forward(&e.layer_norm.forward(&x)?)
 }
 
 /// Multi-head self-attention: `query`, `key`, `value` projections and dropout on the
@@ -436,6 +471,30 @@ impl BertLayer {
     }
 }
 
+/// Encoder layers `range` (global indices; only their names, given by the model tree, depend on
+/// them).
+fn new_layers(
+    p: &ParamBuilder,
+    c: &BertConfig,
+    range: std::ops::Range<usize>,
+) -> Result<Vec<Arc<BertLayer>>> {
+    range.map(|_| BertLayer::new(p, c).map(Arc::new)).collect()
+}
+
+/// One encoder layer, recomputed in backward with activation checkpointing.
+fn run_layer(
+    layer: &Arc<BertLayer>,
+    x: &Var,
+    mask: Option<&Tensor>,
+    checkpointed: bool,
+) -> Result<Var> {
+    if checkpointed {
+        layer.forward_checkpointed(x, mask)
+    } else {
+        layer.forward(x, mask)
+    }
+}
+
 /// The stack of encoder layers (`encoder`).
 #[derive(crate::Module)]
 #[module(crate = crate)]
@@ -501,6 +560,52 @@ pub struct BertOnlyMLMHead {
     pub predictions: BertLMPredictionHead,
 }
 
+impl BertOnlyMLMHead {
+    fn new(p: &ParamBuilder, c: &BertConfig) -> Result<Self> {
+        Ok(BertOnlyMLMHead {
+            predictions: BertLMPredictionHead {
+                transform: BertPredictionHeadTransform {
+                    dense: LinearConfig::new(c.hidden_size, c.hidden_size)
+                        .std(c.initializer_range)
+                        .build(p)?,
+                    layer_norm: LayerNorm::new(p, c.hidden_size, true, c.layer_norm_eps)?,
+                },
+                bias: p.param(c.vocab_size, Init::Zeros)?,
+                decoder: LmHead::new(),
+            },
+        })
+    }
+
+    /// MLM logits of the final hidden states `x`: the transform (dense, exact GELU,
+    /// `LayerNorm`), then the decoder over the word-embedding table `table` with
+    /// `cls.predictions.bias` (under tensor parallelism, this rank's vocabulary slice).
+    fn logits(&self, x: &Var, table: &Var) -> Result<Var> {
+        let p = &self.predictions;
+        let h = p.transform.dense.forward(x)?.gelu(GeluKind::Erf)?;
+        let h = p.transform.layer_norm.forward(&h)?;
+        p.decoder.forward_with_bias(&h, table, Some(&p.bias))
+    }
+
+    /// The summed cross-entropy of `logits` over the labelled tokens of `labels` (`n` of them,
+    /// [`count_labels`]) divided by `denominator` (see [`BertForMaskedLM::loss_over`]).
+    fn loss(&self, logits: &Var, labels: &Tensor, n: usize, denominator: f64) -> Result<Var> {
+        if !(denominator.is_finite() && denominator > 0.0) {
+            meshgrad_tensor::bail!(
+                "bert: the loss denominator must be positive, got {denominator}"
+            );
+        }
+        let labels = labels.to_dtype(DType::I64)?;
+        // Under tensor parallelism the logits are this rank's vocabulary slice and the loss is
+        // loss-parallel (the full logits are never gathered).
+        let mean = self
+            .predictions
+            .decoder
+            .loss(logits, &labels, Some(IGNORE_INDEX))?;
+        // The op's mean is over the n labelled rows (0 when there are none).
+        mean.mul_scalar(n as f64 / denominator)
+    }
+}
+
 /// BERT with the masked-language-modelling head (Hugging Face's `BertForMaskedLM`).
 ///
 /// ```
@@ -554,38 +659,14 @@ impl BertForMaskedLM {
                 bert: BertModel {
                     embeddings: BertEmbeddings::new(p, &c)?,
                     encoder: BertEncoder {
-                        layer: (0..c.num_hidden_layers)
-                            .map(|_| BertLayer::new(p, &c).map(Arc::new))
-                            .collect::<Result<_>>()?,
+                        layer: new_layers(p, &c, 0..c.num_hidden_layers)?,
                     },
                 },
-                cls: BertOnlyMLMHead {
-                    predictions: BertLMPredictionHead {
-                        transform: BertPredictionHeadTransform {
-                            dense: LinearConfig::new(c.hidden_size, c.hidden_size)
-                                .std(c.initializer_range)
-                                .build(p)?,
-                            layer_norm: LayerNorm::new(p, c.hidden_size, true, c.layer_norm_eps)?,
-                        },
-                        bias: p.param(c.vocab_size, Init::Zeros)?,
-                        decoder: LmHead::new(),
-                    },
-                },
+                cls: BertOnlyMLMHead::new(p, &c)?,
                 activation_checkpointing: false,
             })
         })?;
-        // The padding row starts at zero (on the rank whose vocabulary slice holds it).
-        let table = &model.bert.embeddings.word_embeddings.weight;
-        let w = table.tensor();
-        let rows = match table.placement() {
-            Some(p) => p.ranges(c.vocab_size, p.index())[0].clone(),
-            None => 0..c.vocab_size,
-        };
-        if rows.contains(&c.pad_token_id) {
-            let zeros = Tensor::zeros((1, c.hidden_size), w.dtype(), w.device())?;
-            w.narrow(0, c.pad_token_id - rows.start, 1)?
-                .copy_from(&zeros)?;
-        }
+        zero_padding_row(&model.bert.embeddings.word_embeddings.weight, &c)?;
         Ok(model)
     }
 
@@ -654,72 +735,6 @@ impl BertForMaskedLM {
         &self.bert.embeddings.word_embeddings.weight
     }
 
-    /// Checks the shapes and dtypes of the inputs; returns `(B, T)`.
-    fn check_inputs(
-        &self,
-        ids: &Tensor,
-        attention_mask: Option<&Tensor>,
-        token_type_ids: Option<&Tensor>,
-    ) -> Result<(usize, usize)> {
-        if ids.rank() != 2 || !ids.dtype().is_int() {
-            meshgrad_tensor::bail!(
-                "bert: input_ids must be an integer tensor [B, T], got {} of {}",
-                ids.shape(),
-                ids.dtype()
-            );
-        }
-        let (b, t) = (ids.dims()[0], ids.dims()[1]);
-        if t == 0 || t > self.config.max_position_embeddings {
-            meshgrad_tensor::bail!(
-                "bert: sequence length {t} must be in 1..={} (max_position_embeddings)",
-                self.config.max_position_embeddings
-            );
-        }
-        for (name, x) in [
-            ("attention_mask", attention_mask),
-            ("token_type_ids", token_type_ids),
-        ] {
-            if let Some(x) = x {
-                if x.dims() != ids.dims() {
-                    meshgrad_tensor::bail!(
-                        "bert: {name} has shape {} but input_ids has {}",
-                        x.shape(),
-                        ids.shape()
-                    );
-                }
-            }
-        }
-        if let Some(tt) = token_type_ids {
-            if !tt.dtype().is_int() {
-                meshgrad_tensor::bail!("bert: token_type_ids must be integers, got {}", tt.dtype());
-            }
-        }
-        Ok((b, t))
-    }
-
-    /// The additive attention mask `[B, 1, 1, T]` of `attention_mask [B, T]` (1 = attend,
-    /// 0 = padding), as Hugging Face builds it: `(1 - mask) * min`, with `min` the most
-    /// negative finite value of the parameters' dtype.
-    fn additive_mask(&self, mask: &Tensor) -> Result<Tensor> {
-        let w = self.word_embeddings().tensor();
-        let min = match w.dtype() {
-            DType::F64 => f64::MIN,
-            DType::F32 => f32::MIN as f64,
-            DType::BF16 => half::bf16::MIN.to_f64(),
-            DType::F16 => half::f16::MIN.to_f64(),
-            other => meshgrad_tensor::bail!("bert: parameters of dtype {other} are not supported"),
-        };
-        let (b, t) = (mask.dims()[0], mask.dims()[1]);
-        let v: Vec<f64> = mask
-            .to_vec_f64()?
-            .into_iter()
-            .map(|m| (1.0 - m) * min)
-            .collect();
-        Tensor::from_vec(v, (b, 1, 1, t), Device::Cpu)?
-            .to_dtype(w.dtype())?
-            .to_device(w.device())
-    }
-
     /// The final hidden states `[B, T, hidden]` (the encoder's output; under sequence
     /// parallelism this rank's positions `[B, T / tp, hidden]`).
     pub fn hidden_states(
@@ -754,58 +769,24 @@ impl BertForMaskedLM {
         token_type_ids: Option<&Tensor>,
         logits: bool,
     ) -> Result<Var> {
-        self.check_inputs(ids, attention_mask, token_type_ids)?;
-        let mask = attention_mask.map(|m| self.additive_mask(m)).transpose()?;
+        check_inputs(&self.config, ids, attention_mask, token_type_ids)?;
+        let mask = attention_mask
+            .map(|m| additive_mask(m, self.word_embeddings().tensor()))
+            .transpose()?;
         let mut x = self.bert.embeddings.forward(ids, token_type_ids)?;
         for layer in &self.bert.encoder.layer {
-            x = if self.activation_checkpointing {
-                layer.forward_checkpointed(&x, mask.as_ref())?
-            } else {
-                layer.forward(&x, mask.as_ref())?
-            };
+            x = run_layer(layer, &x, mask.as_ref(), self.activation_checkpointing)?;
         }
         if !logits {
             return Ok(x);
         }
-        let p = &self.cls.predictions;
-        let h = p.transform.dense.forward(&x)?.gelu(GeluKind::Erf)?;
-        let h = p.transform.layer_norm.forward(&h)?;
-        p.decoder
-            .forward_with_bias(&h, self.word_embeddings(), Some(&p.bias))
+        self.cls.logits(&x, self.word_embeddings())
     }
 
     /// Checks labels `[B, T]`: integers, each [`IGNORE_INDEX`] or a token id. Returns how many
     /// are not ignored.
     pub fn count_labels(&self, labels: &Tensor) -> Result<usize> {
-        if !labels.dtype().is_int() || labels.rank() != 2 {
-            meshgrad_tensor::bail!(
-                "bert: labels must be an integer tensor [B, T], got {} of {}",
-                labels.shape(),
-                labels.dtype()
-            );
-        }
-        let v = self.config.vocab_size as i64;
-        let mut n = 0;
-        for (i, &l) in labels
-            .to_dtype(DType::I64)?
-            .to_vec::<i64>()?
-            .iter()
-            .enumerate()
-        {
-            if l == IGNORE_INDEX {
-                continue;
-            }
-            if !(0..v).contains(&l) {
-                let t = labels.dims()[1];
-                meshgrad_tensor::bail!(
-                    "bert: label {l} at row {}, position {} is neither {IGNORE_INDEX} nor a token id below vocab_size {v}",
-                    i / t,
-                    i % t
-                );
-            }
-            n += 1;
-        }
-        Ok(n)
+        count_labels(&self.config, labels)
     }
 
     /// The MLM loss as Hugging Face's `BertForMaskedLM` computes it: the mean cross-entropy of
@@ -853,18 +834,125 @@ impl BertForMaskedLM {
             );
         }
         let n = self.count_labels(labels)?;
-        let labels = labels.to_dtype(DType::I64)?;
         let logits = self.forward(input_ids, attention_mask, token_type_ids)?;
-        // Under tensor parallelism the logits are this rank's vocabulary slice and the loss is
-        // loss-parallel (the full logits are never gathered).
-        let mean = self
-            .cls
-            .predictions
-            .decoder
-            .loss(&logits, &labels, Some(IGNORE_INDEX))?;
-        // The op's mean is over the n labelled rows (0 when there are none).
-        mean.mul_scalar(n as f64 / denominator)
+        self.cls.loss(&logits, labels, n, denominator)
     }
+}
+
+/// Checks the shapes and dtypes of the inputs against `c`; returns `(B, T)`.
+fn check_inputs(
+    c: &BertConfig,
+    ids: &Tensor,
+    attention_mask: Option<&Tensor>,
+    token_type_ids: Option<&Tensor>,
+) -> Result<(usize, usize)> {
+    if ids.rank() != 2 || !ids.dtype().is_int() {
+        meshgrad_tensor::bail!(
+            "bert: input_ids must be an integer tensor [B, T], got {} of {}",
+            ids.shape(),
+            ids.dtype()
+        );
+    }
+    let (b, t) = (ids.dims()[0], ids.dims()[1]);
+    if t == 0 || t > c.max_position_embeddings {
+        meshgrad_tensor::bail!(
+            "bert: sequence length {t} must be in 1..={} (max_position_embeddings)",
+            c.max_position_embeddings
+        );
+    }
+    for (name, x) in [
+        ("attention_mask", attention_mask),
+        ("token_type_ids", token_type_ids),
+    ] {
+        if let Some(x) = x {
+            if x.dims() != ids.dims() {
+                meshgrad_tensor::bail!(
+                    "bert: {name} has shape {} but input_ids has {}",
+                    x.shape(),
+                    ids.shape()
+                );
+            }
+        }
+    }
+    if let Some(tt) = token_type_ids {
+        if !tt.dtype().is_int() {
+            meshgrad_tensor::bail!("bert: token_type_ids must be integers, got {}", tt.dtype());
+        }
+    }
+    Ok((b, t))
+}
+
+/// The additive attention mask `[B, 1, 1, T]` of `attention_mask [B, T]` (1 = attend,
+/// 0 = padding), as Hugging Face builds it: `(1 - mask) * min`, with `min` the most negative
+/// finite value of the parameters' dtype; in the dtype and on the device of `like` (a
+/// parameter).
+fn additive_mask(mask: &Tensor, like: &Tensor) -> Result<Tensor> {
+    let min = match like.dtype() {
+        DType::F64 => f64::MIN,
+        DType::F32 => f32::MIN as f64,
+        DType::BF16 => half::bf16::MIN.to_f64(),
+        DType::F16 => half::f16::MIN.to_f64(),
+        other => meshgrad_tensor::bail!("bert: parameters of dtype {other} are not supported"),
+    };
+    let (b, t) = (mask.dims()[0], mask.dims()[1]);
+    let v: Vec<f64> = mask
+        .to_vec_f64()?
+        .into_iter()
+        .map(|m| (1.0 - m) * min)
+        .collect();
+    Tensor::from_vec(v, (b, 1, 1, t), Device::Cpu)?
+        .to_dtype(like.dtype())?
+        .to_device(like.device())
+}
+
+/// Checks labels `[B, T]` against `c` (integers, each [`IGNORE_INDEX`] or a token id); returns
+/// how many are not ignored.
+fn count_labels(c: &BertConfig, labels: &Tensor) -> Result<usize> {
+    if !labels.dtype().is_int() || labels.rank() != 2 {
+        meshgrad_tensor::bail!(
+            "bert: labels must be an integer tensor [B, T], got {} of {}",
+            labels.shape(),
+            labels.dtype()
+        );
+    }
+    let v = c.vocab_size as i64;
+    let mut n = 0;
+    for (i, &l) in labels
+        .to_dtype(DType::I64)?
+        .to_vec::<i64>()?
+        .iter()
+        .enumerate()
+    {
+        if l == IGNORE_INDEX {
+            continue;
+        }
+        if !(0..v).contains(&l) {
+            let t = labels.dims()[1];
+            meshgrad_tensor::bail!(
+                "bert: label {l} at row {}, position {} is neither {IGNORE_INDEX} nor a token id below vocab_size {v}",
+                i / t,
+                i % t
+            );
+        }
+        n += 1;
+    }
+    Ok(n)
+}
+
+/// Zeroes the padding token's row of the word-embedding table `table` (on the rank whose
+/// vocabulary slice holds it), as Hugging Face initialises it.
+fn zero_padding_row(table: &Var, c: &BertConfig) -> Result<()> {
+    let w = table.tensor();
+    let rows = match table.placement() {
+        Some(p) => p.ranges(c.vocab_size, p.index())[0].clone(),
+        None => 0..c.vocab_size,
+    };
+    if rows.contains(&c.pad_token_id) {
+        let zeros = Tensor::zeros((1, c.hidden_size), w.dtype(), w.device())?;
+        w.narrow(0, c.pad_token_id - rows.start, 1)?
+            .copy_from(&zeros)?;
+    }
+    Ok(())
 }
 
 /// The tensor-parallel size checks of [`BertForMaskedLM::check_tensor_parallel`]: the heads,
@@ -905,5 +993,409 @@ impl Forward for BertIntermediate {
     /// `gelu_erf(dense(x))`.
     fn forward(&self, x: &Var) -> Result<Var> {
         self.dense.forward(x)?.gelu(GeluKind::Erf)
+    }
+}
+
+/// One microbatch as every [`BertStage`] reads it: the stage with the embeddings its ids and
+/// token types, every stage the attention mask, the stage with the MLM head the labels.
+#[derive(Clone, Debug)]
+pub struct BertBatch {
+    /// Token ids `[B, T]` (integers; read by the stage with the embeddings, and checked against
+    /// the other tensors by every stage).
+    pub ids: Tensor,
+    /// `[B, T]`, 1 = attend, 0 = padding (any dtype); `None` attends everywhere.
+    pub attention_mask: Option<Tensor>,
+    /// `[B, T]` integer token types; `None` is type 0 everywhere.
+    pub token_type_ids: Option<Tensor>,
+    /// MLM labels `[B, T]`: a token id, or [`IGNORE_INDEX`] for tokens outside the loss.
+    pub labels: Tensor,
+    /// What the summed cross-entropy is divided by: `None` for this microbatch's own count of
+    /// labelled tokens (its mean, [`BertForMaskedLM::loss`]); `Some(n)` for the labelled-token
+    /// count of the larger batch it is part of ([`BertForMaskedLM::loss_over`]), so that the
+    /// microbatches' losses and gradients sum to the larger batch's mean.
+    pub denominator: Option<f64>,
+}
+
+/// The word-embedding part of a [`BertStage`] (`bert.embeddings`): everything on the stage with
+/// the embeddings, only `word_embeddings` (the tied decoder's copy) on a later stage with the
+/// MLM head.
+#[derive(crate::Module)]
+#[module(crate = crate)]
+pub struct BertStageEmbeddings {
+    /// `[vocab_size, hidden]`: the lookup table and the decoder's weight.
+    pub word_embeddings: Embedding,
+    /// `[max_position_embeddings, hidden]` (with the embeddings).
+    pub position_embeddings: Option<Embedding>,
+    /// `[type_vocab_size, hidden]` (with the embeddings).
+    pub token_type_embeddings: Option<Embedding>,
+    /// Norm of the sum (with the embeddings).
+    #[module(rename = "LayerNorm")]
+    pub layer_norm: Option<LayerNorm>,
+    /// Dropout after the norm (with the embeddings).
+    pub dropout: Option<Dropout>,
+}
+
+impl BertStageEmbeddings {
+    fn parts(&self) -> Option<EmbeddingParts<'_>> {
+        Some(EmbeddingParts {
+            word: &self.word_embeddings,
+            position: self.position_embeddings.as_ref()?,
+            token_type: self.token_type_embeddings.as_ref()?,
+            layer_norm: self.layer_norm.as_ref()?,
+            dropout: self.dropout.as_ref()?,
+        })
+    }
+}
+
+/// A stage's encoder layers (`bert.encoder`), named by global index.
+#[derive(crate::Module)]
+#[module(crate = crate)]
+pub struct BertStageEncoder {
+    /// `bert.encoder.layer.N` for the stage's `N`.
+    pub layer: BlockRange<BertLayer>,
+}
+
+/// A stage's part of `bert.`: the embeddings (or only the tied table) and its layers.
+#[derive(crate::Module)]
+#[module(crate = crate)]
+pub struct BertStageModel {
+    /// With the embeddings or the MLM head.
+    pub embeddings: Option<BertStageEmbeddings>,
+    /// The stage's layers.
+    pub encoder: BertStageEncoder,
+}
+
+/// A stage of a [`BertForMaskedLM`]: encoder layers `spec.blocks` (global indices), with the
+/// embeddings (`bert.embeddings`) when `spec.embedding` and the MLM head (`cls`) when
+/// `spec.head`. See [`crate::stage`]; it follows [`GptStage`](crate::gpt::GptStage).
+///
+/// It creates only its own parameters, under the full model's (Hugging Face's) names
+/// (`bert.encoder.layer.2.attention.self.query.weight` in whatever stage holds layer 2), in the
+/// full model's order, with the full model's values: initialisation is keyed by name (and, under
+/// tensor parallelism, by global element index), and the padding row of the word embeddings
+/// starts at zero in every copy. Dropout paths are the full model's too, so a stage run in the
+/// [`ForwardCtx`](meshgrad_autograd::ForwardCtx) of the full model's forward draws its masks.
+/// Every stage reads the attention mask of the microbatch ([`BertBatch`]).
+///
+/// **The tied decoder.** The MLM decoder's weight is the word-embedding table
+/// `bert.embeddings.word_embeddings.weight`. A stage with the head that is not also the stage
+/// with the embeddings holds its own copy under that name, initialised to the same values
+/// (only the decoder reads it). The two copies are one parameter of the model: its gradient is
+/// the sum of the copies' gradients, both copies must take that summed gradient and the same
+/// update, and a checkpoint stores it once. [`ModelStage::tied_parameters`] names it. A single
+/// stage holding the whole model has one table, as [`BertForMaskedLM`].
+///
+/// Built from the same parts ([`BertLayer`], [`BertOnlyMLMHead`]) by the same functions as
+/// [`BertForMaskedLM`], and run through the same embedding, layer, head and loss functions, so
+/// chained stages compute the full model's loss and gradients bit for bit.
+#[derive(crate::Module)]
+#[module(crate = crate)]
+pub struct BertStage {
+    /// Hyper-parameters of the full model.
+    pub config: BertConfig,
+    /// The part of the model this stage holds.
+    pub spec: StageSpec,
+    /// `bert.`: the embeddings (or the tied table) and the stage's layers.
+    pub bert: BertStageModel,
+    /// `cls.`: the MLM head (with the head).
+    pub cls: Option<BertOnlyMLMHead>,
+    /// Recompute each layer's activations during backward instead of storing them.
+    pub activation_checkpointing: bool,
+}
+
+impl BertStage {
+    /// A new stage with Hugging Face's initialisation: every parameter equal to the same-named
+    /// parameter of [`BertForMaskedLM::new`] with the same arguments.
+    pub fn new(
+        config: BertConfig,
+        spec: StageSpec,
+        seed: u64,
+        dtype: DType,
+        device: Device,
+    ) -> Result<Self> {
+        BertStage::build(
+            config,
+            spec,
+            ParamBuilder::new(seed).dtype(dtype).device(device),
+        )
+    }
+
+    /// A new stage whose parameters `builder` creates (with [`ParamBuilder::tensor_parallel`]
+    /// and [`BertStage::tp_plan`], this rank's part of the stage's tensor-parallel split; with
+    /// [`ParamBuilder::delayed_init`], allocated on first use). One-line errors for a spec that
+    /// does not fit the config and for sizes that do not split over the tensor-parallel ranks.
+    pub fn build(config: BertConfig, spec: StageSpec, builder: ParamBuilder) -> Result<Self> {
+        config.validate()?;
+        spec.validate(config.num_hidden_layers)
+            .map_err(|e| meshgrad_tensor::Error::msg(format!("bert {e}")))?;
+        if let Some(tp) = builder.tensor_parallel_group() {
+            check_tp_sizes(&config, tp.degree(), None)?;
+        }
+        let c = config;
+        let stage = builder.build(|p| {
+            let (first, last) = (spec.embedding, spec.head);
+            let embeddings = if first || last {
+                let std = c.initializer_range;
+                let opt = |on: bool, rows: usize| -> Result<Option<Embedding>> {
+                    on.then(|| Embedding::new(p, rows, c.hidden_size, std))
+                        .transpose()
+                };
+                Some(BertStageEmbeddings {
+                    word_embeddings: Embedding::new(p, c.vocab_size, c.hidden_size, std)?,
+                    position_embeddings: opt(first, c.max_position_embeddings)?,
+                    token_type_embeddings: opt(first, c.type_vocab_size)?,
+                    layer_norm: first
+                        .then(|| LayerNorm::new(p, c.hidden_size, true, c.layer_norm_eps))
+                        .transpose()?,
+                    dropout: first
+                        .then(|| Dropout::new(c.hidden_dropout_prob))
+                        .transpose()?,
+                })
+            } else {
+                None
+            };
+            Ok(BertStage {
+                config,
+                spec: spec.clone(),
+                bert: BertStageModel {
+                    embeddings,
+                    encoder: BertStageEncoder {
+                        layer: BlockRange::new(
+                            spec.blocks.start,
+                            new_layers(p, &c, spec.blocks.clone())?,
+                        ),
+                    },
+                },
+                cls: last.then(|| BertOnlyMLMHead::new(p, &c)).transpose()?,
+                activation_checkpointing: false,
+            })
+        })?;
+        if let Some(table) = stage.word_embeddings() {
+            zero_padding_row(table, &c)?;
+        }
+        Ok(stage)
+    }
+
+    /// The part of [`BertForMaskedLM::tp_plan`] that applies to the modules of a stage `spec`:
+    /// the word embeddings on the stages with the embeddings or the head, the rest of
+    /// `bert.embeddings` on the stage with the embeddings, `cls` on the stage with the head,
+    /// the layer entries everywhere.
+    pub fn tp_plan(spec: &StageSpec) -> TpPlan {
+        let holds = |pattern: &str| {
+            if pattern == "bert.embeddings.word_embeddings" {
+                spec.embedding || spec.head
+            } else if pattern.starts_with("bert.embeddings") {
+                spec.embedding
+            } else if pattern.starts_with("cls") {
+                spec.head
+            } else {
+                true
+            }
+        };
+        BertForMaskedLM::tp_plan()
+            .entries()
+            .iter()
+            .filter(|(p, _)| holds(p))
+            .fold(TpPlan::new(), |plan, (p, s)| plan.with(p.clone(), *s))
+    }
+
+    /// As [`BertForMaskedLM::check_tensor_parallel`].
+    pub fn check_tensor_parallel(&self, tp: usize, sequence: Option<usize>) -> Result<()> {
+        check_tp_sizes(&self.config, tp, sequence)
+    }
+
+    /// The word-embedding table `[vocab_size, hidden]` on the stages with the embeddings or the
+    /// head (on a later stage with the head, its copy of the tied table).
+    pub fn word_embeddings(&self) -> Option<&Var> {
+        self.bert
+            .embeddings
+            .as_ref()
+            .map(|e| &e.word_embeddings.weight)
+    }
+
+    /// A parameter of the stage's layers (every stage holds at least one layer).
+    fn layer_param(&self) -> &Var {
+        &self.bert.encoder.layer.blocks()[0]
+            .attention
+            .self_attention
+            .query
+            .weight
+    }
+
+    /// The hidden states after the stage's last layer for `input`, with the padding mask
+    /// `attention_mask [B, T]` (every stage) and `token_type_ids [B, T]` (read by the stage with
+    /// the embeddings): `[B, T, hidden]`, under sequence parallelism this rank's positions
+    /// `[B, T / tp, hidden]`, which is also what a later stage takes. On the stage with the head
+    /// this is [`BertForMaskedLM::hidden_states`] (the MLM head's transform is not applied).
+    pub fn hidden_states(
+        &self,
+        input: StageInput<'_>,
+        attention_mask: Option<&Tensor>,
+        token_type_ids: Option<&Tensor>,
+    ) -> Result<Var> {
+        let mut x = match input {
+            StageInput::Ids(ids) => {
+                let Some(parts) = self
+                    .bert
+                    .embeddings
+                    .as_ref()
+                    .and_then(BertStageEmbeddings::parts)
+                else {
+                    meshgrad_tensor::bail!(
+                        "bert stage ({}): takes the previous stage's hidden states [B, T, {}], not token ids (it has no embeddings)",
+                        self.spec,
+                        self.config.hidden_size
+                    );
+                };
+                check_inputs(&self.config, ids, attention_mask, token_type_ids)?;
+                embed(parts, ids, token_type_ids)?
+            }
+            StageInput::Hidden(h) => {
+                if self.spec.embedding {
+                    meshgrad_tensor::bail!(
+                        "bert stage ({}): holds the embeddings and takes token ids [B, T], not hidden states",
+                        self.spec
+                    );
+                }
+                let d = h.tensor().dims();
+                if d.len() != 3 || d[2] != self.config.hidden_size || d[1] == 0 {
+                    meshgrad_tensor::bail!(
+                        "bert stage ({}): hidden states must be [B, T, {}], got {}",
+                        self.spec,
+                        self.config.hidden_size,
+                        h.tensor().shape()
+                    );
+                }
+                if let Some(m) = attention_mask {
+                    if m.rank() != 2 || m.dims()[0] != d[0] {
+                        meshgrad_tensor::bail!(
+                            "bert stage ({}): attention_mask {} does not match the hidden states {} (need [B, T] with B = {})",
+                            self.spec,
+                            m.shape(),
+                            h.tensor().shape(),
+                            d[0]
+                        );
+                    }
+                }
+                h.clone()
+            }
+        };
+        let mask = attention_mask
+            .map(|m| additive_mask(m, self.layer_param().tensor()))
+            .transpose()?;
+        for layer in self.bert.encoder.layer.blocks() {
+            x = run_layer(layer, &x, mask.as_ref(), self.activation_checkpointing)?;
+        }
+        Ok(x)
+    }
+
+    fn head(&self) -> Result<(&BertOnlyMLMHead, &Var)> {
+        match (&self.cls, self.word_embeddings()) {
+            (Some(cls), Some(table)) => Ok((cls, table)),
+            _ => meshgrad_tensor::bail!(
+                "bert stage ({}): has no MLM head (only the last stage computes logits and the loss)",
+                self.spec
+            ),
+        }
+    }
+
+    /// MLM logits `[B, T, vocab_size]` (as [`BertForMaskedLM::forward`]; under tensor
+    /// parallelism this rank's vocabulary slice) on the stage with the head.
+    pub fn logits(
+        &self,
+        input: StageInput<'_>,
+        attention_mask: Option<&Tensor>,
+        token_type_ids: Option<&Tensor>,
+    ) -> Result<Var> {
+        let (cls, table) = self.head()?;
+        cls.logits(
+            &self.hidden_states(input, attention_mask, token_type_ids)?,
+            table,
+        )
+    }
+
+    /// The MLM loss of `labels [B, T]` on the stage with the head: the summed cross-entropy
+    /// over the labelled tokens divided by `denominator`, or by their count when `None` (as
+    /// [`BertForMaskedLM::loss_over`] and [`BertForMaskedLM::loss`]).
+    pub fn loss(
+        &self,
+        input: StageInput<'_>,
+        attention_mask: Option<&Tensor>,
+        token_type_ids: Option<&Tensor>,
+        labels: &Tensor,
+        denominator: Option<f64>,
+    ) -> Result<Var> {
+        let (cls, _) = self.head()?;
+        let n = count_labels(&self.config, labels)?;
+        let denominator = denominator.unwrap_or(n.max(1) as f64);
+        if !(denominator.is_finite() && denominator > 0.0) {
+            meshgrad_tensor::bail!(
+                "bert: the loss denominator must be positive, got {denominator}"
+            );
+        }
+        let logits = self.logits(input, attention_mask, token_type_ids)?;
+        let d = logits.tensor().dims();
+        if labels.dims() != &d[..2] {
+            meshgrad_tensor::bail!(
+                "bert stage ({}): labels {} do not match the input's [B, T] = [{}, {}]",
+                self.spec,
+                labels.shape(),
+                d[0],
+                d[1]
+            );
+        }
+        cls.loss(&logits, labels, n, denominator)
+    }
+}
+
+impl ModelStage for BertStage {
+    type Batch = BertBatch;
+
+    fn spec(&self) -> &StageSpec {
+        &self.spec
+    }
+
+    /// `["bert.embeddings.word_embeddings.weight"]` on the first and the last stage when they
+    /// are different stages.
+    fn tied_parameters(&self) -> Vec<String> {
+        if self.spec.embedding != self.spec.head {
+            vec!["bert.embeddings.word_embeddings.weight".to_string()]
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// Hidden states, or the MLM loss of `batch.labels` on the stage with the head. Every stage
+    /// checks `batch`'s ids, mask and token types against each other (and a later stage its
+    /// hidden states' batch against them).
+    fn forward_stage(&self, batch: &BertBatch, hidden: Option<&Var>) -> Result<Var> {
+        let (mask, types) = (batch.attention_mask.as_ref(), batch.token_type_ids.as_ref());
+        let (b, _) = check_inputs(&self.config, &batch.ids, mask, types)?;
+        let input = match hidden {
+            Some(h) => {
+                if h.tensor().rank() == 3 && h.tensor().dims()[0] != b {
+                    meshgrad_tensor::bail!(
+                        "bert stage ({}): hidden states {} do not match the batch's input_ids {}",
+                        self.spec,
+                        h.tensor().shape(),
+                        batch.ids.shape()
+                    );
+                }
+                StageInput::Hidden(h)
+            }
+            None => StageInput::Ids(&batch.ids),
+        };
+        if self.spec.head {
+            if batch.labels.dims() != batch.ids.dims() {
+                meshgrad_tensor::bail!(
+                    "bert: labels {} must match input_ids {}",
+                    batch.labels.shape(),
+                    batch.ids.shape()
+                );
+            }
+            self.loss(input, mask, types, &batch.labels, batch.denominator)
+        } else {
+            self.hidden_states(input, mask, types)
+        }
     }
 }

@@ -1,8 +1,9 @@
 //! meshgrad layers and models: the [`Module`] trait, linear/embedding/norm/dropout/attention/MLP
-//! layers, the GPT model (whole, or as stages: a range of blocks with or without the embedding
-//! and the head), optimizers, learning-rate schedules, state dicts (safetensors and
-//! Hugging Face GPT-2 checkpoints), token datasets (in memory, JSONL, memory-mapped llm.c shards)
-//! and tokenizers (Hugging Face `tokenizers`: byte-level BPE and WordPiece).
+//! layers, the GPT and BERT (masked-LM) models (each whole, or as stages: a range of blocks with
+//! or without the embedding and the head, under the whole model's parameter names), MLM masking,
+//! optimizers, learning-rate schedules, state dicts (safetensors and Hugging Face GPT-2 and BERT
+//! checkpoints), token datasets (in memory, JSONL, memory-mapped llm.c shards) and tokenizers
+//! (Hugging Face `tokenizers`: byte-level BPE and WordPiece).
 
 pub mod bert;
 pub mod data;
@@ -17,7 +18,7 @@ pub mod state;
 pub mod tokenizer;
 pub mod tp;
 
-pub use bert::{BertConfig, BertForMaskedLM};
+pub use bert::{BertBatch, BertConfig, BertForMaskedLM, BertStage};
 pub use gpt::{Gpt, GptBatch, GptConfig, GptStage};
 pub use layers::{
     Activation, Block, BlockConfig, CausalSelfAttention, Dropout, Embedding, LayerNorm, Linear,

@@ -3,7 +3,7 @@
 //!
 //! A stage is a model of its own ([`Module`]) that allocates only its part of the parameters.
 //! Its blocks keep their **global** indices in their names (`h.2`, `h.3` for blocks 2 and 3 of a
-//! GPT, whatever stage holds them), so a stage's state dict uses exactly the names of the full
+//! GPT, `bert.encoder.layer.2` for layer 2 of a BERT, whatever stage holds them), so a stage's state dict uses exactly the names of the full
 //! model's and a checkpoint can be split or joined by name. Dropout masks are keyed by module path
 //! and the [`ForwardCtx`](meshgrad_autograd::ForwardCtx), so a stage run in the context the full
 //! model runs in draws the same masks.
@@ -11,10 +11,15 @@
 //! * [`StageSpec`] says which part a stage holds; [`StageSpec::check_partition`] checks that a
 //!   list of stages covers every block once, in order.
 //! * [`BlockRange`] holds a stage's blocks under their global indices.
-//! * [`ModelStage`] is what every staged model provides (see [`GptStage`](crate::gpt::GptStage)):
-//!   its spec, the parameters tied between its first and last stage, and one forward that maps
-//!   a microbatch and the previous stage's hidden states to hidden states, or to the loss on the
-//!   stage with the head.
+//! * [`ModelStage`] is what every staged model provides: its spec, the parameters tied between
+//!   its first and last stage, and one forward that maps a microbatch and the previous stage's
+//!   hidden states to hidden states, or to the loss on the stage with the head. Two models
+//!   implement it: [`GptStage`](crate::gpt::GptStage) (blocks `h.{i}`, microbatch
+//!   [`GptBatch`](crate::gpt::GptBatch), the tied `wte.weight`) and
+//!   [`BertStage`](crate::bert::BertStage) (encoder layers `bert.encoder.layer.{i}`, microbatch
+//!   [`BertBatch`](crate::bert::BertBatch) with the attention mask every stage reads, the tied
+//!   `bert.embeddings.word_embeddings.weight`; its "embedding" is `bert.embeddings`, its "head"
+//!   the MLM head `cls`).
 //!
 //! Chaining the stages — feeding each stage's output, as a new leaf, to the next, and its
 //! gradient back with [`Var::backward_with`] — computes the full model's loss and gradients
@@ -267,7 +272,7 @@ pub enum StageInput<'a> {
 ///
 /// `Batch` is what every stage reads of a microbatch besides the previous stage's hidden
 /// states: the first stage reads the inputs (token ids), the stage with the head the targets,
-/// models with masks read them in every stage.
+/// models with masks read them in every stage (BERT's attention mask).
 pub trait ModelStage: Module {
     /// A microbatch as the stages read it.
     type Batch;
