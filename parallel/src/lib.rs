@@ -23,6 +23,9 @@
 //! * [`memory_report`]: per-rank peak bytes of parameters, gradients, optimizer state and
 //!   activations of a GPT trained under any layout (DDP, ZeRO-1/2/3, tensor and sequence
 //!   parallelism and their compositions), beside the theory's figures.
+//! * [`pipeline`]: pipeline schedules as data (GPipe, 1F1B, interleaved 1F1B, ZB-H1-style zero
+//!   bubble) and a simulator that checks them (dependencies, rendezvous deadlocks) and gives
+//!   their bubble and peak activations; no pipeline executor yet.
 
 pub mod comm;
 pub mod ddp;
@@ -30,6 +33,7 @@ pub mod layout;
 pub mod layout_mesh;
 pub mod memory_report;
 pub mod mesh;
+pub mod pipeline;
 pub mod sampler;
 pub mod tp;
 pub mod zero;
