@@ -18,8 +18,9 @@
 //! point-to-point transfer. Each side names its *own* chunk: the sender the chunk that produced
 //! the tensor (virtual stage `s`), the receiver the chunk that consumes it (`s + 1` for an
 //! activation, `s - 1` for a gradient), and each names the other rank as `peer`. The simulator
-//! ([`super::simulate`]) treats the pair as a rendezvous: a send completes only once the peer has
-//! posted the matching receive, as a blocking send of a large message does on a real backend.
+//! ([`simulate()`](super::simulate::simulate)) treats the pair as a rendezvous: a send completes
+//! only once the peer has posted the matching receive, as a blocking send of a large message
+//! does on a real backend.
 //!
 //! The generators order the transfers so that no schedule they build can deadlock under that
 //! rule: they time the compute actions with unit costs (forward, input and weight backward 1,
@@ -352,13 +353,20 @@ impl Schedule {
     /// reversed, with `(P - 1 - p) * 2 + (V - 1) * P` warm-up forwards (all of them when that
     /// reaches `M * V`; with `V = 1`, 1F1B's `P - 1 - p`), then one forward one full backward,
     /// then the cool-down backwards.
+    ///
+    /// With unit chunk costs and free transfers the simulator gives Megatron's bubble,
+    /// `(P - 1) / (V M + P - 1)`, for P = 1, 3, 4 (tested up to M = 16, V = 4). With P = 2 it
+    /// does not: both directions of the ring join the same two ranks, and under rendezvous
+    /// transfers a rank that finishes a chunk waits for the other to finish its own (Megatron
+    /// overlaps them with batched non-blocking send/receive, which these actions do not model),
+    /// so the bubble is larger, above 1F1B's (7/31 for M = 4, V = 2).
     pub fn interleaved(
         stages: usize,
         microbatches: usize,
         chunks: usize,
     ) -> Result<Schedule, ScheduleArgError> {
         check_sizes(stages, microbatches, chunks)?;
-        if microbatches % stages != 0 {
+        if !microbatches.is_multiple_of(stages) {
             return Err(ScheduleArgError(format!(
                 "the interleaved schedule needs the microbatches ({microbatches}) divisible by \
                  the stages ({stages})"
