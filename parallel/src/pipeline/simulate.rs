@@ -294,6 +294,11 @@ struct State {
 }
 
 /// Runs `schedule` with `costs`: checks it and measures it (see the module docs).
+///
+/// # Panics
+///
+/// If `schedule.ranks` does not hold one list per stage, or a cost vector has neither one
+/// figure nor one per stage.
 pub fn simulate(schedule: &Schedule, costs: &Costs) -> Result<SimReport, ScheduleError> {
     let p_ = schedule.stages;
     let s_ = schedule.virtual_stages();
