@@ -45,6 +45,8 @@ pub mod eval_bert;
 pub mod generate;
 pub mod guide;
 #[cfg(feature = "cli")]
+pub mod schedule_cmd;
+#[cfg(feature = "cli")]
 pub mod train;
 #[cfg(feature = "cli")]
 pub mod train_bert;

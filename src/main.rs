@@ -79,6 +79,25 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
+    /// Print a pipeline-parallel schedule as a grid (time steps x ranks: F3 forward, B3 backward,
+    /// W3 weight gradient, F3.1 chunk 1, . idle), simulated with unit costs; the last line is
+    /// `bubble=<fraction, 4 decimals> peak_activations=<max over ranks> deadlock=no`. A
+    /// simulation only: meshgrad does not train with pipeline parallelism yet.
+    Schedule {
+        /// gpipe, 1f1b, interleaved (Megatron's, needs the microbatches divisible by the stages)
+        /// or zb (zero bubble, ZB-H1 style).
+        #[arg(long, value_parser = ["gpipe", "1f1b", "interleaved", "zb"])]
+        kind: String,
+        /// Pipeline stages (ranks).
+        #[arg(long)]
+        stages: usize,
+        /// Microbatches per step.
+        #[arg(long)]
+        microbatches: usize,
+        /// Model chunks per rank, for --kind interleaved only (default 2).
+        #[arg(long)]
+        chunks: Option<usize>,
+    },
     /// Train tokenizers (Hugging Face tokenizer.json format).
     Tokenizer {
         #[command(subcommand)]
@@ -250,6 +269,18 @@ fn run(cli: Cli) -> Result<()> {
                 profile,
             })?;
             println!("{}", r.line());
+        }
+        Command::Schedule {
+            kind,
+            stages,
+            microbatches,
+            chunks,
+        } => {
+            let out = meshgrad::schedule_cmd::schedule_output(&kind, stages, microbatches, chunks)?;
+            print!("{}", out.text);
+            if let Some(what) = out.deadlock {
+                anyhow::bail!("the {kind} schedule deadlocks: {what}");
+            }
         }
         Command::Eval { checkpoint, data } => {
             let loss = meshgrad::eval::eval_checkpoint(&checkpoint, &data)?;

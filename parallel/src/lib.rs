@@ -23,11 +23,13 @@
 //! * [`memory_report`]: per-rank peak bytes of parameters, gradients, optimizer state and
 //!   activations of a GPT trained under any layout (DDP, ZeRO-1/2/3, tensor and sequence
 //!   parallelism and their compositions), beside the theory's figures.
-//! * [`pipeline`]: pipeline parallelism; [`pipeline::partition`] cuts a model into stages from
-//!   per-layer costs (`--partition auto|speed|memory|even|B0,B1,...`): a dynamic program
+//! * [`pipeline`]: pipeline schedules as data (GPipe, 1F1B, interleaved 1F1B, ZB-H1-style zero
+//!   bubble), a simulator that checks them (dependencies, rendezvous deadlocks) and gives their
+//!   bubble and peak activations, and [`pipeline::partition`], which cuts a model into stages
+//!   from per-layer costs (`--partition auto|speed|memory|even|B0,B1,...`: a dynamic program
 //!   minimising the slowest stage's time or the largest stage's memory under an optional
 //!   per-stage memory limit, even splits and explicit boundaries, convertible into
-//!   `meshgrad_nn::StageSpec`s.
+//!   `meshgrad_nn::StageSpec`s); no pipeline executor yet.
 
 pub mod comm;
 pub mod ddp;
