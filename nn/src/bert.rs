@@ -959,34 +959,17 @@ fn zero_padding_row(table: &Var, c: &BertConfig) -> Result<()> {
 /// the hidden and intermediate widths and the vocabulary must split over `tp` ranks (and the
 /// sequence length, with sequence parallelism); the error is one line naming the size.
 pub fn check_tp_sizes(c: &BertConfig, tp: usize, sequence: Option<usize>) -> Result<()> {
-    if tp <= 1 {
-        return Ok(());
-    }
-    for (what, n) in [
-        ("num_attention_heads", c.num_attention_heads),
-        ("hidden_size", c.hidden_size),
-        ("intermediate_size", c.intermediate_size),
-        ("vocab_size", c.vocab_size),
-    ] {
-        if !n.is_multiple_of(tp) {
-            meshgrad_tensor::bail!(
-                "tensor parallelism: bert {what} = {n} is not divisible by tp = {tp}{}",
-                if what == "vocab_size" {
-                    " (choose a vocabulary size that is a multiple of tp)"
-                } else {
-                    ""
-                }
-            );
-        }
-    }
-    if let Some(t) = sequence {
-        if !t.is_multiple_of(tp) {
-            meshgrad_tensor::bail!(
-                "sequence parallelism: the sequence length {t} is not divisible by tp = {tp}"
-            );
-        }
-    }
-    Ok(())
+    crate::tp::check_split_sizes(
+        "bert",
+        tp,
+        &[
+            ("num_attention_heads", c.num_attention_heads),
+            ("hidden_size", c.hidden_size),
+            ("intermediate_size", c.intermediate_size),
+            ("vocab_size", c.vocab_size),
+        ],
+        sequence,
+    )
 }
 
 impl Forward for BertIntermediate {
