@@ -1338,14 +1338,8 @@ impl ModelStage for BertStage {
         &self.spec
     }
 
-    /// `["bert.embeddings.word_embeddings.weight"]` on the first and the last stage when they
-    /// are different stages.
-    fn tied_parameters(&self) -> Vec<String> {
-        if self.spec.embedding != self.spec.head {
-            vec!["bert.embeddings.word_embeddings.weight".to_string()]
-        } else {
-            Vec::new()
-        }
+    fn tied_table(&self) -> Option<&'static str> {
+        Some("bert.embeddings.word_embeddings.weight")
     }
 
     /// Hidden states, or the MLM loss of `batch.labels` on the stage with the head. Every stage

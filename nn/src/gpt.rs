@@ -505,13 +505,8 @@ impl ModelStage for GptStage {
         &self.spec
     }
 
-    /// `["wte.weight"]` on the first and the last stage when they are different stages.
-    fn tied_parameters(&self) -> Vec<String> {
-        if self.spec.embedding != self.spec.head {
-            vec!["wte.weight".to_string()]
-        } else {
-            Vec::new()
-        }
+    fn tied_table(&self) -> Option<&'static str> {
+        Some("wte.weight")
     }
 
     /// Hidden states, or the loss of `batch.targets` on the stage with the head.

@@ -29,7 +29,7 @@ pub use meshgrad_autograd::ForwardCtx;
 pub use meshgrad_derive::Module;
 pub use module::{Forward, Module};
 pub use param_builder::{Init, ParamBuilder};
-pub use stage::{BlockRange, ModelStage, StageInput, StageSpec};
+pub use stage::{run_chained, BlockRange, ModelStage, StageInput, StageSpec};
 
 impl From<data::DataError> for meshgrad_tensor::Error {
     /// Data errors join the framework's one error type, so `?` works across both.

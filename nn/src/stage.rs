@@ -29,7 +29,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use meshgrad_autograd::Var;
+use meshgrad_autograd::{ForwardCtx, Var};
 use meshgrad_tensor::Result;
 
 use crate::module::{Child, Module, ModuleField};
@@ -284,10 +284,50 @@ pub trait ModelStage: Module {
     /// embedding and head). Both copies start equal; the gradient of the tied parameter is the
     /// sum of the copies' gradients, and both copies must take the same update. Empty when the
     /// model ties nothing, and always held once by a single stage that is the whole model.
-    fn tied_parameters(&self) -> Vec<String>;
+    ///
+    /// Provided: the [`ModelStage::tied_table`] when this stage holds the embedding or the head
+    /// but not both.
+    fn tied_parameters(&self) -> Vec<String> {
+        let spec = self.spec();
+        match self.tied_table() {
+            Some(name) if spec.embedding != spec.head => vec![name.to_string()],
+            _ => Vec::new(),
+        }
+    }
+
+    /// The name of the table the embedding and the head share (GPT's `wte.weight`), if the model
+    /// ties one.
+    fn tied_table(&self) -> Option<&'static str>;
 
     /// Runs the stage on `batch`: the stage with the embedding reads the inputs from `batch`
     /// (`hidden` is `None`), a later stage reads `hidden`, the previous stage's output. Returns
     /// the hidden states for the next stage, or the mean loss on the stage with the head.
     fn forward_stage(&self, batch: &Self::Batch, hidden: Option<&Var>) -> Result<Var>;
+}
+
+/// Runs `stages` (a partition of one model, in order) one after the other on one device, the way
+/// a pipeline runs one microbatch: each stage's forward in `ctx` (the full model's context, so
+/// dropout draws its masks), its output handed to the next stage as a fresh leaf; then the
+/// backward of the loss and of every boundary gradient, last stage first. Returns the loss.
+/// The copies of a tied table each get their own gradient; their sum is the full model's.
+pub fn run_chained<S: ModelStage>(stages: &[S], batch: &S::Batch, ctx: ForwardCtx) -> Result<Var> {
+    if stages.is_empty() {
+        meshgrad_tensor::bail!("run_chained: no stages");
+    }
+    let mut inputs: Vec<Option<Var>> = vec![None];
+    let mut outputs: Vec<Var> = Vec::with_capacity(stages.len());
+    for (i, st) in stages.iter().enumerate() {
+        let out = ctx.scope(|| st.forward_stage(batch, inputs[i].as_ref()))?;
+        inputs.push(Some(Var::leaf(out.tensor().clone())));
+        outputs.push(out);
+    }
+    let loss = outputs[stages.len() - 1].clone();
+    loss.backward()?;
+    for i in (0..stages.len() - 1).rev() {
+        let Some(g) = inputs[i + 1].as_ref().and_then(|v| v.grad()) else {
+            meshgrad_tensor::bail!("run_chained: stage {} got no gradient for its input", i + 1);
+        };
+        outputs[i].backward_with(g)?;
+    }
+    Ok(loss)
 }

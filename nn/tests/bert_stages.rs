@@ -12,7 +12,7 @@ use meshgrad_autograd::Var;
 use meshgrad_nn::bert::IGNORE_INDEX;
 use meshgrad_nn::tp::TensorParallel;
 use meshgrad_nn::{
-    BertBatch, BertConfig, BertForMaskedLM, BertStage, ForwardCtx, ModelStage, Module,
+    run_chained, BertBatch, BertConfig, BertForMaskedLM, BertStage, ForwardCtx, ModelStage, Module,
     ParamBuilder, StageInput, StageSpec,
 };
 use meshgrad_tensor::{DType, Device, Tensor};
@@ -98,8 +98,7 @@ fn full_run(cfg: BertConfig, ckpt: bool, b: &BertBatch, step: u64) -> (u32, Vec<
     (bits(loss.tensor())[0], grads)
 }
 
-/// The stages chained: each stage's forward in its own scope with the full model's context, its
-/// output handed to the next stage as a fresh leaf, and each boundary gradient handed back.
+/// The stages chained on one device ([`run_chained`]).
 fn staged_run(
     cfg: BertConfig,
     ckpt: bool,
@@ -116,20 +115,7 @@ fn staged_run(
             st
         })
         .collect();
-    let mut inputs: Vec<Option<Var>> = vec![None];
-    let mut outputs: Vec<Var> = Vec::new();
-    for (i, st) in stages.iter().enumerate() {
-        let out =
-            ForwardCtx::new(step, 0).scope(|| st.forward_stage(b, inputs[i].as_ref()).unwrap());
-        inputs.push(Some(Var::leaf(out.tensor().clone())));
-        outputs.push(out);
-    }
-    let loss = outputs.last().unwrap().clone();
-    loss.backward().unwrap();
-    for i in (0..stages.len() - 1).rev() {
-        let g = inputs[i + 1].as_ref().unwrap().grad().unwrap();
-        outputs[i].backward_with(g).unwrap();
-    }
+    let loss = run_chained(&stages, b, ForwardCtx::new(step, 0)).unwrap();
     (bits(loss.tensor())[0], stages)
 }
 
