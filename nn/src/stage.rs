@@ -5,7 +5,7 @@
 //! Its blocks keep their **global** indices in their names (`h.2`, `h.3` for blocks 2 and 3 of a
 //! GPT, `bert.encoder.layer.2` for layer 2 of a BERT, whatever stage holds them), so a stage's state dict uses exactly the names of the full
 //! model's and a checkpoint can be split or joined by name. Dropout masks are keyed by module path
-//! and the [`ForwardCtx`](meshgrad_autograd::ForwardCtx), so a stage run in the context the full
+//! and the [`ForwardCtx`], so a stage run in the context the full
 //! model runs in draws the same masks.
 //!
 //! * [`StageSpec`] says which part a stage holds; [`StageSpec::check_partition`] checks that a
