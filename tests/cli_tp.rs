@@ -1,6 +1,6 @@
-//! `meshgrad train --layout` with tensor parallelism: tp=2, tp=2 with `--sequence-parallel`,
-//! fsdp=2,tp=2 and hsdp=2x2,tp=2 (with sequence parallelism) give the single-device losses on
-//! the same global batch (within 1e-5 relative, train and validation; gradient norms within
+//! `meshgrad train --layout` with tensor parallelism: tp=2, tp=4, tp=2 with
+//! `--sequence-parallel`, dp=2,tp=2, fsdp=2,tp=2 and hsdp=2x2,tp=2 (with and without sequence
+//! parallelism) give the single-device losses on the same global batch (within 1e-5 relative, train and validation; gradient norms within
 //! 1e-4), rank 0 writes a checkpoint gathered from the tensor-parallel ranks that holds the single
 //! device's weights to rounding (1e-5 of each tensor's scale) and that `eval` reads. BERT
 //! (byte-level vocabulary of 261 = 9 x 29 entries, so tp=3) trains in lockstep under tp=3 and
@@ -30,10 +30,13 @@ fn train(dir: &Path, tag: &str, extra: &[&str]) -> Output {
     common::train(dir, tag, 4, &sets, &[&["--lr", "1e-3"], extra].concat())
 }
 
-const LAYOUTS: [(&str, &[&str]); 4] = [
+const LAYOUTS: [(&str, &[&str]); 7] = [
     ("tp2", &["--layout", "tp=2"]),
+    ("tp4", &["--layout", "tp=4"]),
     ("tp2sp", &["--layout", "tp=2", "--sequence-parallel"]),
+    ("dp2tp2", &["--layout", "dp=2,tp=2"]),
     ("fsdp2tp2", &["--layout", "fsdp=2,tp=2"]),
+    ("hsdp2x2tp2", &["--layout", "hsdp=2x2,tp=2"]),
     (
         "hsdp2x2tp2sp",
         &["--layout", "hsdp=2x2,tp=2", "--sequence-parallel"],

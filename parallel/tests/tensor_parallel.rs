@@ -284,6 +284,8 @@ fn fsdp2_tp2_and_hsdp_tp2_match_single_device() {
     let init = initial(ADAMW);
     let got = mesh_run("fsdp=2,tp=2", false, ADAMW, &init);
     assert_close("fsdp=2,tp=2", &got, &want, 1e-5);
+    let got = mesh_run("hsdp=2x2,tp=2", false, ADAMW, &init);
+    assert_close("hsdp=2x2,tp=2", &got, &want, 1e-5);
     let got = mesh_run("hsdp=2x2,tp=2", true, ADAMW, &init);
     assert_close("hsdp=2x2,tp=2 +sp", &got, &want, 1e-5);
 }
