@@ -1,7 +1,7 @@
-//! Pipeline parallelism, as data and algorithms for now: schedules (which rank runs which
-//! forward, backward and transfer, in which order), a simulator that checks a schedule and
-//! measures its bubble and activation memory, and the partitioner that cuts a model into stages.
-//! No executor runs them on a model yet.
+//! Pipeline parallelism: schedules (which rank runs which forward, backward and transfer, in
+//! which order), a simulator that checks a schedule and measures its bubble and activation
+//! memory, the partitioner that cuts a model into stages, and a first executor that runs a
+//! schedule on a model's stages (one chunk per rank, full backwards; library only).
 //!
 //! * [`schedule`]: [`Action`], [`Schedule`] and the generators GPipe, 1F1B, interleaved 1F1B
 //!   (Megatron) and a ZB-H1-style zero-bubble schedule.
@@ -11,6 +11,10 @@
 //! * [`partition`]: where to cut a model into pipeline stages — a dynamic program over per-layer
 //!   costs minimising the slowest stage's time or the largest stage's memory (under an optional
 //!   per-stage memory limit), even splits, explicit boundaries and the `--partition` spec.
+//! * [`execute`](mod@execute): [`execute()`](execute::execute) runs one rank's action list on a
+//!   [`ModelStage`](meshgrad_nn::ModelStage) over the pipeline group (GPipe and 1F1B; interleaved
+//!   and split-backward schedules are refused for now), and [`PipelineGrads`] finishes the step
+//!   (tied-table gradient sum, clipping across stages, optimizer step). Library only: no CLI.
 //!
 //! ```
 //! use meshgrad_parallel::pipeline::{simulate, Costs, Schedule};
@@ -21,9 +25,11 @@
 //! assert_eq!(r.peak_activations, vec![4, 3, 2, 1]);
 //! ```
 
+pub mod execute;
 pub mod partition;
 pub mod schedule;
 pub mod simulate;
 
+pub use execute::{check_supported, execute, Microbatch, PipelineGrads};
 pub use schedule::{Action, Schedule, ScheduleArgError, ScheduleKind};
 pub use simulate::{simulate, Blocked, Costs, ScheduleError, SimReport, Slot};
