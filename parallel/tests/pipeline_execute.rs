@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::time::Duration;
 
-use common::full_weights;
+use common::{assert_close, full_weights, RunOut};
 use meshgrad_nn::data::TokenDataset;
 use meshgrad_nn::optim::{clip_grad_norm, param_groups_for_decay, AdamW, AdamWConfig, Optimizer};
 use meshgrad_nn::{ForwardCtx, Gpt, GptBatch, GptConfig, GptStage, Module, StageSpec};
@@ -74,11 +74,6 @@ fn batch(data: &TokenDataset, step: usize, rows: Range<u64>) -> Result<GptBatch>
         targets: Tensor::from_vec(b.targets, (n, T), Device::Cpu)?,
         ignore_index: None,
     })
-}
-
-struct RunOut {
-    losses: Vec<f64>,
-    weights: Vec<(String, Vec<f32>)>,
 }
 
 fn optimizer(named: Vec<(String, meshgrad_autograd::Var)>) -> AdamW {
@@ -191,38 +186,6 @@ fn pipeline_run(pp: usize, schedule: &Schedule) -> RunOut {
             })
             .collect(),
     }
-}
-
-fn assert_close(what: &str, got: &RunOut, want: &RunOut, tol: f64) {
-    let mut worst_loss = 0f64;
-    for (i, (a, b)) in got.losses.iter().zip(&want.losses).enumerate() {
-        let rel = (a - b).abs() / b.abs();
-        worst_loss = worst_loss.max(rel);
-        assert!(rel <= tol, "{what}: step {i} loss {a} vs {b} (rel {rel:e})");
-    }
-    assert_eq!(got.losses.len(), STEPS);
-    assert_eq!(got.weights.len(), want.weights.len());
-    let mut worst = 0f64;
-    for ((name, a), (wname, b)) in got.weights.iter().zip(&want.weights) {
-        assert_eq!(name, wname);
-        assert_eq!(a.len(), b.len(), "{what}: {name} has {} elements", a.len());
-        let (mut d2, mut b2) = (0f64, 0f64);
-        for (&x, &y) in a.iter().zip(b) {
-            d2 += ((x - y) as f64).powi(2);
-            b2 += (y as f64).powi(2);
-        }
-        let rel = (d2 / b2.max(1e-30)).sqrt();
-        worst = worst.max(rel);
-        assert!(
-            rel <= tol,
-            "{what}: {name} differs by {rel:e} relative (L2)"
-        );
-    }
-    println!(
-        "{what}: losses within {worst_loss:.1e}, final weights within {worst:.1e} relative; \
-         losses {:?}",
-        got.losses
-    );
 }
 
 #[test]

@@ -17,7 +17,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{full_weights, DataParallel, OptKind};
+use common::{assert_close, full_weights, DataParallel, OptKind, RunOut};
 use meshgrad_nn::data::TokenDataset;
 use meshgrad_nn::optim::{
     clip_grad_norm, param_groups_for_decay, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig,
@@ -84,11 +84,6 @@ fn optimizer(model: &Gpt, s: Setup) -> Result<Box<dyn Optimizer>> {
     } else {
         Box::new(AdamW::new(groups, AdamWConfig::default())?)
     })
-}
-
-struct RunOut {
-    losses: Vec<f64>,
-    weights: Vec<(String, Vec<f32>)>,
 }
 
 /// Forward and backward of `rows` at `step`; the local mean loss.
@@ -205,34 +200,6 @@ fn mesh_run(layout: &str, sp: bool, s: Setup, initial: &[(String, Vec<f32>)]) ->
     })
     .unwrap();
     outs.into_iter().next().unwrap()
-}
-
-fn assert_close(what: &str, got: &RunOut, want: &RunOut, tol: f64) {
-    for (i, (a, b)) in got.losses.iter().zip(&want.losses).enumerate() {
-        let rel = (a - b).abs() / b.abs();
-        assert!(rel <= tol, "{what}: step {i} loss {a} vs {b} (rel {rel:e})");
-    }
-    assert_eq!(got.weights.len(), want.weights.len());
-    let mut worst = 0f64;
-    for ((name, a), (wname, b)) in got.weights.iter().zip(&want.weights) {
-        assert_eq!(name, wname);
-        assert_eq!(a.len(), b.len(), "{what}: {name} has {} elements", a.len());
-        let (mut d2, mut b2) = (0f64, 0f64);
-        for (&x, &y) in a.iter().zip(b) {
-            d2 += ((x - y) as f64).powi(2);
-            b2 += (y as f64).powi(2);
-        }
-        let rel = (d2 / b2.max(1e-30)).sqrt();
-        worst = worst.max(rel);
-        assert!(
-            rel <= tol,
-            "{what}: {name} differs by {rel:e} relative (L2)"
-        );
-    }
-    println!(
-        "{what}: final weights within {worst:.1e} relative; losses {:?}",
-        got.losses
-    );
 }
 
 fn initial(s: Setup) -> Vec<(String, Vec<f32>)> {

@@ -25,7 +25,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{full_weights, DataParallel, OptKind};
+use common::{full_weights, DataParallel, OptKind, RunOut};
 use meshgrad_nn::bert::{check_tp_sizes, BertConfig, BertForMaskedLM, IGNORE_INDEX};
 use meshgrad_nn::data::splitmix64;
 use meshgrad_nn::mlm::{mlm_mask_rows, MlmConfig, SpecialTokens};
@@ -161,11 +161,6 @@ fn optimizer(model: &BertForMaskedLM, s: Setup) -> Result<Box<dyn Optimizer>> {
     } else {
         Box::new(AdamW::new(groups, AdamWConfig::default())?)
     })
-}
-
-struct RunOut {
-    losses: Vec<f64>,
-    weights: Vec<(String, Vec<f32>)>,
 }
 
 /// Forward and backward of global rows `rows` at `step`, as the share of the global mean over

@@ -1,5 +1,6 @@
 //! Helpers shared by the lockstep tests that train under a layout: the data-parallel wrapper a
-//! rank's model gets (DDP, ZeRO or nothing) and its step, and the full (gathered) weights.
+//! rank's model gets (DDP, ZeRO or nothing) and its step, the full (gathered) weights, and the
+//! comparison of a run with the single-device one.
 #![allow(dead_code)]
 
 use meshgrad_autograd::Var;
@@ -136,4 +137,46 @@ pub fn full_weights(model: &dyn Module) -> Result<Vec<(String, Vec<f32>)>> {
             Ok((n, t.to_vec::<f32>()?))
         })
         .collect()
+}
+
+/// What a lockstep run gives: the loss of every step and the final full weights by name.
+pub struct RunOut {
+    /// Per-step losses.
+    pub losses: Vec<f64>,
+    /// Final weights (split parameters gathered), by name.
+    pub weights: Vec<(String, Vec<f32>)>,
+}
+
+/// Asserts every step's loss within `tol` relative and every weight within `tol` relative in the
+/// L2 norm (`||a - b|| <= tol * ||b||`), names and sizes equal; prints the worst figures.
+pub fn assert_close(what: &str, got: &RunOut, want: &RunOut, tol: f64) {
+    assert_eq!(got.losses.len(), want.losses.len(), "{what}: step count");
+    let mut worst_loss = 0f64;
+    for (i, (a, b)) in got.losses.iter().zip(&want.losses).enumerate() {
+        let rel = (a - b).abs() / b.abs();
+        worst_loss = worst_loss.max(rel);
+        assert!(rel <= tol, "{what}: step {i} loss {a} vs {b} (rel {rel:e})");
+    }
+    assert_eq!(got.weights.len(), want.weights.len());
+    let mut worst = 0f64;
+    for ((name, a), (wname, b)) in got.weights.iter().zip(&want.weights) {
+        assert_eq!(name, wname);
+        assert_eq!(a.len(), b.len(), "{what}: {name} has {} elements", a.len());
+        let (mut d2, mut b2) = (0f64, 0f64);
+        for (&x, &y) in a.iter().zip(b) {
+            d2 += ((x - y) as f64).powi(2);
+            b2 += (y as f64).powi(2);
+        }
+        let rel = (d2 / b2.max(1e-30)).sqrt();
+        worst = worst.max(rel);
+        assert!(
+            rel <= tol,
+            "{what}: {name} differs by {rel:e} relative (L2)"
+        );
+    }
+    println!(
+        "{what}: losses within {worst_loss:.1e}, final weights within {worst:.1e} relative; \
+         losses {:?}",
+        got.losses
+    );
 }
