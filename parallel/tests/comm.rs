@@ -267,6 +267,44 @@ fn send_recv_ring_in_order() {
 }
 
 #[test]
+fn rendezvous_sends_catch_a_send_before_receive_deadlock() {
+    // Both ranks send first, then receive: fine with buffered sends, a deadlock on a real backend.
+    let exchange = |ctx: meshgrad_parallel::RankCtx| -> Result<Vec<f32>> {
+        let peer = 1 - ctx.rank;
+        let t = Tensor::full(ctx.rank as f64, 3, DType::F32, Device::Cpu)?;
+        ctx.comm.send(&t, peer)?.wait()?;
+        ctx.comm.recv(peer)?.wait()?.to_vec::<f32>()
+    };
+    let got = run_ranks(2, &opts(), exchange).unwrap();
+    assert_eq!(got[1], vec![0.0; 3]);
+    let short = RunOptions::with_timeout(Duration::from_millis(300)).rendezvous();
+    let start = Instant::now();
+    let e = run_ranks(2, &short, exchange).unwrap_err().to_string();
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        start.elapsed()
+    );
+    assert!(e.contains("send #0 to rank"), "{e}");
+    assert!(e.contains("did not receive within"), "{e}");
+    // Matched in order (rank 0 sends while rank 1 receives, then the other way), it completes.
+    let got = run_ranks(2, &short, |ctx| {
+        let peer = 1 - ctx.rank;
+        let t = Tensor::full(ctx.rank as f64 + 1.0, 2, DType::F32, Device::Cpu)?;
+        if ctx.rank == 0 {
+            ctx.comm.send(&t, peer)?.wait()?;
+            ctx.comm.recv(peer)?.wait()?.to_vec::<f32>()
+        } else {
+            let r = ctx.comm.recv(peer)?.wait()?.to_vec::<f32>()?;
+            ctx.comm.send(&t, peer)?.wait()?;
+            Ok(r)
+        }
+    })
+    .unwrap();
+    assert_eq!(got, vec![vec![2.0; 2], vec![1.0; 2]]);
+}
+
+#[test]
 fn barrier_and_completion() {
     let r = run_ranks(3, &opts(), |ctx| {
         if ctx.rank == 0 {

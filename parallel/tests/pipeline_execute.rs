@@ -12,6 +12,9 @@
 //! embedding's and the head's contributions per microbatch, the pipeline sums each over the
 //! microbatches first) and the order of the f64 norm sums.
 //!
+//! The ranks run with rendezvous sends (a send completes when its receive takes the message), so
+//! the schedules are also shown not to deadlock on a backend without buffering.
+//!
 //! Interleaved and zero-bubble (split backward) schedules are refused with a one-line error.
 
 mod common;
@@ -114,7 +117,8 @@ fn single_device() -> RunOut {
 /// tied table from the first stage, checked equal to the last stage's copy).
 fn pipeline_run(pp: usize, schedule: &Schedule) -> RunOut {
     let data = dataset();
-    let opts = RunOptions::with_timeout(Duration::from_secs(60));
+    // Rendezvous sends: a schedule that would deadlock on NCCL or MPI fails here too.
+    let opts = RunOptions::with_timeout(Duration::from_secs(60)).rendezvous();
     let outs = run_ranks(pp, &opts, |ctx| {
         let rank = ctx.comm.rank();
         let spec = StageSpec::even(gpt_config().n_layer, pp)?[rank].clone();

@@ -45,6 +45,9 @@ fn fmt_rank_list(ranks: &[usize]) -> String {
 pub(crate) struct World {
     size: usize,
     timeout: Duration,
+    /// Sends complete only when their receive has taken the message (see
+    /// [`crate::comm::RunOptions::rendezvous_sends`]).
+    rendezvous: AtomicBool,
     failed: AtomicBool,
     failure: Mutex<Option<(usize, String)>>,
     exited: Vec<AtomicBool>,
@@ -60,12 +63,18 @@ impl World {
         Arc::new(World {
             size,
             timeout,
+            rendezvous: AtomicBool::new(false),
             failed: AtomicBool::new(false),
             failure: Mutex::new(None),
             exited: (0..size).map(|_| AtomicBool::new(false)).collect(),
             registry: Mutex::new(HashMap::new()),
             next_group_id: AtomicU64::new(1),
         })
+    }
+
+    /// Makes sends rendezvous (or buffered again).
+    pub(crate) fn set_rendezvous(&self, on: bool) {
+        self.rendezvous.store(on, Ordering::Relaxed);
     }
 
     /// Records that global rank `rank` failed with `reason` (the first failure is kept) and
@@ -489,7 +498,16 @@ impl Communicator for InProcessComm {
         let mut st = lock(&self.group.state);
         st.messages.insert((self.rank, dst, seq), payload);
         self.group.cv.notify_all();
-        Ok(Work::done(()))
+        if !self.world.rendezvous.load(Ordering::Relaxed) {
+            return Ok(Work::done(()));
+        }
+        Ok(Work::pending(Box::new(SendWait {
+            world: self.world.clone(),
+            group: self.group.clone(),
+            rank: self.rank,
+            dst,
+            seq,
+        })))
     }
 
     fn recv(&self, src: usize) -> Result<Work> {
@@ -812,6 +830,8 @@ impl Pending<Tensor> for RecvWait {
         let mut st = lock(&self.group.state);
         loop {
             if let Some(p) = st.messages.remove(&(self.src, self.rank, self.seq)) {
+                // A rendezvous sender waits for the message to be taken.
+                self.group.cv.notify_all();
                 drop(st);
                 // The buffer was copied at send time and is owned by this message alone; the
                 // tensor built here is charged to the receiving thread's tracker.
@@ -825,6 +845,57 @@ impl Pending<Tensor> for RecvWait {
             if now >= deadline {
                 return Err(self.err(format!(
                     "rank {src} did not send within {}",
+                    fmt_duration(self.world.timeout)
+                )));
+            }
+            st = self
+                .group
+                .cv
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+/// A rendezvous send: completes when the receiver has taken the message.
+struct SendWait {
+    world: Arc<World>,
+    group: Arc<Group>,
+    rank: usize,
+    dst: usize,
+    seq: u64,
+}
+
+impl Pending<()> for SendWait {
+    fn is_completed(&self) -> bool {
+        !lock(&self.group.state)
+            .messages
+            .contains_key(&(self.rank, self.dst, self.seq))
+    }
+
+    fn wait(self: Box<Self>) -> Result<()> {
+        let deadline = Instant::now() + self.world.timeout;
+        let dst = self.group.members[self.dst];
+        let err = |reason: String| {
+            Error::msg(format!(
+                "rank {}: send #{} to rank {dst} on group {}: {reason}",
+                self.group.members[self.rank], self.seq, self.group.label
+            ))
+        };
+        let mut st = lock(&self.group.state);
+        loop {
+            if !st.messages.contains_key(&(self.rank, self.dst, self.seq)) {
+                return Ok(());
+            }
+            if let Some(reason) = self.world.abort_reason(&[dst]) {
+                return Err(err(reason));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(err(format!(
+                    "rank {dst} did not receive within {} (rendezvous send: a schedule that \
+                     sends before the matching receive is posted deadlocks on a real backend)",
                     fmt_duration(self.world.timeout)
                 )));
             }

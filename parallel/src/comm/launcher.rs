@@ -19,6 +19,11 @@ pub struct RunOptions {
     pub timeout: Duration,
     /// Stack size of each rank thread in bytes (default 16 MiB).
     pub stack_size: usize,
+    /// Rendezvous sends (default off: buffered). A send's [`crate::Work`] then completes only
+    /// when the receiver has taken the message, as a large send does on NCCL or MPI, so a
+    /// pipeline schedule that would deadlock on a real backend times out here, naming the ranks
+    /// and the calls, instead of passing in tests.
+    pub rendezvous_sends: bool,
 }
 
 impl Default for RunOptions {
@@ -26,6 +31,7 @@ impl Default for RunOptions {
         RunOptions {
             timeout: Duration::from_secs(60),
             stack_size: 16 << 20,
+            rendezvous_sends: false,
         }
     }
 }
@@ -37,6 +43,12 @@ impl RunOptions {
             timeout,
             ..Default::default()
         }
+    }
+
+    /// The same options with rendezvous sends (see [`RunOptions::rendezvous_sends`]).
+    pub fn rendezvous(mut self) -> Self {
+        self.rendezvous_sends = true;
+        self
     }
 }
 
@@ -101,6 +113,7 @@ where
         meshgrad_tensor::bail!("run_ranks: the world size must be at least 1");
     }
     let shared = World::new(world, opts.timeout);
+    shared.set_rendezvous(opts.rendezvous_sends);
     let handles = InProcessComm::world_handles(&shared);
     let f = &f;
     let shared = &shared;

@@ -106,8 +106,10 @@ pub trait Communicator: Send + Sync {
     /// the same shape and dtype; copy the result into it for an in-place broadcast.
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Work>;
 
-    /// Sends a copy of `tensor` to group rank `dst`. Sends are buffered: the handle completes at
-    /// once, and the message waits for the matching [`Communicator::recv`].
+    /// Sends a copy of `tensor` to group rank `dst`. The in-process backend buffers sends by
+    /// default (the handle completes at once and the message waits for the matching
+    /// [`Communicator::recv`]); with [`RunOptions::rendezvous_sends`] the handle completes only
+    /// when the receiver has taken the message, as a large send on NCCL or MPI does.
     fn send(&self, tensor: &Tensor, dst: usize) -> Result<Work<()>>;
 
     /// Receives the next message from group rank `src` (messages from one sender arrive in the
