@@ -68,9 +68,8 @@ pub fn vocab_parallel_cross_entropy(
             }
         })
         .collect();
-    let picked = x
-        .gather(1, &Tensor::from_vec(local_idx, (n, 1), x.device())?)?
-        .to_vec_f64()?;
+    let local_idx = Tensor::from_vec(local_idx, (n, 1), x.device())?;
+    let picked = x.gather(1, &local_idx)?.to_vec_f64()?;
     let mine: Vec<f64> = (0..n)
         .map(|i| {
             if (offset..offset + vl as i64).contains(&t[i]) {
@@ -105,24 +104,28 @@ pub fn vocab_parallel_cross_entropy(
         loss,
         &[logits],
         Box::new(move |g| {
+            // d loss / d x = (softmax(x) - onehot(target)) * g / count on kept rows: the local
+            // slice of the softmax from the global log-sum-exp, minus the target's one-hot
+            // scatter-added on the rank that holds it.
             let g = g.to_dtype(DType::F64)?.item()? * scale;
-            let xv = x.to_vec_f64()?;
-            let mut d = vec![0f64; n * vl];
-            for i in 0..n {
-                if !keep[i] {
-                    continue;
-                }
-                let row = &xv[i * vl..(i + 1) * vl];
-                for (j, &v) in row.iter().enumerate() {
-                    d[i * vl + j] = (v - lse[i]).exp() * g;
-                }
-                if (offset..offset + vl as i64).contains(&t[i]) {
-                    d[i * vl + (t[i] - offset) as usize] -= g;
-                }
-            }
-            Ok(vec![Some(
-                Tensor::from_vec(d, (n, vl), x.device())?.to_dtype(x.dtype())?,
-            )])
+            let (dtype, dev) = (x.dtype(), x.device());
+            let column = |v: Vec<f64>| Tensor::from_vec(v, (n, 1), dev)?.to_dtype(dtype);
+            let row_scale = column(keep.iter().map(|&k| if k { g } else { 0.0 }).collect())?;
+            let hit = column(
+                (0..n)
+                    .map(|i| {
+                        let local = (offset..offset + vl as i64).contains(&t[i]);
+                        if keep[i] && local {
+                            g
+                        } else {
+                            0.0
+                        }
+                    })
+                    .collect(),
+            )?;
+            let softmax = x.sub(&column(lse.clone())?)?.exp()?.mul(&row_scale)?;
+            let onehot = hit.gather_backward(1, &local_idx, (n, vl))?;
+            Ok(vec![Some(softmax.sub(&onehot)?)])
         }),
     ))
 }
