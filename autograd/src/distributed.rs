@@ -320,3 +320,30 @@ pub fn split_dim(x: &Var, dim: usize, group: &Group) -> Result<Var> {
         Box::new(move |grad| Ok(vec![Some(gather_along(grad, dim, &*g)?)])),
     ))
 }
+
+/// The total of per-tensor values (sums of squares, element counts) in which every element of a
+/// split tensor counts once: values of tensors with a [`Placement`] over more than one rank are
+/// summed over their group (one all-reduce per group, in order of first appearance: a collective
+/// that every member calls with the same groups), the others (replicated) are added as they are.
+pub fn sum_over_placements(
+    items: impl IntoIterator<Item = (Option<Placement>, f64)>,
+) -> Result<f64> {
+    let mut total = 0.0;
+    let mut split: Vec<(Group, f64)> = Vec::new();
+    for (placement, v) in items {
+        match placement {
+            Some(p) if p.degree() > 1 => {
+                match split.iter_mut().find(|(g, _)| Arc::ptr_eq(g, &p.group)) {
+                    Some((_, acc)) => *acc += v,
+                    None => split.push((p.group.clone(), v)),
+                }
+            }
+            _ => total += v,
+        }
+    }
+    for (group, local) in split {
+        let t = Tensor::from_vec(vec![local], 1, meshgrad_tensor::Device::Cpu)?;
+        total += group.all_reduce_sum(&t)?.to_vec::<f64>()?[0];
+    }
+    Ok(total)
+}

@@ -1,10 +1,8 @@
 //! Gradient-norm clipping (PyTorch's `clip_grad_norm_` rule).
 
-use std::sync::Arc;
-
-use meshgrad_autograd::distributed::Collectives;
+use meshgrad_autograd::distributed::sum_over_placements;
 use meshgrad_autograd::{no_grad, Var};
-use meshgrad_tensor::{Device, Result, Tensor};
+use meshgrad_tensor::Result;
 
 /// Sum of the squares of every element of every gradient, in f64: each gradient's sum of squares
 /// ([`meshgrad_tensor::Tensor::sqr_sum_f64`]) added in parameter order. Parameters without a
@@ -16,29 +14,13 @@ use meshgrad_tensor::{Device, Result, Tensor};
 /// their group (one all-reduce per group, a collective every member calls), while replicated
 /// parameters count once.
 pub fn grad_sq_sum(params: &[Var]) -> Result<f64> {
-    let mut total = 0.0;
-    let mut split: Vec<(Arc<dyn Collectives>, f64)> = Vec::new();
+    let mut sums = Vec::with_capacity(params.len());
     for p in params {
-        let Some(g) = p.grad() else { continue };
-        let s = g.sqr_sum_f64()?;
-        match p.placement() {
-            Some(pl) if pl.degree() > 1 => {
-                match split
-                    .iter_mut()
-                    .find(|(grp, _)| Arc::ptr_eq(grp, &pl.group))
-                {
-                    Some((_, acc)) => *acc += s,
-                    None => split.push((pl.group.clone(), s)),
-                }
-            }
-            _ => total += s,
+        if let Some(g) = p.grad() {
+            sums.push((p.placement(), g.sqr_sum_f64()?));
         }
     }
-    for (group, local) in split {
-        let t = Tensor::from_vec(vec![local], 1, Device::Cpu)?;
-        total += group.all_reduce_sum(&t)?.to_vec::<f64>()?[0];
-    }
-    Ok(total)
+    sum_over_placements(sums)
 }
 
 /// The global L2 norm of the gradients: `sqrt(grad_sq_sum(params))`.

@@ -11,9 +11,7 @@
 //! updated shards into every rank's full parameters; ZeRO-3 keeps them sharded until the next
 //! forward gathers them.
 
-use std::sync::Arc;
-
-use meshgrad_autograd::distributed::Collectives;
+use meshgrad_autograd::distributed::sum_over_placements;
 use meshgrad_autograd::no_grad;
 use meshgrad_nn::optim::{AdamW, AdamWConfig, Optimizer, ParamGroup, Sgd, SgdConfig};
 use meshgrad_tensor::{Device, Error, Result, Tensor};
@@ -129,26 +127,13 @@ impl Inner {
         // their elements on each rank of their group: their sums are added over that group, so
         // every element counts once across all mesh dimensions.
         let sums = self.grad_sq_sums(st)?;
-        let mut total = 0.0;
-        let mut split: Vec<(Arc<dyn Collectives>, f64)> = Vec::new();
-        for (pi, (s, &used)) in sums.iter().zip(&st.used).enumerate() {
-            if !used {
-                continue;
-            }
-            match self.vars[pi].placement() {
-                Some(pl) if pl.degree() > 1 => {
-                    match split.iter_mut().find(|(g, _)| Arc::ptr_eq(g, &pl.group)) {
-                        Some((_, acc)) => *acc += s,
-                        None => split.push((pl.group.clone(), *s)),
-                    }
-                }
-                _ => total += s,
-            }
-        }
-        for (group, local) in split {
-            let t = Tensor::from_vec(vec![local], 1, Device::Cpu)?;
-            total += group.all_reduce_sum(&t)?.to_vec::<f64>()?[0];
-        }
+        let used = sums
+            .iter()
+            .zip(&st.used)
+            .enumerate()
+            .filter(|(_, (_, &used))| used)
+            .map(|(pi, (s, _))| (self.vars[pi].placement(), *s));
+        let total = sum_over_placements(used)?;
         Ok(total.sqrt())
     }
 
