@@ -64,7 +64,15 @@ impl Forward for Dropout {
         let (seed, ctx) = self.next_seed();
         let t = x.tensor();
         if let Some((_, tp)) = sp {
-            return self.sequence_parallel_mask(&x, seed, ctx.first_row, tp);
+            if t.rank() != 3 {
+                meshgrad_tensor::bail!(
+                    "dropout: sequence parallelism needs [B, T, C] activations, got {}",
+                    t.shape()
+                );
+            }
+            // This rank's positions [B, T/tp, C] of the [B, T, C] activation.
+            let tl = t.dims()[1];
+            return self.slice_mask(&x, seed, ctx.first_row, tp.rank() * tl, tl * tp.degree());
         }
         let row_elems = if t.rank() == 0 {
             1
@@ -115,53 +123,34 @@ impl Dropout {
             return Ok(x.clone());
         }
         let (seed, ctx) = self.next_seed();
-        let b = t.dims()[0];
-        let per_head = (t.elem_count() / (b * h).max(1)) as u64;
-        let row = heads as u64 * per_head;
+        self.slice_mask(x, seed, ctx.first_row, first_head, heads)
+    }
+
+    /// Dropout of a slice of dimension 1: `x [B, n, ...]` holds entries `start..start + n` of a
+    /// `[B, global, ...]` tensor (this rank's heads, or its sequence positions). Each batch row's
+    /// run of local elements gets the masks of its global indices, so the masks are the ones a
+    /// single device draws for the whole tensor.
+    fn slice_mask(
+        &self,
+        x: &Var,
+        seed: u64,
+        first_row: u64,
+        start: usize,
+        global: usize,
+    ) -> Result<Var> {
+        let t = x.tensor();
+        let (b, n) = (t.dims()[0], t.dims()[1]);
+        let inner = (t.elem_count() / (b * n).max(1)) as u64;
+        let row = global as u64 * inner;
         let mut one = t.dims().to_vec();
         one[0] = 1;
         let masks: Vec<Tensor> = (0..b as u64)
             .map(|i| {
                 Tensor::dropout_mask(
                     seed,
-                    (ctx.first_row + i) * row + first_head as u64 * per_head,
+                    (first_row + i) * row + start as u64 * inner,
                     self.p,
                     one.clone(),
-                    t.dtype(),
-                    t.device(),
-                )
-            })
-            .collect::<Result<_>>()?;
-        let refs: Vec<&Tensor> = masks.iter().collect();
-        x.mul(&Var::constant(Tensor::cat(&refs, 0)?))
-    }
-
-    /// Dropout of this rank's positions `[B, T/tp, C]` of a `[B, T, C]` activation: each
-    /// sequence's run of local elements gets the masks of its global indices.
-    fn sequence_parallel_mask(
-        &self,
-        x: &Var,
-        seed: u64,
-        first_row: u64,
-        tp: &TensorParallel,
-    ) -> Result<Var> {
-        let t = x.tensor();
-        if t.rank() != 3 {
-            meshgrad_tensor::bail!(
-                "dropout: sequence parallelism needs [B, T, C] activations, got {}",
-                t.shape()
-            );
-        }
-        let (b, tl, c) = (t.dims()[0], t.dims()[1], t.dims()[2]);
-        let row = (tl * tp.degree() * c) as u64;
-        let mine = (tp.rank() * tl * c) as u64;
-        let masks: Vec<Tensor> = (0..b as u64)
-            .map(|i| {
-                Tensor::dropout_mask(
-                    seed,
-                    (first_row + i) * row + mine,
-                    self.p,
-                    (1, tl, c),
                     t.dtype(),
                     t.device(),
                 )
