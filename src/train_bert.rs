@@ -29,8 +29,8 @@ use meshgrad_nn::bert::{BertConfig, BertForMaskedLM, IGNORE_INDEX};
 use meshgrad_nn::data::{Dataset, TokenSource};
 use meshgrad_nn::mlm::{mlm_mask_rows, MlmConfig, SpecialTokens};
 use meshgrad_nn::optim::{AdamW, CosineSchedule};
-use meshgrad_nn::state::{hf_bert, load_state_dict};
-use meshgrad_nn::tp::{full_state_dict, TensorParallel};
+use meshgrad_nn::state::hf_bert;
+use meshgrad_nn::tp::TensorParallel;
 use meshgrad_nn::{ForwardCtx, Module, ParamBuilder};
 use meshgrad_parallel::tp::tensor_parallel;
 use meshgrad_parallel::{micro_rows, rank_rows, ParallelLayout, ZeroStage};
@@ -41,7 +41,9 @@ use crate::train::{
     check_microbatches, check_sequence_parallel, drive_loop, optimizer_and_schedule, run_data,
     GradSync, LoopResult, Reporter, RunData, SingleDevice, TrainOptions, TrainSummary, Verbosity,
 };
-use crate::train_parallel::{check_layout, layout_desc, on_ranks, RankWrapper};
+use crate::train_parallel::{
+    check_layout, gather_tensor_parallel, layout_desc, on_ranks, RankWrapper,
+};
 
 /// Mixed into the run seed for the masking draws.
 const MLM_STREAM: u64 = 0x6d6c_6d5f_6d61_736b;
@@ -389,23 +391,14 @@ pub fn train_bert(
             )?;
             wrapper.summon_full_params()?;
             // tp: the leader assembles the single-device model from every rank's parts.
-            let gathered = if mesh.tp_degree() > 1 {
-                let tensors = full_state_dict(&run.model)?;
-                if leader {
-                    let full = BertForMaskedLM::new(
-                        bert_config(cfg),
-                        cfg.train.seed,
-                        DType::F32,
-                        Device::Cpu,
-                    )?;
-                    load_state_dict(&full, &tensors, true)?;
-                    Some(full)
-                } else {
-                    None
-                }
-            } else {
-                None
-            };
+            let gathered = gather_tensor_parallel(&run.model, mesh, leader, || {
+                Ok(BertForMaskedLM::new(
+                    bert_config(cfg),
+                    cfg.train.seed,
+                    DType::F32,
+                    Device::Cpu,
+                )?)
+            })?;
             if leader {
                 let model = gathered.as_ref().unwrap_or(&run.model);
                 Ok(Some(finish(cfg, model, rep, r, verbosity)?))

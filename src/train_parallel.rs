@@ -235,7 +235,14 @@ pub fn train_parallel(
         // fsdp/hsdp: the full weights for the checkpoint and the sample.
         wrapper.summon_full_params()?;
         // tp: the leader assembles the single-device model from every rank's parts.
-        let gathered = gather_tensor_parallel(cfg, &run.model, mesh, leader)?;
+        let gathered = gather_tensor_parallel(&run.model, mesh, leader, || {
+            Ok(Gpt::new(
+                gpt_config(cfg),
+                cfg.train.seed,
+                DType::F32,
+                Device::Cpu,
+            )?)
+        })?;
         if leader {
             Ok(Some(finish_run(
                 cfg,
@@ -251,14 +258,15 @@ pub fn train_parallel(
     })
 }
 
-/// Under tensor parallelism, the single-device model (on the leader only) with every split
-/// parameter gathered from its tensor-parallel ranks (every rank takes part); `None` otherwise.
-fn gather_tensor_parallel(
-    cfg: &TrainConfig,
-    model: &Gpt,
+/// Under tensor parallelism, the single-device model (on the leader only): every rank gathers
+/// its split parameters (a collective), and the leader loads them into `single()`, a fresh
+/// single-device model of the same config. `None` without tensor parallelism or off the leader.
+pub(crate) fn gather_tensor_parallel<M: Module>(
+    model: &M,
     mesh: &LayoutMesh,
     leader: bool,
-) -> Result<Option<Gpt>> {
+    single: impl FnOnce() -> Result<M>,
+) -> Result<Option<M>> {
     if mesh.tp_degree() <= 1 {
         return Ok(None);
     }
@@ -266,7 +274,7 @@ fn gather_tensor_parallel(
     if !leader {
         return Ok(None);
     }
-    let full = Gpt::new(gpt_config(cfg), cfg.train.seed, DType::F32, Device::Cpu)?;
+    let full = single()?;
     load_state_dict(&full, &tensors, true)?;
     Ok(Some(full))
 }
