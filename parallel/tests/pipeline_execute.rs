@@ -143,6 +143,7 @@ fn pipeline_run(pp: usize, schedule: &Schedule) -> RunOut {
                 ctx.comm.as_ref(),
                 &mbs,
                 step as u64,
+                None,
             )?);
             grads.step(&mut opt, Some(CLIP), LR)?;
         }
@@ -229,7 +230,7 @@ fn interleaved_and_zero_bubble_are_refused() {
                     })
                 })
                 .collect::<Result<Vec<_>>>()?;
-            Ok(execute(&stage, &schedule, ctx.comm.as_ref(), &mbs, 0)
+            Ok(execute(&stage, &schedule, ctx.comm.as_ref(), &mbs, 0, None)
                 .err()
                 .map(|e| e.to_string()))
         })

@@ -48,6 +48,7 @@ use meshgrad_nn::ModelStage;
 use meshgrad_tensor::{Result, Tensor};
 
 use super::schedule::{Action, Schedule, ScheduleKind};
+use super::trace::{record_opt, SpanKind, Timeline};
 use crate::comm::{all_reduce_scalar, Communicator, ReduceOp};
 
 /// One microbatch of a step as the stages read it, with the global index of its first row (the
@@ -113,13 +114,15 @@ fn check_stage<S: ModelStage>(stage: &S, pp: &dyn Communicator) -> Result<()> {
 
 /// Runs this rank's actions of `schedule` (see the [module docs](self)) for training step `step`
 /// on `stage` over the pipeline group `pp` (group rank `p` runs stage `p`). Gradients accumulate
-/// into the stage's parameters. Returns the mean loss over the microbatches, on every rank.
+/// into the stage's parameters. Every action is recorded in `timeline` when one is given.
+/// Returns the mean loss over the microbatches, on every rank.
 pub fn execute<S: ModelStage>(
     stage: &S,
     schedule: &Schedule,
     pp: &dyn Communicator,
     microbatches: &[Microbatch<S::Batch>],
     step: u64,
+    timeline: Option<&Timeline>,
 ) -> Result<f64> {
     let (rank, world) = (pp.rank(), pp.world_size());
     check_supported(schedule, world, microbatches.len())?;
@@ -134,68 +137,84 @@ pub fn execute<S: ModelStage>(
     let mut outputs: HashMap<usize, Var> = HashMap::new();
     let mut grads: HashMap<usize, Tensor> = HashMap::new();
     let mut losses: Vec<Option<f64>> = vec![None; m_count];
+    let chunks = schedule.chunks;
     for a in &schedule.ranks[rank] {
-        let m = a.microbatch();
-        let mb = microbatches
-            .get(m)
-            .ok_or_else(|| err(a, "no such microbatch"))?;
-        match *a {
-            Action::Forward { .. } => {
-                let hidden = if rank == 0 {
-                    None
-                } else {
-                    Some(
-                        inputs
+        let kind = match a {
+            Action::Forward { .. } => SpanKind::Forward,
+            Action::Backward { .. } => SpanKind::Backward,
+            Action::BackwardInput { .. } => SpanKind::BackwardInput,
+            Action::BackwardWeight { .. } => SpanKind::BackwardWeight,
+            Action::SendActivation { .. } | Action::SendGradient { .. } => SpanKind::Send,
+            Action::RecvActivation { .. } | Action::RecvGradient { .. } => SpanKind::Recv,
+        };
+        record_opt(
+            timeline,
+            kind,
+            || a.label(chunks),
+            || -> Result<()> {
+                let m = a.microbatch();
+                let mb = microbatches
+                    .get(m)
+                    .ok_or_else(|| err(a, "no such microbatch"))?;
+                match *a {
+                    Action::Forward { .. } => {
+                        let hidden =
+                            if rank == 0 {
+                                None
+                            } else {
+                                Some(inputs.get(&m).ok_or_else(|| {
+                                    err(a, "its input activation was not received")
+                                })?)
+                            };
+                        let out = ForwardCtx::new(step, mb.first_row)
+                            .scope(|| stage.forward_stage(&mb.batch, hidden))?;
+                        if last {
+                            losses[m] = Some(out.tensor().item()?);
+                        }
+                        outputs.insert(m, out);
+                    }
+                    Action::SendActivation { peer, .. } => {
+                        let out = outputs
                             .get(&m)
-                            .ok_or_else(|| err(a, "its input activation was not received"))?,
-                    )
-                };
-                let out = ForwardCtx::new(step, mb.first_row)
-                    .scope(|| stage.forward_stage(&mb.batch, hidden))?;
-                if last {
-                    losses[m] = Some(out.tensor().item()?);
+                            .ok_or_else(|| err(a, "the forward has not run"))?;
+                        pp.send(out.tensor(), peer)?.wait()?;
+                    }
+                    Action::RecvActivation { peer, .. } => {
+                        let t = pp.recv(peer)?.wait()?;
+                        inputs.insert(m, Var::leaf(t));
+                    }
+                    Action::RecvGradient { peer, .. } => {
+                        grads.insert(m, pp.recv(peer)?.wait()?);
+                    }
+                    Action::Backward { .. } => {
+                        let out = outputs
+                            .remove(&m)
+                            .ok_or_else(|| err(a, "the forward has not run"))?;
+                        if last {
+                            out.mul_scalar(1.0 / m_count as f64)?.backward()?;
+                        } else {
+                            let g = grads
+                                .remove(&m)
+                                .ok_or_else(|| err(a, "the output gradient was not received"))?;
+                            out.backward_with(g)?;
+                        }
+                    }
+                    Action::SendGradient { peer, .. } => {
+                        let input = inputs
+                            .remove(&m)
+                            .ok_or_else(|| err(a, "no input activation"))?;
+                        let g = input.grad().ok_or_else(|| {
+                            err(a, "the input got no gradient (backward not run?)")
+                        })?;
+                        pp.send(&g, peer)?.wait()?;
+                    }
+                    Action::BackwardInput { .. } | Action::BackwardWeight { .. } => {
+                        return Err(err(a, "split backwards are not supported yet"));
+                    }
                 }
-                outputs.insert(m, out);
-            }
-            Action::SendActivation { peer, .. } => {
-                let out = outputs
-                    .get(&m)
-                    .ok_or_else(|| err(a, "the forward has not run"))?;
-                pp.send(out.tensor(), peer)?.wait()?;
-            }
-            Action::RecvActivation { peer, .. } => {
-                let t = pp.recv(peer)?.wait()?;
-                inputs.insert(m, Var::leaf(t));
-            }
-            Action::RecvGradient { peer, .. } => {
-                grads.insert(m, pp.recv(peer)?.wait()?);
-            }
-            Action::Backward { .. } => {
-                let out = outputs
-                    .remove(&m)
-                    .ok_or_else(|| err(a, "the forward has not run"))?;
-                if last {
-                    out.mul_scalar(1.0 / m_count as f64)?.backward()?;
-                } else {
-                    let g = grads
-                        .remove(&m)
-                        .ok_or_else(|| err(a, "the output gradient was not received"))?;
-                    out.backward_with(g)?;
-                }
-            }
-            Action::SendGradient { peer, .. } => {
-                let input = inputs
-                    .remove(&m)
-                    .ok_or_else(|| err(a, "no input activation"))?;
-                let g = input
-                    .grad()
-                    .ok_or_else(|| err(a, "the input got no gradient (backward not run?)"))?;
-                pp.send(&g, peer)?.wait()?;
-            }
-            Action::BackwardInput { .. } | Action::BackwardWeight { .. } => {
-                return Err(err(a, "split backwards are not supported yet"));
-            }
-        }
+                Ok(())
+            },
+        )?;
     }
     let local = if last {
         let mut sum = 0.0;
