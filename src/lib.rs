@@ -45,6 +45,8 @@ pub mod eval_bert;
 pub mod generate;
 pub mod guide;
 #[cfg(feature = "cli")]
+mod pipeline_gpt;
+#[cfg(feature = "cli")]
 pub mod schedule_cmd;
 #[cfg(feature = "cli")]
 pub mod train;
@@ -52,6 +54,8 @@ pub mod train;
 pub mod train_bert;
 #[cfg(feature = "cli")]
 pub mod train_parallel;
+#[cfg(feature = "cli")]
+pub mod train_pipeline;
 
 #[doc(inline)]
 pub use meshgrad_autograd as autograd;

@@ -184,17 +184,35 @@ struct TrainArgs {
     /// over S ranks), hsdp=RxS (= dp=R,fsdp=S: sharded over S ranks, replicated R times), e.g.
     /// dp=4, fsdp=4, hsdp=2x2, dp=2,zero1=2. tp=T splits each GPT or BERT layer across T ranks
     /// (tensor parallelism; composes: dp=2,tp=2, fsdp=2,tp=2, hsdp=2x2,tp=2; for BERT, T must
-    /// divide its vocabulary of 261); pipeline parallelism is not available (only pp=1). The
+    /// divide its vocabulary of 261). pp=P cuts the model into P pipeline stages (see
+    /// --schedule, --microbatches, --partition; composes: dp=2,tp=2,pp=2, fsdp=2,pp=2). The
     /// global batch is the same for every layout.
     #[arg(long, value_name = "SPEC")]
     layout: Option<String>,
-    /// Gradient accumulation: split each rank's rows of a step into this many micro-batches.
+    /// Gradient accumulation: split each rank's rows of a step into this many micro-batches
+    /// (with pp>1, the pipeline's microbatches).
     #[arg(long, default_value_t = 1)]
     microbatches: usize,
     /// Sequence parallelism: split the activations outside the tensor-parallel layers along the
     /// sequence across the tensor-parallel ranks. Needs tp>1 in --layout.
     #[arg(long)]
     sequence_parallel: bool,
+    /// Pipeline schedule (with pp>1 in --layout): gpipe, 1f1b, interleaved (Megatron's, V chunks
+    /// per rank, microbatches divisible by pp) or zb (zero bubble, ZB-H1 style).
+    #[arg(long, value_parser = ["gpipe", "1f1b", "interleaved", "zb"])]
+    schedule: Option<String>,
+    /// Model chunks per pipeline rank, for --schedule interleaved (default 2).
+    #[arg(long)]
+    chunks: Option<usize>,
+    /// How to cut the model into pipeline stages: auto (= speed: minimise the slowest stage,
+    /// from a profile of every layer on this device), memory (minimise the largest stage's
+    /// memory), even (equal numbers of blocks) or the first block of each stage, e.g. 0,3,6,9.
+    #[arg(long, value_name = "METHOD")]
+    partition: Option<String>,
+    /// Write a Chrome trace (JSON, for Perfetto or chrome://tracing) of every rank's forward,
+    /// backward, send, receive, optimizer and idle time to FILE (with pp>1).
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
 }
 
 fn train_config(a: &TrainArgs) -> Result<TrainConfig> {
@@ -229,9 +247,19 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Train(a) => {
             let cfg = train_config(&a)?;
+            let mut pipeline = meshgrad::train_pipeline::PipelineOptions::default();
+            if let Some(k) = &a.schedule {
+                pipeline.schedule = k.parse().map_err(anyhow::Error::msg)?;
+            }
+            pipeline.chunks = a.chunks;
+            if let Some(p) = &a.partition {
+                pipeline.partition = p.clone();
+            }
+            pipeline.trace = a.trace.clone();
             let opts = meshgrad::train::TrainOptions {
                 microbatches: a.microbatches,
                 sequence_parallel: a.sequence_parallel,
+                pipeline,
             };
             let layout: Option<meshgrad::parallel::ParallelLayout> =
                 a.layout.as_deref().map(str::parse).transpose()?;

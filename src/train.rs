@@ -101,10 +101,10 @@ pub fn load_checkpoint(dir: &Path) -> Result<Gpt> {
 }
 
 /// Mixed into the seed for validation draws, so they never coincide with training draws.
-const VAL_STREAM: u64 = 0x5eed_0f7a_1d00_0001;
+pub(crate) const VAL_STREAM: u64 = 0x5eed_0f7a_1d00_0001;
 
 /// Options of a training run that are not part of the saved config.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TrainOptions {
     /// Gradient accumulation: each rank's rows of a step are processed in this many equal
     /// micro-batches, each loss scaled by `1 / microbatches`, before one optimizer step.
@@ -113,6 +113,9 @@ pub struct TrainOptions {
     /// outside the tensor-parallel layers are split along the sequence across the tensor-parallel
     /// ranks. Needs `tp > 1` in the layout; refused otherwise.
     pub sequence_parallel: bool,
+    /// Pipeline parallelism's options (schedule, chunks, partition, trace), for layouts with
+    /// `pp` above 1; refused otherwise when set.
+    pub pipeline: crate::train_pipeline::PipelineOptions,
 }
 
 impl Default for TrainOptions {
@@ -120,6 +123,7 @@ impl Default for TrainOptions {
         TrainOptions {
             microbatches: 1,
             sequence_parallel: false,
+            pipeline: Default::default(),
         }
     }
 }
@@ -286,7 +290,7 @@ pub(crate) fn optimizer_and_schedule(
 }
 
 /// Ids and targets `[rows, t]` of global rows `rows` at `step` (of stream `seed`).
-fn batch_tensors(
+pub(crate) fn batch_tensors(
     ds: &Dataset,
     seed: u64,
     step: u64,
@@ -562,7 +566,7 @@ pub(crate) fn drive_loop(
 }
 
 /// The first log line of a run.
-pub(crate) fn header(cfg: &TrainConfig, model: &Gpt, data: &RunData, layout: &str) -> String {
+pub(crate) fn header(cfg: &TrainConfig, model: &GptConfig, data: &RunData, layout: &str) -> String {
     let tokens = match &data.tokenizer {
         Some(t) => format!("tokenizer {} (vocab {})", t.name(), t.vocab_size()),
         None => "byte-level text".to_string(),
@@ -570,7 +574,7 @@ pub(crate) fn header(cfg: &TrainConfig, model: &Gpt, data: &RunData, layout: &st
     format!(
         "meshgrad train: {} parameters, {} train / {} val tokens from {} (validation: {}; {tokens}), \
          {} steps of {} x {} tokens{layout}",
-        model.config.num_parameters(),
+        model.num_parameters(),
         data.train.len(),
         data.val.len(),
         data.source,
@@ -680,6 +684,7 @@ pub fn train_with(
     verbosity: Verbosity,
 ) -> Result<TrainSummary> {
     check_sequence_parallel(opts, 1)?;
+    crate::train_pipeline::check_pipeline_flags(opts, 1)?;
     let (cfg, tokenizer) = resolve_tokenizer(cfg)?;
     let cfg = &cfg;
     check_microbatches(cfg, 1, opts.microbatches)?;
@@ -691,7 +696,7 @@ pub fn train_with(
     } else {
         String::new()
     };
-    rep.say(header(cfg, &run.model, &data, &micro));
+    rep.say(header(cfg, &run.model.config, &data, &micro));
     let rows = 0..cfg.train.batch_size as u64;
     let r = run_loop(
         cfg,

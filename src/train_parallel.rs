@@ -166,6 +166,7 @@ pub(crate) fn on_ranks<T: Send>(
 /// A one-line reason `layout` cannot run (yet) or does not fit the run, before any work.
 pub fn check_layout(cfg: &TrainConfig, layout: &ParallelLayout, opts: &TrainOptions) -> Result<()> {
     check_sequence_parallel(opts, layout.tp())?;
+    crate::train_pipeline::check_pipeline_flags(opts, layout.pp())?;
     layout.check(cfg.train.batch_size, opts.microbatches, None)?;
     check_microbatches(cfg, layout.data_parallel_degree(), opts.microbatches)?;
     Ok(())
@@ -204,6 +205,10 @@ pub fn train_parallel(
         layout.tp(),
         opts.sequence_parallel.then_some(cfg.model.block_size),
     )?;
+    if layout.pp() > 1 {
+        let task = crate::pipeline_gpt::GptPipeline::new(cfg, &data);
+        return crate::train_pipeline::train_pipeline(&task, layout, opts, verbosity);
+    }
     on_ranks(layout, |ctx, mesh| {
         let tp = (mesh.tp_degree() > 1)
             .then(|| tensor_parallel(mesh.tp_group(), opts.sequence_parallel));
@@ -220,7 +225,7 @@ pub fn train_parallel(
             Reporter::silent()
         };
         let desc = layout_desc(layout, (rows.end - rows.start) as usize, opts.microbatches);
-        rep.say(header(cfg, &run.model, &data, &desc));
+        rep.say(header(cfg, &run.model.config, &data, &desc));
         let dp_group = mesh.dp_group();
         let sync = wrapper.sync(dp_group.as_ref());
         let result = run_loop(

@@ -11,8 +11,8 @@
 //! | `zero2=S`   | ... plus gradients (reduce-scatter)                                |
 //! | `zero3=S`, `fsdp=S` | ... plus parameters (FSDP)                                 |
 //! | `hsdp=RxS`  | hybrid sharding, the same as `dp=R,fsdp=S`: shard over S ranks, replicate R times |
-//! | `tp=T`      | tensor parallel over T ranks (part of the mesh; `meshgrad train` refuses T > 1 for now) |
-//! | `pp=P`      | pipeline parallel: only `pp=1` is accepted (not available yet)     |
+//! | `tp=T`      | tensor parallel over T ranks (each layer split across them)       |
+//! | `pp=P`      | pipeline parallel over P ranks (the model cut into stages; [`crate::pipeline`]) |
 //!
 //! For example `dp=4` (DDP over 4 ranks), `fsdp=4`, `zero1=4`, `hsdp=2x2` (= `dp=2,fsdp=2`),
 //! `dp=2,zero2=2` (hybrid ZeRO-2) or `dp=2,tp=2`. At most one sharding entry (`fsdp`, `zero1`,
@@ -91,8 +91,6 @@ impl Default for ParallelLayout {
 impl ParallelLayout {
     /// A layout of the given degrees. Every degree must be at least 1, and without a ZeRO stage
     /// `dp_shard` must be 1 (nothing is sharded); the degrees must not overflow when multiplied.
-    /// `pp > 1` is accepted here (the mesh has the dimension) but no strategy implements
-    /// pipeline parallelism yet, and `--layout` refuses it.
     pub fn new(
         pp: usize,
         dp_replicate: usize,
@@ -261,7 +259,7 @@ impl FromStr for ParallelLayout {
     type Err = Error;
 
     /// Parses comma-separated `dp=R`, `fsdp=S` (`zero3=S`), `zero1=S`, `zero2=S`, `hsdp=RxS`,
-    /// `tp=T` and `pp=1` entries (see the [module docs](self)). Errors are one line naming the
+    /// `tp=T` and `pp=P` entries (see the [module docs](self)). Errors are one line naming the
     /// offending entries.
     fn from_str(spec: &str) -> Result<Self> {
         let spec = spec.trim();
@@ -340,13 +338,7 @@ impl FromStr for ParallelLayout {
                     if pp.is_some() {
                         return Err(twice());
                     }
-                    let p = parse_degree(spec, &key, value)?;
-                    if p > 1 {
-                        meshgrad_tensor::bail!(
-                            "layout '{spec}': pipeline parallelism (pp={p}) is not available yet"
-                        );
-                    }
-                    pp = Some(p);
+                    pp = Some(parse_degree(spec, &key, value)?);
                 }
                 other => meshgrad_tensor::bail!(
                     "layout '{spec}': unknown entry '{other}' (expected {EXPECTED})"
@@ -514,11 +506,7 @@ mod tests {
             ("hsdp=4", &["REPLICATExSHARD"][..]),
             ("hsdp=2x0", &["at least 1"][..]),
             ("tp=0", &["tp degree must be at least 1"][..]),
-            (
-                "pp=2",
-                &["pipeline parallelism (pp=2) is not available yet"][..],
-            ),
-            ("dp=2,tp=2,pp=4", &["(pp=4)"][..]),
+            ("pp=0", &["pp degree must be at least 1"][..]),
             ("dp=2,dp=4", &["dp is given twice"][..]),
             ("tp=2,tp=2", &["tp is given twice"][..]),
             ("hsdp=2x2,hsdp=1x2", &["hsdp is given twice"][..]),

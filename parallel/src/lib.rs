@@ -15,11 +15,11 @@
 //!   are in `meshgrad_nn::tp`).
 //! * [`layout`]: the `--layout` spec ([`ParallelLayout`]): comma-separated degrees `dp=R`,
 //!   `fsdp=S` / `zero1=S` / `zero2=S` / `zero3=S`, `hsdp=RxS` (= `dp=R,fsdp=S`), `tp=T` and
-//!   `pp=1` in any combination, e.g. `dp=4`, `fsdp=4`, `hsdp=2x2`, `dp=2,zero1=2`, `dp=2,tp=2`.
+//!   `pp=P` in any combination, e.g. `dp=4`, `fsdp=4`, `hsdp=2x2`, `dp=2,zero1=2`, `dp=2,tp=2`,
+//!   `dp=2,tp=2,pp=2`.
 //! * [`layout_mesh`]: [`LayoutMesh`], a layout's [`DeviceMesh`] (`["pp", "dp_replicate",
 //!   "dp_shard", "tp"]`) on one rank, handing out the data-parallel, tensor-parallel and pipeline
-//!   groups and the [`ShardTopology`] of sharded data parallelism. Pipeline parallelism (`pp`
-//!   above 1) is not available yet.
+//!   groups and the [`ShardTopology`] of sharded data parallelism.
 //! * [`memory_report`]: per-rank peak bytes of parameters, gradients, optimizer state and
 //!   activations of a GPT trained under any layout (DDP, ZeRO-1/2/3, tensor and sequence
 //!   parallelism and their compositions), beside the theory's figures.

@@ -11,6 +11,7 @@
 //! * [`partition`]: where to cut a model into pipeline stages — a dynamic program over per-layer
 //!   costs minimising the slowest stage's time or the largest stage's memory (under an optional
 //!   per-stage memory limit), even splits, explicit boundaries and the `--partition` spec.
+//! * [`evaluate`]: [`forward_only`], a batch through the stages without gradients (validation).
 //! * [`trace`]: a [`Timeline`] per rank of what it did when (the executor records every action).
 //! * [`execute`](mod@execute): [`execute()`](execute::execute) runs one rank's action list on a
 //!   [`ModelStage`](meshgrad_nn::ModelStage) over the pipeline group (GPipe and 1F1B; interleaved
@@ -26,12 +27,14 @@
 //! assert_eq!(r.peak_activations, vec![4, 3, 2, 1]);
 //! ```
 
+pub mod evaluate;
 pub mod execute;
 pub mod partition;
 pub mod schedule;
 pub mod simulate;
 pub mod trace;
 
+pub use evaluate::forward_only;
 pub use execute::{check_supported, execute, Microbatch, PipelineGrads};
 pub use schedule::{Action, Schedule, ScheduleArgError, ScheduleKind};
 pub use simulate::{simulate, Blocked, Costs, ScheduleError, SimReport, Slot};

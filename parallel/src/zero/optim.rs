@@ -122,6 +122,11 @@ impl Inner {
     }
 
     fn grad_norm(&self, st: &State) -> Result<f64> {
+        Ok(self.grad_sq_sum(st, &|_| false)?.sqrt())
+    }
+
+    /// The sum of squares of the reduced gradients of the parameters `skip` does not name.
+    fn grad_sq_sum(&self, st: &State, skip: &dyn Fn(&str) -> bool) -> Result<f64> {
         // Added in parameter order, as `meshgrad_nn::optim::grad_sq_sum` does.
         // Parameters split by tensor parallelism (a placement on the variable) hold part of
         // their elements on each rank of their group: their sums are added over that group, so
@@ -131,10 +136,21 @@ impl Inner {
             .iter()
             .zip(&st.used)
             .enumerate()
-            .filter(|(_, (_, &used))| used)
+            .filter(|(pi, (_, &used))| used && !skip(&self.plan.params[*pi].name))
             .map(|(pi, (s, _))| (self.vars[pi].placement(), *s));
-        let total = sum_over_placements(used)?;
-        Ok(total.sqrt())
+        sum_over_placements(used)
+    }
+
+    /// Multiplies every reduced gradient shard by `coef`.
+    fn scale_grads(&self, st: &State, coef: f64) -> Result<()> {
+        no_grad(|| -> Result<()> {
+            for u in 0..self.plan.units.len() {
+                if let Some(g) = self.grad_shard(st, u)? {
+                    g.copy_from(&g.mul_scalar(coef)?)?;
+                }
+            }
+            Ok(())
+        })
     }
 
     /// Launches the all-gather of every unit's updated shard (ZeRO-1/2) and copies the results
@@ -237,15 +253,24 @@ impl ShardedDataParallel {
         if !norm.is_finite() || coef >= 1.0 {
             return Ok(norm);
         }
-        no_grad(|| -> Result<()> {
-            for u in 0..i.plan.units.len() {
-                if let Some(g) = i.grad_shard(&st, u)? {
-                    g.copy_from(&g.mul_scalar(coef)?)?;
-                }
-            }
-            Ok(())
-        })?;
+        i.scale_grads(&st, coef)?;
         Ok(norm)
+    }
+
+    /// The sum of squares of the reduced gradients (after [`ShardedDataParallel::finish`]) of
+    /// the parameters whose names `skip` rejects, every element counted once across the shard
+    /// group and tensor-parallel splits. A pipeline stage leaves out its copy of a table another
+    /// stage also holds, then sums the stages' figures. Collective over the shard group.
+    pub fn grad_sq_sum_without(&self, skip: &dyn Fn(&str) -> bool) -> Result<f64> {
+        let st = lock(&self.inner.state);
+        self.inner.grad_sq_sum(&st, skip)
+    }
+
+    /// Multiplies this rank's reduced gradient shards by `coef` (clipping with a norm computed
+    /// elsewhere, e.g. across pipeline stages). Local.
+    pub fn scale_grads(&self, coef: f64) -> Result<()> {
+        let st = lock(&self.inner.state);
+        self.inner.scale_grads(&st, coef)
     }
 
     /// This rank's optimizer state: the optimizer's state dict over its shard variables, named

@@ -1,0 +1,557 @@
+//! `meshgrad train --layout pp=P,...`: pipeline-parallel training of the GPT and the BERT, alone
+//! or composed with data parallelism (`dp`, `zero1/2`, `fsdp`, `hsdp`) and tensor parallelism
+//! (`tp`) on one mesh.
+//!
+//! Before the ranks start, the model is profiled on this device (each block's, the embedding's
+//! and the head's forward + backward time and memory, [`profile_layers`]) and cut into
+//! `P x V` contiguous virtual stages by `--partition` (`auto`/`speed`, `memory`, `even` or
+//! explicit first blocks); `V` is `--chunks` (interleaved schedule only). Pipeline rank `p`
+//! builds only its chunks, virtual stages `c * P + p` (under their global names, with the tensor
+//! -parallel plan of its stages and, for `fsdp`/`hsdp`, delayed initialisation), and runs the
+//! schedule `--schedule` (gpipe, 1f1b, interleaved or zb) over `--microbatches` microbatches of its
+//! data-parallel rows with [`execute`]. After the schedule:
+//!
+//! * the copies of the tied embedding / head table on the first and the last stage add their
+//!   gradients ([`PipelineGrads::reduce_tied_grads`]);
+//! * data parallelism averages the gradients over the data-parallel group (an all-reduce per
+//!   parameter without sharding, the sharded wrapper's reduce-scatter otherwise);
+//! * the global gradient norm adds every stage's sum of squares (the tied table once) over the
+//!   pipeline group, and clipping scales every stage's gradients by the same factor;
+//! * each rank steps its optimizer (or its shard of it).
+//!
+//! Validation runs forward through the pipeline ([`forward_only`]). For the checkpoint the
+//! sharded and tensor-parallel parameters are gathered within each stage and the stages send
+//! theirs to rank 0, which assembles the single-device model. After the run the leader prints
+//! `pipeline: partition=<first block of each virtual stage> schedule=<kind>
+//! predicted_slowest_ms=<x> simulated_idle=<fraction> measured_idle=<fraction>` and, with
+//! `--trace FILE`, writes a Chrome trace of every rank's actions.
+
+use std::ops::Range;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use meshgrad_autograd::Var;
+use meshgrad_nn::optim::{clip_grads_with_norm, AdamW, Optimizer};
+use meshgrad_nn::tp::{full_state_dict, TensorParallel};
+use meshgrad_nn::module::Child;
+use meshgrad_nn::{Module, ModelStage, StageSpec};
+use meshgrad_parallel::comm::{all_reduce_scalar, RankCtx};
+use meshgrad_parallel::pipeline::partition::{MemoryModel, ModelCosts, Partition, PartitionMethod};
+use meshgrad_parallel::pipeline::{
+    execute, forward_only, simulate, Costs, Microbatch, PipelineGrads, Schedule, ScheduleKind,
+    SpanKind, Timeline,
+};
+use meshgrad_parallel::tp::tensor_parallel;
+use meshgrad_parallel::zero::{ShardConfig, ShardedDataParallel, ZeroStage};
+use meshgrad_parallel::{rank_rows, Communicator, LayoutMesh, ParallelLayout, ReduceOp};
+use meshgrad_tensor::{Device, Tensor};
+
+use crate::config::TrainConfig;
+use crate::train::{
+    drive_loop, optimizer_and_schedule, GradSync, LoopResult, Reporter, TrainOptions,
+    TrainSummary, Verbosity,
+};
+use crate::train_parallel::{layout_desc, on_ranks};
+
+/// The pipeline options of `meshgrad train` (`--schedule`, `--chunks`, `--partition`,
+/// `--trace`); used when the layout has `pp` above 1.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PipelineOptions {
+    /// The schedule (`--schedule`, default 1f1b).
+    pub schedule: ScheduleKind,
+    /// Model chunks per rank (`--chunks`, interleaved only; default 2 there, 1 otherwise).
+    pub chunks: Option<usize>,
+    /// How to cut the model (`--partition`: auto, speed, memory, even or `B0,B1,...`).
+    pub partition: String,
+    /// Write a Chrome trace of the run here (`--trace`).
+    pub trace: Option<PathBuf>,
+}
+
+impl Default for PipelineOptions {
+    fn default() -> Self {
+        PipelineOptions {
+            schedule: ScheduleKind::OneFOneB,
+            chunks: None,
+            partition: "auto".into(),
+            trace: None,
+        }
+    }
+}
+
+impl PipelineOptions {
+    /// Whether any pipeline option differs from its default (refused without `pp` above 1).
+    pub fn is_set(&self) -> bool {
+        *self != PipelineOptions::default()
+    }
+}
+
+/// Refuses pipeline flags (`--schedule`, `--chunks`, `--partition`, `--trace`) when the layout
+/// has no pipeline (`pp` is its pipeline degree), in one line.
+pub(crate) fn check_pipeline_flags(opts: &TrainOptions, pp: usize) -> Result<()> {
+    if pp <= 1 && opts.pipeline.is_set() {
+        anyhow::bail!(
+            "--schedule, --chunks, --partition and --trace need pipeline parallelism (pp=P with \
+             P > 1 in --layout)"
+        );
+    }
+    Ok(())
+}
+
+/// What the pipeline loop needs from a model kind (GPT or BERT).
+pub(crate) trait PipelineTask: Sync {
+    /// The model's stage.
+    type Stage: ModelStage + Send + Sync;
+    /// The model's name in messages (`GPT`, `BERT`).
+    fn name(&self) -> &'static str;
+    /// The training config.
+    fn cfg(&self) -> &TrainConfig;
+    /// Number of blocks (layers) to split.
+    fn n_blocks(&self) -> usize;
+    /// Builds a stage: its own parameters only, split by `tp` when given, lazily initialised
+    /// when `delayed`.
+    fn build_stage(
+        &self,
+        spec: StageSpec,
+        tp: Option<TensorParallel>,
+        delayed: bool,
+    ) -> Result<Self::Stage>;
+    /// The microbatches of training step `step` for `rows` (this data-parallel rank's), split
+    /// `microbatches` ways; `dp` is the data-parallel degree. The executor scales the last
+    /// stage's output by `1 / microbatches` for the backward and averages it for the step's loss,
+    /// which, averaged over the data-parallel ranks, must be the step's global loss.
+    fn train_microbatches(
+        &self,
+        step: u64,
+        rows: Range<u64>,
+        microbatches: usize,
+        dp: usize,
+    ) -> Result<Vec<Microbatch<<Self::Stage as ModelStage>::Batch>>>;
+    /// The validation batches of `rows` (this data-parallel rank's).
+    fn val_batches(&self, rows: Range<u64>) -> Result<Vec<<Self::Stage as ModelStage>::Batch>>;
+    /// The validation loss from the sum of the last stage's outputs over the validation batches
+    /// (the same on every rank of a data-parallel group; `dp` averages over it).
+    fn val_loss(&self, local_sum: f64, n_batches: usize, dp: &dyn Communicator) -> Result<f64>;
+    /// The run's first log line.
+    fn header(&self, layout: &str) -> String;
+    /// Profiles the model's layers on this device for the partitioner.
+    fn profile(&self, microbatch_rows: usize) -> Result<ModelCosts>;
+    /// The leader's end of the run, from the full single-device state dict.
+    fn finish(
+        &self,
+        tensors: &[(String, Tensor)],
+        rep: Reporter,
+        result: LoopResult,
+        verbosity: Verbosity,
+    ) -> Result<TrainSummary>;
+}
+
+/// A rank's chunks as one module (for the optimizer and the sharded wrapper): their parameters
+/// under their global names.
+struct Chunks<'a, S>(&'a [S]);
+
+impl<S: Module> Module for Chunks<'_, S> {
+    fn visit_children(&self, f: &mut dyn FnMut(&str, Child<'_>)) {
+        for c in self.0 {
+            c.visit_children(f);
+        }
+    }
+    fn module_type(&self) -> &'static str {
+        "PipelineChunks"
+    }
+}
+
+/// The partition and schedule a pipeline run uses, chosen before the ranks start.
+pub(crate) struct PipelinePlan {
+    pub(crate) schedule: Schedule,
+    pub(crate) partition: Partition,
+    pub(crate) specs: Vec<StageSpec>,
+    pub(crate) simulated_idle: f64,
+}
+
+/// Checks the pipeline flags against the layout and the model, profiles and partitions the
+/// model, builds and simulates the schedule: every refusal in one line, before any work.
+pub(crate) fn plan_pipeline<T: PipelineTask>(
+    task: &T,
+    layout: &ParallelLayout,
+    opts: &TrainOptions,
+) -> Result<PipelinePlan> {
+    let p = layout.pp();
+    let po = &opts.pipeline;
+    let m = opts.microbatches;
+    let schedule = Schedule::generate(po.schedule, p, m, po.chunks)
+        .map_err(|e| anyhow::anyhow!("--schedule {}: {e}", po.schedule))?;
+    let v = schedule.chunks;
+    let n = task.n_blocks();
+    let stages = p * v;
+    if stages > n {
+        anyhow::bail!(
+            "layout {layout}: {p} pipeline stages x {v} chunks = {stages} virtual stages, but the \
+             {} has only {n} blocks (model.n_layer); each virtual stage needs one",
+            task.name()
+        );
+    }
+    let method = PartitionMethod::parse_for(&po.partition, stages, n)
+        .map_err(|e| anyhow::anyhow!("--partition {}: {e}", po.partition))?;
+    let rows = task.cfg().train.batch_size / layout.data_parallel_degree() / m;
+    let costs = task.profile(rows)?;
+    let memory = if po.schedule == ScheduleKind::GPipe {
+        MemoryModel::gpipe(stages, m)
+    } else {
+        MemoryModel::one_f_one_b(stages, m)
+    };
+    let partition = method.partition(&costs, &memory)?;
+    let specs = partition.stage_specs()?;
+    // Per-rank costs for the simulator: the mean of the rank's chunks, split 1 : 1 : 1 into
+    // forward, input-gradient and weight-gradient time (the profile measures forward +
+    // backward together; a backward costs about two forwards).
+    let per_rank = |r: usize| -> f64 {
+        (0..v)
+            .map(|c| partition.stages[c * p + r].time_ms)
+            .sum::<f64>()
+            / v as f64
+            / 3.0
+    };
+    let third: Vec<f64> = (0..p).map(per_rank).collect();
+    let sim = simulate(
+        &schedule,
+        &Costs::per_stage(third.clone(), third.clone(), third, 0.0),
+    )
+    .map_err(|e| anyhow::anyhow!("the {} schedule: {e}", po.schedule))?;
+    Ok(PipelinePlan {
+        schedule,
+        partition,
+        specs,
+        simulated_idle: sim.bubble,
+    })
+}
+
+/// What a pipeline rank reduces its gradients with.
+enum Reducer {
+    /// No sharding: an all-reduce of every gradient over the data-parallel group (a no-op on
+    /// one data-parallel rank).
+    AllReduce,
+    /// ZeRO-1/2/3 over the layout's shard topology.
+    Sharded(ShardedDataParallel),
+}
+
+/// A pipeline rank's [`GradSync`] (see the [module docs](self)).
+struct PipelineSync<'a> {
+    grads: &'a PipelineGrads,
+    reducer: &'a Reducer,
+    params: Vec<Var>,
+    /// Names of the tied copies this rank leaves out of the norm (the last stage's).
+    skip_in_norm: Vec<String>,
+    dp: Arc<dyn Communicator>,
+    pp: Arc<dyn Communicator>,
+    timeline: &'a Timeline,
+}
+
+impl GradSync for PipelineSync<'_> {
+    fn set_sync(&self, _on: bool) {}
+
+    fn zero_grad(&self, opt: &AdamW) {
+        match self.reducer {
+            Reducer::AllReduce => opt.zero_grad(),
+            Reducer::Sharded(sdp) => {
+                sdp.zero_grad();
+                // Gradients accumulate over the whole schedule; reduced once in `finish`.
+                sdp.set_sync(false);
+            }
+        }
+    }
+
+    fn finish(&self) -> Result<()> {
+        self.timeline
+            .record(SpanKind::Optimizer, "reduce gradients", || -> Result<()> {
+                self.grads.reduce_tied_grads()?;
+                match self.reducer {
+                    Reducer::AllReduce => {
+                        if self.dp.world_size() > 1 {
+                            for p in &self.params {
+                                if let Some(g) = p.grad() {
+                                    let avg = self.dp.all_reduce(&g, ReduceOp::Avg)?.wait()?;
+                                    p.set_grad(Some(avg));
+                                }
+                            }
+                        }
+                    }
+                    Reducer::Sharded(sdp) => {
+                        sdp.set_sync(true);
+                        sdp.finish()?;
+                    }
+                }
+                Ok(())
+            })
+    }
+
+    fn mean(&self, local: f64) -> Result<f64> {
+        Ok(all_reduce_scalar(self.dp.as_ref(), local, ReduceOp::Avg)?)
+    }
+
+    fn clip(&self, _params: &[Var], max_norm: f64) -> Result<f64> {
+        match self.reducer {
+            Reducer::AllReduce => {
+                let norm = self.grads.grad_norm()?;
+                clip_grads_with_norm(&self.params, max_norm, norm)?;
+                Ok(norm)
+            }
+            Reducer::Sharded(sdp) => {
+                let skip = |n: &str| self.skip_in_norm.iter().any(|s| s == n);
+                let local = sdp.grad_sq_sum_without(&skip)?;
+                let norm = all_reduce_scalar(self.pp.as_ref(), local, ReduceOp::Sum)?.sqrt();
+                let coef = max_norm / (norm + 1e-6);
+                if norm.is_finite() && coef < 1.0 {
+                    sdp.scale_grads(coef)?;
+                }
+                Ok(norm)
+            }
+        }
+    }
+
+    fn step(&self, opt: &mut AdamW, lr: f64) -> Result<()> {
+        self.timeline
+            .record(SpanKind::Optimizer, "optimizer step", || match self.reducer {
+                Reducer::AllReduce => Ok(opt.step(lr)?),
+                Reducer::Sharded(sdp) => Ok(sdp.step(lr)?),
+            })
+    }
+}
+
+/// Trains `task`'s model on the ranks of `layout` (with `pp` above 1) and returns the leader's
+/// summary.
+pub(crate) fn train_pipeline<T: PipelineTask>(
+    task: &T,
+    layout: &ParallelLayout,
+    opts: &TrainOptions,
+    verbosity: Verbosity,
+) -> Result<TrainSummary> {
+    let plan = plan_pipeline(task, layout, opts)?;
+    let origin = Instant::now();
+    let timelines: Vec<Timeline> = (0..layout.world_size())
+        .map(|r| Timeline::new(r, origin))
+        .collect();
+    // Per step: when the first rank started it and when the last rank finished its schedule.
+    let step_windows = std::sync::Mutex::new(Vec::<(usize, f64, f64)>::new());
+    let summary = on_ranks(layout, |ctx, mesh| {
+        rank_main(task, layout, opts, &plan, ctx, mesh, &timelines[ctx.rank], &step_windows, verbosity)
+    })?;
+    let measured = measured_idle_after_warmup(&timelines, &step_windows.lock().unwrap_or_else(|e| e.into_inner()));
+    if verbosity != Verbosity::Quiet {
+        for line in plan.partition.summary_lines() {
+            println!("{line}");
+        }
+        println!(
+            "pipeline: {} schedule={} predicted_slowest_ms={:.3} simulated_idle={:.4} \
+             measured_idle={:.4}",
+            plan.partition.fragment(),
+            opts.pipeline.schedule,
+            plan.partition.max_time_ms(),
+            plan.simulated_idle,
+            measured
+        );
+    }
+    if let Some(path) = &opts.pipeline.trace {
+        write_trace_placeholder(path, &timelines)?;
+        if verbosity != Verbosity::Quiet {
+            println!("trace: {}", path.display());
+        }
+    }
+    Ok(summary)
+}
+
+/// The measured idle fraction of the pipeline steps after the first (which warms up), over
+/// each step's window: the mean over those steps (the first step's when there is only one).
+fn measured_idle_after_warmup(timelines: &[Timeline], windows: &[(usize, f64, f64)]) -> f64 {
+    let _ = (timelines, windows);
+    f64::NAN
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rank_main<T: PipelineTask>(
+    task: &T,
+    layout: &ParallelLayout,
+    opts: &TrainOptions,
+    plan: &PipelinePlan,
+    ctx: &RankCtx,
+    mesh: &LayoutMesh,
+    timeline: &Timeline,
+    step_windows: &std::sync::Mutex<Vec<(usize, f64, f64)>>,
+    verbosity: Verbosity,
+) -> Result<Option<TrainSummary>> {
+    let cfg = task.cfg();
+    let pp = mesh.pp_group();
+    let (p, world_pp) = (pp.rank(), pp.world_size());
+    let v = plan.schedule.chunks;
+    let tp = (mesh.tp_degree() > 1).then(|| tensor_parallel(mesh.tp_group(), opts.sequence_parallel));
+    let fsdp = layout.zero() == Some(ZeroStage::Three);
+    let chunks: Vec<T::Stage> = (0..v)
+        .map(|c| task.build_stage(plan.specs[c * world_pp + p].clone(), tp.clone(), fsdp))
+        .collect::<Result<_>>()?;
+    let module = Chunks(&chunks);
+    let (mut opt, lr_schedule) = optimizer_and_schedule(cfg, &module)?;
+    let reducer = match layout.zero() {
+        None => Reducer::AllReduce,
+        Some(stage) => Reducer::Sharded(ShardedDataParallel::new(
+            &module,
+            opt.param_groups().to_vec(),
+            *opt.config(),
+            mesh.shard_topology()?,
+            ShardConfig::new(stage),
+        )?),
+    };
+    let grads = PipelineGrads::new(&chunks[0], pp.clone())?;
+    let last = p + 1 == world_pp;
+    let skip_in_norm = if last && world_pp > 1 {
+        chunks[v - 1].tied_parameters()
+    } else {
+        Vec::new()
+    };
+    let params = module.parameters();
+    let sync = PipelineSync {
+        grads: &grads,
+        reducer: &reducer,
+        params: params.clone(),
+        skip_in_norm,
+        dp: mesh.dp_group(),
+        pp: pp.clone(),
+        timeline,
+    };
+    let dp = mesh.dp_degree();
+    let rows = rank_rows(cfg.train.batch_size, dp, mesh.dp_rank())?;
+    let leader = ctx.rank == 0;
+    let mut rep = if leader {
+        Reporter::leader(cfg, verbosity)?
+    } else {
+        Reporter::silent()
+    };
+    let per_rank = (rows.end - rows.start) as usize;
+    let desc = layout_desc(layout, per_rank, opts.microbatches);
+    rep.say(task.header(&format!(
+        "{desc}, schedule {}, {}",
+        plan.schedule.kind,
+        plan.partition.fragment()
+    )));
+    let micro_step = |step: usize| -> Result<f64> {
+        let mbs = task.train_microbatches(step as u64, rows.clone(), opts.microbatches, dp)?;
+        let t0 = timeline_now(timeline);
+        let loss = execute(&chunks[0], &plan.schedule, pp.as_ref(), &mbs, step as u64, Some(timeline))?;
+        let t1 = timeline_now(timeline);
+        step_windows
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((step, t0, t1));
+        Ok(loss)
+    };
+    let val = || -> Result<f64> {
+        let batches = task.val_batches(rows.clone())?;
+        for c in &chunks {
+            c.set_training(false);
+        }
+        let mut sum = 0.0;
+        let r = batches
+            .iter()
+            .try_for_each(|b| -> Result<()> {
+                sum += forward_only(&chunks, pp.as_ref(), b)?;
+                Ok(())
+            });
+        for c in &chunks {
+            c.set_training(true);
+        }
+        r?;
+        task.val_loss(sum, batches.len(), mesh.dp_group().as_ref())
+    };
+    let result = drive_loop(
+        cfg,
+        &mut opt,
+        &lr_schedule,
+        &params,
+        &sync,
+        &mut rep,
+        1.0,
+        micro_step,
+        val,
+    )?;
+    // The single-device state dict on the leader.
+    if let Reducer::Sharded(sdp) = &reducer {
+        sdp.summon_full_params()?;
+    }
+    let local = full_state_dict(&module)?;
+    let gathers = mesh.dp_rank() == 0 && mesh.tp_rank() == 0;
+    let tensors = if gathers {
+        gather_stages(pp.as_ref(), local)?
+    } else {
+        None
+    };
+    match tensors {
+        Some(t) if leader => Ok(Some(task.finish(&t, rep, result, verbosity)?)),
+        _ => Ok(None),
+    }
+}
+
+fn timeline_now(t: &Timeline) -> f64 {
+    t.now_s()
+}
+
+/// Temporary uniform costs (replaced by the profiler).
+pub(crate) fn profile_placeholder(n_blocks: usize, _rows: usize) -> Result<ModelCosts> {
+    use meshgrad_parallel::pipeline::partition::LayerCost;
+    let blocks = (0..n_blocks).map(|i| LayerCost::new(format!("h.{i}"), 1.0)).collect();
+    Ok(ModelCosts::new(
+        Some(LayerCost::new("embedding", 0.0)),
+        blocks,
+        Some(LayerCost::new("head", 0.0)),
+    )?)
+}
+
+/// Sends every pipeline rank's named tensors to pipeline rank 0, which returns them all (the
+/// first copy of a name kept: the tied table's copies are equal). Names travel as a tensor of
+/// byte values.
+fn gather_stages(
+    pp: &dyn Communicator,
+    local: Vec<(String, Tensor)>,
+) -> Result<Option<Vec<(String, Tensor)>>> {
+    let rank = pp.rank();
+    if rank != 0 {
+        let names: Vec<f32> = local
+            .iter()
+            .map(|(n, _)| n.as_str())
+            .collect::<Vec<_>>()
+            .join("\n")
+            .bytes()
+            .map(f32::from)
+            .collect();
+        let len = names.len();
+        pp.send(&Tensor::from_vec(names, len, Device::Cpu)?, 0)?
+            .wait()?;
+        for (_, t) in &local {
+            pp.send(t, 0)?.wait()?;
+        }
+        return Ok(None);
+    }
+    let mut all = local;
+    for src in 1..pp.world_size() {
+        let bytes: Vec<u8> = pp
+            .recv(src)?
+            .wait()?
+            .to_vec::<f32>()?
+            .into_iter()
+            .map(|b| b as u8)
+            .collect();
+        let names = String::from_utf8(bytes).context("pipeline gather: parameter names")?;
+        for name in names.split('\n') {
+            let t = pp.recv(src)?.wait()?;
+            if !all.iter().any(|(n, _)| n == name) {
+                all.push((name.to_string(), t));
+            }
+        }
+    }
+    Ok(Some(all))
+}
+
+/// Temporary (replaced by the Chrome trace writer).
+fn write_trace_placeholder(path: &std::path::Path, t: &[Timeline]) -> Result<()> {
+    let _ = (path, t);
+    Ok(())
+}
