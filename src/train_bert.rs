@@ -48,7 +48,7 @@ use crate::train_parallel::{
 /// Mixed into the run seed for the masking draws.
 const MLM_STREAM: u64 = 0x6d6c_6d5f_6d61_736b;
 /// Mixed into the run seed for validation batches (windows and masks).
-const VAL_STREAM: u64 = 0x5eed_0f7a_1d00_0002;
+pub(crate) const VAL_STREAM: u64 = 0x5eed_0f7a_1d00_0002;
 
 /// The special tokens of a run: appended after `model.vocab_size` ordinary ids.
 pub fn special_tokens(cfg: &TrainConfig) -> SpecialTokens {
@@ -83,23 +83,29 @@ pub fn mlm_config(cfg: &TrainConfig) -> MlmConfig {
 }
 
 /// One part of a masked batch.
-struct MlmBatch {
-    ids: Tensor,
-    labels: Tensor,
+pub(crate) struct MlmBatch {
+    pub(crate) ids: Tensor,
+    pub(crate) labels: Tensor,
     /// Labelled tokens.
-    count: usize,
+    pub(crate) count: usize,
 }
 
 /// What a run needs to draw batches.
-struct Sampler<'a> {
-    cfg: &'a TrainConfig,
-    sp: SpecialTokens,
-    mlm: MlmConfig,
+pub(crate) struct Sampler<'a> {
+    pub(crate) cfg: &'a TrainConfig,
+    pub(crate) sp: SpecialTokens,
+    pub(crate) mlm: MlmConfig,
 }
 
 impl Sampler<'_> {
     /// Global rows `rows` of batch `step` of `ds` (streams `seed`): `[CLS] window [SEP]`, masked.
-    fn batch(&self, ds: &Dataset, seed: u64, step: u64, rows: Range<u64>) -> Result<MlmBatch> {
+    pub(crate) fn batch(
+        &self,
+        ds: &Dataset,
+        seed: u64,
+        step: u64,
+        rows: Range<u64>,
+    ) -> Result<MlmBatch> {
         let t = self.cfg.model.block_size;
         let n = (rows.end - rows.start) as usize;
         let b = ds.batch(seed, step, rows.clone(), t - 2)?;
@@ -120,7 +126,7 @@ impl Sampler<'_> {
     }
 
     /// Labelled tokens of the whole global batch `step` (the same on every rank).
-    fn global_count(&self, ds: &Dataset, seed: u64, step: u64) -> Result<usize> {
+    pub(crate) fn global_count(&self, ds: &Dataset, seed: u64, step: u64) -> Result<usize> {
         let rows = 0..self.cfg.train.batch_size as u64;
         Ok(self.batch(ds, seed, step, rows)?.count)
     }
@@ -231,11 +237,16 @@ fn run_loop(
     )
 }
 
-fn header(cfg: &TrainConfig, model: &BertForMaskedLM, data: &RunData, layout: &str) -> String {
+pub(crate) fn header(
+    cfg: &TrainConfig,
+    model: &BertConfig,
+    data: &RunData,
+    layout: &str,
+) -> String {
     format!(
         "meshgrad train: BERT (masked LM, vocabulary {}), {} parameters, {} train / {} val tokens from {}, {} steps of {} x {} tokens{layout}",
-        model.config.vocab_size,
-        model.config.num_parameters(),
+        model.vocab_size,
+        model.num_parameters(),
         data.train.len(),
         data.val.len(),
         data.source,
@@ -247,7 +258,7 @@ fn header(cfg: &TrainConfig, model: &BertForMaskedLM, data: &RunData, layout: &s
 
 /// The leader's end of a run: the checkpoint (Hugging Face BERT format), the resolved config
 /// and the summary line.
-fn finish(
+pub(crate) fn finish(
     cfg: &TrainConfig,
     model: &BertForMaskedLM,
     rep: Reporter,
@@ -304,6 +315,7 @@ pub fn train_bert(
     let world = match layout {
         None => {
             check_sequence_parallel(opts, 1)?;
+            crate::train_pipeline::check_pipeline_flags(opts, 1)?;
             check_microbatches(cfg, 1, opts.microbatches)?;
             1
         }
@@ -339,6 +351,10 @@ pub fn train_bert(
         sp: special_tokens(cfg),
         mlm: mlm_config(cfg),
     };
+    if let Some(l) = layout.filter(|l| l.pp() > 1) {
+        let task = crate::pipeline_bert::BertPipeline::new(s, &data);
+        return crate::train_pipeline::train_pipeline(&task, l, opts, verbosity);
+    }
     match layout {
         None => {
             let mut run = bert_run(cfg, None, false)?;
@@ -348,7 +364,7 @@ pub fn train_bert(
             } else {
                 String::new()
             };
-            rep.say(header(cfg, &run.model, &data, &desc));
+            rep.say(header(cfg, &run.model.config, &data, &desc));
             let rows = 0..cfg.train.batch_size as u64;
             let r = run_loop(
                 &s,
@@ -376,7 +392,7 @@ pub fn train_bert(
                 Reporter::silent()
             };
             let desc = layout_desc(layout, (rows.end - rows.start) as usize, opts.microbatches);
-            rep.say(header(cfg, &run.model, &data, &desc));
+            rep.say(header(cfg, &run.model.config, &data, &desc));
             let dp_group = mesh.dp_group();
             let sync = wrapper.sync(dp_group.as_ref());
             let r = run_loop(

@@ -33,10 +33,10 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use meshgrad_autograd::Var;
+use meshgrad_nn::module::Child;
 use meshgrad_nn::optim::{clip_grads_with_norm, AdamW, Optimizer};
 use meshgrad_nn::tp::{full_state_dict, TensorParallel};
-use meshgrad_nn::module::Child;
-use meshgrad_nn::{Module, ModelStage, StageSpec};
+use meshgrad_nn::{ModelStage, Module, StageSpec};
 use meshgrad_parallel::comm::{all_reduce_scalar, RankCtx};
 use meshgrad_parallel::pipeline::partition::{MemoryModel, ModelCosts, Partition, PartitionMethod};
 use meshgrad_parallel::pipeline::{
@@ -50,8 +50,8 @@ use meshgrad_tensor::{Device, Tensor};
 
 use crate::config::TrainConfig;
 use crate::train::{
-    drive_loop, optimizer_and_schedule, GradSync, LoopResult, Reporter, TrainOptions,
-    TrainSummary, Verbosity,
+    drive_loop, optimizer_and_schedule, GradSync, LoopResult, Reporter, TrainOptions, TrainSummary,
+    Verbosity,
 };
 use crate::train_parallel::{layout_desc, on_ranks};
 
@@ -312,9 +312,11 @@ impl GradSync for PipelineSync<'_> {
 
     fn step(&self, opt: &mut AdamW, lr: f64) -> Result<()> {
         self.timeline
-            .record(SpanKind::Optimizer, "optimizer step", || match self.reducer {
-                Reducer::AllReduce => Ok(opt.step(lr)?),
-                Reducer::Sharded(sdp) => Ok(sdp.step(lr)?),
+            .record(SpanKind::Optimizer, "optimizer step", || {
+                match self.reducer {
+                    Reducer::AllReduce => Ok(opt.step(lr)?),
+                    Reducer::Sharded(sdp) => Ok(sdp.step(lr)?),
+                }
             })
     }
 }
@@ -335,9 +337,22 @@ pub(crate) fn train_pipeline<T: PipelineTask>(
     // Per step: when the first rank started it and when the last rank finished its schedule.
     let step_windows = std::sync::Mutex::new(Vec::<(usize, f64, f64)>::new());
     let summary = on_ranks(layout, |ctx, mesh| {
-        rank_main(task, layout, opts, &plan, ctx, mesh, &timelines[ctx.rank], &step_windows, verbosity)
+        rank_main(
+            task,
+            layout,
+            opts,
+            &plan,
+            ctx,
+            mesh,
+            &timelines[ctx.rank],
+            &step_windows,
+            verbosity,
+        )
     })?;
-    let measured = measured_idle_after_warmup(&timelines, &step_windows.lock().unwrap_or_else(|e| e.into_inner()));
+    let measured = measured_idle_after_warmup(
+        &timelines,
+        &step_windows.lock().unwrap_or_else(|e| e.into_inner()),
+    );
     if verbosity != Verbosity::Quiet {
         for line in plan.partition.summary_lines() {
             println!("{line}");
@@ -384,7 +399,8 @@ fn rank_main<T: PipelineTask>(
     let pp = mesh.pp_group();
     let (p, world_pp) = (pp.rank(), pp.world_size());
     let v = plan.schedule.chunks;
-    let tp = (mesh.tp_degree() > 1).then(|| tensor_parallel(mesh.tp_group(), opts.sequence_parallel));
+    let tp =
+        (mesh.tp_degree() > 1).then(|| tensor_parallel(mesh.tp_group(), opts.sequence_parallel));
     let fsdp = layout.zero() == Some(ZeroStage::Three);
     let chunks: Vec<T::Stage> = (0..v)
         .map(|c| task.build_stage(plan.specs[c * world_pp + p].clone(), tp.clone(), fsdp))
@@ -436,7 +452,14 @@ fn rank_main<T: PipelineTask>(
     let micro_step = |step: usize| -> Result<f64> {
         let mbs = task.train_microbatches(step as u64, rows.clone(), opts.microbatches, dp)?;
         let t0 = timeline_now(timeline);
-        let loss = execute(&chunks[0], &plan.schedule, pp.as_ref(), &mbs, step as u64, Some(timeline))?;
+        let loss = execute(
+            &chunks[0],
+            &plan.schedule,
+            pp.as_ref(),
+            &mbs,
+            step as u64,
+            Some(timeline),
+        )?;
         let t1 = timeline_now(timeline);
         step_windows
             .lock()
@@ -450,12 +473,10 @@ fn rank_main<T: PipelineTask>(
             c.set_training(false);
         }
         let mut sum = 0.0;
-        let r = batches
-            .iter()
-            .try_for_each(|b| -> Result<()> {
-                sum += forward_only(&chunks, pp.as_ref(), b)?;
-                Ok(())
-            });
+        let r = batches.iter().try_for_each(|b| -> Result<()> {
+            sum += forward_only(&chunks, pp.as_ref(), b)?;
+            Ok(())
+        });
         for c in &chunks {
             c.set_training(true);
         }
@@ -497,7 +518,9 @@ fn timeline_now(t: &Timeline) -> f64 {
 /// Temporary uniform costs (replaced by the profiler).
 pub(crate) fn profile_placeholder(n_blocks: usize, _rows: usize) -> Result<ModelCosts> {
     use meshgrad_parallel::pipeline::partition::LayerCost;
-    let blocks = (0..n_blocks).map(|i| LayerCost::new(format!("h.{i}"), 1.0)).collect();
+    let blocks = (0..n_blocks)
+        .map(|i| LayerCost::new(format!("h.{i}"), 1.0))
+        .collect();
     Ok(ModelCosts::new(
         Some(LayerCost::new("embedding", 0.0)),
         blocks,
