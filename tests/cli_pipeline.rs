@@ -1,0 +1,407 @@
+//! `meshgrad train --layout pp=P` (pipeline parallelism): every schedule (gpipe, 1f1b,
+//! interleaved with 2 chunks, zb) at pp=2 and pp=4, and the compositions dp=2,tp=2,pp=2 and
+//! fsdp=2,pp=2, give the single-device losses on the same global batch (within 1e-5 relative,
+//! train and validation; gradient norms within 1e-4) and a checkpoint with the single device's
+//! weights; the BERT too. Each run prints the `pipeline: partition=... schedule=...
+//! predicted_slowest_ms=... simulated_idle=... measured_idle=...` line; `--trace` writes a
+//! Chrome trace with one track per rank; bad pipeline flags are refused in one line.
+
+mod common;
+
+use std::path::Path;
+use std::process::Output;
+
+use common::{assert_lockstep, assert_one_line_error, metrics, tmpdir};
+
+/// Trains a tiny GPT (8 blocks, so pp=4 with 2 chunks has a block per virtual stage) for 4
+/// steps into `dir/<tag>`.
+fn train(dir: &Path, tag: &str, extra: &[&str]) -> Output {
+    let sets = [
+        "model.n_layer=8",
+        "model.n_embd=32",
+        "model.n_head=4",
+        "model.block_size=16",
+        "train.batch_size=8",
+        "train.warmup_steps=2",
+        "train.eval_batches=1",
+        "train.eval_interval=2",
+        "train.sample_tokens=0",
+        "train.min_lr=1e-4",
+    ];
+    common::train(dir, tag, 4, &sets, &[&["--lr", "1e-3"], extra].concat())
+}
+
+const GPT_LAYOUTS: [(&str, &[&str]); 10] = [
+    ("pp2", &["--layout", "pp=2", "--microbatches", "2"]),
+    (
+        "pp2gpipe",
+        &[
+            "--layout",
+            "pp=2",
+            "--schedule",
+            "gpipe",
+            "--microbatches",
+            "4",
+        ],
+    ),
+    (
+        "pp4",
+        &[
+            "--layout",
+            "pp=4",
+            "--schedule",
+            "1f1b",
+            "--microbatches",
+            "4",
+        ],
+    ),
+    (
+        "pp4gpipe",
+        &[
+            "--layout",
+            "pp=4",
+            "--schedule",
+            "gpipe",
+            "--microbatches",
+            "4",
+        ],
+    ),
+    (
+        "pp2interleaved",
+        &[
+            "--layout",
+            "pp=2",
+            "--schedule",
+            "interleaved",
+            "--chunks",
+            "2",
+            "--microbatches",
+            "4",
+        ],
+    ),
+    (
+        "pp4interleaved",
+        &[
+            "--layout",
+            "pp=4",
+            "--schedule",
+            "interleaved",
+            "--chunks",
+            "2",
+            "--microbatches",
+            "4",
+        ],
+    ),
+    (
+        "pp2zb",
+        &[
+            "--layout",
+            "pp=2",
+            "--schedule",
+            "zb",
+            "--microbatches",
+            "4",
+        ],
+    ),
+    (
+        "pp4zb",
+        &[
+            "--layout",
+            "pp=4",
+            "--schedule",
+            "zb",
+            "--microbatches",
+            "4",
+            "--partition",
+            "even",
+        ],
+    ),
+    (
+        "dp2tp2pp2",
+        &["--layout", "dp=2,tp=2,pp=2", "--microbatches", "2"],
+    ),
+    (
+        "fsdp2pp2",
+        &[
+            "--layout",
+            "fsdp=2,pp=2",
+            "--schedule",
+            "zb",
+            "--microbatches",
+            "2",
+        ],
+    ),
+];
+
+/// The values of the `pipeline:` line of a run's output, by key.
+fn pipeline_line(out: &str) -> Vec<(String, String)> {
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("pipeline: "))
+        .unwrap_or_else(|| panic!("no pipeline line in:\n{out}"));
+    line["pipeline: ".len()..]
+        .split(' ')
+        .map(|kv| {
+            let (k, v) = kv.split_once('=').expect("key=value");
+            (k.to_string(), v.to_string())
+        })
+        .collect()
+}
+
+#[test]
+fn pipeline_schedules_and_compositions_match_single_device() {
+    let dir = tmpdir("pp-lockstep");
+    let o = train(&dir, "single", &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let single = metrics(&dir, "single");
+    assert_eq!(single.len(), 4);
+    for (tag, extra) in GPT_LAYOUTS {
+        let o = train(&dir, tag, extra);
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            o.status.success(),
+            "{tag}: {out}\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert_lockstep(tag, &metrics(&dir, tag), &single, true);
+        let kv = pipeline_line(&out);
+        let keys: Vec<&str> = kv.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(
+            keys,
+            [
+                "partition",
+                "schedule",
+                "predicted_slowest_ms",
+                "simulated_idle",
+                "measured_idle"
+            ],
+            "{tag}: {out}"
+        );
+        let schedule = extra
+            .iter()
+            .position(|a| *a == "--schedule")
+            .map_or("1f1b", |i| extra[i + 1]);
+        assert_eq!(kv[1].1, schedule, "{tag}");
+        // One first block per virtual stage, starting at 0.
+        let pp: usize = extra[1]
+            .split(',')
+            .find_map(|e| e.strip_prefix("pp="))
+            .unwrap()
+            .parse()
+            .unwrap();
+        let chunks = if schedule == "interleaved" { 2 } else { 1 };
+        let firsts: Vec<usize> = kv[0].1.split(',').map(|b| b.parse().unwrap()).collect();
+        assert_eq!(firsts.len(), pp * chunks, "{tag}: {}", kv[0].1);
+        assert_eq!(firsts[0], 0, "{tag}");
+        assert!(firsts.windows(2).all(|w| w[0] < w[1]), "{tag}");
+        for (k, v) in &kv[2..] {
+            let x: f64 = v.parse().unwrap_or_else(|_| panic!("{tag}: {k}={v}"));
+            assert!(x.is_finite() && x >= 0.0, "{tag}: {k}={v}");
+            if k.ends_with("idle") {
+                assert!(x < 1.0, "{tag}: {k}={v}");
+            }
+        }
+    }
+    let tags: Vec<&str> = GPT_LAYOUTS.iter().map(|(t, _)| *t).collect();
+    common::assert_checkpoints_match(&dir, &tags, "single");
+}
+
+#[test]
+fn explicit_and_even_partitions_are_used_as_given() {
+    let dir = tmpdir("pp-partition");
+    let o = train(
+        &dir,
+        "explicit",
+        &[
+            "--layout",
+            "pp=2",
+            "--partition",
+            "0,3",
+            "--microbatches",
+            "2",
+        ],
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{out}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(pipeline_line(&out)[0].1, "0,3");
+    let o = train(
+        &dir,
+        "even",
+        &[
+            "--layout",
+            "pp=4",
+            "--partition",
+            "even",
+            "--microbatches",
+            "4",
+        ],
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{out}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(pipeline_line(&out)[0].1, "0,2,4,6");
+}
+
+#[test]
+fn trace_has_one_track_per_rank_and_a_span_per_action() {
+    let dir = tmpdir("pp-trace");
+    let trace = dir.join("trace.json");
+    let o = train(
+        &dir,
+        "traced",
+        &[
+            "--layout",
+            "pp=2",
+            "--schedule",
+            "gpipe",
+            "--microbatches",
+            "2",
+            "--trace",
+            trace.to_str().unwrap(),
+        ],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let json = common::read_json(&trace);
+    let events = json["traceEvents"].as_array().expect("traceEvents");
+    let complete: Vec<&serde_json::Value> = events.iter().filter(|e| e["ph"] == "X").collect();
+    let tracks: std::collections::BTreeSet<String> = complete
+        .iter()
+        .map(|e| format!("{}/{}", e["pid"], e["tid"]))
+        .collect();
+    assert_eq!(tracks.len(), 2, "one track per rank: {tracks:?}");
+    // GPipe, 2 ranks, 2 microbatches, 4 steps: per step and rank 2 forwards, 2 backwards,
+    // 2 sends and 2 receives (activations one way, gradients the other), and 2 optimizer spans
+    // (the gradient reduction and the step).
+    for cat in ["forward", "backward", "send", "recv", "optimizer"] {
+        let n = complete.iter().filter(|e| e["cat"] == cat).count();
+        assert_eq!(n, 2 * 2 * 4, "{cat} spans");
+    }
+}
+
+/// Trains a tiny BERT (3 heads of 16, sequence 18, 4 layers) for 4 steps into `dir/<tag>`.
+fn train_bert(dir: &Path, tag: &str, extra: &[&str]) -> Output {
+    let sets = [
+        "model.n_layer=4",
+        "model.n_embd=48",
+        "model.n_head=3",
+        "model.block_size=18",
+        "train.batch_size=8",
+        "train.warmup_steps=2",
+        "train.eval_batches=1",
+        "train.eval_interval=2",
+    ];
+    common::train(
+        dir,
+        tag,
+        4,
+        &sets,
+        &[&["--model", "bert", "--lr", "1e-3"], extra].concat(),
+    )
+}
+
+#[test]
+fn bert_trains_in_lockstep_under_pipeline_parallelism() {
+    let dir = tmpdir("pp-bert");
+    let o = train_bert(&dir, "single", &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let single = metrics(&dir, "single");
+    for (tag, extra) in [
+        ("pp2", &["--layout", "pp=2", "--microbatches", "2"][..]),
+        (
+            "pp2interleaved",
+            &[
+                "--layout",
+                "pp=2",
+                "--schedule",
+                "interleaved",
+                "--microbatches",
+                "2",
+            ][..],
+        ),
+        (
+            "dp2tp3pp2zb",
+            &[
+                "--layout",
+                "dp=2,tp=3,pp=2",
+                "--schedule",
+                "zb",
+                "--microbatches",
+                "2",
+            ][..],
+        ),
+        (
+            "fsdp2pp2",
+            &[
+                "--layout",
+                "fsdp=2,pp=2",
+                "--schedule",
+                "gpipe",
+                "--microbatches",
+                "2",
+            ][..],
+        ),
+    ] {
+        let o = train_bert(&dir, tag, extra);
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            o.status.success(),
+            "{tag}: {out}\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert!(out.contains("pipeline: partition="), "{tag}: {out}");
+        assert_lockstep(tag, &metrics(&dir, tag), &single, true);
+    }
+}
+
+#[test]
+fn bad_pipeline_flags_are_refused_in_one_line() {
+    let dir = tmpdir("pp-bad");
+    for (extra, needle) in [
+        (&["--schedule", "zb"][..], "need pipeline parallelism"),
+        (
+            &["--layout", "dp=2", "--partition", "even"][..],
+            "need pipeline parallelism",
+        ),
+        (
+            &["--layout", "pp=2", "--schedule", "1f1b", "--chunks", "2"][..],
+            "--chunks is only for the interleaved schedule",
+        ),
+        (
+            &[
+                "--layout",
+                "pp=4",
+                "--schedule",
+                "interleaved",
+                "--microbatches",
+                "2",
+            ][..],
+            "divisible by the stages",
+        ),
+        (
+            &["--layout", "pp=16"][..],
+            "16 virtual stages, but the GPT has only 8 blocks",
+        ),
+        (
+            &["--layout", "pp=2", "--partition", "0,9"][..],
+            "--partition 0,9",
+        ),
+        (
+            &["--layout", "pp=2", "--partition", "fastest"][..],
+            "--partition fastest",
+        ),
+        (
+            &["--layout", "pp=2", "--microbatches", "3"][..],
+            "do not split evenly into 3 micro-batches",
+        ),
+    ] {
+        let o = train(&dir, "bad", extra);
+        assert_one_line_error(&o, &[needle]);
+    }
+}
