@@ -213,6 +213,10 @@ struct TrainArgs {
     /// backward, send, receive, optimizer and idle time to FILE (with pp>1).
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
+    /// Recompute activations in the backward pass instead of keeping them: none (default), all
+    /// (every block) or, with pp>1, the pipeline stages whose blocks recompute, e.g. 0,1.
+    #[arg(long, value_name = "WHICH", default_value = "none")]
+    activation_checkpointing: String,
 }
 
 fn train_config(a: &TrainArgs) -> Result<TrainConfig> {
@@ -260,6 +264,10 @@ fn run(cli: Cli) -> Result<()> {
                 microbatches: a.microbatches,
                 sequence_parallel: a.sequence_parallel,
                 pipeline,
+                activation_checkpointing: a
+                    .activation_checkpointing
+                    .parse()
+                    .map_err(anyhow::Error::msg)?,
             };
             let layout: Option<meshgrad::parallel::ParallelLayout> =
                 a.layout.as_deref().map(str::parse).transpose()?;

@@ -73,6 +73,7 @@ impl PipelineTask for BertPipeline<'_> {
         spec: StageSpec,
         tp: Option<TensorParallel>,
         delayed: bool,
+        checkpointing: bool,
     ) -> Result<BertStage> {
         let mut builder = ParamBuilder::new(self.cfg().train.seed)
             .dtype(DType::F32)
@@ -83,7 +84,9 @@ impl PipelineTask for BertPipeline<'_> {
         if delayed {
             builder = builder.delayed_init();
         }
-        Ok(BertStage::build(self.config.clone(), spec, builder)?)
+        let mut stage = BertStage::build(self.config.clone(), spec, builder)?;
+        stage.activation_checkpointing = checkpointing;
+        Ok(stage)
     }
 
     fn train_microbatches(

@@ -79,6 +79,7 @@ impl PipelineTask for GptPipeline<'_> {
         spec: StageSpec,
         tp: Option<TensorParallel>,
         delayed: bool,
+        checkpointing: bool,
     ) -> Result<GptStage> {
         let mut builder = self.builder();
         if delayed {
@@ -87,7 +88,9 @@ impl PipelineTask for GptPipeline<'_> {
         if let Some(tp) = tp {
             builder = builder.tensor_parallel(tp, GptStage::tp_plan(&spec));
         }
-        Ok(GptStage::build(self.config.clone(), spec, builder)?)
+        let mut stage = GptStage::build(self.config.clone(), spec, builder)?;
+        stage.activation_checkpointing = checkpointing;
+        Ok(stage)
     }
 
     fn train_microbatches(

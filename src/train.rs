@@ -116,6 +116,75 @@ pub struct TrainOptions {
     /// Pipeline parallelism's options (schedule, chunks, partition, trace), for layouts with
     /// `pp` above 1; refused otherwise when set.
     pub pipeline: crate::train_pipeline::PipelineOptions,
+    /// Activation checkpointing (`--activation-checkpointing`): which blocks recompute their
+    /// activations in the backward pass instead of keeping them.
+    pub activation_checkpointing: ActivationCheckpointing,
+}
+
+/// Which blocks recompute their activations during the backward pass
+/// (`--activation-checkpointing none|all|S0,S1,...`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum ActivationCheckpointing {
+    /// Keep every activation (the default).
+    #[default]
+    None,
+    /// Every block of the model, on every stage.
+    All,
+    /// Only the blocks of these pipeline stages (pipeline ranks; needs `pp` above 1).
+    Stages(Vec<usize>),
+}
+
+impl std::str::FromStr for ActivationCheckpointing {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim() {
+            "none" => Ok(ActivationCheckpointing::None),
+            "all" => Ok(ActivationCheckpointing::All),
+            list => list
+                .split(',')
+                .map(|x| {
+                    x.trim().parse::<usize>().map_err(|_| {
+                        format!(
+                            "--activation-checkpointing {s:?}: expected none, all or pipeline \
+                             stage indices such as 0,1"
+                        )
+                    })
+                })
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map(ActivationCheckpointing::Stages),
+        }
+    }
+}
+
+impl ActivationCheckpointing {
+    /// Whether pipeline stage `stage` recomputes its blocks' activations.
+    pub fn on_stage(&self, stage: usize) -> bool {
+        match self {
+            ActivationCheckpointing::None => false,
+            ActivationCheckpointing::All => true,
+            ActivationCheckpointing::Stages(s) => s.contains(&stage),
+        }
+    }
+
+    /// Refuses stage lists without a pipeline of `pp` stages, or naming a stage it lacks.
+    pub(crate) fn check(&self, pp: usize) -> Result<()> {
+        if let ActivationCheckpointing::Stages(s) = self {
+            if pp <= 1 {
+                anyhow::bail!(
+                    "--activation-checkpointing with stage indices needs pipeline parallelism \
+                     (pp=P with P > 1 in --layout); use all or none"
+                );
+            }
+            if let Some(bad) = s.iter().find(|&&x| x >= pp) {
+                anyhow::bail!(
+                    "--activation-checkpointing: stage {bad} does not exist (pp={pp}: stages \
+                     0..{})",
+                    pp - 1
+                );
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Default for TrainOptions {
@@ -124,6 +193,7 @@ impl Default for TrainOptions {
             microbatches: 1,
             sequence_parallel: false,
             pipeline: Default::default(),
+            activation_checkpointing: ActivationCheckpointing::None,
         }
     }
 }
@@ -254,6 +324,7 @@ pub(crate) fn run_model(
     cfg: &TrainConfig,
     tp: Option<TensorParallel>,
     delayed_init: bool,
+    checkpointing: bool,
 ) -> Result<RunModel> {
     let mut builder = ParamBuilder::new(cfg.train.seed)
         .dtype(DType::F32)
@@ -264,7 +335,8 @@ pub(crate) fn run_model(
     if let Some(tp) = tp {
         builder = builder.tensor_parallel(tp, Gpt::tp_plan());
     }
-    let model = Gpt::build(gpt_config(cfg), builder)?;
+    let mut model = Gpt::build(gpt_config(cfg), builder)?;
+    model.activation_checkpointing = checkpointing;
     let (opt, schedule) = optimizer_and_schedule(cfg, &model)?;
     Ok(RunModel {
         model,
@@ -685,11 +757,12 @@ pub fn train_with(
 ) -> Result<TrainSummary> {
     check_sequence_parallel(opts, 1)?;
     crate::train_pipeline::check_pipeline_flags(opts, 1)?;
+    opts.activation_checkpointing.check(1)?;
     let (cfg, tokenizer) = resolve_tokenizer(cfg)?;
     let cfg = &cfg;
     check_microbatches(cfg, 1, opts.microbatches)?;
     let data = run_data(cfg, tokenizer)?;
-    let mut run = run_model(cfg, None, false)?;
+    let mut run = run_model(cfg, None, false, opts.activation_checkpointing.on_stage(0))?;
     let mut rep = Reporter::leader(cfg, verbosity)?;
     let micro = if opts.microbatches > 1 {
         format!(", {} micro-batches", opts.microbatches)

@@ -141,7 +141,12 @@ struct BertRun {
 
 /// The run's model (this rank's part under tensor parallelism; with `delayed_init`, allocated on
 /// first use), its optimizer and schedule.
-fn bert_run(cfg: &TrainConfig, tp: Option<TensorParallel>, delayed_init: bool) -> Result<BertRun> {
+fn bert_run(
+    cfg: &TrainConfig,
+    tp: Option<TensorParallel>,
+    delayed_init: bool,
+    checkpointing: bool,
+) -> Result<BertRun> {
     let mut builder = ParamBuilder::new(cfg.train.seed)
         .dtype(DType::F32)
         .device(Device::Cpu);
@@ -151,7 +156,8 @@ fn bert_run(cfg: &TrainConfig, tp: Option<TensorParallel>, delayed_init: bool) -
     if delayed_init {
         builder = builder.delayed_init();
     }
-    let model = BertForMaskedLM::build(bert_config(cfg), builder)?;
+    let mut model = BertForMaskedLM::build(bert_config(cfg), builder)?;
+    model.activation_checkpointing = checkpointing;
     let (opt, schedule) = optimizer_and_schedule(cfg, &model)?;
     Ok(BertRun {
         model,
@@ -316,6 +322,7 @@ pub fn train_bert(
         None => {
             check_sequence_parallel(opts, 1)?;
             crate::train_pipeline::check_pipeline_flags(opts, 1)?;
+            opts.activation_checkpointing.check(1)?;
             check_microbatches(cfg, 1, opts.microbatches)?;
             1
         }
@@ -357,7 +364,7 @@ pub fn train_bert(
     }
     match layout {
         None => {
-            let mut run = bert_run(cfg, None, false)?;
+            let mut run = bert_run(cfg, None, false, opts.activation_checkpointing.on_stage(0))?;
             let mut rep = Reporter::leader(cfg, verbosity)?;
             let desc = if opts.microbatches > 1 {
                 format!(", {} micro-batches", opts.microbatches)
@@ -382,7 +389,7 @@ pub fn train_bert(
             let tp = (mesh.tp_degree() > 1)
                 .then(|| tensor_parallel(mesh.tp_group(), opts.sequence_parallel));
             let fsdp = layout.zero() == Some(ZeroStage::Three);
-            let mut run = bert_run(cfg, tp, fsdp)?;
+            let mut run = bert_run(cfg, tp, fsdp, opts.activation_checkpointing.on_stage(0))?;
             let wrapper = RankWrapper::new(mesh, &run.model, &run.opt)?;
             let rows = rank_rows(cfg.train.batch_size, mesh.dp_degree(), mesh.dp_rank())?;
             let leader = ctx.rank == 0;

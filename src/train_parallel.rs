@@ -167,6 +167,7 @@ pub(crate) fn on_ranks<T: Send>(
 pub fn check_layout(cfg: &TrainConfig, layout: &ParallelLayout, opts: &TrainOptions) -> Result<()> {
     check_sequence_parallel(opts, layout.tp())?;
     crate::train_pipeline::check_pipeline_flags(opts, layout.pp())?;
+    opts.activation_checkpointing.check(layout.pp())?;
     layout.check(cfg.train.batch_size, opts.microbatches, None)?;
     check_microbatches(cfg, layout.data_parallel_degree(), opts.microbatches)?;
     Ok(())
@@ -215,7 +216,7 @@ pub fn train_parallel(
         // ZeRO-3 / FSDP cuts its shards from a delayed-initialisation model one unit at a time,
         // so no rank holds the whole model.
         let fsdp = layout.zero() == Some(ZeroStage::Three);
-        let mut run = run_model(cfg, tp, fsdp)?;
+        let mut run = run_model(cfg, tp, fsdp, opts.activation_checkpointing.on_stage(0))?;
         let wrapper = RankWrapper::new(mesh, &run.model, &run.opt)?;
         let rows = rank_rows(cfg.train.batch_size, mesh.dp_degree(), mesh.dp_rank())?;
         let leader = ctx.rank == 0;

@@ -110,12 +110,13 @@ pub(crate) trait PipelineTask: Sync {
     /// Number of blocks (layers) to split.
     fn n_blocks(&self) -> usize;
     /// Builds a stage: its own parameters only, split by `tp` when given, lazily initialised
-    /// when `delayed`.
+    /// when `delayed`, recomputing its blocks' activations in the backward when `checkpointing`.
     fn build_stage(
         &self,
         spec: StageSpec,
         tp: Option<TensorParallel>,
         delayed: bool,
+        checkpointing: bool,
     ) -> Result<Self::Stage>;
     /// The microbatches of training step `step` for `rows` (this data-parallel rank's), split
     /// `microbatches` ways; `dp` is the data-parallel degree. The executor scales the last
@@ -329,6 +330,7 @@ pub(crate) fn train_pipeline<T: PipelineTask>(
     opts: &TrainOptions,
     verbosity: Verbosity,
 ) -> Result<TrainSummary> {
+    opts.activation_checkpointing.check(layout.pp())?;
     let plan = plan_pipeline(task, layout, opts)?;
     let origin = Instant::now();
     let timelines: Vec<Timeline> = (0..layout.world_size())
@@ -403,7 +405,14 @@ fn rank_main<T: PipelineTask>(
         (mesh.tp_degree() > 1).then(|| tensor_parallel(mesh.tp_group(), opts.sequence_parallel));
     let fsdp = layout.zero() == Some(ZeroStage::Three);
     let chunks: Vec<T::Stage> = (0..v)
-        .map(|c| task.build_stage(plan.specs[c * world_pp + p].clone(), tp.clone(), fsdp))
+        .map(|c| {
+            task.build_stage(
+                plan.specs[c * world_pp + p].clone(),
+                tp.clone(),
+                fsdp,
+                opts.activation_checkpointing.on_stage(p),
+            )
+        })
         .collect::<Result<_>>()?;
     let module = Chunks(&chunks);
     let (mut opt, lr_schedule) = optimizer_and_schedule(cfg, &module)?;

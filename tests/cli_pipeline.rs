@@ -1,6 +1,6 @@
 //! `meshgrad train --layout pp=P` (pipeline parallelism): every schedule (gpipe, 1f1b,
 //! interleaved with 2 chunks, zb) at pp=2 and pp=4, and the compositions dp=2,tp=2,pp=2 and
-//! fsdp=2,pp=2, give the single-device losses on the same global batch (within 1e-5 relative,
+//! fsdp=2,pp=2, and pp=2 with one stage recomputing its activations, give the single-device losses on the same global batch (within 1e-5 relative,
 //! train and validation; gradient norms within 1e-4) and a checkpoint with the single device's
 //! weights; the BERT too. Each run prints the `pipeline: partition=... schedule=...
 //! predicted_slowest_ms=... simulated_idle=... measured_idle=...` line; `--trace` writes a
@@ -31,7 +31,7 @@ fn train(dir: &Path, tag: &str, extra: &[&str]) -> Output {
     common::train(dir, tag, 4, &sets, &[&["--lr", "1e-3"], extra].concat())
 }
 
-const GPT_LAYOUTS: [(&str, &[&str]); 10] = [
+const GPT_LAYOUTS: [(&str, &[&str]); 11] = [
     ("pp2", &["--layout", "pp=2", "--microbatches", "2"]),
     (
         "pp2gpipe",
@@ -119,6 +119,17 @@ const GPT_LAYOUTS: [(&str, &[&str]); 10] = [
     (
         "dp2tp2pp2",
         &["--layout", "dp=2,tp=2,pp=2", "--microbatches", "2"],
+    ),
+    (
+        "pp2ckpt1",
+        &[
+            "--layout",
+            "pp=2",
+            "--microbatches",
+            "2",
+            "--activation-checkpointing",
+            "1",
+        ],
     ),
     (
         "fsdp2pp2",
@@ -395,6 +406,14 @@ fn bad_pipeline_flags_are_refused_in_one_line() {
         (
             &["--layout", "pp=2", "--partition", "fastest"][..],
             "--partition fastest",
+        ),
+        (
+            &["--activation-checkpointing", "0"][..],
+            "stage indices needs pipeline parallelism",
+        ),
+        (
+            &["--layout", "pp=2", "--activation-checkpointing", "2"][..],
+            "stage 2 does not exist",
         ),
         (
             &["--layout", "pp=2", "--microbatches", "3"][..],
