@@ -82,7 +82,7 @@ enum Command {
     /// Print a pipeline-parallel schedule as a grid (time steps x ranks: F3 forward, B3 backward,
     /// W3 weight gradient, F3.1 chunk 1, . idle), simulated with unit costs; the last line is
     /// `bubble=<fraction, 4 decimals> peak_activations=<max over ranks> deadlock=no`. A
-    /// simulation only: meshgrad does not train with pipeline parallelism yet.
+    /// simulation; `train --layout pp=P --schedule KIND` runs the same schedules.
     Schedule {
         /// gpipe, 1f1b, interleaved (Megatron's, needs the microbatches divisible by the stages)
         /// or zb (zero bubble, ZB-H1 style).

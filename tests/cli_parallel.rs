@@ -58,10 +58,7 @@ fn bad_layouts_are_refused_in_one_line() {
         ),
         (&["--layout", "dp=0"][..], "at least 1"),
         (&["--layout", "hsdp=2x0"][..], "at least 1"),
-        (
-            &["--layout", "pp=2"][..],
-            "pipeline parallelism (pp=2) is not available yet",
-        ),
+        (&["--layout", "pp=0"][..], "pp degree must be at least 1"),
         (
             &["--layout", "dp=3,fsdp=2"][..],
             "8 rows does not split evenly over 6 data-parallel ranks",

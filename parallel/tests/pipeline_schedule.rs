@@ -294,14 +294,15 @@ fn a_hand_made_schedule_runs() {
 
 #[test]
 fn a_deadlock_names_both_ranks() {
-    // Both ranks receive before they send.
+    // Both ranks receive before they send, with compute in between (consecutive transfers
+    // form one group, posted together, and could not deadlock among themselves).
     let grad = |peer| Action::RecvGradient {
         peer,
         microbatch: 0,
         chunk: 0,
     };
     let s = hand(vec![
-        vec![F0, grad(1), act(1, 0).0, B0],
+        vec![F0, grad(1), B0, act(1, 0).0],
         vec![
             act(0, 0).1,
             F0,

@@ -17,13 +17,17 @@
 //! after a split one counts), a send of something the rank has not computed or has already sent,
 //! a transfer to the wrong rank or an index out of range.
 //!
-//! Transfers are rendezvous: a send and its receive complete together, once both ranks have
-//! reached them; the transfer starts when the later of the two arrives and takes the p2p cost on
-//! both ranks. A rank waiting at a send or receive whose partner is elsewhere is blocked; when no
-//! rank can move while actions remain, the run ends in [`ScheduleError::Deadlock`], which names
-//! every blocked rank, the action it is blocked on and where its peer is. So every send must meet
-//! exactly one receive. At the end every (microbatch, virtual stage) must have had exactly one
-//! forward and its backward (one full backward, or one input and one weight backward), else
+//! Transfers are rendezvous and grouped: a maximal run of consecutive transfers in a rank's list
+//! is one group, posted at once (NCCL's `ncclGroupStart` / `ncclGroupEnd`, the executor's rule
+//! too). A send and its receive complete together once both ranks have posted the groups that
+//! hold them; the transfer starts when the later of the two was posted and takes the p2p cost,
+//! and a rank leaves its group when every transfer in it has completed. So two ranks that send
+//! to each other in one group each do not wait for one another, but a rank whose group waits
+//! for a partner that sits behind a compute action of its own is blocked; when no rank can move
+//! while actions remain, the run ends in [`ScheduleError::Deadlock`], which names every blocked
+//! rank, the transfer it waits on and where its peer is. So every send must meet exactly one
+//! receive. At the end every (microbatch, virtual stage) must have had exactly one forward and
+//! its backward (one full backward, or one input and one weight backward), else
 //! [`ScheduleError::Missing`].
 //!
 //! # What is measured
@@ -391,6 +395,68 @@ pub fn simulate(schedule: &Schedule, costs: &Costs) -> Result<SimReport, Schedul
         Ok(s)
     };
 
+    // Transfer groups: where the group a rank is in ends (exclusive), which of its transfers
+    // have completed, and when the last of them did.
+    let mut group_end: Vec<Option<usize>> = vec![None; p_];
+    let mut done: Vec<Vec<bool>> = schedule
+        .ranks
+        .iter()
+        .map(|l| vec![false; l.len()])
+        .collect();
+    let mut group_done_at = vec![0f64; p_];
+    let group_from = |r: usize, start: usize| -> usize {
+        let l = &schedule.ranks[r];
+        let mut e = start;
+        while e < l.len() && !l[e].is_compute() {
+            e += 1;
+        }
+        e
+    };
+    // Whether `a` on rank `ra` and `b` on rank `rb` are the two ends of one transfer.
+    let pair_matches = |ra: usize, a: &Action, rb: usize, b: &Action| -> bool {
+        let (snd, sr, rcv, rr) = match a {
+            Action::SendActivation { .. } | Action::SendGradient { .. } => (a, ra, b, rb),
+            _ => (b, rb, a, ra),
+        };
+        match (*snd, *rcv) {
+            (
+                Action::SendActivation {
+                    peer: to,
+                    microbatch: m1,
+                    chunk: c1,
+                },
+                Action::RecvActivation {
+                    peer: from,
+                    microbatch: m2,
+                    chunk: c2,
+                },
+            ) => {
+                to == rr
+                    && from == sr
+                    && m1 == m2
+                    && schedule.virtual_stage(sr, c1) + 1 == schedule.virtual_stage(rr, c2)
+            }
+            (
+                Action::SendGradient {
+                    peer: to,
+                    microbatch: m1,
+                    chunk: c1,
+                },
+                Action::RecvGradient {
+                    peer: from,
+                    microbatch: m2,
+                    chunk: c2,
+                },
+            ) => {
+                to == rr
+                    && from == sr
+                    && m1 == m2
+                    && schedule.virtual_stage(sr, c1) == schedule.virtual_stage(rr, c2) + 1
+            }
+            _ => false,
+        }
+    };
+
     loop {
         let mut progressed = false;
         for r in 0..p_ {
@@ -484,139 +550,102 @@ pub fn simulate(schedule: &Schedule, costs: &Costs) -> Result<SimReport, Schedul
                             held[r] -= 1;
                         }
                     }
-                } else {
-                    // A transfer: find the (sender, receiver) pair and whether both are here.
-                    let peer = a.peer().unwrap();
-                    let is_send = matches!(
-                        a,
-                        Action::SendActivation { .. } | Action::SendGradient { .. }
-                    );
-                    if is_send {
-                        let (ready, sent) = match a {
-                            Action::SendActivation { .. } => (
-                                st.forward.contains(&(mb, s)),
-                                st.act_sent.contains(&(mb, s)),
-                            ),
-                            _ => (
-                                st.input_grad.contains(&(mb, s)),
-                                st.grad_sent.contains(&(mb, s)),
-                            ),
+                    pos[r] += 1;
+                    progressed = true;
+                    continue;
+                }
+                // A transfer: the rank posts its whole group (the consecutive transfers from
+                // here) at once, as NCCL's grouped send/recv does.
+                if group_end[r].is_none() {
+                    let e = group_from(r, i);
+                    for j in i..e {
+                        let b = schedule.ranks[r][j];
+                        let sj = check_static(r, j, &b)?;
+                        let ready = match b {
+                            Action::SendActivation { .. } => {
+                                st.forward.contains(&(b.microbatch(), sj))
+                            }
+                            Action::SendGradient { .. } => {
+                                st.input_grad.contains(&(b.microbatch(), sj))
+                            }
+                            _ => true,
                         };
                         if !ready {
                             return invalid(
                                 r,
-                                i,
-                                a,
+                                j,
+                                b,
                                 "sends what this rank has not computed".into(),
                             );
                         }
-                        if sent {
-                            return invalid(r, i, a, "sent twice".into());
-                        }
                     }
-                    let Some(&other) = schedule.ranks[peer].get(pos[peer]) else {
-                        break;
-                    };
-                    let (snd, rcv) = if is_send { (a, other) } else { (other, a) };
-                    let (sr, rr) = if is_send { (r, peer) } else { (peer, r) };
-                    let matched = match (snd, rcv) {
-                        (
-                            Action::SendActivation {
-                                peer: to,
-                                microbatch: m1,
-                                chunk: c1,
-                            },
-                            Action::RecvActivation {
-                                peer: from,
-                                microbatch: m2,
-                                chunk: c2,
-                            },
-                        ) => {
-                            to == rr
-                                && from == sr
-                                && m1 == m2
-                                && schedule.virtual_stage(sr, c1) + 1
-                                    == schedule.virtual_stage(rr, c2)
-                        }
-                        (
-                            Action::SendGradient {
-                                peer: to,
-                                microbatch: m1,
-                                chunk: c1,
-                            },
-                            Action::RecvGradient {
-                                peer: from,
-                                microbatch: m2,
-                                chunk: c2,
-                            },
-                        ) => {
-                            to == rr
-                                && from == sr
-                                && m1 == m2
-                                && schedule.virtual_stage(sr, c1)
-                                    == schedule.virtual_stage(rr, c2) + 1
-                        }
-                        _ => false,
-                    };
-                    if !matched {
-                        break;
+                    group_end[r] = Some(e);
+                    group_done_at[r] = free[r];
+                }
+                let e = group_end[r].unwrap_or(i);
+                for j in i..e {
+                    if done[r][j] {
+                        continue;
                     }
-                    // The partner is checked too before the pair runs; so is the sender's side
-                    // (what it sends must exist, once) when this rank is the receiver.
-                    let os = check_static(peer, pos[peer], &other)?;
-                    let (snd_rank, snd_index, snd_stage) = if is_send {
-                        (r, i, s)
+                    let b = schedule.ranks[r][j];
+                    let peer = b.peer().unwrap_or(r);
+                    let Some(pe) = group_end[peer] else {
+                        continue;
+                    };
+                    let Some(k) = (pos[peer]..pe).find(|&k| {
+                        !done[peer][k] && pair_matches(r, &b, peer, &schedule.ranks[peer][k])
+                    }) else {
+                        continue;
+                    };
+                    let other = schedule.ranks[peer][k];
+                    let is_send = matches!(
+                        b,
+                        Action::SendActivation { .. } | Action::SendGradient { .. }
+                    );
+                    let (snd, snd_rank, snd_index, rcv_rank, rcv_index) = if is_send {
+                        (b, r, j, peer, k)
                     } else {
-                        (peer, pos[peer], os)
+                        (other, peer, k, r, j)
                     };
-                    let (ready, sent) = match snd {
-                        Action::SendActivation { .. } => (
-                            st.forward.contains(&(mb, snd_stage)),
-                            st.act_sent.contains(&(mb, snd_stage)),
-                        ),
-                        _ => (
-                            st.input_grad.contains(&(mb, snd_stage)),
-                            st.grad_sent.contains(&(mb, snd_stage)),
-                        ),
-                    };
-                    if !ready {
-                        return invalid(
-                            snd_rank,
-                            snd_index,
-                            snd,
-                            "sends what this rank has not computed".into(),
-                        );
-                    }
-                    if sent {
-                        return invalid(snd_rank, snd_index, snd, "sent twice".into());
-                    }
-                    let (send_stage, recv_stage) = if is_send { (s, os) } else { (os, s) };
-                    match snd {
+                    let snd_stage = schedule.virtual_stage(snd_rank, snd.chunk());
+                    let rcv_stage = schedule
+                        .virtual_stage(rcv_rank, schedule.ranks[rcv_rank][rcv_index].chunk());
+                    let mb = b.microbatch();
+                    let fresh = match snd {
                         Action::SendActivation { .. } => {
-                            st.act_sent.insert((mb, send_stage));
-                            st.act_in.insert((mb, recv_stage));
+                            st.act_in.insert((mb, rcv_stage));
+                            st.act_sent.insert((mb, snd_stage))
                         }
                         _ => {
-                            st.grad_sent.insert((mb, send_stage));
-                            st.grad_in.insert((mb, recv_stage));
+                            st.grad_in.insert((mb, rcv_stage));
+                            st.grad_sent.insert((mb, snd_stage))
                         }
+                    };
+                    if !fresh {
+                        return invalid(snd_rank, snd_index, snd, "sent twice".into());
                     }
-                    let start = free[r].max(free[peer]);
-                    let end = start + costs.p2p;
-                    for (rank, act) in [(r, a), (peer, other)] {
-                        free[rank] = end;
+                    let t0 = free[r].max(free[peer]);
+                    let t1 = t0 + costs.p2p;
+                    for (rank, act) in [(r, b), (peer, other)] {
                         timeline[rank].push(Slot {
                             action: act,
-                            start,
-                            end,
+                            start: t0,
+                            end: t1,
                         });
-                        pos[rank] += 1;
+                        group_done_at[rank] = group_done_at[rank].max(t1);
                     }
+                    done[r][j] = true;
+                    done[peer][k] = true;
+                    progressed = true;
+                }
+                if (i..e).all(|j| done[r][j]) {
+                    free[r] = group_done_at[r];
+                    pos[r] = e;
+                    group_end[r] = None;
                     progressed = true;
                     continue;
                 }
-                pos[r] += 1;
-                progressed = true;
+                break;
             }
         }
         if !progressed {
@@ -624,15 +653,19 @@ pub fn simulate(schedule: &Schedule, costs: &Costs) -> Result<SimReport, Schedul
         }
     }
 
+    // Where each rank waits: the first transfer of its group that has not completed.
+    let waiting =
+        |r: usize| -> Option<usize> { (pos[r]..schedule.ranks[r].len()).find(|&j| !done[r][j]) };
     let blocked: Vec<Blocked> = (0..p_)
         .filter_map(|r| {
-            schedule.ranks[r].get(pos[r]).map(|&action| {
+            waiting(r).map(|index| {
+                let action = schedule.ranks[r][index];
                 let peer = action.peer().unwrap_or(r);
                 Blocked {
                     rank: r,
-                    index: pos[r],
+                    index,
                     action,
-                    peer_at: schedule.ranks[peer].get(pos[peer]).copied(),
+                    peer_at: waiting(peer).map(|j| schedule.ranks[peer][j]),
                 }
             })
         })
