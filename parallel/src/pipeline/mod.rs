@@ -12,7 +12,9 @@
 //!   costs minimising the slowest stage's time or the largest stage's memory (under an optional
 //!   per-stage memory limit), even splits, explicit boundaries and the `--partition` spec.
 //! * [`evaluate`]: [`forward_only`], a batch through the stages without gradients (validation).
-//! * [`trace`]: a [`Timeline`] per rank of what it did when (the executor records every action).
+//! * [`trace`]: a [`Timeline`] per rank of what it did when (the executor records every action),
+//!   written as a Chrome trace ([`write_chrome_trace`]) and measured ([`measure_idle`], the
+//!   counterpart of the simulated bubble).
 //! * [`execute`](mod@execute): [`execute()`](execute::execute) runs one rank's action list on a
 //!   [`ModelStage`](meshgrad_nn::ModelStage) over the pipeline group (GPipe and 1F1B; interleaved
 //!   and split-backward schedules are refused for now), and [`PipelineGrads`] finishes the step
@@ -38,4 +40,7 @@ pub use evaluate::forward_only;
 pub use execute::{check_supported, execute, Microbatch, PipelineGrads};
 pub use schedule::{Action, Schedule, ScheduleArgError, ScheduleKind};
 pub use simulate::{simulate, Blocked, Costs, ScheduleError, SimReport, Slot};
-pub use trace::{Span, SpanKind, Timeline};
+pub use trace::{
+    chrome_trace, chrome_trace_json, measure_idle, measure_idle_between, measured_costs,
+    write_chrome_trace, IdleReport, Span, SpanKind, Timeline,
+};
