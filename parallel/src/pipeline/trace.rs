@@ -189,11 +189,6 @@ impl Timeline {
         out
     }
 
-    /// Seconds from the origin to now.
-    pub fn now_s(&self) -> f64 {
-        self.origin.elapsed().as_secs_f64()
-    }
-
     /// The spans recorded so far, in the order they ended.
     pub fn spans(&self) -> Vec<Span> {
         self.spans.lock().unwrap_or_else(|e| e.into_inner()).clone()
