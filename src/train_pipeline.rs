@@ -40,8 +40,8 @@ use meshgrad_nn::{ModelStage, Module, StageSpec};
 use meshgrad_parallel::comm::{all_reduce_scalar, RankCtx};
 use meshgrad_parallel::pipeline::partition::{MemoryModel, ModelCosts, Partition, PartitionMethod};
 use meshgrad_parallel::pipeline::{
-    execute, forward_only, simulate, Costs, Microbatch, PipelineGrads, Schedule, ScheduleKind,
-    SpanKind, Timeline,
+    execute, forward_only, measure_idle_between, simulate, write_chrome_trace, Costs, Microbatch,
+    PipelineGrads, Schedule, ScheduleKind, SpanKind, Timeline,
 };
 use meshgrad_parallel::tp::tensor_parallel;
 use meshgrad_parallel::zero::{ShardConfig, ShardedDataParallel, ZeroStage};
@@ -336,8 +336,8 @@ pub(crate) fn train_pipeline<T: PipelineTask>(
     let timelines: Vec<Timeline> = (0..layout.world_size())
         .map(|r| Timeline::new(r, origin))
         .collect();
-    // Per step: when the first rank started it and when the last rank finished its schedule.
-    let step_windows = std::sync::Mutex::new(Vec::<(usize, f64, f64)>::new());
+    // Per rank and step: when the rank started and finished its schedule.
+    let step_windows = std::sync::Mutex::new(Vec::<StepWindow>::new());
     let summary = on_ranks(layout, |ctx, mesh| {
         rank_main(
             task,
@@ -353,6 +353,7 @@ pub(crate) fn train_pipeline<T: PipelineTask>(
     })?;
     let measured = measured_idle_after_warmup(
         &timelines,
+        layout,
         &step_windows.lock().unwrap_or_else(|e| e.into_inner()),
     );
     if verbosity != Verbosity::Quiet {
@@ -370,7 +371,8 @@ pub(crate) fn train_pipeline<T: PipelineTask>(
         );
     }
     if let Some(path) = &opts.pipeline.trace {
-        write_trace_placeholder(path, &timelines)?;
+        write_chrome_trace(path, &timelines)
+            .with_context(|| format!("writing the trace {}", path.display()))?;
         if verbosity != Verbosity::Quiet {
             println!("trace: {}", path.display());
         }
@@ -378,11 +380,44 @@ pub(crate) fn train_pipeline<T: PipelineTask>(
     Ok(summary)
 }
 
-/// The measured idle fraction of the pipeline steps after the first (which warms up), over
-/// each step's window: the mean over those steps (the first step's when there is only one).
-fn measured_idle_after_warmup(timelines: &[Timeline], windows: &[(usize, f64, f64)]) -> f64 {
-    let _ = (timelines, windows);
-    f64::NAN
+/// When a rank ran one step's schedule: `(global rank, step, start, end)`, seconds from the
+/// run's origin.
+type StepWindow = (usize, usize, f64, f64);
+
+/// The measured idle fraction of the pipeline of global rank 0 (its `pp` ranks; the other
+/// pipelines of a composed layout do the same work) over each step's window, from the first
+/// of its ranks starting the schedule to the last finishing it: the mean over the steps after
+/// the first, which warms up (the first step's figure when there is only one).
+fn measured_idle_after_warmup(
+    timelines: &[Timeline],
+    layout: &ParallelLayout,
+    windows: &[StepWindow],
+) -> f64 {
+    // The mesh is [pp, dp_replicate, dp_shard, tp], tp fastest: pipeline stage p of the first
+    // pipeline is global rank p * (world / pp).
+    let stride = layout.world_size() / layout.pp();
+    let ranks: Vec<usize> = (0..layout.pp()).map(|p| p * stride).collect();
+    let pipeline: Vec<Timeline> = ranks.iter().map(|&r| timelines[r].clone()).collect();
+    let steps = windows.iter().map(|w| w.1 + 1).max().unwrap_or(0);
+    let idle: Vec<f64> = (0..steps)
+        .filter_map(|step| {
+            let mine = windows
+                .iter()
+                .filter(|w| w.1 == step && ranks.contains(&w.0));
+            let from = mine.clone().map(|w| w.2).reduce(f64::min)?;
+            let to = mine.map(|w| w.3).reduce(f64::max)?;
+            measure_idle_between(&pipeline, from, to).map(|r| r.idle)
+        })
+        .collect();
+    let counted = if idle.len() > 1 {
+        &idle[1..]
+    } else {
+        &idle[..]
+    };
+    if counted.is_empty() {
+        return f64::NAN;
+    }
+    counted.iter().sum::<f64>() / counted.len() as f64
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -394,7 +429,7 @@ fn rank_main<T: PipelineTask>(
     ctx: &RankCtx,
     mesh: &LayoutMesh,
     timeline: &Timeline,
-    step_windows: &std::sync::Mutex<Vec<(usize, f64, f64)>>,
+    step_windows: &std::sync::Mutex<Vec<StepWindow>>,
     verbosity: Verbosity,
 ) -> Result<Option<TrainSummary>> {
     let cfg = task.cfg();
@@ -473,7 +508,7 @@ fn rank_main<T: PipelineTask>(
         step_windows
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .push((step, t0, t1));
+            .push((ctx.rank, step, t0, t1));
         Ok(loss)
     };
     let val = || -> Result<f64> {
@@ -580,10 +615,4 @@ fn gather_stages(
         }
     }
     Ok(Some(all))
-}
-
-/// Temporary (replaced by the Chrome trace writer).
-fn write_trace_placeholder(path: &std::path::Path, t: &[Timeline]) -> Result<()> {
-    let _ = (path, t);
-    Ok(())
 }
