@@ -11,6 +11,9 @@
 //! * [`partition`]: where to cut a model into pipeline stages — a dynamic program over per-layer
 //!   costs minimising the slowest stage's time or the largest stage's memory (under an optional
 //!   per-stage memory limit), even splits, explicit boundaries and the `--partition` spec.
+//! * [`profile`](mod@profile): [`profile_layers`] measures each layer's forward + backward time
+//!   and memory of a [`ModelStage`](meshgrad_nn::ModelStage) model on its device and returns the
+//!   per-layer costs the partitioner consumes.
 //! * [`execute`](mod@execute): [`execute()`](execute::execute) runs one rank's action list on a
 //!   [`ModelStage`](meshgrad_nn::ModelStage) over the pipeline group (GPipe and 1F1B; interleaved
 //!   and split-backward schedules are refused for now), and [`PipelineGrads`] finishes the step
@@ -27,9 +30,11 @@
 
 pub mod execute;
 pub mod partition;
+pub mod profile;
 pub mod schedule;
 pub mod simulate;
 
 pub use execute::{check_supported, execute, Microbatch, PipelineGrads};
+pub use profile::{profile_layers, profile_lines, ProfileOptions};
 pub use schedule::{Action, Schedule, ScheduleArgError, ScheduleKind};
 pub use simulate::{simulate, Blocked, Costs, ScheduleError, SimReport, Slot};
