@@ -15,6 +15,9 @@
 //! * [`trace`]: a [`Timeline`] per rank of what it did when (the executor records every action),
 //!   written as a Chrome trace ([`write_chrome_trace`]) and measured ([`measure_idle`], the
 //!   counterpart of the simulated bubble).
+//! * [`profile`](mod@profile): [`profile_layers`] measures each layer's forward + backward time
+//!   and memory of a [`ModelStage`](meshgrad_nn::ModelStage) model on its device and returns the
+//!   per-layer costs the partitioner consumes.
 //! * [`execute`](mod@execute): [`execute()`](execute::execute) runs one rank's action list on a
 //!   [`ModelStage`](meshgrad_nn::ModelStage) over the pipeline group (GPipe and 1F1B; interleaved
 //!   and split-backward schedules are refused for now), and [`PipelineGrads`] finishes the step
@@ -32,12 +35,14 @@
 pub mod evaluate;
 pub mod execute;
 pub mod partition;
+pub mod profile;
 pub mod schedule;
 pub mod simulate;
 pub mod trace;
 
 pub use evaluate::forward_only;
 pub use execute::{check_supported, execute, Microbatch, PipelineGrads};
+pub use profile::{profile_layers, profile_lines, ProfileOptions};
 pub use schedule::{Action, Schedule, ScheduleArgError, ScheduleKind};
 pub use simulate::{simulate, Blocked, Costs, ScheduleError, SimReport, Slot};
 pub use trace::{
