@@ -14,7 +14,6 @@ use meshgrad_nn::state::load_state_dict;
 use meshgrad_nn::tp::TensorParallel;
 use meshgrad_nn::{ParamBuilder, StageSpec};
 use meshgrad_parallel::comm::all_reduce_scalar;
-use meshgrad_parallel::pipeline::partition::ModelCosts;
 use meshgrad_parallel::pipeline::Microbatch;
 use meshgrad_parallel::{micro_rows, Communicator, ReduceOp};
 use meshgrad_tensor::{DType, Device, Tensor};
@@ -140,8 +139,13 @@ impl PipelineTask for BertPipeline<'_> {
         header(self.cfg(), &self.config, self.data, layout)
     }
 
-    fn profile(&self, microbatch_rows: usize) -> Result<ModelCosts> {
-        crate::train_pipeline::profile_placeholder(self.n_blocks(), microbatch_rows)
+    fn profile_batch(&self, rows: usize) -> Result<BertBatch> {
+        let seed = self.cfg().train.seed;
+        let b = self
+            .sampler
+            .batch(&self.data.train, seed, 0, 0..rows as u64)?;
+        let count = b.count.max(1) as f64;
+        Ok(Self::bert_batch(b, count))
     }
 
     fn finish(

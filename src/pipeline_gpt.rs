@@ -9,7 +9,6 @@ use meshgrad_nn::state::load_state_dict;
 use meshgrad_nn::tp::TensorParallel;
 use meshgrad_nn::{Gpt, GptConfig, ParamBuilder, StageSpec};
 use meshgrad_parallel::comm::all_reduce_scalar;
-use meshgrad_parallel::pipeline::partition::ModelCosts;
 use meshgrad_parallel::pipeline::Microbatch;
 use meshgrad_parallel::{micro_rows, Communicator, ReduceOp};
 use meshgrad_tensor::{DType, Device, Tensor};
@@ -126,8 +125,8 @@ impl PipelineTask for GptPipeline<'_> {
         header(self.cfg, &self.config, self.data, layout)
     }
 
-    fn profile(&self, microbatch_rows: usize) -> Result<ModelCosts> {
-        crate::train_pipeline::profile_placeholder(self.n_blocks(), microbatch_rows)
+    fn profile_batch(&self, rows: usize) -> Result<GptBatch> {
+        self.batch(self.cfg.train.seed, 0, 0..rows as u64, false)
     }
 
     fn finish(

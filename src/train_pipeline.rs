@@ -40,8 +40,8 @@ use meshgrad_nn::{ModelStage, Module, StageSpec};
 use meshgrad_parallel::comm::{all_reduce_scalar, RankCtx};
 use meshgrad_parallel::pipeline::partition::{MemoryModel, ModelCosts, Partition, PartitionMethod};
 use meshgrad_parallel::pipeline::{
-    execute, forward_only, measure_idle_between, simulate, write_chrome_trace, Costs, Microbatch,
-    PipelineGrads, Schedule, ScheduleKind, SpanKind, Timeline,
+    execute, forward_only, measure_idle_between, profile_layers, simulate, write_chrome_trace,
+    Costs, Microbatch, PipelineGrads, ProfileOptions, Schedule, ScheduleKind, SpanKind, Timeline,
 };
 use meshgrad_parallel::tp::tensor_parallel;
 use meshgrad_parallel::zero::{ShardConfig, ShardedDataParallel, ZeroStage};
@@ -136,8 +136,8 @@ pub(crate) trait PipelineTask: Sync {
     fn val_loss(&self, local_sum: f64, n_batches: usize, dp: &dyn Communicator) -> Result<f64>;
     /// The run's first log line.
     fn header(&self, layout: &str) -> String;
-    /// Profiles the model's layers on this device for the partitioner.
-    fn profile(&self, microbatch_rows: usize) -> Result<ModelCosts>;
+    /// A training microbatch of `rows` rows to profile the layers with.
+    fn profile_batch(&self, rows: usize) -> Result<<Self::Stage as ModelStage>::Batch>;
     /// The leader's end of the run, from the full single-device state dict.
     fn finish(
         &self,
@@ -161,6 +161,20 @@ impl<S: Module> Module for Chunks<'_, S> {
     fn module_type(&self) -> &'static str {
         "PipelineChunks"
     }
+}
+
+/// Profiles every layer of `task`'s model on this device ([`profile_layers`]: a few timed
+/// forward + backward passes of each block, the embedding and the head on one microbatch of
+/// `rows` rows, single device, no tensor parallelism) for the partitioner.
+fn profile_task<T: PipelineTask>(task: &T, rows: usize) -> Result<ModelCosts> {
+    let batch = task.profile_batch(rows)?;
+    let opts = ProfileOptions::new(1, 3).with_min_sample_ms(2.0);
+    let build = |spec: StageSpec| {
+        task.build_stage(spec, None, false, false)
+            .map_err(|e| meshgrad_tensor::Error::msg(format!("{e:#}")))
+    };
+    profile_layers(task.n_blocks(), build, &batch, &opts)
+        .with_context(|| format!("profiling the {}'s layers for --partition", task.name()))
 }
 
 /// The partition and schedule a pipeline run uses, chosen before the ranks start.
@@ -196,7 +210,7 @@ pub(crate) fn plan_pipeline<T: PipelineTask>(
     let method = PartitionMethod::parse_for(&po.partition, stages, n)
         .map_err(|e| anyhow::anyhow!("--partition {}: {e}", po.partition))?;
     let rows = task.cfg().train.batch_size / layout.data_parallel_degree() / m;
-    let costs = task.profile(rows)?;
+    let costs = profile_task(task, rows)?;
     let memory = if po.schedule == ScheduleKind::GPipe {
         MemoryModel::gpipe(stages, m)
     } else {
@@ -332,6 +346,17 @@ pub(crate) fn train_pipeline<T: PipelineTask>(
 ) -> Result<TrainSummary> {
     opts.activation_checkpointing.check(layout.pp())?;
     let plan = plan_pipeline(task, layout, opts)?;
+    if verbosity != Verbosity::Quiet {
+        println!(
+            "pipeline stages (--partition {}; {} ranks x {} chunk(s), predicted per microbatch):",
+            opts.pipeline.partition,
+            layout.pp(),
+            plan.schedule.chunks,
+        );
+        for line in plan.partition.summary_lines() {
+            println!("  {line}");
+        }
+    }
     let origin = Instant::now();
     let timelines: Vec<Timeline> = (0..layout.world_size())
         .map(|r| Timeline::new(r, origin))
@@ -357,9 +382,6 @@ pub(crate) fn train_pipeline<T: PipelineTask>(
         &step_windows.lock().unwrap_or_else(|e| e.into_inner()),
     );
     if verbosity != Verbosity::Quiet {
-        for line in plan.partition.summary_lines() {
-            println!("{line}");
-        }
         println!(
             "pipeline: {} schedule={} predicted_slowest_ms={:.3} simulated_idle={:.4} \
              measured_idle={:.4}",
@@ -557,19 +579,6 @@ fn rank_main<T: PipelineTask>(
 
 fn timeline_now(t: &Timeline) -> f64 {
     t.now_s()
-}
-
-/// Temporary uniform costs (replaced by the profiler).
-pub(crate) fn profile_placeholder(n_blocks: usize, _rows: usize) -> Result<ModelCosts> {
-    use meshgrad_parallel::pipeline::partition::LayerCost;
-    let blocks = (0..n_blocks)
-        .map(|i| LayerCost::new(format!("h.{i}"), 1.0))
-        .collect();
-    Ok(ModelCosts::new(
-        Some(LayerCost::new("embedding", 0.0)),
-        blocks,
-        Some(LayerCost::new("head", 0.0)),
-    )?)
 }
 
 /// Sends every pipeline rank's named tensors to pipeline rank 0, which returns them all (the
