@@ -23,14 +23,13 @@
 //! * [`memory_report`]: per-rank peak bytes of parameters, gradients, optimizer state and
 //!   activations of a GPT trained under any layout (DDP, ZeRO-1/2/3, tensor and sequence
 //!   parallelism and their compositions), beside the theory's figures.
-//! * [`pipeline`]: pipeline schedules as data (GPipe, 1F1B, interleaved 1F1B, ZB-H1-style zero
-//!   bubble), a simulator that checks them (dependencies, rendezvous deadlocks) and gives their
-//!   bubble and peak activations, and [`pipeline::partition`], which cuts a model into stages
-//!   from per-layer costs (`--partition auto|speed|memory|even|B0,B1,...`: a dynamic program
-//!   minimising the slowest stage's time or the largest stage's memory under an optional
-//!   per-stage memory limit, even splits and explicit boundaries, convertible into
-//!   `meshgrad_nn::StageSpec`s); a first executor ([`pipeline::execute()`]) runs GPipe and
-//!   1F1B schedules on a model's stages over the pipeline group (library only, no CLI yet).
+//! * [`pipeline`]: pipeline parallelism: schedules as data (GPipe, 1F1B, interleaved 1F1B,
+//!   ZB-H1-style zero bubble), a simulator that checks them (dependencies, grouped rendezvous
+//!   transfers, deadlocks) and gives their bubble and peak activations, a per-layer profiler and
+//!   [`pipeline::partition`], which cuts a model into stages from the profile
+//!   (`--partition auto|speed|memory|even|B0,B1,...`), the executor ([`pipeline::execute()`]) that
+//!   runs any schedule on a model's stages over the pipeline group, forward-only evaluation, and
+//!   per-rank timelines written as Chrome traces.
 
 pub mod comm;
 pub mod ddp;
