@@ -210,7 +210,6 @@ impl Side<'_> {
 
 /// Discovers the graph behind `roots` (checking the roots): every variable that requires grad,
 /// by id, and for each the number of edges from recorded nodes into it.
-#[allow(clippy::type_complexity)]
 fn discover(roots: &[(Var, Tensor)]) -> Result<(HashMap<VarId, usize>, HashMap<VarId, Var>)> {
     let mut consumers: HashMap<VarId, usize> = HashMap::new();
     let mut vars: HashMap<VarId, Var> = HashMap::new();
@@ -459,6 +458,11 @@ impl DeferredWeightGrads {
 /// Activation checkpointing: a [`checkpoint`](crate::checkpoint)ed block's rule recomputes
 /// the block and returns every gradient at once, so a checkpointed block on the input side is
 /// computed entirely in the input pass (its parameters' gradients are kept for the weight pass).
+///
+/// Hooks: the inputs' gradient-ready hooks fire in the input pass, the parameters' in the
+/// weight pass; a node's pre-backward hooks fire before each run of its rule (so twice for a
+/// rule the weight pass runs again: a sharded wrapper that gathers a weight in the hook gathers
+/// it for both).
 ///
 /// Errors: an input that is not a leaf or does not require grad, and everything
 /// [`backward`] refuses.

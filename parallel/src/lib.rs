@@ -29,8 +29,9 @@
 //!   from per-layer costs (`--partition auto|speed|memory|even|B0,B1,...`: a dynamic program
 //!   minimising the slowest stage's time or the largest stage's memory under an optional
 //!   per-stage memory limit, even splits and explicit boundaries, convertible into
-//!   `meshgrad_nn::StageSpec`s); a first executor ([`pipeline::execute()`]) runs GPipe and
-//!   1F1B schedules on a model's stages over the pipeline group (library only, no CLI yet).
+//!   `meshgrad_nn::StageSpec`s); an executor ([`pipeline::execute()`]) runs any of those
+//!   schedules (interleaved chunks and zero-bubble split backwards included) on a model's stages
+//!   over the pipeline group, with grouped point-to-point transfers (library only, no CLI yet).
 
 pub mod comm;
 pub mod ddp;
