@@ -483,7 +483,7 @@ fn rank_main<T: PipelineTask>(
             ShardConfig::new(stage),
         )?),
     };
-    let grads = PipelineGrads::new(&chunks[0], pp.clone())?;
+    let grads = PipelineGrads::new(&chunks, pp.clone())?;
     let last = p + 1 == world_pp;
     let skip_in_norm = if last && world_pp > 1 {
         chunks[v - 1].tied_parameters()
@@ -519,7 +519,7 @@ fn rank_main<T: PipelineTask>(
         let mbs = task.train_microbatches(step as u64, rows.clone(), opts.microbatches, dp)?;
         let t0 = timeline_now(timeline);
         let loss = execute(
-            &chunks[0],
+            &chunks,
             &plan.schedule,
             pp.as_ref(),
             &mbs,

@@ -33,7 +33,7 @@ pub fn checkpoint(f: BlockFn, inputs: &[Var]) -> Result<Var> {
         "checkpoint",
         out.tensor().clone(),
         &all_inputs,
-        Box::new(move |g| {
+        Box::new(move |g, _| {
             // Fresh leaves stand in for the inputs; parameters are used as themselves.
             let leaves: Vec<Var> = saved_inputs
                 .iter()

@@ -247,7 +247,7 @@ pub fn all_reduce_backward(x: &Var, group: &Group) -> Result<Var> {
         "all_reduce_backward",
         x.tensor().clone(),
         &[x],
-        Box::new(move |grad| Ok(vec![Some(g.all_reduce_sum(grad)?)])),
+        Box::new(move |grad, _| Ok(vec![Some(g.all_reduce_sum(grad)?)])),
     ))
 }
 
@@ -262,7 +262,7 @@ pub fn all_reduce_forward(x: &Var, group: &Group) -> Result<Var> {
         "all_reduce_forward",
         sum,
         &[x],
-        Box::new(move |grad| Ok(vec![Some(grad.clone())])),
+        Box::new(move |grad, _| Ok(vec![Some(grad.clone())])),
     ))
 }
 
@@ -279,7 +279,7 @@ pub fn all_gather_dim(x: &Var, dim: usize, group: &Group) -> Result<Var> {
         "all_gather_dim",
         full,
         &[x],
-        Box::new(move |grad| Ok(vec![Some(reduce_scatter_along(grad, dim, &*g)?)])),
+        Box::new(move |grad, _| Ok(vec![Some(reduce_scatter_along(grad, dim, &*g)?)])),
     ))
 }
 
@@ -296,7 +296,7 @@ pub fn reduce_scatter_dim(x: &Var, dim: usize, group: &Group) -> Result<Var> {
         "reduce_scatter_dim",
         mine,
         &[x],
-        Box::new(move |grad| Ok(vec![Some(gather_along(grad, dim, &*g)?)])),
+        Box::new(move |grad, _| Ok(vec![Some(gather_along(grad, dim, &*g)?)])),
     ))
 }
 
@@ -317,7 +317,7 @@ pub fn split_dim(x: &Var, dim: usize, group: &Group) -> Result<Var> {
         "split_dim",
         mine,
         &[x],
-        Box::new(move |grad| Ok(vec![Some(gather_along(grad, dim, &*g)?)])),
+        Box::new(move |grad, _| Ok(vec![Some(gather_along(grad, dim, &*g)?)])),
     ))
 }
 

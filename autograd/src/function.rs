@@ -32,6 +32,6 @@ pub fn apply(f: Arc<dyn Function>, inputs: &[&Var]) -> Result<Var> {
         name,
         out,
         inputs,
-        Box::new(move |g| f.backward(&xs, &saved, g)),
+        Box::new(move |g, _| f.backward(&xs, &saved, g)),
     ))
 }

@@ -1,7 +1,8 @@
 //! meshgrad autograd: [`Var`] records the ops applied to it in a dynamic graph; backward runs the
 //! graph in reverse (in a fixed, documented order) with hooks for the parallel strategies:
 //! gradient-ready hooks on leaves, pre-backward hooks on nodes, and backward from any variable
-//! with a supplied gradient. Custom functions define forward and backward together; activation
+//! with a supplied gradient, and a split backward (input gradients first, parameter gradients
+//! later: [`Var::backward_input`]) for zero-bubble pipelines. Custom functions define forward and backward together; activation
 //! checkpointing recomputes a block during backward; [`gradcheck`] checks rules numerically.
 //!
 //! ```
@@ -58,7 +59,7 @@ mod ops;
 mod var;
 
 pub use checkpoint::{checkpoint, BlockFn};
-pub use engine::{backward, grad, is_backward_running};
+pub use engine::{backward, backward_input, grad, is_backward_running, DeferredWeightGrads};
 pub use forward_ctx::{next_use, ForwardCtx};
 pub use function::{apply, Function};
 pub use grad_mode::{enable_grad, is_enabled as is_grad_enabled, no_grad};

@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use meshgrad_tensor::{Result, Tensor};
 
 use crate::distributed::Placement;
+use crate::engine::DeferredWeightGrads;
 use crate::grad_mode;
 
 /// A process-unique, creation-ordered variable identity. Later vars have larger ids, which the
@@ -20,9 +21,19 @@ impl VarId {
     }
 }
 
-/// The backward function of a node: from the gradient of the node's output, the gradients of
-/// its inputs (`None` for an input that gets none).
-pub type BackwardFn = Box<dyn Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync>;
+/// The backward function of a node: from the gradient of the node's output and a mask of the
+/// inputs whose gradients the engine wants (one `bool` per input, in order), the gradients of its
+/// inputs (`None` for an input that gets none).
+///
+/// The mask lets a rule skip work: `wanted[i]` is false for an input that does not require grad,
+/// and, in the split backward ([`Var::backward_input`]), for the inputs whose gradients belong
+/// to the other pass (the parameters during the input pass, the activations during the weight
+/// pass). A rule may ignore the mask and compute every gradient: a gradient returned for an
+/// unwanted input that requires grad is still used (the input pass keeps it for the weight
+/// pass), and `None` for an unwanted input means "not computed". A rule must return the same
+/// gradient for a wanted input whatever else the mask says (that is what makes the split
+/// backward bit-identical to the full one).
+pub type BackwardFn = Box<dyn Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync>;
 
 /// A hook run when a leaf's gradient for the current backward pass is complete (accumulated).
 pub type GradReadyHook = Arc<dyn Fn(&Var) -> Result<()> + Send + Sync>;
@@ -103,8 +114,8 @@ impl Var {
     }
 
     /// The result of an op: a node is recorded when grad mode is on and any input requires grad;
-    /// otherwise the result is a constant. `backward` maps the output gradient to one optional
-    /// gradient per input. This is how every op (and every custom function) joins the graph.
+    /// otherwise the result is a constant. `backward` maps the output gradient (and the mask of
+    /// wanted inputs, see [`BackwardFn`]) to one optional gradient per input. This is how every op (and every custom function) joins the graph.
     pub fn from_op(op: &'static str, value: Tensor, inputs: &[&Var], backward: BackwardFn) -> Var {
         let needs = inputs.iter().any(|v| v.requires_grad());
         if !needs {
@@ -265,5 +276,46 @@ impl Var {
     /// Runs backward from this variable with the supplied gradient (same shape as the value).
     pub fn backward_with(&self, grad: Tensor) -> Result<()> {
         crate::engine::backward(&[(self.clone(), grad)])
+    }
+
+    /// The input pass of a split backward from this variable (with `grad`, or 1 for a
+    /// one-element variable when `None`): accumulates into the `.grad` of `inputs` (leaves, such
+    /// as a pipeline stage's input activation) and defers every other leaf's gradient (the
+    /// parameters') to the returned [`DeferredWeightGrads`], whose
+    /// [`run`](DeferredWeightGrads::run) finishes the backward. Both passes together give the
+    /// gradients of one full backward, bit for bit; see [`crate::backward_input`].
+    ///
+    /// ```
+    /// use meshgrad_autograd::Var;
+    /// use meshgrad_tensor::{Device, Tensor};
+    /// let x = Var::leaf(Tensor::from_vec(vec![1f32, 2.], (1, 2), Device::Cpu)?);
+    /// let w = Var::leaf(Tensor::from_vec(vec![3f32, 4.], (1, 2), Device::Cpu)?);
+    /// let y = Var::linear(&x, &w, None)?.sum_all()?;
+    /// let weights = y.backward_input(None, &[x.clone()])?;
+    /// assert_eq!(x.grad().unwrap().to_vec::<f32>()?, vec![3., 4.]);
+    /// assert!(w.grad().is_none()); // not yet
+    /// weights.run()?;
+    /// assert_eq!(w.grad().unwrap().to_vec::<f32>()?, vec![1., 2.]);
+    /// # Ok::<(), meshgrad_tensor::Error>(())
+    /// ```
+    pub fn backward_input(
+        &self,
+        grad: Option<Tensor>,
+        inputs: &[Var],
+    ) -> Result<DeferredWeightGrads> {
+        let grad = match grad {
+            Some(g) => g,
+            None => {
+                if self.tensor().elem_count() != 1 {
+                    meshgrad_tensor::bail!(
+                        "backward_input: needs a one-element output without a gradient, got \
+                         shape {}",
+                        self.tensor().shape()
+                    );
+                }
+                self.tensor().ones_like()?
+            }
+        };
+        crate::engine::backward_input(&[(self.clone(), grad)], inputs)
     }
 }

@@ -17,11 +17,18 @@ impl Var {
             "add",
             v,
             &[self, rhs],
-            Box::new(move |g| {
-                Ok(vec![
-                    Some(unbroadcast(g.clone(), &sa)?),
-                    Some(unbroadcast(g.clone(), &sb)?),
-                ])
+            Box::new(move |g, wanted| {
+                let ga = if wanted[0] {
+                    Some(unbroadcast(g.clone(), &sa)?)
+                } else {
+                    None
+                };
+                let gb = if wanted[1] {
+                    Some(unbroadcast(g.clone(), &sb)?)
+                } else {
+                    None
+                };
+                Ok(vec![ga, gb])
             }),
         ))
     }
@@ -34,11 +41,18 @@ impl Var {
             "sub",
             v,
             &[self, rhs],
-            Box::new(move |g| {
-                Ok(vec![
-                    Some(unbroadcast(g.clone(), &sa)?),
-                    Some(unbroadcast(g.neg()?, &sb)?),
-                ])
+            Box::new(move |g, wanted| {
+                let ga = if wanted[0] {
+                    Some(unbroadcast(g.clone(), &sa)?)
+                } else {
+                    None
+                };
+                let gb = if wanted[1] {
+                    Some(unbroadcast(g.neg()?, &sb)?)
+                } else {
+                    None
+                };
+                Ok(vec![ga, gb])
             }),
         ))
     }
@@ -47,12 +61,12 @@ impl Var {
     pub fn mul(&self, rhs: &Var) -> Result<Var> {
         let v = self.tensor().mul(rhs.tensor())?;
         let (a, b) = (self.tensor().clone(), rhs.tensor().clone());
-        let (ra, rb) = (self.requires_grad(), rhs.requires_grad());
         Ok(Var::from_op(
             "mul",
             v,
             &[self, rhs],
-            Box::new(move |g| {
+            Box::new(move |g, wanted| {
+                let (ra, rb) = (wanted[0], wanted[1]);
                 let ga = if ra {
                     Some(unbroadcast(g.mul(&b)?, a.shape())?)
                 } else {
@@ -72,13 +86,13 @@ impl Var {
     pub fn div(&self, rhs: &Var) -> Result<Var> {
         let v = self.tensor().div(rhs.tensor())?;
         let (a, b) = (self.tensor().clone(), rhs.tensor().clone());
-        let (ra, rb) = (self.requires_grad(), rhs.requires_grad());
         let out = v.clone();
         Ok(Var::from_op(
             "div",
             v,
             &[self, rhs],
-            Box::new(move |g| {
+            Box::new(move |g, wanted| {
+                let (ra, rb) = (wanted[0], wanted[1]);
                 let ga = if ra {
                     Some(unbroadcast(g.div(&b)?, a.shape())?)
                 } else {
@@ -113,7 +127,7 @@ impl Var {
             if max { "maximum" } else { "minimum" },
             v,
             &[self, rhs],
-            Box::new(move |g| {
+            Box::new(move |g, _| {
                 let z = Tensor::zeros((), g.dtype(), g.device())?;
                 let ga = unbroadcast(mask.where_cond(g, &z)?, a.shape())?;
                 let gb = unbroadcast(mask.where_cond(&z, g)?, b.shape())?;
@@ -134,7 +148,7 @@ impl Var {
             "where_cond",
             v,
             &[on_true, on_false],
-            Box::new(move |g| {
+            Box::new(move |g, _| {
                 let z = Tensor::zeros((), g.dtype(), g.device())?;
                 Ok(vec![
                     Some(unbroadcast(cond.where_cond(g, &z)?, &st)?),
@@ -151,7 +165,7 @@ impl Var {
             "neg",
             v,
             &[self],
-            Box::new(|g| Ok(vec![Some(g.neg()?)])),
+            Box::new(|g, _| Ok(vec![Some(g.neg()?)])),
         ))
     }
 
@@ -163,7 +177,7 @@ impl Var {
             "exp",
             v,
             &[self],
-            Box::new(move |g| Ok(vec![Some(g.mul(&y)?)])),
+            Box::new(move |g, _| Ok(vec![Some(g.mul(&y)?)])),
         ))
     }
 
@@ -175,7 +189,7 @@ impl Var {
             "log",
             v,
             &[self],
-            Box::new(move |g| Ok(vec![Some(g.div(&x)?)])),
+            Box::new(move |g, _| Ok(vec![Some(g.div(&x)?)])),
         ))
     }
 
@@ -187,7 +201,7 @@ impl Var {
             "sqrt",
             v,
             &[self],
-            Box::new(move |g| Ok(vec![Some(g.div(&y)?.mul_scalar(0.5)?)])),
+            Box::new(move |g, _| Ok(vec![Some(g.div(&y)?.mul_scalar(0.5)?)])),
         ))
     }
 
@@ -199,7 +213,7 @@ impl Var {
             "tanh",
             v,
             &[self],
-            Box::new(move |g| {
+            Box::new(move |g, _| {
                 let d = y.sqr()?.neg()?.add_scalar(1.0)?;
                 Ok(vec![Some(g.mul(&d)?)])
             }),
@@ -214,7 +228,7 @@ impl Var {
             "sigmoid",
             v,
             &[self],
-            Box::new(move |g| {
+            Box::new(move |g, _| {
                 let d = y.mul(&y.neg()?.add_scalar(1.0)?)?;
                 Ok(vec![Some(g.mul(&d)?)])
             }),
@@ -229,7 +243,7 @@ impl Var {
             "relu",
             v,
             &[self],
-            Box::new(move |g| {
+            Box::new(move |g, _| {
                 let z = Tensor::zeros((), x.dtype(), x.device())?;
                 let mask = x.gt(&z)?;
                 Ok(vec![Some(mask.where_cond(g, &z)?)])
@@ -245,7 +259,7 @@ impl Var {
             "gelu",
             v,
             &[self],
-            Box::new(move |g| Ok(vec![Some(x.gelu_backward(g, kind)?)])),
+            Box::new(move |g, _| Ok(vec![Some(x.gelu_backward(g, kind)?)])),
         ))
     }
 
@@ -257,7 +271,7 @@ impl Var {
             "powf",
             v,
             &[self],
-            Box::new(move |g| Ok(vec![Some(g.mul(&x.powf(p - 1.0)?)?.mul_scalar(p)?)])),
+            Box::new(move |g, _| Ok(vec![Some(g.mul(&x.powf(p - 1.0)?)?.mul_scalar(p)?)])),
         ))
     }
 
@@ -269,7 +283,7 @@ impl Var {
             "sqr",
             v,
             &[self],
-            Box::new(move |g| Ok(vec![Some(g.mul(&x)?.mul_scalar(2.0)?)])),
+            Box::new(move |g, _| Ok(vec![Some(g.mul(&x)?.mul_scalar(2.0)?)])),
         ))
     }
 
@@ -280,7 +294,7 @@ impl Var {
             "add_scalar",
             v,
             &[self],
-            Box::new(|g| Ok(vec![Some(g.clone())])),
+            Box::new(|g, _| Ok(vec![Some(g.clone())])),
         ))
     }
 
@@ -291,7 +305,7 @@ impl Var {
             "mul_scalar",
             v,
             &[self],
-            Box::new(move |g| Ok(vec![Some(g.mul_scalar(c)?)])),
+            Box::new(move |g, _| Ok(vec![Some(g.mul_scalar(c)?)])),
         ))
     }
 
@@ -306,7 +320,7 @@ impl Var {
             "to_dtype",
             v,
             &[self],
-            Box::new(move |g| Ok(vec![Some(g.to_dtype(from)?)])),
+            Box::new(move |g, _| Ok(vec![Some(g.to_dtype(from)?)])),
         ))
     }
 }

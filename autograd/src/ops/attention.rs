@@ -39,7 +39,7 @@ impl Var {
             "attention",
             out,
             &inputs,
-            Box::new(move |g| {
+            Box::new(move |g, _| {
                 let gr =
                     Tensor::attention_backward(&qt, &kt, &vt, &fwd, g, &tmask, scale, bias_grad)?;
                 let mut grads = vec![Some(gr.dq), Some(gr.dk), Some(gr.dv)];
@@ -73,7 +73,7 @@ impl Var {
             "attention_qkv",
             out,
             &inputs,
-            Box::new(move |g| {
+            Box::new(move |g, _| {
                 let (dx, dbias) =
                     x.attention_qkv_backward(&fwd, g, heads, &tmask, scale, bias_grad)?;
                 let mut grads = vec![Some(dx)];

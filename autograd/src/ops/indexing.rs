@@ -18,7 +18,7 @@ impl Var {
             "gather",
             v,
             &[self],
-            Box::new(move |g| Ok(vec![Some(g.gather_backward(dim, &index, shape.clone())?)])),
+            Box::new(move |g, _| Ok(vec![Some(g.gather_backward(dim, &index, shape.clone())?)])),
         ))
     }
 
@@ -33,7 +33,7 @@ impl Var {
             "index_select",
             v,
             &[self],
-            Box::new(move |g| {
+            Box::new(move |g, _| {
                 Ok(vec![Some(g.index_select_backward(
                     dim,
                     &ids,

@@ -22,7 +22,7 @@ impl Var {
             "rms_norm",
             out.y,
             &inputs,
-            Box::new(move |g| {
+            Box::new(move |g, _| {
                 let (dx, dw) = x.rms_norm_backward(w.as_ref(), &rstd, g, weight_grad)?;
                 let mut grads = vec![Some(dx)];
                 if has_weight {
@@ -43,7 +43,7 @@ impl Var {
             "rotary_embedding",
             v,
             &[self],
-            Box::new(move |g| Ok(vec![Some(g.rotary_embedding_backward(&positions, theta)?)])),
+            Box::new(move |g, _| Ok(vec![Some(g.rotary_embedding_backward(&positions, theta)?)])),
         ))
     }
 
@@ -57,7 +57,7 @@ impl Var {
             "swiglu",
             v,
             &[gate, up],
-            Box::new(move |g| {
+            Box::new(move |g, _| {
                 let (dg, du) = Tensor::swiglu_backward(&gt, &ut, g)?;
                 Ok(vec![rg.then_some(dg), ru.then_some(du)])
             }),

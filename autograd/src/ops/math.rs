@@ -13,7 +13,7 @@ impl Var {
             "sin",
             v,
             &[self],
-            Box::new(move |g| Ok(vec![Some(g.mul(&x.cos()?)?)])),
+            Box::new(move |g, _| Ok(vec![Some(g.mul(&x.cos()?)?)])),
         ))
     }
 
@@ -25,7 +25,7 @@ impl Var {
             "cos",
             v,
             &[self],
-            Box::new(move |g| Ok(vec![Some(g.mul(&x.sin()?)?.neg()?)])),
+            Box::new(move |g, _| Ok(vec![Some(g.mul(&x.sin()?)?.neg()?)])),
         ))
     }
 
@@ -38,7 +38,7 @@ impl Var {
             "silu",
             v,
             &[self],
-            Box::new(move |g| Ok(vec![Some(x.silu_backward(g)?)])),
+            Box::new(move |g, _| Ok(vec![Some(x.silu_backward(g)?)])),
         ))
     }
 
@@ -52,7 +52,7 @@ impl Var {
             "clamp",
             v,
             &[self],
-            Box::new(move |g| Ok(vec![Some(x.clamp_backward(g, min, max)?)])),
+            Box::new(move |g, _| Ok(vec![Some(x.clamp_backward(g, min, max)?)])),
         ))
     }
 
@@ -70,7 +70,7 @@ impl Var {
             "logsumexp",
             v,
             &[self],
-            Box::new(move |g| {
+            Box::new(move |g, _| {
                 let p = x.sub(&lse)?.exp()?;
                 Ok(vec![Some(p.mul(&g.reshape(kept.clone())?)?)])
             }),

@@ -18,16 +18,17 @@ pub struct DropoutSpec {
 }
 
 impl Var {
-    /// `self @ rhs` with broadcast batch dims.
+    /// `self @ rhs` with broadcast batch dims. The backward computes only the wanted inputs'
+    /// gradients (see [`BackwardFn`](crate::BackwardFn)).
     pub fn matmul(&self, rhs: &Var) -> Result<Var> {
         let (a, b) = (self.tensor().clone(), rhs.tensor().clone());
         let v = a.matmul(&b)?;
-        let (ra, rb) = (self.requires_grad(), rhs.requires_grad());
         Ok(Var::from_op(
             "matmul",
             v,
             &[self, rhs],
-            Box::new(move |g| {
+            Box::new(move |g, wanted| {
+                let (ra, rb) = (wanted[0], wanted[1]);
                 let ga = if ra {
                     Some(g.matmul(&b.t()?)?.sum_to_shape(a.shape())?)
                 } else {
@@ -54,22 +55,23 @@ impl Var {
     /// The fully connected layer `x Wᵀ + bias` (`x [..., in]`, `weight [out, in]`, `bias [out]`)
     /// as one fused op (see [`Tensor::linear`]). The backward is three products over all rows:
     /// `dx = dy W`, `dW = dyᵀ x` (computed straight into the weight's `[out, in]` layout) and
-    /// `dbias = Σ_rows dy`.
+    /// `dbias = Σ_rows dy`, each only when wanted (see [`BackwardFn`](crate::BackwardFn)): the
+    /// split backward's input pass computes `dx` alone, its weight pass `dW` and `dbias`.
     pub fn linear(x: &Var, weight: &Var, bias: Option<&Var>) -> Result<Var> {
         let (xt, wt) = (x.tensor().clone(), weight.tensor().clone());
         let v = xt.linear(&wt, bias.map(|b| b.tensor()))?;
         let mut inputs: Vec<&Var> = vec![x, weight];
         inputs.extend(bias);
-        let (rx, rw) = (x.requires_grad(), weight.requires_grad());
-        let rb = bias.map(|b| b.requires_grad());
+        let has_bias = bias.is_some();
         Ok(Var::from_op(
             "linear",
             v,
             &inputs,
-            Box::new(move |g| {
-                let (gx, gw, gb) = xt.linear_backward(&wt, g, (rx, rw, rb == Some(true)))?;
+            Box::new(move |g, wanted| {
+                let want_bias = has_bias && wanted[2];
+                let (gx, gw, gb) = xt.linear_backward(&wt, g, (wanted[0], wanted[1], want_bias))?;
                 let mut grads = vec![gx, gw];
-                if rb.is_some() {
+                if has_bias {
                     grads.push(gb);
                 }
                 Ok(grads)
@@ -85,7 +87,7 @@ impl Var {
             "softmax",
             v,
             &[self],
-            Box::new(move |g| Ok(vec![Some(y.softmax_backward(g, dim, false)?)])),
+            Box::new(move |g, _| Ok(vec![Some(y.softmax_backward(g, dim, false)?)])),
         ))
     }
 
@@ -97,7 +99,7 @@ impl Var {
             "log_softmax",
             v,
             &[self],
-            Box::new(move |g| Ok(vec![Some(y.softmax_backward(g, dim, true)?)])),
+            Box::new(move |g, _| Ok(vec![Some(y.softmax_backward(g, dim, true)?)])),
         ))
     }
 
@@ -119,7 +121,7 @@ impl Var {
             "layer_norm",
             out.y,
             &inputs,
-            Box::new(move |g| {
+            Box::new(move |g, _| {
                 let (dx, pg) = x.layer_norm_backward(w.as_ref(), &mean, &rstd, g)?;
                 let mut grads = vec![Some(dx)];
                 if let Some((dw, db)) = pg {
@@ -159,7 +161,7 @@ impl Var {
             "cross_entropy",
             v,
             &[self],
-            Box::new(move |g| {
+            Box::new(move |g, _| {
                 let dloss = g
                     .to_dtype(lse.dtype())?
                     .mul_scalar(scale)?
@@ -185,7 +187,7 @@ impl Var {
             "embedding",
             v,
             &[table],
-            Box::new(move |g| {
+            Box::new(move |g, _| {
                 Ok(vec![Some(
                     g.embedding_backward(&ids, vocab)?.to_dtype(dtype)?,
                 )])
@@ -212,7 +214,7 @@ impl Var {
             "dropout",
             v,
             &[self],
-            Box::new(move |g| Ok(vec![Some(g.mul(&mask)?)])),
+            Box::new(move |g, _| Ok(vec![Some(g.mul(&mask)?)])),
         ))
     }
 }

@@ -35,7 +35,7 @@ impl Var {
             "sum",
             v,
             &[self],
-            Box::new(move |g| {
+            Box::new(move |g, _| {
                 Ok(vec![Some(
                     g.reshape(kept.clone())?
                         .expand(shape.clone())?
@@ -80,7 +80,7 @@ impl Var {
             "max",
             v,
             &[self],
-            Box::new(move |g| {
+            Box::new(move |g, _| {
                 let mut ar = vec![1; x.rank()];
                 ar[d] = x.dims()[d];
                 let positions =

@@ -23,7 +23,7 @@ impl Var {
             "reshape",
             v,
             &[self],
-            Box::new(move |g| Ok(vec![Some(g.reshape(from.clone())?)])),
+            Box::new(move |g, _| Ok(vec![Some(g.reshape(from.clone())?)])),
         ))
     }
 
@@ -38,7 +38,7 @@ impl Var {
             "permute",
             v,
             &[self],
-            Box::new(move |g| Ok(vec![Some(g.permute(&inv)?)])),
+            Box::new(move |g, _| Ok(vec![Some(g.permute(&inv)?)])),
         ))
     }
 
@@ -49,7 +49,7 @@ impl Var {
             "transpose",
             v,
             &[self],
-            Box::new(move |g| Ok(vec![Some(g.transpose(d0, d1)?)])),
+            Box::new(move |g, _| Ok(vec![Some(g.transpose(d0, d1)?)])),
         ))
     }
 
@@ -62,7 +62,7 @@ impl Var {
             "narrow",
             v,
             &[self],
-            Box::new(move |g| {
+            Box::new(move |g, _| {
                 let full = Tensor::zeros(shape.clone(), dtype, device)?;
                 full.narrow(dim, start, len)?.copy_from(g)?;
                 Ok(vec![Some(full)])
@@ -78,7 +78,7 @@ impl Var {
             "expand",
             v,
             &[self],
-            Box::new(move |g| Ok(vec![Some(g.sum_to_shape(&from)?)])),
+            Box::new(move |g, _| Ok(vec![Some(g.sum_to_shape(&from)?)])),
         ))
     }
 
@@ -90,7 +90,7 @@ impl Var {
             "unsqueeze",
             v,
             &[self],
-            Box::new(move |g| Ok(vec![Some(g.reshape(from.clone())?)])),
+            Box::new(move |g, _| Ok(vec![Some(g.reshape(from.clone())?)])),
         ))
     }
 
@@ -102,7 +102,7 @@ impl Var {
             "squeeze",
             v,
             &[self],
-            Box::new(move |g| Ok(vec![Some(g.reshape(from.clone())?)])),
+            Box::new(move |g, _| Ok(vec![Some(g.reshape(from.clone())?)])),
         ))
     }
 
@@ -116,7 +116,7 @@ impl Var {
             "contiguous",
             v,
             &[self],
-            Box::new(|g| Ok(vec![Some(g.clone())])),
+            Box::new(|g, _| Ok(vec![Some(g.clone())])),
         ))
     }
 
@@ -165,7 +165,7 @@ impl Var {
             "cat",
             v,
             vars,
-            Box::new(move |g| {
+            Box::new(move |g, _| {
                 g.split(&sizes, dim)?
                     .into_iter()
                     .map(|t| t.contiguous().map(Some))

@@ -103,7 +103,7 @@ pub fn vocab_parallel_cross_entropy(
         "vocab_parallel_cross_entropy",
         loss,
         &[logits],
-        Box::new(move |g| {
+        Box::new(move |g, _| {
             // d loss / d x = (softmax(x) - onehot(target)) * g / count on kept rows: the local
             // slice of the softmax from the global log-sum-exp, minus the target's one-hot
             // scatter-added on the rank that holds it.

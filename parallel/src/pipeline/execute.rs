@@ -1,55 +1,87 @@
-//! A first pipeline executor: runs one rank's action list of a [`Schedule`] on a
-//! [`ModelStage`] over the pipeline group, and a [`PipelineGrads`] helper that finishes a step
-//! (tied-table gradient sum, clipping across stages, optimizer step).
+//! The pipeline executor: runs one rank's action list of any [`Schedule`] (GPipe, 1F1B,
+//! interleaved, zero-bubble or hand-made) on the rank's model chunks over the pipeline group,
+//! and a [`PipelineGrads`] helper that finishes a step (tied-table gradient sum, clipping across
+//! stages, optimizer step).
 //!
 //! # What runs
 //!
-//! [`execute`] walks `schedule.ranks[pp.rank()]` in order:
+//! With `P` pipeline ranks and `V = schedule.chunks` chunks per rank, rank `p` holds `V`
+//! [`ModelStage`]s: `stages[c]` is virtual stage `c * P + p` (see
+//! [`schedule`](super::schedule)); virtual stage 0 holds the embedding, virtual stage `P V - 1`
+//! the head. [`execute`] walks `schedule.ranks[pp.rank()]` in order:
 //!
-//! * **Forward** of microbatch `m`: the first stage reads `microbatches[m].batch`, a later stage
-//!   the activation it received, as a fresh leaf. The forward runs in
-//!   `ForwardCtx::new(step, microbatches[m].first_row)`, the context the single device runs that
-//!   microbatch in, so dropout draws the same masks. The output (hidden states, or the loss on
-//!   the last stage) is kept for the backward.
-//! * **SendActivation / RecvActivation**: the forward's output goes to `peer` with
-//!   [`Communicator::send`] (buffered: it completes at once) and is received with
-//!   [`Communicator::recv`].
-//! * **Backward** of microbatch `m`: the last stage runs the backward of `loss / M` (the step's
+//! * **Forward** of microbatch `m` on chunk `c`: virtual stage 0 reads `microbatches[m].batch`,
+//!   a later one its input activation as a fresh leaf: received, or, when the previous virtual
+//!   stage sits on the same rank (only with one rank and several chunks; the schedule then has
+//!   no transfer for the pair), that chunk's output handed over without a copy. The forward runs
+//!   in `ForwardCtx::new(step, microbatches[m].first_row)`, the context the single device runs
+//!   that microbatch in, so dropout draws the same masks. The output (hidden states, or the loss
+//!   on the last virtual stage) is kept for the backward.
+//! * **Backward** (full): the last virtual stage runs the backward of `loss / M` (the step's
 //!   loss is the mean over microbatches, as gradient accumulation on one device computes it),
-//!   the others `backward_with` the gradient they received for their output. Gradients
-//!   accumulate into the stage's parameters across microbatches; the caller zeroes them before
-//!   the step.
-//! * **SendGradient / RecvGradient**: the gradient of the received activation leaf (the
-//!   stage's input) goes back to the previous stage.
+//!   the others `backward_with` the gradient of their output (received, or handed over by the
+//!   next chunk on the same rank). Gradients accumulate into the chunk's parameters across
+//!   microbatches; the caller zeroes them before the step.
+//! * **BackwardInput** (the zero-bubble schedule's B): the same root, but
+//!   [`Var::backward_input`] computes only the gradient of the chunk's input leaf (what the
+//!   previous virtual stage waits for; nothing on virtual stage 0) and keeps the parameters'
+//!   part for later. **BackwardWeight** (W) runs that part
+//!   ([`DeferredWeightGrads::run`](meshgrad_autograd::DeferredWeightGrads::run)): the parameters
+//!   get the same gradients, bit for bit, as from a full backward.
+//! * **Transfers**: the forward's output goes to the rank of the next virtual stage, the
+//!   gradient of the input leaf back to the rank of the previous one, with
+//!   [`Communicator::send`] and [`Communicator::recv`], grouped as below.
 //!
-//! Only one chunk per rank and full backwards for now: interleaved schedules (`chunks > 1`) and
-//! split backwards ([`Action::BackwardInput`] / [`Action::BackwardWeight`], the zero-bubble
-//! schedule) are refused with a one-line error before anything runs.
+//! Every action is recorded in the [`Timeline`] when one is given (a transfer group as one span
+//! per transfer, see below). [`execute`] returns the step's mean loss on every pipeline rank
+//! (the last virtual stage's rank computes it and broadcasts it over the group). It checks the
+//! schedule ([`check_supported`]) and the chunks' specs before anything runs, and, at the end,
+//! that every forward got its backward and every split backward its weight half.
 //!
-//! [`execute`] returns the step's mean loss on every pipeline rank (the last stage computes it
-//! and broadcasts it over the group).
+//! # Grouped point-to-point
+//!
+//! A maximal run of consecutive transfer actions in a rank's list is one *group*, like NCCL's
+//! `ncclGroupStart` / `ncclGroupEnd`: the executor posts every send and receive of the group (in
+//! list order), then waits for all of them — the receives first, in list order, then the sends.
+//! A receive needs only its sender to have posted the send; a rendezvous send
+//! ([`RunOptions::rendezvous`](crate::comm::RunOptions::rendezvous)) completes once its receiver
+//! has taken the message, which the receiver does while waiting for its own group's receives.
+//! So two ranks that send to each other in the same step (the two directions of interleaving's
+//! ring with two ranks, a forward and a backward crossing) do not deadlock, and grouping never
+//! blocks a rank that the same transfers one by one would not block. The group's spans: one per
+//! transfer, in the order waited (the first also covers the posting).
+//!
+//! A schedule that does deadlock (under rendezvous sends: every rank of a cycle waiting for a
+//! transfer its peer posts only later) fails when the backend's timeout expires, with the rank,
+//! every action of its group, the action whose wait failed and the backend's error:
+//! `pipeline rank 1: transfer group [recv activation(mb 0, chunk 0) from rank 0]: recv
+//! activation(mb 0, chunk 0) from rank 0: rank 1: recv #0 from rank 0 on group [0,1]: rank 0
+//! did not send within 1s`.
 //!
 //! # Finishing the step
 //!
-//! [`PipelineGrads::step`]: the first and the last stage each hold a copy of the tied table
-//! ([`ModelStage::tied_parameters`]); their gradients are summed with an all-reduce on a
-//! sub-group of just those two ranks (made once, in [`PipelineGrads::new`], by those two ranks
-//! only — [`Communicator::new_group`] is not collective), so both copies take the same summed
-//! gradient and, with the same optimizer state, the same update. The global gradient norm is the
-//! square root of the per-stage sums of squares all-reduced over the pipeline group, with the
-//! tied table counted once (by the first stage). Then each rank steps its own optimizer.
+//! [`PipelineGrads::step`]: virtual stage 0 and the last virtual stage each hold a copy of the
+//! tied table ([`ModelStage::tied_parameters`]); their gradients are summed (first copy plus
+//! last) so both copies take the same summed gradient and, with the same optimizer state, the
+//! same update. With several ranks the copies sit on ranks 0 and `P - 1`, which sum them with an
+//! all-reduce on a sub-group of just those two ranks (made once, in [`PipelineGrads::new`], by
+//! those two ranks only — [`Communicator::new_group`] is not collective); with one rank and
+//! several chunks both copies are local and summed in place. The global gradient norm is the
+//! square root of the per-rank sums of squares over every local chunk's parameters,
+//! all-reduced over the pipeline group, with the tied table counted once (the embedding's copy).
+//! Then each rank steps its own optimizer (over all its chunks' parameters).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use meshgrad_autograd::{ForwardCtx, Var};
+use meshgrad_autograd::{DeferredWeightGrads, ForwardCtx, Var};
 use meshgrad_nn::optim::{clip_grads_with_norm, grad_sq_sum, Optimizer};
 use meshgrad_nn::ModelStage;
-use meshgrad_tensor::{Result, Tensor};
+use meshgrad_tensor::{Error, Result, Tensor};
 
-use super::schedule::{Action, Schedule, ScheduleKind};
+use super::schedule::{Action, Schedule};
 use super::trace::{record_opt, SpanKind, Timeline};
-use crate::comm::{all_reduce_scalar, Communicator, ReduceOp};
+use crate::comm::{all_reduce_scalar, Communicator, ReduceOp, Work};
 
 /// One microbatch of a step as the stages read it, with the global index of its first row (the
 /// [`ForwardCtx`] the single device runs it in).
@@ -62,28 +94,10 @@ pub struct Microbatch<B> {
 }
 
 /// Checks that this executor can run `schedule` on a pipeline group of `world` ranks with
-/// `microbatches` microbatches: one chunk per rank, full backwards only. One-line errors.
+/// `microbatches` microbatches: the sizes agree, and every action names a microbatch and a chunk
+/// that exist, and every transfer the rank of the virtual stage it connects to (not the rank
+/// itself). One-line errors.
 pub fn check_supported(schedule: &Schedule, world: usize, microbatches: usize) -> Result<()> {
-    if schedule.chunks != 1 || schedule.kind == ScheduleKind::Interleaved {
-        meshgrad_tensor::bail!(
-            "pipeline executor: the {} schedule with {} chunks per rank is not supported yet \
-             (one chunk per rank only)",
-            schedule.kind,
-            schedule.chunks
-        );
-    }
-    if let Some(a) = schedule.ranks.iter().flatten().find(|a| {
-        matches!(
-            a,
-            Action::BackwardInput { .. } | Action::BackwardWeight { .. }
-        )
-    }) {
-        meshgrad_tensor::bail!(
-            "pipeline executor: the {} schedule splits the backward ({a}); split backwards are \
-             not supported yet",
-            schedule.kind
-        );
-    }
     if schedule.stages != world || schedule.ranks.len() != world {
         meshgrad_tensor::bail!(
             "pipeline executor: the schedule has {} stages but the pipeline group has {world} \
@@ -97,27 +111,355 @@ pub fn check_supported(schedule: &Schedule, world: usize, microbatches: usize) -
             schedule.microbatches
         );
     }
-    Ok(())
-}
-
-fn check_stage<S: ModelStage>(stage: &S, pp: &dyn Communicator) -> Result<()> {
-    let (rank, world) = (pp.rank(), pp.world_size());
-    let spec = stage.spec();
-    if spec.embedding != (rank == 0) || spec.head != (rank + 1 == world) {
-        meshgrad_tensor::bail!(
-            "pipeline executor: pipeline rank {rank} of {world} holds stage {spec}, but the first \
-             rank must hold the embedding and the last the head (and no other)"
-        );
+    if schedule.chunks == 0 {
+        meshgrad_tensor::bail!("pipeline executor: the schedule has no chunk per rank");
+    }
+    let total = schedule.virtual_stages();
+    for (p, actions) in schedule.ranks.iter().enumerate() {
+        for a in actions {
+            let bad = |why: String| {
+                Error::msg(format!("pipeline executor: rank {p}'s action {a}: {why}"))
+            };
+            if a.microbatch() >= microbatches {
+                return Err(bad(format!("there are {microbatches} microbatches")));
+            }
+            if a.chunk() >= schedule.chunks {
+                return Err(bad(format!(
+                    "there are {} chunks per rank",
+                    schedule.chunks
+                )));
+            }
+            let vs = schedule.virtual_stage(p, a.chunk());
+            // The virtual stage at the other end of a transfer.
+            let other = match a {
+                Action::SendActivation { .. } | Action::RecvGradient { .. } => {
+                    (vs + 1 < total).then_some(vs + 1)
+                }
+                Action::RecvActivation { .. } | Action::SendGradient { .. } => vs.checked_sub(1),
+                _ => continue,
+            };
+            let Some(other) = other else {
+                return Err(bad(format!(
+                    "virtual stage {vs} has no {} neighbour",
+                    if matches!(
+                        a,
+                        Action::SendActivation { .. } | Action::RecvGradient { .. }
+                    ) {
+                        "next"
+                    } else {
+                        "previous"
+                    }
+                )));
+            };
+            let (q, _) = schedule.locate(other);
+            if a.peer() != Some(q) || q == p {
+                return Err(bad(format!(
+                    "virtual stage {other} is on rank {q}{}",
+                    if q == p {
+                        " itself (hand-offs within a rank need no transfer)"
+                    } else {
+                        ""
+                    }
+                )));
+            }
+        }
     }
     Ok(())
 }
 
+/// Checks that `stages` are the chunks of pipeline rank `rank` of `world`: chunk `c` is virtual
+/// stage `c * world + rank`, which holds the embedding exactly when it is 0 and the head exactly
+/// when it is the last.
+fn check_stages<S: ModelStage>(stages: &[S], rank: usize, world: usize) -> Result<()> {
+    if stages.is_empty() {
+        meshgrad_tensor::bail!("pipeline executor: pipeline rank {rank} holds no chunk");
+    }
+    let total = world * stages.len();
+    for (c, stage) in stages.iter().enumerate() {
+        let vs = c * world + rank;
+        let spec = stage.spec();
+        if spec.embedding != (vs == 0) || spec.head != (vs + 1 == total) {
+            meshgrad_tensor::bail!(
+                "pipeline executor: pipeline rank {rank} of {world} holds {spec} as chunk {c} \
+                 (virtual stage {vs} of {total}), but virtual stage 0 must hold the embedding \
+                 and virtual stage {} the head (and no other)",
+                total - 1
+            );
+        }
+    }
+    Ok(())
+}
+
+/// One rank's state during [`execute`], keyed by (microbatch, chunk).
+struct RankRun<'a, S: ModelStage> {
+    stages: &'a [S],
+    schedule: &'a Schedule,
+    microbatches: &'a [Microbatch<S::Batch>],
+    step: u64,
+    rank: usize,
+    /// The input activation leaf (received or handed over), until its gradient leaves.
+    inputs: HashMap<(usize, usize), Var>,
+    /// The forward's output, until the backward.
+    outputs: HashMap<(usize, usize), Var>,
+    /// The received gradient of the output, until the backward.
+    grads: HashMap<(usize, usize), Tensor>,
+    /// The weight half of a split backward, until its BackwardWeight.
+    deferred: HashMap<(usize, usize), DeferredWeightGrads>,
+    /// The loss of each microbatch (on the last virtual stage's rank).
+    losses: Vec<Option<f64>>,
+}
+
+/// A transfer of a group once posted.
+enum Posted {
+    Send(Work<()>),
+    Recv(Work),
+}
+
+impl<S: ModelStage> RankRun<'_, S> {
+    fn err(&self, a: &Action, what: impl std::fmt::Display) -> Error {
+        Error::msg(format!("pipeline rank {}: {a}: {what}", self.rank))
+    }
+
+    fn last_stage(&self) -> usize {
+        self.schedule.virtual_stages() - 1
+    }
+
+    /// Runs a forward, a backward or one of its halves.
+    fn compute(&mut self, a: &Action) -> Result<()> {
+        let (m, c) = (a.microbatch(), a.chunk());
+        let vs = self.schedule.virtual_stage(self.rank, c);
+        match *a {
+            Action::Forward { .. } => {
+                let hidden = if vs == 0 {
+                    None
+                } else {
+                    let (q, cq) = self.schedule.locate(vs - 1);
+                    if q == self.rank {
+                        // Handed over by the previous chunk on this rank: no transfer.
+                        let prev = self.outputs.get(&(m, cq)).ok_or_else(|| {
+                            self.err(a, format!("the forward of chunk {cq} has not run"))
+                        })?;
+                        let leaf = Var::leaf(prev.tensor().clone());
+                        self.inputs.insert((m, c), leaf);
+                    }
+                    Some(
+                        self.inputs
+                            .get(&(m, c))
+                            .ok_or_else(|| self.err(a, "its input activation was not received"))?
+                            .clone(),
+                    )
+                };
+                let mb = &self.microbatches[m];
+                let out = ForwardCtx::new(self.step, mb.first_row)
+                    .scope(|| self.stages[c].forward_stage(&mb.batch, hidden.as_ref()))?;
+                if vs == self.last_stage() {
+                    self.losses[m] = Some(out.tensor().item()?);
+                }
+                if self.outputs.insert((m, c), out).is_some() {
+                    return Err(self.err(a, "the forward already ran"));
+                }
+            }
+            Action::Backward { .. } => {
+                let (root, grad) = self.backward_root(a)?;
+                match grad {
+                    None => root.backward()?,
+                    Some(g) => root.backward_with(g)?,
+                }
+            }
+            Action::BackwardInput { .. } => {
+                let (root, grad) = self.backward_root(a)?;
+                let inputs: Vec<Var> = self.inputs.get(&(m, c)).cloned().into_iter().collect();
+                if vs > 0 && inputs.is_empty() {
+                    return Err(self.err(a, "no input activation"));
+                }
+                let weights = root.backward_input(grad, &inputs)?;
+                self.deferred.insert((m, c), weights);
+            }
+            Action::BackwardWeight { .. } => {
+                let weights = self
+                    .deferred
+                    .remove(&(m, c))
+                    .ok_or_else(|| self.err(a, "its backward-input has not run"))?;
+                weights.run()?;
+            }
+            _ => return Err(self.err(a, "not a compute action")),
+        }
+        Ok(())
+    }
+
+    /// The root of a backward and its gradient: `loss / M` (gradient 1) on the last virtual
+    /// stage, else the output and the gradient received or handed over by the next chunk.
+    fn backward_root(&mut self, a: &Action) -> Result<(Var, Option<Tensor>)> {
+        let (m, c) = (a.microbatch(), a.chunk());
+        let vs = self.schedule.virtual_stage(self.rank, c);
+        let out = self
+            .outputs
+            .remove(&(m, c))
+            .ok_or_else(|| self.err(a, "the forward has not run"))?;
+        if vs == self.last_stage() {
+            let scale = 1.0 / self.microbatches.len() as f64;
+            return Ok((out.mul_scalar(scale)?, None));
+        }
+        let (q, cq) = self.schedule.locate(vs + 1);
+        let g = if q == self.rank {
+            let next = self.inputs.remove(&(m, cq)).ok_or_else(|| {
+                self.err(a, format!("chunk {cq} has no input activation to take"))
+            })?;
+            next.grad()
+                .ok_or_else(|| self.err(a, format!("the backward of chunk {cq} has not run")))?
+        } else {
+            self.grads
+                .remove(&(m, c))
+                .ok_or_else(|| self.err(a, "the output gradient was not received"))?
+        };
+        Ok((out, Some(g)))
+    }
+
+    /// What a send carries: the forward's output, or the input leaf's gradient (the leaf is
+    /// released).
+    fn payload(&mut self, a: &Action) -> Result<Tensor> {
+        let key = (a.microbatch(), a.chunk());
+        match a {
+            Action::SendActivation { .. } => Ok(self
+                .outputs
+                .get(&key)
+                .ok_or_else(|| self.err(a, "the forward has not run"))?
+                .tensor()
+                .clone()),
+            _ => {
+                let input = self
+                    .inputs
+                    .remove(&key)
+                    .ok_or_else(|| self.err(a, "no input activation"))?;
+                input
+                    .grad()
+                    .ok_or_else(|| self.err(a, "the input got no gradient (backward not run?)"))
+            }
+        }
+    }
+
+    /// Stores what a receive brought.
+    fn deliver(&mut self, a: &Action, t: Tensor) {
+        let key = (a.microbatch(), a.chunk());
+        match a {
+            Action::RecvActivation { .. } => {
+                self.inputs.insert(key, Var::leaf(t));
+            }
+            _ => {
+                self.grads.insert(key, t);
+            }
+        }
+    }
+
+    /// Runs one group of transfers (see the [module docs](self)): posts them all in list
+    /// order, then waits for the receives, then for the sends; one span per transfer.
+    fn transfer_group(
+        &mut self,
+        group: &[Action],
+        pp: &dyn Communicator,
+        timeline: Option<&Timeline>,
+    ) -> Result<()> {
+        let rank = self.rank;
+        let group_err = |a: &Action, e: Error| {
+            let all: Vec<String> = group.iter().map(|a| a.to_string()).collect();
+            Error::msg(format!(
+                "pipeline rank {rank}: transfer group [{}]: {a}: {e}",
+                all.join("; ")
+            ))
+        };
+        let is_send = |a: &Action| {
+            matches!(
+                a,
+                Action::SendActivation { .. } | Action::SendGradient { .. }
+            )
+        };
+        // Receives first, then sends, each in list order.
+        let (sends, mut order): (Vec<usize>, Vec<usize>) =
+            (0..group.len()).partition(|&i| is_send(&group[i]));
+        order.extend(sends);
+        let mut posted: Vec<Option<Posted>> = Vec::new();
+        for (k, &i) in order.iter().enumerate() {
+            let a = &group[i];
+            let kind = if is_send(a) {
+                SpanKind::Send
+            } else {
+                SpanKind::Recv
+            };
+            let chunks = self.schedule.chunks;
+            record_opt(
+                timeline,
+                kind,
+                || a.label(chunks),
+                || -> Result<()> {
+                    if k == 0 {
+                        for b in group {
+                            let peer = b
+                                .peer()
+                                .ok_or_else(|| group_err(b, Error::msg("not a transfer")))?;
+                            let p = if is_send(b) {
+                                let t = self.payload(b)?;
+                                Posted::Send(pp.send(&t, peer).map_err(|e| group_err(b, e))?)
+                            } else {
+                                Posted::Recv(pp.recv(peer).map_err(|e| group_err(b, e))?)
+                            };
+                            posted.push(Some(p));
+                        }
+                    }
+                    match posted[i].take() {
+                        Some(Posted::Send(w)) => w.wait().map_err(|e| group_err(a, e)),
+                        Some(Posted::Recv(w)) => {
+                            let t = w.wait().map_err(|e| group_err(a, e))?;
+                            self.deliver(a, t);
+                            Ok(())
+                        }
+                        None => Err(group_err(a, Error::msg("was not posted"))),
+                    }
+                },
+            )?;
+        }
+        Ok(())
+    }
+
+    /// After the last action: every forward got its backward, every split backward its weight
+    /// half, every input activation's gradient left, every microbatch has its loss (on the last
+    /// virtual stage's rank).
+    fn finish(self) -> Result<f64> {
+        let rank = self.rank;
+        let left = |what: &str, keys: Vec<&(usize, usize)>| -> Result<()> {
+            if let Some(&&(m, c)) = keys.iter().min() {
+                meshgrad_tensor::bail!(
+                    "pipeline rank {rank}: the schedule ran no {what} of microbatch {m} on chunk \
+                     {c}"
+                );
+            }
+            Ok(())
+        };
+        left("backward", self.outputs.keys().collect())?;
+        left("backward-weight", self.deferred.keys().collect())?;
+        left("send of the input gradient", self.inputs.keys().collect())?;
+        if rank + 1 != self.schedule.stages {
+            return Ok(0.0);
+        }
+        let mut sum = 0.0;
+        for (m, l) in self.losses.iter().enumerate() {
+            sum += l.ok_or_else(|| {
+                Error::msg(format!(
+                    "pipeline rank {rank}: the schedule ran no forward of microbatch {m} on the \
+                     last virtual stage"
+                ))
+            })?;
+        }
+        Ok(sum / self.losses.len() as f64)
+    }
+}
+
 /// Runs this rank's actions of `schedule` (see the [module docs](self)) for training step `step`
-/// on `stage` over the pipeline group `pp` (group rank `p` runs stage `p`). Gradients accumulate
-/// into the stage's parameters. Every action is recorded in `timeline` when one is given.
-/// Returns the mean loss over the microbatches, on every rank.
+/// on its chunks `stages` (chunk `c` is virtual stage `c * P + p` on pipeline group rank `p` of
+/// `pp`; `stages.len()` must be `schedule.chunks`). Gradients accumulate into the chunks'
+/// parameters. Every action is recorded in `timeline` when one is given. Returns the mean loss
+/// over the microbatches, on every rank.
 pub fn execute<S: ModelStage>(
-    stage: &S,
+    stages: &[S],
     schedule: &Schedule,
     pp: &dyn Communicator,
     microbatches: &[Microbatch<S::Batch>],
@@ -126,171 +468,154 @@ pub fn execute<S: ModelStage>(
 ) -> Result<f64> {
     let (rank, world) = (pp.rank(), pp.world_size());
     check_supported(schedule, world, microbatches.len())?;
-    check_stage(stage, pp)?;
-    let m_count = microbatches.len();
-    let last = rank + 1 == world;
-    let err = |a: &Action, what: &str| {
-        meshgrad_tensor::Error::msg(format!("pipeline rank {rank}: {a}: {what}"))
-    };
-    // Per microbatch: the received input leaf, the forward's output, the received gradient.
-    let mut inputs: HashMap<usize, Var> = HashMap::new();
-    let mut outputs: HashMap<usize, Var> = HashMap::new();
-    let mut grads: HashMap<usize, Tensor> = HashMap::new();
-    let mut losses: Vec<Option<f64>> = vec![None; m_count];
-    let chunks = schedule.chunks;
-    for a in &schedule.ranks[rank] {
-        let kind = match a {
-            Action::Forward { .. } => SpanKind::Forward,
-            Action::Backward { .. } => SpanKind::Backward,
-            Action::BackwardInput { .. } => SpanKind::BackwardInput,
-            Action::BackwardWeight { .. } => SpanKind::BackwardWeight,
-            Action::SendActivation { .. } | Action::SendGradient { .. } => SpanKind::Send,
-            Action::RecvActivation { .. } | Action::RecvGradient { .. } => SpanKind::Recv,
-        };
-        record_opt(
-            timeline,
-            kind,
-            || a.label(chunks),
-            || -> Result<()> {
-                let m = a.microbatch();
-                let mb = microbatches
-                    .get(m)
-                    .ok_or_else(|| err(a, "no such microbatch"))?;
-                match *a {
-                    Action::Forward { .. } => {
-                        let hidden =
-                            if rank == 0 {
-                                None
-                            } else {
-                                Some(inputs.get(&m).ok_or_else(|| {
-                                    err(a, "its input activation was not received")
-                                })?)
-                            };
-                        let out = ForwardCtx::new(step, mb.first_row)
-                            .scope(|| stage.forward_stage(&mb.batch, hidden))?;
-                        if last {
-                            losses[m] = Some(out.tensor().item()?);
-                        }
-                        outputs.insert(m, out);
-                    }
-                    Action::SendActivation { peer, .. } => {
-                        let out = outputs
-                            .get(&m)
-                            .ok_or_else(|| err(a, "the forward has not run"))?;
-                        pp.send(out.tensor(), peer)?.wait()?;
-                    }
-                    Action::RecvActivation { peer, .. } => {
-                        let t = pp.recv(peer)?.wait()?;
-                        inputs.insert(m, Var::leaf(t));
-                    }
-                    Action::RecvGradient { peer, .. } => {
-                        grads.insert(m, pp.recv(peer)?.wait()?);
-                    }
-                    Action::Backward { .. } => {
-                        let out = outputs
-                            .remove(&m)
-                            .ok_or_else(|| err(a, "the forward has not run"))?;
-                        if last {
-                            out.mul_scalar(1.0 / m_count as f64)?.backward()?;
-                        } else {
-                            let g = grads
-                                .remove(&m)
-                                .ok_or_else(|| err(a, "the output gradient was not received"))?;
-                            out.backward_with(g)?;
-                        }
-                    }
-                    Action::SendGradient { peer, .. } => {
-                        let input = inputs
-                            .remove(&m)
-                            .ok_or_else(|| err(a, "no input activation"))?;
-                        let g = input.grad().ok_or_else(|| {
-                            err(a, "the input got no gradient (backward not run?)")
-                        })?;
-                        pp.send(&g, peer)?.wait()?;
-                    }
-                    Action::BackwardInput { .. } | Action::BackwardWeight { .. } => {
-                        return Err(err(a, "split backwards are not supported yet"));
-                    }
-                }
-                Ok(())
-            },
-        )?;
+    if stages.len() != schedule.chunks {
+        meshgrad_tensor::bail!(
+            "pipeline executor: the {} schedule runs {} chunks per rank but pipeline rank {rank} \
+             was given {}",
+            schedule.kind,
+            schedule.chunks,
+            stages.len()
+        );
     }
-    let local = if last {
-        let mut sum = 0.0;
-        for (m, l) in losses.iter().enumerate() {
-            sum += l.ok_or_else(|| {
-                meshgrad_tensor::Error::msg(format!(
-                    "pipeline rank {rank}: the schedule ran no forward of microbatch {m}"
-                ))
-            })?;
-        }
-        sum / m_count as f64
-    } else {
-        0.0
+    check_stages(stages, rank, world)?;
+    let mut run = RankRun {
+        stages,
+        schedule,
+        microbatches,
+        step,
+        rank,
+        inputs: HashMap::new(),
+        outputs: HashMap::new(),
+        grads: HashMap::new(),
+        deferred: HashMap::new(),
+        losses: vec![None; microbatches.len()],
     };
+    let actions = &schedule.ranks[rank];
+    let mut i = 0;
+    while i < actions.len() {
+        let a = &actions[i];
+        if a.is_compute() {
+            let kind = match a {
+                Action::Forward { .. } => SpanKind::Forward,
+                Action::Backward { .. } => SpanKind::Backward,
+                Action::BackwardInput { .. } => SpanKind::BackwardInput,
+                _ => SpanKind::BackwardWeight,
+            };
+            record_opt(
+                timeline,
+                kind,
+                || a.label(schedule.chunks),
+                || run.compute(a),
+            )?;
+            i += 1;
+        } else {
+            let end = actions[i..]
+                .iter()
+                .position(|b| b.is_compute())
+                .map_or(actions.len(), |n| i + n);
+            run.transfer_group(&actions[i..end], pp, timeline)?;
+            i = end;
+        }
+    }
+    let local = run.finish()?;
     // The last stage's mean loss on every rank (the others add zeros: exact).
     all_reduce_scalar(pp, local, ReduceOp::Sum)
 }
 
-/// Finishes a pipeline step on one rank: sums the tied table's gradients between the first and
-/// the last stage, clips the global norm across stages and steps the optimizer (see the
-/// [module docs](self)).
+/// Finishes a pipeline step on one rank: sums the tied table's gradients between virtual stage
+/// 0 and the last virtual stage, clips the global norm across stages and steps the optimizer
+/// (see the [module docs](self)).
 pub struct PipelineGrads {
     pp: Arc<dyn Communicator>,
+    /// Every local chunk's parameters.
     params: Vec<Var>,
-    /// The tied copies this rank holds (first or last stage of more than one).
-    tied: Vec<Var>,
-    /// Whether this rank's tied copies are left out of the norm (the last stage's).
-    skip_tied_in_norm: bool,
-    /// The group of the first and the last pipeline rank (on those two ranks).
+    /// The embedding's copies of the tied parameters (on virtual stage 0, if this rank holds it).
+    tied_first: Vec<Var>,
+    /// The head's copies (on the last virtual stage, if this rank holds it and it differs from
+    /// virtual stage 0); left out of the norm.
+    tied_last: Vec<Var>,
+    /// The group of the first and the last pipeline rank (on those two ranks, when they differ).
     tied_group: Option<Arc<dyn Communicator>>,
 }
 
 impl PipelineGrads {
-    /// For `stage` on pipeline group `pp`. On the first and the last rank (when they differ and
-    /// the stage ties parameters) it creates their two-rank group; every other rank calls
-    /// nothing.
-    pub fn new<S: ModelStage>(stage: &S, pp: Arc<dyn Communicator>) -> Result<Self> {
-        check_stage(stage, pp.as_ref())?;
-        let names = stage.tied_parameters();
-        let named = stage.named_parameters();
-        let mut tied = Vec::new();
-        for n in &names {
-            let p = named.iter().find(|(k, _)| k == n).ok_or_else(|| {
-                meshgrad_tensor::Error::msg(format!(
-                    "pipeline: tied parameter {n} is not a parameter of the stage"
-                ))
-            })?;
-            tied.push(p.1.clone());
+    /// For this rank's chunks `stages` (as given to [`execute`]) on pipeline group `pp`. On the
+    /// first and the last rank (when they differ and the stages tie parameters) it creates their
+    /// two-rank group; every other rank calls nothing.
+    pub fn new<S: ModelStage>(stages: &[S], pp: Arc<dyn Communicator>) -> Result<Self> {
+        let (rank, world) = (pp.rank(), pp.world_size());
+        check_stages(stages, rank, world)?;
+        let tied_of = |stage: &S| -> Result<Vec<Var>> {
+            let named = stage.named_parameters();
+            stage
+                .tied_parameters()
+                .iter()
+                .map(|n| {
+                    named
+                        .iter()
+                        .find(|(k, _)| k == n)
+                        .map(|(_, p)| p.clone())
+                        .ok_or_else(|| {
+                            Error::msg(format!(
+                                "pipeline: tied parameter {n} is not a parameter of the stage"
+                            ))
+                        })
+                })
+                .collect()
+        };
+        let first = stages.iter().find(|s| s.spec().embedding);
+        let last = stages.iter().find(|s| s.spec().head && !s.spec().embedding);
+        let tied_first = first.map(tied_of).transpose()?.unwrap_or_default();
+        let tied_last = last.map(tied_of).transpose()?.unwrap_or_default();
+        let local = !tied_first.is_empty() && !tied_last.is_empty();
+        if local && tied_first.len() != tied_last.len() {
+            meshgrad_tensor::bail!(
+                "pipeline: the first chunk ties {} parameters but the last ties {}",
+                tied_first.len(),
+                tied_last.len()
+            );
         }
-        let world = pp.world_size();
-        let tied_group = if !tied.is_empty() && world > 1 {
+        let holds_tied = !tied_first.is_empty() || !tied_last.is_empty();
+        let tied_group = if holds_tied && !local && world > 1 {
             Some(pp.new_group(&[0, world - 1], "pp-tied")?)
         } else {
             None
         };
         Ok(PipelineGrads {
-            skip_tied_in_norm: pp.rank() + 1 == world && world > 1,
-            params: named.into_iter().map(|(_, p)| p).collect(),
-            tied,
+            params: stages
+                .iter()
+                .flat_map(|s| s.named_parameters().into_iter().map(|(_, p)| p))
+                .collect(),
+            tied_first,
+            tied_last,
             tied_group,
             pp,
         })
     }
 
-    /// Sums the tied copies' gradients between the first and the last stage (both get the same
-    /// bits); nothing elsewhere.
+    /// Sums the tied copies' gradients between virtual stage 0 and the last virtual stage (both
+    /// copies get the same bits: the first's gradient plus the last's); nothing elsewhere.
     pub fn reduce_tied_grads(&self) -> Result<()> {
+        let grad_or_zeros = |p: &Var| match p.grad() {
+            Some(g) => Ok(g),
+            None => p.tensor().zeros_like(),
+        };
+        if !self.tied_first.is_empty() && !self.tied_last.is_empty() {
+            for (a, b) in self.tied_first.iter().zip(&self.tied_last) {
+                let sum = grad_or_zeros(a)?.add(&grad_or_zeros(b)?)?;
+                // Each copy its own buffer: clipping and optimizers update gradients in place.
+                a.set_grad(Some(sum.deep_clone()?));
+                b.set_grad(Some(sum));
+            }
+            return Ok(());
+        }
         let Some(group) = &self.tied_group else {
             return Ok(());
         };
-        for p in &self.tied {
-            let g = match p.grad() {
-                Some(g) => g,
-                None => p.tensor().zeros_like()?,
-            };
-            let sum = group.all_reduce(&g, ReduceOp::Sum)?.wait()?;
+        for p in self.tied_first.iter().chain(&self.tied_last) {
+            let sum = group
+                .all_reduce(&grad_or_zeros(p)?, ReduceOp::Sum)?
+                .wait()?;
             p.set_grad(Some(sum));
         }
         Ok(())
@@ -302,7 +627,7 @@ impl PipelineGrads {
         let counted: Vec<Var> = self
             .params
             .iter()
-            .filter(|p| !(self.skip_tied_in_norm && self.tied.iter().any(|t| t.id() == p.id())))
+            .filter(|p| !self.tied_last.iter().any(|t| t.id() == p.id()))
             .cloned()
             .collect();
         let local = grad_sq_sum(&counted)?;
@@ -310,8 +635,8 @@ impl PipelineGrads {
     }
 
     /// Sums the tied gradients, clips the global norm to `clip` (when given) and steps
-    /// `optimizer` (over this stage's parameters) with learning rate `lr`. Returns the norm
-    /// before clipping when clipping.
+    /// `optimizer` (over this rank's chunks' parameters) with learning rate `lr`. Returns the
+    /// norm before clipping when clipping.
     pub fn step(
         &self,
         optimizer: &mut dyn Optimizer,

@@ -1,12 +1,13 @@
 //! Pipeline parallelism: schedules (which rank runs which forward, backward and transfer, in
 //! which order), a simulator that checks a schedule and measures its bubble and activation
-//! memory, the partitioner that cuts a model into stages, and a first executor that runs a
-//! schedule on a model's stages (one chunk per rank, full backwards; library only).
+//! memory, a per-layer profiler and the partitioner that cuts a model into stages, an executor
+//! that runs any schedule on a model's stages, forward-only evaluation and timelines. `meshgrad
+//! train --layout pp=P` drives all of it.
 //!
 //! * [`schedule`]: [`Action`], [`Schedule`] and the generators GPipe, 1F1B, interleaved 1F1B
 //!   (Megatron) and a ZB-H1-style zero-bubble schedule.
 //! * [`simulate`](mod@simulate): [`simulate()`](simulate::simulate) with per-action [`Costs`]:
-//!   dependency checks, deadlock detection under rendezvous sends, makespan, bubble and peak
+//!   dependency checks, deadlock detection under grouped rendezvous transfers, makespan, bubble and peak
 //!   in-flight activations.
 //! * [`partition`]: where to cut a model into pipeline stages — a dynamic program over per-layer
 //!   costs minimising the slowest stage's time or the largest stage's memory (under an optional
@@ -18,10 +19,13 @@
 //! * [`profile`](mod@profile): [`profile_layers`] measures each layer's forward + backward time
 //!   and memory of a [`ModelStage`](meshgrad_nn::ModelStage) model on its device and returns the
 //!   per-layer costs the partitioner consumes.
-//! * [`execute`](mod@execute): [`execute()`](execute::execute) runs one rank's action list on a
-//!   [`ModelStage`](meshgrad_nn::ModelStage) over the pipeline group (GPipe and 1F1B; interleaved
-//!   and split-backward schedules are refused for now), and [`PipelineGrads`] finishes the step
-//!   (tied-table gradient sum, clipping across stages, optimizer step). Library only: no CLI.
+//! * [`execute`](mod@execute): [`execute()`](execute::execute) runs one rank's action list of any
+//!   schedule (GPipe, 1F1B, interleaved with several chunks per rank, zero-bubble with split
+//!   backwards through [`Var::backward_input`](meshgrad_autograd::Var::backward_input), or a
+//!   hand-made one) on the rank's [`ModelStage`](meshgrad_nn::ModelStage) chunks over the
+//!   pipeline group, with consecutive transfers grouped (posted together, then waited for, as
+//!   NCCL groups them); [`PipelineGrads`] finishes the step (tied-table gradient sum, clipping
+//!   across stages, optimizer step).
 //!
 //! ```
 //! use meshgrad_parallel::pipeline::{simulate, Costs, Schedule};

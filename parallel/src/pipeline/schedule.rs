@@ -28,6 +28,17 @@
 //! each rank's list by one global key (time, then transfers before compute, then sender,
 //! receiver, kind, microbatch, chunk). Both ends of a transfer see it at the same key, so the
 //! transfer with the smallest pending key can always go ahead.
+//!
+//! The executor ([`execute()`](super::execute::execute)) runs transfers in *groups*, like
+//! NCCL's `ncclGroupStart` / `ncclGroupEnd`: a maximal run of consecutive transfer actions in a
+//! rank's list is one group; the executor posts every send and receive of the group, then waits
+//! for all of them (the receives first, in list order, then the sends). A receive needs only its
+//! sender to have posted; a rendezvous send completes when its receiver takes the message, which
+//! the receiver does while waiting for its group's receives. So two ranks may send to each other
+//! in the same step (each group holding a send to the other and the receive from it), which one
+//! transfer at a time deadlocks under rendezvous, and grouping never blocks a rank that one
+//! transfer at a time would not. The simulator does not model grouping: it checks the stricter
+//! one-transfer-at-a-time rule above, so a schedule it accepts also runs grouped.
 
 use std::collections::HashMap;
 use std::fmt;
