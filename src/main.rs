@@ -40,7 +40,7 @@ enum Command {
     },
     /// Train a GPT, or a BERT with --model bert (by default a small byte-level model on the built-in
     /// corpus, on CPU).
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// Evaluate a checkpoint; prints `loss=<value>` last: a GPT's mean next-token cross-entropy over
     /// a token file, or a BERT's mean MLM cross-entropy over a JSONL file of labelled examples.
     Eval {

@@ -83,7 +83,7 @@ impl PipelineTask for BertPipeline<'_> {
         if delayed {
             builder = builder.delayed_init();
         }
-        let mut stage = BertStage::build(self.config.clone(), spec, builder)?;
+        let mut stage = BertStage::build(self.config, spec, builder)?;
         stage.activation_checkpointing = checkpointing;
         Ok(stage)
     }
@@ -155,12 +155,8 @@ impl PipelineTask for BertPipeline<'_> {
         result: LoopResult,
         verbosity: Verbosity,
     ) -> Result<TrainSummary> {
-        let model = BertForMaskedLM::new(
-            self.config.clone(),
-            self.cfg().train.seed,
-            DType::F32,
-            Device::Cpu,
-        )?;
+        let model =
+            BertForMaskedLM::new(self.config, self.cfg().train.seed, DType::F32, Device::Cpu)?;
         load_state_dict(&model, tensors, true)?;
         finish(self.cfg(), &model, rep, result, verbosity)
     }

@@ -87,7 +87,7 @@ impl PipelineTask for GptPipeline<'_> {
         if let Some(tp) = tp {
             builder = builder.tensor_parallel(tp, GptStage::tp_plan(&spec));
         }
-        let mut stage = GptStage::build(self.config.clone(), spec, builder)?;
+        let mut stage = GptStage::build(self.config, spec, builder)?;
         stage.activation_checkpointing = checkpointing;
         Ok(stage)
     }
@@ -136,12 +136,7 @@ impl PipelineTask for GptPipeline<'_> {
         result: LoopResult,
         verbosity: Verbosity,
     ) -> Result<TrainSummary> {
-        let model = Gpt::new(
-            self.config.clone(),
-            self.cfg.train.seed,
-            DType::F32,
-            Device::Cpu,
-        )?;
+        let model = Gpt::new(self.config, self.cfg.train.seed, DType::F32, Device::Cpu)?;
         load_state_dict(&model, tensors, true)?;
         finish_run(
             self.cfg,

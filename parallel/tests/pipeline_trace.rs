@@ -119,7 +119,7 @@ fn run_timelines(
     let per_rank: Vec<Vec<Vec<Span>>> = run_ranks(p, &RunOptions::default(), |ctx| {
         let rank = ctx.comm.rank();
         let stage = SleepStage::new(StageSpec::even(p, p)?[rank].clone(), f, b)?;
-        let grads = PipelineGrads::new(&stage, ctx.comm.clone())?;
+        let grads = PipelineGrads::new(std::slice::from_ref(&stage), ctx.comm.clone())?;
         let groups = vec![ParamGroup::new(stage.named_parameters(), 0.0)];
         let mut opt = Sgd::new(groups, SgdConfig { momentum: 0.0 })?;
         let mbs: Vec<Microbatch<Tensor>> = (0..MICRO)
@@ -136,7 +136,14 @@ fn run_timelines(
             timeline.clear();
             opt.zero_grad();
             let comm = ctx.comm.as_ref();
-            execute(&stage, schedule, comm, &mbs, step as u64, Some(&timeline))?;
+            execute(
+                std::slice::from_ref(&stage),
+                schedule,
+                comm,
+                &mbs,
+                step as u64,
+                Some(&timeline),
+            )?;
             timeline.record(SpanKind::Optimizer, "optimizer", || {
                 grads.step(&mut opt, None, 1e-3)
             })?;
