@@ -213,6 +213,11 @@ struct TrainArgs {
     /// backward, send, receive, optimizer and idle time to FILE (with pp>1).
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
+    /// With --partition auto, speed or memory: the most memory one pipeline stage may hold
+    /// (parameters, gradients, optimizer state and in-flight activations, as profiled), e.g.
+    /// 512MiB; even and explicit splits are checked against it.
+    #[arg(long, value_name = "SIZE")]
+    max_stage_memory: Option<String>,
     /// Recompute activations in the backward pass instead of keeping them: none (default), all
     /// (every block) or, with pp>1, the pipeline stages whose blocks recompute, e.g. 0,1.
     #[arg(long, value_name = "WHICH", default_value = "none")]
@@ -260,6 +265,11 @@ fn run(cli: Cli) -> Result<()> {
                 pipeline.partition = p.clone();
             }
             pipeline.trace = a.trace.clone();
+            pipeline.max_stage_memory = a
+                .max_stage_memory
+                .as_deref()
+                .map(meshgrad::train_pipeline::parse_bytes)
+                .transpose()?;
             let opts = meshgrad::train::TrainOptions {
                 microbatches: a.microbatches,
                 sequence_parallel: a.sequence_parallel,

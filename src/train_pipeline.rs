@@ -67,6 +67,8 @@ pub struct PipelineOptions {
     pub partition: String,
     /// Write a Chrome trace of the run here (`--trace`).
     pub trace: Option<PathBuf>,
+    /// The most memory the partitioner may give one stage, in bytes (`--max-stage-memory`).
+    pub max_stage_memory: Option<u64>,
 }
 
 impl Default for PipelineOptions {
@@ -76,6 +78,7 @@ impl Default for PipelineOptions {
             chunks: None,
             partition: "auto".into(),
             trace: None,
+            max_stage_memory: None,
         }
     }
 }
@@ -85,6 +88,34 @@ impl PipelineOptions {
     pub fn is_set(&self) -> bool {
         *self != PipelineOptions::default()
     }
+}
+
+/// Parses a size in bytes: a whole number with an optional binary unit, `B`, `KiB`, `MiB`,
+/// `GiB` or `TiB` (`512MiB`, `1.5GiB`, `4096`).
+pub fn parse_bytes(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let scale: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "TiB" => 1 << 40,
+        other => {
+            anyhow::bail!("size {s:?}: unknown unit {other:?} (expected B, KiB, MiB, GiB or TiB)")
+        }
+    };
+    let v: f64 = num
+        .parse()
+        .map_err(|_| anyhow::anyhow!("size {s:?}: {num:?} is not a number"))?;
+    let bytes = v * scale as f64;
+    if !(bytes.is_finite() && bytes >= 1.0 && bytes < u64::MAX as f64) {
+        anyhow::bail!("size {s:?} must be at least 1 byte and below 2^64");
+    }
+    Ok(bytes as u64)
 }
 
 /// Refuses pipeline flags (`--schedule`, `--chunks`, `--partition`, `--trace`) when the layout
@@ -211,11 +242,14 @@ pub(crate) fn plan_pipeline<T: PipelineTask>(
         .map_err(|e| anyhow::anyhow!("--partition {}: {e}", po.partition))?;
     let rows = task.cfg().train.batch_size / layout.data_parallel_degree() / m;
     let costs = profile_task(task, rows)?;
-    let memory = if po.schedule == ScheduleKind::GPipe {
+    let mut memory = if po.schedule == ScheduleKind::GPipe {
         MemoryModel::gpipe(stages, m)
     } else {
         MemoryModel::one_f_one_b(stages, m)
     };
+    if let Some(limit) = po.max_stage_memory {
+        memory = memory.with_limit(limit);
+    }
     let partition = method.partition(&costs, &memory)?;
     let specs = partition.stage_specs()?;
     // Per-rank costs for the simulator: the mean of the rank's chunks, split 1 : 1 : 1 into
