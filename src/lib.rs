@@ -51,6 +51,8 @@ mod pipeline_gpt;
 #[cfg(feature = "cli")]
 pub mod schedule_cmd;
 #[cfg(feature = "cli")]
+pub mod stop;
+#[cfg(feature = "cli")]
 pub mod train;
 #[cfg(feature = "cli")]
 pub mod train_bert;

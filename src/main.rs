@@ -256,6 +256,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Train(a) => {
             let cfg = train_config(&a)?;
+            meshgrad::stop::install_once()?;
             let mut pipeline = meshgrad::train_pipeline::PipelineOptions::default();
             if let Some(k) = &a.schedule {
                 pipeline.schedule = k.parse().map_err(anyhow::Error::msg)?;

@@ -18,7 +18,8 @@ use meshgrad_nn::tokenizer::Tokenizer;
 use meshgrad_nn::tp::TensorParallel;
 use meshgrad_nn::ForwardCtx;
 use meshgrad_nn::{Gpt, GptConfig, Module, ParamBuilder};
-use meshgrad_parallel::micro_rows;
+use meshgrad_parallel::comm::all_reduce_scalar;
+use meshgrad_parallel::{micro_rows, Communicator, ReduceOp};
 use meshgrad_tensor::{DType, Device, Tensor};
 
 use crate::config::TrainConfig;
@@ -523,6 +524,7 @@ pub(crate) fn run_loop(
     microbatches: usize,
     sync: &dyn GradSync,
     rep: &mut Reporter,
+    ctl: &RunControl<'_>,
 ) -> Result<LoopResult> {
     let t = cfg.model.block_size;
     let micro = micro_rows(rows.clone(), microbatches)?;
@@ -552,7 +554,45 @@ pub(crate) fn run_loop(
         Ok(loss_sum / microbatches as f64)
     };
     let val = || val_loss(model, &data.val, cfg, &rows, sync);
-    drive_loop(cfg, opt, schedule, &params, sync, rep, 1.0, micro_step, val)
+    drive_loop(
+        cfg, opt, schedule, &params, sync, rep, 1.0, micro_step, val, ctl,
+    )
+}
+
+/// What a training loop does besides training: where it starts (a resumed run starts after the
+/// step its checkpoint was saved at), when it saves, and how the ranks agree to stop on a signal.
+pub(crate) struct RunControl<'a> {
+    /// The first step to run.
+    pub(crate) start_step: usize,
+    /// Every rank of the run, to agree on stopping (all ranks stop after the same step); `None`
+    /// on one device.
+    pub(crate) world: Option<&'a dyn Communicator>,
+    /// Save a checkpoint after every this many steps.
+    pub(crate) save_every: Option<usize>,
+    /// Saves a checkpoint after `steps` completed steps (every rank calls it); returns where.
+    #[allow(clippy::type_complexity)]
+    pub(crate) save: Option<&'a dyn Fn(usize) -> Result<String>>,
+}
+
+impl RunControl<'_> {
+    /// From step 0, no saving, no other ranks.
+    pub(crate) fn plain() -> RunControl<'static> {
+        RunControl {
+            start_step: 0,
+            world: None,
+            save_every: None,
+            save: None,
+        }
+    }
+
+    /// Whether any rank was asked to stop (a collective over `world` when there is one).
+    fn stop_requested(&self) -> Result<bool> {
+        let local = crate::stop::installed().is_some_and(|s| s.requested());
+        match self.world {
+            None => Ok(local),
+            Some(w) => Ok(all_reduce_scalar(w, f64::from(u8::from(local)), ReduceOp::Max)? > 0.0),
+        }
+    }
 }
 
 /// The part of the training loop that does not depend on the model (GPT or BERT): validation
@@ -572,6 +612,7 @@ pub(crate) fn drive_loop(
     loss_scale: f64,
     mut micro_step: impl FnMut(usize) -> Result<f64>,
     mut val: impl FnMut() -> Result<f64>,
+    ctl: &RunControl<'_>,
 ) -> Result<LoopResult> {
     let (t, b) = (cfg.model.block_size, cfg.train.batch_size);
     let initial_val = val()?;
@@ -581,7 +622,7 @@ pub(crate) fn drive_loop(
     let mut last_loss = f64::NAN;
     let mut last_val = initial_val;
     let mut tokens_done = 0usize;
-    for step in 0..cfg.train.steps {
+    for step in ctl.start_step..cfg.train.steps {
         let t0 = Instant::now();
         sync.zero_grad(opt);
         let share = micro_step(step)?;
@@ -626,6 +667,31 @@ pub(crate) fn drive_loop(
         rep.pb
             .set_message(format!("loss {last_loss:.4} | {tps:.0} tok/s"));
         rep.pb.inc(1);
+        let done = step + 1;
+        let stop = ctl.stop_requested()?;
+        let periodic = ctl.save_every.is_some_and(|n| n > 0 && done % n == 0);
+        let saved = match ctl.save {
+            Some(save) if (periodic || stop) && !is_last => Some(save(done)?),
+            _ => None,
+        };
+        if let Some(at) = &saved {
+            rep.say(format!("step {done}: checkpoint {at}"));
+        }
+        if stop && !is_last {
+            rep.pb.abandon();
+            match saved {
+                Some(at) => anyhow::bail!(
+                    "stopped by a signal after step {done} of {}; checkpoint {at}; continue with \
+                     --resume",
+                    cfg.train.steps
+                ),
+                None => anyhow::bail!(
+                    "stopped by a signal after step {done} of {}; no checkpoint written (this run \
+                     does not save checkpoints)",
+                    cfg.train.steps
+                ),
+            }
+        }
     }
     let elapsed = started.elapsed().as_secs_f64();
     Ok(LoopResult {
@@ -779,6 +845,7 @@ pub fn train_with(
         opts.microbatches,
         &SingleDevice,
         &mut rep,
+        &RunControl::plain(),
     )?;
     finish_run(cfg, &run.model, data.tokenizer.as_ref(), rep, r, verbosity)
 }

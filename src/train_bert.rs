@@ -39,7 +39,8 @@ use meshgrad_tensor::{DType, Device, Tensor};
 use crate::config::TrainConfig;
 use crate::train::{
     check_microbatches, check_sequence_parallel, drive_loop, optimizer_and_schedule, run_data,
-    GradSync, LoopResult, Reporter, RunData, SingleDevice, TrainOptions, TrainSummary, Verbosity,
+    GradSync, LoopResult, Reporter, RunControl, RunData, SingleDevice, TrainOptions, TrainSummary,
+    Verbosity,
 };
 use crate::train_parallel::{
     check_layout, gather_tensor_parallel, layout_desc, on_ranks, RankWrapper,
@@ -206,6 +207,7 @@ fn run_loop(
     microbatches: usize,
     sync: &dyn GradSync,
     rep: &mut Reporter,
+    ctl: &RunControl<'_>,
 ) -> Result<LoopResult> {
     let cfg = s.cfg;
     let seed = cfg.train.seed;
@@ -239,7 +241,7 @@ fn run_loop(
     let val = || val_loss(model, s, &data.val, &rows, world, sync);
     let scale = world as f64;
     drive_loop(
-        cfg, opt, schedule, &params, sync, rep, scale, micro_step, val,
+        cfg, opt, schedule, &params, sync, rep, scale, micro_step, val, ctl,
     )
 }
 
@@ -382,6 +384,7 @@ pub fn train_bert(
                 opts.microbatches,
                 &SingleDevice,
                 &mut rep,
+                &RunControl::plain(),
             )?;
             finish(cfg, &run.model, rep, r, verbosity)
         }
@@ -411,6 +414,10 @@ pub fn train_bert(
                 opts.microbatches,
                 sync.as_ref(),
                 &mut rep,
+                &RunControl {
+                    world: Some(ctx.comm.as_ref()),
+                    ..RunControl::plain()
+                },
             )?;
             wrapper.summon_full_params()?;
             // tp: the leader assembles the single-device model from every rank's parts.

@@ -38,7 +38,8 @@ use meshgrad_tensor::{DType, Device};
 use crate::config::TrainConfig;
 use crate::train::{
     check_microbatches, check_sequence_parallel, finish_run, gpt_config, header, resolve_tokenizer,
-    run_data, run_loop, run_model, GradSync, Reporter, TrainOptions, TrainSummary, Verbosity,
+    run_data, run_loop, run_model, GradSync, Reporter, RunControl, TrainOptions, TrainSummary,
+    Verbosity,
 };
 
 /// How long a rank waits for its peers in any collective before failing the run. Ranks do the
@@ -237,6 +238,10 @@ pub fn train_parallel(
             opts.microbatches,
             sync.as_ref(),
             &mut rep,
+            &RunControl {
+                world: Some(ctx.comm.as_ref()),
+                ..RunControl::plain()
+            },
         )?;
         // fsdp/hsdp: the full weights for the checkpoint and the sample.
         wrapper.summon_full_params()?;

@@ -50,8 +50,8 @@ use meshgrad_tensor::{Device, Tensor};
 
 use crate::config::TrainConfig;
 use crate::train::{
-    drive_loop, optimizer_and_schedule, GradSync, LoopResult, Reporter, TrainOptions, TrainSummary,
-    Verbosity,
+    drive_loop, optimizer_and_schedule, GradSync, LoopResult, Reporter, RunControl, TrainOptions,
+    TrainSummary, Verbosity,
 };
 use crate::train_parallel::{layout_desc, on_ranks};
 
@@ -593,6 +593,10 @@ fn rank_main<T: PipelineTask>(
         1.0,
         micro_step,
         val,
+        &RunControl {
+            world: Some(ctx.comm.as_ref()),
+            ..RunControl::plain()
+        },
     )?;
     // The single-device state dict on the leader.
     if let Reducer::Sharded(sdp) = &reducer {
