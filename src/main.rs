@@ -218,6 +218,21 @@ struct TrainArgs {
     /// 512MiB; even and explicit splits are checked against it.
     #[arg(long, value_name = "SIZE")]
     max_stage_memory: Option<String>,
+    /// Save a checkpoint of the whole training state (every rank's shards, optimizer state,
+    /// step) every N steps into OUT/checkpoints/step-N; OUT/checkpoints/latest names the newest.
+    #[arg(long, value_name = "N")]
+    save_every: Option<usize>,
+    /// Keep only the newest K periodic checkpoints (default: all).
+    #[arg(long, value_name = "K")]
+    keep: Option<usize>,
+    /// Continue an earlier run from its latest checkpoint: its --out folder (or a checkpoint
+    /// folder). The config, data and layout may differ only where a resumed run allows.
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
+    /// Train into an --out folder that already holds a run, starting over (its checkpoints are
+    /// removed). Without it such a folder is refused.
+    #[arg(long)]
+    overwrite: bool,
     /// Recompute activations in the backward pass instead of keeping them: none (default), all
     /// (every block) or, with pp>1, the pipeline stages whose blocks recompute, e.g. 0,1.
     #[arg(long, value_name = "WHICH", default_value = "none")]
@@ -279,6 +294,10 @@ fn run(cli: Cli) -> Result<()> {
                     .activation_checkpointing
                     .parse()
                     .map_err(anyhow::Error::msg)?,
+                save_every: a.save_every,
+                keep: a.keep,
+                resume: a.resume.clone(),
+                overwrite: a.overwrite,
             };
             let layout: Option<meshgrad::parallel::ParallelLayout> =
                 a.layout.as_deref().map(str::parse).transpose()?;

@@ -120,6 +120,15 @@ pub struct TrainOptions {
     /// Activation checkpointing (`--activation-checkpointing`): which blocks recompute their
     /// activations in the backward pass instead of keeping them.
     pub activation_checkpointing: ActivationCheckpointing,
+    /// Save a checkpoint every this many steps (`--save-every`), into `OUT/checkpoints`.
+    pub save_every: Option<usize>,
+    /// Keep only the newest this many periodic checkpoints (`--keep`; all when `None`).
+    pub keep: Option<usize>,
+    /// Continue the run whose `--out` folder (or checkpoint) this is (`--resume`).
+    pub resume: Option<PathBuf>,
+    /// Train into an `--out` folder that already holds a run, removing its checkpoints
+    /// (`--overwrite`).
+    pub overwrite: bool,
 }
 
 /// Which blocks recompute their activations during the backward pass
@@ -195,8 +204,30 @@ impl Default for TrainOptions {
             sequence_parallel: false,
             pipeline: Default::default(),
             activation_checkpointing: ActivationCheckpointing::None,
+            save_every: None,
+            keep: None,
+            resume: None,
+            overwrite: false,
         }
     }
+}
+
+/// Checks the checkpointing options and the `--out` folder before any work (see
+/// [`crate::run_dir::prepare_out_dir`]).
+pub(crate) fn check_run_options(cfg: &TrainConfig, opts: &TrainOptions) -> Result<()> {
+    if opts.save_every == Some(0) {
+        anyhow::bail!("--save-every must be at least 1 (a checkpoint every N steps)");
+    }
+    if opts.keep == Some(0) {
+        anyhow::bail!("--keep must be at least 1 (the number of checkpoints kept)");
+    }
+    if opts.resume.is_some() && opts.overwrite {
+        anyhow::bail!("--resume and --overwrite conflict: continue the run or start over");
+    }
+    if opts.resume.is_some() || opts.save_every.is_some() {
+        anyhow::bail!("--resume and --save-every are not available yet");
+    }
+    crate::run_dir::prepare_out_dir(Path::new(&cfg.out), opts.resume.is_some(), opts.overwrite)
 }
 
 /// Refuses `--sequence-parallel` without tensor parallelism (`tp` is the layout's
@@ -824,6 +855,7 @@ pub fn train_with(
     check_sequence_parallel(opts, 1)?;
     crate::train_pipeline::check_pipeline_flags(opts, 1)?;
     opts.activation_checkpointing.check(1)?;
+    check_run_options(cfg, opts)?;
     let (cfg, tokenizer) = resolve_tokenizer(cfg)?;
     let cfg = &cfg;
     check_microbatches(cfg, 1, opts.microbatches)?;

@@ -325,6 +325,7 @@ pub fn train_bert(
             check_sequence_parallel(opts, 1)?;
             crate::train_pipeline::check_pipeline_flags(opts, 1)?;
             opts.activation_checkpointing.check(1)?;
+            crate::train::check_run_options(cfg, opts)?;
             check_microbatches(cfg, 1, opts.microbatches)?;
             1
         }

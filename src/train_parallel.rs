@@ -169,6 +169,7 @@ pub fn check_layout(cfg: &TrainConfig, layout: &ParallelLayout, opts: &TrainOpti
     check_sequence_parallel(opts, layout.tp())?;
     crate::train_pipeline::check_pipeline_flags(opts, layout.pp())?;
     opts.activation_checkpointing.check(layout.pp())?;
+    crate::train::check_run_options(cfg, opts)?;
     layout.check(cfg.train.batch_size, opts.microbatches, None)?;
     check_microbatches(cfg, layout.data_parallel_degree(), opts.microbatches)?;
     Ok(())
