@@ -457,6 +457,34 @@ pub(crate) fn metrics_line(
     m.to_string()
 }
 
+/// The metrics file of a run resumed after `start_step` steps, open for appending: lines of
+/// later steps (written by the run before it was stopped, after its checkpoint) are dropped,
+/// through a temporary file renamed over the original.
+fn reopen_metrics(path: &Path, start_step: usize) -> Result<std::fs::File> {
+    let kept: String = match std::fs::read_to_string(path) {
+        Ok(text) => text
+            .lines()
+            .filter(|l| {
+                serde_json::from_str::<serde_json::Value>(l)
+                    .ok()
+                    .and_then(|v| v["step"].as_u64())
+                    .is_some_and(|s| s as usize <= start_step)
+            })
+            .map(|l| format!("{l}\n"))
+            .collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => {
+            return Err(e).with_context(|| format!("reading metrics file {}", path.display()))
+        }
+    };
+    meshgrad_nn::state::write_bytes_atomic(path, kept.as_bytes())
+        .with_context(|| format!("rewriting metrics file {}", path.display()))?;
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(path)
+        .with_context(|| format!("opening metrics file {}", path.display()))
+}
+
 /// Progress output and the metrics file. Only the leader (rank 0) reports; the others get a
 /// silent reporter.
 pub(crate) struct Reporter {
@@ -467,7 +495,13 @@ pub(crate) struct Reporter {
 
 impl Reporter {
     /// The leader's reporter: a progress bar (unless quiet) and the metrics file, if configured.
-    pub(crate) fn leader(cfg: &TrainConfig, verbosity: Verbosity) -> Result<Reporter> {
+    /// A run resumed after `start_step` steps keeps the metrics file's lines of those steps
+    /// (dropping any later ones a killed run wrote) and appends; a new run starts the file.
+    pub(crate) fn leader(
+        cfg: &TrainConfig,
+        verbosity: Verbosity,
+        start_step: usize,
+    ) -> Result<Reporter> {
         let metrics = match &cfg.metrics {
             None => None,
             Some(p) => {
@@ -475,10 +509,13 @@ impl Reporter {
                     std::fs::create_dir_all(dir)
                         .with_context(|| format!("creating {}", dir.display()))?;
                 }
-                Some(std::io::BufWriter::new(
+                let file = if start_step == 0 {
                     std::fs::File::create(p)
-                        .with_context(|| format!("creating metrics file {p}"))?,
-                ))
+                        .with_context(|| format!("creating metrics file {p}"))?
+                } else {
+                    reopen_metrics(Path::new(p), start_step)?
+                };
+                Some(std::io::BufWriter::new(file))
             }
         };
         let quiet = verbosity == Verbosity::Quiet;
@@ -496,6 +533,7 @@ impl Reporter {
             )
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
         );
+        pb.set_position(start_step as u64);
         Ok(Reporter { quiet, pb, metrics })
     }
 
@@ -861,7 +899,7 @@ pub fn train_with(
     check_microbatches(cfg, 1, opts.microbatches)?;
     let data = run_data(cfg, tokenizer)?;
     let mut run = run_model(cfg, None, false, opts.activation_checkpointing.on_stage(0))?;
-    let mut rep = Reporter::leader(cfg, verbosity)?;
+    let mut rep = Reporter::leader(cfg, verbosity, 0)?;
     let micro = if opts.microbatches > 1 {
         format!(", {} micro-batches", opts.microbatches)
     } else {

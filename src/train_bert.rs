@@ -368,7 +368,7 @@ pub fn train_bert(
     match layout {
         None => {
             let mut run = bert_run(cfg, None, false, opts.activation_checkpointing.on_stage(0))?;
-            let mut rep = Reporter::leader(cfg, verbosity)?;
+            let mut rep = Reporter::leader(cfg, verbosity, 0)?;
             let desc = if opts.microbatches > 1 {
                 format!(", {} micro-batches", opts.microbatches)
             } else {
@@ -398,7 +398,7 @@ pub fn train_bert(
             let rows = rank_rows(cfg.train.batch_size, mesh.dp_degree(), mesh.dp_rank())?;
             let leader = ctx.rank == 0;
             let mut rep = if leader {
-                Reporter::leader(cfg, verbosity)?
+                Reporter::leader(cfg, verbosity, 0)?
             } else {
                 Reporter::silent()
             };

@@ -223,7 +223,7 @@ pub fn train_parallel(
         let rows = rank_rows(cfg.train.batch_size, mesh.dp_degree(), mesh.dp_rank())?;
         let leader = ctx.rank == 0;
         let mut rep = if leader {
-            Reporter::leader(cfg, verbosity)?
+            Reporter::leader(cfg, verbosity, 0)?
         } else {
             Reporter::silent()
         };

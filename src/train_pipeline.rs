@@ -538,7 +538,7 @@ fn rank_main<T: PipelineTask>(
     let rows = rank_rows(cfg.train.batch_size, dp, mesh.dp_rank())?;
     let leader = ctx.rank == 0;
     let mut rep = if leader {
-        Reporter::leader(cfg, verbosity)?
+        Reporter::leader(cfg, verbosity, 0)?
     } else {
         Reporter::silent()
     };
