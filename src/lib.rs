@@ -49,6 +49,8 @@ mod pipeline_bert;
 #[cfg(feature = "cli")]
 mod pipeline_gpt;
 #[cfg(feature = "cli")]
+mod run_checkpoint;
+#[cfg(feature = "cli")]
 pub mod run_dir;
 #[cfg(feature = "cli")]
 pub mod schedule_cmd;

@@ -224,9 +224,6 @@ pub(crate) fn check_run_options(cfg: &TrainConfig, opts: &TrainOptions) -> Resul
     if opts.resume.is_some() && opts.overwrite {
         anyhow::bail!("--resume and --overwrite conflict: continue the run or start over");
     }
-    if opts.resume.is_some() || opts.save_every.is_some() {
-        anyhow::bail!("--resume and --save-every are not available yet");
-    }
     crate::run_dir::prepare_out_dir(Path::new(&cfg.out), opts.resume.is_some(), opts.overwrite)
 }
 
@@ -558,7 +555,9 @@ impl Reporter {
 
     pub(crate) fn metrics(&mut self, line: String) -> Result<()> {
         if let Some(w) = self.metrics.as_mut() {
+            // Flushed line by line: a killed run leaves every finished step's line.
             writeln!(w, "{line}").context("writing metrics")?;
+            w.flush().context("writing metrics")?;
         }
         Ok(())
     }
@@ -624,7 +623,7 @@ pub(crate) fn run_loop(
     };
     let val = || val_loss(model, &data.val, cfg, &rows, sync);
     drive_loop(
-        cfg, opt, schedule, &params, sync, rep, 1.0, micro_step, val, ctl,
+        cfg, model, opt, schedule, &params, sync, rep, 1.0, micro_step, val, ctl,
     )
 }
 
@@ -638,9 +637,10 @@ pub(crate) struct RunControl<'a> {
     pub(crate) world: Option<&'a dyn Communicator>,
     /// Save a checkpoint after every this many steps.
     pub(crate) save_every: Option<usize>,
-    /// Saves a checkpoint after `steps` completed steps (every rank calls it); returns where.
+    /// Saves a checkpoint of the model (this rank's part) and the optimizer after `steps`
+    /// completed steps (every rank calls it); returns where.
     #[allow(clippy::type_complexity)]
-    pub(crate) save: Option<&'a dyn Fn(usize) -> Result<String>>,
+    pub(crate) save: Option<&'a dyn Fn(usize, &dyn Module, &AdamW) -> Result<String>>,
 }
 
 impl RunControl<'_> {
@@ -673,6 +673,7 @@ impl RunControl<'_> {
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn drive_loop(
     cfg: &TrainConfig,
+    model: &dyn Module,
     opt: &mut AdamW,
     schedule: &CosineSchedule,
     params: &[Var],
@@ -740,7 +741,7 @@ pub(crate) fn drive_loop(
         let stop = ctl.stop_requested()?;
         let periodic = ctl.save_every.is_some_and(|n| n > 0 && done % n == 0);
         let saved = match ctl.save {
-            Some(save) if (periodic || stop) && !is_last => Some(save(done)?),
+            Some(save) if periodic || stop || is_last => Some(save(done, model, opt)?),
             _ => None,
         };
         if let Some(at) = &saved {
@@ -899,7 +900,18 @@ pub fn train_with(
     check_microbatches(cfg, 1, opts.microbatches)?;
     let data = run_data(cfg, tokenizer)?;
     let mut run = run_model(cfg, None, false, opts.activation_checkpointing.on_stage(0))?;
-    let mut rep = Reporter::leader(cfg, verbosity, 0)?;
+    let (start_step, saver) = crate::run_checkpoint::begin_rank(
+        cfg,
+        opts,
+        "single",
+        None,
+        &run.model,
+        &mut run.opt,
+        None,
+        false,
+    )?;
+    let hook = saver.as_ref().map(|s| s.hook(None));
+    let mut rep = Reporter::leader(cfg, verbosity, start_step)?;
     let micro = if opts.microbatches > 1 {
         format!(", {} micro-batches", opts.microbatches)
     } else {
@@ -915,7 +927,12 @@ pub fn train_with(
         opts.microbatches,
         &SingleDevice,
         &mut rep,
-        &RunControl::plain(),
+        &RunControl {
+            start_step,
+            world: None,
+            save_every: opts.save_every,
+            save: hook.as_deref(),
+        },
     )?;
     finish_run(cfg, &run.model, data.tokenizer.as_ref(), rep, r, verbosity)
 }

@@ -241,7 +241,7 @@ fn run_loop(
     let val = || val_loss(model, s, &data.val, &rows, world, sync);
     let scale = world as f64;
     drive_loop(
-        cfg, opt, schedule, &params, sync, rep, scale, micro_step, val, ctl,
+        cfg, model, opt, schedule, &params, sync, rep, scale, micro_step, val, ctl,
     )
 }
 

@@ -585,6 +585,7 @@ fn rank_main<T: PipelineTask>(
     };
     let result = drive_loop(
         cfg,
+        &module,
         &mut opt,
         &lr_schedule,
         &params,
