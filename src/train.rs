@@ -644,16 +644,6 @@ pub(crate) struct RunControl<'a> {
 }
 
 impl RunControl<'_> {
-    /// From step 0, no saving, no other ranks.
-    pub(crate) fn plain() -> RunControl<'static> {
-        RunControl {
-            start_step: 0,
-            world: None,
-            save_every: None,
-            save: None,
-        }
-    }
-
     /// Whether any rank was asked to stop (a collective over `world` when there is one).
     fn stop_requested(&self) -> Result<bool> {
         let local = crate::stop::installed().is_some_and(|s| s.requested());

@@ -368,7 +368,18 @@ pub fn train_bert(
     match layout {
         None => {
             let mut run = bert_run(cfg, None, false, opts.activation_checkpointing.on_stage(0))?;
-            let mut rep = Reporter::leader(cfg, verbosity, 0)?;
+            let (start_step, saver) = crate::run_checkpoint::begin_rank(
+                cfg,
+                opts,
+                "single",
+                None,
+                &run.model,
+                &mut run.opt,
+                None,
+                false,
+            )?;
+            let hook = saver.as_ref().map(|s| s.hook(None));
+            let mut rep = Reporter::leader(cfg, verbosity, start_step)?;
             let desc = if opts.microbatches > 1 {
                 format!(", {} micro-batches", opts.microbatches)
             } else {
@@ -385,7 +396,12 @@ pub fn train_bert(
                 opts.microbatches,
                 &SingleDevice,
                 &mut rep,
-                &RunControl::plain(),
+                &RunControl {
+                    start_step,
+                    world: None,
+                    save_every: opts.save_every,
+                    save: hook.as_deref(),
+                },
             )?;
             finish(cfg, &run.model, rep, r, verbosity)
         }
@@ -395,10 +411,21 @@ pub fn train_bert(
             let fsdp = layout.zero() == Some(ZeroStage::Three);
             let mut run = bert_run(cfg, tp, fsdp, opts.activation_checkpointing.on_stage(0))?;
             let wrapper = RankWrapper::new(mesh, &run.model, &run.opt)?;
+            let (start_step, saver) = crate::run_checkpoint::begin_rank(
+                cfg,
+                opts,
+                &layout.to_string(),
+                Some(ctx.comm.as_ref()),
+                &run.model,
+                &mut run.opt,
+                wrapper.sharded(),
+                false,
+            )?;
+            let hook = saver.as_ref().map(|s| s.hook(wrapper.sharded()));
             let rows = rank_rows(cfg.train.batch_size, mesh.dp_degree(), mesh.dp_rank())?;
             let leader = ctx.rank == 0;
             let mut rep = if leader {
-                Reporter::leader(cfg, verbosity, 0)?
+                Reporter::leader(cfg, verbosity, start_step)?
             } else {
                 Reporter::silent()
             };
@@ -416,8 +443,10 @@ pub fn train_bert(
                 sync.as_ref(),
                 &mut rep,
                 &RunControl {
+                    start_step,
                     world: Some(ctx.comm.as_ref()),
-                    ..RunControl::plain()
+                    save_every: opts.save_every,
+                    save: hook.as_deref(),
                 },
             )?;
             wrapper.summon_full_params()?;

@@ -131,6 +131,14 @@ impl RankWrapper {
         }
     }
 
+    /// The sharded wrapper, when the layout shards.
+    pub(crate) fn sharded(&self) -> Option<&ShardedDataParallel> {
+        match self {
+            RankWrapper::Sharded(sdp) => Some(sdp),
+            RankWrapper::Ddp(_) => None,
+        }
+    }
+
     /// fsdp/hsdp keep only shards: gathers the full weights (every rank takes part) for the
     /// checkpoint. Nothing to do for the other layouts.
     pub(crate) fn summon_full_params(&self) -> Result<()> {
@@ -220,10 +228,21 @@ pub fn train_parallel(
         let fsdp = layout.zero() == Some(ZeroStage::Three);
         let mut run = run_model(cfg, tp, fsdp, opts.activation_checkpointing.on_stage(0))?;
         let wrapper = RankWrapper::new(mesh, &run.model, &run.opt)?;
+        let (start_step, saver) = crate::run_checkpoint::begin_rank(
+            cfg,
+            opts,
+            &layout.to_string(),
+            Some(ctx.comm.as_ref()),
+            &run.model,
+            &mut run.opt,
+            wrapper.sharded(),
+            false,
+        )?;
+        let hook = saver.as_ref().map(|s| s.hook(wrapper.sharded()));
         let rows = rank_rows(cfg.train.batch_size, mesh.dp_degree(), mesh.dp_rank())?;
         let leader = ctx.rank == 0;
         let mut rep = if leader {
-            Reporter::leader(cfg, verbosity, 0)?
+            Reporter::leader(cfg, verbosity, start_step)?
         } else {
             Reporter::silent()
         };
@@ -240,8 +259,10 @@ pub fn train_parallel(
             sync.as_ref(),
             &mut rep,
             &RunControl {
+                start_step,
                 world: Some(ctx.comm.as_ref()),
-                ..RunControl::plain()
+                save_every: opts.save_every,
+                save: hook.as_deref(),
             },
         )?;
         // fsdp/hsdp: the full weights for the checkpoint and the sample.

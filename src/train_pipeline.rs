@@ -517,6 +517,22 @@ fn rank_main<T: PipelineTask>(
             ShardConfig::new(stage),
         )?),
     };
+    let sharded = match &reducer {
+        Reducer::Sharded(sdp) => Some(sdp),
+        Reducer::AllReduce => None,
+    };
+    // A stage holds part of the model: it loads the tensors it has.
+    let (start_step, saver) = crate::run_checkpoint::begin_rank(
+        cfg,
+        opts,
+        &layout.to_string(),
+        Some(ctx.comm.as_ref()),
+        &module,
+        &mut opt,
+        sharded,
+        true,
+    )?;
+    let hook = saver.as_ref().map(|s| s.hook(sharded));
     let grads = PipelineGrads::new(&chunks, pp.clone())?;
     let last = p + 1 == world_pp;
     let skip_in_norm = if last && world_pp > 1 {
@@ -538,7 +554,7 @@ fn rank_main<T: PipelineTask>(
     let rows = rank_rows(cfg.train.batch_size, dp, mesh.dp_rank())?;
     let leader = ctx.rank == 0;
     let mut rep = if leader {
-        Reporter::leader(cfg, verbosity, 0)?
+        Reporter::leader(cfg, verbosity, start_step)?
     } else {
         Reporter::silent()
     };
@@ -595,8 +611,10 @@ fn rank_main<T: PipelineTask>(
         micro_step,
         val,
         &RunControl {
+            start_step,
             world: Some(ctx.comm.as_ref()),
-            ..RunControl::plain()
+            save_every: opts.save_every,
+            save: hook.as_deref(),
         },
     )?;
     // The single-device state dict on the leader.
