@@ -192,7 +192,7 @@ fn sigint_saves_and_stops_and_resume_finishes_the_run() {
 #[test]
 fn kill_9_at_random_moments_never_loses_the_latest_checkpoint() {
     let dir = tmpdir("resume-kill9");
-    let steps = 300;
+    let steps = 800;
     assert_ok(&train(&dir, "full", steps, &[]));
     let run = dir.join("run");
     let ckpts = run.join("checkpoints");
@@ -217,7 +217,7 @@ fn kill_9_at_random_moments_never_loses_the_latest_checkpoint() {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        std::thread::sleep(Duration::from_millis(100 + next() % 700));
+        std::thread::sleep(Duration::from_millis(150 + next() % 450));
         if child.try_wait().unwrap().is_some() {
             let o = child.wait_with_output().unwrap();
             assert_ok(&o);
@@ -239,7 +239,7 @@ fn kill_9_at_random_moments_never_loses_the_latest_checkpoint() {
         assert!(tmp.len() <= 1, "attempt {attempt}: {tmp:?}");
     }
     eprintln!("{kills} kill -9s landed during the run");
-    assert!(kills >= 5, "only {kills} kills landed during the run");
+    assert_eq!(kills, 20, "every kill should land during the run");
     // Finish the run.
     let r = run.to_str().unwrap().to_string();
     let resume: Vec<&str> = if ckpts.join("latest").exists() {
