@@ -49,7 +49,7 @@ mod pipeline_bert;
 #[cfg(feature = "cli")]
 mod pipeline_gpt;
 #[cfg(feature = "cli")]
-mod run_checkpoint;
+pub mod run_checkpoint;
 #[cfg(feature = "cli")]
 pub mod run_dir;
 #[cfg(feature = "cli")]

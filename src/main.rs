@@ -44,8 +44,9 @@ enum Command {
     /// Evaluate a checkpoint; prints `loss=<value>` last: a GPT's mean next-token cross-entropy over
     /// a token file, or a BERT's mean MLM cross-entropy over a JSONL file of labelled examples.
     Eval {
-        /// Checkpoint directory (config.json + model.safetensors, and tokenizer.json when it was
-        /// trained with a tokenizer).
+        /// Checkpoint directory: a run's --out (config.json + model.safetensors, and
+        /// tokenizer.json when it was trained with a tokenizer), or a training checkpoint
+        /// (OUT/checkpoints/step-N).
         #[arg(long)]
         checkpoint: PathBuf,
         /// Data, as for `train --data`: text and .jsonl go through the checkpoint's
@@ -53,6 +54,17 @@ enum Command {
         /// validation shards (*_val_*.bin) when it has any, on all of them otherwise.
         #[arg(long)]
         data: PathBuf,
+    },
+    /// Write the model of a training checkpoint (OUT/checkpoints/step-N, or a run's OUT: its
+    /// latest) as a Hugging Face folder: config.json, model.safetensors, and the tokenizer.json
+    /// and meshgrad.toml of the run.
+    Export {
+        /// A training checkpoint, a folder of them, or a run's --out folder.
+        #[arg(long)]
+        checkpoint: PathBuf,
+        /// The Hugging Face folder to write.
+        #[arg(long)]
+        out: PathBuf,
     },
     /// Continue a prompt with a checkpoint.
     Generate {
@@ -347,6 +359,10 @@ fn run(cli: Cli) -> Result<()> {
             if let Some(what) = out.deadlock {
                 anyhow::bail!("the {kind} schedule deadlocks: {what}");
             }
+        }
+        Command::Export { checkpoint, out } => {
+            let from = meshgrad::run_checkpoint::export(&checkpoint, &out)?;
+            println!("exported {} to {}", from.display(), out.display());
         }
         Command::Eval { checkpoint, data } => {
             let loss = meshgrad::eval::eval_checkpoint(&checkpoint, &data)?;

@@ -23,6 +23,9 @@ use crate::config::TrainConfig;
 use crate::run_dir::checkpoints_dir;
 use crate::train::TrainOptions;
 
+/// The tokenizer file a run's checkpoint carries (when the run has a tokenizer).
+const TOKENIZER_FILE: &str = "tokenizer.json";
+
 /// Saves a run's checkpoints (see the [module docs](self)); one per rank.
 pub(crate) struct Saver<'a> {
     dir: PathBuf,
@@ -51,6 +54,11 @@ impl<'a> Saver<'a> {
             checkpoint::cleanup(&dir).with_context(|| format!("cleaning up {}", dir.display()))?;
         }
         let toml = cfg.to_toml_string()?;
+        let mut files = vec![("meshgrad.toml".to_string(), toml.clone().into_bytes())];
+        if let Some(t) = &cfg.data.tokenizer {
+            let bytes = std::fs::read(t).with_context(|| format!("reading tokenizer {t}"))?;
+            files.push((TOKENIZER_FILE.to_string(), bytes));
+        }
         Ok(Some(Saver {
             dir,
             keep: opts.keep,
@@ -59,7 +67,7 @@ impl<'a> Saver<'a> {
                 "model_kind": cfg.model.kind,
                 "config": toml,
             }),
-            files: vec![("meshgrad.toml".into(), toml.into_bytes())],
+            files,
             world,
         }))
     }
@@ -238,4 +246,114 @@ pub(crate) fn load_rank(
         }
     }
     Ok(())
+}
+
+/// A model loaded from a training checkpoint, with the run's tokenizer if it had one.
+pub enum CheckpointModel {
+    /// A GPT run.
+    Gpt(meshgrad_nn::Gpt),
+    /// A BERT (masked LM) run.
+    Bert(meshgrad_nn::bert::BertForMaskedLM),
+}
+
+/// The training checkpoint `dir` names, if it names one: `dir` itself (`index.json`), the
+/// latest of a folder of checkpoints, or the latest under a run's `OUT/checkpoints` when `OUT`
+/// holds no exported model (`config.json`). `None` for anything else (a Hugging Face folder).
+pub fn open_training_checkpoint(dir: &Path) -> Result<Option<Checkpoint>> {
+    let index = dir.join(checkpoint::INDEX_FILE);
+    let candidates = [dir.to_path_buf(), checkpoints_dir(dir)];
+    for c in candidates {
+        let is_ckpt =
+            c.join(checkpoint::INDEX_FILE).is_file() || c.join(checkpoint::LATEST_FILE).is_file();
+        if is_ckpt && (index.is_file() || !dir.join("config.json").is_file()) {
+            return Ok(Some(
+                Checkpoint::open(&c)
+                    .with_context(|| format!("opening checkpoint {}", c.display()))?,
+            ));
+        }
+    }
+    Ok(None)
+}
+
+/// Builds the run's model on one device from a training checkpoint (its config is in the
+/// metadata) and loads every parameter, one tensor at a time; also its tokenizer.
+pub fn load_training_model(
+    ck: &Checkpoint,
+) -> Result<(CheckpointModel, Option<meshgrad_nn::tokenizer::Tokenizer>)> {
+    use meshgrad_tensor::{DType, Device};
+    let text = ck.metadata()["config"].as_str().ok_or_else(|| {
+        anyhow::anyhow!(
+            "checkpoint {}: its metadata holds no config",
+            ck.path().display()
+        )
+    })?;
+    let cfg = TrainConfig::from_toml_str(text, "the checkpoint's config")?;
+    let seed = cfg.train.seed;
+    let model = if cfg.model.kind == "bert" {
+        let m = meshgrad_nn::bert::BertForMaskedLM::new(
+            crate::train_bert::bert_config(&cfg),
+            seed,
+            DType::F32,
+            Device::Cpu,
+        )?;
+        ck.load_into_module(&m, true)?;
+        CheckpointModel::Bert(m)
+    } else {
+        let m = meshgrad_nn::Gpt::new(
+            crate::train::gpt_config(&cfg),
+            seed,
+            DType::F32,
+            Device::Cpu,
+        )?;
+        ck.load_into_module(&m, true)?;
+        CheckpointModel::Gpt(m)
+    };
+    let tokenizer = if ck.index().files.iter().any(|f| f == TOKENIZER_FILE) {
+        let bytes = ck.read_file(TOKENIZER_FILE)?;
+        let tmp =
+            std::env::temp_dir().join(format!("meshgrad-tokenizer-{}.json", std::process::id()));
+        std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
+        let t = meshgrad_nn::tokenizer::Tokenizer::from_file(&tmp);
+        let _ = std::fs::remove_file(&tmp);
+        Some(t?)
+    } else {
+        None
+    };
+    Ok((model, tokenizer))
+}
+
+/// `meshgrad export`: writes the model of a training checkpoint as a Hugging Face folder
+/// (`config.json`, `model.safetensors`, and the tokenizer and `meshgrad.toml` when it has them).
+pub fn export(checkpoint: &Path, out: &Path) -> Result<PathBuf> {
+    // A run's folder may hold a final model too: export its checkpoints.
+    let ckpts = checkpoints_dir(checkpoint);
+    let at = if ckpts.is_dir() {
+        ckpts
+    } else {
+        checkpoint.to_path_buf()
+    };
+    if !(at.join(checkpoint::INDEX_FILE).is_file() || at.join(checkpoint::LATEST_FILE).is_file()) {
+        anyhow::bail!(
+            "{} is not a meshgrad training checkpoint (no {} here or under checkpoints/)",
+            checkpoint.display(),
+            checkpoint::INDEX_FILE
+        );
+    }
+    let ck =
+        Checkpoint::open(&at).with_context(|| format!("opening checkpoint {}", at.display()))?;
+    let (model, tokenizer) = load_training_model(&ck)?;
+    match &model {
+        CheckpointModel::Gpt(m) => meshgrad_nn::state::hf_gpt2::save_gpt2(m, out)?,
+        CheckpointModel::Bert(m) => meshgrad_nn::state::hf_bert::save_bert(m, out)?,
+    }
+    if let Some(t) = tokenizer {
+        t.save(out.join(TOKENIZER_FILE))?;
+    }
+    if ck.index().files.iter().any(|f| f == "meshgrad.toml") {
+        meshgrad_nn::state::write_bytes_atomic(
+            out.join("meshgrad.toml"),
+            &ck.read_file("meshgrad.toml")?,
+        )?;
+    }
+    Ok(ck.path().to_path_buf())
 }

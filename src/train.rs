@@ -88,6 +88,9 @@ pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
 /// The tokenizer stored in a checkpoint directory (`tokenizer.json`), if there is one.
 pub fn load_checkpoint_tokenizer(dir: &Path) -> Result<Option<Tokenizer>> {
+    if let Some(ck) = crate::run_checkpoint::open_training_checkpoint(dir)? {
+        return Ok(crate::run_checkpoint::load_training_model(&ck)?.1);
+    }
     let path = dir.join(TOKENIZER_FILE);
     if !path.exists() {
         return Ok(None);
@@ -95,8 +98,19 @@ pub fn load_checkpoint_tokenizer(dir: &Path) -> Result<Option<Tokenizer>> {
     Ok(Some(Tokenizer::from_file(&path)?))
 }
 
-/// Loads a checkpoint directory written by `meshgrad train` (Hugging Face GPT-2 format).
+/// Loads a GPT written by `meshgrad train`: its final model (`--out`, Hugging Face GPT-2
+/// format), or a training checkpoint (`OUT/checkpoints/step-N`, a folder of them, or `OUT`
+/// when it holds checkpoints but no final model).
 pub fn load_checkpoint(dir: &Path) -> Result<Gpt> {
+    if let Some(ck) = crate::run_checkpoint::open_training_checkpoint(dir)? {
+        return match crate::run_checkpoint::load_training_model(&ck)?.0 {
+            crate::run_checkpoint::CheckpointModel::Gpt(m) => Ok(m),
+            crate::run_checkpoint::CheckpointModel::Bert(_) => anyhow::bail!(
+                "{} is a BERT checkpoint; this command takes a GPT",
+                ck.path().display()
+            ),
+        };
+    }
     hf_gpt2::load_gpt2(dir, DType::F32, Device::Cpu)
         .with_context(|| format!("loading checkpoint {}", dir.display()))
 }

@@ -9,6 +9,8 @@
 //! * Fault injection: 20 `kill -9`s at random moments of a run with `--save-every 1`; after each
 //!   the latest checkpoint resumes, no temporary folders pile up, and the run that finally
 //!   completes has the uninterrupted run's weights bit for bit.
+//! * `eval`, `generate` and `export` read training checkpoints (saved as ZeRO-3 segments) and
+//!   give what the run's final model gives; a BERT saved on one device resumes under dp=2.
 //! * A resumed run must continue the same model and data; a folder holding a run is refused.
 
 mod common;
@@ -292,4 +294,112 @@ fn a_resumed_run_must_continue_the_same_model() {
     assert_one_line_error(&o, &["already holds a run", "--resume", "--overwrite"]);
     let o = train(&dir, "e", 4, &["--save-every", "0"]);
     assert_one_line_error(&o, &["--save-every must be at least 1"]);
+}
+
+#[test]
+fn eval_generate_and_export_read_training_checkpoints() {
+    let dir = tmpdir("resume-read");
+    // Saved by two ZeRO-3 ranks: the checkpoint holds parameter segments, not whole tensors.
+    assert_ok(&train(
+        &dir,
+        "gpt",
+        4,
+        &["--layout", "fsdp=2", "--save-every", "2"],
+    ));
+    let data = dir.join("eval.txt");
+    std::fs::write(
+        &data,
+        "the quick brown fox jumps over the lazy dog. ".repeat(20),
+    )
+    .unwrap();
+    let run = dir.join("gpt");
+    let last = checkpoint(&dir, "gpt", 4);
+    // The final model the run wrote and its last checkpoint evaluate the same.
+    let a = common::loss_line(&common::eval(&run, &data));
+    let b = common::loss_line(&common::eval(Path::new(&last), &data));
+    assert_eq!(a.to_bits(), b.to_bits(), "{a} vs {b}");
+    // An earlier checkpoint is another model.
+    let c = common::loss_line(&common::eval(Path::new(&checkpoint(&dir, "gpt", 2)), &data));
+    assert_ne!(a, c);
+    // generate reads it too.
+    let gen = |ckpt: &Path| {
+        let o = bin()
+            .args(["generate", "--checkpoint", ckpt.to_str().unwrap()])
+            .args([
+                "--prompt-tokens",
+                "10,20",
+                "--max-new-tokens",
+                "5",
+                "--temperature",
+                "0",
+            ])
+            .output()
+            .unwrap();
+        assert_ok(&o);
+        common::text(&o).0.lines().last().unwrap().to_string()
+    };
+    assert_eq!(gen(&run), gen(Path::new(&last)));
+    // export writes a Hugging Face folder with the same weights.
+    let hf = dir.join("hf");
+    let o = bin()
+        .args(["export", "--checkpoint", run.to_str().unwrap()])
+        .args(["--out", hf.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_ok(&o);
+    assert_eq!(weights(&dir, "hf"), weights(&dir, "gpt"));
+    let o = bin()
+        .args(["export", "--checkpoint", data.to_str().unwrap()])
+        .args(["--out", dir.join("x").to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_one_line_error(&o, &["not a meshgrad training checkpoint"]);
+}
+
+#[test]
+fn bert_resumes_under_another_layout_and_eval_reads_its_checkpoint() {
+    let dir = tmpdir("resume-bert");
+    let bert = [
+        "--model",
+        "bert",
+        "--set",
+        "model.n_embd=48",
+        "--set",
+        "model.n_head=3",
+    ];
+    assert_ok(&train(
+        &dir,
+        "full",
+        6,
+        &[&bert[..], &["--save-every", "3"]].concat(),
+    ));
+    let from = checkpoint(&dir, "full", 3);
+    let o = train(
+        &dir,
+        "resumed",
+        6,
+        &[&bert[..], &["--layout", "dp=2", "--resume", &from]].concat(),
+    );
+    assert_ok(&o);
+    let want = losses(&dir, "full");
+    let got = losses(&dir, "resumed");
+    assert_eq!(got.len(), 3);
+    for (step, loss) in got {
+        let w = want[step as usize - 1].1;
+        assert!(common::rel(loss, w) <= 1e-5, "step {step}: {loss} vs {w}");
+    }
+    // eval reads the BERT's training checkpoint.
+    let data = dir.join("mlm.jsonl");
+    std::fs::write(
+        &data,
+        "{\"input_ids\": [258, 10, 260, 12, 259], \"labels\": [-100, -100, 11, -100, -100]}\n",
+    )
+    .unwrap();
+    let o = common::eval(Path::new(&checkpoint(&dir, "full", 6)), &data);
+    assert_ok(&o);
+    let e = common::eval(&dir.join("full"), &data);
+    assert_eq!(
+        common::loss_line(&o).to_bits(),
+        common::loss_line(&e).to_bits()
+    );
 }
