@@ -108,6 +108,7 @@ impl Saver<'_> {
 
 /// What a rank of a run starts from: the step to start at (after `--resume`'s checkpoint,
 /// loaded into `model` and `opt`, or `sharded`) and its saver (with `--save-every`).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn begin_rank<'a>(
     cfg: &TrainConfig,
     opts: &TrainOptions,
@@ -251,9 +252,9 @@ pub(crate) fn load_rank(
 /// A model loaded from a training checkpoint, with the run's tokenizer if it had one.
 pub enum CheckpointModel {
     /// A GPT run.
-    Gpt(meshgrad_nn::Gpt),
+    Gpt(Box<meshgrad_nn::Gpt>),
     /// A BERT (masked LM) run.
-    Bert(meshgrad_nn::bert::BertForMaskedLM),
+    Bert(Box<meshgrad_nn::bert::BertForMaskedLM>),
 }
 
 /// The training checkpoint `dir` names, if it names one: `dir` itself (`index.json`), the
@@ -297,7 +298,7 @@ pub fn load_training_model(
             Device::Cpu,
         )?;
         ck.load_into_module(&m, true)?;
-        CheckpointModel::Bert(m)
+        CheckpointModel::Bert(Box::new(m))
     } else {
         let m = meshgrad_nn::Gpt::new(
             crate::train::gpt_config(&cfg),
@@ -306,7 +307,7 @@ pub fn load_training_model(
             Device::Cpu,
         )?;
         ck.load_into_module(&m, true)?;
-        CheckpointModel::Gpt(m)
+        CheckpointModel::Gpt(Box::new(m))
     };
     let tokenizer = if ck.index().files.iter().any(|f| f == TOKENIZER_FILE) {
         let bytes = ck.read_file(TOKENIZER_FILE)?;

@@ -104,7 +104,7 @@ pub fn load_checkpoint_tokenizer(dir: &Path) -> Result<Option<Tokenizer>> {
 pub fn load_checkpoint(dir: &Path) -> Result<Gpt> {
     if let Some(ck) = crate::run_checkpoint::open_training_checkpoint(dir)? {
         return match crate::run_checkpoint::load_training_model(&ck)?.0 {
-            crate::run_checkpoint::CheckpointModel::Gpt(m) => Ok(m),
+            crate::run_checkpoint::CheckpointModel::Gpt(m) => Ok(*m),
             crate::run_checkpoint::CheckpointModel::Bert(_) => anyhow::bail!(
                 "{} is a BERT checkpoint; this command takes a GPT",
                 ck.path().display()
@@ -598,6 +598,7 @@ pub(crate) struct LoopResult {
 /// of the global batch in `microbatches` micro-batches (losses scaled by `1/microbatches`,
 /// gradients accumulated, synchronised by `sync` on the final one), clipping, the optimizer
 /// step, the global loss, periodic validation and reporting.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn run_loop(
     cfg: &TrainConfig,
     data: &RunData,
