@@ -26,8 +26,8 @@ pub fn run_marker(out: &Path) -> Option<PathBuf> {
 }
 
 /// Refuses to train into a folder that already holds a run, unless the run continues it
-/// (`resume`) or starts over (`overwrite`, which removes its old checkpoints first). One line,
-/// naming the folder and what is in it.
+/// (`resume`) or starts over (`overwrite`, which removes the old run's final model, config,
+/// tokenizer and checkpoints first). One line, naming the folder and what is in it.
 pub fn prepare_out_dir(out: &Path, resume: bool, overwrite: bool) -> Result<()> {
     let Some(marker) = run_marker(out) else {
         return Ok(());
@@ -43,6 +43,20 @@ pub fn prepare_out_dir(out: &Path, resume: bool, overwrite: bool) -> Result<()> 
             marker.display(),
             out.display()
         );
+    }
+    // The old run goes before any work: its final model (config first, so a folder left half
+    // removed does not load) and its checkpoints.
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "meshgrad.toml",
+        "tokenizer.json",
+    ] {
+        let p = out.join(f);
+        if p.exists() {
+            std::fs::remove_file(&p)
+                .with_context(|| format!("--overwrite: removing {}", p.display()))?;
+        }
     }
     let ckpts = checkpoints_dir(out);
     if ckpts.exists() {

@@ -821,10 +821,11 @@ pub(crate) fn finish_run(
 ) -> Result<TrainSummary> {
     rep.finish()?;
     let out = PathBuf::from(&cfg.out);
-    hf_gpt2::save_gpt2(model, &out)
-        .with_context(|| format!("saving checkpoint to {}", out.display()))?;
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    // The run's config and tokenizer first, the model last: its config.json, written last,
+    // marks a complete folder.
     let cfg_text = cfg.to_toml_string()?;
-    std::fs::write(out.join("meshgrad.toml"), cfg_text)
+    meshgrad_nn::state::write_bytes_atomic(out.join("meshgrad.toml"), cfg_text.as_bytes())
         .with_context(|| format!("writing {}/meshgrad.toml", out.display()))?;
     let tok_path = out.join(TOKENIZER_FILE);
     match tokenizer {
@@ -833,6 +834,8 @@ pub(crate) fn finish_run(
             .with_context(|| format!("removing the stale {}", tok_path.display()))?,
         None => {}
     }
+    hf_gpt2::save_gpt2(model, &out)
+        .with_context(|| format!("saving checkpoint to {}", out.display()))?;
 
     let sample = match tokenizer {
         _ if cfg.train.sample_tokens == 0 => String::new(),

@@ -275,10 +275,15 @@ pub(crate) fn finish(
 ) -> Result<TrainSummary> {
     rep.finish()?;
     let out = PathBuf::from(&cfg.out);
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    // The run's config first, the model last (its config.json marks a complete folder).
+    meshgrad_nn::state::write_bytes_atomic(
+        out.join("meshgrad.toml"),
+        cfg.to_toml_string()?.as_bytes(),
+    )
+    .with_context(|| format!("writing {}/meshgrad.toml", out.display()))?;
     hf_bert::save_bert(model, &out)
         .with_context(|| format!("saving checkpoint to {}", out.display()))?;
-    std::fs::write(out.join("meshgrad.toml"), cfg.to_toml_string()?)
-        .with_context(|| format!("writing {}/meshgrad.toml", out.display()))?;
     let summary = TrainSummary {
         initial_val_loss: r.initial_val_loss,
         final_val_loss: r.final_val_loss,
