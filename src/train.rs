@@ -702,6 +702,7 @@ pub(crate) fn finish_run(
                 0.8,
                 Some(40),
                 cfg.train.seed,
+                |_| Ok(()),
             )?;
             tok.decode(&toks, true)?
         }
@@ -713,6 +714,7 @@ pub(crate) fn finish_run(
                 0.8,
                 Some(40),
                 cfg.train.seed,
+                |_| Ok(()),
             )?;
             crate::generate::detokenize(&toks)
         }
