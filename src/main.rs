@@ -176,7 +176,7 @@ struct TrainArgs {
     #[arg(long)]
     batch_size: Option<usize>,
     /// Peak learning rate.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     lr: Option<f64>,
     /// Any config key, e.g. --set model.n_layer=2 (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]

@@ -311,12 +311,6 @@ pub fn train_bert(
     verbosity: Verbosity,
 ) -> Result<TrainSummary> {
     cfg.validate()?;
-    if cfg.model.block_size < 3 {
-        anyhow::bail!(
-            "invalid config value for `model.block_size`: BERT rows hold [CLS], at least one token and [SEP], so block_size must be at least 3, got {}",
-            cfg.model.block_size
-        );
-    }
     // The number of data-parallel ranks (those reading different rows).
     let world = match layout {
         None => {
