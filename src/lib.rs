@@ -49,6 +49,8 @@ mod pipeline_bert;
 #[cfg(feature = "cli")]
 mod pipeline_gpt;
 #[cfg(feature = "cli")]
+pub mod preflight;
+#[cfg(feature = "cli")]
 pub mod schedule_cmd;
 #[cfg(feature = "cli")]
 pub mod train;

@@ -95,7 +95,10 @@ pub fn load_checkpoint_tokenizer(dir: &Path) -> Result<Option<Tokenizer>> {
 }
 
 /// Loads a checkpoint directory written by `meshgrad train` (Hugging Face GPT-2 format).
+/// Its `config.json` is checked against the machine's memory first
+/// ([`crate::preflight::check_checkpoint`]).
 pub fn load_checkpoint(dir: &Path) -> Result<Gpt> {
+    crate::preflight::check_checkpoint(dir)?;
     hf_gpt2::load_gpt2(dir, DType::F32, Device::Cpu)
         .with_context(|| format!("loading checkpoint {}", dir.display()))
 }
@@ -763,6 +766,7 @@ pub fn train_with(
     let (cfg, tokenizer) = resolve_tokenizer(cfg)?;
     let cfg = &cfg;
     check_microbatches(cfg, 1, opts.microbatches)?;
+    crate::preflight::check_train(cfg, None, opts)?;
     let data = run_data(cfg, tokenizer)?;
     let mut run = run_model(cfg, None, false, opts.activation_checkpointing.on_stage(0))?;
     let mut rep = Reporter::leader(cfg, verbosity)?;

@@ -346,6 +346,7 @@ pub fn train_bert(
             t
         );
     }
+    crate::preflight::check_train(cfg, layout, opts)?;
     let data = run_data(cfg, None)?;
     let s = Sampler {
         cfg,
