@@ -66,6 +66,14 @@ pub fn mean_loss(model: &Gpt, data: &dyn TokenSource) -> Result<f64> {
 /// A BERT checkpoint (`"model_type": "bert"`) takes a JSON-lines file of labelled examples
 /// instead (see [`crate::eval_bert`]).
 pub fn eval_checkpoint(checkpoint: &Path, data: &Path) -> Result<f64> {
+    if let Some(ck) = crate::run_checkpoint::open_training_checkpoint(checkpoint)? {
+        if let crate::run_checkpoint::CheckpointModel::Bert(m) =
+            crate::run_checkpoint::load_training_model(&ck)?.0
+        {
+            let examples = crate::eval_bert::read_mlm_jsonl(data, &m.config)?;
+            return crate::eval_bert::mean_mlm_loss(&m, &examples);
+        }
+    }
     if meshgrad_nn::state::hf_bert::is_bert_checkpoint(checkpoint) {
         return crate::eval_bert::eval_bert_checkpoint(checkpoint, data);
     }

@@ -51,7 +51,13 @@ mod pipeline_gpt;
 #[cfg(feature = "cli")]
 pub mod preflight;
 #[cfg(feature = "cli")]
+pub mod run_checkpoint;
+#[cfg(feature = "cli")]
+pub mod run_dir;
+#[cfg(feature = "cli")]
 pub mod schedule_cmd;
+#[cfg(feature = "cli")]
+pub mod stop;
 #[cfg(feature = "cli")]
 pub mod train;
 #[cfg(feature = "cli")]

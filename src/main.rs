@@ -44,8 +44,9 @@ enum Command {
     /// Evaluate a checkpoint; prints `loss=<value>` last: a GPT's mean next-token cross-entropy over
     /// a token file, or a BERT's mean MLM cross-entropy over a JSONL file of labelled examples.
     Eval {
-        /// Checkpoint directory (config.json + model.safetensors, and tokenizer.json when it was
-        /// trained with a tokenizer).
+        /// Checkpoint directory: a run's --out (config.json + model.safetensors, and
+        /// tokenizer.json when it was trained with a tokenizer), or a training checkpoint
+        /// (OUT/checkpoints/step-N).
         #[arg(long)]
         checkpoint: PathBuf,
         /// Data, as for `train --data`: text and .jsonl go through the checkpoint's
@@ -53,6 +54,17 @@ enum Command {
         /// validation shards (*_val_*.bin) when it has any, on all of them otherwise.
         #[arg(long)]
         data: PathBuf,
+    },
+    /// Write the model of a training checkpoint (OUT/checkpoints/step-N, or a run's OUT: its
+    /// latest) as a Hugging Face folder: config.json, model.safetensors, and the tokenizer.json
+    /// and meshgrad.toml of the run.
+    Export {
+        /// A training checkpoint, a folder of them, or a run's --out folder.
+        #[arg(long)]
+        checkpoint: PathBuf,
+        /// The Hugging Face folder to write.
+        #[arg(long)]
+        out: PathBuf,
     },
     /// Continue a prompt with a checkpoint: the text is printed as each token is chosen, then
     /// `ids=<the generated ids>` last.
@@ -215,6 +227,26 @@ struct TrainArgs {
     /// backward, send, receive, optimizer and idle time to FILE (with pp>1).
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
+    /// With --partition auto, speed or memory: the most memory one pipeline stage may hold
+    /// (parameters, gradients, optimizer state and in-flight activations, as profiled), e.g.
+    /// 512MiB; even and explicit splits are checked against it.
+    #[arg(long, value_name = "SIZE")]
+    max_stage_memory: Option<String>,
+    /// Save a checkpoint of the whole training state (every rank's shards, optimizer state,
+    /// step) every N steps into OUT/checkpoints/step-N; OUT/checkpoints/latest names the newest.
+    #[arg(long, value_name = "N")]
+    save_every: Option<usize>,
+    /// Keep only the newest K periodic checkpoints (default: all).
+    #[arg(long, value_name = "K")]
+    keep: Option<usize>,
+    /// Continue an earlier run from its latest checkpoint: its --out folder (or a checkpoint
+    /// folder). The config, data and layout may differ only where a resumed run allows.
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
+    /// Train into an --out folder that already holds a run, starting over (its checkpoints are
+    /// removed). Without it such a folder is refused.
+    #[arg(long)]
+    overwrite: bool,
     /// Recompute activations in the backward pass instead of keeping them: none (default), all
     /// (every block) or, with pp>1, the pipeline stages whose blocks recompute, e.g. 0,1.
     #[arg(long, value_name = "WHICH", default_value = "none")]
@@ -253,6 +285,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Train(a) => {
             let cfg = train_config(&a)?;
+            meshgrad::stop::install_once()?;
             let mut pipeline = meshgrad::train_pipeline::PipelineOptions::default();
             if let Some(k) = &a.schedule {
                 pipeline.schedule = k.parse().map_err(anyhow::Error::msg)?;
@@ -262,6 +295,11 @@ fn run(cli: Cli) -> Result<()> {
                 pipeline.partition = p.clone();
             }
             pipeline.trace = a.trace.clone();
+            pipeline.max_stage_memory = a
+                .max_stage_memory
+                .as_deref()
+                .map(meshgrad::train_pipeline::parse_bytes)
+                .transpose()?;
             let opts = meshgrad::train::TrainOptions {
                 microbatches: a.microbatches,
                 sequence_parallel: a.sequence_parallel,
@@ -270,6 +308,10 @@ fn run(cli: Cli) -> Result<()> {
                     .activation_checkpointing
                     .parse()
                     .map_err(anyhow::Error::msg)?,
+                save_every: a.save_every,
+                keep: a.keep,
+                resume: a.resume.clone(),
+                overwrite: a.overwrite,
             };
             let layout: Option<meshgrad::parallel::ParallelLayout> =
                 a.layout.as_deref().map(str::parse).transpose()?;
@@ -319,6 +361,10 @@ fn run(cli: Cli) -> Result<()> {
             if let Some(what) = out.deadlock {
                 anyhow::bail!("the {kind} schedule deadlocks: {what}");
             }
+        }
+        Command::Export { checkpoint, out } => {
+            let from = meshgrad::run_checkpoint::export(&checkpoint, &out)?;
+            println!("exported {} to {}", from.display(), out.display());
         }
         Command::Eval { checkpoint, data } => {
             let loss = meshgrad::eval::eval_checkpoint(&checkpoint, &data)?;

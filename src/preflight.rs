@@ -48,9 +48,10 @@
 //! overflow"). `MESHGRAD_NO_MEMORY_CHECK=1` skips the comparison with the machine (for a run the
 //! estimate wrongly refuses), not the overflow check.
 //!
-//! For `eval` and `generate`, [`check_checkpoint`] reads the checkpoint's `config.json` and
-//! estimates its parameters (`4 P`) and the activations of one forward pass without gradients
-//! (two blocks of temporaries, the logits) over [`INFERENCE_ROWS`] windows.
+//! For `eval` and `generate`, [`check_checkpoint`] reads a final model's `config.json` (and
+//! [`check_model_memory`] takes a training checkpoint's config) and estimates its parameters
+//! (`4 P`) and the activations of one forward pass without gradients (two blocks of
+//! temporaries, the logits) over [`INFERENCE_ROWS`] windows.
 
 use std::fmt;
 use std::ops::{Add, Mul};
@@ -707,11 +708,14 @@ pub fn check_checkpoint(dir: &Path) -> Result<()> {
             Err(_) => return Ok(()),
         }
     };
-    check_memory(
-        &estimate_inference(&shape, INFERENCE_ROWS),
-        &format!("checkpoint {}", dir.display()),
-        "",
-    )
+    check_model_memory(&shape, &format!("checkpoint {}", dir.display()))
+}
+
+/// Checks the model `shape` describes against memory before it is built for `eval` or
+/// `generate`: [`estimate_inference`] over [`INFERENCE_ROWS`] rows; `what` names it in the error
+/// (`"checkpoint DIR"`).
+pub fn check_model_memory(shape: &ModelShape, what: &str) -> Result<()> {
+    check_memory(&estimate_inference(shape, INFERENCE_ROWS), what, "")
 }
 
 #[cfg(test)]

@@ -18,7 +18,8 @@ use meshgrad_nn::tokenizer::Tokenizer;
 use meshgrad_nn::tp::TensorParallel;
 use meshgrad_nn::ForwardCtx;
 use meshgrad_nn::{Gpt, GptConfig, Module, ParamBuilder};
-use meshgrad_parallel::micro_rows;
+use meshgrad_parallel::comm::all_reduce_scalar;
+use meshgrad_parallel::{micro_rows, Communicator, ReduceOp};
 use meshgrad_tensor::{DType, Device, Tensor};
 
 use crate::config::TrainConfig;
@@ -87,6 +88,9 @@ pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
 /// The tokenizer stored in a checkpoint directory (`tokenizer.json`), if there is one.
 pub fn load_checkpoint_tokenizer(dir: &Path) -> Result<Option<Tokenizer>> {
+    if let Some(ck) = crate::run_checkpoint::open_training_checkpoint(dir)? {
+        return Ok(crate::run_checkpoint::load_training_model(&ck)?.1);
+    }
     let path = dir.join(TOKENIZER_FILE);
     if !path.exists() {
         return Ok(None);
@@ -94,10 +98,21 @@ pub fn load_checkpoint_tokenizer(dir: &Path) -> Result<Option<Tokenizer>> {
     Ok(Some(Tokenizer::from_file(&path)?))
 }
 
-/// Loads a checkpoint directory written by `meshgrad train` (Hugging Face GPT-2 format).
-/// Its `config.json` is checked against the machine's memory first
-/// ([`crate::preflight::check_checkpoint`]).
+/// Loads a GPT written by `meshgrad train`: its final model (`--out`, Hugging Face GPT-2
+/// format), or a training checkpoint (`OUT/checkpoints/step-N`, a folder of them, or `OUT`
+/// when it holds checkpoints but no final model). The sizes its config describes are checked
+/// against the machine's memory before the model is built
+/// ([`crate::preflight::check_checkpoint`], [`crate::preflight::check_model_memory`]).
 pub fn load_checkpoint(dir: &Path) -> Result<Gpt> {
+    if let Some(ck) = crate::run_checkpoint::open_training_checkpoint(dir)? {
+        return match crate::run_checkpoint::load_training_model(&ck)?.0 {
+            crate::run_checkpoint::CheckpointModel::Gpt(m) => Ok(*m),
+            crate::run_checkpoint::CheckpointModel::Bert(_) => anyhow::bail!(
+                "{} is a BERT checkpoint; this command takes a GPT",
+                ck.path().display()
+            ),
+        };
+    }
     crate::preflight::check_checkpoint(dir)?;
     hf_gpt2::load_gpt2(dir, DType::F32, Device::Cpu)
         .with_context(|| format!("loading checkpoint {}", dir.display()))
@@ -122,6 +137,15 @@ pub struct TrainOptions {
     /// Activation checkpointing (`--activation-checkpointing`): which blocks recompute their
     /// activations in the backward pass instead of keeping them.
     pub activation_checkpointing: ActivationCheckpointing,
+    /// Save a checkpoint every this many steps (`--save-every`), into `OUT/checkpoints`.
+    pub save_every: Option<usize>,
+    /// Keep only the newest this many periodic checkpoints (`--keep`; all when `None`).
+    pub keep: Option<usize>,
+    /// Continue the run whose `--out` folder (or checkpoint) this is (`--resume`).
+    pub resume: Option<PathBuf>,
+    /// Train into an `--out` folder that already holds a run, removing its checkpoints
+    /// (`--overwrite`).
+    pub overwrite: bool,
 }
 
 /// Which blocks recompute their activations during the backward pass
@@ -197,8 +221,27 @@ impl Default for TrainOptions {
             sequence_parallel: false,
             pipeline: Default::default(),
             activation_checkpointing: ActivationCheckpointing::None,
+            save_every: None,
+            keep: None,
+            resume: None,
+            overwrite: false,
         }
     }
+}
+
+/// Checks the checkpointing options and the `--out` folder before any work (see
+/// [`crate::run_dir::prepare_out_dir`]).
+pub(crate) fn check_run_options(cfg: &TrainConfig, opts: &TrainOptions) -> Result<()> {
+    if opts.save_every == Some(0) {
+        anyhow::bail!("--save-every must be at least 1 (a checkpoint every N steps)");
+    }
+    if opts.keep == Some(0) {
+        anyhow::bail!("--keep must be at least 1 (the number of checkpoints kept)");
+    }
+    if opts.resume.is_some() && opts.overwrite {
+        anyhow::bail!("--resume and --overwrite conflict: continue the run or start over");
+    }
+    crate::run_dir::prepare_out_dir(Path::new(&cfg.out), opts.resume.is_some(), opts.overwrite)
 }
 
 /// Refuses `--sequence-parallel` without tensor parallelism (`tp` is the layout's
@@ -428,6 +471,34 @@ pub(crate) fn metrics_line(
     m.to_string()
 }
 
+/// The metrics file of a run resumed after `start_step` steps, open for appending: lines of
+/// later steps (written by the run before it was stopped, after its checkpoint) are dropped,
+/// through a temporary file renamed over the original.
+fn reopen_metrics(path: &Path, start_step: usize) -> Result<std::fs::File> {
+    let kept: String = match std::fs::read_to_string(path) {
+        Ok(text) => text
+            .lines()
+            .filter(|l| {
+                serde_json::from_str::<serde_json::Value>(l)
+                    .ok()
+                    .and_then(|v| v["step"].as_u64())
+                    .is_some_and(|s| s as usize <= start_step)
+            })
+            .map(|l| format!("{l}\n"))
+            .collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => {
+            return Err(e).with_context(|| format!("reading metrics file {}", path.display()))
+        }
+    };
+    meshgrad_nn::state::write_bytes_atomic(path, kept.as_bytes())
+        .with_context(|| format!("rewriting metrics file {}", path.display()))?;
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(path)
+        .with_context(|| format!("opening metrics file {}", path.display()))
+}
+
 /// Progress output and the metrics file. Only the leader (rank 0) reports; the others get a
 /// silent reporter.
 pub(crate) struct Reporter {
@@ -438,7 +509,13 @@ pub(crate) struct Reporter {
 
 impl Reporter {
     /// The leader's reporter: a progress bar (unless quiet) and the metrics file, if configured.
-    pub(crate) fn leader(cfg: &TrainConfig, verbosity: Verbosity) -> Result<Reporter> {
+    /// A run resumed after `start_step` steps keeps the metrics file's lines of those steps
+    /// (dropping any later ones a killed run wrote) and appends; a new run starts the file.
+    pub(crate) fn leader(
+        cfg: &TrainConfig,
+        verbosity: Verbosity,
+        start_step: usize,
+    ) -> Result<Reporter> {
         let metrics = match &cfg.metrics {
             None => None,
             Some(p) => {
@@ -446,10 +523,13 @@ impl Reporter {
                     std::fs::create_dir_all(dir)
                         .with_context(|| format!("creating {}", dir.display()))?;
                 }
-                Some(std::io::BufWriter::new(
+                let file = if start_step == 0 {
                     std::fs::File::create(p)
-                        .with_context(|| format!("creating metrics file {p}"))?,
-                ))
+                        .with_context(|| format!("creating metrics file {p}"))?
+                } else {
+                    reopen_metrics(Path::new(p), start_step)?
+                };
+                Some(std::io::BufWriter::new(file))
             }
         };
         let quiet = verbosity == Verbosity::Quiet;
@@ -467,6 +547,7 @@ impl Reporter {
             )
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
         );
+        pb.set_position(start_step as u64);
         Ok(Reporter { quiet, pb, metrics })
     }
 
@@ -522,6 +603,7 @@ pub(crate) struct LoopResult {
 /// of the global batch in `microbatches` micro-batches (losses scaled by `1/microbatches`,
 /// gradients accumulated, synchronised by `sync` on the final one), clipping, the optimizer
 /// step, the global loss, periodic validation and reporting.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn run_loop(
     cfg: &TrainConfig,
     data: &RunData,
@@ -530,6 +612,7 @@ pub(crate) fn run_loop(
     microbatches: usize,
     sync: &dyn GradSync,
     rep: &mut Reporter,
+    ctl: &RunControl<'_>,
 ) -> Result<LoopResult> {
     let t = cfg.model.block_size;
     let micro = micro_rows(rows.clone(), microbatches)?;
@@ -559,7 +642,36 @@ pub(crate) fn run_loop(
         Ok(loss_sum / microbatches as f64)
     };
     let val = || val_loss(model, &data.val, cfg, &rows, sync);
-    drive_loop(cfg, opt, schedule, &params, sync, rep, 1.0, micro_step, val)
+    drive_loop(
+        cfg, model, opt, schedule, &params, sync, rep, 1.0, micro_step, val, ctl,
+    )
+}
+
+/// What a training loop does besides training: where it starts (a resumed run starts after the
+/// step its checkpoint was saved at), when it saves, and how the ranks agree to stop on a signal.
+pub(crate) struct RunControl<'a> {
+    /// The first step to run.
+    pub(crate) start_step: usize,
+    /// Every rank of the run, to agree on stopping (all ranks stop after the same step); `None`
+    /// on one device.
+    pub(crate) world: Option<&'a dyn Communicator>,
+    /// Save a checkpoint after every this many steps.
+    pub(crate) save_every: Option<usize>,
+    /// Saves a checkpoint of the model (this rank's part) and the optimizer after `steps`
+    /// completed steps (every rank calls it); returns where.
+    #[allow(clippy::type_complexity)]
+    pub(crate) save: Option<&'a dyn Fn(usize, &dyn Module, &AdamW) -> Result<String>>,
+}
+
+impl RunControl<'_> {
+    /// Whether any rank was asked to stop (a collective over `world` when there is one).
+    fn stop_requested(&self) -> Result<bool> {
+        let local = crate::stop::installed().is_some_and(|s| s.requested());
+        match self.world {
+            None => Ok(local),
+            Some(w) => Ok(all_reduce_scalar(w, f64::from(u8::from(local)), ReduceOp::Max)? > 0.0),
+        }
+    }
 }
 
 /// The part of the training loop that does not depend on the model (GPT or BERT): validation
@@ -573,6 +685,7 @@ pub(crate) fn run_loop(
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn drive_loop(
     cfg: &TrainConfig,
+    model: &dyn Module,
     opt: &mut AdamW,
     schedule: &CosineSchedule,
     params: &[Var],
@@ -581,6 +694,7 @@ pub(crate) fn drive_loop(
     loss_scale: f64,
     mut micro_step: impl FnMut(usize) -> Result<f64>,
     mut val: impl FnMut() -> Result<f64>,
+    ctl: &RunControl<'_>,
 ) -> Result<LoopResult> {
     let (t, b) = (cfg.model.block_size, cfg.train.batch_size);
     let initial_val = val()?;
@@ -590,7 +704,7 @@ pub(crate) fn drive_loop(
     let mut last_loss = f64::NAN;
     let mut last_val = initial_val;
     let mut tokens_done = 0usize;
-    for step in 0..cfg.train.steps {
+    for step in ctl.start_step..cfg.train.steps {
         let t0 = Instant::now();
         sync.zero_grad(opt);
         let share = micro_step(step)?;
@@ -653,6 +767,31 @@ pub(crate) fn drive_loop(
         rep.pb
             .set_message(format!("loss {last_loss:.4} | {tps:.0} tok/s"));
         rep.pb.inc(1);
+        let done = step + 1;
+        let stop = ctl.stop_requested()?;
+        let periodic = ctl.save_every.is_some_and(|n| n > 0 && done % n == 0);
+        let saved = match ctl.save {
+            Some(save) if periodic || stop || is_last => Some(save(done, model, opt)?),
+            _ => None,
+        };
+        if let Some(at) = &saved {
+            rep.say(format!("step {done}: checkpoint {at}"));
+        }
+        if stop && !is_last {
+            rep.pb.abandon();
+            match saved {
+                Some(at) => anyhow::bail!(
+                    "stopped by a signal after step {done} of {}; checkpoint {at}; continue with \
+                     --resume",
+                    cfg.train.steps
+                ),
+                None => anyhow::bail!(
+                    "stopped by a signal after step {done} of {}; no checkpoint written (this run \
+                     does not save checkpoints)",
+                    cfg.train.steps
+                ),
+            }
+        }
     }
     let elapsed = started.elapsed().as_secs_f64();
     Ok(LoopResult {
@@ -707,10 +846,11 @@ pub(crate) fn finish_run(
 ) -> Result<TrainSummary> {
     rep.finish()?;
     let out = PathBuf::from(&cfg.out);
-    hf_gpt2::save_gpt2(model, &out)
-        .with_context(|| format!("saving checkpoint to {}", out.display()))?;
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    // The run's config and tokenizer first, the model last: its config.json, written last,
+    // marks a complete folder.
     let cfg_text = cfg.to_toml_string()?;
-    std::fs::write(out.join("meshgrad.toml"), cfg_text)
+    meshgrad_nn::state::write_bytes_atomic(out.join("meshgrad.toml"), cfg_text.as_bytes())
         .with_context(|| format!("writing {}/meshgrad.toml", out.display()))?;
     let tok_path = out.join(TOKENIZER_FILE);
     match tokenizer {
@@ -719,6 +859,8 @@ pub(crate) fn finish_run(
             .with_context(|| format!("removing the stale {}", tok_path.display()))?,
         None => {}
     }
+    hf_gpt2::save_gpt2(model, &out)
+        .with_context(|| format!("saving checkpoint to {}", out.display()))?;
 
     let sample = match tokenizer {
         _ if cfg.train.sample_tokens == 0 => String::new(),
@@ -787,13 +929,25 @@ pub fn train_with(
     check_sequence_parallel(opts, 1)?;
     crate::train_pipeline::check_pipeline_flags(opts, 1)?;
     opts.activation_checkpointing.check(1)?;
+    check_run_options(cfg, opts)?;
     let (cfg, tokenizer) = resolve_tokenizer(cfg)?;
     let cfg = &cfg;
     check_microbatches(cfg, 1, opts.microbatches)?;
     crate::preflight::check_train(cfg, None, opts)?;
     let data = run_data(cfg, tokenizer)?;
     let mut run = run_model(cfg, None, false, opts.activation_checkpointing.on_stage(0))?;
-    let mut rep = Reporter::leader(cfg, verbosity)?;
+    let (start_step, saver) = crate::run_checkpoint::begin_rank(
+        cfg,
+        opts,
+        "single",
+        None,
+        &run.model,
+        &mut run.opt,
+        None,
+        false,
+    )?;
+    let hook = saver.as_ref().map(|s| s.hook(None));
+    let mut rep = Reporter::leader(cfg, verbosity, start_step)?;
     let micro = if opts.microbatches > 1 {
         format!(", {} micro-batches", opts.microbatches)
     } else {
@@ -809,6 +963,12 @@ pub fn train_with(
         opts.microbatches,
         &SingleDevice,
         &mut rep,
+        &RunControl {
+            start_step,
+            world: None,
+            save_every: opts.save_every,
+            save: hook.as_deref(),
+        },
     )?;
     finish_run(cfg, &run.model, data.tokenizer.as_ref(), rep, r, verbosity)
 }
@@ -839,8 +999,19 @@ mod tests {
             Ok(loss(step))
         };
         let mut rep = Reporter::silent();
+        let ctl = RunControl {
+            start_step: 0,
+            world: None,
+            save_every: None,
+            save: None,
+        };
+        // Only a save hook would read the model; there is none.
+        let model = ParamBuilder::new(0)
+            .build(|p| meshgrad_nn::Linear::new(p, 1, 1))
+            .unwrap();
         let r = drive_loop(
             &cfg,
+            &model,
             &mut opt,
             &schedule,
             &params,
@@ -849,6 +1020,7 @@ mod tests {
             1.0,
             micro_step,
             || Ok(1.0),
+            &ctl,
         );
         match r {
             Ok(_) => String::new(),

@@ -39,7 +39,8 @@ use meshgrad_tensor::{DType, Device, Tensor};
 use crate::config::TrainConfig;
 use crate::train::{
     check_microbatches, check_sequence_parallel, drive_loop, optimizer_and_schedule, run_data,
-    GradSync, LoopResult, Reporter, RunData, SingleDevice, TrainOptions, TrainSummary, Verbosity,
+    GradSync, LoopResult, Reporter, RunControl, RunData, SingleDevice, TrainOptions, TrainSummary,
+    Verbosity,
 };
 use crate::train_parallel::{
     check_layout, gather_tensor_parallel, layout_desc, on_ranks, RankWrapper,
@@ -206,6 +207,7 @@ fn run_loop(
     microbatches: usize,
     sync: &dyn GradSync,
     rep: &mut Reporter,
+    ctl: &RunControl<'_>,
 ) -> Result<LoopResult> {
     let cfg = s.cfg;
     let seed = cfg.train.seed;
@@ -239,7 +241,7 @@ fn run_loop(
     let val = || val_loss(model, s, &data.val, &rows, world, sync);
     let scale = world as f64;
     drive_loop(
-        cfg, opt, schedule, &params, sync, rep, scale, micro_step, val,
+        cfg, model, opt, schedule, &params, sync, rep, scale, micro_step, val, ctl,
     )
 }
 
@@ -273,10 +275,15 @@ pub(crate) fn finish(
 ) -> Result<TrainSummary> {
     rep.finish()?;
     let out = PathBuf::from(&cfg.out);
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    // The run's config first, the model last (its config.json marks a complete folder).
+    meshgrad_nn::state::write_bytes_atomic(
+        out.join("meshgrad.toml"),
+        cfg.to_toml_string()?.as_bytes(),
+    )
+    .with_context(|| format!("writing {}/meshgrad.toml", out.display()))?;
     hf_bert::save_bert(model, &out)
         .with_context(|| format!("saving checkpoint to {}", out.display()))?;
-    std::fs::write(out.join("meshgrad.toml"), cfg.to_toml_string()?)
-        .with_context(|| format!("writing {}/meshgrad.toml", out.display()))?;
     let summary = TrainSummary {
         initial_val_loss: r.initial_val_loss,
         final_val_loss: r.final_val_loss,
@@ -317,6 +324,7 @@ pub fn train_bert(
             check_sequence_parallel(opts, 1)?;
             crate::train_pipeline::check_pipeline_flags(opts, 1)?;
             opts.activation_checkpointing.check(1)?;
+            crate::train::check_run_options(cfg, opts)?;
             check_microbatches(cfg, 1, opts.microbatches)?;
             1
         }
@@ -360,7 +368,18 @@ pub fn train_bert(
     match layout {
         None => {
             let mut run = bert_run(cfg, None, false, opts.activation_checkpointing.on_stage(0))?;
-            let mut rep = Reporter::leader(cfg, verbosity)?;
+            let (start_step, saver) = crate::run_checkpoint::begin_rank(
+                cfg,
+                opts,
+                "single",
+                None,
+                &run.model,
+                &mut run.opt,
+                None,
+                false,
+            )?;
+            let hook = saver.as_ref().map(|s| s.hook(None));
+            let mut rep = Reporter::leader(cfg, verbosity, start_step)?;
             let desc = if opts.microbatches > 1 {
                 format!(", {} micro-batches", opts.microbatches)
             } else {
@@ -377,6 +396,12 @@ pub fn train_bert(
                 opts.microbatches,
                 &SingleDevice,
                 &mut rep,
+                &RunControl {
+                    start_step,
+                    world: None,
+                    save_every: opts.save_every,
+                    save: hook.as_deref(),
+                },
             )?;
             finish(cfg, &run.model, rep, r, verbosity)
         }
@@ -386,10 +411,21 @@ pub fn train_bert(
             let fsdp = layout.zero() == Some(ZeroStage::Three);
             let mut run = bert_run(cfg, tp, fsdp, opts.activation_checkpointing.on_stage(0))?;
             let wrapper = RankWrapper::new(mesh, &run.model, &run.opt)?;
+            let (start_step, saver) = crate::run_checkpoint::begin_rank(
+                cfg,
+                opts,
+                &layout.to_string(),
+                Some(ctx.comm.as_ref()),
+                &run.model,
+                &mut run.opt,
+                wrapper.sharded(),
+                false,
+            )?;
+            let hook = saver.as_ref().map(|s| s.hook(wrapper.sharded()));
             let rows = rank_rows(cfg.train.batch_size, mesh.dp_degree(), mesh.dp_rank())?;
             let leader = ctx.rank == 0;
             let mut rep = if leader {
-                Reporter::leader(cfg, verbosity)?
+                Reporter::leader(cfg, verbosity, start_step)?
             } else {
                 Reporter::silent()
             };
@@ -406,6 +442,12 @@ pub fn train_bert(
                 opts.microbatches,
                 sync.as_ref(),
                 &mut rep,
+                &RunControl {
+                    start_step,
+                    world: Some(ctx.comm.as_ref()),
+                    save_every: opts.save_every,
+                    save: hook.as_deref(),
+                },
             )?;
             wrapper.summon_full_params()?;
             // tp: the leader assembles the single-device model from every rank's parts.

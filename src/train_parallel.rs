@@ -38,7 +38,8 @@ use meshgrad_tensor::{DType, Device};
 use crate::config::TrainConfig;
 use crate::train::{
     check_microbatches, check_sequence_parallel, finish_run, gpt_config, header, resolve_tokenizer,
-    run_data, run_loop, run_model, GradSync, Reporter, TrainOptions, TrainSummary, Verbosity,
+    run_data, run_loop, run_model, GradSync, Reporter, RunControl, TrainOptions, TrainSummary,
+    Verbosity,
 };
 
 /// How long a rank waits for its peers in any collective before failing the run. Ranks do the
@@ -130,6 +131,14 @@ impl RankWrapper {
         }
     }
 
+    /// The sharded wrapper, when the layout shards.
+    pub(crate) fn sharded(&self) -> Option<&ShardedDataParallel> {
+        match self {
+            RankWrapper::Sharded(sdp) => Some(sdp),
+            RankWrapper::Ddp(_) => None,
+        }
+    }
+
     /// fsdp/hsdp keep only shards: gathers the full weights (every rank takes part) for the
     /// checkpoint. Nothing to do for the other layouts.
     pub(crate) fn summon_full_params(&self) -> Result<()> {
@@ -168,6 +177,7 @@ pub fn check_layout(cfg: &TrainConfig, layout: &ParallelLayout, opts: &TrainOpti
     check_sequence_parallel(opts, layout.tp())?;
     crate::train_pipeline::check_pipeline_flags(opts, layout.pp())?;
     opts.activation_checkpointing.check(layout.pp())?;
+    crate::train::check_run_options(cfg, opts)?;
     layout.check(cfg.train.batch_size, opts.microbatches, None)?;
     check_microbatches(cfg, layout.data_parallel_degree(), opts.microbatches)?;
     Ok(())
@@ -219,10 +229,21 @@ pub fn train_parallel(
         let fsdp = layout.zero() == Some(ZeroStage::Three);
         let mut run = run_model(cfg, tp, fsdp, opts.activation_checkpointing.on_stage(0))?;
         let wrapper = RankWrapper::new(mesh, &run.model, &run.opt)?;
+        let (start_step, saver) = crate::run_checkpoint::begin_rank(
+            cfg,
+            opts,
+            &layout.to_string(),
+            Some(ctx.comm.as_ref()),
+            &run.model,
+            &mut run.opt,
+            wrapper.sharded(),
+            false,
+        )?;
+        let hook = saver.as_ref().map(|s| s.hook(wrapper.sharded()));
         let rows = rank_rows(cfg.train.batch_size, mesh.dp_degree(), mesh.dp_rank())?;
         let leader = ctx.rank == 0;
         let mut rep = if leader {
-            Reporter::leader(cfg, verbosity)?
+            Reporter::leader(cfg, verbosity, start_step)?
         } else {
             Reporter::silent()
         };
@@ -238,6 +259,12 @@ pub fn train_parallel(
             opts.microbatches,
             sync.as_ref(),
             &mut rep,
+            &RunControl {
+                start_step,
+                world: Some(ctx.comm.as_ref()),
+                save_every: opts.save_every,
+                save: hook.as_deref(),
+            },
         )?;
         // fsdp/hsdp: the full weights for the checkpoint and the sample.
         wrapper.summon_full_params()?;

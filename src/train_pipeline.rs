@@ -50,8 +50,8 @@ use meshgrad_tensor::{Device, Tensor};
 
 use crate::config::TrainConfig;
 use crate::train::{
-    drive_loop, optimizer_and_schedule, GradSync, LoopResult, Reporter, TrainOptions, TrainSummary,
-    Verbosity,
+    drive_loop, optimizer_and_schedule, GradSync, LoopResult, Reporter, RunControl, TrainOptions,
+    TrainSummary, Verbosity,
 };
 use crate::train_parallel::{layout_desc, on_ranks};
 
@@ -67,6 +67,8 @@ pub struct PipelineOptions {
     pub partition: String,
     /// Write a Chrome trace of the run here (`--trace`).
     pub trace: Option<PathBuf>,
+    /// The most memory the partitioner may give one stage, in bytes (`--max-stage-memory`).
+    pub max_stage_memory: Option<u64>,
 }
 
 impl Default for PipelineOptions {
@@ -76,6 +78,7 @@ impl Default for PipelineOptions {
             chunks: None,
             partition: "auto".into(),
             trace: None,
+            max_stage_memory: None,
         }
     }
 }
@@ -85,6 +88,34 @@ impl PipelineOptions {
     pub fn is_set(&self) -> bool {
         *self != PipelineOptions::default()
     }
+}
+
+/// Parses a size in bytes: a whole number with an optional binary unit, `B`, `KiB`, `MiB`,
+/// `GiB` or `TiB` (`512MiB`, `1.5GiB`, `4096`).
+pub fn parse_bytes(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let scale: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "TiB" => 1 << 40,
+        other => {
+            anyhow::bail!("size {s:?}: unknown unit {other:?} (expected B, KiB, MiB, GiB or TiB)")
+        }
+    };
+    let v: f64 = num
+        .parse()
+        .map_err(|_| anyhow::anyhow!("size {s:?}: {num:?} is not a number"))?;
+    let bytes = v * scale as f64;
+    if !(bytes.is_finite() && bytes >= 1.0 && bytes < u64::MAX as f64) {
+        anyhow::bail!("size {s:?} must be at least 1 byte and below 2^64");
+    }
+    Ok(bytes as u64)
 }
 
 /// Refuses pipeline flags (`--schedule`, `--chunks`, `--partition`, `--trace`) when the layout
@@ -211,11 +242,14 @@ pub(crate) fn plan_pipeline<T: PipelineTask>(
         .map_err(|e| anyhow::anyhow!("--partition {}: {e}", po.partition))?;
     let rows = task.cfg().train.batch_size / layout.data_parallel_degree() / m;
     let costs = profile_task(task, rows)?;
-    let memory = if po.schedule == ScheduleKind::GPipe {
+    let mut memory = if po.schedule == ScheduleKind::GPipe {
         MemoryModel::gpipe(stages, m)
     } else {
         MemoryModel::one_f_one_b(stages, m)
     };
+    if let Some(limit) = po.max_stage_memory {
+        memory = memory.with_limit(limit);
+    }
     let partition = method.partition(&costs, &memory)?;
     let specs = partition.stage_specs()?;
     // Per-rank costs for the simulator: the mean of the rank's chunks, split 1 : 1 : 1 into
@@ -483,6 +517,22 @@ fn rank_main<T: PipelineTask>(
             ShardConfig::new(stage),
         )?),
     };
+    let sharded = match &reducer {
+        Reducer::Sharded(sdp) => Some(sdp),
+        Reducer::AllReduce => None,
+    };
+    // A stage holds part of the model: it loads the tensors it has.
+    let (start_step, saver) = crate::run_checkpoint::begin_rank(
+        cfg,
+        opts,
+        &layout.to_string(),
+        Some(ctx.comm.as_ref()),
+        &module,
+        &mut opt,
+        sharded,
+        true,
+    )?;
+    let hook = saver.as_ref().map(|s| s.hook(sharded));
     let grads = PipelineGrads::new(&chunks, pp.clone())?;
     let last = p + 1 == world_pp;
     let skip_in_norm = if last && world_pp > 1 {
@@ -504,7 +554,7 @@ fn rank_main<T: PipelineTask>(
     let rows = rank_rows(cfg.train.batch_size, dp, mesh.dp_rank())?;
     let leader = ctx.rank == 0;
     let mut rep = if leader {
-        Reporter::leader(cfg, verbosity)?
+        Reporter::leader(cfg, verbosity, start_step)?
     } else {
         Reporter::silent()
     };
@@ -551,6 +601,7 @@ fn rank_main<T: PipelineTask>(
     };
     let result = drive_loop(
         cfg,
+        &module,
         &mut opt,
         &lr_schedule,
         &params,
@@ -559,6 +610,12 @@ fn rank_main<T: PipelineTask>(
         1.0,
         micro_step,
         val,
+        &RunControl {
+            start_step,
+            world: Some(ctx.comm.as_ref()),
+            save_every: opts.save_every,
+            save: hook.as_deref(),
+        },
     )?;
     // The single-device state dict on the leader.
     if let Reducer::Sharded(sdp) = &reducer {

@@ -175,8 +175,11 @@ fn jsonl_through_a_tokenizer_end_to_end() {
     assert_ok(&o);
     assert!(loss_line(&o) < 7.0);
 
-    // Byte-level JSONL without a tokenizer, into the same folder: the stale tokenizer goes.
+    // Byte-level JSONL without a tokenizer, into the same folder (starting over: the folder
+    // holds a run): the stale tokenizer goes.
     let o = train(&dir, "tok", &["--data", j]);
+    assert_one_line_error(&o, &["already holds a run", "--resume", "--overwrite"]);
+    let o = train(&dir, "tok", &["--data", j, "--overwrite"]);
     assert_ok(&o);
     let (out, _) = text(&o);
     assert!(out.contains("byte-level text"), "{out}");

@@ -472,6 +472,14 @@ fn bad_pipeline_flags_are_refused_in_one_line() {
             "stage 2 does not exist",
         ),
         (
+            &["--layout", "pp=2", "--max-stage-memory", "1KiB"][..],
+            "fits the per-stage memory limit of 1.00 KiB",
+        ),
+        (
+            &["--layout", "pp=2", "--max-stage-memory", "3 apples"][..],
+            "unknown unit",
+        ),
+        (
             &["--layout", "pp=2", "--microbatches", "3"][..],
             "do not split evenly into 3 micro-batches",
         ),

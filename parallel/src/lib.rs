@@ -1,5 +1,7 @@
 //! Parallel training for meshgrad.
 //!
+//! * [`checkpoint`]: distributed checkpoints: each rank writes its own pieces, one index says
+//!   where every piece sits, publication is one atomic rename, and loading reshards to any layout.
 //! * [`comm`]: the [`Communicator`] trait (all_reduce, reduce_scatter, all_gather, broadcast,
 //!   send/recv, barrier, sub-groups), each operation returning an asynchronous [`Work`] handle;
 //!   the in-process backend (every rank a thread) and its one-call launcher [`run_ranks`].
@@ -31,6 +33,7 @@
 //!   runs any schedule on a model's stages over the pipeline group, forward-only evaluation, and
 //!   per-rank timelines written as Chrome traces.
 
+pub mod checkpoint;
 pub mod comm;
 pub mod ddp;
 pub mod layout;

@@ -100,6 +100,8 @@ pub fn read_json(path: &Path) -> serde_json::Value {
 /// One line of a metrics file.
 #[derive(Debug, Clone, Copy)]
 pub struct Step {
+    /// The step number (from 1).
+    pub step: usize,
     pub loss: f64,
     /// Present on the steps that evaluate.
     pub val_loss: Option<f64>,
@@ -115,6 +117,7 @@ pub fn metrics(dir: &Path, tag: &str) -> Vec<Step> {
         .map(|l| {
             let v: serde_json::Value = serde_json::from_str(l).unwrap();
             Step {
+                step: v["step"].as_u64().unwrap() as usize,
                 loss: v["loss"].as_f64().unwrap(),
                 val_loss: v["val_loss"].as_f64(),
                 grad_norm: v["grad_norm"].as_f64().unwrap_or(f64::NAN),

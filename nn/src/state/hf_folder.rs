@@ -101,6 +101,18 @@ pub(crate) fn write_folder(
     std::fs::create_dir_all(dir)
         .map_err(|e| Error::Msg(format!("{op}: cannot create {}: {e}", dir.display())))?;
     let tensors = tensors()?;
+    // Never a mix of two saves: an old config goes first and the new one is written last, so a
+    // save killed half-way leaves a folder without config.json (which no loader takes for a
+    // model) rather than new weights beside an old config.
+    let config_path = dir.join(CONFIG_FILE);
+    if config_path.exists() {
+        std::fs::remove_file(&config_path).map_err(|e| {
+            Error::Msg(format!(
+                "{op}: cannot replace {}: {e}",
+                config_path.display()
+            ))
+        })?;
+    }
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
     save_safetensors(dir.join(WEIGHTS_FILE), &tensors, Some(meta))?;
     write_atomic_with(&dir.join(CONFIG_FILE), op, |tmp| {

@@ -146,6 +146,7 @@ mod config;
 mod gather;
 mod grads;
 mod optim;
+mod pieces;
 pub mod plan;
 mod topology;
 mod wrapper;

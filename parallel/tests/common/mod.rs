@@ -83,6 +83,16 @@ impl DataParallel {
         self.sdp.as_ref()
     }
 
+    /// The optimizer, without ZeRO (ZeRO's wrapper owns it otherwise).
+    pub fn optimizer(&self) -> Option<&dyn Optimizer> {
+        self.opt.as_deref()
+    }
+
+    /// The optimizer, mutably, without ZeRO.
+    pub fn optimizer_mut(&mut self) -> Option<&mut (dyn Optimizer + 'static)> {
+        self.opt.as_deref_mut()
+    }
+
     /// Clears the gradients before a step.
     pub fn zero_grad(&self) {
         if let Some(z) = &self.sdp {

@@ -1,0 +1,364 @@
+//! Periodic checkpoints and `--resume` for every training path (one device, data, sharded,
+//! tensor and pipeline parallel), on top of [`meshgrad_parallel::checkpoint`].
+//!
+//! A run with `--save-every N` writes `OUT/checkpoints/step-NNNNNN` every N steps, when a
+//! SIGINT / SIGTERM stops it, and after its last step: every rank writes its own pieces
+//! (parameters and optimizer state as it holds them: whole, tensor-parallel splits or ZeRO
+//! segments), and the checkpoint is published atomically once all are on disk. Its metadata
+//! holds the step, the layout and the config; the batches, dropout masks and learning rate of a
+//! step are functions of the seed and the step, so those are the whole position of the run.
+//! `--resume DIR` (a run's `--out`, or a checkpoint) loads the pieces under the current layout,
+//! whatever the layout that saved them, and continues after the saved step.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use meshgrad_nn::optim::{AdamW, Optimizer};
+use meshgrad_nn::Module;
+use meshgrad_parallel::checkpoint::{self, Checkpoint, Piece, SaveOptions};
+use meshgrad_parallel::Communicator;
+use meshgrad_parallel::ShardedDataParallel;
+
+use crate::config::TrainConfig;
+use crate::run_dir::checkpoints_dir;
+use crate::train::TrainOptions;
+
+/// The tokenizer file a run's checkpoint carries (when the run has a tokenizer).
+const TOKENIZER_FILE: &str = "tokenizer.json";
+
+/// Saves a run's checkpoints (see the [module docs](self)); one per rank.
+pub(crate) struct Saver<'a> {
+    dir: PathBuf,
+    keep: Option<usize>,
+    metadata: serde_json::Value,
+    files: Vec<(String, Vec<u8>)>,
+    world: Option<&'a dyn Communicator>,
+}
+
+impl<'a> Saver<'a> {
+    /// The saver of a run (`None` without `--save-every`). `layout` is the `--layout` spec (or
+    /// `single`), `kind` the model kind. On the first rank, leftovers of killed saves are
+    /// removed (no save is running yet).
+    pub(crate) fn new(
+        cfg: &TrainConfig,
+        opts: &TrainOptions,
+        layout: &str,
+        world: Option<&'a dyn Communicator>,
+    ) -> Result<Option<Saver<'a>>> {
+        if opts.save_every.is_none() {
+            return Ok(None);
+        }
+        let dir = checkpoints_dir(Path::new(&cfg.out));
+        let first = world.is_none_or(|w| w.rank() == 0);
+        if first && dir.exists() {
+            checkpoint::cleanup(&dir).with_context(|| format!("cleaning up {}", dir.display()))?;
+        }
+        let toml = cfg.to_toml_string()?;
+        let mut files = vec![("meshgrad.toml".to_string(), toml.clone().into_bytes())];
+        if let Some(t) = &cfg.data.tokenizer {
+            let bytes = std::fs::read(t).with_context(|| format!("reading tokenizer {t}"))?;
+            files.push((TOKENIZER_FILE.to_string(), bytes));
+        }
+        Ok(Some(Saver {
+            dir,
+            keep: opts.keep,
+            metadata: serde_json::json!({
+                "layout": layout,
+                "model_kind": cfg.model.kind,
+                "config": toml,
+            }),
+            files,
+            world,
+        }))
+    }
+
+    /// Writes the checkpoint after `steps` steps from this rank's `pieces` (every rank calls
+    /// it); returns its path. Keeps the newest `--keep` afterwards.
+    pub(crate) fn save(&self, steps: usize, pieces: Vec<Piece>) -> Result<String> {
+        let mut metadata = self.metadata.clone();
+        metadata["step"] = serde_json::json!(steps);
+        let opts = SaveOptions {
+            metadata,
+            files: self.files.clone(),
+        };
+        let name = checkpoint::checkpoint_name(steps as u64);
+        let path = match self.world {
+            Some(w) => checkpoint::save(&self.dir, &name, pieces, w, &opts)?,
+            None => checkpoint::save_single(&self.dir, &name, pieces, &opts)?,
+        };
+        if self.world.is_none_or(|w| w.rank() == 0) {
+            if let Some(k) = self.keep {
+                checkpoint::keep(&self.dir, k)?;
+            }
+        }
+        Ok(path.display().to_string())
+    }
+}
+
+/// The saving hook of a training loop ([`crate::train::RunControl::save`]).
+pub(crate) type SaveHook<'b> = Box<dyn Fn(usize, &dyn Module, &AdamW) -> Result<String> + 'b>;
+
+impl Saver<'_> {
+    /// The training loop's hook: saves this rank's pieces of the model and optimizer it is
+    /// given, or of `sharded` (ZeRO) when there is one.
+    pub(crate) fn hook<'b>(&'b self, sharded: Option<&'b ShardedDataParallel>) -> SaveHook<'b> {
+        Box::new(move |steps, model, opt| self.save(steps, rank_pieces(model, opt, sharded)?))
+    }
+}
+
+/// What a rank of a run starts from: the step to start at (after `--resume`'s checkpoint,
+/// loaded into `model` and `opt`, or `sharded`) and its saver (with `--save-every`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn begin_rank<'a>(
+    cfg: &TrainConfig,
+    opts: &TrainOptions,
+    layout: &str,
+    world: Option<&'a dyn Communicator>,
+    model: &dyn Module,
+    opt: &mut dyn Optimizer,
+    sharded: Option<&ShardedDataParallel>,
+    partial: bool,
+) -> Result<(usize, Option<Saver<'a>>)> {
+    let start = match &opts.resume {
+        Some(dir) => {
+            let (ck, step) = open_resume(cfg, dir)?;
+            load_rank(&ck, model, opt, sharded, partial)
+                .with_context(|| format!("--resume {}", ck.path().display()))?;
+            step
+        }
+        None => 0,
+    };
+    Ok((start, Saver::new(cfg, opts, layout, world)?))
+}
+
+/// This rank's pieces: a ZeRO wrapper's segments, or the model's parameters (whole or
+/// tensor-parallel) and the optimizer's state.
+pub(crate) fn rank_pieces(
+    model: &dyn Module,
+    opt: &dyn Optimizer,
+    sharded: Option<&ShardedDataParallel>,
+) -> Result<Vec<Piece>> {
+    Ok(match sharded {
+        Some(sdp) => sdp.local_pieces()?,
+        None => {
+            let mut p = checkpoint::pieces_of_module(model)?;
+            p.extend(checkpoint::pieces_of_optimizer(opt)?);
+            p
+        }
+    })
+}
+
+/// The checkpoint `--resume` names, opened: `DIR/checkpoints`' latest when `DIR` is a run's
+/// `--out`, else `DIR` itself (a checkpoint, or a folder of them). Checks that the run continues
+/// the same model and data (model sizes, seed, batch size) and still has steps to run; returns
+/// the checkpoint and its step.
+pub(crate) fn open_resume(cfg: &TrainConfig, dir: &Path) -> Result<(Checkpoint, usize)> {
+    let ckpts = checkpoints_dir(dir);
+    let at = if ckpts.is_dir() {
+        ckpts
+    } else {
+        dir.to_path_buf()
+    };
+    let ck = Checkpoint::open(&at).with_context(|| format!("--resume {}", dir.display()))?;
+    let meta = ck.metadata();
+    let step = meta["step"].as_u64().ok_or_else(|| {
+        anyhow::anyhow!("--resume {}: the checkpoint records no step", dir.display())
+    })? as usize;
+    if let Some(text) = meta["config"].as_str() {
+        let saved = TrainConfig::from_toml_str(text, "the checkpoint's config")
+            .with_context(|| format!("--resume {}: its config", dir.display()))?;
+        let (a, b) = (&saved, cfg);
+        let pairs = [
+            ("model.kind", a.model.kind.clone(), b.model.kind.clone()),
+            (
+                "model.n_layer",
+                a.model.n_layer.to_string(),
+                b.model.n_layer.to_string(),
+            ),
+            (
+                "model.n_head",
+                a.model.n_head.to_string(),
+                b.model.n_head.to_string(),
+            ),
+            (
+                "model.n_embd",
+                a.model.n_embd.to_string(),
+                b.model.n_embd.to_string(),
+            ),
+            (
+                "model.block_size",
+                a.model.block_size.to_string(),
+                b.model.block_size.to_string(),
+            ),
+            (
+                "model.vocab_size",
+                a.model.vocab_size.to_string(),
+                b.model.vocab_size.to_string(),
+            ),
+            (
+                "model.bias",
+                a.model.bias.to_string(),
+                b.model.bias.to_string(),
+            ),
+            (
+                "train.seed",
+                a.train.seed.to_string(),
+                b.train.seed.to_string(),
+            ),
+            (
+                "train.batch_size",
+                a.train.batch_size.to_string(),
+                b.train.batch_size.to_string(),
+            ),
+        ];
+        if let Some((k, s, n)) = pairs.iter().find(|(_, s, n)| s != n) {
+            anyhow::bail!(
+                "--resume {}: {k} is {s} in the checkpoint but {n} in this run; a resumed run \
+                 continues the same model and data",
+                ck.path().display()
+            );
+        }
+    }
+    if step > cfg.train.steps {
+        anyhow::bail!(
+            "--resume {}: the checkpoint is at step {step}, past this run's {} steps \
+             (train.steps)",
+            ck.path().display(),
+            cfg.train.steps
+        );
+    }
+    Ok((ck, step))
+}
+
+/// Loads `ck` into this rank's model and optimizer (or its ZeRO wrapper), under the current
+/// layout. `partial`: the rank holds only part of the model (a pipeline stage).
+pub(crate) fn load_rank(
+    ck: &Checkpoint,
+    model: &dyn Module,
+    opt: &mut dyn Optimizer,
+    sharded: Option<&ShardedDataParallel>,
+    partial: bool,
+) -> Result<()> {
+    match sharded {
+        Some(sdp) => sdp.load_pieces(ck, !partial)?,
+        None => {
+            ck.load_into_module(model, !partial)?;
+            ck.load_optimizer(opt, !partial)?;
+        }
+    }
+    Ok(())
+}
+
+/// A model loaded from a training checkpoint, with the run's tokenizer if it had one.
+pub enum CheckpointModel {
+    /// A GPT run.
+    Gpt(Box<meshgrad_nn::Gpt>),
+    /// A BERT (masked LM) run.
+    Bert(Box<meshgrad_nn::bert::BertForMaskedLM>),
+}
+
+/// The training checkpoint `dir` names, if it names one: `dir` itself (`index.json`), the
+/// latest of a folder of checkpoints, or the latest under a run's `OUT/checkpoints` when `OUT`
+/// holds no exported model (`config.json`). `None` for anything else (a Hugging Face folder).
+pub fn open_training_checkpoint(dir: &Path) -> Result<Option<Checkpoint>> {
+    let index = dir.join(checkpoint::INDEX_FILE);
+    let candidates = [dir.to_path_buf(), checkpoints_dir(dir)];
+    for c in candidates {
+        let is_ckpt =
+            c.join(checkpoint::INDEX_FILE).is_file() || c.join(checkpoint::LATEST_FILE).is_file();
+        if is_ckpt && (index.is_file() || !dir.join("config.json").is_file()) {
+            return Ok(Some(
+                Checkpoint::open(&c)
+                    .with_context(|| format!("opening checkpoint {}", c.display()))?,
+            ));
+        }
+    }
+    Ok(None)
+}
+
+/// Builds the run's model on one device from a training checkpoint (its config is in the
+/// metadata) and loads every parameter, one tensor at a time; also its tokenizer.
+pub fn load_training_model(
+    ck: &Checkpoint,
+) -> Result<(CheckpointModel, Option<meshgrad_nn::tokenizer::Tokenizer>)> {
+    use meshgrad_tensor::{DType, Device};
+    let text = ck.metadata()["config"].as_str().ok_or_else(|| {
+        anyhow::anyhow!(
+            "checkpoint {}: its metadata holds no config",
+            ck.path().display()
+        )
+    })?;
+    let cfg = TrainConfig::from_toml_str(text, "the checkpoint's config")?;
+    crate::preflight::check_model_memory(
+        &crate::preflight::ModelShape::from_train_config(&cfg),
+        &format!("checkpoint {}", ck.path().display()),
+    )?;
+    let seed = cfg.train.seed;
+    let model = if cfg.model.kind == "bert" {
+        let m = meshgrad_nn::bert::BertForMaskedLM::new(
+            crate::train_bert::bert_config(&cfg),
+            seed,
+            DType::F32,
+            Device::Cpu,
+        )?;
+        ck.load_into_module(&m, true)?;
+        CheckpointModel::Bert(Box::new(m))
+    } else {
+        let m = meshgrad_nn::Gpt::new(
+            crate::train::gpt_config(&cfg),
+            seed,
+            DType::F32,
+            Device::Cpu,
+        )?;
+        ck.load_into_module(&m, true)?;
+        CheckpointModel::Gpt(Box::new(m))
+    };
+    let tokenizer = if ck.index().files.iter().any(|f| f == TOKENIZER_FILE) {
+        let bytes = ck.read_file(TOKENIZER_FILE)?;
+        let tmp =
+            std::env::temp_dir().join(format!("meshgrad-tokenizer-{}.json", std::process::id()));
+        std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
+        let t = meshgrad_nn::tokenizer::Tokenizer::from_file(&tmp);
+        let _ = std::fs::remove_file(&tmp);
+        Some(t?)
+    } else {
+        None
+    };
+    Ok((model, tokenizer))
+}
+
+/// `meshgrad export`: writes the model of a training checkpoint as a Hugging Face folder
+/// (`config.json`, `model.safetensors`, and the tokenizer and `meshgrad.toml` when it has them).
+pub fn export(checkpoint: &Path, out: &Path) -> Result<PathBuf> {
+    // A run's folder may hold a final model too: export its checkpoints.
+    let ckpts = checkpoints_dir(checkpoint);
+    let at = if ckpts.is_dir() {
+        ckpts
+    } else {
+        checkpoint.to_path_buf()
+    };
+    if !(at.join(checkpoint::INDEX_FILE).is_file() || at.join(checkpoint::LATEST_FILE).is_file()) {
+        anyhow::bail!(
+            "{} is not a meshgrad training checkpoint (no {} here or under checkpoints/)",
+            checkpoint.display(),
+            checkpoint::INDEX_FILE
+        );
+    }
+    let ck =
+        Checkpoint::open(&at).with_context(|| format!("opening checkpoint {}", at.display()))?;
+    let (model, tokenizer) = load_training_model(&ck)?;
+    match &model {
+        CheckpointModel::Gpt(m) => meshgrad_nn::state::hf_gpt2::save_gpt2(m, out)?,
+        CheckpointModel::Bert(m) => meshgrad_nn::state::hf_bert::save_bert(m, out)?,
+    }
+    if let Some(t) = tokenizer {
+        t.save(out.join(TOKENIZER_FILE))?;
+    }
+    if ck.index().files.iter().any(|f| f == "meshgrad.toml") {
+        meshgrad_nn::state::write_bytes_atomic(
+            out.join("meshgrad.toml"),
+            &ck.read_file("meshgrad.toml")?,
+        )?;
+    }
+    Ok(ck.path().to_path_buf())
+}
