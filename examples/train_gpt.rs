@@ -99,6 +99,7 @@ fn main() -> Result<()> {
         0.8,
         Some(40),
         seed,
+        |_| Ok(()),
     )?;
     let text: String = sample.iter().map(|&t| t as u8 as char).collect();
     println!("saved to {}; sample: Elizabeth{text}", out.display());

@@ -315,6 +315,8 @@ fn string_value(value: &str) -> String {
 }
 
 const INT: &str = "a non-negative integer";
+/// The largest integer a TOML file holds (TOML integers are signed 64-bit).
+pub const MAX_TOML_INT: u64 = i64::MAX as u64;
 const FLOAT: &str = "a number";
 const BOOL: &str = "true or false";
 
@@ -457,13 +459,16 @@ impl TrainConfig {
     /// Checks the values, returning the first problem found as a one-line
     /// [`ConfigError::Invalid`] that names the key and the value(s).
     ///
-    /// Checks: `model.kind` is `gpt` or `bert` (which needs `bias`); all sizes and counts
-    /// positive (`eval_interval` and `sample_tokens` may be 0); `n_embd` divisible by `n_head`;
+    /// Checks: `model.kind` is `gpt` or `bert` (which needs `bias` and a `block_size` of at
+    /// least 3); all sizes and counts positive (`eval_interval` and `sample_tokens` may be 0);
+    /// every integer at most [`MAX_TOML_INT`] (what the saved TOML can hold, so a run never
+    /// fails to save its config after training); `n_embd` divisible by `n_head`;
     /// `vocab_size >= 256` for byte-level data (no tokenizer, and no path or a path that is
     /// neither a `.bin` file nor a folder of shards); `dropout` in [0, 1); `lr` finite and > 0;
     /// `min_lr` in [0, lr]; `beta1`, `beta2` in [0, 1); `weight_decay`, `grad_clip` finite and at
-    /// least 0; `val_fraction` in (0, 1); `out`, and `metrics`, `data.path` and `data.tokenizer`
-    /// when set, non-empty.
+    /// least 0, and `lr * weight_decay` below 1 (AdamW scales the weights by `1 - lr *
+    /// weight_decay` each step); `val_fraction` in (0, 1); `out`, and `metrics`, `data.path` and
+    /// `data.tokenizer` when set, non-empty.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let m = &self.model;
         let t = &self.train;
@@ -500,6 +505,44 @@ impl TrainConfig {
             if value == 0 {
                 return invalid(key, "must be at least 1, got 0".to_string());
             }
+        }
+        // The resolved config is saved as TOML (meshgrad.toml beside the checkpoint), whose
+        // integers are signed 64-bit: refuse now what could not be written after the run.
+        let integers = [
+            ("model.n_layer", m.n_layer as u64),
+            ("model.n_head", m.n_head as u64),
+            ("model.n_embd", m.n_embd as u64),
+            ("model.block_size", m.block_size as u64),
+            ("model.vocab_size", m.vocab_size as u64),
+            ("train.steps", t.steps as u64),
+            ("train.batch_size", t.batch_size as u64),
+            ("train.warmup_steps", t.warmup_steps as u64),
+            ("train.seed", t.seed),
+            ("train.eval_interval", t.eval_interval as u64),
+            ("train.eval_batches", t.eval_batches as u64),
+            ("train.log_interval", t.log_interval as u64),
+            ("train.sample_tokens", t.sample_tokens as u64),
+        ];
+        for (key, value) in integers {
+            if value > MAX_TOML_INT {
+                return invalid(
+                    key,
+                    format!(
+                        "{value} is too large: the config file (TOML) holds integers up to \
+                         {MAX_TOML_INT}"
+                    ),
+                );
+            }
+        }
+        if m.kind == "bert" && m.block_size < 3 {
+            return invalid(
+                "model.block_size",
+                format!(
+                    "BERT rows hold [CLS], at least one token and [SEP], so block_size must be \
+                     at least 3, got {}",
+                    m.block_size
+                ),
+            );
         }
         // n_head >= 1 was checked above. (Not `is_multiple_of`: the workspace's MSRV is 1.85.)
         let remainder = m.n_embd % m.n_head;
@@ -564,6 +607,20 @@ impl TrainConfig {
                 return invalid(key, format!("must be a number >= 0, got {value}"));
             }
         }
+        // AdamW's decoupled decay multiplies the weights by 1 - lr * weight_decay each step (at
+        // the peak learning rate): at 1 or more it zeroes or flips them.
+        if t.lr * t.weight_decay >= 1.0 {
+            return invalid(
+                "train.weight_decay",
+                format!(
+                    "weight_decay = {} times lr = {} is {} >= 1: each step would scale the \
+                     weights by 1 - lr * weight_decay <= 0",
+                    short(t.weight_decay),
+                    short(t.lr),
+                    short(t.lr * t.weight_decay)
+                ),
+            );
+        }
         let vf = self.data.val_fraction;
         if !(vf > 0.0 && vf < 1.0) {
             return invalid("data.val_fraction", format!("must be in (0, 1), got {vf}"));
@@ -597,6 +654,22 @@ impl TrainConfig {
             );
         }
         Ok(())
+    }
+}
+
+/// A number for a message: as written (`0.1`, `3000`) unless very large or small, then with
+/// four significant digits at most (`1e30`, `3.142e-7`).
+fn short(x: f64) -> String {
+    if x == 0.0 || !x.is_finite() || (1e-4..1e6).contains(&x.abs()) {
+        return x.to_string();
+    }
+    let s = format!("{x:.3e}");
+    match s.split_once('e') {
+        Some((mantissa, exp)) if mantissa.contains('.') => {
+            let mantissa = mantissa.trim_end_matches('0').trim_end_matches('.');
+            format!("{mantissa}e{exp}")
+        }
+        _ => s,
     }
 }
 
@@ -813,6 +886,11 @@ val_fraction = 0.05
             ("train.min_lr", "0.01", "greater than lr"),
             ("train.beta2", "1", "[0, 1)"),
             ("train.grad_clip", "-1", ">= 0"),
+            (
+                "train.weight_decay",
+                "1e30",
+                "times lr = 0.003 is 3e27 >= 1",
+            ),
             ("model.vocab_size", "100", "byte-level"),
             ("out", "", "empty"),
             ("model.kind", "t5", "\"gpt\" or \"bert\""),
@@ -826,6 +904,37 @@ val_fraction = 0.05
             assert!(msg.contains(expected), "{key}={value}: {msg}");
             assert!(!msg.contains('\n'), "{msg}");
         }
+        // Integers the saved TOML cannot hold, and BERT rows too short for [CLS] x [SEP].
+        let too_large = [
+            (
+                "train.seed",
+                "9223372036854775808",
+                "integers up to 9223372036854775807",
+            ),
+            ("train.seed", "18446744073709551615", "too large"),
+            ("train.steps", "9223372036854775808", "too large"),
+            ("train.warmup_steps", "18446744073709551615", "too large"),
+            ("model.n_layer", "9223372036854775808", "too large"),
+        ];
+        for (key, value, expected) in too_large {
+            let mut config = TrainConfig::default();
+            config.apply_override(key, value).unwrap();
+            let msg = config.validate().unwrap_err().to_string();
+            assert!(msg.contains(key) && msg.contains(expected), "{msg}");
+        }
+        let mut config = TrainConfig::default();
+        config
+            .apply_override("train.seed", "9223372036854775807")
+            .unwrap();
+        config.validate().unwrap();
+        config.to_toml_string().unwrap();
+        config.apply_override("model.kind", "bert").unwrap();
+        config.apply_override("model.block_size", "2").unwrap();
+        let msg = config.validate().unwrap_err().to_string();
+        assert!(
+            msg.contains("`model.block_size`") && msg.contains("at least 3"),
+            "{msg}"
+        );
         // A .bin dataset may have a small vocabulary.
         let mut config = TrainConfig::default();
         config.apply_assignment("data.path=tokens.bin").unwrap();
@@ -839,6 +948,15 @@ val_fraction = 0.05
         config.apply_assignment("data.tokenizer=").unwrap();
         assert_eq!(config.data.tokenizer, None);
         assert!(config.validate().is_err());
+    }
+
+    #[test]
+    fn short_numbers() {
+        assert_eq!(short(0.1), "0.1");
+        assert_eq!(short(3000.0), "3000");
+        assert_eq!(short(1e30), "1e30");
+        assert_eq!(short(0.003 * 1e30), "3e27");
+        assert_eq!(short(-3.14159e-7), "-3.142e-7");
     }
 
     #[test]

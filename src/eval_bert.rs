@@ -187,8 +187,10 @@ pub fn mean_mlm_loss(model: &BertForMaskedLM, examples: &[MlmExample]) -> Result
     Ok(total / count as f64)
 }
 
-/// Loads the BERT checkpoint in `checkpoint` and evaluates it on the JSON-lines file `data`.
+/// Loads the BERT checkpoint in `checkpoint` (its sizes checked against memory first, see
+/// [`crate::preflight::check_checkpoint`]) and evaluates it on the JSON-lines file `data`.
 pub fn eval_bert_checkpoint(checkpoint: &Path, data: &Path) -> Result<f64> {
+    crate::preflight::check_checkpoint(checkpoint)?;
     let model = hf_bert::load_bert(checkpoint, DType::F32, Device::Cpu)
         .with_context(|| format!("loading checkpoint {}", checkpoint.display()))?;
     let examples = read_mlm_jsonl(data, &model.config)?;

@@ -49,6 +49,8 @@ mod pipeline_bert;
 #[cfg(feature = "cli")]
 mod pipeline_gpt;
 #[cfg(feature = "cli")]
+pub mod preflight;
+#[cfg(feature = "cli")]
 pub mod run_checkpoint;
 #[cfg(feature = "cli")]
 pub mod run_dir;

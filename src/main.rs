@@ -66,7 +66,8 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
     },
-    /// Continue a prompt with a checkpoint.
+    /// Continue a prompt with a checkpoint: the text is printed as each token is chosen, then
+    /// `ids=<the generated ids>` last.
     Generate {
         /// Checkpoint directory.
         #[arg(long)]
@@ -78,13 +79,14 @@ enum Command {
         /// Prompt as token ids, e.g. "12,7,99".
         #[arg(long)]
         prompt_tokens: Option<String>,
-        /// Tokens to generate.
+        /// Tokens to generate (at least 1). The text is printed as each token is chosen, then
+        /// `ids=` with every generated id, last.
         #[arg(long, default_value_t = 100)]
         max_new_tokens: usize,
-        /// Sampling temperature; 0 is greedy (deterministic).
-        #[arg(long, default_value_t = 0.8)]
+        /// Sampling temperature: a finite number >= 0; 0 is greedy (deterministic).
+        #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
         temperature: f64,
-        /// Sample only among the k most likely tokens.
+        /// Sample only among the k most likely tokens (k >= 1; left out: among all tokens).
         #[arg(long)]
         top_k: Option<usize>,
         /// Sampling seed.
@@ -186,7 +188,7 @@ struct TrainArgs {
     #[arg(long)]
     batch_size: Option<usize>,
     /// Peak learning rate.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     lr: Option<f64>,
     /// Any config key, e.g. --set model.n_layer=2 (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
@@ -377,6 +379,7 @@ fn run(cli: Cli) -> Result<()> {
             top_k,
             seed,
         } => {
+            meshgrad::generate::check_sampling(max_new_tokens, temperature, top_k)?;
             let model = meshgrad::train::load_checkpoint(&checkpoint)?;
             let tokenizer = meshgrad::train::load_checkpoint_tokenizer(&checkpoint)?;
             let vocab = model.config.vocab_size;
@@ -393,12 +396,9 @@ fn run(cli: Cli) -> Result<()> {
                 temperature,
                 top_k,
                 seed,
+                tokenizer.as_ref(),
+                &mut std::io::stdout().lock(),
             )?;
-            match &tokenizer {
-                Some(tok) => println!("{}", tok.decode(&out, true)?),
-                None if vocab <= 256 => println!("{}", meshgrad::generate::detokenize(&out)),
-                None => {}
-            }
             println!("ids={}", id_list(&out));
         }
         Command::Tokenizer {

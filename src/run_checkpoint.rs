@@ -289,6 +289,10 @@ pub fn load_training_model(
         )
     })?;
     let cfg = TrainConfig::from_toml_str(text, "the checkpoint's config")?;
+    crate::preflight::check_model_memory(
+        &crate::preflight::ModelShape::from_train_config(&cfg),
+        &format!("checkpoint {}", ck.path().display()),
+    )?;
     let seed = cfg.train.seed;
     let model = if cfg.model.kind == "bert" {
         let m = meshgrad_nn::bert::BertForMaskedLM::new(

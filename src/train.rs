@@ -100,7 +100,9 @@ pub fn load_checkpoint_tokenizer(dir: &Path) -> Result<Option<Tokenizer>> {
 
 /// Loads a GPT written by `meshgrad train`: its final model (`--out`, Hugging Face GPT-2
 /// format), or a training checkpoint (`OUT/checkpoints/step-N`, a folder of them, or `OUT`
-/// when it holds checkpoints but no final model).
+/// when it holds checkpoints but no final model). The sizes its config describes are checked
+/// against the machine's memory before the model is built
+/// ([`crate::preflight::check_checkpoint`], [`crate::preflight::check_model_memory`]).
 pub fn load_checkpoint(dir: &Path) -> Result<Gpt> {
     if let Some(ck) = crate::run_checkpoint::open_training_checkpoint(dir)? {
         return match crate::run_checkpoint::load_training_model(&ck)?.0 {
@@ -111,6 +113,7 @@ pub fn load_checkpoint(dir: &Path) -> Result<Gpt> {
             ),
         };
     }
+    crate::preflight::check_checkpoint(dir)?;
     hf_gpt2::load_gpt2(dir, DType::F32, Device::Cpu)
         .with_context(|| format!("loading checkpoint {}", dir.display()))
 }
@@ -567,11 +570,13 @@ impl Reporter {
         }
     }
 
+    /// Writes one metrics line and flushes it, so the file holds every finished step even if
+    /// the run is killed.
     pub(crate) fn metrics(&mut self, line: String) -> Result<()> {
         if let Some(w) = self.metrics.as_mut() {
-            // Flushed line by line: a killed run leaves every finished step's line.
-            writeln!(w, "{line}").context("writing metrics")?;
-            w.flush().context("writing metrics")?;
+            writeln!(w, "{line}")
+                .and_then(|()| w.flush())
+                .context("writing metrics")?;
         }
         Ok(())
     }
@@ -673,8 +678,10 @@ impl RunControl<'_> {
 /// before the first step; each step, `micro_step(step)` runs the forward and backward passes of
 /// this rank's micro-batches and returns this rank's share of the step's loss (the global loss is
 /// `sync.mean(share) * loss_scale`); then gradient synchronisation, clipping, the optimizer step,
-/// the divergence check, validation with `val` every `eval_interval` steps and at the end, the
-/// metrics line, the log line and the progress bar.
+/// the divergence checks (a non-finite gradient norm, when clipping computes one, stops before
+/// the optimizer step; a non-finite loss or validation loss stops the run), validation with `val`
+/// every `eval_interval` steps and at the end, the metrics line (flushed), the log line and the
+/// progress bar.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn drive_loop(
     cfg: &TrainConfig,
@@ -707,6 +714,18 @@ pub(crate) fn drive_loop(
         } else {
             f64::NAN
         };
+        if cfg.train.grad_clip > 0.0 && !grad_norm.is_finite() {
+            // Stop before the optimizer step spreads it into the weights. The norm is global,
+            // so every rank stops here, after the same collectives.
+            let loss = sync.mean(share)? * loss_scale;
+            if !loss.is_finite() {
+                anyhow::bail!("training diverged: loss is {loss} at step {}", step + 1);
+            }
+            anyhow::bail!(
+                "training diverged: the gradient norm is {grad_norm} at step {} (loss {loss:.4})",
+                step + 1
+            );
+        }
         let lr = schedule.lr_at(step);
         sync.step(opt, lr)?;
         last_loss = sync.mean(share)? * loss_scale;
@@ -723,6 +742,12 @@ pub(crate) fn drive_loop(
         let eval_now =
             is_last || (cfg.train.eval_interval > 0 && (step + 1) % cfg.train.eval_interval == 0);
         let val = if eval_now { Some(val()?) } else { None };
+        if let Some(v) = val.filter(|v| !v.is_finite()) {
+            anyhow::bail!(
+                "training diverged: the validation loss is {v} after step {}",
+                step + 1
+            );
+        }
         if let Some(v) = val {
             last_val = v;
             rep.say(format!("step {}: val_loss={v:.4}", step + 1));
@@ -846,6 +871,7 @@ pub(crate) fn finish_run(
                 0.8,
                 Some(40),
                 cfg.train.seed,
+                |_| Ok(()),
             )?;
             tok.decode(&toks, true)?
         }
@@ -857,6 +883,7 @@ pub(crate) fn finish_run(
                 0.8,
                 Some(40),
                 cfg.train.seed,
+                |_| Ok(()),
             )?;
             crate::generate::detokenize(&toks)
         }
@@ -906,6 +933,7 @@ pub fn train_with(
     let (cfg, tokenizer) = resolve_tokenizer(cfg)?;
     let cfg = &cfg;
     check_microbatches(cfg, 1, opts.microbatches)?;
+    crate::preflight::check_train(cfg, None, opts)?;
     let data = run_data(cfg, tokenizer)?;
     let mut run = run_model(cfg, None, false, opts.activation_checkpointing.on_stage(0))?;
     let (start_step, saver) = crate::run_checkpoint::begin_rank(
@@ -943,4 +971,87 @@ pub fn train_with(
         },
     )?;
     finish_run(cfg, &run.model, data.tokenizer.as_ref(), rep, r, verbosity)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use meshgrad_nn::optim::{AdamWConfig, ParamGroup};
+
+    /// Runs `drive_loop` on one parameter whose gradient `grad(step)` sets, with a loss of
+    /// `loss(step)`, and returns the error message.
+    fn diverge(grad: impl Fn(usize) -> f32, loss: impl Fn(usize) -> f64, clip: f64) -> String {
+        let mut cfg = TrainConfig::default();
+        cfg.train.steps = 3;
+        cfg.train.grad_clip = clip;
+        let p = Var::leaf(Tensor::from_vec(vec![1f32; 4], 4, Device::Cpu).unwrap());
+        let group = ParamGroup {
+            params: vec![("p".to_string(), p.clone())],
+            weight_decay: 0.0,
+            lr_scale: 1.0,
+        };
+        let mut opt = AdamW::new(vec![group], AdamWConfig::default()).unwrap();
+        let schedule = CosineSchedule::new(1e-3, 1e-4, 1, 3).unwrap();
+        let params = vec![p.clone()];
+        let micro_step = |step: usize| -> Result<f64> {
+            let g = Tensor::from_vec(vec![grad(step); 4], 4, Device::Cpu)?;
+            p.set_grad(Some(g));
+            Ok(loss(step))
+        };
+        let mut rep = Reporter::silent();
+        let ctl = RunControl {
+            start_step: 0,
+            world: None,
+            save_every: None,
+            save: None,
+        };
+        // Only a save hook would read the model; there is none.
+        let model = ParamBuilder::new(0)
+            .build(|p| meshgrad_nn::Linear::new(p, 1, 1))
+            .unwrap();
+        let r = drive_loop(
+            &cfg,
+            &model,
+            &mut opt,
+            &schedule,
+            &params,
+            &SingleDevice,
+            &mut rep,
+            1.0,
+            micro_step,
+            || Ok(1.0),
+            &ctl,
+        );
+        match r {
+            Ok(_) => String::new(),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn non_finite_gradients_and_losses_stop_the_run() {
+        // Finite values train.
+        assert_eq!(diverge(|_| 0.5, |_| 2.0, 1.0), "");
+        // A NaN gradient at the second step, with a finite loss: stopped, naming the norm.
+        let msg = diverge(|s| if s == 1 { f32::NAN } else { 0.5 }, |_| 2.0, 1.0);
+        assert!(
+            msg.contains("training diverged: the gradient norm is NaN at step 2"),
+            "{msg}"
+        );
+        let msg = diverge(|s| if s == 0 { f32::INFINITY } else { 0.5 }, |_| 2.0, 1.0);
+        assert!(msg.contains("gradient norm is inf at step 1"), "{msg}");
+        // A NaN loss is named as such, with or without a NaN gradient.
+        let msg = diverge(|_| f32::NAN, |_| f64::NAN, 1.0);
+        assert!(
+            msg.contains("training diverged: loss is NaN at step 1"),
+            "{msg}"
+        );
+        let msg = diverge(|_| 0.5, |s| if s == 2 { f64::NAN } else { 2.0 }, 1.0);
+        assert!(msg.contains("loss is NaN at step 3"), "{msg}");
+        // Without clipping no norm is computed; the NaN weights show in the validation loss
+        // after the last step at the latest (here the fake validation stays finite, so the
+        // loss check is what stops it).
+        let msg = diverge(|_| 0.5, |s| if s == 1 { f64::INFINITY } else { 2.0 }, 0.0);
+        assert!(msg.contains("loss is inf at step 2"), "{msg}");
+    }
 }

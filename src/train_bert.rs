@@ -318,12 +318,6 @@ pub fn train_bert(
     verbosity: Verbosity,
 ) -> Result<TrainSummary> {
     cfg.validate()?;
-    if cfg.model.block_size < 3 {
-        anyhow::bail!(
-            "invalid config value for `model.block_size`: BERT rows hold [CLS], at least one token and [SEP], so block_size must be at least 3, got {}",
-            cfg.model.block_size
-        );
-    }
     // The number of data-parallel ranks (those reading different rows).
     let world = match layout {
         None => {
@@ -360,6 +354,7 @@ pub fn train_bert(
             t
         );
     }
+    crate::preflight::check_train(cfg, layout, opts)?;
     let data = run_data(cfg, None)?;
     let s = Sampler {
         cfg,

@@ -210,6 +210,7 @@ pub fn train_parallel(
     let (cfg, tokenizer) = resolve_tokenizer(cfg)?;
     let cfg = &cfg;
     check_layout(cfg, layout, opts)?;
+    crate::preflight::check_train(cfg, Some(layout), opts)?;
     let data = run_data(cfg, tokenizer)?;
     meshgrad_nn::gpt::check_tp_sizes(
         &gpt_config(cfg),

@@ -37,7 +37,8 @@ pub struct GptConfig {
 }
 
 impl GptConfig {
-    /// Checks the sizes, with one-line errors.
+    /// Checks the sizes (positive, `n_embd` divisible by `n_head`), the dropout (in [0, 1)) and
+    /// the layer-norm epsilon (positive and finite), with one-line errors.
     pub fn validate(&self) -> Result<()> {
         let c = self;
         if c.vocab_size == 0
@@ -57,6 +58,12 @@ impl GptConfig {
         }
         if !(0.0..1.0).contains(&c.dropout) {
             meshgrad_tensor::bail!("gpt config: dropout {} must be in [0, 1)", c.dropout);
+        }
+        if !(c.layer_norm_eps.is_finite() && c.layer_norm_eps > 0.0) {
+            meshgrad_tensor::bail!(
+                "gpt config: layer_norm_epsilon must be positive and finite, got {}",
+                c.layer_norm_eps
+            );
         }
         Ok(())
     }
@@ -215,6 +222,14 @@ impl Gpt {
     /// sampling from `softmax(logits / temperature)` (optionally restricted to the `top_k` most
     /// likely tokens) with the counter-based draw `(seed, position)`. The context is cropped to
     /// the last `block_size` tokens.
+    ///
+    /// `on_token` is called with each new token as soon as it is chosen (to stream the output);
+    /// an error from it stops the generation and is returned. Pass `|_| Ok(())` to only collect
+    /// the tokens.
+    ///
+    /// Errors: an empty prompt or a token outside the vocabulary; a `temperature` that is not a
+    /// finite number >= 0; `top_k` of `Some(0)`; logits that are not finite (NaN or infinite),
+    /// naming the step (1-based); a model whose logits are split over tensor-parallel ranks.
     pub fn generate(
         &self,
         prompt: &[u32],
@@ -222,9 +237,20 @@ impl Gpt {
         temperature: f64,
         top_k: Option<usize>,
         seed: u64,
+        mut on_token: impl FnMut(u32) -> Result<()>,
     ) -> Result<Vec<u32>> {
         if prompt.is_empty() {
             meshgrad_tensor::bail!("generate: the prompt is empty (give at least one token)");
+        }
+        if !(temperature.is_finite() && temperature >= 0.0) {
+            meshgrad_tensor::bail!(
+                "generate: temperature must be a finite number >= 0 (0 is greedy), got {temperature}"
+            );
+        }
+        if top_k == Some(0) {
+            meshgrad_tensor::bail!(
+                "generate: top_k must be at least 1 (None samples among all tokens), got 0"
+            );
         }
         if self.lm_head.vocab_parallel().is_some() {
             meshgrad_tensor::bail!(
@@ -255,6 +281,13 @@ impl Gpt {
                     .tensor()
                     .narrow(1, ctx_tokens.len() - 1, 1)?
                     .to_vec_f64()?;
+                if let Some(bad) = last.iter().find(|x| !x.is_finite()) {
+                    meshgrad_tensor::bail!(
+                        "generate: the logits are not finite ({bad}) at step {} of {max_new}; \
+                         the model's weights may hold NaN or infinite values",
+                        i + 1
+                    );
+                }
                 let next = if temperature <= 0.0 {
                     argmax(&last)
                 } else {
@@ -266,6 +299,7 @@ impl Gpt {
                     )
                 };
                 tokens.push(next as u32);
+                on_token(next as u32)?;
             }
             Ok(tokens[prompt.len()..].to_vec())
         });

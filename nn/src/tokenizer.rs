@@ -187,6 +187,37 @@ pub enum TokenizerError {
     },
 }
 
+/// Streaming decoding of ids, one at a time; see [`Tokenizer::decode_stream`].
+pub struct DecodeStream<'a> {
+    tokenizer: &'a Tokenizer,
+    inner: tokenizers::DecodeStream<
+        'a,
+        tokenizers::ModelWrapper,
+        tokenizers::NormalizerWrapper,
+        tokenizers::PreTokenizerWrapper,
+        tokenizers::PostProcessorWrapper,
+        tokenizers::DecoderWrapper,
+    >,
+}
+
+impl DecodeStream<'_> {
+    /// The text that `id` adds to what was decoded so far, or `None` when it adds none yet.
+    /// Errors (one line): an id outside the vocabulary, or the tokenizer's decoding error.
+    pub fn step(&mut self, id: u32) -> Result<Option<String>> {
+        let t = self.tokenizer;
+        if id as usize >= t.vocab_size {
+            return Err(TokenizerError::Decode {
+                name: t.name.clone(),
+                message: format!("id {id} is outside the vocabulary (size {})", t.vocab_size),
+            });
+        }
+        self.inner.step(id).map_err(|e| TokenizerError::Decode {
+            name: t.name.clone(),
+            message: one_line(e),
+        })
+    }
+}
+
 /// Result type of this module.
 pub type Result<T, E = TokenizerError> = std::result::Result<T, E>;
 
@@ -389,6 +420,17 @@ impl Tokenizer {
                 name: self.name.clone(),
                 message: one_line(e),
             })
+    }
+
+    /// A decoder that turns ids into text one at a time, as they are generated (for streaming
+    /// output): each [`DecodeStream::step`] returns the text the new id adds, the same pieces
+    /// [`Tokenizer::decode`] would join (spacing between tokens included), or `None` while the
+    /// id does not complete any text yet (a byte-fallback piece of a character).
+    pub fn decode_stream(&self, skip_special_tokens: bool) -> DecodeStream<'_> {
+        DecodeStream {
+            tokenizer: self,
+            inner: self.inner.decode_stream(skip_special_tokens),
+        }
     }
 
     fn encode_error(&self, e: impl fmt::Display) -> TokenizerError {

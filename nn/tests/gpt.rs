@@ -196,14 +196,22 @@ fn dropout_applies_in_training_only() {
 #[test]
 fn greedy_generation_is_deterministic_and_validates_input() {
     let m = Gpt::new(tiny(0.0), 2, DType::F32, Device::Cpu).unwrap();
-    let a = m.generate(&[1, 2, 3], 20, 0.0, None, 0).unwrap();
-    let b = m.generate(&[1, 2, 3], 20, 0.0, None, 99).unwrap();
+    let a = m
+        .generate(&[1, 2, 3], 20, 0.0, None, 0, |_| Ok(()))
+        .unwrap();
+    let b = m
+        .generate(&[1, 2, 3], 20, 0.0, None, 99, |_| Ok(()))
+        .unwrap();
     assert_eq!(a, b);
     assert_eq!(a.len(), 20);
     // Longer than the context: cropped, still works.
     let long: Vec<u32> = (0..40).map(|i| i % 32).collect();
-    assert_eq!(m.generate(&long, 3, 0.7, Some(5), 1).unwrap().len(), 3);
-    let err = m.generate(&[40], 1, 0.0, None, 0).unwrap_err().to_string();
+    let out = m.generate(&long, 3, 0.7, Some(5), 1, |_| Ok(())).unwrap();
+    assert_eq!(out.len(), 3);
+    let err = m
+        .generate(&[40], 1, 0.0, None, 0, |_| Ok(()))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("40") && err.contains("32"), "{err}");
     // Greedy picks the argmax of the model's own last-position logits.
     let ids = Tensor::from_vec(vec![1u32, 2, 3], (1, 3), Device::Cpu).unwrap();
@@ -236,4 +244,67 @@ fn bad_inputs_are_errors() {
     };
     assert!(Gpt::new(bad_cfg, 0, DType::F32, Device::Cpu).is_err());
     let _ = Var::constant(too_long);
+}
+
+#[test]
+fn generation_streams_each_token_and_checks_its_arguments() {
+    let m = Gpt::new(tiny(0.0), 2, DType::F32, Device::Cpu).unwrap();
+    // The callback sees every token, in order, as it is chosen.
+    let mut seen = Vec::new();
+    let out = m
+        .generate(&[1, 2], 7, 0.9, Some(4), 3, |t| {
+            seen.push(t);
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(seen, out);
+    // An error from the callback stops the generation.
+    let mut calls = 0;
+    let err = m
+        .generate(&[1, 2], 7, 0.0, None, 0, |_| {
+            calls += 1;
+            if calls == 3 {
+                meshgrad_tensor::bail!("stop here");
+            }
+            Ok(())
+        })
+        .unwrap_err();
+    assert!(err.to_string().contains("stop here"), "{err}");
+    assert_eq!(calls, 3);
+    // Bad sampling arguments.
+    for (temperature, top_k, needle) in [
+        (-0.5, None, "temperature"),
+        (f64::NAN, None, "temperature"),
+        (f64::INFINITY, None, "temperature"),
+        (0.8, Some(0), "top_k"),
+    ] {
+        let err = m
+            .generate(&[1], 2, temperature, top_k, 0, |_| Ok(()))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(needle), "{temperature} {top_k:?}: {err}");
+    }
+    // NaN weights: the first step's logits are NaN, and the error names the step.
+    let nan = Tensor::from_vec(vec![f32::NAN; 16], 16, Device::Cpu).unwrap();
+    meshgrad_nn::state::load_state_dict(&m, &[("ln_f.weight".to_string(), nan)], false).unwrap();
+    let err = m
+        .generate(&[1, 2], 5, 0.0, None, 0, |_| Ok(()))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("not finite") && err.contains("step 1 of 5"),
+        "{err}"
+    );
+}
+
+#[test]
+fn config_refuses_a_bad_layer_norm_epsilon() {
+    for eps in [0.0, -1e-5, f64::NAN, f64::INFINITY] {
+        let cfg = GptConfig {
+            layer_norm_eps: eps,
+            ..tiny(0.0)
+        };
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(err.contains("layer_norm_epsilon"), "{eps}: {err}");
+    }
 }
