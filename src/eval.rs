@@ -67,11 +67,13 @@ pub fn mean_loss(model: &Gpt, data: &dyn TokenSource) -> Result<f64> {
 /// instead (see [`crate::eval_bert`]).
 pub fn eval_checkpoint(checkpoint: &Path, data: &Path) -> Result<f64> {
     if let Some(ck) = crate::run_checkpoint::open_training_checkpoint(checkpoint)? {
-        if let crate::run_checkpoint::CheckpointModel::Bert(m) =
-            crate::run_checkpoint::load_training_model(&ck)?.0
-        {
-            let examples = crate::eval_bert::read_mlm_jsonl(data, &m.config)?;
-            return crate::eval_bert::mean_mlm_loss(&m, &examples);
+        if crate::run_checkpoint::training_model_kind(&ck)? == "bert" {
+            if let crate::run_checkpoint::CheckpointModel::Bert(m) =
+                crate::run_checkpoint::load_training_model(&ck)?
+            {
+                let examples = crate::eval_bert::read_mlm_jsonl(data, &m.config)?;
+                return crate::eval_bert::mean_mlm_loss(&m, &examples);
+            }
         }
     }
     if meshgrad_nn::state::hf_bert::is_bert_checkpoint(checkpoint) {

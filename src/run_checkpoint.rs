@@ -276,25 +276,32 @@ pub fn open_training_checkpoint(dir: &Path) -> Result<Option<Checkpoint>> {
     Ok(None)
 }
 
-/// Builds the run's model on one device from a training checkpoint (its config is in the
-/// metadata) and loads every parameter, one tensor at a time; also its tokenizer.
-pub fn load_training_model(
-    ck: &Checkpoint,
-) -> Result<(CheckpointModel, Option<meshgrad_nn::tokenizer::Tokenizer>)> {
-    use meshgrad_tensor::{DType, Device};
+/// The model kind (`gpt` or `bert`) of a training checkpoint.
+pub fn training_model_kind(ck: &Checkpoint) -> Result<String> {
+    Ok(training_config(ck)?.model.kind)
+}
+
+fn training_config(ck: &Checkpoint) -> Result<TrainConfig> {
     let text = ck.metadata()["config"].as_str().ok_or_else(|| {
         anyhow::anyhow!(
             "checkpoint {}: its metadata holds no config",
             ck.path().display()
         )
     })?;
-    let cfg = TrainConfig::from_toml_str(text, "the checkpoint's config")?;
+    Ok(TrainConfig::from_toml_str(text, "the checkpoint's config")?)
+}
+
+/// Builds the run's model on one device from a training checkpoint (its config is in the
+/// metadata) and loads every parameter, one tensor at a time.
+pub fn load_training_model(ck: &Checkpoint) -> Result<CheckpointModel> {
+    use meshgrad_tensor::{DType, Device};
+    let cfg = training_config(ck)?;
     crate::preflight::check_model_memory(
         &crate::preflight::ModelShape::from_train_config(&cfg),
         &format!("checkpoint {}", ck.path().display()),
     )?;
     let seed = cfg.train.seed;
-    let model = if cfg.model.kind == "bert" {
+    Ok(if cfg.model.kind == "bert" {
         let m = meshgrad_nn::bert::BertForMaskedLM::new(
             crate::train_bert::bert_config(&cfg),
             seed,
@@ -312,19 +319,23 @@ pub fn load_training_model(
         )?;
         ck.load_into_module(&m, true)?;
         CheckpointModel::Gpt(Box::new(m))
-    };
-    let tokenizer = if ck.index().files.iter().any(|f| f == TOKENIZER_FILE) {
-        let bytes = ck.read_file(TOKENIZER_FILE)?;
-        let tmp =
-            std::env::temp_dir().join(format!("meshgrad-tokenizer-{}.json", std::process::id()));
-        std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
-        let t = meshgrad_nn::tokenizer::Tokenizer::from_file(&tmp);
-        let _ = std::fs::remove_file(&tmp);
-        Some(t?)
-    } else {
-        None
-    };
-    Ok((model, tokenizer))
+    })
+}
+
+/// The tokenizer a training checkpoint carries (the run's `--tokenizer`), if any.
+pub fn load_training_tokenizer(
+    ck: &Checkpoint,
+) -> Result<Option<meshgrad_nn::tokenizer::Tokenizer>> {
+    if !ck.index().files.iter().any(|f| f == TOKENIZER_FILE) {
+        return Ok(None);
+    }
+    let bytes = ck.read_file(TOKENIZER_FILE)?;
+    let json = String::from_utf8(bytes)
+        .with_context(|| format!("{}/{TOKENIZER_FILE} is not UTF-8", ck.path().display()))?;
+    Ok(Some(meshgrad_nn::tokenizer::Tokenizer::from_json(
+        &json,
+        ck.path().join(TOKENIZER_FILE),
+    )?))
 }
 
 /// `meshgrad export`: writes the model of a training checkpoint as a Hugging Face folder
@@ -346,7 +357,8 @@ pub fn export(checkpoint: &Path, out: &Path) -> Result<PathBuf> {
     }
     let ck =
         Checkpoint::open(&at).with_context(|| format!("opening checkpoint {}", at.display()))?;
-    let (model, tokenizer) = load_training_model(&ck)?;
+    let model = load_training_model(&ck)?;
+    let tokenizer = load_training_tokenizer(&ck)?;
     match &model {
         CheckpointModel::Gpt(m) => meshgrad_nn::state::hf_gpt2::save_gpt2(m, out)?,
         CheckpointModel::Bert(m) => meshgrad_nn::state::hf_bert::save_bert(m, out)?,

@@ -89,7 +89,7 @@ pub const TOKENIZER_FILE: &str = "tokenizer.json";
 /// The tokenizer stored in a checkpoint directory (`tokenizer.json`), if there is one.
 pub fn load_checkpoint_tokenizer(dir: &Path) -> Result<Option<Tokenizer>> {
     if let Some(ck) = crate::run_checkpoint::open_training_checkpoint(dir)? {
-        return Ok(crate::run_checkpoint::load_training_model(&ck)?.1);
+        return crate::run_checkpoint::load_training_tokenizer(&ck);
     }
     let path = dir.join(TOKENIZER_FILE);
     if !path.exists() {
@@ -105,7 +105,7 @@ pub fn load_checkpoint_tokenizer(dir: &Path) -> Result<Option<Tokenizer>> {
 /// ([`crate::preflight::check_checkpoint`], [`crate::preflight::check_model_memory`]).
 pub fn load_checkpoint(dir: &Path) -> Result<Gpt> {
     if let Some(ck) = crate::run_checkpoint::open_training_checkpoint(dir)? {
-        return match crate::run_checkpoint::load_training_model(&ck)?.0 {
+        return match crate::run_checkpoint::load_training_model(&ck)? {
             crate::run_checkpoint::CheckpointModel::Gpt(m) => Ok(*m),
             crate::run_checkpoint::CheckpointModel::Bert(_) => anyhow::bail!(
                 "{} is a BERT checkpoint; this command takes a GPT",
