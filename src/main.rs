@@ -233,7 +233,8 @@ struct TrainArgs {
     #[arg(long, value_name = "SIZE")]
     max_stage_memory: Option<String>,
     /// Save a checkpoint of the whole training state (every rank's shards, optimizer state,
-    /// step) every N steps into OUT/checkpoints/step-N; OUT/checkpoints/latest names the newest.
+    /// step) every N steps and after the last into OUT/checkpoints/step-N;
+    /// OUT/checkpoints/latest names the newest. SIGINT/SIGTERM always save one, then stop.
     #[arg(long, value_name = "N")]
     save_every: Option<usize>,
     /// Keep only the newest K periodic checkpoints (default: all).

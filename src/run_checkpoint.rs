@@ -36,18 +36,16 @@ pub(crate) struct Saver<'a> {
 }
 
 impl<'a> Saver<'a> {
-    /// The saver of a run (`None` without `--save-every`). `layout` is the `--layout` spec (or
-    /// `single`), `kind` the model kind. On the first rank, leftovers of killed saves are
-    /// removed (no save is running yet).
+    /// The saver of a run: it saves every `--save-every` steps and after the last step when
+    /// that is given, and when a signal stops the run in any case. `layout` is the `--layout`
+    /// spec (or `single`). On the first rank, leftovers of killed saves are removed (no save is
+    /// running yet).
     pub(crate) fn new(
         cfg: &TrainConfig,
         opts: &TrainOptions,
         layout: &str,
         world: Option<&'a dyn Communicator>,
-    ) -> Result<Option<Saver<'a>>> {
-        if opts.save_every.is_none() {
-            return Ok(None);
-        }
+    ) -> Result<Saver<'a>> {
         let dir = checkpoints_dir(Path::new(&cfg.out));
         let first = world.is_none_or(|w| w.rank() == 0);
         if first && dir.exists() {
@@ -59,7 +57,7 @@ impl<'a> Saver<'a> {
             let bytes = std::fs::read(t).with_context(|| format!("reading tokenizer {t}"))?;
             files.push((TOKENIZER_FILE.to_string(), bytes));
         }
-        Ok(Some(Saver {
+        Ok(Saver {
             dir,
             keep: opts.keep,
             metadata: serde_json::json!({
@@ -69,7 +67,7 @@ impl<'a> Saver<'a> {
             }),
             files,
             world,
-        }))
+        })
     }
 
     /// Writes the checkpoint after `steps` steps from this rank's `pieces` (every rank calls
@@ -118,7 +116,7 @@ pub(crate) fn begin_rank<'a>(
     opt: &mut dyn Optimizer,
     sharded: Option<&ShardedDataParallel>,
     partial: bool,
-) -> Result<(usize, Option<Saver<'a>>)> {
+) -> Result<(usize, Saver<'a>)> {
     let start = match &opts.resume {
         Some(dir) => {
             let (ck, step) = open_resume(cfg, dir)?;

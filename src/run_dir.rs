@@ -29,6 +29,7 @@ pub fn run_marker(out: &Path) -> Option<PathBuf> {
 /// (`resume`) or starts over (`overwrite`, which removes the old run's final model, config,
 /// tokenizer and checkpoints first). One line, naming the folder and what is in it.
 pub fn prepare_out_dir(out: &Path, resume: bool, overwrite: bool) -> Result<()> {
+    remove_stale_temp_files(out)?;
     let Some(marker) = run_marker(out) else {
         return Ok(());
     };
@@ -66,6 +67,22 @@ pub fn prepare_out_dir(out: &Path, resume: bool, overwrite: bool) -> Result<()> 
     Ok(())
 }
 
+/// Removes the temporary files (`.NAME.tmp-PID-N`) that a save killed half-way left in `out`
+/// (only one run trains into a folder at a time, so none of them is being written).
+fn remove_stale_temp_files(out: &Path) -> Result<()> {
+    let Ok(entries) = std::fs::read_dir(out) else {
+        return Ok(());
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') && name.contains(".tmp-") && e.path().is_file() {
+            std::fs::remove_file(e.path())
+                .with_context(|| format!("removing the leftover {}", e.path().display()))?;
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -86,6 +103,12 @@ mod tests {
         assert!(!checkpoints_dir(&dir).exists());
         prepare_out_dir(&dir, false, false).unwrap();
         prepare_out_dir(&dir.join("absent"), false, false).unwrap();
+        // A killed save's temporary file goes; other files stay.
+        std::fs::write(dir.join(".model.safetensors.tmp-123-0"), b"x").unwrap();
+        std::fs::write(dir.join("notes.txt"), b"x").unwrap();
+        prepare_out_dir(&dir, false, false).unwrap();
+        assert!(!dir.join(".model.safetensors.tmp-123-0").exists());
+        assert!(dir.join("notes.txt").exists());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -771,7 +771,9 @@ pub(crate) fn drive_loop(
         let stop = ctl.stop_requested()?;
         let periodic = ctl.save_every.is_some_and(|n| n > 0 && done % n == 0);
         let saved = match ctl.save {
-            Some(save) if periodic || stop || is_last => Some(save(done, model, opt)?),
+            Some(save) if periodic || stop || (is_last && ctl.save_every.is_some()) => {
+                Some(save(done, model, opt)?)
+            }
             _ => None,
         };
         if let Some(at) = &saved {
@@ -786,8 +788,7 @@ pub(crate) fn drive_loop(
                     cfg.train.steps
                 ),
                 None => anyhow::bail!(
-                    "stopped by a signal after step {done} of {}; no checkpoint written (this run \
-                     does not save checkpoints)",
+                    "stopped by a signal after step {done} of {}; no checkpoint written",
                     cfg.train.steps
                 ),
             }
@@ -946,7 +947,7 @@ pub fn train_with(
         None,
         false,
     )?;
-    let hook = saver.as_ref().map(|s| s.hook(None));
+    let hook = saver.hook(None);
     let mut rep = Reporter::leader(cfg, verbosity, start_step)?;
     let micro = if opts.microbatches > 1 {
         format!(", {} micro-batches", opts.microbatches)
@@ -967,7 +968,7 @@ pub fn train_with(
             start_step,
             world: None,
             save_every: opts.save_every,
-            save: hook.as_deref(),
+            save: Some(&*hook),
         },
     )?;
     finish_run(cfg, &run.model, data.tokenizer.as_ref(), rep, r, verbosity)

@@ -378,7 +378,7 @@ pub fn train_bert(
                 None,
                 false,
             )?;
-            let hook = saver.as_ref().map(|s| s.hook(None));
+            let hook = saver.hook(None);
             let mut rep = Reporter::leader(cfg, verbosity, start_step)?;
             let desc = if opts.microbatches > 1 {
                 format!(", {} micro-batches", opts.microbatches)
@@ -400,7 +400,7 @@ pub fn train_bert(
                     start_step,
                     world: None,
                     save_every: opts.save_every,
-                    save: hook.as_deref(),
+                    save: Some(&*hook),
                 },
             )?;
             finish(cfg, &run.model, rep, r, verbosity)
@@ -421,7 +421,7 @@ pub fn train_bert(
                 wrapper.sharded(),
                 false,
             )?;
-            let hook = saver.as_ref().map(|s| s.hook(wrapper.sharded()));
+            let hook = saver.hook(wrapper.sharded());
             let rows = rank_rows(cfg.train.batch_size, mesh.dp_degree(), mesh.dp_rank())?;
             let leader = ctx.rank == 0;
             let mut rep = if leader {
@@ -446,7 +446,7 @@ pub fn train_bert(
                     start_step,
                     world: Some(ctx.comm.as_ref()),
                     save_every: opts.save_every,
-                    save: hook.as_deref(),
+                    save: Some(&*hook),
                 },
             )?;
             wrapper.summon_full_params()?;

@@ -239,7 +239,7 @@ pub fn train_parallel(
             wrapper.sharded(),
             false,
         )?;
-        let hook = saver.as_ref().map(|s| s.hook(wrapper.sharded()));
+        let hook = saver.hook(wrapper.sharded());
         let rows = rank_rows(cfg.train.batch_size, mesh.dp_degree(), mesh.dp_rank())?;
         let leader = ctx.rank == 0;
         let mut rep = if leader {
@@ -263,7 +263,7 @@ pub fn train_parallel(
                 start_step,
                 world: Some(ctx.comm.as_ref()),
                 save_every: opts.save_every,
-                save: hook.as_deref(),
+                save: Some(&*hook),
             },
         )?;
         // fsdp/hsdp: the full weights for the checkpoint and the sample.

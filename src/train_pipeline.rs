@@ -532,7 +532,7 @@ fn rank_main<T: PipelineTask>(
         sharded,
         true,
     )?;
-    let hook = saver.as_ref().map(|s| s.hook(sharded));
+    let hook = saver.hook(sharded);
     let grads = PipelineGrads::new(&chunks, pp.clone())?;
     let last = p + 1 == world_pp;
     let skip_in_norm = if last && world_pp > 1 {
@@ -614,7 +614,7 @@ fn rank_main<T: PipelineTask>(
             start_step,
             world: Some(ctx.comm.as_ref()),
             save_every: opts.save_every,
-            save: hook.as_deref(),
+            save: Some(&*hook),
         },
     )?;
     // The single-device state dict on the leader.
