@@ -165,50 +165,19 @@ pub(crate) fn open_resume(cfg: &TrainConfig, dir: &Path) -> Result<(Checkpoint, 
     if let Some(text) = meta["config"].as_str() {
         let saved = TrainConfig::from_toml_str(text, "the checkpoint's config")
             .with_context(|| format!("--resume {}: its config", dir.display()))?;
-        let (a, b) = (&saved, cfg);
-        let pairs = [
-            ("model.kind", a.model.kind.clone(), b.model.kind.clone()),
-            (
-                "model.n_layer",
-                a.model.n_layer.to_string(),
-                b.model.n_layer.to_string(),
-            ),
-            (
-                "model.n_head",
-                a.model.n_head.to_string(),
-                b.model.n_head.to_string(),
-            ),
-            (
-                "model.n_embd",
-                a.model.n_embd.to_string(),
-                b.model.n_embd.to_string(),
-            ),
-            (
-                "model.block_size",
-                a.model.block_size.to_string(),
-                b.model.block_size.to_string(),
-            ),
-            (
-                "model.vocab_size",
-                a.model.vocab_size.to_string(),
-                b.model.vocab_size.to_string(),
-            ),
-            (
-                "model.bias",
-                a.model.bias.to_string(),
-                b.model.bias.to_string(),
-            ),
-            (
-                "train.seed",
-                a.train.seed.to_string(),
-                b.train.seed.to_string(),
-            ),
-            (
-                "train.batch_size",
-                a.train.batch_size.to_string(),
-                b.train.batch_size.to_string(),
-            ),
+        type Key = (&'static str, fn(&TrainConfig) -> String);
+        let keys: [Key; 9] = [
+            ("model.kind", |c| c.model.kind.clone()),
+            ("model.n_layer", |c| c.model.n_layer.to_string()),
+            ("model.n_head", |c| c.model.n_head.to_string()),
+            ("model.n_embd", |c| c.model.n_embd.to_string()),
+            ("model.block_size", |c| c.model.block_size.to_string()),
+            ("model.vocab_size", |c| c.model.vocab_size.to_string()),
+            ("model.bias", |c| c.model.bias.to_string()),
+            ("train.seed", |c| c.train.seed.to_string()),
+            ("train.batch_size", |c| c.train.batch_size.to_string()),
         ];
+        let pairs = keys.map(|(k, f)| (k, f(&saved), f(cfg)));
         if let Some((k, s, n)) = pairs.iter().find(|(_, s, n)| s != n) {
             anyhow::bail!(
                 "--resume {}: {k} is {s} in the checkpoint but {n} in this run; a resumed run \

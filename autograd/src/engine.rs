@@ -318,20 +318,36 @@ fn release_inputs(
     ready: &mut BinaryHeap<(bool, VarId)>,
 ) {
     for inp in &node.inputs {
-        if !inp.requires_grad() || !side.tracks(inp.id()) {
-            continue;
+        if release_one(inp, side, consumers, pending, ready) {
+            release_unreached(inp, side, consumers, pending, ready);
         }
-        let c = consumers
-            .get_mut(&inp.id())
-            .expect("counted during discovery");
-        *c -= 1;
-        if *c == 0 {
-            if side.has_grad(inp.id(), pending) {
-                ready.push(ready_key(inp));
-            } else {
-                release_unreached(inp, side, consumers, pending, ready);
-            }
-        }
+    }
+}
+
+/// One consumer of `inp` has run. When it was the last, `inp` becomes ready if a gradient
+/// reached it; returns true when none did (its own inputs then lose this path too).
+fn release_one(
+    inp: &Var,
+    side: &Side<'_>,
+    consumers: &mut HashMap<VarId, usize>,
+    pending: &mut HashMap<VarId, Tensor>,
+    ready: &mut BinaryHeap<(bool, VarId)>,
+) -> bool {
+    if !inp.requires_grad() || !side.tracks(inp.id()) {
+        return false;
+    }
+    let c = consumers
+        .get_mut(&inp.id())
+        .expect("counted during discovery");
+    *c -= 1;
+    if *c != 0 {
+        return false;
+    }
+    if side.has_grad(inp.id(), pending) {
+        ready.push(ready_key(inp));
+        false
+    } else {
+        true
     }
 }
 
@@ -347,19 +363,8 @@ fn release_unreached(
     while let Some(v) = stack.pop() {
         if let Some(node) = &v.0.node {
             for inp in &node.inputs {
-                if !inp.requires_grad() || !side.tracks(inp.id()) {
-                    continue;
-                }
-                let c = consumers
-                    .get_mut(&inp.id())
-                    .expect("counted during discovery");
-                *c -= 1;
-                if *c == 0 {
-                    if side.has_grad(inp.id(), pending) {
-                        ready.push(ready_key(inp));
-                    } else {
-                        stack.push(inp.clone());
-                    }
+                if release_one(inp, side, consumers, pending, ready) {
+                    stack.push(inp.clone());
                 }
             }
         }
