@@ -101,8 +101,8 @@ pub(crate) fn check_shape(name: &str, file: &[usize], model: &[usize]) -> Result
     Ok(())
 }
 
-/// `a, b, c` for up to 10 names, then `and N more`.
-pub(crate) fn name_list(names: &[&str]) -> String {
+/// `a, b, c` for up to 10 names, then `and N more` (for error messages that list names).
+pub fn name_list(names: &[&str]) -> String {
     const SHOWN: usize = 10;
     let mut s = names
         .iter()

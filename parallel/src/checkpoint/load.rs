@@ -11,21 +11,7 @@ use meshgrad_tensor::{Result, Tensor};
 use super::format::{Role, Split};
 use super::open::Checkpoint;
 use super::piece::OPTIM_PREFIX;
-
-/// Up to ten names, then how many more.
-pub(crate) fn list(names: &[&str]) -> String {
-    const SHOWN: usize = 10;
-    let mut s = names
-        .iter()
-        .take(SHOWN)
-        .copied()
-        .collect::<Vec<_>>()
-        .join(", ");
-    if names.len() > SHOWN {
-        s.push_str(&format!(" and {} more", names.len() - SHOWN));
-    }
-    s
-}
+pub(crate) use meshgrad_nn::state::name_list as list;
 
 /// The split of `var`'s local tensor and its global shape.
 pub(crate) fn split_and_global(var: &Var, local: &[usize]) -> (Option<Split>, Vec<usize>) {

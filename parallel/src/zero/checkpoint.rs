@@ -20,6 +20,7 @@ use meshgrad_tensor::{DType, Device, Error, Result, Tensor};
 
 use super::config::ZeroStage;
 use super::wrapper::{lock, Inner, ShardedDataParallel, State};
+use meshgrad_nn::state::name_list as list;
 
 /// What [`ShardedDataParallel::full_state_dict`] returns.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -430,20 +431,6 @@ fn convert(name: &str, t: &Tensor, shape: &[usize], dtype: DType) -> Result<Tens
     t.to_device(Device::Cpu)
         .and_then(|t| t.to_dtype(dtype))
         .map_err(|e| Error::msg(format!("{name}: {e}")))
-}
-
-fn list(names: &[&str]) -> String {
-    const SHOWN: usize = 10;
-    let mut s = names
-        .iter()
-        .take(SHOWN)
-        .copied()
-        .collect::<Vec<_>>()
-        .join(", ");
-    if names.len() > SHOWN {
-        s.push_str(&format!(" and {} more", names.len() - SHOWN));
-    }
-    s
 }
 
 impl ShardedDataParallel {
