@@ -8,8 +8,9 @@
 //!   [`TcpStore::add`] adds to a counter atomically; [`TcpStore::barrier`] returns once every
 //!   rank has entered the barrier of that name.
 //! * The server runs in rank 0's process, one thread per connection; rank 0 itself uses the
-//!   table directly. It stops when rank 0's [`TcpStore`] is dropped, so rank 0 keeps it until the
-//!   others are done with it (a final [`TcpStore::barrier`] does that).
+//!   table directly. It stops when rank 0's [`TcpStore`] is dropped: the drop first waits, up to
+//!   the store's timeout, for the other ranks to disconnect (to drop their [`TcpStore`]), so
+//!   the replies to their last requests (a final [`TcpStore::barrier`]) reach them.
 //! * Protocol (std::net only): every request is an op byte (`1` set, `2` get, `3` add), the key
 //!   (a u32 length, little-endian, then UTF-8 bytes) and an operand (set: a u32 length and the
 //!   value; get: the wait in milliseconds as a u64; add: an i64). Every reply is a status byte
@@ -96,6 +97,10 @@ struct Server {
     stop: Arc<AtomicBool>,
     /// The open connections, shut down when the server stops.
     conns: Arc<Mutex<Vec<TcpStream>>>,
+    /// How many connection threads run, and a signal when one ends.
+    active: Arc<(Mutex<usize>, Condvar)>,
+    /// How long dropping the server waits for the other ranks to disconnect.
+    linger: Duration,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -113,6 +118,22 @@ impl Drop for Server {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+        // Let the other ranks finish their last requests (the reply to the final barrier's
+        // set may still be on its way) and disconnect, up to the linger time.
+        let deadline = Instant::now() + self.linger;
+        let (count, cv) = &*self.active;
+        let mut n = count.lock().unwrap_or_else(|e| e.into_inner());
+        while *n > 0 {
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
+            n = cv
+                .wait_timeout(n, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        drop(n);
         for c in self
             .conns
             .lock()
@@ -163,13 +184,15 @@ impl TcpStore {
         let table = Arc::new(Table::default());
         let stop = Arc::new(AtomicBool::new(false));
         let conns = Arc::new(Mutex::new(Vec::new()));
+        let active = Arc::new((Mutex::new(0usize), Condvar::new()));
         let thread = {
             let table = table.clone();
             let stop = stop.clone();
             let conns = conns.clone();
+            let active = active.clone();
             std::thread::Builder::new()
                 .name("meshgrad-store".into())
-                .spawn(move || accept_loop(listener, table, stop, conns))
+                .spawn(move || accept_loop(listener, table, stop, conns, active))
                 .map_err(|e| Error::msg(format!("rank 0: store: cannot start its thread: {e}")))?
         };
         Ok(TcpStore {
@@ -179,6 +202,8 @@ impl TcpStore {
                     addr,
                     stop,
                     conns,
+                    active,
+                    linger: timeout,
                     thread: Some(thread),
                 },
             },
@@ -327,16 +352,20 @@ impl TcpStore {
         }
     }
 
-    /// The value of `key`, waiting up to the store's timeout for some rank to set it.
-    pub fn get(&self, key: &str) -> Result<Vec<u8>> {
-        let value = match &self.backend {
-            Backend::Local { table, .. } => table.get(key, self.timeout),
+    /// The value of `key`, or `None` when it is not set within the store's timeout.
+    fn try_get(&self, key: &str) -> Result<Option<Vec<u8>>> {
+        match &self.backend {
+            Backend::Local { table, .. } => Ok(table.get(key, self.timeout)),
             Backend::Remote(_) => {
                 let ms = self.timeout.as_millis().min(u64::MAX as u128) as u64;
-                self.request("get", key, OP_GET, &ms.to_le_bytes())?
+                self.request("get", key, OP_GET, &ms.to_le_bytes())
             }
-        };
-        value.ok_or_else(|| {
+        }
+    }
+
+    /// The value of `key`, waiting up to the store's timeout for some rank to set it.
+    pub fn get(&self, key: &str) -> Result<Vec<u8>> {
+        self.try_get(key)?.ok_or_else(|| {
             self.err(
                 "get",
                 key,
@@ -369,9 +398,9 @@ impl TcpStore {
         if n == self.world_size as i64 {
             self.set(&done_key, b"1")?;
         }
-        match self.get(&done_key) {
-            Ok(_) => Ok(()),
-            Err(_) => {
+        match self.try_get(&done_key)? {
+            Some(_) => Ok(()),
+            None => {
                 let arrived = self.add(&count_key, 0).unwrap_or(-1);
                 Err(self.err(
                     "barrier",
@@ -411,6 +440,7 @@ fn accept_loop(
     table: Arc<Table>,
     stop: Arc<AtomicBool>,
     conns: Arc<Mutex<Vec<TcpStream>>>,
+    active: Arc<(Mutex<usize>, Condvar)>,
 ) {
     for conn in listener.incoming() {
         if stop.load(Ordering::SeqCst) {
@@ -421,12 +451,19 @@ fn accept_loop(
             conns.lock().unwrap_or_else(|e| e.into_inner()).push(c);
         }
         let table = table.clone();
-        let _ = std::thread::Builder::new()
+        *active.0.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        let done = active.clone();
+        let spawned = std::thread::Builder::new()
             .name("meshgrad-store-conn".into())
             .spawn(move || {
                 // A connection ends when the peer closes it or sends garbage.
                 let _ = serve_connection(conn, &table);
+                *done.0.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
+                done.1.notify_all();
             });
+        if spawned.is_err() {
+            *active.0.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
+        }
     }
 }
 
