@@ -303,6 +303,10 @@ struct TrainArgs {
     /// (every block) or, with pp>1, the pipeline stages whose blocks recompute, e.g. 0,1.
     #[arg(long, value_name = "WHICH", default_value = "none")]
     activation_checkpointing: String,
+    /// With --layout: seconds a rank waits for its peers in a collective or receive before the
+    /// run fails, naming the missing rank(s), the call and its sequence number (the watchdog).
+    #[arg(long, value_name = "SECS", default_value_t = 300.0)]
+    collective_timeout: f64,
 }
 
 fn train_config(a: &TrainArgs) -> Result<TrainConfig> {
@@ -365,6 +369,15 @@ fn run(cli: Cli) -> Result<()> {
                 keep: a.keep,
                 resume: a.resume.clone(),
                 overwrite: a.overwrite,
+                collective_timeout: std::time::Duration::try_from_secs_f64(a.collective_timeout)
+                    .ok()
+                    .filter(|d| !d.is_zero())
+                    .ok_or_else(|| {
+                        anyhow::anyhow!(
+                            "--collective-timeout {} must be a positive number of seconds",
+                            a.collective_timeout
+                        )
+                    })?,
             };
             let layout: Option<meshgrad::parallel::ParallelLayout> =
                 a.layout.as_deref().map(str::parse).transpose()?;
