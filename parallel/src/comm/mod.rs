@@ -35,7 +35,7 @@
 //!
 //! # Multi-process jobs
 //!
-//! [`env`] reads a process's rank, world size and local rank from the variables of torchrun (and
+//! [`env`](mod@env) reads a process's rank, world size and local rank from the variables of torchrun (and
 //! `meshgrad launch`), Open MPI or Slurm ([`RankEnv`]); [`store`] is the TCP key-value store rank
 //! 0 serves at `MASTER_ADDR:MASTER_PORT` for the ranks to rendezvous before a communicator exists.
 
