@@ -45,6 +45,8 @@ pub mod eval_bert;
 pub mod generate;
 pub mod guide;
 #[cfg(feature = "cli")]
+pub mod launch;
+#[cfg(feature = "cli")]
 mod pipeline_bert;
 #[cfg(feature = "cli")]
 mod pipeline_gpt;

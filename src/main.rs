@@ -112,6 +112,57 @@ enum Command {
         #[arg(long)]
         chunks: Option<usize>,
     },
+    /// Start N copies of meshgrad as the ranks of one job, as torchrun does: each gets RANK,
+    /// WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT, its
+    /// output lines are prefixed with `[rank R] `, and when one rank fails the others are stopped
+    /// (SIGTERM, then SIGKILL) and the launcher exits non-zero naming the rank.
+    Launch {
+        /// Processes on this node.
+        #[arg(long)]
+        nproc_per_node: usize,
+        /// Nodes in the job (run the same command on each, with its --node-rank).
+        #[arg(long, default_value_t = 1)]
+        nnodes: usize,
+        /// This node's index, 0..nnodes.
+        #[arg(long, default_value_t = 0)]
+        node_rank: usize,
+        /// Address of node 0, where rank 0's rendezvous store listens (default 127.0.0.1).
+        #[arg(long)]
+        master_addr: Option<String>,
+        /// Port of rank 0's store (default: a free port on one node, 29500 across nodes).
+        #[arg(long)]
+        master_port: Option<u16>,
+        /// threads: start the processes directly; mpi: through the system's mpirun -np N.
+        #[arg(long, default_value = "threads", value_parser = ["threads", "mpi"])]
+        backend: String,
+        /// The meshgrad arguments every rank runs, after --, e.g. -- train --steps 10.
+        #[arg(last = true, value_name = "ARGS")]
+        args: Vec<String>,
+    },
+    /// Test helper (hidden): print the rank variables this process sees, as
+    /// `rank=R world_size=W local_rank=L ... pid=P`, then optionally share the pids through the
+    /// rendezvous store, exit with a status or sleep.
+    #[command(hide = true)]
+    LaunchProbe {
+        /// Exit with --exit-code on this rank (after printing).
+        #[arg(long)]
+        exit_rank: Option<usize>,
+        /// The exit status for --exit-rank.
+        #[arg(long, default_value_t = 3)]
+        exit_code: i32,
+        /// Seconds --exit-rank waits before exiting.
+        #[arg(long, default_value_t = 0.0)]
+        exit_delay: f64,
+        /// Ignore SIGTERM (only SIGKILL stops this process).
+        #[arg(long)]
+        ignore_sigterm: bool,
+        /// Sleep this many seconds before exiting 0.
+        #[arg(long, default_value_t = 0.0)]
+        sleep: f64,
+        /// Exchange pids through the TCP store at MASTER_ADDR:MASTER_PORT, print `store pids=...`.
+        #[arg(long)]
+        store: bool,
+    },
     /// Train tokenizers (Hugging Face tokenizer.json format).
     Tokenizer {
         #[command(subcommand)]
@@ -252,6 +303,10 @@ struct TrainArgs {
     /// (every block) or, with pp>1, the pipeline stages whose blocks recompute, e.g. 0,1.
     #[arg(long, value_name = "WHICH", default_value = "none")]
     activation_checkpointing: String,
+    /// With --layout: seconds a rank waits for its peers in a collective or receive before the
+    /// run fails, naming the missing rank(s), the call and its sequence number (the watchdog).
+    #[arg(long, value_name = "SECS", default_value_t = 300.0)]
+    collective_timeout: f64,
 }
 
 fn train_config(a: &TrainArgs) -> Result<TrainConfig> {
@@ -285,6 +340,7 @@ fn train_config(a: &TrainArgs) -> Result<TrainConfig> {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Train(a) => {
+            meshgrad::launch::refuse_multi_process(&meshgrad::parallel::comm::RankEnv::detect()?)?;
             let cfg = train_config(&a)?;
             meshgrad::stop::install_once()?;
             let mut pipeline = meshgrad::train_pipeline::PipelineOptions::default();
@@ -313,6 +369,15 @@ fn run(cli: Cli) -> Result<()> {
                 keep: a.keep,
                 resume: a.resume.clone(),
                 overwrite: a.overwrite,
+                collective_timeout: std::time::Duration::try_from_secs_f64(a.collective_timeout)
+                    .ok()
+                    .filter(|d| !d.is_zero())
+                    .ok_or_else(|| {
+                        anyhow::anyhow!(
+                            "--collective-timeout {} must be a positive number of seconds",
+                            a.collective_timeout
+                        )
+                    })?,
             };
             let layout: Option<meshgrad::parallel::ParallelLayout> =
                 a.layout.as_deref().map(str::parse).transpose()?;
@@ -334,6 +399,40 @@ fn run(cli: Cli) -> Result<()> {
                 }
             }
         }
+        Command::Launch {
+            nproc_per_node,
+            nnodes,
+            node_rank,
+            master_addr,
+            master_port,
+            backend,
+            args,
+        } => {
+            meshgrad::launch::launch(&meshgrad::launch::LaunchOptions {
+                nproc_per_node,
+                nnodes,
+                node_rank,
+                master_addr,
+                master_port,
+                backend: backend.parse().map_err(anyhow::Error::msg)?,
+                args,
+            })?;
+        }
+        Command::LaunchProbe {
+            exit_rank,
+            exit_code,
+            exit_delay,
+            ignore_sigterm,
+            sleep,
+            store,
+        } => meshgrad::launch::probe(&meshgrad::launch::ProbeOptions {
+            exit_rank,
+            exit_code,
+            exit_delay,
+            sleep,
+            store,
+            ignore_sigterm,
+        })?,
         Command::Bench {
             model,
             steps,

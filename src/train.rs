@@ -146,6 +146,10 @@ pub struct TrainOptions {
     /// Train into an `--out` folder that already holds a run, removing its checkpoints
     /// (`--overwrite`).
     pub overwrite: bool,
+    /// How long a rank of a parallel layout waits for its peers in a collective or receive
+    /// before the run fails naming the missing ranks (`--collective-timeout`; default
+    /// [`crate::train_parallel::COLLECTIVE_TIMEOUT`]).
+    pub collective_timeout: std::time::Duration,
 }
 
 /// Which blocks recompute their activations during the backward pass
@@ -225,6 +229,7 @@ impl Default for TrainOptions {
             keep: None,
             resume: None,
             overwrite: false,
+            collective_timeout: crate::train_parallel::COLLECTIVE_TIMEOUT,
         }
     }
 }

@@ -405,7 +405,7 @@ pub fn train_bert(
             )?;
             finish(cfg, &run.model, rep, r, verbosity)
         }
-        Some(layout) => on_ranks(layout, |ctx, mesh| {
+        Some(layout) => on_ranks(layout, opts.collective_timeout, |ctx, mesh| {
             let tp = (mesh.tp_degree() > 1)
                 .then(|| tensor_parallel(mesh.tp_group(), opts.sequence_parallel));
             let fsdp = layout.zero() == Some(ZeroStage::Three);

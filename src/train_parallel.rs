@@ -42,9 +42,10 @@ use crate::train::{
     Verbosity,
 };
 
-/// How long a rank waits for its peers in any collective before failing the run. Ranks do the
-/// same work between collectives, so this only matters when something is stuck.
-const COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long a rank waits for its peers in any collective before failing the run, by default
+/// (`--collective-timeout`). Ranks do the same work between collectives, so this only matters
+/// when something is stuck.
+pub const COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// A data-parallel rank's [`GradSync`]: DDP for gradients, an all-reduce over the data-parallel
 /// group for losses.
@@ -149,14 +150,15 @@ impl RankWrapper {
     }
 }
 
-/// Runs `body` on the ranks of `layout` (threads of this process, each with the collective
-/// timeout of a training run), each with its [`LayoutMesh`], and returns what rank 0 returned.
+/// Runs `body` on the ranks of `layout` (threads of this process, each collective failing after
+/// `timeout` without its peers), each with its [`LayoutMesh`], and returns what rank 0 returned.
 /// `body` returns `Some` on the leader only.
 pub(crate) fn on_ranks<T: Send>(
     layout: &ParallelLayout,
+    timeout: Duration,
     body: impl Fn(&RankCtx, &LayoutMesh) -> Result<Option<T>> + Send + Sync,
 ) -> Result<T> {
-    let run_opts = RunOptions::with_timeout(COLLECTIVE_TIMEOUT);
+    let run_opts = RunOptions::with_timeout(timeout);
     let results = run_ranks(layout.world_size(), &run_opts, |ctx| {
         let mesh = layout.mesh(ctx.comm.clone())?;
         // anyhow's chain, flattened to one line, for the tensor-level error type.
@@ -221,7 +223,7 @@ pub fn train_parallel(
         let task = crate::pipeline_gpt::GptPipeline::new(cfg, &data);
         return crate::train_pipeline::train_pipeline(&task, layout, opts, verbosity);
     }
-    on_ranks(layout, |ctx, mesh| {
+    on_ranks(layout, opts.collective_timeout, |ctx, mesh| {
         let tp = (mesh.tp_degree() > 1)
             .then(|| tensor_parallel(mesh.tp_group(), opts.sequence_parallel));
         // ZeRO-3 / FSDP cuts its shards from a delayed-initialisation model one unit at a time,

@@ -527,3 +527,52 @@ fn world_of_one_and_zero() {
     assert!(r[0]);
     assert!(run_ranks(0, &opts(), |_| Ok(())).is_err());
 }
+
+#[test]
+fn watchdog_a_rank_that_stops_calling_collectives_is_named_by_every_survivor() {
+    // Rank 2 stops calling collectives (stuck in its own work, not failed, not exited) and
+    // returns only after the others gave up; ranks 0 and 1 (all_reduce) and rank 3 (a receive
+    // from rank 2) fail within the timeout, naming rank 2, the call and its number (a survivor
+    // may instead be aborted by the first one to time out, whose message names rank 2 too).
+    let t0 = Instant::now();
+    let r = run_ranks_each(
+        4,
+        &RunOptions::with_timeout(Duration::from_millis(400)),
+        |ctx| {
+            let x = Tensor::ones(2, DType::F32, Device::Cpu)?;
+            for _ in 0..3 {
+                ctx.comm.all_reduce(&x, ReduceOp::Sum)?.wait()?;
+            }
+            match ctx.rank {
+                2 => {
+                    std::thread::sleep(Duration::from_millis(1500));
+                    Ok(())
+                }
+                3 => ctx.comm.recv(2)?.wait().map(|_| ()),
+                _ => ctx.comm.all_reduce(&x, ReduceOp::Sum)?.wait().map(|_| ()),
+            }
+        },
+    );
+    let r = r.unwrap();
+    let elapsed = t0.elapsed();
+    assert!(elapsed < Duration::from_secs(10), "{elapsed:?}");
+    // Rank 3 waits in its receive, so it is missing from the collective too.
+    let names_rank_2 = |e: &str| {
+        e.contains("ranks 2, 3 did not join within 400ms")
+            || e.contains("rank 2 did not send within 400ms")
+    };
+    for rank in [0, 1] {
+        let e = r[rank].as_ref().unwrap_err().to_string();
+        assert!(
+            e.starts_with(&format!("rank {rank}: all_reduce #3 on group [0,1,2,3]: ")),
+            "{e}"
+        );
+        assert!(names_rank_2(&e), "{e}");
+    }
+    let e = r[3].as_ref().unwrap_err().to_string();
+    assert!(
+        e.starts_with("rank 3: recv #0 from rank 2 on group [0,1,2,3]: "),
+        "{e}"
+    );
+    assert!(names_rank_2(&e), "{e}");
+}

@@ -32,12 +32,21 @@
 //!   backend's timeout, when a peer failed or exited, or on a mismatch. Messages name the rank,
 //!   the call, its sequence number and the group, e.g.
 //!   `rank 2: all_reduce #17 on group [0,1,2,3]: rank 3 did not join within 2s`.
+//!
+//! # Multi-process jobs
+//!
+//! [`env`](mod@env) reads a process's rank, world size and local rank from the variables of torchrun (and
+//! `meshgrad launch`), Open MPI or Slurm ([`RankEnv`]); [`store`] is the TCP key-value store rank
+//! 0 serves at `MASTER_ADDR:MASTER_PORT` for the ranks to rendezvous before a communicator exists.
 
+pub mod env;
 mod in_process;
 mod launcher;
 mod reduce;
+pub mod store;
 mod work;
 
+pub use env::{EnvSource, RankEnv};
 pub use in_process::InProcessComm;
 pub use launcher::{run_ranks, run_ranks_each, RankCtx, RunOptions};
 pub use work::{Pending, Work};

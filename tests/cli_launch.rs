@@ -1,0 +1,324 @@
+//! `meshgrad launch` through the binary (issue 12, launcher): torchrun's variables reach every
+//! rank, output lines carry the rank, the rendezvous store works across the processes, a failed
+//! or killed rank stops the job within 30 s naming the rank with no process left behind, and
+//! `meshgrad train` started as one of several processes without a multi-process backend fails in
+//! one line. Uses the hidden `meshgrad launch-probe` subcommand as the child.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{assert_ok, assert_one_line_error, bin, text};
+
+/// A fresh launcher command without any rank variables inherited from the test's environment.
+fn launcher() -> Command {
+    let mut c = bin();
+    for v in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "OMPI_COMM_WORLD_RANK",
+        "SLURM_PROCID",
+    ] {
+        c.env_remove(v);
+    }
+    c
+}
+
+/// `rank -> (the probe's key=value fields)` from the launcher's stdout.
+fn probes(stdout: &str) -> BTreeMap<usize, BTreeMap<String, String>> {
+    let mut out = BTreeMap::new();
+    for line in stdout.lines() {
+        let Some(rest) = line.strip_prefix("[rank ") else {
+            panic!("line without a rank prefix: {line:?}");
+        };
+        let (rank, body) = rest.split_once("] ").unwrap();
+        if !body.starts_with("rank=") {
+            continue;
+        }
+        let fields: BTreeMap<String, String> = body
+            .split(' ')
+            .filter_map(|kv| kv.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        assert_eq!(fields["rank"], rank, "{line}");
+        out.insert(rank.parse().unwrap(), fields);
+    }
+    out
+}
+
+fn gone(pid: &str) -> bool {
+    !Path::new(&format!("/proc/{pid}")).exists()
+}
+
+#[test]
+fn launch_sets_torchrun_variables_prefixes_lines_and_shares_a_store() {
+    let o = launcher()
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--",
+            "launch-probe",
+            "--store",
+        ])
+        .output()
+        .unwrap();
+    assert_ok(&o);
+    let (out, err) = text(&o);
+    let p = probes(&out);
+    assert_eq!(p.len(), 2, "{out}");
+    let port = &p[&0]["master"];
+    for r in 0..2 {
+        let f = &p[&r];
+        assert_eq!(f["world_size"], "2");
+        assert_eq!(f["local_rank"], r.to_string());
+        assert_eq!(f["local_world_size"], "2");
+        assert_eq!(f["node_rank"], "0");
+        assert_eq!(f["source"], "Torchrun");
+        assert_eq!(&f["master"], port);
+        assert!(port.starts_with("127.0.0.1:"), "{port}");
+    }
+    // Both ranks read both pids through rank 0's TCP store.
+    let pids = format!("store pids={},{}", p[&0]["pid"], p[&1]["pid"]);
+    for r in 0..2 {
+        assert!(out.contains(&format!("[rank {r}] {pids}\n")), "{out}");
+        assert!(err.contains(&format!("[rank {r}] probe stderr\n")), "{err}");
+    }
+}
+
+#[test]
+fn launch_of_a_second_node_numbers_its_ranks_after_the_first() {
+    let o = launcher()
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "localhost",
+            "--master-port",
+            "29999",
+            "--",
+            "launch-probe",
+        ])
+        .output()
+        .unwrap();
+    assert_ok(&o);
+    let p = probes(&text(&o).0);
+    assert_eq!(p.keys().copied().collect::<Vec<_>>(), vec![2, 3]);
+    for (r, f) in &p {
+        assert_eq!(f["world_size"], "4");
+        assert_eq!(f["local_rank"], (r - 2).to_string());
+        assert_eq!(f["node_rank"], "1");
+        assert_eq!(f["master"], "localhost:29999");
+    }
+}
+
+#[test]
+fn a_failing_rank_stops_the_others_and_is_named() {
+    // Rank 1 exits 3 after a second; ranks 0 and 2 would sleep two minutes.
+    let t0 = Instant::now();
+    let o = launcher()
+        .args(["launch", "--nproc-per-node", "3", "--", "launch-probe"])
+        .args(["--exit-rank", "1", "--exit-delay", "1", "--sleep", "120"])
+        .output()
+        .unwrap();
+    let elapsed = t0.elapsed();
+    assert!(elapsed < Duration::from_secs(30), "{elapsed:?}");
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.ends_with("error: rank 1 exited with status 3; stopped the other 2 running rank(s)\n"),
+        "{err}"
+    );
+    let p = probes(&out);
+    assert_eq!(p.len(), 3, "{out}");
+    for f in p.values() {
+        assert!(
+            gone(&f["pid"]),
+            "rank {} (pid {}) still runs",
+            f["rank"],
+            f["pid"]
+        );
+    }
+}
+
+#[test]
+fn a_rank_killed_by_a_signal_and_ranks_ignoring_sigterm_are_stopped() {
+    // The ranks ignore SIGTERM, so the launcher has to escalate to SIGKILL after its grace period.
+    let t0 = Instant::now();
+    let mut child = launcher()
+        .args(["launch", "--nproc-per-node", "2", "--", "launch-probe"])
+        .args(["--ignore-sigterm", "--sleep", "120"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut pids = BTreeMap::new();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    while pids.len() < 2 {
+        let line = lines.next().expect("the launcher ended early").unwrap();
+        for (r, f) in probes(&line) {
+            pids.insert(r, f["pid"].clone());
+        }
+    }
+    let k = Command::new("kill")
+        .args(["-KILL", &pids[&1]])
+        .status()
+        .unwrap();
+    assert!(k.success());
+    let o = child.wait_with_output().unwrap();
+    let elapsed = t0.elapsed();
+    assert!(elapsed < Duration::from_secs(30), "{elapsed:?}");
+    let (_, err) = text(&o);
+    assert!(!o.status.success());
+    assert!(
+        err.ends_with(
+            "error: rank 1 was killed by signal 9 (SIGKILL); stopped the other 1 running rank(s)\n"
+        ),
+        "{err}"
+    );
+    assert!(gone(&pids[&0]) && gone(&pids[&1]), "{pids:?}");
+}
+
+#[test]
+fn train_refuses_several_processes_without_a_multi_process_backend() {
+    let o = launcher()
+        .args(["train", "--steps", "1"])
+        .env("RANK", "1")
+        .env("WORLD_SIZE", "2")
+        .output()
+        .unwrap();
+    assert_one_line_error(
+        &o,
+        &[
+            "WORLD_SIZE=2 (torchrun's variables, rank 1)",
+            "--layout dp=2",
+        ],
+    );
+    let o = launcher()
+        .args(["train", "--steps", "1"])
+        .env("SLURM_PROCID", "0")
+        .env("SLURM_NTASKS", "4")
+        .output()
+        .unwrap();
+    assert_one_line_error(&o, &["SLURM_NTASKS=4 (Slurm's variables, rank 0)"]);
+    let o = launcher()
+        .args(["train", "--steps", "1"])
+        .env("RANK", "2")
+        .env("WORLD_SIZE", "2")
+        .output()
+        .unwrap();
+    assert_one_line_error(&o, &["RANK=2 is not below WORLD_SIZE=2"]);
+    // Through the launcher: every rank refuses, the launcher names one.
+    let o = launcher()
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--",
+            "train",
+            "--steps",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    let (_, err) = text(&o);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("] error: WORLD_SIZE=2 (torchrun's variables"),
+        "{err}"
+    );
+    assert!(
+        err.lines().last().unwrap().starts_with("error: rank "),
+        "{err}"
+    );
+}
+
+#[test]
+fn launch_arguments_are_checked() {
+    let o = launcher()
+        .args(["launch", "--nproc-per-node", "2"])
+        .output()
+        .unwrap();
+    assert_one_line_error(&o, &["nothing to run"]);
+    let o = launcher()
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "2",
+        ])
+        .args(["--", "launch-probe"])
+        .output()
+        .unwrap();
+    assert_one_line_error(&o, &["--node-rank 2 is not below --nnodes 2"]);
+    // No mpirun on PATH.
+    let o = launcher()
+        .env("PATH", "")
+        .args(["launch", "--backend", "mpi", "--nproc-per-node", "2", "--"])
+        .arg("launch-probe")
+        .output()
+        .unwrap();
+    assert_one_line_error(&o, &["--backend mpi needs mpirun on PATH"]);
+}
+
+#[test]
+fn launch_through_mpirun_when_present() {
+    let has_mpirun = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join("mpirun").is_file()))
+        .unwrap_or(false);
+    if !has_mpirun {
+        eprintln!("skipped: no mpirun on PATH");
+        return;
+    }
+    let o = launcher()
+        .args(["launch", "--backend", "mpi", "--nproc-per-node", "2", "--"])
+        .args(["launch-probe", "--store"])
+        .output()
+        .unwrap();
+    assert_ok(&o);
+    let (out, _) = text(&o);
+    let p = probes(&out);
+    assert_eq!(p.len(), 2, "{out}");
+    for (r, f) in &p {
+        assert_eq!(f["world_size"], "2");
+        assert_eq!(f["local_rank"], r.to_string());
+        assert_eq!(f["source"], "OpenMpi");
+    }
+    let o = launcher()
+        .args(["launch", "--backend", "mpi", "--nproc-per-node", "2", "--"])
+        .args([
+            "launch-probe",
+            "--exit-rank",
+            "1",
+            "--exit-delay",
+            "0.5",
+            "--sleep",
+            "120",
+        ])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let (_, err) = text(&o);
+    assert!(
+        err.lines()
+            .last()
+            .unwrap()
+            .starts_with("error: mpirun exited with status 3"),
+        "{err}"
+    );
+}
