@@ -35,6 +35,8 @@
 
 mod in_process;
 mod launcher;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 mod reduce;
 mod work;
 
