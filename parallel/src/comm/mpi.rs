@@ -379,13 +379,16 @@ impl Communicator for MpiCommunicator {
         let Some(my) = ranks.iter().position(|&r| r == self.rank) else {
             return Err(self.err(
                 "new_group",
-                format!("this rank (group rank {}) is not among {ranks:?}", self.rank),
+                format!(
+                    "this rank (group rank {}) is not among {ranks:?}",
+                    self.rank
+                ),
             ));
         };
         // A stable hash of the tag (FNV-1a), within the 15 bits every MPI allows for tags.
-        let h = tag
-            .bytes()
-            .fold(0x811c_9dc5_u32, |h, b| (h ^ b as u32).wrapping_mul(0x0100_0193));
+        let h = tag.bytes().fold(0x811c_9dc5_u32, |h, b| {
+            (h ^ b as u32).wrapping_mul(0x0100_0193)
+        });
         let mpi_tag = (h & 0x3fff) as c_int;
         let id = self.id;
         let group = ranks.to_vec();
@@ -446,7 +449,8 @@ fn decode(b: &[u8]) -> Result<Tensor> {
         // Copies into a properly aligned Vec whatever the input's alignment.
         let n = p.len() / std::mem::size_of::<T>();
         let mut v = vec![T::zeroed(); n];
-        bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(&p[..n * std::mem::size_of::<T>()]);
+        bytemuck::cast_slice_mut::<T, u8>(&mut v)
+            .copy_from_slice(&p[..n * std::mem::size_of::<T>()]);
         v
     }
     let data = match code {
@@ -779,10 +783,7 @@ fn mpi_thread(rx: Receiver<Request>, init: Sender<std::result::Result<(usize, us
         }
     };
     LIVE.store(true, Ordering::SeqCst);
-    let _ = init.send(Ok((
-        WORLD_RANK.load(Ordering::SeqCst),
-        state.comms[0].size,
-    )));
+    let _ = init.send(Ok((WORLD_RANK.load(Ordering::SeqCst), state.comms[0].size)));
     let mut shutdown = false;
     let mut idle = 0u32;
     loop {
@@ -1011,7 +1012,11 @@ impl State {
     ) {
         let comm = &self.comms[c];
         let (w, n, dt) = (comm.size, data.len(), data.dtype());
-        let what = if scatter { "reduce_scatter" } else { "all_reduce" };
+        let what = if scatter {
+            "reduce_scatter"
+        } else {
+            "all_reduce"
+        };
         let cnt = match count(if scatter { n / w } else { n }, what) {
             Ok(c) => c,
             Err(e) => {
@@ -1108,8 +1113,14 @@ impl State {
             let (code, mut msg) = unsafe {
                 let mut msg = std::mem::zeroed::<ffi::MPI_Message>();
                 let mut status = std::mem::zeroed::<ffi::MPI_Status>();
-                let code =
-                    ffi::MPI_Improbe(src as c_int, P2P_TAG, handle, &mut flag, &mut msg, &mut status);
+                let code = ffi::MPI_Improbe(
+                    src as c_int,
+                    P2P_TAG,
+                    handle,
+                    &mut flag,
+                    &mut msg,
+                    &mut status,
+                );
                 if code == 0 && flag != 0 {
                     ffi::MPI_Get_count(&status, ffi::RSMPI_UINT8_T, &mut len);
                 }
@@ -1146,11 +1157,7 @@ impl State {
             let mut flag: c_int = 0;
             // SAFETY: an active request this thread started; the status is ignored.
             let code = unsafe {
-                ffi::MPI_Test(
-                    &mut self.flight[i].req,
-                    &mut flag,
-                    ffi::RSMPI_STATUS_IGNORE,
-                )
+                ffi::MPI_Test(&mut self.flight[i].req, &mut flag, ffi::RSMPI_STATUS_IGNORE)
             };
             if code != 0 || flag != 0 {
                 let f = self.flight.swap_remove(i);
