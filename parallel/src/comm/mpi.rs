@@ -294,7 +294,7 @@ impl Communicator for MpiCommunicator {
     fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
         let w = self.world_size();
         let mut dims = tensor.dims().to_vec();
-        if dims.is_empty() || dims[0] % w != 0 {
+        if dims.is_empty() || !dims[0].is_multiple_of(w) {
             return Err(self.err(
                 "reduce_scatter",
                 format!("the leading dimension of {dims:?} is not divisible by {w}"),
@@ -757,9 +757,9 @@ fn mpi_thread(rx: Receiver<Request>, init: Sender<std::result::Result<(usize, us
             .collect();
         // MPI_IN_PLACE is `(void *) 1` in Open MPI's mpi.h and `(void *) -1` in MPICH's.
         let in_place = if lib.contains("Open MPI") {
-            Some(1usize as *mut c_void)
+            Some(std::ptr::without_provenance_mut::<c_void>(1))
         } else if lib.contains("MPICH") {
-            Some(usize::MAX as *mut c_void)
+            Some(std::ptr::without_provenance_mut::<c_void>(usize::MAX))
         } else {
             None
         };
