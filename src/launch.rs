@@ -416,10 +416,16 @@ fn launch_mpirun(exe: &Path, opts: &LaunchOptions) -> Result<()> {
     Ok(())
 }
 
-/// Refuses a `meshgrad train` that was started as one of several processes (torchrun's, Open
-/// MPI's or Slurm's variables with a world size above 1) when no multi-process backend can join
-/// them: each process would otherwise train its own independent copy of the model.
+/// Refuses a `meshgrad train` that was started as one of several processes (torchrun's or
+/// Slurm's variables with a world size above 1) when no multi-process backend can join them:
+/// each process would otherwise train its own independent copy of the model. Open MPI's ranks
+/// pass: they train over MPI (see `train_parallel::check_mpi_world`).
 pub fn refuse_multi_process(env: &RankEnv) -> Result<()> {
+    // Ranks started by mpirun train over MPI (the `mpi` feature; without it
+    // `train_parallel::check_mpi_world` says to rebuild).
+    if env.source == meshgrad_parallel::comm::EnvSource::OpenMpi {
+        return Ok(());
+    }
     if env.is_multi_process() {
         bail!(
             "{}={} ({}, rank {}) asks for {} processes, but meshgrad train has no multi-process \

@@ -381,6 +381,7 @@ fn run(cli: Cli) -> Result<()> {
             };
             let layout: Option<meshgrad::parallel::ParallelLayout> =
                 a.layout.as_deref().map(str::parse).transpose()?;
+            meshgrad::train_parallel::check_mpi_world(layout.as_ref())?;
             if cfg.model.kind == "bert" {
                 meshgrad::train_bert::train_bert(&cfg, layout.as_ref(), &opts, Verbosity::Normal)?;
                 return Ok(());

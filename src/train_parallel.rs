@@ -158,6 +158,9 @@ pub(crate) fn on_ranks<T: Send>(
     timeout: Duration,
     body: impl Fn(&RankCtx, &LayoutMesh) -> Result<Option<T>> + Send + Sync,
 ) -> Result<T> {
+    if let Some(n) = mpi_world_size() {
+        return on_mpi_rank(layout, n, body);
+    }
     let run_opts = RunOptions::with_timeout(timeout);
     let results = run_ranks(layout.world_size(), &run_opts, |ctx| {
         let mesh = layout.mesh(ctx.comm.clone())?;
@@ -172,6 +175,96 @@ pub(crate) fn on_ranks<T: Send>(
         .flatten()
         .next()
         .ok_or_else(|| anyhow::anyhow!("rank 0 returned no result"))
+}
+
+/// The number of MPI ranks when this process is one of several started by an MPI launcher
+/// (`mpirun -np N`, from its environment; MPI itself is not initialised here).
+fn mpi_world_size() -> Option<usize> {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok())
+        .filter(|&n| n > 1)
+}
+
+/// Fails at once when this process is one of several MPI ranks but the layout cannot use them:
+/// no `--layout`, or (without the `mpi` feature) no MPI support at all.
+pub fn check_mpi_world(layout: Option<&ParallelLayout>) -> Result<()> {
+    let Some(n) = mpi_world_size() else {
+        return Ok(());
+    };
+    if !cfg!(feature = "mpi") {
+        anyhow::bail!(
+            "this process is one of {n} MPI ranks, but meshgrad was built without MPI support: \
+             rebuild with `cargo build --release --features mpi`"
+        );
+    }
+    match layout {
+        None => anyhow::bail!("under mpirun with {n} ranks, give a --layout of {n} ranks"),
+        Some(l) if l.world_size() != n => anyhow::bail!(
+            "--layout {l} needs {} ranks, but this is one of {n} MPI ranks",
+            l.world_size()
+        ),
+        Some(_) => Ok(()),
+    }
+}
+
+/// `on_ranks` under `mpirun`: this process runs its single rank over the MPI world. Rank 0
+/// returns its result; the other ranks exit quietly once every rank has finished; an error on
+/// any rank is printed with its rank and aborts the whole job.
+#[cfg(feature = "mpi")]
+fn on_mpi_rank<T: Send>(
+    layout: &ParallelLayout,
+    n: usize,
+    body: impl Fn(&RankCtx, &LayoutMesh) -> Result<Option<T>>,
+) -> Result<T> {
+    use meshgrad_parallel::comm::mpi::{abort, finalize, MpiCommunicator};
+    use meshgrad_tensor::alloc::{with_tracker, MemoryTracker};
+    check_mpi_world(Some(layout))?;
+    let world = MpiCommunicator::world()?;
+    if world.world_size() != n {
+        anyhow::bail!(
+            "the environment says {n} MPI ranks, but MPI's world has {}",
+            world.world_size()
+        );
+    }
+    let tracker = MemoryTracker::new();
+    let ctx = RankCtx {
+        rank: world.rank(),
+        world_size: n,
+        comm: world,
+        tracker: tracker.clone(),
+    };
+    let rank = ctx.rank;
+    let r = with_tracker(tracker, || -> Result<Option<T>> {
+        let mesh = layout.mesh(ctx.comm.clone())?;
+        let r = body(&ctx, &mesh)?;
+        ctx.comm.barrier()?.wait()?;
+        Ok(r)
+    });
+    match r {
+        Ok(r) => {
+            drop(ctx);
+            finalize();
+            if rank != 0 {
+                std::process::exit(0);
+            }
+            r.ok_or_else(|| anyhow::anyhow!("rank 0 returned no result"))
+        }
+        Err(e) => {
+            eprintln!("error: rank {rank}: {e:#}");
+            abort(1)
+        }
+    }
+}
+
+#[cfg(not(feature = "mpi"))]
+fn on_mpi_rank<T: Send>(
+    layout: &ParallelLayout,
+    _n: usize,
+    _body: impl Fn(&RankCtx, &LayoutMesh) -> Result<Option<T>>,
+) -> Result<T> {
+    check_mpi_world(Some(layout))?;
+    unreachable!("check_mpi_world fails without the mpi feature")
 }
 
 /// A one-line reason `layout` cannot run (yet) or does not fit the run, before any work.

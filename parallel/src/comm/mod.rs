@@ -42,6 +42,8 @@
 pub mod env;
 mod in_process;
 mod launcher;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 mod reduce;
 pub mod store;
 mod work;

@@ -1,0 +1,185 @@
+//! The MPI backend on real processes: run as `mpirun -np 4 <this test binary>` (a harness-less
+//! test: MPI is initialised once per process). With 1 rank (plain `cargo test --features mpi`)
+//! it checks what one rank can. `MESHGRAD_MPI_TEST_PANIC=R` makes rank R panic while its peers
+//! wait in an all-reduce: the job must end with a non-zero status (the panic hook aborts it).
+#![cfg(feature = "mpi")]
+
+use half::bf16;
+use meshgrad_parallel::comm::mpi::{finalize, MpiCommunicator};
+use meshgrad_parallel::{Communicator, DeviceMesh, ReduceOp};
+use meshgrad_tensor::{Device, Tensor};
+
+fn t(v: Vec<f32>, dims: &[usize]) -> Tensor {
+    Tensor::from_vec(v, dims.to_vec(), Device::Cpu).unwrap()
+}
+
+fn checks(comm: &dyn Communicator) {
+    let (r, w) = (comm.rank(), comm.world_size());
+    let rf = r as f32;
+    // all_reduce: sum, avg, max on f32/f64/i64/bf16/f16.
+    let x = t(vec![rf, 1.0, 2.0 * rf], &[3]);
+    let s = comm.all_reduce(&x, ReduceOp::Sum).unwrap().wait().unwrap();
+    let tri = (w * (w - 1) / 2) as f32;
+    assert_eq!(s.to_vec::<f32>().unwrap(), vec![tri, w as f32, 2.0 * tri]);
+    let a = comm.all_reduce(&x, ReduceOp::Avg).unwrap().wait().unwrap();
+    assert_eq!(a.to_vec::<f32>().unwrap()[1], 1.0);
+    let m = comm.all_reduce(&x, ReduceOp::Max).unwrap().wait().unwrap();
+    assert_eq!(
+        m.to_vec::<f32>().unwrap(),
+        vec![(w - 1) as f32, 1.0, 2.0 * (w - 1) as f32]
+    );
+    let nan = t(vec![if r == 0 { f32::NAN } else { 1.0 }], &[1]);
+    let m = comm
+        .all_reduce(&nan, ReduceOp::Max)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert!(m.to_vec::<f32>().unwrap()[0].is_nan(), "max propagates NaN");
+    let d = Tensor::from_vec(vec![r as f64 + 0.5; 5], 5, Device::Cpu).unwrap();
+    let s = comm.all_reduce(&d, ReduceOp::Sum).unwrap().wait().unwrap();
+    assert_eq!(
+        s.to_vec::<f64>().unwrap(),
+        vec![tri as f64 + 0.5 * w as f64; 5]
+    );
+    let i = Tensor::from_vec(vec![r as i64, -3], 2, Device::Cpu).unwrap();
+    let s = comm.all_reduce(&i, ReduceOp::Sum).unwrap().wait().unwrap();
+    assert_eq!(s.to_vec::<i64>().unwrap(), vec![tri as i64, -3 * w as i64]);
+    assert!(
+        comm.all_reduce(&i, ReduceOp::Avg).is_err(),
+        "avg of integers"
+    );
+    let b = x.to_dtype(meshgrad_tensor::DType::BF16).unwrap();
+    let s = comm.all_reduce(&b, ReduceOp::Sum).unwrap().wait().unwrap();
+    assert_eq!(s.dtype(), meshgrad_tensor::DType::BF16);
+    let want: Vec<bf16> = [tri, w as f32, 2.0 * tri]
+        .iter()
+        .map(|&v| bf16::from_f32(v))
+        .collect();
+    assert_eq!(s.to_vec::<bf16>().unwrap(), want);
+    let h = x.to_dtype(meshgrad_tensor::DType::F16).unwrap();
+    let s = comm.all_reduce(&h, ReduceOp::Avg).unwrap().wait().unwrap();
+    assert_eq!(s.to_vec_f32().unwrap()[1], 1.0);
+    // bf16 sum of a large buffer (exact values).
+    let big = t(vec![rf + 1.0; 100_000], &[100_000])
+        .to_dtype(meshgrad_tensor::DType::BF16)
+        .unwrap();
+    let s = comm
+        .all_reduce(&big, ReduceOp::Sum)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert!(s
+        .to_vec_f32()
+        .unwrap()
+        .iter()
+        .all(|&v| v == (tri + w as f32)));
+    // reduce_scatter: rows [r*n/w, (r+1)*n/w) of the sum.
+    let rows: Vec<f32> = (0..2 * w * 3).map(|k| k as f32 + rf).collect();
+    let rs = comm
+        .reduce_scatter(&t(rows, &[2 * w, 3]), ReduceOp::Sum)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(rs.dims(), &[2, 3]);
+    let want: Vec<f32> = (0..6).map(|k| (w * (r * 6 + k)) as f32 + tri).collect();
+    assert_eq!(rs.to_vec::<f32>().unwrap(), want);
+    // all_gather: concatenation in rank order (0-d gathers to [w]).
+    let g = comm
+        .all_gather(&t(vec![rf, -rf], &[1, 2]))
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(g.dims(), &[w, 2]);
+    let want: Vec<f32> = (0..w).flat_map(|k| [k as f32, -(k as f32)]).collect();
+    assert_eq!(g.to_vec::<f32>().unwrap(), want);
+    let z = Tensor::from_vec(vec![rf], Vec::<usize>::new(), Device::Cpu).unwrap();
+    assert_eq!(comm.all_gather(&z).unwrap().wait().unwrap().dims(), &[w]);
+    // broadcast from the last rank.
+    let bc = comm
+        .broadcast(&t(vec![rf; 4], &[2, 2]), w - 1)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(bc.to_vec::<f32>().unwrap(), vec![(w - 1) as f32; 4]);
+    comm.barrier().unwrap().wait().unwrap();
+    if w > 1 {
+        // p2p: a ring in both directions at once, several messages in flight, mixed dtypes.
+        let (next, prev) = ((r + 1) % w, (r + w - 1) % w);
+        let sends: Vec<_> = (0..3)
+            .map(|k| {
+                comm.send(&t(vec![rf * 10.0 + k as f32; 1000], &[10, 100]), next)
+                    .unwrap()
+            })
+            .collect();
+        let back = comm
+            .send(
+                &Tensor::from_vec(vec![r as u32; 3], 3, Device::Cpu).unwrap(),
+                prev,
+            )
+            .unwrap();
+        for k in 0..3 {
+            let m = comm.recv(prev).unwrap().wait().unwrap();
+            assert_eq!(m.dims(), &[10, 100]);
+            assert_eq!(
+                m.to_vec::<f32>().unwrap()[999],
+                prev as f32 * 10.0 + k as f32
+            );
+        }
+        let m = comm.recv(next).unwrap().wait().unwrap();
+        assert_eq!(m.to_vec::<u32>().unwrap(), vec![next as u32; 3]);
+        for s in sends {
+            s.wait().unwrap();
+        }
+        back.wait().unwrap();
+    }
+}
+
+fn main() {
+    let world = MpiCommunicator::world().expect("MPI init");
+    let (r, w) = (world.rank(), world.world_size());
+    if let Some(bad) = std::env::var("MESHGRAD_MPI_TEST_PANIC")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        if r == bad {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            panic!("rank {r}: a deliberate panic");
+        }
+        let x = t(vec![1.0], &[1]);
+        let _ = world.all_reduce(&x, ReduceOp::Sum).unwrap().wait();
+        unreachable!("the all-reduce cannot complete without rank {bad}");
+    }
+    checks(world.as_ref());
+    // Sub-groups from a 2-D mesh (every rank creates its groups in the same order).
+    if w == 4 {
+        let mesh = DeviceMesh::new(world.clone(), &["dp", "tp"], &[2, 2]).unwrap();
+        for name in ["dp", "tp"] {
+            let g = mesh.group(name).unwrap();
+            assert_eq!(g.world_size(), 2);
+            checks(g.as_ref());
+            let s = g
+                .all_reduce(&t(vec![r as f32], &[1]), ReduceOp::Sum)
+                .unwrap()
+                .wait()
+                .unwrap();
+            let want: f32 = g.ranks().iter().map(|&k| k as f32).sum();
+            assert_eq!(
+                s.to_vec::<f32>().unwrap(),
+                vec![want],
+                "{name} group {}",
+                g.describe()
+            );
+        }
+        // A group of 3 ranks made by its members only; rank 3 does not take part.
+        if r < 3 {
+            let g = world.new_group(&[2, 0, 1], "three").unwrap();
+            assert_eq!(g.rank(), (r + 1) % 3);
+            checks(g.as_ref());
+        }
+        world.barrier().unwrap().wait().unwrap();
+    }
+    finalize();
+    if r == 0 {
+        println!("mpi test: all checks passed on {w} ranks");
+    }
+}
