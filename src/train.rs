@@ -671,7 +671,12 @@ pub(crate) struct RunControl<'a> {
 impl RunControl<'_> {
     /// Whether any rank was asked to stop (a collective over `world` when there is one).
     fn stop_requested(&self) -> Result<bool> {
-        let local = crate::stop::installed().is_some_and(|s| s.requested());
+        // No handler in this process (library use): nothing can ask, and every rank (a thread
+        // of this process, or a process of the same binary) knows it without a collective.
+        let Some(signal) = crate::stop::installed() else {
+            return Ok(false);
+        };
+        let local = signal.requested();
         match self.world {
             None => Ok(local),
             Some(w) => Ok(all_reduce_scalar(w, f64::from(u8::from(local)), ReduceOp::Max)? > 0.0),

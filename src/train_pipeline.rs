@@ -290,8 +290,6 @@ struct PipelineSync<'a> {
     grads: &'a PipelineGrads,
     reducer: &'a Reducer,
     params: Vec<Var>,
-    /// Names of the tied copies this rank leaves out of the norm (the last stage's).
-    skip_in_norm: Vec<String>,
     dp: Arc<dyn Communicator>,
     pp: Arc<dyn Communicator>,
     timeline: &'a Timeline,
@@ -347,13 +345,10 @@ impl GradSync for PipelineSync<'_> {
                 Ok(norm)
             }
             Reducer::Sharded(sdp) => {
-                let skip = |n: &str| self.skip_in_norm.iter().any(|s| s == n);
+                let skip = |n: &str| self.grads.left_out_of_norm().iter().any(|s| s == n);
                 let local = sdp.grad_sq_sum_without(&skip)?;
                 let norm = all_reduce_scalar(self.pp.as_ref(), local, ReduceOp::Sum)?.sqrt();
-                let coef = max_norm / (norm + 1e-6);
-                if norm.is_finite() && coef < 1.0 {
-                    sdp.scale_grads(coef)?;
-                }
+                sdp.clip_grads_with_norm(max_norm, norm)?;
                 Ok(norm)
             }
         }
@@ -534,18 +529,11 @@ fn rank_main<T: PipelineTask>(
     )?;
     let hook = saver.hook(sharded);
     let grads = PipelineGrads::new(&chunks, pp.clone())?;
-    let last = p + 1 == world_pp;
-    let skip_in_norm = if last && world_pp > 1 {
-        chunks[v - 1].tied_parameters()
-    } else {
-        Vec::new()
-    };
     let params = module.parameters();
     let sync = PipelineSync {
         grads: &grads,
         reducer: &reducer,
         params: params.clone(),
-        skip_in_norm,
         dp: mesh.dp_group(),
         pp: pp.clone(),
         timeline,
@@ -567,7 +555,7 @@ fn rank_main<T: PipelineTask>(
     )));
     let micro_step = |step: usize| -> Result<f64> {
         let mbs = task.train_microbatches(step as u64, rows.clone(), opts.microbatches, dp)?;
-        let t0 = timeline_now(timeline);
+        let t0 = timeline.now_s();
         let loss = execute(
             &chunks,
             &plan.schedule,
@@ -576,7 +564,7 @@ fn rank_main<T: PipelineTask>(
             step as u64,
             Some(timeline),
         )?;
-        let t1 = timeline_now(timeline);
+        let t1 = timeline.now_s();
         step_windows
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -632,10 +620,6 @@ fn rank_main<T: PipelineTask>(
         Some(t) if leader => Ok(Some(task.finish(&t, rep, result, verbosity)?)),
         _ => Ok(None),
     }
-}
-
-fn timeline_now(t: &Timeline) -> f64 {
-    t.now_s()
 }
 
 /// Sends every pipeline rank's named tensors to pipeline rank 0, which returns them all (the

@@ -534,6 +534,8 @@ pub struct PipelineGrads {
     /// The head's copies (on the last virtual stage, if this rank holds it and it differs from
     /// virtual stage 0); left out of the norm.
     tied_last: Vec<Var>,
+    /// The names of `tied_last`.
+    tied_last_names: Vec<String>,
     /// The group of the first and the last pipeline rank (on those two ranks, when they differ).
     tied_group: Option<Arc<dyn Communicator>>,
 }
@@ -567,6 +569,11 @@ impl PipelineGrads {
         let last = stages.iter().find(|s| s.spec().head && !s.spec().embedding);
         let tied_first = first.map(tied_of).transpose()?.unwrap_or_default();
         let tied_last = last.map(tied_of).transpose()?.unwrap_or_default();
+        let tied_last_names = if tied_last.is_empty() {
+            Vec::new()
+        } else {
+            last.map(|s| s.tied_parameters()).unwrap_or_default()
+        };
         let local = !tied_first.is_empty() && !tied_last.is_empty();
         if local && tied_first.len() != tied_last.len() {
             meshgrad_tensor::bail!(
@@ -588,6 +595,7 @@ impl PipelineGrads {
                 .collect(),
             tied_first,
             tied_last,
+            tied_last_names,
             tied_group,
             pp,
         })
@@ -619,6 +627,12 @@ impl PipelineGrads {
             p.set_grad(Some(sum));
         }
         Ok(())
+    }
+
+    /// The names of this rank's tied copies that the global norm leaves out (the head's copy
+    /// of a table the first stage also holds): what a sharded norm must skip too.
+    pub fn left_out_of_norm(&self) -> &[String] {
+        &self.tied_last_names
     }
 
     /// The global gradient norm across the pipeline (the tied table counted once), after

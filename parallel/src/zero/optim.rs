@@ -246,15 +246,24 @@ impl ShardedDataParallel {
         if !max_norm.is_finite() || max_norm <= 0.0 {
             meshgrad_tensor::bail!("clip_grad_norm: max_norm {max_norm} must be finite and > 0");
         }
-        let i = &self.inner;
-        let st = lock(&i.state);
-        let norm = i.grad_norm(&st)?;
+        let norm = {
+            let st = lock(&self.inner.state);
+            self.inner.grad_norm(&st)?
+        };
+        self.clip_grads_with_norm(max_norm, norm)?;
+        Ok(norm)
+    }
+
+    /// Scales this rank's reduced gradient shards as clipping to `max_norm` does when the global
+    /// norm is `norm` (computed elsewhere, e.g. across pipeline stages): by
+    /// `max_norm / (norm + 1e-6)` when that is below 1, not at all for a non-finite norm. Local.
+    pub fn clip_grads_with_norm(&self, max_norm: f64, norm: f64) -> Result<()> {
         let coef = max_norm / (norm + 1e-6);
         if !norm.is_finite() || coef >= 1.0 {
-            return Ok(norm);
+            return Ok(());
         }
-        i.scale_grads(&st, coef)?;
-        Ok(norm)
+        let st = lock(&self.inner.state);
+        self.inner.scale_grads(&st, coef)
     }
 
     /// The sum of squares of the reduced gradients (after [`ShardedDataParallel::finish`]) of
@@ -264,13 +273,6 @@ impl ShardedDataParallel {
     pub fn grad_sq_sum_without(&self, skip: &dyn Fn(&str) -> bool) -> Result<f64> {
         let st = lock(&self.inner.state);
         self.inner.grad_sq_sum(&st, skip)
-    }
-
-    /// Multiplies this rank's reduced gradient shards by `coef` (clipping with a norm computed
-    /// elsewhere, e.g. across pipeline stages). Local.
-    pub fn scale_grads(&self, coef: f64) -> Result<()> {
-        let st = lock(&self.inner.state);
-        self.inner.scale_grads(&st, coef)
     }
 
     /// This rank's optimizer state: the optimizer's state dict over its shard variables, named
