@@ -55,6 +55,23 @@ enum Command {
         #[arg(long)]
         data: PathBuf,
     },
+    /// Compare the metrics files (--metrics) of several runs: for each run after the first, the
+    /// first step whose loss differs from the first run's and the largest relative difference
+    /// (losses, validation losses, gradient norms); prints `compare: runs=... identical=...
+    /// largest_relative_loss_difference=...` last.
+    Compare {
+        /// Metrics files (JSON lines); the first is the reference.
+        #[arg(required = true, num_args = 2..)]
+        files: Vec<PathBuf>,
+        /// Draw every run's loss curve, and its relative difference from the first run, into
+        /// this PNG.
+        #[arg(long)]
+        plot: Option<PathBuf>,
+        /// Exit non-zero when a run's losses differ from the first run's by more than this
+        /// relative amount (0: they must be identical), or when the runs logged different steps.
+        #[arg(long)]
+        max_relative_difference: Option<f64>,
+    },
     /// Write the model of a training checkpoint (OUT/checkpoints/step-N, or a run's OUT: its
     /// latest) as a Hugging Face folder: config.json, model.safetensors, and the tokenizer.json
     /// and meshgrad.toml of the run.
@@ -463,6 +480,15 @@ fn run(cli: Cli) -> Result<()> {
                 anyhow::bail!("the {kind} schedule deadlocks: {what}");
             }
         }
+        Command::Compare {
+            files,
+            plot,
+            max_relative_difference,
+        } => meshgrad::compare::run(&meshgrad::compare::CompareOptions {
+            files,
+            plot,
+            max_relative_difference,
+        })?,
         Command::Export { checkpoint, out } => {
             let from = meshgrad::run_checkpoint::export(&checkpoint, &out)?;
             println!("exported {} to {}", from.display(), out.display());
