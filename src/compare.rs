@@ -230,6 +230,120 @@ impl RunComparison {
     }
 }
 
+/// How a model's weights differ from the reference model's.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WeightsDiff {
+    /// Tensors compared.
+    pub tensors: usize,
+    /// Tensors that are not bit for bit equal.
+    pub differing: usize,
+    /// The tensor with the largest relative L2 difference `|a - b| / |a|`, and that difference.
+    pub worst: Option<(String, f64)>,
+    /// The relative L2 difference over all weights together.
+    pub whole: f64,
+}
+
+/// The weights file of a run: `path` itself when it is a file, else `path/model.safetensors`
+/// (a run's `--out` folder).
+fn weights_file(path: &Path) -> PathBuf {
+    if path.is_dir() {
+        path.join("model.safetensors")
+    } else {
+        path.to_path_buf()
+    }
+}
+
+/// Reads a model's weights (a safetensors file or a run's `--out` folder) as f64, by name.
+pub fn read_weights(path: &Path) -> Result<BTreeMap<String, Vec<f64>>> {
+    let file = weights_file(path);
+    meshgrad_nn::state::load_safetensors(&file)?
+        .into_iter()
+        .map(|(name, t)| Ok((name, t.to_vec_f64()?)))
+        .collect::<meshgrad_tensor::Result<_>>()
+        .with_context(|| format!("reading weights {}", file.display()))
+}
+
+/// Compares two models' weights tensor by tensor; fails, naming both files, when their tensor
+/// names or shapes differ.
+pub fn diff_weights(
+    reference: &BTreeMap<String, Vec<f64>>,
+    other: &BTreeMap<String, Vec<f64>>,
+    names: (&str, &str),
+) -> Result<WeightsDiff> {
+    if reference.len() != other.len() || reference.keys().ne(other.keys()) {
+        let only: Vec<&String> = reference
+            .keys()
+            .filter(|k| !other.contains_key(*k))
+            .chain(other.keys().filter(|k| !reference.contains_key(*k)))
+            .take(5)
+            .collect();
+        bail!(
+            "{} and {} hold different tensors (e.g. {only:?}): not the same model",
+            names.0,
+            names.1
+        );
+    }
+    let mut d = WeightsDiff {
+        tensors: reference.len(),
+        differing: 0,
+        worst: None,
+        whole: 0.0,
+    };
+    let (mut num_all, mut den_all) = (0.0f64, 0.0f64);
+    for (name, a) in reference {
+        let b = &other[name];
+        if a.len() != b.len() {
+            bail!(
+                "{name} has {} elements in {} but {} in {}",
+                a.len(),
+                names.0,
+                b.len(),
+                names.1
+            );
+        }
+        let (mut num, mut den) = (0.0f64, 0.0f64);
+        let mut equal = true;
+        for (x, y) in a.iter().zip(b) {
+            equal &= x.to_bits() == y.to_bits();
+            num += (x - y) * (x - y);
+            den += x * x;
+        }
+        num_all += num;
+        den_all += den;
+        if !equal {
+            d.differing += 1;
+        }
+        let rel = if num == 0.0 {
+            0.0
+        } else {
+            (num / den.max(f64::MIN_POSITIVE)).sqrt()
+        };
+        if d.worst.as_ref().is_none_or(|(_, w)| rel > *w) {
+            d.worst = Some((name.clone(), rel));
+        }
+    }
+    d.whole = if num_all == 0.0 {
+        0.0
+    } else {
+        (num_all / den_all.max(f64::MIN_POSITIVE)).sqrt()
+    };
+    Ok(d)
+}
+
+impl WeightsDiff {
+    fn describe(&self) -> String {
+        match (&self.worst, self.differing) {
+            (_, 0) => format!("weights: identical ({} tensors)", self.tensors),
+            (Some((name, w)), n) => format!(
+                "weights: {n} of {} tensors differ, relative L2 difference {:.3e} over all, \
+                 largest {w:.3e} ({name})",
+                self.tensors, self.whole
+            ),
+            (None, _) => "weights: none".into(),
+        }
+    }
+}
+
 /// What `meshgrad compare` does: options from the command line.
 #[derive(Clone, Debug)]
 pub struct CompareOptions {
@@ -237,6 +351,9 @@ pub struct CompareOptions {
     pub files: Vec<PathBuf>,
     /// Where to draw the loss curves (PNG).
     pub plot: Option<PathBuf>,
+    /// The runs' final weights (`--out` folders or safetensors files), one per metrics file in
+    /// the same order, or none.
+    pub weights: Vec<PathBuf>,
     /// Fail when a run's losses differ from the reference's by more than this relative amount
     /// (0: demand identical losses), or when the runs have different steps.
     pub max_relative_difference: Option<f64>,
@@ -256,6 +373,18 @@ pub fn run(opts: &CompareOptions) -> Result<()> {
             bail!("--max-relative-difference must be a finite number >= 0, got {t}");
         }
     }
+    if !opts.weights.is_empty() && opts.weights.len() != opts.files.len() {
+        bail!(
+            "--weights names {} models for {} metrics files: give one per run, in the same order",
+            opts.weights.len(),
+            opts.files.len()
+        );
+    }
+    let weights = opts
+        .weights
+        .iter()
+        .map(|p| read_weights(p))
+        .collect::<Result<Vec<_>>>()?;
     let runs = opts
         .files
         .iter()
@@ -272,12 +401,23 @@ pub fn run(opts: &CompareOptions) -> Result<()> {
     let mut identical = 0;
     let mut largest: f64 = 0.0;
     let mut failures = Vec::new();
-    for run in &runs[1..] {
+    let mut largest_weights: Option<f64> = None;
+    for (i, run) in runs.iter().enumerate().skip(1) {
         let c = RunComparison::new(reference, run);
         println!("{}:", c.name);
         println!("  {}", c.loss.describe("loss"));
         println!("  {}", c.val_loss.describe("val_loss"));
         println!("  {}", c.grad_norm.describe("grad_norm"));
+        if let Some(w0) = weights.first() {
+            let names = (
+                opts.weights[0].display().to_string(),
+                opts.weights[i].display().to_string(),
+            );
+            let d = diff_weights(w0, &weights[i], (&names.0, &names.1))?;
+            println!("  {}", d.describe());
+            let worst = d.worst.as_ref().map_or(0.0, |w| w.1);
+            largest_weights = Some(largest_weights.unwrap_or(0.0).max(worst));
+        }
         let (gap, unmatched) = c.loss_gap();
         if c.loss.identical() && c.val_loss.identical() {
             identical += 1;
@@ -301,8 +441,11 @@ pub fn run(opts: &CompareOptions) -> Result<()> {
         crate::compare_plot::draw(&runs, path)?;
         println!("plot: {}", path.display());
     }
+    let weights_field = largest_weights
+        .map(|w| format!(" largest_relative_weight_difference={w:.3e}"))
+        .unwrap_or_default();
     println!(
-        "compare: runs={} identical={identical} largest_relative_loss_difference={largest:.3e}",
+        "compare: runs={} identical={identical} largest_relative_loss_difference={largest:.3e}{weights_field}",
         runs.len()
     );
     if !failures.is_empty() {
@@ -364,6 +507,30 @@ mod tests {
         let d = diff_series(&a, &short, |m| Some(m.loss));
         assert_eq!((d.common, d.unmatched), (1, 1));
         assert!(!d.identical());
+    }
+
+    #[test]
+    fn weights_relative_l2_per_tensor_and_overall() {
+        let w = |v: &[(&str, &[f64])]| -> BTreeMap<String, Vec<f64>> {
+            v.iter().map(|(n, x)| (n.to_string(), x.to_vec())).collect()
+        };
+        let a = w(&[("x", &[3.0, 4.0]), ("y", &[0.0, 0.0, 12.0])]);
+        // x: |(0, 0.5)| / |(3, 4)| = 0.1; overall 0.5 / 13.
+        let b = w(&[("x", &[3.0, 4.5]), ("y", &[0.0, 0.0, 12.0])]);
+        let d = diff_weights(&a, &b, ("a", "b")).unwrap();
+        assert_eq!((d.tensors, d.differing), (2, 1));
+        let (name, worst) = d.worst.clone().unwrap();
+        assert_eq!(name, "x");
+        assert!((worst - 0.1).abs() < 1e-15, "{worst}");
+        assert!((d.whole - 0.5 / 13.0).abs() < 1e-15, "{}", d.whole);
+        let same = diff_weights(&a, &a, ("a", "a")).unwrap();
+        assert_eq!((same.differing, same.whole), (0, 0.0));
+        let other = w(&[("x", &[3.0, 4.0]), ("z", &[0.0, 0.0, 12.0])]);
+        let e = diff_weights(&a, &other, ("a", "c")).unwrap_err().to_string();
+        assert!(e.contains("a and c hold different tensors"), "{e}");
+        let short = w(&[("x", &[3.0]), ("y", &[0.0, 0.0, 12.0])]);
+        let e = diff_weights(&a, &short, ("a", "s")).unwrap_err().to_string();
+        assert!(e.contains("x has 2 elements in a but 1 in s"), "{e}");
     }
 
     #[test]

@@ -71,6 +71,11 @@ enum Command {
         /// relative amount (0: they must be identical), or when the runs logged different steps.
         #[arg(long)]
         max_relative_difference: Option<f64>,
+        /// Also compare the runs' final weights: one per metrics file, in the same order (a
+        /// run's --out folder or a .safetensors file); prints each tensor's relative L2
+        /// difference from the first run's, the largest and over all weights.
+        #[arg(long, num_args = 1..)]
+        weights: Vec<PathBuf>,
     },
     /// Write the model of a training checkpoint (OUT/checkpoints/step-N, or a run's OUT: its
     /// latest) as a Hugging Face folder: config.json, model.safetensors, and the tokenizer.json
@@ -484,9 +489,11 @@ fn run(cli: Cli) -> Result<()> {
             files,
             plot,
             max_relative_difference,
+            weights,
         } => meshgrad::compare::run(&meshgrad::compare::CompareOptions {
             files,
             plot,
+            weights,
             max_relative_difference,
         })?,
         Command::Export { checkpoint, out } => {
