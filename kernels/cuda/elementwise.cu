@@ -37,7 +37,8 @@
 
 // `a` and `b` are the op's f64 parameters (PowScalar p; AddScalar/MulScalar c; Clamp lo, hi),
 // rounded to f32 as the CPU's `T::from_f64` does for f32.
-__device__ __forceinline__ float unary_op(int op, float v, float a, float b) {
+// `pow_kind`: 2 when the f64 exponent is exactly 2 (x * x), 1 when exactly 1 (copy), else 0.
+__device__ __forceinline__ float unary_op(int op, float v, float a, float b, int pow_kind) {
     switch (op) {
     case OP_NEG: return -v;
     case OP_EXP: return expf(v);
@@ -55,7 +56,7 @@ __device__ __forceinline__ float unary_op(int op, float v, float a, float b) {
     case OP_RECIP: return 1.0f / v;
     case OP_SQUARE: return v * v;
     case OP_SIGMOID: return 1.0f / (1.0f + expf(-v));
-    case OP_POW: return a == 2.0f ? v * v : (a == 1.0f ? v : powf(v, a));
+    case OP_POW: return pow_kind == 2 ? v * v : (pow_kind == 1 ? v : powf(v, a));
     case OP_ADD_SCALAR: return v + a;
     case OP_MUL_SCALAR: return v * a;
     case OP_SIN: return sinf(v);
@@ -69,7 +70,8 @@ __device__ __forceinline__ float unary_op(int op, float v, float a, float b) {
 template <typename T>
 __device__ void unary_impl(const T *x, T *out, i64 n, int op, double a, double b) {
     const float fa = (float)a, fb = (float)b;
-    MG_GRID_STRIDE(i, n) { store(out, i, unary_op(op, load(x, i), fa, fb)); }
+    const int pow_kind = a == 2.0 ? 2 : (a == 1.0 ? 1 : 0); // decided on the f64 value, as the CPU
+    MG_GRID_STRIDE(i, n) { store(out, i, unary_op(op, load(x, i), fa, fb, pow_kind)); }
 }
 
 // ---- strided (broadcasting) maps ----

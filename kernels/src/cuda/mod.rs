@@ -1,7 +1,7 @@
 //! CUDA C kernels (`kernels/cuda/*.cu`), compiled by NVRTC at run time (first use) and cached.
 //!
-//! Every source is compiled with the shared header `kernels/cuda/common.cuh` prepended (followed
-//! by a `#line 1 "<file>"` directive, so NVRTC's messages name the right file and line). Each
+//! Every source is compiled with the shared header `kernels/cuda/common.cuh` prepended (each part
+//! after a `#line 1 "<file>"` directive, so NVRTC's messages name the right file and line). Each
 //! [`KernelSource`] lists its `extern "C"` entry points; `kernels/tests/nvrtc_compile.rs`
 //! compiles every source for sm_80 and sm_90 and checks that exactly those entry points appear in
 //! the PTX.
@@ -34,10 +34,11 @@ pub struct KernelSource {
 }
 
 impl KernelSource {
-    /// The text handed to NVRTC: [`COMMON_HEADER`], a `#line` directive, then the file.
+    /// The text handed to NVRTC: [`COMMON_HEADER`] and the file, each after a `#line 1`
+    /// directive naming it (so NVRTC's messages point at the right file and line).
     pub fn full_source(&self) -> String {
         format!(
-            "{COMMON_HEADER}\n#line 1 \"{}\"\n{}",
+            "#line 1 \"common.cuh\"\n{COMMON_HEADER}\n#line 1 \"{}\"\n{}",
             self.name, self.source
         )
     }
@@ -130,10 +131,18 @@ pub fn compile(src: &KernelSource, arch: u32) -> Result<String, CudaCompileError
             nvrtc,
             options,
             log,
-        }) => Err(err(format!(
-            "{nvrtc:?} with options {options:?}; log:\n{}",
-            log.to_string_lossy()
-        ))),
+        }) => {
+            let log = log.to_string_lossy();
+            let hint = if log.contains("could not open source file") {
+                "\n(hint: CUDA_INCLUDE_DIRS must list the directories of cuda_bf16.h and \
+                 cuda_fp16.h, separated by ':')"
+            } else {
+                ""
+            };
+            Err(err(format!(
+                "{nvrtc:?} with options {options:?}; log:\n{log}{hint}"
+            )))
+        }
         Err(e) => Err(err(format!("{e:?}"))),
     }
 }
@@ -187,3 +196,38 @@ mod entries;
 
 pub use abi::*;
 pub use entries::SOURCES;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ptx_entry_names_are_parsed() {
+        let ptx = "//\n.version 9.0\n.visible .entry softmax_fwd_f32(\n\t.param .u64 a\n)\n\
+                   .entry local_one (\n.visible .func helper(\n";
+        assert_eq!(ptx_entries(ptx), vec!["softmax_fwd_f32", "local_one"]);
+    }
+
+    #[test]
+    fn options_name_the_arch_and_split_include_dirs() {
+        // Only reads the variable; the value set by the environment (if any) is not assumed.
+        let o = compile_options(90);
+        assert!(o.options.contains(&"--gpu-architecture=sm_90".to_owned()));
+        assert!(o.options.contains(&"-std=c++17".to_owned()));
+        assert!(o.options.contains(&"-default-device".to_owned()));
+        assert!(o
+            .include_paths
+            .iter()
+            .all(|p| !p.is_empty() && !p.contains(':')));
+    }
+
+    #[test]
+    fn full_source_starts_with_the_header_and_renames_the_file() {
+        let s = source("softmax.cu").expect("softmax.cu is listed");
+        let text = s.full_source();
+        assert!(text.starts_with("#line 1 \"common.cuh\"\n"));
+        assert!(text.contains("\n#line 1 \"softmax.cu\"\n"));
+        assert!(text.ends_with(s.source));
+        assert!(source("nope.cu").is_none());
+    }
+}
