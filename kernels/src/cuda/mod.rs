@@ -7,7 +7,10 @@
 //! the PTX.
 //!
 //! Status: these kernels are compiled by NVRTC in CI (no GPU there); none has been run on a GPU
-//! yet, so their results are unverified on hardware. Each file's header comment names the CPU
+//! yet, so their results are unverified on hardware. `kernels/cuda/emu/run.sh` runs the kernel
+//! sources on the CPU under a host emulation of the CUDA execution model and compares them with
+//! naive references: evidence about their indexing, masking and synchronisation logic, not about
+//! device behaviour. Each file's header comment names the CPU
 //! reference (`kernels/src/cpu/*`, `kernels/src/rng.rs`) whose semantics it follows and where it
 //! differs (order of sums, f32 accumulation for half types).
 //!
