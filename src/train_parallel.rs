@@ -458,3 +458,38 @@ pub(crate) fn gather_tensor_parallel<M: Module>(
     load_state_dict(&full, &tensors, true)?;
     Ok(Some(full))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::mpi_world_size_from;
+
+    fn vars<'a>(v: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |name| {
+            v.iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, x)| x.to_string())
+        }
+    }
+
+    #[test]
+    fn mpi_worlds_from_mpirun_and_from_srun_with_pmix() {
+        assert_eq!(mpi_world_size_from(&vars(&[])), None);
+        let mpirun = [("OMPI_COMM_WORLD_SIZE", "4"), ("PMIX_RANK", "1")];
+        assert_eq!(mpi_world_size_from(&vars(&mpirun)), Some(4));
+        // One rank is no world of several.
+        assert_eq!(
+            mpi_world_size_from(&vars(&[("OMPI_COMM_WORLD_SIZE", "1")])),
+            None
+        );
+        // srun --mpi=pmix: Slurm's task count (the step's first).
+        let srun = [
+            ("SLURM_PROCID", "2"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_STEP_NUM_TASKS", "4"),
+            ("PMIX_RANK", "2"),
+        ];
+        assert_eq!(mpi_world_size_from(&vars(&srun)), Some(4));
+        // srun without PMIx: MPI_Init would give each task a world of its own.
+        assert_eq!(mpi_world_size_from(&vars(&srun[..3])), None);
+    }
+}
