@@ -43,16 +43,21 @@ EOF
 WORK=$(mktemp -d)
 started=()
 cleanup() {
-    # Stops the daemons this script started (by their pids), in reverse order.
+    # Stops the daemons this script started (by their pids), in reverse order, and waits up to
+    # 10 s for each to exit.
     for ((i = ${#started[@]} - 1; i >= 0; i--)); do
         kill "${started[i]}" 2>/dev/null || true
+        for _ in $(seq 50); do
+            kill -0 "${started[i]}" 2>/dev/null || break
+            sleep 0.2
+        done
     done
     rm -rf "${WORK}"
 }
 trap cleanup EXIT
 if ! pgrep -x munged >/dev/null; then
     su -s /bin/sh munge -c /usr/sbin/munged
-    started+=("$(pgrep -x munged)")
+    started+=("$(cat /run/munge/munged.pid)")
 fi
 if ! pgrep -x slurmctld >/dev/null; then
     slurmctld
