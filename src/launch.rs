@@ -13,9 +13,9 @@
 //!   its exit status or signal. When the launcher itself gets SIGINT, SIGTERM or SIGHUP it stops
 //!   the children the same way. It succeeds when every child exits 0.
 //! * `--backend mpi` starts the ranks through the system's `mpirun -np N` instead (adding
-//!   `--allow-run-as-root --oversubscribe` as root), with the same line prefixes, so they form one
-//!   MPI world. mpirun stops the job when a rank fails; the launcher reads which rank from
-//!   mpirun's own message (Open MPI's wording) and fails with the same kind of line, e.g.
+//!   `--oversubscribe`, and `--allow-run-as-root` as root), with the same line prefixes, so they
+//!   form one MPI world. mpirun stops the job when a rank fails; the launcher reads which rank
+//!   from mpirun's own message (Open MPI's wording) and fails with the same kind of line, e.g.
 //!   `rank 2 was killed by signal 9 (SIGKILL); mpirun stopped the other ranks (...)`.
 //!
 //! Signals are sent with the `kill` command (no unsafe code) and `Child::kill`.
@@ -449,9 +449,10 @@ fn launch_mpirun(exe: &Path, opts: &LaunchOptions) -> Result<()> {
         .map(|m| m.uid() == 0)
         .unwrap_or(false);
     let mut cmd = Command::new(&mpirun);
-    cmd.arg("--tag-output");
+    // N ranks whatever the number of cores, as the process launcher starts them.
+    cmd.args(["--tag-output", "--oversubscribe"]);
     if root {
-        cmd.args(["--allow-run-as-root", "--oversubscribe"]);
+        cmd.arg("--allow-run-as-root");
     }
     cmd.env(
         "MASTER_ADDR",
