@@ -646,6 +646,7 @@ fn gather_timelines(world: &dyn Communicator, t: &Timelines<'_>, sync_s: f64) ->
     Ok(())
 }
 
+#[allow(clippy::too_many_arguments)]
 fn rank_main<T: PipelineTask>(
     task: &T,
     layout: &ParallelLayout,
