@@ -184,6 +184,14 @@ enum Command {
         /// Exchange pids through the TCP store at MASTER_ADDR:MASTER_PORT, print `store pids=...`.
         #[arg(long)]
         store: bool,
+        /// Join the MPI world (needs --features mpi) and all-reduce every 20 ms for --sleep
+        /// seconds; --exit-rank exits (or --panic-rank panics) after --exit-delay seconds while
+        /// the others wait in the collective.
+        #[arg(long)]
+        mpi: bool,
+        /// With --mpi: this rank panics after --exit-delay seconds.
+        #[arg(long)]
+        panic_rank: Option<usize>,
     },
     /// Train tokenizers (Hugging Face tokenizer.json format).
     Tokenizer {
@@ -448,6 +456,8 @@ fn run(cli: Cli) -> Result<()> {
             ignore_sigterm,
             sleep,
             store,
+            mpi,
+            panic_rank,
         } => meshgrad::launch::probe(&meshgrad::launch::ProbeOptions {
             exit_rank,
             exit_code,
@@ -455,6 +465,8 @@ fn run(cli: Cli) -> Result<()> {
             sleep,
             store,
             ignore_sigterm,
+            mpi,
+            panic_rank,
         })?,
         Command::Bench {
             model,
