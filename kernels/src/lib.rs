@@ -7,6 +7,7 @@
 
 pub mod cpu;
 pub mod float;
+pub mod ops;
 pub mod rng;
 
 pub use float::Float;

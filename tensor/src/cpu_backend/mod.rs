@@ -12,7 +12,8 @@ use std::borrow::Cow;
 use std::ops::Range;
 
 use half::{bf16, f16};
-use meshgrad_kernels::cpu::{self, elementwise::View, matmul::MatrixLayout};
+use meshgrad_kernels::cpu::{self, elementwise::View};
+use meshgrad_kernels::ops::{MatrixLayout, ReduceOp};
 use meshgrad_kernels::Float;
 
 pub(crate) use cast::{cast, copy_contiguous, copy_into};
@@ -113,7 +114,7 @@ fn view<'a, T>(data: &'a [T], l: &'a Layout) -> View<'a, T> {
 pub(crate) fn unary(
     s: &CpuStorage,
     l: &Layout,
-    op: cpu::elementwise::UnaryOp,
+    op: meshgrad_kernels::ops::UnaryOp,
 ) -> Result<CpuStorage> {
     let dt = s.dtype();
     let n = l.shape().elem_count();
@@ -151,7 +152,7 @@ pub(crate) fn add_assign_contiguous(
 }
 
 pub(crate) fn binary(
-    op: cpu::elementwise::BinaryOp,
+    op: meshgrad_kernels::ops::BinaryOp,
     a: &CpuStorage,
     al: &Layout,
     b: &CpuStorage,
@@ -170,7 +171,7 @@ pub(crate) fn binary(
 }
 
 pub(crate) fn compare(
-    op: cpu::elementwise::CmpOp,
+    op: meshgrad_kernels::ops::CmpOp,
     a: &CpuStorage,
     al: &Layout,
     b: &CpuStorage,
@@ -214,14 +215,6 @@ pub(crate) fn where_cond(
         };
     }
     Ok(go!(F64, F32, BF16, F16, U8, U32, I64))
-}
-
-/// A reduction over one dim of a contiguous buffer viewed as `[outer, reduce, inner]`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum ReduceOp {
-    Sum,
-    Max,
-    ArgMax,
 }
 
 pub(crate) fn reduce(

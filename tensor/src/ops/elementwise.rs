@@ -1,9 +1,8 @@
 //! Elementwise ops: broadcasting binary arithmetic, unary maps, comparisons and `where`.
 
-use meshgrad_kernels::cpu::elementwise::{BinaryOp, CmpOp, UnaryOp};
-
 use super::same_kind;
 use crate::{backend, DType, Result, Shape, Tensor};
+use meshgrad_kernels::ops::{BinaryOp, CmpOp, UnaryOp};
 
 /// Which GELU formula.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]

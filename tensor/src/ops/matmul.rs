@@ -1,10 +1,9 @@
 //! Matrix multiplication with broadcast batch dims; transposed operands are read through their
 //! strides, never copied.
 
-use meshgrad_kernels::cpu::matmul::MatrixLayout;
-
 use super::same_kind;
 use crate::{backend, Error, Layout, Result, Shape, Tensor};
+use meshgrad_kernels::ops::MatrixLayout;
 
 /// Collapses the batch dims of a broadcast layout into one stride when they form a single
 /// arithmetic progression; `None` when they do not.

@@ -18,7 +18,7 @@ mod swiglu;
 pub use attention::{AttentionGrads, AttentionMask, AttentionOutput};
 pub use elementwise::GeluKind;
 pub use matmul::LinearGrads;
-pub use meshgrad_kernels::cpu::adamw::AdamWStep;
+pub use meshgrad_kernels::ops::AdamWStep;
 pub use nn::LayerNormOutput;
 pub use rms_norm::RmsNormOutput;
 

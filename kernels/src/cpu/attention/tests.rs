@@ -2,6 +2,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::*;
+use crate::ops::BiasLayout;
 use crate::cpu::testutil::{assert_close, dot64, to_f32, to_f64, Rng};
 
 /// Naive f64 attention without padding or bias (the masked reference with nothing masked but

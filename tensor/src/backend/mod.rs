@@ -1,14 +1,12 @@
 //! Backend dispatch: every primitive the tensor ops need, matched on the storage variant. This is
 //! the only place that knows which backends exist; a new backend adds its arms here.
 
-use meshgrad_kernels::cpu::attention::{AttentionShape, BiasLayout};
-use meshgrad_kernels::cpu::elementwise::{BinaryOp, CmpOp, UnaryOp};
-use meshgrad_kernels::cpu::matmul::MatrixLayout;
-use meshgrad_kernels::cpu::unary_backward::UnaryGrad;
-
-use crate::cpu_backend::{self as cpu, attention, fused, indexing, llama, math, ReduceOp};
+use crate::cpu_backend::{self as cpu, attention, fused, indexing, llama, math};
 use crate::storage::{CpuStorage, Storage};
 use crate::{DType, Layout, Result};
+use meshgrad_kernels::ops::{
+    AttentionShape, BiasLayout, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryGrad, UnaryOp,
+};
 
 /// A storage with the layout of the view being read.
 pub(crate) type Src<'a> = (&'a Storage, &'a Layout);
@@ -410,7 +408,7 @@ pub(crate) fn adamw(
     ml: &Layout,
     v: &mut Storage,
     vl: &Layout,
-    hp: &meshgrad_kernels::cpu::adamw::AdamWStep,
+    hp: &meshgrad_kernels::ops::AdamWStep,
 ) -> Result<()> {
     fused::adamw(c_mut(param), pl, cs(grad), c_mut(m), ml, c_mut(v), vl, hp)
 }
