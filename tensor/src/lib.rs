@@ -79,8 +79,8 @@ pub use dtype::{DType, WithDType};
 pub use error::{Error, Result};
 pub use layout::Layout;
 pub use ops::{
-    AdamWStep, AttentionGrads, AttentionMask, AttentionOutput, GeluKind, LayerNormOutput,
-    LinearGrads, RmsNormOutput,
+    compute_dtype, AdamWStep, AttentionGrads, AttentionMask, AttentionOutput, GeluKind,
+    LayerNormOutput, LinearGrads, RmsNormOutput,
 };
 pub use random::Random;
 pub use shape::Shape;

@@ -1,69 +1,280 @@
-//! Backend dispatch: every primitive the tensor ops need, matched on the storage variant. This is
-//! the only place that knows which backends exist; a new backend adds its arms here.
+//! Backend dispatch: the one place that knows which backends exist. Every primitive the tensor
+//! ops need is a function here that checks its operands share one device (else
+//! [`Error::DeviceMismatch`] naming the op), picks the backend of that device and calls its
+//! [`BackendStorage`] method. A new backend implements [`BackendStorage`] on its storage type,
+//! adds a [`Storage`] variant, a [`Variant`] impl and one arm of `with_backend!`; the op call
+//! sites do not change.
+//!
+//! Fused primitives return `Result<Option<_>>` where the tensor op has a fallback composed of
+//! basic ops (`None`: the backend does not provide the fused kernel); the others turn a missing
+//! kernel into [`Error::NotImplemented`].
 
-use crate::cpu_backend::{self as cpu, attention, fused, indexing, llama, math};
-use crate::storage::{CpuStorage, Storage};
-use crate::{DType, Layout, Result};
+pub(crate) mod api;
+
 use meshgrad_kernels::ops::{
-    AttentionShape, BiasLayout, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryGrad, UnaryOp,
+    AdamWStep, AttentionShape, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryGrad, UnaryOp,
 };
+
+pub(crate) use api::{BackendStorage, Distribution, MaskArgs};
+use api::{Fused, In};
+
+use crate::storage::{CpuStorage, Storage};
+use crate::{DType, Device, Error, Layout, Result};
 
 /// A storage with the layout of the view being read.
 pub(crate) type Src<'a> = (&'a Storage, &'a Layout);
 
-fn c(s: &Storage) -> &CpuStorage {
-    match s {
-        Storage::Cpu(c) => c,
+/// The key padding mask and additive bias of one attention call, as the dispatch sees them (see
+/// [`MaskArgs`]).
+pub(crate) type AttentionMaskArgs<'a> = MaskArgs<'a, Storage>;
+
+/// A backend storage type held by one [`Storage`] variant.
+pub(crate) trait Variant: BackendStorage {
+    /// The backend storage inside `s` (which the dispatch has checked is on this backend).
+    fn of(s: &Storage) -> &Self;
+    /// The backend storage inside `s`, mutably.
+    fn of_mut(s: &mut Storage) -> &mut Self;
+    /// Wraps a backend storage into its variant.
+    fn wrap(self) -> Storage;
+}
+
+impl Variant for CpuStorage {
+    fn of(s: &Storage) -> &Self {
+        match s {
+            Storage::Cpu(c) => c,
+        }
+    }
+    fn of_mut(s: &mut Storage) -> &mut Self {
+        match s {
+            Storage::Cpu(c) => c,
+        }
+    }
+    fn wrap(self) -> Storage {
+        Storage::Cpu(self)
     }
 }
 
-fn c_mut(s: &mut Storage) -> &mut CpuStorage {
-    match s {
-        Storage::Cpu(c) => c,
+/// Runs `$body` with `$S` the backend storage type of `$device`. The one list of backends.
+macro_rules! with_backend {
+    ($op:expr, $device:expr, $S:ident => $body:expr) => {
+        match $device {
+            Device::Cpu => {
+                type $S = CpuStorage;
+                $body
+            }
+            device @ Device::Cuda(_) => Err(Error::NotImplemented { op: $op, device }),
+        }
+    };
+}
+
+/// The one same-device check: the device every operand is on, or [`Error::DeviceMismatch`]
+/// naming `op` and the first two devices that differ.
+fn device_of(op: &'static str, operands: &[&Storage]) -> Result<Device> {
+    let first = operands.first().map_or(Device::Cpu, |s| s.device());
+    for s in &operands[1..] {
+        let d = s.device();
+        if d != first {
+            return Err(Error::DeviceMismatch {
+                op,
+                lhs: first,
+                rhs: d,
+            });
+        }
+    }
+    Ok(first)
+}
+
+/// Checks the operands' device (bound to `$d`), then runs `$body` with `$S` that device's backend
+/// storage type.
+macro_rules! dispatch {
+    ($op:expr, [$($x:expr),* $(,)?], $S:ident, $d:ident => $body:expr) => {{
+        let $d = device_of($op, &[$($x),*])?;
+        with_backend!($op, $d, $S => $body)
+    }};
+    ($op:expr, slice $ops:expr, $S:ident, $d:ident => $body:expr) => {{
+        let $d = device_of($op, $ops)?;
+        with_backend!($op, $d, $S => $body)
+    }};
+}
+
+fn inp<'a, S: Variant>(s: Src<'a>) -> In<'a, S> {
+    (S::of(s.0), s.1)
+}
+
+fn opt<'a, S: Variant>(s: Option<Src<'a>>) -> Option<In<'a, S>> {
+    s.map(inp::<S>)
+}
+
+fn mask<'a, S: Variant>(m: &AttentionMaskArgs<'a>) -> MaskArgs<'a, S> {
+    MaskArgs {
+        heads: m.heads,
+        key_padding: opt::<S>(m.key_padding),
+        bias: m.bias.map(|(s, l)| (inp::<S>(s), l)),
     }
 }
 
-fn cs<'a>(s: Src<'a>) -> (&'a CpuStorage, &'a Layout) {
-    (c(s.0), s.1)
+fn mask_storages<'a>(m: &AttentionMaskArgs<'a>) -> impl Iterator<Item = &'a Storage> {
+    m.key_padding
+        .map(|s| s.0)
+        .into_iter()
+        .chain(m.bias.map(|(s, _)| s.0))
 }
+
+#[cfg(test)]
+thread_local! {
+    static DECLINE_FUSED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with every backend's fused kernels declined on this thread (as a backend without
+/// them would), so the tensor ops take their composed fallbacks. Test-only: it is how the
+/// fallbacks are checked against the CPU's fused kernels.
+#[cfg(test)]
+pub(crate) fn with_fused_declined<R>(f: impl FnOnce() -> R) -> R {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            DECLINE_FUSED.with(|d| d.set(self.0));
+        }
+    }
+    let _reset = Reset(DECLINE_FUSED.with(|d| d.replace(true)));
+    f()
+}
+
+/// Whether fused kernels are declined on this thread (only ever in tests).
+fn declined() -> bool {
+    #[cfg(test)]
+    {
+        DECLINE_FUSED.with(|d| d.get())
+    }
+    #[cfg(not(test))]
+    {
+        false
+    }
+}
+
+/// A fused primitive with a fallback at the op: `None` when the backend does not provide it.
+fn fused<T>(f: impl FnOnce() -> Fused<T>) -> Fused<T> {
+    if declined() {
+        return Ok(None);
+    }
+    f()
+}
+
+/// A fused primitive with no fallback yet: a missing kernel is [`Error::NotImplemented`].
+fn required<T>(op: &'static str, device: Device, r: Fused<T>) -> Result<T> {
+    r?.ok_or(Error::NotImplemented { op, device })
+}
+
+fn wrap2<S: Variant>((a, b): (S, S)) -> (Storage, Storage) {
+    (a.wrap(), b.wrap())
+}
+
+// ----- identity and memory -----
+
+impl Storage {
+    /// The device the buffer lives on.
+    pub fn device(&self) -> Device {
+        match self {
+            Storage::Cpu(s) => s.device(),
+        }
+    }
+
+    /// The dtype of the buffer.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Storage::Cpu(s) => BackendStorage::dtype(s),
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Storage::Cpu(s) => BackendStorage::len(s),
+        }
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+pub(crate) fn zeros(device: Device, dtype: DType, len: usize) -> Result<Storage> {
+    with_backend!("zeros", device, S => <S as BackendStorage>::zeros(device, dtype, len).map(S::wrap))
+}
+
+pub(crate) fn full(device: Device, value: f64, dtype: DType, len: usize) -> Result<Storage> {
+    with_backend!("full", device, S => S::full(device, value, dtype, len).map(S::wrap))
+}
+
+pub(crate) fn from_host(device: Device, host: CpuStorage) -> Result<Storage> {
+    with_backend!("from_host", device, S => S::from_host(device, host).map(S::wrap))
+}
+
+pub(crate) fn to_host(s: &Storage, l: &Layout) -> Result<CpuStorage> {
+    dispatch!("to_host", [s], S, device => S::of(s).to_host(l))
+}
+
+pub(crate) fn read_elements(s: &Storage, indices: &[usize]) -> Result<CpuStorage> {
+    dispatch!("read_elements", [s], S, device => S::of(s).read_elements(indices))
+}
+
+pub(crate) fn random(
+    device: Device,
+    dtype: DType,
+    len: usize,
+    seed: u64,
+    offset: u64,
+    dist: Distribution,
+) -> Result<Storage> {
+    with_backend!("random", device, S => S::random(device, dtype, len, seed, offset, dist).map(S::wrap))
+}
+
+pub(crate) fn arange(device: Device, start: i64, len: usize, dtype: DType) -> Result<Storage> {
+    with_backend!("arange", device, S => S::arange(device, start, len, dtype).map(S::wrap))
+}
+
+/// Hands a freed buffer to its backend's allocator.
+pub(crate) fn release(s: &mut Storage) {
+    match s {
+        Storage::Cpu(c) => c.release(),
+    }
+}
+
+// ----- basic ops -----
 
 pub(crate) fn cast(s: &Storage, l: &Layout, dtype: DType) -> Result<Storage> {
-    Ok(Storage::Cpu(cpu::cast(c(s), l, dtype)?))
+    dispatch!("to_dtype", [s], S, device => S::of(s).cast(l, dtype).map(S::wrap))
 }
 
 pub(crate) fn copy_contiguous(s: &Storage, l: &Layout) -> Result<Storage> {
-    Ok(Storage::Cpu(cpu::copy_contiguous(c(s), l)?))
+    dispatch!("contiguous", [s], S, device => S::of(s).copy_contiguous(l).map(S::wrap))
 }
 
 pub(crate) fn copy_into(dst: &mut Storage, dl: &Layout, src: Src<'_>) -> Result<()> {
-    cpu::copy_into(c_mut(dst), dl, c(src.0), src.1)
+    dispatch!("copy_into", [dst, src.0], S, device => S::of_mut(dst).copy_into(dl, inp::<S>(src)))
 }
 
 pub(crate) fn add_assign_contiguous(dst: &mut Storage, dl: &Layout, src: Src<'_>) -> Result<bool> {
-    cpu::add_assign_contiguous(c_mut(dst), dl, c(src.0), src.1)
+    dispatch!("add_assign", [dst, src.0], S, device => S::of_mut(dst).add_assign_contiguous(dl, inp::<S>(src)))
 }
 
 pub(crate) fn unary(s: Src<'_>, op: UnaryOp) -> Result<Storage> {
-    Ok(Storage::Cpu(cpu::unary(c(s.0), s.1, op)?))
+    dispatch!("unary", [s.0], S, device => S::unary(inp::<S>(s), op).map(S::wrap))
 }
 
 pub(crate) fn binary(op: BinaryOp, a: Src<'_>, b: Src<'_>) -> Result<Storage> {
-    Ok(Storage::Cpu(cpu::binary(op, c(a.0), a.1, c(b.0), b.1)?))
+    dispatch!("binary", [a.0, b.0], S, device => S::binary(op, inp::<S>(a), inp::<S>(b)).map(S::wrap))
 }
 
 pub(crate) fn compare(op: CmpOp, a: Src<'_>, b: Src<'_>) -> Result<Storage> {
-    Ok(Storage::Cpu(cpu::compare(op, c(a.0), a.1, c(b.0), b.1)?))
+    dispatch!("compare", [a.0, b.0], S, device => S::compare(op, inp::<S>(a), inp::<S>(b)).map(S::wrap))
 }
 
 pub(crate) fn where_cond(cond: Src<'_>, t: Src<'_>, f: Src<'_>) -> Result<Storage> {
-    Ok(Storage::Cpu(cpu::where_cond(
-        c(cond.0),
-        cond.1,
-        c(t.0),
-        t.1,
-        c(f.0),
-        f.1,
-    )?))
+    dispatch!("where_cond", [cond.0, t.0, f.0], S, device => {
+        S::where_cond(inp::<S>(cond), inp::<S>(t), inp::<S>(f)).map(S::wrap)
+    })
 }
 
 pub(crate) fn reduce(
@@ -73,14 +284,7 @@ pub(crate) fn reduce(
     red: usize,
     inner: usize,
 ) -> Result<Storage> {
-    Ok(Storage::Cpu(cpu::reduce(
-        op,
-        c(s.0),
-        s.1,
-        outer,
-        red,
-        inner,
-    )?))
+    dispatch!("reduce", [s.0], S, device => S::reduce(op, inp::<S>(s), outer, red, inner).map(S::wrap))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -94,17 +298,73 @@ pub(crate) fn matmul(
     n: usize,
     k: usize,
 ) -> Result<Storage> {
-    Ok(Storage::Cpu(cpu::matmul(
-        c(a),
-        al,
-        c(b),
-        bl,
-        batch,
-        m,
-        n,
-        k,
-    )?))
+    dispatch!("matmul", [a, b], S, device => {
+        S::matmul(S::of(a), al, S::of(b), bl, batch, m, n, k).map(S::wrap)
+    })
 }
+
+pub(crate) fn embedding(w: Src<'_>, ids: Src<'_>, vocab: usize, dim: usize) -> Result<Storage> {
+    dispatch!("embedding", [w.0, ids.0], S, device => {
+        S::embedding(inp::<S>(w), inp::<S>(ids), vocab, dim).map(S::wrap)
+    })
+}
+
+pub(crate) fn embedding_backward(
+    dout: Src<'_>,
+    ids: Src<'_>,
+    vocab: usize,
+    dim: usize,
+) -> Result<Storage> {
+    dispatch!("embedding_backward", [dout.0, ids.0], S, device => {
+        S::embedding_backward(inp::<S>(dout), inp::<S>(ids), vocab, dim).map(S::wrap)
+    })
+}
+
+pub(crate) fn gather(x: Src<'_>, index: Src<'_>, dim: usize) -> Result<Storage> {
+    dispatch!("gather", [x.0, index.0], S, device => {
+        S::gather(inp::<S>(x), inp::<S>(index), dim).map(S::wrap)
+    })
+}
+
+pub(crate) fn gather_backward(
+    dout: Src<'_>,
+    index: Src<'_>,
+    x_dims: &[usize],
+    dim: usize,
+) -> Result<Storage> {
+    dispatch!("gather_backward", [dout.0, index.0], S, device => {
+        S::gather_backward(inp::<S>(dout), inp::<S>(index), x_dims, dim).map(S::wrap)
+    })
+}
+
+pub(crate) fn index_select(
+    x: Src<'_>,
+    ids: Src<'_>,
+    outer: usize,
+    x_n: usize,
+    inner: usize,
+    dim: usize,
+) -> Result<Storage> {
+    dispatch!("index_select", [x.0, ids.0], S, device => {
+        S::index_select(inp::<S>(x), inp::<S>(ids), outer, x_n, inner, dim).map(S::wrap)
+    })
+}
+
+pub(crate) fn index_select_backward(
+    dout: Src<'_>,
+    ids: Src<'_>,
+    outer: usize,
+    x_n: usize,
+    inner: usize,
+    dim: usize,
+) -> Result<Storage> {
+    dispatch!("index_select_backward", [dout.0, ids.0], S, device => {
+        S::index_select_backward(inp::<S>(dout), inp::<S>(ids), outer, x_n, inner, dim)
+            .map(S::wrap)
+    })
+}
+
+// ----- fused ops -----
 
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn linear(
@@ -117,20 +377,17 @@ pub(crate) fn linear(
     n: usize,
     k: usize,
 ) -> Result<Storage> {
-    Ok(Storage::Cpu(fused::linear(
-        c(x),
-        xl,
-        c(w),
-        wl,
-        bias.map(cs),
-        m,
-        n,
-        k,
-    )?))
+    let ops: Vec<&Storage> = [x, w].into_iter().chain(bias.map(|b| b.0)).collect();
+    dispatch!("linear", slice &ops, S, device => {
+        let r = fused(|| S::linear(S::of(x), xl, S::of(w), wl, opt::<S>(bias), m, n, k));
+        required("linear", device, r).map(S::wrap)
+    })
 }
 
-pub(crate) fn softmax(s: Src<'_>, rows: usize, cols: usize, log: bool) -> Result<Storage> {
-    Ok(Storage::Cpu(cpu::softmax(c(s.0), s.1, rows, cols, log)?))
+pub(crate) fn softmax(s: Src<'_>, rows: usize, cols: usize, log: bool) -> Fused<Storage> {
+    dispatch!("softmax", [s.0], S, device => {
+        fused(|| S::softmax(inp::<S>(s), rows, cols, log)).map(|r| r.map(S::wrap))
+    })
 }
 
 pub(crate) fn softmax_backward(
@@ -140,52 +397,30 @@ pub(crate) fn softmax_backward(
     cols: usize,
     log: bool,
 ) -> Result<Storage> {
-    Ok(Storage::Cpu(cpu::softmax_backward(
-        c(y.0),
-        y.1,
-        c(dy.0),
-        dy.1,
-        rows,
-        cols,
-        log,
-    )?))
+    dispatch!("softmax_backward", [y.0, dy.0], S, device => {
+        let r = fused(|| S::softmax_backward(inp::<S>(y), inp::<S>(dy), rows, cols, log));
+        required("softmax_backward", device, r).map(S::wrap)
+    })
 }
 
-pub(crate) fn gelu_backward(x: Src<'_>, dy: Src<'_>, tanh_form: bool) -> Result<Storage> {
-    Ok(Storage::Cpu(cpu::gelu_backward(
-        c(x.0),
-        x.1,
-        c(dy.0),
-        dy.1,
-        tanh_form,
-    )?))
+pub(crate) fn gelu_backward(x: Src<'_>, dy: Src<'_>, tanh_form: bool) -> Fused<Storage> {
+    dispatch!("gelu_backward", [x.0, dy.0], S, device => {
+        fused(|| S::gelu_backward(inp::<S>(x), inp::<S>(dy), tanh_form)).map(|r| r.map(S::wrap))
+    })
 }
 
-pub(crate) fn embedding(w: Src<'_>, ids: Src<'_>, vocab: usize, dim: usize) -> Result<Storage> {
-    Ok(Storage::Cpu(cpu::embedding(
-        c(w.0),
-        w.1,
-        c(ids.0),
-        ids.1,
-        vocab,
-        dim,
-    )?))
+pub(crate) fn unary_backward(x: Src<'_>, dy: Src<'_>, op: UnaryGrad) -> Result<Storage> {
+    dispatch!("unary_backward", [x.0, dy.0], S, device => {
+        let r = fused(|| S::unary_backward(inp::<S>(x), inp::<S>(dy), op));
+        required("unary_backward", device, r).map(S::wrap)
+    })
 }
 
-pub(crate) fn embedding_backward(
-    dout: Src<'_>,
-    ids: Src<'_>,
-    vocab: usize,
-    dim: usize,
-) -> Result<Storage> {
-    Ok(Storage::Cpu(cpu::embedding_backward(
-        c(dout.0),
-        dout.1,
-        c(ids.0),
-        ids.1,
-        vocab,
-        dim,
-    )?))
+pub(crate) fn logsumexp(s: Src<'_>, outer: usize, red: usize, inner: usize) -> Result<Storage> {
+    dispatch!("logsumexp", [s.0], S, device => {
+        let r = fused(|| S::logsumexp(inp::<S>(s), outer, red, inner));
+        required("logsumexp", device, r).map(S::wrap)
+    })
 }
 
 pub(crate) fn layer_norm(
@@ -195,9 +430,16 @@ pub(crate) fn layer_norm(
     rows: usize,
     cols: usize,
     eps: f64,
-) -> Result<(Storage, Storage, Storage)> {
-    let (y, m, r) = fused::layer_norm(cs(x), w.map(cs), b.map(cs), rows, cols, eps)?;
-    Ok((Storage::Cpu(y), Storage::Cpu(m), Storage::Cpu(r)))
+) -> Fused<(Storage, Storage, Storage)> {
+    let ops: Vec<&Storage> = [x.0]
+        .into_iter()
+        .chain(w.map(|s| s.0))
+        .chain(b.map(|s| s.0))
+        .collect();
+    dispatch!("layer_norm", slice &ops, S, device => {
+        let r = fused(|| S::layer_norm(inp::<S>(x), opt::<S>(w), opt::<S>(b), rows, cols, eps));
+        r.map(|o| o.map(|(y, m, r)| (y.wrap(), m.wrap(), r.wrap())))
+    })
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -211,35 +453,26 @@ pub(crate) fn layer_norm_backward(
     cols: usize,
     param_grads: bool,
 ) -> Result<(Storage, Option<Storage>, Option<Storage>)> {
-    let (dx, dw, db) = fused::layer_norm_backward(
-        cs(x),
-        w.map(cs),
-        cs(mean),
-        cs(rstd),
-        cs(dy),
-        rows,
-        cols,
-        param_grads,
-    )?;
-    Ok((Storage::Cpu(dx), dw.map(Storage::Cpu), db.map(Storage::Cpu)))
-}
-
-/// The key padding mask and additive bias of one attention call, as the backend sees them:
-/// `heads` heads per batch entry index both; the padding mask is a contiguous integer
-/// `[batch, seq_k]` tensor, the bias a contiguous float tensor in q's dtype read through
-/// `BiasLayout` (strides 0 where it broadcasts).
-pub(crate) struct AttentionMaskArgs<'a> {
-    pub heads: usize,
-    pub key_padding: Option<Src<'a>>,
-    pub bias: Option<(Src<'a>, BiasLayout)>,
-}
-
-fn cpu_mask<'a>(m: &AttentionMaskArgs<'a>) -> attention::CpuMask<'a> {
-    attention::CpuMask {
-        heads: m.heads,
-        key_padding: m.key_padding.map(cs),
-        bias: m.bias.map(|(s, l)| (cs(s), l)),
-    }
+    let ops: Vec<&Storage> = [x.0, mean.0, rstd.0, dy.0]
+        .into_iter()
+        .chain(w.map(|s| s.0))
+        .collect();
+    dispatch!("layer_norm_backward", slice &ops, S, device => {
+        let r = fused(|| {
+            S::layer_norm_backward(
+                inp::<S>(x),
+                opt::<S>(w),
+                inp::<S>(mean),
+                inp::<S>(rstd),
+                inp::<S>(dy),
+                rows,
+                cols,
+                param_grads,
+            )
+        });
+        required("layer_norm_backward", device, r)
+            .map(|(dx, dw, db)| (dx.wrap(), dw.map(S::wrap), db.map(S::wrap)))
+    })
 }
 
 pub(crate) fn attention(
@@ -247,10 +480,16 @@ pub(crate) fn attention(
     k: Src<'_>,
     v: Src<'_>,
     shape: AttentionShape,
-    mask: &AttentionMaskArgs<'_>,
+    m: &AttentionMaskArgs<'_>,
 ) -> Result<(Storage, Storage)> {
-    let (o, l) = attention::attention(cs(q), cs(k), cs(v), shape, &cpu_mask(mask))?;
-    Ok((Storage::Cpu(o), Storage::Cpu(l)))
+    let ops: Vec<&Storage> = [q.0, k.0, v.0]
+        .into_iter()
+        .chain(mask_storages(m))
+        .collect();
+    dispatch!("attention", slice &ops, S, device => {
+        let r = fused(|| S::attention(inp::<S>(q), inp::<S>(k), inp::<S>(v), shape, mask::<S>(m)));
+        required("attention", device, r).map(wrap2)
+    })
 }
 
 /// Returns `(dq, dk, dv, dz)`; `dz` (the `[batch_heads, seq_q, seq_k]` gradient of the softmax
@@ -264,31 +503,38 @@ pub(crate) fn attention_backward(
     lse: Src<'_>,
     dout: Src<'_>,
     shape: AttentionShape,
-    mask: &AttentionMaskArgs<'_>,
+    m: &AttentionMaskArgs<'_>,
     want_dz: bool,
 ) -> Result<(Storage, Storage, Storage, Option<Storage>)> {
-    let (dq, dk, dv, dz) = attention::attention_backward(
-        [cs(q), cs(k), cs(v), cs(out), cs(lse), cs(dout)],
-        shape,
-        &cpu_mask(mask),
-        want_dz,
-    )?;
-    Ok((
-        Storage::Cpu(dq),
-        Storage::Cpu(dk),
-        Storage::Cpu(dv),
-        dz.map(Storage::Cpu),
-    ))
+    let ops: Vec<&Storage> = [q.0, k.0, v.0, out.0, lse.0, dout.0]
+        .into_iter()
+        .chain(mask_storages(m))
+        .collect();
+    dispatch!("attention_backward", slice &ops, S, device => {
+        let r = fused(|| {
+            S::attention_backward(
+                [q, k, v, out, lse, dout].map(inp::<S>),
+                shape,
+                mask::<S>(m),
+                want_dz,
+            )
+        });
+        required("attention_backward", device, r)
+            .map(|(dq, dk, dv, dz)| (dq.wrap(), dk.wrap(), dv.wrap(), dz.map(S::wrap)))
+    })
 }
 
 pub(crate) fn attention_qkv(
     qkv: Src<'_>,
     shape: AttentionShape,
     heads: usize,
-    mask: &AttentionMaskArgs<'_>,
+    m: &AttentionMaskArgs<'_>,
 ) -> Result<(Storage, Storage)> {
-    let (o, l) = attention::attention_qkv(cs(qkv), shape, heads, &cpu_mask(mask))?;
-    Ok((Storage::Cpu(o), Storage::Cpu(l)))
+    let ops: Vec<&Storage> = [qkv.0].into_iter().chain(mask_storages(m)).collect();
+    dispatch!("attention_qkv", slice &ops, S, device => {
+        let r = fused(|| S::attention_qkv(inp::<S>(qkv), shape, heads, mask::<S>(m)));
+        required("attention_qkv", device, r).map(wrap2)
+    })
 }
 
 /// Returns `(dqkv, dz)` (see [`attention_backward`] for `dz`).
@@ -300,17 +546,25 @@ pub(crate) fn attention_qkv_backward(
     dout: Src<'_>,
     shape: AttentionShape,
     heads: usize,
-    mask: &AttentionMaskArgs<'_>,
+    m: &AttentionMaskArgs<'_>,
     want_dz: bool,
 ) -> Result<(Storage, Option<Storage>)> {
-    let (g, dz) = attention::attention_qkv_backward(
-        [cs(qkv), cs(out), cs(lse), cs(dout)],
-        shape,
-        heads,
-        &cpu_mask(mask),
-        want_dz,
-    )?;
-    Ok((Storage::Cpu(g), dz.map(Storage::Cpu)))
+    let ops: Vec<&Storage> = [qkv.0, out.0, lse.0, dout.0]
+        .into_iter()
+        .chain(mask_storages(m))
+        .collect();
+    dispatch!("attention_qkv_backward", slice &ops, S, device => {
+        let r = fused(|| {
+            S::attention_qkv_backward(
+                [qkv, out, lse, dout].map(inp::<S>),
+                shape,
+                heads,
+                mask::<S>(m),
+                want_dz,
+            )
+        });
+        required("attention_qkv_backward", device, r).map(|(g, dz)| (g.wrap(), dz.map(S::wrap)))
+    })
 }
 
 pub(crate) fn rms_norm(
@@ -319,9 +573,12 @@ pub(crate) fn rms_norm(
     rows: usize,
     cols: usize,
     eps: f64,
-) -> Result<(Storage, Storage)> {
-    let (y, r) = llama::rms_norm(cs(x), w.map(cs), rows, cols, eps)?;
-    Ok((Storage::Cpu(y), Storage::Cpu(r)))
+) -> Fused<(Storage, Storage)> {
+    let ops: Vec<&Storage> = [x.0].into_iter().chain(w.map(|s| s.0)).collect();
+    dispatch!("rms_norm", slice &ops, S, device => {
+        let r = fused(|| S::rms_norm(inp::<S>(x), opt::<S>(w), rows, cols, eps));
+        r.map(|o| o.map(wrap2))
+    })
 }
 
 pub(crate) fn rms_norm_backward(
@@ -333,9 +590,24 @@ pub(crate) fn rms_norm_backward(
     cols: usize,
     weight_grad: bool,
 ) -> Result<(Storage, Option<Storage>)> {
-    let (dx, dw) =
-        llama::rms_norm_backward(cs(x), w.map(cs), cs(rstd), cs(dy), rows, cols, weight_grad)?;
-    Ok((Storage::Cpu(dx), dw.map(Storage::Cpu)))
+    let ops: Vec<&Storage> = [x.0, rstd.0, dy.0]
+        .into_iter()
+        .chain(w.map(|s| s.0))
+        .collect();
+    dispatch!("rms_norm_backward", slice &ops, S, device => {
+        let r = fused(|| {
+            S::rms_norm_backward(
+                inp::<S>(x),
+                opt::<S>(w),
+                inp::<S>(rstd),
+                inp::<S>(dy),
+                rows,
+                cols,
+                weight_grad,
+            )
+        });
+        required("rms_norm_backward", device, r).map(|(dx, dw)| (dx.wrap(), dw.map(S::wrap)))
+    })
 }
 
 pub(crate) fn rotary_embedding(
@@ -345,17 +617,19 @@ pub(crate) fn rotary_embedding(
     theta: f64,
     inverse: bool,
 ) -> Result<Storage> {
-    Ok(Storage::Cpu(llama::rotary_embedding(
-        cs(x),
-        cs(positions),
-        dims,
-        theta,
-        inverse,
-    )?))
+    dispatch!("rotary_embedding", [x.0, positions.0], S, device => {
+        let r = fused(|| {
+            S::rotary_embedding(inp::<S>(x), inp::<S>(positions), dims, theta, inverse)
+        });
+        required("rotary_embedding", device, r).map(S::wrap)
+    })
 }
 
-pub(crate) fn swiglu(gate: Src<'_>, up: Src<'_>) -> Result<Storage> {
-    Ok(Storage::Cpu(llama::swiglu(cs(gate), cs(up))?))
+pub(crate) fn swiglu(gate: Src<'_>, up: Src<'_>) -> Fused<Storage> {
+    dispatch!("swiglu", [gate.0, up.0], S, device => {
+        let r = fused(|| S::swiglu(inp::<S>(gate), inp::<S>(up)));
+        r.map(|o| o.map(S::wrap))
+    })
 }
 
 pub(crate) fn swiglu_backward(
@@ -363,8 +637,10 @@ pub(crate) fn swiglu_backward(
     up: Src<'_>,
     dy: Src<'_>,
 ) -> Result<(Storage, Storage)> {
-    let (dg, du) = llama::swiglu_backward(cs(gate), cs(up), cs(dy))?;
-    Ok((Storage::Cpu(dg), Storage::Cpu(du)))
+    dispatch!("swiglu_backward", [gate.0, up.0, dy.0], S, device => {
+        let r = fused(|| S::swiglu_backward(inp::<S>(gate), inp::<S>(up), inp::<S>(dy)));
+        required("swiglu_backward", device, r).map(wrap2)
+    })
 }
 
 pub(crate) fn cross_entropy(
@@ -373,9 +649,13 @@ pub(crate) fn cross_entropy(
     rows: usize,
     cols: usize,
     ignore_index: Option<i64>,
-) -> Result<(Storage, Storage)> {
-    let (l, s) = fused::cross_entropy(cs(logits), cs(targets), rows, cols, ignore_index)?;
-    Ok((Storage::Cpu(l), Storage::Cpu(s)))
+) -> Fused<(Storage, Storage)> {
+    dispatch!("cross_entropy", [logits.0, targets.0], S, device => {
+        let r = fused(|| {
+            S::cross_entropy(inp::<S>(logits), inp::<S>(targets), rows, cols, ignore_index)
+        });
+        r.map(|o| o.map(wrap2))
+    })
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -388,15 +668,20 @@ pub(crate) fn cross_entropy_backward(
     cols: usize,
     ignore_index: Option<i64>,
 ) -> Result<Storage> {
-    Ok(Storage::Cpu(fused::cross_entropy_backward(
-        cs(logits),
-        cs(lse),
-        cs(targets),
-        cs(dloss),
-        rows,
-        cols,
-        ignore_index,
-    )?))
+    dispatch!("cross_entropy_backward", [logits.0, lse.0, targets.0, dloss.0], S, device => {
+        let r = fused(|| {
+            S::cross_entropy_backward(
+                inp::<S>(logits),
+                inp::<S>(lse),
+                inp::<S>(targets),
+                inp::<S>(dloss),
+                rows,
+                cols,
+                ignore_index,
+            )
+        });
+        required("cross_entropy_backward", device, r).map(S::wrap)
+    })
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -408,9 +693,14 @@ pub(crate) fn adamw(
     ml: &Layout,
     v: &mut Storage,
     vl: &Layout,
-    hp: &meshgrad_kernels::ops::AdamWStep,
+    hp: &AdamWStep,
 ) -> Result<()> {
-    fused::adamw(c_mut(param), pl, cs(grad), c_mut(m), ml, c_mut(v), vl, hp)
+    dispatch!("adamw", [param, grad.0, m, v], S, device => {
+        let r = fused(|| {
+            S::adamw(S::of_mut(param), pl, inp::<S>(grad), S::of_mut(m), ml, S::of_mut(v), vl, hp)
+        });
+        required("adamw", device, r)
+    })
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -425,101 +715,20 @@ pub(crate) fn sgd(
     weight_decay: f64,
     first_step: bool,
 ) -> Result<()> {
-    fused::sgd(
-        c_mut(param),
-        pl,
-        cs(grad),
-        c_mut(buf),
-        bl,
-        lr,
-        momentum,
-        weight_decay,
-        first_step,
-    )
-}
-
-pub(crate) fn unary_backward(x: Src<'_>, dy: Src<'_>, op: UnaryGrad) -> Result<Storage> {
-    Ok(Storage::Cpu(math::unary_backward(
-        c(x.0),
-        x.1,
-        c(dy.0),
-        dy.1,
-        op,
-    )?))
-}
-
-pub(crate) fn logsumexp(s: Src<'_>, outer: usize, red: usize, inner: usize) -> Result<Storage> {
-    Ok(Storage::Cpu(math::logsumexp(
-        c(s.0),
-        s.1,
-        outer,
-        red,
-        inner,
-    )?))
-}
-
-pub(crate) fn gather(x: Src<'_>, index: Src<'_>, dim: usize) -> Result<Storage> {
-    Ok(Storage::Cpu(indexing::gather(
-        c(x.0),
-        x.1,
-        c(index.0),
-        index.1,
-        dim,
-    )?))
-}
-
-pub(crate) fn gather_backward(
-    dout: Src<'_>,
-    index: Src<'_>,
-    x_dims: &[usize],
-    dim: usize,
-) -> Result<Storage> {
-    Ok(Storage::Cpu(indexing::gather_backward(
-        c(dout.0),
-        dout.1,
-        c(index.0),
-        index.1,
-        x_dims,
-        dim,
-    )?))
-}
-
-pub(crate) fn index_select(
-    x: Src<'_>,
-    ids: Src<'_>,
-    outer: usize,
-    x_n: usize,
-    inner: usize,
-    dim: usize,
-) -> Result<Storage> {
-    Ok(Storage::Cpu(indexing::index_select(
-        c(x.0),
-        x.1,
-        c(ids.0),
-        ids.1,
-        outer,
-        x_n,
-        inner,
-        dim,
-    )?))
-}
-
-pub(crate) fn index_select_backward(
-    dout: Src<'_>,
-    ids: Src<'_>,
-    outer: usize,
-    x_n: usize,
-    inner: usize,
-    dim: usize,
-) -> Result<Storage> {
-    Ok(Storage::Cpu(indexing::index_select_backward(
-        c(dout.0),
-        dout.1,
-        c(ids.0),
-        ids.1,
-        outer,
-        x_n,
-        inner,
-        dim,
-    )?))
+    dispatch!("sgd", [param, grad.0, buf], S, device => {
+        let r = fused(|| {
+            S::sgd(
+                S::of_mut(param),
+                pl,
+                inp::<S>(grad),
+                S::of_mut(buf),
+                bl,
+                lr,
+                momentum,
+                weight_decay,
+                first_step,
+            )
+        });
+        required("sgd", device, r)
+    })
 }

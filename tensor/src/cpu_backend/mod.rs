@@ -4,6 +4,7 @@
 pub(crate) mod attention;
 mod cast;
 pub(crate) mod fused;
+mod imp;
 pub(crate) mod indexing;
 pub(crate) mod llama;
 pub(crate) mod math;
