@@ -22,7 +22,7 @@
 //! being read (`In`); operands have been checked to be on the same device by the dispatch place;
 //! the tensor ops have checked shapes and dtypes and pass contiguous layouts wherever the
 //! primitive's documentation in `backend/mod.rs` says so. Float inputs of half dtypes are
-//! computed in the precision [`crate::ops::compute_dtype`] names.
+//! computed in the precision [`crate::compute_dtype`] names.
 
 use meshgrad_kernels::ops::{
     AdamWStep, AttentionShape, BiasLayout, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryGrad,

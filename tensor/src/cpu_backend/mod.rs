@@ -1,5 +1,7 @@
 //! The CPU backend: resolves dtypes and layouts, then calls `meshgrad_kernels::cpu`.
-//! f32 and f64 compute natively; bf16 and f16 are widened to f32, computed, and narrowed back.
+//! The precision float ops compute in is not decided here: [`floats`] realises the tensor
+//! layer's rule, [`crate::compute_dtype`] (f32 and f64 natively; bf16 and f16 widened to f32,
+//! computed, and narrowed back by [`IntoStorage`]).
 
 pub(crate) mod attention;
 mod cast;
@@ -28,19 +30,21 @@ pub(crate) enum Floats<'a> {
     F64(&'a [f64]),
 }
 
-/// Borrows (or widens) `range` of a float buffer for computing.
+/// Borrows (or widens) `range` of a float buffer to the precision [`crate::compute_dtype`]
+/// names for its dtype; a storage/precision pair the CPU kernels do not cover is
+/// [`Error::UnsupportedDType`].
 pub(crate) fn floats<'a>(
     s: &'a CpuStorage,
     range: Range<usize>,
     op: &'static str,
 ) -> Result<Floats<'a>> {
-    Ok(match s {
-        CpuStorage::F32(v) => Floats::F32(Cow::Borrowed(&v[range])),
-        CpuStorage::F64(v) => Floats::F64(&v[range]),
-        CpuStorage::BF16(v) => {
+    Ok(match (s, crate::compute_dtype(s.dtype())) {
+        (CpuStorage::F32(v), DType::F32) => Floats::F32(Cow::Borrowed(&v[range])),
+        (CpuStorage::F64(v), DType::F64) => Floats::F64(&v[range]),
+        (CpuStorage::BF16(v), DType::F32) => {
             Floats::F32(Cow::Owned(v[range].iter().map(|x| x.to_f32()).collect()))
         }
-        CpuStorage::F16(v) => {
+        (CpuStorage::F16(v), DType::F32) => {
             Floats::F32(Cow::Owned(v[range].iter().map(|x| x.to_f32()).collect()))
         }
         _ => {

@@ -351,12 +351,14 @@ impl Tensor {
         if !(0.0..1.0).contains(&p) {
             crate::bail!("dropout: probability {p} must be in [0, 1)");
         }
+        // Drawn and built on `device` (every backend runs the same counter-based stream).
         let u = crate::Random::new(seed)
             .offset(start)
+            .device(device)
             .uniform(shape, 0.0, 1.0)?;
-        let keep = u.ge(&Tensor::scalar(p, DType::F32, crate::Device::Cpu)?)?;
-        let scale = Tensor::scalar(1.0 / (1.0 - p), dtype, crate::Device::Cpu)?;
-        let zero = Tensor::scalar(0.0, dtype, crate::Device::Cpu)?;
-        keep.where_cond(&scale, &zero)?.to_device(device)
+        let keep = u.ge(&Tensor::scalar(p, DType::F32, device)?)?;
+        let scale = Tensor::scalar(1.0 / (1.0 - p), dtype, device)?;
+        let zero = Tensor::scalar(0.0, dtype, device)?;
+        keep.where_cond(&scale, &zero)
     }
 }
