@@ -73,6 +73,7 @@ mod shape;
 mod shape_spec;
 pub mod storage;
 mod tensor;
+pub mod testing;
 
 pub use device::Device;
 pub use dtype::{DType, WithDType};
@@ -86,3 +87,4 @@ pub use random::Random;
 pub use shape::Shape;
 pub use shape_spec::{IntoShapeSpec, ShapeSpec, SpecDim};
 pub use tensor::{Tensor, TensorId};
+pub use testing::test_devices;

@@ -200,7 +200,13 @@ mod tests {
         let x = rand(&[2, 3], 0, DType::F32);
         let e = with_fused_declined(|| x.logsumexp(-1, false)).unwrap_err();
         assert!(
-            matches!(e, crate::Error::NotImplemented { op: "logsumexp", device: Device::Cpu }),
+            matches!(
+                e,
+                crate::Error::NotImplemented {
+                    op: "logsumexp",
+                    device: Device::Cpu
+                }
+            ),
             "{e}"
         );
         assert!(x.logsumexp(-1, false).is_ok());
