@@ -91,7 +91,8 @@ pub enum ReduceOp {
     ArgMax,
 }
 
-/// Which derivative [`unary_backward`] applies.
+/// Which derivative a fused unary backward (`dx = dy * f'(x)`, the CPU's
+/// [`unary_backward`](crate::cpu::unary_backward::unary_backward)) applies.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum UnaryGrad {
     /// SiLU: `silu'(x) = s (1 + x (1 - s))` with `s = sigmoid(x)`.
@@ -137,8 +138,8 @@ pub struct AttentionShape {
 }
 
 /// Where the additive score bias of one attention call lives in its buffer. With
-/// [`ScoreMask::heads`](crate::cpu::attention::ScoreMask::heads) heads per batch entry, the bias of query `i`, key `j` of batch-head
-/// `bh = b * heads + h` is `data[offset + b * batch_stride + h * head_stride + i * row_stride +
+/// [`ScoreMask::heads`](crate::cpu::attention::ScoreMask::heads) heads per batch entry, the bias
+/// of query `i`, key `j` of batch-head `bh = b * heads + h` is `data[offset + b * batch_stride + h * head_stride + i * row_stride +
 /// j * col_stride]`. A zero stride broadcasts the bias over that dimension (a `[H, Tq, Tk]` bias
 /// has `batch_stride = 0`, a `[B, 1, 1, Tk]` one `head_stride = row_stride = 0`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
