@@ -302,16 +302,22 @@ impl Tensor {
         Ok(Tensor::from_storage(s, self.shape()))
     }
 
-    /// A copy on `device` (or `self` if already there).
+    /// A copy on `device` (or `self` if already there), staged through host memory (backends
+    /// have no direct device-to-device copy yet).
     pub fn to_device(&self, device: Device) -> Result<Tensor> {
         if device == self.device() {
             return Ok(self.clone());
         }
         device.check_available()?;
-        Err(Error::NotImplemented {
-            op: "to_device",
-            device,
-        })
+        let _prof = crate::profile::scope("to_device");
+        let host = {
+            let g = self.0.storage.read("to_device")?;
+            backend::to_host(&g, self.layout())?
+        };
+        Ok(Tensor::from_storage(
+            backend::from_host(device, host)?,
+            self.shape(),
+        ))
     }
 
     /// A contiguous tensor with the same values: `self` if already contiguous (at any offset),

@@ -2,8 +2,9 @@
 //! ops need is a function here that checks its operands share one device (else
 //! [`Error::DeviceMismatch`] naming the op), picks the backend of that device and calls its
 //! [`BackendStorage`] method. A new backend implements [`BackendStorage`] on its storage type,
-//! adds a [`Storage`] variant, a [`Variant`] impl and one arm of `with_backend!`; the op call
-//! sites do not change.
+//! adds a [`Storage`] variant, a [`Variant`] impl, one arm of `with_backend!` and one arm in each
+//! of the four matches on [`Storage`] below (device, dtype, len, release); the op call sites do
+//! not change.
 //!
 //! Fused primitives return `Result<Option<_>>` where the tensor op has a fallback composed of
 //! basic ops (`None`: the backend does not provide the fused kernel); the others turn a missing
@@ -71,7 +72,7 @@ macro_rules! with_backend {
 /// naming `op` and the first two devices that differ.
 fn device_of(op: &'static str, operands: &[&Storage]) -> Result<Device> {
     let first = operands.first().map_or(Device::Cpu, |s| s.device());
-    for s in &operands[1..] {
+    for s in operands.iter().skip(1) {
         let d = s.device();
         if d != first {
             return Err(Error::DeviceMismatch {
