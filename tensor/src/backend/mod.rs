@@ -397,10 +397,10 @@ pub(crate) fn softmax_backward(
     rows: usize,
     cols: usize,
     log: bool,
-) -> Result<Storage> {
+) -> Fused<Storage> {
     dispatch!("softmax_backward", [y.0, dy.0], S, device => {
-        let r = fused(|| S::softmax_backward(inp::<S>(y), inp::<S>(dy), rows, cols, log));
-        required("softmax_backward", device, r).map(S::wrap)
+        fused(|| S::softmax_backward(inp::<S>(y), inp::<S>(dy), rows, cols, log))
+            .map(|r| r.map(S::wrap))
     })
 }
 

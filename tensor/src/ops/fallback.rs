@@ -32,6 +32,21 @@ pub(crate) fn softmax(x: &Tensor, log: bool) -> Result<Tensor> {
     y.to_dtype(x.dtype())
 }
 
+/// The backward of [`softmax`] over the last dim from its output `y`, in `y`'s dtype:
+/// `y (dy - Σ dy·y)` for softmax, `dy - exp(y) Σ dy` for log-softmax.
+pub(crate) fn softmax_backward(y: &Tensor, dy: &Tensor, log: bool) -> Result<Tensor> {
+    if y.elem_count() == 0 {
+        return y.zeros_like();
+    }
+    let (yc, dc) = (widen(y)?, widen(dy)?);
+    let dx = if log {
+        dc.sub(&yc.exp()?.mul(&dc.sum(&[-1], true)?)?)?
+    } else {
+        yc.mul(&dc.sub(&dc.mul(&yc)?.sum(&[-1], true)?)?)?
+    };
+    dx.to_dtype(y.dtype())
+}
+
 /// Layer norm over the last dim of `x` viewed as `[rows, cols]`: `(y, mean, rstd)` with `y` in
 /// `x`'s dtype and `mean`, `rstd` (shape `[rows]`) in compute precision.
 pub(crate) fn layer_norm(
@@ -227,6 +242,23 @@ mod tests {
                     }
                 });
                 close(&format!("softmax {dt} log={log}"), &a, &b, rel);
+            }
+        }
+    }
+
+    #[test]
+    fn softmax_backward_matches_its_composition() {
+        for (dt, rel) in CASES {
+            let x = rand(&[3, 4, 19], 13, dt);
+            let dy = rand(&[3, 4, 19], 14, dt);
+            for log in [false, true] {
+                let y = if log {
+                    x.log_softmax(-1).unwrap()
+                } else {
+                    x.softmax(-1).unwrap()
+                };
+                let (a, b) = both(|| y.softmax_backward(&dy, -1, log).unwrap());
+                close(&format!("softmax_backward {dt} log={log}"), &a, &b, rel);
             }
         }
     }

@@ -71,12 +71,17 @@ impl Tensor {
         }
         let (y, dy) = (self.contiguous()?, dy.contiguous()?);
         let (rows, cols) = rows_cols(&y);
-        let (gy, gd) = (
-            y.read_storage("softmax_backward")?,
-            dy.read_storage("softmax_backward")?,
-        );
-        let s = backend::softmax_backward((&gy, y.layout()), (&gd, dy.layout()), rows, cols, log)?;
-        Ok(Tensor::from_storage(s, y.shape()))
+        let s = {
+            let (gy, gd) = (
+                y.read_storage("softmax_backward")?,
+                dy.read_storage("softmax_backward")?,
+            );
+            backend::softmax_backward((&gy, y.layout()), (&gd, dy.layout()), rows, cols, log)?
+        };
+        match s {
+            Some(s) => Ok(Tensor::from_storage(s, y.shape())),
+            None => super::fallback::softmax_backward(&y, &dy, log),
+        }
     }
 
     /// Layer norm over the last dim with optional affine `weight` and `bias` (shape `[C]`).
