@@ -9,7 +9,8 @@
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use meshgrad_kernels::cpu::matmul::{matmul, MatrixLayout};
+use meshgrad_kernels::cpu::matmul::matmul;
+use meshgrad_kernels::ops::MatrixLayout;
 use meshgrad_nn::optim::{AdamW, AdamWConfig, Optimizer, ParamGroup};
 use meshgrad_nn::{Gpt, GptConfig, Module};
 use meshgrad_tensor::profile::{self, Phase};

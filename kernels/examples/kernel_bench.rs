@@ -4,15 +4,16 @@
 
 use std::time::Instant;
 
-use meshgrad_kernels::cpu::adamw::{adamw_step, AdamWStep};
-use meshgrad_kernels::cpu::attention::{
-    attention_backward, attention_forward, AttentionShape, BiasLayout, ScoreMask,
-};
+use meshgrad_kernels::cpu::adamw::adamw_step;
+use meshgrad_kernels::cpu::attention::{attention_backward, attention_forward, ScoreMask};
 use meshgrad_kernels::cpu::cross_entropy::{cross_entropy_backward, cross_entropy_forward};
-use meshgrad_kernels::cpu::elementwise::{binary, unary, BinaryOp, UnaryOp, View};
+use meshgrad_kernels::cpu::elementwise::{binary, unary, View};
 use meshgrad_kernels::cpu::layer_norm::{layer_norm_backward, layer_norm_forward};
-use meshgrad_kernels::cpu::matmul::{matmul, MatrixLayout};
+use meshgrad_kernels::cpu::matmul::matmul;
 use meshgrad_kernels::cpu::softmax::softmax_forward;
+use meshgrad_kernels::ops::{
+    AdamWStep, AttentionShape, BiasLayout, BinaryOp, MatrixLayout, UnaryOp,
+};
 use meshgrad_kernels::rng::fill_uniform;
 
 /// Fastest of `reps` runs of `f` after two warm-ups, in seconds (the minimum is the figure least

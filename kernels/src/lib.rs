@@ -9,6 +9,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod float;
+pub mod ops;
 pub mod rng;
 
 pub use float::Float;

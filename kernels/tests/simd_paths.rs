@@ -2,18 +2,17 @@
 //! (the crate documents that results never depend on which instance runs). This file is its own
 //! test process, so toggling the global switch cannot disturb other tests.
 
-use meshgrad_kernels::cpu::adamw::{adamw_step, AdamWStep};
-use meshgrad_kernels::cpu::attention::{
-    attention_backward, attention_forward, AttentionShape, ScoreMask,
-};
+use meshgrad_kernels::cpu::adamw::adamw_step;
+use meshgrad_kernels::cpu::attention::{attention_backward, attention_forward, ScoreMask};
 use meshgrad_kernels::cpu::cross_entropy::{cross_entropy_backward, cross_entropy_forward};
-use meshgrad_kernels::cpu::elementwise::{binary, gelu_backward, unary, BinaryOp, UnaryOp, View};
+use meshgrad_kernels::cpu::elementwise::{binary, gelu_backward, unary, View};
 use meshgrad_kernels::cpu::layer_norm::{layer_norm_backward, layer_norm_forward};
 use meshgrad_kernels::cpu::reduce::sum;
 use meshgrad_kernels::cpu::set_simd_enabled;
 use meshgrad_kernels::cpu::softmax::{
     log_softmax_backward, log_softmax_forward, softmax_backward, softmax_forward,
 };
+use meshgrad_kernels::ops::{AdamWStep, AttentionShape, BinaryOp, UnaryOp};
 use meshgrad_kernels::rng::{fill_normal, fill_uniform};
 
 fn rand(n: usize, seed: u64, scale: f64) -> Vec<f32> {

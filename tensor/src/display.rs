@@ -3,7 +3,7 @@
 
 use std::fmt::{self, Write};
 
-use crate::storage::{CpuStorage, Storage};
+use crate::storage::CpuStorage;
 use crate::{Error, Tensor};
 
 /// Tensors with more elements than this are summarised.
@@ -144,17 +144,16 @@ impl Tensor {
             }
         }
         walk(&shown, strides, self.layout().offset(), &mut offsets);
-        let Storage::Cpu(s) = &*g;
-        let pick = |i: usize| match s {
-            CpuStorage::F64(v) => Elem::Float(v[i]),
-            CpuStorage::F32(v) => Elem::Float(v[i].into()),
-            CpuStorage::BF16(v) => Elem::Float(v[i].to_f64()),
-            CpuStorage::F16(v) => Elem::Float(v[i].to_f64()),
-            CpuStorage::U8(v) => Elem::Int(v[i].into()),
-            CpuStorage::U32(v) => Elem::Int(v[i].into()),
-            CpuStorage::I64(v) => Elem::Int(v[i]),
-        };
-        Ok(offsets.into_iter().map(pick).collect())
+        let s = crate::backend::read_elements(&g, &offsets)?;
+        Ok(match s {
+            CpuStorage::F64(v) => v.into_iter().map(Elem::Float).collect(),
+            CpuStorage::F32(v) => v.into_iter().map(|x| Elem::Float(x.into())).collect(),
+            CpuStorage::BF16(v) => v.into_iter().map(|x| Elem::Float(x.to_f64())).collect(),
+            CpuStorage::F16(v) => v.into_iter().map(|x| Elem::Float(x.to_f64())).collect(),
+            CpuStorage::U8(v) => v.into_iter().map(|x| Elem::Int(x.into())).collect(),
+            CpuStorage::U32(v) => v.into_iter().map(|x| Elem::Int(x.into())).collect(),
+            CpuStorage::I64(v) => v.into_iter().map(Elem::Int).collect(),
+        })
     }
 
     /// Writes the nested brackets of `values` (the shown elements), the first at column `indent`.

@@ -90,6 +90,8 @@ pub trait WithDType: Copy + Send + Sync + std::fmt::Debug + 'static + bytemuck::
     fn into_cpu_storage(v: Vec<Self>) -> crate::storage::CpuStorage;
     /// Borrows the slice out of CPU storage of the matching dtype.
     fn cpu_slice(s: &crate::storage::CpuStorage) -> Option<&[Self]>;
+    /// Takes the vector out of CPU storage of the matching dtype.
+    fn from_cpu_storage(s: crate::storage::CpuStorage) -> Option<Vec<Self>>;
 }
 
 macro_rules! with_dtype {
@@ -108,6 +110,12 @@ macro_rules! with_dtype {
                 crate::storage::CpuStorage::$dt(v)
             }
             fn cpu_slice(s: &crate::storage::CpuStorage) -> Option<&[Self]> {
+                match s {
+                    crate::storage::CpuStorage::$dt(v) => Some(v),
+                    _ => None,
+                }
+            }
+            fn from_cpu_storage(s: crate::storage::CpuStorage) -> Option<Vec<Self>> {
                 match s {
                     crate::storage::CpuStorage::$dt(v) => Some(v),
                     _ => None,

@@ -73,16 +73,18 @@ mod shape;
 mod shape_spec;
 pub mod storage;
 mod tensor;
+pub mod testing;
 
 pub use device::Device;
 pub use dtype::{DType, WithDType};
 pub use error::{Error, Result};
 pub use layout::Layout;
 pub use ops::{
-    AdamWStep, AttentionGrads, AttentionMask, AttentionOutput, GeluKind, LayerNormOutput,
-    LinearGrads, RmsNormOutput,
+    compute_dtype, AdamWStep, AttentionGrads, AttentionMask, AttentionOutput, GeluKind,
+    LayerNormOutput, LinearGrads, RmsNormOutput,
 };
 pub use random::Random;
 pub use shape::Shape;
 pub use shape_spec::{IntoShapeSpec, ShapeSpec, SpecDim};
 pub use tensor::{Tensor, TensorId};
+pub use testing::test_devices;

@@ -1,8 +1,10 @@
 //! Storage: the flat buffer behind tensors, per backend, and the releasable cell that holds it.
 //!
-//! Dispatch is by storage variant: a tensor op asks its storage to do the work and the match on
-//! the variant picks the backend. Adding a backend adds a variant and its arms here, never a
-//! change at op call sites. GPU backends may queue work; only reads back to the host wait.
+//! Dispatch is by storage variant, in one place (`crate::backend`): a tensor op asks the dispatch
+//! to do the work, which checks the operands share a device and picks that device's
+//! `BackendStorage` implementation. Adding a backend adds a variant here and its arm there,
+//! never a change at op call sites. GPU backends may queue work; only reads back to the host
+//! wait.
 
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
@@ -90,39 +92,12 @@ impl CpuStorage {
     }
 }
 
-/// A buffer on some backend.
+/// A buffer on some backend. Only the dispatch place (`backend/mod.rs`) looks inside; its
+/// methods (device, dtype, length) are defined there.
 #[derive(Debug)]
 pub enum Storage {
     /// Host memory.
     Cpu(CpuStorage),
-}
-
-impl Storage {
-    /// The device the buffer lives on.
-    pub fn device(&self) -> Device {
-        match self {
-            Storage::Cpu(_) => Device::Cpu,
-        }
-    }
-
-    /// The dtype of the buffer.
-    pub fn dtype(&self) -> DType {
-        match self {
-            Storage::Cpu(s) => s.dtype(),
-        }
-    }
-
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        match self {
-            Storage::Cpu(s) => s.len(),
-        }
-    }
-
-    /// Whether the buffer is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }
 
 /// A live allocation: the storage and its accounting charge.
@@ -134,11 +109,8 @@ pub(crate) struct Allocation {
 
 impl Drop for Allocation {
     fn drop(&mut self) {
-        // Large f32 buffers go back to the recycling pool (see `crate::pool`).
-        let Storage::Cpu(s) = &mut self.storage;
-        if let CpuStorage::F32(v) = s {
-            crate::pool::give(std::mem::take(v));
-        }
+        // The backend's allocator takes the buffer back (the CPU recycles large f32 buffers).
+        crate::backend::release(&mut self.storage);
     }
 }
 

@@ -178,7 +178,10 @@ impl Tensor {
             );
         }
         device.check_available()?;
-        Ok(Tensor::from_storage(Storage::Cpu(storage), shape))
+        Ok(Tensor::from_storage(
+            backend::from_host(device, storage)?,
+            shape,
+        ))
     }
 
     /// A 0-dimensional tensor holding `value` converted to `dtype`.
@@ -197,16 +200,10 @@ impl Tensor {
         device.check_available()?;
         let n = shape.elem_count();
         let _prof = crate::profile::scope("full");
-        let s = match dtype {
-            DType::F64 => CpuStorage::F64(vec![value; n]),
-            DType::F32 => CpuStorage::F32(vec![value as f32; n]),
-            DType::BF16 => CpuStorage::BF16(vec![half::bf16::from_f64(value); n]),
-            DType::F16 => CpuStorage::F16(vec![half::f16::from_f64(value); n]),
-            DType::U8 => CpuStorage::U8(vec![value as u8; n]),
-            DType::U32 => CpuStorage::U32(vec![value as u32; n]),
-            DType::I64 => CpuStorage::I64(vec![value as i64; n]),
-        };
-        Ok(Tensor::from_storage(Storage::Cpu(s), shape))
+        Ok(Tensor::from_storage(
+            backend::full(device, value, dtype, n)?,
+            shape,
+        ))
     }
 
     /// Zeros.
@@ -215,7 +212,7 @@ impl Tensor {
         let shape = shape.into();
         device.check_available()?;
         Ok(Tensor::from_storage(
-            Storage::Cpu(CpuStorage::zeros(dtype, shape.elem_count())),
+            backend::zeros(device, dtype, shape.elem_count())?,
             shape,
         ))
     }
@@ -237,11 +234,12 @@ impl Tensor {
 
     /// `[start, start+1, ..., end-1]`.
     pub fn arange(start: i64, end: i64, dtype: DType, device: Device) -> Result<Tensor> {
-        let v: Vec<f64> = (start..end.max(start)).map(|i| i as f64).collect();
-        let n = v.len();
-        Tensor::from_vec(v, n, Device::Cpu)?
-            .to_dtype(dtype)?
-            .to_device(device)
+        device.check_available()?;
+        let n = (end.max(start) - start) as usize;
+        Ok(Tensor::from_storage(
+            backend::arange(device, start, n, dtype)?,
+            n,
+        ))
     }
 
     // ----- reading back -----
@@ -258,13 +256,8 @@ impl Tensor {
         }
         let c = self.contiguous()?;
         let g = c.0.storage.read("to_vec")?;
-        match &*g {
-            Storage::Cpu(s) => {
-                let slice = T::cpu_slice(s).expect("dtype checked");
-                let r = c.layout().contiguous_range().expect("contiguous");
-                Ok(slice[r].to_vec())
-            }
-        }
+        let host = backend::to_host(&g, c.layout())?;
+        Ok(T::from_cpu_storage(host).expect("dtype checked"))
     }
 
     /// The elements converted to f64.
@@ -293,16 +286,7 @@ impl Tensor {
     pub fn to_cpu_storage(&self) -> Result<CpuStorage> {
         let c = self.contiguous()?;
         let g = c.0.storage.read("to_cpu_storage")?;
-        match &*g {
-            Storage::Cpu(s) => {
-                let r = c.layout().contiguous_range().expect("contiguous");
-                if r.start == 0 && r.end == s.len() {
-                    Ok(s.clone())
-                } else {
-                    Ok(crate::cpu_map!(s, v => crate::WithDType::into_cpu_storage(v[r].to_vec())))
-                }
-            }
-        }
+        backend::to_host(&g, c.layout())
     }
 
     // ----- conversions -----
@@ -318,16 +302,22 @@ impl Tensor {
         Ok(Tensor::from_storage(s, self.shape()))
     }
 
-    /// A copy on `device` (or `self` if already there).
+    /// A copy on `device` (or `self` if already there), staged through host memory (backends
+    /// have no direct device-to-device copy yet).
     pub fn to_device(&self, device: Device) -> Result<Tensor> {
         if device == self.device() {
             return Ok(self.clone());
         }
         device.check_available()?;
-        Err(Error::NotImplemented {
-            op: "to_device",
-            device,
-        })
+        let _prof = crate::profile::scope("to_device");
+        let host = {
+            let g = self.0.storage.read("to_device")?;
+            backend::to_host(&g, self.layout())?
+        };
+        Ok(Tensor::from_storage(
+            backend::from_host(device, host)?,
+            self.shape(),
+        ))
     }
 
     /// A contiguous tensor with the same values: `self` if already contiguous (at any offset),

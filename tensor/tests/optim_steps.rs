@@ -1,10 +1,15 @@
 //! In-place optimizer steps (AdamW, SGD with momentum) against float64 references of the
-//! documented update rules.
+//! documented update rules, on every device of `meshgrad_tensor::test_devices()`.
 
 mod common;
 
 use common::*;
-use meshgrad_tensor::{AdamWStep, DType, Device, Tensor};
+use meshgrad_tensor::{test_device, AdamWStep, DType, Device, Result, Tensor};
+
+/// `t` (built on the CPU by the shared helpers) on `device`.
+fn on(device: Device, t: Tensor) -> Tensor {
+    t.to_device(device).unwrap()
+}
 
 fn adamw_ref(hp: &AdamWStep, p: &mut [f64], g: &[f64], m: &mut [f64], v: &mut [f64]) {
     let bc1 = 1.0 - hp.beta1.powi(hp.step as i32);
@@ -17,17 +22,16 @@ fn adamw_ref(hp: &AdamWStep, p: &mut [f64], g: &[f64], m: &mut [f64], v: &mut [f
     }
 }
 
-#[test]
-fn adamw_steps_match_reference() {
+fn adamw_steps_match_reference(device: Device) -> Result<()> {
     let n = 37;
     for dtype in [DType::F64, DType::F32] {
         let mut p = uniform_vals(1, n, -1.0, 1.0);
         p = round_to(&p, dtype);
         let (mut m, mut v) = (vec![0.0; n], vec![0.0; n]);
-        let tp = tensor(&p, &[n], dtype);
+        let tp = on(device, tensor(&p, &[n], dtype));
         let (tm, tv) = (
-            Tensor::zeros(n, dtype, Device::Cpu).unwrap(),
-            Tensor::zeros(n, dtype, Device::Cpu).unwrap(),
+            Tensor::zeros(n, dtype, device)?,
+            Tensor::zeros(n, dtype, device)?,
         );
         for step in 1..=5u64 {
             let g = round_to(&uniform_vals(10 + step, n, -1.0, 1.0), dtype);
@@ -40,8 +44,7 @@ fn adamw_steps_match_reference() {
                 step,
             };
             adamw_ref(&hp, &mut p, &g, &mut m, &mut v);
-            tp.adamw_step_(&tensor(&g, &[n], dtype), &tm, &tv, &hp)
-                .unwrap();
+            tp.adamw_step_(&on(device, tensor(&g, &[n], dtype)), &tm, &tv, &hp)?;
             let (rtol, atol) = if dtype == DType::F64 {
                 (1e-12, 1e-14)
             } else {
@@ -70,16 +73,17 @@ fn adamw_steps_match_reference() {
             );
         }
     }
+    Ok(())
 }
+test_device!(adamw_steps_match_reference);
 
-#[test]
-fn sgd_momentum_steps_match_reference() {
+fn sgd_momentum_steps_match_reference(device: Device) -> Result<()> {
     let n = 29;
     let (lr, mom, wd) = (0.1, 0.9, 0.01);
     let mut p = uniform_vals(2, n, -1.0, 1.0);
     let mut buf = vec![0.0; n];
-    let tp = tensor(&p, &[n], DType::F64);
-    let tb = Tensor::zeros(n, DType::F64, Device::Cpu).unwrap();
+    let tp = on(device, tensor(&p, &[n], DType::F64));
+    let tb = Tensor::zeros(n, DType::F64, device)?;
     for step in 0..4u64 {
         let g = uniform_vals(20 + step, n, -1.0, 1.0);
         for i in 0..n {
@@ -87,8 +91,8 @@ fn sgd_momentum_steps_match_reference() {
             buf[i] = if step == 0 { gi } else { mom * buf[i] + gi };
             p[i] -= lr * buf[i];
         }
-        tp.sgd_step_(&tensor(&g, &[n], DType::F64), &tb, lr, mom, wd, step == 0)
-            .unwrap();
+        let tg = on(device, tensor(&g, &[n], DType::F64));
+        tp.sgd_step_(&tg, &tb, lr, mom, wd, step == 0)?;
         assert_close(
             &vals(&tp),
             &p,
@@ -104,10 +108,11 @@ fn sgd_momentum_steps_match_reference() {
             &format!("sgd buf step {step}"),
         );
     }
+    Ok(())
 }
+test_device!(sgd_momentum_steps_match_reference);
 
-#[test]
-fn optimizer_steps_check_their_operands() {
+fn optimizer_steps_check_their_operands(device: Device) -> Result<()> {
     let hp = AdamWStep {
         lr: 1e-3,
         beta1: 0.9,
@@ -116,7 +121,7 @@ fn optimizer_steps_check_their_operands() {
         weight_decay: 0.0,
         step: 1,
     };
-    let z = |s: (usize, usize), dt| Tensor::zeros(s, dt, Device::Cpu).unwrap();
+    let z = |s: (usize, usize), dt| Tensor::zeros(s, dt, device).unwrap();
     let p = z((3, 4), DType::F32);
     // A non-contiguous parameter, a mismatched grad shape or dtype are refused.
     assert!(p
@@ -171,4 +176,6 @@ fn optimizer_steps_check_their_operands() {
         .adamw_step_(&z((3, 4), DType::F32), &m, &m.reshape((3, 4)).unwrap(), &hp)
         .is_err());
     assert!(p.sgd_step_(&m, &m, 0.1, 0.9, 0.0, true).is_err());
+    Ok(())
 }
+test_device!(optimizer_steps_check_their_operands);

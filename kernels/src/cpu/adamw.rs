@@ -3,24 +3,8 @@
 use rayon::prelude::*;
 
 use crate::cpu::vecops::simd;
+use crate::ops::AdamWStep;
 use crate::Float;
-
-/// Hyper-parameters of one AdamW step (`step` counts from 1).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AdamWStep {
-    /// Learning rate.
-    pub lr: f64,
-    /// First-moment decay.
-    pub beta1: f64,
-    /// Second-moment decay.
-    pub beta2: f64,
-    /// Denominator epsilon.
-    pub eps: f64,
-    /// Decoupled weight decay.
-    pub weight_decay: f64,
-    /// 1-based step number (for bias correction).
-    pub step: u64,
-}
 
 /// Elements per parallel task of the optimizer loops.
 const CHUNK: usize = 16 * 1024;

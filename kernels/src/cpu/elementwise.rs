@@ -5,51 +5,8 @@ use rayon::prelude::*;
 use super::fastmath;
 use super::strided::{map_strided, par_chunk_len, PAR_THRESHOLD};
 use super::vecops::simd;
+use crate::ops::{BinaryOp, CmpOp, UnaryOp};
 use crate::Float;
-
-/// A unary elementwise function.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum UnaryOp {
-    /// -x
-    Neg,
-    /// e^x
-    Exp,
-    /// ln x
-    Log,
-    /// sqrt x
-    Sqrt,
-    /// tanh x
-    Tanh,
-    /// max(x, 0)
-    Relu,
-    /// GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
-    GeluTanh,
-    /// GELU, exact: 0.5 x (1 + erf(x / sqrt 2))
-    GeluErf,
-    /// |x|
-    Abs,
-    /// 1 / x
-    Recip,
-    /// x^2
-    Square,
-    /// 1 / (1 + e^-x)
-    Sigmoid,
-    /// x^p
-    PowScalar(f64),
-    /// x + c
-    AddScalar(f64),
-    /// x * c
-    MulScalar(f64),
-    /// sin x
-    Sin,
-    /// cos x
-    Cos,
-    /// SiLU (swish): x * sigmoid(x) = x / (1 + e^-x)
-    Silu,
-    /// min(max(x, lo), hi): `Clamp(lo, hi)` with `lo <= hi`; an infinite bound is no bound.
-    /// NaN passes through.
-    Clamp(f64, f64),
-}
 
 /// sqrt(2 / pi)
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
@@ -241,23 +198,6 @@ pub fn gelu_backward<T: Float>(tanh_form: bool, x: &[T], dy: &[T], dx: &mut [T])
     }
 }
 
-/// A binary elementwise function.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BinaryOp {
-    /// a + b
-    Add,
-    /// a - b
-    Sub,
-    /// a * b
-    Mul,
-    /// a / b
-    Div,
-    /// max(a, b)
-    Maximum,
-    /// min(a, b)
-    Minimum,
-}
-
 /// A strided input view: `(data, offset, strides)`; strides in elements, 0 to broadcast.
 #[derive(Clone, Copy, Debug)]
 pub struct View<'a, T> {
@@ -355,23 +295,6 @@ pub fn binary<T: Float>(
         BinaryOp::Maximum => map2(shape, lhs, rhs, out, |a: T, b: T| a.max(b)),
         BinaryOp::Minimum => map2(shape, lhs, rhs, out, |a: T, b: T| a.min(b)),
     }
-}
-
-/// A comparison.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CmpOp {
-    /// a == b
-    Eq,
-    /// a != b
-    Ne,
-    /// a < b
-    Lt,
-    /// a <= b
-    Le,
-    /// a > b
-    Gt,
-    /// a >= b
-    Ge,
 }
 
 /// `out[i] = cmp(lhs, rhs) as u8` (1 or 0) over `shape`, with views as in [`binary`].

@@ -5,20 +5,8 @@ use std::any::TypeId;
 use rayon::prelude::*;
 
 use super::vecops::SendPtr;
+use crate::ops::MatrixLayout;
 use crate::Float;
-
-/// Where a batch of matrices lives in a flat buffer: element offset and strides.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MatrixLayout {
-    /// Offset of batch 0's element (0, 0).
-    pub offset: usize,
-    /// Stride between consecutive matrices of the batch (0 broadcasts one matrix to all).
-    pub batch_stride: usize,
-    /// Stride between rows.
-    pub row_stride: usize,
-    /// Stride between columns.
-    pub col_stride: usize,
-}
 
 /// Work (m·n·k) above which one product is handed to gemm's own rayon parallelism
 /// (the gemm crate's default threading threshold).

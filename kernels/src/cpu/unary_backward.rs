@@ -6,17 +6,8 @@ use rayon::prelude::*;
 use super::fastmath;
 use super::strided::{par_chunk_len, PAR_THRESHOLD};
 use super::vecops::simd;
+use crate::ops::UnaryGrad;
 use crate::Float;
-
-/// Which derivative [`unary_backward`] applies.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum UnaryGrad {
-    /// SiLU: `silu'(x) = s (1 + x (1 - s))` with `s = sigmoid(x)`.
-    Silu,
-    /// Clamp to `[lo, hi]` (an infinite bound is no bound): the gradient passes where
-    /// `lo <= x <= hi` (bounds included, as PyTorch does) and is 0 elsewhere, NaN `x` included.
-    Clamp(f64, f64),
-}
 
 /// `dx[i] = dy[i] * f'(x[i])` for the derivative `op`; all three slices contiguous and of equal
 /// length. Large inputs are split into chunks across threads (each element is computed

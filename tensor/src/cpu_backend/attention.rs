@@ -3,9 +3,8 @@
 
 use std::borrow::Cow;
 
-use meshgrad_kernels::cpu::attention::{
-    self as kernel, AttentionShape, BiasLayout, HeadLayout, ScoreMask,
-};
+use meshgrad_kernels::cpu::attention::{self as kernel, HeadLayout, ScoreMask};
+use meshgrad_kernels::ops::{AttentionShape, BiasLayout};
 use meshgrad_kernels::Float;
 
 use super::fused::pick;

@@ -123,9 +123,9 @@ pub(crate) fn layer_norm_backward(
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn linear(
     x: &CpuStorage,
-    xl: cpu::matmul::MatrixLayout,
+    xl: meshgrad_kernels::ops::MatrixLayout,
     w: &CpuStorage,
-    wl: cpu::matmul::MatrixLayout,
+    wl: meshgrad_kernels::ops::MatrixLayout,
     bias: Option<In<'_>>,
     m: usize,
     n: usize,
@@ -135,7 +135,7 @@ pub(crate) fn linear(
     let bv = bias
         .map(|(s, l)| floats(s, range(l), "linear (bias)"))
         .transpose()?;
-    let cl = cpu::matmul::MatrixLayout {
+    let cl = meshgrad_kernels::ops::MatrixLayout {
         offset: 0,
         batch_stride: 0,
         row_stride: n,
@@ -298,7 +298,7 @@ pub(crate) fn adamw(
     ml: &Layout,
     v: &mut CpuStorage,
     vl: &Layout,
-    hp: &cpu::adamw::AdamWStep,
+    hp: &meshgrad_kernels::ops::AdamWStep,
 ) -> Result<()> {
     const OP: &str = "adamw_step";
     float_mut!(OP, param, range(pl), |p| {

@@ -1,6 +1,7 @@
 //! CPU side of the fused unary backward passes (SiLU, clamp) and of log-sum-exp.
 
-use meshgrad_kernels::cpu::{self, unary_backward::UnaryGrad};
+use meshgrad_kernels::cpu;
+use meshgrad_kernels::ops::UnaryGrad;
 
 use super::{floats, range, with_floats, Floats, IntoStorage};
 use crate::storage::CpuStorage;

@@ -1,9 +1,12 @@
 //! The CPU backend: resolves dtypes and layouts, then calls `meshgrad_kernels::cpu`.
-//! f32 and f64 compute natively; bf16 and f16 are widened to f32, computed, and narrowed back.
+//! The precision float ops compute in is not decided here: [`floats`] realises the tensor
+//! layer's rule, [`crate::compute_dtype`] (f32 and f64 natively; bf16 and f16 widened to f32,
+//! computed, and narrowed back by [`IntoStorage`]).
 
 pub(crate) mod attention;
 mod cast;
 pub(crate) mod fused;
+mod imp;
 pub(crate) mod indexing;
 pub(crate) mod llama;
 pub(crate) mod math;
@@ -12,7 +15,8 @@ use std::borrow::Cow;
 use std::ops::Range;
 
 use half::{bf16, f16};
-use meshgrad_kernels::cpu::{self, elementwise::View, matmul::MatrixLayout};
+use meshgrad_kernels::cpu::{self, elementwise::View};
+use meshgrad_kernels::ops::{MatrixLayout, ReduceOp};
 use meshgrad_kernels::Float;
 
 pub(crate) use cast::{cast, copy_contiguous, copy_into};
@@ -26,19 +30,21 @@ pub(crate) enum Floats<'a> {
     F64(&'a [f64]),
 }
 
-/// Borrows (or widens) `range` of a float buffer for computing.
+/// Borrows (or widens) `range` of a float buffer to the precision [`crate::compute_dtype`]
+/// names for its dtype; a storage/precision pair the CPU kernels do not cover is
+/// [`Error::UnsupportedDType`].
 pub(crate) fn floats<'a>(
     s: &'a CpuStorage,
     range: Range<usize>,
     op: &'static str,
 ) -> Result<Floats<'a>> {
-    Ok(match s {
-        CpuStorage::F32(v) => Floats::F32(Cow::Borrowed(&v[range])),
-        CpuStorage::F64(v) => Floats::F64(&v[range]),
-        CpuStorage::BF16(v) => {
+    Ok(match (s, crate::compute_dtype(s.dtype())) {
+        (CpuStorage::F32(v), DType::F32) => Floats::F32(Cow::Borrowed(&v[range])),
+        (CpuStorage::F64(v), DType::F64) => Floats::F64(&v[range]),
+        (CpuStorage::BF16(v), DType::F32) => {
             Floats::F32(Cow::Owned(v[range].iter().map(|x| x.to_f32()).collect()))
         }
-        CpuStorage::F16(v) => {
+        (CpuStorage::F16(v), DType::F32) => {
             Floats::F32(Cow::Owned(v[range].iter().map(|x| x.to_f32()).collect()))
         }
         _ => {
@@ -113,7 +119,7 @@ fn view<'a, T>(data: &'a [T], l: &'a Layout) -> View<'a, T> {
 pub(crate) fn unary(
     s: &CpuStorage,
     l: &Layout,
-    op: cpu::elementwise::UnaryOp,
+    op: meshgrad_kernels::ops::UnaryOp,
 ) -> Result<CpuStorage> {
     let dt = s.dtype();
     let n = l.shape().elem_count();
@@ -151,7 +157,7 @@ pub(crate) fn add_assign_contiguous(
 }
 
 pub(crate) fn binary(
-    op: cpu::elementwise::BinaryOp,
+    op: meshgrad_kernels::ops::BinaryOp,
     a: &CpuStorage,
     al: &Layout,
     b: &CpuStorage,
@@ -170,7 +176,7 @@ pub(crate) fn binary(
 }
 
 pub(crate) fn compare(
-    op: cpu::elementwise::CmpOp,
+    op: meshgrad_kernels::ops::CmpOp,
     a: &CpuStorage,
     al: &Layout,
     b: &CpuStorage,
@@ -214,14 +220,6 @@ pub(crate) fn where_cond(
         };
     }
     Ok(go!(F64, F32, BF16, F16, U8, U32, I64))
-}
-
-/// A reduction over one dim of a contiguous buffer viewed as `[outer, reduce, inner]`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum ReduceOp {
-    Sum,
-    Max,
-    ArgMax,
 }
 
 pub(crate) fn reduce(

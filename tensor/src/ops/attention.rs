@@ -3,11 +3,10 @@
 //! projection, with causal masking, a key padding mask and an additive score bias
 //! ([`AttentionMask`]).
 
-use meshgrad_kernels::cpu::attention::{AttentionShape, BiasLayout};
-
 use super::same_kind;
 use crate::backend::{self, AttentionMaskArgs};
 use crate::{DType, Error, Result, Shape, Tensor};
+use meshgrad_kernels::ops::{AttentionShape, BiasLayout};
 
 /// The masking of one attention call beyond the scaling: causal masking, a key padding mask and
 /// an additive bias, any combination. `B` is the bias's type: [`Tensor`] for the tensor ops,

@@ -1,9 +1,8 @@
 //! Elementwise ops: broadcasting binary arithmetic, unary maps, comparisons and `where`.
 
-use meshgrad_kernels::cpu::elementwise::{BinaryOp, CmpOp, UnaryOp};
-
 use super::same_kind;
 use crate::{backend, DType, Result, Shape, Tensor};
+use meshgrad_kernels::ops::{BinaryOp, CmpOp, UnaryOp};
 
 /// Which GELU formula.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -150,16 +149,18 @@ impl Tensor {
             });
         }
         let (x, dy) = (self.contiguous()?, dy.contiguous()?);
-        let (gx, gd) = (
-            x.read_storage("gelu_backward")?,
-            dy.read_storage("gelu_backward")?,
-        );
-        let s = backend::gelu_backward(
-            (&gx, x.layout()),
-            (&gd, dy.layout()),
-            kind == GeluKind::Tanh,
-        )?;
-        Ok(Tensor::from_storage(s, x.shape()))
+        let tanh_form = kind == GeluKind::Tanh;
+        let s = {
+            let (gx, gd) = (
+                x.read_storage("gelu_backward")?,
+                dy.read_storage("gelu_backward")?,
+            );
+            backend::gelu_backward((&gx, x.layout()), (&gd, dy.layout()), tanh_form)?
+        };
+        match s {
+            Some(s) => Ok(Tensor::from_storage(s, x.shape())),
+            None => super::fallback::gelu_backward(&x, &dy, tanh_form),
+        }
     }
 
     fn cmp_op(&self, rhs: &Tensor, op: CmpOp, name: &'static str) -> Result<Tensor> {

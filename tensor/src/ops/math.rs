@@ -1,11 +1,9 @@
 //! Elementwise math beside the basic unary set (`sin`, `cos`, `silu`, `clamp`, with the fused
 //! backward passes of `silu` and `clamp`) and the `logsumexp` reduction.
 
-use meshgrad_kernels::cpu::elementwise::UnaryOp;
-use meshgrad_kernels::cpu::unary_backward::UnaryGrad;
-
 use super::same_kind;
 use crate::{backend, Error, Result, Tensor};
+use meshgrad_kernels::ops::{UnaryGrad, UnaryOp};
 
 /// Resolves clamp bounds to `(lo, hi)` (an absent bound is infinite), refusing no bounds at
 /// all, NaN bounds and `min > max`.

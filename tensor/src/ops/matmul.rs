@@ -1,10 +1,9 @@
 //! Matrix multiplication with broadcast batch dims; transposed operands are read through their
 //! strides, never copied.
 
-use meshgrad_kernels::cpu::matmul::MatrixLayout;
-
 use super::same_kind;
 use crate::{backend, Error, Layout, Result, Shape, Tensor};
+use meshgrad_kernels::ops::MatrixLayout;
 
 /// Collapses the batch dims of a broadcast layout into one stride when they form a single
 /// arithmetic progression; `None` when they do not.
@@ -169,19 +168,24 @@ impl Tensor {
             col_stride: weight.layout().strides()[0],
         };
         let b = bias.map(|b| b.contiguous()).transpose()?;
-        let (gx, gw) = (x.read_storage("linear")?, weight.read_storage("linear")?);
-        let gb = b.as_ref().map(|b| b.read_storage("linear")).transpose()?;
-        let s = backend::linear(
-            &gx,
-            xl,
-            &gw,
-            wl,
-            gb.as_ref().zip(b.as_ref()).map(|(g, t)| (&**g, t.layout())),
-            rows,
-            out_f,
-            in_f,
-        )?;
-        Ok(Tensor::from_storage(s, out_dims))
+        let s = {
+            let (gx, gw) = (x.read_storage("linear")?, weight.read_storage("linear")?);
+            let gb = b.as_ref().map(|b| b.read_storage("linear")).transpose()?;
+            backend::linear(
+                &gx,
+                xl,
+                &gw,
+                wl,
+                gb.as_ref().zip(b.as_ref()).map(|(g, t)| (&**g, t.layout())),
+                rows,
+                out_f,
+                in_f,
+            )?
+        };
+        match s {
+            Some(s) => Ok(Tensor::from_storage(s, out_dims)),
+            None => super::fallback::linear(&x, weight, b.as_ref())?.reshape(out_dims),
+        }
     }
 }
 

@@ -3,6 +3,7 @@
 
 mod attention;
 mod elementwise;
+mod fallback;
 mod indexing;
 mod inplace;
 mod math;
@@ -18,11 +19,32 @@ mod swiglu;
 pub use attention::{AttentionGrads, AttentionMask, AttentionOutput};
 pub use elementwise::GeluKind;
 pub use matmul::LinearGrads;
-pub use meshgrad_kernels::cpu::adamw::AdamWStep;
+pub use meshgrad_kernels::ops::AdamWStep;
 pub use nn::LayerNormOutput;
 pub use rms_norm::RmsNormOutput;
 
-use crate::{Error, Tensor};
+use crate::{DType, Error, Tensor};
+
+/// The precision float ops compute in for tensors of `dtype`: f64 in f64; f32, bf16 and f16 in
+/// f32 (half types are widened, computed, and the result narrowed back to the tensor's dtype;
+/// statistics that fused ops return, such as layer norm's mean and rstd or cross-entropy's
+/// losses, stay in this precision). Non-float dtypes compute in their own type.
+///
+/// This is the one rule for every backend: the CPU adapters widen by it and the composed
+/// fallbacks of fused ops compute in it.
+///
+/// ```
+/// use meshgrad_tensor::{compute_dtype, DType};
+/// assert_eq!(compute_dtype(DType::BF16), DType::F32);
+/// assert_eq!(compute_dtype(DType::F64), DType::F64);
+/// ```
+pub fn compute_dtype(dtype: DType) -> DType {
+    match dtype {
+        DType::F64 => DType::F64,
+        DType::F32 | DType::BF16 | DType::F16 => DType::F32,
+        other => other,
+    }
+}
 
 /// Checks that two tensors share a device and dtype.
 pub(crate) fn same_kind(op: &'static str, a: &Tensor, b: &Tensor) -> crate::Result<()> {

@@ -35,9 +35,14 @@ impl Tensor {
         }
         let x = self.contiguous()?;
         let (rows, cols) = rows_cols(&x);
-        let g = x.read_storage(name)?;
-        let s = backend::softmax((&g, x.layout()), rows, cols, log)?;
-        Ok(Tensor::from_storage(s, x.shape()))
+        let s = {
+            let g = x.read_storage(name)?;
+            backend::softmax((&g, x.layout()), rows, cols, log)?
+        };
+        match s {
+            Some(s) => Ok(Tensor::from_storage(s, x.shape())),
+            None => super::fallback::softmax(&x, log),
+        }
     }
 
     /// Softmax along `dim`.
@@ -66,12 +71,17 @@ impl Tensor {
         }
         let (y, dy) = (self.contiguous()?, dy.contiguous()?);
         let (rows, cols) = rows_cols(&y);
-        let (gy, gd) = (
-            y.read_storage("softmax_backward")?,
-            dy.read_storage("softmax_backward")?,
-        );
-        let s = backend::softmax_backward((&gy, y.layout()), (&gd, dy.layout()), rows, cols, log)?;
-        Ok(Tensor::from_storage(s, y.shape()))
+        let s = {
+            let (gy, gd) = (
+                y.read_storage("softmax_backward")?,
+                dy.read_storage("softmax_backward")?,
+            );
+            backend::softmax_backward((&gy, y.layout()), (&gd, dy.layout()), rows, cols, log)?
+        };
+        match s {
+            Some(s) => Ok(Tensor::from_storage(s, y.shape())),
+            None => super::fallback::softmax_backward(&y, &dy, log),
+        }
     }
 
     /// Layer norm over the last dim with optional affine `weight` and `bias` (shape `[C]`).
@@ -96,23 +106,30 @@ impl Tensor {
         let x = self.contiguous()?;
         let w = weight.map(|w| w.contiguous()).transpose()?;
         let b = bias.map(|b| b.contiguous()).transpose()?;
-        let gx = x.read_storage("layer_norm")?;
-        let gw = w
-            .as_ref()
-            .map(|w| w.read_storage("layer_norm"))
-            .transpose()?;
-        let gb = b
-            .as_ref()
-            .map(|b| b.read_storage("layer_norm"))
-            .transpose()?;
-        let (y, mean, rstd) = backend::layer_norm(
-            (&gx, x.layout()),
-            gw.as_ref().zip(w.as_ref()).map(|(g, t)| (&**g, t.layout())),
-            gb.as_ref().zip(b.as_ref()).map(|(g, t)| (&**g, t.layout())),
-            rows,
-            cols,
-            eps,
-        )?;
+        let r = {
+            let gx = x.read_storage("layer_norm")?;
+            let gw = w
+                .as_ref()
+                .map(|w| w.read_storage("layer_norm"))
+                .transpose()?;
+            let gb = b
+                .as_ref()
+                .map(|b| b.read_storage("layer_norm"))
+                .transpose()?;
+            backend::layer_norm(
+                (&gx, x.layout()),
+                gw.as_ref().zip(w.as_ref()).map(|(g, t)| (&**g, t.layout())),
+                gb.as_ref().zip(b.as_ref()).map(|(g, t)| (&**g, t.layout())),
+                rows,
+                cols,
+                eps,
+            )?
+        };
+        let Some((y, mean, rstd)) = r else {
+            let (y, mean, rstd) =
+                super::fallback::layer_norm(&x, w.as_ref(), b.as_ref(), rows, cols, eps)?;
+            return Ok(LayerNormOutput { y, mean, rstd });
+        };
         Ok(LayerNormOutput {
             y: Tensor::from_storage(y, x.shape()),
             mean: Tensor::from_storage(mean, rows),
@@ -207,24 +224,31 @@ impl Tensor {
         let _prof = crate::profile::scope("cross_entropy");
         let (rows, cols) = Tensor::check_targets(self, targets, "cross_entropy")?;
         let (x, t) = (self.contiguous()?, targets.contiguous()?);
-        let (gx, gt) = (
-            x.read_storage("cross_entropy")?,
-            t.read_storage("cross_entropy")?,
-        );
-        let (loss, lse) = backend::cross_entropy(
-            (&gx, x.layout()),
-            (&gt, t.layout()),
-            rows,
-            cols,
-            ignore_index,
-        )
-        .map_err(|e| {
+        let context = |e: Error| {
             Error::msg(format!(
                 "{e} (logits {}, targets {} folded into {rows} rows, ignore_index {ignore_index:?})",
                 self.shape(),
                 targets.shape()
             ))
-        })?;
+        };
+        let r = {
+            let (gx, gt) = (
+                x.read_storage("cross_entropy")?,
+                t.read_storage("cross_entropy")?,
+            );
+            backend::cross_entropy(
+                (&gx, x.layout()),
+                (&gt, t.layout()),
+                rows,
+                cols,
+                ignore_index,
+            )
+            .map_err(context)?
+        };
+        let Some((loss, lse)) = r else {
+            return super::fallback::cross_entropy(&x, &t, rows, cols, ignore_index)
+                .map_err(context);
+        };
         Ok((
             Tensor::from_storage(loss, targets.shape()),
             Tensor::from_storage(lse, targets.shape()),
@@ -332,12 +356,14 @@ impl Tensor {
         if !(0.0..1.0).contains(&p) {
             crate::bail!("dropout: probability {p} must be in [0, 1)");
         }
+        // Drawn and built on `device` (every backend runs the same counter-based stream).
         let u = crate::Random::new(seed)
             .offset(start)
+            .device(device)
             .uniform(shape, 0.0, 1.0)?;
-        let keep = u.ge(&Tensor::scalar(p, DType::F32, crate::Device::Cpu)?)?;
-        let scale = Tensor::scalar(1.0 / (1.0 - p), dtype, crate::Device::Cpu)?;
-        let zero = Tensor::scalar(0.0, dtype, crate::Device::Cpu)?;
-        keep.where_cond(&scale, &zero)?.to_device(device)
+        let keep = u.ge(&Tensor::scalar(p, DType::F32, device)?)?;
+        let scale = Tensor::scalar(1.0 / (1.0 - p), dtype, device)?;
+        let zero = Tensor::scalar(0.0, dtype, device)?;
+        keep.where_cond(&scale, &zero)
     }
 }

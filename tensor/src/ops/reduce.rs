@@ -1,7 +1,7 @@
 //! Reductions over dimensions.
 
-use crate::cpu_backend::ReduceOp;
 use crate::{backend, DType, Result, Shape, Tensor};
+use meshgrad_kernels::ops::ReduceOp;
 
 impl Tensor {
     fn reduce_dim(&self, dim: usize, op: ReduceOp, name: &'static str) -> Result<Tensor> {

@@ -64,15 +64,21 @@ impl Tensor {
         let (rows, cols) = rows_cols(self);
         let x = self.contiguous()?;
         let w = weight.map(|w| w.contiguous()).transpose()?;
-        let gx = x.read_storage("rms_norm")?;
-        let gw = w.as_ref().map(|w| w.read_storage("rms_norm")).transpose()?;
-        let (y, rstd) = backend::rms_norm(
-            (&gx, x.layout()),
-            gw.as_ref().zip(w.as_ref()).map(|(g, t)| (&**g, t.layout())),
-            rows,
-            cols,
-            eps,
-        )?;
+        let r = {
+            let gx = x.read_storage("rms_norm")?;
+            let gw = w.as_ref().map(|w| w.read_storage("rms_norm")).transpose()?;
+            backend::rms_norm(
+                (&gx, x.layout()),
+                gw.as_ref().zip(w.as_ref()).map(|(g, t)| (&**g, t.layout())),
+                rows,
+                cols,
+                eps,
+            )?
+        };
+        let Some((y, rstd)) = r else {
+            let (y, rstd) = super::fallback::rms_norm(&x, w.as_ref(), rows, cols, eps)?;
+            return Ok(RmsNormOutput { y, rstd });
+        };
         Ok(RmsNormOutput {
             y: Tensor::from_storage(y, x.shape()),
             rstd: Tensor::from_storage(rstd, rows),

@@ -1,7 +1,6 @@
 //! Joining tensors: cat and stack.
 
 use super::same_kind;
-use crate::storage::{CpuStorage, Storage};
 use crate::{backend, Error, Result, Shape, Tensor};
 
 impl Tensor {
@@ -34,7 +33,7 @@ impl Tensor {
         dims[d] = total;
         let shape = Shape::new(dims);
         let out = Tensor::from_storage(
-            Storage::Cpu(CpuStorage::zeros(first.dtype(), shape.elem_count())),
+            backend::zeros(first.device(), first.dtype(), shape.elem_count())?,
             shape,
         );
         let mut start = 0;

@@ -28,9 +28,14 @@ impl Tensor {
         let _prof = crate::profile::scope("swiglu");
         check("swiglu (gate vs up)", gate, up)?;
         let (g, u) = (gate.contiguous()?, up.contiguous()?);
-        let (gg, gu) = (g.read_storage("swiglu")?, u.read_storage("swiglu")?);
-        let s = backend::swiglu((&gg, g.layout()), (&gu, u.layout()))?;
-        Ok(Tensor::from_storage(s, g.shape()))
+        let s = {
+            let (gg, gu) = (g.read_storage("swiglu")?, u.read_storage("swiglu")?);
+            backend::swiglu((&gg, g.layout()), (&gu, u.layout()))?
+        };
+        match s {
+            Some(s) => Ok(Tensor::from_storage(s, g.shape())),
+            None => super::fallback::swiglu(&g, &u),
+        }
     }
 
     /// The backward of [`Tensor::swiglu`] from `dy`: `(dgate, dup)` in one pass.

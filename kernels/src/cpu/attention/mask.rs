@@ -6,40 +6,8 @@
 //! `-inf` for the others. A row that sees no key at all (every key padded, or every visible
 //! bias `-inf`) has output 0, log-sum-exp `-inf` and zero gradients.
 
-use super::AttentionShape;
+use crate::ops::{AttentionShape, BiasLayout};
 use crate::Float;
-
-/// Where the additive score bias of one attention call lives in its buffer. With
-/// [`ScoreMask::heads`] heads per batch entry, the bias of query `i`, key `j` of batch-head
-/// `bh = b * heads + h` is `data[offset + b * batch_stride + h * head_stride + i * row_stride +
-/// j * col_stride]`. A zero stride broadcasts the bias over that dimension (a `[H, Tq, Tk]` bias
-/// has `batch_stride = 0`, a `[B, 1, 1, Tk]` one `head_stride = row_stride = 0`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct BiasLayout {
-    /// Offset of the bias of batch 0, head 0, query 0, key 0.
-    pub offset: usize,
-    /// Stride between batch entries (0 to broadcast).
-    pub batch_stride: usize,
-    /// Stride between heads (0 to broadcast).
-    pub head_stride: usize,
-    /// Stride between query rows (0 to broadcast).
-    pub row_stride: usize,
-    /// Stride between keys (0 to broadcast).
-    pub col_stride: usize,
-}
-
-impl BiasLayout {
-    /// The layout of a contiguous `[batch, heads, seq_q, seq_k]` bias.
-    pub fn contiguous(heads: usize, seq_q: usize, seq_k: usize) -> Self {
-        BiasLayout {
-            offset: 0,
-            batch_stride: heads * seq_q * seq_k,
-            head_stride: seq_q * seq_k,
-            row_stride: seq_k,
-            col_stride: 1,
-        }
-    }
-}
 
 /// The key padding mask and additive score bias of one attention call (the causal mask is part
 /// of [`AttentionShape`]). [`ScoreMask::none`] has neither; the kernels then run their unmasked

@@ -42,29 +42,10 @@ mod tests;
 
 pub use backward::{attention_backward, attention_backward_strided};
 pub use forward::{attention_forward, attention_forward_strided};
-pub use mask::{BiasLayout, ScoreMask};
+pub use mask::ScoreMask;
 
+use crate::ops::AttentionShape;
 use crate::Float;
-
-/// Sizes of one attention call. `q` is `[batch_heads, seq_q, head_dim]`, `k` and `v` are
-/// `[batch_heads, seq_k, head_dim]` (contiguous for [`attention_forward`] and
-/// [`attention_backward`]; any [`HeadLayout`] for the `_strided` versions).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AttentionShape {
-    /// batch * heads
-    pub batch_heads: usize,
-    /// Query positions.
-    pub seq_q: usize,
-    /// Key/value positions.
-    pub seq_k: usize,
-    /// Per-head dimension.
-    pub head_dim: usize,
-    /// Causal masking, aligned bottom-right: query `i` sees keys `j <= i + (seq_k - seq_q)`
-    /// (requires `seq_k >= seq_q`). Masked key blocks are skipped, not computed.
-    pub causal: bool,
-    /// Score scale, usually `1/sqrt(head_dim)`.
-    pub scale: f64,
-}
 
 /// Where one attention operand's rows live in a flat buffer. With `heads` heads per batch entry
 /// (`batch_heads = batch * heads`), element `c` of row `t` of batch-head `bh = b * heads + h` is at

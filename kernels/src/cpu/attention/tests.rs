@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::cpu::testutil::{assert_close, dot64, to_f32, to_f64, Rng};
+use crate::ops::BiasLayout;
 
 /// Naive f64 attention without padding or bias (the masked reference with nothing masked but
 /// the causal limit). Returns (out, lse, P) with `P` the full `[bh, seq_q, seq_k]` probability

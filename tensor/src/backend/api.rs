@@ -1,0 +1,377 @@
+//! The backend trait: the checklist a new backend fills in.
+//!
+//! A backend is a storage type (one buffer of one dtype on one device) implementing
+//! [`BackendStorage`], plus one variant of [`crate::storage::Storage`] holding it and one arm in
+//! the `with_backend!` macro of the dispatch place (`backend/mod.rs`). Nothing at the op call
+//! sites changes. The CPU backend is [`crate::storage::CpuStorage`] (its implementation lives in
+//! `cpu_backend/`).
+//!
+//! The methods come in three groups:
+//! - memory: allocation, host transfers, random fills and `arange` (generated on the device from
+//!   the counter-based stream of [`meshgrad_kernels::rng`], so every backend draws the same values
+//!   for the same seed and indices), and `release` (the hook of a caching allocator);
+//! - basic ops, which every backend must provide (casts, copies, elementwise, reductions,
+//!   matmul, indexing, ...);
+//! - fused ops (normalisations, softmax, attention, cross-entropy, SwiGLU, rotary embedding,
+//!   optimizer steps, ...), whose default answer is `Ok(None)`: "not provided". The tensor op then
+//!   runs a fallback composed of basic ops where one exists (see `ops/fallback.rs`), so a
+//!   backend can arrive one fused kernel at a time. Where no fallback exists yet the dispatch
+//!   place turns `None` into [`crate::Error::NotImplemented`].
+//!
+//! Conventions shared by all methods: every operand is a storage with the [`Layout`] of the view
+//! being read (`In`); operands have been checked to be on the same device by the dispatch place;
+//! the tensor ops have checked shapes and dtypes and pass contiguous layouts wherever the
+//! primitive's documentation in `backend/mod.rs` says so. Float inputs of half dtypes are
+//! computed in the precision [`crate::compute_dtype`] names.
+
+use meshgrad_kernels::ops::{
+    AdamWStep, AttentionShape, BiasLayout, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryGrad,
+    UnaryOp,
+};
+
+use crate::storage::CpuStorage;
+use crate::{DType, Device, Layout, Result};
+
+/// One operand: a backend storage with the layout of the view being read.
+pub(crate) type In<'a, S> = (&'a S, &'a Layout);
+
+/// The key padding mask and additive bias of one attention call: `heads` heads per batch entry
+/// index both; the padding mask is a contiguous integer `[batch, seq_k]` tensor, the bias a
+/// contiguous float tensor in q's dtype read through [`BiasLayout`] (strides 0 where it
+/// broadcasts).
+pub(crate) struct MaskArgs<'a, S> {
+    pub heads: usize,
+    pub key_padding: Option<In<'a, S>>,
+    pub bias: Option<(In<'a, S>, BiasLayout)>,
+}
+
+impl<S> Clone for MaskArgs<'_, S> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<S> Copy for MaskArgs<'_, S> {}
+
+/// What a random fill draws, element `i` from counter `offset + i` of stream `seed` (see
+/// [`meshgrad_kernels::rng`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Distribution {
+    /// `mean + std * n(seed, offset + i)` computed in f64, rounded to the dtype.
+    Normal { mean: f64, std: f64 },
+    /// `low + (high - low) * u(seed, offset + i)` computed in f64, rounded to the dtype.
+    Uniform { low: f64, high: f64 },
+    /// Integers uniform in `[low, high)` (exact in the dtype; checked by the caller).
+    RandInt { low: i64, high: i64 },
+}
+
+/// A result of a fused op: `Ok(None)` when the backend does not provide it.
+pub(crate) type Fused<T> = Result<Option<T>>;
+
+/// The primitives a backend provides, on its own storage type. See the module documentation.
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+pub(crate) trait BackendStorage: Sized + std::fmt::Debug + Send + Sync + 'static {
+    // ----- identity and memory -----
+
+    /// The device the buffer lives on.
+    fn device(&self) -> Device;
+    /// The dtype of the elements.
+    fn dtype(&self) -> DType;
+    /// Number of elements.
+    fn len(&self) -> usize;
+    /// A zero-filled buffer on `device`.
+    fn zeros(device: Device, dtype: DType, len: usize) -> Result<Self>;
+    /// A buffer of `len` copies of `value` converted to `dtype` (as `as` converts for integers).
+    fn full(device: Device, value: f64, dtype: DType, len: usize) -> Result<Self>;
+    /// A copy of a host buffer on `device`.
+    fn from_host(device: Device, host: CpuStorage) -> Result<Self>;
+    /// The elements of the contiguous view `l`, copied to the host (waits for queued work).
+    fn to_host(&self, l: &Layout) -> Result<CpuStorage>;
+    /// The elements at the given flat indices, copied to the host (for display).
+    fn read_elements(&self, indices: &[usize]) -> Result<CpuStorage>;
+    /// `len` values of `dist` from stream `seed` starting at counter `offset`, in `dtype`.
+    fn random(
+        device: Device,
+        dtype: DType,
+        len: usize,
+        seed: u64,
+        offset: u64,
+        dist: Distribution,
+    ) -> Result<Self>;
+    /// `[start, start + 1, ..., start + len - 1]` in `dtype`.
+    fn arange(device: Device, start: i64, len: usize, dtype: DType) -> Result<Self>;
+    /// Called when the tensor storage holding this buffer is freed: a caching allocator takes the
+    /// memory back here (the CPU one recycles large f32 buffers). The byte accounting of
+    /// [`crate::alloc`] is done by the caller, the same for every backend.
+    fn release(&mut self) {}
+
+    // ----- basic ops (required) -----
+
+    /// A copy of the view converted to `dtype`, contiguous.
+    fn cast(&self, l: &Layout, dtype: DType) -> Result<Self>;
+    /// A contiguous copy of the view.
+    fn copy_contiguous(&self, l: &Layout) -> Result<Self>;
+    /// Writes `src` into the view `dl` of `self` (same dtype and shape).
+    fn copy_into(&mut self, dl: &Layout, src: In<'_, Self>) -> Result<()>;
+    /// `self[dl] += src` when both are contiguous; `Ok(false)` (nothing done) otherwise.
+    fn add_assign_contiguous(&mut self, dl: &Layout, src: In<'_, Self>) -> Result<bool>;
+    /// Elementwise `op` of the view, contiguous out.
+    fn unary(x: In<'_, Self>, op: UnaryOp) -> Result<Self>;
+    /// Broadcasting binary op (the layouts broadcast to the output shape).
+    fn binary(op: BinaryOp, a: In<'_, Self>, b: In<'_, Self>) -> Result<Self>;
+    /// Broadcasting comparison, u8 out.
+    fn compare(op: CmpOp, a: In<'_, Self>, b: In<'_, Self>) -> Result<Self>;
+    /// `cond ? t : f`, broadcasting.
+    fn where_cond(cond: In<'_, Self>, t: In<'_, Self>, f: In<'_, Self>) -> Result<Self>;
+    /// Reduction of a contiguous buffer viewed as `[outer, red, inner]` over `red`.
+    fn reduce(
+        op: ReduceOp,
+        x: In<'_, Self>,
+        outer: usize,
+        red: usize,
+        inner: usize,
+    ) -> Result<Self>;
+    /// Batched `[m, k] x [k, n]` product with arbitrary strides.
+    fn matmul(
+        a: &Self,
+        al: MatrixLayout,
+        b: &Self,
+        bl: MatrixLayout,
+        batch: usize,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Self>;
+    /// Row-wise embedding lookup: `ids` (integer) into a `[vocab, dim]` table.
+    fn embedding(w: In<'_, Self>, ids: In<'_, Self>, vocab: usize, dim: usize) -> Result<Self>;
+    /// Scatter-add of `dout` rows into a zero `[vocab, dim]` gradient.
+    fn embedding_backward(
+        dout: In<'_, Self>,
+        ids: In<'_, Self>,
+        vocab: usize,
+        dim: usize,
+    ) -> Result<Self>;
+    /// `torch.gather` along `dim`.
+    fn gather(x: In<'_, Self>, index: In<'_, Self>, dim: usize) -> Result<Self>;
+    /// The scatter-add backward of [`BackendStorage::gather`].
+    fn gather_backward(
+        dout: In<'_, Self>,
+        index: In<'_, Self>,
+        x_dims: &[usize],
+        dim: usize,
+    ) -> Result<Self>;
+    /// Selection of `ids` along the middle of `[outer, x_n, inner]`.
+    fn index_select(
+        x: In<'_, Self>,
+        ids: In<'_, Self>,
+        outer: usize,
+        x_n: usize,
+        inner: usize,
+        dim: usize,
+    ) -> Result<Self>;
+    /// The scatter-add backward of [`BackendStorage::index_select`].
+    fn index_select_backward(
+        dout: In<'_, Self>,
+        ids: In<'_, Self>,
+        outer: usize,
+        x_n: usize,
+        inner: usize,
+        dim: usize,
+    ) -> Result<Self>;
+
+    // ----- fused ops (optional: `Ok(None)` means "not provided") -----
+
+    /// `x · wᵀ + bias` in one pass.
+    fn linear(
+        _x: &Self,
+        _xl: MatrixLayout,
+        _w: &Self,
+        _wl: MatrixLayout,
+        _bias: Option<In<'_, Self>>,
+        _m: usize,
+        _n: usize,
+        _k: usize,
+    ) -> Fused<Self> {
+        Ok(None)
+    }
+    /// Row softmax (or log-softmax) of a contiguous `[rows, cols]` buffer.
+    fn softmax(_x: In<'_, Self>, _rows: usize, _cols: usize, _log: bool) -> Fused<Self> {
+        Ok(None)
+    }
+    /// The backward of [`BackendStorage::softmax`] from its output `y`.
+    fn softmax_backward(
+        _y: In<'_, Self>,
+        _dy: In<'_, Self>,
+        _rows: usize,
+        _cols: usize,
+        _log: bool,
+    ) -> Fused<Self> {
+        Ok(None)
+    }
+    /// `dy * gelu'(x)` (tanh or erf form).
+    fn gelu_backward(_x: In<'_, Self>, _dy: In<'_, Self>, _tanh_form: bool) -> Fused<Self> {
+        Ok(None)
+    }
+    /// `dy * f'(x)` for the fused unary derivatives.
+    fn unary_backward(_x: In<'_, Self>, _dy: In<'_, Self>, _op: UnaryGrad) -> Fused<Self> {
+        Ok(None)
+    }
+    /// Log-sum-exp over `red` of a contiguous `[outer, red, inner]` buffer.
+    fn logsumexp(_x: In<'_, Self>, _outer: usize, _red: usize, _inner: usize) -> Fused<Self> {
+        Ok(None)
+    }
+    /// Layer normalisation over rows: `(y, mean, rstd)`.
+    fn layer_norm(
+        _x: In<'_, Self>,
+        _w: Option<In<'_, Self>>,
+        _b: Option<In<'_, Self>>,
+        _rows: usize,
+        _cols: usize,
+        _eps: f64,
+    ) -> Fused<(Self, Self, Self)> {
+        Ok(None)
+    }
+    /// The backward of [`BackendStorage::layer_norm`]: `(dx, dw, db)`.
+    fn layer_norm_backward(
+        _x: In<'_, Self>,
+        _w: Option<In<'_, Self>>,
+        _mean: In<'_, Self>,
+        _rstd: In<'_, Self>,
+        _dy: In<'_, Self>,
+        _rows: usize,
+        _cols: usize,
+        _param_grads: bool,
+    ) -> Fused<(Self, Option<Self>, Option<Self>)> {
+        Ok(None)
+    }
+    /// RMS normalisation over rows: `(y, rstd)`.
+    fn rms_norm(
+        _x: In<'_, Self>,
+        _w: Option<In<'_, Self>>,
+        _rows: usize,
+        _cols: usize,
+        _eps: f64,
+    ) -> Fused<(Self, Self)> {
+        Ok(None)
+    }
+    /// The backward of [`BackendStorage::rms_norm`]: `(dx, dw)`.
+    fn rms_norm_backward(
+        _x: In<'_, Self>,
+        _w: Option<In<'_, Self>>,
+        _rstd: In<'_, Self>,
+        _dy: In<'_, Self>,
+        _rows: usize,
+        _cols: usize,
+        _weight_grad: bool,
+    ) -> Fused<(Self, Option<Self>)> {
+        Ok(None)
+    }
+    /// Rotary position embedding of a `[b, h, t, d]` buffer (`dims`).
+    fn rotary_embedding(
+        _x: In<'_, Self>,
+        _positions: In<'_, Self>,
+        _dims: [usize; 4],
+        _theta: f64,
+        _inverse: bool,
+    ) -> Fused<Self> {
+        Ok(None)
+    }
+    /// `silu(gate) * up`.
+    fn swiglu(_gate: In<'_, Self>, _up: In<'_, Self>) -> Fused<Self> {
+        Ok(None)
+    }
+    /// The backward of [`BackendStorage::swiglu`]: `(dgate, dup)`.
+    fn swiglu_backward(
+        _gate: In<'_, Self>,
+        _up: In<'_, Self>,
+        _dy: In<'_, Self>,
+    ) -> Fused<(Self, Self)> {
+        Ok(None)
+    }
+    /// Per-row cross-entropy of `[rows, cols]` logits against integer targets: `(loss, lse)`.
+    fn cross_entropy(
+        _logits: In<'_, Self>,
+        _targets: In<'_, Self>,
+        _rows: usize,
+        _cols: usize,
+        _ignore_index: Option<i64>,
+    ) -> Fused<(Self, Self)> {
+        Ok(None)
+    }
+    /// The backward of [`BackendStorage::cross_entropy`]: dlogits.
+    fn cross_entropy_backward(
+        _logits: In<'_, Self>,
+        _lse: In<'_, Self>,
+        _targets: In<'_, Self>,
+        _dloss: In<'_, Self>,
+        _rows: usize,
+        _cols: usize,
+        _ignore_index: Option<i64>,
+    ) -> Fused<Self> {
+        Ok(None)
+    }
+    /// Fused scaled dot-product attention: `(out, lse)`.
+    fn attention(
+        _q: In<'_, Self>,
+        _k: In<'_, Self>,
+        _v: In<'_, Self>,
+        _shape: AttentionShape,
+        _mask: MaskArgs<'_, Self>,
+    ) -> Fused<(Self, Self)> {
+        Ok(None)
+    }
+    /// The backward of [`BackendStorage::attention`]: `(dq, dk, dv, dz)`.
+    fn attention_backward(
+        _ops: [In<'_, Self>; 6],
+        _shape: AttentionShape,
+        _mask: MaskArgs<'_, Self>,
+        _want_dz: bool,
+    ) -> Fused<(Self, Self, Self, Option<Self>)> {
+        Ok(None)
+    }
+    /// Attention straight from a contiguous `[B, T, 3C]` qkv buffer: `(out, lse)`.
+    fn attention_qkv(
+        _qkv: In<'_, Self>,
+        _shape: AttentionShape,
+        _heads: usize,
+        _mask: MaskArgs<'_, Self>,
+    ) -> Fused<(Self, Self)> {
+        Ok(None)
+    }
+    /// The backward of [`BackendStorage::attention_qkv`]: `(dqkv, dz)`.
+    fn attention_qkv_backward(
+        _ops: [In<'_, Self>; 4],
+        _shape: AttentionShape,
+        _heads: usize,
+        _mask: MaskArgs<'_, Self>,
+        _want_dz: bool,
+    ) -> Fused<(Self, Option<Self>)> {
+        Ok(None)
+    }
+    /// One in-place AdamW step; `Ok(None)` when not provided.
+    fn adamw(
+        _param: &mut Self,
+        _pl: &Layout,
+        _grad: In<'_, Self>,
+        _m: &mut Self,
+        _ml: &Layout,
+        _v: &mut Self,
+        _vl: &Layout,
+        _hp: &AdamWStep,
+    ) -> Fused<()> {
+        Ok(None)
+    }
+    /// One in-place SGD (momentum) step; `Ok(None)` when not provided.
+    fn sgd(
+        _param: &mut Self,
+        _pl: &Layout,
+        _grad: In<'_, Self>,
+        _buf: &mut Self,
+        _bl: &Layout,
+        _lr: f64,
+        _momentum: f64,
+        _weight_decay: f64,
+        _first_step: bool,
+    ) -> Fused<()> {
+        Ok(None)
+    }
+}

@@ -1,0 +1,735 @@
+//! Backend dispatch: the one place that knows which backends exist. Every primitive the tensor
+//! ops need is a function here that checks its operands share one device (else
+//! [`Error::DeviceMismatch`] naming the op), picks the backend of that device and calls its
+//! [`BackendStorage`] method. A new backend implements [`BackendStorage`] on its storage type,
+//! adds a [`Storage`] variant, a [`Variant`] impl, one arm of `with_backend!` and one arm in each
+//! of the four matches on [`Storage`] below (device, dtype, len, release); the op call sites do
+//! not change.
+//!
+//! Fused primitives return `Result<Option<_>>` where the tensor op has a fallback composed of
+//! basic ops (`None`: the backend does not provide the fused kernel); the others turn a missing
+//! kernel into [`Error::NotImplemented`].
+
+pub(crate) mod api;
+
+use meshgrad_kernels::ops::{
+    AdamWStep, AttentionShape, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryGrad, UnaryOp,
+};
+
+pub(crate) use api::{BackendStorage, Distribution, MaskArgs};
+use api::{Fused, In};
+
+use crate::storage::{CpuStorage, Storage};
+use crate::{DType, Device, Error, Layout, Result};
+
+/// A storage with the layout of the view being read.
+pub(crate) type Src<'a> = (&'a Storage, &'a Layout);
+
+/// The key padding mask and additive bias of one attention call, as the dispatch sees them (see
+/// [`MaskArgs`]).
+pub(crate) type AttentionMaskArgs<'a> = MaskArgs<'a, Storage>;
+
+/// A backend storage type held by one [`Storage`] variant.
+pub(crate) trait Variant: BackendStorage {
+    /// The backend storage inside `s` (which the dispatch has checked is on this backend).
+    fn of(s: &Storage) -> &Self;
+    /// The backend storage inside `s`, mutably.
+    fn of_mut(s: &mut Storage) -> &mut Self;
+    /// Wraps a backend storage into its variant.
+    fn wrap(self) -> Storage;
+}
+
+impl Variant for CpuStorage {
+    fn of(s: &Storage) -> &Self {
+        match s {
+            Storage::Cpu(c) => c,
+        }
+    }
+    fn of_mut(s: &mut Storage) -> &mut Self {
+        match s {
+            Storage::Cpu(c) => c,
+        }
+    }
+    fn wrap(self) -> Storage {
+        Storage::Cpu(self)
+    }
+}
+
+/// Runs `$body` with `$S` the backend storage type of `$device`. The one list of backends.
+macro_rules! with_backend {
+    ($op:expr, $device:expr, $S:ident => $body:expr) => {
+        match $device {
+            Device::Cpu => {
+                type $S = CpuStorage;
+                $body
+            }
+            device @ Device::Cuda(_) => Err(Error::NotImplemented { op: $op, device }),
+        }
+    };
+}
+
+/// The one same-device check: the device every operand is on, or [`Error::DeviceMismatch`]
+/// naming `op` and the first two devices that differ.
+fn device_of(op: &'static str, operands: &[&Storage]) -> Result<Device> {
+    let first = operands.first().map_or(Device::Cpu, |s| s.device());
+    for s in operands.iter().skip(1) {
+        let d = s.device();
+        if d != first {
+            return Err(Error::DeviceMismatch {
+                op,
+                lhs: first,
+                rhs: d,
+            });
+        }
+    }
+    Ok(first)
+}
+
+/// Checks the operands' device (bound to `$d`), then runs `$body` with `$S` that device's backend
+/// storage type.
+macro_rules! dispatch {
+    ($op:expr, [$($x:expr),* $(,)?], $S:ident, $d:ident => $body:expr) => {{
+        let $d = device_of($op, &[$($x),*])?;
+        with_backend!($op, $d, $S => $body)
+    }};
+    ($op:expr, slice $ops:expr, $S:ident, $d:ident => $body:expr) => {{
+        let $d = device_of($op, $ops)?;
+        with_backend!($op, $d, $S => $body)
+    }};
+}
+
+fn inp<'a, S: Variant>(s: Src<'a>) -> In<'a, S> {
+    (S::of(s.0), s.1)
+}
+
+fn opt<'a, S: Variant>(s: Option<Src<'a>>) -> Option<In<'a, S>> {
+    s.map(inp::<S>)
+}
+
+fn mask<'a, S: Variant>(m: &AttentionMaskArgs<'a>) -> MaskArgs<'a, S> {
+    MaskArgs {
+        heads: m.heads,
+        key_padding: opt::<S>(m.key_padding),
+        bias: m.bias.map(|(s, l)| (inp::<S>(s), l)),
+    }
+}
+
+fn mask_storages<'a>(m: &AttentionMaskArgs<'a>) -> impl Iterator<Item = &'a Storage> {
+    m.key_padding
+        .map(|s| s.0)
+        .into_iter()
+        .chain(m.bias.map(|(s, _)| s.0))
+}
+
+#[cfg(test)]
+thread_local! {
+    static DECLINE_FUSED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with every backend's fused kernels declined on this thread (as a backend without
+/// them would), so the tensor ops take their composed fallbacks. Test-only: it is how the
+/// fallbacks are checked against the CPU's fused kernels.
+#[cfg(test)]
+pub(crate) fn with_fused_declined<R>(f: impl FnOnce() -> R) -> R {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            DECLINE_FUSED.with(|d| d.set(self.0));
+        }
+    }
+    let _reset = Reset(DECLINE_FUSED.with(|d| d.replace(true)));
+    f()
+}
+
+/// Whether fused kernels are declined on this thread (only ever in tests).
+fn declined() -> bool {
+    #[cfg(test)]
+    {
+        DECLINE_FUSED.with(|d| d.get())
+    }
+    #[cfg(not(test))]
+    {
+        false
+    }
+}
+
+/// A fused primitive with a fallback at the op: `None` when the backend does not provide it.
+fn fused<T>(f: impl FnOnce() -> Fused<T>) -> Fused<T> {
+    if declined() {
+        return Ok(None);
+    }
+    f()
+}
+
+/// A fused primitive with no fallback yet: a missing kernel is [`Error::NotImplemented`].
+fn required<T>(op: &'static str, device: Device, r: Fused<T>) -> Result<T> {
+    r?.ok_or(Error::NotImplemented { op, device })
+}
+
+fn wrap2<S: Variant>((a, b): (S, S)) -> (Storage, Storage) {
+    (a.wrap(), b.wrap())
+}
+
+// ----- identity and memory -----
+
+impl Storage {
+    /// The device the buffer lives on.
+    pub fn device(&self) -> Device {
+        match self {
+            Storage::Cpu(s) => s.device(),
+        }
+    }
+
+    /// The dtype of the buffer.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Storage::Cpu(s) => BackendStorage::dtype(s),
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Storage::Cpu(s) => BackendStorage::len(s),
+        }
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+pub(crate) fn zeros(device: Device, dtype: DType, len: usize) -> Result<Storage> {
+    with_backend!("zeros", device, S => <S as BackendStorage>::zeros(device, dtype, len).map(S::wrap))
+}
+
+pub(crate) fn full(device: Device, value: f64, dtype: DType, len: usize) -> Result<Storage> {
+    with_backend!("full", device, S => S::full(device, value, dtype, len).map(S::wrap))
+}
+
+pub(crate) fn from_host(device: Device, host: CpuStorage) -> Result<Storage> {
+    with_backend!("from_host", device, S => S::from_host(device, host).map(S::wrap))
+}
+
+pub(crate) fn to_host(s: &Storage, l: &Layout) -> Result<CpuStorage> {
+    dispatch!("to_host", [s], S, device => S::of(s).to_host(l))
+}
+
+pub(crate) fn read_elements(s: &Storage, indices: &[usize]) -> Result<CpuStorage> {
+    dispatch!("read_elements", [s], S, device => S::of(s).read_elements(indices))
+}
+
+pub(crate) fn random(
+    device: Device,
+    dtype: DType,
+    len: usize,
+    seed: u64,
+    offset: u64,
+    dist: Distribution,
+) -> Result<Storage> {
+    with_backend!("random", device, S => S::random(device, dtype, len, seed, offset, dist).map(S::wrap))
+}
+
+pub(crate) fn arange(device: Device, start: i64, len: usize, dtype: DType) -> Result<Storage> {
+    with_backend!("arange", device, S => S::arange(device, start, len, dtype).map(S::wrap))
+}
+
+/// Hands a freed buffer to its backend's allocator.
+pub(crate) fn release(s: &mut Storage) {
+    match s {
+        Storage::Cpu(c) => c.release(),
+    }
+}
+
+// ----- basic ops -----
+
+pub(crate) fn cast(s: &Storage, l: &Layout, dtype: DType) -> Result<Storage> {
+    dispatch!("to_dtype", [s], S, device => S::of(s).cast(l, dtype).map(S::wrap))
+}
+
+pub(crate) fn copy_contiguous(s: &Storage, l: &Layout) -> Result<Storage> {
+    dispatch!("contiguous", [s], S, device => S::of(s).copy_contiguous(l).map(S::wrap))
+}
+
+pub(crate) fn copy_into(dst: &mut Storage, dl: &Layout, src: Src<'_>) -> Result<()> {
+    dispatch!("copy_into", [dst, src.0], S, device => S::of_mut(dst).copy_into(dl, inp::<S>(src)))
+}
+
+pub(crate) fn add_assign_contiguous(dst: &mut Storage, dl: &Layout, src: Src<'_>) -> Result<bool> {
+    dispatch!("add_assign", [dst, src.0], S, device => S::of_mut(dst).add_assign_contiguous(dl, inp::<S>(src)))
+}
+
+pub(crate) fn unary(s: Src<'_>, op: UnaryOp) -> Result<Storage> {
+    dispatch!("unary", [s.0], S, device => S::unary(inp::<S>(s), op).map(S::wrap))
+}
+
+pub(crate) fn binary(op: BinaryOp, a: Src<'_>, b: Src<'_>) -> Result<Storage> {
+    dispatch!("binary", [a.0, b.0], S, device => S::binary(op, inp::<S>(a), inp::<S>(b)).map(S::wrap))
+}
+
+pub(crate) fn compare(op: CmpOp, a: Src<'_>, b: Src<'_>) -> Result<Storage> {
+    dispatch!("compare", [a.0, b.0], S, device => S::compare(op, inp::<S>(a), inp::<S>(b)).map(S::wrap))
+}
+
+pub(crate) fn where_cond(cond: Src<'_>, t: Src<'_>, f: Src<'_>) -> Result<Storage> {
+    dispatch!("where_cond", [cond.0, t.0, f.0], S, device => {
+        S::where_cond(inp::<S>(cond), inp::<S>(t), inp::<S>(f)).map(S::wrap)
+    })
+}
+
+pub(crate) fn reduce(
+    op: ReduceOp,
+    s: Src<'_>,
+    outer: usize,
+    red: usize,
+    inner: usize,
+) -> Result<Storage> {
+    dispatch!("reduce", [s.0], S, device => S::reduce(op, inp::<S>(s), outer, red, inner).map(S::wrap))
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul(
+    a: &Storage,
+    al: MatrixLayout,
+    b: &Storage,
+    bl: MatrixLayout,
+    batch: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Result<Storage> {
+    dispatch!("matmul", [a, b], S, device => {
+        S::matmul(S::of(a), al, S::of(b), bl, batch, m, n, k).map(S::wrap)
+    })
+}
+
+pub(crate) fn embedding(w: Src<'_>, ids: Src<'_>, vocab: usize, dim: usize) -> Result<Storage> {
+    dispatch!("embedding", [w.0, ids.0], S, device => {
+        S::embedding(inp::<S>(w), inp::<S>(ids), vocab, dim).map(S::wrap)
+    })
+}
+
+pub(crate) fn embedding_backward(
+    dout: Src<'_>,
+    ids: Src<'_>,
+    vocab: usize,
+    dim: usize,
+) -> Result<Storage> {
+    dispatch!("embedding_backward", [dout.0, ids.0], S, device => {
+        S::embedding_backward(inp::<S>(dout), inp::<S>(ids), vocab, dim).map(S::wrap)
+    })
+}
+
+pub(crate) fn gather(x: Src<'_>, index: Src<'_>, dim: usize) -> Result<Storage> {
+    dispatch!("gather", [x.0, index.0], S, device => {
+        S::gather(inp::<S>(x), inp::<S>(index), dim).map(S::wrap)
+    })
+}
+
+pub(crate) fn gather_backward(
+    dout: Src<'_>,
+    index: Src<'_>,
+    x_dims: &[usize],
+    dim: usize,
+) -> Result<Storage> {
+    dispatch!("gather_backward", [dout.0, index.0], S, device => {
+        S::gather_backward(inp::<S>(dout), inp::<S>(index), x_dims, dim).map(S::wrap)
+    })
+}
+
+pub(crate) fn index_select(
+    x: Src<'_>,
+    ids: Src<'_>,
+    outer: usize,
+    x_n: usize,
+    inner: usize,
+    dim: usize,
+) -> Result<Storage> {
+    dispatch!("index_select", [x.0, ids.0], S, device => {
+        S::index_select(inp::<S>(x), inp::<S>(ids), outer, x_n, inner, dim).map(S::wrap)
+    })
+}
+
+pub(crate) fn index_select_backward(
+    dout: Src<'_>,
+    ids: Src<'_>,
+    outer: usize,
+    x_n: usize,
+    inner: usize,
+    dim: usize,
+) -> Result<Storage> {
+    dispatch!("index_select_backward", [dout.0, ids.0], S, device => {
+        S::index_select_backward(inp::<S>(dout), inp::<S>(ids), outer, x_n, inner, dim)
+            .map(S::wrap)
+    })
+}
+
+// ----- fused ops -----
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn linear(
+    x: &Storage,
+    xl: MatrixLayout,
+    w: &Storage,
+    wl: MatrixLayout,
+    bias: Option<Src<'_>>,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Fused<Storage> {
+    let ops: Vec<&Storage> = [x, w].into_iter().chain(bias.map(|b| b.0)).collect();
+    dispatch!("linear", slice &ops, S, device => {
+        let r = fused(|| S::linear(S::of(x), xl, S::of(w), wl, opt::<S>(bias), m, n, k));
+        r.map(|o| o.map(S::wrap))
+    })
+}
+
+pub(crate) fn softmax(s: Src<'_>, rows: usize, cols: usize, log: bool) -> Fused<Storage> {
+    dispatch!("softmax", [s.0], S, device => {
+        fused(|| S::softmax(inp::<S>(s), rows, cols, log)).map(|r| r.map(S::wrap))
+    })
+}
+
+pub(crate) fn softmax_backward(
+    y: Src<'_>,
+    dy: Src<'_>,
+    rows: usize,
+    cols: usize,
+    log: bool,
+) -> Fused<Storage> {
+    dispatch!("softmax_backward", [y.0, dy.0], S, device => {
+        fused(|| S::softmax_backward(inp::<S>(y), inp::<S>(dy), rows, cols, log))
+            .map(|r| r.map(S::wrap))
+    })
+}
+
+pub(crate) fn gelu_backward(x: Src<'_>, dy: Src<'_>, tanh_form: bool) -> Fused<Storage> {
+    dispatch!("gelu_backward", [x.0, dy.0], S, device => {
+        fused(|| S::gelu_backward(inp::<S>(x), inp::<S>(dy), tanh_form)).map(|r| r.map(S::wrap))
+    })
+}
+
+pub(crate) fn unary_backward(x: Src<'_>, dy: Src<'_>, op: UnaryGrad) -> Result<Storage> {
+    dispatch!("unary_backward", [x.0, dy.0], S, device => {
+        let r = fused(|| S::unary_backward(inp::<S>(x), inp::<S>(dy), op));
+        required("unary_backward", device, r).map(S::wrap)
+    })
+}
+
+pub(crate) fn logsumexp(s: Src<'_>, outer: usize, red: usize, inner: usize) -> Result<Storage> {
+    dispatch!("logsumexp", [s.0], S, device => {
+        let r = fused(|| S::logsumexp(inp::<S>(s), outer, red, inner));
+        required("logsumexp", device, r).map(S::wrap)
+    })
+}
+
+pub(crate) fn layer_norm(
+    x: Src<'_>,
+    w: Option<Src<'_>>,
+    b: Option<Src<'_>>,
+    rows: usize,
+    cols: usize,
+    eps: f64,
+) -> Fused<(Storage, Storage, Storage)> {
+    let ops: Vec<&Storage> = [x.0]
+        .into_iter()
+        .chain(w.map(|s| s.0))
+        .chain(b.map(|s| s.0))
+        .collect();
+    dispatch!("layer_norm", slice &ops, S, device => {
+        let r = fused(|| S::layer_norm(inp::<S>(x), opt::<S>(w), opt::<S>(b), rows, cols, eps));
+        r.map(|o| o.map(|(y, m, r)| (y.wrap(), m.wrap(), r.wrap())))
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn layer_norm_backward(
+    x: Src<'_>,
+    w: Option<Src<'_>>,
+    mean: Src<'_>,
+    rstd: Src<'_>,
+    dy: Src<'_>,
+    rows: usize,
+    cols: usize,
+    param_grads: bool,
+) -> Result<(Storage, Option<Storage>, Option<Storage>)> {
+    let ops: Vec<&Storage> = [x.0, mean.0, rstd.0, dy.0]
+        .into_iter()
+        .chain(w.map(|s| s.0))
+        .collect();
+    dispatch!("layer_norm_backward", slice &ops, S, device => {
+        let r = fused(|| {
+            S::layer_norm_backward(
+                inp::<S>(x),
+                opt::<S>(w),
+                inp::<S>(mean),
+                inp::<S>(rstd),
+                inp::<S>(dy),
+                rows,
+                cols,
+                param_grads,
+            )
+        });
+        required("layer_norm_backward", device, r)
+            .map(|(dx, dw, db)| (dx.wrap(), dw.map(S::wrap), db.map(S::wrap)))
+    })
+}
+
+pub(crate) fn attention(
+    q: Src<'_>,
+    k: Src<'_>,
+    v: Src<'_>,
+    shape: AttentionShape,
+    m: &AttentionMaskArgs<'_>,
+) -> Result<(Storage, Storage)> {
+    let ops: Vec<&Storage> = [q.0, k.0, v.0]
+        .into_iter()
+        .chain(mask_storages(m))
+        .collect();
+    dispatch!("attention", slice &ops, S, device => {
+        let r = fused(|| S::attention(inp::<S>(q), inp::<S>(k), inp::<S>(v), shape, mask::<S>(m)));
+        required("attention", device, r).map(wrap2)
+    })
+}
+
+/// Returns `(dq, dk, dv, dz)`; `dz` (the `[batch_heads, seq_q, seq_k]` gradient of the softmax
+/// inputs, compute precision) when `want_dz`.
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+pub(crate) fn attention_backward(
+    q: Src<'_>,
+    k: Src<'_>,
+    v: Src<'_>,
+    out: Src<'_>,
+    lse: Src<'_>,
+    dout: Src<'_>,
+    shape: AttentionShape,
+    m: &AttentionMaskArgs<'_>,
+    want_dz: bool,
+) -> Result<(Storage, Storage, Storage, Option<Storage>)> {
+    let ops: Vec<&Storage> = [q.0, k.0, v.0, out.0, lse.0, dout.0]
+        .into_iter()
+        .chain(mask_storages(m))
+        .collect();
+    dispatch!("attention_backward", slice &ops, S, device => {
+        let r = fused(|| {
+            S::attention_backward(
+                [q, k, v, out, lse, dout].map(inp::<S>),
+                shape,
+                mask::<S>(m),
+                want_dz,
+            )
+        });
+        required("attention_backward", device, r)
+            .map(|(dq, dk, dv, dz)| (dq.wrap(), dk.wrap(), dv.wrap(), dz.map(S::wrap)))
+    })
+}
+
+pub(crate) fn attention_qkv(
+    qkv: Src<'_>,
+    shape: AttentionShape,
+    heads: usize,
+    m: &AttentionMaskArgs<'_>,
+) -> Result<(Storage, Storage)> {
+    let ops: Vec<&Storage> = [qkv.0].into_iter().chain(mask_storages(m)).collect();
+    dispatch!("attention_qkv", slice &ops, S, device => {
+        let r = fused(|| S::attention_qkv(inp::<S>(qkv), shape, heads, mask::<S>(m)));
+        required("attention_qkv", device, r).map(wrap2)
+    })
+}
+
+/// Returns `(dqkv, dz)` (see [`attention_backward`] for `dz`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention_qkv_backward(
+    qkv: Src<'_>,
+    out: Src<'_>,
+    lse: Src<'_>,
+    dout: Src<'_>,
+    shape: AttentionShape,
+    heads: usize,
+    m: &AttentionMaskArgs<'_>,
+    want_dz: bool,
+) -> Result<(Storage, Option<Storage>)> {
+    let ops: Vec<&Storage> = [qkv.0, out.0, lse.0, dout.0]
+        .into_iter()
+        .chain(mask_storages(m))
+        .collect();
+    dispatch!("attention_qkv_backward", slice &ops, S, device => {
+        let r = fused(|| {
+            S::attention_qkv_backward(
+                [qkv, out, lse, dout].map(inp::<S>),
+                shape,
+                heads,
+                mask::<S>(m),
+                want_dz,
+            )
+        });
+        required("attention_qkv_backward", device, r).map(|(g, dz)| (g.wrap(), dz.map(S::wrap)))
+    })
+}
+
+pub(crate) fn rms_norm(
+    x: Src<'_>,
+    w: Option<Src<'_>>,
+    rows: usize,
+    cols: usize,
+    eps: f64,
+) -> Fused<(Storage, Storage)> {
+    let ops: Vec<&Storage> = [x.0].into_iter().chain(w.map(|s| s.0)).collect();
+    dispatch!("rms_norm", slice &ops, S, device => {
+        let r = fused(|| S::rms_norm(inp::<S>(x), opt::<S>(w), rows, cols, eps));
+        r.map(|o| o.map(wrap2))
+    })
+}
+
+pub(crate) fn rms_norm_backward(
+    x: Src<'_>,
+    w: Option<Src<'_>>,
+    rstd: Src<'_>,
+    dy: Src<'_>,
+    rows: usize,
+    cols: usize,
+    weight_grad: bool,
+) -> Result<(Storage, Option<Storage>)> {
+    let ops: Vec<&Storage> = [x.0, rstd.0, dy.0]
+        .into_iter()
+        .chain(w.map(|s| s.0))
+        .collect();
+    dispatch!("rms_norm_backward", slice &ops, S, device => {
+        let r = fused(|| {
+            S::rms_norm_backward(
+                inp::<S>(x),
+                opt::<S>(w),
+                inp::<S>(rstd),
+                inp::<S>(dy),
+                rows,
+                cols,
+                weight_grad,
+            )
+        });
+        required("rms_norm_backward", device, r).map(|(dx, dw)| (dx.wrap(), dw.map(S::wrap)))
+    })
+}
+
+pub(crate) fn rotary_embedding(
+    x: Src<'_>,
+    positions: Src<'_>,
+    dims: [usize; 4],
+    theta: f64,
+    inverse: bool,
+) -> Result<Storage> {
+    dispatch!("rotary_embedding", [x.0, positions.0], S, device => {
+        let r = fused(|| {
+            S::rotary_embedding(inp::<S>(x), inp::<S>(positions), dims, theta, inverse)
+        });
+        required("rotary_embedding", device, r).map(S::wrap)
+    })
+}
+
+pub(crate) fn swiglu(gate: Src<'_>, up: Src<'_>) -> Fused<Storage> {
+    dispatch!("swiglu", [gate.0, up.0], S, device => {
+        let r = fused(|| S::swiglu(inp::<S>(gate), inp::<S>(up)));
+        r.map(|o| o.map(S::wrap))
+    })
+}
+
+pub(crate) fn swiglu_backward(
+    gate: Src<'_>,
+    up: Src<'_>,
+    dy: Src<'_>,
+) -> Result<(Storage, Storage)> {
+    dispatch!("swiglu_backward", [gate.0, up.0, dy.0], S, device => {
+        let r = fused(|| S::swiglu_backward(inp::<S>(gate), inp::<S>(up), inp::<S>(dy)));
+        required("swiglu_backward", device, r).map(wrap2)
+    })
+}
+
+pub(crate) fn cross_entropy(
+    logits: Src<'_>,
+    targets: Src<'_>,
+    rows: usize,
+    cols: usize,
+    ignore_index: Option<i64>,
+) -> Fused<(Storage, Storage)> {
+    dispatch!("cross_entropy", [logits.0, targets.0], S, device => {
+        let r = fused(|| {
+            S::cross_entropy(inp::<S>(logits), inp::<S>(targets), rows, cols, ignore_index)
+        });
+        r.map(|o| o.map(wrap2))
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn cross_entropy_backward(
+    logits: Src<'_>,
+    lse: Src<'_>,
+    targets: Src<'_>,
+    dloss: Src<'_>,
+    rows: usize,
+    cols: usize,
+    ignore_index: Option<i64>,
+) -> Result<Storage> {
+    dispatch!("cross_entropy_backward", [logits.0, lse.0, targets.0, dloss.0], S, device => {
+        let r = fused(|| {
+            S::cross_entropy_backward(
+                inp::<S>(logits),
+                inp::<S>(lse),
+                inp::<S>(targets),
+                inp::<S>(dloss),
+                rows,
+                cols,
+                ignore_index,
+            )
+        });
+        required("cross_entropy_backward", device, r).map(S::wrap)
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn adamw(
+    param: &mut Storage,
+    pl: &Layout,
+    grad: Src<'_>,
+    m: &mut Storage,
+    ml: &Layout,
+    v: &mut Storage,
+    vl: &Layout,
+    hp: &AdamWStep,
+) -> Result<()> {
+    dispatch!("adamw", [param, grad.0, m, v], S, device => {
+        let r = fused(|| {
+            S::adamw(S::of_mut(param), pl, inp::<S>(grad), S::of_mut(m), ml, S::of_mut(v), vl, hp)
+        });
+        required("adamw", device, r)
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn sgd(
+    param: &mut Storage,
+    pl: &Layout,
+    grad: Src<'_>,
+    buf: &mut Storage,
+    bl: &Layout,
+    lr: f64,
+    momentum: f64,
+    weight_decay: f64,
+    first_step: bool,
+) -> Result<()> {
+    dispatch!("sgd", [param, grad.0, buf], S, device => {
+        let r = fused(|| {
+            S::sgd(
+                S::of_mut(param),
+                pl,
+                inp::<S>(grad),
+                S::of_mut(buf),
+                bl,
+                lr,
+                momentum,
+                weight_decay,
+                first_step,
+            )
+        });
+        required("sgd", device, r)
+    })
+}

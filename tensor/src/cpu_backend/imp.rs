@@ -1,0 +1,449 @@
+//! The CPU backend's implementation of [`BackendStorage`]: every method hands its operands to the
+//! CPU adapters of this module (which resolve dtypes and layouts and call
+//! `meshgrad_kernels::cpu`). All fused ops are provided.
+
+use half::{bf16, f16};
+use meshgrad_kernels::ops::{
+    AdamWStep, AttentionShape, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryGrad, UnaryOp,
+};
+use meshgrad_kernels::rng;
+
+use super::{attention, fused, indexing, llama, math};
+use crate::backend::api::{BackendStorage, Distribution, Fused, In, MaskArgs};
+use crate::storage::CpuStorage;
+use crate::{DType, Device, Layout, Result};
+
+fn cpu_mask<'a>(m: MaskArgs<'a, CpuStorage>) -> attention::CpuMask<'a> {
+    attention::CpuMask {
+        heads: m.heads,
+        key_padding: m.key_padding,
+        bias: m.bias,
+    }
+}
+
+/// The buffer as a contiguous `[len]` view.
+fn whole(s: &CpuStorage) -> Layout {
+    Layout::contiguous(s.len())
+}
+
+impl BackendStorage for CpuStorage {
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    fn dtype(&self) -> DType {
+        CpuStorage::dtype(self)
+    }
+
+    fn len(&self) -> usize {
+        CpuStorage::len(self)
+    }
+
+    fn zeros(_device: Device, dtype: DType, len: usize) -> Result<Self> {
+        Ok(CpuStorage::zeros(dtype, len))
+    }
+
+    fn full(_device: Device, value: f64, dtype: DType, n: usize) -> Result<Self> {
+        Ok(match dtype {
+            DType::F64 => CpuStorage::F64(vec![value; n]),
+            DType::F32 => CpuStorage::F32(vec![value as f32; n]),
+            DType::BF16 => CpuStorage::BF16(vec![bf16::from_f64(value); n]),
+            DType::F16 => CpuStorage::F16(vec![f16::from_f64(value); n]),
+            DType::U8 => CpuStorage::U8(vec![value as u8; n]),
+            DType::U32 => CpuStorage::U32(vec![value as u32; n]),
+            DType::I64 => CpuStorage::I64(vec![value as i64; n]),
+        })
+    }
+
+    fn from_host(_device: Device, host: CpuStorage) -> Result<Self> {
+        Ok(host)
+    }
+
+    fn to_host(&self, l: &Layout) -> Result<CpuStorage> {
+        match l.contiguous_range() {
+            Some(r) if r.start == 0 && r.end == self.len() => Ok(self.clone()),
+            Some(r) => {
+                Ok(crate::cpu_map!(self, v => crate::WithDType::into_cpu_storage(v[r].to_vec())))
+            }
+            None => super::copy_contiguous(self, l),
+        }
+    }
+
+    fn read_elements(&self, indices: &[usize]) -> Result<CpuStorage> {
+        Ok(
+            crate::cpu_map!(self, v => crate::WithDType::into_cpu_storage(
+                indices.iter().map(|&i| v[i]).collect()
+            )),
+        )
+    }
+
+    fn random(
+        _device: Device,
+        dtype: DType,
+        n: usize,
+        seed: u64,
+        offset: u64,
+        dist: Distribution,
+    ) -> Result<Self> {
+        // f32 fills directly (the f64 -> f32 rounding inside the fill equals filling f64 and
+        // casting); every other dtype fills f64 (i64 for integers) and casts.
+        let wide = match dist {
+            Distribution::Normal { mean, std } => {
+                if dtype == DType::F32 {
+                    let mut v = vec![0f32; n];
+                    rng::fill_normal(seed, offset, mean, std, &mut v);
+                    return Ok(CpuStorage::F32(v));
+                }
+                let mut v = vec![0f64; n];
+                rng::fill_normal(seed, offset, mean, std, &mut v);
+                CpuStorage::F64(v)
+            }
+            Distribution::Uniform { low, high } => {
+                if dtype == DType::F32 {
+                    let mut v = vec![0f32; n];
+                    rng::fill_uniform(seed, offset, low, high, &mut v);
+                    return Ok(CpuStorage::F32(v));
+                }
+                let mut v = vec![0f64; n];
+                rng::fill_uniform(seed, offset, low, high, &mut v);
+                CpuStorage::F64(v)
+            }
+            Distribution::RandInt { low, high } => {
+                let mut v = vec![0i64; n];
+                rng::fill_randint(seed, offset, low, high, &mut v);
+                CpuStorage::I64(v)
+            }
+        };
+        if wide.dtype() == dtype {
+            return Ok(wide);
+        }
+        super::cast(&wide, &whole(&wide), dtype)
+    }
+
+    fn arange(_device: Device, start: i64, len: usize, dtype: DType) -> Result<Self> {
+        let v: Vec<f64> = (0..len as i64).map(|i| (start + i) as f64).collect();
+        let s = CpuStorage::F64(v);
+        if dtype == DType::F64 {
+            return Ok(s);
+        }
+        super::cast(&s, &whole(&s), dtype)
+    }
+
+    fn release(&mut self) {
+        // Large f32 buffers go back to the recycling pool (see `crate::pool`).
+        if let CpuStorage::F32(v) = self {
+            crate::pool::give(std::mem::take(v));
+        }
+    }
+
+    fn cast(&self, l: &Layout, dtype: DType) -> Result<Self> {
+        super::cast(self, l, dtype)
+    }
+
+    fn copy_contiguous(&self, l: &Layout) -> Result<Self> {
+        super::copy_contiguous(self, l)
+    }
+
+    fn copy_into(&mut self, dl: &Layout, src: In<'_, Self>) -> Result<()> {
+        super::copy_into(self, dl, src.0, src.1)
+    }
+
+    fn add_assign_contiguous(&mut self, dl: &Layout, src: In<'_, Self>) -> Result<bool> {
+        super::add_assign_contiguous(self, dl, src.0, src.1)
+    }
+
+    fn unary(x: In<'_, Self>, op: UnaryOp) -> Result<Self> {
+        super::unary(x.0, x.1, op)
+    }
+
+    fn binary(op: BinaryOp, a: In<'_, Self>, b: In<'_, Self>) -> Result<Self> {
+        super::binary(op, a.0, a.1, b.0, b.1)
+    }
+
+    fn compare(op: CmpOp, a: In<'_, Self>, b: In<'_, Self>) -> Result<Self> {
+        super::compare(op, a.0, a.1, b.0, b.1)
+    }
+
+    fn where_cond(cond: In<'_, Self>, t: In<'_, Self>, f: In<'_, Self>) -> Result<Self> {
+        super::where_cond(cond.0, cond.1, t.0, t.1, f.0, f.1)
+    }
+
+    fn reduce(
+        op: ReduceOp,
+        x: In<'_, Self>,
+        outer: usize,
+        red: usize,
+        inner: usize,
+    ) -> Result<Self> {
+        super::reduce(op, x.0, x.1, outer, red, inner)
+    }
+
+    fn matmul(
+        a: &Self,
+        al: MatrixLayout,
+        b: &Self,
+        bl: MatrixLayout,
+        batch: usize,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Self> {
+        super::matmul(a, al, b, bl, batch, m, n, k)
+    }
+
+    fn embedding(w: In<'_, Self>, ids: In<'_, Self>, vocab: usize, dim: usize) -> Result<Self> {
+        super::embedding(w.0, w.1, ids.0, ids.1, vocab, dim)
+    }
+
+    fn embedding_backward(
+        dout: In<'_, Self>,
+        ids: In<'_, Self>,
+        vocab: usize,
+        dim: usize,
+    ) -> Result<Self> {
+        super::embedding_backward(dout.0, dout.1, ids.0, ids.1, vocab, dim)
+    }
+
+    fn gather(x: In<'_, Self>, index: In<'_, Self>, dim: usize) -> Result<Self> {
+        indexing::gather(x.0, x.1, index.0, index.1, dim)
+    }
+
+    fn gather_backward(
+        dout: In<'_, Self>,
+        index: In<'_, Self>,
+        x_dims: &[usize],
+        dim: usize,
+    ) -> Result<Self> {
+        indexing::gather_backward(dout.0, dout.1, index.0, index.1, x_dims, dim)
+    }
+
+    fn index_select(
+        x: In<'_, Self>,
+        ids: In<'_, Self>,
+        outer: usize,
+        x_n: usize,
+        inner: usize,
+        dim: usize,
+    ) -> Result<Self> {
+        indexing::index_select(x.0, x.1, ids.0, ids.1, outer, x_n, inner, dim)
+    }
+
+    fn index_select_backward(
+        dout: In<'_, Self>,
+        ids: In<'_, Self>,
+        outer: usize,
+        x_n: usize,
+        inner: usize,
+        dim: usize,
+    ) -> Result<Self> {
+        indexing::index_select_backward(dout.0, dout.1, ids.0, ids.1, outer, x_n, inner, dim)
+    }
+
+    // ----- fused ops: all provided on the CPU -----
+
+    fn linear(
+        x: &Self,
+        xl: MatrixLayout,
+        w: &Self,
+        wl: MatrixLayout,
+        bias: Option<In<'_, Self>>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Fused<Self> {
+        fused::linear(x, xl, w, wl, bias, m, n, k).map(Some)
+    }
+
+    fn softmax(x: In<'_, Self>, rows: usize, cols: usize, log: bool) -> Fused<Self> {
+        super::softmax(x.0, x.1, rows, cols, log).map(Some)
+    }
+
+    fn softmax_backward(
+        y: In<'_, Self>,
+        dy: In<'_, Self>,
+        rows: usize,
+        cols: usize,
+        log: bool,
+    ) -> Fused<Self> {
+        super::softmax_backward(y.0, y.1, dy.0, dy.1, rows, cols, log).map(Some)
+    }
+
+    fn gelu_backward(x: In<'_, Self>, dy: In<'_, Self>, tanh_form: bool) -> Fused<Self> {
+        super::gelu_backward(x.0, x.1, dy.0, dy.1, tanh_form).map(Some)
+    }
+
+    fn unary_backward(x: In<'_, Self>, dy: In<'_, Self>, op: UnaryGrad) -> Fused<Self> {
+        math::unary_backward(x.0, x.1, dy.0, dy.1, op).map(Some)
+    }
+
+    fn logsumexp(x: In<'_, Self>, outer: usize, red: usize, inner: usize) -> Fused<Self> {
+        math::logsumexp(x.0, x.1, outer, red, inner).map(Some)
+    }
+
+    fn layer_norm(
+        x: In<'_, Self>,
+        w: Option<In<'_, Self>>,
+        b: Option<In<'_, Self>>,
+        rows: usize,
+        cols: usize,
+        eps: f64,
+    ) -> Fused<(Self, Self, Self)> {
+        fused::layer_norm(x, w, b, rows, cols, eps).map(Some)
+    }
+
+    fn layer_norm_backward(
+        x: In<'_, Self>,
+        w: Option<In<'_, Self>>,
+        mean: In<'_, Self>,
+        rstd: In<'_, Self>,
+        dy: In<'_, Self>,
+        rows: usize,
+        cols: usize,
+        param_grads: bool,
+    ) -> Fused<(Self, Option<Self>, Option<Self>)> {
+        fused::layer_norm_backward(x, w, mean, rstd, dy, rows, cols, param_grads).map(Some)
+    }
+
+    fn rms_norm(
+        x: In<'_, Self>,
+        w: Option<In<'_, Self>>,
+        rows: usize,
+        cols: usize,
+        eps: f64,
+    ) -> Fused<(Self, Self)> {
+        llama::rms_norm(x, w, rows, cols, eps).map(Some)
+    }
+
+    fn rms_norm_backward(
+        x: In<'_, Self>,
+        w: Option<In<'_, Self>>,
+        rstd: In<'_, Self>,
+        dy: In<'_, Self>,
+        rows: usize,
+        cols: usize,
+        weight_grad: bool,
+    ) -> Fused<(Self, Option<Self>)> {
+        llama::rms_norm_backward(x, w, rstd, dy, rows, cols, weight_grad).map(Some)
+    }
+
+    fn rotary_embedding(
+        x: In<'_, Self>,
+        positions: In<'_, Self>,
+        dims: [usize; 4],
+        theta: f64,
+        inverse: bool,
+    ) -> Fused<Self> {
+        llama::rotary_embedding(x, positions, dims, theta, inverse).map(Some)
+    }
+
+    fn swiglu(gate: In<'_, Self>, up: In<'_, Self>) -> Fused<Self> {
+        llama::swiglu(gate, up).map(Some)
+    }
+
+    fn swiglu_backward(
+        gate: In<'_, Self>,
+        up: In<'_, Self>,
+        dy: In<'_, Self>,
+    ) -> Fused<(Self, Self)> {
+        llama::swiglu_backward(gate, up, dy).map(Some)
+    }
+
+    fn cross_entropy(
+        logits: In<'_, Self>,
+        targets: In<'_, Self>,
+        rows: usize,
+        cols: usize,
+        ignore_index: Option<i64>,
+    ) -> Fused<(Self, Self)> {
+        fused::cross_entropy(logits, targets, rows, cols, ignore_index).map(Some)
+    }
+
+    fn cross_entropy_backward(
+        logits: In<'_, Self>,
+        lse: In<'_, Self>,
+        targets: In<'_, Self>,
+        dloss: In<'_, Self>,
+        rows: usize,
+        cols: usize,
+        ignore_index: Option<i64>,
+    ) -> Fused<Self> {
+        fused::cross_entropy_backward(logits, lse, targets, dloss, rows, cols, ignore_index)
+            .map(Some)
+    }
+
+    fn attention(
+        q: In<'_, Self>,
+        k: In<'_, Self>,
+        v: In<'_, Self>,
+        shape: AttentionShape,
+        mask: MaskArgs<'_, Self>,
+    ) -> Fused<(Self, Self)> {
+        attention::attention(q, k, v, shape, &cpu_mask(mask)).map(Some)
+    }
+
+    fn attention_backward(
+        ops: [In<'_, Self>; 6],
+        shape: AttentionShape,
+        mask: MaskArgs<'_, Self>,
+        want_dz: bool,
+    ) -> Fused<(Self, Self, Self, Option<Self>)> {
+        attention::attention_backward(ops, shape, &cpu_mask(mask), want_dz).map(Some)
+    }
+
+    fn attention_qkv(
+        qkv: In<'_, Self>,
+        shape: AttentionShape,
+        heads: usize,
+        mask: MaskArgs<'_, Self>,
+    ) -> Fused<(Self, Self)> {
+        attention::attention_qkv(qkv, shape, heads, &cpu_mask(mask)).map(Some)
+    }
+
+    fn attention_qkv_backward(
+        ops: [In<'_, Self>; 4],
+        shape: AttentionShape,
+        heads: usize,
+        mask: MaskArgs<'_, Self>,
+        want_dz: bool,
+    ) -> Fused<(Self, Option<Self>)> {
+        attention::attention_qkv_backward(ops, shape, heads, &cpu_mask(mask), want_dz).map(Some)
+    }
+
+    fn adamw(
+        param: &mut Self,
+        pl: &Layout,
+        grad: In<'_, Self>,
+        m: &mut Self,
+        ml: &Layout,
+        v: &mut Self,
+        vl: &Layout,
+        hp: &AdamWStep,
+    ) -> Fused<()> {
+        fused::adamw(param, pl, grad, m, ml, v, vl, hp).map(Some)
+    }
+
+    fn sgd(
+        param: &mut Self,
+        pl: &Layout,
+        grad: In<'_, Self>,
+        buf: &mut Self,
+        bl: &Layout,
+        lr: f64,
+        momentum: f64,
+        weight_decay: f64,
+        first_step: bool,
+    ) -> Fused<()> {
+        fused::sgd(
+            param,
+            pl,
+            grad,
+            buf,
+            bl,
+            lr,
+            momentum,
+            weight_decay,
+            first_step,
+        )
+        .map(Some)
+    }
+}
