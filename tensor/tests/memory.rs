@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use meshgrad_tensor::alloc::{self, MemoryTag, MemoryTracker};
-use meshgrad_tensor::{DType, Device, Random, Tensor};
+use meshgrad_tensor::{DType, Device, Tensor};
 
 #[test]
 fn released_storage_errors_and_materialize_brings_it_back() {
@@ -371,7 +371,7 @@ fn cuda_without_the_feature_is_a_clear_error() {
         Tensor::zeros(3, DType::F32, Device::Cuda(0)).map(|_| ()),
         Tensor::from_vec(vec![1f32], 1, Device::Cuda(0)).map(|_| ()),
         Tensor::ones(3, DType::F32, Device::Cuda(1)).map(|_| ()),
-        Random::new(0)
+        meshgrad_tensor::Random::new(0)
             .device(Device::Cuda(0))
             .uniform(3, 0.0, 1.0)
             .map(|_| ()),
