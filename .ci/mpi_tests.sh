@@ -30,6 +30,22 @@ if MESHGRAD_MPI_TEST_PANIC=2 "${MPIRUN[@]}" "${TEST_BIN}" >/tmp/meshgrad-mpi-pan
 fi
 echo "ok: non-zero exit after $(( $(date +%s) - start )) s"
 
+# The watchdog: rank 3 stops calling collectives (2 s timeout); the waiting ranks must fail naming
+# it and the call, and the job must end with a non-zero status well before mpirun's timeout.
+echo "a stalled rank must be named by the watchdog of every waiting rank"
+start=$(date +%s)
+if MESHGRAD_MPI_TEST_STALL=3 "${MPIRUN[@]}" "${TEST_BIN}" >/tmp/meshgrad-mpi-stall.log 2>&1; then
+    echo "FAIL: the job with a stalled rank exited 0"; cat /tmp/meshgrad-mpi-stall.log; exit 1
+fi
+took=$(( $(date +%s) - start ))
+ok=$(grep -c '^watchdog ok: rank [0-2]: ' /tmp/meshgrad-mpi-stall.log || true)
+if [ "${took}" -gt 30 ] || [ "${ok}" -ne 3 ] \
+    || ! grep -q 'all_reduce #1 on group \[0,1,2,3\]: ranks 2, 3 did not join within 2s' /tmp/meshgrad-mpi-stall.log \
+    || ! grep -q 'recv #0 from rank 3 on group \[0,1,2,3\]: rank 3 did not send within 2s' /tmp/meshgrad-mpi-stall.log; then
+    echo "FAIL: watchdog (${took} s, ${ok} of 3 ranks reported):"; cat /tmp/meshgrad-mpi-stall.log; exit 1
+fi
+echo "ok: 3 ranks named rank 3 and the call; non-zero exit after ${took} s"
+
 WORK=$(mktemp -d)
 trap 'rm -rf "${WORK}"' EXIT
 status=0

@@ -2,12 +2,18 @@
 //! test: MPI is initialised once per process). With 1 rank (plain `cargo test --features mpi`)
 //! it checks what one rank can. `MESHGRAD_MPI_TEST_PANIC=R` makes rank R panic while its peers
 //! wait in an all-reduce: the job must end with a non-zero status (the panic hook aborts it).
+//! `MESHGRAD_MPI_TEST_STALL=R` (R > 0) tests the watchdog with a 2 s timeout: after one all-reduce
+//! that every rank joins, rank R sleeps instead of joining the next, rank R - 1 waits for a
+//! message R never sends, and the other ranks wait in the all-reduce. Every waiting rank must
+//! fail with a typed timeout naming R (and the all-reduce's waiters also R - 1, which answers
+//! that it is still at the first all-reduce), print `watchdog ok: <error>` and end the job with
+//! `abort` (non-zero status).
 #![cfg(feature = "mpi")]
 
 use half::bf16;
-use meshgrad_parallel::comm::mpi::{finalize, MpiCommunicator};
+use meshgrad_parallel::comm::mpi::{abort, finalize, MpiCommunicator};
 use meshgrad_parallel::{Communicator, DeviceMesh, ReduceOp};
-use meshgrad_tensor::{Device, Tensor};
+use meshgrad_tensor::{CommErrorKind, Device, Error, Tensor};
 
 fn t(v: Vec<f32>, dims: &[usize]) -> Tensor {
     Tensor::from_vec(v, dims.to_vec(), Device::Cpu).unwrap()
@@ -149,6 +155,12 @@ fn main() {
         let _ = world.all_reduce(&x, ReduceOp::Sum).unwrap().wait();
         unreachable!("the all-reduce cannot complete without rank {bad}");
     }
+    if let Some(stalled) = std::env::var("MESHGRAD_MPI_TEST_STALL")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        stall(world.as_ref(), stalled);
+    }
     checks(world.as_ref());
     // Sub-groups from a 2-D mesh (every rank creates its groups in the same order).
     if w == 4 {
@@ -182,4 +194,56 @@ fn main() {
     if r == 0 {
         println!("mpi test: all checks passed on {w} ranks");
     }
+}
+
+/// The watchdog test (see the crate docs): never returns.
+fn stall(world: &MpiCommunicator, stalled: usize) -> ! {
+    assert!(
+        stalled > 0 && stalled < world.world_size(),
+        "a rank above 0"
+    );
+    let timeout = std::time::Duration::from_secs(2);
+    world.set_timeout(timeout);
+    let r = world.rank();
+    let x = t(vec![1.0], &[1]);
+    world.all_reduce(&x, ReduceOp::Sum).unwrap().wait().unwrap();
+    if r == stalled {
+        std::thread::sleep(std::time::Duration::from_secs(60));
+        unreachable!("rank {r}: the job should have been aborted while this rank slept");
+    }
+    let waiter = stalled - 1;
+    let e = if r == waiter {
+        world.recv(stalled).unwrap().wait().unwrap_err()
+    } else {
+        world
+            .all_reduce(&x, ReduceOp::Sum)
+            .unwrap()
+            .wait()
+            .unwrap_err()
+    };
+    let Error::Comm(c) = &e else {
+        panic!("rank {r}: not a communication error: {e}");
+    };
+    assert_eq!(c.rank, r);
+    assert_eq!(c.group, world.ranks().to_vec());
+    let CommErrorKind::Timeout { missing, after, .. } = &c.kind else {
+        panic!("rank {r}: not a timeout: {e}");
+    };
+    assert_eq!(*after, timeout);
+    if r == waiter {
+        assert_eq!(
+            (c.call, c.seq, c.peer),
+            ("recv", Some(0), Some(stalled)),
+            "{e}"
+        );
+        assert_eq!(missing, &vec![stalled], "{e}");
+    } else {
+        assert_eq!((c.call, c.seq), ("all_reduce", Some(1)), "{e}");
+        assert_eq!(missing, &vec![waiter, stalled], "{e}");
+    }
+    eprintln!("watchdog ok: {e}");
+    // A later call fails at once: the backend stopped.
+    let later = world.barrier().unwrap().wait().unwrap_err();
+    assert!(later.to_string().contains("watchdog"), "{later}");
+    abort(1)
 }

@@ -76,7 +76,7 @@ mod tensor;
 
 pub use device::Device;
 pub use dtype::{DType, WithDType};
-pub use error::{Error, Result};
+pub use error::{CommError, CommErrorKind, Error, Result};
 pub use layout::Layout;
 pub use ops::{
     AdamWStep, AttentionGrads, AttentionMask, AttentionOutput, GeluKind, LayerNormOutput,
