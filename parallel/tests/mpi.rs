@@ -12,6 +12,7 @@
 
 use half::bf16;
 use meshgrad_parallel::comm::mpi::{abort, finalize, MpiCommunicator};
+use meshgrad_parallel::comm::{P2pOp, P2pWork};
 use meshgrad_parallel::{Communicator, DeviceMesh, ReduceOp};
 use meshgrad_tensor::{CommErrorKind, Device, Error, Tensor};
 
@@ -137,6 +138,32 @@ fn checks(comm: &dyn Communicator) {
             s.wait().unwrap();
         }
         back.wait().unwrap();
+        // batch_p2p: both directions of the ring in one batch, one message large enough to be
+        // sent by rendezvous; receives are posted before the sends in the list.
+        let n = 1 << 18;
+        let works = comm
+            .batch_p2p(vec![
+                P2pOp::Recv { peer: prev },
+                P2pOp::Recv { peer: next },
+                P2pOp::Send {
+                    tensor: t(vec![rf; n], &[n]),
+                    peer: next,
+                },
+                P2pOp::Send {
+                    tensor: t(vec![-rf; 2], &[2]),
+                    peer: prev,
+                },
+            ])
+            .unwrap();
+        let mut got = Vec::new();
+        for wk in works {
+            match wk {
+                P2pWork::Recv(wk) => got.push(wk.wait().unwrap().to_vec::<f32>().unwrap()),
+                P2pWork::Send(wk) => wk.wait().unwrap(),
+            }
+        }
+        assert_eq!(got[0], vec![prev as f32; n]);
+        assert_eq!(got[1], vec![-(next as f32); 2]);
     }
 }
 

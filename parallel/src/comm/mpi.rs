@@ -57,7 +57,7 @@ use meshgrad_tensor::storage::CpuStorage;
 use meshgrad_tensor::{cpu_map, CommError, CommErrorKind, DType, Device, Error, Result, Tensor};
 use mpi::ffi;
 
-use super::{format_ranks, reduce, Communicator, Pending, ReduceOp, Work};
+use super::{format_ranks, reduce, Communicator, P2pOp, P2pWork, Pending, ReduceOp, Work};
 
 /// Whether this process was started by an MPI launcher as one rank of several
 /// (`OMPI_COMM_WORLD_SIZE`, `PMI_SIZE` or `PMIX_RANK` with a size above 1). Reads only the
@@ -135,6 +135,8 @@ enum Request {
     Send(usize, Vec<u8>, usize, Reply<()>),
     Recv(usize, usize, Reply<Vec<u8>>),
     NewGroup(usize, Vec<usize>, String, c_int, Reply<usize>),
+    /// Sends and receives launched together ([`Communicator::batch_p2p`]).
+    Batch(Vec<Request>),
     Shutdown,
 }
 
@@ -245,12 +247,8 @@ impl MpiCommunicator {
         timeout()
     }
 
-    fn send_request<T: Send + 'static>(
-        &self,
-        call: &'static str,
-        make: impl FnOnce(Reply<T>) -> Request,
-    ) -> Result<Work<T>> {
-        let (tx, rx) = channel();
+    /// Hands `request` to the MPI thread.
+    fn post(&self, call: &'static str, request: Request) -> Result<()> {
         let guard = self.engine.tx.lock().unwrap_or_else(|e| e.into_inner());
         let backend = |m: &str| {
             CommError::new(
@@ -263,12 +261,18 @@ impl MpiCommunicator {
         };
         let sender = guard.as_ref().ok_or_else(|| backend("MPI was finalized"))?;
         sender
-            .send(make(tx))
-            .map_err(|_| backend("the MPI thread has ended"))?;
-        Ok(Work::pending(Box::new(Waiting {
-            rx,
-            done: Mutex::new(None),
-        })))
+            .send(request)
+            .map_err(|_| backend("the MPI thread has ended"))
+    }
+
+    fn send_request<T: Send + 'static>(
+        &self,
+        call: &'static str,
+        make: impl FnOnce(Reply<T>) -> Request,
+    ) -> Result<Work<T>> {
+        let (tx, work) = waiting();
+        self.post(call, make(tx))?;
+        Ok(work)
     }
 
     fn err(&self, call: &'static str, msg: impl std::fmt::Display) -> Error {
@@ -280,6 +284,16 @@ impl MpiCommunicator {
             CommErrorKind::Invalid(msg.to_string()),
         )
     }
+}
+
+/// A reply channel for the MPI thread and the [`Work`] that waits on it.
+fn waiting<T: Send + 'static>() -> (Reply<T>, Work<T>) {
+    let (tx, rx) = channel();
+    let work = Work::pending(Box::new(Waiting {
+        rx,
+        done: Mutex::new(None),
+    }));
+    (tx, work)
 }
 
 /// A [`Pending`] whose result the MPI thread sends when the operation completes.
@@ -415,6 +429,35 @@ impl Communicator for MpiCommunicator {
         Ok(self
             .send_request("recv", |r| Request::Recv(id, src, r))?
             .map(|b| decode(&b)))
+    }
+
+    fn batch_p2p(&self, ops: Vec<P2pOp>) -> Result<Vec<P2pWork>> {
+        // Every operation is checked (and every message encoded) before any is posted; the MPI
+        // thread then launches them in one go, in order.
+        let mut requests = Vec::with_capacity(ops.len());
+        let mut works = Vec::with_capacity(ops.len());
+        for op in ops {
+            match op {
+                P2pOp::Send { tensor, peer } => {
+                    if peer >= self.world_size() || peer == self.rank {
+                        return Err(self.err("send", format!("invalid destination rank {peer}")));
+                    }
+                    let (tx, work) = waiting();
+                    requests.push(Request::Send(self.id, encode(&tensor)?, peer, tx));
+                    works.push(P2pWork::Send(work));
+                }
+                P2pOp::Recv { peer } => {
+                    if peer >= self.world_size() || peer == self.rank {
+                        return Err(self.err("recv", format!("invalid source rank {peer}")));
+                    }
+                    let (tx, work) = waiting::<Vec<u8>>();
+                    requests.push(Request::Recv(self.id, peer, tx));
+                    works.push(P2pWork::Recv(work.map(|b| decode(&b))));
+                }
+            }
+        }
+        self.post("batch_p2p", Request::Batch(requests))?;
+        Ok(works)
     }
 
     fn barrier(&self) -> Result<Work<()>> {
@@ -1085,6 +1128,16 @@ impl State {
 
     /// Launches one request; true for a shutdown.
     fn launch(&mut self, r: Request) -> bool {
+        let r = match r {
+            Request::Batch(rs) => {
+                let mut shutdown = false;
+                for r in rs {
+                    shutdown |= self.launch(r);
+                }
+                return shutdown;
+            }
+            r => r,
+        };
         if let Some(failed) = &self.failed {
             let e = |c: usize, call: &'static str| {
                 CommError::new(
@@ -1109,6 +1162,7 @@ impl State {
                 Request::Send(c, _, _, reply) => drop(reply.send(Err(e(c, "send")))),
                 Request::Recv(c, _, reply) => drop(reply.send(Err(e(c, "recv")))),
                 Request::NewGroup(c, _, _, _, reply) => drop(reply.send(Err(e(c, "new_group")))),
+                Request::Batch(_) => unreachable!("batches are unpacked above"),
             }
             return false;
         }
@@ -1254,6 +1308,7 @@ impl State {
                 let r = self.new_group(c, &ranks, &tag, mpi_tag);
                 let _ = reply.send(r);
             }
+            Request::Batch(_) => unreachable!("batches are unpacked above"),
         }
         false
     }
