@@ -648,7 +648,8 @@ fn errors_are_typed_with_rank_group_call_and_sequence() {
         let Err(Error::Comm(c)) = res else {
             panic!("rank {rank}: {res:?}")
         };
-        assert_eq!((c.rank, c.call.len() > 0, c.seq), (rank, true, Some(0)));
+        let call = ["all_reduce", "all_gather"][rank];
+        assert_eq!((c.rank, c.call, c.seq), (rank, call, Some(0)));
         let CommErrorKind::Mismatch {
             rank: a,
             other: b,

@@ -153,9 +153,9 @@ pub enum CommErrorKind {
     Backend(String),
 }
 
-impl CommError {
-    /// A boxed [`Error::Comm`] from these facts.
-    pub fn new(
+impl Error {
+    /// An [`Error::Comm`] from these facts (no peer; see [`CommError::with_peer`]).
+    pub fn comm(
         rank: usize,
         group: &[usize],
         call: &'static str,
@@ -171,7 +171,9 @@ impl CommError {
             kind,
         }))
     }
+}
 
+impl CommError {
     /// The same error with `peer` set (for `send` and `recv`).
     pub fn with_peer(mut self, peer: usize) -> Self {
         self.peer = Some(peer);
@@ -296,7 +298,7 @@ mod tests {
 
     #[test]
     fn comm_error_display_and_fields() {
-        let e = CommError::new(
+        let e = Error::comm(
             0,
             &[0, 1, 2, 3],
             "all_reduce",
@@ -329,7 +331,7 @@ mod tests {
             "rank 0: recv #2 from rank 3 on group [0,1,2,3]: rank 3 did not send within 5s \
              (it is at all_reduce #16)"
         );
-        let m = CommError::new(
+        let m = Error::comm(
             1,
             &[1, 2],
             "broadcast",

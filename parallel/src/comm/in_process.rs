@@ -9,7 +9,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use meshgrad_tensor::storage::CpuStorage;
-use meshgrad_tensor::{CommError, CommErrorKind, DType, Device, Error, Result, Shape, Tensor};
+use meshgrad_tensor::{CommErrorKind, DType, Device, Error, Result, Shape, Tensor};
 
 use super::{format_ranks, reduce, Communicator, Pending, ReduceOp, Work};
 
@@ -325,7 +325,7 @@ impl InProcessComm {
 
     /// An invalid-argument error of `call` on this group.
     fn invalid(&self, call: &'static str, msg: String) -> Error {
-        CommError::new(
+        Error::comm(
             self.global_rank(),
             &self.group.members,
             call,
@@ -590,7 +590,7 @@ struct CollectiveWait {
 
 impl CollectiveWait {
     fn err(&self, kind: CommErrorKind) -> Error {
-        CommError::new(
+        Error::comm(
             self.global_rank,
             &self.group.members,
             self.kind.name(),
@@ -807,7 +807,7 @@ struct RecvWait {
 
 impl RecvWait {
     fn err(&self, kind: CommErrorKind) -> Error {
-        let e = CommError::new(
+        let e = Error::comm(
             self.group.members[self.rank],
             &self.group.members,
             "recv",
@@ -887,7 +887,7 @@ impl Pending<()> for SendWait {
         let deadline = Instant::now() + self.world.timeout;
         let dst = self.group.members[self.dst];
         let err = |kind: CommErrorKind| {
-            let e = CommError::new(
+            let e = Error::comm(
                 self.group.members[self.rank],
                 &self.group.members,
                 "send",

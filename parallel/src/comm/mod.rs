@@ -65,7 +65,7 @@
 //!   dtype, reduce op or root at the same position) are detected and name both calls. Sends are
 //!   buffered by default; [`RunOptions::rendezvous_sends`] makes them rendezvous like a real
 //!   backend's. A failed, panicked or returned rank fails its peers' operations at once.
-//! * **MPI** ([`mpi::MpiCommunicator`], feature `mpi`, one rank per process): MPI chooses the
+//! * **MPI** (`mpi::MpiCommunicator`, feature `mpi`, one rank per process): MPI chooses the
 //!   reduction algorithm (Open MPI: recursive doubling, rings, ... by message size), so sums are
 //!   not combined in rank order and differ in the last bits from the in-process backend's. The
 //!   MPI standard treats the predefined operations as associative and commutative, fixes no

@@ -14,14 +14,51 @@
 //! with `MPI_Test` and hands each result to its `Work` when it completes. So communication
 //! overlaps compute as with the in-process backend, and two ranks that send to each other at the
 //! same time do not deadlock. Operations are launched in the order they are issued, which is what
-//! MPI's matching rule for collectives needs (the trait's matching rule is the same).
+//! MPI's matching rule for collectives needs (the trait's matching rule is the same);
+//! [`Communicator::batch_p2p`] hands a batch of sends and receives over as one request, launched
+//! in one go. When nothing is in flight the thread waits for requests 10 ms at a time, so that it
+//! keeps answering the watchdog's queries.
+//!
+//! # The watchdog
+//!
+//! The MPI thread numbers every operation as the trait does (the k-th collective on a group, the
+//! k-th send to or receive from a peer) and notes when it launched it. Operations are never
+//! waited for inside MPI (only `MPI_Test`), so the thread notices when one is late:
+//!
+//! 1. A grace before the timeout (a quarter of it, at most 5 s), it asks the peers the oldest
+//!    pending operation waits for (every other member for a collective, the peer for a send or
+//!    receive) how far they are on that group. The questions travel on a second duplicate of
+//!    `MPI_COMM_WORLD`, the *control* communicator, which every rank's MPI thread probes in its
+//!    loop (`MPI_Improbe` + `MPI_Mrecv`; answers go back with `MPI_Isend`). A group is named by a
+//!    key every member derives alike (its parent's key, its members, its tag, and how many such
+//!    groups were made before). The answer: how many collectives the peer has started on the
+//!    group and the last one's name, how many messages it sent to the asker and how many
+//!    receives it posted from it. The MPI thread of a rank whose main thread is busy (or stuck
+//!    outside MPI) still answers.
+//! 2. At the timeout (`MpiCommunicator::set_timeout`, default [`DEFAULT_TIMEOUT`]; `meshgrad
+//!    train` passes `--collective-timeout`), if the operation is still pending, it fails with a
+//!    [`CommErrorKind::Timeout`] naming the peers that had not started it (or sent, or posted the
+//!    receive) and what they are doing: `rank 0: all_reduce #1 on group [0,1,2,3]: ranks 2, 3
+//!    did not join within 2s (rank 2 is at all_reduce #0; rank 3 is at all_reduce #0)`. A peer
+//!    that did not answer is named as gone or stuck. Every surviving rank waiting on the late
+//!    rank times out the same way and names it.
+//! 3. MPI cannot cancel a collective, so the backend then stops: every other pending operation
+//!    fails ([`CommErrorKind::PeerFailed`], naming this rank and the timeout), later calls fail at
+//!    once, buffers MPI may still use are kept, and [`finalize`] ends the job with `MPI_Abort`
+//!    instead of `MPI_Finalize`. The caller reports the error and calls [`abort`] (as `meshgrad
+//!    train` does), which waits the grace plus half a second before `MPI_Abort` so that the other
+//!    surviving ranks can report theirs.
+//!
+//! Limits: the timeout counts from the launch, not from [`Work::wait`] (an operation launched
+//! long before its peers reach it counts as late); group creation (`MPI_Comm_create_group`)
+//! blocks the MPI thread and has no watchdog (and a rank inside it answers no queries).
 //!
 //! # What differs from the in-process backend
 //!
 //! * **Reduction order.** MPI chooses the algorithm (Open MPI: recursive doubling, rings, ...),
 //!   so sums are *not* combined in rank order and are not bit-identical to the in-process
-//!   backend's; every rank still receives the same bits (MPI's reductions are computed once and
-//!   distributed). f32/f64/integer sums and maxima use MPI's predefined operations (`MPI_MAX` on
+//!   backend's; the MPI standard does not promise equal bits on every rank either (see the
+//!   [`comm`](super) docs). f32/f64/integer sums and maxima use MPI's predefined operations (`MPI_MAX` on
 //!   floats does not promise to propagate NaN). bf16 and f16 travel as 16-bit values and are
 //!   combined by a user operation that adds each pair in f32 and rounds back, so a sum over `w`
 //!   ranks is rounded up to `w - 1` times (NCCL behaves the same), instead of once.
@@ -36,9 +73,10 @@
 //!   those members (not over the parent). So the members must create overlapping groups in the
 //!   same order; [`crate::DeviceMesh`] does (every rank builds its groups dimension by dimension in
 //!   the same order). The trait's tag becomes the MPI tag of the creation (a hash).
-//! * **Failures.** Mismatched calls are not detected (MPI may fail with a truncation error or
-//!   hang), and there is no timeout yet: a rank that never joins keeps its peers waiting. A panic
-//!   in any thread of any rank calls `MPI_Abort` (a hook installed by
+//! * **Failures.** Every failure is an [`Error::Comm`] naming the rank, the group, the call and
+//!   (once numbered) its sequence number. Mismatched calls are not detected (MPI may fail with a
+//!   truncation error or hang until the watchdog). A rank that stops joining is named by the
+//!   watchdog (above). A panic in any thread of any rank calls `MPI_Abort` (a hook installed by
 //!   [`MpiCommunicator::world`]), so the whole job ends with a non-zero status instead of
 //!   hanging; [`abort`] does the same for errors.
 //! * **Limits.** MPI counts are `int`: one operation moves at most 2^31 - 1 elements (a message
@@ -251,7 +289,7 @@ impl MpiCommunicator {
     fn post(&self, call: &'static str, request: Request) -> Result<()> {
         let guard = self.engine.tx.lock().unwrap_or_else(|e| e.into_inner());
         let backend = |m: &str| {
-            CommError::new(
+            Error::comm(
                 self.global_rank(),
                 &self.ranks,
                 call,
@@ -276,7 +314,7 @@ impl MpiCommunicator {
     }
 
     fn err(&self, call: &'static str, msg: impl std::fmt::Display) -> Error {
-        CommError::new(
+        Error::comm(
             self.global_rank(),
             &self.ranks,
             call,
@@ -878,13 +916,16 @@ struct Diag {
 const CTRL_QUERY: c_int = 11;
 const CTRL_ANSWER: c_int = 12;
 
+/// A receive posted before its message arrived.
+type WaitingRecv = (OpInfo, Reply<Vec<u8>>);
+
 struct State {
     comms: Vec<Comm>,
     ops: Ops,
     in_place: Option<*mut c_void>,
     flight: Vec<InFlight>,
     /// Receives waiting for their message, per (communicator, source), in issue order.
-    recvs: HashMap<(usize, usize), VecDeque<(OpInfo, Reply<Vec<u8>>)>>,
+    recvs: HashMap<(usize, usize), VecDeque<WaitingRecv>>,
     world_rank: usize,
     /// A duplicate of the world on which the MPI threads ask each other for progress.
     ctrl: ffi::MPI_Comm,
@@ -1140,7 +1181,7 @@ impl State {
         };
         if let Some(failed) = &self.failed {
             let e = |c: usize, call: &'static str| {
-                CommError::new(
+                Error::comm(
                     self.world_rank,
                     &self.comms[c].members,
                     call,
@@ -1335,7 +1376,7 @@ impl State {
         );
         let ranks_c: Vec<c_int> = ranks.iter().map(|&r| r as c_int).collect();
         let fail = |e: Error| {
-            CommError::new(
+            Error::comm(
                 self.world_rank,
                 &self.comms[c].members,
                 "new_group",
