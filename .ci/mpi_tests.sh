@@ -45,6 +45,18 @@ if [ "${took}" -gt 30 ] || [ "${ok}" -ne 3 ] \
     echo "FAIL: watchdog (${took} s, ${ok} of 3 ranks reported):"; cat /tmp/meshgrad-mpi-stall.log; exit 1
 fi
 echo "ok: 3 ranks named rank 3 and the call; non-zero exit after ${took} s"
+start=$(date +%s)
+if MESHGRAD_MPI_TEST_STALL_GROUP=3 "${MPIRUN[@]}" "${TEST_BIN}" >/tmp/meshgrad-mpi-stall-group.log 2>&1; then
+    echo "FAIL: the job with a rank missing from a group creation exited 0"; exit 1
+fi
+took=$(( $(date +%s) - start ))
+ok=$(grep -c '^watchdog ok: rank [0-2]: new_group #0 on group \[0,1,2,3\]: rank 3 did not join within 2s' \
+    /tmp/meshgrad-mpi-stall-group.log || true)
+if [ "${took}" -gt 30 ] || [ "${ok}" -ne 3 ]; then
+    echo "FAIL: group creation watchdog (${took} s, ${ok} of 3 ranks reported):"
+    cat /tmp/meshgrad-mpi-stall-group.log; exit 1
+fi
+echo "ok: a rank missing from new_group is named by 3 ranks; non-zero exit after ${took} s"
 
 WORK=$(mktemp -d)
 trap 'rm -rf "${WORK}"' EXIT

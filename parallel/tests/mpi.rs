@@ -7,7 +7,8 @@
 //! message R never sends, and the other ranks wait in the all-reduce. Every waiting rank must
 //! fail with a typed timeout naming R (and the all-reduce's waiters also R - 1, which answers
 //! that it is still at the first all-reduce), print `watchdog ok: <error>` and end the job with
-//! `abort` (non-zero status).
+//! `abort` (non-zero status). `MESHGRAD_MPI_TEST_STALL_GROUP=R` does the same with a group
+//! creation: every other rank calls `new_group` over the world, and must fail naming R.
 #![cfg(feature = "mpi")]
 
 use half::bf16;
@@ -186,7 +187,13 @@ fn main() {
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
     {
-        stall(world.as_ref(), stalled);
+        stall(world.as_ref(), stalled, false);
+    }
+    if let Some(stalled) = std::env::var("MESHGRAD_MPI_TEST_STALL_GROUP")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        stall(world.as_ref(), stalled, true);
     }
     checks(world.as_ref());
     // Sub-groups from a 2-D mesh (every rank creates its groups in the same order).
@@ -224,7 +231,7 @@ fn main() {
 }
 
 /// The watchdog test (see the crate docs): never returns.
-fn stall(world: &MpiCommunicator, stalled: usize) -> ! {
+fn stall(world: &MpiCommunicator, stalled: usize, group: bool) -> ! {
     assert!(
         stalled > 0 && stalled < world.world_size(),
         "a rank above 0"
@@ -237,6 +244,20 @@ fn stall(world: &MpiCommunicator, stalled: usize) -> ! {
     if r == stalled {
         std::thread::sleep(std::time::Duration::from_secs(60));
         unreachable!("rank {r}: the job should have been aborted while this rank slept");
+    }
+    if group {
+        let all: Vec<usize> = (0..world.world_size()).collect();
+        let e = world.new_group(&all, "stall").unwrap_err();
+        let Error::Comm(c) = &e else {
+            panic!("rank {r}: not a communication error: {e}");
+        };
+        assert_eq!((c.rank, c.call, c.seq), (r, "new_group", Some(0)), "{e}");
+        assert!(
+            matches!(&c.kind, CommErrorKind::Timeout { missing, .. } if missing == &vec![stalled]),
+            "{e}"
+        );
+        eprintln!("watchdog ok: {e}");
+        abort(1)
     }
     let waiter = stalled - 1;
     let e = if r == waiter {

@@ -49,9 +49,16 @@
 //!    train` does), which waits the grace plus half a second before `MPI_Abort` so that the other
 //!    surviving ranks can report theirs.
 //!
+//! Group creation is watched too: before the blocking `MPI_Comm_create_group`, every member sends
+//! every other member a token (the new group's key) on the control communicator and waits for
+//! theirs as a watched operation, so a member that never comes is named (`new_group #0 on group
+//! [0,1,2,3]: rank 3 did not join within 2s (it has not started creating this group)`), members
+//! that create different groups at the same point fail naming the other group, and
+//! `MPI_Comm_create_group` runs only once every member is there.
+//!
 //! Limits: the timeout counts from the launch, not from [`Work::wait`] (an operation launched
-//! long before its peers reach it counts as late); group creation (`MPI_Comm_create_group`)
-//! blocks the MPI thread and has no watchdog (and a rank inside it answers no queries).
+//! long before its peers reach it counts as late); a rank inside `MPI_Comm_create_group` (brief,
+//! since every member has arrived) answers no queries.
 //!
 //! # What differs from the in-process backend
 //!
@@ -70,8 +77,8 @@
 //!   `(void*)1`, MPICH `(void*)-1`); another MPI falls back to a separate send buffer.
 //! * **Groups.** [`Communicator::new_group`] is called only by the new group's members, as the
 //!   trait says, and maps onto `MPI_Comm_create_group` (MPI 3), which is collective over exactly
-//!   those members (not over the parent). So the members must create overlapping groups in the
-//!   same order; [`crate::DeviceMesh`] does (every rank builds its groups dimension by dimension in
+//!   those members (not over the parent), after the members' token exchange (see the watchdog).
+//!   So the members must create overlapping groups in the same order; [`crate::DeviceMesh`] does (every rank builds its groups dimension by dimension in
 //!   the same order). The trait's tag becomes the MPI tag of the creation (a hash).
 //! * **Failures.** Every failure is an [`Error::Comm`] naming the rank, the group, the call and
 //!   (once numbered) its sequence number. Mismatched calls are not detected (MPI may fail with a
@@ -802,7 +809,25 @@ struct OpInfo {
     /// The other side (group rank) of a send or receive.
     peer: Option<usize>,
     started: Instant,
+    /// For a group being created: its key and its members (global ranks).
+    group: Option<(String, Vec<usize>)>,
 }
+
+/// A group being created: every member sends every other a token on the control communicator
+/// (a watched operation) before the blocking `MPI_Comm_create_group`, which then finds every
+/// member there.
+struct Creating {
+    op: OpInfo,
+    /// The members as ranks of the parent group.
+    ranks: Vec<usize>,
+    mpi_tag: c_int,
+    reply: Reply<usize>,
+    /// The token receives: (source, request, buffer, done).
+    tokens: Vec<(usize, ffi::MPI_Request, Vec<u8>, bool)>,
+}
+
+/// The tag of group-creation tokens on the control communicator.
+const CTRL_TOKEN: c_int = 13;
 
 struct InFlight {
     req: ffi::MPI_Request,
@@ -938,6 +963,10 @@ struct State {
     /// Operations abandoned when the watchdog fired: their buffers stay alive (MPI may still
     /// write into them) until the job ends.
     zombies: Vec<InFlight>,
+    /// Groups being created (waiting for the other members' tokens).
+    creating: Vec<Creating>,
+    /// Token receives abandoned when the watchdog fired (their buffers stay alive).
+    abandoned: Vec<(usize, ffi::MPI_Request, Vec<u8>, bool)>,
     /// How many groups with these (parent key, members, tag) this rank created.
     group_counts: HashMap<(String, Vec<usize>, String), u64>,
 }
@@ -1030,6 +1059,8 @@ fn mpi_thread(rx: Receiver<Request>, init: Sender<std::result::Result<(usize, us
             diag: None,
             failed: None,
             zombies: Vec::new(),
+            creating: Vec::new(),
+            abandoned: Vec::new(),
             group_counts: HashMap::new(),
         })
     };
@@ -1047,7 +1078,9 @@ fn mpi_thread(rx: Receiver<Request>, init: Sender<std::result::Result<(usize, us
     loop {
         // New requests: wait a little when nothing is in flight (the control channel and the
         // watchdog still need the loop), else take what is there.
-        let busy = !state.flight.is_empty() || state.recvs.values().any(|q| !q.is_empty());
+        let busy = !state.flight.is_empty()
+            || !state.creating.is_empty()
+            || state.recvs.values().any(|q| !q.is_empty());
         let mut progressed = false;
         if !shutdown {
             if !busy {
@@ -1075,6 +1108,7 @@ fn mpi_thread(rx: Receiver<Request>, init: Sender<std::result::Result<(usize, us
             }
         }
         progressed |= state.poll();
+        progressed |= state.poll_groups();
         progressed |= state.service_ctrl();
         state.watchdog();
         if shutdown && state.failed.is_some() {
@@ -1083,7 +1117,11 @@ fn mpi_thread(rx: Receiver<Request>, init: Sender<std::result::Result<(usize, us
             std::mem::forget(universe);
             return;
         }
-        if shutdown && state.flight.is_empty() && state.recvs.values().all(|q| q.is_empty()) {
+        if shutdown
+            && state.flight.is_empty()
+            && state.creating.is_empty()
+            && state.recvs.values().all(|q| q.is_empty())
+        {
             break;
         }
         if progressed {
@@ -1146,6 +1184,7 @@ impl State {
             seq,
             peer,
             started: Instant::now(),
+            group: None,
         }
     }
 
@@ -1346,21 +1385,25 @@ impl State {
                     .push_back((info, reply));
             }
             Request::NewGroup(c, ranks, tag, mpi_tag, reply) => {
-                let r = self.new_group(c, &ranks, &tag, mpi_tag);
-                let _ = reply.send(r);
+                self.start_group(c, ranks, &tag, mpi_tag, reply)
             }
             Request::Batch(_) => unreachable!("batches are unpacked above"),
         }
         false
     }
 
-    fn new_group(&mut self, c: usize, ranks: &[usize], tag: &str, mpi_tag: c_int) -> Result<usize> {
-        let parent = self.comms[c].handle;
+    /// Starts creating a group over `ranks` (ranks of group `c`): numbers it, sends a token to
+    /// every other member and posts the receives of theirs; [`State::poll_groups`] creates the
+    /// communicator once every token is in.
+    fn start_group(
+        &mut self,
+        c: usize,
+        ranks: Vec<usize>,
+        tag: &str,
+        mpi_tag: c_int,
+        reply: Reply<usize>,
+    ) {
         let members: Vec<usize> = ranks.iter().map(|&r| self.comms[c].members[r]).collect();
-        let me = members
-            .iter()
-            .position(|&m| m == self.world_rank)
-            .expect("checked by MpiCommunicator::new_group");
         let instance = {
             let n = self
                 .group_counts
@@ -1374,6 +1417,110 @@ impl State {
             self.comms[c].key,
             format_ranks(&members)
         );
+        self.next_id += 1;
+        let op = OpInfo {
+            id: self.next_id,
+            comm: c,
+            call: "new_group",
+            seq: instance,
+            peer: None,
+            started: Instant::now(),
+            group: Some((key.clone(), members.clone())),
+        };
+        let mut tokens = Vec::new();
+        let me = self.world_rank;
+        for &m in members.iter().filter(|&&m| m != me) {
+            self.ctrl_send(m, CTRL_TOKEN, key.as_bytes().to_vec());
+            let mut buf = vec![0u8; key.len()];
+            let mut req = std::mem::MaybeUninit::<ffi::MPI_Request>::uninit();
+            // SAFETY: `buf` lives in the Creating entry (or `abandoned`) until the request
+            // completes; `ctrl` is a valid communicator.
+            let code = unsafe {
+                ffi::MPI_Irecv(
+                    buf.as_mut_ptr() as *mut c_void,
+                    buf.len() as c_int,
+                    ffi::RSMPI_UINT8_T,
+                    m as c_int,
+                    CTRL_TOKEN,
+                    self.ctrl,
+                    req.as_mut_ptr(),
+                )
+            };
+            if let Err(e) = check(code, "MPI_Irecv") {
+                let _ = reply.send(Err(self.backend_err(&op, e)));
+                return;
+            }
+            // SAFETY: MPI initialised the request on success.
+            tokens.push((m, unsafe { req.assume_init() }, buf, false));
+        }
+        self.creating.push(Creating {
+            op,
+            ranks,
+            mpi_tag,
+            reply,
+            tokens,
+        });
+    }
+
+    /// Tests the token receives of the groups being created; creates each group whose tokens
+    /// are all in. True if anything moved.
+    fn poll_groups(&mut self) -> bool {
+        let mut moved = false;
+        let mut i = 0;
+        while i < self.creating.len() {
+            let mut failed = None;
+            for t in self.creating[i].tokens.iter_mut().filter(|t| !t.3) {
+                let mut flag: c_int = 0;
+                // SAFETY: an active request this thread started; the status is ignored.
+                let code = unsafe { ffi::MPI_Test(&mut t.1, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
+                if code != 0 {
+                    failed = Some(check(code, "MPI_Test").expect_err("an MPI error"));
+                    t.3 = true;
+                } else if flag != 0 {
+                    t.3 = true;
+                    moved = true;
+                }
+            }
+            let g = &self.creating[i];
+            let (key, _) = g.op.group.clone().expect("a group");
+            if failed.is_none() {
+                if let Some(t) = g.tokens.iter().find(|t| t.3 && t.2 != key.as_bytes()) {
+                    failed = Some(Error::msg(format!(
+                        "rank {} is creating another group ({}) at this point, not {key}",
+                        t.0,
+                        String::from_utf8_lossy(&t.2)
+                    )));
+                }
+            }
+            if failed.is_none() && !g.tokens.iter().all(|t| t.3) {
+                i += 1;
+                continue;
+            }
+            let g = self.creating.swap_remove(i);
+            moved = true;
+            let r = match failed {
+                Some(e) => Err(self.backend_err(&g.op, e)),
+                None => self.new_group(g.op.comm, &g.ranks, key, g.mpi_tag),
+            };
+            let _ = g.reply.send(r);
+        }
+        moved
+    }
+
+    /// Creates the communicator of a group whose members are all there (blocking).
+    fn new_group(
+        &mut self,
+        c: usize,
+        ranks: &[usize],
+        key: String,
+        mpi_tag: c_int,
+    ) -> Result<usize> {
+        let parent = self.comms[c].handle;
+        let members: Vec<usize> = ranks.iter().map(|&r| self.comms[c].members[r]).collect();
+        let me = members
+            .iter()
+            .position(|&m| m == self.world_rank)
+            .expect("checked by MpiCommunicator::new_group");
         let ranks_c: Vec<c_int> = ranks.iter().map(|&r| r as c_int).collect();
         let fail = |e: Error| {
             Error::comm(
@@ -1647,7 +1794,12 @@ impl State {
             let comm = self.comms.iter().find(|c| c.key == key);
             let asker = comm.and_then(|c| c.members.iter().position(|&m| m == src));
             let mut a = q[..8].to_vec();
+            let creating = self
+                .creating
+                .iter()
+                .any(|g| g.op.group.as_ref().is_some_and(|(k, _)| *k == key));
             let (known, colls, last, sent, recvd) = match (comm, asker) {
+                _ if creating => (1, 0, "", 0, 0),
                 (Some(c), Some(p)) => (
                     1u64,
                     c.colls,
@@ -1715,6 +1867,7 @@ impl State {
         if let Some(d) = &self.diag {
             let id = d.op.id;
             let pending = self.flight.iter().any(|f| f.op.id == id)
+                || self.creating.iter().any(|g| g.op.id == id)
                 || self.recvs.values().flatten().any(|(o, _)| o.id == id);
             if !pending {
                 self.diag = None;
@@ -1729,6 +1882,7 @@ impl State {
             .flight
             .iter()
             .map(|f| &f.op)
+            .chain(self.creating.iter().map(|g| &g.op))
             .chain(self.recvs.values().flatten().map(|(o, _)| o))
             .min_by_key(|o| o.started)
             .cloned();
@@ -1745,15 +1899,26 @@ impl State {
         self.next_id += 1;
         let qid = self.next_id;
         let comm = &self.comms[op.comm];
-        let asked: Vec<usize> = match op.peer {
-            Some(p) => vec![comm.members[p]],
-            None => (0..comm.members.len())
-                .filter(|&r| r != comm.me)
-                .map(|r| comm.members[r])
-                .collect(),
+        let (asked, key): (Vec<usize>, &str) = match (&op.group, op.peer) {
+            (Some((key, members)), _) => (
+                members
+                    .iter()
+                    .copied()
+                    .filter(|&m| m != self.world_rank)
+                    .collect(),
+                key,
+            ),
+            (None, Some(p)) => (vec![comm.members[p]], &comm.key),
+            (None, None) => (
+                (0..comm.members.len())
+                    .filter(|&r| r != comm.me)
+                    .map(|r| comm.members[r])
+                    .collect(),
+                &comm.key,
+            ),
         };
         let mut q = qid.to_le_bytes().to_vec();
-        q.extend_from_slice(comm.key.as_bytes());
+        q.extend_from_slice(key.as_bytes());
         for &w in &asked {
             self.ctrl_send(w, CTRL_QUERY, q.clone());
         }
@@ -1785,7 +1950,12 @@ impl State {
                     "did not answer the watchdog: its process or its MPI thread is gone or stuck"
                         .to_string(),
                 ),
-                Some(a) if !a.known => Some("has not created this group".to_string()),
+                Some(a) if !a.known => Some(if op.call == "new_group" {
+                    "has not started creating this group".to_string()
+                } else {
+                    "has not created this group".to_string()
+                }),
+                Some(_) if op.call == "new_group" => None,
                 Some(a) => match op.call {
                     "recv" => (a.sent_to_you <= op.seq).then(|| {
                         format!(
@@ -1850,6 +2020,15 @@ impl State {
                 self.op_err(&info, others.clone())
             };
             let _ = reply.send(Err(e));
+        }
+        for g in std::mem::take(&mut self.creating) {
+            let e = if g.op.id == op.id {
+                err.clone()
+            } else {
+                self.op_err(&g.op, others.clone())
+            };
+            let _ = g.reply.send(Err(e));
+            self.abandoned.extend(g.tokens);
         }
         WATCHDOG_FIRED.store(true, Ordering::SeqCst);
         self.failed = Some(err);
