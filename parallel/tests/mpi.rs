@@ -256,7 +256,7 @@ fn stall(world: &MpiCommunicator, stalled: usize, group: bool) -> ! {
             matches!(&c.kind, CommErrorKind::Timeout { missing, .. } if missing == &vec![stalled]),
             "{e}"
         );
-        eprintln!("watchdog ok: {e}");
+        report(&e);
         abort(1)
     }
     let waiter = stalled - 1;
@@ -289,9 +289,17 @@ fn stall(world: &MpiCommunicator, stalled: usize, group: bool) -> ! {
         assert_eq!((c.call, c.seq), ("all_reduce", Some(1)), "{e}");
         assert_eq!(missing, &vec![waiter, stalled], "{e}");
     }
-    eprintln!("watchdog ok: {e}");
+    report(&e);
     // A later call fails at once: the backend stopped.
     let later = world.barrier().unwrap().wait().unwrap_err();
     assert!(later.to_string().contains("watchdog"), "{later}");
     abort(1)
+}
+
+/// Prints `watchdog ok: <error>` in one write, so that the lines of several ranks do not
+/// interleave in mpirun's output.
+fn report(e: &Error) {
+    use std::io::Write;
+    let line = format!("watchdog ok: {e}\n");
+    let _ = std::io::stderr().write_all(line.as_bytes());
 }
