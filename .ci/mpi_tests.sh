@@ -1,15 +1,28 @@
 #!/usr/bin/env bash
 # The MPI backend on real processes (needs Open MPI, gcc and libclang: see .ci/run and README.md):
-# builds with `--features mpi`, runs the MPI test binary under `mpirun -np 4` (every collective on
-# 4 ranks and on sub-groups, p2p, bf16/f16 sums), checks that a panicking rank aborts the job, and
-# trains the GPT under `mpirun -np 4` with dp=4, fsdp=4 and dp=2,tp=2, comparing every logged loss
-# with the thread backend's run of the same layout (relative difference at most 1e-6: MPI's
-# reduction order differs from the in-process backend's rank order, so bits may differ).
+# * builds with `--features mpi`, runs the MPI test binary under `mpirun -np 4` (every collective
+#   on 4 ranks and on sub-groups, p2p, bf16/f16 sums) and checks that a panicking rank aborts it;
+# * the launcher's MPI failure tests (tests/cli_launch.rs built with the mpi feature): under
+#   `meshgrad launch --backend mpi`, a rank killed by SIGKILL and a rank that panics, both while
+#   the others wait in MPI collectives, end the job within 30 s naming the rank, no rank left;
+# * trains the GPT under `mpirun -np 4` with dp=4, fsdp=4, dp=2,tp=2 and pp=2,dp=2, and under
+#   `mpirun -np 2` with pp=2, comparing every logged loss with the thread backend's run of the
+#   same layout: relative difference at most 1e-6, because MPI chooses its own reduction order
+#   (Open MPI: recursive doubling, rings...) where the in-process backend adds in rank order,
+#   so sums over more than two ranks may differ in the last bits (the script says when a layout
+#   is bit for bit);
+# * the same through `meshgrad launch --nproc-per-node 4 --backend mpi` for dp=4 and pp=2,dp=2,
+#   checking that every output line carries its rank and that rank 0 alone prints losses;
+# * a rank SIGKILLed in the middle of a launched training run: the launcher exits non-zero within
+#   30 s naming the rank, and none of the job's processes is left running;
+# * a checkpoint saved under mpirun (fsdp=4, `--save-every`) resumes under the thread backend
+#   and continues with the thread run's losses (rank 0 wrote the index, every rank its shards).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 command -v ssh >/dev/null 2>&1 || export OMPI_MCA_plm=isolated
-MPIRUN=(mpirun --timeout 300 -np 4)
+MPIRUN=(mpirun --timeout 300)
+BIN=target/release/meshgrad
 
 cargo build --release --features mpi
 TEST_BIN=$(cargo test --release -p meshgrad-parallel --features mpi --test mpi --no-run \
@@ -20,11 +33,11 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "mpi":
         print(m["executable"])')
 echo "MPI test binary: ${TEST_BIN}"
-"${MPIRUN[@]}" "${TEST_BIN}"
+"${MPIRUN[@]}" -np 4 "${TEST_BIN}"
 
 echo "a panicking rank must end the job with a non-zero status"
 start=$(date +%s)
-if MESHGRAD_MPI_TEST_PANIC=2 "${MPIRUN[@]}" "${TEST_BIN}" >/tmp/meshgrad-mpi-panic.log 2>&1; then
+if MESHGRAD_MPI_TEST_PANIC=2 "${MPIRUN[@]}" -np 4 "${TEST_BIN}" >/tmp/meshgrad-mpi-panic.log 2>&1; then
     echo "FAIL: the job with a panicking rank exited 0"
     exit 1
 fi
@@ -34,7 +47,7 @@ echo "ok: non-zero exit after $(( $(date +%s) - start )) s"
 # it and the call, and the job must end with a non-zero status well before mpirun's timeout.
 echo "a stalled rank must be named by the watchdog of every waiting rank"
 start=$(date +%s)
-if MESHGRAD_MPI_TEST_STALL=3 "${MPIRUN[@]}" "${TEST_BIN}" >/tmp/meshgrad-mpi-stall.log 2>&1; then
+if MESHGRAD_MPI_TEST_STALL=3 "${MPIRUN[@]}" -np 4 "${TEST_BIN}" >/tmp/meshgrad-mpi-stall.log 2>&1; then
     echo "FAIL: the job with a stalled rank exited 0"; cat /tmp/meshgrad-mpi-stall.log; exit 1
 fi
 took=$(( $(date +%s) - start ))
@@ -46,7 +59,7 @@ if [ "${took}" -gt 30 ] || [ "${ok}" -ne 3 ] \
 fi
 echo "ok: 3 ranks named rank 3 and the call; non-zero exit after ${took} s"
 start=$(date +%s)
-if MESHGRAD_MPI_TEST_STALL_GROUP=3 "${MPIRUN[@]}" "${TEST_BIN}" >/tmp/meshgrad-mpi-stall-group.log 2>&1; then
+if MESHGRAD_MPI_TEST_STALL_GROUP=3 "${MPIRUN[@]}" -np 4 "${TEST_BIN}" >/tmp/meshgrad-mpi-stall-group.log 2>&1; then
     echo "FAIL: the job with a rank missing from a group creation exited 0"; exit 1
 fi
 took=$(( $(date +%s) - start ))
@@ -58,36 +71,123 @@ if [ "${took}" -gt 30 ] || [ "${ok}" -ne 3 ]; then
 fi
 echo "ok: a rank missing from new_group is named by 3 ranks; non-zero exit after ${took} s"
 
+echo "the launcher under --backend mpi: killed and panicking ranks (tests/cli_launch.rs)"
+timeout 600 cargo test --release --features mpi --test cli_launch
+
 WORK=$(mktemp -d)
 trap 'rm -rf "${WORK}"' EXIT
 status=0
-for layout in dp=4 fsdp=4 dp=2,tp=2; do
-    name=${layout//[=,]/_}
-    "${MPIRUN[@]}" target/release/meshgrad train --layout "${layout}" --steps 5 \
-        --metrics "${WORK}/mpi_${name}.jsonl" --out "${WORK}/mpi_${name}" >"${WORK}/mpi_${name}.log" 2>&1 \
-        || { cat "${WORK}/mpi_${name}.log"; exit 1; }
-    target/release/meshgrad train --layout "${layout}" --steps 5 \
+
+# compare LABEL A B: every loss of metrics file A equals B's at the same step within 1e-6
+# relative (B may have more steps: A resumed from a checkpoint).
+compare() {
+    python3 .ci/compare_losses.py "$@"
+}
+
+# The thread backend's run of LAYOUT into thr_NAME (once per layout).
+thread_run() {
+    local layout=$1 name=${1//[=,]/_}
+    [ -f "${WORK}/thr_${name}.jsonl" ] && return 0
+    "${BIN}" train --layout "${layout}" --steps 5 \
         --metrics "${WORK}/thr_${name}.jsonl" --out "${WORK}/thr_${name}" >"${WORK}/thr_${name}.log" 2>&1 \
         || { cat "${WORK}/thr_${name}.log"; exit 1; }
-    python3 - "${layout}" "${WORK}/mpi_${name}.jsonl" "${WORK}/thr_${name}.jsonl" <<'PY' || status=1
-import json, sys
-layout, a, b = sys.argv[1:]
-def losses(p):
-    out = []
-    for line in open(p):
-        r = json.loads(line)
-        for k in ("loss", "val_loss"):
-            if k in r:
-                out.append((k, r.get("step"), float(r[k])))
-    return out
-x, y = losses(a), losses(b)
-if not x or [k[:2] for k in x] != [k[:2] for k in y]:
-    sys.exit(f"{layout}: the runs logged different steps: {x} vs {y}")
-worst = max(abs(u[2] - v[2]) / max(abs(v[2]), 1e-30) for u, v in zip(x, y))
-bits = all(u[2] == v[2] for u, v in zip(x, y))
-print(f"{layout}: {len(x)} losses, max relative difference {worst:.2e}" + (" (bit for bit)" if bits else ""))
-if worst > 1e-6:
-    sys.exit(f"{layout}: MPI and thread losses differ by {worst:.2e} > 1e-6")
-PY
+}
+
+for spec in 4:dp=4 4:fsdp=4 4:dp=2,tp=2 4:pp=2,dp=2 2:pp=2; do
+    np=${spec%%:*} layout=${spec#*:}
+    name=${layout//[=,]/_}
+    "${MPIRUN[@]}" -np "${np}" "${BIN}" train --layout "${layout}" --steps 5 \
+        --metrics "${WORK}/mpi_${name}.jsonl" --out "${WORK}/mpi_${name}" >"${WORK}/mpi_${name}.log" 2>&1 \
+        || { cat "${WORK}/mpi_${name}.log"; exit 1; }
+    thread_run "${layout}"
+    compare "mpirun -np ${np} ${layout}" "${WORK}/mpi_${name}.jsonl" "${WORK}/thr_${name}.jsonl" || status=1
 done
+
+echo "meshgrad launch --nproc-per-node 4 --backend mpi"
+for layout in dp=4 pp=2,dp=2; do
+    name=${layout//[=,]/_}
+    timeout 300 "${BIN}" launch --nproc-per-node 4 --backend mpi -- train --layout "${layout}" --steps 5 \
+        --metrics "${WORK}/launch_${name}.jsonl" --out "${WORK}/launch_${name}" \
+        >"${WORK}/launch_${name}.out" 2>"${WORK}/launch_${name}.err" \
+        || { cat "${WORK}/launch_${name}.out" "${WORK}/launch_${name}.err"; exit 1; }
+    thread_run "${layout}"
+    compare "launch --backend mpi ${layout}" "${WORK}/launch_${name}.jsonl" "${WORK}/thr_${name}.jsonl" || status=1
+    if grep -v '^\[rank [0-9]*\] ' "${WORK}/launch_${name}.out"; then
+        echo "FAIL: launch ${layout}: stdout lines above have no rank prefix"
+        status=1
+    fi
+    if grep -v '^\[rank 0\] ' "${WORK}/launch_${name}.out" | grep 'loss'; then
+        echo "FAIL: launch ${layout}: ranks other than 0 printed losses (above)"
+        status=1
+    fi
+    grep -q '^\[rank 0\] done: 5 steps' "${WORK}/launch_${name}.out" \
+        || { echo "FAIL: launch ${layout}: no 'done' line from rank 0"; status=1; }
+done
+
+echo "a rank killed in the middle of a launched training run"
+kill_out="${WORK}/kill"
+"${BIN}" launch --nproc-per-node 4 --backend mpi -- train --layout dp=4 --steps 100000 \
+    --out "${kill_out}" >"${WORK}/kill.out" 2>"${WORK}/kill.err" &
+launcher=$!
+ranks=""
+for _ in $(seq 600); do
+    if grep -q 'step 0: val_loss' "${WORK}/kill.out" 2>/dev/null; then
+        mpirun_pid=$(pgrep -P "${launcher}" -x mpirun || true)
+        ranks=$(pgrep -P "${mpirun_pid:-0}" -x meshgrad | tr '\n' ' ' || true)
+        break
+    fi
+    sleep 0.2
+done
+# Rank 2's process (its rank from its environment).
+victim=""
+for pid in ${ranks}; do
+    if tr '\0' '\n' <"/proc/${pid}/environ" | grep -qx 'OMPI_COMM_WORLD_RANK=2'; then
+        victim=${pid}
+    fi
+done
+if [ -z "${victim}" ] || [ "$(echo "${ranks}" | wc -w)" != 4 ]; then
+    echo "FAIL: could not find the 4 training ranks (found: ${ranks})"
+    cat "${WORK}/kill.out" "${WORK}/kill.err"
+    kill "${launcher}" 2>/dev/null || true
+    exit 1
+fi
+start=$(date +%s.%N)
+kill -KILL "${victim}"
+rc=0
+wait "${launcher}" || rc=$?
+elapsed=$(python3 -c "import sys, time; print(f'{time.time() - float(sys.argv[1]):.1f}')" "${start}")
+last=$(tail -n 1 "${WORK}/kill.err")
+echo "launcher: exit ${rc} after ${elapsed} s: ${last}"
+if [ "${rc}" = 0 ] || ! python3 -c "import sys; sys.exit(float(sys.argv[1]) >= 30)" "${elapsed}" \
+    || [[ "${last}" != "error: rank 2 was killed by signal 9 (SIGKILL)"* ]]; then
+    echo "FAIL: the killed rank must end the launcher non-zero within 30 s, naming rank 2"
+    status=1
+fi
+# Killed ranks may stay zombies for a moment until init reaps them; none may still run.
+left=""
+for _ in $(seq 50); do
+    left=""
+    for pid in ${ranks} ${mpirun_pid}; do
+        state=$(sed 's/.*) //' "/proc/${pid}/stat" 2>/dev/null | cut -c1 || true)
+        if [ -n "${state}" ] && [ "${state}" != Z ]; then left="${left} ${pid}"; fi
+    done
+    [ -z "${left}" ] && break
+    sleep 0.2
+done
+if [ -n "${left}" ]; then
+    echo "FAIL: processes of the killed job still run:${left}"
+    status=1
+else
+    echo "ok: no rank or mpirun left running"
+fi
+
+echo "a checkpoint saved under mpirun resumes under the thread backend"
+"${MPIRUN[@]}" -np 4 "${BIN}" train --layout fsdp=4 --steps 5 --save-every 3 \
+    --metrics "${WORK}/ck_mpi.jsonl" --out "${WORK}/ck_mpi" >"${WORK}/ck_mpi.log" 2>&1 \
+    || { cat "${WORK}/ck_mpi.log"; exit 1; }
+compare "mpirun fsdp=4 --save-every 3" "${WORK}/ck_mpi.jsonl" "${WORK}/thr_fsdp_4.jsonl" || status=1
+"${BIN}" train --layout fsdp=4 --steps 5 --resume "${WORK}/ck_mpi/checkpoints/step-000003" \
+    --metrics "${WORK}/ck_thr.jsonl" --out "${WORK}/ck_thr" >"${WORK}/ck_thr.log" 2>&1 \
+    || { cat "${WORK}/ck_thr.log"; exit 1; }
+compare "resumed under threads from the MPI checkpoint" "${WORK}/ck_thr.jsonl" "${WORK}/thr_fsdp_4.jsonl" || status=1
 exit "${status}"

@@ -13,8 +13,10 @@
 //!   its exit status or signal. When the launcher itself gets SIGINT, SIGTERM or SIGHUP it stops
 //!   the children the same way. It succeeds when every child exits 0.
 //! * `--backend mpi` starts the ranks through the system's `mpirun -np N` instead (adding
-//!   `--allow-run-as-root --oversubscribe` as root), with the same line prefixes, so they form one
-//!   MPI world; mpirun stops the job when a rank fails.
+//!   `--oversubscribe`, and `--allow-run-as-root` as root), with the same line prefixes, so they
+//!   form one MPI world. mpirun stops the job when a rank fails; the launcher reads which rank
+//!   from mpirun's own message (Open MPI's wording) and fails with the same kind of line, e.g.
+//!   `rank 2 was killed by signal 9 (SIGKILL); mpirun stopped the other ranks (...)`.
 //!
 //! Signals are sent with the `kill` command (no unsafe code) and `Child::kill`.
 
@@ -142,18 +144,22 @@ pub fn describe_status(status: &ExitStatus) -> String {
     if let Some(code) = status.code() {
         format!("exited with status {code}")
     } else if let Some(sig) = status.signal() {
-        let name = match sig {
-            1 => " (SIGHUP)",
-            2 => " (SIGINT)",
-            6 => " (SIGABRT)",
-            9 => " (SIGKILL)",
-            11 => " (SIGSEGV)",
-            15 => " (SIGTERM)",
-            _ => "",
-        };
-        format!("was killed by signal {sig}{name}")
+        format!("was killed by signal {sig}{}", signal_name(sig))
     } else {
         format!("ended with {status}")
+    }
+}
+
+/// ` (SIGKILL)` for 9, and so on for the common signals; empty for the others.
+fn signal_name(sig: i32) -> &'static str {
+    match sig {
+        1 => " (SIGHUP)",
+        2 => " (SIGINT)",
+        6 => " (SIGABRT)",
+        9 => " (SIGKILL)",
+        11 => " (SIGSEGV)",
+        15 => " (SIGTERM)",
+        _ => "",
     }
 }
 
@@ -333,11 +339,96 @@ fn retag(line: &str) -> Option<String> {
     Some(format!("[rank {rank}] {rest}"))
 }
 
-fn retag_lines(reader: impl Read + Send + 'static, to_stderr: bool) -> JoinHandle<()> {
+/// The first rank mpirun reports as failed, read from its own (untagged) messages: `(rank, what
+/// happened)`, e.g. `(2, "was killed by signal 9 (SIGKILL)")`.
+#[derive(Default)]
+struct MpirunReport {
+    failure: Option<(usize, String)>,
+    /// A rank named on one line whose status follows on the next.
+    pending: Option<(usize, Pending)>,
+}
+
+#[derive(Clone, Copy)]
+enum Pending {
+    /// `Process name: [[J,1],R]`, then `Exit code: C`.
+    Exit,
+    /// `MPI_ABORT was invoked on rank R ...`, then `with errorcode C.`.
+    Abort,
+}
+
+impl MpirunReport {
+    /// Reads one of mpirun's lines (Open MPI 4's wording).
+    fn read(&mut self, line: &str) {
+        let t = line.trim();
+        let mut fail = |rank: usize, what: String| {
+            if self.failure.is_none() {
+                self.failure = Some((rank, what));
+            }
+        };
+        if let Some((rank, kind)) = self.pending.take() {
+            let code = match kind {
+                Pending::Exit => t.strip_prefix("Exit code:").map(str::trim),
+                Pending::Abort => t
+                    .strip_prefix("with errorcode")
+                    .map(|c| c.trim().trim_end_matches('.')),
+            };
+            if let Some(code) = code {
+                fail(
+                    rank,
+                    match kind {
+                        Pending::Exit => format!("exited with status {code}"),
+                        Pending::Abort => {
+                            format!("aborted the MPI job (MPI_Abort with error code {code})")
+                        }
+                    },
+                );
+                return;
+            }
+        }
+        if let Some(rest) = t.strip_prefix("Process name: [[") {
+            // `[[5512,1],1]`: job id, then the rank.
+            if let Some(rank) = rest
+                .split_once("],")
+                .and_then(|(_, r)| r.trim_end_matches(']').parse().ok())
+            {
+                self.pending = Some((rank, Pending::Exit));
+            }
+        } else if let Some(rest) = t.strip_prefix("MPI_ABORT was invoked on rank ") {
+            if let Some(rank) = rest.split(' ').next().and_then(|r| r.parse().ok()) {
+                self.pending = Some((rank, Pending::Abort));
+            }
+        } else if let Some(rest) = t.strip_prefix("mpirun noticed that process rank ") {
+            // `2 with PID 0 on node vm exited on signal 9 (Killed).`
+            let rank = rest.split(' ').next().and_then(|r| r.parse().ok());
+            let sig = rest
+                .split_once("on signal ")
+                .and_then(|(_, s)| s.split(' ').next())
+                .and_then(|s| s.trim_end_matches('.').parse::<i32>().ok());
+            if let (Some(rank), Some(sig)) = (rank, sig) {
+                fail(
+                    rank,
+                    format!("was killed by signal {sig}{}", signal_name(sig)),
+                );
+            }
+        }
+    }
+}
+
+fn retag_lines(
+    reader: impl Read + Send + 'static,
+    to_stderr: bool,
+    report: Arc<std::sync::Mutex<MpirunReport>>,
+) -> JoinHandle<()> {
     std::thread::spawn(move || {
         for line in BufReader::new(reader).lines() {
             let Ok(line) = line else { return };
-            let line = retag(&line).unwrap_or(line);
+            let line = match retag(&line) {
+                Some(tagged) => tagged,
+                None => {
+                    report.lock().unwrap_or_else(|e| e.into_inner()).read(&line);
+                    line
+                }
+            };
             if to_stderr {
                 eprintln!("{line}");
             } else {
@@ -358,9 +449,10 @@ fn launch_mpirun(exe: &Path, opts: &LaunchOptions) -> Result<()> {
         .map(|m| m.uid() == 0)
         .unwrap_or(false);
     let mut cmd = Command::new(&mpirun);
-    cmd.arg("--tag-output");
+    // N ranks whatever the number of cores, as the process launcher starts them.
+    cmd.args(["--tag-output", "--oversubscribe"]);
     if root {
-        cmd.args(["--allow-run-as-root", "--oversubscribe"]);
+        cmd.arg("--allow-run-as-root");
     }
     cmd.env(
         "MASTER_ADDR",
@@ -382,11 +474,12 @@ fn launch_mpirun(exe: &Path, opts: &LaunchOptions) -> Result<()> {
         .spawn()
         .with_context(|| format!("starting {}", mpirun.display()))?;
     let mut readers = Vec::new();
+    let report = Arc::new(std::sync::Mutex::new(MpirunReport::default()));
     if let Some(out) = child.stdout.take() {
-        readers.push(retag_lines(out, false));
+        readers.push(retag_lines(out, false, report.clone()));
     }
     if let Some(err) = child.stderr.take() {
-        readers.push(retag_lines(err, true));
+        readers.push(retag_lines(err, true, report.clone()));
     }
     let stop = stop_flag();
     let status = loop {
@@ -407,30 +500,53 @@ fn launch_mpirun(exe: &Path, opts: &LaunchOptions) -> Result<()> {
     for r in readers {
         let _ = r.join();
     }
-    if !status.success() {
-        bail!(
-            "mpirun {} (a rank failed; mpirun's own message above names it)",
-            describe_status(&status)
-        );
+    if status.success() {
+        return Ok(());
     }
-    Ok(())
+    let failure = report
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .failure
+        .take();
+    match failure {
+        Some((rank, what)) => bail!(
+            "rank {rank} {what}; mpirun stopped the other ranks ({})",
+            describe_status(&status)
+        ),
+        None => bail!(
+            "mpirun {} (its own message above says why)",
+            describe_status(&status)
+        ),
+    }
 }
 
 /// Refuses a `meshgrad train` that was started as one of several processes (torchrun's or
 /// Slurm's variables with a world size above 1) when no multi-process backend can join them:
-/// each process would otherwise train its own independent copy of the model. Open MPI's ranks
-/// pass: they train over MPI (see `train_parallel::check_mpi_world`).
+/// each process would otherwise train its own independent copy of the model. Ranks of an MPI
+/// world pass: Open MPI's (`mpirun`), and Slurm's tasks started with PMIx (`srun --mpi=pmix`,
+/// which sets `PMIX_RANK`), whose `MPI_Init` forms the world; they train over MPI (see
+/// `train_parallel::check_mpi_world`, which says to rebuild without the `mpi` feature).
 pub fn refuse_multi_process(env: &RankEnv) -> Result<()> {
-    // Ranks started by mpirun train over MPI (the `mpi` feature; without it
-    // `train_parallel::check_mpi_world` says to rebuild).
-    if env.source == meshgrad_parallel::comm::EnvSource::OpenMpi {
+    refuse_multi_process_with(env, std::env::var_os("PMIX_RANK").is_some())
+}
+
+/// [`refuse_multi_process`] with whether `PMIX_RANK` is set.
+fn refuse_multi_process_with(env: &RankEnv, pmix: bool) -> Result<()> {
+    use meshgrad_parallel::comm::EnvSource;
+    if env.source == EnvSource::OpenMpi || (env.source == EnvSource::Slurm && pmix) {
         return Ok(());
     }
     if env.is_multi_process() {
+        let how = if env.source == EnvSource::Slurm {
+            "; under srun, MPI joins them: `srun --mpi=pmix` with meshgrad built with \
+             `--features mpi`"
+        } else {
+            ""
+        };
         bail!(
             "{}={} ({}, rank {}) asks for {} processes, but meshgrad train has no multi-process \
-             backend for them yet (each would train alone); run one process with --layout dp={} \
-             (ranks as threads) instead",
+             backend for them yet (each would train alone){how}; or run one process with \
+             --layout dp={} (ranks as threads)",
             env.source.world_size_var(),
             env.world_size,
             env.source.describe(),
@@ -466,6 +582,9 @@ pub fn probe(p: &ProbeOptions) -> Result<()> {
         std::process::id()
     );
     eprintln!("probe stderr");
+    if p.mpi {
+        return probe_mpi(p);
+    }
     if p.store {
         use meshgrad_parallel::comm::store::TcpStore;
         let st = TcpStore::from_env(&env, Duration::from_secs(30))?;
@@ -493,6 +612,44 @@ pub fn probe(p: &ProbeOptions) -> Result<()> {
     Ok(())
 }
 
+/// `launch-probe --mpi`: joins the MPI world and all-reduces a number every 20 ms for `sleep`
+/// seconds, so that the ranks wait in a collective when one stops: `exit_rank` exits with
+/// `exit_code`, `panic_rank` panics, after `exit_delay` seconds.
+#[cfg(feature = "mpi")]
+fn probe_mpi(p: &ProbeOptions) -> Result<()> {
+    use meshgrad_parallel::comm::mpi::{finalize, MpiCommunicator};
+    use meshgrad_parallel::{Communicator, ReduceOp};
+    use meshgrad_tensor::{Device, Tensor};
+    let world = MpiCommunicator::world()?;
+    let rank = world.rank();
+    println!("mpi rank={rank} world_size={}", world.world_size());
+    let tick = Duration::from_millis(20);
+    let steps = (p.sleep / tick.as_secs_f64()).ceil() as usize;
+    let stop_at = (p.exit_delay / tick.as_secs_f64()).ceil() as usize;
+    let one = Tensor::from_vec(vec![1.0f32], 1, Device::Cpu)?;
+    for step in 0..steps.max(1) {
+        if step == stop_at {
+            if p.panic_rank == Some(rank) {
+                panic!("launch-probe: a deliberate panic on rank {rank}");
+            }
+            if p.exit_rank == Some(rank) {
+                std::process::exit(p.exit_code);
+            }
+        }
+        world.all_reduce(&one, ReduceOp::Sum)?.wait()?;
+        std::thread::sleep(tick);
+    }
+    println!("mpi done");
+    drop(world);
+    finalize();
+    Ok(())
+}
+
+#[cfg(not(feature = "mpi"))]
+fn probe_mpi(_p: &ProbeOptions) -> Result<()> {
+    bail!("launch-probe --mpi needs meshgrad built with `--features mpi`")
+}
+
 /// What `meshgrad launch-probe` does after printing the rank variables.
 #[derive(Clone, Debug, Default)]
 pub struct ProbeOptions {
@@ -508,6 +665,10 @@ pub struct ProbeOptions {
     pub store: bool,
     /// Ignore SIGTERM (so the launcher must use SIGKILL).
     pub ignore_sigterm: bool,
+    /// Join the MPI world and wait in collectives (see `probe_mpi`).
+    pub mpi: bool,
+    /// With `mpi`: the rank that panics after `exit_delay` seconds.
+    pub panic_rank: Option<usize>,
 }
 
 #[cfg(test)]
@@ -524,6 +685,39 @@ mod tests {
         assert_eq!(retag("plain"), None);
     }
 
+    fn report(lines: &str) -> Option<(usize, String)> {
+        let mut r = MpirunReport::default();
+        lines.lines().for_each(|l| r.read(l));
+        r.failure
+    }
+
+    #[test]
+    fn mpirun_messages_name_the_failed_rank() {
+        // Open MPI 4.1's messages, as printed under `mpirun -np 3`.
+        let exit = "--------\nmpirun detected that one or more processes exited with non-zero \
+                    status, thus causing\nthe job to be terminated. The first process to do so \
+                    was:\n\n  Process name: [[5512,1],1]\n  Exit code:    3\n--------";
+        assert_eq!(report(exit), Some((1, "exited with status 3".into())));
+        let signal = "mpirun noticed that process rank 2 with PID 0 on node vm exited on signal 9 \
+                      (Killed).";
+        assert_eq!(
+            report(signal),
+            Some((2, "was killed by signal 9 (SIGKILL)".into()))
+        );
+        let abort = "MPI_ABORT was invoked on rank 2 in communicator MPI_COMM_WORLD\nwith \
+                     errorcode 101.\n\nNOTE: invoking MPI_ABORT causes Open MPI to kill all MPI \
+                     processes.\nmpirun noticed that process rank 0 with PID 0 on node vm exited \
+                     on signal 15 (Terminated).";
+        assert_eq!(
+            report(abort),
+            Some((
+                2,
+                "aborted the MPI job (MPI_Abort with error code 101)".into()
+            ))
+        );
+        assert_eq!(report("Primary job  terminated normally"), None);
+    }
+
     #[test]
     fn refuses_a_world_above_one() {
         assert!(refuse_multi_process(&RankEnv::single()).is_ok());
@@ -535,9 +729,24 @@ mod tests {
             source: meshgrad_parallel::comm::EnvSource::Torchrun,
             ..RankEnv::single()
         };
-        let e = refuse_multi_process(&env).unwrap_err().to_string();
+        let e = refuse_multi_process_with(&env, true)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.starts_with("WORLD_SIZE=2 (torchrun's variables, rank 1) asks for 2 processes"),
+            "{e}"
+        );
+        // srun's tasks: an MPI world with PMIx (srun --mpi=pmix), refused without.
+        let slurm = RankEnv {
+            source: meshgrad_parallel::comm::EnvSource::Slurm,
+            ..env
+        };
+        assert!(refuse_multi_process_with(&slurm, true).is_ok());
+        let e = refuse_multi_process_with(&slurm, false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("SLURM_NTASKS=2 (Slurm's variables, rank 1)") && e.contains("--mpi=pmix"),
             "{e}"
         );
     }

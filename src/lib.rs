@@ -35,6 +35,10 @@ extern crate self as meshgrad;
 #[cfg(feature = "cli")]
 pub mod bench;
 #[cfg(feature = "cli")]
+pub mod compare;
+#[cfg(feature = "cli")]
+mod compare_plot;
+#[cfg(feature = "cli")]
 pub mod config;
 pub mod corpus;
 #[cfg(feature = "cli")]

@@ -55,6 +55,28 @@ enum Command {
         #[arg(long)]
         data: PathBuf,
     },
+    /// Compare the metrics files (--metrics) of several runs: for each run after the first, the
+    /// first step whose loss differs from the first run's and the largest relative difference
+    /// (losses, validation losses, gradient norms); prints `compare: runs=... identical=...
+    /// largest_relative_loss_difference=...` last.
+    Compare {
+        /// Metrics files (JSON lines); the first is the reference.
+        #[arg(required = true, num_args = 2..)]
+        files: Vec<PathBuf>,
+        /// Draw every run's loss curve, and its relative difference from the first run, into
+        /// this PNG.
+        #[arg(long)]
+        plot: Option<PathBuf>,
+        /// Exit non-zero when a run's losses differ from the first run's by more than this
+        /// relative amount (0: they must be identical), or when the runs logged different steps.
+        #[arg(long)]
+        max_relative_difference: Option<f64>,
+        /// Also compare the runs' final weights: one per metrics file, in the same order (a
+        /// run's --out folder or a .safetensors file); prints each tensor's relative L2
+        /// difference from the first run's, the largest and over all weights.
+        #[arg(long, num_args = 1..)]
+        weights: Vec<PathBuf>,
+    },
     /// Write the model of a training checkpoint (OUT/checkpoints/step-N, or a run's OUT: its
     /// latest) as a Hugging Face folder: config.json, model.safetensors, and the tokenizer.json
     /// and meshgrad.toml of the run.
@@ -162,6 +184,14 @@ enum Command {
         /// Exchange pids through the TCP store at MASTER_ADDR:MASTER_PORT, print `store pids=...`.
         #[arg(long)]
         store: bool,
+        /// Join the MPI world (needs --features mpi) and all-reduce every 20 ms for --sleep
+        /// seconds; --exit-rank exits (or --panic-rank panics) after --exit-delay seconds while
+        /// the others wait in the collective.
+        #[arg(long)]
+        mpi: bool,
+        /// With --mpi: this rank panics after --exit-delay seconds.
+        #[arg(long)]
+        panic_rank: Option<usize>,
     },
     /// Train tokenizers (Hugging Face tokenizer.json format).
     Tokenizer {
@@ -426,6 +456,8 @@ fn run(cli: Cli) -> Result<()> {
             ignore_sigterm,
             sleep,
             store,
+            mpi,
+            panic_rank,
         } => meshgrad::launch::probe(&meshgrad::launch::ProbeOptions {
             exit_rank,
             exit_code,
@@ -433,6 +465,8 @@ fn run(cli: Cli) -> Result<()> {
             sleep,
             store,
             ignore_sigterm,
+            mpi,
+            panic_rank,
         })?,
         Command::Bench {
             model,
@@ -463,6 +497,17 @@ fn run(cli: Cli) -> Result<()> {
                 anyhow::bail!("the {kind} schedule deadlocks: {what}");
             }
         }
+        Command::Compare {
+            files,
+            plot,
+            max_relative_difference,
+            weights,
+        } => meshgrad::compare::run(&meshgrad::compare::CompareOptions {
+            files,
+            plot,
+            weights,
+            max_relative_difference,
+        })?,
         Command::Export { checkpoint, out } => {
             let from = meshgrad::run_checkpoint::export(&checkpoint, &out)?;
             println!("exported {} to {}", from.display(), out.display());

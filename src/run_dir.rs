@@ -55,16 +55,30 @@ pub fn prepare_out_dir(out: &Path, resume: bool, overwrite: bool) -> Result<()> 
     ] {
         let p = out.join(f);
         if p.exists() {
-            std::fs::remove_file(&p)
+            gone_ok(std::fs::remove_file(&p))
                 .with_context(|| format!("--overwrite: removing {}", p.display()))?;
         }
     }
     let ckpts = checkpoints_dir(out);
     if ckpts.exists() {
-        std::fs::remove_dir_all(&ckpts)
-            .with_context(|| format!("--overwrite: removing {}", ckpts.display()))?;
+        // Under mpirun every rank prepares the same folder at once: another may remove the
+        // same entries first.
+        let mut r = gone_ok(std::fs::remove_dir_all(&ckpts));
+        if r.is_err() && ckpts.exists() {
+            r = gone_ok(std::fs::remove_dir_all(&ckpts));
+        }
+        r.with_context(|| format!("--overwrite: removing {}", ckpts.display()))?;
     }
     Ok(())
+}
+
+/// A removal that found nothing to remove (another process of the run got there first) counts
+/// as done.
+fn gone_ok(r: std::io::Result<()>) -> std::io::Result<()> {
+    match r {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        r => r,
+    }
 }
 
 /// Removes the temporary files (`.NAME.tmp-PID-N`) that a save killed half-way left in `out`
@@ -76,7 +90,7 @@ fn remove_stale_temp_files(out: &Path) -> Result<()> {
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         if name.starts_with('.') && name.contains(".tmp-") && e.path().is_file() {
-            std::fs::remove_file(e.path())
+            gone_ok(std::fs::remove_file(e.path()))
                 .with_context(|| format!("removing the leftover {}", e.path().display()))?;
         }
     }

@@ -19,6 +19,7 @@
 //! parallelism runs over the data-parallel group of the mesh as above. For the checkpoint the
 //! split parameters are gathered into the single-device model on rank 0.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Result;
@@ -177,13 +178,63 @@ pub(crate) fn on_ranks<T: Send>(
         .ok_or_else(|| anyhow::anyhow!("rank 0 returned no result"))
 }
 
-/// The number of MPI ranks when this process is one of several started by an MPI launcher
-/// (`mpirun -np N`, from its environment; MPI itself is not initialised here).
-fn mpi_world_size() -> Option<usize> {
+/// The number of MPI ranks when this process is one of several started by an MPI launcher, from
+/// its environment (MPI itself is not initialised here): `mpirun -np N` (Open MPI's
+/// `OMPI_COMM_WORLD_SIZE`, or `PMI_SIZE`), or `srun -n N --mpi=pmix` (Slurm's task count, when
+/// Slurm started the task with PMIx, which sets `PMIX_RANK`: `MPI_Init` then forms the world).
+pub(crate) fn mpi_world_size() -> Option<usize> {
+    mpi_world_size_from(&|v| std::env::var(v).ok())
+}
+
+fn mpi_world_size_from(var: &dyn Fn(&str) -> Option<String>) -> Option<usize> {
+    let num = |v: &str| var(v)?.trim().parse::<usize>().ok();
     ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]
         .iter()
-        .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok())
+        .find_map(|v| num(v))
+        .or_else(|| {
+            var("PMIX_RANK")?;
+            num("SLURM_STEP_NUM_TASKS").or_else(|| num("SLURM_NTASKS"))
+        })
         .filter(|&n| n > 1)
+}
+
+/// Under an MPI launcher, this process's MPI world (initialising MPI on the first call; the same
+/// world [`on_ranks`] then runs on), for what the ranks must agree on before they start, e.g.
+/// the pipeline's partition. `None` when this process is not one of several MPI ranks.
+pub(crate) fn mpi_world(layout: &ParallelLayout) -> Result<Option<Arc<dyn Communicator>>> {
+    let Some(n) = mpi_world_size() else {
+        return Ok(None);
+    };
+    check_mpi_world(Some(layout))?;
+    #[cfg(feature = "mpi")]
+    {
+        let world = meshgrad_parallel::comm::mpi::MpiCommunicator::world()?;
+        if world.world_size() != n {
+            anyhow::bail!(
+                "the environment says {n} MPI ranks, but MPI's world has {}",
+                world.world_size()
+            );
+        }
+        Ok(Some(world))
+    }
+    #[cfg(not(feature = "mpi"))]
+    unreachable!("check_mpi_world fails without the mpi feature ({n} ranks)")
+}
+
+/// Under MPI, the value of `r`, or, on an error this rank's peers cannot know about, the error
+/// printed with the rank and the whole job ended (`MPI_Abort`) instead of leaving the peers
+/// waiting.
+pub(crate) fn or_abort_job<T>(rank: usize, r: Result<T>) -> T {
+    match r {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("error: rank {rank}: {e:#}");
+            #[cfg(feature = "mpi")]
+            meshgrad_parallel::comm::mpi::abort(1);
+            #[cfg(not(feature = "mpi"))]
+            std::process::exit(1)
+        }
+    }
 }
 
 /// Fails at once when this process is one of several MPI ranks but the layout cannot use them:
@@ -199,7 +250,7 @@ pub fn check_mpi_world(layout: Option<&ParallelLayout>) -> Result<()> {
         );
     }
     match layout {
-        None => anyhow::bail!("under mpirun with {n} ranks, give a --layout of {n} ranks"),
+        None => anyhow::bail!("this process is one of {n} MPI ranks: give a --layout of {n} ranks"),
         Some(l) if l.world_size() != n => anyhow::bail!(
             "--layout {l} needs {} ranks, but this is one of {n} MPI ranks",
             l.world_size()
@@ -410,4 +461,39 @@ pub(crate) fn gather_tensor_parallel<M: Module>(
     let full = single()?;
     load_state_dict(&full, &tensors, true)?;
     Ok(Some(full))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mpi_world_size_from;
+
+    fn vars<'a>(v: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |name| {
+            v.iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, x)| x.to_string())
+        }
+    }
+
+    #[test]
+    fn mpi_worlds_from_mpirun_and_from_srun_with_pmix() {
+        assert_eq!(mpi_world_size_from(&vars(&[])), None);
+        let mpirun = [("OMPI_COMM_WORLD_SIZE", "4"), ("PMIX_RANK", "1")];
+        assert_eq!(mpi_world_size_from(&vars(&mpirun)), Some(4));
+        // One rank is no world of several.
+        assert_eq!(
+            mpi_world_size_from(&vars(&[("OMPI_COMM_WORLD_SIZE", "1")])),
+            None
+        );
+        // srun --mpi=pmix: Slurm's task count (the step's first).
+        let srun = [
+            ("SLURM_PROCID", "2"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_STEP_NUM_TASKS", "4"),
+            ("PMIX_RANK", "2"),
+        ];
+        assert_eq!(mpi_world_size_from(&vars(&srun)), Some(4));
+        // srun without PMIx: MPI_Init would give each task a world of its own.
+        assert_eq!(mpi_world_size_from(&vars(&srun[..3])), None);
+    }
 }

@@ -28,7 +28,7 @@
 
 use std::ops::Range;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -41,7 +41,8 @@ use meshgrad_parallel::comm::{all_reduce_scalar, RankCtx};
 use meshgrad_parallel::pipeline::partition::{MemoryModel, ModelCosts, Partition, PartitionMethod};
 use meshgrad_parallel::pipeline::{
     execute, forward_only, measure_idle_between, profile_layers, simulate, write_chrome_trace,
-    Costs, Microbatch, PipelineGrads, ProfileOptions, Schedule, ScheduleKind, SpanKind, Timeline,
+    Costs, Microbatch, PipelineGrads, ProfileOptions, Schedule, ScheduleKind, Span, SpanKind,
+    Timeline,
 };
 use meshgrad_parallel::tp::tensor_parallel;
 use meshgrad_parallel::zero::{ShardConfig, ShardedDataParallel, ZeroStage};
@@ -211,22 +212,33 @@ fn profile_task<T: PipelineTask>(task: &T, rows: usize) -> Result<ModelCosts> {
 /// The partition and schedule a pipeline run uses, chosen before the ranks start.
 pub(crate) struct PipelinePlan {
     pub(crate) schedule: Schedule,
-    pub(crate) partition: Partition,
+    /// The partition with its predicted costs; `None` on the MPI ranks other than 0, which take
+    /// rank 0's boundaries without profiling (see [`plan_on_mpi`]).
+    pub(crate) partition: Option<Partition>,
+    /// The first block of each virtual stage.
+    pub(crate) boundaries: Vec<usize>,
     pub(crate) specs: Vec<StageSpec>,
     pub(crate) simulated_idle: f64,
 }
 
-/// Checks the pipeline flags against the layout and the model, profiles and partitions the
-/// model, builds and simulates the schedule: every refusal in one line, before any work.
-pub(crate) fn plan_pipeline<T: PipelineTask>(
+impl PipelinePlan {
+    /// The run summary's fragment: `partition=0,3,6,9` (the first block of each virtual stage).
+    pub(crate) fn fragment(&self) -> String {
+        let b: Vec<String> = self.boundaries.iter().map(ToString::to_string).collect();
+        format!("partition={}", b.join(","))
+    }
+}
+
+/// What the pipeline flags and the layout decide without profiling: the schedule and how to
+/// partition. Every refusal in one line, the same on every rank.
+fn pipeline_shape<T: PipelineTask>(
     task: &T,
     layout: &ParallelLayout,
     opts: &TrainOptions,
-) -> Result<PipelinePlan> {
+) -> Result<(Schedule, PartitionMethod)> {
     let p = layout.pp();
     let po = &opts.pipeline;
-    let m = opts.microbatches;
-    let schedule = Schedule::generate(po.schedule, p, m, po.chunks)
+    let schedule = Schedule::generate(po.schedule, p, opts.microbatches, po.chunks)
         .map_err(|e| anyhow::anyhow!("--schedule {}: {e}", po.schedule))?;
     let v = schedule.chunks;
     let n = task.n_blocks();
@@ -240,6 +252,23 @@ pub(crate) fn plan_pipeline<T: PipelineTask>(
     }
     let method = PartitionMethod::parse_for(&po.partition, stages, n)
         .map_err(|e| anyhow::anyhow!("--partition {}: {e}", po.partition))?;
+    Ok((schedule, method))
+}
+
+/// Profiles the model, partitions it by `method` for `schedule` and simulates the schedule with
+/// the predicted costs: every refusal in one line, before any training.
+fn profile_and_partition<T: PipelineTask>(
+    task: &T,
+    layout: &ParallelLayout,
+    opts: &TrainOptions,
+    schedule: Schedule,
+    method: &PartitionMethod,
+) -> Result<PipelinePlan> {
+    let p = layout.pp();
+    let po = &opts.pipeline;
+    let m = opts.microbatches;
+    let v = schedule.chunks;
+    let stages = p * v;
     let rows = task.cfg().train.batch_size / layout.data_parallel_degree() / m;
     let costs = profile_task(task, rows)?;
     let mut memory = if po.schedule == ScheduleKind::GPipe {
@@ -270,9 +299,56 @@ pub(crate) fn plan_pipeline<T: PipelineTask>(
     .map_err(|e| anyhow::anyhow!("the {} schedule: {e}", po.schedule))?;
     Ok(PipelinePlan {
         schedule,
-        partition,
+        boundaries: partition.boundaries.clone(),
+        partition: Some(partition),
         specs,
         simulated_idle: sim.bubble,
+    })
+}
+
+/// The plan under MPI, where every process is one rank: the profile is timed in each process
+/// (by ranks competing for the same cores), so `--partition auto`, `speed` or `memory` could cut
+/// the model differently on different ranks. World rank 0 alone profiles and partitions, and
+/// broadcasts the first block of each virtual stage; the other ranks build those stages without
+/// profiling. An error in rank 0's profiling ends the job.
+fn plan_on_mpi<T: PipelineTask>(
+    task: &T,
+    layout: &ParallelLayout,
+    opts: &TrainOptions,
+    schedule: Schedule,
+    method: &PartitionMethod,
+    world: &dyn Communicator,
+) -> Result<PipelinePlan> {
+    let stages = layout.pp() * schedule.chunks;
+    let rank = world.rank();
+    let mine = (rank == 0).then(|| {
+        crate::train_parallel::or_abort_job(
+            rank,
+            profile_and_partition(task, layout, opts, schedule.clone(), method),
+        )
+    });
+    let sent: Vec<f64> = match &mine {
+        Some(plan) => plan.boundaries.iter().map(|&b| b as f64).collect(),
+        None => vec![0.0; stages],
+    };
+    let got = world
+        .broadcast(&Tensor::from_vec(sent, stages, Device::Cpu)?, 0)?
+        .wait()?
+        .to_vec::<f64>()?;
+    if let Some(plan) = mine {
+        return Ok(plan);
+    }
+    let boundaries: Vec<usize> = got.into_iter().map(|b| b as usize).collect();
+    let n = task.n_blocks();
+    let counts: Vec<usize> = (0..stages)
+        .map(|s| boundaries.get(s + 1).copied().unwrap_or(n) - boundaries[s])
+        .collect();
+    Ok(PipelinePlan {
+        schedule,
+        specs: StageSpec::split(n, &counts)?,
+        boundaries,
+        partition: None,
+        simulated_idle: f64::NAN,
     })
 }
 
@@ -374,15 +450,25 @@ pub(crate) fn train_pipeline<T: PipelineTask>(
     verbosity: Verbosity,
 ) -> Result<TrainSummary> {
     opts.activation_checkpointing.check(layout.pp())?;
-    let plan = plan_pipeline(task, layout, opts)?;
-    if verbosity != Verbosity::Quiet {
+    let (schedule, method) = pipeline_shape(task, layout, opts)?;
+    // Under MPI this process is one rank of the world; rank 0 alone plans and prints.
+    let mpi = crate::train_parallel::mpi_world(layout)?;
+    let plan = match &mpi {
+        None => profile_and_partition(task, layout, opts, schedule, &method)?,
+        Some(world) => plan_on_mpi(task, layout, opts, schedule, &method, world.as_ref())?,
+    };
+    if let Some(partition) = plan
+        .partition
+        .as_ref()
+        .filter(|_| verbosity != Verbosity::Quiet)
+    {
         println!(
             "pipeline stages (--partition {}; {} ranks x {} chunk(s), predicted per microbatch):",
             opts.pipeline.partition,
             layout.pp(),
             plan.schedule.chunks,
         );
-        for line in plan.partition.summary_lines() {
+        for line in partition.summary_lines() {
             println!("  {line}");
         }
     }
@@ -400,8 +486,12 @@ pub(crate) fn train_pipeline<T: PipelineTask>(
             &plan,
             ctx,
             mesh,
-            &timelines[ctx.rank],
-            &step_windows,
+            &Timelines {
+                all: &timelines,
+                windows: &step_windows,
+                // Under MPI the other ranks' timelines are in their own processes.
+                gather: mpi.is_some(),
+            },
             verbosity,
         )
     })?;
@@ -410,13 +500,17 @@ pub(crate) fn train_pipeline<T: PipelineTask>(
         layout,
         &step_windows.lock().unwrap_or_else(|e| e.into_inner()),
     );
-    if verbosity != Verbosity::Quiet {
+    if let Some(partition) = plan
+        .partition
+        .as_ref()
+        .filter(|_| verbosity != Verbosity::Quiet)
+    {
         println!(
             "pipeline: {} schedule={} predicted_slowest_ms={:.3} simulated_idle={:.4} \
              measured_idle={:.4}",
-            plan.partition.fragment(),
+            plan.fragment(),
             opts.pipeline.schedule,
-            plan.partition.max_time_ms(),
+            partition.max_time_ms(),
             plan.simulated_idle,
             measured
         );
@@ -471,6 +565,87 @@ fn measured_idle_after_warmup(
     counted.iter().sum::<f64>() / counted.len() as f64
 }
 
+/// Where the ranks record what they did: every rank's [`Timeline`] and step windows, in this
+/// process.
+struct Timelines<'a> {
+    all: &'a [Timeline],
+    windows: &'a Mutex<Vec<StepWindow>>,
+    /// Whether this process records only its own rank (MPI): the ranks then send theirs to
+    /// world rank 0 after the run ([`gather_timelines`]).
+    gather: bool,
+}
+
+/// The kinds of span, in the order [`gather_timelines`] numbers them.
+const SPAN_KINDS: [SpanKind; 7] = [
+    SpanKind::Forward,
+    SpanKind::Backward,
+    SpanKind::BackwardInput,
+    SpanKind::BackwardWeight,
+    SpanKind::Send,
+    SpanKind::Recv,
+    SpanKind::Optimizer,
+];
+
+/// Under MPI: every rank sends its spans and step windows to world rank 0, which adds them to
+/// its copies of their timelines, so that the measured idle fraction and `--trace` cover every
+/// rank as with threads. Each process has its own clock: times travel as seconds after `sync_s`,
+/// the moment the rank left the barrier before the first step on its own clock, and rank 0 adds
+/// its own `sync_s` (so the ranks are aligned to within a barrier's exit skew).
+fn gather_timelines(world: &dyn Communicator, t: &Timelines<'_>, sync_s: f64) -> Result<()> {
+    let rank = world.rank();
+    if rank != 0 {
+        let spans = t.all[rank].spans();
+        let mut nums = Vec::with_capacity(1 + 3 * spans.len());
+        nums.push(spans.len() as f64);
+        for s in &spans {
+            let kind = SPAN_KINDS.iter().position(|k| *k == s.kind).unwrap_or(0);
+            nums.extend([kind as f64, s.start_s - sync_s, s.end_s - sync_s]);
+        }
+        let windows = t.windows.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        for w in windows.iter().filter(|w| w.0 == rank) {
+            nums.extend([w.1 as f64, w.2 - sync_s, w.3 - sync_s]);
+        }
+        let mut labels: Vec<u8> = spans
+            .iter()
+            .map(|s| s.label.as_str())
+            .collect::<Vec<_>>()
+            .join("\n")
+            .into_bytes();
+        // Never an empty message.
+        labels.push(b'\n');
+        let n = nums.len();
+        world
+            .send(&Tensor::from_vec(nums, n, Device::Cpu)?, 0)?
+            .wait()?;
+        let n = labels.len();
+        world
+            .send(&Tensor::from_vec(labels, n, Device::Cpu)?, 0)?
+            .wait()?;
+        return Ok(());
+    }
+    for src in 1..world.world_size() {
+        let nums = world.recv(src)?.wait()?.to_vec::<f64>()?;
+        let labels = String::from_utf8(world.recv(src)?.wait()?.to_vec::<u8>()?)
+            .context("pipeline timelines: span labels")?;
+        let n_spans = nums.first().copied().unwrap_or(0.0) as usize;
+        let mut labels = labels.split('\n');
+        let (spans, windows) = nums[1..].split_at((3 * n_spans).min(nums.len() - 1));
+        for s in spans.chunks_exact(3) {
+            t.all[src].push(Span {
+                kind: SPAN_KINDS[(s[0] as usize).min(SPAN_KINDS.len() - 1)],
+                label: labels.next().unwrap_or_default().to_string(),
+                start_s: s[1] + sync_s,
+                end_s: s[2] + sync_s,
+            });
+        }
+        let mut mine = t.windows.lock().unwrap_or_else(|e| e.into_inner());
+        for w in windows.chunks_exact(3) {
+            mine.push((src, w[0] as usize, w[1] + sync_s, w[2] + sync_s));
+        }
+    }
+    Ok(())
+}
+
 #[allow(clippy::too_many_arguments)]
 fn rank_main<T: PipelineTask>(
     task: &T,
@@ -479,11 +654,12 @@ fn rank_main<T: PipelineTask>(
     plan: &PipelinePlan,
     ctx: &RankCtx,
     mesh: &LayoutMesh,
-    timeline: &Timeline,
-    step_windows: &std::sync::Mutex<Vec<StepWindow>>,
+    timelines: &Timelines<'_>,
     verbosity: Verbosity,
 ) -> Result<Option<TrainSummary>> {
     let cfg = task.cfg();
+    let timeline = &timelines.all[ctx.rank];
+    let step_windows = timelines.windows;
     let pp = mesh.pp_group();
     let (p, world_pp) = (pp.rank(), pp.world_size());
     let v = plan.schedule.chunks;
@@ -551,8 +727,15 @@ fn rank_main<T: PipelineTask>(
     rep.say(task.header(&format!(
         "{desc}, schedule {}, {}",
         plan.schedule.kind,
-        plan.partition.fragment()
+        plan.fragment()
     )));
+    // Under MPI, the common moment every rank's times are taken from (see gather_timelines).
+    let sync_s = if timelines.gather {
+        ctx.comm.barrier()?.wait()?;
+        timeline.now_s()
+    } else {
+        0.0
+    };
     let micro_step = |step: usize| -> Result<f64> {
         let mbs = task.train_microbatches(step as u64, rows.clone(), opts.microbatches, dp)?;
         let t0 = timeline.now_s();
@@ -605,6 +788,9 @@ fn rank_main<T: PipelineTask>(
             save: Some(&*hook),
         },
     )?;
+    if timelines.gather {
+        gather_timelines(ctx.comm.as_ref(), timelines, sync_s)?;
+    }
     // The single-device state dict on the leader.
     if let Reducer::Sharded(sdp) = &reducer {
         sdp.summon_full_params()?;

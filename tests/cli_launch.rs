@@ -2,7 +2,10 @@
 //! rank, output lines carry the rank, the rendezvous store works across the processes, a failed
 //! or killed rank stops the job within 30 s naming the rank with no process left behind, and
 //! `meshgrad train` started as one of several processes without a multi-process backend fails in
-//! one line. Uses the hidden `meshgrad launch-probe` subcommand as the child.
+//! one line. Uses the hidden `meshgrad launch-probe` subcommand as the child. With the `mpi`
+//! feature and mpirun on PATH, the same failures under `--backend mpi` (ranks waiting in MPI
+//! collectives): a killed rank and a panicking rank end the job within 30 s, named, with no rank
+//! left running.
 
 mod common;
 
@@ -318,7 +321,129 @@ fn launch_through_mpirun_when_present() {
         err.lines()
             .last()
             .unwrap()
-            .starts_with("error: mpirun exited with status 3"),
+            .starts_with("error: rank 1 exited with status 3; mpirun stopped the other ranks"),
         "{err}"
     );
+}
+
+/// Whether mpirun is on PATH (the MPI tests below skip without it).
+#[cfg(feature = "mpi")]
+fn has_mpirun() -> bool {
+    std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join("mpirun").is_file()))
+        .unwrap_or(false)
+}
+
+/// Waits up to 10 s for every pid to be gone (a rank killed by mpirun may stay a zombie until
+/// init reaps it: dead, but listed); returns the pids still running (listed and not zombies).
+#[cfg(feature = "mpi")]
+fn still_running(pids: &[String]) -> Vec<String> {
+    let running = |pid: &String| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| {
+                // `pid (comm) S ...`: the state follows the command's closing parenthesis.
+                let state = s.rsplit_once(')').map(|(_, r)| r.trim_start());
+                !state.is_some_and(|r| r.starts_with('Z'))
+            })
+            .unwrap_or(false)
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left: Vec<String> = pids.iter().filter(|p| !gone(p)).cloned().collect();
+        if left.is_empty() || Instant::now() >= deadline {
+            return left.into_iter().filter(running).collect();
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Starts `launch --backend mpi --nproc-per-node 4 -- launch-probe --mpi ARGS` (ranks waiting in
+/// MPI all-reduces) and returns it with the ranks' pids once all four printed theirs.
+#[cfg(feature = "mpi")]
+fn mpi_probes(args: &[&str]) -> (std::process::Child, Vec<String>, Instant) {
+    let t0 = Instant::now();
+    let mut child = launcher()
+        .args(["launch", "--backend", "mpi", "--nproc-per-node", "4", "--"])
+        .args(["launch-probe", "--mpi"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut pids = BTreeMap::new();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    while pids.len() < 4 {
+        let Some(Ok(line)) = lines.next() else {
+            break;
+        };
+        for (r, f) in probes(&line) {
+            pids.insert(r, f["pid"].clone());
+        }
+    }
+    // Keep draining stdout so that no rank blocks on a full pipe.
+    std::thread::spawn(move || lines.for_each(drop));
+    (child, pids.into_values().collect(), t0)
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn mpi_launch_names_a_killed_rank_and_leaves_no_process() {
+    if !has_mpirun() {
+        eprintln!("skipped: no mpirun on PATH");
+        return;
+    }
+    // Four MPI ranks all-reduce for two minutes; rank 2 gets SIGKILL while the others wait in
+    // a collective for it.
+    let (child, pids, t0) = mpi_probes(&["--sleep", "120"]);
+    assert_eq!(pids.len(), 4, "{pids:?}");
+    std::thread::sleep(Duration::from_millis(500));
+    let k = Command::new("kill")
+        .args(["-KILL", &pids[2]])
+        .status()
+        .unwrap();
+    assert!(k.success());
+    let o = child.wait_with_output().unwrap();
+    let elapsed = t0.elapsed();
+    assert!(elapsed < Duration::from_secs(30), "{elapsed:?}");
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.lines()
+            .last()
+            .unwrap()
+            .starts_with("error: rank 2 was killed by signal 9 (SIGKILL); mpirun stopped"),
+        "{err}"
+    );
+    let left = still_running(&pids);
+    assert!(left.is_empty(), "ranks still running: {left:?} of {pids:?}");
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn mpi_launch_ends_the_job_when_a_rank_panics() {
+    if !has_mpirun() {
+        eprintln!("skipped: no mpirun on PATH");
+        return;
+    }
+    // Rank 1 panics after half a second while the others wait for it in an all-reduce: the
+    // panic hook's MPI_Abort ends the job (without it the others would wait for ever).
+    let (child, pids, t0) =
+        mpi_probes(&["--panic-rank", "1", "--exit-delay", "0.5", "--sleep", "120"]);
+    let o = child.wait_with_output().unwrap();
+    let elapsed = t0.elapsed();
+    assert!(elapsed < Duration::from_secs(30), "{elapsed:?}");
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("[rank 1] ") && err.contains("a deliberate panic on rank 1"),
+        "{err}"
+    );
+    assert!(
+        err.lines().last().unwrap().starts_with(
+            "error: rank 1 aborted the MPI job (MPI_Abort with error code 101); mpirun stopped"
+        ),
+        "{err}"
+    );
+    let left = still_running(&pids);
+    assert!(left.is_empty(), "ranks still running: {left:?} of {pids:?}");
 }

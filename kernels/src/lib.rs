@@ -6,6 +6,8 @@
 //! the tensor crate.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod float;
 pub mod rng;
 

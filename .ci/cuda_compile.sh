@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The CUDA build without a GPU: installs NVRTC 13.0 and the CUDA headers from NVIDIA's pip wheels
+# (about 250 MB, no driver, no GPU), builds the workspace with `--features cuda`, lints the
+# kernels crate with it, and runs kernels/tests/nvrtc_compile.rs with MESHGRAD_REQUIRE_NVRTC=1:
+# every kernels/cuda/*.cu must compile for sm_80 and sm_90 (NVRTC runs ptxas for sm_*) and define
+# exactly the entry points listed in kernels/src/cuda/entries.rs; a missing NVRTC fails the test.
+# Nothing here runs a kernel.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+WHEELS="${MESHGRAD_CUDA_WHEELS:-/tmp/meshgrad-cuda-wheels}"
+NV="${WHEELS}/nvidia/cu13"
+# Keep NVRTC at 13.0: 13.5 emits PTX 9.5, which the GPU machines' driver 580 rejects.
+if [ ! -e "${NV}/lib/libnvrtc.so.13" ] || [ ! -e "${NV}/include/cuda_bf16.h" ]; then
+    PIP_ROOT_USER_ACTION=ignore python3 -m pip install --quiet --no-deps --no-cache-dir \
+        --target "${WHEELS}" \
+        nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-runtime==13.0.96 \
+        nvidia-cuda-crt==13.0.88 nvidia-cuda-cccl==13.0.85
+fi
+export LD_LIBRARY_PATH="${NV}/lib${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}"
+export CUDA_INCLUDE_DIRS="${NV}/include:${NV}/include/cccl"
+export MESHGRAD_REQUIRE_NVRTC=1
+
+echo "==> cargo build --workspace --release --features cuda"
+cargo build --workspace --release --features cuda
+
+echo "==> cargo clippy -p meshgrad-kernels --all-targets --features cuda -- -D warnings"
+cargo clippy -p meshgrad-kernels --all-targets --features cuda -- -D warnings
+
+echo "==> NVRTC compile check (sm_80, sm_90), MESHGRAD_REQUIRE_NVRTC=1"
+cargo test --release -p meshgrad-kernels --features cuda --test nvrtc_compile
