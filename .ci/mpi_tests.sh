@@ -43,6 +43,34 @@ if MESHGRAD_MPI_TEST_PANIC=2 "${MPIRUN[@]}" -np 4 "${TEST_BIN}" >/tmp/meshgrad-m
 fi
 echo "ok: non-zero exit after $(( $(date +%s) - start )) s"
 
+# The watchdog: rank 3 stops calling collectives (2 s timeout); the waiting ranks must fail naming
+# it and the call, and the job must end with a non-zero status well before mpirun's timeout.
+echo "a stalled rank must be named by the watchdog of every waiting rank"
+start=$(date +%s)
+if MESHGRAD_MPI_TEST_STALL=3 "${MPIRUN[@]}" -np 4 "${TEST_BIN}" >/tmp/meshgrad-mpi-stall.log 2>&1; then
+    echo "FAIL: the job with a stalled rank exited 0"; cat /tmp/meshgrad-mpi-stall.log; exit 1
+fi
+took=$(( $(date +%s) - start ))
+ok=$(grep -c '^watchdog ok: rank [0-2]: ' /tmp/meshgrad-mpi-stall.log || true)
+if [ "${took}" -gt 30 ] || [ "${ok}" -ne 3 ] \
+    || ! grep -q 'all_reduce #1 on group \[0,1,2,3\]: ranks 2, 3 did not join within 2s' /tmp/meshgrad-mpi-stall.log \
+    || ! grep -q 'recv #0 from rank 3 on group \[0,1,2,3\]: rank 3 did not send within 2s' /tmp/meshgrad-mpi-stall.log; then
+    echo "FAIL: watchdog (${took} s, ${ok} of 3 ranks reported):"; cat /tmp/meshgrad-mpi-stall.log; exit 1
+fi
+echo "ok: 3 ranks named rank 3 and the call; non-zero exit after ${took} s"
+start=$(date +%s)
+if MESHGRAD_MPI_TEST_STALL_GROUP=3 "${MPIRUN[@]}" -np 4 "${TEST_BIN}" >/tmp/meshgrad-mpi-stall-group.log 2>&1; then
+    echo "FAIL: the job with a rank missing from a group creation exited 0"; exit 1
+fi
+took=$(( $(date +%s) - start ))
+ok=$(grep -c '^watchdog ok: rank [0-2]: new_group #0 on group \[0,1,2,3\]: rank 3 did not join within 2s' \
+    /tmp/meshgrad-mpi-stall-group.log || true)
+if [ "${took}" -gt 30 ] || [ "${ok}" -ne 3 ]; then
+    echo "FAIL: group creation watchdog (${took} s, ${ok} of 3 ranks reported):"
+    cat /tmp/meshgrad-mpi-stall-group.log; exit 1
+fi
+echo "ok: a rank missing from new_group is named by 3 ranks; non-zero exit after ${took} s"
+
 echo "the launcher under --backend mpi: killed and panicking ranks (tests/cli_launch.rs)"
 timeout 600 cargo test --release --features mpi --test cli_launch
 

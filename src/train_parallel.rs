@@ -160,7 +160,7 @@ pub(crate) fn on_ranks<T: Send>(
     body: impl Fn(&RankCtx, &LayoutMesh) -> Result<Option<T>> + Send + Sync,
 ) -> Result<T> {
     if let Some(n) = mpi_world_size() {
-        return on_mpi_rank(layout, n, body);
+        return on_mpi_rank(layout, n, timeout, body);
     }
     let run_opts = RunOptions::with_timeout(timeout);
     let results = run_ranks(layout.world_size(), &run_opts, |ctx| {
@@ -261,17 +261,20 @@ pub fn check_mpi_world(layout: Option<&ParallelLayout>) -> Result<()> {
 
 /// `on_ranks` under `mpirun`: this process runs its single rank over the MPI world. Rank 0
 /// returns its result; the other ranks exit quietly once every rank has finished; an error on
-/// any rank is printed with its rank and aborts the whole job.
+/// any rank is printed with its rank and aborts the whole job. `timeout` is the MPI backend's
+/// watchdog (`--collective-timeout`).
 #[cfg(feature = "mpi")]
 fn on_mpi_rank<T: Send>(
     layout: &ParallelLayout,
     n: usize,
+    timeout: Duration,
     body: impl Fn(&RankCtx, &LayoutMesh) -> Result<Option<T>>,
 ) -> Result<T> {
     use meshgrad_parallel::comm::mpi::{abort, finalize, MpiCommunicator};
     use meshgrad_tensor::alloc::{with_tracker, MemoryTracker};
     check_mpi_world(Some(layout))?;
     let world = MpiCommunicator::world()?;
+    world.set_timeout(timeout);
     if world.world_size() != n {
         anyhow::bail!(
             "the environment says {n} MPI ranks, but MPI's world has {}",
@@ -312,6 +315,7 @@ fn on_mpi_rank<T: Send>(
 fn on_mpi_rank<T: Send>(
     layout: &ParallelLayout,
     _n: usize,
+    _timeout: Duration,
     _body: impl Fn(&RankCtx, &LayoutMesh) -> Result<Option<T>>,
 ) -> Result<T> {
     check_mpi_world(Some(layout))?;

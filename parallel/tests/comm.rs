@@ -576,3 +576,90 @@ fn watchdog_a_rank_that_stops_calling_collectives_is_named_by_every_survivor() {
     );
     assert!(names_rank_2(&e), "{e}");
 }
+
+#[test]
+fn errors_are_typed_with_rank_group_call_and_sequence() {
+    use meshgrad_tensor::{CommErrorKind, Error};
+    // A timeout on a sub-group and on a receive, a mismatch, and an invalid argument.
+    let r = run_ranks_each(
+        4,
+        &RunOptions::with_timeout(Duration::from_millis(300)),
+        |ctx| -> Result<Option<Error>> {
+            let x = Tensor::ones(2, DType::F32, Device::Cpu)?;
+            let bad = ctx.comm.broadcast(&x, 9).unwrap_err();
+            if ctx.rank % 2 == 1 {
+                let g = ctx.comm.new_group(&[3, 1], "pair")?;
+                g.all_reduce(&x, ReduceOp::Sum)?.wait()?;
+                if ctx.rank == 1 {
+                    // Rank 3 stops: rank 1's next all-reduce on the pair times out.
+                    return Ok(g.all_reduce(&x, ReduceOp::Sum)?.wait().err());
+                }
+            } else if ctx.rank == 0 {
+                return Ok(ctx.comm.recv(2)?.wait().err());
+            }
+            // Ranks 2 and 3 stay (without calling) until their peers have timed out.
+            std::thread::sleep(Duration::from_millis(900));
+            Ok(Some(bad))
+        },
+    )
+    .unwrap();
+    let comm = |rank: usize| match r[rank].as_ref() {
+        Ok(Some(Error::Comm(c))) => c.as_ref().clone(),
+        e => panic!("rank {rank}: not a typed communication error: {e:?}"),
+    };
+    let c = comm(1);
+    assert_eq!(
+        (c.rank, c.group.clone(), c.call, c.seq),
+        (1, vec![3, 1], "all_reduce", Some(1))
+    );
+    assert_eq!(
+        c.kind,
+        CommErrorKind::Timeout {
+            missing: vec![3],
+            after: Duration::from_millis(300),
+            detail: None
+        }
+    );
+    let c = comm(0);
+    assert_eq!(
+        (c.call, c.seq, c.peer, c.group.len()),
+        ("recv", Some(0), Some(2), 4)
+    );
+    assert!(matches!(&c.kind, CommErrorKind::Timeout { missing, .. } if missing == &vec![2]));
+    for rank in [2, 3] {
+        let c = comm(rank);
+        assert_eq!((c.rank, c.call, c.seq), (rank, "broadcast", None));
+        assert!(
+            matches!(&c.kind, CommErrorKind::Invalid(m) if m.contains("root 9")),
+            "{c}"
+        );
+    }
+    // A mismatch names both ranks and calls.
+    let r = run_ranks_each(2, &opts(), |ctx| {
+        let x = Tensor::ones(2, DType::F32, Device::Cpu)?;
+        if ctx.rank == 0 {
+            ctx.comm.all_reduce(&x, ReduceOp::Sum)?.wait()
+        } else {
+            ctx.comm.all_gather(&x)?.wait()
+        }
+    })
+    .unwrap();
+    for (rank, res) in r.iter().enumerate() {
+        let Err(Error::Comm(c)) = res else {
+            panic!("rank {rank}: {res:?}")
+        };
+        let call = ["all_reduce", "all_gather"][rank];
+        assert_eq!((c.rank, c.call, c.seq), (rank, call, Some(0)));
+        let CommErrorKind::Mismatch {
+            rank: a,
+            other: b,
+            calls,
+        } = &c.kind
+        else {
+            panic!("{c}")
+        };
+        assert_eq!([*a, *b].iter().sum::<usize>(), 1, "{c}");
+        assert!(calls.iter().any(|k| k.starts_with("all_reduce(sum")), "{c}");
+        assert!(calls.iter().any(|k| k.starts_with("all_gather(")), "{c}");
+    }
+}

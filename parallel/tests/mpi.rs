@@ -2,12 +2,20 @@
 //! test: MPI is initialised once per process). With 1 rank (plain `cargo test --features mpi`)
 //! it checks what one rank can. `MESHGRAD_MPI_TEST_PANIC=R` makes rank R panic while its peers
 //! wait in an all-reduce: the job must end with a non-zero status (the panic hook aborts it).
+//! `MESHGRAD_MPI_TEST_STALL=R` (R > 0) tests the watchdog with a 2 s timeout: after one all-reduce
+//! that every rank joins, rank R sleeps instead of joining the next, rank R - 1 waits for a
+//! message R never sends, and the other ranks wait in the all-reduce. Every waiting rank must
+//! fail with a typed timeout naming R (and the all-reduce's waiters also R - 1, which answers
+//! that it is still at the first all-reduce), print `watchdog ok: <error>` and end the job with
+//! `abort` (non-zero status). `MESHGRAD_MPI_TEST_STALL_GROUP=R` does the same with a group
+//! creation: every other rank calls `new_group` over the world, and must fail naming R.
 #![cfg(feature = "mpi")]
 
 use half::bf16;
-use meshgrad_parallel::comm::mpi::{finalize, MpiCommunicator};
+use meshgrad_parallel::comm::mpi::{abort, finalize, MpiCommunicator};
+use meshgrad_parallel::comm::{P2pOp, P2pWork};
 use meshgrad_parallel::{Communicator, DeviceMesh, ReduceOp};
-use meshgrad_tensor::{Device, Tensor};
+use meshgrad_tensor::{CommErrorKind, Device, Error, Tensor};
 
 fn t(v: Vec<f32>, dims: &[usize]) -> Tensor {
     Tensor::from_vec(v, dims.to_vec(), Device::Cpu).unwrap()
@@ -131,6 +139,32 @@ fn checks(comm: &dyn Communicator) {
             s.wait().unwrap();
         }
         back.wait().unwrap();
+        // batch_p2p: both directions of the ring in one batch, one message large enough to be
+        // sent by rendezvous; receives are posted before the sends in the list.
+        let n = 1 << 18;
+        let works = comm
+            .batch_p2p(vec![
+                P2pOp::Recv { peer: prev },
+                P2pOp::Recv { peer: next },
+                P2pOp::Send {
+                    tensor: t(vec![rf; n], &[n]),
+                    peer: next,
+                },
+                P2pOp::Send {
+                    tensor: t(vec![-rf; 2], &[2]),
+                    peer: prev,
+                },
+            ])
+            .unwrap();
+        let mut got = Vec::new();
+        for wk in works {
+            match wk {
+                P2pWork::Recv(wk) => got.push(wk.wait().unwrap().to_vec::<f32>().unwrap()),
+                P2pWork::Send(wk) => wk.wait().unwrap(),
+            }
+        }
+        assert_eq!(got[0], vec![prev as f32; n]);
+        assert_eq!(got[1], vec![-(next as f32); 2]);
     }
 }
 
@@ -148,6 +182,18 @@ fn main() {
         let x = t(vec![1.0], &[1]);
         let _ = world.all_reduce(&x, ReduceOp::Sum).unwrap().wait();
         unreachable!("the all-reduce cannot complete without rank {bad}");
+    }
+    if let Some(stalled) = std::env::var("MESHGRAD_MPI_TEST_STALL")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        stall(world.as_ref(), stalled, false);
+    }
+    if let Some(stalled) = std::env::var("MESHGRAD_MPI_TEST_STALL_GROUP")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        stall(world.as_ref(), stalled, true);
     }
     checks(world.as_ref());
     // Sub-groups from a 2-D mesh (every rank creates its groups in the same order).
@@ -182,4 +228,78 @@ fn main() {
     if r == 0 {
         println!("mpi test: all checks passed on {w} ranks");
     }
+}
+
+/// The watchdog test (see the crate docs): never returns.
+fn stall(world: &MpiCommunicator, stalled: usize, group: bool) -> ! {
+    assert!(
+        stalled > 0 && stalled < world.world_size(),
+        "a rank above 0"
+    );
+    let timeout = std::time::Duration::from_secs(2);
+    world.set_timeout(timeout);
+    let r = world.rank();
+    let x = t(vec![1.0], &[1]);
+    world.all_reduce(&x, ReduceOp::Sum).unwrap().wait().unwrap();
+    if r == stalled {
+        std::thread::sleep(std::time::Duration::from_secs(60));
+        unreachable!("rank {r}: the job should have been aborted while this rank slept");
+    }
+    if group {
+        let all: Vec<usize> = (0..world.world_size()).collect();
+        let e = world.new_group(&all, "stall").unwrap_err();
+        let Error::Comm(c) = &e else {
+            panic!("rank {r}: not a communication error: {e}");
+        };
+        assert_eq!((c.rank, c.call, c.seq), (r, "new_group", Some(0)), "{e}");
+        assert!(
+            matches!(&c.kind, CommErrorKind::Timeout { missing, .. } if missing == &vec![stalled]),
+            "{e}"
+        );
+        report(&e);
+        abort(1)
+    }
+    let waiter = stalled - 1;
+    let e = if r == waiter {
+        world.recv(stalled).unwrap().wait().unwrap_err()
+    } else {
+        world
+            .all_reduce(&x, ReduceOp::Sum)
+            .unwrap()
+            .wait()
+            .unwrap_err()
+    };
+    let Error::Comm(c) = &e else {
+        panic!("rank {r}: not a communication error: {e}");
+    };
+    assert_eq!(c.rank, r);
+    assert_eq!(c.group, world.ranks().to_vec());
+    let CommErrorKind::Timeout { missing, after, .. } = &c.kind else {
+        panic!("rank {r}: not a timeout: {e}");
+    };
+    assert_eq!(*after, timeout);
+    if r == waiter {
+        assert_eq!(
+            (c.call, c.seq, c.peer),
+            ("recv", Some(0), Some(stalled)),
+            "{e}"
+        );
+        assert_eq!(missing, &vec![stalled], "{e}");
+    } else {
+        assert_eq!((c.call, c.seq), ("all_reduce", Some(1)), "{e}");
+        assert_eq!(missing, &vec![waiter, stalled], "{e}");
+    }
+    report(&e);
+    // A later call fails at once: the backend stopped.
+    let later = world.barrier().unwrap().wait().unwrap_err();
+    assert!(later.to_string().contains("watchdog"), "{later}");
+    abort(1)
+}
+
+/// Prints `watchdog ok: <error>` in one write, so that the lines of several ranks do not
+/// interleave in mpirun's output.
+fn report(e: &Error) {
+    use std::io::Write;
+    let line = format!("watchdog ok: {e}\n");
+    let _ = std::io::stderr().write_all(line.as_bytes());
 }

@@ -77,7 +77,7 @@ pub mod testing;
 
 pub use device::Device;
 pub use dtype::{DType, WithDType};
-pub use error::{Error, Result};
+pub use error::{CommError, CommErrorKind, Error, Result};
 pub use layout::Layout;
 pub use ops::{
     compute_dtype, AdamWStep, AttentionGrads, AttentionMask, AttentionOutput, GeluKind,

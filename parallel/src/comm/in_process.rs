@@ -9,7 +9,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use meshgrad_tensor::storage::CpuStorage;
-use meshgrad_tensor::{DType, Device, Error, Result, Shape, Tensor};
+use meshgrad_tensor::{CommErrorKind, DType, Device, Error, Result, Shape, Tensor};
 
 use super::{format_ranks, reduce, Communicator, Pending, ReduceOp, Work};
 
@@ -28,15 +28,6 @@ pub(crate) fn fmt_duration(d: Duration) -> String {
         format!("{}s", ms / 1000)
     } else {
         format!("{:.1}s", d.as_secs_f64())
-    }
-}
-
-fn fmt_rank_list(ranks: &[usize]) -> String {
-    let parts: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
-    if ranks.len() == 1 {
-        format!("rank {}", parts[0])
-    } else {
-        format!("ranks {}", parts.join(", "))
     }
 }
 
@@ -83,17 +74,17 @@ impl World {
         {
             let mut f = lock(&self.failure);
             if f.is_none() {
-                *f = Some((rank, format!("rank {rank} failed: {reason}")));
+                *f = Some((rank, reason.to_string()));
             }
         }
         self.failed.store(true, Ordering::SeqCst);
         self.wake_all();
     }
 
-    /// The first failure, if any rank failed.
-    pub(crate) fn failure(&self) -> Option<String> {
+    /// The first failure, if any rank failed: (global rank, reason).
+    pub(crate) fn failure(&self) -> Option<(usize, String)> {
         if self.failed.load(Ordering::SeqCst) {
-            lock(&self.failure).as_ref().map(|(_, m)| m.clone())
+            lock(&self.failure).clone()
         } else {
             None
         }
@@ -131,9 +122,9 @@ impl World {
     }
 
     /// Why a wait for the missing `ranks` should stop now, if it should.
-    fn abort_reason(&self, missing: &[usize]) -> Option<String> {
-        if let Some(f) = self.failure() {
-            return Some(format!("aborted: {f}"));
+    fn abort_reason(&self, missing: &[usize]) -> Option<CommErrorKind> {
+        if let Some((rank, reason)) = self.failure() {
+            return Some(CommErrorKind::PeerFailed { rank, reason });
         }
         let gone: Vec<usize> = missing
             .iter()
@@ -143,7 +134,7 @@ impl World {
         if gone.is_empty() {
             None
         } else {
-            Some(format!("{} exited without joining", fmt_rank_list(&gone)))
+            Some(CommErrorKind::PeerExited { ranks: gone })
         }
     }
 }
@@ -202,7 +193,7 @@ enum Outcome {
     Waiting,
     Computing,
     Ready(Arc<Payload>),
-    Failed(String),
+    Failed(CommErrorKind),
 }
 
 /// One collective of a group, identified by its sequence number.
@@ -332,14 +323,26 @@ impl InProcessComm {
         self.world.timeout
     }
 
-    fn check_tensor(&self, what: &str, t: &Tensor) -> Result<()> {
+    /// An invalid-argument error of `call` on this group.
+    fn invalid(&self, call: &'static str, msg: String) -> Error {
+        Error::comm(
+            self.global_rank(),
+            &self.group.members,
+            call,
+            None,
+            CommErrorKind::Invalid(msg),
+        )
+    }
+
+    fn check_tensor(&self, what: &'static str, t: &Tensor) -> Result<()> {
         if t.device() != Device::Cpu {
-            meshgrad_tensor::bail!(
-                "rank {}: {what} on group {}: the in-process backend moves CPU tensors, got one on {}",
-                self.global_rank(),
-                self.group.label,
-                t.device()
-            );
+            return Err(self.invalid(
+                what,
+                format!(
+                    "the in-process backend moves CPU tensors, got one on {}",
+                    t.device()
+                ),
+            ));
         }
         Ok(())
     }
@@ -373,10 +376,11 @@ impl InProcessComm {
                 .find_map(|(i, c)| c.as_ref().map(|c| (i, c)))
             {
                 if *theirs != call && !matches!(slot.outcome, Outcome::Failed(_)) {
-                    slot.outcome = Outcome::Failed(format!(
-                        "mismatched collectives: rank {} called {call} but rank {} called {theirs}",
-                        self.group.members[self.rank], self.group.members[other]
-                    ));
+                    slot.outcome = Outcome::Failed(CommErrorKind::Mismatch {
+                        rank: self.group.members[self.rank],
+                        other: self.group.members[other],
+                        calls: [call.to_string(), theirs.to_string()],
+                    });
                 }
             }
             slot.calls[self.rank] = Some(call);
@@ -395,21 +399,18 @@ impl InProcessComm {
         })))
     }
 
-    fn check_peer(&self, what: &str, peer: usize, role: &str) -> Result<()> {
+    fn check_peer(&self, what: &'static str, peer: usize, role: &str) -> Result<()> {
         if peer >= self.world_size() {
-            meshgrad_tensor::bail!(
-                "rank {}: {what} on group {}: {role} {peer} is not a rank of this group of {}",
-                self.global_rank(),
-                self.group.label,
-                self.world_size()
-            );
+            return Err(self.invalid(
+                what,
+                format!(
+                    "{role} {peer} is not a rank of this group of {}",
+                    self.world_size()
+                ),
+            ));
         }
         if peer == self.rank {
-            meshgrad_tensor::bail!(
-                "rank {}: {what} on group {}: a rank cannot {what} to or from itself",
-                self.global_rank(),
-                self.group.label
-            );
+            return Err(self.invalid(what, format!("a rank cannot {what} to or from itself")));
         }
         Ok(())
     }
@@ -438,12 +439,10 @@ impl Communicator for InProcessComm {
 
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
         if !reduce::supports(op, tensor.dtype()) {
-            meshgrad_tensor::bail!(
-                "rank {}: all_reduce on group {}: {op} needs a float dtype, got {}",
-                self.global_rank(),
-                self.group.label,
-                tensor.dtype()
-            );
+            return Err(self.invalid(
+                "all_reduce",
+                format!("{op} needs a float dtype, got {}", tensor.dtype()),
+            ));
         }
         self.launch(Kind::AllReduce(op), Some(tensor), true)
     }
@@ -452,21 +451,20 @@ impl Communicator for InProcessComm {
         let n = self.world_size();
         let ok_shape = tensor.rank() >= 1 && tensor.dims()[0].is_multiple_of(n);
         if !ok_shape {
-            meshgrad_tensor::bail!(
-                "rank {}: reduce_scatter on group {}: the leading dimension of shape {} must be \
+            return Err(self.invalid(
+                "reduce_scatter",
+                format!(
+                    "the leading dimension of shape {} must be \
                  divisible by the group size {n}",
-                self.global_rank(),
-                self.group.label,
-                tensor.shape()
-            );
+                    tensor.shape()
+                ),
+            ));
         }
         if !reduce::supports(op, tensor.dtype()) {
-            meshgrad_tensor::bail!(
-                "rank {}: reduce_scatter on group {}: {op} needs a float dtype, got {}",
-                self.global_rank(),
-                self.group.label,
-                tensor.dtype()
-            );
+            return Err(self.invalid(
+                "reduce_scatter",
+                format!("{op} needs a float dtype, got {}", tensor.dtype()),
+            ));
         }
         self.launch(Kind::ReduceScatter(op), Some(tensor), true)
     }
@@ -477,12 +475,13 @@ impl Communicator for InProcessComm {
 
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Work> {
         if root >= self.world_size() {
-            meshgrad_tensor::bail!(
-                "rank {}: broadcast on group {}: root {root} is not a rank of this group of {}",
-                self.global_rank(),
-                self.group.label,
-                self.world_size()
-            );
+            return Err(self.invalid(
+                "broadcast",
+                format!(
+                    "root {root} is not a rank of this group of {}",
+                    self.world_size()
+                ),
+            ));
         }
         self.launch(Kind::Broadcast(root), Some(tensor), root == self.rank)
     }
@@ -532,21 +531,20 @@ impl Communicator for InProcessComm {
         let mut seen = vec![false; n];
         for &r in ranks {
             if r >= n || std::mem::replace(&mut seen[r], true) {
-                meshgrad_tensor::bail!(
-                    "rank {}: new_group on group {}: ranks {ranks:?} must be distinct ranks below {n}",
-                    self.global_rank(),
-                    self.group.label
-                );
+                return Err(self.invalid(
+                    "new_group",
+                    format!("ranks {ranks:?} must be distinct ranks below {n}"),
+                ));
             }
         }
         let me = me.ok_or_else(|| {
-            Error::msg(format!(
-                "rank {}: new_group on group {}: this rank (group rank {}) is not among {ranks:?}; \
-                 only members create a group",
-                self.global_rank(),
-                self.group.label,
-                self.rank
-            ))
+            self.invalid(
+                "new_group",
+                format!(
+                    "this rank (group rank {}) is not among {ranks:?}; only members create a group",
+                    self.rank
+                ),
+            )
         })?;
         let members: Vec<usize> = ranks.iter().map(|&r| self.group.members[r]).collect();
         let instance = {
@@ -591,14 +589,14 @@ struct CollectiveWait {
 }
 
 impl CollectiveWait {
-    fn err(&self, reason: impl std::fmt::Display) -> Error {
-        Error::msg(format!(
-            "rank {}: {} #{} on group {}: {reason}",
+    fn err(&self, kind: CommErrorKind) -> Error {
+        Error::comm(
             self.global_rank,
+            &self.group.members,
             self.kind.name(),
-            self.seq,
-            self.group.label
-        ))
+            Some(self.seq),
+            kind,
+        )
     }
 
     /// Marks this rank's interest in the slot as over; removes the slot when it was the last.
@@ -687,7 +685,9 @@ impl Drop for ComputeGuard<'_> {
         if !self.done {
             let mut st = lock(&self.group.state);
             if let Some(slot) = st.slots.get_mut(&self.seq) {
-                slot.outcome = Outcome::Failed("the rank combining the result panicked".into());
+                slot.outcome = Outcome::Failed(CommErrorKind::Backend(
+                    "the rank combining the result panicked".into(),
+                ));
             }
             self.group.cv.notify_all();
         }
@@ -711,11 +711,13 @@ impl Pending<Tensor> for CollectiveWait {
         let mut st = lock(&group.state);
         loop {
             let Some(slot) = st.slots.get_mut(&self.seq) else {
-                return Err(self.err("internal error: the collective's record is gone"));
+                return Err(self.err(CommErrorKind::Backend(
+                    "internal error: the collective's record is gone".into(),
+                )));
             };
             match &slot.outcome {
                 Outcome::Failed(reason) => {
-                    let e = self.err(reason);
+                    let e = self.err(reason.clone());
                     self.consume(&mut st);
                     return Err(e);
                 }
@@ -741,7 +743,7 @@ impl Pending<Tensor> for CollectiveWait {
                     if let Some(slot) = st.slots.get_mut(&self.seq) {
                         slot.outcome = match combined {
                             Ok(p) => Outcome::Ready(p),
-                            Err(e) => Outcome::Failed(e.to_string()),
+                            Err(e) => Outcome::Failed(CommErrorKind::Backend(e.to_string())),
                         };
                         // The contributions are no longer needed.
                         slot.inputs.iter_mut().for_each(|i| *i = None);
@@ -765,19 +767,13 @@ impl Pending<Tensor> for CollectiveWait {
             }
             let now = Instant::now();
             if now >= deadline {
-                let reason = if missing.is_empty() {
-                    format!(
-                        "no result within {} (the combining rank is stuck)",
-                        fmt_duration(self.world.timeout)
-                    )
-                } else {
-                    format!(
-                        "{} did not join within {}",
-                        fmt_rank_list(&missing),
-                        fmt_duration(self.world.timeout)
-                    )
-                };
-                let e = self.err(reason);
+                let e = self.err(CommErrorKind::Timeout {
+                    detail: missing
+                        .is_empty()
+                        .then(|| "the combining rank is stuck".to_string()),
+                    missing,
+                    after: self.world.timeout,
+                });
                 self.consume(&mut st);
                 return Err(e);
             }
@@ -810,11 +806,23 @@ struct RecvWait {
 }
 
 impl RecvWait {
-    fn err(&self, reason: impl std::fmt::Display) -> Error {
-        Error::msg(format!(
-            "rank {}: recv #{} from rank {} on group {}: {reason}",
-            self.group.members[self.rank], self.seq, self.group.members[self.src], self.group.label
-        ))
+    fn err(&self, kind: CommErrorKind) -> Error {
+        let e = Error::comm(
+            self.group.members[self.rank],
+            &self.group.members,
+            "recv",
+            Some(self.seq),
+            kind,
+        );
+        with_peer(e, self.group.members[self.src])
+    }
+}
+
+/// Sets the peer of a [`CommError`].
+fn with_peer(e: Error, peer: usize) -> Error {
+    match e {
+        Error::Comm(c) => Error::Comm(Box::new(c.with_peer(peer))),
+        e => e,
     }
 }
 
@@ -843,10 +851,11 @@ impl Pending<Tensor> for RecvWait {
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(self.err(format!(
-                    "rank {src} did not send within {}",
-                    fmt_duration(self.world.timeout)
-                )));
+                return Err(self.err(CommErrorKind::Timeout {
+                    missing: vec![src],
+                    after: self.world.timeout,
+                    detail: None,
+                }));
             }
             st = self
                 .group
@@ -877,11 +886,15 @@ impl Pending<()> for SendWait {
     fn wait(self: Box<Self>) -> Result<()> {
         let deadline = Instant::now() + self.world.timeout;
         let dst = self.group.members[self.dst];
-        let err = |reason: String| {
-            Error::msg(format!(
-                "rank {}: send #{} to rank {dst} on group {}: {reason}",
-                self.group.members[self.rank], self.seq, self.group.label
-            ))
+        let err = |kind: CommErrorKind| {
+            let e = Error::comm(
+                self.group.members[self.rank],
+                &self.group.members,
+                "send",
+                Some(self.seq),
+                kind,
+            );
+            with_peer(e, dst)
         };
         let mut st = lock(&self.group.state);
         loop {
@@ -893,11 +906,15 @@ impl Pending<()> for SendWait {
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(err(format!(
-                    "rank {dst} did not receive within {} (rendezvous send: a schedule that \
-                     sends before the matching receive is posted deadlocks on a real backend)",
-                    fmt_duration(self.world.timeout)
-                )));
+                return Err(err(CommErrorKind::Timeout {
+                    missing: vec![dst],
+                    after: self.world.timeout,
+                    detail: Some(
+                        "rendezvous send: a schedule that sends before the matching receive is \
+                         posted deadlocks on a real backend"
+                            .into(),
+                    ),
+                }));
             }
             st = self
                 .group

@@ -1,24 +1,26 @@
 //! Communicators: collectives and point-to-point messages between ranks, each returning an
 //! asynchronous [`Work`] handle so communication overlaps compute.
 //!
-//! # Semantics (every backend)
+//! # Guarantees of every backend
+//!
+//! These hold for the in-process backend, the MPI backend (feature `mpi`) and any backend added
+//! later (NCCL is planned); code that uses a [`Communicator`] may rely on them and on nothing more.
 //!
 //! * **Ranks and groups.** A communicator is one rank's handle on a group of ranks. `rank()` is
 //!   this rank's index in the group (`0..world_size()`), and `ranks()` lists the members' global
-//!   ranks in group order. [`Communicator::new_group`] makes a sub-group over some members.
+//!   ranks in group order. [`Communicator::new_group`] makes a sub-group over some members; the
+//!   members must create the groups they share in the same order.
 //! * **Matching.** Collectives on one group match by call order: the k-th collective a rank
-//!   launches on a group meets the k-th collective of every other member. Every member must issue
-//!   the same collectives in the same order; a different op, shape, dtype, reduce op or root at the
-//!   same position is an error naming both calls. Collectives on different groups proceed
-//!   independently. Point-to-point messages match per ordered pair (sender, receiver) in send
-//!   order.
-//! * **Reductions** ([`ReduceOp`]) combine contributions elementwise in increasing group-rank
-//!   order, `((x0 + x1) + x2) + x3`, and every rank receives the same bits, so a run is
-//!   bit-for-bit repeatable. f32 and f64 accumulate in their own type; bf16 and f16 accumulate in
-//!   f32 and are rounded (to nearest even) once at the end; integers add with wrap-around.
-//!   [`ReduceOp::Avg`] is that sum divided by the group size (one correctly rounded division per
-//!   element, which equals multiplying by `1/world` when the size is a power of two); it needs a
-//!   float dtype. [`ReduceOp::Max`] propagates NaN.
+//!   launches on a group meets the k-th collective of every other member (its *sequence number*
+//!   k, counted from 0, which errors quote). Every member must issue the same collectives in the
+//!   same order, with the same shape, dtype, reduce op and root. Collectives on different groups
+//!   proceed independently. Point-to-point messages match per ordered pair (sender, receiver) in
+//!   send order; [`Communicator::batch_p2p`] posts several at once (a group, for pipelines).
+//! * **Results.** Every rank of an all-reduce, all-gather or broadcast receives the same values
+//!   up to the reduction's rounding (see *per-backend behaviour* for when the bits are equal).
+//!   f32 and f64 accumulate in their own type, integers add with wrap-around, and
+//!   [`ReduceOp::Avg`] is the sum divided by the group size (float dtypes only; integers are an
+//!   error on every backend).
 //! * **Shapes.** `reduce_scatter` takes a tensor whose leading dimension is divisible by the
 //!   group size (a flat 1-D buffer of length divisible by it is the common case) and returns this
 //!   rank's block of the reduced tensor: rows `[r * n / w, (r + 1) * n / w)` of dimension 0.
@@ -28,10 +30,56 @@
 //! * **Ownership.** Inputs are copied at launch, so the caller may reuse or modify them while the
 //!   operation is in flight; results are fresh tensors owned by the receiving rank (charged to
 //!   the allocation tracker active on the thread that calls [`Work::wait`]).
-//! * **Failures.** An operation fails, instead of hanging, when a peer does not join within the
-//!   backend's timeout, when a peer failed or exited, or on a mismatch. Messages name the rank,
-//!   the call, its sequence number and the group, e.g.
-//!   `rank 2: all_reduce #17 on group [0,1,2,3]: rank 3 did not join within 2s`.
+//! * **Sends may rendezvous.** A send's handle may complete only once the receiver has posted the
+//!   matching receive (MPI and NCCL do this for large messages). A schedule must not wait for a
+//!   send before posting the receives its peer waits for; post both in one
+//!   [`Communicator::batch_p2p`] instead.
+//! * **Failures are errors, not hangs.** An operation fails when a peer does not join within the
+//!   backend's timeout (the watchdog; `--collective-timeout`, default 300 s), when a peer failed
+//!   or exited (where the backend can know), or on an invalid argument. The error is an
+//!   [`Error::Comm`](meshgrad_tensor::Error::Comm) whose [`CommError`](meshgrad_tensor::CommError)
+//!   names the reporting rank, the group (global ranks), the call and its sequence number, and
+//!   the kind ([`CommErrorKind`](meshgrad_tensor::CommErrorKind)): `Timeout` with the missing
+//!   ranks, `PeerFailed`, `PeerExited`, `Mismatch`, `Invalid`, `Backend`. Its text reads
+//!   `rank 0: all_reduce #17 on group [0,1,2,3]: rank 3 did not join within 5s (it is at
+//!   all_reduce #16)`. After a failure the run is over: a backend need not be usable afterwards
+//!   (the MPI backend stops and ends the job; see its docs).
+//! * **Asynchronous handles.** Launching returns a [`Work`] at once; [`Work::wait`] blocks until
+//!   the result is ready, [`Work::is_completed`] polls. The contract a device backend (NCCL) must
+//!   meet through [`Pending`]: launching enqueues the operation on a communication stream after
+//!   an event recorded on the caller's compute stream (so it reads inputs the compute stream
+//!   produced), and completion may be *stream-ordered*: `wait` records an event on the
+//!   communication stream and makes the caller's compute stream wait on it, returning a tensor
+//!   whose later uses are ordered after the collective without blocking the host; errors found
+//!   later (a watchdog timeout, an aborted communicator) surface on the next call or `wait`.
+//!   `is_completed` answers whether that event has completed. The input buffer must stay alive
+//!   until the operation has finished on the stream (the backend holds a reference).
+//!
+//! # Per-backend behaviour
+//!
+//! * **In-process** ([`InProcessComm`], ranks are threads): reductions combine contributions in
+//!   increasing group-rank order, `((x0 + x1) + x2) + x3`, and every rank receives the same
+//!   bits, so a run is bit-for-bit repeatable; bf16 and f16 accumulate in f32 and are rounded (to
+//!   nearest even) once at the end; [`ReduceOp::Avg`] is one correctly rounded division per
+//!   element; [`ReduceOp::Max`] propagates NaN. Mismatched collectives (a different op, shape,
+//!   dtype, reduce op or root at the same position) are detected and name both calls. Sends are
+//!   buffered by default; [`RunOptions::rendezvous_sends`] makes them rendezvous like a real
+//!   backend's. A failed, panicked or returned rank fails its peers' operations at once.
+//! * **MPI** (`mpi::MpiCommunicator`, feature `mpi`, one rank per process): MPI chooses the
+//!   reduction algorithm (Open MPI: recursive doubling, rings, ... by message size), so sums are
+//!   not combined in rank order and differ in the last bits from the in-process backend's. The
+//!   MPI standard treats the predefined operations as associative and commutative, fixes no
+//!   order, and only *recommends* (advice to implementors, not a requirement) that the same
+//!   arguments in the same order give the same result: equal bits on every rank are not a
+//!   promise of the standard, so do not rely on them. bf16 and f16 sums round after every
+//!   pairwise addition. Mismatches are not detected (MPI may fail with a truncation error or hang
+//!   until the watchdog). The watchdog asks the peers for their
+//!   progress and names the missing ranks; a rank that panics ends the job (`MPI_Abort`).
+//! * **NCCL** (planned): ring and tree algorithms reduce in an order that depends on the
+//!   topology, the message size and the number of channels; NCCL documents neither rank-order
+//!   reduction nor bit-equal results across ranks or runs, so neither may be relied on. The plan:
+//!   stream-ordered completion as described above, a watchdog that aborts the communicator
+//!   (`ncclCommAbort`) on timeout, and groups made by `ncclCommSplit`.
 //!
 //! # Multi-process jobs
 //!
@@ -130,6 +178,25 @@ pub trait Communicator: Send + Sync {
     /// Completes once every rank of the group has entered the barrier.
     fn barrier(&self) -> Result<Work<()>>;
 
+    /// Posts the sends and receives `ops` as one group, like NCCL's `ncclGroupStart` /
+    /// `ncclGroupEnd` or a set of `MPI_Isend` / `MPI_Irecv` posted together, and returns their
+    /// handles in the order of `ops`. Every operation is posted before the caller waits for any,
+    /// so a batch whose sends and receives pair up with other ranks' batches in any order does
+    /// not deadlock even when sends rendezvous (two ranks that send to each other in the same
+    /// step, as pipeline schedules do). Messages to one peer, inside and around batches, still
+    /// arrive in the order they were posted. The default posts
+    /// each operation in order with [`Communicator::send`] and [`Communicator::recv`] (an
+    /// invalid operation fails the call after the ones before it were posted); the MPI backend
+    /// checks them all, then launches them together.
+    fn batch_p2p(&self, ops: Vec<P2pOp>) -> Result<Vec<P2pWork>> {
+        ops.into_iter()
+            .map(|op| match op {
+                P2pOp::Send { tensor, peer } => self.send(&tensor, peer).map(P2pWork::Send),
+                P2pOp::Recv { peer } => self.recv(peer).map(P2pWork::Recv),
+            })
+            .collect()
+    }
+
     /// A communicator over the members `ranks` (group ranks of this communicator, in the order
     /// that defines the new group's ranks). Called by exactly those members, not collectively:
     /// members that call it with the same `ranks` and `tag` the same number of times get the same
@@ -141,6 +208,32 @@ pub trait Communicator: Send + Sync {
     fn describe(&self) -> String {
         format_ranks(self.ranks())
     }
+}
+
+/// One operation of a [`Communicator::batch_p2p`] batch (peers are group ranks).
+#[derive(Clone, Debug)]
+pub enum P2pOp {
+    /// Sends a copy of `tensor` to `peer`.
+    Send {
+        /// What to send (copied at launch).
+        tensor: Tensor,
+        /// The receiver's group rank.
+        peer: usize,
+    },
+    /// Receives the next message from `peer`.
+    Recv {
+        /// The sender's group rank.
+        peer: usize,
+    },
+}
+
+/// The handle of one operation of a [`Communicator::batch_p2p`] batch.
+#[derive(Debug)]
+pub enum P2pWork {
+    /// A send's handle.
+    Send(Work<()>),
+    /// A receive's handle: the message.
+    Recv(Work),
 }
 
 /// Formats global ranks as `[0,1,2,3]`.

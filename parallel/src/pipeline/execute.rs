@@ -42,7 +42,7 @@
 //!
 //! A maximal run of consecutive transfer actions in a rank's list is one *group*, like NCCL's
 //! `ncclGroupStart` / `ncclGroupEnd`: the executor posts every send and receive of the group (in
-//! list order), then waits for all of them — the receives first, in list order, then the sends.
+//! list order, as one [`Communicator::batch_p2p`]), then waits for all of them — the receives first, in list order, then the sends.
 //! A receive needs only its sender to have posted the send; a rendezvous send
 //! ([`RunOptions::rendezvous`](crate::comm::RunOptions::rendezvous)) completes once its receiver
 //! has taken the message, which the receiver does while waiting for its own group's receives.
@@ -81,7 +81,7 @@ use meshgrad_tensor::{Error, Result, Tensor};
 
 use super::schedule::{Action, Schedule};
 use super::trace::{record_opt, SpanKind, Timeline};
-use crate::comm::{all_reduce_scalar, Communicator, ReduceOp, Work};
+use crate::comm::{all_reduce_scalar, Communicator, P2pOp, P2pWork, ReduceOp};
 
 /// One microbatch of a step as the stages read it, with the global index of its first row (the
 /// [`ForwardCtx`] the single device runs it in).
@@ -207,12 +207,6 @@ struct RankRun<'a, S: ModelStage> {
     deferred: HashMap<(usize, usize), DeferredWeightGrads>,
     /// The loss of each microbatch (on the last virtual stage's rank).
     losses: Vec<Option<f64>>,
-}
-
-/// A transfer of a group once posted.
-enum Posted {
-    Send(Work<()>),
-    Recv(Work),
 }
 
 impl<S: ModelStage> RankRun<'_, S> {
@@ -377,7 +371,7 @@ impl<S: ModelStage> RankRun<'_, S> {
         let (sends, mut order): (Vec<usize>, Vec<usize>) =
             (0..group.len()).partition(|&i| is_send(&group[i]));
         order.extend(sends);
-        let mut posted: Vec<Option<Posted>> = Vec::new();
+        let mut posted: Vec<Option<P2pWork>> = Vec::new();
         for (k, &i) in order.iter().enumerate() {
             let a = &group[i];
             let kind = if is_send(a) {
@@ -392,22 +386,32 @@ impl<S: ModelStage> RankRun<'_, S> {
                 || a.label(chunks),
                 || -> Result<()> {
                     if k == 0 {
+                        let mut ops = Vec::with_capacity(group.len());
                         for b in group {
                             let peer = b
                                 .peer()
                                 .ok_or_else(|| group_err(b, Error::msg("not a transfer")))?;
-                            let p = if is_send(b) {
-                                let t = self.payload(b)?;
-                                Posted::Send(pp.send(&t, peer).map_err(|e| group_err(b, e))?)
+                            ops.push(if is_send(b) {
+                                P2pOp::Send {
+                                    tensor: self.payload(b)?,
+                                    peer,
+                                }
                             } else {
-                                Posted::Recv(pp.recv(peer).map_err(|e| group_err(b, e))?)
-                            };
-                            posted.push(Some(p));
+                                P2pOp::Recv { peer }
+                            });
                         }
+                        let works = pp.batch_p2p(ops).map_err(|e| {
+                            let all: Vec<String> = group.iter().map(|a| a.to_string()).collect();
+                            Error::msg(format!(
+                                "pipeline rank {rank}: transfer group [{}]: posting the group: {e}",
+                                all.join("; ")
+                            ))
+                        })?;
+                        posted.extend(works.into_iter().map(Some));
                     }
                     match posted[i].take() {
-                        Some(Posted::Send(w)) => w.wait().map_err(|e| group_err(a, e)),
-                        Some(Posted::Recv(w)) => {
+                        Some(P2pWork::Send(w)) => w.wait().map_err(|e| group_err(a, e)),
+                        Some(P2pWork::Recv(w)) => {
                             let t = w.wait().map_err(|e| group_err(a, e))?;
                             self.deliver(a, t);
                             Ok(())
