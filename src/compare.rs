@@ -526,10 +526,14 @@ mod tests {
         let same = diff_weights(&a, &a, ("a", "a")).unwrap();
         assert_eq!((same.differing, same.whole), (0, 0.0));
         let other = w(&[("x", &[3.0, 4.0]), ("z", &[0.0, 0.0, 12.0])]);
-        let e = diff_weights(&a, &other, ("a", "c")).unwrap_err().to_string();
+        let e = diff_weights(&a, &other, ("a", "c"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("a and c hold different tensors"), "{e}");
         let short = w(&[("x", &[3.0]), ("y", &[0.0, 0.0, 12.0])]);
-        let e = diff_weights(&a, &short, ("a", "s")).unwrap_err().to_string();
+        let e = diff_weights(&a, &short, ("a", "s"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("x has 2 elements in a but 1 in s"), "{e}");
     }
 

@@ -357,6 +357,29 @@ enum Pending {
 }
 
 impl MpirunReport {
+    /// Reads one of the ranks' own lines (already retagged `[rank R] ...`): the MPI backend's
+    /// panic hook writes `rank R: panicked; aborting the MPI job (MPI_Abort with error code C)`
+    /// before it aborts, which names the rank even when mpirun's own report is lost (Open MPI
+    /// sometimes fails to print it while tearing the job down).
+    fn read_rank_line(&mut self, line: &str) {
+        let Some((_, text)) = line.split_once("] ") else {
+            return;
+        };
+        let Some((rank, rest)) = text.strip_prefix("rank ").and_then(|t| {
+            t.split_once(": panicked; aborting the MPI job (MPI_Abort with error code ")
+        }) else {
+            return;
+        };
+        if let (Ok(rank), Some(code)) = (rank.parse::<usize>(), rest.strip_suffix(')')) {
+            if self.failure.is_none() {
+                self.failure = Some((
+                    rank,
+                    format!("aborted the MPI job (MPI_Abort with error code {code})"),
+                ));
+            }
+        }
+    }
+
     /// Reads one of mpirun's lines (Open MPI 4's wording).
     fn read(&mut self, line: &str) {
         let t = line.trim();
@@ -423,7 +446,13 @@ fn retag_lines(
         for line in BufReader::new(reader).lines() {
             let Ok(line) = line else { return };
             let line = match retag(&line) {
-                Some(tagged) => tagged,
+                Some(tagged) => {
+                    report
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .read_rank_line(&tagged);
+                    tagged
+                }
                 None => {
                     report.lock().unwrap_or_else(|e| e.into_inner()).read(&line);
                     line
@@ -716,6 +745,26 @@ mod tests {
             ))
         );
         assert_eq!(report("Primary job  terminated normally"), None);
+    }
+
+    #[test]
+    fn a_ranks_panic_line_names_it() {
+        let mut r = MpirunReport::default();
+        r.read_rank_line("[rank 3] thread 'main' panicked at src/x.rs:1:1:");
+        assert_eq!(r.failure, None);
+        r.read_rank_line(
+            "[rank 1] rank 1: panicked; aborting the MPI job (MPI_Abort with error code 101)",
+        );
+        // mpirun's own report afterwards does not replace the first failure.
+        r.read("MPI_ABORT was invoked on rank 2 in communicator MPI_COMM_WORLD");
+        r.read("with errorcode 7.");
+        assert_eq!(
+            r.failure,
+            Some((
+                1,
+                "aborted the MPI job (MPI_Abort with error code 101)".into()
+            ))
+        );
     }
 
     #[test]

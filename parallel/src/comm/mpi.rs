@@ -229,16 +229,22 @@ pub fn finalize() {
     }
 }
 
+/// The exit code of a job whose rank panicked (the code Rust gives a panicking process).
+const PANIC_ABORT_CODE: i32 = 101;
+
 fn install_panic_hook() {
     let previous = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
         previous(info);
         if LIVE.load(Ordering::SeqCst) {
-            eprintln!(
-                "rank {}: panicked; aborting the MPI job",
+            // One write, so a launcher tagging output lines by rank sees the whole line (the
+            // wording is what `meshgrad launch --backend mpi` reads to name the failed rank).
+            let line = format!(
+                "rank {}: panicked; aborting the MPI job (MPI_Abort with error code {PANIC_ABORT_CODE})\n",
                 WORLD_RANK.load(Ordering::SeqCst)
             );
-            abort(101);
+            let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+            abort(PANIC_ABORT_CODE);
         }
     }));
 }
