@@ -358,25 +358,21 @@ enum Pending {
 
 impl MpirunReport {
     /// Reads one of the ranks' own lines (already retagged `[rank R] ...`): the MPI backend's
-    /// panic hook writes `rank R: panicked; aborting the MPI job (MPI_Abort with error code C)`
-    /// before it aborts, which names the rank even when mpirun's own report is lost (Open MPI
-    /// sometimes fails to print it while tearing the job down).
+    /// panic hook writes a [`meshgrad_parallel::comm::panic_abort_line`] before it aborts, which
+    /// names the rank even when mpirun's own report is lost (Open MPI sometimes fails to print it
+    /// while tearing the job down).
     fn read_rank_line(&mut self, line: &str) {
-        let Some((_, text)) = line.split_once("] ") else {
+        let Some((rank, code)) = line
+            .split_once("] ")
+            .and_then(|(_, text)| meshgrad_parallel::comm::parse_panic_abort_line(text))
+        else {
             return;
         };
-        let Some((rank, rest)) = text.strip_prefix("rank ").and_then(|t| {
-            t.split_once(": panicked; aborting the MPI job (MPI_Abort with error code ")
-        }) else {
-            return;
-        };
-        if let (Ok(rank), Some(code)) = (rank.parse::<usize>(), rest.strip_suffix(')')) {
-            if self.failure.is_none() {
-                self.failure = Some((
-                    rank,
-                    format!("aborted the MPI job (MPI_Abort with error code {code})"),
-                ));
-            }
+        if self.failure.is_none() {
+            self.failure = Some((
+                rank,
+                format!("aborted the MPI job (MPI_Abort with error code {code})"),
+            ));
         }
     }
 

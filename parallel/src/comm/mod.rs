@@ -253,9 +253,42 @@ impl std::fmt::Debug for dyn Communicator {
     }
 }
 
+/// The line a rank of a multi-process job writes to stderr (in one write) before it aborts the
+/// job after a panic, e.g. `rank 1: panicked; aborting the MPI job (MPI_Abort with error code
+/// 101)`; [`parse_panic_abort_line`] reads it back, so a launcher can name the rank even when the
+/// MPI runtime's own report is lost.
+pub fn panic_abort_line(rank: usize, code: i32) -> String {
+    format!("rank {rank}: panicked; aborting the MPI job (MPI_Abort with error code {code})")
+}
+
+/// The (rank, abort code) of a [`panic_abort_line`], or `None` for any other text.
+pub fn parse_panic_abort_line(text: &str) -> Option<(usize, i32)> {
+    let (rank, rest) = text
+        .strip_prefix("rank ")?
+        .split_once(": panicked; aborting the MPI job (MPI_Abort with error code ")?;
+    Some((rank.parse().ok()?, rest.strip_suffix(')')?.parse().ok()?))
+}
+
 /// All-reduces one f64 value (a loss, a squared norm, a count) across the group and returns the
 /// result (the same on every rank).
 pub fn all_reduce_scalar(comm: &dyn Communicator, value: f64, op: ReduceOp) -> Result<f64> {
     let t = Tensor::from_vec(vec![value], 1, meshgrad_tensor::Device::Cpu)?;
     Ok(comm.all_reduce(&t, op)?.wait()?.to_vec::<f64>()?[0])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn panic_abort_lines_round_trip() {
+        let line = panic_abort_line(3, 101);
+        assert_eq!(
+            line,
+            "rank 3: panicked; aborting the MPI job (MPI_Abort with error code 101)"
+        );
+        assert_eq!(parse_panic_abort_line(&line), Some((3, 101)));
+        assert_eq!(parse_panic_abort_line("rank 3: panicked at x.rs"), None);
+        assert_eq!(parse_panic_abort_line(&line[..line.len() - 1]), None);
+    }
 }

@@ -240,8 +240,8 @@ fn install_panic_hook() {
             // One write, so a launcher tagging output lines by rank sees the whole line (the
             // wording is what `meshgrad launch --backend mpi` reads to name the failed rank).
             let line = format!(
-                "rank {}: panicked; aborting the MPI job (MPI_Abort with error code {PANIC_ABORT_CODE})\n",
-                WORLD_RANK.load(Ordering::SeqCst)
+                "{}\n",
+                super::panic_abort_line(WORLD_RANK.load(Ordering::SeqCst), PANIC_ABORT_CODE)
             );
             let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
             abort(PANIC_ABORT_CODE);
