@@ -15,16 +15,10 @@ impl Device {
     pub fn check_available(self) -> crate::Result<()> {
         match self {
             Device::Cpu => Ok(()),
-            Device::Cuda(_) => {
-                if cfg!(feature = "cuda") {
-                    Err(crate::Error::NotImplemented {
-                        op: "tensor allocation",
-                        device: self,
-                    })
-                } else {
-                    Err(crate::Error::CudaNotBuilt(self))
-                }
-            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(n) => crate::cuda_backend::context(n).map(|_| ()),
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Err(crate::Error::CudaNotBuilt(self)),
         }
     }
 }

@@ -78,6 +78,14 @@ pub enum Error {
         /// The device.
         device: Device,
     },
+    /// A CUDA driver, library or kernel call failed on a device.
+    #[error("{device}: {message}")]
+    Cuda {
+        /// The device.
+        device: Device,
+        /// What failed and the driver's error.
+        message: String,
+    },
     /// A communication operation failed (a collective, a message, a group): which rank, group,
     /// call and sequence number, and why (see [`CommError`]).
     #[error("{0}")]

@@ -60,6 +60,8 @@
 pub mod alloc;
 mod backend;
 mod cpu_backend;
+#[cfg(feature = "cuda")]
+mod cuda_backend;
 mod device;
 mod display;
 mod dtype;
@@ -75,6 +77,8 @@ pub mod storage;
 mod tensor;
 pub mod testing;
 
+#[cfg(feature = "cuda")]
+pub use cuda_backend::{cuda_device_count, cuda_memory_stats, CudaMemoryStats, CudaStorage};
 pub use device::Device;
 pub use dtype::{DType, WithDType};
 pub use error::{CommError, CommErrorKind, Error, Result};

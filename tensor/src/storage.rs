@@ -98,6 +98,9 @@ impl CpuStorage {
 pub enum Storage {
     /// Host memory.
     Cpu(CpuStorage),
+    /// Memory of a CUDA device.
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda_backend::CudaStorage),
 }
 
 /// A live allocation: the storage and its accounting charge.

@@ -16,11 +16,16 @@
 
 use crate::Device;
 
-/// The devices present in this build and on this machine: the CPU always, then every CUDA
-/// device once the CUDA backend exists (built with the `cuda` feature and a GPU visible). No
-/// CUDA storage exists yet, so today this is the CPU alone.
+/// The devices present in this build and on this machine: the CPU always, then CUDA device 0
+/// when this crate is built with the `cuda` feature and a GPU is visible.
 pub fn test_devices() -> Vec<Device> {
-    vec![Device::Cpu]
+    #[allow(unused_mut)]
+    let mut devices = vec![Device::Cpu];
+    #[cfg(feature = "cuda")]
+    if crate::cuda_device_count() > 0 {
+        devices.push(Device::Cuda(0));
+    }
+    devices
 }
 
 /// The CUDA devices among [`test_devices`].

@@ -19,6 +19,8 @@ use meshgrad_kernels::ops::{
 pub(crate) use api::{BackendStorage, Distribution, MaskArgs};
 use api::{Fused, In};
 
+#[cfg(feature = "cuda")]
+use crate::cuda_backend::CudaStorage;
 use crate::storage::{CpuStorage, Storage};
 use crate::{DType, Device, Error, Layout, Result};
 
@@ -39,21 +41,35 @@ pub(crate) trait Variant: BackendStorage {
     fn wrap(self) -> Storage;
 }
 
-impl Variant for CpuStorage {
-    fn of(s: &Storage) -> &Self {
-        match s {
-            Storage::Cpu(c) => c,
+/// Implements [`Variant`] for the backend storage `$S` held by `Storage::$V`.
+macro_rules! variant {
+    ($S:ty, $V:ident) => {
+        impl Variant for $S {
+            fn of(s: &Storage) -> &Self {
+                #[allow(unreachable_patterns)]
+                match s {
+                    Storage::$V(c) => c,
+                    // The dispatch picks the backend from the operands' common device.
+                    _ => unreachable!("dispatch checked the device"),
+                }
+            }
+            fn of_mut(s: &mut Storage) -> &mut Self {
+                #[allow(unreachable_patterns)]
+                match s {
+                    Storage::$V(c) => c,
+                    _ => unreachable!("dispatch checked the device"),
+                }
+            }
+            fn wrap(self) -> Storage {
+                Storage::$V(self)
+            }
         }
-    }
-    fn of_mut(s: &mut Storage) -> &mut Self {
-        match s {
-            Storage::Cpu(c) => c,
-        }
-    }
-    fn wrap(self) -> Storage {
-        Storage::Cpu(self)
-    }
+    };
 }
+
+variant!(CpuStorage, Cpu);
+#[cfg(feature = "cuda")]
+variant!(CudaStorage, Cuda);
 
 /// Runs `$body` with `$S` the backend storage type of `$device`. The one list of backends.
 macro_rules! with_backend {
@@ -63,7 +79,16 @@ macro_rules! with_backend {
                 type $S = CpuStorage;
                 $body
             }
-            device @ Device::Cuda(_) => Err(Error::NotImplemented { op: $op, device }),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => {
+                type $S = CudaStorage;
+                $body
+            }
+            #[cfg(not(feature = "cuda"))]
+            device @ Device::Cuda(_) => {
+                let _ = $op;
+                Err(Error::CudaNotBuilt(device))
+            }
         }
     };
 }
@@ -177,6 +202,8 @@ impl Storage {
     pub fn device(&self) -> Device {
         match self {
             Storage::Cpu(s) => s.device(),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => s.device(),
         }
     }
 
@@ -184,6 +211,8 @@ impl Storage {
     pub fn dtype(&self) -> DType {
         match self {
             Storage::Cpu(s) => BackendStorage::dtype(s),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => BackendStorage::dtype(s),
         }
     }
 
@@ -191,6 +220,8 @@ impl Storage {
     pub fn len(&self) -> usize {
         match self {
             Storage::Cpu(s) => BackendStorage::len(s),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => BackendStorage::len(s),
         }
     }
 
@@ -239,6 +270,8 @@ pub(crate) fn arange(device: Device, start: i64, len: usize, dtype: DType) -> Re
 pub(crate) fn release(s: &mut Storage) {
     match s {
         Storage::Cpu(c) => c.release(),
+        #[cfg(feature = "cuda")]
+        Storage::Cuda(c) => c.release(),
     }
 }
 

@@ -1,0 +1,369 @@
+//! The CUDA backend's implementation of [`BackendStorage`]: each method delegates to `basic.rs`
+//! (required ops), `fused.rs` (fused ops) or `blas.rs` (matmul, linear).
+
+#![allow(clippy::too_many_arguments, clippy::type_complexity)]
+
+use meshgrad_kernels::ops::{
+    AdamWStep, AttentionShape, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryGrad, UnaryOp,
+};
+
+use super::{basic, blas, fused, CudaStorage};
+use crate::backend::api::{BackendStorage, Distribution, Fused, In, MaskArgs};
+use crate::storage::CpuStorage;
+use crate::{DType, Device, Layout, Result};
+
+impl BackendStorage for CudaStorage {
+    fn device(&self) -> Device {
+        CudaStorage::device(self)
+    }
+
+    fn dtype(&self) -> DType {
+        CudaStorage::dtype(self)
+    }
+
+    fn len(&self) -> usize {
+        CudaStorage::len(self)
+    }
+
+    fn zeros(device: Device, dtype: DType, len: usize) -> Result<Self> {
+        basic::zeros(device, dtype, len)
+    }
+
+    fn full(device: Device, value: f64, dtype: DType, len: usize) -> Result<Self> {
+        basic::full(device, value, dtype, len)
+    }
+
+    fn from_host(device: Device, host: CpuStorage) -> Result<Self> {
+        basic::from_host(device, host)
+    }
+
+    fn to_host(&self, l: &Layout) -> Result<CpuStorage> {
+        basic::to_host(self, l)
+    }
+
+    fn read_elements(&self, indices: &[usize]) -> Result<CpuStorage> {
+        basic::read_elements(self, indices)
+    }
+
+    fn random(
+        device: Device,
+        dtype: DType,
+        len: usize,
+        seed: u64,
+        offset: u64,
+        dist: Distribution,
+    ) -> Result<Self> {
+        basic::random(device, dtype, len, seed, offset, dist)
+    }
+
+    fn arange(device: Device, start: i64, len: usize, dtype: DType) -> Result<Self> {
+        basic::arange(device, start, len, dtype)
+    }
+
+    fn cast(&self, l: &Layout, dtype: DType) -> Result<Self> {
+        basic::cast(self, l, dtype)
+    }
+
+    fn copy_contiguous(&self, l: &Layout) -> Result<Self> {
+        basic::copy_contiguous(self, l)
+    }
+
+    fn copy_into(&mut self, dl: &Layout, src: In<'_, Self>) -> Result<()> {
+        basic::copy_into(self, dl, src)
+    }
+
+    fn add_assign_contiguous(&mut self, dl: &Layout, src: In<'_, Self>) -> Result<bool> {
+        basic::add_assign_contiguous(self, dl, src)
+    }
+
+    fn unary(x: In<'_, Self>, op: UnaryOp) -> Result<Self> {
+        basic::unary(x, op)
+    }
+
+    fn binary(op: BinaryOp, a: In<'_, Self>, b: In<'_, Self>) -> Result<Self> {
+        basic::binary(op, a, b)
+    }
+
+    fn compare(op: CmpOp, a: In<'_, Self>, b: In<'_, Self>) -> Result<Self> {
+        basic::compare(op, a, b)
+    }
+
+    fn where_cond(cond: In<'_, Self>, t: In<'_, Self>, f: In<'_, Self>) -> Result<Self> {
+        basic::where_cond(cond, t, f)
+    }
+
+    fn reduce(
+        op: ReduceOp,
+        x: In<'_, Self>,
+        outer: usize,
+        red: usize,
+        inner: usize,
+    ) -> Result<Self> {
+        basic::reduce(op, x, outer, red, inner)
+    }
+
+    fn matmul(
+        a: &Self,
+        al: MatrixLayout,
+        b: &Self,
+        bl: MatrixLayout,
+        batch: usize,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Self> {
+        blas::matmul(a, al, b, bl, batch, m, n, k)
+    }
+
+    fn embedding(w: In<'_, Self>, ids: In<'_, Self>, vocab: usize, dim: usize) -> Result<Self> {
+        basic::embedding(w, ids, vocab, dim)
+    }
+
+    fn embedding_backward(
+        dout: In<'_, Self>,
+        ids: In<'_, Self>,
+        vocab: usize,
+        dim: usize,
+    ) -> Result<Self> {
+        basic::embedding_backward(dout, ids, vocab, dim)
+    }
+
+    fn gather(x: In<'_, Self>, index: In<'_, Self>, dim: usize) -> Result<Self> {
+        basic::gather(x, index, dim)
+    }
+
+    fn gather_backward(
+        dout: In<'_, Self>,
+        index: In<'_, Self>,
+        x_dims: &[usize],
+        dim: usize,
+    ) -> Result<Self> {
+        basic::gather_backward(dout, index, x_dims, dim)
+    }
+
+    fn index_select(
+        x: In<'_, Self>,
+        ids: In<'_, Self>,
+        outer: usize,
+        x_n: usize,
+        inner: usize,
+        dim: usize,
+    ) -> Result<Self> {
+        basic::index_select(x, ids, outer, x_n, inner, dim)
+    }
+
+    fn index_select_backward(
+        dout: In<'_, Self>,
+        ids: In<'_, Self>,
+        outer: usize,
+        x_n: usize,
+        inner: usize,
+        dim: usize,
+    ) -> Result<Self> {
+        basic::index_select_backward(dout, ids, outer, x_n, inner, dim)
+    }
+
+    fn linear(
+        x: &Self,
+        xl: MatrixLayout,
+        w: &Self,
+        wl: MatrixLayout,
+        bias: Option<In<'_, Self>>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Fused<Self> {
+        blas::linear(x, xl, w, wl, bias, m, n, k)
+    }
+
+    fn softmax(x: In<'_, Self>, rows: usize, cols: usize, log: bool) -> Fused<Self> {
+        fused::softmax(x, rows, cols, log)
+    }
+
+    fn softmax_backward(
+        y: In<'_, Self>,
+        dy: In<'_, Self>,
+        rows: usize,
+        cols: usize,
+        log: bool,
+    ) -> Fused<Self> {
+        fused::softmax_backward(y, dy, rows, cols, log)
+    }
+
+    fn gelu_backward(x: In<'_, Self>, dy: In<'_, Self>, tanh_form: bool) -> Fused<Self> {
+        fused::gelu_backward(x, dy, tanh_form)
+    }
+
+    fn unary_backward(x: In<'_, Self>, dy: In<'_, Self>, op: UnaryGrad) -> Fused<Self> {
+        fused::unary_backward(x, dy, op)
+    }
+
+    fn logsumexp(x: In<'_, Self>, outer: usize, red: usize, inner: usize) -> Fused<Self> {
+        fused::logsumexp(x, outer, red, inner)
+    }
+
+    fn layer_norm(
+        x: In<'_, Self>,
+        w: Option<In<'_, Self>>,
+        b: Option<In<'_, Self>>,
+        rows: usize,
+        cols: usize,
+        eps: f64,
+    ) -> Fused<(Self, Self, Self)> {
+        fused::layer_norm(x, w, b, rows, cols, eps)
+    }
+
+    fn layer_norm_backward(
+        x: In<'_, Self>,
+        w: Option<In<'_, Self>>,
+        mean: In<'_, Self>,
+        rstd: In<'_, Self>,
+        dy: In<'_, Self>,
+        rows: usize,
+        cols: usize,
+        param_grads: bool,
+    ) -> Fused<(Self, Option<Self>, Option<Self>)> {
+        fused::layer_norm_backward(x, w, mean, rstd, dy, rows, cols, param_grads)
+    }
+
+    fn rms_norm(
+        x: In<'_, Self>,
+        w: Option<In<'_, Self>>,
+        rows: usize,
+        cols: usize,
+        eps: f64,
+    ) -> Fused<(Self, Self)> {
+        fused::rms_norm(x, w, rows, cols, eps)
+    }
+
+    fn rms_norm_backward(
+        x: In<'_, Self>,
+        w: Option<In<'_, Self>>,
+        rstd: In<'_, Self>,
+        dy: In<'_, Self>,
+        rows: usize,
+        cols: usize,
+        weight_grad: bool,
+    ) -> Fused<(Self, Option<Self>)> {
+        fused::rms_norm_backward(x, w, rstd, dy, rows, cols, weight_grad)
+    }
+
+    fn rotary_embedding(
+        x: In<'_, Self>,
+        positions: In<'_, Self>,
+        dims: [usize; 4],
+        theta: f64,
+        inverse: bool,
+    ) -> Fused<Self> {
+        fused::rotary_embedding(x, positions, dims, theta, inverse)
+    }
+
+    fn swiglu(gate: In<'_, Self>, up: In<'_, Self>) -> Fused<Self> {
+        fused::swiglu(gate, up)
+    }
+
+    fn swiglu_backward(
+        gate: In<'_, Self>,
+        up: In<'_, Self>,
+        dy: In<'_, Self>,
+    ) -> Fused<(Self, Self)> {
+        fused::swiglu_backward(gate, up, dy)
+    }
+
+    fn cross_entropy(
+        logits: In<'_, Self>,
+        targets: In<'_, Self>,
+        rows: usize,
+        cols: usize,
+        ignore_index: Option<i64>,
+    ) -> Fused<(Self, Self)> {
+        fused::cross_entropy(logits, targets, rows, cols, ignore_index)
+    }
+
+    fn cross_entropy_backward(
+        logits: In<'_, Self>,
+        lse: In<'_, Self>,
+        targets: In<'_, Self>,
+        dloss: In<'_, Self>,
+        rows: usize,
+        cols: usize,
+        ignore_index: Option<i64>,
+    ) -> Fused<Self> {
+        fused::cross_entropy_backward(logits, lse, targets, dloss, rows, cols, ignore_index)
+    }
+
+    fn attention(
+        q: In<'_, Self>,
+        k: In<'_, Self>,
+        v: In<'_, Self>,
+        shape: AttentionShape,
+        mask: MaskArgs<'_, Self>,
+    ) -> Fused<(Self, Self)> {
+        fused::attention(q, k, v, shape, mask)
+    }
+
+    fn attention_backward(
+        ops: [In<'_, Self>; 6],
+        shape: AttentionShape,
+        mask: MaskArgs<'_, Self>,
+        want_dz: bool,
+    ) -> Fused<(Self, Self, Self, Option<Self>)> {
+        fused::attention_backward(ops, shape, mask, want_dz)
+    }
+
+    fn attention_qkv(
+        qkv: In<'_, Self>,
+        shape: AttentionShape,
+        heads: usize,
+        mask: MaskArgs<'_, Self>,
+    ) -> Fused<(Self, Self)> {
+        fused::attention_qkv(qkv, shape, heads, mask)
+    }
+
+    fn attention_qkv_backward(
+        ops: [In<'_, Self>; 4],
+        shape: AttentionShape,
+        heads: usize,
+        mask: MaskArgs<'_, Self>,
+        want_dz: bool,
+    ) -> Fused<(Self, Option<Self>)> {
+        fused::attention_qkv_backward(ops, shape, heads, mask, want_dz)
+    }
+
+    fn adamw(
+        param: &mut Self,
+        pl: &Layout,
+        grad: In<'_, Self>,
+        m: &mut Self,
+        ml: &Layout,
+        v: &mut Self,
+        vl: &Layout,
+        hp: &AdamWStep,
+    ) -> Fused<()> {
+        fused::adamw(param, pl, grad, m, ml, v, vl, hp)
+    }
+
+    fn sgd(
+        param: &mut Self,
+        pl: &Layout,
+        grad: In<'_, Self>,
+        buf: &mut Self,
+        bl: &Layout,
+        lr: f64,
+        momentum: f64,
+        weight_decay: f64,
+        first_step: bool,
+    ) -> Fused<()> {
+        fused::sgd(
+            param,
+            pl,
+            grad,
+            buf,
+            bl,
+            lr,
+            momentum,
+            weight_decay,
+            first_step,
+        )
+    }
+}

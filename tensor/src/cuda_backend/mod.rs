@@ -1,0 +1,35 @@
+//! The CUDA backend (`--features cuda`): device buffers from a caching allocator, one compute
+//! stream per device, the CUDA C kernels of `kernels/cuda/*.cu` (compiled by NVRTC at first use,
+//! see `meshgrad_kernels::cuda`) and matmuls through cuBLASLt.
+//!
+//! Files: `context.rs` (one [`DeviceContext`] per device: CUDA context, compute stream, loaded
+//! kernel modules, library handles), `memory.rs` (the caching allocator), `storage.rs`
+//! ([`CudaStorage`]), `imp.rs` (the [`crate::backend::api::BackendStorage`] implementation,
+//! which delegates to `basic.rs` for the required ops, `fused.rs` for the fused ones and
+//! `blas.rs` for matmul and linear).
+//!
+//! Ordering: every kernel, copy and free of a device is issued on its one compute stream, so
+//! work runs in issue order and a freed block handed to the next allocation is only touched
+//! after everything queued before it. Only reads to the host wait (`to_host`,
+//! `read_elements`).
+//!
+//! Status: compiled in CI (no GPU there). The kernels are compile-checked by NVRTC and emulated
+//! on the host; this host-side code has not run on a GPU yet.
+
+// Not every item is used until every op of the backend is written (basic.rs, fused.rs and
+// blas.rs are being filled in): remove this once they are.
+#![allow(dead_code, unused_imports)]
+
+mod basic;
+mod blas;
+mod context;
+mod fused;
+mod imp;
+mod launch;
+mod memory;
+mod storage;
+
+pub(crate) use context::{context, DeviceContext};
+pub(crate) use launch::{grid_for, KernelArgs, BLOCK};
+pub use context::{cuda_device_count, cuda_memory_stats, CudaMemoryStats};
+pub use storage::CudaStorage;
