@@ -63,6 +63,8 @@ pub mod run_dir;
 #[cfg(feature = "cli")]
 pub mod schedule_cmd;
 #[cfg(feature = "cli")]
+pub mod selftest;
+#[cfg(feature = "cli")]
 pub mod stop;
 #[cfg(feature = "cli")]
 pub mod train;

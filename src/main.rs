@@ -38,6 +38,20 @@ enum Command {
         #[arg(long)]
         profile: bool,
     },
+    /// Check every op on a device against the CPU in f64 (forward and backward, per dtype), then
+    /// train the tiny GPT there beside the CPU; one line per check, a summary line last, non-zero
+    /// exit when a check fails. A CUDA device that is not available is skipped (exit 0).
+    Selftest {
+        /// cpu, cuda or cuda:N.
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// Steps of the tiny-GPT loss-curve check (0 skips it).
+        #[arg(long, default_value_t = 50)]
+        steps: usize,
+        /// Run only the op checks whose name contains this (the loss-curve check is skipped).
+        #[arg(long)]
+        filter: Option<String>,
+    },
     /// Train a GPT, or a BERT with --model bert (by default a small byte-level model on the built-in
     /// corpus, on CPU).
     Train(Box<TrainArgs>),
@@ -484,6 +498,33 @@ fn run(cli: Cli) -> Result<()> {
                 profile,
             })?;
             println!("{}", r.line());
+        }
+        Command::Selftest {
+            device,
+            steps,
+            filter,
+        } => {
+            let device: meshgrad::prelude::Device = device.parse()?;
+            if let Some(why) = meshgrad::selftest::skip_reason(device) {
+                println!("selftest: device={device} skipped: {why}");
+                return Ok(());
+            }
+            let results = meshgrad::selftest::run(&meshgrad::selftest::SelftestOptions {
+                device,
+                train_steps: steps,
+                filter,
+            })?;
+            let failed = results.iter().filter(|r| !r.ok()).count();
+            println!(
+                "selftest: device={device} checks={} failed={failed}",
+                results.len()
+            );
+            if failed > 0 {
+                anyhow::bail!(
+                    "selftest: {failed} of {} checks failed on {device}",
+                    results.len()
+                );
+            }
         }
         Command::Schedule {
             kind,

@@ -1,0 +1,263 @@
+//! `meshgrad selftest --device D`: every op the models use, forward and backward, run on `D`
+//! in each dtype the device computes in, against the same op on the CPU in f64 from the same
+//! (rounded) inputs; then the tiny GPT trained on `D` beside the CPU, loss for loss.
+//!
+//! Each check prints one line, `selftest: <case> <dtype> max_err=<e> tol=<t> ok|FAIL`, where
+//! `max_err` is the largest absolute difference over every output and input gradient of the
+//! case divided by the largest magnitude of the reference (scale-relative, so values near zero
+//! do not blow it up). Every check runs even after one fails; the last line is
+//! `selftest: device=<d> checks=<n> failed=<k>` and the command exits non-zero when `k > 0`.
+//!
+//! On the CPU this is a precision test of the CPU kernels (f32 and bf16 against f64); on a
+//! GPU it is the test of the CUDA kernels against the CPU. A CUDA device that is not there
+//! (no driver, or a build without `--features cuda`) is skipped with the reason, exit 0.
+
+mod cases;
+mod track;
+
+use anyhow::{bail, Result};
+use meshgrad_tensor::{DType, Device, Tensor};
+
+pub use cases::CASES;
+
+/// Where a case runs: the device and dtype it computes in, and the dtype its float inputs are
+/// rounded to (the dtype under test; the f64 reference reads the same rounded values).
+#[derive(Clone, Copy, Debug)]
+pub struct Env {
+    /// The device the case runs on.
+    pub device: Device,
+    /// The dtype the case computes in.
+    pub dtype: DType,
+    /// The dtype float inputs are rounded to before they are cast to `dtype`.
+    pub round: DType,
+}
+
+impl Env {
+    /// A float tensor of standard normal values (seeded), rounded to `round`, in `dtype` on
+    /// `device`.
+    pub fn randn(&self, dims: &[usize], seed: u64) -> meshgrad_tensor::Result<Tensor> {
+        self.scaled(dims, seed, 0.0, 1.0)
+    }
+
+    /// `mean + std * randn`, as [`Env::randn`].
+    pub fn scaled(
+        &self,
+        dims: &[usize],
+        seed: u64,
+        mean: f64,
+        std: f64,
+    ) -> meshgrad_tensor::Result<Tensor> {
+        meshgrad_tensor::Random::new(seed)
+            .dtype(DType::F64)
+            .normal(dims.to_vec(), mean, std)?
+            .to_dtype(self.round)?
+            .to_dtype(self.dtype)?
+            .to_device(self.device)
+    }
+
+    /// A CPU tensor moved to `device` unchanged (integer ids, masks).
+    pub fn exact(&self, t: Tensor) -> meshgrad_tensor::Result<Tensor> {
+        t.to_device(self.device)
+    }
+}
+
+/// One check: a name, the dtypes it runs in, a tolerance per dtype, and the computation (its
+/// outputs and input gradients, named).
+pub struct Case {
+    /// Name printed in the report.
+    pub name: &'static str,
+    /// Multiplies the dtype's base tolerance (for ops that sum many terms).
+    pub tol_factor: f64,
+    /// Whether the case runs in half dtypes (bf16).
+    pub half: bool,
+    /// The computation.
+    pub run: fn(&Env) -> meshgrad_tensor::Result<Vec<(&'static str, Tensor)>>,
+}
+
+/// The base tolerance of `dtype` (scale-relative error against f64).
+pub fn base_tolerance(dtype: DType) -> f64 {
+    match dtype {
+        DType::F64 => 1e-12,
+        DType::F32 => 1e-5,
+        DType::F16 => 2e-3,
+        _ => 1e-2, // bf16: 8 significant bits
+    }
+}
+
+/// The dtype as the report writes it (`f32`, `bf16`, ...).
+pub fn dtype_name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F64 => "f64",
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        DType::U8 => "u8",
+        DType::U32 => "u32",
+        DType::I64 => "i64",
+    }
+}
+
+/// The outcome of one check.
+#[derive(Clone, Debug)]
+pub struct CheckResult {
+    /// Case and dtype, e.g. `softmax f32`.
+    pub name: String,
+    /// The scale-relative error (NaN when the case failed to run).
+    pub max_err: f64,
+    /// The tolerance.
+    pub tol: f64,
+    /// Why it failed to run, if it did.
+    pub error: Option<String>,
+}
+
+impl CheckResult {
+    /// Whether the check passed.
+    pub fn ok(&self) -> bool {
+        self.error.is_none() && self.max_err <= self.tol
+    }
+
+    /// The report line.
+    pub fn line(&self) -> String {
+        match &self.error {
+            Some(e) => format!("selftest: {} FAIL: {e}", self.name),
+            None => format!(
+                "selftest: {} max_err={:.3e} tol={:.1e} {}",
+                self.name,
+                self.max_err,
+                self.tol,
+                if self.ok() { "ok" } else { "FAIL" }
+            ),
+        }
+    }
+}
+
+/// The scale-relative difference of two equally shaped tensors: `max |a - b| / max |b|`
+/// (`b` the reference; absolute when `b` is all zeros). NaN anywhere gives infinity.
+pub fn scaled_difference(a: &Tensor, b: &Tensor) -> meshgrad_tensor::Result<f64> {
+    if a.dims() != b.dims() {
+        return Err(meshgrad_tensor::Error::Msg(format!(
+            "shape {:?} differs from the reference's {:?}",
+            a.dims(),
+            b.dims()
+        )));
+    }
+    let a = a
+        .to_device(Device::Cpu)?
+        .to_dtype(DType::F64)?
+        .to_vec::<f64>()?;
+    let b = b
+        .to_device(Device::Cpu)?
+        .to_dtype(DType::F64)?
+        .to_vec::<f64>()?;
+    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs()));
+    let mut worst = 0f64;
+    for (x, y) in a.iter().zip(&b) {
+        let d = (x - y).abs();
+        if !d.is_finite() && !(x == y) {
+            return Ok(f64::INFINITY);
+        }
+        if d.is_finite() {
+            worst = worst.max(d);
+        }
+    }
+    Ok(if scale > 0.0 { worst / scale } else { worst })
+}
+
+/// Runs `case` on `device` in `dtype` and compares it with the CPU f64 reference.
+pub fn check(case: &Case, device: Device, dtype: DType) -> CheckResult {
+    let name = format!("{} {}", case.name, dtype_name(dtype));
+    let tol = base_tolerance(dtype) * case.tol_factor;
+    let outcome = (|| -> meshgrad_tensor::Result<f64> {
+        let under_test = (case.run)(&Env {
+            device,
+            dtype,
+            round: dtype,
+        })?;
+        let reference = (case.run)(&Env {
+            device: Device::Cpu,
+            dtype: DType::F64,
+            round: dtype,
+        })?;
+        let mut worst = 0f64;
+        for ((label, got), (_, want)) in under_test.iter().zip(&reference) {
+            let e = scaled_difference(got, want)
+                .map_err(|e| meshgrad_tensor::Error::Msg(format!("{label}: {e}")))?;
+            worst = worst.max(e);
+        }
+        Ok(worst)
+    })();
+    match outcome {
+        Ok(max_err) => CheckResult {
+            name,
+            max_err,
+            tol,
+            error: None,
+        },
+        Err(e) => CheckResult {
+            name,
+            max_err: f64::NAN,
+            tol,
+            error: Some(e.to_string()),
+        },
+    }
+}
+
+/// Options of `meshgrad selftest`.
+#[derive(Clone, Debug)]
+pub struct SelftestOptions {
+    /// The device under test.
+    pub device: Device,
+    /// Steps of the tiny-GPT loss-curve check (0 skips it).
+    pub train_steps: usize,
+    /// Run only the cases whose name contains this.
+    pub filter: Option<String>,
+}
+
+/// Why `device` cannot be tested here, if it cannot.
+pub fn skip_reason(device: Device) -> Option<String> {
+    match device {
+        Device::Cpu => None,
+        Device::Cuda(_) => device.check_available().err().map(|e| e.to_string()),
+    }
+}
+
+/// The dtypes checked on `device`: f32 and bf16 (f64 too on the CPU, where it is the
+/// reference itself and must agree to 1e-12).
+pub fn dtypes(device: Device) -> Vec<DType> {
+    match device {
+        Device::Cpu => vec![DType::F64, DType::F32, DType::BF16],
+        Device::Cuda(_) => vec![DType::F32, DType::BF16],
+    }
+}
+
+/// Runs the selftest, printing one line per check; returns the results (the caller prints
+/// the summary line and sets the exit status).
+pub fn run(opts: &SelftestOptions) -> Result<Vec<CheckResult>> {
+    let mut results = Vec::new();
+    for case in CASES {
+        if opts
+            .filter
+            .as_deref()
+            .is_some_and(|f| !case.name.contains(f))
+        {
+            continue;
+        }
+        for dtype in dtypes(opts.device) {
+            if matches!(dtype, DType::BF16 | DType::F16) && !case.half {
+                continue;
+            }
+            let r = check(case, opts.device, dtype);
+            println!("{}", r.line());
+            results.push(r);
+        }
+    }
+    if opts.train_steps > 0 && opts.filter.is_none() {
+        let r = track::loss_curve(opts.device, opts.train_steps);
+        println!("{}", r.line());
+        results.push(r);
+    }
+    if results.is_empty() {
+        bail!("selftest: no case matches the filter");
+    }
+    Ok(results)
+}

@@ -1,0 +1,76 @@
+//! The loss-curve check of `meshgrad selftest`: the tiny GPT (bench's `tiny-gpt` shape, dropout
+//! off) trained with AdamW on the built-in corpus for N steps on the device under test and on
+//! the CPU, from the same weights and batches; the largest relative difference of the step
+//! losses must stay within bf16 tolerance (1e-2).
+
+use meshgrad_nn::optim::{AdamW, AdamWConfig, Optimizer, ParamGroup};
+use meshgrad_nn::{Gpt, Module};
+use meshgrad_tensor::{DType, Device, Tensor};
+
+use super::CheckResult;
+
+/// Tolerance of the loss curves' largest relative difference.
+pub const LOSS_CURVE_TOLERANCE: f64 = 1e-2;
+
+/// Rows per batch and tokens per row of the check.
+const BATCH: usize = 4;
+const SEQ: usize = 64;
+
+/// The step losses of `steps` AdamW steps of the tiny GPT on `device`, in f32.
+pub fn losses(device: Device, steps: usize) -> meshgrad_tensor::Result<Vec<f64>> {
+    let (mut cfg, _) = crate::bench::bench_config("tiny-gpt")
+        .map_err(|e| meshgrad_tensor::Error::Msg(e.to_string()))?;
+    cfg.block_size = SEQ;
+    let model = Gpt::new(cfg, 1337, DType::F32, device)?;
+    let mut opt = AdamW::new(
+        vec![ParamGroup::new(model.named_parameters(), 0.1)],
+        AdamWConfig::default(),
+    )?;
+    let data = crate::corpus::builtin_dataset();
+    let mut out = Vec::with_capacity(steps);
+    for step in 0..steps as u64 {
+        let b = data
+            .batch(5, step, 0..BATCH as u64, SEQ)
+            .map_err(|e| meshgrad_tensor::Error::Msg(e.to_string()))?;
+        let ids = Tensor::from_vec(b.inputs, (BATCH, SEQ), Device::Cpu)?.to_device(device)?;
+        let targets = Tensor::from_vec(b.targets, (BATCH, SEQ), Device::Cpu)?.to_device(device)?;
+        let loss = model.loss(&ids, &targets, None)?;
+        opt.zero_grad();
+        loss.backward()?;
+        opt.step(1e-3)?;
+        out.push(loss.tensor().item()?);
+    }
+    Ok(out)
+}
+
+/// Trains on `device` and on the CPU and compares the curves.
+pub fn loss_curve(device: Device, steps: usize) -> CheckResult {
+    let name = format!("tiny_gpt_{steps}_steps f32 (loss curve vs cpu)");
+    let outcome = (|| -> meshgrad_tensor::Result<f64> {
+        let got = losses(device, steps)?;
+        let want = losses(Device::Cpu, steps)?;
+        let mut worst = 0f64;
+        for (g, w) in got.iter().zip(&want) {
+            let d = (g - w).abs() / w.abs().max(1e-12);
+            if !d.is_finite() {
+                return Ok(f64::INFINITY);
+            }
+            worst = worst.max(d);
+        }
+        Ok(worst)
+    })();
+    match outcome {
+        Ok(max_err) => CheckResult {
+            name,
+            max_err,
+            tol: LOSS_CURVE_TOLERANCE,
+            error: None,
+        },
+        Err(e) => CheckResult {
+            name,
+            max_err: f64::NAN,
+            tol: LOSS_CURVE_TOLERANCE,
+            error: Some(e.to_string()),
+        },
+    }
+}
