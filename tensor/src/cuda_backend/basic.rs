@@ -71,7 +71,8 @@ pub(super) fn to_host(s: &CudaStorage, l: &Layout) -> Result<CpuStorage> {
     };
     let ctx = s.ctx();
     let mut host = CpuStorage::zeros(s.dtype(), range.len());
-    let dst: &mut [u8] = crate::cpu_map!(&mut host, v => bytemuck::cast_slice_mut(v.as_mut_slice()));
+    let dst: &mut [u8] =
+        crate::cpu_map!(&mut host, v => bytemuck::cast_slice_mut(v.as_mut_slice()));
     if !dst.is_empty() {
         ctx.bind()?;
         // SAFETY: the view `range` lies inside `s` (its layout was checked against the buffer

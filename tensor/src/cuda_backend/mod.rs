@@ -27,9 +27,10 @@ mod fused;
 mod imp;
 mod launch;
 mod memory;
+mod signature;
 mod storage;
 
 pub(crate) use context::{context, DeviceContext};
-pub(crate) use launch::{grid_for, KernelArgs, BLOCK};
 pub use context::{cuda_device_count, cuda_memory_stats, CudaMemoryStats};
+pub(crate) use launch::{grid_for, KernelArgs, BLOCK};
 pub use storage::CudaStorage;
