@@ -278,6 +278,167 @@ mod tests {
         assert_eq!((p.run, p.height, p.copies()), (12, 1, 1));
     }
 
+    /// The element offsets the strided kernels compute for output element `i` (elementwise.cu's
+    /// `strided_offsets`), emulated on the host.
+    fn kernel_offsets(s: &StridedArgs, mut i: i64, nin: usize) -> Vec<i64> {
+        let mut off: Vec<i64> = s.offsets[..nin].to_vec();
+        for d in (0..s.ndim as usize).rev() {
+            let c = i % s.shape[d];
+            i /= s.shape[d];
+            for (k, o) in off.iter_mut().enumerate() {
+                *o += c * s.strides[k][d];
+            }
+        }
+        off
+    }
+
+    /// Views of a 4x6x8 buffer: contiguous, offset, permuted, narrowed, broadcast.
+    fn views() -> Vec<Layout> {
+        let base = Layout::contiguous(Shape::new(vec![4, 6, 8]));
+        vec![
+            base.clone(),
+            base.narrow(1, 2, 3).unwrap(),
+            base.permute(&[2, 0, 1]).unwrap(),
+            base.narrow(2, 1, 5).unwrap().permute(&[1, 2, 0]).unwrap(),
+            base.narrow(0, 1, 1)
+                .unwrap()
+                .broadcast_as(&Shape::new(vec![2, 1, 6, 8]))
+                .unwrap(),
+            Layout::new(Shape::new(vec![3, 2]), vec![0, 5], 7),
+        ]
+    }
+
+    #[test]
+    fn emulated_strided_copies_match_the_cpu() {
+        let data: Vec<i64> = (0..192).map(|v| v * 1_000_003 - (1 << 40)).collect();
+        for l in views() {
+            let n = l.shape().elem_count();
+            let mut want = vec![0i64; n];
+            meshgrad_kernels::cpu::strided::copy_strided(
+                &data,
+                l.offset(),
+                l.dims(),
+                l.strides(),
+                &mut want,
+            );
+            // 4-byte kernel elements.
+            let s = strided_args("t", l.dims(), &[View::of(&l)]).unwrap();
+            let got: Vec<i64> = (0..n as i64)
+                .map(|i| data[kernel_offsets(&s, i, 1)[0] as usize])
+                .collect();
+            assert_eq!(got, want, "{l:?}");
+            // 8-byte elements as word pairs of the little-endian buffer.
+            let words: Vec<u32> = data
+                .iter()
+                .flat_map(|&v| [v as u32, (v >> 32) as u32])
+                .collect();
+            let (d, v) = as_word_pairs(l.dims(), &[View::of(&l)], &[1]);
+            let s = strided_args("t", &d, &v).unwrap();
+            assert_eq!(s.numel as usize, 2 * n);
+            let got: Vec<i64> = (0..n as i64)
+                .map(|i| {
+                    let lo = words[kernel_offsets(&s, 2 * i, 1)[0] as usize] as u64;
+                    let hi = words[kernel_offsets(&s, 2 * i + 1, 1)[0] as usize] as u64;
+                    (lo | (hi << 32)) as i64
+                })
+                .collect();
+            assert_eq!(got, want, "word pairs of {l:?}");
+        }
+    }
+
+    #[test]
+    fn emulated_where_over_word_pairs_keeps_the_condition_per_element() {
+        // cond broadcast along dim 0; t, f [2, 3] 8-byte values.
+        let cond = [1u8, 0, 1];
+        let t: Vec<i64> = vec![-1, -2, -3, -4, -5, -6];
+        let f: Vec<i64> = vec![10, 20, 30, 40, 50, 60];
+        let lc = Layout::contiguous(Shape::new(vec![3]))
+            .broadcast_as(&Shape::new(vec![2, 3]))
+            .unwrap();
+        let lt = Layout::contiguous(Shape::new(vec![2, 3]));
+        let views = [View::of(&lc), View::of(&lt), View::of(&lt)];
+        let (d, v) = as_word_pairs(&[2, 3], &views, &[0, 1, 1]);
+        let s = strided_args("t", &d, &v).unwrap();
+        let split = |x: &[i64]| -> Vec<u32> {
+            x.iter()
+                .flat_map(|&v| [v as u32, (v >> 32) as u32])
+                .collect()
+        };
+        let (tw, fw) = (split(&t), split(&f));
+        let out: Vec<u32> = (0..s.numel)
+            .map(|i| {
+                let o = kernel_offsets(&s, i, 3);
+                if cond[o[0] as usize] != 0 {
+                    tw[o[1] as usize]
+                } else {
+                    fw[o[2] as usize]
+                }
+            })
+            .collect();
+        let got: Vec<i64> = out
+            .chunks(2)
+            .map(|w| (w[0] as u64 | ((w[1] as u64) << 32)) as i64)
+            .collect();
+        assert_eq!(got, vec![-1, 20, -3, -4, 50, -6]);
+    }
+
+    #[test]
+    fn emulated_pitched_writes_match_the_cpu() {
+        // Destinations: slices of a 4x6x8 buffer (as `cat` writes them) and transposes, each
+        // handled as copy_into does: dims by decreasing stride, then a contiguous write or
+        // pitched 2-D copies of the contiguous source.
+        let base = Layout::contiguous(Shape::new(vec![4, 6, 8]));
+        let dsts = [
+            base.narrow(1, 2, 3).unwrap(),
+            base.narrow(2, 3, 4).unwrap(),
+            base.narrow(0, 1, 2).unwrap().narrow(2, 0, 5).unwrap(),
+            base.permute(&[1, 0, 2]).unwrap(),
+            base.narrow(2, 1, 6).unwrap().permute(&[2, 1, 0]).unwrap(),
+        ];
+        for dl in dsts {
+            let n = dl.shape().elem_count();
+            let src: Vec<i64> = (0..n as i64).map(|v| 1000 + v).collect();
+            let mut want = vec![0i64; 192];
+            meshgrad_kernels::cpu::strided::copy_into_strided(
+                &src,
+                &mut want,
+                dl.offset(),
+                dl.dims(),
+                dl.strides(),
+            );
+            let perm = by_decreasing_stride(&dl);
+            let pdl = dl.permute(&perm).unwrap();
+            // The source, permuted the same way and made contiguous (what copy_strided does).
+            let sl = Layout::contiguous(dl.shape().clone())
+                .permute(&perm)
+                .unwrap();
+            let mut psrc = vec![0i64; n];
+            meshgrad_kernels::cpu::strided::copy_strided(
+                &src,
+                sl.offset(),
+                sl.dims(),
+                sl.strides(),
+                &mut psrc,
+            );
+            let mut got = vec![0i64; 192];
+            if pdl.is_contiguous() {
+                got[pdl.offset()..pdl.offset() + n].copy_from_slice(&psrc);
+            } else {
+                let p = pitch_plan(pdl.dims(), pdl.strides());
+                assert!(p.pitch >= p.run);
+                for k in 0..p.copies() {
+                    for r in 0..p.height {
+                        for e in 0..p.run {
+                            got[pdl.offset() + p.dst_offset(k) + r * p.pitch + e] =
+                                psrc[(k * p.height + r) * p.run + e];
+                        }
+                    }
+                }
+            }
+            assert_eq!(got, want, "{dl:?}");
+        }
+    }
+
     #[test]
     fn dims_sort_by_decreasing_stride() {
         let l = Layout::new(Shape::new(vec![3, 2, 4]), vec![1, 12, 3], 0);
