@@ -6,7 +6,8 @@
 //! kernel modules, library handles), `memory.rs` (the caching allocator), `storage.rs`
 //! ([`CudaStorage`]), `imp.rs` (the [`crate::backend::api::BackendStorage`] implementation,
 //! which delegates to `basic.rs` for the required ops, `fused.rs` for the fused ones and
-//! `blas.rs` for matmul and linear).
+//! `blas.rs` for matmul and linear), `signature.rs` (every launch's argument sizes checked
+//! against the kernel's declaration, read from the kernel source).
 //!
 //! Ordering: every kernel, copy and free of a device is issued on its one compute stream, so
 //! work runs in issue order and a freed block handed to the next allocation is only touched

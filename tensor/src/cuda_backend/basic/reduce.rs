@@ -5,7 +5,7 @@ use meshgrad_kernels::ops::ReduceOp;
 use super::{args, contiguous, float_sfx};
 use crate::backend::api::In;
 use crate::cuda_backend::CudaStorage;
-use crate::{DType, Result};
+use crate::{DType, Error, Result};
 
 /// Rows at least this long (with `inner == 1`) are reduced by a block each (`_lastdim`);
 /// shorter ones by one thread each (`_strided`, which adds in the CPU's order).
@@ -38,6 +38,12 @@ pub(crate) fn reduce(
     let out = CudaStorage::uninit(s.ctx(), out_dtype, outer * inner)?;
     if outer * inner == 0 {
         return Ok(out);
+    }
+    if red == 0 && op != ReduceOp::Sum {
+        // The CPU kernels refuse this too (the CUDA ones would write NaN / 0).
+        return Err(Error::Msg(format!(
+            "reduce: {op:?} over an empty dimension (shape [{outer}, 0, {inner}])"
+        )));
     }
     let (x, _keep) = contiguous((s, l))?;
     let launch = if use_lastdim(red, inner) {
