@@ -34,26 +34,31 @@ pub(crate) fn full(device: Device, value: f64, dtype: DType, len: usize) -> Resu
         return Ok(out);
     }
     let (ptr, stream) = (out.device_ptr(), ctx.stream.cu_stream());
-    ctx.bind()?;
-    // SAFETY (the three memsets): `out` owns `len` elements of the memset's width at `ptr` (the
-    // allocator aligns blocks to at least 256 bytes); ordered on the compute stream.
-    let r = match dtype {
-        DType::U8 => unsafe { result::memset_d8_async(ptr, value as u8, len, stream) },
-        DType::BF16 => unsafe {
-            sys::cuMemsetD16Async(ptr, bf16::from_f64(value).to_bits(), len, stream).result()
-        },
-        DType::F16 => unsafe {
-            sys::cuMemsetD16Async(ptr, f16::from_f64(value).to_bits(), len, stream).result()
-        },
-        DType::F32 => unsafe {
-            sys::cuMemsetD32Async(ptr, (value as f32).to_bits(), len, stream).result()
-        },
-        DType::U32 => unsafe { sys::cuMemsetD32Async(ptr, value as u32, len, stream).result() },
+    match dtype {
         DType::F64 => return args::fill_f64(ptr, len, value).run(&ctx).map(|()| out),
         DType::I64 => {
             return args::fill_i64(ptr, len, value as i64)
                 .run(&ctx)
                 .map(|()| out)
+        }
+        _ => {}
+    }
+    ctx.bind()?;
+    // SAFETY: `out` owns `len` elements of the memset's width at `ptr` (each block is its own
+    // driver allocation, aligned to at least 256 bytes); ordered on the compute stream.
+    let r = unsafe {
+        match dtype {
+            DType::U8 => result::memset_d8_async(ptr, value as u8, len, stream),
+            DType::BF16 => {
+                sys::cuMemsetD16Async(ptr, bf16::from_f64(value).to_bits(), len, stream).result()
+            }
+            DType::F16 => {
+                sys::cuMemsetD16Async(ptr, f16::from_f64(value).to_bits(), len, stream).result()
+            }
+            DType::F32 => {
+                sys::cuMemsetD32Async(ptr, (value as f32).to_bits(), len, stream).result()
+            }
+            _ => sys::cuMemsetD32Async(ptr, value as u32, len, stream).result(), // U32
         }
     };
     r.map_err(|e| ctx.err("filling a buffer", e))?;
