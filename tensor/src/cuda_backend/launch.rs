@@ -9,7 +9,7 @@ use std::ffi::c_void;
 use cudarc::driver::{result, DeviceRepr};
 
 use super::context::DeviceContext;
-use crate::Result;
+use crate::{Error, Result};
 
 /// The parameters of one launch, in the kernel's order. Each value is boxed so the addresses
 /// handed to the driver stay fixed while the list grows.
@@ -17,6 +17,7 @@ use crate::Result;
 pub(crate) struct KernelArgs {
     owned: Vec<Box<dyn Any>>,
     ptrs: Vec<*mut c_void>,
+    sizes: Vec<usize>,
 }
 
 impl KernelArgs {
@@ -30,7 +31,14 @@ impl KernelArgs {
         let b = Box::new(value);
         self.ptrs.push(&*b as *const T as *mut c_void);
         self.owned.push(b);
+        self.sizes.push(std::mem::size_of::<T>());
         self
+    }
+
+    /// The byte size of each parameter, in order (checked against the kernel's declaration by
+    /// [`super::signature::check_args`]).
+    pub fn sizes(&self) -> &[usize] {
+        &self.sizes
     }
 }
 
@@ -49,7 +57,9 @@ impl DeviceContext {
     ///
     /// The caller promises what the kernel needs: `args` in the order and types of the
     /// kernel's parameters, every pointer a live buffer of this device large enough for the
-    /// indices the kernel reads and writes.
+    /// indices the kernel reads and writes. The argument sizes are checked against the kernel's
+    /// declaration first (see [`super::signature`]): a mismatch is an [`Error::Cuda`] naming
+    /// the entry and both size lists, and nothing is launched.
     pub fn launch(
         &self,
         file: &'static str,
@@ -59,6 +69,10 @@ impl DeviceContext {
         shared: u32,
         mut args: KernelArgs,
     ) -> Result<()> {
+        super::signature::check_args(file, entry, args.sizes()).map_err(|e| Error::Cuda {
+            device: self.device(),
+            message: e.to_string(),
+        })?;
         let f = self.function(file, entry)?;
         self.bind()?;
         // SAFETY: `f` is a function of a module loaded on this context (kept alive by the
@@ -95,6 +109,8 @@ mod tests {
         // SAFETY: the pointers point at the boxed u64 and i32 pushed first.
         let (x, y) = unsafe { (*(a.ptrs[0] as *const u64), *(a.ptrs[1] as *const i32)) };
         assert_eq!((x, y), (7, -3));
+        assert_eq!(&a.sizes()[..3], &[8, 4, 8]);
+        assert_eq!(a.sizes().len(), 102);
         assert_eq!(grid_for(0, 256), (1, 1, 1));
         assert_eq!(grid_for(257, 256), (2, 1, 1));
     }

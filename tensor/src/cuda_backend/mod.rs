@@ -5,8 +5,9 @@
 //! Files: `context.rs` (one [`DeviceContext`] per device: CUDA context, compute stream, loaded
 //! kernel modules, library handles), `memory.rs` (the caching allocator), `storage.rs`
 //! ([`CudaStorage`]), `imp.rs` (the [`crate::backend::api::BackendStorage`] implementation,
-//! which delegates to `basic.rs` for the required ops, `fused.rs` for the fused ones and
-//! `blas.rs` for matmul and linear).
+//! which delegates to `basic/` for the required ops, `fused.rs` for the fused ones and
+//! `blas.rs` for matmul and linear), `signature.rs` (every launch's argument sizes checked
+//! against the kernel's declaration, read from the kernel source).
 //!
 //! Ordering: every kernel, copy and free of a device is issued on its one compute stream, so
 //! work runs in issue order and a freed block handed to the next allocation is only touched
@@ -27,6 +28,7 @@ mod fused;
 mod imp;
 mod launch;
 mod memory;
+mod signature;
 mod storage;
 
 pub(crate) use context::{context, DeviceContext};

@@ -1,0 +1,56 @@
+//! Reductions over the middle dim of `[outer, red, inner]`.
+
+use meshgrad_kernels::ops::ReduceOp;
+
+use super::{args, contiguous, float_sfx};
+use crate::backend::api::In;
+use crate::cuda_backend::CudaStorage;
+use crate::{DType, Error, Result};
+
+/// Rows at least this long (with `inner == 1`) are reduced by a block each (`_lastdim`);
+/// shorter ones by one thread each (`_strided`, which adds in the CPU's order).
+pub(crate) const LASTDIM_MIN_RED: usize = 64;
+
+/// Whether a reduction of `[outer, red, inner]` uses the `_lastdim` kernels (one block per
+/// row: `inner == 1` and rows of at least [`LASTDIM_MIN_RED`]) rather than `_strided` (one
+/// thread per output element).
+pub(crate) fn use_lastdim(red: usize, inner: usize) -> bool {
+    inner == 1 && red >= LASTDIM_MIN_RED
+}
+
+/// See `BackendStorage::reduce` (f32, bf16, f16; output in the input's dtype, i64 for argmax as
+/// on the CPU). `_strided` sums add in increasing index order in f32 like the CPU (bitwise
+/// equal for f32); `_lastdim` sums add in a fixed tree order (deterministic, equal to rounding).
+/// Max and argmax are exact either way.
+pub(crate) fn reduce(
+    op: ReduceOp,
+    (s, l): In<'_, CudaStorage>,
+    outer: usize,
+    red: usize,
+    inner: usize,
+) -> Result<CudaStorage> {
+    let sfx = float_sfx("reduce", s.dtype())?;
+    let out_dtype = if op == ReduceOp::ArgMax {
+        DType::I64
+    } else {
+        s.dtype()
+    };
+    let out = CudaStorage::uninit(s.ctx(), out_dtype, outer * inner)?;
+    if outer * inner == 0 {
+        return Ok(out);
+    }
+    if red == 0 && op != ReduceOp::Sum {
+        // The CPU kernels refuse this too (the CUDA ones would write NaN / 0).
+        return Err(Error::Msg(format!(
+            "reduce: {op:?} over an empty dimension (shape [{outer}, 0, {inner}])"
+        )));
+    }
+    let (x, _keep) = contiguous((s, l))?;
+    let launch = if use_lastdim(red, inner) {
+        args::reduce_lastdim(op, sfx, x, out.device_ptr(), outer, red)
+    } else {
+        args::reduce_strided(op, sfx, x, out.device_ptr(), outer, red, inner)
+    };
+    launch.run(s.ctx())?;
+    Ok(out)
+}
