@@ -1,0 +1,99 @@
+//! Operands as the kernels take them: contiguous and of the kernel's dtype. A view that already
+//! is is used in place (at its first element); otherwise a contiguous or converted copy is made
+//! for the launch (kept alive until the op returns; its block goes back to the cache in stream
+//! order, after the kernels that read it).
+
+use meshgrad_kernels::ops::CmpOp;
+
+use super::super::{basic, CudaStorage, DeviceContext};
+use crate::backend::api::In;
+use crate::{DType, Error, Layout, Result};
+
+/// An operand ready for a kernel.
+pub(crate) enum Operand<'a> {
+    /// The caller's buffer, whose view starts at element `.1`.
+    View(&'a CudaStorage, usize),
+    /// A copy made for this launch.
+    Copy(CudaStorage),
+}
+
+impl Operand<'_> {
+    /// The device address of the operand's first element.
+    pub fn ptr(&self) -> u64 {
+        match self {
+            Operand::View(s, start) => s.ptr_at(*start),
+            Operand::Copy(s) => s.device_ptr(),
+        }
+    }
+}
+
+/// The address of an optional operand (0, the kernels' `nullptr`, when absent).
+pub(crate) fn ptr_or_null(o: &Option<Operand<'_>>) -> u64 {
+    o.as_ref().map_or(0, Operand::ptr)
+}
+
+/// `x` as a contiguous operand: in place when its view is contiguous, else a contiguous copy.
+pub(crate) fn contiguous(x: In<'_, CudaStorage>) -> Result<Operand<'_>> {
+    match x.1.contiguous_range() {
+        Some(r) => Ok(Operand::View(x.0, r.start)),
+        None => Ok(Operand::Copy(basic::copy_contiguous(x.0, x.1)?)),
+    }
+}
+
+/// `x` as a contiguous operand of `dtype`: in place when it already is, else a converted
+/// contiguous copy.
+pub(crate) fn as_dtype(x: In<'_, CudaStorage>, dtype: DType) -> Result<Operand<'_>> {
+    if x.0.dtype() == dtype {
+        contiguous(x)
+    } else {
+        Ok(Operand::Copy(basic::cast(x.0, x.1, dtype)?))
+    }
+}
+
+/// Integer ids (targets, positions) as a contiguous i64 operand; a float dtype is refused.
+pub(crate) fn ids_i64<'a>(x: In<'a, CudaStorage>, op: &'static str) -> Result<Operand<'a>> {
+    if !x.0.dtype().is_int() {
+        return Err(Error::UnsupportedDType {
+            op,
+            dtype: x.0.dtype(),
+        });
+    }
+    as_dtype(x, DType::I64)
+}
+
+/// An integer mask (nonzero = keep) as a contiguous u8 operand of 0s and 1s (u8 in place; wider
+/// integers compared with 0, since a cast would truncate 256 to 0).
+pub(crate) fn mask_u8<'a>(x: In<'a, CudaStorage>, op: &'static str) -> Result<Operand<'a>> {
+    match x.0.dtype() {
+        DType::U8 => contiguous(x),
+        dt if dt.is_int() => {
+            let zero = basic::zeros(x.0.device(), dt, 1)?;
+            let zl = Layout::new(x.1.shape().clone(), vec![0; x.1.shape().rank()], 0);
+            Ok(Operand::Copy(basic::compare(CmpOp::Ne, x, (&zero, &zl))?))
+        }
+        dtype => Err(Error::UnsupportedDType { op, dtype }),
+    }
+}
+
+/// Checks that the view `l` of operand `name` has `n` elements (a wrong size would make a
+/// kernel read or write out of bounds).
+pub(crate) fn check_len(op: &str, name: &str, l: &Layout, n: usize) -> Result<()> {
+    let have = l.shape().elem_count();
+    if have == n {
+        Ok(())
+    } else {
+        Err(Error::Msg(format!(
+            "{op} (CUDA): operand {name} has {have} elements (shape {}), the kernel needs {n}",
+            l.shape()
+        )))
+    }
+}
+
+/// A new (uninitialised) output of `len` elements of `dtype` on `ctx`'s device.
+pub(crate) fn output(
+    ctx: &std::sync::Arc<DeviceContext>,
+    dtype: DType,
+    len: usize,
+) -> Result<CudaStorage> {
+    CudaStorage::uninit(ctx, dtype, len)
+}
