@@ -2,7 +2,8 @@
 //!
 //! Logits f32, bf16 or f16 (computed in f32); f64 is not provided on CUDA (`Ok(None)`). The
 //! per-row `loss` and `lse` are f32, as the CPU backend returns them (compute precision).
-//! Integer targets of any dtype are widened to i64 for the kernel.
+//! Targets are read as i64 (u8 / u32 targets are widened on the host: a round trip that waits
+//! for the stream).
 //!
 //! Target validation as the CPU: a target outside `0..cols` that is not `ignore_index` is an
 //! error naming the row and the value. The kernel records the smallest such row in a device

@@ -17,6 +17,8 @@
 mod args;
 mod attention;
 mod classifier;
+#[cfg(test)]
+pub(super) mod launch_table;
 mod misc;
 mod norms;
 mod operand;

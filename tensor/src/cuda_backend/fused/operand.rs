@@ -3,10 +3,9 @@
 //! for the launch (kept alive until the op returns; its block goes back to the cache in stream
 //! order, after the kernels that read it).
 
-use meshgrad_kernels::ops::CmpOp;
-
 use super::super::{basic, CudaStorage, DeviceContext};
 use crate::backend::api::In;
+use crate::storage::CpuStorage;
 use crate::{DType, Error, Layout, Result};
 
 /// An operand ready for a kernel.
@@ -51,28 +50,53 @@ pub(crate) fn as_dtype(x: In<'_, CudaStorage>, dtype: DType) -> Result<Operand<'
 }
 
 /// Integer ids (targets, positions) as a contiguous i64 operand; a float dtype is refused.
+///
+/// i64 ids are used in place. u8 / u32 ids are widened on the host (the kernels of
+/// `kernels/cuda` have no integer-to-integer cast): a copy to the host and back, which waits for
+/// the stream; pass i64 ids to avoid it.
 pub(crate) fn ids_i64<'a>(x: In<'a, CudaStorage>, op: &'static str) -> Result<Operand<'a>> {
-    if !x.0.dtype().is_int() {
-        return Err(Error::UnsupportedDType {
-            op,
-            dtype: x.0.dtype(),
-        });
-    }
-    as_dtype(x, DType::I64)
+    let widened: Vec<i64> = match x.0.dtype() {
+        DType::I64 => return contiguous(x),
+        DType::U32 | DType::U8 => match basic::to_host(x.0, x.1)? {
+            CpuStorage::U32(v) => v.into_iter().map(i64::from).collect(),
+            CpuStorage::U8(v) => v.into_iter().map(i64::from).collect(),
+            other => {
+                return Err(Error::UnsupportedDType {
+                    op,
+                    dtype: other.dtype(),
+                })
+            }
+        },
+        dtype => return Err(Error::UnsupportedDType { op, dtype }),
+    };
+    let host = CpuStorage::I64(widened);
+    Ok(Operand::Copy(basic::from_host(x.0.device(), host)?))
 }
 
-/// An integer mask (nonzero = keep) as a contiguous u8 operand of 0s and 1s (u8 in place; wider
-/// integers compared with 0, since a cast would truncate 256 to 0).
+/// An integer mask (nonzero = keep) as a contiguous u8 operand (nonzero = keep).
+///
+/// u8 masks are used in place. u32 / i64 masks are turned into 0/1 bytes on the host (a cast
+/// would truncate 256 to 0, and the kernels have no integer comparison): a copy to the host and
+/// back, which waits for the stream; pass u8 masks to avoid it.
 pub(crate) fn mask_u8<'a>(x: In<'a, CudaStorage>, op: &'static str) -> Result<Operand<'a>> {
-    match x.0.dtype() {
-        DType::U8 => contiguous(x),
-        dt if dt.is_int() => {
-            let zero = basic::zeros(x.0.device(), dt, 1)?;
-            let zl = Layout::new(x.1.shape().clone(), vec![0; x.1.shape().rank()], 0);
-            Ok(Operand::Copy(basic::compare(CmpOp::Ne, x, (&zero, &zl))?))
-        }
-        dtype => Err(Error::UnsupportedDType { op, dtype }),
-    }
+    let bytes: Vec<u8> = match x.0.dtype() {
+        DType::U8 => return contiguous(x),
+        DType::U32 | DType::I64 => match basic::to_host(x.0, x.1)? {
+            CpuStorage::U32(v) => v.into_iter().map(|m| u8::from(m != 0)).collect(),
+            CpuStorage::I64(v) => v.into_iter().map(|m| u8::from(m != 0)).collect(),
+            other => {
+                return Err(Error::UnsupportedDType {
+                    op,
+                    dtype: other.dtype(),
+                })
+            }
+        },
+        dtype => return Err(Error::UnsupportedDType { op, dtype }),
+    };
+    Ok(Operand::Copy(basic::from_host(
+        x.0.device(),
+        CpuStorage::U8(bytes),
+    )?))
 }
 
 /// Checks that the view `l` of operand `name` has `n` elements (a wrong size would make a

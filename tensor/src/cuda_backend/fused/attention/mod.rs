@@ -2,17 +2,20 @@
 //! buffers or straight from a fused `[B, T, 3C]` qkv projection.
 //!
 //! Provided: f32, bf16 and f16 (computed in f32), head dims 64 and 128, causal masking and a key
-//! padding mask (integer `[batch, seq_k]`, nonzero = attend; widened to u8 0/1 when it is not
-//! u8). `Ok(None)` (not provided: the tensor op's composed fallback) for an additive score bias,
-//! other head dims, f64, and a backward that must return `dz` (the `[batch_heads, seq_q, seq_k]`
-//! score gradient the bias gradient needs: the kernels never form it).
+//! padding mask (integer `[batch, seq_k]`, nonzero = attend; a u32 / i64 mask is turned into u8
+//! 0/1 on the host, a round trip that waits for the stream: pass u8 masks on CUDA).
+//!
+//! `Ok(None)` (not provided: the composed fallback, or "not implemented" at the dispatch until
+//! one exists) for an additive score bias, other head dims, f64, and a backward that must
+//! return `dz` (the `[batch_heads, seq_q, seq_k]` score gradient the bias gradient needs: the
+//! kernels never form it).
 //!
 //! `lse` is f32 `[batch_heads, seq_q]` (as the CPU returns it); a row that sees no key gets out 0
 //! and lse -inf. Backward order (attention.cu's header): `attn_bwd_delta` (delta = dout·out per
 //! query row), then `attn_bwd_dq` and `attn_bwd_dkdv`, which overwrite dq, dk, dv. Batch-heads
 //! beyond the grid's y limit (65535) are split over several launches (`params::bh_chunks`).
 
-mod params;
+pub(super) mod params;
 #[cfg(test)]
 mod tests;
 
