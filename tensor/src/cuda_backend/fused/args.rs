@@ -118,25 +118,47 @@ impl Launch {
     /// Issues the launch on `ctx`'s compute stream. `what` describes the call (op, shapes,
     /// dtypes) for the error message. The caller promises what [`DeviceContext::launch`] needs:
     /// every pointer a live buffer of this device, large enough for what the kernel touches.
+    ///
+    /// A kernel fault (an illegal address, say) is reported by whatever waits on the stream
+    /// next. With `MESHGRAD_CUDA_SYNC_LAUNCHES=1` in the environment every fused launch waits
+    /// for its kernel, so a fault is reported here, naming the op (slow: for debugging).
     pub fn run(&self, ctx: &DeviceContext, what: impl FnOnce() -> String) -> Result<()> {
-        ctx.launch(
+        let describe = |what: String| {
+            format!(
+                "{what} ({} grid {:?}, block {:?})",
+                self.entry, self.grid, self.block
+            )
+        };
+        let launched = ctx.launch(
             self.file,
             &self.entry,
             self.grid,
             self.block,
             self.shared,
             self.kernel_args(),
-        )
-        .map_err(|e| {
-            annotate(
-                e,
-                &format!("{} (grid {:?}, block {:?})", what(), self.grid, self.block),
-            )
-        })
+        );
+        match launched.and_then(|()| {
+            if sync_launches() {
+                ctx.synchronize()
+            } else {
+                Ok(())
+            }
+        }) {
+            Ok(()) => Ok(()),
+            Err(e) => Err(annotate(e, &describe(what()))),
+        }
     }
 }
 
-/// `e` with `what` in front of its message (CUDA errors keep their variant and device).
+/// Whether `MESHGRAD_CUDA_SYNC_LAUNCHES=1` asks every fused launch to wait for its kernel (read
+/// once).
+fn sync_launches() -> bool {
+    static SYNC: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SYNC.get_or_init(|| std::env::var("MESHGRAD_CUDA_SYNC_LAUNCHES").is_ok_and(|v| v == "1"))
+}
+
+/// `e` with `what` in front of its message (CUDA and message errors; other variants, which
+/// carry their own op, are kept as they are).
 pub(crate) fn annotate(e: Error, what: &str) -> Error {
     match e {
         Error::Cuda { device, message } => Error::Cuda {
@@ -144,7 +166,7 @@ pub(crate) fn annotate(e: Error, what: &str) -> Error {
             message: format!("{what}: {message}"),
         },
         Error::Msg(m) => Error::Msg(format!("{what}: {m}")),
-        other => Error::Msg(format!("{what}: {other}")),
+        other => other,
     }
 }
 
