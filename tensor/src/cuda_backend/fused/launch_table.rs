@@ -1,0 +1,126 @@
+//! Test support: one launch of every kernel entry point the fused ops use, built by the same
+//! pure functions the ops call, with fake addresses and sizes. A checker of the kernels'
+//! `extern "C"` parameter lists can run over [`every_launch`] (`file`, `entry`, `sizes()`), and
+//! the test below checks that every entry point of the fused kernel files is covered.
+
+use std::collections::BTreeSet;
+
+use meshgrad_kernels::ops::{AdamWStep, AttentionShape, UnaryGrad};
+
+use super::args::{assert_known, Launch};
+use super::attention::params::{
+    delta_launch, dkdv_launch, dq_launch, fwd_launch, qkv_params, separate_params, HEAD_DIMS,
+};
+use super::classifier::{ce_bwd_launch, ce_fwd_launch};
+use super::misc::{
+    gelu_bwd_launch, rotary_launch, swiglu_bwd_launch, swiglu_fwd_launch, unary_bwd_launch,
+};
+use super::norms::{
+    layer_norm_bwd_launch, layer_norm_fwd_launch, partials_reduce_launch, rms_norm_bwd_launch,
+    rms_norm_fwd_launch,
+};
+use super::optimizer::{adamw_launch, sgd_launch};
+use super::softmax::{logsumexp_launch, softmax_bwd_launch, softmax_fwd_launch};
+
+/// The dtype suffixes the fused kernels are instantiated for.
+const SUFFIXES: [&str; 3] = ["f32", "bf16", "f16"];
+
+/// One launch of every entry point the fused ops use, for every dtype suffix.
+pub(crate) fn every_launch() -> Vec<Launch> {
+    let mut v = Vec::new();
+    let hp = AdamWStep {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        step: 1,
+    };
+    for t in SUFFIXES {
+        for log in [false, true] {
+            v.push(softmax_fwd_launch(t, log, 1, 2, 3, 4));
+            v.push(softmax_bwd_launch(t, log, 1, 2, 3, 4, 5));
+        }
+        v.push(logsumexp_launch(t, 1, 2, 3, 4, 1));
+        v.push(logsumexp_launch(t, 1, 2, 3, 4, 5));
+        v.push(gelu_bwd_launch(t, 1, 2, 3, 4, true));
+        v.push(unary_bwd_launch(t, 1, 2, 3, 4, UnaryGrad::Clamp(0.0, 1.0)));
+        v.push(swiglu_fwd_launch(t, 1, 2, 3, 4));
+        v.push(swiglu_bwd_launch(t, [1, 2, 3, 4, 5], 6));
+        v.push(rotary_launch(t, 1, 2, 3, [1, 2, 3, 4], 1e4, false));
+        v.push(layer_norm_fwd_launch(t, [1, 2, 3, 4, 5, 6], 7, 8, 1e-5));
+        v.push(rms_norm_fwd_launch(t, [1, 2, 3, 4], 5, 6, 1e-5));
+        v.push(layer_norm_bwd_launch(t, [1, 2, 3, 4, 5, 6, 7, 8], 9, 10, 9));
+        v.push(rms_norm_bwd_launch(t, [1, 2, 3, 4, 5, 6], 7, 8, 7));
+        v.push(partials_reduce_launch(t, 1, 2, 3, 4, false));
+        v.push(ce_fwd_launch(t, [1, 2, 3, 4, 5], 6, 7, Some(-100)));
+        v.push(ce_bwd_launch(t, [1, 2, 3, 4, 5], 6, 7, None));
+        v.push(adamw_launch(t, [1, 2, 3, 4], 5, &hp));
+        v.push(sgd_launch(t, [1, 2, 3], 4, [0.1, 0.9, 0.0], false));
+        for d in HEAD_DIMS {
+            let shape = AttentionShape {
+                batch_heads: 4,
+                seq_q: 33,
+                seq_k: 33,
+                head_dim: d,
+                causal: true,
+                scale: 0.1,
+            };
+            let p = separate_params(&shape, 2);
+            let q = qkv_params(&shape, 2, 2);
+            v.push(fwd_launch(t, d, [1, 2, 3, 4, 5, 6], &p));
+            v.push(dq_launch(t, d, [1, 2, 3, 4, 5, 6, 7, 8], &q));
+            v.push(dkdv_launch(t, d, [1, 2, 3, 4, 5, 6, 7, 8, 9], &q));
+        }
+        let p = separate_params(
+            &AttentionShape {
+                batch_heads: 4,
+                seq_q: 33,
+                seq_k: 33,
+                head_dim: 64,
+                causal: false,
+                scale: 0.1,
+            },
+            1,
+        );
+        v.push(delta_launch(t, 64, [1, 2, 3], &p));
+    }
+    v
+}
+
+#[test]
+fn every_entry_point_of_the_fused_kernel_files_has_a_launch() {
+    let launches = every_launch();
+    let mut built = BTreeSet::new();
+    for l in &launches {
+        assert_known(l);
+        built.insert((l.file, l.entry.clone()));
+    }
+    for file in [
+        "softmax.cu",
+        "norms.cu",
+        "activations.cu",
+        "rotary.cu",
+        "classifier.cu",
+        "optimizer.cu",
+        "attention.cu",
+    ] {
+        let src = meshgrad_kernels::cuda::source(file).expect("listed");
+        for e in src.entries {
+            // The GELU forward is the basic `unary` op (basic.rs), not a fused one.
+            if e.starts_with("gelu_fwd_") {
+                continue;
+            }
+            assert!(
+                built.contains(&(file, e.to_string())),
+                "no fused launch of {file}:{e}"
+            );
+        }
+    }
+    for t in SUFFIXES {
+        for kind in ["lastdim", "strided"] {
+            let e = format!("logsumexp_{kind}_{t}");
+            assert!(built.contains(&("reduce.cu", e)));
+        }
+    }
+}
