@@ -61,6 +61,9 @@ impl Env {
     }
 }
 
+/// The named outputs and input gradients of one run of a case.
+pub type CaseOutputs = meshgrad_tensor::Result<Vec<(&'static str, Tensor)>>;
+
 /// One check: a name, the dtypes it runs in, a tolerance per dtype, and the computation (its
 /// outputs and input gradients, named).
 pub struct Case {
@@ -71,7 +74,7 @@ pub struct Case {
     /// Whether the case runs in half dtypes (bf16).
     pub half: bool,
     /// The computation.
-    pub run: fn(&Env) -> meshgrad_tensor::Result<Vec<(&'static str, Tensor)>>,
+    pub run: fn(&Env) -> CaseOutputs,
 }
 
 /// The base tolerance of `dtype` (scale-relative error against f64).

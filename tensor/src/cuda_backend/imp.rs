@@ -1,5 +1,5 @@
-//! The CUDA backend's implementation of [`BackendStorage`]: each method delegates to `basic.rs`
-//! (required ops), `fused.rs` (fused ops) or `blas.rs` (matmul, linear).
+//! The CUDA backend's implementation of [`BackendStorage`]: each method delegates to `basic/`
+//! (required ops), `fused/` (fused ops) or `blas.rs` (matmul, linear).
 
 #![allow(clippy::too_many_arguments, clippy::type_complexity)]
 

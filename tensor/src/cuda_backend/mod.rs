@@ -5,7 +5,7 @@
 //! Files: `context.rs` (one [`DeviceContext`] per device: CUDA context, compute stream, loaded
 //! kernel modules, library handles), `memory.rs` (the caching allocator), `storage.rs`
 //! ([`CudaStorage`]), `imp.rs` (the [`crate::backend::api::BackendStorage`] implementation,
-//! which delegates to `basic/` for the required ops, `fused.rs` for the fused ones and
+//! which delegates to `basic/` for the required ops, `fused/` for the fused ones and
 //! `blas.rs` for matmul and linear), `signature.rs` (every launch's argument sizes checked
 //! against the kernel's declaration, read from the kernel source).
 //!

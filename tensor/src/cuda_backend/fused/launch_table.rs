@@ -124,3 +124,13 @@ fn every_entry_point_of_the_fused_kernel_files_has_a_launch() {
         }
     }
 }
+
+#[test]
+fn every_fused_launch_matches_the_parsed_kernel_signature() {
+    // The argument sizes of each launch against the declaration read from the kernel source
+    // (signature.rs), independently of the hand-copied lists the builders' own tests use.
+    for l in every_launch() {
+        crate::cuda_backend::signature::check_args(l.file, &l.entry, &l.sizes())
+            .unwrap_or_else(|e| panic!("{}:{}: {e}", l.file, l.entry));
+    }
+}
