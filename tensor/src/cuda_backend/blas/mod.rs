@@ -10,7 +10,9 @@
 //! - `ops.rs`: the two backend ops (checks, copies of operands cuBLASLt cannot read in place,
 //!   the bias epilogue);
 //! - `emulate.rs` (tests only): a host emulator of cuBLASLt's strided-batched GEMM checking the
-//!   mapping against a naive product.
+//!   mapping against a naive product;
+//! - `gpu_tests.rs` (tests only): results and plan caching on a GPU (skipped without one unless
+//!   `MESHGRAD_REQUIRE_CUDA=1`).
 //!
 //! Dtypes: f32 with full f32 accumulation (`CUBLAS_COMPUTE_32F`, no TF32: results stay close
 //! to the CPU's f32 ones), bf16 and f16 accumulated in f32 and written in their own type, f64
@@ -23,6 +25,8 @@ mod state;
 
 #[cfg(test)]
 mod emulate;
+#[cfg(test)]
+mod gpu_tests;
 
 pub(super) use ops::{linear, matmul};
 pub(crate) use state::BlasLt;
