@@ -219,6 +219,20 @@ pub(crate) fn alignment(addr: u64) -> u32 {
     }
 }
 
+/// The alignment (bytes, power of two up to 256) cuBLASLt may assume for operand `o` whose
+/// first element is at `addr`: the least of the alignments of the address, of the leading
+/// dimension and (with more than one matrix) of the batch stride, in bytes. An algorithm's
+/// minimum alignment covers the pointer, the leading dimension and other strides, so this is
+/// what the preference's `MIN_ALIGNMENT_*_BYTES` is set to.
+pub(crate) fn operand_alignment(addr: u64, o: &Operand, batch: i32, elem_bytes: usize) -> u32 {
+    let bytes = |elems: i64| (elems.unsigned_abs()).saturating_mul(elem_bytes as u64);
+    let mut a = alignment(addr).min(alignment(bytes(o.ld)));
+    if batch > 1 {
+        a = a.min(alignment(bytes(o.batch_stride)));
+    }
+    a
+}
+
 /// Alignment cuBLASLt's bias epilogue is given: a bias pointer less aligned than this is copied
 /// to a fresh buffer (cuBLASLt has no preference attribute for the bias pointer's alignment).
 pub(crate) const BIAS_ALIGNMENT: u32 = 16;
@@ -234,8 +248,9 @@ pub(crate) struct PlanKey {
     pub bias: bool,
     /// Sizes, transposes, leading dimensions and batch strides.
     pub gemm: Gemm,
-    /// Alignments (bytes, powers of two up to 256) of the A, B and D pointers.
-    pub align: [u32; 3],
+    /// Alignments (bytes, powers of two up to 256) of A, B and D ([`operand_alignment`]) and of
+    /// the bias pointer (0 without a bias): the heuristic's choice depends on them.
+    pub align: [u32; 4],
 }
 
 /// The cuBLASLt types of one dtype: element type, compute type and scale (alpha, beta) type.
@@ -390,6 +405,28 @@ mod tests {
         assert_eq!(alignment(0x7f00_0000_0000 + 4 * 3), 4);
         assert_eq!(alignment(0x7f00_0000_0000 + 48), 16);
         assert_eq!(alignment(0x7f00_0000_0000 + 128), 128);
+    }
+
+    #[test]
+    fn operand_alignment_is_the_least_of_pointer_ld_and_batch_stride() {
+        let o = |ld, batch_stride| Operand {
+            trans: false,
+            rows: 4,
+            cols: 4,
+            ld,
+            batch_stride,
+        };
+        let base = 0x7f00_0000_0000u64;
+        // bf16, ld 64, packed batches of 64x64: all 128 bytes or more.
+        assert_eq!(operand_alignment(base, &o(64, 4096), 3, 2), 128);
+        // An odd leading dimension of bf16: 2 bytes, whatever the pointer.
+        assert_eq!(operand_alignment(base, &o(33, 0), 1, 2), 2);
+        // f32, ld 8 (32 bytes), pointer one element in (4 bytes).
+        assert_eq!(operand_alignment(base + 4, &o(8, 0), 1, 4), 4);
+        // The batch stride counts only with more than one matrix; stride 0 costs nothing.
+        assert_eq!(operand_alignment(base, &o(64, 3), 1, 4), 256);
+        assert_eq!(operand_alignment(base, &o(64, 3), 2, 4), 4);
+        assert_eq!(operand_alignment(base, &o(64, 0), 2, 4), 256);
     }
 
     #[test]

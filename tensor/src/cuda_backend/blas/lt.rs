@@ -187,9 +187,9 @@ fn op(trans: bool) -> cublasOperation_t {
 }
 
 /// Builds the descriptors of `key` and asks the heuristic for the best algorithm within
-/// `workspace_limit` bytes of workspace and the key's pointer alignments; `Ok(None)` when
-/// cuBLASLt has no algorithm for it. `bias` is the bias pointer of the first call (the
-/// heuristic sees the descriptor with it set).
+/// `workspace_limit` bytes of workspace and the key's alignments; `Ok(None)` when cuBLASLt has
+/// no algorithm for it. `bias` is the bias pointer of the first call: the heuristic reads its
+/// alignment from the descriptor (so the bias alignment is part of the key too).
 pub(super) fn create_plan(
     handle: &Handle,
     key: &PlanKey,
@@ -237,7 +237,7 @@ pub(super) fn create_plan(
         PrefAttr::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
         &(workspace_limit as u64),
     )?;
-    let [align_a, align_b, align_d] = key.align;
+    let [align_a, align_b, align_d, _bias] = key.align;
     pref.set(
         PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
         &align_a,

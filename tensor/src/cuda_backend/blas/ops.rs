@@ -11,8 +11,8 @@ use cudarc::driver::result as driver;
 use meshgrad_kernels::ops::MatrixLayout;
 
 use super::layout::{
-    alignment, extent, gemm, lhs_operand, lt_types, packed_copy, rhs_operand, PlanKey,
-    BIAS_ALIGNMENT,
+    alignment, extent, gemm, lhs_operand, lt_types, operand_alignment, packed_copy, rhs_operand,
+    PlanKey, BIAS_ALIGNMENT,
 };
 use super::state::{with_blaslt, Call};
 use crate::backend::api::{Fused, In};
@@ -131,8 +131,17 @@ fn prepare<'a>(
     })
 }
 
-/// Enqueues `out = a · b (+ bias)` for the checked operands; `Ok(false)` when cuBLASLt has no
-/// algorithm for it (nothing enqueued).
+/// What [`product`] did.
+enum Outcome {
+    /// The matmul was enqueued.
+    Ran,
+    /// cuBLASLt has no algorithm for it (nothing enqueued); the alignments its operands A and B
+    /// were given.
+    NoAlgorithm([u32; 2]),
+}
+
+/// Enqueues `out = a · b (+ bias)` for the checked operands (packing both first when
+/// `force_copy`).
 fn product(
     ctx: &Arc<DeviceContext>,
     what: &What,
@@ -141,7 +150,7 @@ fn product(
     out: &CudaStorage,
     bias: Option<u64>,
     force_copy: bool,
-) -> Result<bool> {
+) -> Result<Outcome> {
     let (batch, m, n, k) = (what.batch, what.m, what.n, what.k);
     let internal = |side: &str| {
         Error::Msg(format!(
@@ -159,7 +168,13 @@ fn product(
     let a_ptr = pb.storage().ptr_at(pb.layout.offset);
     let b_ptr = pa.storage().ptr_at(pa.layout.offset);
     let d_ptr = out.device_ptr();
-    let align = [alignment(a_ptr), alignment(b_ptr), alignment(d_ptr)];
+    let eb = what.dtype.size_in_bytes();
+    let align = [
+        operand_alignment(a_ptr, &g.a, g.batch, eb),
+        operand_alignment(b_ptr, &g.b, g.batch, eb),
+        operand_alignment(d_ptr, &g.d, g.batch, eb),
+        bias.map_or(0, alignment),
+    ];
     let call = Call {
         key: PlanKey {
             dtype: what.dtype,
@@ -175,11 +190,16 @@ fn product(
     };
     // The copies (if any) are dropped on return: their blocks are reused only after the stream
     // has run the matmul.
-    with_blaslt(ctx, |lt| lt.matmul(ctx, &call))
+    let ran = with_blaslt(ctx, |lt| lt.matmul(ctx, &call))?;
+    Ok(if ran {
+        Outcome::Ran
+    } else {
+        Outcome::NoAlgorithm([align[0], align[1]])
+    })
 }
 
 /// Runs the product in place, and once more on packed copies when cuBLASLt had no algorithm
-/// for pointers less than 16-byte aligned (fresh copies are 256-byte aligned). `Ok(false)`
+/// for operands less than 16-byte aligned (fresh copies start 256-byte aligned). `Ok(false)`
 /// when neither ran.
 fn product_or_packed(
     ctx: &Arc<DeviceContext>,
@@ -189,17 +209,14 @@ fn product_or_packed(
     out: &CudaStorage,
     bias: Option<u64>,
 ) -> Result<bool> {
-    if product(ctx, what, a, b, out, bias, false)? {
-        return Ok(true);
+    match product(ctx, what, a, b, out, bias, false)? {
+        Outcome::Ran => Ok(true),
+        Outcome::NoAlgorithm(align) if align.iter().any(|&x| x < 16) => Ok(matches!(
+            product(ctx, what, a, b, out, bias, true)?,
+            Outcome::Ran
+        )),
+        Outcome::NoAlgorithm(_) => Ok(false),
     }
-    let misaligned = [
-        a.ptr_at(what.al.offset),
-        b.ptr_at(what.bl.offset),
-        out.device_ptr(),
-    ]
-    .iter()
-    .any(|&p| alignment(p) < 16);
-    Ok(misaligned && product(ctx, what, a, b, out, bias, true)?)
 }
 
 /// See `BackendStorage::matmul`.
