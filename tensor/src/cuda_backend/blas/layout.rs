@@ -133,14 +133,14 @@ pub(crate) fn gemm(
 ) -> Result<Gemm, String> {
     let batch = i32::try_from(batch)
         .map_err(|_| format!("a batch of {batch} matrices exceeds cuBLASLt's i32 count"))?;
-    let too_big = |what: &str, v: usize| -> Result<(), String> {
-        if i64::try_from(v).is_err() {
-            Err(format!("{what} = {v} does not fit in i64"))
-        } else {
-            Ok(())
-        }
-    };
-    too_big("m·n", m.saturating_mul(n))?;
+    if m.checked_mul(n)
+        .and_then(|mn| i64::try_from(mn).ok())
+        .is_none()
+    {
+        return Err(format!(
+            "an output matrix of {m}x{n} exceeds cuBLASLt's i64 strides"
+        ));
+    }
     Ok(Gemm {
         m: n as u64,
         n: m as u64,
@@ -333,6 +333,9 @@ mod tests {
         );
         assert_eq!(g.d, output_operand(1, m, n));
         assert_eq!((g.d.rows, g.d.cols, g.d.ld), (3, 5, 3));
+        // Sizes cuBLASLt cannot take are refused.
+        assert!(gemm(lhs, rhs, 1 << 31, m, n, k).is_err());
+        assert!(gemm(lhs, rhs, 1, usize::MAX / 2, 3, k).is_err());
     }
 
     #[test]
