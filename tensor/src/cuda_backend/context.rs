@@ -25,6 +25,8 @@ pub(crate) struct DeviceContext {
     pub arch: u32,
     /// Free blocks kept for reuse, and the allocator's counters.
     pub cache: BlockCache,
+    /// The cuBLASLt state (handle, workspace, cached plans), created at the first matmul.
+    pub(crate) blaslt: Mutex<Option<super::blas::BlasLt>>,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
 }
 
@@ -148,6 +150,7 @@ pub(crate) fn context(ordinal: usize) -> Result<Arc<DeviceContext>> {
         ordinal,
         arch: (major * 10 + minor) as u32,
         cache: BlockCache::default(),
+        blaslt: Mutex::new(None),
         modules: Mutex::new(HashMap::new()),
         ctx,
         stream,
