@@ -7,7 +7,7 @@
 mod common;
 
 use common::*;
-use meshgrad_tensor::{AttentionMask, DType, Device, Tensor};
+use meshgrad_tensor::{test_device, AttentionMask, DType, Device, Result, Tensor};
 
 /// One masked attention problem with row-major f64 values: q `[batch.., tq, d]`, k and v
 /// `[batch.., tk, d]`, a padding mask `[batch[0], tk]` and a bias of `bias_dims` that broadcasts
@@ -150,12 +150,18 @@ impl Case {
         }
     }
 
-    fn mask(&self, pad_dtype: DType, bias_lay: &Lay, bias_dtype: DType) -> AttentionMask {
+    fn mask(
+        &self,
+        device: Device,
+        pad_dtype: DType,
+        bias_lay: &Lay,
+        bias_dtype: DType,
+    ) -> AttentionMask {
         let lead = self.batch.first().copied().unwrap_or(1);
         AttentionMask {
             causal: self.causal,
             key_padding: self.pad.as_ref().map(|p| {
-                Tensor::from_vec(p.clone(), (lead, self.tk), Device::Cpu)
+                Tensor::from_vec(p.clone(), (lead, self.tk), device)
                     .unwrap()
                     .to_dtype(pad_dtype)
                     .unwrap()
@@ -163,7 +169,7 @@ impl Case {
             bias: self
                 .bias
                 .as_ref()
-                .map(|(v, dims)| strided(v, dims, bias_lay, bias_dtype)),
+                .map(|(v, dims)| strided_on(device, v, dims, bias_lay, bias_dtype)),
         }
     }
 }
@@ -192,7 +198,7 @@ fn bias(dims: &[usize], rng: &mut Rng) -> (Vec<f64>, Vec<usize>) {
 
 /// Runs `case` through `Tensor::attention` (random layouts) in `dtype` and checks the forward,
 /// the backward and the bias gradient against the reference on rounded inputs.
-fn run(case: &Case, dtype: DType, rng: &mut Rng, what: &str) {
+fn run(device: Device, case: &Case, dtype: DType, rng: &mut Rng, what: &str) {
     let (qd, kd) = (case.q_dims(), case.k_dims());
     let q = rng.vec(numel(&qd), -2.0, 2.0);
     let k = rng.vec(numel(&kd), -1.5, 1.5);
@@ -216,13 +222,18 @@ fn run(case: &Case, dtype: DType, rng: &mut Rng, what: &str) {
         scale,
     );
     let rank = qd.len();
-    let tq_ = strided(&q, &qd, &Lay::random(rng, rank), dtype);
-    let tk_ = strided(&k, &kd, &Lay::random(rng, rank), dtype);
-    let tv_ = strided(&v, &kd, &Lay::random(rng, rank), dtype);
-    let tdo = strided(&dout, &qd, &Lay::random(rng, rank), dtype);
+    let tq_ = strided_on(device, &q, &qd, &Lay::random(rng, rank), dtype);
+    let tk_ = strided_on(device, &k, &kd, &Lay::random(rng, rank), dtype);
+    let tv_ = strided_on(device, &v, &kd, &Lay::random(rng, rank), dtype);
+    let tdo = strided_on(device, &dout, &qd, &Lay::random(rng, rank), dtype);
     let bias_rank = case.bias.as_ref().map_or(1, |(_, d)| d.len());
     let pad_dtype = [DType::U8, DType::I64, DType::U32][rng.below(3)];
-    let mask = case.mask(pad_dtype, &Lay::random(rng, bias_rank), bias_dtype(dtype));
+    let mask = case.mask(
+        device,
+        pad_dtype,
+        &Lay::random(rng, bias_rank),
+        bias_dtype(dtype),
+    );
     let o = Tensor::attention(&tq_, &tk_, &tv_, &mask, scale).unwrap();
     let (rtol, atol) = match dtype {
         DType::F64 => (1e-10, 1e-12),
@@ -295,8 +306,7 @@ const SIZES: &[(usize, usize, usize, usize, usize)] = &[
     (4, 2, 20, 65, 4),
 ];
 
-#[test]
-fn padding_only() {
+fn padding_only(device: Device) -> Result<()> {
     let mut rng = Rng::new(1);
     for &(b, h, tq, tk, d) in SIZES {
         let case = Case {
@@ -309,13 +319,14 @@ fn padding_only() {
             bias: None,
         };
         for dtype in [DType::F64, DType::F32] {
-            run(&case, dtype, &mut rng, "padding");
+            run(device, &case, dtype, &mut rng, "padding");
         }
     }
+    Ok(())
 }
+test_device!(padding_only);
 
-#[test]
-fn bias_only_with_every_broadcast() {
+fn bias_only_with_every_broadcast(device: Device) -> Result<()> {
     let mut rng = Rng::new(2);
     for &(b, h, tq, tk, d) in SIZES {
         for dims in [
@@ -337,14 +348,15 @@ fn bias_only_with_every_broadcast() {
                 bias: Some(bias(&dims, &mut rng)),
             };
             for dtype in [DType::F64, DType::F32] {
-                run(&case, dtype, &mut rng, &format!("bias {dims:?}"));
+                run(device, &case, dtype, &mut rng, &format!("bias {dims:?}"));
             }
         }
     }
+    Ok(())
 }
+test_device!(bias_only_with_every_broadcast);
 
-#[test]
-fn causal_padding_and_bias() {
+fn causal_padding_and_bias(device: Device) -> Result<()> {
     let mut rng = Rng::new(3);
     for &(b, h, tq, tk, d) in SIZES {
         let case = Case {
@@ -357,13 +369,14 @@ fn causal_padding_and_bias() {
             bias: Some(bias(&[h, tq, tk], &mut rng)),
         };
         for dtype in [DType::F64, DType::F32, DType::BF16] {
-            run(&case, dtype, &mut rng, "causal+padding+bias");
+            run(device, &case, dtype, &mut rng, "causal+padding+bias");
         }
     }
+    Ok(())
 }
+test_device!(causal_padding_and_bias);
 
-#[test]
-fn fully_masked_rows_are_zero_with_zero_gradients() {
+fn fully_masked_rows_are_zero_with_zero_gradients(device: Device) -> Result<()> {
     // Batch entry 2 pads every key; in the others query row 1 has a bias of -inf everywhere.
     let (b, h, tq, tk, d) = (3, 2, 4, 9, 4);
     let mut rng = Rng::new(4);
@@ -380,14 +393,14 @@ fn fully_masked_rows_are_zero_with_zero_gradients() {
     };
     // The reference has -inf in the bias: its gradient there is 0.
     for dtype in [DType::F64, DType::F32] {
-        run(&case, dtype, &mut rng, "fully masked");
+        run(device, &case, dtype, &mut rng, "fully masked");
     }
     let (qd, kd) = (case.q_dims(), case.k_dims());
-    let q = tensor(&rng.vec(numel(&qd), -1.0, 1.0), &qd, DType::F32);
-    let k = tensor(&rng.vec(numel(&kd), -1.0, 1.0), &kd, DType::F32);
-    let mask = case.mask(DType::U8, &Lay::Contig, DType::F32);
+    let q = tensor_on(device, &rng.vec(numel(&qd), -1.0, 1.0), &qd, DType::F32);
+    let k = tensor_on(device, &rng.vec(numel(&kd), -1.0, 1.0), &kd, DType::F32);
+    let mask = case.mask(device, DType::U8, &Lay::Contig, DType::F32);
     let o = Tensor::attention(&q, &k, &k, &mask, 0.5).unwrap();
-    let dout = Tensor::ones(o.out.shape(), DType::F32, Device::Cpu).unwrap();
+    let dout = Tensor::ones(o.out.shape(), DType::F32, device).unwrap();
     let g = Tensor::attention_backward(&q, &k, &k, &o, &dout, &mask, 0.5, true).unwrap();
     let (out, dq, lse) = (vals(&o.out), vals(&g.dq), vals(&o.lse));
     for bh in 0..b * h {
@@ -409,10 +422,11 @@ fn fully_masked_rows_are_zero_with_zero_gradients() {
     assert!(vals(g.dbias.as_ref().unwrap())[tk..2 * tk]
         .iter()
         .all(|&x| x == 0.0));
+    Ok(())
 }
+test_device!(fully_masked_rows_are_zero_with_zero_gradients);
 
-#[test]
-fn other_ranks_of_q() {
+fn other_ranks_of_q(device: Device) -> Result<()> {
     let mut rng = Rng::new(5);
     // [B, T, D] with padding [B, Tk] and a [Tq, Tk] bias.
     let case = Case {
@@ -424,7 +438,7 @@ fn other_ranks_of_q() {
         pad: Some(padding(3, 10, &mut rng)),
         bias: Some(bias(&[6, 10], &mut rng)),
     };
-    run(&case, DType::F64, &mut rng, "rank 3");
+    run(device, &case, DType::F64, &mut rng, "rank 3");
     // [T, D]: padding [1, Tk].
     let case = Case {
         batch: vec![],
@@ -435,7 +449,7 @@ fn other_ranks_of_q() {
         pad: Some(vec![1, 1, 0, 1, 0, 1, 1]),
         bias: Some(bias(&[5, 7], &mut rng)),
     };
-    run(&case, DType::F64, &mut rng, "rank 2");
+    run(device, &case, DType::F64, &mut rng, "rank 2");
     // [B, X, Y, T, D]: a bias broadcast over X but not Y has to be expanded to fold X and Y.
     for dims in [
         vec![2, 1, 3, 4, 6],
@@ -452,16 +466,18 @@ fn other_ranks_of_q() {
             bias: Some(bias(&dims, &mut rng)),
         };
         run(
+            device,
             &case,
             DType::F64,
             &mut rng,
             &format!("rank 5 bias {dims:?}"),
         );
     }
+    Ok(())
 }
+test_device!(other_ranks_of_q);
 
-#[test]
-fn qkv_form_matches_the_reference() {
+fn qkv_form_matches_the_reference(device: Device) -> Result<()> {
     let mut rng = Rng::new(6);
     for &(b, heads, t, d, causal) in &[(3usize, 2usize, 9usize, 4usize, true), (3, 3, 40, 8, false)]
     {
@@ -499,8 +515,8 @@ fn qkv_form_matches_the_reference() {
         );
         let scale = 0.7;
         let want = case.reference(&q, &k, &v, &split(&dout, c, 0), scale);
-        let tx = tensor(&x, &[b, t, 3 * c], DType::F64);
-        let mask = case.mask(DType::I64, &Lay::random(&mut rng, 3), DType::F64);
+        let tx = tensor_on(device, &x, &[b, t, 3 * c], DType::F64);
+        let mask = case.mask(device, DType::I64, &Lay::random(&mut rng, 3), DType::F64);
         let o = tx.attention_qkv(heads, &mask, scale).unwrap();
         assert_eq!(o.out.dims(), [b, t, c]);
         assert_close(
@@ -511,7 +527,7 @@ fn qkv_form_matches_the_reference() {
             "qkv out",
         );
         check(&o.lse, &[b, heads, t], &want.lse, 1e-10, 1e-12, "qkv lse");
-        let tdo = tensor(&dout, &[b, t, c], DType::F64);
+        let tdo = tensor_on(device, &dout, &[b, t, c], DType::F64);
         let (g, db) = tx
             .attention_qkv_backward(&o, &tdo, heads, &mask, scale, true)
             .unwrap();
@@ -528,8 +544,11 @@ fn qkv_form_matches_the_reference() {
             "qkv dbias",
         );
     }
+    Ok(())
 }
+test_device!(qkv_form_matches_the_reference);
 
+// CPU-only: validation errors raised before any backend runs: device-independent.
 #[test]
 fn mask_errors_name_the_shapes() {
     let q = Tensor::zeros((2, 3, 4, 8), DType::F32, Device::Cpu).unwrap();

@@ -12,6 +12,7 @@ fn ints(n: i64, dims: &[usize]) -> Tensor {
         .unwrap()
 }
 
+// CPU-only: display formatting, whose expected strings name `device=cpu`.
 #[test]
 fn matrix_of_floats() {
     let t = Tensor::from_vec(vec![1f32, -2.5, 3., 4., 5., 6.], (2, 3), CPU).unwrap();
@@ -36,6 +37,7 @@ Tensor([[ 1.0, -2.5,  3.0],
     );
 }
 
+// CPU-only: display formatting, whose expected strings name `device=cpu`.
 #[test]
 fn integers_print_as_integers() {
     assert_eq!(
@@ -58,6 +60,7 @@ Tensor([[0, 1],
     );
 }
 
+// CPU-only: display formatting, whose expected strings name `device=cpu`.
 #[test]
 fn three_dimensions_leave_a_blank_line_between_blocks() {
     assert_eq!(
@@ -71,6 +74,7 @@ Tensor([[[0, 1],
     );
 }
 
+// CPU-only: display formatting, whose expected strings name `device=cpu`.
 #[test]
 fn scalars_and_empty_tensors() {
     let s = Tensor::scalar(3.5, DType::F32, CPU).unwrap();
@@ -92,6 +96,7 @@ fn scalars_and_empty_tensors() {
     );
 }
 
+// CPU-only: display formatting, whose expected strings name `device=cpu`.
 #[test]
 fn strided_views_print_their_own_values() {
     let t = Tensor::from_vec(vec![1f32, 2., 3., 4., 5., 6.], (2, 3), CPU).unwrap();
@@ -118,6 +123,7 @@ Tensor([[1, 2],
     );
 }
 
+// CPU-only: display formatting, whose expected strings name `device=cpu`.
 #[test]
 fn half_precision_prints_the_stored_values() {
     // bf16 stores 0.1 as 0.10009765625 and f16 as 0.0999755859375.
@@ -134,6 +140,7 @@ fn half_precision_prints_the_stored_values() {
     );
 }
 
+// CPU-only: display formatting, whose expected strings name `device=cpu`.
 #[test]
 fn wide_ranges_switch_to_scientific_notation() {
     let t = Tensor::from_vec(vec![1e-5f64, 1.0, 123456.0], 3, CPU).unwrap();
@@ -165,6 +172,7 @@ fn wide_ranges_switch_to_scientific_notation() {
     );
 }
 
+// CPU-only: display formatting, whose expected strings name `device=cpu`.
 #[test]
 fn long_rows_wrap_under_their_first_element() {
     // Width 2 plus ", ": (80 - 8) / 4 = 18 elements per line.
@@ -185,6 +193,7 @@ Tensor([[ 0,  1,  2,  3,  4,  5,  6,  7,  8,  9, 10, 11, 12, 13, 14, 15, 16,
     );
 }
 
+// CPU-only: display formatting, whose expected strings name `device=cpu`.
 #[test]
 fn more_than_a_thousand_elements_are_summarised() {
     assert_eq!(
@@ -247,6 +256,7 @@ Tensor([[[   0,    1,    2, ...,   77,   78,   79],
     );
 }
 
+// CPU-only: display formatting, whose expected strings name `device=cpu`.
 #[test]
 fn released_storage_prints_its_shape() {
     let t = Tensor::ones((2, 3), DType::F32, CPU).unwrap();

@@ -5,7 +5,9 @@
 mod common;
 
 use common::*;
-use meshgrad_tensor::{AdamWStep, AttentionMask, DType, Device, Random, Tensor};
+use meshgrad_tensor::{
+    test_device, AdamWStep, AttentionMask, DType, Device, Random, Result, Tensor,
+};
 
 fn perm_lay(perm: &[usize], pad: usize) -> Lay {
     Lay::Strided {
@@ -14,15 +16,14 @@ fn perm_lay(perm: &[usize], pad: usize) -> Lay {
     }
 }
 
-#[test]
-fn large_broadcast_binary_and_unary() {
+fn large_broadcast_binary_and_unary(device: Device) -> Result<()> {
     let (ad, bd) = (vec![37, 1, 1001], vec![53, 1]);
     let a = uniform_vals(1, numel(&ad), -2.0, 2.0);
     let b = uniform_vals(2, numel(&bd), 0.5, 2.0);
     for dtype in [DType::F64, DType::F32] {
         let (ar, br) = (round_to(&a, dtype), round_to(&b, dtype));
-        let ta = strided(&a, &ad, &perm_lay(&[2, 0, 1], 1), dtype);
-        let tb = strided(&b, &bd, &perm_lay(&[1, 0], 1), dtype);
+        let ta = strided_on(device, &a, &ad, &perm_lay(&[2, 0, 1], 1), dtype);
+        let tb = strided_on(device, &b, &bd, &perm_lay(&[1, 0], 1), dtype);
         let (exp, od) = ref_binary(&ar, &ad, &br, &bd, |x, y| x / y);
         let (rtol, atol) = if dtype == DType::F64 {
             F64_TOL
@@ -65,15 +66,16 @@ fn large_broadcast_binary_and_unary() {
             &format!("large gt {dtype}"),
         );
     }
+    Ok(())
 }
+test_device!(large_broadcast_binary_and_unary);
 
-#[test]
-fn large_reductions() {
+fn large_reductions(device: Device) -> Result<()> {
     let dims = vec![67, 33, 41];
     let x = uniform_vals(3, numel(&dims), -1.0, 1.0);
     for dtype in [DType::F64, DType::F32] {
         let xr = round_to(&x, dtype);
-        let t = strided(&x, &dims, &perm_lay(&[1, 2, 0], 2), dtype);
+        let t = strided_on(device, &x, &dims, &perm_lay(&[1, 2, 0], 2), dtype);
         let (rtol, atol) = if dtype == DType::F64 {
             F64_TOL
         } else {
@@ -121,10 +123,11 @@ fn large_reductions() {
             &format!("large sum_all {dtype}"),
         );
     }
+    Ok(())
 }
+test_device!(large_reductions);
 
-#[test]
-fn large_matmul_with_strided_operands() {
+fn large_matmul_with_strided_operands(device: Device) -> Result<()> {
     let (ad, bd) = (vec![2, 150, 70], vec![70, 131]);
     let a = uniform_vals(4, numel(&ad), -1.0, 1.0);
     let b = uniform_vals(5, numel(&bd), -1.0, 1.0);
@@ -140,8 +143,8 @@ fn large_matmul_with_strided_operands() {
             (perm_lay(&[0, 2, 1], 0), perm_lay(&[1, 0], 1)),
             (perm_lay(&[1, 0, 2], 1), Lay::Contig),
         ] {
-            let out = strided(&a, &ad, &la, dtype)
-                .matmul(&strided(&b, &bd, &lb, dtype))
+            let out = strided_on(device, &a, &ad, &la, dtype)
+                .matmul(&strided_on(device, &b, &bd, &lb, dtype))
                 .unwrap();
             check(
                 &out,
@@ -153,10 +156,11 @@ fn large_matmul_with_strided_operands() {
             );
         }
     }
+    Ok(())
 }
+test_device!(large_matmul_with_strided_operands);
 
-#[test]
-fn large_softmax_and_layer_norm() {
+fn large_softmax_and_layer_norm(device: Device) -> Result<()> {
     let dims = vec![300, 133];
     let x = uniform_vals(6, numel(&dims), -4.0, 4.0);
     for dtype in [DType::F64, DType::F32] {
@@ -166,7 +170,7 @@ fn large_softmax_and_layer_norm() {
         } else {
             (1e-4, 1e-6)
         };
-        let t = strided(&x, &dims, &perm_lay(&[1, 0], 1), dtype);
+        let t = strided_on(device, &x, &dims, &perm_lay(&[1, 0], 1), dtype);
         for d in [0usize, 1] {
             for log in [false, true] {
                 let out = if log {
@@ -196,8 +200,8 @@ fn large_softmax_and_layer_norm() {
         );
         let out = t
             .layer_norm(
-                Some(&tensor(&w, &[133], dtype)),
-                Some(&tensor(&b, &[133], dtype)),
+                Some(&tensor_on(device, &w, &[133], dtype)),
+                Some(&tensor_on(device, &b, &[133], dtype)),
                 1e-5,
             )
             .unwrap();
@@ -210,10 +214,11 @@ fn large_softmax_and_layer_norm() {
             &format!("large layer_norm {dtype}"),
         );
     }
+    Ok(())
 }
+test_device!(large_softmax_and_layer_norm);
 
-#[test]
-fn large_attention_forward_and_backward() {
+fn large_attention_forward_and_backward(device: Device) -> Result<()> {
     // Tiles of 32 queries by 64 keys: 100 queries and 131 keys cross both; causal with
     // seq_q < seq_k skips and splits tiles on the diagonal.
     let (bh, tq, tk, d) = (3, 100, 131, 24);
@@ -234,9 +239,9 @@ fn large_attention_forward_and_backward() {
                 causal,
                 scale,
             );
-            let tq_ = strided(&q, &[bh, tq, d], &perm_lay(&[1, 0, 2], 0), dtype);
-            let tk_ = tensor(&k, &[bh, tk, d], dtype);
-            let tv_ = strided(&v, &[bh, tk, d], &perm_lay(&[0, 2, 1], 1), dtype);
+            let tq_ = strided_on(device, &q, &[bh, tq, d], &perm_lay(&[1, 0, 2], 0), dtype);
+            let tk_ = tensor_on(device, &k, &[bh, tk, d], dtype);
+            let tv_ = strided_on(device, &v, &[bh, tk, d], &perm_lay(&[0, 2, 1], 1), dtype);
             let o = Tensor::attention(&tq_, &tk_, &tv_, &mask(causal), scale).unwrap();
             let (rtol, atol) = if dtype == DType::F64 {
                 (1e-10, 1e-12)
@@ -263,12 +268,12 @@ fn large_attention_forward_and_backward() {
         // Backward against a directional finite difference of L = <dout, attention(q, k, v)> in f64.
         let dout = uniform_vals(12, bh * tq * d, -1.0, 1.0);
         let (tq_, tk_, tv_) = (
-            tensor(&q, &[bh, tq, d], DType::F64),
-            tensor(&k, &[bh, tk, d], DType::F64),
-            tensor(&v, &[bh, tk, d], DType::F64),
+            tensor_on(device, &q, &[bh, tq, d], DType::F64),
+            tensor_on(device, &k, &[bh, tk, d], DType::F64),
+            tensor_on(device, &v, &[bh, tk, d], DType::F64),
         );
         let o = Tensor::attention(&tq_, &tk_, &tv_, &mask(causal), scale).unwrap();
-        let tdo = tensor(&dout, &[bh, tq, d], DType::F64);
+        let tdo = tensor_on(device, &dout, &[bh, tq, d], DType::F64);
         let g = Tensor::attention_backward(&tq_, &tk_, &tv_, &o, &tdo, &mask(causal), scale, false)
             .unwrap();
         let (gq, gk, gv) = (g.dq, g.dk, g.dv);
@@ -314,13 +319,14 @@ fn large_attention_forward_and_backward() {
             &format!("large attention backward (directional) causal={causal}"),
         );
     }
+    Ok(())
 }
+test_device!(large_attention_forward_and_backward);
 
-#[test]
-fn large_copies_casts_and_in_place_writes() {
+fn large_copies_casts_and_in_place_writes(device: Device) -> Result<()> {
     let dims = vec![97, 61, 13];
     let x = uniform_vals(16, numel(&dims), -100.0, 100.0);
-    let t = strided(&x, &dims, &perm_lay(&[2, 0, 1], 1), DType::F64);
+    let t = strided_on(device, &x, &dims, &perm_lay(&[2, 0, 1], 1), DType::F64);
     check(
         &t.contiguous().unwrap(),
         &dims,
@@ -354,48 +360,48 @@ fn large_copies_casts_and_in_place_writes() {
         "large permuted flatten",
     );
     // copy_from into a large strided view.
-    let base = Tensor::zeros((97, 70, 13), DType::F64, Device::Cpu).unwrap();
+    let base = Tensor::zeros((97, 70, 13), DType::F64, device).unwrap();
     let view = base.narrow(1, 5, 61).unwrap();
     view.copy_from(&t).unwrap();
     check(&view, &dims, &x, 0.0, 0.0, "large copy_from into a narrow");
     let untouched = vals(&base.narrow(1, 0, 5).unwrap());
     assert!(untouched.iter().all(|&v| v == 0.0));
+    Ok(())
 }
+test_device!(large_copies_casts_and_in_place_writes);
 
-#[test]
-fn large_random_fills_and_masks_are_layout_invariant() {
+fn large_random_fills_and_masks_are_layout_invariant(device: Device) -> Result<()> {
     let n = 100_003;
     let start = 12_345u64;
-    let f64s = Random::new(7).dtype(DType::F64);
+    let f64s = Random::new(7).device(device).dtype(DType::F64);
     let whole = vals(&f64s.uniform(n, 0.0, 1.0).unwrap());
     let shard = vals(&f64s.offset(start).uniform((101, 401), 0.0, 1.0).unwrap());
     assert_eq!(shard, whole[start as usize..start as usize + 101 * 401]);
-    let wn = vals(&Tensor::randn(n, 7).unwrap());
+    let wn = vals(&Random::new(7).device(device).normal(n, 0.0, 1.0).unwrap());
     let sn = vals(
         &Random::new(7)
+            .device(device)
             .offset(start)
             .normal(50_000, 0.0, 1.0)
             .unwrap(),
     );
     assert_eq!(sn, wn[start as usize..start as usize + 50_000]);
-    let wm = vals(&Tensor::dropout_mask(7, 0, 0.1, n, DType::F32, Device::Cpu).unwrap());
-    let sm = vals(&Tensor::dropout_mask(7, start, 0.1, 50_000, DType::F32, Device::Cpu).unwrap());
+    let wm = vals(&Tensor::dropout_mask(7, 0, 0.1, n, DType::F32, device).unwrap());
+    let sm = vals(&Tensor::dropout_mask(7, start, 0.1, 50_000, DType::F32, device).unwrap());
     assert_eq!(sm, wm[start as usize..start as usize + 50_000]);
     let dropped = wm.iter().filter(|&&v| v == 0.0).count() as f64 / n as f64;
     assert!((dropped - 0.1).abs() < 0.01, "{dropped}");
+    Ok(())
 }
+test_device!(large_random_fills_and_masks_are_layout_invariant);
 
-#[test]
-fn large_cross_entropy_embedding_and_adamw() {
+fn large_cross_entropy_embedding_and_adamw(device: Device) -> Result<()> {
     let (n, v) = (300, 257);
     let x = uniform_vals(17, n * v, -3.0, 3.0);
     let targets: Vec<i64> = (0..n).map(|r| ((r * 37) % v) as i64).collect();
-    let tl = tensor(&x, &[n, v], DType::F64);
+    let tl = tensor_on(device, &x, &[n, v], DType::F64);
     let (loss, _) = tl
-        .cross_entropy_rows(
-            &Tensor::from_vec(targets.clone(), n, Device::Cpu).unwrap(),
-            None,
-        )
+        .cross_entropy_rows(&Tensor::from_vec(targets.clone(), n, device).unwrap(), None)
         .unwrap();
     let want: Vec<f64> = (0..n)
         .map(|r| {
@@ -409,8 +415,8 @@ fn large_cross_entropy_embedding_and_adamw() {
     let (vocab, dim) = (50, 700);
     let w = uniform_vals(18, vocab * dim, -1.0, 1.0);
     let ids: Vec<i64> = (0..64).map(|i| (i * 7 % vocab) as i64).collect();
-    let tids = Tensor::from_vec(ids.clone(), 64, Device::Cpu).unwrap();
-    let out = tensor(&w, &[vocab, dim], DType::F32)
+    let tids = Tensor::from_vec(ids.clone(), 64, device).unwrap();
+    let out = tensor_on(device, &w, &[vocab, dim], DType::F32)
         .embedding(&tids)
         .unwrap();
     let exp: Vec<f64> = ids
@@ -426,7 +432,7 @@ fn large_cross_entropy_embedding_and_adamw() {
         }
     }
     check(
-        &tensor(&g, &[64, dim], DType::F64)
+        &tensor_on(device, &g, &[64, dim], DType::F64)
             .embedding_backward(&tids, vocab)
             .unwrap(),
         &[vocab, dim],
@@ -447,12 +453,12 @@ fn large_cross_entropy_embedding_and_adamw() {
         weight_decay: 0.01,
         step: 1,
     };
-    let tp = tensor(&p0, &[m], DType::F64);
+    let tp = tensor_on(device, &p0, &[m], DType::F64);
     let (tm, tv) = (
-        Tensor::zeros(m, DType::F64, Device::Cpu).unwrap(),
-        Tensor::zeros(m, DType::F64, Device::Cpu).unwrap(),
+        Tensor::zeros(m, DType::F64, device).unwrap(),
+        Tensor::zeros(m, DType::F64, device).unwrap(),
     );
-    tp.adamw_step_(&tensor(&gr, &[m], DType::F64), &tm, &tv, &hp)
+    tp.adamw_step_(&tensor_on(device, &gr, &[m], DType::F64), &tm, &tv, &hp)
         .unwrap();
     let want: Vec<f64> = p0
         .iter()
@@ -464,15 +470,22 @@ fn large_cross_entropy_embedding_and_adamw() {
         })
         .collect();
     assert_close(&vals(&tp), &want, 1e-12, 1e-15, "large adamw");
+    Ok(())
 }
+test_device!(large_cross_entropy_embedding_and_adamw);
 
-#[test]
-fn large_backward_kernels() {
+fn large_backward_kernels(device: Device) -> Result<()> {
     let (rows, cols) = (260, 131);
     let x = uniform_vals(30, rows * cols, -2.0, 2.0);
     let dy = uniform_vals(31, rows * cols, -1.0, 1.0);
-    let tx = tensor(&x, &[rows, cols], DType::F64);
-    let tdy = strided(&dy, &[rows, cols], &perm_lay(&[1, 0], 1), DType::F64);
+    let tx = tensor_on(device, &x, &[rows, cols], DType::F64);
+    let tdy = strided_on(
+        device,
+        &dy,
+        &[rows, cols],
+        &perm_lay(&[1, 0], 1),
+        DType::F64,
+    );
     // softmax / log-softmax backward.
     for log in [false, true] {
         let y = ref_softmax(&x, &[rows, cols], 1, log);
@@ -492,7 +505,7 @@ fn large_backward_kernels() {
                 };
             }
         }
-        let out = tensor(&y, &[rows, cols], DType::F64)
+        let out = tensor_on(device, &y, &[rows, cols], DType::F64)
             .softmax_backward(&tdy, -1, log)
             .unwrap();
         check(
@@ -523,7 +536,7 @@ fn large_backward_kernels() {
             db[c] += dy[r * cols + c];
         }
     }
-    let tw = tensor(&w, &[cols], DType::F64);
+    let tw = tensor_on(device, &w, &[cols], DType::F64);
     let ln = tx.layer_norm(Some(&tw), None, 1e-5).unwrap();
     let (gx, pg) = tx
         .layer_norm_backward(Some(&tw), &ln.mean, &ln.rstd, &tdy)
@@ -582,11 +595,16 @@ fn large_backward_kernels() {
             }
         })
         .collect();
-    let tt = Tensor::from_vec(targets.clone(), rows, Device::Cpu).unwrap();
+    let tt = Tensor::from_vec(targets.clone(), rows, device).unwrap();
     let (_, lse) = tx.cross_entropy_rows(&tt, Some(-1)).unwrap();
     let dl = uniform_vals(33, rows, 0.5, 1.5);
     let g = tx
-        .cross_entropy_backward(&lse, &tt, &tensor(&dl, &[rows], DType::F64), Some(-1))
+        .cross_entropy_backward(
+            &lse,
+            &tt,
+            &tensor_on(device, &dl, &[rows], DType::F64),
+            Some(-1),
+        )
         .unwrap();
     let ls = ref_softmax(&x, &[rows, cols], 1, false);
     let exp: Vec<f64> = (0..rows * cols)
@@ -607,7 +625,9 @@ fn large_backward_kernels() {
         1e-12,
         "large cross_entropy_backward",
     );
+    Ok(())
 }
+test_device!(large_backward_kernels);
 
 /// The attention mask with only the causal flag set.
 fn mask(causal: bool) -> AttentionMask {

@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use meshgrad_tensor::{DType, Device, Tensor};
+use meshgrad_tensor::{test_device, DType, Device, Result, Tensor};
 
 fn tols(dtype: DType) -> (f64, f64) {
     match dtype {
@@ -55,8 +55,7 @@ fn ref_rms(
     (y, rstd, dx, dw)
 }
 
-#[test]
-fn rms_norm_matches_the_reference() {
+fn rms_norm_matches_the_reference(device: Device) -> Result<()> {
     let mut rng = Rng::new(1);
     for case in 0..12 {
         let dims = rng.dims(1, 4, 9);
@@ -73,9 +72,15 @@ fn rms_norm_matches_the_reference() {
                 round_to(&dy, dtype),
             );
             let (y, rstd, dx, dw) = ref_rms(&xr, use_w.then_some(&wr[..]), &dr, cols, eps);
-            let tx = strided(&x, &dims, &Lay::random(&mut rng, dims.len()), dtype);
-            let tw = strided(&w, &[cols], &Lay::random(&mut rng, 1), dtype);
-            let tdy = strided(&dy, &dims, &Lay::random(&mut rng, dims.len()), dtype);
+            let tx = strided_on(device, &x, &dims, &Lay::random(&mut rng, dims.len()), dtype);
+            let tw = strided_on(device, &w, &[cols], &Lay::random(&mut rng, 1), dtype);
+            let tdy = strided_on(
+                device,
+                &dy,
+                &dims,
+                &Lay::random(&mut rng, dims.len()),
+                dtype,
+            );
             let tw = use_w.then_some(&tw);
             let o = tx.rms_norm(tw, eps).unwrap();
             let (rtol, atol) = tols(dtype);
@@ -114,8 +119,11 @@ fn rms_norm_matches_the_reference() {
             }
         }
     }
+    Ok(())
 }
+test_device!(rms_norm_matches_the_reference);
 
+// CPU-only: validation errors raised before any backend runs: device-independent.
 #[test]
 fn rms_norm_errors() {
     let x = Tensor::ones((2, 3), DType::F32, Device::Cpu).unwrap();
@@ -159,8 +167,7 @@ fn ref_rope(x: &[f64], dims: &[usize], pos: &[i64], theta: f64, sign: f64) -> Ve
     y
 }
 
-#[test]
-fn rotary_embedding_matches_the_reference() {
+fn rotary_embedding_matches_the_reference(device: Device) -> Result<()> {
     let mut rng = Rng::new(2);
     for &(dims, theta) in &[
         ([1usize, 1, 1, 2], 10_000.0),
@@ -179,12 +186,12 @@ fn rotary_embedding_matches_the_reference() {
             (DType::U32, DType::F32),
             (DType::I64, DType::BF16),
         ] {
-            let tp = Tensor::from_vec(pos.clone(), dims[1], Device::Cpu)
+            let tp = Tensor::from_vec(pos.clone(), dims[1], device)
                 .unwrap()
                 .to_dtype(pdt)
                 .unwrap();
             let (xr, dr) = (round_to(&x, dtype), round_to(&dy, dtype));
-            let tx = strided(&x, &dims, &Lay::random(&mut rng, 4), dtype);
+            let tx = strided_on(device, &x, &dims, &Lay::random(&mut rng, 4), dtype);
             let y = tx.rotary_embedding(&tp, theta).unwrap();
             let (rtol, atol) = tols(dtype);
             let what = format!("rope {dims:?} theta {theta} {dtype}");
@@ -197,7 +204,7 @@ fn rotary_embedding_matches_the_reference() {
                 &what,
             );
             assert_eq!(y.dtype(), dtype);
-            let tdy = strided(&dy, &dims, &Lay::random(&mut rng, 4), dtype);
+            let tdy = strided_on(device, &dy, &dims, &Lay::random(&mut rng, 4), dtype);
             let g = tdy.rotary_embedding_backward(&tp, theta).unwrap();
             check(
                 &g,
@@ -209,8 +216,11 @@ fn rotary_embedding_matches_the_reference() {
             );
         }
     }
+    Ok(())
 }
+test_device!(rotary_embedding_matches_the_reference);
 
+// CPU-only: validation errors raised before any backend runs: device-independent.
 #[test]
 fn rotary_embedding_errors() {
     let x = Tensor::ones((1, 3, 2, 4), DType::F32, Device::Cpu).unwrap();
@@ -236,8 +246,7 @@ fn silu(g: f64) -> f64 {
     g / (1.0 + (-g).exp())
 }
 
-#[test]
-fn swiglu_matches_the_reference() {
+fn swiglu_matches_the_reference(device: Device) -> Result<()> {
     let mut rng = Rng::new(3);
     for _ in 0..8 {
         let dims = rng.dims(1, 4, 9);
@@ -257,9 +266,9 @@ fn swiglu_matches_the_reference() {
                 .collect();
             let du: Vec<f64> = (0..gr.len()).map(|i| dr[i] * silu(gr[i])).collect();
             let r = dims.len();
-            let tg = strided(&g, &dims, &Lay::random(&mut rng, r), dtype);
-            let tu = strided(&u, &dims, &Lay::random(&mut rng, r), dtype);
-            let td = strided(&dy, &dims, &Lay::random(&mut rng, r), dtype);
+            let tg = strided_on(device, &g, &dims, &Lay::random(&mut rng, r), dtype);
+            let tu = strided_on(device, &u, &dims, &Lay::random(&mut rng, r), dtype);
+            let td = strided_on(device, &dy, &dims, &Lay::random(&mut rng, r), dtype);
             let (rtol, atol) = tols(dtype);
             let what = format!("swiglu {dims:?} {dtype}");
             let out = Tensor::swiglu(&tg, &tu).unwrap();
@@ -271,10 +280,12 @@ fn swiglu_matches_the_reference() {
             check(&b, &dims, &du, rtol, atol, &format!("dup: {what}"));
         }
     }
-    let a = Tensor::ones((2, 3), DType::F32, Device::Cpu).unwrap();
-    let b = Tensor::ones((3, 2), DType::F32, Device::Cpu).unwrap();
+    let a = Tensor::ones((2, 3), DType::F32, device).unwrap();
+    let b = Tensor::ones((3, 2), DType::F32, device).unwrap();
     let e = Tensor::swiglu(&a, &b).unwrap_err().to_string();
     assert!(e.contains("[2, 3]") && e.contains("[3, 2]"), "{e}");
     let c = a.to_dtype(DType::F64).unwrap();
     assert!(Tensor::swiglu(&a, &c).is_err(), "dtype mismatch");
+    Ok(())
 }
+test_device!(swiglu_matches_the_reference);

@@ -5,11 +5,10 @@ mod common;
 
 use common::*;
 use meshgrad_tensor::alloc::{self, MemoryTag, MemoryTracker};
-use meshgrad_tensor::{DType, Device, Tensor};
+use meshgrad_tensor::{test_device, DType, Device, Result, Tensor};
 
-#[test]
-fn released_storage_errors_and_materialize_brings_it_back() {
-    let t = tensor(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3], DType::F32);
+fn released_storage_errors_and_materialize_brings_it_back(device: Device) -> Result<()> {
+    let t = tensor_on(device, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3], DType::F32);
     let view = t.t().unwrap(); // created before release; shares the storage
     assert!(t.is_materialized());
     t.release_storage();
@@ -28,22 +27,27 @@ fn released_storage_errors_and_materialize_brings_it_back() {
         ("to_dtype", t.to_dtype(DType::F64).map(|_| ())),
         (
             "copy_from",
-            t.copy_from(&Tensor::zeros((2, 3), DType::F32, Device::Cpu).unwrap()),
+            t.copy_from(&Tensor::zeros((2, 3), DType::F32, device).unwrap()),
         ),
     ] {
         let e = r.expect_err(what).to_string();
         assert!(e.contains("released"), "{what}: {e}");
     }
     // An op whose other operand is released fails too.
-    let live = Tensor::ones((2, 3), DType::F32, Device::Cpu).unwrap();
+    let live = Tensor::ones((2, 3), DType::F32, device).unwrap();
     assert!(live.add(&t).unwrap_err().to_string().contains("released"));
     // Releasing twice is fine.
     t.release_storage();
     // Re-materialise from a non-contiguous source (copied in logical order); the old view sees
     // the new values.
-    let src = tensor(&[10.0, 20.0, 30.0, 40.0, 50.0, 60.0], &[3, 2], DType::F32)
-        .t()
-        .unwrap();
+    let src = tensor_on(
+        device,
+        &[10.0, 20.0, 30.0, 40.0, 50.0, 60.0],
+        &[3, 2],
+        DType::F32,
+    )
+    .t()
+    .unwrap();
     assert!(!src.is_contiguous());
     t.materialize_from(&src).unwrap();
     assert!(t.is_materialized() && view.is_materialized());
@@ -75,33 +79,34 @@ fn released_storage_errors_and_materialize_brings_it_back() {
         "independent of the source",
     );
     // Live storage can be replaced too.
-    t.materialize_from(&Tensor::zeros((2, 3), DType::F32, Device::Cpu).unwrap())
+    t.materialize_from(&Tensor::zeros((2, 3), DType::F32, device).unwrap())
         .unwrap();
     assert_eq!(vals(&view), vec![0.0; 6]);
     // Errors: wrong dtype, wrong element count, a partial view as destination.
     assert!(t
-        .materialize_from(&Tensor::zeros((2, 3), DType::F64, Device::Cpu).unwrap())
+        .materialize_from(&Tensor::zeros((2, 3), DType::F64, device).unwrap())
         .is_err());
     assert!(t
-        .materialize_from(&Tensor::zeros(5, DType::F32, Device::Cpu).unwrap())
+        .materialize_from(&Tensor::zeros(5, DType::F32, device).unwrap())
         .is_err());
     assert!(t
         .narrow(0, 1, 1)
         .unwrap()
-        .materialize_from(&Tensor::zeros((1, 3), DType::F32, Device::Cpu).unwrap())
+        .materialize_from(&Tensor::zeros((1, 3), DType::F32, device).unwrap())
         .is_err());
     assert!(
-        view.materialize_from(&Tensor::zeros((3, 2), DType::F32, Device::Cpu).unwrap())
+        view.materialize_from(&Tensor::zeros((3, 2), DType::F32, device).unwrap())
             .is_err(),
         "a transposed destination"
     );
+    Ok(())
 }
+test_device!(released_storage_errors_and_materialize_brings_it_back);
 
-#[test]
-fn a_materializer_runs_when_a_released_storage_is_used() {
+fn a_materializer_runs_when_a_released_storage_is_used(device: Device) -> Result<()> {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
-    let t = tensor(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3], DType::F32);
+    let t = tensor_on(device, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3], DType::F32);
     let saved = t.deep_clone().unwrap();
     let runs = Arc::new(AtomicUsize::new(0));
     let (t2, runs2, saved2) = (t.clone(), runs.clone(), saved.clone());
@@ -131,7 +136,7 @@ fn a_materializer_runs_when_a_released_storage_is_used() {
     assert_eq!(vals(&t), vec![7.0; 6]);
     // The storage an op is using cannot be released under it: try_release_storage says so
     // (here from inside the materialiser of the op's other operand).
-    let live = Tensor::ones((2, 3), DType::F32, Device::Cpu).unwrap();
+    let live = Tensor::ones((2, 3), DType::F32, device).unwrap();
     let (live2, seen) = (live.clone(), Arc::new(AtomicUsize::new(0)));
     let (t3, saved3, seen2) = (t.clone(), saved.clone(), seen.clone());
     t.set_materializer(Some(Arc::new(move || {
@@ -177,8 +182,11 @@ fn a_materializer_runs_when_a_released_storage_is_used() {
             && e.contains("summon_full_params"),
         "{e}"
     );
+    Ok(())
 }
+test_device!(a_materializer_runs_when_a_released_storage_is_used);
 
+// CPU-only: CPU byte accounting (memory_stats of Device::Cpu).
 #[test]
 fn tracker_counts_current_and_peak_bytes() {
     let tr = MemoryTracker::new();
@@ -226,6 +234,7 @@ fn tracker_counts_current_and_peak_bytes() {
     assert_eq!(tr.stats().current, 0);
 }
 
+// CPU-only: CPU byte accounting (memory_stats of Device::Cpu).
 #[test]
 fn views_keep_storage_alive() {
     let tr = MemoryTracker::new();
@@ -239,6 +248,7 @@ fn views_keep_storage_alive() {
     });
 }
 
+// CPU-only: CPU byte accounting (memory_stats of Device::Cpu).
 #[test]
 fn release_and_materialize_are_accounted() {
     let tr = MemoryTracker::new();
@@ -261,6 +271,7 @@ fn release_and_materialize_are_accounted() {
     });
 }
 
+// CPU-only: CPU byte accounting (memory_stats of Device::Cpu).
 #[test]
 fn tags_are_counted_separately() {
     let tr = MemoryTracker::new();
@@ -299,6 +310,7 @@ fn tags_are_counted_separately() {
     });
 }
 
+// CPU-only: CPU byte accounting (memory_stats of Device::Cpu).
 #[test]
 fn trackers_are_per_thread_and_restored() {
     let outer = MemoryTracker::new();
@@ -333,6 +345,7 @@ fn trackers_are_per_thread_and_restored() {
     assert_eq!(outer.stats().current, 0);
 }
 
+// CPU-only: validation errors raised before any backend runs: device-independent.
 #[test]
 fn errors_name_shapes_dtypes_and_devices() {
     let a = Tensor::zeros((2, 3), DType::F32, Device::Cpu).unwrap();
@@ -360,6 +373,7 @@ fn errors_name_shapes_dtypes_and_devices() {
 }
 
 #[cfg(not(feature = "cuda"))]
+// CPU-only: about builds without the cuda feature.
 #[test]
 fn cuda_without_the_feature_is_a_clear_error() {
     let d: Device = "cuda:0".parse().unwrap();

@@ -5,7 +5,9 @@
 mod common;
 
 use common::*;
-use meshgrad_tensor::{AttentionMask, DType, Device, GeluKind, Random, Result, Tensor};
+use meshgrad_tensor::{
+    test_device, AttentionMask, DType, Device, GeluKind, Random, Result, Tensor,
+};
 
 type Bin = fn(&Tensor, &Tensor) -> Result<Tensor>;
 type BinCase = (&'static str, Bin, fn(f64, f64) -> f64);
@@ -48,8 +50,7 @@ fn binary_shape_cases(rng: &mut Rng) -> Vec<(Vec<usize>, Vec<usize>)> {
     cases
 }
 
-#[test]
-fn binary_ops_broadcast_f64_and_f32() {
+fn binary_ops_broadcast_f64_and_f32(device: Device) -> Result<()> {
     let mut rng = Rng::new(1);
     for (case, (ad, bd)) in binary_shape_cases(&mut rng).into_iter().enumerate() {
         let a = uniform_vals(100 + case as u64, numel(&ad), -2.0, 2.0);
@@ -66,7 +67,10 @@ fn binary_ops_broadcast_f64_and_f32() {
                     Lay::random(&mut rng, ad.len()),
                     Lay::random(&mut rng, bd.len()),
                 );
-                let (ta, tb) = (strided(&a, &ad, &la, dtype), strided(&b, &bd, &lb, dtype));
+                let (ta, tb) = (
+                    strided_on(device, &a, &ad, &la, dtype),
+                    strided_on(device, &b, &bd, &lb, dtype),
+                );
                 let out = op(&ta, &tb).unwrap();
                 assert_eq!(out.dtype(), dtype);
                 let (exp, od) = ref_binary(&ar, &ad, &br, &bd, f);
@@ -86,20 +90,27 @@ fn binary_ops_broadcast_f64_and_f32() {
             }
         }
     }
+    Ok(())
 }
+test_device!(binary_ops_broadcast_f64_and_f32);
 
-#[test]
-fn binary_ops_on_expanded_views() {
+fn binary_ops_on_expanded_views(device: Device) -> Result<()> {
     // Operands that are already stride-0 views (expand) broadcast against each other.
     let a = uniform_vals(3, 3, -1.0, 1.0);
     let b = uniform_vals(4, 4, -1.0, 1.0);
-    let ta = tensor(&a, &[1, 3], DType::F64).expand([4, 3]).unwrap();
-    let tb = tensor(&b, &[4, 1], DType::F64).expand([2, 4, 3]).unwrap();
+    let ta = tensor_on(device, &a, &[1, 3], DType::F64)
+        .expand([4, 3])
+        .unwrap();
+    let tb = tensor_on(device, &b, &[4, 1], DType::F64)
+        .expand([2, 4, 3])
+        .unwrap();
     let out = ta.mul(&tb).unwrap();
     let (exp, od) = ref_binary(&a, &[1, 3], &b, &[4, 1], |x, y| x * y);
     let (exp, _) = ref_binary(&exp, &od, &[0.0; 24], &[2, 4, 3], |x, _| x);
     check(&out, &[2, 4, 3], &exp, 0.0, 0.0, "mul of expanded views");
+    Ok(())
 }
+test_device!(binary_ops_on_expanded_views);
 
 type Un = Box<dyn Fn(&Tensor) -> Result<Tensor>>;
 type UnCase = (&'static str, Un, Box<dyn Fn(f64) -> f64>, f64, f64);
@@ -219,8 +230,7 @@ fn unary_ops() -> Vec<UnCase> {
     ]
 }
 
-#[test]
-fn unary_ops_f64_and_f32() {
+fn unary_ops_f64_and_f32(device: Device) -> Result<()> {
     let mut rng = Rng::new(2);
     for it in 0..6 {
         let dims = rng.dims(0, 4, 5);
@@ -228,7 +238,7 @@ fn unary_ops_f64_and_f32() {
             let x = uniform_vals(1000 * it + k as u64, numel(&dims), lo, hi);
             for dtype in [DType::F64, DType::F32] {
                 let lay = Lay::random(&mut rng, dims.len());
-                let t = strided(&x, &dims, &lay, dtype);
+                let t = strided_on(device, &x, &dims, &lay, dtype);
                 let out = op(&t).unwrap();
                 assert_eq!(out.dtype(), dtype, "{name}");
                 let exp = ref_unary(&round_to(&x, dtype), &f);
@@ -248,17 +258,22 @@ fn unary_ops_f64_and_f32() {
             }
         }
     }
+    Ok(())
 }
+test_device!(unary_ops_f64_and_f32);
 
-#[test]
-fn unary_special_values() {
-    let t = tensor(&[0.0, -0.0, -1.0, 1e-30], &[4], DType::F64);
+fn unary_special_values(device: Device) -> Result<()> {
+    let t = tensor_on(device, &[0.0, -0.0, -1.0, 1e-30], &[4], DType::F64);
     assert_eq!(vals(&t.relu().unwrap()), vec![0.0, 0.0, 0.0, 1e-30]);
     assert_eq!(vals(&t.abs().unwrap()), vec![0.0, 0.0, 1.0, 1e-30]);
     let l = vals(&t.log().unwrap());
     assert_eq!(l[0], f64::NEG_INFINITY);
     assert!(l[2].is_nan());
-    let s = vals(&tensor(&[-50.0, 50.0], &[2], DType::F32).sigmoid().unwrap());
+    let s = vals(
+        &tensor_on(device, &[-50.0, 50.0], &[2], DType::F32)
+            .sigmoid()
+            .unwrap(),
+    );
     assert_close(
         &s,
         &[1.0 / (1.0 + 50f64.exp()), 1.0],
@@ -266,14 +281,15 @@ fn unary_special_values() {
         0.0,
         "sigmoid saturates without NaN",
     );
+    Ok(())
 }
+test_device!(unary_special_values);
 
-#[test]
-fn unary_on_bf16_and_f16_compute_in_f32() {
+fn unary_on_bf16_and_f16_compute_in_f32(device: Device) -> Result<()> {
     let x = uniform_vals(5, 40, -2.0, 2.0);
     for (dtype, ulp) in [(DType::BF16, 2f64.powi(-8)), (DType::F16, 2f64.powi(-11))] {
         let xr = round_to(&x, dtype);
-        let t = tensor(&x, &[5, 8], dtype).t().unwrap();
+        let t = tensor_on(device, &x, &[5, 8], dtype).t().unwrap();
         let out = t.exp().unwrap();
         assert_eq!(out.dtype(), dtype);
         let (xt, _) = ref_permute(&xr, &[5, 8], &[1, 0]);
@@ -286,10 +302,11 @@ fn unary_on_bf16_and_f16_compute_in_f32() {
             &format!("exp in {dtype}"),
         );
     }
+    Ok(())
 }
+test_device!(unary_on_bf16_and_f16_compute_in_f32);
 
-#[test]
-fn comparisons_and_where_with_broadcasting() {
+fn comparisons_and_where_with_broadcasting(device: Device) -> Result<()> {
     let mut rng = Rng::new(3);
     type Cmp = fn(&Tensor, &Tensor) -> Result<Tensor>;
     type CmpCase = (&'static str, Cmp, fn(f64, f64) -> bool);
@@ -314,8 +331,8 @@ fn comparisons_and_where_with_broadcasting() {
             let (ar, br) = (round_to(&a, dtype), round_to(&b, dtype));
             for (name, op, f) in &cmps {
                 let (ta, tb) = (
-                    strided(&a, &ad, &Lay::random(&mut rng, ad.len()), dtype),
-                    strided(&b, &bd, &Lay::random(&mut rng, bd.len()), dtype),
+                    strided_on(device, &a, &ad, &Lay::random(&mut rng, ad.len()), dtype),
+                    strided_on(device, &b, &bd, &Lay::random(&mut rng, bd.len()), dtype),
                 );
                 let out = op(&ta, &tb).unwrap();
                 assert_eq!(out.dtype(), DType::U8, "{name}");
@@ -334,12 +351,12 @@ fn comparisons_and_where_with_broadcasting() {
         // where_cond with a third broadcast operand.
         let cd = operand_dims(&mut rng, &bcast_shape(&ad, &bd).unwrap());
         let c: Vec<f64> = (0..numel(&cd)).map(|_| rng.below(2) as f64).collect();
-        let tc = strided(&c, &cd, &Lay::random(&mut rng, cd.len()), DType::U8);
+        let tc = strided_on(device, &c, &cd, &Lay::random(&mut rng, cd.len()), DType::U8);
         for dtype in [DType::F64, DType::F32, DType::I64] {
             let (ar, br) = (round_to(&a, dtype), round_to(&b, dtype));
             let (ta, tb) = (
-                strided(&a, &ad, &Lay::random(&mut rng, ad.len()), dtype),
-                strided(&b, &bd, &Lay::random(&mut rng, bd.len()), dtype),
+                strided_on(device, &a, &ad, &Lay::random(&mut rng, ad.len()), dtype),
+                strided_on(device, &b, &bd, &Lay::random(&mut rng, bd.len()), dtype),
             );
             let out = tc.where_cond(&ta, &tb).unwrap();
             assert_eq!(out.dtype(), dtype);
@@ -365,12 +382,13 @@ fn comparisons_and_where_with_broadcasting() {
         }
     }
     // The condition must be a u8 mask.
-    let f = tensor(&[1.0], &[1], DType::F32);
+    let f = tensor_on(device, &[1.0], &[1], DType::F32);
     assert!(f.where_cond(&f, &f).is_err());
+    Ok(())
 }
+test_device!(comparisons_and_where_with_broadcasting);
 
-#[test]
-fn sum_and_mean_over_dims() {
+fn sum_and_mean_over_dims(device: Device) -> Result<()> {
     let mut rng = Rng::new(4);
     for it in 0..30 {
         let dims = rng.dims(1, 4, 5);
@@ -397,7 +415,7 @@ fn sum_and_mean_over_dims() {
         let mean: Vec<f64> = s.iter().map(|v| v / n as f64).collect();
         for dtype in [DType::F64, DType::F32] {
             let lay = Lay::random(&mut rng, rank);
-            let t = strided(&x, &dims, &lay, dtype);
+            let t = strided_on(device, &x, &dims, &lay, dtype);
             let (rtol, atol) = if dtype == DType::F64 {
                 F64_TOL
             } else {
@@ -427,7 +445,7 @@ fn sum_and_mean_over_dims() {
             }
         }
         // Whole-tensor reductions.
-        let t = strided(&x, &dims, &Lay::random(&mut rng, rank), DType::F64);
+        let t = strided_on(device, &x, &dims, &Lay::random(&mut rng, rank), DType::F64);
         let total: f64 = x.iter().sum();
         check(
             &t.sum_all().unwrap(),
@@ -446,11 +464,12 @@ fn sum_and_mean_over_dims() {
             "mean_all",
         );
     }
+    Ok(())
 }
+test_device!(sum_and_mean_over_dims);
 
-#[test]
-fn sum_edge_cases() {
-    let t = tensor(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3], DType::F64);
+fn sum_edge_cases(device: Device) -> Result<()> {
+    let t = tensor_on(device, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3], DType::F64);
     // Repeated dims count once.
     check(
         &t.sum(&[1, -1], false).unwrap(),
@@ -475,7 +494,7 @@ fn sum_edge_cases() {
     );
     // Scalars.
     check(
-        &Tensor::scalar(2.5, DType::F64, Device::Cpu)
+        &Tensor::scalar(2.5, DType::F64, device)
             .unwrap()
             .sum_all()
             .unwrap(),
@@ -486,11 +505,14 @@ fn sum_edge_cases() {
         "sum_all of a scalar",
     );
     // Integer tensors are refused.
-    assert!(tensor(&[1.0], &[1], DType::I64).sum(&[0], false).is_err());
+    assert!(tensor_on(device, &[1.0], &[1], DType::I64)
+        .sum(&[0], false)
+        .is_err());
+    Ok(())
 }
+test_device!(sum_edge_cases);
 
-#[test]
-fn max_and_argmax_first_index_on_ties() {
+fn max_and_argmax_first_index_on_ties(device: Device) -> Result<()> {
     let mut rng = Rng::new(5);
     for it in 0..30 {
         let dims = rng.dims(1, 4, 5);
@@ -515,7 +537,7 @@ fn max_and_argmax_first_index_on_ties() {
         }
         for dtype in [DType::F64, DType::F32] {
             let lay = Lay::random(&mut rng, rank);
-            let t = strided(&x, &dims, &lay, dtype);
+            let t = strided_on(device, &x, &dims, &lay, dtype);
             let what = format!("{dims:?} dim {named} keepdim={keepdim} {lay:?} {dtype}");
             check(
                 &t.max(named, keepdim).unwrap(),
@@ -532,16 +554,18 @@ fn max_and_argmax_first_index_on_ties() {
         }
     }
     // All equal: index 0.
-    let t = Tensor::ones((3, 4), DType::F32, Device::Cpu).unwrap();
+    let t = Tensor::ones((3, 4), DType::F32, device).unwrap();
     assert_eq!(
         t.argmax(1, false).unwrap().to_vec::<i64>().unwrap(),
         vec![0, 0, 0]
     );
-    assert!(Tensor::zeros((3, 0), DType::F32, Device::Cpu)
+    assert!(Tensor::zeros((3, 0), DType::F32, device)
         .unwrap()
         .max(1, false)
         .is_err());
+    Ok(())
 }
+test_device!(max_and_argmax_first_index_on_ties);
 
 fn matmul_cases() -> Vec<(Vec<usize>, Vec<usize>)> {
     vec![
@@ -560,8 +584,7 @@ fn matmul_cases() -> Vec<(Vec<usize>, Vec<usize>)> {
     ]
 }
 
-#[test]
-fn matmul_broadcast_batch_and_strided_operands() {
+fn matmul_broadcast_batch_and_strided_operands(device: Device) -> Result<()> {
     let mut rng = Rng::new(6);
     for (case, (ad, bd)) in matmul_cases().into_iter().enumerate() {
         let a = uniform_vals(700 + case as u64, numel(&ad), -1.0, 1.0);
@@ -574,8 +597,8 @@ fn matmul_broadcast_batch_and_strided_operands() {
                     Lay::random(&mut rng, ad.len()),
                     Lay::random(&mut rng, bd.len()),
                 );
-                let out = strided(&a, &ad, &la, dtype)
-                    .matmul(&strided(&b, &bd, &lb, dtype))
+                let out = strided_on(device, &a, &ad, &la, dtype)
+                    .matmul(&strided_on(device, &b, &bd, &lb, dtype))
                     .unwrap();
                 assert_eq!(out.dtype(), dtype);
                 let (rtol, atol) = if dtype == DType::F64 {
@@ -594,15 +617,20 @@ fn matmul_broadcast_batch_and_strided_operands() {
             }
         }
     }
+    Ok(())
 }
+test_device!(matmul_broadcast_batch_and_strided_operands);
 
-#[test]
-fn matmul_with_expanded_and_narrowed_batches() {
+fn matmul_with_expanded_and_narrowed_batches(device: Device) -> Result<()> {
     // rhs shared through an explicit stride-0 expand; lhs a narrowed batch of a bigger tensor.
     let a = uniform_vals(11, 4 * 3 * 5, -1.0, 1.0);
     let b = uniform_vals(12, 5 * 2, -1.0, 1.0);
-    let ta = tensor(&a, &[4, 3, 5], DType::F64).narrow(0, 1, 2).unwrap();
-    let tb = tensor(&b, &[5, 2], DType::F64).expand([2, 5, 2]).unwrap();
+    let ta = tensor_on(device, &a, &[4, 3, 5], DType::F64)
+        .narrow(0, 1, 2)
+        .unwrap();
+    let tb = tensor_on(device, &b, &[5, 2], DType::F64)
+        .expand([2, 5, 2])
+        .unwrap();
     let (an, ad) = ref_narrow(&a, &[4, 3, 5], 0, 1, 2);
     let (exp, od) = ref_matmul(&an, &ad, &b, &[5, 2]);
     check(
@@ -614,11 +642,14 @@ fn matmul_with_expanded_and_narrowed_batches() {
         "narrowed @ expanded",
     );
     // Rows narrowed inside each batch (row stride != m * row stride of the batch).
-    let tc = tensor(&a, &[4, 3, 5], DType::F64).narrow(1, 1, 2).unwrap();
+    let tc = tensor_on(device, &a, &[4, 3, 5], DType::F64)
+        .narrow(1, 1, 2)
+        .unwrap();
     let (cn, cd) = ref_narrow(&a, &[4, 3, 5], 1, 1, 2);
     let (exp, od) = ref_matmul(&cn, &cd, &b, &[5, 2]);
     check(
-        &tc.matmul(&tensor(&b, &[5, 2], DType::F64)).unwrap(),
+        &tc.matmul(&tensor_on(device, &b, &[5, 2], DType::F64))
+            .unwrap(),
         &od,
         &exp,
         1e-12,
@@ -626,7 +657,7 @@ fn matmul_with_expanded_and_narrowed_batches() {
         "row-narrowed batch @ shared",
     );
     // A batch dim permuted in front of an expanded one.
-    let td = tensor(&a, &[4, 3, 5], DType::F64)
+    let td = tensor_on(device, &a, &[4, 3, 5], DType::F64)
         .unsqueeze(0)
         .unwrap()
         .expand([2, 4, 3, 5])
@@ -645,15 +676,19 @@ fn matmul_with_expanded_and_narrowed_batches() {
     };
     let (exp, od) = ref_matmul(&dd, &ddims, &b, &[5, 2]);
     check(
-        &td.matmul(&tensor(&b, &[5, 2], DType::F64)).unwrap(),
+        &td.matmul(&tensor_on(device, &b, &[5, 2], DType::F64))
+            .unwrap(),
         &od,
         &exp,
         1e-12,
         1e-12,
         "permuted expanded batch",
     );
+    Ok(())
 }
+test_device!(matmul_with_expanded_and_narrowed_batches);
 
+// CPU-only: validation errors raised before any backend runs: device-independent.
 #[test]
 fn matmul_errors() {
     let a = Tensor::zeros((2, 3), DType::F32, Device::Cpu).unwrap();
@@ -676,25 +711,25 @@ fn matmul_errors() {
         .is_err());
 }
 
-#[test]
-fn matmul_in_bf16_and_f16() {
+fn matmul_in_bf16_and_f16(device: Device) -> Result<()> {
     let (m, k, n) = (6, 16, 5);
     let a = uniform_vals(13, m * k, -1.0, 1.0);
     let b = uniform_vals(14, k * n, -1.0, 1.0);
     for (dtype, u) in [(DType::BF16, 2f64.powi(-8)), (DType::F16, 2f64.powi(-11))] {
         let (ar, br) = (round_to(&a, dtype), round_to(&b, dtype));
         let (exp, od) = ref_matmul(&ar, &[m, k], &br, &[k, n]);
-        let out = tensor(&a, &[m, k], dtype)
-            .matmul(&tensor(&b, &[k, n], dtype))
+        let out = tensor_on(device, &a, &[m, k], dtype)
+            .matmul(&tensor_on(device, &b, &[k, n], dtype))
             .unwrap();
         assert_eq!(out.dtype(), dtype);
         // f32 accumulation, one rounding to the storage type at the end.
         check(&out, &od, &exp, u, 1e-4, &format!("matmul in {dtype}"));
     }
+    Ok(())
 }
+test_device!(matmul_in_bf16_and_f16);
 
-#[test]
-fn softmax_and_log_softmax_any_dim() {
+fn softmax_and_log_softmax_any_dim(device: Device) -> Result<()> {
     let mut rng = Rng::new(7);
     for it in 0..20 {
         let dims = rng.dims(1, 4, 6);
@@ -709,7 +744,7 @@ fn softmax_and_log_softmax_any_dim() {
         for log in [false, true] {
             for dtype in [DType::F64, DType::F32] {
                 let lay = Lay::random(&mut rng, rank);
-                let t = strided(&x, &dims, &lay, dtype);
+                let t = strided_on(device, &x, &dims, &lay, dtype);
                 let out = if log {
                     t.log_softmax(named)
                 } else {
@@ -734,7 +769,7 @@ fn softmax_and_log_softmax_any_dim() {
         }
     }
     // Large logits stay finite (max-subtracted).
-    let t = tensor(&[1000.0, 1001.0, -1000.0], &[3], DType::F32);
+    let t = tensor_on(device, &[1000.0, 1001.0, -1000.0], &[3], DType::F32);
     let exp = ref_softmax(&[1000.0, 1001.0, -1000.0], &[3], 0, false);
     assert_close(
         &vals(&t.softmax(0).unwrap()),
@@ -743,10 +778,11 @@ fn softmax_and_log_softmax_any_dim() {
         1e-7,
         "softmax of large logits",
     );
+    Ok(())
 }
+test_device!(softmax_and_log_softmax_any_dim);
 
-#[test]
-fn softmax_backward_matches_reference() {
+fn softmax_backward_matches_reference(device: Device) -> Result<()> {
     let mut rng = Rng::new(8);
     for it in 0..8 {
         let dims = rng.dims(1, 3, 5);
@@ -780,8 +816,8 @@ fn softmax_backward_matches_reference() {
                     }
                 }
             }
-            let ty = strided(&y, &dims, &Lay::random(&mut rng, rank), DType::F64);
-            let tdy = strided(&dy, &dims, &Lay::random(&mut rng, rank), DType::F64);
+            let ty = strided_on(device, &y, &dims, &Lay::random(&mut rng, rank), DType::F64);
+            let tdy = strided_on(device, &dy, &dims, &Lay::random(&mut rng, rank), DType::F64);
             let out = ty.softmax_backward(&tdy, d as isize, log).unwrap();
             check(
                 &out,
@@ -793,10 +829,11 @@ fn softmax_backward_matches_reference() {
             );
         }
     }
+    Ok(())
 }
+test_device!(softmax_backward_matches_reference);
 
-#[test]
-fn gelu_backward_matches_reference_derivatives() {
+fn gelu_backward_matches_reference_derivatives(device: Device) -> Result<()> {
     let x = uniform_vals(15, 30, -3.0, 3.0);
     let dy = uniform_vals(16, 30, -1.0, 1.0);
     let c = (2.0 / std::f64::consts::PI).sqrt();
@@ -819,7 +856,8 @@ fn gelu_backward_matches_reference_derivatives() {
                 g * d
             })
             .collect();
-        let tx = strided(
+        let tx = strided_on(
+            device,
             &x,
             &[5, 6],
             &Lay::Strided {
@@ -829,7 +867,7 @@ fn gelu_backward_matches_reference_derivatives() {
             DType::F64,
         );
         let out = tx
-            .gelu_backward(&tensor(&dy, &[5, 6], DType::F64), kind)
+            .gelu_backward(&tensor_on(device, &dy, &[5, 6], DType::F64), kind)
             .unwrap();
         check(
             &out,
@@ -840,10 +878,11 @@ fn gelu_backward_matches_reference_derivatives() {
             &format!("gelu_backward {kind:?}"),
         );
     }
+    Ok(())
 }
+test_device!(gelu_backward_matches_reference_derivatives);
 
-#[test]
-fn layer_norm_with_and_without_affine() {
+fn layer_norm_with_and_without_affine(device: Device) -> Result<()> {
     let mut rng = Rng::new(9);
     for it in 0..10 {
         let mut dims = rng.dims(1, 3, 4);
@@ -866,8 +905,11 @@ fn layer_norm_with_and_without_affine() {
                     ref_layer_norm(&xr, cols, None, None, eps)
                 };
                 let lay = Lay::random(&mut rng, dims.len());
-                let t = strided(&x, &dims, &lay, dtype);
-                let (tw, tb) = (tensor(&w, &[cols], dtype), tensor(&b, &[cols], dtype));
+                let t = strided_on(device, &x, &dims, &lay, dtype);
+                let (tw, tb) = (
+                    tensor_on(device, &w, &[cols], dtype),
+                    tensor_on(device, &b, &[cols], dtype),
+                );
                 let out = if affine {
                     t.layer_norm(Some(&tw), Some(&tb), eps)
                 } else {
@@ -903,21 +945,22 @@ fn layer_norm_with_and_without_affine() {
         }
         // Weight only.
         let (y, _, _) = ref_layer_norm(&x, cols, Some(&w), None, eps);
-        let out = tensor(&x, &dims, DType::F64)
-            .layer_norm(Some(&tensor(&w, &[cols], DType::F64)), None, eps)
+        let out = tensor_on(device, &x, &dims, DType::F64)
+            .layer_norm(Some(&tensor_on(device, &w, &[cols], DType::F64)), None, eps)
             .unwrap();
         check(&out.y, &dims, &y, 1e-11, 1e-12, "layer_norm weight only");
     }
-    let x = Tensor::zeros((2, 4), DType::F32, Device::Cpu).unwrap();
-    let w = Tensor::ones(3, DType::F32, Device::Cpu).unwrap();
+    let x = Tensor::zeros((2, 4), DType::F32, device).unwrap();
+    let w = Tensor::ones(3, DType::F32, device).unwrap();
     assert!(
         x.layer_norm(Some(&w), None, 1e-5).is_err(),
         "weight of the wrong size"
     );
+    Ok(())
 }
+test_device!(layer_norm_with_and_without_affine);
 
-#[test]
-fn layer_norm_backward_matches_reference() {
+fn layer_norm_backward_matches_reference(device: Device) -> Result<()> {
     let (rows, cols) = (5, 7);
     let x = uniform_vals(21, rows * cols, -2.0, 2.0);
     let w = uniform_vals(22, cols, 0.5, 1.5);
@@ -939,10 +982,11 @@ fn layer_norm_backward_matches_reference() {
             db[c] += dy[r * cols + c];
         }
     }
-    let tx = tensor(&x, &[rows, cols], DType::F64);
-    let tw = tensor(&w, &[cols], DType::F64);
+    let tx = tensor_on(device, &x, &[rows, cols], DType::F64);
+    let tw = tensor_on(device, &w, &[cols], DType::F64);
     let out = tx.layer_norm(Some(&tw), None, eps).unwrap();
-    let tdy = strided(
+    let tdy = strided_on(
+        device,
         &dy,
         &[rows, cols],
         &Lay::Strided {
@@ -972,7 +1016,9 @@ fn layer_norm_backward_matches_reference() {
         "layer_norm_backward dweight",
     );
     check(&gb, &[cols], &db, 1e-10, 1e-12, "layer_norm_backward dbias");
+    Ok(())
 }
+test_device!(layer_norm_backward_matches_reference);
 
 /// `[b, h, t, d]` dims and causal flags of the attention cases.
 fn attention_cases() -> Vec<(usize, usize, usize, usize, usize, bool)> {
@@ -988,8 +1034,7 @@ fn attention_cases() -> Vec<(usize, usize, usize, usize, usize, bool)> {
     ]
 }
 
-#[test]
-fn attention_matches_naive_softmax_reference() {
+fn attention_matches_naive_softmax_reference(device: Device) -> Result<()> {
     let mut rng = Rng::new(10);
     for (case, (b, h, tq, tk, d, causal)) in attention_cases().into_iter().enumerate() {
         let s = case as u64;
@@ -1005,9 +1050,9 @@ fn attention_matches_naive_softmax_reference() {
             );
             let (out, lse) = ref_attention(&qr, &kr, &vr, b * h, tq, tk, d, causal, scale);
             let (qd, kd) = (vec![b, h, tq, d], vec![b, h, tk, d]);
-            let tq_ = strided(&q, &qd, &Lay::random(&mut rng, 4), dtype);
-            let tk_ = strided(&k, &kd, &Lay::random(&mut rng, 4), dtype);
-            let tv_ = strided(&v, &kd, &Lay::random(&mut rng, 4), dtype);
+            let tq_ = strided_on(device, &q, &qd, &Lay::random(&mut rng, 4), dtype);
+            let tk_ = strided_on(device, &k, &kd, &Lay::random(&mut rng, 4), dtype);
+            let tv_ = strided_on(device, &v, &kd, &Lay::random(&mut rng, 4), dtype);
             let o = Tensor::attention(&tq_, &tk_, &tv_, &mask(causal), scale).unwrap();
             let (rtol, atol) = if dtype == DType::F64 {
                 (1e-11, 1e-12)
@@ -1028,17 +1073,18 @@ fn attention_matches_naive_softmax_reference() {
         }
     }
     // Causal attention needs seq_k >= seq_q.
-    let q = Tensor::zeros((1, 4, 2), DType::F32, Device::Cpu).unwrap();
-    let k = Tensor::zeros((1, 3, 2), DType::F32, Device::Cpu).unwrap();
+    let q = Tensor::zeros((1, 4, 2), DType::F32, device).unwrap();
+    let k = Tensor::zeros((1, 3, 2), DType::F32, device).unwrap();
     assert!(Tensor::attention(&q, &k, &k, &mask(true), 1.0).is_err());
     assert!(
         Tensor::attention(&q, &k, &q, &mask(false), 1.0).is_err(),
         "k and v shapes differ"
     );
+    Ok(())
 }
+test_device!(attention_matches_naive_softmax_reference);
 
-#[test]
-fn attention_backward_matches_reference() {
+fn attention_backward_matches_reference(device: Device) -> Result<()> {
     for (case, (b, h, tq, tk, d, causal)) in attention_cases().into_iter().take(7).enumerate() {
         let s = case as u64;
         let bh = b * h;
@@ -1087,12 +1133,13 @@ fn attention_backward_matches_reference() {
         }
         let (qd, kd) = (vec![b, h, tq, d], vec![b, h, tk, d]);
         let (tq_, tk_, tv_) = (
-            tensor(&q, &qd, DType::F64),
-            tensor(&k, &kd, DType::F64),
-            tensor(&v, &kd, DType::F64),
+            tensor_on(device, &q, &qd, DType::F64),
+            tensor_on(device, &k, &kd, DType::F64),
+            tensor_on(device, &v, &kd, DType::F64),
         );
         let o = Tensor::attention(&tq_, &tk_, &tv_, &mask(causal), scale).unwrap();
-        let tdo = strided(
+        let tdo = strided_on(
+            device,
             &dout,
             &qd,
             &Lay::Strided {
@@ -1109,10 +1156,11 @@ fn attention_backward_matches_reference() {
         check(&gk, &kd, &dk, 1e-10, 1e-12, &format!("dk: {what}"));
         check(&gv, &kd, &dv, 1e-10, 1e-12, &format!("dv: {what}"));
     }
+    Ok(())
 }
+test_device!(attention_backward_matches_reference);
 
-#[test]
-fn cross_entropy_rows_with_ignore_index() {
+fn cross_entropy_rows_with_ignore_index(device: Device) -> Result<()> {
     let (n, v) = (7, 5);
     let x = uniform_vals(24, n * v, -3.0, 3.0);
     let targets: Vec<i64> = vec![0, 4, -100, 2, 2, -100, 1];
@@ -1129,8 +1177,8 @@ fn cross_entropy_rows_with_ignore_index() {
     }
     let mut rng = Rng::new(11);
     for dtype in [DType::F64, DType::F32] {
-        let tx = strided(&x, &[n, v], &Lay::random(&mut rng, 2), dtype);
-        let tt = Tensor::from_vec(targets.clone(), n, Device::Cpu).unwrap();
+        let tx = strided_on(device, &x, &[n, v], &Lay::random(&mut rng, 2), dtype);
+        let tt = Tensor::from_vec(targets.clone(), n, device).unwrap();
         let (l, s) = tx.cross_entropy_rows(&tt, ignore).unwrap();
         let (rtol, atol) = if dtype == DType::F64 {
             (1e-12, 1e-12)
@@ -1169,7 +1217,12 @@ fn cross_entropy_rows_with_ignore_index() {
             }
         }
         let g = tx
-            .cross_entropy_backward(&s, &tt, &tensor(&dloss, &[n], DType::F64), ignore)
+            .cross_entropy_backward(
+                &s,
+                &tt,
+                &tensor_on(device, &dloss, &[n], DType::F64),
+                ignore,
+            )
             .unwrap();
         assert_eq!(g.dtype(), dtype);
         let (rtol, atol) = if dtype == DType::F64 {
@@ -1187,8 +1240,8 @@ fn cross_entropy_rows_with_ignore_index() {
         );
     }
     // u32 targets without ignore_index.
-    let t32 = Tensor::from_vec(vec![1u32, 0, 3, 4, 2, 2, 0], n, Device::Cpu).unwrap();
-    let (l, _) = tensor(&x, &[n, v], DType::F64)
+    let t32 = Tensor::from_vec(vec![1u32, 0, 3, 4, 2, 2, 0], n, device).unwrap();
+    let (l, _) = tensor_on(device, &x, &[n, v], DType::F64)
         .cross_entropy_rows(&t32, None)
         .unwrap();
     let want: Vec<f64> = (0..n)
@@ -1206,8 +1259,11 @@ fn cross_entropy_rows_with_ignore_index() {
         1e-12,
         "cross_entropy with u32 targets",
     );
+    Ok(())
 }
+test_device!(cross_entropy_rows_with_ignore_index);
 
+// CPU-only: validation errors raised before any backend runs: device-independent.
 #[test]
 fn cross_entropy_errors() {
     let x = Tensor::zeros((3, 4), DType::F32, Device::Cpu).unwrap();
@@ -1228,8 +1284,7 @@ fn cross_entropy_errors() {
     assert!(x.cross_entropy_rows(&short, None).is_err(), "target count");
 }
 
-#[test]
-fn cross_entropy_over_nd_logits() {
+fn cross_entropy_over_nd_logits(device: Device) -> Result<()> {
     // Logits [B, T, V] (classes last) with targets [B, T]; the leading dims fold into rows.
     let (b, t, v) = (2, 3, 5);
     let x = uniform_vals(28, b * t * v, -4.0, 4.0);
@@ -1256,7 +1311,7 @@ fn cross_entropy_over_nd_logits() {
         }
     }
     let mut rng = Rng::new(14);
-    let tt = Tensor::from_vec(targets.clone(), (b, t), Device::Cpu).unwrap();
+    let tt = Tensor::from_vec(targets.clone(), (b, t), device).unwrap();
     for dtype in [DType::F64, DType::F32] {
         let (rtol, atol) = if dtype == DType::F64 {
             (1e-12, 1e-12)
@@ -1265,15 +1320,15 @@ fn cross_entropy_over_nd_logits() {
         };
         for _ in 0..3 {
             let lay = Lay::random(&mut rng, 3);
-            let tx = strided(&x, &[b, t, v], &lay, dtype);
+            let tx = strided_on(device, &x, &[b, t, v], &lay, dtype);
             let what = format!("cross_entropy [{b}, {t}, {v}] {lay:?} {dtype}");
             let (l, s) = tx.cross_entropy_rows(&tt, ignore).unwrap();
             check(&l, &[b, t], &loss, rtol, atol, &what);
             check(&s, &[b, t], &lse, rtol, atol, &what);
             // Upstream gradient shaped like the targets, or flat.
             for dl in [
-                tensor(&dloss, &[b, t], DType::F64),
-                tensor(&dloss, &[b * t], DType::F64),
+                tensor_on(device, &dloss, &[b, t], DType::F64),
+                tensor_on(device, &dloss, &[b * t], DType::F64),
             ] {
                 let g = tx.cross_entropy_backward(&s, &tt, &dl, ignore).unwrap();
                 assert_eq!(g.dtype(), dtype);
@@ -1282,24 +1337,27 @@ fn cross_entropy_over_nd_logits() {
         }
     }
     // Non-contiguous targets: the transpose of a [T, B] buffer.
-    let tt_t = Tensor::from_vec(vec![4i64, 2, -1, 2, 0, -1], (t, b), Device::Cpu)
+    let tt_t = Tensor::from_vec(vec![4i64, 2, -1, 2, 0, -1], (t, b), device)
         .unwrap()
         .t()
         .unwrap();
-    let (l, _) = tensor(&x, &[b, t, v], DType::F64)
+    let (l, _) = tensor_on(device, &x, &[b, t, v], DType::F64)
         .cross_entropy_rows(&tt_t, ignore)
         .unwrap();
     check(&l, &[b, t], &loss, 1e-12, 1e-12, "strided targets");
     // Rank 1: one position, a 0-dim target.
-    let t0 = Tensor::from_vec(vec![3i64], (), Device::Cpu).unwrap();
-    let (l, _) = tensor(&x[..v], &[v], DType::F64)
+    let t0 = Tensor::from_vec(vec![3i64], (), device).unwrap();
+    let (l, _) = tensor_on(device, &x[..v], &[v], DType::F64)
         .cross_entropy_rows(&t0, None)
         .unwrap();
     let row = &x[..v];
     let want = row.iter().map(|a| a.exp()).sum::<f64>().ln() - row[3];
     check(&l, &[], &[want], 1e-12, 1e-12, "rank-1 logits");
+    Ok(())
 }
+test_device!(cross_entropy_over_nd_logits);
 
+// CPU-only: validation errors raised before any backend runs: device-independent.
 #[test]
 fn cross_entropy_nd_errors() {
     let x = Tensor::zeros((2, 3, 5), DType::F32, Device::Cpu).unwrap();
@@ -1336,30 +1394,29 @@ fn cross_entropy_nd_errors() {
     assert!(x.cross_entropy_backward(&bad, &t, &lse, None).is_err());
 }
 
-#[test]
-fn embedding_and_backward_with_repeated_ids() {
+fn embedding_and_backward_with_repeated_ids(device: Device) -> Result<()> {
     let (vocab, dim) = (6, 4);
     let w = uniform_vals(26, vocab * dim, -1.0, 1.0);
     let ids: Vec<i64> = vec![3, 0, 5, 3, 3, 1];
     let id_dims = [2, 3];
     let mut rng = Rng::new(12);
     for dtype in [DType::F64, DType::F32, DType::BF16] {
-        let tw = strided(&w, &[vocab, dim], &Lay::random(&mut rng, 2), dtype);
+        let tw = strided_on(device, &w, &[vocab, dim], &Lay::random(&mut rng, 2), dtype);
         let wr = round_to(&w, dtype);
         let exp: Vec<f64> = ids
             .iter()
             .flat_map(|&i| wr[i as usize * dim..(i as usize + 1) * dim].to_vec())
             .collect();
         for tids in [
-            Tensor::from_vec(ids.clone(), (2, 3), Device::Cpu).unwrap(),
+            Tensor::from_vec(ids.clone(), (2, 3), device).unwrap(),
             Tensor::from_vec(
                 ids.iter().map(|&i| i as u32).collect::<Vec<_>>(),
                 (2, 3),
-                Device::Cpu,
+                device,
             )
             .unwrap(),
             // Non-contiguous ids.
-            Tensor::from_vec(vec![3i64, 3, 0, 3, 5, 1], (3, 2), Device::Cpu)
+            Tensor::from_vec(vec![3i64, 3, 0, 3, 5, 1], (3, 2), device)
                 .unwrap()
                 .t()
                 .unwrap(),
@@ -1384,7 +1441,8 @@ fn embedding_and_backward_with_repeated_ids() {
             exp[i as usize * dim + c] += g[p * dim + c];
         }
     }
-    let tg = strided(
+    let tg = strided_on(
+        device,
         &g,
         &[2, 3, dim],
         &Lay::Strided {
@@ -1393,7 +1451,7 @@ fn embedding_and_backward_with_repeated_ids() {
         },
         DType::F64,
     );
-    let tids = Tensor::from_vec(ids.clone(), id_dims, Device::Cpu).unwrap();
+    let tids = Tensor::from_vec(ids.clone(), id_dims, device).unwrap();
     check(
         &tg.embedding_backward(&tids, vocab).unwrap(),
         &[vocab, dim],
@@ -1402,8 +1460,11 @@ fn embedding_and_backward_with_repeated_ids() {
         0.0,
         "embedding_backward",
     );
+    Ok(())
 }
+test_device!(embedding_and_backward_with_repeated_ids);
 
+// CPU-only: validation errors raised before any backend runs: device-independent.
 #[test]
 fn embedding_errors() {
     let w = Tensor::zeros((4, 3), DType::F32, Device::Cpu).unwrap();
@@ -1431,8 +1492,7 @@ fn embedding_errors() {
     );
 }
 
-#[test]
-fn cat_stack_split_chunk() {
+fn cat_stack_split_chunk(device: Device) -> Result<()> {
     let mut rng = Rng::new(13);
     for it in 0..20 {
         let dims = rng.dims(1, 4, 4);
@@ -1455,7 +1515,7 @@ fn cat_stack_split_chunk() {
         }
         let ts: Vec<Tensor> = parts
             .iter()
-            .map(|(v, pd)| strided(v, pd, &Lay::random(&mut rng, rank), DType::F64))
+            .map(|(v, pd)| strided_on(device, v, pd, &Lay::random(&mut rng, rank), DType::F64))
             .collect();
         let refs: Vec<&Tensor> = ts.iter().collect();
         let out = Tensor::cat(&refs, named).unwrap();
@@ -1505,8 +1565,8 @@ fn cat_stack_split_chunk() {
         let a = uniform_vals(2200 + it, numel(&dims), -1.0, 1.0);
         let b = uniform_vals(2300 + it, numel(&dims), -1.0, 1.0);
         let (ta, tb) = (
-            strided(&a, &dims, &Lay::random(&mut rng, rank), DType::F32),
-            strided(&b, &dims, &Lay::random(&mut rng, rank), DType::F32),
+            strided_on(device, &a, &dims, &Lay::random(&mut rng, rank), DType::F32),
+            strided_on(device, &b, &dims, &Lay::random(&mut rng, rank), DType::F32),
         );
         let st = Tensor::stack(&[&ta, &tb], named_sd).unwrap();
         let mut sdims = dims.clone();
@@ -1536,8 +1596,8 @@ fn cat_stack_split_chunk() {
         check(&ch[1], &one, &round_to(&b, DType::F32), 0.0, 0.0, "chunk 1");
     }
     // Errors.
-    let a = Tensor::zeros((2, 3), DType::F32, Device::Cpu).unwrap();
-    let b = Tensor::zeros((2, 4), DType::F32, Device::Cpu).unwrap();
+    let a = Tensor::zeros((2, 3), DType::F32, device).unwrap();
+    let b = Tensor::zeros((2, 4), DType::F32, device).unwrap();
     let e = Tensor::cat(&[&a, &b], 0).unwrap_err().to_string();
     assert!(e.contains("[2, 3]") && e.contains("[2, 4]"), "{e}");
     assert!(
@@ -1555,7 +1615,9 @@ fn cat_stack_split_chunk() {
     assert!(Tensor::stack(&[&a, &b], 0).is_err());
     assert!(b.chunk(3, 1).is_err());
     assert!(b.split(&[1, 2], 1).is_err());
+    Ok(())
 }
+test_device!(cat_stack_split_chunk);
 
 /// bf16 round-to-nearest-even of an f32, by bit manipulation (independent of `half`).
 fn bf16_round(x: f64) -> f64 {
@@ -1565,10 +1627,9 @@ fn bf16_round(x: f64) -> f64 {
     f32::from_bits(r) as f64
 }
 
-#[test]
-fn casts_between_dtypes() {
+fn casts_between_dtypes(device: Device) -> Result<()> {
     let x: Vec<f64> = uniform_vals(28, 64, -300.0, 300.0);
-    let t = tensor(&x, &[8, 8], DType::F64);
+    let t = tensor_on(device, &x, &[8, 8], DType::F64);
     // f32: rounding to nearest.
     let f = t.to_dtype(DType::F32).unwrap();
     assert_eq!(f.dtype(), DType::F32);
@@ -1604,7 +1665,7 @@ fn casts_between_dtypes() {
     );
     // Integer to float is exact; through non-contiguous views too.
     let ids: Vec<i64> = (0..24).map(|k| k * 1_000_003 - 7_000_000).collect();
-    let ti = Tensor::from_vec(ids.clone(), (4, 6), Device::Cpu)
+    let ti = Tensor::from_vec(ids.clone(), (4, 6), device)
         .unwrap()
         .t()
         .unwrap();
@@ -1614,7 +1675,7 @@ fn casts_between_dtypes() {
         &[1, 0],
     );
     assert_eq!(vals(&ti.to_dtype(DType::F64).unwrap()), exp);
-    let tu = Tensor::from_vec((0..6u32).collect::<Vec<_>>(), 6, Device::Cpu).unwrap();
+    let tu = Tensor::from_vec((0..6u32).collect::<Vec<_>>(), 6, device).unwrap();
     assert_eq!(
         tu.to_dtype(DType::I64).unwrap().to_vec::<i64>().unwrap(),
         vec![0, 1, 2, 3, 4, 5]
@@ -1639,16 +1700,17 @@ fn casts_between_dtypes() {
         );
     }
     // Known values.
-    let k = tensor(&[1.0, 0.5, 65504.0, 1.0 / 3.0], &[4], DType::F16);
+    let k = tensor_on(device, &[1.0, 0.5, 65504.0, 1.0 / 3.0], &[4], DType::F16);
     assert_eq!(vals(&k)[..3], [1.0, 0.5, 65504.0]);
-    let kb = tensor(&[1.0 / 3.0], &[1], DType::BF16);
+    let kb = tensor_on(device, &[1.0 / 3.0], &[1], DType::BF16);
     assert_eq!(vals(&kb), vec![bf16_round(1.0 / 3.0)]);
     // Same dtype: no copy.
     assert!(t.to_dtype(DType::F64).unwrap().same_storage(&t));
+    Ok(())
 }
+test_device!(casts_between_dtypes);
 
-#[test]
-fn half_precision_binary_ops_compute_in_f32() {
+fn half_precision_binary_ops_compute_in_f32(device: Device) -> Result<()> {
     let a = uniform_vals(29, 60, -4.0, 4.0);
     let b = uniform_vals(30, 12, -4.0, 4.0);
     for (dtype, u) in [(DType::BF16, 2f64.powi(-8)), (DType::F16, 2f64.powi(-11))] {
@@ -1657,7 +1719,11 @@ fn half_precision_binary_ops_compute_in_f32() {
             if name == "div" {
                 continue;
             }
-            let out = op(&tensor(&a, &[5, 12], dtype), &tensor(&b, &[12], dtype)).unwrap();
+            let out = op(
+                &tensor_on(device, &a, &[5, 12], dtype),
+                &tensor_on(device, &b, &[12], dtype),
+            )
+            .unwrap();
             assert_eq!(out.dtype(), dtype);
             let (exp, od) = ref_binary(&ar, &[5, 12], &br, &[12], f);
             // One rounding of the exact result: within the unit roundoff.
@@ -1671,8 +1737,11 @@ fn half_precision_binary_ops_compute_in_f32() {
             );
         }
     }
+    Ok(())
 }
+test_device!(half_precision_binary_ops_compute_in_f32);
 
+// CPU-only: validation errors raised before any backend runs: device-independent.
 #[test]
 fn mixed_dtypes_and_integer_arithmetic_are_refused() {
     let a = Tensor::zeros(3, DType::F32, Device::Cpu).unwrap();
@@ -1685,11 +1754,10 @@ fn mixed_dtypes_and_integer_arithmetic_are_refused() {
     assert!(i.exp().is_err());
 }
 
-#[test]
-fn random_fills_are_layout_invariant() {
+fn random_fills_are_layout_invariant(device: Device) -> Result<()> {
     let (n, s, len) = (1000u64, 123u64, 200usize);
     for dtype in [DType::F64, DType::F32] {
-        let r = Random::new(42).dtype(dtype);
+        let r = Random::new(42).device(device).dtype(dtype);
         let whole = vals(&r.uniform(n as usize, -1.0, 2.0).unwrap());
         let shard = vals(&r.offset(s).uniform(len, -1.0, 2.0).unwrap());
         assert_eq!(
@@ -1706,26 +1774,28 @@ fn random_fills_are_layout_invariant() {
     // f32 values are the f64 ones rounded.
     let w64 = vals(
         &Random::new(9)
+            .device(device)
             .dtype(DType::F64)
             .normal(100, 0.0, 1.0)
             .unwrap(),
     );
-    let w32 = vals(&Tensor::randn(100, 9).unwrap());
+    let w32 = vals(&Random::new(9).device(device).normal(100, 0.0, 1.0).unwrap());
     assert_eq!(
         w32,
         w64.iter().map(|&v| v as f32 as f64).collect::<Vec<_>>()
     );
     // Seeds matter.
-    let f64s = |seed| Random::new(seed).dtype(DType::F64);
+    let f64s = |seed| Random::new(seed).device(device).dtype(DType::F64);
     let other = vals(&f64s(43).uniform(1000, -1.0, 2.0).unwrap());
     let whole = vals(&f64s(42).uniform(1000, -1.0, 2.0).unwrap());
     assert!(other.iter().zip(&whole).filter(|(a, b)| a == b).count() < 5);
+    Ok(())
 }
+test_device!(random_fills_are_layout_invariant);
 
-#[test]
-fn random_fill_statistics() {
+fn random_fill_statistics(device: Device) -> Result<()> {
     let n = 20000;
-    let f64s = |seed| Random::new(seed).dtype(DType::F64);
+    let f64s = |seed| Random::new(seed).device(device).dtype(DType::F64);
     let u = vals(&f64s(1).uniform(n, -1.0, 3.0).unwrap());
     assert!(u.iter().all(|&v| (-1.0..3.0).contains(&v)));
     let mean = u.iter().sum::<f64>() / n as f64;
@@ -1742,13 +1812,14 @@ fn random_fill_statistics() {
         (within1 - 0.6827).abs() < 0.02,
         "fraction within one std {within1}"
     );
+    Ok(())
 }
+test_device!(random_fill_statistics);
 
-#[test]
-fn dropout_mask_statistics_and_layout_invariance() {
+fn dropout_mask_statistics_and_layout_invariance(device: Device) -> Result<()> {
     let p = 0.3;
     let shape = (64, 64);
-    let m = Tensor::dropout_mask(5, 0, p, shape, DType::F32, Device::Cpu).unwrap();
+    let m = Tensor::dropout_mask(5, 0, p, shape, DType::F32, device).unwrap();
     assert_eq!(m.dims(), &[64, 64]);
     assert_eq!(m.dtype(), DType::F32);
     let v = vals(&m);
@@ -1760,17 +1831,22 @@ fn dropout_mask_statistics_and_layout_invariance() {
     let dropped = v.iter().filter(|&&x| x == 0.0).count() as f64 / v.len() as f64;
     assert!((dropped - p).abs() < 0.03, "dropped fraction {dropped}");
     // The mask is the documented function of the counter-based uniforms.
-    let u = vals(&Tensor::rand(4096, 5).unwrap());
+    let u = vals(
+        &Random::new(5)
+            .device(device)
+            .uniform(4096, 0.0, 1.0)
+            .unwrap(),
+    );
     let exp: Vec<f64> = u.iter().map(|&x| if x >= p { keep } else { 0.0 }).collect();
     assert_eq!(v, exp);
     // A shard built with its global start equals the same slice of the whole mask.
-    let shard = vals(&Tensor::dropout_mask(5, 1000, p, (10, 50), DType::F32, Device::Cpu).unwrap());
+    let shard = vals(&Tensor::dropout_mask(5, 1000, p, (10, 50), DType::F32, device).unwrap());
     assert_eq!(shard, v[1000..1500]);
     // Row 3 of a [64, 64] tensor sharded along rows.
-    let row = vals(&Tensor::dropout_mask(5, 3 * 64, p, 64, DType::F32, Device::Cpu).unwrap());
+    let row = vals(&Tensor::dropout_mask(5, 3 * 64, p, 64, DType::F32, device).unwrap());
     assert_eq!(row, v[192..256]);
     // Other dtypes hold the same pattern.
-    let m64 = vals(&Tensor::dropout_mask(5, 0, p, shape, DType::F64, Device::Cpu).unwrap());
+    let m64 = vals(&Tensor::dropout_mask(5, 0, p, shape, DType::F64, device).unwrap());
     let k64 = 1.0 / (1.0 - p);
     assert_eq!(
         m64.iter().map(|&x| x != 0.0).collect::<Vec<_>>(),
@@ -1779,19 +1855,20 @@ fn dropout_mask_statistics_and_layout_invariance() {
     assert!(m64.iter().all(|&x| x == 0.0 || x == k64));
     // p = 0 keeps everything; p outside [0, 1) is refused.
     assert!(
-        vals(&Tensor::dropout_mask(5, 0, 0.0, 100, DType::F32, Device::Cpu).unwrap())
+        vals(&Tensor::dropout_mask(5, 0, 0.0, 100, DType::F32, device).unwrap())
             .iter()
             .all(|&x| x == 1.0)
     );
-    assert!(Tensor::dropout_mask(5, 0, 1.0, 10, DType::F32, Device::Cpu).is_err());
-    assert!(Tensor::dropout_mask(5, 0, -0.1, 10, DType::F32, Device::Cpu).is_err());
+    assert!(Tensor::dropout_mask(5, 0, 1.0, 10, DType::F32, device).is_err());
+    assert!(Tensor::dropout_mask(5, 0, -0.1, 10, DType::F32, device).is_err());
     // Different seeds give different masks.
-    let other = vals(&Tensor::dropout_mask(6, 0, p, shape, DType::F32, Device::Cpu).unwrap());
+    let other = vals(&Tensor::dropout_mask(6, 0, p, shape, DType::F32, device).unwrap());
     assert_ne!(other, v);
+    Ok(())
 }
+test_device!(dropout_mask_statistics_and_layout_invariance);
 
-#[test]
-fn linear_matches_reference() {
+fn linear_matches_reference(device: Device) -> Result<()> {
     let mut rng = Rng::new(14);
     let cases: Vec<Vec<usize>> = vec![
         vec![5, 4],
@@ -1826,9 +1903,9 @@ fn linear_matches_reference() {
                 *od.last_mut().unwrap() = out_f;
                 for _ in 0..3 {
                     let (lx, lw) = (Lay::random(&mut rng, xd.len()), Lay::random(&mut rng, 2));
-                    let tx = strided(&x, &xd, &lx, dtype);
-                    let tw = strided(&w, &[out_f, in_f], &lw, dtype);
-                    let tb = strided(&b, &[out_f], &Lay::random(&mut rng, 1), dtype);
+                    let tx = strided_on(device, &x, &xd, &lx, dtype);
+                    let tw = strided_on(device, &w, &[out_f, in_f], &lw, dtype);
+                    let tb = strided_on(device, &b, &[out_f], &Lay::random(&mut rng, 1), dtype);
                     let out = tx
                         .linear(&tw, if with_bias { Some(&tb) } else { None })
                         .unwrap();
@@ -1853,11 +1930,11 @@ fn linear_matches_reference() {
     // An input that is an expanded (stride-0) view.
     let x = uniform_vals(2700, in_f, -1.0, 1.0);
     let w = uniform_vals(2701, out_f * in_f, -1.0, 1.0);
-    let tx = tensor(&x, &[1, in_f], DType::F64)
+    let tx = tensor_on(device, &x, &[1, in_f], DType::F64)
         .expand([3, in_f])
         .unwrap();
     let out = tx
-        .linear(&tensor(&w, &[out_f, in_f], DType::F64), None)
+        .linear(&tensor_on(device, &w, &[out_f, in_f], DType::F64), None)
         .unwrap();
     let row: Vec<f64> = (0..out_f)
         .map(|j| (0..in_f).map(|p| x[p] * w[j * in_f + p]).sum())
@@ -1871,7 +1948,7 @@ fn linear_matches_reference() {
         "linear of an expanded input",
     );
     // Errors.
-    let z = |d: &[usize]| Tensor::zeros(d, DType::F32, Device::Cpu).unwrap();
+    let z = |d: &[usize]| Tensor::zeros(d, DType::F32, device).unwrap();
     let e = z(&[2, 5])
         .linear(&z(&[6, 4]), None)
         .unwrap_err()
@@ -1885,10 +1962,11 @@ fn linear_matches_reference() {
         z(&[2, 4]).linear(&z(&[6, 4, 1]), None).is_err(),
         "3-D weight"
     );
+    Ok(())
 }
+test_device!(linear_matches_reference);
 
-#[test]
-fn attention_qkv_matches_split_heads_reference() {
+fn attention_qkv_matches_split_heads_reference(device: Device) -> Result<()> {
     let mut rng = Rng::new(15);
     for (case, (b, t, heads, d, causal)) in [
         (1, 4, 1, 4, true),
@@ -1936,7 +2014,7 @@ fn attention_qkv_matches_split_heads_reference() {
                     }
                 }
             }
-            let tx = strided(&x, &[b, t, 3 * c], &Lay::random(&mut rng, 3), dtype);
+            let tx = strided_on(device, &x, &[b, t, 3 * c], &Lay::random(&mut rng, 3), dtype);
             let out = tx.attention_qkv(heads, &mask(causal), scale).unwrap();
             let (rtol, atol) = if dtype == DType::F64 {
                 (1e-11, 1e-12)
@@ -1955,15 +2033,15 @@ fn attention_qkv_matches_split_heads_reference() {
             );
         }
         // The backward equals attention_backward on the split tensors, re-packed.
-        let tx = tensor(&x, &[b, t, 3 * c], DType::F64);
+        let tx = tensor_on(device, &x, &[b, t, 3 * c], DType::F64);
         let out = tx.attention_qkv(heads, &mask(causal), scale).unwrap();
         let dout = uniform_vals(2900 + case as u64, b * t * c, -1.0, 1.0);
-        let tdo = tensor(&dout, &[b, t, c], DType::F64);
+        let tdo = tensor_on(device, &dout, &[b, t, c], DType::F64);
         let dqkv = tx
             .attention_qkv_backward(&out, &tdo, heads, &mask(causal), scale, false)
             .unwrap()
             .0;
-        let split = |v: &[f64]| tensor(v, &[b, heads, t, d], DType::F64);
+        let split = |v: &[f64]| tensor_on(device, v, &[b, heads, t, d], DType::F64);
         let (tq, tk, tv) = (split(&part(0)), split(&part(1)), split(&part(2)));
         let o4 = Tensor::attention(&tq, &tk, &tv, &mask(causal), scale).unwrap();
         let do4 = tdo
@@ -1985,21 +2063,23 @@ fn attention_qkv_matches_split_heads_reference() {
             "attention_qkv_backward",
         );
     }
-    let z = Tensor::zeros((1, 4, 10), DType::F32, Device::Cpu).unwrap();
+    let z = Tensor::zeros((1, 4, 10), DType::F32, device).unwrap();
     assert!(
         z.attention_qkv(2, &mask(true), 1.0).is_err(),
         "3C not divisible by 3 * heads"
     );
-    assert!(Tensor::zeros((4, 12), DType::F32, Device::Cpu)
+    assert!(Tensor::zeros((4, 12), DType::F32, device)
         .unwrap()
         .attention_qkv(2, &mask(true), 1.0)
         .is_err());
+    Ok(())
 }
+test_device!(attention_qkv_matches_split_heads_reference);
 
-#[test]
-fn sqr_sum_in_f64() {
+fn sqr_sum_in_f64(device: Device) -> Result<()> {
     let x = uniform_vals(3000, 50, -1.0, 1.0);
-    let t = strided(
+    let t = strided_on(
+        device,
         &x,
         &[5, 10],
         &Lay::Strided {
@@ -2016,11 +2096,12 @@ fn sqr_sum_in_f64() {
         0.0,
         "sqr_sum_f64",
     );
+    Ok(())
 }
+test_device!(sqr_sum_in_f64);
 
-#[test]
-fn empty_tensors() {
-    let z = |d: &[usize]| Tensor::zeros(d, DType::F64, Device::Cpu).unwrap();
+fn empty_tensors(device: Device) -> Result<()> {
+    let z = |d: &[usize]| Tensor::zeros(d, DType::F64, device).unwrap();
     let e = z(&[0, 3]);
     assert_eq!(e.add(&z(&[3])).unwrap().dims(), &[0, 3]);
     assert_eq!(e.exp().unwrap().dims(), &[0, 3]);
@@ -2042,12 +2123,14 @@ fn empty_tensors() {
         "matmul with k = 0",
     );
     assert_eq!(z(&[0, 4]).matmul(&z(&[4, 3])).unwrap().dims(), &[0, 3]);
-    let a = tensor(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3], DType::F64);
+    let a = tensor_on(device, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3], DType::F64);
     let c = Tensor::cat(&[&z(&[2, 0]), &a, &a.narrow(1, 1, 0).unwrap()], 1).unwrap();
     check(&c, &[2, 3], &vals(&a), 0.0, 0.0, "cat with empty pieces");
     assert_eq!(e.softmax(-1).unwrap().dims(), &[0, 3]);
     assert_eq!(e.t().unwrap().contiguous().unwrap().dims(), &[3, 0]);
+    Ok(())
 }
+test_device!(empty_tensors);
 
 /// The attention mask with only the causal flag set.
 fn mask(causal: bool) -> AttentionMask {

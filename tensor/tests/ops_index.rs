@@ -5,13 +5,13 @@
 mod common;
 
 use common::*;
-use meshgrad_tensor::{DType, Device, Tensor};
+use meshgrad_tensor::{test_device, DType, Device, Result, Tensor};
 
 /// Index values (as i64) in a tensor of `dims`, laid out transposed when `transposed` (so the
 /// index tensor itself is non-contiguous).
-fn index_tensor(v: &[i64], dims: &[usize], transposed: bool) -> Tensor {
+fn index_tensor(device: Device, v: &[i64], dims: &[usize], transposed: bool) -> Tensor {
     if !transposed || dims.len() < 2 {
-        return Tensor::from_vec(v.to_vec(), dims, Device::Cpu).unwrap();
+        return Tensor::from_vec(v.to_vec(), dims, device).unwrap();
     }
     // Store the transpose of the last two dims physically, then view it back.
     let r = dims.len();
@@ -23,7 +23,7 @@ fn index_tensor(v: &[i64], dims: &[usize], transposed: bool) -> Tensor {
         idx.swap(r - 2, r - 1);
         buf[ravel(&idx, &pd)] = x;
     }
-    let t = Tensor::from_vec(buf, pd, Device::Cpu).unwrap();
+    let t = Tensor::from_vec(buf, pd, device).unwrap();
     let t = t.transpose(-1, -2).unwrap();
     assert!(!t.is_contiguous() || dims[r - 1] == 1 || dims[r - 2] == 1);
     t
@@ -50,8 +50,7 @@ fn ref_scatter_add(g: &[f64], xd: &[usize], d: usize, index: &[i64], id: &[usize
     dx
 }
 
-#[test]
-fn gather_and_backward_match_reference() {
+fn gather_and_backward_match_reference(device: Device) -> Result<()> {
     let mut rng = Rng::new(41);
     for it in 0..30 {
         let xd = rng.dims(1, 4, 5);
@@ -77,7 +76,7 @@ fn gather_and_backward_match_reference() {
             .map(|_| rng.below(xd[d].min(3)) as i64)
             .collect();
         let x = uniform_vals(8000 + it, numel(&xd), -1.0, 1.0);
-        let ti = index_tensor(&index, &id, it % 2 == 1);
+        let ti = index_tensor(device, &index, &id, it % 2 == 1);
         let what = format!("gather {xd:?} dim {named} index {id:?}");
         for dtype in [DType::F64, DType::F32, DType::BF16, DType::I64] {
             let src: Vec<f64> = if dtype == DType::I64 {
@@ -85,7 +84,7 @@ fn gather_and_backward_match_reference() {
             } else {
                 x.clone()
             };
-            let tx = strided(&src, &xd, &Lay::random(&mut rng, r), dtype);
+            let tx = strided_on(device, &src, &xd, &Lay::random(&mut rng, r), dtype);
             let out = tx.gather(named, &ti).unwrap();
             assert_eq!(out.dtype(), dtype);
             let exp = ref_gather(&round_to(&src, dtype), &xd, d, &index, &id);
@@ -95,7 +94,7 @@ fn gather_and_backward_match_reference() {
         let g = uniform_vals(8100 + it, numel(&id), -1.0, 1.0);
         let exp = ref_scatter_add(&g, &xd, d, &index, &id);
         for dtype in [DType::F64, DType::F32] {
-            let tg = strided(&g, &id, &Lay::random(&mut rng, r), dtype);
+            let tg = strided_on(device, &g, &id, &Lay::random(&mut rng, r), dtype);
             let dx = tg.gather_backward(named, &ti, xd.as_slice()).unwrap();
             assert_eq!(dx.dtype(), dtype);
             let (rtol, atol) = if dtype == DType::F64 {
@@ -113,24 +112,26 @@ fn gather_and_backward_match_reference() {
             );
         }
     }
+    Ok(())
 }
+test_device!(gather_and_backward_match_reference);
 
-#[test]
-fn gather_rank2_examples_and_u32_u8_indices() {
+fn gather_rank2_examples_and_u32_u8_indices(device: Device) -> Result<()> {
     // torch.gather's documented example: dim 1 of [[1, 2], [3, 4]] by [[0, 0], [1, 0]].
-    let x = tensor(&[1.0, 2.0, 3.0, 4.0], &[2, 2], DType::F32);
-    let i = Tensor::from_vec(vec![0u32, 0, 1, 0], (2, 2), Device::Cpu).unwrap();
+    let x = tensor_on(device, &[1.0, 2.0, 3.0, 4.0], &[2, 2], DType::F32);
+    let i = Tensor::from_vec(vec![0u32, 0, 1, 0], (2, 2), device).unwrap();
     assert_eq!(vals(&x.gather(1, &i).unwrap()), vec![1.0, 1.0, 4.0, 3.0]);
     // dim 0: out[i][j] = x[index[i][j]][j]; a 3-row index over 2 rows.
-    let i = Tensor::from_vec(vec![1u8, 0, 0, 0, 1, 1], (3, 2), Device::Cpu).unwrap();
+    let i = Tensor::from_vec(vec![1u8, 0, 0, 0, 1, 1], (3, 2), device).unwrap();
     assert_eq!(
         vals(&x.gather(0, &i).unwrap()),
         vec![3.0, 2.0, 1.0, 2.0, 3.0, 4.0]
     );
+    Ok(())
 }
+test_device!(gather_rank2_examples_and_u32_u8_indices);
 
-#[test]
-fn index_select_and_backward_match_reference() {
+fn index_select_and_backward_match_reference(device: Device) -> Result<()> {
     let mut rng = Rng::new(42);
     for it in 0..30 {
         let xd = rng.dims(1, 4, 5);
@@ -148,11 +149,11 @@ fn index_select_and_backward_match_reference() {
         let x = uniform_vals(8200 + it, numel(&xd), -1.0, 1.0);
         // ids as i64, or as a strided u32 view (every other element of a longer vector).
         let tids = if it % 2 == 0 {
-            Tensor::from_vec(ids.clone(), k, Device::Cpu).unwrap()
+            Tensor::from_vec(ids.clone(), k, device).unwrap()
         } else {
             // Column 1 of a [k, 2] buffer: a stride-2 view at offset 1.
             let buf: Vec<u32> = ids.iter().flat_map(|&v| [99, v as u32]).collect();
-            Tensor::from_vec(buf, (k, 2), Device::Cpu)
+            Tensor::from_vec(buf, (k, 2), device)
                 .unwrap()
                 .narrow(1, 1, 1)
                 .unwrap()
@@ -170,7 +171,7 @@ fn index_select_and_backward_match_reference() {
             .collect();
         let what = format!("index_select {xd:?} dim {named} ids {ids:?}");
         for dtype in [DType::F64, DType::F32, DType::F16] {
-            let tx = strided(&x, &xd, &Lay::random(&mut rng, r), dtype);
+            let tx = strided_on(device, &x, &xd, &Lay::random(&mut rng, r), dtype);
             let out = tx.index_select(named, &tids).unwrap();
             assert_eq!(out.dtype(), dtype);
             let exp: Vec<f64> = if dtype == DType::F64 {
@@ -189,7 +190,7 @@ fn index_select_and_backward_match_reference() {
             exp[ravel(&c, &xd)] += gv;
         }
         for dtype in [DType::F64, DType::F32] {
-            let tg = strided(&g, &od, &Lay::random(&mut rng, r), dtype);
+            let tg = strided_on(device, &g, &od, &Lay::random(&mut rng, r), dtype);
             let dx = tg
                 .index_select_backward(named, &tids, xd.as_slice())
                 .unwrap();
@@ -208,8 +209,11 @@ fn index_select_and_backward_match_reference() {
             );
         }
     }
+    Ok(())
 }
+test_device!(index_select_and_backward_match_reference);
 
+// CPU-only: validation errors raised before any backend runs: device-independent.
 #[test]
 fn index_errors_name_the_index_dim_and_size() {
     let x = Tensor::zeros((3, 4), DType::F32, Device::Cpu).unwrap();
@@ -290,6 +294,7 @@ fn index_errors_name_the_index_dim_and_size() {
         .is_err());
 }
 
+// CPU-only: about the CPU kernels' rayon thread count.
 #[test]
 fn backward_passes_do_not_depend_on_the_thread_count() {
     // Large enough for the parallel paths, with heavy index repetition (f32 sums whose value

@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use meshgrad_tensor::{DType, Device, Result, Tensor};
+use meshgrad_tensor::{test_device, DType, Device, Result, Tensor};
 
 type Un = Box<dyn Fn(&Tensor) -> Result<Tensor>>;
 type Case = (&'static str, Un, fn(f64) -> f64);
@@ -54,8 +54,7 @@ fn ops() -> Vec<Case> {
     ]
 }
 
-#[test]
-fn unary_math_matches_reference_on_strided_layouts() {
+fn unary_math_matches_reference_on_strided_layouts(device: Device) -> Result<()> {
     let mut rng = Rng::new(21);
     for it in 0..8 {
         let dims = rng.dims(0, 4, 5);
@@ -63,7 +62,7 @@ fn unary_math_matches_reference_on_strided_layouts() {
             let x = uniform_vals(7000 + 10 * it + k as u64, numel(&dims), -7.0, 7.0);
             for dtype in [DType::F64, DType::F32] {
                 let lay = Lay::random(&mut rng, dims.len());
-                let t = strided(&x, &dims, &lay, dtype);
+                let t = strided_on(device, &x, &dims, &lay, dtype);
                 let out = op(&t).unwrap();
                 assert_eq!(out.dtype(), dtype, "{name}");
                 // Bounds rounded to the dtype are exact here (-1, 1.5, 0.25, -0.5).
@@ -84,15 +83,16 @@ fn unary_math_matches_reference_on_strided_layouts() {
             }
         }
     }
+    Ok(())
 }
+test_device!(unary_math_matches_reference_on_strided_layouts);
 
-#[test]
-fn unary_math_in_half_types_computes_in_f32() {
+fn unary_math_in_half_types_computes_in_f32(device: Device) -> Result<()> {
     let x = uniform_vals(31, 40, -4.0, 4.0);
     for (dtype, ulp) in [(DType::BF16, 2f64.powi(-8)), (DType::F16, 2f64.powi(-11))] {
         let xr = round_to(&x, dtype);
         let (xt, _) = ref_permute(&xr, &[5, 8], &[1, 0]);
-        let t = tensor(&x, &[5, 8], dtype).t().unwrap();
+        let t = tensor_on(device, &x, &[5, 8], dtype).t().unwrap();
         for (name, op, f) in ops() {
             let out = op(&t).unwrap();
             assert_eq!(out.dtype(), dtype);
@@ -106,28 +106,39 @@ fn unary_math_in_half_types_computes_in_f32() {
             );
         }
     }
+    Ok(())
 }
+test_device!(unary_math_in_half_types_computes_in_f32);
 
-#[test]
-fn special_values() {
+fn special_values(device: Device) -> Result<()> {
     let inf = f64::INFINITY;
-    let t = tensor(&[f64::NAN, -inf, inf, -1.0, 1.0, 0.0], &[6], DType::F64);
+    let t = tensor_on(
+        device,
+        &[f64::NAN, -inf, inf, -1.0, 1.0, 0.0],
+        &[6],
+        DType::F64,
+    );
     let c = vals(&t.clamp(Some(-1.0), Some(1.0)).unwrap());
     assert!(c[0].is_nan(), "clamp keeps NaN");
     assert_eq!(&c[1..], &[-1.0, 1.0, -1.0, 1.0, 0.0]);
     // SiLU saturates without NaN in f32 (x * sigmoid(x) -> 0 on the left, x on the right).
     let s = vals(
-        &tensor(&[-200.0, -90.0, 90.0, 200.0], &[4], DType::F32)
+        &tensor_on(device, &[-200.0, -90.0, 90.0, 200.0], &[4], DType::F32)
             .silu()
             .unwrap(),
     );
     assert_eq!(s, vec![0.0, 0.0, 90.0, 200.0]);
-    let s = vals(&tensor(&[-inf, inf], &[2], DType::F64).sin().unwrap());
+    let s = vals(
+        &tensor_on(device, &[-inf, inf], &[2], DType::F64)
+            .sin()
+            .unwrap(),
+    );
     assert!(s.iter().all(|v| v.is_nan()), "sin(±inf) is NaN");
+    Ok(())
 }
+test_device!(special_values);
 
-#[test]
-fn silu_and_clamp_backward_match_reference() {
+fn silu_and_clamp_backward_match_reference(device: Device) -> Result<()> {
     let mut rng = Rng::new(22);
     for it in 0..6 {
         let dims = rng.dims(1, 4, 5);
@@ -144,8 +155,14 @@ fn silu_and_clamp_backward_match_reference() {
             .map(|i| if x[i] >= lo && x[i] <= hi { dy[i] } else { 0.0 })
             .collect();
         for dtype in [DType::F64, DType::F32] {
-            let tx = strided(&x, &dims, &Lay::random(&mut rng, dims.len()), dtype);
-            let tg = strided(&dy, &dims, &Lay::random(&mut rng, dims.len()), dtype);
+            let tx = strided_on(device, &x, &dims, &Lay::random(&mut rng, dims.len()), dtype);
+            let tg = strided_on(
+                device,
+                &dy,
+                &dims,
+                &Lay::random(&mut rng, dims.len()),
+                dtype,
+            );
             let (rtol, atol) = if dtype == DType::F64 {
                 (1e-8, 1e-9)
             } else {
@@ -162,8 +179,8 @@ fn silu_and_clamp_backward_match_reference() {
         }
     }
     // The bounds themselves pass the gradient (PyTorch's convention).
-    let x = tensor(&[-1.0, -0.999, 1.0, 1.001, 0.0], &[5], DType::F64);
-    let g = tensor(&[1.0; 5], &[5], DType::F64);
+    let x = tensor_on(device, &[-1.0, -0.999, 1.0, 1.001, 0.0], &[5], DType::F64);
+    let g = tensor_on(device, &[1.0; 5], &[5], DType::F64);
     assert_eq!(
         vals(&x.clamp_backward(&g, Some(-1.0), Some(1.0)).unwrap()),
         vec![1.0, 1.0, 1.0, 0.0, 1.0]
@@ -172,8 +189,11 @@ fn silu_and_clamp_backward_match_reference() {
         vals(&x.clamp_backward(&g, None, Some(0.0)).unwrap()),
         vec![1.0, 1.0, 0.0, 0.0, 1.0]
     );
+    Ok(())
 }
+test_device!(silu_and_clamp_backward_match_reference);
 
+// CPU-only: validation errors raised before any backend runs: device-independent.
 #[test]
 fn math_errors() {
     let x = tensor(&[1.0, 2.0, 3.0], &[3], DType::F32);
@@ -226,8 +246,7 @@ fn ref_logsumexp(x: &[f64], dims: &[usize], d: usize) -> Vec<f64> {
         .collect()
 }
 
-#[test]
-fn logsumexp_any_dim_and_layout() {
+fn logsumexp_any_dim_and_layout(device: Device) -> Result<()> {
     let mut rng = Rng::new(23);
     for it in 0..24 {
         let dims = rng.dims(1, 4, 6);
@@ -250,7 +269,7 @@ fn logsumexp_any_dim_and_layout() {
         }
         for dtype in [DType::F64, DType::F32] {
             let lay = Lay::random(&mut rng, rank);
-            let t = strided(&x, &dims, &lay, dtype);
+            let t = strided_on(device, &x, &dims, &lay, dtype);
             let out = t.logsumexp(named, keepdim).unwrap();
             assert_eq!(out.dtype(), dtype);
             let exp = ref_logsumexp(&round_to(&x, dtype), &dims, d);
@@ -269,10 +288,11 @@ fn logsumexp_any_dim_and_layout() {
             );
         }
     }
+    Ok(())
 }
+test_device!(logsumexp_any_dim_and_layout);
 
-#[test]
-fn logsumexp_special_values_and_half_types() {
+fn logsumexp_special_values_and_half_types(device: Device) -> Result<()> {
     let inf = f64::INFINITY;
     // Rows: all -inf, one +inf, one NaN, -inf mixed with finite values.
     let x = [
@@ -289,7 +309,7 @@ fn logsumexp_special_values_and_half_types() {
         0.0,
         -inf,
     ];
-    let t = tensor(&x, &[4, 3], DType::F64);
+    let t = tensor_on(device, &x, &[4, 3], DType::F64);
     let l = vals(&t.logsumexp(1, false).unwrap());
     assert_eq!(l[0], -inf);
     assert_eq!(l[1], inf);
@@ -299,14 +319,18 @@ fn logsumexp_special_values_and_half_types() {
     let l = vals(&t.t().unwrap().logsumexp(0, true).unwrap());
     assert_eq!((l[0], l[1], l[3]), (-inf, inf, 0.0));
     // An empty reduced dim gives -inf (the log of an empty sum).
-    let e = Tensor::zeros((2, 0), DType::F32, Device::Cpu).unwrap();
+    let e = Tensor::zeros((2, 0), DType::F32, device).unwrap();
     assert_eq!(vals(&e.logsumexp(-1, false).unwrap()), vec![-inf, -inf]);
     // bf16 / f16: computed in f32, one rounding.
     let v = uniform_vals(7400, 24, -3.0, 3.0);
     for (dtype, ulp) in [(DType::BF16, 2f64.powi(-8)), (DType::F16, 2f64.powi(-11))] {
-        let out = tensor(&v, &[4, 6], dtype).logsumexp(1, false).unwrap();
+        let out = tensor_on(device, &v, &[4, 6], dtype)
+            .logsumexp(1, false)
+            .unwrap();
         assert_eq!(out.dtype(), dtype);
         let exp = ref_logsumexp(&round_to(&v, dtype), &[4, 6], 1);
         assert_close(&vals(&out), &exp, ulp * 1.01, 1e-6, &format!("lse {dtype}"));
     }
+    Ok(())
 }
+test_device!(logsumexp_special_values_and_half_types);

@@ -2,29 +2,28 @@
 //! values (never panics), and a chain returns its first error.
 
 use half::bf16;
-use meshgrad_tensor::{DType, Device, Result, Tensor};
+use meshgrad_tensor::{test_device, DType, Device, Result, Tensor};
 
 const CPU: Device = Device::Cpu;
 
-fn t32(v: &[f32], dims: &[usize]) -> Tensor {
-    Tensor::from_vec(v.to_vec(), dims, CPU).unwrap()
+fn t32(v: &[f32], dims: &[usize], device: Device) -> Tensor {
+    Tensor::from_vec(v.to_vec(), dims, device).unwrap()
 }
 
 fn f32s(t: Result<Tensor>) -> Vec<f32> {
     t.unwrap().to_vec::<f32>().unwrap()
 }
 
-fn a() -> Tensor {
-    t32(&[1.5, -2.0, 3.25, 0.1, 7.0, -0.3], &[2, 3])
+fn a(device: Device) -> Tensor {
+    t32(&[1.5, -2.0, 3.25, 0.1, 7.0, -0.3], &[2, 3], device)
 }
 
-fn b() -> Tensor {
-    t32(&[0.7, -1.1, 2.9], &[3]) // broadcasts over the rows of a()
+fn b(device: Device) -> Tensor {
+    t32(&[0.7, -1.1, 2.9], &[3], device) // broadcasts over the rows of a()
 }
 
-#[test]
-fn tensor_tensor_forms_match_the_named_ops() {
-    let (a, b) = (a(), b());
+fn tensor_tensor_forms_match_the_named_ops(device: Device) -> Result<()> {
+    let (a, b) = (a(device), b(device));
     type Op = fn(&Tensor, &Tensor) -> Result<Tensor>;
     let named: [(&str, Op); 4] = [
         ("add", Tensor::add),
@@ -75,11 +74,12 @@ fn tensor_tensor_forms_match_the_named_ops() {
             "{name} reversed"
         );
     }
+    Ok(())
 }
+test_device!(tensor_tensor_forms_match_the_named_ops);
 
-#[test]
-fn scalar_forms_on_either_side() {
-    let a = a();
+fn scalar_forms_on_either_side(device: Device) -> Result<()> {
+    let a = a(device);
     let x = a.to_vec::<f32>().unwrap();
     let map = |f: &dyn Fn(f32) -> f32| x.iter().map(|&v| f(v)).collect::<Vec<_>>();
     // The scalar is applied in f32 arithmetic, as the named scalar ops do.
@@ -103,7 +103,7 @@ fn scalar_forms_on_either_side() {
     assert_eq!(f32s(-&a), map(&|v| -v));
     assert_eq!(f32s(-a.clone()), map(&|v| -v));
     // The dtype is kept: f64 stays f64, bf16 stays bf16 (its scalar rounded to bf16 for `/`).
-    let d = Tensor::from_vec(vec![1f64, 2., 4.], 3, CPU).unwrap();
+    let d = Tensor::from_vec(vec![1f64, 2., 4.], 3, device).unwrap();
     let q = (&d / 3.0).unwrap();
     assert_eq!(q.dtype(), DType::F64);
     assert_eq!(q.to_vec::<f64>().unwrap(), vec![1. / 3., 2. / 3., 4. / 3.]);
@@ -117,12 +117,13 @@ fn scalar_forms_on_either_side() {
     assert_eq!(q.to_vec::<bf16>().unwrap(), want);
     let s = (&h * 0.5 + &h).unwrap();
     assert_eq!(s.to_vec_f64().unwrap(), vec![1.5, 3., 6.]);
+    Ok(())
 }
+test_device!(scalar_forms_on_either_side);
 
-#[test]
-fn results_chain_on_either_side() {
-    let (a, b) = (a(), b());
-    let c = t32(&[2.0], &[1]);
+fn results_chain_on_either_side(device: Device) -> Result<()> {
+    let (a, b) = (a(device), b(device));
+    let c = t32(&[2.0], &[1], device);
     // Left operand a Result.
     let want = f32s(a.add(&b).unwrap().mul(&c));
     assert_eq!(f32s((&a + &b) * &c), want);
@@ -156,13 +157,16 @@ fn results_chain_on_either_side() {
         .mul(&ms.add_scalar(1e-6).unwrap().powf(-0.5).unwrap())
         .unwrap();
     assert_eq!(y.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
+    Ok(())
 }
+test_device!(results_chain_on_either_side);
 
+// CPU-only: validation errors raised before any backend runs: device-independent.
 #[test]
 fn errors_are_values_and_the_first_one_wins() {
-    let (a, b) = (a(), b());
-    let two = t32(&[1.0, 2.0], &[2]);
-    let four = t32(&[1.0, 2.0, 3.0, 4.0], &[4]);
+    let (a, b) = (a(CPU), b(CPU));
+    let two = t32(&[1.0, 2.0], &[2], CPU);
+    let four = t32(&[1.0, 2.0, 3.0, 4.0], &[4], CPU);
     let msg = |r: Result<Tensor>| r.unwrap_err().to_string();
     assert_eq!(msg(&a + &two), "add: shape mismatch: [2, 3] vs [2]");
     assert_eq!(msg(&a - &two), "sub: shape mismatch: [2, 3] vs [2]");
@@ -191,7 +195,7 @@ fn errors_are_values_and_the_first_one_wins() {
     assert_eq!(msg(-&ids), "neg: unsupported dtype I64");
     assert_eq!(msg(1.0 / &ids), "div: unsupported dtype I64");
     // A released operand.
-    let r = t32(&[1.0, 2.0, 3.0], &[3]);
+    let r = t32(&[1.0, 2.0, 3.0], &[3], CPU);
     r.release_storage();
     let m = msg(&b + &r);
     assert!(

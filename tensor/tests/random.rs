@@ -2,7 +2,7 @@
 //! forms agree, and `randint` is a range-respecting, deterministic, uniform counter-based draw.
 
 use half::{bf16, f16};
-use meshgrad_tensor::{DType, Device, Random, Tensor};
+use meshgrad_tensor::{test_device, DType, Device, Random, Result, Tensor};
 
 fn bits(t: &Tensor) -> Vec<u64> {
     match t.dtype() {
@@ -40,10 +40,10 @@ fn bits(t: &Tensor) -> Vec<u64> {
 /// the arguments named in each comment, printing `to_bits()` of every element. The new API must
 /// reproduce them exactly: initial weights and dropout masks are keyed by global element index,
 /// and changing a single bit would change every training run.
-#[test]
-fn values_are_bit_identical_to_the_previous_api() {
+fn values_are_bit_identical_to_the_previous_api(device: Device) -> Result<()> {
     // randn(7, 0, 0.0, 1.0, 6, F64, Cpu)
     let t = Random::new(7)
+        .device(device)
         .dtype(DType::F64)
         .normal(6, 0.0, 1.0)
         .unwrap();
@@ -60,6 +60,7 @@ fn values_are_bit_identical_to_the_previous_api() {
     );
     // randn(123456789, 1000, 0.5, 2.0, (2, 3), F32, Cpu)
     let t = Random::new(123456789)
+        .device(device)
         .offset(1000)
         .normal((2, 3), 0.5, 2.0)
         .unwrap();
@@ -68,13 +69,14 @@ fn values_are_bit_identical_to_the_previous_api() {
         [0xbed9535f, 0x40880c62, 0x409a4fdb, 0x406d11e1, 0xbfc15144, 0xbfba2009]
     );
     // randn(3, 5, -1.0, 0.02, 4, BF16, Cpu) and the same with F16
-    let r = Random::new(3).offset(5);
+    let r = Random::new(3).device(device).offset(5);
     let t = r.dtype(DType::BF16).normal(4, -1.0, 0.02).unwrap();
     assert_eq!(bits(&t), [0xbf7d, 0xbf81, 0xbf80, 0xbf74]);
     let t = r.dtype(DType::F16).normal(4, -1.0, 0.02).unwrap();
     assert_eq!(bits(&t), [0xbbea, 0xbc08, 0xbbff, 0xbb9c]);
     // rand_uniform(42, 0, -1.0, 2.0, 5, F64, Cpu) and the same with F32
     let t = Random::new(42)
+        .device(device)
         .dtype(DType::F64)
         .uniform(5, -1.0, 2.0)
         .unwrap();
@@ -88,13 +90,17 @@ fn values_are_bit_identical_to_the_previous_api() {
             0xbf953e5c00000000
         ]
     );
-    let t = Random::new(42).uniform(5, -1.0, 2.0).unwrap();
+    let t = Random::new(42)
+        .device(device)
+        .uniform(5, -1.0, 2.0)
+        .unwrap();
     assert_eq!(
         bits(&t),
         [0x3f56c0d0, 0x3ffb48b2, 0x3fbd2203, 0x3f982a86, 0xbca9f2e0]
     );
     // rand_uniform(9, 17, 0.0, 1.0, 3, BF16, Cpu)
     let t = Random::new(9)
+        .device(device)
         .offset(17)
         .dtype(DType::BF16)
         .uniform(3, 0.0, 1.0)
@@ -102,6 +108,7 @@ fn values_are_bit_identical_to_the_previous_api() {
     assert_eq!(bits(&t), [0x3ed1, 0x3f64, 0x3e91]);
     // rand_uniform(u64::MAX, (1 << 32) - 2, -0.1, 0.1, 4, F64, Cpu): crosses the 32-bit counter word
     let t = Random::new(u64::MAX)
+        .device(device)
         .offset((1 << 32) - 2)
         .dtype(DType::F64)
         .uniform(4, -0.1, 0.1)
@@ -117,8 +124,16 @@ fn values_are_bit_identical_to_the_previous_api() {
     );
     // randn(11, 3, 0.0, 0.02, 20000, F32, Cpu) and rand_uniform(11, 3, -0.5, 0.5, 20000, F32,
     // Cpu): large enough to be filled in parallel chunks; elements at chunk edges.
-    let n = Random::new(11).offset(3).normal(20000, 0.0, 0.02).unwrap();
-    let u = Random::new(11).offset(3).uniform(20000, -0.5, 0.5).unwrap();
+    let n = Random::new(11)
+        .device(device)
+        .offset(3)
+        .normal(20000, 0.0, 0.02)
+        .unwrap();
+    let u = Random::new(11)
+        .device(device)
+        .offset(3)
+        .uniform(20000, -0.5, 0.5)
+        .unwrap();
     let (n, u) = (bits(&n), bits(&u));
     let want = [
         (0, 0x3ba72ae4, 0x3e7fc998),
@@ -131,8 +146,11 @@ fn values_are_bit_identical_to_the_previous_api() {
     for (i, wn, wu) in want {
         assert_eq!((n[i], u[i]), (wn, wu), "element {i}");
     }
+    Ok(())
 }
+test_device!(values_are_bit_identical_to_the_previous_api);
 
+// CPU-only: the short forms are defined as CPU constructors.
 #[test]
 fn short_forms_are_the_builder_defaults() {
     let a = Tensor::randn((3, 4), 5).unwrap();
@@ -170,6 +188,7 @@ fn short_forms_are_the_builder_defaults() {
     assert_eq!(u32s.to_vec::<f32>().unwrap(), u64s.to_vec_f32().unwrap());
 }
 
+// CPU-only: validation errors raised before any backend runs: device-independent.
 #[test]
 fn builder_errors_name_the_problem() {
     let e = Random::new(0).normal(3, 0.0, -1.0).unwrap_err().to_string();
@@ -204,9 +223,10 @@ fn builder_errors_name_the_problem() {
     assert!(e.contains("cuda:0"), "{e}");
 }
 
-#[test]
-fn randint_respects_the_range_in_every_dtype() {
-    let v = Tensor::randint(10_000, -5, 7, 1)
+fn randint_respects_the_range_in_every_dtype(device: Device) -> Result<()> {
+    let v = Random::new(1)
+        .device(device)
+        .randint(10_000, -5, 7)
         .unwrap()
         .to_vec::<i64>()
         .unwrap();
@@ -214,20 +234,24 @@ fn randint_respects_the_range_in_every_dtype() {
     // Both ends are reached.
     assert!(v.contains(&-5) && v.contains(&6));
     // A one-value range.
-    let one = Tensor::randint(5, 9, 10, 1)
+    let one = Random::new(1)
+        .device(device)
+        .randint(5, 9, 10)
         .unwrap()
         .to_vec::<i64>()
         .unwrap();
     assert_eq!(one, vec![9; 5]);
     // The extremes of i64.
-    let w = Tensor::randint(1000, i64::MIN, i64::MAX, 2)
+    let w = Random::new(2)
+        .device(device)
+        .randint(1000, i64::MIN, i64::MAX)
         .unwrap()
         .to_vec::<i64>()
         .unwrap();
     assert!(w.iter().all(|&x| x < i64::MAX));
     assert!(w.iter().any(|&x| x < i64::MIN / 2) && w.iter().any(|&x| x > i64::MAX / 2));
     // Other dtypes hold the same integers.
-    let r = Random::new(3).offset(11);
+    let r = Random::new(3).device(device).offset(11);
     let ints = r.randint(500, 0, 256).unwrap().to_vec::<i64>().unwrap();
     let as_u8 = r.dtype(DType::U8).randint(500, 0, 256).unwrap();
     assert_eq!(
@@ -244,12 +268,14 @@ fn randint_respects_the_range_in_every_dtype() {
         as_f32.to_vec::<f32>().unwrap(),
         ints.iter().map(|&x| x as f32).collect::<Vec<_>>()
     );
+    Ok(())
 }
+test_device!(randint_respects_the_range_in_every_dtype);
 
-#[test]
-fn randint_is_deterministic_by_seed_and_offset() {
+fn randint_is_deterministic_by_seed_and_offset(device: Device) -> Result<()> {
     let draw = |seed, offset, n| {
         Random::new(seed)
+            .device(device)
             .offset(offset)
             .randint(n, 0, 1000)
             .unwrap()
@@ -272,9 +298,14 @@ fn randint_is_deterministic_by_seed_and_offset() {
         );
     }
     // The shape does not matter, only the row-major position.
-    let shaped = Random::new(4).randint((20, 15), 0, 1000).unwrap();
+    let shaped = Random::new(4)
+        .device(device)
+        .randint((20, 15), 0, 1000)
+        .unwrap();
     assert_eq!(shaped.to_vec::<i64>().unwrap(), whole[..300]);
+    Ok(())
 }
+test_device!(randint_is_deterministic_by_seed_and_offset);
 
 /// Pearson's chi-square statistic of `counts` against equal expected counts.
 fn chi_square(counts: &[usize]) -> f64 {
@@ -283,10 +314,11 @@ fn chi_square(counts: &[usize]) -> f64 {
     counts.iter().map(|&c| (c as f64 - e).powi(2) / e).sum()
 }
 
-#[test]
-fn randint_is_uniform_chi_square() {
+fn randint_is_uniform_chi_square(device: Device) -> Result<()> {
     // 10 values, 9 degrees of freedom: P(chi2 > 40) is about 1e-5, a generous bound.
-    let v = Tensor::randint(200_000, 0, 10, 123)
+    let v = Random::new(123)
+        .device(device)
+        .randint(200_000, 0, 10)
         .unwrap()
         .to_vec::<i64>()
         .unwrap();
@@ -299,6 +331,7 @@ fn randint_is_uniform_chi_square() {
     // A range that is not a power of two, shifted negative, 1000 values in 20 buckets of 50
     // (19 degrees of freedom: P(chi2 > 60) is about 4e-6).
     let v = Random::new(9)
+        .device(device)
         .offset(1 << 40)
         .randint(200_000, -500, 500)
         .unwrap()
@@ -314,4 +347,6 @@ fn randint_is_uniform_chi_square() {
     let mut skewed = counts;
     skewed[0] += 2_000;
     assert!(chi_square(&skewed) > 40.0);
+    Ok(())
 }
+test_device!(randint_is_uniform_chi_square);

@@ -1,20 +1,19 @@
 //! `reshape` with an inferred dimension, through the public API: views, copies of strided views,
 //! and the errors.
 
-use meshgrad_tensor::{DType, Device, ShapeSpec, Tensor};
+use meshgrad_tensor::{test_device, DType, Device, Result, ShapeSpec, Tensor};
 
-fn iota(dims: &[usize]) -> Tensor {
+fn iota(dims: &[usize], device: Device) -> Tensor {
     let n: usize = dims.iter().product();
-    Tensor::arange(0, n as i64, DType::F32, Device::Cpu)
+    Tensor::arange(0, n as i64, DType::F32, device)
         .unwrap()
         .reshape(dims)
         .unwrap()
 }
 
-#[test]
 #[allow(clippy::needless_borrows_for_generic_args)] // the borrowed forms are under test
-fn inferred_dimension_on_contiguous_and_strided_tensors() {
-    let x = iota(&[2, 3, 4]);
+fn inferred_dimension_on_contiguous_and_strided_tensors(device: Device) -> Result<()> {
+    let x = iota(&[2, 3, 4], device);
     let (b, t) = (2usize, 3usize);
     let y = x.reshape((b, t, -1)).unwrap();
     assert_eq!(y.dims(), &[2, 3, 4]);
@@ -32,7 +31,7 @@ fn inferred_dimension_on_contiguous_and_strided_tensors() {
         [0., 4., 8., 1., 5., 9., 2., 6., 10., 3., 7., 11.]
     );
     // Splitting the rows of a narrowed view stays a view.
-    let n = iota(&[4, 8]).narrow(1, 0, 4).unwrap();
+    let n = iota(&[4, 8], device).narrow(1, 0, 4).unwrap();
     let s = n.reshape((2, -1, 4)).unwrap();
     assert_eq!(s.dims(), &[2, 2, 4]);
     assert_eq!(s.layout().strides(), &[16, 8, 1]);
@@ -40,11 +39,14 @@ fn inferred_dimension_on_contiguous_and_strided_tensors() {
     let spec = ShapeSpec::new(vec![3, -1]);
     assert_eq!(x.reshape(&spec).unwrap().dims(), &[3, 8]);
     assert_eq!(x.reshape(spec).unwrap().dims(), &[3, 8]);
+    Ok(())
 }
+test_device!(inferred_dimension_on_contiguous_and_strided_tensors);
 
+// CPU-only: validation errors raised before any backend runs: device-independent.
 #[test]
 fn reshape_errors_name_shape_spec_and_count() {
-    let x = iota(&[2, 3, 4]);
+    let x = iota(&[2, 3, 4], Device::Cpu);
     let e = x.reshape((-1, -1)).unwrap_err().to_string();
     assert_eq!(
         e,

@@ -5,21 +5,20 @@
 mod common;
 
 use common::*;
-use meshgrad_tensor::{DType, Device, Shape, Tensor};
+use meshgrad_tensor::{test_device, DType, Device, Result, Shape, Tensor};
 
-fn seq(dims: &[usize]) -> (Vec<f64>, Tensor) {
+fn seq(dims: &[usize], device: Device) -> (Vec<f64>, Tensor) {
     let v: Vec<f64> = (0..numel(dims)).map(|i| i as f64).collect();
-    let t = tensor(&v, dims, DType::F64);
+    let t = tensor_on(device, &v, dims, DType::F64);
     (v, t)
 }
 
-#[test]
-fn permute_transpose_narrow_are_views_with_the_right_values() {
+fn permute_transpose_narrow_are_views_with_the_right_values(device: Device) -> Result<()> {
     let mut rng = Rng::new(20);
     for _ in 0..30 {
         let dims = rng.dims(1, 5, 4);
         let rank = dims.len();
-        let (v, t) = seq(&dims);
+        let (v, t) = seq(&dims, device);
         let perm = rng.perm(rank);
         let p = t.permute(&perm).unwrap();
         assert!(p.same_storage(&t));
@@ -79,7 +78,7 @@ fn permute_transpose_narrow_are_views_with_the_right_values() {
             &format!("narrow({d}, {s2}, {l2}) of permuted {pd:?}"),
         );
     }
-    let (_, t) = seq(&[2, 3]);
+    let (_, t) = seq(&[2, 3], device);
     assert!(t.t().unwrap().t().unwrap().is_contiguous());
     assert!(!t.t().unwrap().is_contiguous());
     assert!(
@@ -88,17 +87,17 @@ fn permute_transpose_narrow_are_views_with_the_right_values() {
     );
     assert!(!t.narrow(1, 1, 1).unwrap().is_contiguous());
     assert!(
-        Tensor::zeros(3, DType::F32, Device::Cpu)
-            .unwrap()
-            .t()
-            .is_err(),
+        Tensor::zeros(3, DType::F32, device).unwrap().t().is_err(),
         "t() of a vector"
     );
+    Ok(())
 }
+test_device!(permute_transpose_narrow_are_views_with_the_right_values);
 
+// CPU-only: validation errors raised before any backend runs: device-independent.
 #[test]
 fn view_errors_name_the_shape() {
-    let (_, t) = seq(&[2, 3, 4]);
+    let (_, t) = seq(&[2, 3, 4], Device::Cpu);
     let e = t.narrow(1, 2, 2).unwrap_err().to_string();
     assert!(e.contains("[2, 3, 4]"), "{e}");
     assert!(t.narrow(3, 0, 1).is_err());
@@ -121,9 +120,8 @@ fn view_errors_name_the_shape() {
     assert_eq!(t.size(-1).unwrap(), 4);
 }
 
-#[test]
-fn expand_unsqueeze_squeeze() {
-    let (v, t) = seq(&[3, 1]);
+fn expand_unsqueeze_squeeze(device: Device) -> Result<()> {
+    let (v, t) = seq(&[3, 1], device);
     let e = t.expand([2, 3, 4]).unwrap();
     assert!(e.same_storage(&t));
     assert_eq!(e.layout().strides()[0], 0);
@@ -138,7 +136,7 @@ fn expand_unsqueeze_squeeze() {
         "contiguous of expand",
     );
     // Unsqueeze at every position, negative too, then squeeze back.
-    let (v, t) = seq(&[2, 3]);
+    let (v, t) = seq(&[2, 3], device);
     for (d, want) in [
         (0isize, vec![1, 2, 3]),
         (1, vec![2, 1, 3]),
@@ -164,16 +162,17 @@ fn expand_unsqueeze_squeeze() {
         0.0,
         "contiguous of unsqueezed transpose",
     );
+    Ok(())
 }
+test_device!(expand_unsqueeze_squeeze);
 
-#[test]
-fn contiguous_copies_only_when_needed() {
+fn contiguous_copies_only_when_needed(device: Device) -> Result<()> {
     let mut rng = Rng::new(21);
     for _ in 0..20 {
         let dims = rng.dims(0, 4, 5);
         let x = uniform_vals(rng.next_u64(), numel(&dims), -1.0, 1.0);
         let lay = Lay::random(&mut rng, dims.len());
-        let t = strided(&x, &dims, &lay, DType::F32);
+        let t = strided_on(device, &x, &dims, &lay, DType::F32);
         let c = t.contiguous().unwrap();
         assert!(c.is_contiguous());
         assert_eq!(c.same_storage(&t), t.is_contiguous(), "{lay:?}");
@@ -190,11 +189,12 @@ fn contiguous_copies_only_when_needed() {
         assert!(!d.same_storage(&t));
         check(&d, &dims, &round_to(&x, DType::F32), 0.0, 0.0, "deep_clone");
     }
+    Ok(())
 }
+test_device!(contiguous_copies_only_when_needed);
 
-#[test]
-fn reshape_is_a_view_when_possible_else_a_copy() {
-    let (v, t) = seq(&[2, 3, 4]);
+fn reshape_is_a_view_when_possible_else_a_copy(device: Device) -> Result<()> {
+    let (v, t) = seq(&[2, 3, 4], device);
     // Contiguous: always a view.
     let r = t.reshape([6, 4]).unwrap();
     assert!(r.same_storage(&t));
@@ -211,7 +211,7 @@ fn reshape_is_a_view_when_possible_else_a_copy() {
     assert!(!f.same_storage(&t));
     check(&f, &[24], &tv, 0.0, 0.0, "reshape of transpose");
     // Splitting the leading dim of a column-narrowed matrix stays a view.
-    let (v8, m) = seq(&[4, 8]);
+    let (v8, m) = seq(&[4, 8], device);
     let n = m.narrow(1, 2, 4).unwrap();
     let s = n.reshape([2, 2, 4]).unwrap();
     assert!(s.same_storage(&m));
@@ -227,7 +227,7 @@ fn reshape_is_a_view_when_possible_else_a_copy() {
         let dims = rng.dims(1, 4, 4);
         let x = uniform_vals(rng.next_u64(), numel(&dims), -1.0, 1.0);
         let lay = Lay::random(&mut rng, dims.len());
-        let t = strided(&x, &dims, &lay, DType::F64);
+        let t = strided_on(device, &x, &dims, &lay, DType::F64);
         // Factor the element count into a random shape.
         let mut rest = numel(&dims);
         let mut nd = Vec::new();
@@ -250,16 +250,17 @@ fn reshape_is_a_view_when_possible_else_a_copy() {
             &format!("reshape {dims:?} {lay:?} to {nd:?}"),
         );
     }
+    Ok(())
 }
+test_device!(reshape_is_a_view_when_possible_else_a_copy);
 
-#[test]
-fn copy_from_into_views() {
+fn copy_from_into_views(device: Device) -> Result<()> {
     // Into a narrowed view: only those elements change.
-    let base = Tensor::zeros((4, 6), DType::F64, Device::Cpu).unwrap();
+    let base = Tensor::zeros((4, 6), DType::F64, device).unwrap();
     let src: Vec<f64> = (1..=12).map(|i| i as f64).collect();
     base.narrow(1, 2, 3)
         .unwrap()
-        .copy_from(&tensor(&src, &[4, 3], DType::F64))
+        .copy_from(&tensor_on(device, &src, &[4, 3], DType::F64))
         .unwrap();
     let exp: Vec<f64> = (0..24)
         .map(|i| {
@@ -273,12 +274,12 @@ fn copy_from_into_views() {
         .collect();
     check(&base, &[4, 6], &exp, 0.0, 0.0, "copy_from into narrow");
     // From a transposed source into a transposed destination.
-    let dst = Tensor::zeros((3, 4), DType::F32, Device::Cpu).unwrap();
-    let s = tensor(&src, &[3, 4], DType::F32);
+    let dst = Tensor::zeros((3, 4), DType::F32, device).unwrap();
+    let s = tensor_on(device, &src, &[3, 4], DType::F32);
     dst.t().unwrap().copy_from(&s.t().unwrap()).unwrap();
     check(&dst, &[3, 4], &src, 0.0, 0.0, "transposed into transposed");
     // From an expanded source.
-    let row = tensor(&[1.0, 2.0, 3.0, 4.0], &[4], DType::F32);
+    let row = tensor_on(device, &[1.0, 2.0, 3.0, 4.0], &[4], DType::F32);
     dst.copy_from(&row.expand([3, 4]).unwrap()).unwrap();
     check(
         &dst,
@@ -289,7 +290,7 @@ fn copy_from_into_views() {
         "copy of expand",
     );
     // Overlapping source and destination in one storage (shift rows down by one).
-    let (v, m) = seq(&[4, 3]);
+    let (v, m) = seq(&[4, 3], device);
     m.narrow(0, 1, 3)
         .unwrap()
         .copy_from(&m.narrow(0, 0, 3).unwrap())
@@ -298,10 +299,15 @@ fn copy_from_into_views() {
     exp.extend_from_slice(&v[..9]);
     check(&m, &[4, 3], &exp, 0.0, 0.0, "overlapping copy_from");
     // Views created before the copy see the new values.
-    let (_, m) = seq(&[2, 2]);
+    let (_, m) = seq(&[2, 2], device);
     let view = m.t().unwrap();
-    m.copy_from(&tensor(&[9.0, 8.0, 7.0, 6.0], &[2, 2], DType::F64))
-        .unwrap();
+    m.copy_from(&tensor_on(
+        device,
+        &[9.0, 8.0, 7.0, 6.0],
+        &[2, 2],
+        DType::F64,
+    ))
+    .unwrap();
     check(
         &view,
         &[2, 2],
@@ -312,18 +318,19 @@ fn copy_from_into_views() {
     );
     // Errors.
     let e = base
-        .copy_from(&tensor(&src, &[4, 3], DType::F64))
+        .copy_from(&tensor_on(device, &src, &[4, 3], DType::F64))
         .unwrap_err()
         .to_string();
     assert!(e.contains("[4, 6]") && e.contains("[4, 3]"), "{e}");
     assert!(base
-        .copy_from(&Tensor::zeros((4, 6), DType::F32, Device::Cpu).unwrap())
+        .copy_from(&Tensor::zeros((4, 6), DType::F32, device).unwrap())
         .is_err());
+    Ok(())
 }
+test_device!(copy_from_into_views);
 
-#[test]
-fn fill_and_add_assign_write_through_views() {
-    let (_, m) = seq(&[3, 4]);
+fn fill_and_add_assign_write_through_views(device: Device) -> Result<()> {
+    let (_, m) = seq(&[3, 4], device);
     m.narrow(1, 1, 2).unwrap().fill_(-1.0).unwrap();
     check(
         &m,
@@ -333,9 +340,10 @@ fn fill_and_add_assign_write_through_views() {
         0.0,
         "fill_ of a narrow",
     );
-    let (_, m) = seq(&[3, 4]);
+    let (_, m) = seq(&[3, 4], device);
     let col = m.t().unwrap().narrow(0, 0, 1).unwrap(); // [1, 3] view of column 0
-    col.add_assign(&tensor(&[100.0], &[1], DType::F64)).unwrap();
+    col.add_assign(&tensor_on(device, &[100.0], &[1], DType::F64))
+        .unwrap();
     check(
         &m,
         &[3, 4],
@@ -346,36 +354,37 @@ fn fill_and_add_assign_write_through_views() {
     );
     // A rhs that would grow the shape is refused.
     assert!(col
-        .add_assign(&Tensor::zeros((2, 3), DType::F64, Device::Cpu).unwrap())
+        .add_assign(&Tensor::zeros((2, 3), DType::F64, device).unwrap())
         .is_err());
+    Ok(())
 }
+test_device!(fill_and_add_assign_write_through_views);
 
-#[test]
-fn constructors_and_readback() {
-    let a = Tensor::arange(-2, 3, DType::I64, Device::Cpu).unwrap();
+fn constructors_and_readback(device: Device) -> Result<()> {
+    let a = Tensor::arange(-2, 3, DType::I64, device).unwrap();
     assert_eq!(a.to_vec::<i64>().unwrap(), vec![-2, -1, 0, 1, 2]);
     assert_eq!(
-        Tensor::arange(3, 3, DType::F32, Device::Cpu)
+        Tensor::arange(3, 3, DType::F32, device)
             .unwrap()
             .elem_count(),
         0
     );
-    let f = Tensor::full(2.5, (2, 2), DType::BF16, Device::Cpu).unwrap();
+    let f = Tensor::full(2.5, (2, 2), DType::BF16, device).unwrap();
     assert_eq!(vals(&f), vec![2.5; 4]);
     assert_eq!(
-        Tensor::ones(3, DType::U8, Device::Cpu)
+        Tensor::ones(3, DType::U8, device)
             .unwrap()
             .to_vec::<u8>()
             .unwrap(),
         vec![1, 1, 1]
     );
-    let z = Tensor::zeros((2, 0, 3), DType::F32, Device::Cpu).unwrap();
+    let z = Tensor::zeros((2, 0, 3), DType::F32, device).unwrap();
     assert_eq!(z.elem_count(), 0);
     assert_eq!(z.to_vec::<f32>().unwrap(), Vec::<f32>::new());
-    let s = Tensor::scalar(3.0, DType::F64, Device::Cpu).unwrap();
+    let s = Tensor::scalar(3.0, DType::F64, device).unwrap();
     assert_eq!(s.rank(), 0);
     assert_eq!(s.item().unwrap(), 3.0);
-    let e = Tensor::from_vec(vec![1f32, 2., 3.], (2, 2), Device::Cpu)
+    let e = Tensor::from_vec(vec![1f32, 2., 3.], (2, 2), device)
         .unwrap_err()
         .to_string();
     assert!(e.contains("[2, 2]"), "{e}");
@@ -385,18 +394,18 @@ fn constructors_and_readback() {
         a.to_vec::<f32>().is_err(),
         "to_vec with the wrong element type"
     );
-    let l = Tensor::zeros((2, 3), DType::F32, Device::Cpu)
+    let l = Tensor::zeros((2, 3), DType::F32, device)
         .unwrap()
         .zeros_like()
         .unwrap();
     assert_eq!((l.dims(), l.dtype()), (&[2usize, 3][..], DType::F32));
     assert_eq!(vals(&l.ones_like().unwrap()), vec![1.0; 6]);
     // to_cpu_storage of a view holds just the view's elements.
-    let (v, m) = seq(&[3, 4]);
+    let (v, m) = seq(&[3, 4], device);
     let st = m.narrow(0, 1, 2).unwrap().to_cpu_storage().unwrap();
     assert_eq!(st.len(), 8);
     assert_eq!(st.as_bytes().len(), 64);
-    let back = Tensor::from_cpu(st, (2, 4), Device::Cpu).unwrap();
+    let back = Tensor::from_cpu(st, (2, 4), device).unwrap();
     check(
         &back,
         &[2, 4],
@@ -408,12 +417,13 @@ fn constructors_and_readback() {
     assert_eq!(Shape::from((2, 3)).elem_count(), 6);
     assert_eq!("bf16".parse::<DType>().unwrap(), DType::BF16);
     assert!("f8".parse::<DType>().is_err());
+    Ok(())
 }
+test_device!(constructors_and_readback);
 
-#[test]
-fn sum_to_shape_inverts_broadcasting() {
+fn sum_to_shape_inverts_broadcasting(device: Device) -> Result<()> {
     let x = uniform_vals(31, 2 * 3 * 4, -1.0, 1.0);
-    let t = tensor(&x, &[2, 3, 4], DType::F64);
+    let t = tensor_on(device, &x, &[2, 3, 4], DType::F64);
     for target in [
         vec![3, 4],
         vec![1, 4],
@@ -443,4 +453,6 @@ fn sum_to_shape_inverts_broadcasting() {
     }
     assert!(t.sum_to_shape(&Shape::from([5])).is_err());
     assert!(t.sum_to_shape(&Shape::from([2, 2, 3, 4])).is_err());
+    Ok(())
 }
+test_device!(sum_to_shape_inverts_broadcasting);

@@ -14,9 +14,8 @@
 //!   matmul, indexing, ...);
 //! - fused ops (normalisations, softmax, attention, cross-entropy, SwiGLU, rotary embedding,
 //!   optimizer steps, ...), whose default answer is `Ok(None)`: "not provided". The tensor op then
-//!   runs a fallback composed of basic ops where one exists (see `ops/fallback.rs`), so a
-//!   backend can arrive one fused kernel at a time. Where no fallback exists yet the dispatch
-//!   place turns `None` into [`crate::Error::NotImplemented`].
+//!   runs a fallback composed of basic ops (see `ops/fallback/`), so a backend can arrive one
+//!   fused kernel at a time.
 //!
 //! Conventions shared by all methods: every operand is a storage with the [`Layout`] of the view
 //! being read (`In`); operands have been checked to be on the same device by the dispatch place;

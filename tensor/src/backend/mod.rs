@@ -6,9 +6,8 @@
 //! of the four matches on [`Storage`] below (device, dtype, len, release); the op call sites do
 //! not change.
 //!
-//! Fused primitives return `Result<Option<_>>` where the tensor op has a fallback composed of
-//! basic ops (`None`: the backend does not provide the fused kernel); the others turn a missing
-//! kernel into [`Error::NotImplemented`].
+//! Fused primitives return `Result<Option<_>>` (`None`: the backend does not provide the fused
+//! kernel); every one has a fallback composed of basic ops at its tensor op (`ops/fallback/`).
 
 pub(crate) mod api;
 
@@ -184,11 +183,6 @@ fn fused<T>(f: impl FnOnce() -> Fused<T>) -> Fused<T> {
         return Ok(None);
     }
     f()
-}
-
-/// A fused primitive with no fallback yet: a missing kernel is [`Error::NotImplemented`].
-fn required<T>(op: &'static str, device: Device, r: Fused<T>) -> Result<T> {
-    r?.ok_or(Error::NotImplemented { op, device })
 }
 
 fn wrap2<S: Variant>((a, b): (S, S)) -> (Storage, Storage) {
@@ -443,17 +437,17 @@ pub(crate) fn gelu_backward(x: Src<'_>, dy: Src<'_>, tanh_form: bool) -> Fused<S
     })
 }
 
-pub(crate) fn unary_backward(x: Src<'_>, dy: Src<'_>, op: UnaryGrad) -> Result<Storage> {
+pub(crate) fn unary_backward(x: Src<'_>, dy: Src<'_>, op: UnaryGrad) -> Fused<Storage> {
     dispatch!("unary_backward", [x.0, dy.0], S, device => {
         let r = fused(|| S::unary_backward(inp::<S>(x), inp::<S>(dy), op));
-        required("unary_backward", device, r).map(S::wrap)
+        r.map(|o| o.map(S::wrap))
     })
 }
 
-pub(crate) fn logsumexp(s: Src<'_>, outer: usize, red: usize, inner: usize) -> Result<Storage> {
+pub(crate) fn logsumexp(s: Src<'_>, outer: usize, red: usize, inner: usize) -> Fused<Storage> {
     dispatch!("logsumexp", [s.0], S, device => {
         let r = fused(|| S::logsumexp(inp::<S>(s), outer, red, inner));
-        required("logsumexp", device, r).map(S::wrap)
+        r.map(|o| o.map(S::wrap))
     })
 }
 
@@ -486,7 +480,7 @@ pub(crate) fn layer_norm_backward(
     rows: usize,
     cols: usize,
     param_grads: bool,
-) -> Result<(Storage, Option<Storage>, Option<Storage>)> {
+) -> Fused<(Storage, Option<Storage>, Option<Storage>)> {
     let ops: Vec<&Storage> = [x.0, mean.0, rstd.0, dy.0]
         .into_iter()
         .chain(w.map(|s| s.0))
@@ -504,8 +498,7 @@ pub(crate) fn layer_norm_backward(
                 param_grads,
             )
         });
-        required("layer_norm_backward", device, r)
-            .map(|(dx, dw, db)| (dx.wrap(), dw.map(S::wrap), db.map(S::wrap)))
+        r.map(|o| o.map(|(dx, dw, db)| (dx.wrap(), dw.map(S::wrap), db.map(S::wrap))))
     })
 }
 
@@ -515,14 +508,14 @@ pub(crate) fn attention(
     v: Src<'_>,
     shape: AttentionShape,
     m: &AttentionMaskArgs<'_>,
-) -> Result<(Storage, Storage)> {
+) -> Fused<(Storage, Storage)> {
     let ops: Vec<&Storage> = [q.0, k.0, v.0]
         .into_iter()
         .chain(mask_storages(m))
         .collect();
     dispatch!("attention", slice &ops, S, device => {
         let r = fused(|| S::attention(inp::<S>(q), inp::<S>(k), inp::<S>(v), shape, mask::<S>(m)));
-        required("attention", device, r).map(wrap2)
+        r.map(|o| o.map(wrap2))
     })
 }
 
@@ -539,7 +532,7 @@ pub(crate) fn attention_backward(
     shape: AttentionShape,
     m: &AttentionMaskArgs<'_>,
     want_dz: bool,
-) -> Result<(Storage, Storage, Storage, Option<Storage>)> {
+) -> Fused<(Storage, Storage, Storage, Option<Storage>)> {
     let ops: Vec<&Storage> = [q.0, k.0, v.0, out.0, lse.0, dout.0]
         .into_iter()
         .chain(mask_storages(m))
@@ -553,8 +546,7 @@ pub(crate) fn attention_backward(
                 want_dz,
             )
         });
-        required("attention_backward", device, r)
-            .map(|(dq, dk, dv, dz)| (dq.wrap(), dk.wrap(), dv.wrap(), dz.map(S::wrap)))
+        r.map(|o| o.map(|(dq, dk, dv, dz)| (dq.wrap(), dk.wrap(), dv.wrap(), dz.map(S::wrap))))
     })
 }
 
@@ -563,11 +555,11 @@ pub(crate) fn attention_qkv(
     shape: AttentionShape,
     heads: usize,
     m: &AttentionMaskArgs<'_>,
-) -> Result<(Storage, Storage)> {
+) -> Fused<(Storage, Storage)> {
     let ops: Vec<&Storage> = [qkv.0].into_iter().chain(mask_storages(m)).collect();
     dispatch!("attention_qkv", slice &ops, S, device => {
         let r = fused(|| S::attention_qkv(inp::<S>(qkv), shape, heads, mask::<S>(m)));
-        required("attention_qkv", device, r).map(wrap2)
+        r.map(|o| o.map(wrap2))
     })
 }
 
@@ -582,7 +574,7 @@ pub(crate) fn attention_qkv_backward(
     heads: usize,
     m: &AttentionMaskArgs<'_>,
     want_dz: bool,
-) -> Result<(Storage, Option<Storage>)> {
+) -> Fused<(Storage, Option<Storage>)> {
     let ops: Vec<&Storage> = [qkv.0, out.0, lse.0, dout.0]
         .into_iter()
         .chain(mask_storages(m))
@@ -597,7 +589,7 @@ pub(crate) fn attention_qkv_backward(
                 want_dz,
             )
         });
-        required("attention_qkv_backward", device, r).map(|(g, dz)| (g.wrap(), dz.map(S::wrap)))
+        r.map(|o| o.map(|(g, dz)| (g.wrap(), dz.map(S::wrap))))
     })
 }
 
@@ -623,7 +615,7 @@ pub(crate) fn rms_norm_backward(
     rows: usize,
     cols: usize,
     weight_grad: bool,
-) -> Result<(Storage, Option<Storage>)> {
+) -> Fused<(Storage, Option<Storage>)> {
     let ops: Vec<&Storage> = [x.0, rstd.0, dy.0]
         .into_iter()
         .chain(w.map(|s| s.0))
@@ -640,7 +632,7 @@ pub(crate) fn rms_norm_backward(
                 weight_grad,
             )
         });
-        required("rms_norm_backward", device, r).map(|(dx, dw)| (dx.wrap(), dw.map(S::wrap)))
+        r.map(|o| o.map(|(dx, dw)| (dx.wrap(), dw.map(S::wrap))))
     })
 }
 
@@ -650,12 +642,12 @@ pub(crate) fn rotary_embedding(
     dims: [usize; 4],
     theta: f64,
     inverse: bool,
-) -> Result<Storage> {
+) -> Fused<Storage> {
     dispatch!("rotary_embedding", [x.0, positions.0], S, device => {
         let r = fused(|| {
             S::rotary_embedding(inp::<S>(x), inp::<S>(positions), dims, theta, inverse)
         });
-        required("rotary_embedding", device, r).map(S::wrap)
+        r.map(|o| o.map(S::wrap))
     })
 }
 
@@ -670,10 +662,10 @@ pub(crate) fn swiglu_backward(
     gate: Src<'_>,
     up: Src<'_>,
     dy: Src<'_>,
-) -> Result<(Storage, Storage)> {
+) -> Fused<(Storage, Storage)> {
     dispatch!("swiglu_backward", [gate.0, up.0, dy.0], S, device => {
         let r = fused(|| S::swiglu_backward(inp::<S>(gate), inp::<S>(up), inp::<S>(dy)));
-        required("swiglu_backward", device, r).map(wrap2)
+        r.map(|o| o.map(wrap2))
     })
 }
 
@@ -701,7 +693,7 @@ pub(crate) fn cross_entropy_backward(
     rows: usize,
     cols: usize,
     ignore_index: Option<i64>,
-) -> Result<Storage> {
+) -> Fused<Storage> {
     dispatch!("cross_entropy_backward", [logits.0, lse.0, targets.0, dloss.0], S, device => {
         let r = fused(|| {
             S::cross_entropy_backward(
@@ -714,7 +706,7 @@ pub(crate) fn cross_entropy_backward(
                 ignore_index,
             )
         });
-        required("cross_entropy_backward", device, r).map(S::wrap)
+        r.map(|o| o.map(S::wrap))
     })
 }
 
@@ -728,12 +720,11 @@ pub(crate) fn adamw(
     v: &mut Storage,
     vl: &Layout,
     hp: &AdamWStep,
-) -> Result<()> {
+) -> Fused<()> {
     dispatch!("adamw", [param, grad.0, m, v], S, device => {
-        let r = fused(|| {
+        fused(|| {
             S::adamw(S::of_mut(param), pl, inp::<S>(grad), S::of_mut(m), ml, S::of_mut(v), vl, hp)
-        });
-        required("adamw", device, r)
+        })
     })
 }
 
@@ -748,9 +739,9 @@ pub(crate) fn sgd(
     momentum: f64,
     weight_decay: f64,
     first_step: bool,
-) -> Result<()> {
+) -> Fused<()> {
     dispatch!("sgd", [param, grad.0, buf], S, device => {
-        let r = fused(|| {
+        fused(|| {
             S::sgd(
                 S::of_mut(param),
                 pl,
@@ -762,7 +753,6 @@ pub(crate) fn sgd(
                 weight_decay,
                 first_step,
             )
-        });
-        required("sgd", device, r)
+        })
     })
 }

@@ -145,6 +145,14 @@ impl Resolved {
         }
     }
 
+    /// The mask as the composed fallbacks take it.
+    fn parts(&self) -> super::fallback::MaskParts<'_> {
+        super::fallback::MaskParts {
+            key_padding: self.key_padding.as_ref(),
+            bias: self.bias.as_ref().map(|(t, ..)| t),
+        }
+    }
+
     /// Calls `f` with the backend's view of the mask (its storages read for the duration).
     fn with_args<R>(
         &self,
@@ -356,20 +364,26 @@ impl Tensor {
         )?;
         let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
         let op = "attention";
-        let (gq, gk, gv) = (
-            q.read_storage(op)?,
-            k.read_storage(op)?,
-            v.read_storage(op)?,
-        );
-        let (out, lse) = m.with_args(op, |args| {
-            backend::attention(
-                (&gq, q.layout()),
-                (&gk, k.layout()),
-                (&gv, v.layout()),
-                shape,
-                args,
-            )
-        })?;
+        let res = {
+            let (gq, gk, gv) = (
+                q.read_storage(op)?,
+                k.read_storage(op)?,
+                v.read_storage(op)?,
+            );
+            m.with_args(op, |args| {
+                backend::attention(
+                    (&gq, q.layout()),
+                    (&gk, k.layout()),
+                    (&gv, v.layout()),
+                    shape,
+                    args,
+                )
+            })?
+        };
+        let Some((out, lse)) = res else {
+            let (out, lse) = super::fallback::attention(&q, &k, &v, shape, m.parts())?;
+            return Ok(AttentionOutput { out, lse });
+        };
         let lse_shape = q.dims()[..r - 1].to_vec();
         Ok(AttentionOutput {
             out: Tensor::from_storage(out, q.shape()),
@@ -424,41 +438,55 @@ impl Tensor {
         fn g<'a>(t: &'a Tensor, op: &'static str) -> Result<crate::storage::StorageRead<'a>> {
             t.read_storage(op)
         }
-        let (gq, gk, gv, go, gl, gd) = (
-            g(&q, op)?,
-            g(&k, op)?,
-            g(&v, op)?,
-            g(&out, op)?,
-            g(&lse, op)?,
-            g(&dout, op)?,
-        );
-        let (dq, dk, dv, dz) = m.with_args(op, |args| {
-            backend::attention_backward(
-                (&gq, q.layout()),
-                (&gk, k.layout()),
-                (&gv, v.layout()),
-                (&go, out.layout()),
-                (&gl, lse.layout()),
-                (&gd, dout.layout()),
+        let res = {
+            let (gq, gk, gv, go, gl, gd) = (
+                g(&q, op)?,
+                g(&k, op)?,
+                g(&v, op)?,
+                g(&out, op)?,
+                g(&lse, op)?,
+                g(&dout, op)?,
+            );
+            m.with_args(op, |args| {
+                backend::attention_backward(
+                    (&gq, q.layout()),
+                    (&gk, k.layout()),
+                    (&gv, v.layout()),
+                    (&go, out.layout()),
+                    (&gl, lse.layout()),
+                    (&gd, dout.layout()),
+                    shape,
+                    args,
+                    want_dz,
+                )
+            })?
+        };
+        let mut z_dims = batch.to_vec();
+        z_dims.extend([shape.seq_q, shape.seq_k]);
+        let (dq, dk, dv, dz) = match res {
+            Some((dq, dk, dv, dz)) => (
+                Tensor::from_storage(dq, q.shape()),
+                Tensor::from_storage(dk, k.shape()),
+                Tensor::from_storage(dv, v.shape()),
+                dz.map(|dz| Tensor::from_storage(dz, z_dims)),
+            ),
+            None => super::fallback::attention_backward(
+                &q,
+                &k,
+                &v,
+                &out,
+                &lse,
+                &dout,
                 shape,
-                args,
+                m.parts(),
                 want_dz,
-            )
-        })?;
+            )?,
+        };
         let dbias = match dz {
             None => None,
-            Some(dz) => {
-                let mut dims = batch.to_vec();
-                dims.extend([shape.seq_q, shape.seq_k]);
-                m.bias_grad(Tensor::from_storage(dz, dims))?
-            }
+            Some(dz) => m.bias_grad(dz)?,
         };
-        Ok(AttentionGrads {
-            dq: Tensor::from_storage(dq, q.shape()),
-            dk: Tensor::from_storage(dk, k.shape()),
-            dv: Tensor::from_storage(dv, v.shape()),
-            dbias,
-        })
+        Ok(AttentionGrads { dq, dk, dv, dbias })
     }
 
     fn qkv_shape(qkv: &Tensor, heads: usize, causal: bool, scale: f64) -> Result<AttentionShape> {
@@ -503,10 +531,16 @@ impl Tensor {
         let m = resolve("attention_qkv", mask, self, &[b, heads], t, t)?;
         let x = self.contiguous()?;
         let op = "attention_qkv";
-        let g = x.read_storage(op)?;
-        let (out, lse) = m.with_args(op, |args| {
-            backend::attention_qkv((&g, x.layout()), shape, heads, args)
-        })?;
+        let r = {
+            let g = x.read_storage(op)?;
+            m.with_args(op, |args| {
+                backend::attention_qkv((&g, x.layout()), shape, heads, args)
+            })?
+        };
+        let Some((out, lse)) = r else {
+            let (out, lse) = super::fallback::attention_qkv(&x, shape, heads, m.parts())?;
+            return Ok(AttentionOutput { out, lse });
+        };
         Ok(AttentionOutput {
             out: Tensor::from_storage(out, (b, t, c3 / 3)),
             lse: Tensor::from_storage(lse, (b, heads, t)),
@@ -547,28 +581,46 @@ impl Tensor {
         let c = |t: &Tensor| t.contiguous();
         let (x, o, l, d) = (c(self)?, c(&fwd.out)?, c(&fwd.lse)?, c(dout)?);
         let op = "attention_qkv_backward";
-        let (gx, go, gl, gd) = (
-            x.read_storage(op)?,
-            o.read_storage(op)?,
-            l.read_storage(op)?,
-            d.read_storage(op)?,
-        );
-        let (s, dz) = m.with_args(op, |args| {
-            backend::attention_qkv_backward(
-                (&gx, x.layout()),
-                (&go, o.layout()),
-                (&gl, l.layout()),
-                (&gd, d.layout()),
+        let r = {
+            let (gx, go, gl, gd) = (
+                x.read_storage(op)?,
+                o.read_storage(op)?,
+                l.read_storage(op)?,
+                d.read_storage(op)?,
+            );
+            m.with_args(op, |args| {
+                backend::attention_qkv_backward(
+                    (&gx, x.layout()),
+                    (&go, o.layout()),
+                    (&gl, l.layout()),
+                    (&gd, d.layout()),
+                    shape,
+                    heads,
+                    args,
+                    want_dz,
+                )
+            })?
+        };
+        let (dqkv, dz) = match r {
+            Some((s, dz)) => (
+                Tensor::from_storage(s, x.shape()),
+                dz.map(|dz| Tensor::from_storage(dz, (b, heads, t, t))),
+            ),
+            None => super::fallback::attention_qkv_backward(
+                &x,
+                &o,
+                &l,
+                &d,
                 shape,
                 heads,
-                args,
+                m.parts(),
                 want_dz,
-            )
-        })?;
+            )?,
+        };
         let dbias = match dz {
             None => None,
-            Some(dz) => m.bias_grad(Tensor::from_storage(dz, (b, heads, t, t)))?,
+            Some(dz) => m.bias_grad(dz)?,
         };
-        Ok((Tensor::from_storage(s, x.shape()), dbias))
+        Ok((dqkv, dbias))
     }
 }

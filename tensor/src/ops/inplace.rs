@@ -132,20 +132,26 @@ impl Tensor {
     ) -> Result<()> {
         let _prof = crate::profile::scope("adamw_step");
         self.check_flat(&[grad, m, v], "adamw_step")?;
-        let g = grad.read_storage("adamw_step")?;
-        let mut p = self.write_storage("adamw_step")?;
-        let mut gm = m.write_storage("adamw_step")?;
-        let mut gv = v.write_storage("adamw_step")?;
-        backend::adamw(
-            &mut p,
-            self.layout(),
-            (&g, grad.layout()),
-            &mut gm,
-            m.layout(),
-            &mut gv,
-            v.layout(),
-            hp,
-        )
+        let done = {
+            let g = grad.read_storage("adamw_step")?;
+            let mut p = self.write_storage("adamw_step")?;
+            let mut gm = m.write_storage("adamw_step")?;
+            let mut gv = v.write_storage("adamw_step")?;
+            backend::adamw(
+                &mut p,
+                self.layout(),
+                (&g, grad.layout()),
+                &mut gm,
+                m.layout(),
+                &mut gv,
+                v.layout(),
+                hp,
+            )?
+        };
+        match done {
+            Some(()) => Ok(()),
+            None => super::fallback::adamw(self, grad, m, v, hp),
+        }
     }
 
     /// One SGD-with-momentum step in place (PyTorch semantics, see the kernel).
@@ -160,19 +166,25 @@ impl Tensor {
     ) -> Result<()> {
         let _prof = crate::profile::scope("sgd_step");
         self.check_flat(&[grad, buf], "sgd_step")?;
-        let g = grad.read_storage("sgd_step")?;
-        let mut p = self.write_storage("sgd_step")?;
-        let mut b = buf.write_storage("sgd_step")?;
-        backend::sgd(
-            &mut p,
-            self.layout(),
-            (&g, grad.layout()),
-            &mut b,
-            buf.layout(),
-            lr,
-            momentum,
-            weight_decay,
-            first_step,
-        )
+        let done = {
+            let g = grad.read_storage("sgd_step")?;
+            let mut p = self.write_storage("sgd_step")?;
+            let mut b = buf.write_storage("sgd_step")?;
+            backend::sgd(
+                &mut p,
+                self.layout(),
+                (&g, grad.layout()),
+                &mut b,
+                buf.layout(),
+                lr,
+                momentum,
+                weight_decay,
+                first_step,
+            )?
+        };
+        match done {
+            Some(()) => Ok(()),
+            None => super::fallback::sgd(self, grad, buf, lr, momentum, weight_decay, first_step),
+        }
     }
 }

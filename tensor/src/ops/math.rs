@@ -65,9 +65,14 @@ impl Tensor {
             });
         }
         let (x, dy) = (self.contiguous()?, dy.contiguous()?);
-        let (gx, gd) = (x.read_storage(name)?, dy.read_storage(name)?);
-        let s = backend::unary_backward((&gx, x.layout()), (&gd, dy.layout()), op)?;
-        Ok(Tensor::from_storage(s, x.shape()))
+        let s = {
+            let (gx, gd) = (x.read_storage(name)?, dy.read_storage(name)?);
+            backend::unary_backward((&gx, x.layout()), (&gd, dy.layout()), op)?
+        };
+        match s {
+            Some(s) => Ok(Tensor::from_storage(s, x.shape())),
+            None => super::fallback::unary_backward(&x, &dy, op),
+        }
     }
 
     /// The SiLU backward, fused (`self` is the forward input):
@@ -105,14 +110,19 @@ impl Tensor {
         let outer: usize = dims[..d].iter().product();
         let inner: usize = dims[d + 1..].iter().product();
         let x = self.contiguous()?;
-        let g = x.read_storage("logsumexp")?;
-        let s = backend::logsumexp((&g, x.layout()), outer, dims[d], inner)?;
+        let s = {
+            let g = x.read_storage("logsumexp")?;
+            backend::logsumexp((&g, x.layout()), outer, dims[d], inner)?
+        };
         let mut out = dims.to_vec();
         if keepdim {
             out[d] = 1;
         } else {
             out.remove(d);
         }
-        Ok(Tensor::from_storage(s, out))
+        match s {
+            Some(s) => Ok(Tensor::from_storage(s, out)),
+            None => super::fallback::logsumexp(&x, outer, dims[d], inner)?.reshape(out),
+        }
     }
 }

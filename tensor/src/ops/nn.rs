@@ -157,31 +157,47 @@ impl Tensor {
         );
         let w = weight.map(|w| w.contiguous()).transpose()?;
         let op = "layer_norm_backward";
-        let (gx, gd, gm, gr) = (
-            x.read_storage(op)?,
-            dy.read_storage(op)?,
-            mean.read_storage(op)?,
-            rstd.read_storage(op)?,
-        );
-        let gw = w.as_ref().map(|w| w.read_storage(op)).transpose()?;
-        let (dx, dw, db) = backend::layer_norm_backward(
-            (&gx, x.layout()),
-            gw.as_ref().zip(w.as_ref()).map(|(g, t)| (&**g, t.layout())),
-            (&gm, mean.layout()),
-            (&gr, rstd.layout()),
-            (&gd, dy.layout()),
-            rows,
-            cols,
-            weight.is_some(),
-        )?;
+        let r = {
+            let (gx, gd, gm, gr) = (
+                x.read_storage(op)?,
+                dy.read_storage(op)?,
+                mean.read_storage(op)?,
+                rstd.read_storage(op)?,
+            );
+            let gw = w.as_ref().map(|w| w.read_storage(op)).transpose()?;
+            backend::layer_norm_backward(
+                (&gx, x.layout()),
+                gw.as_ref().zip(w.as_ref()).map(|(g, t)| (&**g, t.layout())),
+                (&gm, mean.layout()),
+                (&gr, rstd.layout()),
+                (&gd, dy.layout()),
+                rows,
+                cols,
+                weight.is_some(),
+            )?
+        };
+        let (dx, dw, db) = match r {
+            Some((dx, dw, db)) => (
+                Tensor::from_storage(dx, x.shape()),
+                dw.map(|s| Tensor::from_storage(s, cols)),
+                db.map(|s| Tensor::from_storage(s, cols)),
+            ),
+            None => super::fallback::layer_norm_backward(
+                &x,
+                w.as_ref(),
+                &mean,
+                &rstd,
+                &dy,
+                rows,
+                cols,
+                weight.is_some(),
+            )?,
+        };
         let pg = match (dw, db) {
-            (Some(dw), Some(db)) => Some((
-                Tensor::from_storage(dw, cols),
-                Tensor::from_storage(db, cols),
-            )),
+            (Some(dw), Some(db)) => Some((dw, db)),
             _ => None,
         };
-        Ok((Tensor::from_storage(dx, x.shape()), pg))
+        Ok((dx, pg))
     }
 
     /// Checks logits `[..., V]` against integer targets `[...]` (the leading dims); returns
@@ -282,22 +298,29 @@ impl Tensor {
         let dloss = dloss.to_dtype(lse.dtype())?;
         let (x, l, t, d) = (c(self)?, c(lse)?, c(targets)?, c(&dloss)?);
         let op = "cross_entropy_backward";
-        let (gx, gl, gt, gd) = (
-            x.read_storage(op)?,
-            l.read_storage(op)?,
-            t.read_storage(op)?,
-            d.read_storage(op)?,
-        );
-        let s = backend::cross_entropy_backward(
-            (&gx, x.layout()),
-            (&gl, l.layout()),
-            (&gt, t.layout()),
-            (&gd, d.layout()),
-            rows,
-            cols,
-            ignore_index,
-        )?;
-        Ok(Tensor::from_storage(s, x.shape()))
+        let r = {
+            let (gx, gl, gt, gd) = (
+                x.read_storage(op)?,
+                l.read_storage(op)?,
+                t.read_storage(op)?,
+                d.read_storage(op)?,
+            );
+            backend::cross_entropy_backward(
+                (&gx, x.layout()),
+                (&gl, l.layout()),
+                (&gt, t.layout()),
+                (&gd, d.layout()),
+                rows,
+                cols,
+                ignore_index,
+            )?
+        };
+        match r {
+            Some(s) => Ok(Tensor::from_storage(s, x.shape())),
+            None => {
+                super::fallback::cross_entropy_backward(&x, &l, &t, &d, rows, cols, ignore_index)
+            }
+        }
     }
 
     /// Embedding lookup: rows of `self` (`[vocab, dim]`) picked by integer `ids` of any shape;

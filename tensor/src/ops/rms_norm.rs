@@ -113,24 +113,37 @@ impl Tensor {
         let (x, dy, rstd) = (self.contiguous()?, dy.contiguous()?, rstd.contiguous()?);
         let w = weight.map(|w| w.contiguous()).transpose()?;
         let op = "rms_norm_backward";
-        let (gx, gd, gr) = (
-            x.read_storage(op)?,
-            dy.read_storage(op)?,
-            rstd.read_storage(op)?,
-        );
-        let gw = w.as_ref().map(|w| w.read_storage(op)).transpose()?;
-        let (dx, dw) = backend::rms_norm_backward(
-            (&gx, x.layout()),
-            gw.as_ref().zip(w.as_ref()).map(|(g, t)| (&**g, t.layout())),
-            (&gr, rstd.layout()),
-            (&gd, dy.layout()),
-            rows,
-            cols,
-            weight_grad,
-        )?;
-        Ok((
-            Tensor::from_storage(dx, x.shape()),
-            dw.map(|s| Tensor::from_storage(s, cols)),
-        ))
+        let r = {
+            let (gx, gd, gr) = (
+                x.read_storage(op)?,
+                dy.read_storage(op)?,
+                rstd.read_storage(op)?,
+            );
+            let gw = w.as_ref().map(|w| w.read_storage(op)).transpose()?;
+            backend::rms_norm_backward(
+                (&gx, x.layout()),
+                gw.as_ref().zip(w.as_ref()).map(|(g, t)| (&**g, t.layout())),
+                (&gr, rstd.layout()),
+                (&gd, dy.layout()),
+                rows,
+                cols,
+                weight_grad,
+            )?
+        };
+        match r {
+            Some((dx, dw)) => Ok((
+                Tensor::from_storage(dx, x.shape()),
+                dw.map(|s| Tensor::from_storage(s, cols)),
+            )),
+            None => super::fallback::rms_norm_backward(
+                &x,
+                w.as_ref(),
+                &rstd,
+                &dy,
+                rows,
+                cols,
+                weight_grad,
+            ),
+        }
     }
 }

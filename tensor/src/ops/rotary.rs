@@ -48,10 +48,14 @@ impl Tensor {
         let _prof = crate::profile::scope(op);
         let dims = self.rotary_dims(positions, theta, op)?;
         let (x, p) = (self.contiguous()?, positions.contiguous()?);
-        let (gx, gp) = (x.read_storage(op)?, p.read_storage(op)?);
-        let s =
-            backend::rotary_embedding((&gx, x.layout()), (&gp, p.layout()), dims, theta, inverse)?;
-        Ok(Tensor::from_storage(s, x.shape()))
+        let s = {
+            let (gx, gp) = (x.read_storage(op)?, p.read_storage(op)?);
+            backend::rotary_embedding((&gx, x.layout()), (&gp, p.layout()), dims, theta, inverse)?
+        };
+        match s {
+            Some(s) => Ok(Tensor::from_storage(s, x.shape())),
+            None => super::fallback::rotary_embedding(&x, &p, dims, theta, inverse),
+        }
     }
 
     /// Rotary position embedding of `self` (`[B, T, H, D]`, `D` even) in the "rotate half"

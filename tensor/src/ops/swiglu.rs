@@ -45,16 +45,20 @@ impl Tensor {
         check("swiglu_backward (gate vs dy)", gate, dy)?;
         let (g, u, d) = (gate.contiguous()?, up.contiguous()?, dy.contiguous()?);
         let op = "swiglu_backward";
-        let (gg, gu, gd) = (
-            g.read_storage(op)?,
-            u.read_storage(op)?,
-            d.read_storage(op)?,
-        );
-        let (dg, du) =
-            backend::swiglu_backward((&gg, g.layout()), (&gu, u.layout()), (&gd, d.layout()))?;
-        Ok((
-            Tensor::from_storage(dg, g.shape()),
-            Tensor::from_storage(du, g.shape()),
-        ))
+        let r = {
+            let (gg, gu, gd) = (
+                g.read_storage(op)?,
+                u.read_storage(op)?,
+                d.read_storage(op)?,
+            );
+            backend::swiglu_backward((&gg, g.layout()), (&gu, u.layout()), (&gd, d.layout()))?
+        };
+        match r {
+            Some((dg, du)) => Ok((
+                Tensor::from_storage(dg, g.shape()),
+                Tensor::from_storage(du, g.shape()),
+            )),
+            None => super::fallback::swiglu_backward(&g, &u, &d),
+        }
     }
 }

@@ -405,11 +405,18 @@ pub fn vals(t: &Tensor) -> Vec<f64> {
     t.to_vec_f64().expect("to_vec_f64")
 }
 
-/// A contiguous tensor of `dtype` holding `v` (rounded to the dtype).
+/// A contiguous tensor of `dtype` holding `v` (rounded to the dtype), on the CPU.
 pub fn tensor(v: &[f64], dims: &[usize], dtype: DType) -> Tensor {
+    tensor_on(Device::Cpu, v, dims, dtype)
+}
+
+/// A contiguous tensor of `dtype` holding `v` (rounded to the dtype on the host), on `device`.
+pub fn tensor_on(device: Device, v: &[f64], dims: &[usize], dtype: DType) -> Tensor {
     Tensor::from_vec(v.to_vec(), dims, Device::Cpu)
         .unwrap()
         .to_dtype(dtype)
+        .unwrap()
+        .to_device(device)
         .unwrap()
 }
 
@@ -438,16 +445,21 @@ impl Lay {
     }
 }
 
-/// A tensor of `dtype` with logical values `v` (shape `dims`) in layout `lay`. The values are
-/// placed with the test's own index arithmetic; only `from_vec`, `to_dtype` of a contiguous
-/// buffer, `narrow` and `permute` are used to build the view.
+/// A tensor of `dtype` with logical values `v` (shape `dims`) in layout `lay`, on the CPU.
 pub fn strided(v: &[f64], dims: &[usize], lay: &Lay, dtype: DType) -> Tensor {
+    strided_on(Device::Cpu, v, dims, lay, dtype)
+}
+
+/// A tensor of `dtype` on `device` with logical values `v` (shape `dims`) in layout `lay`. The
+/// values are placed with the test's own index arithmetic; only `from_vec`, `to_dtype` of a
+/// contiguous buffer, `to_device`, `narrow` and `permute` are used to build the view.
+pub fn strided_on(device: Device, v: &[f64], dims: &[usize], lay: &Lay, dtype: DType) -> Tensor {
     match lay {
-        Lay::Contig => tensor(v, dims, dtype),
+        Lay::Contig => tensor_on(device, v, dims, dtype),
         Lay::Strided { perm, pad } => {
             let rank = dims.len();
             if rank == 0 {
-                return tensor(v, dims, dtype);
+                return tensor_on(device, v, dims, dtype);
             }
             // Physical dim i holds logical dim perm[i].
             let mut pd: Vec<usize> = perm.iter().map(|&p| dims[p]).collect();
@@ -460,10 +472,7 @@ pub fn strided(v: &[f64], dims: &[usize], lay: &Lay, dtype: DType) -> Tensor {
                 pi[rank - 1] += pad;
                 buf[ravel(&pi, &pd)] = x;
             }
-            let phys = Tensor::from_vec(buf, pd, Device::Cpu)
-                .unwrap()
-                .to_dtype(dtype)
-                .unwrap();
+            let phys = tensor_on(device, &buf, &pd, dtype);
             let phys = phys.narrow(-1, *pad, last).unwrap();
             // Result dim j is logical dim j, which is physical dim inv[j].
             let mut inv = vec![0; rank];

@@ -1,0 +1,103 @@
+//! The Llama-style fused ops, composed: SwiGLU (forward and backward) and the rotary position
+//! embedding (both directions).
+
+use super::widen;
+use crate::{DType, Result, Tensor};
+
+/// `silu(gate) * up`, in `gate`'s dtype.
+pub(crate) fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    widen(gate)?
+        .silu()?
+        .mul(&widen(up)?)?
+        .to_dtype(gate.dtype())
+}
+
+/// The backward of [`swiglu`]: `(dgate, dup)` in `gate`'s dtype, with `s = sigmoid(gate)`:
+/// `dup = dy gate s`, `dgate = dy up s (1 + gate (1 - s))`.
+pub(crate) fn swiglu_backward(gate: &Tensor, up: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (g, u, d) = (widen(gate)?, widen(up)?, widen(dy)?);
+    let s = g.sigmoid()?;
+    let dup = d.mul(&g.mul(&s)?)?;
+    let slope = s.mul(&s.neg()?.add_scalar(1.0)?.mul(&g)?.add_scalar(1.0)?)?;
+    let dgate = d.mul(&u)?.mul(&slope)?;
+    Ok((dgate.to_dtype(gate.dtype())?, dup.to_dtype(gate.dtype())?))
+}
+
+/// Rotary embedding of `x` (`[B, T, H, D]`, `dims`) by integer `positions` (`[T]`), in `x`'s
+/// dtype: the pair `(i, i + D/2)` at sequence index `t` rotated by
+/// `±positions[t] · theta^(-2i/D)` (`-` when `inverse`). As in the fused kernel, the angles and
+/// their cosines and sines are computed in f64 and rounded once to the compute precision.
+pub(crate) fn rotary_embedding(
+    x: &Tensor,
+    positions: &Tensor,
+    dims: [usize; 4],
+    theta: f64,
+    inverse: bool,
+) -> Result<Tensor> {
+    let [_, t, _, d] = dims;
+    let half = d / 2;
+    if x.elem_count() == 0 {
+        return x.zeros_like();
+    }
+    let xc = widen(x)?;
+    let dev = x.device();
+    // The inverse frequencies depend on D and theta only: the kernels' own table.
+    let inv = meshgrad_kernels::cpu::rotary::inv_frequencies(d, theta);
+    let inv = Tensor::from_vec(inv, (1, half), dev)?;
+    let angle = positions.to_dtype(DType::F64)?.reshape((t, 1))?.mul(&inv)?;
+    let sign = if inverse { -1.0 } else { 1.0 };
+    let table = |a: Tensor| a.to_dtype(xc.dtype())?.reshape((1, t, 1, half));
+    let (cos, sin) = (table(angle.cos()?)?, table(angle.sin()?.mul_scalar(sign)?)?);
+    let (x1, x2) = (xc.narrow(3, 0, half)?, xc.narrow(3, half, half)?);
+    let y1 = x1.mul(&cos)?.sub(&x2.mul(&sin)?)?;
+    let y2 = x2.mul(&cos)?.add(&x1.mul(&sin)?)?;
+    Tensor::cat(&[&y1, &y2], 3)?.to_dtype(x.dtype())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testutil::{both, close, rand, CASES};
+    use crate::{Device, Tensor};
+
+    #[test]
+    fn swiglu_matches_its_composition() {
+        for (dt, rel) in CASES {
+            let g = rand(&[3, 50], 9, dt);
+            let u = rand(&[3, 50], 10, dt);
+            let (a, c) = both(|| Tensor::swiglu(&g, &u).unwrap());
+            close(&format!("swiglu {dt}"), &a, &c, rel);
+        }
+    }
+
+    #[test]
+    fn swiglu_backward_matches_its_composition() {
+        for (dt, rel) in CASES {
+            let g = rand(&[3, 50], 28, dt);
+            let u = rand(&[3, 50], 29, dt);
+            let dy = rand(&[3, 50], 30, dt);
+            let (a, c) = both(|| Tensor::swiglu_backward(&g, &u, &dy).unwrap());
+            close(&format!("swiglu_backward {dt} dgate"), &a.0, &c.0, rel);
+            close(&format!("swiglu_backward {dt} dup"), &a.1, &c.1, rel);
+        }
+    }
+
+    #[test]
+    fn rotary_embedding_matches_its_composition() {
+        for (dt, rel) in CASES {
+            let x = rand(&[2, 5, 3, 8], 31, dt);
+            // Unordered, repeated and negative positions, and a large one.
+            let p = Tensor::from_vec(vec![0i64, 7, 3, -2, 4096], 5, Device::Cpu).unwrap();
+            for theta in [10_000.0, 500_000.0] {
+                let (a, c) = both(|| x.rotary_embedding(&p, theta).unwrap());
+                close(&format!("rotary_embedding {dt} theta={theta}"), &a, &c, rel);
+                let (a, c) = both(|| x.rotary_embedding_backward(&p, theta).unwrap());
+                close(
+                    &format!("rotary_embedding_backward {dt} theta={theta}"),
+                    &a,
+                    &c,
+                    rel,
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,52 @@
+//! Fallbacks of fused ops composed from basic ops, for backends that do not (yet) provide the
+//! fused kernel (their [`BackendStorage`](crate::backend::BackendStorage) method answers
+//! `Ok(None)`). Each computes in [`compute_dtype`] of its input and returns what the fused op
+//! returns (dtypes and shapes included); results agree with the fused kernels up to rounding
+//! (the order of operations differs), which the tests of each file check against the CPU's
+//! kernels (forced by declining fused kernels on the test's thread).
+//!
+//! Every function takes contiguous tensors shaped as the calling op passes them. One file per
+//! family: `basic` (linear, softmax, unary derivatives, log-sum-exp), `norms` (layer norm,
+//! RMS norm), `loss` (cross-entropy), `llama` (SwiGLU, rotary embedding), `attention`,
+//! `optim` (AdamW, SGD).
+
+mod attention;
+mod basic;
+mod llama;
+mod loss;
+mod norms;
+mod optim;
+#[cfg(test)]
+mod testutil;
+
+pub(crate) use attention::{
+    attention, attention_backward, attention_qkv, attention_qkv_backward, MaskParts,
+};
+pub(crate) use basic::{
+    gelu_backward, linear, logsumexp, softmax, softmax_backward, unary_backward,
+};
+pub(crate) use llama::{rotary_embedding, swiglu, swiglu_backward};
+pub(crate) use loss::{cross_entropy, cross_entropy_backward};
+pub(crate) use norms::{layer_norm, layer_norm_backward, rms_norm, rms_norm_backward};
+pub(crate) use optim::{adamw, sgd};
+
+use super::compute_dtype;
+use crate::{Result, Tensor};
+
+/// `t` converted to its compute precision.
+fn widen(t: &Tensor) -> Result<Tensor> {
+    t.to_dtype(compute_dtype(t.dtype()))
+}
+
+/// Row max subtracted, so `exp` cannot overflow: `(x - max, max)` over the last dim (kept).
+fn shifted(x: &Tensor) -> Result<(Tensor, Tensor)> {
+    let m = x.max(-1, true)?;
+    Ok((x.sub(&m)?, m))
+}
+
+/// `x` with the elements equal to `from` (a value of `x`'s dtype) replaced by `to`.
+fn replace(x: &Tensor, from: f64, to: f64) -> Result<Tensor> {
+    let f = Tensor::scalar(from, x.dtype(), x.device())?;
+    let t = Tensor::scalar(to, x.dtype(), x.device())?;
+    x.eq(&f)?.where_cond(&t, x)
+}
