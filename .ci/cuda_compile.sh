@@ -24,8 +24,20 @@ export MESHGRAD_REQUIRE_NVRTC=1
 echo "==> cargo build --workspace --release --features cuda"
 cargo build --workspace --release --features cuda
 
-echo "==> cargo clippy -p meshgrad-kernels --all-targets --features cuda -- -D warnings"
-cargo clippy -p meshgrad-kernels --all-targets --features cuda -- -D warnings
+echo "==> cargo clippy (kernels, tensor, meshgrad) --all-targets --features cuda -- -D warnings"
+cargo clippy -p meshgrad-kernels -p meshgrad-tensor -p meshgrad --all-targets --features cuda -- -D warnings
+
+# The CUDA backend's host-side tests (launch arguments against the kernel declarations parsed from
+# the sources, the cuBLASLt layout mapping against a host GEMM emulator, the caching allocator's
+# bookkeeping) and every device-parameterised tensor test: their CUDA variants skip here (no GPU)
+# and run on a GPU machine with MESHGRAD_REQUIRE_CUDA=1.
+echo "==> cargo test -p meshgrad-tensor --features cuda (CUDA variants skip: no GPU)"
+cargo test --release -p meshgrad-tensor --features cuda
+
+echo "==> meshgrad selftest --device cuda in a CUDA build without a GPU: skipped with its reason, exit 0"
+out=$(./target/release/meshgrad selftest --device cuda)
+echo "$out"
+case "$out" in "selftest: device=cuda:0 skipped: "*) ;; *) echo "unexpected selftest output"; exit 1;; esac
 
 echo "==> NVRTC compile check (sm_80, sm_90), MESHGRAD_REQUIRE_NVRTC=1"
 cargo test --release -p meshgrad-kernels --features cuda --test nvrtc_compile

@@ -55,8 +55,9 @@ macro_rules! __if_cuda {
 
 /// Generates tests of `fn $name(device: Device) -> Result<()>` (any error type that is `Debug`)
 /// in a module `$name` beside it: `$name::cpu` always, and with the `cuda` feature `$name::cuda`,
-/// which runs the function on every CUDA device [`test_devices`] lists and fails when there is
-/// none (a CUDA build is tested on a machine with a GPU). The idea is candle's `test_device!`.
+/// which runs the function on every CUDA device [`test_devices`] lists. Without one it prints
+/// why and passes (skips), unless `MESHGRAD_REQUIRE_CUDA=1` asks for a GPU, then it fails: set it
+/// on the GPU machine so a CUDA test cannot pass silently. The idea is candle's `test_device!`.
 #[macro_export]
 macro_rules! test_device {
     ($name:ident) => {
@@ -70,7 +71,14 @@ macro_rules! test_device {
                 fn cuda() -> ::std::result::Result<(), ::std::string::String> {
                     let devices = $crate::testing::cuda_test_devices();
                     if devices.is_empty() {
-                        return Err("no CUDA device to test on".into());
+                        if ::std::env::var("MESHGRAD_REQUIRE_CUDA").as_deref() == Ok("1") {
+                            return Err("no CUDA device to test on (MESHGRAD_REQUIRE_CUDA=1)".into());
+                        }
+                        eprintln!(
+                            "skipped {}::cuda: no CUDA device (set MESHGRAD_REQUIRE_CUDA=1 to fail instead)",
+                            stringify!($name)
+                        );
+                        return Ok(());
                     }
                     for d in devices {
                         super::$name(d).map_err(|e| format!("{d}: {e:?}"))?;

@@ -122,7 +122,10 @@ pub(crate) fn context(ordinal: usize) -> Result<Arc<DeviceContext>> {
         return Ok(c.clone());
     }
     let device = Device::Cuda(ordinal);
-    driver_present()?;
+    driver_present().map_err(|e| Error::Cuda {
+        device,
+        message: e.to_string(),
+    })?;
     let count = cuda_device_count();
     if ordinal >= count {
         return Err(Error::Cuda {

@@ -17,10 +17,6 @@
 //! Status: compiled in CI (no GPU there). The kernels are compile-checked by NVRTC and emulated
 //! on the host; this host-side code has not run on a GPU yet.
 
-// Not every item is used until every op of the backend is written (basic.rs, fused.rs and
-// blas.rs are being filled in): remove this once they are.
-#![allow(dead_code, unused_imports)]
-
 mod basic;
 mod blas;
 mod context;

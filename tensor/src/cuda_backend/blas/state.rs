@@ -135,6 +135,7 @@ impl BlasLt {
         Ok(true)
     }
 
+    #[cfg(test)]
     /// How many plans are cached (including the keys cuBLASLt has no algorithm for).
     pub(super) fn cached_plans(&self) -> usize {
         self.plans.len()
