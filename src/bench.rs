@@ -19,8 +19,12 @@ use meshgrad_tensor::{alloc, DType, Device, Tensor};
 /// What to run.
 #[derive(Clone, Debug)]
 pub struct BenchOptions {
-    /// `tiny-gpt` or `small-gpt`.
+    /// `tiny-gpt`, `small-gpt` or `gpt2-124m`.
     pub model: String,
+    /// The device the step runs on.
+    pub device: Device,
+    /// Sequences per step (default: the config's, see [`bench_config`]).
+    pub batch: Option<usize>,
     /// Timed steps (after 2 warm-up steps).
     pub steps: usize,
     /// Rayon threads.
@@ -42,15 +46,24 @@ pub struct BenchResult {
     pub gflops: f64,
     /// Peak bytes allocated during the timed steps.
     pub peak_bytes: usize,
+    /// On a GPU: model FLOP utilisation against [`H100_BF16_DENSE_FLOPS`].
+    pub mfu: Option<f64>,
 }
+
+/// The H100's dense bf16 peak (FLOP/s) that MFU is measured against (anchors.md).
+pub const H100_BF16_DENSE_FLOPS: f64 = 989e12;
 
 impl BenchResult {
     /// The `key=value` line (the same keys as the PyTorch reference script prints).
     pub fn line(&self) -> String {
-        format!(
+        let mut line = format!(
             "params={} step_median_s={:.6} tokens_per_s={:.1} gflops={:.2} peak_bytes={}",
             self.params, self.step_median_s, self.tokens_per_s, self.gflops, self.peak_bytes
-        )
+        );
+        if let Some(m) = self.mfu {
+            line.push_str(&format!(" mfu={m:.4}"));
+        }
+        line
     }
 }
 
@@ -59,11 +72,16 @@ pub fn bench_config(name: &str) -> Result<(GptConfig, usize)> {
     let (n_layer, n_head, n_embd, seq) = match name {
         "tiny-gpt" => (4, 4, 256, 128),
         "small-gpt" => (6, 6, 384, 256),
-        other => bail!("bench: unknown model {other:?} (expected tiny-gpt or small-gpt)"),
+        "gpt2-124m" => (12, 12, 768, 1024),
+        other => {
+            bail!("bench: unknown model {other:?} (expected tiny-gpt, small-gpt or gpt2-124m)")
+        }
     };
+    // GPT-2's 50257 tokens padded to a multiple of 128 (anchors.md); byte-level for the others.
+    let vocab_size = if name == "gpt2-124m" { 50304 } else { 256 };
     Ok((
         GptConfig {
-            vocab_size: 256,
+            vocab_size,
             block_size: seq,
             n_layer,
             n_head,
@@ -200,8 +218,14 @@ pub fn run_bench(opts: &BenchOptions) -> Result<BenchResult> {
     if opts.steps == 0 {
         bail!("bench: --steps must be at least 1");
     }
-    let (cfg, batch) = bench_config(&opts.model)?;
-    let model = Gpt::new(cfg, 1337, DType::F32, Device::Cpu)?;
+    let device = opts.device;
+    device.check_available().context("bench")?;
+    let (cfg, default_batch) = bench_config(&opts.model)?;
+    let batch = opts.batch.unwrap_or(default_batch);
+    if batch == 0 {
+        bail!("bench: --batch must be at least 1");
+    }
+    let model = Gpt::new(cfg, 1337, DType::F32, device)?;
     let params = model.num_parameters();
     if params != cfg.num_parameters() {
         bail!(
@@ -225,8 +249,8 @@ pub fn run_bench(opts: &BenchOptions) -> Result<BenchResult> {
         inputs.extend_from_slice(&row[..t]);
         targets.extend_from_slice(&row[1..]);
     }
-    let ids = Tensor::from_vec(inputs, (batch, t), Device::Cpu)?;
-    let targets = Tensor::from_vec(targets, (batch, t), Device::Cpu)?;
+    let ids = Tensor::from_vec(inputs, (batch, t), Device::Cpu)?.to_device(device)?;
+    let targets = Tensor::from_vec(targets, (batch, t), Device::Cpu)?.to_device(device)?;
 
     let step = |opt: &mut AdamW| -> Result<f64> {
         let loss = model.loss(&ids, &targets, None)?;
@@ -245,7 +269,8 @@ pub fn run_bench(opts: &BenchOptions) -> Result<BenchResult> {
             first_loss = l;
         }
     }
-    alloc::reset_peak(Device::Cpu);
+    alloc::reset_peak(device);
+    let driver_allocs_before = cuda_driver_allocations(device)?;
     profile::reset();
     profile::set_enabled(opts.profile);
     let mut times = Vec::with_capacity(opts.steps);
@@ -260,22 +285,32 @@ pub fn run_bench(opts: &BenchOptions) -> Result<BenchResult> {
     let cpu_per_step = cpu0
         .zip(process_cpu_seconds())
         .map(|(a, b)| (b - a) / opts.steps as f64);
-    let peak_bytes = alloc::memory_stats(Device::Cpu).peak;
+    // Every step ends by reading the loss back to the host (`item`), which waits for the device:
+    // the step times include all queued work.
+    let peak_bytes = alloc::memory_stats(device).peak;
     if !last_loss.is_finite() {
         bail!("bench: the loss is {last_loss}");
     }
     let step_median_s = median(&times);
     let tokens = (batch * t) as f64;
-    let flops = step_flops(&cfg, params, batch);
+    // GPT-2 124M follows the GPU anchors' convention (position embeddings not counted in N).
+    let flops_params = if opts.model == "gpt2-124m" {
+        params - cfg.block_size * cfg.n_embd
+    } else {
+        params
+    };
+    let flops = step_flops(&cfg, flops_params, batch);
     let res = BenchResult {
         params,
         step_median_s,
         tokens_per_s: tokens / step_median_s,
         gflops: flops / step_median_s / 1e9,
         peak_bytes,
+        mfu: matches!(device, Device::Cuda(_))
+            .then(|| flops / step_median_s / H100_BF16_DENSE_FLOPS),
     };
     println!(
-        "meshgrad bench {}: {} layers, {} heads, n_embd {}, seq {}, batch {}, {} rayon threads; loss {:.4} -> {:.4}; step times (s): min {:.4} median {:.4} max {:.4}",
+        "meshgrad bench {} on {device} (f32): {} layers, {} heads, n_embd {}, seq {}, batch {}, {} rayon threads; loss {:.4} -> {:.4}; step times (s): min {:.4} median {:.4} max {:.4}",
         opts.model,
         cfg.n_layer,
         cfg.n_head,
@@ -289,6 +324,14 @@ pub fn run_bench(opts: &BenchOptions) -> Result<BenchResult> {
         step_median_s,
         times.iter().cloned().fold(0.0, f64::max),
     );
+    if let Some(before) = driver_allocs_before {
+        let after = cuda_driver_allocations(device)?.unwrap_or(before);
+        println!(
+            "cuda caching allocator: {} driver allocations during the {} timed steps (0 = nothing allocated inside the step after warm-up)",
+            after - before,
+            opts.steps
+        );
+    }
     if let Some(c) = cpu_per_step {
         let wall = times.iter().sum::<f64>() / times.len() as f64;
         println!(
@@ -306,6 +349,20 @@ pub fn run_bench(opts: &BenchOptions) -> Result<BenchResult> {
         );
     }
     Ok(res)
+}
+
+/// Driver allocations made so far by the caching allocator of a CUDA `device` (`None` for the
+/// CPU).
+fn cuda_driver_allocations(device: Device) -> Result<Option<u64>> {
+    match device {
+        Device::Cpu => Ok(None),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => Ok(Some(
+            meshgrad_tensor::cuda_memory_stats(device)?.driver_allocations,
+        )),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Ok(None),
+    }
 }
 
 fn print_profile(times: &[f64]) {
@@ -355,4 +412,114 @@ fn print_profile(times: &[f64]) {
         other * 1e3,
         100.0 * other / total
     );
+}
+
+/// The PyTorch reference runs of `meshgrad bench --pytorch`: `benches/pytorch_gpt.py` with the
+/// same model, device, batch and step count, eager and (on a GPU) `torch.compile`, in f32 like
+/// meshgrad's step. Returns `(mode, tokens_per_s)` per run; each run's own lines are printed.
+pub fn run_pytorch_reference(
+    opts: &BenchOptions,
+    python: &str,
+    script: &std::path::Path,
+) -> Result<Vec<(String, f64)>> {
+    if !script.is_file() {
+        bail!(
+            "bench --pytorch: the reference script {} does not exist (run from the repository root or pass --pytorch-script)",
+            script.display()
+        );
+    }
+    let (device, batch) = match opts.device {
+        Device::Cpu => ("cpu", opts.batch.unwrap_or(8)),
+        Device::Cuda(_) => ("cuda", opts.batch.unwrap_or(8)),
+    };
+    let mut modes = vec![("eager", false)];
+    if device == "cuda" {
+        modes.push(("compile", true));
+    }
+    let mut out = Vec::new();
+    for (mode, compile) in modes {
+        let mut cmd = std::process::Command::new(python);
+        cmd.arg(script)
+            .args(["--model", &opts.model, "--device", device])
+            .args(["--steps", &opts.steps.to_string()])
+            .args(["--threads", &opts.threads.to_string()])
+            .args(["--batch", &batch.to_string()]);
+        if compile {
+            cmd.arg("--compile");
+        }
+        let o = cmd
+            .output()
+            .with_context(|| format!("bench --pytorch: running {python} {}", script.display()))?;
+        let stdout = String::from_utf8_lossy(&o.stdout);
+        if !o.status.success() {
+            bail!(
+                "bench --pytorch: the {mode} reference failed ({}): {}",
+                o.status,
+                String::from_utf8_lossy(&o.stderr)
+                    .lines()
+                    .last()
+                    .unwrap_or("no output")
+            );
+        }
+        print!("{stdout}");
+        let tps = parse_tokens_per_s(&stdout).with_context(|| {
+            format!("bench --pytorch: no tokens_per_s= in the {mode} reference's output")
+        })?;
+        out.push((mode.to_owned(), tps));
+    }
+    Ok(out)
+}
+
+/// `tokens_per_s=` of the last line that has it.
+fn parse_tokens_per_s(stdout: &str) -> Option<f64> {
+    stdout.lines().rev().find_map(|l| {
+        l.split_whitespace()
+            .find_map(|kv| kv.strip_prefix("tokens_per_s="))
+            .and_then(|v| v.parse().ok())
+    })
+}
+
+/// The ratio line printed last: meshgrad's tokens/s over each reference's.
+pub fn ratio_line(meshgrad_tokens_per_s: f64, references: &[(String, f64)]) -> String {
+    let parts: Vec<String> = references
+        .iter()
+        .map(|(mode, tps)| format!("ratio_vs_pytorch_{mode}={:.3}", meshgrad_tokens_per_s / tps))
+        .collect();
+    parts.join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_per_s_is_read_from_the_last_key_value_line() {
+        let out = "pytorch 2.11 bench tiny-gpt (eager f32 cpu, 2 threads)\n\
+                   params=1 step_median_s=0.5 tokens_per_s=2048.0 gflops=1.0 peak_bytes=3\n";
+        assert_eq!(parse_tokens_per_s(out), Some(2048.0));
+        assert_eq!(parse_tokens_per_s("nothing"), None);
+        let refs = vec![("eager".to_owned(), 1000.0), ("compile".to_owned(), 4000.0)];
+        assert_eq!(
+            ratio_line(2000.0, &refs),
+            "ratio_vs_pytorch_eager=2.000 ratio_vs_pytorch_compile=0.500"
+        );
+    }
+
+    #[test]
+    fn gpt2_124m_has_the_anchor_shape() {
+        let (cfg, batch) = bench_config("gpt2-124m").unwrap();
+        assert_eq!(
+            (
+                cfg.vocab_size,
+                cfg.n_layer,
+                cfg.n_head,
+                cfg.n_embd,
+                cfg.block_size,
+                batch
+            ),
+            (50304, 12, 12, 768, 1024, 8)
+        );
+        // 124M parameters with the tied head (nanoGPT counts 124,475,904 with vocab 50304).
+        assert_eq!(cfg.num_parameters(), 124_475_904);
+    }
 }

@@ -23,11 +23,29 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Time the GPT training step on random tokens; prints `params=... step_median_s=...
-    /// tokens_per_s=... gflops=... peak_bytes=...` last (see benches/README.md).
+    /// tokens_per_s=... gflops=... peak_bytes=...` (with `mfu=` on a GPU) last, or with
+    /// --pytorch the PyTorch reference runs, that line again and `ratio_vs_pytorch_<mode>=...`
+    /// last (see benches/README.md).
     Bench {
-        /// tiny-gpt or small-gpt.
+        /// tiny-gpt, small-gpt or gpt2-124m (vocab 50304, 12 layers, n_embd 768, seq 1024).
         #[arg(long, default_value = "tiny-gpt")]
         model: String,
+        /// cpu, cuda or cuda:N.
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// Sequences per step (default 8).
+        #[arg(long)]
+        batch: Option<usize>,
+        /// Also run the PyTorch reference (benches/pytorch_gpt.py: eager, and torch.compile on a
+        /// GPU) with the same model, device, batch and steps, and print the ratios last.
+        #[arg(long)]
+        pytorch: bool,
+        /// The Python interpreter with PyTorch, for --pytorch.
+        #[arg(long, default_value = "python3")]
+        python: String,
+        /// The reference script, for --pytorch.
+        #[arg(long, default_value = "benches/pytorch_gpt.py")]
+        pytorch_script: PathBuf,
         /// Timed steps (after 2 warm-up steps).
         #[arg(long, default_value_t = 10)]
         steps: usize,
@@ -484,6 +502,11 @@ fn run(cli: Cli) -> Result<()> {
         })?,
         Command::Bench {
             model,
+            device,
+            batch,
+            pytorch,
+            python,
+            pytorch_script,
             steps,
             threads,
             profile,
@@ -491,13 +514,21 @@ fn run(cli: Cli) -> Result<()> {
             rayon::ThreadPoolBuilder::new()
                 .num_threads(threads.max(1))
                 .build_global()?;
-            let r = meshgrad::bench::run_bench(&meshgrad::bench::BenchOptions {
+            let opts = meshgrad::bench::BenchOptions {
                 model,
+                device: device.parse()?,
+                batch,
                 steps,
                 threads,
                 profile,
-            })?;
+            };
+            let r = meshgrad::bench::run_bench(&opts)?;
             println!("{}", r.line());
+            if pytorch {
+                let refs = meshgrad::bench::run_pytorch_reference(&opts, &python, &pytorch_script)?;
+                println!("{}", r.line());
+                println!("{}", meshgrad::bench::ratio_line(r.tokens_per_s, &refs));
+            }
         }
         Command::Selftest {
             device,
