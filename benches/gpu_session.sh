@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (no Rust there) what benches/gpu_bundle.sh built here, in one call:
+#   1. nvidia-smi and the library paths (shared/notes/cuda.md),
+#   2. meshgrad selftest --device cuda (every op against the CPU in f64, the tiny GPT's curve),
+#   3. every meshgrad-tensor test binary with MESHGRAD_REQUIRE_CUDA=1 (CUDA variants must run),
+#   4. meshgrad bench --device cuda --model gpt2-124m --pytorch (eager and torch.compile),
+#   5. meshgrad train --device cuda on the built-in corpus (when the build supports it),
+#   6. NCCL with world size 1 through meshgrad launch (when built with nccl).
+# Every step runs even if an earlier one failed; logs go to $OUT/<step>.log; a table is printed
+# last. Environment: STEPS (selftest loss-curve steps, default 50), BATCH (bench, default 8),
+# SKIP (space-separated step names to skip), SYNC=1 (MESHGRAD_CUDA_SYNC_LAUNCHES=1: each fused
+# launch waits, so a kernel fault names its op).
+set -uo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$ROOT"
+OUT="${OUT:-/tmp/gpu-session-out}"
+mkdir -p "$OUT"
+BUNDLE="${BUNDLE:-target/gpu-bundle.tar.zst}"
+[ -f "$BUNDLE" ] || { echo "no $BUNDLE: build it with benches/gpu_bundle.sh and carry it" >&2; exit 2; }
+rm -rf target/gpu-bundle && zstd -q -d -c "$BUNDLE" | tar -C target -xf -
+B="$ROOT/target/gpu-bundle"
+echo "bundle: commit $(cat "$B/COMMIT"), features $(cat "$B/FEATURES")"
+
+SP=$(python3 -c 'import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))' 2>/dev/null || true)
+if [ -n "$SP" ] && [ -e "$SP/nvidia/nccl/lib/libnccl.so.2" ]; then
+    mkdir -p /tmp/ncclshim && ln -sf "$SP/nvidia/nccl/lib/libnccl.so.2" /tmp/ncclshim/libnccl.so
+fi
+export LD_LIBRARY_PATH="/tmp/ncclshim:${SP:+$SP/nvidia/cu13/lib:$SP/nvidia/nccl/lib:}/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export CUDA_INCLUDE_DIRS="/usr/local/cuda/include:/usr/local/cuda/include/cccl"
+export MESHGRAD_REQUIRE_CUDA=1
+[ "${SYNC:-0}" = 1 ] && export MESHGRAD_CUDA_SYNC_LAUNCHES=1
+
+declare -a NAMES RESULTS
+step() { # name, command...
+    local name="$1"; shift
+    if [[ " ${SKIP:-} " == *" $name "* ]]; then NAMES+=("$name"); RESULTS+=("skipped"); return; fi
+    local t0=$SECONDS
+    echo "== $name: $*"
+    "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    tail -n 15 "$OUT/$name.log"
+    NAMES+=("$name"); RESULTS+=("rc=$rc $((SECONDS - t0))s")
+}
+
+step nvidia-smi nvidia-smi
+step selftest "$B/meshgrad" selftest --device cuda --steps "${STEPS:-50}"
+for t in "$B"/tests/*; do
+    step "test-$(basename "$t")" "$t" --test-threads 1
+done
+step bench-gpt2 "$B/meshgrad" bench --device cuda --model gpt2-124m --batch "${BATCH:-8}" --steps 10 --pytorch
+step train-gpt "$B/meshgrad" train --device cuda --steps 50 --out "$OUT/run-gpt" --metrics "$OUT/run-gpt.jsonl"
+if grep -q nccl "$B/FEATURES"; then
+    step nccl-world1 "$B/meshgrad" launch --nproc-per-node 1 --backend nccl -- train --device cuda --steps 20 --layout dp=1 --out "$OUT/run-nccl"
+fi
+
+echo
+echo "== summary (logs in $OUT) =="
+for i in "${!NAMES[@]}"; do printf '%-40s %s\n' "${NAMES[$i]}" "${RESULTS[$i]}"; done
