@@ -116,6 +116,46 @@ int main() {
         }
         chk("adamw_grad_f32 vs the CPU formula (0 = bitwise)", e);
     }
+    // Casts to and from the integer types against Rust's `as` (the CPU's cast): expected values
+    // written out by hand from Rust's rules (float to int truncates toward zero, saturates at the
+    // type's bounds, NaN -> 0; int to float rounds to nearest).
+    {
+        const int n = 9;
+        std::vector<float> f = {-1.5f, 0.0f, 0.7f, 254.9f, 255.0f, 300.0f, NAN, 1e10f, -1e19f};
+        std::vector<u8> to_u8(n);
+        std::vector<u32> to_u32(n);
+        std::vector<i64> to_i64(n);
+        launch({1}, {32}, [&] { cast_f32_to_u8(f.data(), to_u8.data(), n); });
+        launch({1}, {32}, [&] { cast_f32_to_u32(f.data(), to_u32.data(), n); });
+        launch({1}, {32}, [&] { cast_f32_to_i64(f.data(), to_i64.data(), n); });
+        const u8 want_u8[n] = {0, 0, 0, 254, 255, 255, 0, 255, 0};
+        const u32 want_u32[n] = {0, 0, 0, 254, 255, 300, 0, 4294967295u, 0};
+        const i64 want_i64[n] = {-1, 0, 0, 254, 255, 300, 0, 10000000000LL, (i64)(-0x7fffffffffffffffLL - 1)};
+        double e = 0;
+        for (int i = 0; i < n; ++i) {
+            e = std::max(e, to_u8[i] == want_u8[i] ? 0.0 : 1.0);
+            e = std::max(e, to_u32[i] == want_u32[i] ? 0.0 : 1.0);
+            e = std::max(e, to_i64[i] == want_i64[i] ? 0.0 : 1.0);
+        }
+        // Integers to floats and between integers: u8 keeps its value (5 -> 5.0), i64 -> u8
+        // saturates (300 -> 255, -1 -> 0), u32 -> i64 is exact, 2^53 + 1 rounds to 2^53 in f64.
+        std::vector<u8> b = {0, 5, 255};
+        std::vector<float> bf(3);
+        launch({1}, {32}, [&] { cast_u8_to_f32(b.data(), bf.data(), 3); });
+        e = std::max(e, (bf[0] == 0.0f && bf[1] == 5.0f && bf[2] == 255.0f) ? 0.0 : 1.0);
+        std::vector<i64> w = {300, -1, 7, (1LL << 53) + 1};
+        std::vector<u8> wb(4);
+        std::vector<double> wd(4);
+        launch({1}, {32}, [&] { cast_i64_to_u8(w.data(), wb.data(), 4); });
+        launch({1}, {32}, [&] { cast_i64_to_f64(w.data(), wd.data(), 4); });
+        e = std::max(e, (wb[0] == 255 && wb[1] == 0 && wb[2] == 7) ? 0.0 : 1.0);
+        e = std::max(e, (wd[1] == -1.0 && wd[3] == 9007199254740992.0) ? 0.0 : 1.0);
+        std::vector<u32> big = {4294967295u, 0u};
+        std::vector<i64> big64(2);
+        launch({1}, {32}, [&] { cast_u32_to_i64(big.data(), big64.data(), 2); });
+        e = std::max(e, (big64[0] == 4294967295LL && big64[1] == 0) ? 0.0 : 1.0);
+        chk("integer casts vs Rust's `as` (0 = every value as expected)", e);
+    }
     // Philox uniform / normal / randint kernels at a 2^32 counter boundary (words checked against
     // kernels/src/rng.rs separately)
     {

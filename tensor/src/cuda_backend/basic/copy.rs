@@ -4,9 +4,8 @@ use cudarc::driver::{result, sys};
 
 use super::strided::{as_word_pairs, by_decreasing_stride, pitch_plan, strided_args, View};
 use super::{args, contiguous, contiguous_ptr, download, download_view, mover, upload_to, Mover};
-use crate::backend::api::{BackendStorage, In};
+use crate::backend::api::In;
 use crate::cuda_backend::{CudaStorage, DeviceContext};
-use crate::storage::CpuStorage;
 use crate::{DType, Error, Layout, Result};
 
 /// More 2-D copies than this for one write into a strided view go through the host instead.
@@ -145,38 +144,34 @@ pub(crate) fn copy_into(
     Ok(())
 }
 
-/// The entry-name suffix of a dtype in the `cast_<a>_to_<b>` kernels between floats.
-fn cast_sfx(dtype: DType) -> Option<&'static str> {
+/// The entry-name suffix of a dtype in the `cast_<a>_to_<b>` kernels.
+fn cast_sfx(dtype: DType) -> &'static str {
     match dtype {
-        DType::F64 => Some("f64"),
-        DType::F32 => Some("f32"),
-        DType::BF16 => Some("bf16"),
-        DType::F16 => Some("f16"),
-        _ => None,
+        DType::F64 => "f64",
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        DType::U8 => "u8",
+        DType::U32 => "u32",
+        DType::I64 => "i64",
     }
 }
 
-/// The `cast_<a>_to_<b>` kernel between two float dtypes, `None` where the cast goes through
-/// the host.
-pub(crate) fn cast_kernel(from: DType, to: DType) -> Option<(&'static str, &'static str)> {
-    Some((cast_sfx(from)?, cast_sfx(to)?))
+/// The `cast_<a>_to_<b>` kernel of a conversion (every pair of dtypes has one).
+pub(crate) fn cast_kernel(from: DType, to: DType) -> (&'static str, &'static str) {
+    (cast_sfx(from), cast_sfx(to))
 }
 
-/// See `BackendStorage::cast`. Between f64, f32, bf16 and f16: `cast_<a>_to_<b>` on the device
-/// (one rounding from the source value, as the CPU). Every cast from or to an integer dtype (u8,
-/// u32, i64) goes through the host with the CPU's conversion (`as` semantics), a synchronising
-/// round trip: no kernel converts integers (and `cast_u8_to_<t>` maps every nonzero byte to 1,
-/// which is not the CPU's value-preserving cast, so it is not used here).
+/// See `BackendStorage::cast`. `cast_<a>_to_<b>` on the device for every pair, as the CPU
+/// converts: to a float type one rounding from the value (through f64), to an integer type
+/// Rust's saturating `as` from f64 (truncation toward zero, NaN to 0, clamped to the type's
+/// range).
 pub(crate) fn cast(s: &CudaStorage, l: &Layout, dtype: DType) -> Result<CudaStorage> {
     if dtype == s.dtype() {
         return copy_contiguous(s, l);
     }
     let n = l.shape().elem_count();
-    let Some((from, to)) = cast_kernel(s.dtype(), dtype) else {
-        let (host, hl) = download_view((s, l))?;
-        let c = <CpuStorage as BackendStorage>::cast(&host, &hl, dtype)?;
-        return super::from_host(s.device(), c);
-    };
+    let (from, to) = cast_kernel(s.dtype(), dtype);
     let out = CudaStorage::uninit(s.ctx(), dtype, n)?;
     if n > 0 {
         let (x, _keep) = contiguous((s, l))?;

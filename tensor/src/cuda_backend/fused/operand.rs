@@ -51,32 +51,19 @@ pub(crate) fn as_dtype(x: In<'_, CudaStorage>, dtype: DType) -> Result<Operand<'
 
 /// Integer ids (targets, positions) as a contiguous i64 operand; a float dtype is refused.
 ///
-/// i64 ids are used in place. u8 / u32 ids are widened on the host (the kernels of
-/// `kernels/cuda` have no integer-to-integer cast): a copy to the host and back, which waits for
-/// the stream; pass i64 ids to avoid it.
+/// i64 ids are used in place; u8 / u32 ids are widened on the device (`cast_<t>_to_i64`, exact).
 pub(crate) fn ids_i64<'a>(x: In<'a, CudaStorage>, op: &'static str) -> Result<Operand<'a>> {
-    let widened: Vec<i64> = match x.0.dtype() {
-        DType::I64 => return contiguous(x),
-        DType::U32 | DType::U8 => match basic::to_host(x.0, x.1)? {
-            CpuStorage::U32(v) => v.into_iter().map(i64::from).collect(),
-            CpuStorage::U8(v) => v.into_iter().map(i64::from).collect(),
-            other => {
-                return Err(Error::UnsupportedDType {
-                    op,
-                    dtype: other.dtype(),
-                })
-            }
-        },
-        dtype => return Err(Error::UnsupportedDType { op, dtype }),
-    };
-    let host = CpuStorage::I64(widened);
-    Ok(Operand::Copy(basic::from_host(x.0.device(), host)?))
+    match x.0.dtype() {
+        DType::I64 => contiguous(x),
+        DType::U32 | DType::U8 => Ok(Operand::Copy(basic::cast(x.0, x.1, DType::I64)?)),
+        dtype => Err(Error::UnsupportedDType { op, dtype }),
+    }
 }
 
 /// An integer mask (nonzero = keep) as a contiguous u8 operand (nonzero = keep).
 ///
 /// u8 masks are used in place. u32 / i64 masks are turned into 0/1 bytes on the host (a cast
-/// would truncate 256 to 0, and the kernels have no integer comparison): a copy to the host and
+/// would truncate 256 to 0, and the kernels compare only floats): a copy to the host and
 /// back, which waits for the stream; pass u8 masks to avoid it.
 pub(crate) fn mask_u8<'a>(x: In<'a, CudaStorage>, op: &'static str) -> Result<Operand<'a>> {
     let bytes: Vec<u8> = match x.0.dtype() {
