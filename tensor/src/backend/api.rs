@@ -264,7 +264,7 @@ pub(crate) trait BackendStorage: Sized + std::fmt::Debug + Send + Sync + 'static
     ) -> Fused<(Self, Option<Self>)> {
         Ok(None)
     }
-    /// Rotary position embedding of a `[b, h, t, d]` buffer (`dims`).
+    /// Rotary position embedding of a `[B, T, H, D]` buffer (`dims`).
     fn rotary_embedding(
         _x: In<'_, Self>,
         _positions: In<'_, Self>,
