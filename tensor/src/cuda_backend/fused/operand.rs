@@ -5,8 +5,8 @@
 
 use super::super::{basic, CudaStorage, DeviceContext};
 use crate::backend::api::In;
-use crate::storage::CpuStorage;
 use crate::{DType, Error, Layout, Result};
+use meshgrad_kernels::ops::CmpOp;
 
 /// An operand ready for a kernel.
 pub(crate) enum Operand<'a> {
@@ -60,30 +60,28 @@ pub(crate) fn ids_i64<'a>(x: In<'a, CudaStorage>, op: &'static str) -> Result<Op
     }
 }
 
-/// An integer mask (nonzero = keep) as a contiguous u8 operand (nonzero = keep).
+/// An integer mask (nonzero = keep) as a contiguous u8 operand of 0/1 bytes.
 ///
-/// u8 masks are used in place. u32 / i64 masks are turned into 0/1 bytes on the host (a cast
-/// would truncate 256 to 0, and the kernels compare only floats): a copy to the host and
-/// back, which waits for the stream; pass u8 masks to avoid it.
+/// u8 masks are used in place. u32 / i64 masks are turned into 0/1 bytes on the device: cast to
+/// f32 (every nonzero integer stays nonzero) and compared with 0 (the comparison kernels take
+/// floats; a direct cast to u8 would saturate negative values to 0).
 pub(crate) fn mask_u8<'a>(x: In<'a, CudaStorage>, op: &'static str) -> Result<Operand<'a>> {
-    let bytes: Vec<u8> = match x.0.dtype() {
-        DType::U8 => return contiguous(x),
-        DType::U32 | DType::I64 => match basic::to_host(x.0, x.1)? {
-            CpuStorage::U32(v) => v.into_iter().map(|m| u8::from(m != 0)).collect(),
-            CpuStorage::I64(v) => v.into_iter().map(|m| u8::from(m != 0)).collect(),
-            other => {
-                return Err(Error::UnsupportedDType {
-                    op,
-                    dtype: other.dtype(),
-                })
-            }
-        },
-        dtype => return Err(Error::UnsupportedDType { op, dtype }),
-    };
-    Ok(Operand::Copy(basic::from_host(
-        x.0.device(),
-        CpuStorage::U8(bytes),
-    )?))
+    match x.0.dtype() {
+        DType::U8 => contiguous(x),
+        DType::U32 | DType::I64 => {
+            let n = x.1.shape().elem_count();
+            let wide = basic::cast(x.0, x.1, DType::F32)?;
+            let zero = basic::zeros(x.0.device(), DType::F32, 1)?;
+            let wl = Layout::contiguous(n);
+            let zl = Layout::contiguous(1).broadcast_as(wl.shape())?;
+            Ok(Operand::Copy(basic::compare(
+                CmpOp::Ne,
+                (&wide, &wl),
+                (&zero, &zl),
+            )?))
+        }
+        dtype => Err(Error::UnsupportedDType { op, dtype }),
+    }
 }
 
 /// Checks that the view `l` of operand `name` has `n` elements (a wrong size would make a
