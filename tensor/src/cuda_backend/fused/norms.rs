@@ -45,16 +45,14 @@ pub(crate) fn layer_norm_fwd_launch(
     cols: usize,
     eps: f64,
 ) -> Launch {
-    let mut args: Vec<Arg> = p.iter().map(|&x| Arg::Ptr(x)).collect();
-    args.extend([i64_of(rows), i64_of(cols), Arg::F32(eps as f32)]);
-    Launch {
-        file: "norms.cu",
-        entry: format!("layer_norm_fwd_{t}"),
-        grid: row_grid(rows),
-        block: BLOCK_1D,
-        shared: 0,
-        args,
-    }
+    norm_launch(
+        format!("layer_norm_fwd_{t}"),
+        &p,
+        rows,
+        cols,
+        row_grid(rows),
+        Some(eps),
+    )
 }
 
 /// `rms_norm_fwd_<t>(x, w, y, rstd, rows, cols, eps)`; `[x, w, y, rstd]` (w: 0 when absent).
@@ -65,16 +63,14 @@ pub(crate) fn rms_norm_fwd_launch(
     cols: usize,
     eps: f64,
 ) -> Launch {
-    let mut args: Vec<Arg> = p.iter().map(|&x| Arg::Ptr(x)).collect();
-    args.extend([i64_of(rows), i64_of(cols), Arg::F32(eps as f32)]);
-    Launch {
-        file: "norms.cu",
-        entry: format!("rms_norm_fwd_{t}"),
-        grid: row_grid(rows),
-        block: BLOCK_1D,
-        shared: 0,
-        args,
-    }
+    norm_launch(
+        format!("rms_norm_fwd_{t}"),
+        &p,
+        rows,
+        cols,
+        row_grid(rows),
+        Some(eps),
+    )
 }
 
 /// `layer_norm_bwd_<t>(x, w, mean, rstd, dy, dx, dw_partial, db_partial, rows, cols)` on
@@ -87,16 +83,14 @@ pub(crate) fn layer_norm_bwd_launch(
     cols: usize,
     blocks: usize,
 ) -> Launch {
-    let mut args: Vec<Arg> = p.iter().map(|&x| Arg::Ptr(x)).collect();
-    args.extend([i64_of(rows), i64_of(cols)]);
-    Launch {
-        file: "norms.cu",
-        entry: format!("layer_norm_bwd_{t}"),
-        grid: (blocks as u32, 1, 1),
-        block: BLOCK_1D,
-        shared: 0,
-        args,
-    }
+    norm_launch(
+        format!("layer_norm_bwd_{t}"),
+        &p,
+        rows,
+        cols,
+        (blocks as u32, 1, 1),
+        None,
+    )
 }
 
 /// `rms_norm_bwd_<t>(x, w, rstd, dy, dx, dw_partial, rows, cols)` on `blocks` blocks;
@@ -108,16 +102,14 @@ pub(crate) fn rms_norm_bwd_launch(
     cols: usize,
     blocks: usize,
 ) -> Launch {
-    let mut args: Vec<Arg> = p.iter().map(|&x| Arg::Ptr(x)).collect();
-    args.extend([i64_of(rows), i64_of(cols)]);
-    Launch {
-        file: "norms.cu",
-        entry: format!("rms_norm_bwd_{t}"),
-        grid: (blocks as u32, 1, 1),
-        block: BLOCK_1D,
-        shared: 0,
-        args,
-    }
+    norm_launch(
+        format!("rms_norm_bwd_{t}"),
+        &p,
+        rows,
+        cols,
+        (blocks as u32, 1, 1),
+        None,
+    )
 }
 
 /// `norm_partials_reduce_<t>(partial, nparts, cols, out, accumulate)`: one thread per column.
@@ -418,6 +410,29 @@ pub(in crate::cuda_backend) fn rms_norm_backward(
         Some(pw) => Some(reduce_partials(ctx, t, pw, blocks, cols, kd, wdt, &what)?),
     };
     Ok(Some((rounded(dx, dt)?, dw)))
+}
+
+/// A row kernel of norms.cu: the pointers `p` in order, then `rows`, `cols` (i64) and, for the
+/// forward kernels, `eps` (f32), on `grid` blocks of [`BLOCK_1D`] threads.
+fn norm_launch(
+    entry: String,
+    p: &[u64],
+    rows: usize,
+    cols: usize,
+    grid: (u32, u32, u32),
+    eps: Option<f64>,
+) -> Launch {
+    let mut args: Vec<Arg> = p.iter().map(|&x| Arg::Ptr(x)).collect();
+    args.extend([i64_of(rows), i64_of(cols)]);
+    args.extend(eps.map(|e| Arg::F32(e as f32)));
+    Launch {
+        file: "norms.cu",
+        entry,
+        grid,
+        block: BLOCK_1D,
+        shared: 0,
+        args,
+    }
 }
 
 #[cfg(test)]
