@@ -93,6 +93,19 @@ impl GradSync for ZeroSync<'_> {
     fn step(&self, _opt: &mut AdamW, lr: f64) -> Result<()> {
         Ok(self.sdp.step(lr)?)
     }
+    fn step_mixed(
+        &self,
+        _opt: &mut AdamW,
+        _params: &[Var],
+        _lr: f64,
+        _max_norm: f64,
+        _scale: f64,
+    ) -> Result<(f64, bool)> {
+        anyhow::bail!(
+            "ZeRO layouts keep their own f32 master shards; train.precision bf16 / f16 is not \
+             supported with them yet"
+        )
+    }
 }
 
 /// What a rank's model is wrapped in for its layout: DDP over the data-parallel group when
@@ -357,6 +370,7 @@ pub fn train_parallel(
     opts: &TrainOptions,
     verbosity: Verbosity,
 ) -> Result<TrainSummary> {
+    crate::train::check_device_and_precision(cfg, Some(layout))?;
     let (cfg, tokenizer) = resolve_tokenizer(cfg)?;
     let cfg = &cfg;
     check_layout(cfg, layout, opts)?;
