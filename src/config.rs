@@ -484,8 +484,10 @@ impl TrainConfig {
     /// neither a `.bin` file nor a folder of shards); `dropout` in [0, 1); `lr` finite and > 0;
     /// `min_lr` in [0, lr]; `beta1`, `beta2` in [0, 1); `weight_decay`, `grad_clip` finite and at
     /// least 0, and `lr * weight_decay` below 1 (AdamW scales the weights by `1 - lr *
-    /// weight_decay` each step); `val_fraction` in (0, 1); `out`, and `metrics`, `data.path` and
-    /// `data.tokenizer` when set, non-empty.
+    /// weight_decay` each step); `device` one of `cpu`, `cuda`, `cuda:N`; `precision` one of
+    /// [`PRECISIONS`]; `loss_scale_init` finite and > 0; `val_fraction` in (0, 1); `out`, and
+    /// `metrics`, `data.path` and `data.tokenizer` when set, non-empty. (Whether the device is
+    /// usable, and whether the precision suits the layout, is checked when the run starts.)
     pub fn validate(&self) -> Result<(), ConfigError> {
         let m = &self.model;
         let t = &self.train;
