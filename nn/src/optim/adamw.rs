@@ -99,6 +99,10 @@ fn state_dtype(p: &Var) -> DType {
 /// State-dict names: `adamw.step_count` (completed `step` calls), and for every parameter that
 /// has state, `adamw.m.<name>`, `adamw.v.<name>` and `adamw.step.<name>` (one-element i64), and
 /// for a half-precision parameter `adamw.master.<name>` (f32, the parameter's shape).
+/// [`Optimizer::load_state_dict`] of a half-precision parameter without a saved master makes
+/// one from the parameter; an f32 or f64 parameter given a master (a half-precision run's
+/// state resumed where the optimizer updates f32 copies, as ZeRO's master shards) takes the
+/// master's values, which are the run's exact weights.
 pub struct AdamW {
     config: AdamWConfig,
     groups: Vec<ParamGroup>,
@@ -283,6 +287,7 @@ impl Optimizer for AdamW {
         let step_count = read_counter("adamw.step_count", sc)?;
         let mut used: HashSet<String> = HashSet::from(["adamw.step_count".to_string()]);
         let mut new_state = Vec::with_capacity(self.groups.len());
+        let mut exact: Vec<(Var, Tensor)> = Vec::new();
         for group in &self.groups {
             let mut gs = Vec::with_capacity(group.params.len());
             for (name, p) in &group.params {
@@ -301,7 +306,15 @@ impl Optimizer for AdamW {
                         // saved without one) the parameter itself, as a first step makes it.
                         let master_key = format!("adamw.master.{name}");
                         let master = match (is_half(p), map.get(master_key.as_str())) {
-                            (false, _) => None,
+                            (false, Some(saved)) => {
+                                // A half-precision run's state for an f32 parameter (ZeRO's
+                                // f32 shards): the parameter takes the exact master values.
+                                used.insert(master_key);
+                                let v = state_copy_as("adamw.master", name, p, saved, dt)?;
+                                exact.push((p.clone(), v));
+                                None
+                            }
+                            (false, None) => None,
                             (true, Some(saved)) => {
                                 used.insert(master_key);
                                 Some(state_copy_as("adamw.master", name, p, saved, dt)?)
@@ -333,6 +346,7 @@ impl Optimizer for AdamW {
                 unexpected.join(", ")
             );
         }
+        no_grad(|| exact.iter().try_for_each(|(p, v)| p.tensor().copy_from(v)))?;
         self.state = new_state;
         self.step_count = step_count;
         Ok(())
