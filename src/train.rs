@@ -425,8 +425,11 @@ pub fn train_device(cfg: &TrainConfig) -> Result<Device> {
 /// * a CUDA device trains a GPT on one device only: a layout is refused (the ranks would need
 ///   the NCCL backend), as is BERT; the device must be usable in this build (the backend's
 ///   one-line reason otherwise: built without `--features cuda`, no driver, no such device);
-/// * bf16 and f16 train a GPT on one device or with plain data parallelism (`dp=N`): tensor,
-///   pipeline and ZeRO layouts and BERT are refused with the reason.
+/// * bf16 and f16 train a GPT on one device, with data parallelism (`dp=N`, DDP) and tensor
+///   parallelism (`tp=T`, also with `dp=N`): AdamW's master weights on every rank, the
+///   clipping norm over the tensor-parallel splits. ZeRO layouts train in bf16 with the
+///   wrapper's own f32 master shards; f16 with ZeRO (no loss scaling there yet), pipeline
+///   layouts and BERT are refused with the reason.
 pub fn check_device_and_precision(
     cfg: &TrainConfig,
     layout: Option<&meshgrad_parallel::ParallelLayout>,
@@ -456,10 +459,16 @@ pub fn check_device_and_precision(
             );
         }
         if let Some(l) = layout {
-            if l.tp() > 1 || l.pp() > 1 || l.zero().is_some() {
+            if l.pp() > 1 {
                 anyhow::bail!(
-                    "layout {l} with precision {p}: mixed precision runs on one device or with \
-                     dp=N only (tensor, pipeline and ZeRO layouts are not supported yet)"
+                    "layout {l} with precision {p}: pipeline layouts do not train in mixed \
+                     precision yet (one device, dp, tp and, for bf16, ZeRO layouts do)"
+                );
+            }
+            if l.zero().is_some() && dtype == DType::F16 {
+                anyhow::bail!(
+                    "layout {l} with precision f16: ZeRO layouts have no loss scaling yet \
+                     (use bf16, or dp=N / tp=T for f16)"
                 );
             }
         }
