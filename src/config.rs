@@ -96,6 +96,14 @@ pub struct TrainParams {
     pub log_interval: usize,
     /// Bytes (tokens) of text to sample from the trained model at the end; 0 disables sampling.
     pub sample_tokens: usize,
+    /// Where the model trains: `"cpu"`, `"cuda"` (device 0) or `"cuda:N"`.
+    pub device: String,
+    /// Training precision: `"f32"`, `"bf16"` (bf16 weights and activations, f32 master weights
+    /// and AdamW state) or `"f16"` (the same in f16, with dynamic loss scaling).
+    pub precision: String,
+    /// f16 only: the initial loss scale (default 2^16); halved at every step whose gradients
+    /// overflow, doubled after 2000 consecutive good steps. Finite and > 0.
+    pub loss_scale_init: f64,
 }
 
 impl Default for TrainParams {
@@ -115,6 +123,9 @@ impl Default for TrainParams {
             eval_batches: 8,
             log_interval: 10,
             sample_tokens: 200,
+            device: "cpu".to_string(),
+            precision: "f32".to_string(),
+            loss_scale_init: 65536.0,
         }
     }
 }
@@ -347,6 +358,9 @@ impl TrainConfig {
         "train.eval_batches",
         "train.log_interval",
         "train.sample_tokens",
+        "train.device",
+        "train.precision",
+        "train.loss_scale_init",
         "data.path",
         "data.val_fraction",
         "data.tokenizer",
@@ -427,6 +441,9 @@ impl TrainConfig {
             "train.eval_batches" => t.eval_batches = parse_value(key, value, INT)?,
             "train.log_interval" => t.log_interval = parse_value(key, value, INT)?,
             "train.sample_tokens" => t.sample_tokens = parse_value(key, value, INT)?,
+            "train.device" => t.device = string_value(value),
+            "train.precision" => t.precision = string_value(value),
+            "train.loss_scale_init" => t.loss_scale_init = parse_value(key, value, FLOAT)?,
             "data.path" => {
                 let v = string_value(value);
                 self.data.path = (!v.is_empty()).then_some(v);
@@ -467,8 +484,10 @@ impl TrainConfig {
     /// neither a `.bin` file nor a folder of shards); `dropout` in [0, 1); `lr` finite and > 0;
     /// `min_lr` in [0, lr]; `beta1`, `beta2` in [0, 1); `weight_decay`, `grad_clip` finite and at
     /// least 0, and `lr * weight_decay` below 1 (AdamW scales the weights by `1 - lr *
-    /// weight_decay` each step); `val_fraction` in (0, 1); `out`, and `metrics`, `data.path` and
-    /// `data.tokenizer` when set, non-empty.
+    /// weight_decay` each step); `device` one of `cpu`, `cuda`, `cuda:N`; `precision` one of
+    /// [`PRECISIONS`]; `loss_scale_init` finite and > 0; `val_fraction` in (0, 1); `out`, and
+    /// `metrics`, `data.path` and `data.tokenizer` when set, non-empty. (Whether the device is
+    /// usable, and whether the precision suits the layout, is checked when the run starts.)
     pub fn validate(&self) -> Result<(), ConfigError> {
         let m = &self.model;
         let t = &self.train;
@@ -621,6 +640,30 @@ impl TrainConfig {
                 ),
             );
         }
+        if !valid_device(&t.device) {
+            return invalid(
+                "train.device",
+                format!(
+                    "must be \"cpu\", \"cuda\" or \"cuda:N\", got {:?}",
+                    t.device
+                ),
+            );
+        }
+        if !PRECISIONS.contains(&t.precision.as_str()) {
+            return invalid(
+                "train.precision",
+                format!(
+                    "must be \"f32\", \"bf16\" or \"f16\", got {:?}",
+                    t.precision
+                ),
+            );
+        }
+        if !(t.loss_scale_init.is_finite() && t.loss_scale_init > 0.0) {
+            return invalid(
+                "train.loss_scale_init",
+                format!("must be a number > 0, got {}", t.loss_scale_init),
+            );
+        }
         let vf = self.data.val_fraction;
         if !(vf > 0.0 && vf < 1.0) {
             return invalid("data.val_fraction", format!("must be in (0, 1), got {vf}"));
@@ -654,6 +697,19 @@ impl TrainConfig {
             );
         }
         Ok(())
+    }
+}
+
+/// The values `train.precision` takes.
+pub const PRECISIONS: &[&str] = &["f32", "bf16", "f16"];
+
+/// Whether `s` names a device: `cpu`, `cuda` or `cuda:N` (`N` a non-negative integer).
+fn valid_device(s: &str) -> bool {
+    match s {
+        "cpu" | "cuda" => true,
+        _ => s
+            .strip_prefix("cuda:")
+            .is_some_and(|n| !n.is_empty() && n.parse::<usize>().is_ok()),
     }
 }
 
@@ -894,6 +950,11 @@ val_fraction = 0.05
             ("model.vocab_size", "100", "byte-level"),
             ("out", "", "empty"),
             ("model.kind", "t5", "\"gpt\" or \"bert\""),
+            ("train.device", "gpu", "\"cpu\", \"cuda\" or \"cuda:N\""),
+            ("train.device", "cuda:x", "got \"cuda:x\""),
+            ("train.precision", "fp16", "\"f32\", \"bf16\" or \"f16\""),
+            ("train.loss_scale_init", "0", "> 0"),
+            ("train.loss_scale_init", "inf", "> 0"),
         ];
         for (key, value, expected) in cases {
             let mut config = TrainConfig::default();

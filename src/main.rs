@@ -303,6 +303,15 @@ struct TrainArgs {
     /// Peak learning rate.
     #[arg(long, allow_negative_numbers = true)]
     lr: Option<f64>,
+    /// Device to train on: cpu (default), cuda (device 0) or cuda:N; sets train.device. CUDA
+    /// needs a build with --features cuda and a GPU, and trains on one device only.
+    #[arg(long, value_name = "DEVICE")]
+    device: Option<String>,
+    /// Training precision: f32 (default), bf16 (bf16 weights and activations, f32 master
+    /// weights and AdamW state) or f16 (the same in f16 with dynamic loss scaling); sets
+    /// train.precision.
+    #[arg(long, value_name = "PRECISION")]
+    precision: Option<String>,
     /// Any config key, e.g. --set model.n_layer=2 (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
@@ -376,7 +385,7 @@ fn train_config(a: &TrainArgs) -> Result<TrainConfig> {
         Some(p) => TrainConfig::from_toml_file(p)?,
         None => TrainConfig::default(),
     };
-    let flags: [(&str, Option<String>); 9] = [
+    let flags: [(&str, Option<String>); 11] = [
         ("model.kind", a.model.clone()),
         ("train.steps", a.steps.map(|v| v.to_string())),
         ("train.seed", a.seed.map(|v| v.to_string())),
@@ -386,6 +395,8 @@ fn train_config(a: &TrainArgs) -> Result<TrainConfig> {
         ("metrics", a.metrics.clone()),
         ("train.batch_size", a.batch_size.map(|v| v.to_string())),
         ("train.lr", a.lr.map(|v| v.to_string())),
+        ("train.device", a.device.clone()),
+        ("train.precision", a.precision.clone()),
     ];
     for (key, value) in flags {
         if let Some(v) = value {

@@ -148,7 +148,9 @@ pub(crate) fn rank_pieces(
 
 /// The checkpoint `--resume` names, opened: `DIR/checkpoints`' latest when `DIR` is a run's
 /// `--out`, else `DIR` itself (a checkpoint, or a folder of them). Checks that the run continues
-/// the same model and data (model sizes, seed, batch size) and still has steps to run; returns
+/// the same model and data (model sizes, seed, batch size) in the same precision
+/// (`train.precision`: a bf16 run's optimizer state has f32 master weights an f32 run lacks) and
+/// still has steps to run; returns
 /// the checkpoint and its step.
 pub(crate) fn open_resume(cfg: &TrainConfig, dir: &Path) -> Result<(Checkpoint, usize)> {
     let ckpts = checkpoints_dir(dir);
@@ -166,7 +168,9 @@ pub(crate) fn open_resume(cfg: &TrainConfig, dir: &Path) -> Result<(Checkpoint, 
         let saved = TrainConfig::from_toml_str(text, "the checkpoint's config")
             .with_context(|| format!("--resume {}: its config", dir.display()))?;
         type Key = (&'static str, fn(&TrainConfig) -> String);
-        let keys: [Key; 9] = [
+        // A half-precision run's optimizer state holds f32 master weights that an f32 run does
+        // not have (and the reverse), so the precision must match too.
+        let keys: [Key; 10] = [
             ("model.kind", |c| c.model.kind.clone()),
             ("model.n_layer", |c| c.model.n_layer.to_string()),
             ("model.n_head", |c| c.model.n_head.to_string()),
@@ -176,12 +180,13 @@ pub(crate) fn open_resume(cfg: &TrainConfig, dir: &Path) -> Result<(Checkpoint, 
             ("model.bias", |c| c.model.bias.to_string()),
             ("train.seed", |c| c.train.seed.to_string()),
             ("train.batch_size", |c| c.train.batch_size.to_string()),
+            ("train.precision", |c| c.train.precision.clone()),
         ];
         let pairs = keys.map(|(k, f)| (k, f(&saved), f(cfg)));
         if let Some((k, s, n)) = pairs.iter().find(|(_, s, n)| s != n) {
             anyhow::bail!(
                 "--resume {}: {k} is {s} in the checkpoint but {n} in this run; a resumed run \
-                 continues the same model and data",
+                 continues the same model, data and precision",
                 ck.path().display()
             );
         }

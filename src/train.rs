@@ -12,7 +12,9 @@ use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use meshgrad_autograd::{no_grad, Var};
 use meshgrad_nn::data::{load_split, split_dataset, Dataset, LoadOptions, TokenSource};
-use meshgrad_nn::optim::{clip_grad_norm, AdamW, CosineSchedule, Optimizer};
+use meshgrad_nn::optim::{
+    clip_grad_norm, grad_sq_sum, AdamW, CosineSchedule, LossScaler, Optimizer,
+};
 use meshgrad_nn::state::hf_gpt2;
 use meshgrad_nn::tokenizer::Tokenizer;
 use meshgrad_nn::tp::TensorParallel;
@@ -281,6 +283,33 @@ pub(crate) trait GradSync {
     fn step(&self, opt: &mut AdamW, lr: f64) -> Result<()> {
         Ok(opt.step(lr)?)
     }
+    /// The optimizer step of a bf16 / f16 run whose loss was multiplied by `scale` (1 for
+    /// bf16): the gradient norm of the unscaled gradients (from the half-precision gradients,
+    /// summed in f64, divided by `scale`), and unless it is NaN or infinite the AdamW step with
+    /// the gradient multiplier `clip_coef / scale` applied in f32 on the master weights
+    /// ([`AdamW::step_scaled`]); `max_norm` 0 does not clip. Returns the norm, and whether the
+    /// step was taken (false: nothing was changed). The default suits gradients every rank holds
+    /// whole (one device, DDP).
+    fn step_mixed(
+        &self,
+        opt: &mut AdamW,
+        params: &[Var],
+        lr: f64,
+        max_norm: f64,
+        scale: f64,
+    ) -> Result<(f64, bool)> {
+        let norm = grad_sq_sum(params)?.sqrt() / scale;
+        if !norm.is_finite() {
+            return Ok((norm, false));
+        }
+        let coef = if max_norm > 0.0 {
+            (max_norm / (norm + 1e-6)).min(1.0)
+        } else {
+            1.0
+        };
+        opt.step_scaled(lr, coef / scale)?;
+        Ok((norm, true))
+    }
 }
 
 /// The single-device [`GradSync`]: gradients are already complete.
@@ -370,7 +399,94 @@ pub(crate) struct RunModel {
     pub(crate) schedule: CosineSchedule,
 }
 
-/// Builds the model (weights from the run seed), AdamW and the learning-rate schedule.
+/// The dtype of the model's parameters and activations for `train.precision`: f32, bf16 or
+/// f16. Half-precision runs keep f32 master weights and AdamW state in the optimizer (see
+/// [`AdamW`]).
+pub fn precision_dtype(cfg: &TrainConfig) -> Result<DType> {
+    match cfg.train.precision.as_str() {
+        "f32" => Ok(DType::F32),
+        "bf16" => Ok(DType::BF16),
+        "f16" => Ok(DType::F16),
+        p => anyhow::bail!("train.precision must be \"f32\", \"bf16\" or \"f16\", got {p:?}"),
+    }
+}
+
+/// The device of `train.device` (`cpu`, `cuda`, `cuda:N`).
+pub fn train_device(cfg: &TrainConfig) -> Result<Device> {
+    cfg.train
+        .device
+        .parse()
+        .map_err(|e| anyhow::anyhow!("train.device: {e}"))
+}
+
+/// Checks, before any work, that `train.device` and `train.precision` can run with `layout`
+/// (`None`: one device) and the model kind:
+///
+/// * a CUDA device trains a GPT on one device only: a layout is refused (the ranks would need
+///   the NCCL backend), as is BERT; the device must be usable in this build (the backend's
+///   one-line reason otherwise: built without `--features cuda`, no driver, no such device);
+/// * bf16 and f16 train a GPT on one device, with data parallelism (`dp=N`, DDP) and tensor
+///   parallelism (`tp=T`, also with `dp=N`): AdamW's master weights on every rank, the
+///   clipping norm over the tensor-parallel splits. ZeRO layouts train in bf16 with the
+///   wrapper's own f32 master shards; f16 with ZeRO (no loss scaling there yet), pipeline
+///   layouts and BERT are refused with the reason.
+pub fn check_device_and_precision(
+    cfg: &TrainConfig,
+    layout: Option<&meshgrad_parallel::ParallelLayout>,
+) -> Result<()> {
+    let device = train_device(cfg)?;
+    let dtype = precision_dtype(cfg)?;
+    let (d, p) = (&cfg.train.device, &cfg.train.precision);
+    if device != Device::Cpu {
+        if let Some(l) = layout {
+            anyhow::bail!("--device {d} with layout {l} needs the NCCL backend (--backend nccl)");
+        }
+        if cfg.model.kind != "gpt" {
+            anyhow::bail!(
+                "--device {d}: only GPT trains on a CUDA device for now (model.kind is {:?})",
+                cfg.model.kind
+            );
+        }
+        device
+            .check_available()
+            .map_err(|e| anyhow::anyhow!("--device {d}: {e}"))?;
+    }
+    if dtype != DType::F32 {
+        if cfg.model.kind != "gpt" {
+            anyhow::bail!(
+                "precision {p}: only GPT trains in mixed precision for now (model.kind is {:?})",
+                cfg.model.kind
+            );
+        }
+        if let Some(l) = layout {
+            if l.pp() > 1 {
+                anyhow::bail!(
+                    "layout {l} with precision {p}: pipeline layouts do not train in mixed \
+                     precision yet (one device, dp, tp and, for bf16, ZeRO layouts do)"
+                );
+            }
+            if l.zero().is_some() && dtype == DType::F16 {
+                anyhow::bail!(
+                    "layout {l} with precision f16: ZeRO layouts have no loss scaling yet \
+                     (use bf16, or dp=N / tp=T for f16)"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `(ids, targets)` moved to the run's device (created on the host, then copied).
+pub(crate) fn to_run_device(
+    cfg: &TrainConfig,
+    batch: (Tensor, Tensor),
+) -> Result<(Tensor, Tensor)> {
+    let device = train_device(cfg)?;
+    Ok((batch.0.to_device(device)?, batch.1.to_device(device)?))
+}
+
+/// Builds the model (weights from the run seed, in the run's precision and on its device),
+/// AdamW and the learning-rate schedule.
 pub(crate) fn run_model(
     cfg: &TrainConfig,
     tp: Option<TensorParallel>,
@@ -378,8 +494,8 @@ pub(crate) fn run_model(
     checkpointing: bool,
 ) -> Result<RunModel> {
     let mut builder = ParamBuilder::new(cfg.train.seed)
-        .dtype(DType::F32)
-        .device(Device::Cpu);
+        .dtype(precision_dtype(cfg)?)
+        .device(train_device(cfg)?);
     if delayed_init {
         builder = builder.delayed_init();
     }
@@ -444,8 +560,10 @@ fn val_loss(
         let n = cfg.train.eval_batches.max(1);
         for i in 0..n {
             // Validation draws use their own stream of "steps", far from the training ones.
-            let (ids, targets) =
-                batch_tensors(val, cfg.train.seed ^ VAL_STREAM, i as u64, rows.clone(), t)?;
+            let (ids, targets) = to_run_device(
+                cfg,
+                batch_tensors(val, cfg.train.seed ^ VAL_STREAM, i as u64, rows.clone(), t)?,
+            )?;
             total += model.loss(&ids, &targets, None)?.tensor().item()?;
         }
         Ok(total / n as f64)
@@ -474,6 +592,18 @@ pub(crate) fn metrics_line(
         m["val_loss"] = serde_json::json!(v);
     }
     m.to_string()
+}
+
+/// A metrics line with an f16 run's `"loss_scale"` and `"skipped"` added.
+fn with_loss_scale(line: &str, scale: f64, skipped: bool) -> String {
+    match serde_json::from_str::<serde_json::Value>(line) {
+        Ok(mut m) => {
+            m["loss_scale"] = serde_json::json!(scale);
+            m["skipped"] = serde_json::json!(skipped);
+            m.to_string()
+        }
+        Err(_) => line.to_string(),
+    }
 }
 
 /// The metrics file of a run resumed after `start_step` steps, open for appending: lines of
@@ -628,16 +758,21 @@ pub(crate) fn run_loop(
     } = run;
     let model = &*model;
     let params = model.parameters();
+    let scaler = loss_scaler(cfg)?.map(std::cell::RefCell::new);
     let micro_step = |step: usize| -> Result<f64> {
         let mut loss_sum = 0.0;
         for (m, r) in micro.iter().enumerate() {
-            let (ids, targets) =
-                batch_tensors(&data.train, cfg.train.seed, step as u64, r.clone(), t)?;
+            let (ids, targets) = to_run_device(
+                cfg,
+                batch_tensors(&data.train, cfg.train.seed, step as u64, r.clone(), t)?,
+            )?;
             let ctx = ForwardCtx::new(step as u64, r.start);
             let loss = ctx.scope(|| model.loss(&ids, &targets, None))?;
             loss_sum += loss.tensor().item()?;
-            let loss = if microbatches > 1 {
-                loss.mul_scalar(1.0 / microbatches as f64)?
+            // f16: the loss (f32) times the loss scale, so small gradients stay representable.
+            let factor = scaler.as_ref().map_or(1.0, |s| s.borrow().scale()) / microbatches as f64;
+            let loss = if factor != 1.0 {
+                loss.mul_scalar(factor)?
             } else {
                 loss
             };
@@ -648,8 +783,31 @@ pub(crate) fn run_loop(
     };
     let val = || val_loss(model, &data.val, cfg, &rows, sync);
     drive_loop(
-        cfg, model, opt, schedule, &params, sync, rep, 1.0, micro_step, val, ctl,
+        cfg,
+        model,
+        opt,
+        schedule,
+        &params,
+        sync,
+        rep,
+        1.0,
+        scaler.as_ref(),
+        micro_step,
+        val,
+        ctl,
     )
+}
+
+/// The dynamic loss scale of an f16 run (from `train.loss_scale_init`, doubling after
+/// [`LossScaler::DEFAULT_GROWTH_INTERVAL`] good steps); `None` for f32 and bf16.
+pub(crate) fn loss_scaler(cfg: &TrainConfig) -> Result<Option<LossScaler>> {
+    if precision_dtype(cfg)? != DType::F16 {
+        return Ok(None);
+    }
+    Ok(Some(LossScaler::new(
+        cfg.train.loss_scale_init,
+        LossScaler::DEFAULT_GROWTH_INTERVAL,
+    )?))
 }
 
 /// What a training loop does besides training: where it starts (a resumed run starts after the
@@ -692,6 +850,16 @@ impl RunControl<'_> {
 /// the optimizer step; a non-finite loss or validation loss stops the run), validation with `val`
 /// every `eval_interval` steps and at the end, the metrics line (flushed), the log line and the
 /// progress bar.
+///
+/// Mixed precision (`train.precision` bf16 or f16): the step is [`GradSync::step_mixed`]
+/// (unscaling and clipping applied in f32 on the master weights). f16 runs pass the `scaler`
+/// whose scale `micro_step` multiplied the loss by: a step whose gradients are not finite is
+/// skipped (parameters and AdamW state untouched, AdamW's step counts not advanced; the run's
+/// step counter, learning-rate schedule and data still advance, so a skipped step's batch is
+/// not retried), the scale is halved, and the skip is reported on stdout and in the metrics
+/// line (`"skipped": true`); every f16 metrics line carries `"loss_scale"`, the scale after
+/// this step's update (the one the next step uses). A bf16 step with non-finite gradients
+/// stops the run as an f32 one does.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn drive_loop(
     cfg: &TrainConfig,
@@ -702,11 +870,13 @@ pub(crate) fn drive_loop(
     sync: &dyn GradSync,
     rep: &mut Reporter,
     loss_scale: f64,
+    scaler: Option<&std::cell::RefCell<LossScaler>>,
     mut micro_step: impl FnMut(usize) -> Result<f64>,
     mut val: impl FnMut() -> Result<f64>,
     ctl: &RunControl<'_>,
 ) -> Result<LoopResult> {
     let (t, b) = (cfg.model.block_size, cfg.train.batch_size);
+    let half = precision_dtype(cfg)? != DType::F32;
     let initial_val = val()?;
     rep.say(format!("step 0: val_loss={initial_val:.4}"));
 
@@ -719,12 +889,30 @@ pub(crate) fn drive_loop(
         sync.zero_grad(opt);
         let share = micro_step(step)?;
         sync.finish()?;
-        let grad_norm = if cfg.train.grad_clip > 0.0 {
+        let lr = schedule.lr_at(step);
+        let mut skipped = false;
+        let grad_norm = if half {
+            let scale = scaler.map_or(1.0, |s| s.borrow().scale());
+            let (norm, taken) = sync.step_mixed(opt, params, lr, cfg.train.grad_clip, scale)?;
+            if let Some(s) = scaler {
+                let new_scale = s.borrow_mut().update(taken);
+                if !taken {
+                    skipped = true;
+                    rep.say(format!(
+                        "step {}: non-finite gradients in f16, step skipped, loss scale -> {}",
+                        step + 1,
+                        new_scale
+                    ));
+                }
+            }
+            norm
+        } else if cfg.train.grad_clip > 0.0 {
             sync.clip(params, cfg.train.grad_clip)?
         } else {
             f64::NAN
         };
-        if cfg.train.grad_clip > 0.0 && !grad_norm.is_finite() {
+        let must_be_finite = (half && scaler.is_none()) || cfg.train.grad_clip > 0.0;
+        if must_be_finite && !skipped && !grad_norm.is_finite() {
             // Stop before the optimizer step spreads it into the weights. The norm is global,
             // so every rank stops here, after the same collectives.
             let loss = sync.mean(share)? * loss_scale;
@@ -736,8 +924,9 @@ pub(crate) fn drive_loop(
                 step + 1
             );
         }
-        let lr = schedule.lr_at(step);
-        sync.step(opt, lr)?;
+        if !half {
+            sync.step(opt, lr)?;
+        }
         last_loss = sync.mean(share)? * loss_scale;
         if !last_loss.is_finite() {
             anyhow::bail!(
@@ -762,7 +951,11 @@ pub(crate) fn drive_loop(
             last_val = v;
             rep.say(format!("step {}: val_loss={v:.4}", step + 1));
         }
-        rep.metrics(metrics_line(step + 1, last_loss, lr, tps, grad_norm, val))?;
+        let mut line = metrics_line(step + 1, last_loss, lr, tps, grad_norm, val);
+        if let Some(s) = scaler {
+            line = with_loss_scale(&line, s.borrow().scale(), skipped);
+        }
+        rep.metrics(line)?;
         if cfg.train.log_interval > 0
             && (step + 1) % cfg.train.log_interval == 0
             && rep.pb.is_hidden()
@@ -937,6 +1130,7 @@ pub fn train_with(
     opts: &TrainOptions,
     verbosity: Verbosity,
 ) -> Result<TrainSummary> {
+    check_device_and_precision(cfg, None)?;
     check_sequence_parallel(opts, 1)?;
     crate::train_pipeline::check_pipeline_flags(opts, 1)?;
     opts.activation_checkpointing.check(1)?;
@@ -1029,6 +1223,7 @@ mod tests {
             &SingleDevice,
             &mut rep,
             1.0,
+            None,
             micro_step,
             || Ok(1.0),
             &ctl,

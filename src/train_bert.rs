@@ -241,7 +241,7 @@ fn run_loop(
     let val = || val_loss(model, s, &data.val, &rows, world, sync);
     let scale = world as f64;
     drive_loop(
-        cfg, model, opt, schedule, &params, sync, rep, scale, micro_step, val, ctl,
+        cfg, model, opt, schedule, &params, sync, rep, scale, None, micro_step, val, ctl,
     )
 }
 
@@ -318,6 +318,7 @@ pub fn train_bert(
     verbosity: Verbosity,
 ) -> Result<TrainSummary> {
     cfg.validate()?;
+    crate::train::check_device_and_precision(cfg, layout)?;
     // The number of data-parallel ranks (those reading different rows).
     let world = match layout {
         None => {

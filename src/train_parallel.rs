@@ -93,6 +93,28 @@ impl GradSync for ZeroSync<'_> {
     fn step(&self, _opt: &mut AdamW, lr: f64) -> Result<()> {
         Ok(self.sdp.step(lr)?)
     }
+    /// bf16 under ZeRO: the wrapper's own mechanism (f32 master shards, gradient shards cast
+    /// to f32), clipped across the shards. No loss scaling: f16 is refused before the run.
+    fn step_mixed(
+        &self,
+        _opt: &mut AdamW,
+        _params: &[Var],
+        lr: f64,
+        max_norm: f64,
+        scale: f64,
+    ) -> Result<(f64, bool)> {
+        if scale != 1.0 {
+            anyhow::bail!("ZeRO layouts have no f16 loss scaling yet (train.precision f16)");
+        }
+        // Without clipping, a bound no norm reaches still yields the (global) norm to check.
+        let bound = if max_norm > 0.0 { max_norm } else { f64::MAX };
+        let norm = self.sdp.clip_grad_norm(bound)?;
+        if !norm.is_finite() {
+            return Ok((norm, false));
+        }
+        self.sdp.step(lr)?;
+        Ok((norm, true))
+    }
 }
 
 /// What a rank's model is wrapped in for its layout: DDP over the data-parallel group when
@@ -357,6 +379,7 @@ pub fn train_parallel(
     opts: &TrainOptions,
     verbosity: Verbosity,
 ) -> Result<TrainSummary> {
+    crate::train::check_device_and_precision(cfg, Some(layout))?;
     let (cfg, tokenizer) = resolve_tokenizer(cfg)?;
     let cfg = &cfg;
     check_layout(cfg, layout, opts)?;

@@ -779,6 +779,7 @@ fn rank_main<T: PipelineTask>(
         &sync,
         &mut rep,
         1.0,
+        None,
         micro_step,
         val,
         &RunControl {

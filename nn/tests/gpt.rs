@@ -308,3 +308,55 @@ fn config_refuses_a_bad_layer_norm_epsilon() {
         assert!(err.contains("layer_norm_epsilon"), "{eps}: {err}");
     }
 }
+
+/// A GPT built in bf16 or f16: the logits are half, the loss (the fused cross-entropy's
+/// log-sum-exp and mean) is f32, the gradients are half, and AdamW's f32 master weights train
+/// it like the f32 model (one-batch overfitting at lr 1e-2, within 5% of the f32 losses;
+/// measured: bf16 1.4e-2, f16 1.6e-3 relative at worst over the 30 steps).
+#[test]
+fn half_precision_gpt_has_an_f32_loss_and_trains_with_master_weights() {
+    let (ids, tg) = batch(4, 16, 32, 9);
+    let run = |dtype: DType| -> Vec<f64> {
+        let m = Gpt::new(tiny(0.0), 3, dtype, Device::Cpu).unwrap();
+        let mut opt = AdamW::new(
+            vec![ParamGroup::new(m.named_parameters(), 0.0)],
+            AdamWConfig::default(),
+        )
+        .unwrap();
+        let mut losses = Vec::new();
+        for _ in 0..30 {
+            opt.zero_grad();
+            let loss = ForwardCtx::new(0, 0)
+                .scope(|| m.loss(&ids, &tg, None))
+                .unwrap();
+            assert_eq!(
+                loss.tensor().dtype(),
+                DType::F32,
+                "{dtype}: the loss is f32"
+            );
+            loss.backward().unwrap();
+            for (n, p) in m.named_parameters() {
+                assert_eq!(p.grad().unwrap().dtype(), dtype, "{n}");
+            }
+            opt.step(1e-2).unwrap();
+            losses.push(loss.tensor().item().unwrap());
+        }
+        if dtype != DType::F32 {
+            let (n, _) = &m.named_parameters()[0];
+            assert_eq!(opt.master(n).unwrap().dtype(), DType::F32);
+        }
+        losses
+    };
+    let f32_losses = run(DType::F32);
+    for dtype in [DType::BF16, DType::F16] {
+        let l = run(dtype);
+        assert!(l[29] < l[0] - 1.0, "{dtype} did not train: {l:?}");
+        let worst = l
+            .iter()
+            .zip(&f32_losses)
+            .map(|(a, b)| (a - b).abs() / b)
+            .fold(0.0, f64::max);
+        assert!(worst < 0.05, "{dtype} vs f32: {worst}");
+        eprintln!("{dtype}: max relative loss difference to f32 over 30 steps: {worst:.2e}");
+    }
+}

@@ -744,3 +744,95 @@ fn state_kind_describes_every_state_dict_entry() {
     }
     assert_eq!(sgd.state_kind("adamw.m.x"), None);
 }
+
+/// bf16 and f16 parameters: AdamW keeps an f32 master copy and f32 moments, updates the master
+/// exactly as it updates an f32 parameter given the same (f32-cast) gradients, and writes the
+/// master rounded back into the parameter.
+#[test]
+fn half_parameters_get_f32_master_weights() {
+    for half in [DType::BF16, DType::F16] {
+        // Values representable in the half dtype, so both runs start from the same weights.
+        let init = tensor(&values(7, 12), &[3, 4], half);
+        let p_half = Var::leaf(init.clone());
+        let p_f32 = Var::leaf(init.to_dtype(DType::F32).unwrap());
+        let cfg = AdamWConfig::default();
+        let mut oh = AdamW::new(
+            vec![ParamGroup::new(vec![("w".into(), p_half.clone())], 0.1)],
+            cfg,
+        )
+        .unwrap();
+        let mut of = AdamW::new(
+            vec![ParamGroup::new(vec![("w".into(), p_f32.clone())], 0.1)],
+            cfg,
+        )
+        .unwrap();
+        for step in 0..5u64 {
+            let g = tensor(&values(100 + step, 12), &[3, 4], half);
+            p_half.set_grad(Some(g.clone()));
+            p_f32.set_grad(Some(g.to_dtype(DType::F32).unwrap()));
+            // A gradient multiplier (unscaling / clipping) is applied in f32.
+            oh.step_scaled(1e-3, 0.5).unwrap();
+            p_f32.set_grad(Some(
+                g.to_dtype(DType::F32).unwrap().mul_scalar(0.5).unwrap(),
+            ));
+            of.step(1e-3).unwrap();
+        }
+        let master = oh.master("w").unwrap();
+        assert_eq!(master.dtype(), DType::F32);
+        assert_eq!(oh.master("w").unwrap().dims(), &[3, 4]);
+        assert!(of.master("w").is_none(), "f32 parameters need no master");
+        assert_eq!(
+            master.to_vec::<f32>().unwrap(),
+            p_f32.tensor().to_vec::<f32>().unwrap(),
+            "{half}: the master follows the f32 run bit for bit"
+        );
+        let (m, v, n) = oh.moments("w").unwrap();
+        assert_eq!((m.dtype(), v.dtype(), n), (DType::F32, DType::F32, 5));
+        assert_eq!(p_half.tensor().dtype(), half);
+        assert_eq!(
+            p_half.tensor().to_vec_f64().unwrap(),
+            master.to_dtype(half).unwrap().to_vec_f64().unwrap(),
+            "{half}: the parameter is the master rounded"
+        );
+        // The state dict carries the master; loading it restores it exactly.
+        let sd = oh.state_dict().unwrap();
+        assert!(sd
+            .iter()
+            .any(|(k, t)| k == "adamw.master.w" && t.dtype() == DType::F32));
+        assert_eq!(
+            oh.state_kind("adamw.master.w"),
+            Some(StateKind::Elementwise { param: "w".into() })
+        );
+        let snapshot: Vec<_> = sd
+            .iter()
+            .map(|(k, t)| (k.clone(), t.deep_clone().unwrap()))
+            .collect();
+        let mut fresh = AdamW::new(
+            vec![ParamGroup::new(vec![("w".into(), p_half.clone())], 0.1)],
+            cfg,
+        )
+        .unwrap();
+        fresh.load_state_dict(&snapshot).unwrap();
+        assert_eq!(
+            fresh.master("w").unwrap().to_vec::<f32>().unwrap(),
+            master.to_vec::<f32>().unwrap()
+        );
+        // An f32 parameter given a master (ZeRO's f32 shards resuming a half-precision run)
+        // takes the master's exact values.
+        let p32 = Var::leaf(p_half.tensor().to_dtype(DType::F32).unwrap());
+        let mut f32_opt = AdamW::new(
+            vec![ParamGroup::new(vec![("w".into(), p32.clone())], 0.1)],
+            cfg,
+        )
+        .unwrap();
+        f32_opt.load_state_dict(&snapshot).unwrap();
+        assert_eq!(
+            p32.tensor().to_vec::<f32>().unwrap(),
+            master.to_vec::<f32>().unwrap()
+        );
+        assert!(f32_opt.master("w").is_none());
+        // Bad multipliers are refused.
+        assert!(oh.step_scaled(1e-3, f64::NAN).is_err());
+        assert!(oh.step_scaled(1e-3, 0.0).is_err());
+    }
+}

@@ -13,6 +13,9 @@
 //!   `clip_grad_norm_`), with the sum of squares ([`grad_sq_sum`]) and the scaling
 //!   ([`clip_grads_with_norm`]) exposed separately so a sharded version can all-reduce in between.
 //!
+//! * Mixed precision: [`AdamW`] keeps an f32 master copy and f32 moments for bf16 / f16
+//!   parameters (see its docs), and [`AdamW::step_scaled`] applies a gradient multiplier in f32
+//!   (unscaling and clipping); [`LossScaler`] is the dynamic loss scale of f16 training.
 //! * [`Optimizer::state_kind`] says what each state-dict entry holds ([`StateKind`]: elementwise
 //!   per-parameter state, a per-parameter value, or optimizer-wide), so code that shards the
 //!   parameters (ZeRO's `ShardedDataParallel`, which runs any `Box<dyn Optimizer + Send>` over
@@ -24,12 +27,14 @@
 mod adamw;
 mod builder;
 mod clip;
+mod scaler;
 mod schedule;
 mod sgd;
 
 pub use adamw::{AdamW, AdamWConfig};
 pub use builder::{AdamWBuilder, SgdBuilder};
 pub use clip::{clip_grad_norm, clip_grads_with_norm, grad_norm, grad_sq_sum};
+pub use scaler::LossScaler;
 pub use schedule::CosineSchedule;
 pub use sgd::{Sgd, SgdConfig};
 
@@ -242,6 +247,18 @@ pub(crate) fn read_counter(name: &str, t: &Tensor) -> Result<u64> {
 
 /// A copy of `src` with the dtype and shape of parameter `p`, charged as optimizer state.
 pub(crate) fn state_copy(what: &str, name: &str, p: &Var, src: &Tensor) -> Result<Tensor> {
+    state_copy_as(what, name, p, src, p.tensor().dtype())
+}
+
+/// A copy of `src` in `dtype` with the shape and device of parameter `p`, charged as optimizer
+/// state.
+pub(crate) fn state_copy_as(
+    what: &str,
+    name: &str,
+    p: &Var,
+    src: &Tensor,
+    dtype: DType,
+) -> Result<Tensor> {
     let t = p.tensor();
     if src.shape() != t.shape() {
         meshgrad_tensor::bail!(
@@ -252,19 +269,24 @@ pub(crate) fn state_copy(what: &str, name: &str, p: &Var, src: &Tensor) -> Resul
     }
     meshgrad_tensor::alloc::with_tag(meshgrad_tensor::alloc::MemoryTag::OptimizerState, || {
         let s = src.to_device(t.device())?;
-        if s.dtype() == t.dtype() {
+        if s.dtype() == dtype {
             s.deep_clone()
         } else {
-            s.to_dtype(t.dtype())?.contiguous()
+            s.to_dtype(dtype)?.contiguous()
         }
     })
 }
 
 /// Zeros shaped like parameter `p`, charged as optimizer state.
 pub(crate) fn state_zeros(p: &Var) -> Result<Tensor> {
+    state_zeros_as(p, p.tensor().dtype())
+}
+
+/// Zeros in `dtype` shaped like parameter `p` (on its device), charged as optimizer state.
+pub(crate) fn state_zeros_as(p: &Var, dtype: DType) -> Result<Tensor> {
     let t = p.tensor();
     meshgrad_tensor::alloc::with_tag(meshgrad_tensor::alloc::MemoryTag::OptimizerState, || {
-        Tensor::zeros(t.shape(), t.dtype(), t.device())
+        Tensor::zeros(t.shape(), dtype, t.device())
     })
 }
 

@@ -95,10 +95,15 @@ pub fn vocab_parallel_cross_entropy(
             }
         })
         .collect();
+    // Half-precision logits give an f32 loss, as the fused single-device cross-entropy does.
+    let loss_dtype = match x.dtype() {
+        DType::BF16 | DType::F16 => DType::F32,
+        d => d,
+    };
     let loss = Tensor::from_vec(rows, n, x.device())?
         .sum_all()?
         .mul_scalar(scale)?
-        .to_dtype(x.dtype())?;
+        .to_dtype(loss_dtype)?;
     Ok(Var::from_op(
         "vocab_parallel_cross_entropy",
         loss,
@@ -107,8 +112,9 @@ pub fn vocab_parallel_cross_entropy(
             // d loss / d x = (softmax(x) - onehot(target)) * g / count on kept rows: the local
             // slice of the softmax from the global log-sum-exp, minus the target's one-hot
             // scatter-added on the rank that holds it.
+            // Computed in the loss's dtype (f32 for half logits), returned in the logits'.
             let g = g.to_dtype(DType::F64)?.item()? * scale;
-            let (dtype, dev) = (x.dtype(), x.device());
+            let (dtype, dev) = (loss_dtype, x.device());
             let column = |v: Vec<f64>| Tensor::from_vec(v, (n, 1), dev)?.to_dtype(dtype);
             let row_scale = column(keep.iter().map(|&k| if k { g } else { 0.0 }).collect())?;
             let hit = column(
@@ -123,9 +129,13 @@ pub fn vocab_parallel_cross_entropy(
                     })
                     .collect(),
             )?;
-            let softmax = x.sub(&column(lse.clone())?)?.exp()?.mul(&row_scale)?;
+            let softmax = x
+                .to_dtype(dtype)?
+                .sub(&column(lse.clone())?)?
+                .exp()?
+                .mul(&row_scale)?;
             let onehot = hit.gather_backward(1, &local_idx, (n, vl))?;
-            Ok(vec![Some(softmax.sub(&onehot)?)])
+            Ok(vec![Some(softmax.sub(&onehot)?.to_dtype(x.dtype())?)])
         }),
     ))
 }

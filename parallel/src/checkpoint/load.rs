@@ -77,7 +77,8 @@ impl Checkpoint {
             self.check_parameter(name, &global)?;
             let t = self
                 .read_local(name, split.as_ref(), None)?
-                .to_dtype(var.tensor().dtype())?;
+                .to_dtype(var.tensor().dtype())?
+                .to_device(var.tensor().device())?;
             values.push((var, t));
         }
         if strict {
