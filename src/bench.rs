@@ -25,6 +25,9 @@ pub struct BenchOptions {
     pub device: Device,
     /// Sequences per step (default: the config's, see [`bench_config`]).
     pub batch: Option<usize>,
+    /// Parameter and activation dtype: f32, or bf16 with f32 master weights and optimizer state
+    /// (AdamW keeps them for half-precision parameters).
+    pub precision: DType,
     /// Timed steps (after 2 warm-up steps).
     pub steps: usize,
     /// Rayon threads.
@@ -225,7 +228,13 @@ pub fn run_bench(opts: &BenchOptions) -> Result<BenchResult> {
     if batch == 0 {
         bail!("bench: --batch must be at least 1");
     }
-    let model = Gpt::new(cfg, 1337, DType::F32, device)?;
+    if !matches!(opts.precision, DType::F32 | DType::BF16) {
+        bail!(
+            "bench: --precision {:?} is not supported (f32 or bf16)",
+            opts.precision
+        );
+    }
+    let model = Gpt::new(cfg, 1337, opts.precision, device)?;
     let params = model.num_parameters();
     if params != cfg.num_parameters() {
         bail!(
@@ -310,8 +319,9 @@ pub fn run_bench(opts: &BenchOptions) -> Result<BenchResult> {
             .then(|| flops / step_median_s / H100_BF16_DENSE_FLOPS),
     };
     println!(
-        "meshgrad bench {} on {device} (f32): {} layers, {} heads, n_embd {}, seq {}, batch {}, {} rayon threads; loss {:.4} -> {:.4}; step times (s): min {:.4} median {:.4} max {:.4}",
+        "meshgrad bench {} on {device} ({}): {} layers, {} heads, n_embd {}, seq {}, batch {}, {} rayon threads; loss {:.4} -> {:.4}; step times (s): min {:.4} median {:.4} max {:.4}",
         opts.model,
+        if opts.precision == DType::BF16 { "bf16, f32 master weights" } else { "f32" },
         cfg.n_layer,
         cfg.n_head,
         cfg.n_embd,
@@ -415,8 +425,8 @@ fn print_profile(times: &[f64]) {
 }
 
 /// The PyTorch reference runs of `meshgrad bench --pytorch`: `benches/pytorch_gpt.py` with the
-/// same model, device, batch and step count, eager and (on a GPU) `torch.compile`, in f32 like
-/// meshgrad's step. Returns `(mode, tokens_per_s)` per run; each run's own lines are printed.
+/// same model, device, batch, step count and precision (bf16: autocast with f32 parameters),
+/// eager and (on a GPU) `torch.compile`. Returns `(mode, tokens_per_s)` per run; each run's own lines are printed.
 pub fn run_pytorch_reference(
     opts: &BenchOptions,
     python: &str,
@@ -443,7 +453,15 @@ pub fn run_pytorch_reference(
             .args(["--model", &opts.model, "--device", device])
             .args(["--steps", &opts.steps.to_string()])
             .args(["--threads", &opts.threads.to_string()])
-            .args(["--batch", &batch.to_string()]);
+            .args(["--batch", &batch.to_string()])
+            .args([
+                "--precision",
+                if opts.precision == DType::BF16 {
+                    "bf16"
+                } else {
+                    "f32"
+                },
+            ]);
         if compile {
             cmd.arg("--compile");
         }

@@ -36,6 +36,9 @@ enum Command {
         /// Sequences per step (default 8).
         #[arg(long)]
         batch: Option<usize>,
+        /// f32, or bf16 (bf16 parameters and activations, f32 master weights and AdamW state).
+        #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
+        precision: String,
         /// Also run the PyTorch reference (benches/pytorch_gpt.py: eager, and torch.compile on a
         /// GPU) with the same model, device, batch and steps, and print the ratios last.
         #[arg(long)]
@@ -515,6 +518,7 @@ fn run(cli: Cli) -> Result<()> {
             model,
             device,
             batch,
+            precision,
             pytorch,
             python,
             pytorch_script,
@@ -529,6 +533,11 @@ fn run(cli: Cli) -> Result<()> {
                 model,
                 device: device.parse()?,
                 batch,
+                precision: if precision == "bf16" {
+                    meshgrad::prelude::DType::BF16
+                } else {
+                    meshgrad::prelude::DType::F32
+                },
                 steps,
                 threads,
                 profile,
