@@ -87,15 +87,20 @@
 //! `meshgrad launch`), Open MPI or Slurm ([`RankEnv`]); [`store`] is the TCP key-value store rank
 //! 0 serves at `MASTER_ADDR:MASTER_PORT` for the ranks to rendezvous before a communicator exists.
 
+pub mod backend;
 pub mod env;
 mod in_process;
 mod launcher;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 mod reduce;
+pub mod rendezvous;
 pub mod store;
 mod work;
 
+pub use backend::{default_backend, Backend};
 pub use env::{EnvSource, RankEnv};
 pub use in_process::InProcessComm;
 pub use launcher::{run_ranks, run_ranks_each, RankCtx, RunOptions};
