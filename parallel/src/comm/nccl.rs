@@ -10,9 +10,11 @@
 //!   NCCL communicator (`ncclCommInitRank`), owns it and a **communication stream** of its own,
 //!   and issues every NCCL call. Calls reach it over a channel, in the order they were made,
 //!   which is the order NCCL needs (every member issues the same collectives in the same order).
-//! * **Stream ordering.** At the call, on the caller's thread, the output is allocated
-//!   ([`Tensor::cuda_uninit`]) and an event is recorded on the device's compute stream, after
-//!   the work that produced the input. The NCCL thread makes the communication stream wait on
+//! * **Stream ordering.** At the call, on the caller's thread, the input is copied (on the
+//!   compute stream: the contract lets the caller modify its tensor while the operation is in
+//!   flight; all-reduce and broadcast then run in place on that copy, which becomes the result),
+//!   the output of the other collectives is allocated ([`Tensor::cuda_uninit`]), and an event
+//!   is recorded on the device's compute stream, after the work that produced the input. The NCCL thread makes the communication stream wait on
 //!   that event, launches the collective and records a *done* event after it. [`Work::wait`] on
 //!   a tensor result makes the compute stream wait on the done event and returns the output at
 //!   once, without blocking the host: later kernels on the output are ordered after the
@@ -441,11 +443,13 @@ impl NcclCommunicator {
         )
     }
 
-    /// The input on this rank's device, contiguous, and whether it came from the host.
+    /// A private contiguous copy of the input on this rank's device (the contract: inputs are
+    /// copied at launch, so the caller may modify them on the compute stream while NCCL runs),
+    /// and whether it came from the host.
     fn stage(&self, call: &'static str, t: &Tensor) -> Result<(Tensor, bool)> {
         match t.device() {
             Device::Cpu => Ok((t.to_device(self.device())?.contiguous()?, true)),
-            Device::Cuda(n) if n == self.ordinal => Ok((t.contiguous()?, false)),
+            Device::Cuda(n) if n == self.ordinal => Ok((t.deep_clone()?, false)),
             d => Err(self.err(
                 call,
                 format!(
@@ -499,17 +503,21 @@ impl NcclCommunicator {
         (tx, work)
     }
 
-    /// A collective with an output of `out_dims`: stages the input, allocates the output,
-    /// posts `make(input buffer, output buffer)`.
+    /// A collective with an output of `out_dims` (`None`: in place, on the staged copy of the
+    /// input, which becomes the output): stages the input, allocates the output, posts
+    /// `make(input buffer, output buffer)`.
     fn collective(
         &self,
         call: &'static str,
         tensor: &Tensor,
-        out_dims: Vec<usize>,
+        out_dims: Option<Vec<usize>>,
         make: impl FnOnce(CudaBuffer, CudaBuffer) -> Kind,
     ) -> Result<Work> {
         let (input, from_host) = self.stage(call, tensor)?;
-        let output = Tensor::cuda_uninit(out_dims, input.dtype(), self.ordinal)?;
+        let output = match out_dims {
+            Some(dims) => Tensor::cuda_uninit(dims, input.dtype(), self.ordinal)?,
+            None => input.clone(),
+        };
         let kind = make(input.cuda_buffer()?, output.cuda_buffer()?);
         let finish = if from_host {
             Finish::Host
@@ -617,7 +625,7 @@ impl Communicator for NcclCommunicator {
 
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
         let red = nccl_op(op, tensor.dtype()).map_err(|m| self.err("all_reduce", m))?;
-        self.collective("all_reduce", tensor, tensor.dims().to_vec(), |i, o| {
+        self.collective("all_reduce", tensor, None, |i, o| {
             Kind::AllReduce(i, o, red)
         })
     }
@@ -633,7 +641,7 @@ impl Communicator for NcclCommunicator {
         }
         let red = nccl_op(op, tensor.dtype()).map_err(|m| self.err("reduce_scatter", m))?;
         dims[0] /= w;
-        self.collective("reduce_scatter", tensor, dims, |i, o| {
+        self.collective("reduce_scatter", tensor, Some(dims), |i, o| {
             Kind::ReduceScatter(i, o, red)
         })
     }
@@ -646,14 +654,14 @@ impl Communicator for NcclCommunicator {
         } else {
             dims[0] *= w;
         }
-        self.collective("all_gather", tensor, dims, Kind::AllGather)
+        self.collective("all_gather", tensor, Some(dims), Kind::AllGather)
     }
 
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Work> {
         if root >= self.world_size() {
             return Err(self.err("broadcast", format!("root {root} is not a group rank")));
         }
-        self.collective("broadcast", tensor, tensor.dims().to_vec(), |i, o| {
+        self.collective("broadcast", tensor, None, |i, o| {
             Kind::Broadcast(i, o, root)
         })
     }
@@ -843,13 +851,25 @@ impl Thread {
     fn serve(&self, rx: Receiver<Request>, stream: &CudaStream, comm: RawComm) {
         let mut flight: VecDeque<InFlight> = VecDeque::new();
         let mut aborted = false;
+        // Set by Shutdown: the loop ends once everything launched has finished (the watchdog
+        // still aborts what does not finish in time).
+        let mut closing = false;
         loop {
+            if closing && (aborted || flight.is_empty()) {
+                break;
+            }
             let wait = if flight.is_empty() {
                 Duration::from_millis(50)
             } else {
                 Duration::from_millis(1)
             };
-            match rx.recv_timeout(wait) {
+            let next = if closing {
+                std::thread::sleep(wait);
+                Err(RecvTimeoutError::Timeout)
+            } else {
+                rx.recv_timeout(wait)
+            };
+            match next {
                 Ok(Request::Launch(ops, ready)) => {
                     if aborted {
                         let e = self.shared.failed().expect("failed when aborted");
@@ -860,7 +880,7 @@ impl Thread {
                         self.launch(&comm, stream, ops, ready, &mut flight);
                     }
                 }
-                Ok(Request::Shutdown) | Err(RecvTimeoutError::Disconnected) => break,
+                Ok(Request::Shutdown) | Err(RecvTimeoutError::Disconnected) => closing = true,
                 Err(RecvTimeoutError::Timeout) => {}
             }
             while flight.front().is_some_and(|f| f.done.is_complete()) {
@@ -898,7 +918,7 @@ impl Thread {
             }
         }
         if !aborted {
-            // Everything launched must finish before the communicator goes away.
+            // Everything launched has finished (the loop waited for it).
             let _ = stream.synchronize();
             drop(flight);
             // SAFETY: the communicator is live, owned by this thread, and nothing is pending.
