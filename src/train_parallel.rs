@@ -195,7 +195,7 @@ pub(crate) fn selected_backend() -> Backend {
 /// [`default_backend`](meshgrad_parallel::comm::default_backend) for the CPU, where training
 /// runs (threads, or mpi under mpirun: today's behaviour). NCCL is checked at once: a one-line
 /// error when this build has no NCCL or this process has no GPU `cuda:LOCAL_RANK`; `mpi` needs
-/// mpirun's variables. The choice is kept for [`on_ranks`].
+/// mpirun's variables. The choice is kept for the layout runner (`on_ranks`).
 pub fn resolve_backend(flag: Option<&str>, env: &RankEnv) -> Result<Backend> {
     let var = std::env::var(crate::launch::BACKEND_VAR)
         .ok()

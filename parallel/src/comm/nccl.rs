@@ -284,13 +284,14 @@ impl NcclPending {
     fn host_wait(&self, done: &CudaEvent) -> Result<()> {
         let mut pause = Duration::from_micros(20);
         loop {
-            if let Some(e) = self.shared.failed() {
-                return Err(e);
-            }
+            // Completion first: a later operation's failure does not fail this finished one.
             match done.try_is_complete() {
                 Ok(true) => return Ok(()),
                 Ok(false) => {}
                 Err(e) => return Err(Error::msg(format!("waiting for a NCCL operation: {e}"))),
+            }
+            if let Some(e) = self.shared.failed() {
+                return Err(e);
             }
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_millis(1));
@@ -311,8 +312,11 @@ impl Pending<Option<Tensor>> for NcclPending {
         let done = self.launched(true).expect("blocking")?;
         match self.finish {
             Finish::Device => {
-                if let Some(e) = self.shared.failed() {
-                    return Err(e);
+                // A failed (aborted) communicator's unfinished operations have no valid result.
+                if !done.is_complete() {
+                    if let Some(e) = self.shared.failed() {
+                        return Err(e);
+                    }
                 }
                 self.compute
                     .wait(&done)

@@ -43,8 +43,10 @@ unsafe impl Sync for CudaBuffer {}
 impl Tensor {
     /// The device buffer of this tensor, for libraries that take raw device pointers (NCCL).
     /// The tensor must live on a CUDA device and be contiguous (call [`Tensor::contiguous`]
-    /// first); a released tensor is materialised first. See the [ordering rule](self) for work
-    /// on other streams.
+    /// first); a released tensor is materialised first. Ordering rule for work on other streams:
+    /// start it after an event recorded on the compute stream ([`CudaBuffer::stream`]), and make
+    /// the compute stream wait on an event recorded after it before the tensor is used again or
+    /// dropped (a dropped buffer goes back to the caching allocator at once).
     pub fn cuda_buffer(&self) -> Result<CudaBuffer> {
         let Device::Cuda(ordinal) = self.device() else {
             return Err(Error::Msg(format!(
