@@ -54,7 +54,9 @@
 //! operation of it fails with that error. An asynchronous NCCL error
 //! (`ncclCommGetAsyncError`, e.g. a peer's process died) aborts it the same way. Limits: the
 //! creation of a communicator (`ncclCommInitRank`) blocks its thread; the caller stops waiting
-//! after the timeout and fails, but the thread stays until NCCL returns.
+//! after the timeout and fails, but the thread stays until NCCL returns. While the thread waits
+//! for a receive's header (up to the timeout), it launches nothing else on that communicator
+//! and its watchdog checks the operations in flight only afterwards.
 //!
 //! # What NCCL guarantees, and what not
 //!

@@ -96,3 +96,20 @@ impl Tensor {
 pub fn cuda_compute_stream(ordinal: usize) -> Result<Arc<CudaStream>> {
     Ok(super::context(ordinal)?.stream.clone())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Host-side: a CPU tensor has no device buffer, and without a GPU nothing panics.
+    #[test]
+    fn cuda_buffer_refuses_host_tensors_and_no_gpu_is_an_error() {
+        let t = Tensor::from_vec(vec![1f32, 2.0], 2, Device::Cpu).unwrap();
+        let e = t.cuda_buffer().unwrap_err().to_string();
+        assert_eq!(e, "cuda_buffer: the tensor is on cpu, not on a CUDA device");
+        if crate::cuda_device_count() == 0 {
+            assert!(Tensor::cuda_uninit(4, DType::F32, 0).is_err());
+            assert!(cuda_compute_stream(0).is_err());
+        }
+    }
+}
