@@ -39,5 +39,16 @@ out=$(./target/release/meshgrad selftest --device cuda)
 echo "$out"
 case "$out" in "selftest: device=cuda:0 skipped: "*) ;; *) echo "unexpected selftest output"; exit 1;; esac
 
+# The NCCL backend (compiled only: no GPU here): clippy, its host-side tests (unique-id exchange and
+# message headers through the store, the type and op tables, default_backend) and the one-line
+# refusal of --backend nccl without a GPU; the GPU tests skip with their reason.
+echo "==> cargo clippy (parallel, meshgrad) --all-targets --features nccl -- -D warnings"
+cargo clippy -p meshgrad-parallel -p meshgrad --all-targets --features nccl -- -D warnings
+echo "==> cargo test -p meshgrad-parallel --features nccl --lib comm:: and --test nccl (skips: no GPU)"
+cargo test --release -p meshgrad-parallel --features nccl --lib comm::
+cargo test --release -p meshgrad-parallel --features nccl --test nccl
+echo "==> cargo test --features nccl --test cli_launch (--backend nccl refused in one line: no GPU)"
+cargo test --release --features nccl --test cli_launch nccl
+
 echo "==> NVRTC compile check (sm_80, sm_90), MESHGRAD_REQUIRE_NVRTC=1"
 cargo test --release -p meshgrad-kernels --features cuda --test nvrtc_compile

@@ -18,6 +18,11 @@
 //!   from mpirun's own message (Open MPI's wording) and fails with the same kind of line, e.g.
 //!   `rank 2 was killed by signal 9 (SIGKILL); mpirun stopped the other ranks (...)`.
 //!
+//! * `--backend nccl` starts plain processes as `threads` does, with `MESHGRAD_BACKEND=nccl` so
+//!   that `meshgrad train` in each rank uses the NCCL backend on `cuda:LOCAL_RANK`, rendezvousing
+//!   through rank 0's store. It first checks that NCCL can run here (built with `--features
+//!   nccl`, at least `--nproc-per-node` CUDA devices) and fails in one line saying why not.
+//!
 //! Signals are sent with the `kill` command (no unsafe code) and `Child::kill`.
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -43,7 +48,13 @@ pub enum LaunchBackend {
     Threads,
     /// The system's `mpirun`.
     Mpi,
+    /// Plain child processes, one per GPU, training over NCCL (`MESHGRAD_BACKEND=nccl`).
+    Nccl,
 }
+
+/// The variable `meshgrad launch --backend nccl` sets in every rank so that `meshgrad train`
+/// uses the NCCL backend (its `--backend` flag overrides it).
+pub const BACKEND_VAR: &str = "MESHGRAD_BACKEND";
 
 impl std::str::FromStr for LaunchBackend {
     type Err = String;
@@ -51,7 +62,10 @@ impl std::str::FromStr for LaunchBackend {
         match s {
             "threads" => Ok(LaunchBackend::Threads),
             "mpi" => Ok(LaunchBackend::Mpi),
-            _ => Err(format!("unknown backend {s:?} (expected threads or mpi)")),
+            "nccl" => Ok(LaunchBackend::Nccl),
+            _ => Err(format!(
+                "unknown backend {s:?} (expected threads, mpi or nccl)"
+            )),
         }
     }
 }
@@ -97,6 +111,14 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
     match opts.backend {
         LaunchBackend::Threads => launch_processes(&exe, opts),
         LaunchBackend::Mpi => launch_mpirun(&exe, opts),
+        LaunchBackend::Nccl => {
+            if let Some(why) =
+                meshgrad_parallel::comm::backend::nccl_unavailable(opts.nproc_per_node)
+            {
+                bail!("{why}");
+            }
+            launch_processes(&exe, opts)
+        }
     }
 }
 
@@ -214,6 +236,11 @@ fn launch_processes(exe: &Path, opts: &LaunchOptions) -> Result<()> {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
+        if opts.backend == LaunchBackend::Nccl {
+            cmd.env(BACKEND_VAR, "nccl");
+        } else {
+            cmd.env_remove(BACKEND_VAR);
+        }
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {

@@ -189,8 +189,9 @@ enum Command {
         /// Port of rank 0's store (default: a free port on one node, 29500 across nodes).
         #[arg(long)]
         master_port: Option<u16>,
-        /// threads: start the processes directly; mpi: through the system's mpirun -np N.
-        #[arg(long, default_value = "threads", value_parser = ["threads", "mpi"])]
+        /// threads: start the processes directly; mpi: through the system's mpirun -np N; nccl:
+        /// directly, one per GPU, training over NCCL (needs a build with --features nccl).
+        #[arg(long, default_value = "threads", value_parser = ["threads", "mpi", "nccl"])]
         backend: String,
         /// The meshgrad arguments every rank runs, after --, e.g. -- train --steps 10.
         #[arg(last = true, value_name = "ARGS")]
@@ -381,6 +382,12 @@ struct TrainArgs {
     /// run fails, naming the missing rank(s), the call and its sequence number (the watchdog).
     #[arg(long, value_name = "SECS", default_value_t = 300.0)]
     collective_timeout: f64,
+    /// With --layout: how the ranks communicate: threads (ranks as threads of this process),
+    /// mpi (one rank per process under mpirun), nccl (one rank per process and GPU, under
+    /// `meshgrad launch --backend nccl`; needs a build with --features nccl). Default:
+    /// MESHGRAD_BACKEND when set (meshgrad launch sets it), else threads, or mpi under mpirun.
+    #[arg(long, value_parser = ["threads", "mpi", "nccl"])]
+    backend: Option<String>,
 }
 
 fn train_config(a: &TrainArgs) -> Result<TrainConfig> {
@@ -416,7 +423,18 @@ fn train_config(a: &TrainArgs) -> Result<TrainConfig> {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Train(a) => {
-            meshgrad::launch::refuse_multi_process(&meshgrad::parallel::comm::RankEnv::detect()?)?;
+            let env = meshgrad::parallel::comm::RankEnv::detect()?;
+            let backend = meshgrad::train_parallel::resolve_backend(a.backend.as_deref(), &env)?;
+            if backend == meshgrad::parallel::comm::Backend::Nccl {
+                if a.layout.is_none() {
+                    anyhow::bail!(
+                        "--backend nccl: give a --layout of {} ranks (WORLD_SIZE)",
+                        env.world_size
+                    );
+                }
+            } else {
+                meshgrad::launch::refuse_multi_process(&env)?;
+            }
             let cfg = train_config(&a)?;
             meshgrad::stop::install_once()?;
             let mut pipeline = meshgrad::train_pipeline::PipelineOptions::default();

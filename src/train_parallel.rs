@@ -28,7 +28,9 @@ use meshgrad_nn::optim::{AdamW, Optimizer};
 use meshgrad_nn::state::load_state_dict;
 use meshgrad_nn::tp::full_state_dict;
 use meshgrad_nn::{Gpt, Module};
-use meshgrad_parallel::comm::{all_reduce_scalar, run_ranks, RankCtx, RunOptions};
+use meshgrad_parallel::comm::{
+    all_reduce_scalar, run_ranks, Backend, RankCtx, RankEnv, RunOptions,
+};
 use meshgrad_parallel::tp::tensor_parallel;
 use meshgrad_parallel::zero::{ShardConfig, ShardedDataParallel, ZeroStage};
 use meshgrad_parallel::{
@@ -181,6 +183,9 @@ pub(crate) fn on_ranks<T: Send>(
     timeout: Duration,
     body: impl Fn(&RankCtx, &LayoutMesh) -> Result<Option<T>> + Send + Sync,
 ) -> Result<T> {
+    if selected_backend() == Backend::Nccl {
+        return on_nccl_rank(layout, timeout, body);
+    }
     if let Some(n) = mpi_world_size() {
         return on_mpi_rank(layout, n, timeout, body);
     }
@@ -198,6 +203,114 @@ pub(crate) fn on_ranks<T: Send>(
         .flatten()
         .next()
         .ok_or_else(|| anyhow::anyhow!("rank 0 returned no result"))
+}
+
+static BACKEND: std::sync::OnceLock<Backend> = std::sync::OnceLock::new();
+
+/// The backend [`resolve_backend`] chose for this process (threads when it was not called).
+pub(crate) fn selected_backend() -> Backend {
+    BACKEND.get().copied().unwrap_or(Backend::Threads)
+}
+
+/// Chooses `meshgrad train`'s communication backend: `flag` (`--backend`), else
+/// `MESHGRAD_BACKEND` (which `meshgrad launch --backend nccl` sets), else
+/// [`default_backend`](meshgrad_parallel::comm::default_backend) for the CPU, where training
+/// runs (threads, or mpi under mpirun: today's behaviour). NCCL is checked at once: a one-line
+/// error when this build has no NCCL or this process has no GPU `cuda:LOCAL_RANK`; `mpi` needs
+/// mpirun's variables. The choice is kept for the layout runner (`on_ranks`).
+pub fn resolve_backend(flag: Option<&str>, env: &RankEnv) -> Result<Backend> {
+    let var = std::env::var(crate::launch::BACKEND_VAR)
+        .ok()
+        .filter(|v| !v.is_empty());
+    let chosen = match flag.map(str::to_string).or(var) {
+        Some(s) => s.parse::<Backend>().map_err(anyhow::Error::msg)?,
+        None => meshgrad_parallel::comm::default_backend(Device::Cpu, env),
+    };
+    match chosen {
+        Backend::Nccl => {
+            if let Some(why) =
+                meshgrad_parallel::comm::backend::nccl_unavailable(env.local_rank + 1)
+            {
+                anyhow::bail!("{why}");
+            }
+        }
+        Backend::Mpi if mpi_world_size().is_none() => anyhow::bail!(
+            "--backend mpi: this process was not started by mpirun as one of several ranks \
+             (run `meshgrad launch --backend mpi --nproc-per-node N -- train ...` or mpirun -np N)"
+        ),
+        _ => {}
+    }
+    let _ = BACKEND.set(chosen);
+    Ok(chosen)
+}
+
+/// `on_ranks` under `meshgrad launch --backend nccl`: this process runs its single rank over
+/// NCCL on `cuda:LOCAL_RANK` (the model computes on the CPU; the NCCL backend stages CPU
+/// tensors through the GPU). The ranks rendezvous through rank 0's store. Rank 0 returns its
+/// result; the other ranks exit once every rank has finished; an error on any rank is printed
+/// with its rank and ends the process with status 1 (the launcher then stops the others).
+#[cfg(feature = "nccl")]
+fn on_nccl_rank<T: Send>(
+    layout: &ParallelLayout,
+    timeout: Duration,
+    body: impl Fn(&RankCtx, &LayoutMesh) -> Result<Option<T>>,
+) -> Result<T> {
+    use meshgrad_parallel::comm::nccl::NcclCommunicator;
+    use meshgrad_parallel::comm::store::TcpStore;
+    use meshgrad_tensor::alloc::{with_tracker, MemoryTracker};
+    let env = RankEnv::detect()?;
+    if layout.world_size() != env.world_size {
+        anyhow::bail!(
+            "--layout {layout} needs {} ranks, but this is one of {} NCCL ranks",
+            layout.world_size(),
+            env.world_size
+        );
+    }
+    let store = Arc::new(TcpStore::from_env(&env, timeout)?);
+    let world: Arc<dyn Communicator> = NcclCommunicator::world(&env, store.clone(), timeout)?;
+    let tracker = MemoryTracker::new();
+    let ctx = RankCtx {
+        rank: env.rank,
+        world_size: env.world_size,
+        comm: world,
+        tracker: tracker.clone(),
+    };
+    let rank = ctx.rank;
+    let r = with_tracker(tracker, || -> Result<Option<T>> {
+        let mesh = layout.mesh(ctx.comm.clone())?;
+        let r = body(&ctx, &mesh)?;
+        ctx.comm.barrier()?.wait()?;
+        Ok(r)
+    });
+    match r {
+        Ok(r) => {
+            drop(ctx);
+            // Every rank leaves the store's barrier before rank 0 drops (and stops) it.
+            store.barrier("nccl-done")?;
+            drop(store);
+            if rank != 0 {
+                std::process::exit(0);
+            }
+            r.ok_or_else(|| anyhow::anyhow!("rank 0 returned no result"))
+        }
+        Err(e) => {
+            eprintln!("error: rank {rank}: {e:#}");
+            std::process::exit(1)
+        }
+    }
+}
+
+#[cfg(not(feature = "nccl"))]
+fn on_nccl_rank<T: Send>(
+    _layout: &ParallelLayout,
+    _timeout: Duration,
+    _body: impl Fn(&RankCtx, &LayoutMesh) -> Result<Option<T>>,
+) -> Result<T> {
+    anyhow::bail!(
+        "{}",
+        meshgrad_parallel::comm::backend::nccl_unavailable(1)
+            .unwrap_or_else(|| "--backend nccl: not built in".into())
+    )
 }
 
 /// The number of MPI ranks when this process is one of several started by an MPI launcher, from

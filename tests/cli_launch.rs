@@ -5,7 +5,8 @@
 //! one line. Uses the hidden `meshgrad launch-probe` subcommand as the child. With the `mpi`
 //! feature and mpirun on PATH, the same failures under `--backend mpi` (ranks waiting in MPI
 //! collectives): a killed rank and a panicking rank end the job within 30 s, named, with no rank
-//! left running.
+//! left running. `--backend nccl` without the `nccl` feature or a GPU fails in one line saying
+//! why; with both, a world of one trains through the launcher like the threads backend.
 
 mod common;
 
@@ -28,6 +29,7 @@ fn launcher() -> Command {
         "MASTER_PORT",
         "OMPI_COMM_WORLD_RANK",
         "SLURM_PROCID",
+        "MESHGRAD_BACKEND",
     ] {
         c.env_remove(v);
     }
@@ -446,4 +448,129 @@ fn mpi_launch_ends_the_job_when_a_rank_panics() {
     );
     let left = still_running(&pids);
     assert!(left.is_empty(), "ranks still running: {left:?} of {pids:?}");
+}
+
+/// Whether this test binary's meshgrad has NCCL and a GPU to run it on.
+fn nccl_runs_here() -> bool {
+    #[cfg(feature = "nccl")]
+    {
+        meshgrad::tensor::cuda_device_count() > 0
+    }
+    #[cfg(not(feature = "nccl"))]
+    false
+}
+
+/// The reason `--backend nccl` cannot run in this build on this machine.
+fn nccl_refusal() -> &'static str {
+    if cfg!(feature = "nccl") {
+        "--backend nccl: no CUDA device is visible"
+    } else {
+        "--backend nccl: meshgrad was built without NCCL support: rebuild with `cargo build --release --features nccl`"
+    }
+}
+
+/// Without the `nccl` feature, or without a GPU, `--backend nccl` fails at once in one line
+/// saying why, from the launcher and from `meshgrad train` (flag or MESHGRAD_BACKEND).
+#[test]
+fn nccl_backend_without_nccl_or_gpu_is_refused_in_one_line() {
+    if nccl_runs_here() {
+        println!("skipped: NCCL and a GPU are here (the GPU test covers this build)");
+        return;
+    }
+    let o = launcher()
+        .args(["launch", "--backend", "nccl", "--nproc-per-node", "1", "--"])
+        .arg("launch-probe")
+        .output()
+        .unwrap();
+    assert_one_line_error(&o, &[nccl_refusal()]);
+    let o = launcher()
+        .args([
+            "train",
+            "--steps",
+            "1",
+            "--layout",
+            "dp=1",
+            "--backend",
+            "nccl",
+        ])
+        .output()
+        .unwrap();
+    assert_one_line_error(&o, &[nccl_refusal()]);
+    let o = launcher()
+        .args(["train", "--steps", "1", "--layout", "dp=1"])
+        .env("MESHGRAD_BACKEND", "nccl")
+        .output()
+        .unwrap();
+    assert_one_line_error(&o, &[nccl_refusal()]);
+    let o = launcher()
+        .args(["train", "--steps", "1"])
+        .env("MESHGRAD_BACKEND", "gloo")
+        .output()
+        .unwrap();
+    assert_one_line_error(
+        &o,
+        &["unknown backend \"gloo\" (expected threads, mpi or nccl)"],
+    );
+    let o = launcher()
+        .args(["train", "--steps", "1", "--backend", "mpi"])
+        .output()
+        .unwrap();
+    assert_one_line_error(
+        &o,
+        &["--backend mpi: this process was not started by mpirun"],
+    );
+}
+
+/// The GPU check through the launcher (world size 1; NCCL refuses two ranks on one GPU, so a
+/// one-GPU machine cannot run more): `meshgrad launch --backend nccl --nproc-per-node 1 --
+/// train --layout dp=1` trains over NCCL and logs the same losses as the same run with ranks
+/// as threads, to rounding. Skips with the reason without the feature or a GPU, unless
+/// MESHGRAD_REQUIRE_CUDA=1, which makes that a failure.
+#[test]
+fn nccl_launch_trains_like_threads_on_one_gpu() {
+    if !nccl_runs_here() {
+        let why = if cfg!(feature = "nccl") {
+            "no CUDA device"
+        } else {
+            "built without --features nccl"
+        };
+        assert!(
+            std::env::var("MESHGRAD_REQUIRE_CUDA").as_deref() != Ok("1"),
+            "MESHGRAD_REQUIRE_CUDA=1 but NCCL cannot run here: {why}"
+        );
+        println!("skipped: {why}");
+        return;
+    }
+    let dir = common::tmpdir("nccl-launch");
+    let sets = [
+        "model.n_layer=1",
+        "model.n_embd=32",
+        "model.n_head=2",
+        "model.block_size=32",
+        "train.batch_size=8",
+        "train.eval_batches=1",
+        "train.eval_interval=2",
+        "train.sample_tokens=0",
+    ];
+    let run = |tag: &str, launch: bool| {
+        let mut c = launcher();
+        if launch {
+            c.args(["launch", "--backend", "nccl", "--nproc-per-node", "1", "--"]);
+        }
+        c.args(["train", "--steps", "3", "--layout", "dp=1"]);
+        c.args(["--out", dir.join(tag).to_str().unwrap()]);
+        c.args([
+            "--metrics",
+            dir.join(format!("{tag}.jsonl")).to_str().unwrap(),
+        ]);
+        for s in sets {
+            c.args(["--set", s]);
+        }
+        let o = c.output().unwrap();
+        assert_ok(&o);
+        common::metrics(&dir, tag)
+    };
+    let threads = run("threads", false);
+    let nccl = run("nccl", true);
+    common::assert_lockstep("nccl", &nccl, &threads, false);
 }

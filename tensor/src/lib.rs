@@ -78,7 +78,10 @@ mod tensor;
 pub mod testing;
 
 #[cfg(feature = "cuda")]
-pub use cuda_backend::{cuda_device_count, cuda_memory_stats, CudaMemoryStats, CudaStorage};
+pub use cuda_backend::{
+    cuda_compute_stream, cuda_device_count, cuda_memory_stats, CudaBuffer, CudaMemoryStats,
+    CudaStorage,
+};
 pub use device::Device;
 pub use dtype::{DType, WithDType};
 pub use error::{CommError, CommErrorKind, Error, Result};

@@ -3,8 +3,8 @@
 //!
 //! # Guarantees of every backend
 //!
-//! These hold for the in-process backend, the MPI backend (feature `mpi`) and any backend added
-//! later (NCCL is planned); code that uses a [`Communicator`] may rely on them and on nothing more.
+//! These hold for the in-process backend, the MPI backend (feature `mpi`), the NCCL backend
+//! (feature `nccl`) and any backend added later; code that uses a [`Communicator`] may rely on them and on nothing more.
 //!
 //! * **Ranks and groups.** A communicator is one rank's handle on a group of ranks. `rank()` is
 //!   this rank's index in the group (`0..world_size()`), and `ranks()` lists the members' global
@@ -75,27 +75,41 @@
 //!   pairwise addition. Mismatches are not detected (MPI may fail with a truncation error or hang
 //!   until the watchdog). The watchdog asks the peers for their
 //!   progress and names the missing ranks; a rank that panics ends the job (`MPI_Abort`).
-//! * **NCCL** (planned): ring and tree algorithms reduce in an order that depends on the
-//!   topology, the message size and the number of channels; NCCL documents neither rank-order
-//!   reduction nor bit-equal results across ranks or runs, so neither may be relied on. The plan:
-//!   stream-ordered completion as described above, a watchdog that aborts the communicator
-//!   (`ncclCommAbort`) on timeout, and groups made by `ncclCommSplit`.
+//! * **NCCL** (`nccl::NcclCommunicator`, feature `nccl`, one rank per process and GPU; compiled,
+//!   not yet run on a GPU): ring and tree algorithms reduce in an order that depends on the
+//!   topology, the message size, the number of channels and the NCCL version; NCCL documents
+//!   neither rank-order reduction nor bit-equal results across ranks or runs, so neither may be
+//!   relied on (results equal the in-process backend's only to rounding). bf16 and f16 sums
+//!   round after every pairwise addition; `Max` does not promise to propagate NaN. Completion is
+//!   stream-ordered as described above; the watchdog aborts the communicator (`ncclCommAbort`)
+//!   on timeout but cannot name the missing ranks; groups get their own unique ids through the
+//!   store (`ncclCommSplit` would need every rank of the parent, and the trait's `new_group` is
+//!   called by the members only). Mismatches are not detected. Operations of one communicator
+//!   run in issue order on one stream, so a receive issued before a collective holds the
+//!   collective back until its message arrives.
 //!
 //! # Multi-process jobs
 //!
 //! [`env`](mod@env) reads a process's rank, world size and local rank from the variables of torchrun (and
 //! `meshgrad launch`), Open MPI or Slurm ([`RankEnv`]); [`store`] is the TCP key-value store rank
-//! 0 serves at `MASTER_ADDR:MASTER_PORT` for the ranks to rendezvous before a communicator exists.
+//! 0 serves at `MASTER_ADDR:MASTER_PORT` for the ranks to rendezvous before a communicator exists
+//! ([`rendezvous`]: NCCL's unique ids and message headers travel there). [`backend`] names the
+//! backends and picks the default one from the device and the environment.
 
+pub mod backend;
 pub mod env;
 mod in_process;
 mod launcher;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 mod reduce;
+pub mod rendezvous;
 pub mod store;
 mod work;
 
+pub use backend::{default_backend, Backend};
 pub use env::{EnvSource, RankEnv};
 pub use in_process::InProcessComm;
 pub use launcher::{run_ranks, run_ranks_each, RankCtx, RunOptions};

@@ -6,7 +6,8 @@
 //! kernel modules, library handles), `memory.rs` (the caching allocator), `storage.rs`
 //! ([`CudaStorage`]), `imp.rs` (the [`crate::backend::api::BackendStorage`] implementation,
 //! which delegates to `basic/` for the required ops, `fused/` for the fused ones and
-//! `blas.rs` for matmul and linear), `signature.rs` (every launch's argument sizes checked
+//! `blas.rs` for matmul and linear), `raw.rs` (device
+//! addresses, uninitialised outputs and the compute stream for NCCL), `signature.rs` (every launch's argument sizes checked
 //! against the kernel's declaration, read from the kernel source).
 //!
 //! Ordering: every kernel, copy and free of a device is issued on its one compute stream, so
@@ -24,10 +25,12 @@ mod fused;
 mod imp;
 mod launch;
 mod memory;
+mod raw;
 mod signature;
 mod storage;
 
 pub(crate) use context::{context, DeviceContext};
 pub use context::{cuda_device_count, cuda_memory_stats, CudaMemoryStats};
 pub(crate) use launch::{grid_for, KernelArgs, BLOCK};
+pub use raw::{cuda_compute_stream, CudaBuffer};
 pub use storage::CudaStorage;
