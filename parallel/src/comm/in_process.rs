@@ -526,26 +526,8 @@ impl Communicator for InProcessComm {
     }
 
     fn new_group(&self, ranks: &[usize], tag: &str) -> Result<Arc<dyn Communicator>> {
-        let n = self.world_size();
-        let me = ranks.iter().position(|&r| r == self.rank);
-        let mut seen = vec![false; n];
-        for &r in ranks {
-            if r >= n || std::mem::replace(&mut seen[r], true) {
-                return Err(self.invalid(
-                    "new_group",
-                    format!("ranks {ranks:?} must be distinct ranks below {n}"),
-                ));
-            }
-        }
-        let me = me.ok_or_else(|| {
-            self.invalid(
-                "new_group",
-                format!(
-                    "this rank (group rank {}) is not among {ranks:?}; only members create a group",
-                    self.rank
-                ),
-            )
-        })?;
+        let me = super::group_position(ranks, self.world_size(), self.rank)
+            .map_err(|m| self.invalid("new_group", m))?;
         let members: Vec<usize> = ranks.iter().map(|&r| self.group.members[r]).collect();
         let instance = {
             let mut counts = lock(&self.group_counts);

@@ -250,6 +250,27 @@ pub enum P2pWork {
     Recv(Work),
 }
 
+/// Checks the members of a group being created by `new_group` on a communicator of `world`
+/// ranks, called by group rank `me`: they must be distinct ranks below `world` and include `me`.
+/// Returns `me`'s position among them, or the message of the one-line error every backend gives.
+pub(crate) fn group_position(
+    ranks: &[usize],
+    world: usize,
+    me: usize,
+) -> std::result::Result<usize, String> {
+    let mut seen = vec![false; world];
+    for &r in ranks {
+        if r >= world || std::mem::replace(&mut seen[r], true) {
+            return Err(format!(
+                "ranks {ranks:?} must be distinct ranks below {world}"
+            ));
+        }
+    }
+    ranks.iter().position(|&r| r == me).ok_or_else(|| {
+        format!("this rank (group rank {me}) is not among {ranks:?}; only members create a group")
+    })
+}
+
 /// Formats global ranks as `[0,1,2,3]`.
 pub fn format_ranks(ranks: &[usize]) -> String {
     let parts: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();

@@ -517,25 +517,8 @@ impl Communicator for MpiCommunicator {
     }
 
     fn new_group(&self, ranks: &[usize], tag: &str) -> Result<Arc<dyn Communicator>> {
-        let n = self.world_size();
-        let mut seen = vec![false; n];
-        for &r in ranks {
-            if r >= n || std::mem::replace(&mut seen[r], true) {
-                return Err(self.err(
-                    "new_group",
-                    format!("ranks {ranks:?} must be distinct ranks below {n}"),
-                ));
-            }
-        }
-        let Some(my) = ranks.iter().position(|&r| r == self.rank) else {
-            return Err(self.err(
-                "new_group",
-                format!(
-                    "this rank (group rank {}) is not among {ranks:?}",
-                    self.rank
-                ),
-            ));
-        };
+        let my = super::group_position(ranks, self.world_size(), self.rank)
+            .map_err(|m| self.err("new_group", m))?;
         // A stable hash of the tag (FNV-1a), within the 15 bits every MPI allows for tags.
         let h = tag.bytes().fold(0x811c_9dc5_u32, |h, b| {
             (h ^ b as u32).wrapping_mul(0x0100_0193)

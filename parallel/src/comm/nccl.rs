@@ -729,25 +729,8 @@ impl Communicator for NcclCommunicator {
     }
 
     fn new_group(&self, ranks: &[usize], tag: &str) -> Result<Arc<dyn Communicator>> {
-        let n = self.world_size();
-        let mut seen = vec![false; n];
-        for &r in ranks {
-            if r >= n || std::mem::replace(&mut seen[r], true) {
-                return Err(self.err(
-                    "new_group",
-                    format!("ranks {ranks:?} must be distinct ranks below {n}"),
-                ));
-            }
-        }
-        let Some(my) = ranks.iter().position(|&r| r == self.rank) else {
-            return Err(self.err(
-                "new_group",
-                format!(
-                    "this rank (group rank {}) is not among {ranks:?}",
-                    self.rank
-                ),
-            ));
-        };
+        let my = super::group_position(ranks, self.world_size(), self.rank)
+            .map_err(|m| self.err("new_group", m))?;
         let nth = {
             let mut g = self.groups.lock().unwrap_or_else(|e| e.into_inner());
             let c = g.entry(format!("{tag}{ranks:?}")).or_insert(0);
