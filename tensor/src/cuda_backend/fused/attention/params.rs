@@ -179,17 +179,23 @@ pub(crate) fn mask_offset(p: &AttnParams, first: usize) -> usize {
 /// The 128-thread block of the tiled kernels.
 const ATTN_BLOCK: (u32, u32, u32) = (ATTN_THREADS, 1, 1);
 
-/// `attn_fwd_d<D>_<t>(q, k, v, out, lse, key_padding, P)`: grid `(ceil(seq_q / BQ),
-/// batch_heads)`. `[q, k, v, out, lse, key_padding]` (key_padding 0 when absent).
-pub(crate) fn fwd_launch(t: &str, head_dim: usize, p: [u64; 6], params: &AttnParams) -> Launch {
+/// A tiled attention kernel: the pointers `p`, then `P`; grid `(ceil(positions / per_block),
+/// batch_heads)` of [`ATTN_BLOCK`] threads, where `positions` is `seq_q` for the query-tiled
+/// kernels and `seq_k` for dk/dv.
+fn tiled_launch(
+    entry: String,
+    p: &[u64],
+    params: &AttnParams,
+    positions: i64,
+    per_block: usize,
+) -> Launch {
     let mut args: Vec<Arg> = p.iter().map(|&x| Arg::Ptr(x)).collect();
     args.push(Arg::Attn(Box::new(*params)));
-    let bq = fwd_rows_per_block(head_dim);
     Launch {
         file: "attention.cu",
-        entry: format!("attn_fwd_d{head_dim}_{t}"),
+        entry,
         grid: (
-            (params.seq_q as usize).div_ceil(bq) as u32,
+            (positions as usize).div_ceil(per_block) as u32,
             params.batch_heads as u32,
             1,
         ),
@@ -197,6 +203,18 @@ pub(crate) fn fwd_launch(t: &str, head_dim: usize, p: [u64; 6], params: &AttnPar
         shared: 0,
         args,
     }
+}
+
+/// `attn_fwd_d<D>_<t>(q, k, v, out, lse, key_padding, P)`: grid `(ceil(seq_q / BQ),
+/// batch_heads)`. `[q, k, v, out, lse, key_padding]` (key_padding 0 when absent).
+pub(crate) fn fwd_launch(t: &str, head_dim: usize, p: [u64; 6], params: &AttnParams) -> Launch {
+    tiled_launch(
+        format!("attn_fwd_d{head_dim}_{t}"),
+        &p,
+        params,
+        params.seq_q,
+        fwd_rows_per_block(head_dim),
+    )
 }
 
 /// `attn_bwd_delta_<t>(out, dout, delta, P, head_dim)`: one warp per query row over all
@@ -228,41 +246,25 @@ pub(crate) fn delta_launch(
 /// `attn_bwd_dq_d<D>_<t>(q, k, v, dout, lse, delta, dq, key_padding, P)`: grid
 /// `(ceil(seq_q / BQ), batch_heads)`. `[q, k, v, dout, lse, delta, dq, key_padding]`.
 pub(crate) fn dq_launch(t: &str, head_dim: usize, p: [u64; 8], params: &AttnParams) -> Launch {
-    let mut args: Vec<Arg> = p.iter().map(|&x| Arg::Ptr(x)).collect();
-    args.push(Arg::Attn(Box::new(*params)));
-    let bq = dq_rows_per_block(head_dim);
-    Launch {
-        file: "attention.cu",
-        entry: format!("attn_bwd_dq_d{head_dim}_{t}"),
-        grid: (
-            (params.seq_q as usize).div_ceil(bq) as u32,
-            params.batch_heads as u32,
-            1,
-        ),
-        block: ATTN_BLOCK,
-        shared: 0,
-        args,
-    }
+    tiled_launch(
+        format!("attn_bwd_dq_d{head_dim}_{t}"),
+        &p,
+        params,
+        params.seq_q,
+        dq_rows_per_block(head_dim),
+    )
 }
 
 /// `attn_bwd_dkdv_d<D>_<t>(q, k, v, dout, lse, delta, dk, dv, key_padding, P)`: grid
 /// `(ceil(seq_k / BKB), batch_heads)`. `[q, k, v, dout, lse, delta, dk, dv, key_padding]`.
 pub(crate) fn dkdv_launch(t: &str, head_dim: usize, p: [u64; 9], params: &AttnParams) -> Launch {
-    let mut args: Vec<Arg> = p.iter().map(|&x| Arg::Ptr(x)).collect();
-    args.push(Arg::Attn(Box::new(*params)));
-    let bk = dkdv_keys_per_block(head_dim);
-    Launch {
-        file: "attention.cu",
-        entry: format!("attn_bwd_dkdv_d{head_dim}_{t}"),
-        grid: (
-            (params.seq_k as usize).div_ceil(bk) as u32,
-            params.batch_heads as u32,
-            1,
-        ),
-        block: ATTN_BLOCK,
-        shared: 0,
-        args,
-    }
+    tiled_launch(
+        format!("attn_bwd_dkdv_d{head_dim}_{t}"),
+        &p,
+        params,
+        params.seq_k,
+        dkdv_keys_per_block(head_dim),
+    )
 }
 
 /// Bytes of static shared memory of each tiled kernel for `head_dim` (forward, dq, dkdv), as
