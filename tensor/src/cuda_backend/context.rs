@@ -11,6 +11,14 @@ use cudarc::nvrtc::Ptx;
 use super::memory::BlockCache;
 use crate::{Device, Error, Result};
 
+/// A kernel source loaded on a device, and the functions looked up in it so far (so a launch
+/// costs one map lookup, not a driver call, after the first).
+#[derive(Debug)]
+struct LoadedSource {
+    module: Arc<CudaModule>,
+    functions: HashMap<String, CudaFunction>,
+}
+
 /// Everything the backend keeps per device.
 #[derive(Debug)]
 pub(crate) struct DeviceContext {
@@ -27,7 +35,7 @@ pub(crate) struct DeviceContext {
     pub cache: BlockCache,
     /// The cuBLASLt state (handle, workspace, cached plans), created at the first matmul.
     pub(crate) blaslt: Mutex<Option<super::blas::BlasLt>>,
-    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    modules: Mutex<HashMap<&'static str, LoadedSource>>,
 }
 
 impl DeviceContext {
@@ -53,30 +61,36 @@ impl DeviceContext {
     }
 
     /// Kernel `entry` of source `file` (a name in `meshgrad_kernels::cuda::SOURCES`), compiling
-    /// and loading the source at its first use.
+    /// and loading the source at its first use; the function is cached after its first lookup.
     pub fn function(&self, file: &'static str, entry: &str) -> Result<CudaFunction> {
-        let module = {
-            let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
-            match modules.get(file) {
-                Some(m) => m.clone(),
-                None => {
-                    let ptx =
-                        meshgrad_kernels::cuda::ptx(file, self.arch).map_err(|e| Error::Cuda {
-                            device: self.device(),
-                            message: e.to_string(),
-                        })?;
-                    let m = self
-                        .ctx
-                        .load_module(Ptx::from_src(ptx.as_str()))
-                        .map_err(|e| self.err(&format!("loading kernels/cuda/{file}"), e))?;
-                    modules.insert(file, m.clone());
-                    m
-                }
+        let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+        let loaded = match modules.entry(file) {
+            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                let ptx =
+                    meshgrad_kernels::cuda::ptx(file, self.arch).map_err(|e| Error::Cuda {
+                        device: self.device(),
+                        message: e.to_string(),
+                    })?;
+                let module = self
+                    .ctx
+                    .load_module(Ptx::from_src(ptx.as_str()))
+                    .map_err(|e| self.err(&format!("loading kernels/cuda/{file}"), e))?;
+                v.insert(LoadedSource {
+                    module,
+                    functions: HashMap::new(),
+                })
             }
         };
-        module
+        if let Some(f) = loaded.functions.get(entry) {
+            return Ok(f.clone());
+        }
+        let f = loaded
+            .module
             .load_function(entry)
-            .map_err(|e| self.err(&format!("kernel {entry} of kernels/cuda/{file}"), e))
+            .map_err(|e| self.err(&format!("kernel {entry} of kernels/cuda/{file}"), e))?;
+        loaded.functions.insert(entry.to_owned(), f.clone());
+        Ok(f)
     }
 
     /// Waits for everything queued on the compute stream.

@@ -3,7 +3,6 @@
 //! [`DeviceContext::launch`] launches entry `entry` of `kernels/cuda/<file>` on the compute
 //! stream. This is the backend's one raw launch.
 
-use std::any::Any;
 use std::ffi::c_void;
 
 use cudarc::driver::{result, DeviceRepr};
@@ -11,12 +10,13 @@ use cudarc::driver::{result, DeviceRepr};
 use super::context::DeviceContext;
 use crate::{Error, Result};
 
-/// The parameters of one launch, in the kernel's order. Each value is boxed so the addresses
-/// handed to the driver stay fixed while the list grows.
+/// The parameters of one launch, in the kernel's order: their bytes in 8-byte-aligned slots of
+/// one buffer (no allocation per parameter), with each one's slot offset and size. The
+/// addresses handed to the driver are taken at launch, when the buffer no longer grows.
 #[derive(Default)]
 pub(crate) struct KernelArgs {
-    owned: Vec<Box<dyn Any>>,
-    ptrs: Vec<*mut c_void>,
+    words: Vec<u64>,
+    offsets: Vec<usize>,
     sizes: Vec<usize>,
 }
 
@@ -28,11 +28,26 @@ impl KernelArgs {
 
     /// Appends one parameter (`u64` for a device pointer).
     pub fn arg<T: DeviceRepr + Copy + 'static>(mut self, value: T) -> Self {
-        let b = Box::new(value);
-        self.ptrs.push(&*b as *const T as *mut c_void);
-        self.owned.push(b);
-        self.sizes.push(std::mem::size_of::<T>());
+        const { assert!(std::mem::align_of::<T>() <= 8) };
+        let size = std::mem::size_of::<T>();
+        let at = self.words.len();
+        self.words.resize(at + size.div_ceil(8), 0);
+        // SAFETY: the slots from `at` hold at least `size` bytes, are 8-byte aligned (enough
+        // for `T`, asserted above) and are not otherwise borrowed; `T` is `Copy`.
+        unsafe { std::ptr::write_unaligned(self.words[at..].as_mut_ptr().cast::<T>(), value) };
+        self.offsets.push(at);
+        self.sizes.push(size);
         self
+    }
+
+    /// The address of each parameter's bytes, in order (valid while `self` is not modified).
+    fn pointers(&mut self) -> Vec<*mut c_void> {
+        let base = self.words.as_mut_ptr();
+        self.offsets
+            .iter()
+            // SAFETY: every offset is inside `words` (pushed with its slots).
+            .map(|&at| unsafe { base.add(at) }.cast::<c_void>())
+            .collect()
     }
 
     /// The byte size of each parameter, in order (checked against the kernel's declaration by
@@ -75,8 +90,9 @@ impl DeviceContext {
         })?;
         let f = self.function(file, entry)?;
         self.bind()?;
+        let mut ptrs = args.pointers();
         // SAFETY: `f` is a function of a module loaded on this context (kept alive by the
-        // module cache); `args.ptrs` point at boxed values owned by `args`, alive for the call
+        // module cache); `ptrs` point into `args`' buffer, not modified and alive for the call
         // (the driver copies parameter values at launch); the caller guarantees the parameter
         // list matches the kernel (see above). Buffers read or written by the kernel stay
         // valid until it runs: blocks are freed into the cache in stream order.
@@ -87,7 +103,7 @@ impl DeviceContext {
                 block,
                 shared,
                 self.stream.cu_stream(),
-                &mut args.ptrs,
+                &mut ptrs,
             )
         }
         .map_err(|e| self.err(&format!("launching {entry}"), e))
@@ -99,16 +115,38 @@ mod tests {
     use super::*;
 
     #[test]
-    fn arguments_keep_their_values_at_fixed_addresses() {
+    fn arguments_keep_their_values() {
         let mut a = KernelArgs::new().arg(7u64).arg(-3i32);
-        let first = a.ptrs[0];
         for i in 0..100i64 {
             a = a.arg(i);
         }
-        assert_eq!(a.ptrs[0], first);
-        // SAFETY: the pointers point at the boxed u64 and i32 pushed first.
-        let (x, y) = unsafe { (*(a.ptrs[0] as *const u64), *(a.ptrs[1] as *const i32)) };
-        assert_eq!((x, y), (7, -3));
+        let p = a.pointers();
+        // SAFETY: the pointers point at the u64, the i32 and the last i64 pushed, in `a`.
+        let (x, y, z) = unsafe {
+            (
+                *(p[0] as *const u64),
+                *(p[1] as *const i32),
+                *(p[101] as *const i64),
+            )
+        };
+        assert_eq!((x, y, z), (7, -3, 99));
+        // A struct argument (136 bytes) keeps every field, and the next argument follows it.
+        let g = meshgrad_kernels::cuda::GatherArgs {
+            ndim: 3,
+            dim: 1,
+            ..Default::default()
+        };
+        let mut b = KernelArgs::new().arg(1u8).arg(g).arg(5i32);
+        let q = b.pointers();
+        // SAFETY: `q[1]` points at the GatherArgs pushed second, `q[2]` at the i32 after it.
+        let (g2, five) = unsafe {
+            (
+                std::ptr::read_unaligned(q[1] as *const meshgrad_kernels::cuda::GatherArgs),
+                *(q[2] as *const i32),
+            )
+        };
+        assert_eq!((g2, five), (g, 5));
+        assert_eq!(b.sizes(), &[1, 136, 4]);
         assert_eq!(&a.sizes()[..3], &[8, 4, 8]);
         assert_eq!(a.sizes().len(), 102);
         assert_eq!(grid_for(0, 256), (1, 1, 1));
