@@ -438,10 +438,11 @@ pub fn run_pytorch_reference(
             script.display()
         );
     }
-    let (device, batch) = match opts.device {
-        Device::Cpu => ("cpu", opts.batch.unwrap_or(8)),
-        Device::Cuda(_) => ("cuda", opts.batch.unwrap_or(8)),
+    let device = match opts.device {
+        Device::Cpu => "cpu",
+        Device::Cuda(_) => "cuda",
     };
+    let batch = opts.batch.unwrap_or(bench_config(&opts.model)?.1);
     let mut modes = vec![("eager", false)];
     if device == "cuda" {
         modes.push(("compile", true));
