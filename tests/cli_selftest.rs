@@ -1,5 +1,5 @@
-//! `meshgrad selftest`: on the CPU every check runs (f64, f32 and bf16 against the CPU in f64,
-//! the loss curve against itself) and passes; a CUDA device that is not available here is
+//! `meshgrad selftest`: on the CPU every check runs (f32 and bf16 against the CPU in f64, bf16
+//! training against f32 training) and passes; a CUDA device that is not available here is
 //! skipped with its reason and exit 0; a broken filter is an error.
 
 mod common;

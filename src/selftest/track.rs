@@ -1,7 +1,8 @@
 //! The loss-curve check of `meshgrad selftest`: the tiny GPT (bench's `tiny-gpt` shape, dropout
-//! off) trained with AdamW on the built-in corpus for N steps on the device under test and on
-//! the CPU, from the same weights and batches; the largest relative difference of the step
-//! losses must stay within bf16 tolerance (1e-2).
+//! off) trained with AdamW on the built-in corpus for N steps from the same weights and batches,
+//! on the device under test in f32 against the CPU in f32 (on the CPU itself, which would
+//! compare a run with itself: in bf16 with f32 masters against f32); the largest relative
+//! difference of the step losses must stay within bf16 tolerance (1e-2).
 
 use meshgrad_nn::optim::{AdamW, AdamWConfig, Optimizer, ParamGroup};
 use meshgrad_nn::{Gpt, Module};
@@ -9,19 +10,25 @@ use meshgrad_tensor::{DType, Device, Tensor};
 
 use super::CheckResult;
 
-/// Tolerance of the loss curves' largest relative difference.
+/// Tolerance of the loss curves' largest relative difference when both run in f32 (a device
+/// against the CPU): bf16 tolerance, as the issue asks.
 pub const LOSS_CURVE_TOLERANCE: f64 = 1e-2;
+
+/// Tolerance when bf16 training is compared with f32 training on the CPU: the curves drift
+/// apart by more than one bf16 rounding (measured 2.8e-2 after 20 steps).
+pub const BF16_TRAINING_TOLERANCE: f64 = 6e-2;
 
 /// Rows per batch and tokens per row of the check.
 const BATCH: usize = 4;
 const SEQ: usize = 64;
 
-/// The step losses of `steps` AdamW steps of the tiny GPT on `device`, in f32.
-pub fn losses(device: Device, steps: usize) -> meshgrad_tensor::Result<Vec<f64>> {
+/// The step losses of `steps` AdamW steps of the tiny GPT on `device` with `dtype` parameters
+/// (bf16: f32 master weights in AdamW).
+pub fn losses(device: Device, dtype: DType, steps: usize) -> meshgrad_tensor::Result<Vec<f64>> {
     let (mut cfg, _) = crate::bench::bench_config("tiny-gpt")
         .map_err(|e| meshgrad_tensor::Error::Msg(e.to_string()))?;
     cfg.block_size = SEQ;
-    let model = Gpt::new(cfg, 1337, DType::F32, device)?;
+    let model = Gpt::new(cfg, 1337, dtype, device)?;
     let mut opt = AdamW::new(
         vec![ParamGroup::new(model.named_parameters(), 0.1)],
         AdamWConfig::default(),
@@ -45,10 +52,23 @@ pub fn losses(device: Device, steps: usize) -> meshgrad_tensor::Result<Vec<f64>>
 
 /// Trains on `device` and on the CPU and compares the curves.
 pub fn loss_curve(device: Device, steps: usize) -> CheckResult {
-    let name = format!("tiny_gpt_{steps}_steps f32 (loss curve vs cpu)");
+    let dtype = if device == Device::Cpu {
+        DType::BF16
+    } else {
+        DType::F32
+    };
+    let name = format!(
+        "tiny_gpt_{steps}_steps {} (loss curve vs cpu f32)",
+        super::dtype_name(dtype)
+    );
+    let tol = if dtype == DType::F32 {
+        LOSS_CURVE_TOLERANCE
+    } else {
+        BF16_TRAINING_TOLERANCE
+    };
     let outcome = (|| -> meshgrad_tensor::Result<f64> {
-        let got = losses(device, steps)?;
-        let want = losses(Device::Cpu, steps)?;
+        let got = losses(device, dtype, steps)?;
+        let want = losses(Device::Cpu, DType::F32, steps)?;
         let mut worst = 0f64;
         for (g, w) in got.iter().zip(&want) {
             let d = (g - w).abs() / w.abs().max(1e-12);
@@ -63,13 +83,13 @@ pub fn loss_curve(device: Device, steps: usize) -> CheckResult {
         Ok(max_err) => CheckResult {
             name,
             max_err,
-            tol: LOSS_CURVE_TOLERANCE,
+            tol,
             error: None,
         },
         Err(e) => CheckResult {
             name,
             max_err: f64::NAN,
-            tol: LOSS_CURVE_TOLERANCE,
+            tol,
             error: Some(e.to_string()),
         },
     }
