@@ -104,6 +104,15 @@ pub struct TrainParams {
     /// f16 only: the initial loss scale (default 2^16); halved at every step whose gradients
     /// overflow, doubled after 2000 consecutive good steps. Finite and > 0.
     pub loss_scale_init: f64,
+    /// Reference mode: every floating-point sum whose order a layout could change (gradients and
+    /// losses over the batch, gradient norms) follows one fixed order, so the run is bit-identical
+    /// under every supported layout for the same seed, global batch and `row_group`.
+    pub reference: bool,
+    /// Reference mode: sequences per row group, the unit whose gradient is computed in one
+    /// forward and backward pass before row groups are summed in a fixed binary tree. Divides
+    /// `batch_size`; the layout and `--microbatches` only decide which rank computes which part
+    /// of the tree.
+    pub row_group: usize,
 }
 
 impl Default for TrainParams {
@@ -126,6 +135,8 @@ impl Default for TrainParams {
             device: "cpu".to_string(),
             precision: "f32".to_string(),
             loss_scale_init: 65536.0,
+            reference: false,
+            row_group: 1,
         }
     }
 }
@@ -361,6 +372,8 @@ impl TrainConfig {
         "train.device",
         "train.precision",
         "train.loss_scale_init",
+        "train.reference",
+        "train.row_group",
         "data.path",
         "data.val_fraction",
         "data.tokenizer",
@@ -444,6 +457,8 @@ impl TrainConfig {
             "train.device" => t.device = string_value(value),
             "train.precision" => t.precision = string_value(value),
             "train.loss_scale_init" => t.loss_scale_init = parse_value(key, value, FLOAT)?,
+            "train.reference" => t.reference = parse_value(key, value, BOOL)?,
+            "train.row_group" => t.row_group = parse_value(key, value, INT)?,
             "data.path" => {
                 let v = string_value(value);
                 self.data.path = (!v.is_empty()).then_some(v);
@@ -519,6 +534,7 @@ impl TrainConfig {
             ("train.batch_size", t.batch_size),
             ("train.eval_batches", t.eval_batches),
             ("train.log_interval", t.log_interval),
+            ("train.row_group", t.row_group),
         ];
         for (key, value) in positive {
             if value == 0 {
@@ -541,6 +557,7 @@ impl TrainConfig {
             ("train.eval_batches", t.eval_batches as u64),
             ("train.log_interval", t.log_interval as u64),
             ("train.sample_tokens", t.sample_tokens as u64),
+            ("train.row_group", t.row_group as u64),
         ];
         for (key, value) in integers {
             if value > MAX_TOML_INT {
@@ -1124,7 +1141,7 @@ val_fraction = 0.05
             let mut c = TrainConfig::default();
             let value = match *key {
                 "out" | "metrics" | "data.path" | "data.tokenizer" => "x",
-                "model.bias" => "false",
+                "model.bias" | "train.reference" => "false",
                 _ => "1",
             };
             c.apply_override(key, value).unwrap();

@@ -56,6 +56,9 @@ mod pipeline_bert;
 mod pipeline_gpt;
 #[cfg(feature = "cli")]
 pub mod preflight;
+/// Reference mode: bit-identical training under every layout.
+#[cfg(feature = "cli")]
+mod reference;
 #[cfg(feature = "cli")]
 pub mod run_checkpoint;
 #[cfg(feature = "cli")]

@@ -316,6 +316,14 @@ struct TrainArgs {
     /// train.precision.
     #[arg(long, value_name = "PRECISION")]
     precision: Option<String>,
+    /// Reference mode: bit-identical losses, gradient norms and weights under every layout for
+    /// the same seed, global batch and row group (sets train.reference; see README's "Reference
+    /// mode"). Costs speed: each row group runs its own forward and backward pass.
+    #[arg(long)]
+    reference: bool,
+    /// Reference mode: sequences per row group (sets train.row_group; default 1).
+    #[arg(long, value_name = "N")]
+    row_group: Option<usize>,
     /// Any config key, e.g. --set model.n_layer=2 (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
@@ -395,7 +403,7 @@ fn train_config(a: &TrainArgs) -> Result<TrainConfig> {
         Some(p) => TrainConfig::from_toml_file(p)?,
         None => TrainConfig::default(),
     };
-    let flags: [(&str, Option<String>); 11] = [
+    let flags: [(&str, Option<String>); 13] = [
         ("model.kind", a.model.clone()),
         ("train.steps", a.steps.map(|v| v.to_string())),
         ("train.seed", a.seed.map(|v| v.to_string())),
@@ -407,6 +415,8 @@ fn train_config(a: &TrainArgs) -> Result<TrainConfig> {
         ("train.lr", a.lr.map(|v| v.to_string())),
         ("train.device", a.device.clone()),
         ("train.precision", a.precision.clone()),
+        ("train.reference", a.reference.then(|| "true".to_string())),
+        ("train.row_group", a.row_group.map(|v| v.to_string())),
     ];
     for (key, value) in flags {
         if let Some(v) = value {

@@ -278,6 +278,19 @@ pub(crate) trait GradSync {
     fn clip(&self, params: &[Var], max_norm: f64) -> Result<f64> {
         Ok(clip_grad_norm(params, max_norm)?)
     }
+    /// Reference mode's gradient norm: the square root of an order-free exact sum of squares
+    /// (default: over the local gradients, which are whole after `finish`; sharded strategies
+    /// combine their shards' exact sums), so no layout changes its bits.
+    fn exact_norm(&self, params: &[Var]) -> Result<f64> {
+        Ok(crate::reference::exact_grad_squares(params)?.value().sqrt())
+    }
+    /// Scales the gradients as clipping to `max_norm` does when the global norm is `norm`
+    /// (default: the local gradients).
+    fn clip_with_norm(&self, params: &[Var], max_norm: f64, norm: f64) -> Result<()> {
+        Ok(meshgrad_nn::optim::clip_grads_with_norm(
+            params, max_norm, norm,
+        )?)
+    }
     /// The optimizer step with learning rate `lr` (default: the run's AdamW; sharded
     /// strategies step their own shard of the optimizer).
     fn step(&self, opt: &mut AdamW, lr: f64) -> Result<()> {
@@ -434,6 +447,7 @@ pub fn check_device_and_precision(
     cfg: &TrainConfig,
     layout: Option<&meshgrad_parallel::ParallelLayout>,
 ) -> Result<()> {
+    crate::reference::check_reference(cfg, layout)?;
     let device = train_device(cfg)?;
     let dtype = precision_dtype(cfg)?;
     let (d, p) = (&cfg.train.device, &cfg.train.precision);
@@ -570,6 +584,41 @@ fn val_loss(
     });
     model.set_training(true);
     sync.mean(r?)
+}
+
+/// [`val_loss`] in reference mode: each validation batch's loss is the tree sum of its row
+/// groups' losses (this rank's `groups` of `total` in all), summed over the data-parallel ranks
+/// in the same tree and divided by `total`; the batches' losses are then averaged in order.
+fn val_loss_reference(
+    model: &Gpt,
+    val: &Dataset,
+    cfg: &TrainConfig,
+    groups: &[Range<u64>],
+    total: usize,
+    sync: &dyn GradSync,
+) -> Result<f64> {
+    let t = cfg.model.block_size;
+    let n = cfg.train.eval_batches.max(1);
+    model.set_training(false);
+    let r = (|| -> Result<f64> {
+        let mut sum = 0.0;
+        for i in 0..n {
+            let mut losses = Vec::with_capacity(groups.len());
+            for rows in groups {
+                let (ids, targets) = to_run_device(
+                    cfg,
+                    batch_tensors(val, cfg.train.seed ^ VAL_STREAM, i as u64, rows.clone(), t)?,
+                )?;
+                let l = no_grad(|| model.loss(&ids, &targets, None))?;
+                losses.push(l.tensor().item()?);
+            }
+            let local = meshgrad_parallel::comm::tree::tree_sum_f64(&losses);
+            sum += sync.mean(local)? / total as f64;
+        }
+        Ok(sum / n as f64)
+    })();
+    model.set_training(true);
+    r
 }
 
 /// One JSON line of metrics.
@@ -759,7 +808,25 @@ pub(crate) fn run_loop(
     let model = &*model;
     let params = model.parameters();
     let scaler = loss_scaler(cfg)?.map(std::cell::RefCell::new);
+    // Reference mode: this rank's row groups, each its own pass, added over their tree.
+    let reference = cfg.train.reference;
+    let total_groups = cfg.train.batch_size / cfg.train.row_group;
+    let groups = if reference {
+        crate::reference::row_groups(rows.clone(), cfg.train.row_group)?
+    } else {
+        Vec::new()
+    };
     let micro_step = |step: usize| -> Result<f64> {
+        if reference {
+            return crate::reference::reference_step(&params, &groups, total_groups, sync, |r| {
+                let (ids, targets) = to_run_device(
+                    cfg,
+                    batch_tensors(&data.train, cfg.train.seed, step as u64, r.clone(), t)?,
+                )?;
+                let ctx = ForwardCtx::new(step as u64, r.start);
+                Ok(ctx.scope(|| model.loss(&ids, &targets, None))?)
+            });
+        }
         let mut loss_sum = 0.0;
         for (m, r) in micro.iter().enumerate() {
             let (ids, targets) = to_run_device(
@@ -781,7 +848,20 @@ pub(crate) fn run_loop(
         }
         Ok(loss_sum / microbatches as f64)
     };
-    let val = || val_loss(model, &data.val, cfg, &rows, sync);
+    let val = || {
+        if reference {
+            val_loss_reference(model, &data.val, cfg, &groups, total_groups, sync)
+        } else {
+            val_loss(model, &data.val, cfg, &rows, sync)
+        }
+    };
+    // Reference mode: a step's share is the tree sum of its row groups' losses, summed (not
+    // averaged) over the data-parallel ranks; the mean divides by the row groups.
+    let loss_scale = if reference {
+        1.0 / total_groups as f64
+    } else {
+        1.0
+    };
     drive_loop(
         cfg,
         model,
@@ -790,7 +870,7 @@ pub(crate) fn run_loop(
         &params,
         sync,
         rep,
-        1.0,
+        loss_scale,
         scaler.as_ref(),
         micro_step,
         val,
@@ -904,6 +984,13 @@ pub(crate) fn drive_loop(
                         new_scale
                     ));
                 }
+            }
+            norm
+        } else if cfg.train.reference {
+            // Computed even without clipping: reference mode reports the norm it promises.
+            let norm = sync.exact_norm(params)?;
+            if cfg.train.grad_clip > 0.0 {
+                sync.clip_with_norm(params, cfg.train.grad_clip, norm)?;
             }
             norm
         } else if cfg.train.grad_clip > 0.0 {

@@ -406,66 +406,71 @@ pub fn train_bert(
             )?;
             finish(cfg, &run.model, rep, r, verbosity)
         }
-        Some(layout) => on_ranks(layout, opts.collective_timeout, |ctx, mesh| {
-            let tp = (mesh.tp_degree() > 1)
-                .then(|| tensor_parallel(mesh.tp_group(), opts.sequence_parallel));
-            let fsdp = layout.zero() == Some(ZeroStage::Three);
-            let mut run = bert_run(cfg, tp, fsdp, opts.activation_checkpointing.on_stage(0))?;
-            let wrapper = RankWrapper::new(mesh, &run.model, &run.opt)?;
-            let (start_step, saver) = crate::run_checkpoint::begin_rank(
-                cfg,
-                opts,
-                &layout.to_string(),
-                Some(ctx.comm.as_ref()),
-                &run.model,
-                &mut run.opt,
-                wrapper.sharded(),
-                false,
-            )?;
-            let hook = saver.hook(wrapper.sharded());
-            let rows = rank_rows(cfg.train.batch_size, mesh.dp_degree(), mesh.dp_rank())?;
-            let leader = ctx.rank == 0;
-            let mut rep = if leader {
-                Reporter::leader(cfg, verbosity, start_step)?
-            } else {
-                Reporter::silent()
-            };
-            let desc = layout_desc(layout, (rows.end - rows.start) as usize, opts.microbatches);
-            rep.say(header(cfg, &run.model.config, &data, &desc));
-            let dp_group = mesh.dp_group();
-            let sync = wrapper.sync(dp_group.as_ref());
-            let r = run_loop(
-                &s,
-                &data,
-                &mut run,
-                rows,
-                world,
-                opts.microbatches,
-                sync.as_ref(),
-                &mut rep,
-                &RunControl {
-                    start_step,
-                    world: Some(ctx.comm.as_ref()),
-                    save_every: opts.save_every,
-                    save: Some(&*hook),
-                },
-            )?;
-            wrapper.summon_full_params()?;
-            // tp: the leader assembles the single-device model from every rank's parts.
-            let gathered = gather_tensor_parallel(&run.model, mesh, leader, || {
-                Ok(BertForMaskedLM::new(
-                    bert_config(cfg),
-                    cfg.train.seed,
-                    DType::F32,
-                    Device::Cpu,
-                )?)
-            })?;
-            if leader {
-                let model = gathered.as_ref().unwrap_or(&run.model);
-                Ok(Some(finish(cfg, model, rep, r, verbosity)?))
-            } else {
-                Ok(None)
-            }
-        }),
+        Some(layout) => on_ranks(
+            layout,
+            opts.collective_timeout,
+            cfg.train.reference,
+            |ctx, mesh| {
+                let tp = (mesh.tp_degree() > 1)
+                    .then(|| tensor_parallel(mesh.tp_group(), opts.sequence_parallel));
+                let fsdp = layout.zero() == Some(ZeroStage::Three);
+                let mut run = bert_run(cfg, tp, fsdp, opts.activation_checkpointing.on_stage(0))?;
+                let wrapper = RankWrapper::new(mesh, &run.model, &run.opt)?;
+                let (start_step, saver) = crate::run_checkpoint::begin_rank(
+                    cfg,
+                    opts,
+                    &layout.to_string(),
+                    Some(ctx.comm.as_ref()),
+                    &run.model,
+                    &mut run.opt,
+                    wrapper.sharded(),
+                    false,
+                )?;
+                let hook = saver.hook(wrapper.sharded());
+                let rows = rank_rows(cfg.train.batch_size, mesh.dp_degree(), mesh.dp_rank())?;
+                let leader = ctx.rank == 0;
+                let mut rep = if leader {
+                    Reporter::leader(cfg, verbosity, start_step)?
+                } else {
+                    Reporter::silent()
+                };
+                let desc = layout_desc(layout, (rows.end - rows.start) as usize, opts.microbatches);
+                rep.say(header(cfg, &run.model.config, &data, &desc));
+                let dp_group = mesh.dp_group();
+                let sync = wrapper.sync(dp_group.as_ref());
+                let r = run_loop(
+                    &s,
+                    &data,
+                    &mut run,
+                    rows,
+                    world,
+                    opts.microbatches,
+                    sync.as_ref(),
+                    &mut rep,
+                    &RunControl {
+                        start_step,
+                        world: Some(ctx.comm.as_ref()),
+                        save_every: opts.save_every,
+                        save: Some(&*hook),
+                    },
+                )?;
+                wrapper.summon_full_params()?;
+                // tp: the leader assembles the single-device model from every rank's parts.
+                let gathered = gather_tensor_parallel(&run.model, mesh, leader, || {
+                    Ok(BertForMaskedLM::new(
+                        bert_config(cfg),
+                        cfg.train.seed,
+                        DType::F32,
+                        Device::Cpu,
+                    )?)
+                })?;
+                if leader {
+                    let model = gathered.as_ref().unwrap_or(&run.model);
+                    Ok(Some(finish(cfg, model, rep, r, verbosity)?))
+                } else {
+                    Ok(None)
+                }
+            },
+        ),
     }
 }

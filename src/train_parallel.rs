@@ -39,6 +39,7 @@ use meshgrad_parallel::{
 use meshgrad_tensor::{DType, Device};
 
 use crate::config::TrainConfig;
+use crate::reference::mesh_world;
 use crate::train::{
     check_microbatches, check_sequence_parallel, finish_run, gpt_config, header, resolve_tokenizer,
     run_data, run_loop, run_model, GradSync, Reporter, RunControl, TrainOptions, TrainSummary,
@@ -91,6 +92,12 @@ impl GradSync for ZeroSync<'_> {
     }
     fn clip(&self, _params: &[Var], max_norm: f64) -> Result<f64> {
         Ok(self.sdp.clip_grad_norm(max_norm)?)
+    }
+    fn exact_norm(&self, _params: &[Var]) -> Result<f64> {
+        Ok(self.sdp.exact_grad_sq_sum()?.value().sqrt())
+    }
+    fn clip_with_norm(&self, _params: &[Var], max_norm: f64, norm: f64) -> Result<()> {
+        Ok(self.sdp.clip_grads_with_norm(max_norm, norm)?)
     }
     fn step(&self, _opt: &mut AdamW, lr: f64) -> Result<()> {
         Ok(self.sdp.step(lr)?)
@@ -177,21 +184,24 @@ impl RankWrapper {
 
 /// Runs `body` on the ranks of `layout` (threads of this process, each collective failing after
 /// `timeout` without its peers), each with its [`LayoutMesh`], and returns what rank 0 returned.
+/// In `reference` mode the mesh's groups add float sums in the aligned tree over their ranks
+/// ([`mesh_world`]).
 /// `body` returns `Some` on the leader only.
 pub(crate) fn on_ranks<T: Send>(
     layout: &ParallelLayout,
     timeout: Duration,
+    reference: bool,
     body: impl Fn(&RankCtx, &LayoutMesh) -> Result<Option<T>> + Send + Sync,
 ) -> Result<T> {
     if selected_backend() == Backend::Nccl {
-        return on_nccl_rank(layout, timeout, body);
+        return on_nccl_rank(layout, timeout, reference, body);
     }
     if let Some(n) = mpi_world_size() {
-        return on_mpi_rank(layout, n, timeout, body);
+        return on_mpi_rank(layout, n, timeout, reference, body);
     }
     let run_opts = RunOptions::with_timeout(timeout);
     let results = run_ranks(layout.world_size(), &run_opts, |ctx| {
-        let mesh = layout.mesh(ctx.comm.clone())?;
+        let mesh = layout.mesh(mesh_world(ctx.comm.clone(), reference))?;
         // anyhow's chain, flattened to one line, for the tensor-level error type.
         body(&ctx, &mesh).map_err(|e| {
             let msg: Vec<String> = e.chain().map(|c| c.to_string()).collect();
@@ -253,6 +263,7 @@ pub fn resolve_backend(flag: Option<&str>, env: &RankEnv) -> Result<Backend> {
 fn on_nccl_rank<T: Send>(
     layout: &ParallelLayout,
     timeout: Duration,
+    reference: bool,
     body: impl Fn(&RankCtx, &LayoutMesh) -> Result<Option<T>>,
 ) -> Result<T> {
     use meshgrad_parallel::comm::nccl::NcclCommunicator;
@@ -277,7 +288,7 @@ fn on_nccl_rank<T: Send>(
     };
     let rank = ctx.rank;
     let r = with_tracker(tracker, || -> Result<Option<T>> {
-        let mesh = layout.mesh(ctx.comm.clone())?;
+        let mesh = layout.mesh(mesh_world(ctx.comm.clone(), reference))?;
         let r = body(&ctx, &mesh)?;
         ctx.comm.barrier()?.wait()?;
         Ok(r)
@@ -304,6 +315,7 @@ fn on_nccl_rank<T: Send>(
 fn on_nccl_rank<T: Send>(
     _layout: &ParallelLayout,
     _timeout: Duration,
+    _reference: bool,
     _body: impl Fn(&RankCtx, &LayoutMesh) -> Result<Option<T>>,
 ) -> Result<T> {
     anyhow::bail!(
@@ -403,6 +415,7 @@ fn on_mpi_rank<T: Send>(
     layout: &ParallelLayout,
     n: usize,
     timeout: Duration,
+    reference: bool,
     body: impl Fn(&RankCtx, &LayoutMesh) -> Result<Option<T>>,
 ) -> Result<T> {
     use meshgrad_parallel::comm::mpi::{abort, finalize, MpiCommunicator};
@@ -425,7 +438,7 @@ fn on_mpi_rank<T: Send>(
     };
     let rank = ctx.rank;
     let r = with_tracker(tracker, || -> Result<Option<T>> {
-        let mesh = layout.mesh(ctx.comm.clone())?;
+        let mesh = layout.mesh(mesh_world(ctx.comm.clone(), reference))?;
         let r = body(&ctx, &mesh)?;
         ctx.comm.barrier()?.wait()?;
         Ok(r)
@@ -451,6 +464,7 @@ fn on_mpi_rank<T: Send>(
     layout: &ParallelLayout,
     _n: usize,
     _timeout: Duration,
+    _reference: bool,
     _body: impl Fn(&RankCtx, &LayoutMesh) -> Result<Option<T>>,
 ) -> Result<T> {
     check_mpi_world(Some(layout))?;
@@ -507,75 +521,80 @@ pub fn train_parallel(
         let task = crate::pipeline_gpt::GptPipeline::new(cfg, &data);
         return crate::train_pipeline::train_pipeline(&task, layout, opts, verbosity);
     }
-    on_ranks(layout, opts.collective_timeout, |ctx, mesh| {
-        let tp = (mesh.tp_degree() > 1)
-            .then(|| tensor_parallel(mesh.tp_group(), opts.sequence_parallel));
-        // ZeRO-3 / FSDP cuts its shards from a delayed-initialisation model one unit at a time,
-        // so no rank holds the whole model.
-        let fsdp = layout.zero() == Some(ZeroStage::Three);
-        let mut run = run_model(cfg, tp, fsdp, opts.activation_checkpointing.on_stage(0))?;
-        let wrapper = RankWrapper::new(mesh, &run.model, &run.opt)?;
-        let (start_step, saver) = crate::run_checkpoint::begin_rank(
-            cfg,
-            opts,
-            &layout.to_string(),
-            Some(ctx.comm.as_ref()),
-            &run.model,
-            &mut run.opt,
-            wrapper.sharded(),
-            false,
-        )?;
-        let hook = saver.hook(wrapper.sharded());
-        let rows = rank_rows(cfg.train.batch_size, mesh.dp_degree(), mesh.dp_rank())?;
-        let leader = ctx.rank == 0;
-        let mut rep = if leader {
-            Reporter::leader(cfg, verbosity, start_step)?
-        } else {
-            Reporter::silent()
-        };
-        let desc = layout_desc(layout, (rows.end - rows.start) as usize, opts.microbatches);
-        rep.say(header(cfg, &run.model.config, &data, &desc));
-        let dp_group = mesh.dp_group();
-        let sync = wrapper.sync(dp_group.as_ref());
-        let result = run_loop(
-            cfg,
-            &data,
-            &mut run,
-            rows,
-            opts.microbatches,
-            sync.as_ref(),
-            &mut rep,
-            &RunControl {
-                start_step,
-                world: Some(ctx.comm.as_ref()),
-                save_every: opts.save_every,
-                save: Some(&*hook),
-            },
-        )?;
-        // fsdp/hsdp: the full weights for the checkpoint and the sample.
-        wrapper.summon_full_params()?;
-        // tp: the leader assembles the single-device model from every rank's parts.
-        let gathered = gather_tensor_parallel(&run.model, mesh, leader, || {
-            Ok(Gpt::new(
-                gpt_config(cfg),
-                cfg.train.seed,
-                DType::F32,
-                Device::Cpu,
-            )?)
-        })?;
-        if leader {
-            Ok(Some(finish_run(
+    on_ranks(
+        layout,
+        opts.collective_timeout,
+        cfg.train.reference,
+        |ctx, mesh| {
+            let tp = (mesh.tp_degree() > 1)
+                .then(|| tensor_parallel(mesh.tp_group(), opts.sequence_parallel));
+            // ZeRO-3 / FSDP cuts its shards from a delayed-initialisation model one unit at a time,
+            // so no rank holds the whole model.
+            let fsdp = layout.zero() == Some(ZeroStage::Three);
+            let mut run = run_model(cfg, tp, fsdp, opts.activation_checkpointing.on_stage(0))?;
+            let wrapper = RankWrapper::new(mesh, &run.model, &run.opt)?;
+            let (start_step, saver) = crate::run_checkpoint::begin_rank(
                 cfg,
-                gathered.as_ref().unwrap_or(&run.model),
-                data.tokenizer.as_ref(),
-                rep,
-                result,
-                verbosity,
-            )?))
-        } else {
-            Ok(None)
-        }
-    })
+                opts,
+                &layout.to_string(),
+                Some(ctx.comm.as_ref()),
+                &run.model,
+                &mut run.opt,
+                wrapper.sharded(),
+                false,
+            )?;
+            let hook = saver.hook(wrapper.sharded());
+            let rows = rank_rows(cfg.train.batch_size, mesh.dp_degree(), mesh.dp_rank())?;
+            let leader = ctx.rank == 0;
+            let mut rep = if leader {
+                Reporter::leader(cfg, verbosity, start_step)?
+            } else {
+                Reporter::silent()
+            };
+            let desc = layout_desc(layout, (rows.end - rows.start) as usize, opts.microbatches);
+            rep.say(header(cfg, &run.model.config, &data, &desc));
+            let dp_group = mesh.dp_group();
+            let sync = wrapper.sync(dp_group.as_ref());
+            let result = run_loop(
+                cfg,
+                &data,
+                &mut run,
+                rows,
+                opts.microbatches,
+                sync.as_ref(),
+                &mut rep,
+                &RunControl {
+                    start_step,
+                    world: Some(ctx.comm.as_ref()),
+                    save_every: opts.save_every,
+                    save: Some(&*hook),
+                },
+            )?;
+            // fsdp/hsdp: the full weights for the checkpoint and the sample.
+            wrapper.summon_full_params()?;
+            // tp: the leader assembles the single-device model from every rank's parts.
+            let gathered = gather_tensor_parallel(&run.model, mesh, leader, || {
+                Ok(Gpt::new(
+                    gpt_config(cfg),
+                    cfg.train.seed,
+                    DType::F32,
+                    Device::Cpu,
+                )?)
+            })?;
+            if leader {
+                Ok(Some(finish_run(
+                    cfg,
+                    gathered.as_ref().unwrap_or(&run.model),
+                    data.tokenizer.as_ref(),
+                    rep,
+                    result,
+                    verbosity,
+                )?))
+            } else {
+                Ok(None)
+            }
+        },
+    )
 }
 
 /// Under tensor parallelism, the single-device model (on the leader only): every rank gathers

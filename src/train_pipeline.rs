@@ -478,7 +478,8 @@ pub(crate) fn train_pipeline<T: PipelineTask>(
         .collect();
     // Per rank and step: when the rank started and finished its schedule.
     let step_windows = std::sync::Mutex::new(Vec::<StepWindow>::new());
-    let summary = on_ranks(layout, opts.collective_timeout, |ctx, mesh| {
+    let reference = task.cfg().train.reference;
+    let summary = on_ranks(layout, opts.collective_timeout, reference, |ctx, mesh| {
         rank_main(
             task,
             layout,

@@ -66,6 +66,7 @@ mod device;
 mod display;
 mod dtype;
 mod error;
+pub mod exact_sum;
 mod layout;
 mod ops;
 pub mod pool;

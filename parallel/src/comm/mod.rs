@@ -107,12 +107,14 @@ pub mod nccl;
 mod reduce;
 pub mod rendezvous;
 pub mod store;
+pub mod tree;
 mod work;
 
 pub use backend::{default_backend, Backend};
 pub use env::{EnvSource, RankEnv};
 pub use in_process::InProcessComm;
 pub use launcher::{run_ranks, run_ranks_each, RankCtx, RunOptions};
+pub use tree::TreeReduce;
 pub use work::{Pending, Work};
 
 use std::sync::Arc;

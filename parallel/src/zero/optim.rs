@@ -229,6 +229,43 @@ impl Inner {
 }
 
 impl ShardedDataParallel {
+    /// The sum of squares of every reduced gradient element of the parameters that had a
+    /// gradient (after [`ShardedDataParallel::finish`]), as an order-free
+    /// [`ExactSum`](meshgrad_tensor::exact_sum::ExactSum) over the shard group: the same bits
+    /// however the shards cut the parameters, and the same as one device's exact sum over its
+    /// whole gradients (reference mode's norm). Parameters split by tensor parallelism are not
+    /// combined across their group. Collective over the shard group.
+    pub fn exact_grad_sq_sum(&self) -> Result<meshgrad_tensor::exact_sum::ExactSum> {
+        use meshgrad_tensor::exact_sum::ExactSum;
+        let words = {
+            let st = lock(&self.inner.state);
+            let inner = &self.inner;
+            let mut sum = ExactSum::new();
+            for u in 0..inner.plan.units.len() {
+                for s in inner.plan.segments(u, inner.shard_rank) {
+                    if !st.used[s.param] {
+                        continue;
+                    }
+                    if let Some(g) = inner.grad_view(&st, u, &s)? {
+                        sum.add_squares(&g)?;
+                    }
+                }
+            }
+            sum.to_words()
+        };
+        let shard = &self.inner.topo.shard;
+        if shard.world_size() == 1 {
+            return ExactSum::from_words(&words);
+        }
+        let n = words.len();
+        // The words are integers below 2^32: any order of summation is exact.
+        let total = shard
+            .all_reduce(&Tensor::from_vec(words, n, Device::Cpu)?, ReduceOp::Sum)?
+            .wait()?
+            .to_vec::<f64>()?;
+        ExactSum::from_words(&total)
+    }
+
     /// The global L2 norm of the reduced gradients (after [`ShardedDataParallel::finish`]):
     /// each rank's per-parameter sums of squares over its shard, summed over the shard group
     /// (replicas hold identical shards and are not counted twice), added in parameter order.
