@@ -66,12 +66,6 @@ pub(crate) fn check_reference(cfg: &TrainConfig, layout: Option<&ParallelLayout>
             t.device
         );
     }
-    if cfg.model.kind != "gpt" {
-        anyhow::bail!(
-            "reference mode covers the GPT only so far (model.kind is {})",
-            cfg.model.kind
-        );
-    }
     let (b, r) = (t.batch_size, t.row_group);
     if !b.is_multiple_of(r) {
         anyhow::bail!("reference mode: train.row_group {r} does not divide train.batch_size {b}");
@@ -217,26 +211,31 @@ impl GradTree {
 }
 
 /// One step's forward and backward passes in reference mode, on this rank's `groups` (row
-/// ranges) out of the step's `total` row groups: `loss_of(rows)` builds a row group's loss,
-/// which is multiplied by `1 / total` and back-propagated with gradient synchronisation off;
-/// the row groups' gradients are added over their tree into the parameters' `.grad`, and sync
-/// is turned back on for `sync.finish()`. Returns the tree sum of the row groups' losses (the
-/// global loss is the data-parallel sum of these divided by `total`).
+/// ranges): `loss_of(rows)` builds a row group's loss, which is multiplied by `factor` (the
+/// GPT's `1 / G` for a mean over `G` row groups; 1 for BERT, whose row-group losses are already
+/// divided by the global count of predicted tokens) and back-propagated with gradient
+/// synchronisation off; the row groups' gradients are added over their tree into the
+/// parameters' `.grad`, and sync is turned back on for `sync.finish()`. Returns the tree sum of
+/// the row groups' (unscaled) losses.
 pub(crate) fn reference_step(
     params: &[Var],
     groups: &[Range<u64>],
-    total: usize,
+    factor: f64,
     sync: &dyn GradSync,
     mut loss_of: impl FnMut(&Range<u64>) -> Result<Var>,
 ) -> Result<f64> {
     sync.set_sync(false);
-    let factor = 1.0 / total as f64;
     let mut tree = GradTree::new(groups.len());
     let mut losses = Vec::with_capacity(groups.len());
     for (i, rows) in groups.iter().enumerate() {
         let loss = loss_of(rows)?;
         losses.push(loss.tensor().item()?);
-        loss.mul_scalar(factor)?.backward()?;
+        let loss = if factor != 1.0 {
+            loss.mul_scalar(factor)?
+        } else {
+            loss
+        };
+        loss.backward()?;
         tree.push(i, take_grads(params))?;
     }
     for (p, g) in params.iter().zip(tree.finish()?) {

@@ -818,7 +818,8 @@ pub(crate) fn run_loop(
     };
     let micro_step = |step: usize| -> Result<f64> {
         if reference {
-            return crate::reference::reference_step(&params, &groups, total_groups, sync, |r| {
+            let factor = 1.0 / total_groups as f64;
+            return crate::reference::reference_step(&params, &groups, factor, sync, |r| {
                 let (ids, targets) = to_run_device(
                     cfg,
                     batch_tensors(&data.train, cfg.train.seed, step as u64, r.clone(), t)?,

@@ -194,6 +194,38 @@ fn val_loss(
     Ok(sync.mean(sum)? * world as f64 / count.max(1) as f64)
 }
 
+/// [`val_loss`] in reference mode: per validation batch, the row groups' summed token losses
+/// added over their tree, summed over the data-parallel ranks in the same tree and divided by
+/// the batch's global count of predicted tokens; then the batches' losses averaged in order.
+fn val_loss_reference(
+    model: &BertForMaskedLM,
+    s: &Sampler<'_>,
+    val: &Dataset,
+    groups: &[Range<u64>],
+    sync: &dyn GradSync,
+) -> Result<f64> {
+    let seed = s.cfg.train.seed ^ VAL_STREAM;
+    let n = s.cfg.train.eval_batches.max(1) as u64;
+    model.set_training(false);
+    let r = (|| -> Result<f64> {
+        let mut sum = 0.0;
+        for i in 0..n {
+            let mut losses = Vec::with_capacity(groups.len());
+            for rows in groups {
+                let b = s.batch(val, seed, i, rows.clone())?;
+                let part = no_grad(|| model.loss_over(&b.ids, None, None, &b.labels, 1.0))?;
+                losses.push(part.tensor().item()?);
+            }
+            let local = meshgrad_parallel::comm::tree::tree_sum_f64(&losses);
+            let count = s.global_count(val, seed, i)?.max(1) as f64;
+            sum += sync.mean(local)? / count;
+        }
+        Ok(sum / n as f64)
+    })();
+    model.set_training(true);
+    r
+}
+
 /// The training loop for one device or one rank of `world`: this rank's `rows` of each global
 /// batch in `microbatches` parts (see the module docs for the loss scaling), clipping, the
 /// optimizer step, periodic validation and reporting.
@@ -219,9 +251,25 @@ fn run_loop(
         schedule,
     } = run;
     let model = &*model;
+    // Reference mode: this rank's row groups, each its own pass, added over their tree.
+    let reference = cfg.train.reference;
+    let groups = if reference {
+        crate::reference::row_groups(rows.clone(), cfg.train.row_group)?
+    } else {
+        Vec::new()
+    };
     let micro_step = |step: usize| -> Result<f64> {
         let step64 = step as u64;
         let total = s.global_count(&data.train, seed, step64)?.max(1) as f64;
+        if reference {
+            // Each row group's loss is its masked tokens' sum over the global count: the
+            // row groups' losses add up to the global mean on every layout.
+            return crate::reference::reference_step(&params, &groups, 1.0, sync, |r| {
+                let mb = s.batch(&data.train, seed, step64, r.clone())?;
+                let ctx = ForwardCtx::new(step64, r.start);
+                Ok(ctx.scope(|| model.loss_over(&mb.ids, None, None, &mb.labels, total))?)
+            });
+        }
         let mut local = 0.0;
         for (m, r) in micro.iter().enumerate() {
             let mb = s.batch(&data.train, seed, step64, r.clone())?;
@@ -238,8 +286,15 @@ fn run_loop(
         }
         Ok(local)
     };
-    let val = || val_loss(model, s, &data.val, &rows, world, sync);
-    let scale = world as f64;
+    let val = || {
+        if reference {
+            val_loss_reference(model, s, &data.val, &groups, sync)
+        } else {
+            val_loss(model, s, &data.val, &rows, world, sync)
+        }
+    };
+    // Reference mode's data-parallel "mean" is the tree sum of the ranks' shares.
+    let scale = if reference { 1.0 } else { world as f64 };
     drive_loop(
         cfg, model, opt, schedule, &params, sync, rep, scale, None, micro_step, val, ctl,
     )
