@@ -1,0 +1,121 @@
+//! `meshgrad train --reference`: runs under every layout that splits the batch (data parallel,
+//! ZeRO-1/2/3, hybrid sharding, micro-batches) write the same metrics strings (loss, validation
+//! loss, gradient norm) and byte-identical weights as the single-device reference run, for the
+//! GPT and for BERT; what reference mode does not cover is refused in one line.
+
+mod common;
+
+use common::{assert_ok, assert_one_line_error, tmpdir, train};
+use std::path::Path;
+
+/// A small model, 3 steps, validation after steps 2 and 3, clipping on (the default 1.0).
+const SETS: &[&str] = &[
+    "model.n_layer=2",
+    "model.n_head=4",
+    "model.n_embd=32",
+    "model.block_size=16",
+    "train.batch_size=8",
+    "train.eval_interval=2",
+    "train.eval_batches=2",
+    "train.sample_tokens=0",
+    "train.warmup_steps=1",
+];
+
+/// The loss, validation loss and gradient norm of every metrics line, as the file writes them.
+fn metric_strings(dir: &Path, tag: &str) -> Vec<[String; 3]> {
+    std::fs::read_to_string(dir.join(format!("{tag}.jsonl")))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            ["loss", "val_loss", "grad_norm"].map(|k| v[k].to_string())
+        })
+        .collect()
+}
+
+/// Trains `tag` with `extra` flags (reference mode) and checks that it succeeded.
+fn run(dir: &Path, tag: &str, sets: &[&str], extra: &[&str]) {
+    let mut args = vec!["--reference"];
+    args.extend_from_slice(extra);
+    let o = train(dir, tag, 3, sets, &args);
+    assert_ok(&o);
+}
+
+/// Every run in `tags` equals `reference` bit for bit: metrics strings and weight file bytes.
+fn assert_identical(dir: &Path, tags: &[&str], reference: &str) {
+    let want = metric_strings(dir, reference);
+    assert_eq!(want.len(), 3);
+    // Each step logged a loss and a gradient norm; validation after steps 2 and 3.
+    assert!(want.iter().all(|m| m[0] != "null" && m[2] != "null"));
+    assert_eq!(want[0][1], "null");
+    assert!(want[1][1] != "null" && want[2][1] != "null");
+    let weights = std::fs::read(dir.join(reference).join("model.safetensors")).unwrap();
+    for tag in tags {
+        assert_eq!(metric_strings(dir, tag), want, "{tag}: metrics differ");
+        let got = std::fs::read(dir.join(tag).join("model.safetensors")).unwrap();
+        assert!(got == weights, "{tag}: weights differ from {reference}'s");
+    }
+}
+
+#[test]
+fn gpt_is_bit_identical_under_every_batch_layout() {
+    let dir = tmpdir("reference_gpt");
+    run(&dir, "single", SETS, &[]);
+    let layouts: &[(&str, &[&str])] = &[
+        ("micro2", &["--microbatches", "2"]),
+        ("micro4", &["--microbatches", "4"]),
+        ("dp2", &["--layout", "dp=2"]),
+        ("dp4", &["--layout", "dp=4"]),
+        ("zero1", &["--layout", "zero1=4"]),
+        ("zero2", &["--layout", "zero2=4"]),
+        ("fsdp4", &["--layout", "fsdp=4"]),
+        ("hsdp", &["--layout", "hsdp=2x2"]),
+        (
+            "dp2zero1",
+            &["--layout", "dp=2,zero1=2", "--microbatches", "2"],
+        ),
+    ];
+    for (tag, extra) in layouts {
+        run(&dir, tag, SETS, extra);
+    }
+    let tags: Vec<&str> = layouts.iter().map(|(t, _)| *t).collect();
+    assert_identical(&dir, &tags, "single");
+}
+
+#[test]
+fn bert_is_bit_identical_under_every_batch_layout() {
+    let dir = tmpdir("reference_bert");
+    let mut sets = SETS.to_vec();
+    sets.push("model.kind=bert");
+    run(&dir, "single", &sets, &[]);
+    let layouts: &[(&str, &[&str])] = &[
+        ("micro2", &["--microbatches", "2"]),
+        ("dp2", &["--layout", "dp=2"]),
+        ("fsdp2", &["--layout", "fsdp=2"]),
+        ("hsdp", &["--layout", "hsdp=2x2"]),
+    ];
+    for (tag, extra) in layouts {
+        run(&dir, tag, &sets, extra);
+    }
+    let tags: Vec<&str> = layouts.iter().map(|(t, _)| *t).collect();
+    assert_identical(&dir, &tags, "single");
+}
+
+#[test]
+fn what_reference_mode_cannot_make_exact_is_refused() {
+    let dir = tmpdir("reference_refused");
+    let cases: &[(&[&str], &[&str])] = &[
+        (
+            &["--layout", "dp=3"],
+            &["data-parallel degree 3", "power of two", "8 row groups"],
+        ),
+        (&["--row-group", "3"], &["row_group 3 does not divide", "8"]),
+        (&["--precision", "bf16"], &["reference mode trains in f32"]),
+    ];
+    for (i, (extra, needles)) in cases.iter().enumerate() {
+        let mut args = vec!["--reference"];
+        args.extend_from_slice(extra);
+        let o = train(&dir, &format!("r{i}"), 2, SETS, &args);
+        assert_one_line_error(&o, needles);
+    }
+}
