@@ -34,6 +34,10 @@ pub struct BenchOptions {
     pub threads: usize,
     /// Print the per-op breakdown and the sgemm ceiling.
     pub profile: bool,
+    /// Time reference mode's step instead (`Some(row_group)`: sequences per row group): one
+    /// forward and backward pass per row group, gradients added over the row groups' tree, the
+    /// exact gradient norm.
+    pub reference: Option<usize>,
 }
 
 /// The figures of one run.
@@ -234,6 +238,9 @@ pub fn run_bench(opts: &BenchOptions) -> Result<BenchResult> {
             opts.precision
         );
     }
+    if opts.reference.is_some() && (device != Device::Cpu || opts.precision != DType::F32) {
+        bail!("bench: --reference runs on the CPU in f32 (as reference-mode training does)");
+    }
     let model = Gpt::new(cfg, 1337, opts.precision, device)?;
     let params = model.num_parameters();
     if params != cfg.num_parameters() {
@@ -261,15 +268,45 @@ pub fn run_bench(opts: &BenchOptions) -> Result<BenchResult> {
     let ids = Tensor::from_vec(inputs, (batch, t), Device::Cpu)?.to_device(device)?;
     let targets = Tensor::from_vec(targets, (batch, t), Device::Cpu)?.to_device(device)?;
 
+    let vars = model.parameters();
+    let groups = match opts.reference {
+        None => Vec::new(),
+        Some(r) if r == 0 || !batch.is_multiple_of(r) => {
+            bail!("bench: --row-group {r} must divide the batch of {batch}")
+        }
+        Some(r) => crate::reference::row_groups(0..batch as u64, r)?,
+    };
+    // Both steps compute the gradient norm, as training with clipping does (fast: an f64 sum per
+    // parameter; reference: the exact sum).
     let step = |opt: &mut AdamW| -> Result<f64> {
-        let loss = model.loss(&ids, &targets, None)?;
         opt.zero_grad();
-        loss.backward()?;
+        let loss = if opts.reference.is_some() {
+            let factor = 1.0 / groups.len() as f64;
+            let sum = crate::reference::reference_step(
+                &vars,
+                &groups,
+                factor,
+                &crate::train::SingleDevice,
+                |r| {
+                    let n = (r.end - r.start) as usize;
+                    let ids = ids.narrow(0, r.start as usize, n)?;
+                    let targets = targets.narrow(0, r.start as usize, n)?;
+                    Ok(model.loss(&ids, &targets, None)?)
+                },
+            )?;
+            crate::reference::exact_grad_squares(&vars)?;
+            sum * factor
+        } else {
+            let loss = model.loss(&ids, &targets, None)?;
+            loss.backward()?;
+            meshgrad_nn::optim::grad_norm(&vars)?;
+            loss.tensor().item()?
+        };
         {
             let _p = profile::phase(Phase::Optimizer);
             opt.step(1e-3)?;
         }
-        Ok(loss.tensor().item()?)
+        Ok(loss)
     };
     let mut first_loss = f64::NAN;
     for i in 0..2 {
@@ -319,8 +356,12 @@ pub fn run_bench(opts: &BenchOptions) -> Result<BenchResult> {
             .then(|| flops / step_median_s / H100_BF16_DENSE_FLOPS),
     };
     println!(
-        "meshgrad bench {} on {device} ({}): {} layers, {} heads, n_embd {}, seq {}, batch {}, {} rayon threads; loss {:.4} -> {:.4}; step times (s): min {:.4} median {:.4} max {:.4}",
+        "meshgrad bench {}{} on {device} ({}): {} layers, {} heads, n_embd {}, seq {}, batch {}, {} rayon threads; loss {:.4} -> {:.4}; step times (s): min {:.4} median {:.4} max {:.4}",
         opts.model,
+        match opts.reference {
+            Some(r) => format!(" (reference mode, row groups of {r})"),
+            None => String::new(),
+        },
         if opts.precision == DType::BF16 { "bf16, f32 master weights" } else { "f32" },
         cfg.n_layer,
         cfg.n_head,
@@ -359,6 +400,16 @@ pub fn run_bench(opts: &BenchOptions) -> Result<BenchResult> {
         );
     }
     Ok(res)
+}
+
+/// The last line of `bench --reference`: reference mode's median step time and peak bytes over
+/// fast mode's, measured in the same invocation.
+pub fn reference_cost_line(fast: &BenchResult, reference: &BenchResult) -> String {
+    format!(
+        "reference_slowdown={:.3} reference_memory_ratio={:.3}",
+        reference.step_median_s / fast.step_median_s,
+        reference.peak_bytes as f64 / fast.peak_bytes.max(1) as f64
+    )
 }
 
 /// Driver allocations made so far by the caching allocator of a CUDA `device` (`None` for the

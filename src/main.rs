@@ -58,6 +58,14 @@ enum Command {
         /// Print a per-op time breakdown and the sgemm ceiling.
         #[arg(long)]
         profile: bool,
+        /// Also time reference mode's step (one pass per row group, the row groups' tree, the
+        /// exact gradient norm; CPU, f32) after the fast one, and print
+        /// `reference_slowdown=... reference_memory_ratio=...` last.
+        #[arg(long)]
+        reference: bool,
+        /// Sequences per row group for --reference.
+        #[arg(long, default_value_t = 1)]
+        row_group: usize,
     },
     /// Check every op on a device against the CPU in f64 (forward and backward, per dtype), then
     /// train the tiny GPT there beside the CPU; one line per check, a summary line last, non-zero
@@ -553,7 +561,12 @@ fn run(cli: Cli) -> Result<()> {
             steps,
             threads,
             profile,
+            reference,
+            row_group,
         } => {
+            if reference && pytorch {
+                anyhow::bail!("bench: --reference and --pytorch are separate comparisons; run one");
+            }
             rayon::ThreadPoolBuilder::new()
                 .num_threads(threads.max(1))
                 .build_global()?;
@@ -569,9 +582,19 @@ fn run(cli: Cli) -> Result<()> {
                 steps,
                 threads,
                 profile,
+                reference: None,
             };
             let r = meshgrad::bench::run_bench(&opts)?;
             println!("{}", r.line());
+            if reference {
+                let opts = meshgrad::bench::BenchOptions {
+                    reference: Some(row_group),
+                    ..opts.clone()
+                };
+                let rr = meshgrad::bench::run_bench(&opts)?;
+                println!("{}", rr.line());
+                println!("{}", meshgrad::bench::reference_cost_line(&r, &rr));
+            }
             if pytorch {
                 let refs = meshgrad::bench::run_pytorch_reference(&opts, &python, &pytorch_script)?;
                 println!("{}", r.line());
