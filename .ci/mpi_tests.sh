@@ -16,7 +16,9 @@
 # * a rank SIGKILLed in the middle of a launched training run: the launcher exits non-zero within
 #   30 s naming the rank, and none of the job's processes is left running;
 # * a checkpoint saved under mpirun (fsdp=4, `--save-every`) resumes under the thread backend
-#   and continues with the thread run's losses (rank 0 wrote the index, every rank its shards).
+#   and continues with the thread run's losses (rank 0 wrote the index, every rank its shards);
+# * reference mode (`--reference`) under `mpirun -np 4` (hsdp=2x2) and `meshgrad launch` (fsdp=4):
+#   metrics and weight bytes identical to the one-device reference run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
@@ -190,4 +192,24 @@ compare "mpirun fsdp=4 --save-every 3" "${WORK}/ck_mpi.jsonl" "${WORK}/thr_fsdp_
     --metrics "${WORK}/ck_thr.jsonl" --out "${WORK}/ck_thr" >"${WORK}/ck_thr.log" 2>&1 \
     || { cat "${WORK}/ck_thr.log"; exit 1; }
 compare "resumed under threads from the MPI checkpoint" "${WORK}/ck_thr.jsonl" "${WORK}/thr_fsdp_4.jsonl" || status=1
+
+echo "reference mode across processes: bit for bit with one device"
+REF=(train --reference --steps 3 --set model.n_layer=2 --batch-size 8 --set train.eval_interval=2
+     --set train.eval_batches=2 --set train.sample_tokens=0)
+"${BIN}" "${REF[@]}" --metrics "${WORK}/ref_one.jsonl" --out "${WORK}/ref_one" >"${WORK}/ref_one.log" 2>&1 \
+    || { cat "${WORK}/ref_one.log"; exit 1; }
+"${MPIRUN[@]}" -np 4 "${BIN}" "${REF[@]}" --layout hsdp=2x2 --metrics "${WORK}/ref_mpi.jsonl" \
+    --out "${WORK}/ref_mpi" >"${WORK}/ref_mpi.log" 2>&1 || { cat "${WORK}/ref_mpi.log"; exit 1; }
+timeout 300 "${BIN}" launch --nproc-per-node 4 --backend mpi -- "${REF[@]}" --layout fsdp=4 \
+    --metrics "${WORK}/ref_launch.jsonl" --out "${WORK}/ref_launch" >"${WORK}/ref_launch.log" 2>&1 \
+    || { cat "${WORK}/ref_launch.log"; exit 1; }
+for run in ref_mpi ref_launch; do
+    if "${BIN}" compare "${WORK}/ref_one.jsonl" "${WORK}/${run}.jsonl" --max-relative-difference 0 \
+        && cmp -s "${WORK}/ref_one/model.safetensors" "${WORK}/${run}/model.safetensors"; then
+        echo "ok: ${run}: metrics and weights identical to one device"
+    else
+        echo "FAIL: ${run}: reference mode differs from one device"
+        status=1
+    fi
+done
 exit "${status}"
