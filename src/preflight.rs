@@ -26,6 +26,10 @@
 //!   (fsdp) the parameters too (`4 P / S`, plus the largest unit, a block or the embedding,
 //!   gathered whole). At the end of a ZeRO-3 run every rank gathers its full parameters again
 //!   (for the checkpoint), which the per-rank figure also covers.
+//! * **Reference mode** adds to the gradients `(floor(log2 g) + 1) · 4 P` for the pending
+//!   subtrees of the rank's `g` row groups and `dp · 4 P` for a tree-ordered reduction receiving
+//!   every data-parallel rank's contribution (an upper bound), and its activations are those of
+//!   one row group (`train.row_group` rows).
 //! * **Activations**, per token of a micro-batch (`batch_size / dp` rows split into
 //!   `microbatches`, of `block_size` tokens), in f32 values: per block, what the backward keeps:
 //!   `4 C` outside the attention and the MLP (the block input, the two norms' outputs, the
@@ -449,12 +453,24 @@ pub fn estimate_training(
         }
     }
 
-    // Activations of the micro-batches in flight on the largest rank.
-    let rows = cfg
-        .train
-        .batch_size
-        .div_ceil(layout.data_parallel_degree().max(1))
-        .div_ceil(microbatches);
+    // Reference mode: the row groups' tree keeps up to one pending gradient per level beside
+    // the accumulated one (log2 of the rank's row groups, plus one), and each tree-ordered
+    // reduction receives every data-parallel rank's contribution (the largest is a ZeRO unit or
+    // a DDP bucket, counted as the whole local gradient).
+    let dp = layout.data_parallel_degree().max(1);
+    if cfg.train.reference {
+        let groups = (cfg.train.batch_size / cfg.train.row_group.max(1) / dp).max(1);
+        let levels = usize::BITS - groups.leading_zeros();
+        grads = grads + bytes(local) * n(levels as usize) + bytes(local) * n(dp);
+    }
+
+    // Activations of the micro-batches (reference mode: row groups) in flight on the largest
+    // rank.
+    let rows = if cfg.train.reference {
+        cfg.train.row_group
+    } else {
+        cfg.train.batch_size.div_ceil(dp).div_ceil(microbatches)
+    };
     let seq = cfg.model.block_size;
     let tokens = n(rows) * n(seq);
     let in_flight = if pp > 1 {
@@ -811,6 +827,26 @@ mod tests {
             },
         );
         assert!(ckpt.activations < one.activations);
+    }
+
+    #[test]
+    fn reference_mode_counts_its_tree_and_one_row_group_of_activations() {
+        let opts = TrainOptions::default();
+        let mut cfg = TrainConfig::default();
+        let p = ModelShape::from_train_config(&cfg)
+            .num_parameters()
+            .unwrap()
+            * 4;
+        let fast = estimate_training(&cfg, None, &opts);
+        cfg.train.reference = true;
+        // 16 row groups of 1 sequence on one device: 5 tree levels, one contribution.
+        let one = estimate_training(&cfg, None, &opts);
+        assert_eq!(one.grads, fast.grads + 5 * p + p);
+        assert_eq!(one.activations * 16, fast.activations);
+        // dp=4: 4 row groups per rank (3 levels), 4 contributions per reduction.
+        let dp4 = estimate_training(&cfg, Some(&"dp=4".parse().unwrap()), &opts);
+        assert_eq!(dp4.grads, fast.grads + 3 * p + 4 * p);
+        assert_eq!(dp4.activations * 16, fast.activations);
     }
 
     #[test]
