@@ -14,7 +14,7 @@
 //!   `G` row groups (`((g0 + g1) + (g2 + g3)) + ...`). A rank computes the subtree of its rows
 //!   ([`GradTree`]: whatever order its passes finish in), and the data-parallel group adds the
 //!   ranks' subtrees in the same tree ([`TreeReduce`]), which needs each rank's rows to be an
-//!   aligned subtree: a power-of-two data-parallel degree dividing `G`.
+//!   aligned subtree: `G / dp` a power of two.
 //! * **Scaling.** Each row group's loss is multiplied by `1 / G` before its backward, on every
 //!   layout, so the gradient sum *is* the global mean: the tree reductions add without dividing
 //!   by the group size ([`TreeReduce::for_reference`]).
@@ -84,11 +84,14 @@ pub(crate) fn check_reference(cfg: &TrainConfig, layout: Option<&ParallelLayout>
         );
     }
     let dp = layout.data_parallel_degree();
-    if !dp.is_power_of_two() || !groups.is_multiple_of(dp) {
+    // Rank k owns row groups [k·s, (k+1)·s): a node of the aligned tree over all G row groups
+    // exactly when s is a power of two (and then the tree over the ranks' blocks is the
+    // aligned tree over the dp ranks, which TreeReduce adds in).
+    if dp > 1 && !(groups.is_multiple_of(dp) && (groups / dp).is_power_of_two()) {
         anyhow::bail!(
-            "reference mode: the data-parallel degree {dp} (layout {layout}) must be a power of \
-             two dividing the {groups} row groups (batch {b} / row group {r}), so that each rank \
-             owns a whole subtree of the row groups' sum"
+            "reference mode: the data-parallel degree {dp} (layout {layout}) must split the \
+             {groups} row groups (batch {b} / row group {r}) into a power of two per rank, so \
+             that each rank owns a whole subtree of the row groups' sum"
         );
     }
     Ok(())

@@ -124,12 +124,37 @@ fn bert_is_bit_identical_under_every_batch_layout() {
 }
 
 #[test]
+fn three_ranks_fit_when_each_owns_a_power_of_two_of_row_groups() {
+    // 12 row groups: the tree splits them 8 + 4, and blocks of 4 are three of its nodes.
+    let dir = tmpdir("reference_dp3");
+    let mut sets = SETS.to_vec();
+    sets.push("train.batch_size=12");
+    run(&dir, "single", &sets, &[]);
+    run(&dir, "dp3", &sets, &["--layout", "dp=3"]);
+    assert_identical(&dir, &["dp3"], "single");
+    // Two ranks would own 6 row groups each, which no node of the tree covers.
+    let o = train(&dir, "dp2", 2, &sets, &["--reference", "--layout", "dp=2"]);
+    assert_one_line_error(
+        &o,
+        &[
+            "data-parallel degree 2",
+            "power of two per rank",
+            "12 row groups",
+        ],
+    );
+}
+
+#[test]
 fn what_reference_mode_cannot_make_exact_is_refused() {
     let dir = tmpdir("reference_refused");
     let cases: &[(&[&str], &[&str])] = &[
         (
             &["--layout", "dp=3"],
-            &["data-parallel degree 3", "power of two", "8 row groups"],
+            &[
+                "data-parallel degree 3",
+                "power of two per rank",
+                "8 row groups",
+            ],
         ),
         (&["--row-group", "3"], &["row_group 3 does not divide", "8"]),
         (&["--precision", "bf16"], &["reference mode trains in f32"]),
