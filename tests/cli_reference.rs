@@ -166,3 +166,30 @@ fn what_reference_mode_cannot_make_exact_is_refused() {
         assert_one_line_error(&o, needles);
     }
 }
+
+#[test]
+fn a_run_resumed_under_another_layout_continues_bit_for_bit() {
+    let dir = tmpdir("reference_resume");
+    let steps = 6;
+    let sets = SETS.to_vec();
+    let go = |tag: &str, extra: &[&str]| {
+        let mut args = vec!["--reference"];
+        args.extend_from_slice(extra);
+        assert_ok(&train(&dir, tag, steps, &sets, &args));
+    };
+    go("single", &[]);
+    go("saved", &["--layout", "fsdp=2", "--save-every", "3"]);
+    let ck = dir.join("saved/checkpoints/step-000003");
+    go(
+        "resumed",
+        &["--layout", "dp=4", "--resume", ck.to_str().unwrap()],
+    );
+    let (want, got) = (
+        metric_strings(&dir, "single"),
+        metric_strings(&dir, "resumed"),
+    );
+    assert_eq!(got.len(), 3, "the resumed run logs steps 4..6");
+    assert_eq!(got, want[3..]);
+    let weights = |tag: &str| std::fs::read(dir.join(tag).join("model.safetensors")).unwrap();
+    assert!(weights("resumed") == weights("single"));
+}
