@@ -346,7 +346,9 @@ struct TrainArgs {
     #[arg(long, value_name = "SPEC")]
     layout: Option<String>,
     /// Gradient accumulation: split each rank's rows of a step into this many micro-batches
-    /// (with pp>1, the pipeline's microbatches).
+    /// (with pp>1, the pipeline's microbatches). In reference mode each row group is its own
+    /// pass and a pipeline runs one microbatch per row group of a data-parallel rank (leave this
+    /// at 1 or give that count; choose them with --row-group).
     #[arg(long, default_value_t = 1)]
     microbatches: usize,
     /// Sequence parallelism: split the activations outside the tensor-parallel layers along the

@@ -21,6 +21,10 @@
 //! * **Norms.** The gradient norm is an order-free exact sum of squares ([`ExactSum`]), so it
 //!   does not matter how ZeRO cuts parameters into shards.
 //!
+//! * **Pipelines.** A pipeline's microbatches are the row groups; each stage adds its
+//!   per-row-group gradients over the same tree, the tied table's two copies per row group first
+//!   (see [`crate::train_pipeline`]).
+//!
 //! What is not covered yet is refused in one line before the run ([`check_reference`]).
 
 use std::ops::Range;
@@ -74,9 +78,6 @@ pub(crate) fn check_reference(cfg: &TrainConfig, layout: Option<&ParallelLayout>
     let Some(layout) = layout else {
         return Ok(());
     };
-    if layout.pp() > 1 {
-        anyhow::bail!("reference mode does not cover pipeline parallelism yet (layout {layout})");
-    }
     if layout.tp() > 1 {
         anyhow::bail!(
             "reference mode does not cover tensor parallelism yet (layout {layout}): its split \
@@ -105,7 +106,7 @@ pub(crate) fn row_groups(rows: Range<u64>, row_group: usize) -> Result<Vec<Range
 }
 
 /// The gradients of a model's parameters, taken out of their `.grad` (which is left empty).
-fn take_grads(params: &[Var]) -> Vec<Option<Tensor>> {
+pub(crate) fn take_grads(params: &[Var]) -> Vec<Option<Tensor>> {
     params
         .iter()
         .map(|p| {

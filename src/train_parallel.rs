@@ -507,6 +507,8 @@ pub fn train_parallel(
     verbosity: Verbosity,
 ) -> Result<TrainSummary> {
     crate::train::check_device_and_precision(cfg, Some(layout))?;
+    // Reference mode: a pipeline's microbatches are the rank's row groups.
+    let opts = &crate::train_pipeline::reference_pipeline_options(cfg, layout, opts)?;
     let (cfg, tokenizer) = resolve_tokenizer(cfg)?;
     let cfg = &cfg;
     check_layout(cfg, layout, opts)?;

@@ -19,6 +19,28 @@
 //!   pipeline group, and clipping scales every stage's gradients by the same factor;
 //! * each rank steps its optimizer (or its shard of it).
 //!
+//! **Reference mode** (`--reference`, see [`crate::reference`]) makes a pipeline run the single
+//! device's reference run bit for bit:
+//!
+//! * the microbatches are the data-parallel rank's row groups, one each
+//!   ([`reference_pipeline_options`]: `--microbatches` left at 1 or equal to that count);
+//! * the last stage multiplies each microbatch's loss by `1 / G` (`G` row groups in the global
+//!   batch) before its backward, and each chunk's gradients of a microbatch are taken out of
+//!   `.grad` as soon as they are complete (after its backward, or the zero-bubble schedule's
+//!   weight pass; [`ExecuteOptions::on_grads`]) and added over the row groups' aligned binary tree
+//!   ([`GradTree`]), whatever order the schedule finishes them in;
+//! * the tied table: one device adds the head's and the embedding's gradient of a row group once,
+//!   elementwise, before the tree; so the last stage sends its per-microbatch head gradients to
+//!   the first stage, which adds each pair, sums the tree and sends the sum back
+//!   ([`PipelineGrads::reduce_tied_grads_by_microbatch`]);
+//! * the step's loss is the last stage's tree sum of the row groups' losses, shared over the
+//!   pipeline, summed over the data-parallel group (whose float sums add in the same tree and do
+//!   not divide) and multiplied by `1 / G`; validation runs each row group forward on its own
+//!   and adds the same way;
+//! * the gradient norm is an exact sum of squares ([`meshgrad_tensor::exact_sum::ExactSum`]) over
+//!   every stage's gradients (their shards under ZeRO; the tied table once), its words
+//!   all-reduced over the pipeline group, and every stage clips with it.
+//!
 //! Validation runs forward through the pipeline ([`forward_only`]). For the checkpoint the
 //! sharded and tensor-parallel parameters are gathered within each stage and the stages send
 //! theirs to rank 0, which assembles the single-device model. After the run the leader prints
@@ -37,12 +59,13 @@ use meshgrad_nn::module::Child;
 use meshgrad_nn::optim::{clip_grads_with_norm, AdamW, Optimizer};
 use meshgrad_nn::tp::{full_state_dict, TensorParallel};
 use meshgrad_nn::{ModelStage, Module, StageSpec};
+use meshgrad_parallel::comm::tree::tree_sum_f64;
 use meshgrad_parallel::comm::{all_reduce_scalar, RankCtx};
 use meshgrad_parallel::pipeline::partition::{MemoryModel, ModelCosts, Partition, PartitionMethod};
 use meshgrad_parallel::pipeline::{
-    execute, forward_only, measure_idle_between, profile_layers, simulate, write_chrome_trace,
-    Costs, Microbatch, PipelineGrads, ProfileOptions, Schedule, ScheduleKind, Span, SpanKind,
-    Timeline,
+    execute, execute_with, forward_only, measure_idle_between, profile_layers, simulate,
+    write_chrome_trace, Costs, ExecuteOptions, Microbatch, PipelineGrads, ProfileOptions, Schedule,
+    ScheduleKind, Span, SpanKind, Timeline,
 };
 use meshgrad_parallel::tp::tensor_parallel;
 use meshgrad_parallel::zero::{ShardConfig, ShardedDataParallel, ZeroStage};
@@ -50,6 +73,7 @@ use meshgrad_parallel::{rank_rows, Communicator, LayoutMesh, ParallelLayout, Red
 use meshgrad_tensor::{Device, Tensor};
 
 use crate::config::TrainConfig;
+use crate::reference::{row_groups, take_grads, GradTree};
 use crate::train::{
     drive_loop, optimizer_and_schedule, GradSync, LoopResult, Reporter, RunControl, TrainOptions,
     TrainSummary, Verbosity,
@@ -238,8 +262,16 @@ fn pipeline_shape<T: PipelineTask>(
 ) -> Result<(Schedule, PartitionMethod)> {
     let p = layout.pp();
     let po = &opts.pipeline;
-    let schedule = Schedule::generate(po.schedule, p, opts.microbatches, po.chunks)
-        .map_err(|e| anyhow::anyhow!("--schedule {}: {e}", po.schedule))?;
+    let schedule =
+        Schedule::generate(po.schedule, p, opts.microbatches, po.chunks).map_err(|e| {
+            let why = if task.cfg().train.reference {
+                " (reference mode: one microbatch per row group of a data-parallel rank; choose \
+                 them with --row-group)"
+            } else {
+                ""
+            };
+            anyhow::anyhow!("--schedule {}: {e}{why}", po.schedule)
+        })?;
     let v = schedule.chunks;
     let n = task.n_blocks();
     let stages = p * v;
@@ -369,6 +401,9 @@ struct PipelineSync<'a> {
     dp: Arc<dyn Communicator>,
     pp: Arc<dyn Communicator>,
     timeline: &'a Timeline,
+    /// Reference mode: the tied copies' gradients were already added per microbatch (in the
+    /// step, [`PipelineGrads::reduce_tied_grads_by_microbatch`]).
+    reference: bool,
 }
 
 impl GradSync for PipelineSync<'_> {
@@ -388,7 +423,9 @@ impl GradSync for PipelineSync<'_> {
     fn finish(&self) -> Result<()> {
         self.timeline
             .record(SpanKind::Optimizer, "reduce gradients", || -> Result<()> {
-                self.grads.reduce_tied_grads()?;
+                if !self.reference {
+                    self.grads.reduce_tied_grads()?;
+                }
                 match self.reducer {
                     Reducer::AllReduce => {
                         if self.dp.world_size() > 1 {
@@ -428,6 +465,26 @@ impl GradSync for PipelineSync<'_> {
                 Ok(norm)
             }
         }
+    }
+
+    fn exact_norm(&self, _params: &[Var]) -> Result<f64> {
+        let sum = match self.reducer {
+            Reducer::AllReduce => self.grads.exact_grad_sq_sum()?,
+            Reducer::Sharded(sdp) => {
+                let skip = |n: &str| self.grads.left_out_of_norm().iter().any(|s| s == n);
+                let local = sdp.exact_grad_sq_sum_without(&skip)?;
+                self.grads.exact_sum_over_pipeline(&local)?
+            }
+        };
+        Ok(sum.value().sqrt())
+    }
+
+    fn clip_with_norm(&self, _params: &[Var], max_norm: f64, norm: f64) -> Result<()> {
+        match self.reducer {
+            Reducer::AllReduce => clip_grads_with_norm(&self.params, max_norm, norm)?,
+            Reducer::Sharded(sdp) => sdp.clip_grads_with_norm(max_norm, norm)?,
+        }
+        Ok(())
     }
 
     fn step(&self, opt: &mut AdamW, lr: f64) -> Result<()> {
@@ -714,6 +771,7 @@ fn rank_main<T: PipelineTask>(
         dp: mesh.dp_group(),
         pp: pp.clone(),
         timeline,
+        reference: cfg.train.reference,
     };
     let dp = mesh.dp_degree();
     let rows = rank_rows(cfg.train.batch_size, dp, mesh.dp_rank())?;
@@ -737,17 +795,31 @@ fn rank_main<T: PipelineTask>(
     } else {
         0.0
     };
+    let reference = cfg.train.reference.then(|| ReferenceChunks::new(&chunks));
+    let total_groups = cfg.train.batch_size / cfg.train.row_group;
     let micro_step = |step: usize| -> Result<f64> {
         let mbs = task.train_microbatches(step as u64, rows.clone(), opts.microbatches, dp)?;
         let t0 = timeline.now_s();
-        let loss = execute(
-            &chunks,
-            &plan.schedule,
-            pp.as_ref(),
-            &mbs,
-            step as u64,
-            Some(timeline),
-        )?;
+        let loss = match &reference {
+            None => execute(
+                &chunks,
+                &plan.schedule,
+                pp.as_ref(),
+                &mbs,
+                step as u64,
+                Some(timeline),
+            )?,
+            Some(r) => r.step(
+                &chunks,
+                &plan.schedule,
+                pp.as_ref(),
+                &grads,
+                &mbs,
+                step as u64,
+                total_groups,
+                timeline,
+            )?,
+        };
         let t1 = timeline.now_s();
         step_windows
             .lock()
@@ -756,6 +828,9 @@ fn rank_main<T: PipelineTask>(
         Ok(loss)
     };
     let val = || -> Result<f64> {
+        if reference.is_some() {
+            return val_loss_reference(task, &chunks, pp.as_ref(), &rows, total_groups, &sync);
+        }
         let batches = task.val_batches(rows.clone())?;
         for c in &chunks {
             c.set_training(false);
@@ -779,7 +854,13 @@ fn rank_main<T: PipelineTask>(
         &params,
         &sync,
         &mut rep,
-        1.0,
+        // Reference mode: a step's share is the tree sum of its row groups' losses, summed over
+        // the data-parallel ranks; the mean divides by the row groups.
+        if reference.is_some() {
+            1.0 / total_groups as f64
+        } else {
+            1.0
+        },
         None,
         micro_step,
         val,
@@ -853,4 +934,171 @@ fn gather_stages(
         }
     }
     Ok(Some(all))
+}
+
+/// Reference mode's view of a rank's chunks (see [`crate::reference`]): each chunk's parameters,
+/// and which of them are a copy of the tied table that the other end of the pipeline also holds.
+struct ReferenceChunks {
+    /// Per chunk: its parameters.
+    params: Vec<Vec<Var>>,
+    /// Per chunk: the positions in `params` of its tied copies, in
+    /// [`ModelStage::tied_parameters`] order, and whether the chunk is virtual stage 0 (the
+    /// embedding's copy; else the head's). Empty for a chunk that holds no copy or both uses.
+    tied: Vec<(Vec<usize>, bool)>,
+}
+
+impl ReferenceChunks {
+    fn new<S: ModelStage>(chunks: &[S]) -> Self {
+        let mut params = Vec::with_capacity(chunks.len());
+        let mut tied = Vec::with_capacity(chunks.len());
+        for c in chunks {
+            let named = c.named_parameters();
+            let spec = c.spec();
+            // A chunk with both the embedding and the head adds both uses in one backward.
+            let pos = if spec.embedding != spec.head {
+                c.tied_parameters()
+                    .iter()
+                    .filter_map(|n| named.iter().position(|(k, _)| k == n))
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            tied.push((pos, spec.embedding));
+            params.push(named.into_iter().map(|(_, p)| p).collect());
+        }
+        ReferenceChunks { params, tied }
+    }
+
+    /// One step's schedule in reference mode, one microbatch per row group of this
+    /// data-parallel rank (`total` row groups in the global batch): each microbatch's loss is
+    /// multiplied by `1 / total`, each chunk's per-microbatch gradients are taken out of `.grad`
+    /// as soon as they are complete and added over the aligned binary tree of the row groups
+    /// ([`GradTree`], in whatever order the schedule finishes them), the tied table's two copies
+    /// per microbatch first ([`PipelineGrads::reduce_tied_grads_by_microbatch`]). Leaves the
+    /// tree sums in `.grad` and returns the tree sum of the row groups' losses on every
+    /// pipeline rank.
+    #[allow(clippy::too_many_arguments)]
+    fn step<S: ModelStage>(
+        &self,
+        chunks: &[S],
+        schedule: &Schedule,
+        pp: &dyn Communicator,
+        grads: &PipelineGrads,
+        mbs: &[Microbatch<S::Batch>],
+        step: u64,
+        total: usize,
+        timeline: &Timeline,
+    ) -> Result<f64> {
+        let m = mbs.len();
+        let mut trees: Vec<GradTree> = (0..chunks.len()).map(|_| GradTree::new(m)).collect();
+        let mut first: Vec<Vec<Option<Tensor>>> = vec![Vec::new(); m];
+        let mut last: Vec<Vec<Option<Tensor>>> = vec![Vec::new(); m];
+        let mut on_grads = |mb: usize, c: usize| -> meshgrad_tensor::Result<()> {
+            let mut g = take_grads(&self.params[c]);
+            let (pos, is_first) = &self.tied[c];
+            if !pos.is_empty() {
+                let tied: Vec<Option<Tensor>> = pos.iter().map(|&i| g[i].take()).collect();
+                if *is_first {
+                    first[mb] = tied;
+                } else {
+                    last[mb] = tied;
+                }
+            }
+            trees[c]
+                .push(mb, g)
+                .map_err(|e| meshgrad_tensor::Error::msg(format!("{e:#}")))
+        };
+        let losses = execute_with(
+            chunks,
+            schedule,
+            pp,
+            mbs,
+            step,
+            Some(timeline),
+            ExecuteOptions {
+                loss_scale: Some(1.0 / total as f64),
+                on_grads: Some(&mut on_grads),
+            },
+        )?;
+        for (tree, params) in trees.into_iter().zip(&self.params) {
+            for (p, g) in params.iter().zip(tree.finish()?) {
+                p.set_grad(g);
+            }
+        }
+        // On a rank without a copy, every microbatch's list is empty (as many as its copies).
+        grads.reduce_tied_grads_by_microbatch(&first, &last)?;
+        // The last stage's tree sum on every pipeline rank (the others add zeros: exact).
+        Ok(all_reduce_scalar(pp, tree_sum_f64(&losses), ReduceOp::Sum)?)
+    }
+}
+
+/// The validation loss in reference mode, as one device computes it
+/// (`val_loss_reference` in [`crate::train`]): each validation batch's loss is the tree sum of
+/// its row groups' losses (this rank's row groups of `rows`, each forward through the pipeline
+/// on its own), summed over the data-parallel ranks by `sync` and divided by the `total` row
+/// groups; the batches' losses are averaged in order.
+fn val_loss_reference<T: PipelineTask>(
+    task: &T,
+    chunks: &[T::Stage],
+    pp: &dyn Communicator,
+    rows: &Range<u64>,
+    total: usize,
+    sync: &dyn GradSync,
+) -> Result<f64> {
+    let cfg = task.cfg();
+    let groups = row_groups(rows.clone(), cfg.train.row_group)?;
+    let per_group = groups
+        .iter()
+        .map(|g| task.val_batches(g.clone()))
+        .collect::<Result<Vec<_>>>()?;
+    let n = cfg.train.eval_batches.max(1);
+    for c in chunks {
+        c.set_training(false);
+    }
+    let r = (|| -> Result<f64> {
+        let mut sum = 0.0;
+        for i in 0..n {
+            let mut losses = Vec::with_capacity(per_group.len());
+            for batches in &per_group {
+                losses.push(forward_only(chunks, pp, &batches[i])?);
+            }
+            sum += sync.mean(tree_sum_f64(&losses))? / total as f64;
+        }
+        Ok(sum / n as f64)
+    })();
+    for c in chunks {
+        c.set_training(true);
+    }
+    r
+}
+
+/// The options a pipeline run uses in reference mode: the pipeline's microbatches are this
+/// data-parallel rank's row groups (`train.batch_size / dp / train.row_group`, one row group
+/// per microbatch), so `--microbatches` must be left at 1 or give that number; a one-line
+/// refusal otherwise. `opts` unchanged outside reference mode or without a pipeline.
+pub(crate) fn reference_pipeline_options(
+    cfg: &TrainConfig,
+    layout: &ParallelLayout,
+    opts: &TrainOptions,
+) -> Result<TrainOptions> {
+    let mut opts = opts.clone();
+    if !cfg.train.reference || layout.pp() <= 1 {
+        return Ok(opts);
+    }
+    let (b, r, dp) = (
+        cfg.train.batch_size,
+        cfg.train.row_group,
+        layout.data_parallel_degree(),
+    );
+    let m = b / dp / r;
+    if opts.microbatches != 1 && opts.microbatches != m {
+        anyhow::bail!(
+            "reference mode: a pipeline runs one microbatch per row group ({m} per \
+             data-parallel rank: batch {b} / {dp} data-parallel rank(s) / row group {r}), not \
+             --microbatches {}; choose the microbatches with --row-group",
+            opts.microbatches
+        );
+    }
+    opts.microbatches = m;
+    Ok(opts)
 }

@@ -11,7 +11,9 @@
 //! the split backward both are); the only layout-dependent rounding is the tied table's
 //! gradient (the single device adds the embedding's and the head's contributions per
 //! microbatch, the pipeline sums each over the microbatches first) and the order of the f64
-//! norm sums.
+//! norm sums. Reference mode's `execute_with` hands over each microbatch's gradients alone,
+//! the single device's per-microbatch gradients bit for bit (the tied table's as the head's plus
+//! the embedding's).
 //!
 //! Every run uses rendezvous sends (a send completes when its receive takes the message), so
 //! the schedules are shown not to deadlock on a backend without buffering; a hand-made schedule
@@ -37,7 +39,8 @@ use meshgrad_nn::{
 use meshgrad_parallel::comm::{run_ranks, run_ranks_each, RunOptions};
 use meshgrad_parallel::micro_rows;
 use meshgrad_parallel::pipeline::{
-    execute, Action, Microbatch, PipelineGrads, Schedule, ScheduleKind, Timeline,
+    execute, execute_with, Action, ExecuteOptions, Microbatch, PipelineGrads, Schedule,
+    ScheduleKind, Timeline,
 };
 use meshgrad_tensor::{DType, Device, Result, Tensor};
 
@@ -477,6 +480,120 @@ fn bert_zero_bubble_and_interleaved_match_single_device() {
         2,
         Some(2),
     );
+}
+
+/// Per microbatch, each parameter's gradient bits by name.
+type PerMicrobatch = Vec<HashMap<String, Vec<u32>>>;
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.to_vec_f32()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_bits())
+        .collect()
+}
+
+/// [`execute_with`] (reference mode's executor): each microbatch's loss times `FACTOR`, the
+/// callback once per (microbatch, chunk) as soon as that microbatch's gradients are complete
+/// (after the zero-bubble weight pass too), so that taking them out there leaves each
+/// microbatch's gradients alone: the single device's per-microbatch gradients bit for bit, the
+/// tied table's as the head's plus the embedding's; the losses come back per microbatch on the
+/// last rank.
+#[test]
+fn execute_with_hands_over_each_microbatchs_gradients_alone() {
+    const FACTOR: f64 = 1.0 / 8.0;
+    let model = Gpt::new(gpt_config(), SEED, DType::F32, Device::Cpu).unwrap();
+    let mut want: PerMicrobatch = Vec::new();
+    let mut want_losses = Vec::new();
+    for rows in micro_rows(0..BATCH as u64, MICRO).unwrap() {
+        let l = ForwardCtx::new(0, rows.start)
+            .scope(|| {
+                let b = gpt_batch(0, rows.clone())?;
+                model.loss(&b.ids, &b.targets, None)
+            })
+            .unwrap();
+        want_losses.push(l.tensor().item().unwrap());
+        l.mul_scalar(FACTOR).unwrap().backward().unwrap();
+        let mut g = HashMap::new();
+        for (n, p) in model.named_parameters() {
+            g.insert(n, bits(&p.grad().unwrap()));
+            p.set_grad(None);
+        }
+        want.push(g);
+    }
+    let cases = [
+        (ScheduleKind::ZeroBubble, 2, None),
+        (ScheduleKind::Interleaved, 2, Some(2)),
+        (ScheduleKind::OneFOneB, 4, None),
+    ];
+    for (kind, pp, chunks_per_rank) in cases {
+        let schedule = Schedule::generate(kind, pp, MICRO, chunks_per_rank).unwrap();
+        let opts = RunOptions::with_timeout(Duration::from_secs(60)).rendezvous();
+        let outs = run_ranks(pp, &opts, |ctx| {
+            let rank = ctx.comm.rank();
+            let stages = chunks(&GptModel, &schedule, rank)?;
+            let mbs = microbatches(&GptModel, 0)?;
+            let mut got: Vec<HashMap<(usize, String), Vec<u32>>> = vec![HashMap::new(); MICRO];
+            let mut on_grads = |m: usize, c: usize| -> Result<()> {
+                let spec = stages[c].spec();
+                for (n, p) in stages[c].named_parameters() {
+                    let Some(g) = p.grad() else { continue };
+                    p.set_grad(None);
+                    // The tied copies: 0 the embedding's, 1 the head's.
+                    let copy = usize::from(n == "wte.weight" && !spec.embedding);
+                    let seen = got[m].insert((copy, n), bits(&g));
+                    assert!(seen.is_none(), "rank {rank}: mb {m} chunk {c} handed twice");
+                }
+                Ok(())
+            };
+            let losses = execute_with(
+                &stages,
+                &schedule,
+                ctx.comm.as_ref(),
+                &mbs,
+                0,
+                None,
+                ExecuteOptions {
+                    loss_scale: Some(FACTOR),
+                    on_grads: Some(&mut on_grads),
+                },
+            )?;
+            Ok((losses, got))
+        })
+        .unwrap();
+        let what = format!("pp={pp} {kind}");
+        assert_eq!(
+            outs[pp - 1].0,
+            want_losses,
+            "{what}: losses on the last rank"
+        );
+        assert!(outs[..pp - 1].iter().all(|(l, _)| l.is_empty()), "{what}");
+        for (m, want) in want.iter().enumerate() {
+            let mut got: HashMap<(usize, String), Vec<u32>> = HashMap::new();
+            for (_, per) in &outs {
+                got.extend(per[m].clone());
+            }
+            for (n, w) in want {
+                if n == "wte.weight" {
+                    let f = |copy: usize| -> Vec<f32> {
+                        got[&(copy, n.clone())]
+                            .iter()
+                            .map(|&b| f32::from_bits(b))
+                            .collect()
+                    };
+                    let sum: Vec<u32> = f(1)
+                        .iter()
+                        .zip(f(0))
+                        .map(|(a, b)| (a + b).to_bits())
+                        .collect();
+                    assert_eq!(&sum, w, "{what}: mb {m}: head + embedding of {n}");
+                } else {
+                    assert_eq!(&got[&(0, n.clone())], w, "{what}: mb {m}: {n}");
+                }
+            }
+            assert_eq!(got.len(), want.len() + 1, "{what}: mb {m}: every gradient");
+        }
+    }
 }
 
 fn fwd(m: usize) -> Action {

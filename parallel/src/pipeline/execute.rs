@@ -70,6 +70,15 @@
 //! square root of the per-rank sums of squares over every local chunk's parameters,
 //! all-reduced over the pipeline group, with the tied table counted once (the embedding's copy).
 //! Then each rank steps its own optimizer (over all its chunks' parameters).
+//!
+//! # Reference mode
+//!
+//! [`execute_with`] runs the same schedule with a given factor on each microbatch's loss and
+//! calls back as soon as a microbatch's parameter gradients on a chunk are complete, so that the
+//! caller can take them out and add the microbatches in its own order;
+//! [`PipelineGrads::reduce_tied_grads_by_microbatch`] adds the tied copies' gradients per
+//! microbatch, as one device's backward does, before their tree sum, and
+//! [`PipelineGrads::exact_grad_sq_sum`] gives the norm as an order-free exact sum.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -77,10 +86,12 @@ use std::sync::Arc;
 use meshgrad_autograd::{DeferredWeightGrads, ForwardCtx, Var};
 use meshgrad_nn::optim::{clip_grads_with_norm, grad_sq_sum, Optimizer};
 use meshgrad_nn::ModelStage;
+use meshgrad_tensor::exact_sum::ExactSum;
 use meshgrad_tensor::{Error, Result, Tensor};
 
 use super::schedule::{Action, Schedule};
 use super::trace::{record_opt, SpanKind, Timeline};
+use crate::comm::tree::tree_split;
 use crate::comm::{all_reduce_scalar, Communicator, P2pOp, P2pWork, ReduceOp};
 
 /// One microbatch of a step as the stages read it, with the global index of its first row (the
@@ -190,9 +201,30 @@ fn check_stages<S: ModelStage>(stages: &[S], rank: usize, world: usize) -> Resul
     Ok(())
 }
 
+/// What [`execute_with`] does beyond [`execute`]: reference mode's loss scale and per-microbatch
+/// gradients.
+#[derive(Default)]
+pub struct ExecuteOptions<'a> {
+    /// The factor the last virtual stage multiplies each microbatch's loss by before its
+    /// backward; `None`: `1 / M` over the `M` microbatches (gradient accumulation's mean).
+    pub loss_scale: Option<f64>,
+    /// Called with `(microbatch, chunk)` as soon as that microbatch's parameter gradients on
+    /// that chunk are complete: after its Backward, or after its BackwardWeight when the
+    /// backward is split (the input half leaves the parameters alone). The chunk's parameters'
+    /// `.grad` then hold every microbatch whose backward has finished and that the callback did
+    /// not take out; a callback that takes them out each time sees that microbatch alone.
+    #[allow(clippy::type_complexity)]
+    pub on_grads: Option<&'a mut dyn FnMut(usize, usize) -> Result<()>>,
+}
+
 /// One rank's state during [`execute`], keyed by (microbatch, chunk).
-struct RankRun<'a, S: ModelStage> {
+struct RankRun<'a, 'f, S: ModelStage> {
     stages: &'a [S],
+    /// The backward's factor on the last virtual stage's loss.
+    loss_scale: f64,
+    /// See [`ExecuteOptions::on_grads`].
+    #[allow(clippy::type_complexity)]
+    on_grads: Option<&'f mut dyn FnMut(usize, usize) -> Result<()>>,
     schedule: &'a Schedule,
     microbatches: &'a [Microbatch<S::Batch>],
     step: u64,
@@ -209,7 +241,7 @@ struct RankRun<'a, S: ModelStage> {
     losses: Vec<Option<f64>>,
 }
 
-impl<S: ModelStage> RankRun<'_, S> {
+impl<S: ModelStage> RankRun<'_, '_, S> {
     fn err(&self, a: &Action, what: impl std::fmt::Display) -> Error {
         Error::msg(format!("pipeline rank {}: {a}: {what}", self.rank))
     }
@@ -259,6 +291,9 @@ impl<S: ModelStage> RankRun<'_, S> {
                     None => root.backward()?,
                     Some(g) => root.backward_with(g)?,
                 }
+                if let Some(f) = self.on_grads.as_mut() {
+                    f(m, c)?;
+                }
             }
             Action::BackwardInput { .. } => {
                 let (root, grad) = self.backward_root(a)?;
@@ -275,13 +310,17 @@ impl<S: ModelStage> RankRun<'_, S> {
                     .remove(&(m, c))
                     .ok_or_else(|| self.err(a, "its backward-input has not run"))?;
                 weights.run()?;
+                if let Some(f) = self.on_grads.as_mut() {
+                    f(m, c)?;
+                }
             }
             _ => return Err(self.err(a, "not a compute action")),
         }
         Ok(())
     }
 
-    /// The root of a backward and its gradient: `loss / M` (gradient 1) on the last virtual
+    /// The root of a backward and its gradient: `loss / M` (gradient 1; `loss * loss_scale`
+    /// under [`execute_with`]) on the last virtual
     /// stage, else the output and the gradient received or handed over by the next chunk.
     fn backward_root(&mut self, a: &Action) -> Result<(Var, Option<Tensor>)> {
         let (m, c) = (a.microbatch(), a.chunk());
@@ -291,8 +330,7 @@ impl<S: ModelStage> RankRun<'_, S> {
             .remove(&(m, c))
             .ok_or_else(|| self.err(a, "the forward has not run"))?;
         if vs == self.last_stage() {
-            let scale = 1.0 / self.microbatches.len() as f64;
-            return Ok((out.mul_scalar(scale)?, None));
+            return Ok((out.mul_scalar(self.loss_scale)?, None));
         }
         let (q, cq) = self.schedule.locate(vs + 1);
         let g = if q == self.rank {
@@ -426,8 +464,8 @@ impl<S: ModelStage> RankRun<'_, S> {
 
     /// After the last action: every forward got its backward, every split backward its weight
     /// half, every input activation's gradient left, every microbatch has its loss (on the last
-    /// virtual stage's rank).
-    fn finish(self) -> Result<f64> {
+    /// virtual stage's rank). Returns the microbatches' losses on that rank, nothing elsewhere.
+    fn finish(self) -> Result<Vec<f64>> {
         let rank = self.rank;
         let left = |what: &str, keys: Vec<&(usize, usize)>| -> Result<()> {
             if let Some(&&(m, c)) = keys.iter().min() {
@@ -442,18 +480,20 @@ impl<S: ModelStage> RankRun<'_, S> {
         left("backward-weight", self.deferred.keys().collect())?;
         left("send of the input gradient", self.inputs.keys().collect())?;
         if rank + 1 != self.schedule.stages {
-            return Ok(0.0);
+            return Ok(Vec::new());
         }
-        let mut sum = 0.0;
-        for (m, l) in self.losses.iter().enumerate() {
-            sum += l.ok_or_else(|| {
-                Error::msg(format!(
-                    "pipeline rank {rank}: the schedule ran no forward of microbatch {m} on the \
-                     last virtual stage"
-                ))
-            })?;
-        }
-        Ok(sum / self.losses.len() as f64)
+        self.losses
+            .iter()
+            .enumerate()
+            .map(|(m, l)| {
+                l.ok_or_else(|| {
+                    Error::msg(format!(
+                        "pipeline rank {rank}: the schedule ran no forward of microbatch {m} on \
+                         the last virtual stage"
+                    ))
+                })
+            })
+            .collect()
     }
 }
 
@@ -470,6 +510,40 @@ pub fn execute<S: ModelStage>(
     step: u64,
     timeline: Option<&Timeline>,
 ) -> Result<f64> {
+    let losses = execute_with(
+        stages,
+        schedule,
+        pp,
+        microbatches,
+        step,
+        timeline,
+        ExecuteOptions::default(),
+    )?;
+    let local = if losses.is_empty() {
+        0.0
+    } else {
+        let mut sum = 0.0;
+        for l in &losses {
+            sum += l;
+        }
+        sum / losses.len() as f64
+    };
+    // The last stage's mean loss on every rank (the others add zeros: exact).
+    all_reduce_scalar(pp, local, ReduceOp::Sum)
+}
+
+/// [`execute`] with `opts` (reference mode's loss scale and per-microbatch gradients): returns
+/// each microbatch's loss (unscaled) on the rank that holds the last virtual stage, an empty list
+/// on the other ranks (no collective after the schedule).
+pub fn execute_with<S: ModelStage>(
+    stages: &[S],
+    schedule: &Schedule,
+    pp: &dyn Communicator,
+    microbatches: &[Microbatch<S::Batch>],
+    step: u64,
+    timeline: Option<&Timeline>,
+    opts: ExecuteOptions<'_>,
+) -> Result<Vec<f64>> {
     let (rank, world) = (pp.rank(), pp.world_size());
     check_supported(schedule, world, microbatches.len())?;
     if stages.len() != schedule.chunks {
@@ -484,6 +558,8 @@ pub fn execute<S: ModelStage>(
     check_stages(stages, rank, world)?;
     let mut run = RankRun {
         stages,
+        loss_scale: opts.loss_scale.unwrap_or(1.0 / microbatches.len() as f64),
+        on_grads: opts.on_grads,
         schedule,
         microbatches,
         step,
@@ -521,9 +597,30 @@ pub fn execute<S: ModelStage>(
             i = end;
         }
     }
-    let local = run.finish()?;
-    // The last stage's mean loss on every rank (the others add zeros: exact).
-    all_reduce_scalar(pp, local, ReduceOp::Sum)
+    run.finish()
+}
+
+/// [`tree_sum`](crate::comm::tree::tree_sum) over gradients some of which may be missing (a
+/// missing one adds nothing, and a subtree with none is missing), as per-microbatch gradients
+/// are summed on one device.
+fn tree_sum_options(parts: &[Option<Tensor>]) -> Result<Option<Tensor>> {
+    match parts.len() {
+        0 => Ok(None),
+        1 => Ok(parts[0].clone()),
+        n => {
+            let left = tree_split(n);
+            Ok(
+                match (
+                    tree_sum_options(&parts[..left])?,
+                    tree_sum_options(&parts[left..])?,
+                ) {
+                    (Some(a), Some(b)) => Some(a.add(&b)?),
+                    (a, None) => a,
+                    (None, b) => b,
+                },
+            )
+        }
+    }
 }
 
 /// Finishes a pipeline step on one rank: sums the tied table's gradients between virtual stage
@@ -633,6 +730,167 @@ impl PipelineGrads {
         Ok(())
     }
 
+    /// Reference mode's [`PipelineGrads::reduce_tied_grads`], from each microbatch's own
+    /// gradients of the tied copies: `first[m][k]` is microbatch `m`'s gradient of tied
+    /// parameter `k` on virtual stage 0, `last[m][k]` the last virtual stage's (on a rank
+    /// without such a copy, no list or empty lists). One device's backward of a microbatch adds
+    /// the two uses of the table once, elementwise (the head's contribution and the embedding's
+    /// are the table's two pending gradients, and float addition commutes), before the
+    /// microbatches are summed over their aligned binary tree. So here: the last rank sends its
+    /// per-microbatch gradients to the first (on their two-rank group), which adds each
+    /// microbatch's pair, sums the microbatches over the aligned binary tree (as
+    /// [`tree_sum`](crate::comm::tree::tree_sum)) and sends the sum back: both copies get the
+    /// bits of one device's tree over the same microbatches. Memory: the first and the last rank
+    /// keep one table per microbatch until then.
+    pub fn reduce_tied_grads_by_microbatch(
+        &self,
+        first: &[Vec<Option<Tensor>>],
+        last: &[Vec<Option<Tensor>>],
+    ) -> Result<()> {
+        let k = self.tied_first.len().max(self.tied_last.len());
+        if k == 0 {
+            return Ok(());
+        }
+        // Microbatch m's gradient of tied parameter i: the head's plus the embedding's.
+        let pair = |a: Option<Tensor>, b: Option<Tensor>| -> Result<Option<Tensor>> {
+            Ok(match (a, b) {
+                (Some(a), Some(b)) => Some(a.add(&b)?),
+                (a, None) => a,
+                (None, b) => b,
+            })
+        };
+        let total = |mb: Vec<Vec<Option<Tensor>>>, i: usize, p: &Var| -> Result<Tensor> {
+            let parts: Vec<Option<Tensor>> = mb.into_iter().map(|g| g[i].clone()).collect();
+            match tree_sum_options(&parts)? {
+                Some(t) => Ok(t),
+                None => p.tensor().zeros_like(),
+            }
+        };
+        let check = |what: &str, g: &[Vec<Option<Tensor>>], n: usize| -> Result<()> {
+            if g.iter().any(|v| v.len() != n) {
+                meshgrad_tensor::bail!(
+                    "pipeline: {what} per-microbatch tied gradients: expected {n} per microbatch"
+                );
+            }
+            Ok(())
+        };
+        check("the first stage's", first, self.tied_first.len())?;
+        check("the last stage's", last, self.tied_last.len())?;
+        let local = !self.tied_first.is_empty() && !self.tied_last.is_empty();
+        if local {
+            if first.len() != last.len() {
+                meshgrad_tensor::bail!(
+                    "pipeline: {} microbatches' tied gradients on the first stage, {} on the last",
+                    first.len(),
+                    last.len()
+                );
+            }
+            let sums = first
+                .iter()
+                .zip(last)
+                .map(|(f, l)| {
+                    f.iter()
+                        .zip(l)
+                        .map(|(a, b)| pair(a.clone(), b.clone()))
+                        .collect::<Result<Vec<_>>>()
+                })
+                .collect::<Result<Vec<_>>>()?;
+            for (i, (a, b)) in self.tied_first.iter().zip(&self.tied_last).enumerate() {
+                let sum = total(sums.clone(), i, a)?;
+                a.set_grad(Some(sum.deep_clone()?));
+                b.set_grad(Some(sum));
+            }
+            return Ok(());
+        }
+        let Some(group) = &self.tied_group else {
+            return Ok(());
+        };
+        if !self.tied_last.is_empty() {
+            // The last rank: its microbatch count and gradients to the first (zeros for a
+            // missing one), the sums back.
+            group
+                .send(
+                    &Tensor::from_vec(vec![last.len() as f64], 1, meshgrad_tensor::Device::Cpu)?,
+                    0,
+                )?
+                .wait()?;
+            for g in last {
+                for (i, t) in g.iter().enumerate() {
+                    let t = match t {
+                        Some(t) => t.clone(),
+                        None => self.tied_last[i].tensor().zeros_like()?,
+                    };
+                    group.send(&t, 0)?.wait()?;
+                }
+            }
+            for p in &self.tied_last {
+                p.set_grad(Some(group.recv(0)?.wait()?));
+            }
+            return Ok(());
+        }
+        let n_last = group.recv(1)?.wait()?.to_vec::<f64>()?[0] as usize;
+        if n_last != first.len() {
+            meshgrad_tensor::bail!(
+                "pipeline: {} microbatches' tied gradients on the first stage, {n_last} on the last",
+                first.len()
+            );
+        }
+        let mut sums = Vec::with_capacity(first.len());
+        for f in first {
+            let mut per = Vec::with_capacity(f.len());
+            for a in f {
+                per.push(pair(Some(group.recv(1)?.wait()?), a.clone())?);
+            }
+            sums.push(per);
+        }
+        for (i, p) in self.tied_first.iter().enumerate() {
+            let sum = total(sums.clone(), i, p)?;
+            group.send(&sum, 1)?.wait()?;
+            p.set_grad(Some(sum));
+        }
+        Ok(())
+    }
+
+    /// Reference mode's squared gradient norm across the pipeline (after the tied gradients
+    /// are reduced): this rank's parameters' squares, the tied table once, as an order-free
+    /// [`ExactSum`] whose words are all-reduced over the pipeline group (exact in any order).
+    pub fn exact_grad_sq_sum(&self) -> Result<ExactSum> {
+        let mut s = ExactSum::new();
+        for p in self.counted() {
+            if let Some(g) = p.grad() {
+                s.add_squares(&g)?;
+            }
+        }
+        self.exact_sum_over_pipeline(&s)
+    }
+
+    /// `local` summed over the pipeline group, exactly (its words all-reduced).
+    pub fn exact_sum_over_pipeline(&self, local: &ExactSum) -> Result<ExactSum> {
+        if self.pp.world_size() == 1 {
+            return Ok(local.clone());
+        }
+        let words = local.to_words();
+        let n = words.len();
+        let total = self
+            .pp
+            .all_reduce(
+                &Tensor::from_vec(words, n, meshgrad_tensor::Device::Cpu)?,
+                ReduceOp::Sum,
+            )?
+            .wait()?
+            .to_vec::<f64>()?;
+        ExactSum::from_words(&total)
+    }
+
+    /// This rank's parameters that count in the norm: all but the head's copy of the tied table.
+    fn counted(&self) -> Vec<Var> {
+        self.params
+            .iter()
+            .filter(|p| !self.tied_last.iter().any(|t| t.id() == p.id()))
+            .cloned()
+            .collect()
+    }
+
     /// The names of this rank's tied copies that the global norm leaves out (the head's copy
     /// of a table the first stage also holds): what a sharded norm must skip too.
     pub fn left_out_of_norm(&self) -> &[String] {
@@ -642,13 +900,7 @@ impl PipelineGrads {
     /// The global gradient norm across the pipeline (the tied table counted once), after
     /// [`PipelineGrads::reduce_tied_grads`]; a collective on the pipeline group.
     pub fn grad_norm(&self) -> Result<f64> {
-        let counted: Vec<Var> = self
-            .params
-            .iter()
-            .filter(|p| !self.tied_last.iter().any(|t| t.id() == p.id()))
-            .cloned()
-            .collect();
-        let local = grad_sq_sum(&counted)?;
+        let local = grad_sq_sum(&self.counted())?;
         Ok(all_reduce_scalar(self.pp.as_ref(), local, ReduceOp::Sum)?.sqrt())
     }
 

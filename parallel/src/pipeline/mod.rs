@@ -45,7 +45,9 @@ pub mod simulate;
 pub mod trace;
 
 pub use evaluate::forward_only;
-pub use execute::{check_supported, execute, Microbatch, PipelineGrads};
+pub use execute::{
+    check_supported, execute, execute_with, ExecuteOptions, Microbatch, PipelineGrads,
+};
 pub use profile::{profile_layers, profile_lines, ProfileOptions};
 pub use schedule::{Action, Schedule, ScheduleArgError, ScheduleKind};
 pub use simulate::{simulate, Blocked, Costs, ScheduleError, SimReport, Slot};

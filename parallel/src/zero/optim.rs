@@ -236,6 +236,16 @@ impl ShardedDataParallel {
     /// whole gradients (reference mode's norm). Parameters split by tensor parallelism are not
     /// combined across their group. Collective over the shard group.
     pub fn exact_grad_sq_sum(&self) -> Result<meshgrad_tensor::exact_sum::ExactSum> {
+        self.exact_grad_sq_sum_without(&|_| false)
+    }
+
+    /// [`ShardedDataParallel::exact_grad_sq_sum`] over the parameters whose names `skip`
+    /// rejects (a pipeline stage leaves out its copy of a table another stage also holds).
+    /// Collective over the shard group.
+    pub fn exact_grad_sq_sum_without(
+        &self,
+        skip: &dyn Fn(&str) -> bool,
+    ) -> Result<meshgrad_tensor::exact_sum::ExactSum> {
         use meshgrad_tensor::exact_sum::ExactSum;
         let words = {
             let st = lock(&self.inner.state);
@@ -243,7 +253,7 @@ impl ShardedDataParallel {
             let mut sum = ExactSum::new();
             for u in 0..inner.plan.units.len() {
                 for s in inner.plan.segments(u, inner.shard_rank) {
-                    if !st.used[s.param] {
+                    if !st.used[s.param] || skip(&inner.plan.params[s.param].name) {
                         continue;
                     }
                     if let Some(g) = inner.grad_view(&st, u, &s)? {
