@@ -135,7 +135,7 @@ impl Sampler<'_> {
 
 impl MlmBatch {
     /// The ids and labels on `device` (the run's: batches are drawn on the host).
-    pub(crate) fn to_device(self, device: Device) -> Result<MlmBatch> {
+    pub(crate) fn on_device(self, device: Device) -> Result<MlmBatch> {
         Ok(MlmBatch {
             ids: self.ids.to_device(device)?,
             labels: self.labels.to_device(device)?,
@@ -194,7 +194,7 @@ fn val_loss(
     let r = no_grad(|| -> Result<(f64, usize)> {
         let (mut sum, mut count) = (0.0, 0);
         for i in 0..s.cfg.train.eval_batches.max(1) as u64 {
-            let b = s.batch(val, seed, i, rows.clone())?.to_device(device)?;
+            let b = s.batch(val, seed, i, rows.clone())?.on_device(device)?;
             let part = model.loss_over(&b.ids, None, None, &b.labels, 1.0)?;
             sum += part.tensor().item()?;
             count += s.global_count(val, seed, i)?;
@@ -239,7 +239,7 @@ fn run_loop(
         for (m, r) in micro.iter().enumerate() {
             let mb = s
                 .batch(&data.train, seed, step64, r.clone())?
-                .to_device(device)?;
+                .on_device(device)?;
             let ctx = ForwardCtx::new(step64, r.start);
             let part = ctx.scope(|| model.loss_over(&mb.ids, None, None, &mb.labels, total))?;
             local += part.tensor().item()?;
