@@ -5,7 +5,8 @@
 #   3. every meshgrad-tensor test binary with MESHGRAD_REQUIRE_CUDA=1 (CUDA variants must run),
 #   4. meshgrad bench --device cuda --model gpt2-124m [--precision bf16] --pytorch (eager and
 #      torch.compile; bf16 mixed precision, then f32),
-#   5. meshgrad train --device cuda on the built-in corpus (when the build supports it),
+#   5. meshgrad train --device cuda on the built-in corpus: GPT in f32 and bf16, BERT (masked
+#      LM) in f32,
 #   6. NCCL with world size 1 through meshgrad launch (when built with nccl).
 # Every step runs even if an earlier one failed; logs go to $OUT/<step>.log; a table is printed
 # last. Environment: STEPS (selftest loss-curve steps, default 50), BATCH (bench, default 8),
@@ -52,6 +53,7 @@ step bench-gpt2-bf16 "$B/meshgrad" bench --device cuda --model gpt2-124m --batch
 step bench-gpt2-f32 "$B/meshgrad" bench --device cuda --model gpt2-124m --batch "${BATCH:-8}" --steps 10 --pytorch
 step train-gpt "$B/meshgrad" train --device cuda --steps 50 --out "$OUT/run-gpt" --metrics "$OUT/run-gpt.jsonl"
 step train-gpt-bf16 "$B/meshgrad" train --device cuda --precision bf16 --steps 50 --out "$OUT/run-gpt-bf16" --metrics "$OUT/run-gpt-bf16.jsonl"
+step train-bert "$B/meshgrad" train --model bert --device cuda --steps 20 --out "$OUT/run-bert" --metrics "$OUT/run-bert.jsonl"
 if grep -q nccl "$B/FEATURES"; then
     step nccl-world1 "$B/meshgrad" launch --nproc-per-node 1 --backend nccl -- train --device cuda --steps 20 --layout dp=1 --out "$OUT/run-nccl"
 fi

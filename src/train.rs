@@ -455,12 +455,6 @@ pub fn check_device_and_precision(
         if let Some(l) = layout {
             anyhow::bail!("--device {d} with layout {l} needs the NCCL backend (--backend nccl)");
         }
-        if cfg.model.kind != "gpt" {
-            anyhow::bail!(
-                "--device {d}: only GPT trains on a CUDA device for now (model.kind is {:?})",
-                cfg.model.kind
-            );
-        }
         device
             .check_available()
             .map_err(|e| anyhow::anyhow!("--device {d}: {e}"))?;

@@ -133,6 +133,17 @@ impl Sampler<'_> {
     }
 }
 
+impl MlmBatch {
+    /// The ids and labels on `device` (the run's: batches are drawn on the host).
+    pub(crate) fn on_device(self, device: Device) -> Result<MlmBatch> {
+        Ok(MlmBatch {
+            ids: self.ids.to_device(device)?,
+            labels: self.labels.to_device(device)?,
+            count: self.count,
+        })
+    }
+}
+
 /// The model, optimizer and schedule of a run.
 struct BertRun {
     model: BertForMaskedLM,
@@ -150,7 +161,7 @@ fn bert_run(
 ) -> Result<BertRun> {
     let mut builder = ParamBuilder::new(cfg.train.seed)
         .dtype(DType::F32)
-        .device(Device::Cpu);
+        .device(crate::train::train_device(cfg)?);
     if let Some(tp) = tp {
         builder = builder.tensor_parallel(tp, BertForMaskedLM::tp_plan());
     }
@@ -178,11 +189,12 @@ fn val_loss(
     sync: &dyn GradSync,
 ) -> Result<f64> {
     let seed = s.cfg.train.seed ^ VAL_STREAM;
+    let device = crate::train::train_device(s.cfg)?;
     model.set_training(false);
     let r = no_grad(|| -> Result<(f64, usize)> {
         let (mut sum, mut count) = (0.0, 0);
         for i in 0..s.cfg.train.eval_batches.max(1) as u64 {
-            let b = s.batch(val, seed, i, rows.clone())?;
+            let b = s.batch(val, seed, i, rows.clone())?.on_device(device)?;
             let part = model.loss_over(&b.ids, None, None, &b.labels, 1.0)?;
             sum += part.tensor().item()?;
             count += s.global_count(val, seed, i)?;
@@ -243,6 +255,7 @@ fn run_loop(
 ) -> Result<LoopResult> {
     let cfg = s.cfg;
     let seed = cfg.train.seed;
+    let device = crate::train::train_device(cfg)?;
     let micro = micro_rows(rows.clone(), microbatches)?;
     let params = run.model.parameters();
     let BertRun {
@@ -272,7 +285,9 @@ fn run_loop(
         }
         let mut local = 0.0;
         for (m, r) in micro.iter().enumerate() {
-            let mb = s.batch(&data.train, seed, step64, r.clone())?;
+            let mb = s
+                .batch(&data.train, seed, step64, r.clone())?
+                .on_device(device)?;
             let ctx = ForwardCtx::new(step64, r.start);
             let part = ctx.scope(|| model.loss_over(&mb.ids, None, None, &mb.labels, total))?;
             local += part.tensor().item()?;

@@ -381,7 +381,7 @@ fn precision_and_device_errors_are_one_line() {
 }
 
 /// Without a GPU (or without `--features cuda`) `--device cuda` fails before any work, with
-/// the backend's reason on one line.
+/// the backend's reason on one line, for GPT and BERT alike.
 #[test]
 fn device_cuda_fails_early_without_a_gpu() {
     if std::env::var_os("MESHGRAD_REQUIRE_CUDA").is_some() {
@@ -396,6 +396,25 @@ fn device_cuda_fails_early_without_a_gpu() {
     }
     assert!(!dir.join("cuda").exists(), "--device cuda did work: {err}");
     assert!(!dir.join("cuda.jsonl").exists());
+    // BERT trains on a CUDA device too (f32, one device): the same early failure here, for
+    // the same reason (not a refusal of the model).
+    let o = train(
+        &dir,
+        "bert-cuda",
+        2,
+        &["--model", "bert", "--device", "cuda"],
+    );
+    assert_one_line_error(&o, &["--device cuda: "]);
+    let (_, err) = text(&o);
+    assert!(!err.contains("only GPT"), "{err}");
+    if !cfg!(feature = "cuda") {
+        assert!(err.contains("built without CUDA"), "{err}");
+    }
+    assert!(
+        !dir.join("bert-cuda").exists(),
+        "--device cuda did work: {err}"
+    );
+    assert!(!dir.join("bert-cuda.jsonl").exists());
     // The flag's value is checked by the config's validation.
     let o = bin()
         .args(["train", "--device", "cuda:x"])

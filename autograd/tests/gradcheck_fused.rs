@@ -1,13 +1,14 @@
 //! The fused ops of Llama- and BERT-style models against central finite differences
 //! (`gradcheck`, f64): attention with a key padding mask and a bias (whose gradient is checked
-//! too), RMSNorm, rotary position embedding and SwiGLU, with non-contiguous inputs (views taken
-//! inside the checked function).
+//! too), RMSNorm, rotary position embedding, SwiGLU and linear + GELU, with non-contiguous
+//! inputs (views taken inside the checked function); linear + GELU also bit for bit against
+//! `linear` then `gelu` on the CPU.
 
 mod common;
 
 use common::*;
 use meshgrad_autograd::Var;
-use meshgrad_tensor::{AttentionMask, Device, Tensor};
+use meshgrad_tensor::{AttentionMask, DType, Device, GeluKind, Tensor};
 
 /// A `[B, Tk]` padding mask of i64 with the given zeros.
 fn padding(b: usize, tk: usize, masked: &[(usize, usize)]) -> Tensor {
@@ -228,6 +229,80 @@ fn swiglu_gradient() {
         .backward()
         .unwrap();
     assert!(gv.grad().is_some() && uv.grad().is_none());
+}
+
+#[test]
+fn linear_gelu_gradient() {
+    let x = rand(80, &[2, 3, 5], -2.0, 2.0);
+    let w = rand(81, &[4, 5], -1.0, 1.0);
+    let wt = rand(82, &[5, 4], -1.0, 1.0);
+    let b = rand(83, &[4], -1.0, 1.0);
+    for kind in [GeluKind::Tanh, GeluKind::Erf] {
+        gc(
+            &format!("linear_gelu {kind:?} with bias"),
+            |v| Var::linear_gelu(&v[0], &v[1], Some(&v[2]), kind),
+            &[x.clone(), w.clone(), b.clone()],
+        );
+        gc(
+            &format!("linear_gelu {kind:?}, no bias, weight through a transpose"),
+            |v| Var::linear_gelu(&v[0].transpose(0, 1)?, &v[1].transpose(0, 1)?, None, kind),
+            &[x.transpose(0, 1).unwrap().contiguous().unwrap(), wt.clone()],
+        );
+    }
+}
+
+/// The fused op against `linear` then `gelu`: the output and every gradient the same bits (the
+/// CPU composes the fused op from exactly those two), in f32 and f64, with and without a bias,
+/// with only some inputs requiring grad.
+#[test]
+fn linear_gelu_is_linear_then_gelu_bit_for_bit_on_the_cpu() {
+    let bits = |t: &Tensor| -> Vec<u64> { vals(t).iter().map(|v| v.to_bits()).collect() };
+    for dtype in [DType::F32, DType::F64] {
+        let x = rand(90, &[3, 4, 24], -2.0, 2.0).to_dtype(dtype).unwrap();
+        let w = rand(91, &[40, 24], -0.5, 0.5).to_dtype(dtype).unwrap();
+        let b = rand(92, &[40], -0.5, 0.5).to_dtype(dtype).unwrap();
+        let dy = rand(93, &[3, 4, 40], -1.0, 1.0).to_dtype(dtype).unwrap();
+        for kind in [GeluKind::Tanh, GeluKind::Erf] {
+            for (with_bias, x_grad) in [(true, true), (false, true), (true, false)] {
+                let what = format!("{dtype:?} {kind:?} bias={with_bias} dx={x_grad}");
+                let run = |fused: bool| {
+                    let xv = if x_grad {
+                        Var::leaf(x.clone())
+                    } else {
+                        Var::constant(x.clone())
+                    };
+                    let (wv, bv) = (Var::leaf(w.clone()), Var::leaf(b.clone()));
+                    let bias = with_bias.then_some(&bv);
+                    let y = if fused {
+                        Var::linear_gelu(&xv, &wv, bias, kind).unwrap()
+                    } else {
+                        Var::linear(&xv, &wv, bias).unwrap().gelu(kind).unwrap()
+                    };
+                    y.mul(&Var::constant(dy.clone()))
+                        .unwrap()
+                        .sum_all()
+                        .unwrap()
+                        .backward()
+                        .unwrap();
+                    let grads: Vec<Option<Tensor>> =
+                        [&xv, &wv, &bv].iter().map(|v| v.grad()).collect();
+                    (y.tensor().clone(), grads)
+                };
+                let (y1, g1) = run(true);
+                let (y0, g0) = run(false);
+                assert_eq!(y1.dtype(), dtype);
+                assert_eq!(bits(&y1), bits(&y0), "{what}: output");
+                for (name, (a, e)) in ["dx", "dW", "dbias"].iter().zip(g1.iter().zip(&g0)) {
+                    assert_eq!(a.is_some(), e.is_some(), "{what}: {name} presence");
+                    if let (Some(a), Some(e)) = (a, e) {
+                        assert_eq!(bits(a), bits(e), "{what}: {name}");
+                    }
+                }
+                assert_eq!(g1[0].is_some(), x_grad, "{what}");
+                assert_eq!(g1[2].is_some(), with_bias, "{what}");
+            }
+        }
+    }
 }
 
 #[test]

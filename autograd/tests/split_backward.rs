@@ -68,13 +68,15 @@ fn targets() -> Tensor {
 }
 
 /// `x` plays a later pipeline stage's input activation `[2, 3, D]`: an embedding of the ids is
-/// added to it, then a layer norm, linear layers (`w1` three times, `b1` twice), an elementwise
-/// scale, a block of `w2` (checkpointed or not) and the head tied to the embedding table.
+/// added to it, then a layer norm, linear layers (`w1` four times, `b1` three times, once fused
+/// with GELU), an elementwise scale, a block of `w2` (checkpointed or not) and the head tied to
+/// the embedding table.
 fn loss(p: &Params, x: &Var, checkpointed: bool) -> Result<Var> {
     let e = Var::embedding(&p.table, &ids())?;
     let h = x.add(&e)?.layer_norm(Some(&p.ln_g), Some(&p.ln_b), 1e-5)?;
     let h = Var::linear(&h, &p.w1, Some(&p.b1))?.gelu(GeluKind::Tanh)?;
     let h = Var::linear(&h, &p.w1, None)?.tanh()?;
+    let h = Var::linear_gelu(&h, &p.w1, Some(&p.b1), GeluKind::Erf)?;
     let h = Var::linear(&h, &p.w1, Some(&p.b1))?.mul(&p.scale)?;
     let (w2, b2) = (p.w2.clone(), p.b2.clone());
     let block = move |v: &[Var]| Var::linear(&v[0], &w2, Some(&b2))?.tanh()?.add(&v[0]);

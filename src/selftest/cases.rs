@@ -158,6 +158,22 @@ pub static CASES: &[Case] = &[
         },
     },
     Case {
+        // Width 64 (a multiple of 8): on CUDA, cuBLASLt's GELU epilogue with and without the
+        // bias (tanh form); on the CPU, linear then gelu.
+        name: "linear_gelu",
+        tol_factor: 4.0,
+        half: true,
+        run: |env| {
+            let x = leaf(env, &[2, 9, 48], 65)?;
+            let w = leaf(env, &[64, 48], 66)?;
+            let b = leaf(env, &[64], 67)?;
+            let with_bias = Var::linear_gelu(&x, &w, Some(&b), GeluKind::Tanh)?;
+            let without = Var::linear_gelu(&x, &w, None, GeluKind::Tanh)?;
+            let out = with_bias.add(&without.mul_scalar(0.5)?)?;
+            with_grads(env, &out, &[("x", &x), ("w", &w), ("b", &b)], 68)
+        },
+    },
+    Case {
         name: "softmax",
         tol_factor: 1.0,
         half: true,

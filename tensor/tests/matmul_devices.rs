@@ -1,8 +1,8 @@
 //! `matmul` and `linear` on every test device against the CPU result of the same inputs: f32
 //! (full f32 accumulation, so a tight tolerance), f64, bf16 and f16; contiguous, transposed,
 //! offset (misaligned) and broadcast operands, a stride-0 inner dimension (copied before
-//! cuBLASLt), odd and unit sizes, and the bias epilogue of `linear`. On the CPU the comparison
-//! is with itself (the test exists to run the CUDA backend's cuBLASLt path on a GPU).
+//! cuBLASLt), odd and unit sizes, the bias epilogue of `linear` and the GELU epilogue of
+//! `linear_gelu`. On the CPU the comparison is with itself (the test exists to run the CUDA backend's cuBLASLt path on a GPU).
 
 use meshgrad_tensor::{test_device, DType, Device, Result, Tensor};
 
@@ -27,6 +27,11 @@ fn tolerance(dtype: DType) -> (f64, f64) {
 
 /// Checks `got` (on any device) against `want` (on the CPU).
 fn close(got: &Tensor, want: &Tensor, what: &str) -> Result<()> {
+    close_within(got, want, what, 1.0)
+}
+
+/// [`close`] with the dtype's tolerances multiplied by `factor`.
+fn close_within(got: &Tensor, want: &Tensor, what: &str, factor: f64) -> Result<()> {
     assert_eq!(got.dims(), want.dims(), "{what}: shape");
     let g = got
         .to_device(Device::Cpu)?
@@ -34,6 +39,7 @@ fn close(got: &Tensor, want: &Tensor, what: &str) -> Result<()> {
         .to_vec::<f64>()?;
     let w = want.to_dtype(DType::F64)?.to_vec::<f64>()?;
     let (atol, rtol) = tolerance(want.dtype());
+    let (atol, rtol) = (atol * factor, rtol * factor);
     for (i, (a, b)) in g.iter().zip(&w).enumerate() {
         assert!(
             (a - b).abs() <= atol + rtol * b.abs(),
@@ -148,6 +154,63 @@ fn linear_matches_the_cpu(device: Device) -> Result<()> {
     Ok(())
 }
 test_device!(linear_matches_the_cpu);
+
+/// The bits of a float tensor (converted to f64, which is exact from every float dtype).
+fn bits(t: &Tensor) -> Result<Vec<u64>> {
+    Ok(t.to_device(Device::Cpu)?
+        .to_dtype(DType::F64)?
+        .to_vec::<f64>()?
+        .into_iter()
+        .map(f64::to_bits)
+        .collect())
+}
+
+/// `linear_gelu` against `linear` then `gelu` on the CPU: both outputs (the activation and the
+/// pre-activation) within the dtype's tolerance on a device (on CUDA, cuBLASLt's GELU epilogue
+/// for the tanh form when the output width is a multiple of 8, the composition otherwise), and
+/// bit for bit on the CPU (which composes them). Widths 16 (fused on CUDA) and 17 (composed),
+/// with and without a bias, a misaligned bias, a weight stored transposed, both GELU kinds.
+fn linear_gelu_matches_linear_then_gelu(device: Device) -> Result<()> {
+    use meshgrad_tensor::GeluKind;
+    for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
+        let x = input(&[2, 5, 24], 11, dtype, device)?;
+        let bias = input(&[18], 14, dtype, device)?;
+        let cpu = |t: &Tensor| t.to_device(Device::Cpu);
+        for n in [16, 17] {
+            let w = input(&[n, 24], 12, dtype, device)?;
+            let wt = input(&[24, n], 13, dtype, device)?.t()?;
+            let aligned = bias.narrow(0, 0, n)?;
+            let shifted = bias.narrow(0, 1, n)?;
+            for kind in [GeluKind::Tanh, GeluKind::Erf] {
+                for (what, w, b) in [
+                    ("bias", &w, Some(&aligned)),
+                    ("offset bias", &w, Some(&shifted)),
+                    ("no bias", &w, None),
+                    ("transposed weight", &wt, Some(&aligned)),
+                ] {
+                    let what = format!("{dtype:?} linear_gelu {kind:?} n={n}, {what}");
+                    let (y, pre) = x.linear_gelu(w, b, kind)?;
+                    assert_eq!((y.device(), y.dtype()), (device, dtype), "{what}");
+                    assert_eq!(y.dims(), [2, 5, n], "{what}");
+                    let b_cpu = b.map(cpu).transpose()?;
+                    let want_pre = cpu(&x)?.linear(&cpu(w)?, b_cpu.as_ref())?;
+                    let want = want_pre.gelu(kind)?;
+                    if device == Device::Cpu {
+                        assert_eq!(bits(&pre)?, bits(&want_pre)?, "{what}: pre-activation");
+                        assert_eq!(bits(&y)?, bits(&want)?, "{what}: activation");
+                    } else {
+                        close(&pre, &want_pre, &format!("{what}: pre-activation"))?;
+                        // The fused GELU reads the f32 accumulator, the CPU's the rounded
+                        // pre-activation: allow for that rounding too.
+                        close_within(&y, &want, &format!("{what}: activation"), 2.0)?;
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+test_device!(linear_gelu_matches_linear_then_gelu);
 
 /// After one step's shapes have been seen, repeating them allocates nothing from the driver
 /// (output buffers come back from the cache, cuBLASLt plans are cached).

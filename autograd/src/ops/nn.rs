@@ -1,6 +1,6 @@
 //! Matmul and the fused neural-network ops, with their backward rules.
 
-use meshgrad_tensor::{Result, Tensor};
+use meshgrad_tensor::{GeluKind, Result, Tensor};
 
 use crate::Var;
 
@@ -70,6 +70,38 @@ impl Var {
             Box::new(move |g, wanted| {
                 let want_bias = has_bias && wanted[2];
                 let (gx, gw, gb) = xt.linear_backward(&wt, g, (wanted[0], wanted[1], want_bias))?;
+                let mut grads = vec![gx, gw];
+                if has_bias {
+                    grads.push(gb);
+                }
+                Ok(grads)
+            }),
+        ))
+    }
+
+    /// `gelu(x Wᵀ + bias)` (shapes as for [`Var::linear`]) as one fused op (see
+    /// [`Tensor::linear_gelu`]): the same values and gradients as `Var::linear` followed by
+    /// [`Var::gelu`], bit for bit where the backend composes them (the CPU), with one GEMM and
+    /// no separate GELU pass where it fuses them (cuBLASLt's GELU epilogue). The node keeps the
+    /// pre-activation (as the unfused `gelu` node would); its backward computes
+    /// `dpre = gelu_backward(pre, dy)`, then the linear backward from `dpre` (each of `dx`,
+    /// `dW`, `dbias` only when wanted). In a split backward both passes compute `dpre` (one
+    /// elementwise pass each).
+    pub fn linear_gelu(x: &Var, weight: &Var, bias: Option<&Var>, kind: GeluKind) -> Result<Var> {
+        let (xt, wt) = (x.tensor().clone(), weight.tensor().clone());
+        let (y, pre) = xt.linear_gelu(&wt, bias.map(|b| b.tensor()), kind)?;
+        let mut inputs: Vec<&Var> = vec![x, weight];
+        inputs.extend(bias);
+        let has_bias = bias.is_some();
+        Ok(Var::from_op(
+            "linear_gelu",
+            y,
+            &inputs,
+            Box::new(move |g, wanted| {
+                let want_bias = has_bias && wanted[2];
+                let dpre = pre.gelu_backward(g, kind)?;
+                let (gx, gw, gb) =
+                    xt.linear_backward(&wt, &dpre, (wanted[0], wanted[1], want_bias))?;
                 let mut grads = vec![gx, gw];
                 if has_bias {
                     grads.push(gb);

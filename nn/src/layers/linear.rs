@@ -6,7 +6,7 @@ use meshgrad_autograd::distributed::{
     all_gather_dim, all_reduce_backward, all_reduce_forward, reduce_scatter_dim,
 };
 use meshgrad_autograd::Var;
-use meshgrad_tensor::Result;
+use meshgrad_tensor::{GeluKind, Result};
 
 use crate::module::{Child, Forward, Module};
 use crate::param_builder::{Init, ParamBuilder};
@@ -111,6 +111,24 @@ impl Linear {
 impl Forward for Linear {
     /// Applies the layer to `x [..., in]`.
     fn forward(&self, x: &Var) -> Result<Var> {
+        self.forward_with(x, None)
+    }
+}
+
+impl Linear {
+    /// `gelu(layer(x))` for `x [..., in]`: the same values and gradients as
+    /// `self.forward(x)?.gelu(kind)`, with the GELU fused into the layer's product
+    /// ([`Var::linear_gelu`]) wherever the layer's output is one local product: unsharded,
+    /// column-parallel (after the input's all-gather or identity, exactly as
+    /// [`Forward::forward`] communicates; the GELU applies to this rank's output features) and
+    /// sequence-parallel. A row-parallel layer sums over the ranks before its bias, so there the
+    /// GELU stays a separate op after the communication.
+    pub fn forward_gelu(&self, x: &Var, kind: GeluKind) -> Result<Var> {
+        self.forward_with(x, Some(kind))
+    }
+
+    /// The forward, with the GELU of `gelu` applied to the output when given.
+    fn forward_with(&self, x: &Var, gelu: Option<GeluKind>) -> Result<Var> {
         let in_features = self.weight.tensor().dims()[1];
         if x.tensor().dims().last() != Some(&in_features) {
             meshgrad_tensor::bail!(
@@ -121,19 +139,24 @@ impl Forward for Linear {
             );
         }
         match self.tp.get() {
-            Some((style, tp)) if tp.degree() > 1 => self.forward_parallel(x, *style, tp),
+            Some((style, tp)) if tp.degree() > 1 => self.forward_parallel(x, *style, tp, gelu),
             // One fused op: a single gemm over all rows with the bias as its starting value.
-            _ => Var::linear(x, &self.weight, self.bias.as_ref()),
+            _ => local(x, &self.weight, self.bias.as_ref(), gelu),
         }
     }
-}
 
-impl Linear {
     /// Column-parallel: the (sequence-gathered or replicated) input times this rank's rows.
     /// Row-parallel: this rank's columns times its input features, summed over the ranks (or
     /// reduce-scattered along the sequence), then the replicated bias. Sequence-parallel: the
-    /// replicated layer on this rank's positions, its parameters' gradients summed.
-    fn forward_parallel(&self, x: &Var, style: ParallelStyle, tp: &TensorParallel) -> Result<Var> {
+    /// replicated layer on this rank's positions, its parameters' gradients summed. `gelu`: the
+    /// GELU applied to the result (fused into the local product but in the row-parallel case).
+    fn forward_parallel(
+        &self,
+        x: &Var,
+        style: ParallelStyle,
+        tp: &TensorParallel,
+        gelu: Option<GeluKind>,
+    ) -> Result<Var> {
         let g = &tp.group;
         let sp = tp.splits_sequence();
         match style {
@@ -144,33 +167,52 @@ impl Linear {
                     .as_ref()
                     .map(|b| all_reduce_backward(b, g))
                     .transpose()?;
-                Var::linear(x, &w, b.as_ref())
+                local(x, &w, b.as_ref(), gelu)
             }
-            ParallelStyle::SequenceParallel => Var::linear(x, &self.weight, self.bias.as_ref()),
+            ParallelStyle::SequenceParallel => local(x, &self.weight, self.bias.as_ref(), gelu),
             ParallelStyle::Colwise { .. } => {
                 let x = if sp {
                     all_gather_dim(x, 1, g)?
                 } else {
                     all_reduce_backward(x, g)?
                 };
-                Var::linear(&x, &self.weight, self.bias.as_ref())
+                local(&x, &self.weight, self.bias.as_ref(), gelu)
             }
             _ => {
-                let y = Var::linear(x, &self.weight, None)?;
-                let y = if sp {
-                    reduce_scatter_dim(&y, 1, g)?
-                } else {
-                    all_reduce_forward(&y, g)?
-                };
-                match &self.bias {
+                let y = self.forward_rowwise(x, tp)?;
+                match gelu {
+                    Some(kind) => y.gelu(kind),
                     None => Ok(y),
-                    // Under sequence parallelism each rank adds the bias to its own positions,
-                    // so its gradient is summed over the ranks.
-                    Some(b) if sp => y.add(&all_reduce_backward(b, g)?),
-                    Some(b) => y.add(b),
                 }
             }
         }
+    }
+
+    /// The row-parallel forward (see [`Linear::forward_parallel`]).
+    fn forward_rowwise(&self, x: &Var, tp: &TensorParallel) -> Result<Var> {
+        let g = &tp.group;
+        let sp = tp.splits_sequence();
+        let y = Var::linear(x, &self.weight, None)?;
+        let y = if sp {
+            reduce_scatter_dim(&y, 1, g)?
+        } else {
+            all_reduce_forward(&y, g)?
+        };
+        match &self.bias {
+            None => Ok(y),
+            // Under sequence parallelism each rank adds the bias to its own positions, so its
+            // gradient is summed over the ranks.
+            Some(b) if sp => y.add(&all_reduce_backward(b, g)?),
+            Some(b) => y.add(b),
+        }
+    }
+}
+
+/// One local layer: `x Wᵀ + b`, with the GELU of `gelu` fused in when given.
+fn local(x: &Var, w: &Var, b: Option<&Var>, gelu: Option<GeluKind>) -> Result<Var> {
+    match gelu {
+        None => Var::linear(x, w, b),
+        Some(kind) => Var::linear_gelu(x, w, b, kind),
     }
 }
 

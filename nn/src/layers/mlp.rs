@@ -44,7 +44,9 @@ impl Mlp {
 
 impl Forward for Mlp {
     fn forward(&self, x: &Var) -> Result<Var> {
-        let h = self.c_fc.forward(x)?.gelu(self.gelu)?;
+        // The GELU fused into c_fc's product (cuBLASLt's epilogue on CUDA; the same ops and
+        // bits as `c_fc.forward(x)?.gelu(..)` on the CPU).
+        let h = self.c_fc.forward_gelu(x, self.gelu)?;
         self.dropout.forward(&self.c_proj.forward(&h)?)
     }
 }

@@ -192,6 +192,23 @@ pub(crate) trait BackendStorage: Sized + std::fmt::Debug + Send + Sync + 'static
     ) -> Fused<Self> {
         Ok(None)
     }
+    /// `gelu(x · wᵀ + bias)` and the pre-activation `x · wᵀ + bias` in one pass: `(y, pre)`,
+    /// both contiguous `[m, n]` (the pre-activation is what the backward differentiates GELU
+    /// at). `tanh_form`: the tanh approximation (else the erf form). Operands as for
+    /// [`BackendStorage::linear`].
+    fn linear_gelu(
+        _x: &Self,
+        _xl: MatrixLayout,
+        _w: &Self,
+        _wl: MatrixLayout,
+        _bias: Option<In<'_, Self>>,
+        _m: usize,
+        _n: usize,
+        _k: usize,
+        _tanh_form: bool,
+    ) -> Fused<(Self, Self)> {
+        Ok(None)
+    }
     /// Row softmax (or log-softmax) of a contiguous `[rows, cols]` buffer.
     fn softmax(_x: In<'_, Self>, _rows: usize, _cols: usize, _log: bool) -> Fused<Self> {
         Ok(None)

@@ -412,6 +412,28 @@ pub(crate) fn linear(
     })
 }
 
+/// Returns `(gelu(pre), pre)` with `pre = x · wᵀ + bias`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn linear_gelu(
+    x: &Storage,
+    xl: MatrixLayout,
+    w: &Storage,
+    wl: MatrixLayout,
+    bias: Option<Src<'_>>,
+    m: usize,
+    n: usize,
+    k: usize,
+    tanh_form: bool,
+) -> Fused<(Storage, Storage)> {
+    let ops: Vec<&Storage> = [x, w].into_iter().chain(bias.map(|b| b.0)).collect();
+    dispatch!("linear_gelu", slice &ops, S, device => {
+        let r = fused(|| {
+            S::linear_gelu(S::of(x), xl, S::of(w), wl, opt::<S>(bias), m, n, k, tanh_form)
+        });
+        r.map(|o| o.map(wrap2))
+    })
+}
+
 pub(crate) fn softmax(s: Src<'_>, rows: usize, cols: usize, log: bool) -> Fused<Storage> {
     dispatch!("softmax", [s.0], S, device => {
         fused(|| S::softmax(inp::<S>(s), rows, cols, log)).map(|r| r.map(S::wrap))

@@ -239,7 +239,7 @@ impl BackendStorage for CpuStorage {
         indexing::index_select_backward(dout.0, dout.1, ids.0, ids.1, outer, x_n, inner, dim)
     }
 
-    // ----- fused ops: all provided on the CPU -----
+    // ----- fused ops: all provided on the CPU but `linear_gelu` -----
 
     fn linear(
         x: &Self,
@@ -252,6 +252,23 @@ impl BackendStorage for CpuStorage {
         k: usize,
     ) -> Fused<Self> {
         fused::linear(x, xl, w, wl, bias, m, n, k).map(Some)
+    }
+
+    /// Not provided: the tensor op composes `linear` then `gelu`, which is what an unfused
+    /// model computes, so fusing changes no bit of a CPU run (and a CPU kernel would save only
+    /// one elementwise pass over the output).
+    fn linear_gelu(
+        _x: &Self,
+        _xl: MatrixLayout,
+        _w: &Self,
+        _wl: MatrixLayout,
+        _bias: Option<In<'_, Self>>,
+        _m: usize,
+        _n: usize,
+        _k: usize,
+        _tanh_form: bool,
+    ) -> Fused<(Self, Self)> {
+        Ok(None)
     }
 
     fn softmax(x: In<'_, Self>, rows: usize, cols: usize, log: bool) -> Fused<Self> {

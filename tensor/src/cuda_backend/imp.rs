@@ -176,6 +176,20 @@ impl BackendStorage for CudaStorage {
         blas::linear(x, xl, w, wl, bias, m, n, k)
     }
 
+    fn linear_gelu(
+        x: &Self,
+        xl: MatrixLayout,
+        w: &Self,
+        wl: MatrixLayout,
+        bias: Option<In<'_, Self>>,
+        m: usize,
+        n: usize,
+        k: usize,
+        tanh_form: bool,
+    ) -> Fused<(Self, Self)> {
+        blas::linear_gelu(x, xl, w, wl, bias, m, n, k, tanh_form)
+    }
+
     fn softmax(x: In<'_, Self>, rows: usize, cols: usize, log: bool) -> Fused<Self> {
         fused::softmax(x, rows, cols, log)
     }

@@ -2,7 +2,7 @@
 //! strides, never copied.
 
 use super::same_kind;
-use crate::{backend, Error, Layout, Result, Shape, Tensor};
+use crate::{backend, Error, GeluKind, Layout, Result, Shape, Tensor};
 use meshgrad_kernels::ops::MatrixLayout;
 
 /// Collapses the batch dims of a broadcast layout into one stride when they form a single
@@ -123,21 +123,32 @@ impl Tensor {
     }
 }
 
-impl Tensor {
-    /// The fully connected layer `self Wᵀ + bias` for `self [..., in]`, `weight [out, in]` and an
-    /// optional `bias [out]`: one gemm over all rows, reading `Wᵀ` through its strides, with the
-    /// bias written into the output before the product accumulates onto it (no separate add).
-    pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        let _prof = crate::profile::scope("linear");
-        same_kind("linear", self, weight)?;
+/// The operands of one [`Tensor::linear`] (or [`Tensor::linear_gelu`]) as the backend takes
+/// them: the input folded to `[rows, in]`, the matrix layouts of `x` and of `Wᵀ`, the bias made
+/// contiguous, the sizes and the output's dims.
+struct LinearArgs {
+    x: Tensor,
+    xl: MatrixLayout,
+    wl: MatrixLayout,
+    bias: Option<Tensor>,
+    rows: usize,
+    in_f: usize,
+    out_f: usize,
+    out_dims: Vec<usize>,
+}
+
+impl LinearArgs {
+    /// Checks devices, dtypes and shapes of `x [..., in]`, `weight [out, in]` and `bias [out]`.
+    fn new(op: &'static str, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Self> {
+        same_kind(op, x, weight)?;
         if let Some(b) = bias {
-            same_kind("linear (bias)", self, b)?;
+            same_kind(op, x, b)?;
         }
-        let in_f = *self.dims().last().unwrap_or(&0);
-        if self.rank() < 1 || weight.rank() != 2 || weight.dims()[1] != in_f {
+        let in_f = *x.dims().last().unwrap_or(&0);
+        if x.rank() < 1 || weight.rank() != 2 || weight.dims()[1] != in_f {
             return Err(Error::ShapeMismatch {
                 op: "linear (input [..., in] vs weight [out, in])",
-                lhs: self.shape().clone(),
+                lhs: x.shape().clone(),
                 rhs: weight.shape().clone(),
             });
         }
@@ -151,10 +162,10 @@ impl Tensor {
                 });
             }
         }
-        let rows = self.elem_count().checked_div(in_f).unwrap_or(0);
-        let mut out_dims = self.dims().to_vec();
+        let rows = x.elem_count().checked_div(in_f).unwrap_or(0);
+        let mut out_dims = x.dims().to_vec();
         *out_dims.last_mut().expect("rank >= 1") = out_f;
-        let x = self.reshape((rows, in_f))?;
+        let x = x.reshape((rows, in_f))?;
         let xl = MatrixLayout {
             offset: x.layout().offset(),
             batch_stride: 0,
@@ -167,24 +178,97 @@ impl Tensor {
             row_stride: weight.layout().strides()[1],
             col_stride: weight.layout().strides()[0],
         };
-        let b = bias.map(|b| b.contiguous()).transpose()?;
+        let bias = bias.map(|b| b.contiguous()).transpose()?;
+        Ok(LinearArgs {
+            x,
+            xl,
+            wl,
+            bias,
+            rows,
+            in_f,
+            out_f,
+            out_dims,
+        })
+    }
+}
+
+impl Tensor {
+    /// The fully connected layer `self Wᵀ + bias` for `self [..., in]`, `weight [out, in]` and an
+    /// optional `bias [out]`: one gemm over all rows, reading `Wᵀ` through its strides, with the
+    /// bias written into the output before the product accumulates onto it (no separate add).
+    pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        let _prof = crate::profile::scope("linear");
+        let a = LinearArgs::new("linear", self, weight, bias)?;
         let s = {
-            let (gx, gw) = (x.read_storage("linear")?, weight.read_storage("linear")?);
-            let gb = b.as_ref().map(|b| b.read_storage("linear")).transpose()?;
+            let (gx, gw) = (a.x.read_storage("linear")?, weight.read_storage("linear")?);
+            let b = a.bias.as_ref();
+            let gb = b.map(|b| b.read_storage("linear")).transpose()?;
             backend::linear(
                 &gx,
-                xl,
+                a.xl,
                 &gw,
-                wl,
-                gb.as_ref().zip(b.as_ref()).map(|(g, t)| (&**g, t.layout())),
-                rows,
-                out_f,
-                in_f,
+                a.wl,
+                gb.as_ref().zip(b).map(|(g, t)| (&**g, t.layout())),
+                a.rows,
+                a.out_f,
+                a.in_f,
             )?
         };
         match s {
-            Some(s) => Ok(Tensor::from_storage(s, out_dims)),
-            None => super::fallback::linear(&x, weight, b.as_ref())?.reshape(out_dims),
+            Some(s) => Ok(Tensor::from_storage(s, a.out_dims)),
+            None => super::fallback::linear(&a.x, weight, a.bias.as_ref())?.reshape(a.out_dims),
+        }
+    }
+
+    /// `gelu(self Wᵀ + bias)` and the pre-activation `self Wᵀ + bias`, as `(y, pre)` (both
+    /// `[..., out]`): [`Tensor::linear`] followed by [`Tensor::gelu`] of `kind`, in one pass
+    /// where the backend fuses them (on CUDA, cuBLASLt's GELU epilogue writing the
+    /// pre-activation as its auxiliary output, tanh form only). Elsewhere it is exactly
+    /// `linear` then `gelu` (so a CPU result is bit-identical to the unfused one). The
+    /// pre-activation is what the backward needs ([`Tensor::gelu_backward`] at `pre`, then
+    /// [`Tensor::linear_backward`]).
+    pub fn linear_gelu(
+        &self,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        kind: GeluKind,
+    ) -> Result<(Tensor, Tensor)> {
+        let _prof = crate::profile::scope("linear_gelu");
+        let a = LinearArgs::new("linear_gelu", self, weight, bias)?;
+        if !a.x.dtype().is_float() {
+            return Err(Error::UnsupportedDType {
+                op: "linear_gelu",
+                dtype: a.x.dtype(),
+            });
+        }
+        let s = {
+            let (gx, gw) = (
+                a.x.read_storage("linear_gelu")?,
+                weight.read_storage("linear_gelu")?,
+            );
+            let b = a.bias.as_ref();
+            let gb = b.map(|b| b.read_storage("linear_gelu")).transpose()?;
+            backend::linear_gelu(
+                &gx,
+                a.xl,
+                &gw,
+                a.wl,
+                gb.as_ref().zip(b).map(|(g, t)| (&**g, t.layout())),
+                a.rows,
+                a.out_f,
+                a.in_f,
+                kind == GeluKind::Tanh,
+            )?
+        };
+        match s {
+            Some((y, pre)) => Ok((
+                Tensor::from_storage(y, a.out_dims.clone()),
+                Tensor::from_storage(pre, a.out_dims),
+            )),
+            None => {
+                let pre = self.linear(weight, bias)?;
+                Ok((pre.gelu(kind)?, pre))
+            }
         }
     }
 }

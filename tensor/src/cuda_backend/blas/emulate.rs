@@ -1,14 +1,32 @@
 //! A host emulator of cuBLASLt's column-major strided-batched GEMM, reading exactly the
-//! [`Gemm`] the mapping produces (transposes, sizes, leading dimensions, batch strides, the
-//! bias epilogue), and tests running the backend's mapping through it against a naive
+//! [`Gemm`] the mapping produces (transposes, sizes, leading dimensions, batch strides) and the
+//! descriptor's epilogue attributes (the `cublasLtEpilogue_t` value, the bias vector, the aux
+//! buffer and its leading dimension, interpreted as cuBLASLt documents them), and tests running the backend's mapping through it against a naive
 //! row-major product of the logical operands, over many random layouts: row- and column-major,
 //! padded, offset, broadcast and interleaved batches, unit dimensions with junk strides, and
 //! layouts that must be copied first (copied here on the host the way `ops.rs` copies them on
 //! the device).
 
+use cudarc::cublaslt::sys::cublasLtEpilogue_t;
 use meshgrad_kernels::ops::MatrixLayout;
 
-use super::layout::{extent, gemm, lhs_operand, packed_copy, rhs_operand, Gemm, Operand};
+use super::layout::{
+    epilogue_for, extent, gemm, lhs_operand, packed_copy, rhs_operand, Gemm, Operand,
+};
+
+/// GELU, tanh approximation (cuBLASLt's GELU epilogue), in f64.
+fn gelu_tanh(x: f64) -> f64 {
+    const C: f64 = 0.797_884_560_802_865_4; // sqrt(2 / pi)
+    0.5 * x * (1.0 + (C * (x + 0.044_715 * x * x * x)).tanh())
+}
+
+/// The epilogue attributes of one emulated call: `EPILOGUE`, the vector at `BIAS_POINTER`,
+/// and the buffer at `EPILOGUE_AUX_POINTER` with `EPILOGUE_AUX_LD`.
+struct EpilogueArgs<'a> {
+    epilogue: cublasLtEpilogue_t,
+    bias: Option<&'a [f64]>,
+    aux: Option<(&'a mut [f64], i64)>,
+}
 
 /// The flat index (relative to the operand's first element) of element `(p, q)` of `op(X)`
 /// in matrix `b` of the batch, from cuBLAS's definitions: the stored column-major `X` has
@@ -38,15 +56,40 @@ fn check_operand(name: &str, o: &Operand, rows: u64, cols: u64) {
     assert!(o.ld >= o.rows.max(1) as i64, "{name}: ld < rows in {o:?}");
 }
 
-/// `D[b] = op(A[b]) · op(B[b]) (+ bias[i] on row i of D)` as cuBLASLt computes it, with
-/// alpha 1 and beta 0, each operand read from `buffer[offset + index]`. `d` must be large
-/// enough for the D layout.
-fn lt_gemm(g: &Gemm, a: (&[f64], usize), b: (&[f64], usize), bias: Option<&[f64]>, d: &mut [f64]) {
+/// `D[b] = op(A[b]) · op(B[b])` with the epilogue as cuBLASLt computes it, with alpha 1 and
+/// beta 0, each operand read from `buffer[offset + index]`: `BIAS` adds `bias[i]` on row `i`
+/// of D; `GELU_AUX` writes the product to the aux matrix (`aux(i, j)` at `i + j·ld`) and its
+/// GELU to D; `GELU_AUX_BIAS` adds the bias first. The attributes an epilogue needs must be
+/// given, and no others (cuBLASLt ignores them, but the mapping should not set them). `d` must
+/// be large enough for the D layout.
+fn lt_gemm(g: &Gemm, a: (&[f64], usize), b: (&[f64], usize), ep: EpilogueArgs<'_>, d: &mut [f64]) {
+    use cublasLtEpilogue_t::*;
     assert!(g.batch >= 1);
     check_operand("A", &g.a, g.m, g.k);
     check_operand("B", &g.b, g.k, g.n);
     check_operand("D", &g.d, g.m, g.n);
     assert!(!g.d.trans, "D is never transposed");
+    let (wants_bias, gelu) = match ep.epilogue {
+        CUBLASLT_EPILOGUE_DEFAULT => (false, false),
+        CUBLASLT_EPILOGUE_BIAS => (true, false),
+        CUBLASLT_EPILOGUE_GELU_AUX => (false, true),
+        CUBLASLT_EPILOGUE_GELU_AUX_BIAS => (true, true),
+        other => panic!("the mapping never sets epilogue {other:?}"),
+    };
+    assert_eq!(ep.bias.is_some(), wants_bias, "{:?}: bias", ep.epilogue);
+    assert_eq!(ep.aux.is_some(), gelu, "{:?}: aux", ep.epilogue);
+    let bias = ep.bias;
+    let mut aux = ep.aux;
+    if let Some((buf, ld)) = &aux {
+        // cuBLASLt's rules for the GELU aux matrix (m×n like D, element type D's).
+        assert!(*ld % 8 == 0, "EPILOGUE_AUX_LD {ld} is not a multiple of 8");
+        assert!(*ld >= g.m as i64, "EPILOGUE_AUX_LD {ld} < {} rows", g.m);
+        assert_eq!(g.batch, 1, "no EPILOGUE_AUX_BATCH_STRIDE is set");
+        assert!(
+            buf.len() as i64 >= (g.n as i64 - 1) * ld + g.m as i64,
+            "the aux buffer is too small"
+        );
+    }
     if let Some(bias) = bias {
         assert_eq!(
             bias.len() as u64,
@@ -72,6 +115,10 @@ fn lt_gemm(g: &Gemm, a: (&[f64], usize), b: (&[f64], usize), bias: Option<&[f64]
                 }
                 if let Some(bias) = bias {
                     s += bias[i];
+                }
+                if let Some((buf, ld)) = aux.as_mut() {
+                    buf[i + j * usize::try_from(*ld).expect("ld >= 0")] = s;
+                    s = gelu_tanh(s);
                 }
                 let di = index(&g.d, bt, i, j);
                 d[usize::try_from(di).expect("D index >= 0")] = s;
@@ -165,6 +212,26 @@ fn backend_product(
     k: usize,
     seen: &mut Seen,
 ) -> Vec<f64> {
+    backend_product_gelu(a, b, bias, false, batch, m, n, k, seen)
+        .expect("no GELU: every product maps")
+        .0
+}
+
+/// [`backend_product`] with the GELU epilogue when `gelu` (as `ops.rs` maps `linear_gelu`):
+/// `(D, aux)`, the aux buffer (`[m, n]` row-major) when GELU was applied; `None` when the
+/// mapping refuses the GELU epilogue (the backend then composes the op).
+#[allow(clippy::too_many_arguments)]
+fn backend_product_gelu(
+    a: (&[f64], MatrixLayout),
+    b: (&[f64], MatrixLayout),
+    bias: Option<&[f64]>,
+    gelu: bool,
+    batch: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    seen: &mut Seen,
+) -> Option<(Vec<f64>, Option<Vec<f64>>)> {
     let (a_buf, al) = match lhs_operand(&a.1, batch, m, k) {
         Some(_) => (a.0.to_vec(), a.1),
         None => {
@@ -182,15 +249,23 @@ fn backend_product(
     let lhs = lhs_operand(&al, batch, m, k).expect("packed lhs maps");
     let rhs = rhs_operand(&bl, batch, k, n).expect("packed rhs maps");
     let g = gemm(lhs, rhs, batch, m, n, k).expect("sizes fit");
+    let epilogue = epilogue_for(&g.d, batch, bias.is_some(), gelu)?;
     seen.in_place += 1;
     seen.trans[g.a.trans as usize][g.b.trans as usize] += 1;
     if batch > 1 && (g.a.batch_stride == 0 || g.b.batch_stride == 0) {
         seen.broadcast_in_place += 1;
     }
     let mut d = vec![f64::NAN; batch * m * n];
+    // The aux buffer is allocated like the output (`ops.rs`: `CudaStorage::uninit` of `m·n`).
+    let mut aux = epilogue.aux_ld().map(|_| vec![f64::NAN; batch * m * n]);
+    let ep = EpilogueArgs {
+        epilogue: epilogue.lt(),
+        bias: bias.filter(|_| epilogue.has_bias()),
+        aux: aux.as_deref_mut().zip(epilogue.aux_ld()),
+    };
     // cuBLASLt's A is the logical right operand, its B the logical left one.
-    lt_gemm(&g, (&b_buf, bl.offset), (&a_buf, al.offset), bias, &mut d);
-    d
+    lt_gemm(&g, (&b_buf, bl.offset), (&a_buf, al.offset), ep, &mut d);
+    Some((d, aux))
 }
 
 /// A small deterministic generator (xorshift64*).
@@ -317,22 +392,7 @@ fn the_bias_epilogue_adds_the_bias_to_every_output_row() {
     let mut seen = Seen::default();
     for case in 0..1500 {
         let (m, n, k) = (1 + rng.below(7), 1 + rng.below(7), 1 + rng.below(7));
-        let (x, xl) = random_operand(&mut rng, 1, m, k);
-        // As `Tensor::linear` passes it: wᵀ read through the strides of w [n, k].
-        let (w, wl) = if rng.below(2) == 0 {
-            let w = rng.values(n * k + 2);
-            (
-                w,
-                MatrixLayout {
-                    offset: rng.below(3),
-                    batch_stride: 0,
-                    row_stride: 1,
-                    col_stride: k,
-                },
-            )
-        } else {
-            random_operand(&mut rng, 1, k, n)
-        };
+        let ((x, xl), (w, wl)) = random_linear(&mut rng, m, n, k);
         let bias = rng.values(n);
         let want = naive((&x, &xl), (&w, &wl), Some(&bias), 1, m, n, k);
         let got = backend_product((&x, xl), (&w, wl), Some(&bias), 1, m, n, k, &mut seen);
@@ -341,6 +401,80 @@ fn the_bias_epilogue_adds_the_bias_to_every_output_row() {
             "case {case}: [{m}, {k}] x [{k}, {n}], {xl:?}, {wl:?}"
         );
     }
+}
+
+/// A random linear layer's operands as `Tensor::linear` passes them: `x [m, k]` in a random
+/// layout, and `Wᵀ` read through the strides of `w [n, k]` or a random `[k, n]` layout.
+fn random_linear(
+    rng: &mut Rng,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> ((Vec<f64>, MatrixLayout), (Vec<f64>, MatrixLayout)) {
+    let x = random_operand(rng, 1, m, k);
+    let w = if rng.below(2) == 0 {
+        let w = rng.values(n * k + 2);
+        let offset = rng.below(3);
+        (
+            w,
+            MatrixLayout {
+                offset,
+                batch_stride: 0,
+                row_stride: 1,
+                col_stride: k,
+            },
+        )
+    } else {
+        random_operand(rng, 1, k, n)
+    };
+    (x, w)
+}
+
+#[test]
+fn the_gelu_epilogue_writes_the_activation_and_the_pre_activation() {
+    let mut rng = Rng(4242);
+    let mut seen = Seen::default();
+    let (mut fused, mut refused, mut with_bias) = (0, 0, 0);
+    for case in 0..1500 {
+        let (m, k) = (1 + rng.below(7), 1 + rng.below(7));
+        // Widths that are multiples of 8 (which cuBLASLt's aux leading dimension needs) and
+        // widths that are not.
+        let n = if rng.below(2) == 0 {
+            8 * (1 + rng.below(3))
+        } else {
+            1 + rng.below(23)
+        };
+        let ((x, xl), (w, wl)) = random_linear(&mut rng, m, n, k);
+        let bias = (rng.below(2) == 0).then(|| rng.values(n));
+        let pre = naive((&x, &xl), (&w, &wl), bias.as_deref(), 1, m, n, k);
+        let got = backend_product_gelu(
+            (&x, xl),
+            (&w, wl),
+            bias.as_deref(),
+            true,
+            1,
+            m,
+            n,
+            k,
+            &mut seen,
+        );
+        let what = format!("case {case}: [{m}, {k}] x [{k}, {n}], {xl:?}, {wl:?}");
+        let Some((d, aux)) = got else {
+            assert!(n % 8 != 0, "{what}: refused");
+            refused += 1;
+            continue;
+        };
+        assert!(n % 8 == 0, "{what}: mapped");
+        fused += 1;
+        with_bias += bias.is_some() as usize;
+        assert_eq!(aux.as_ref(), Some(&pre), "{what}: the pre-activation");
+        let act: Vec<f64> = pre.iter().map(|&v| gelu_tanh(v)).collect();
+        assert_eq!(d, act, "{what}: the activation");
+    }
+    assert!(
+        fused > 400 && refused > 400 && with_bias > 200,
+        "{fused} {refused} {with_bias}"
+    );
 }
 
 #[test]

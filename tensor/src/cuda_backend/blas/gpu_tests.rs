@@ -1,10 +1,10 @@
 //! Tests of the cuBLASLt path that need a GPU: results against a host product, and the plan
-//! cache (a repeated shape builds no new plan; a new pointer alignment does). Without a CUDA
+//! cache (a repeated shape builds no new plan; a new pointer alignment or epilogue does). Without a CUDA
 //! device they print why and pass, unless `MESHGRAD_REQUIRE_CUDA=1`, in which case they fail.
 
 use meshgrad_kernels::ops::MatrixLayout;
 
-use super::ops::{linear, matmul};
+use super::ops::{linear, linear_gelu, matmul};
 use super::state::with_blaslt;
 use crate::cuda_backend::{basic, cuda_device_count, CudaStorage};
 use crate::storage::CpuStorage;
@@ -147,5 +147,61 @@ fn products_match_the_host_and_plans_are_cached() -> Result<()> {
         *v += bias[i % n];
     }
     assert_close(&download(&y)?, &want, "linear with bias");
+    Ok(())
+}
+
+/// GELU, tanh approximation, on the host.
+fn gelu_tanh(x: f32) -> f32 {
+    let c = (2.0 / std::f64::consts::PI).sqrt() as f32;
+    0.5 * x * (1.0 + (c * (x + 0.044_715 * x * x * x)).tanh())
+}
+
+#[test]
+fn the_gelu_epilogue_writes_activation_and_pre_activation() -> Result<()> {
+    let Some(device) = device() else {
+        return Ok(());
+    };
+    let (m, n, k) = (6, 16, 7);
+    let x: Vec<f32> = (0..m * k).map(|i| (i % 7) as f32 * 0.25 - 0.75).collect();
+    let w: Vec<f32> = (0..n * k).map(|i| (i % 5) as f32 * 0.2 - 0.4).collect();
+    let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.1 - 0.8).collect();
+    let (gx, gw, gbias) = (
+        upload(device, x.clone())?,
+        upload(device, w.clone())?,
+        upload(device, bias.clone())?,
+    );
+    let xl = row_major(0, m, k);
+    let wl = MatrixLayout {
+        offset: 0,
+        batch_stride: 0,
+        row_stride: 1,
+        col_stride: k,
+    };
+    let product = host_product(&x, &xl, &w, &wl, m, n, k);
+    let bias_in = (&gbias, &Layout::contiguous(n));
+    for with_bias in [true, false] {
+        let b = with_bias.then_some(bias_in);
+        let before = plans(device)?;
+        let (y, pre) = linear_gelu(&gx, xl, &gw, wl, b, m, n, k, true)?
+            .expect("the GELU epilogue exists for f32");
+        assert_eq!(plans(device)?, before + 1, "a new epilogue, a new plan");
+        let want_pre: Vec<f32> = product
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v + if with_bias { bias[i % n] } else { 0.0 })
+            .collect();
+        let want: Vec<f32> = want_pre.iter().map(|&v| gelu_tanh(v)).collect();
+        assert_close(&download(&pre)?, &want_pre, "pre-activation");
+        assert_close(&download(&y)?, &want, "activation");
+        let _ = linear_gelu(&gx, xl, &gw, wl, b, m, n, k, true)?;
+        assert_eq!(
+            plans(device)?,
+            before + 1,
+            "the second call reuses the plan"
+        );
+    }
+    // The erf form, and a width that is not a multiple of 8: composed by the tensor layer.
+    assert!(linear_gelu(&gx, xl, &gw, wl, Some(bias_in), m, n, k, false)?.is_none());
+    assert!(linear_gelu(&gx, xl, &gw, wl, None, m, n - 1, k, true)?.is_none());
     Ok(())
 }

@@ -15,7 +15,7 @@
 //! rows or columns, overlapping rows) is copied to a contiguous buffer first ([`PackedCopy`]).
 //! The batch stride is passed as is, 0 included (one matrix broadcast over the batch).
 
-use cudarc::cublaslt::sys::{cublasComputeType_t, cudaDataType};
+use cudarc::cublaslt::sys::{cublasComputeType_t, cublasLtEpilogue_t, cudaDataType};
 use meshgrad_kernels::ops::MatrixLayout;
 
 use crate::DType;
@@ -237,20 +237,89 @@ pub(crate) fn operand_alignment(addr: u64, o: &Operand, batch: i32, elem_bytes: 
 /// to a fresh buffer (cuBLASLt has no preference attribute for the bias pointer's alignment).
 pub(crate) const BIAS_ALIGNMENT: u32 = 16;
 
+/// What cuBLASLt does to the product before writing D (the `EPILOGUE` attribute and the
+/// pointers it needs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Epilogue {
+    /// `D = A·B`.
+    Plain,
+    /// `D = A·B + bias`, the bias having one entry per row of D (per output feature).
+    Bias,
+    /// `aux = A·B (+ bias)`, `D = gelu(aux)` with the tanh approximation: the pre-activation is
+    /// written to the auxiliary buffer (same element type as D, leading dimension `aux_ld`).
+    GeluAux {
+        /// Whether the bias is added first (`GELU_AUX_BIAS`) or not (`GELU_AUX`).
+        bias: bool,
+        /// The `EPILOGUE_AUX_LD` attribute: elements between columns of the aux matrix.
+        aux_ld: i64,
+    },
+}
+
+impl Epilogue {
+    /// Whether the epilogue reads a bias vector (`BIAS_POINTER`).
+    pub fn has_bias(self) -> bool {
+        matches!(self, Epilogue::Bias | Epilogue::GeluAux { bias: true, .. })
+    }
+
+    /// The leading dimension of the auxiliary output, when the epilogue writes one
+    /// (`EPILOGUE_AUX_POINTER` and `EPILOGUE_AUX_LD`).
+    pub fn aux_ld(self) -> Option<i64> {
+        match self {
+            Epilogue::GeluAux { aux_ld, .. } => Some(aux_ld),
+            _ => None,
+        }
+    }
+
+    /// The `cublasLtEpilogue_t` value of the `EPILOGUE` attribute.
+    pub fn lt(self) -> cublasLtEpilogue_t {
+        match self {
+            Epilogue::Plain => cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT,
+            Epilogue::Bias => cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
+            Epilogue::GeluAux { bias: false, .. } => cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_AUX,
+            Epilogue::GeluAux { bias: true, .. } => {
+                cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_AUX_BIAS
+            }
+        }
+    }
+}
+
+/// The GELU epilogue (with or without a bias) for a product of `batch` matrices writing `d`,
+/// its pre-activation laid out exactly like D (the contiguous row-major `[m, n]` of the logical
+/// product: D's leading dimension); `None` when cuBLASLt cannot take it: the aux leading
+/// dimension must be a multiple of 8 (and at least D's rows), and only single products are
+/// mapped (a batch would also need `EPILOGUE_AUX_BATCH_STRIDE`).
+pub(crate) fn gelu_epilogue(d: &Operand, batch: usize, bias: bool) -> Option<Epilogue> {
+    let ld = d.ld;
+    (batch == 1 && ld % 8 == 0 && ld >= d.rows as i64)
+        .then_some(Epilogue::GeluAux { bias, aux_ld: ld })
+}
+
+/// The epilogue of a product of `batch` matrices writing `d`, with a bias or not, and with GELU
+/// (writing the pre-activation) or not; `None` when cuBLASLt cannot take the GELU epilogue
+/// there (see [`gelu_epilogue`]).
+pub(crate) fn epilogue_for(d: &Operand, batch: usize, bias: bool, gelu: bool) -> Option<Epilogue> {
+    match (gelu, bias) {
+        (true, _) => gelu_epilogue(d, batch, bias),
+        (false, true) => Some(Epilogue::Bias),
+        (false, false) => Some(Epilogue::Plain),
+    }
+}
+
 /// What a cached plan is keyed by: everything the matmul descriptor, the matrix layouts, the
 /// preference and the heuristic's choice depend on. Pointers are not part of it (they are
 /// passed at each call), only their alignments.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct PlanKey {
-    /// Element type of A, B and D (and of the bias).
+    /// Element type of A, B and D (and of the bias and the aux output).
     pub dtype: DType,
-    /// Whether the bias epilogue is on.
-    pub bias: bool,
+    /// The epilogue (none, bias, GELU with its aux output).
+    pub epilogue: Epilogue,
     /// Sizes, transposes, leading dimensions and batch strides.
     pub gemm: Gemm,
-    /// Alignments (bytes, powers of two up to 256) of A, B and D ([`operand_alignment`]) and of
-    /// the bias pointer (0 without a bias): the heuristic's choice depends on them.
-    pub align: [u32; 4],
+    /// Alignments (bytes, powers of two up to 256) of A, B and D ([`operand_alignment`]), of
+    /// the bias pointer (0 without a bias) and of the aux pointer (0 without one): the
+    /// heuristic's choice depends on them.
+    pub align: [u32; 5],
 }
 
 /// The cuBLASLt types of one dtype: element type, compute type and scale (alpha, beta) type.
@@ -430,6 +499,48 @@ mod tests {
         assert_eq!(operand_alignment(base, &o(64, 3), 1, 4), 256);
         assert_eq!(operand_alignment(base, &o(64, 3), 2, 4), 4);
         assert_eq!(operand_alignment(base, &o(64, 0), 2, 4), 256);
+    }
+
+    #[test]
+    fn epilogues_map_to_their_cublaslt_values_and_pointers() {
+        use cublasLtEpilogue_t::*;
+        let gelu = |bias, aux_ld| Epilogue::GeluAux { bias, aux_ld };
+        for (e, lt, bias, aux) in [
+            (Epilogue::Plain, CUBLASLT_EPILOGUE_DEFAULT, false, None),
+            (Epilogue::Bias, CUBLASLT_EPILOGUE_BIAS, true, None),
+            (gelu(false, 16), CUBLASLT_EPILOGUE_GELU_AUX, false, Some(16)),
+            (
+                gelu(true, 24),
+                CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
+                true,
+                Some(24),
+            ),
+        ] {
+            assert_eq!((e.lt(), e.has_bias(), e.aux_ld()), (lt, bias, aux), "{e:?}");
+        }
+        // The aux output is laid out like D: ld n for a linear layer's [m, n] output, which
+        // cuBLASLt takes only when n is a multiple of 8 (and for a single product).
+        let (m, k) = (5, 4);
+        for (n, fused) in [(16, true), (8, true), (17, false), (4, false)] {
+            let lhs = lhs_operand(&ml(0, 0, k, 1), 1, m, k).unwrap();
+            let rhs = rhs_operand(&ml(0, 0, 1, k), 1, k, n).unwrap();
+            let g = gemm(lhs, rhs, 1, m, n, k).unwrap();
+            let e = gelu_epilogue(&g.d, 1, true);
+            assert_eq!(e, gelu_epilogue(&output_operand(1, m, n), 1, true));
+            assert_eq!(e.is_some(), fused, "n = {n}");
+            if let Some(e) = e {
+                assert_eq!(e.aux_ld(), Some(n as i64));
+                assert_eq!(e.aux_ld(), Some(g.d.ld));
+            }
+        }
+        let lhs = lhs_operand(&ml(0, 40, 8, 1), 2, 5, 8).unwrap();
+        let rhs = rhs_operand(&ml(0, 0, 16, 1), 2, 8, 16).unwrap();
+        let g = gemm(lhs, rhs, 2, 5, 16, 8).unwrap();
+        assert_eq!(
+            gelu_epilogue(&g.d, g.batch as usize, false),
+            None,
+            "batched products are not mapped"
+        );
     }
 
     #[test]

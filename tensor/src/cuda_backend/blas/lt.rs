@@ -4,7 +4,9 @@
 //!
 //! Attribute value types follow the cuBLASLt documentation: `TRANSA`/`TRANSB` are
 //! `cublasOperation_t` (4 bytes), `EPILOGUE` is `cublasLtEpilogue_t` (4 bytes),
-//! `BIAS_DATA_TYPE` is a `cudaDataType` (4 bytes), `BIAS_POINTER` a device pointer (8 bytes),
+//! `BIAS_DATA_TYPE` is a `cudaDataType` (4 bytes), `BIAS_POINTER` and `EPILOGUE_AUX_POINTER`
+//! device pointers (8 bytes), `EPILOGUE_AUX_LD` an `i64` (the aux data type is left unset: it
+//! then is D's),
 //! the layouts' `BATCH_COUNT` an `i32` and `STRIDED_BATCH_OFFSET` an `i64`, the preference's
 //! `MAX_WORKSPACE_BYTES` a `u64` and `MIN_ALIGNMENT_*_BYTES` `u32`s.
 
@@ -14,12 +16,12 @@ use std::mem::size_of;
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublaslt::result::{self, CublasError};
 use cudarc::cublaslt::sys::{
-    self, cublasLtEpilogue_t, cublasLtMatmulDescAttributes_t as DescAttr,
+    self, cublasLtMatmulDescAttributes_t as DescAttr,
     cublasLtMatmulPreferenceAttributes_t as PrefAttr,
     cublasLtMatrixLayoutAttribute_t as LayoutAttr, cublasStatus_t,
 };
 
-use super::layout::{LtTypes, Operand, PlanKey};
+use super::layout::{Epilogue, LtTypes, Operand, PlanKey};
 
 /// A cuBLASLt failure: the step that failed and cuBLAS's status.
 pub(super) type LtResult<T> = Result<T, (&'static str, CublasError)>;
@@ -170,8 +172,8 @@ pub(super) struct Plan {
     algo: sys::cublasLtMatmulAlgo_t,
     /// Workspace bytes the algorithm needs (at most what the preference allowed).
     pub workspace: usize,
-    /// Whether the bias epilogue is on (its pointer is set before each call).
-    bias: bool,
+    /// The epilogue (its bias and aux pointers are set before each call).
+    epilogue: Epilogue,
 }
 
 // SAFETY: the descriptors are host objects usable from any thread; a plan lives in the
@@ -188,14 +190,15 @@ fn op(trans: bool) -> cublasOperation_t {
 
 /// Builds the descriptors of `key` and asks the heuristic for the best algorithm within
 /// `workspace_limit` bytes of workspace and the key's alignments; `Ok(None)` when cuBLASLt has
-/// no algorithm for it. `bias` is the bias pointer of the first call: the heuristic reads its
-/// alignment from the descriptor (so the bias alignment is part of the key too).
+/// no algorithm for it. `bias` and `aux` are the bias and aux pointers of the first call: the
+/// heuristic reads their alignments from the descriptor (so they are part of the key too).
 pub(super) fn create_plan(
     handle: &Handle,
     key: &PlanKey,
     types: &LtTypes,
     workspace_limit: usize,
     bias: Option<u64>,
+    aux: Option<u64>,
 ) -> LtResult<Option<Plan>> {
     let g = &key.gemm;
     let desc = MatmulDesc::new(types)?;
@@ -209,23 +212,27 @@ pub(super) fn create_plan(
         &op(g.b.trans),
         "setting TRANSB",
     )?;
-    if key.bias {
-        let epilogue = cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
+    let epilogue = key.epilogue;
+    if epilogue != Epilogue::Plain {
         desc.set(
             DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE,
-            &epilogue,
+            &epilogue.lt(),
             "setting the epilogue",
         )?;
+    }
+    if epilogue.has_bias() {
         desc.set(
             DescAttr::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
             &types.data,
             "setting the bias data type",
         )?;
-        let ptr: u64 = bias.unwrap_or(0);
+    }
+    set_pointers(&desc, epilogue, bias, aux)?;
+    if let Some(ld) = epilogue.aux_ld() {
         desc.set(
-            DescAttr::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-            &ptr,
-            "setting the bias pointer",
+            DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
+            &ld,
+            "setting the aux leading dimension",
         )?;
     }
     let a = LayoutDesc::new(types, &g.a, g.batch, "creating the layout of A")?;
@@ -237,7 +244,7 @@ pub(super) fn create_plan(
         PrefAttr::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
         &(workspace_limit as u64),
     )?;
-    let [align_a, align_b, align_d, _bias] = key.align;
+    let [align_a, align_b, align_d, _bias, _aux] = key.align;
     pref.set(
         PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
         &align_a,
@@ -292,8 +299,34 @@ pub(super) fn create_plan(
         d,
         algo: found.algo,
         workspace: found.workspaceSize,
-        bias: key.bias,
+        epilogue,
     }))
+}
+
+/// Sets the bias and aux pointers `epilogue` reads and writes (0 for one not given).
+fn set_pointers(
+    desc: &MatmulDesc,
+    epilogue: Epilogue,
+    bias: Option<u64>,
+    aux: Option<u64>,
+) -> LtResult<()> {
+    if epilogue.has_bias() {
+        let ptr: u64 = bias.unwrap_or(0);
+        desc.set(
+            DescAttr::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+            &ptr,
+            "setting the bias pointer",
+        )?;
+    }
+    if epilogue.aux_ld().is_some() {
+        let ptr: u64 = aux.unwrap_or(0);
+        desc.set(
+            DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+            &ptr,
+            "setting the aux pointer",
+        )?;
+    }
+    Ok(())
 }
 
 /// The scale (alpha and beta) type of a plan: f32 for f32/bf16/f16, f64 for f64.
@@ -316,16 +349,20 @@ pub(super) struct Pointers {
     pub d: u64,
     /// The bias vector, when the plan's epilogue has one.
     pub bias: Option<u64>,
+    /// The auxiliary output (the GELU epilogue's pre-activation), when the plan's epilogue
+    /// writes one.
+    pub aux: Option<u64>,
     /// The workspace and its size in bytes.
     pub workspace: (u64, usize),
 }
 
 impl Plan {
-    /// Enqueues `D = A·B (+ bias)` with alpha 1 and beta 0 on `stream`.
+    /// Enqueues `D = A·B` with alpha 1, beta 0 and the plan's epilogue on `stream`.
     ///
     /// # Safety
     /// The pointers must address device buffers of this handle's device holding every element
-    /// the plan's layouts reach (checked by the caller), and stay allocated until the stream
+    /// the plan's layouts reach (the aux buffer: D's size; checked by the caller), and stay
+    /// allocated until the stream
     /// has run the call (the caching allocator's stream order does this). The context must be
     /// current on this thread.
     pub unsafe fn run(
@@ -335,14 +372,7 @@ impl Plan {
         p: &Pointers,
         stream: sys::cudaStream_t,
     ) -> LtResult<()> {
-        if self.bias {
-            let ptr: u64 = p.bias.unwrap_or(0);
-            self.desc.set(
-                DescAttr::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                &ptr,
-                "setting the bias pointer",
-            )?;
-        }
+        set_pointers(&self.desc, self.epilogue, p.bias, p.aux)?;
         let (one32, zero32, one64, zero64) = (1f32, 0f32, 1f64, 0f64);
         let (alpha, beta): (*const c_void, *const c_void) = match scale {
             Scale::F32 => (

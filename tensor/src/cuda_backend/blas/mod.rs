@@ -7,10 +7,10 @@
 //!   the heuristic's algorithm) and running it;
 //! - `state.rs`: the per-device state (handle, 32 MiB workspace, plans by key), kept in the
 //!   device's [`super::DeviceContext`];
-//! - `ops.rs`: the two backend ops (checks, copies of operands cuBLASLt cannot read in place,
-//!   the bias epilogue);
-//! - `emulate.rs` (tests only): a host emulator of cuBLASLt's strided-batched GEMM checking the
-//!   mapping against a naive product;
+//! - `ops.rs`: the three backend ops (checks, copies of operands cuBLASLt cannot read in place,
+//!   the bias epilogue of `linear`, the GELU epilogue of `linear_gelu`);
+//! - `emulate.rs` (tests only): a host emulator of cuBLASLt's strided-batched GEMM and its
+//!   epilogues checking the mapping against a naive product;
 //! - `gpu_tests.rs` (tests only): results and plan caching on a GPU (skipped without one unless
 //!   `MESHGRAD_REQUIRE_CUDA=1`).
 //!
@@ -28,5 +28,5 @@ mod emulate;
 #[cfg(test)]
 mod gpu_tests;
 
-pub(super) use ops::{linear, matmul};
+pub(super) use ops::{linear, linear_gelu, matmul};
 pub(crate) use state::BlasLt;

@@ -1,6 +1,6 @@
-//! `matmul` and `linear` of the CUDA backend: checks, copies of operands cuBLASLt cannot read in
-//! place, the output buffer, and one cuBLASLt call (see `layout.rs` for the mapping and
-//! `state.rs` for the cached plans).
+//! `matmul`, `linear` and `linear_gelu` of the CUDA backend: checks, copies of operands
+//! cuBLASLt cannot read in place, the output buffers, and one cuBLASLt call (see `layout.rs`
+//! for the mapping and the epilogues, `state.rs` for the cached plans).
 
 #![allow(clippy::too_many_arguments)]
 
@@ -11,8 +11,8 @@ use cudarc::driver::result as driver;
 use meshgrad_kernels::ops::MatrixLayout;
 
 use super::layout::{
-    alignment, extent, gemm, lhs_operand, lt_types, operand_alignment, packed_copy, rhs_operand,
-    PlanKey, BIAS_ALIGNMENT,
+    alignment, epilogue_for, extent, gemm, lhs_operand, lt_types, operand_alignment,
+    output_operand, packed_copy, rhs_operand, PlanKey, BIAS_ALIGNMENT,
 };
 use super::state::{with_blaslt, Call};
 use crate::backend::api::{Fused, In};
@@ -140,7 +140,15 @@ enum Outcome {
     NoAlgorithm([u32; 2]),
 }
 
-/// Enqueues `out = a · b (+ bias)` for the checked operands (packing both first when
+/// What a product does besides `a · b`: add a bias (its device pointer), and apply GELU (tanh)
+/// writing the pre-activation to a buffer the size of the output (its device pointer).
+#[derive(Clone, Copy, Debug, Default)]
+struct Extras {
+    bias: Option<u64>,
+    gelu_aux: Option<u64>,
+}
+
+/// Enqueues `out = a · b` with the `extras` for the checked operands (packing both first when
 /// `force_copy`).
 fn product(
     ctx: &Arc<DeviceContext>,
@@ -148,7 +156,7 @@ fn product(
     a: &CudaStorage,
     b: &CudaStorage,
     out: &CudaStorage,
-    bias: Option<u64>,
+    extras: Extras,
     force_copy: bool,
 ) -> Result<Outcome> {
     let (batch, m, n, k) = (what.batch, what.m, what.n, what.k);
@@ -164,6 +172,14 @@ fn product(
     let lhs = lhs_operand(&pa.layout, batch, m, k).ok_or_else(|| internal("left"))?;
     let rhs = rhs_operand(&pb.layout, batch, k, n).ok_or_else(|| internal("right"))?;
     let g = gemm(lhs, rhs, batch, m, n, k).map_err(|e| Error::Msg(format!("{what}: {e}")))?;
+    let bias = extras.bias;
+    let gelu = extras.gelu_aux.is_some();
+    let epilogue = epilogue_for(&g.d, batch, bias.is_some(), gelu).ok_or_else(|| {
+        Error::Msg(format!(
+            "{what}: the GELU epilogue was asked for an output it cannot write (a bug in the \
+             caller's check)"
+        ))
+    })?;
     // cuBLASLt's A is the logical right operand, its B the logical left one.
     let a_ptr = pb.storage().ptr_at(pb.layout.offset);
     let b_ptr = pa.storage().ptr_at(pa.layout.offset);
@@ -174,11 +190,12 @@ fn product(
         operand_alignment(b_ptr, &g.b, g.batch, eb),
         operand_alignment(d_ptr, &g.d, g.batch, eb),
         bias.map_or(0, alignment),
+        extras.gelu_aux.map_or(0, alignment),
     ];
     let call = Call {
         key: PlanKey {
             dtype: what.dtype,
-            bias: bias.is_some(),
+            epilogue,
             gemm: g,
             align,
         },
@@ -186,6 +203,7 @@ fn product(
         b: b_ptr,
         d: d_ptr,
         bias,
+        aux: extras.gelu_aux,
         what,
     };
     // The copies (if any) are dropped on return: their blocks are reused only after the stream
@@ -207,12 +225,12 @@ fn product_or_packed(
     a: &CudaStorage,
     b: &CudaStorage,
     out: &CudaStorage,
-    bias: Option<u64>,
+    extras: Extras,
 ) -> Result<bool> {
-    match product(ctx, what, a, b, out, bias, false)? {
+    match product(ctx, what, a, b, out, extras, false)? {
         Outcome::Ran => Ok(true),
         Outcome::NoAlgorithm(align) if align.iter().any(|&x| x < 16) => Ok(matches!(
-            product(ctx, what, a, b, out, bias, true)?,
+            product(ctx, what, a, b, out, extras, true)?,
             Outcome::Ran
         )),
         Outcome::NoAlgorithm(_) => Ok(false),
@@ -255,7 +273,7 @@ pub(in crate::cuda_backend) fn matmul(
     check_fits(&what, "left", a, &al, batch, m, k)?;
     check_fits(&what, "right", b, &bl, batch, k, n)?;
     let out = CudaStorage::uninit(&ctx, dtype, len)?;
-    if product_or_packed(&ctx, &what, a, b, &out, None)? {
+    if product_or_packed(&ctx, &what, a, b, &out, Extras::default())? {
         Ok(out)
     } else {
         Err(Error::Cuda {
@@ -347,8 +365,77 @@ pub(in crate::cuda_backend) fn linear(
         return Ok(None);
     };
     let out = CudaStorage::uninit(&ctx, dtype, len)?;
-    if product_or_packed(&ctx, &what, x, w, &out, Some(bias_ptr))? {
+    let extras = Extras {
+        bias: Some(bias_ptr),
+        gelu_aux: None,
+    };
+    if product_or_packed(&ctx, &what, x, w, &out, extras)? {
         Ok(Some(out))
+    } else {
+        Ok(None)
+    }
+}
+
+/// See `BackendStorage::linear_gelu`: `(gelu(x · wᵀ + bias), x · wᵀ + bias)` in one cuBLASLt
+/// call with the `GELU_AUX(_BIAS)` epilogue, which writes the activation to D and the
+/// pre-activation to the aux buffer. `Ok(None)` (the tensor layer composes `linear` and `gelu`)
+/// for the erf form (cuBLASLt's GELU is the tanh approximation), for f64 (not attempted), when
+/// the output width is not a multiple of 8 (cuBLASLt's rule for the aux leading dimension),
+/// for a bias that is not a contiguous `[n]`, for `k == 0` or an empty output, and when
+/// cuBLASLt has no algorithm with the epilogue.
+pub(in crate::cuda_backend) fn linear_gelu(
+    x: &CudaStorage,
+    xl: MatrixLayout,
+    w: &CudaStorage,
+    wl: MatrixLayout,
+    bias: Option<In<'_, CudaStorage>>,
+    m: usize,
+    n: usize,
+    k: usize,
+    tanh_form: bool,
+) -> Fused<(CudaStorage, CudaStorage)> {
+    let dtype = operand_dtype("linear_gelu", x, w)?;
+    if !tanh_form || dtype == DType::F64 {
+        return Ok(None);
+    }
+    let what = What {
+        op: "linear_gelu",
+        dtype,
+        batch: 1,
+        m,
+        n,
+        k,
+        al: xl,
+        bl: wl,
+    };
+    let len = m
+        .checked_mul(n)
+        .ok_or_else(|| Error::Msg(format!("{what}: the output size overflows")))?;
+    if len == 0
+        || k == 0
+        || epilogue_for(&output_operand(1, m, n), 1, bias.is_some(), true).is_none()
+    {
+        return Ok(None);
+    }
+    let ctx = x.ctx().clone();
+    check_fits(&what, "input", x, &xl, 1, m, k)?;
+    check_fits(&what, "weight", w, &wl, 1, k, n)?;
+    // The bias (copied when misaligned; the copy lives until the call is enqueued).
+    let (bias_ptr, _bias_copy) = match bias {
+        None => (None, None),
+        Some((bs, bl)) => match bias_pointer(&ctx, &what, bs, bl, n)? {
+            Some((ptr, copy)) => (Some(ptr), copy),
+            None => return Ok(None),
+        },
+    };
+    let out = CudaStorage::uninit(&ctx, dtype, len)?;
+    let pre = CudaStorage::uninit(&ctx, dtype, len)?;
+    let extras = Extras {
+        bias: bias_ptr,
+        gelu_aux: Some(pre.device_ptr()),
+    };
+    if product_or_packed(&ctx, &what, x, w, &out, extras)? {
+        Ok(Some((out, pre)))
     } else {
         Ok(None)
     }

@@ -54,6 +54,8 @@ pub(super) struct Call<'a> {
     pub d: u64,
     /// See [`Pointers::bias`].
     pub bias: Option<u64>,
+    /// See [`Pointers::aux`].
+    pub aux: Option<u64>,
     /// The op and its logical shapes, for error messages.
     pub what: &'a dyn fmt::Display,
 }
@@ -98,8 +100,15 @@ impl BlasLt {
         })?;
         ctx.bind()?;
         if !self.plans.contains_key(&call.key) {
-            let plan = create_plan(&self.handle, &call.key, &types, WORKSPACE_BYTES, call.bias)
-                .map_err(|(step, e)| fail(step, &e))?;
+            let plan = create_plan(
+                &self.handle,
+                &call.key,
+                &types,
+                WORKSPACE_BYTES,
+                call.bias,
+                call.aux,
+            )
+            .map_err(|(step, e)| fail(step, &e))?;
             self.plans.insert(call.key, plan);
         }
         let Some(plan) = self.plans.get(&call.key).and_then(Option::as_ref) else {
@@ -124,11 +133,12 @@ impl BlasLt {
             b: call.b,
             d: call.d,
             bias: call.bias,
+            aux: call.aux,
             workspace: (self.workspace.ptr(), WORKSPACE_BYTES),
         };
         let stream = ctx.stream.cu_stream() as cudarc::cublaslt::sys::cudaStream_t;
         // SAFETY: the caller checked that the operands' layouts stay inside their buffers and
-        // that the output and bias hold what the plan writes and reads; every buffer is from
+        // that the output, bias and aux buffers hold what the plan writes and reads; every buffer is from
         // this device's caching allocator, whose blocks are reused only in stream order, after
         // this call has run; the context was bound above.
         unsafe { plan.run(&self.handle, scale, &p, stream) }.map_err(|(step, e)| fail(step, &e))?;
