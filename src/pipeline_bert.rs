@@ -4,7 +4,8 @@
 //! The loss of a step is the summed cross-entropy of the masked tokens divided by their count in
 //! the whole global batch. Each microbatch's last stage divides its sum by `count / (M * dp)`
 //! (`M` microbatches, `dp` data-parallel ranks), so that the executor's mean over microbatches
-//! and the data-parallel average give the global figure.
+//! and the data-parallel average give the global figure. In reference mode each microbatch is one
+//! row group divided by the global count itself, and the row groups are added over their tree.
 
 use std::ops::Range;
 
@@ -100,7 +101,13 @@ impl PipelineTask for BertPipeline<'_> {
             .sampler
             .global_count(&self.data.train, seed, step)?
             .max(1) as f64;
-        let denominator = total / (microbatches * dp) as f64;
+        // Reference mode: one microbatch per row group, each divided by the global count (the
+        // executor then scales by 1 and the data-parallel reduction adds).
+        let denominator = if self.cfg().train.reference {
+            total
+        } else {
+            total / (microbatches * dp) as f64
+        };
         micro_rows(rows, microbatches)?
             .into_iter()
             .map(|r| {
@@ -133,6 +140,18 @@ impl PipelineTask for BertPipeline<'_> {
         }
         let total = all_reduce_scalar(dp, local_sum, ReduceOp::Sum)?;
         Ok(total / count.max(1) as f64)
+    }
+
+    /// Each row group's loss is already divided by the global count of masked tokens.
+    fn reference_loss_scale(&self, _total: usize) -> f64 {
+        1.0
+    }
+
+    /// The row groups' summed token losses over validation batch `batch`'s global count.
+    fn reference_val_loss(&self, sum: f64, batch: u64, _total: usize) -> Result<f64> {
+        let seed = self.cfg().train.seed ^ VAL_STREAM;
+        let count = self.sampler.global_count(&self.data.val, seed, batch)?;
+        Ok(sum / count.max(1) as f64)
     }
 
     fn header(&self, layout: &str) -> String {

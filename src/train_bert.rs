@@ -434,6 +434,7 @@ pub fn train_bert(
     };
     if let Some(l) = layout.filter(|l| l.pp() > 1) {
         let task = crate::pipeline_bert::BertPipeline::new(s, &data);
+        let opts = &crate::train_pipeline::reference_pipeline_options(cfg, l, opts)?;
         return crate::train_pipeline::train_pipeline(&task, l, opts, verbosity);
     }
     match layout {

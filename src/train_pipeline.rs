@@ -190,6 +190,18 @@ pub(crate) trait PipelineTask: Sync {
     /// The validation loss from the sum of the last stage's outputs over the validation batches
     /// (the same on every rank of a data-parallel group; `dp` averages over it).
     fn val_loss(&self, local_sum: f64, n_batches: usize, dp: &dyn Communicator) -> Result<f64>;
+    /// Reference mode: the factor each row group's loss is multiplied by before its backward,
+    /// and the step's tree sum of row-group losses after it (`total` row groups in the global
+    /// batch). Default (the GPT, a mean over tokens): `1 / total`.
+    fn reference_loss_scale(&self, total: usize) -> f64 {
+        1.0 / total as f64
+    }
+    /// Reference mode: validation batch `batch`'s loss from the tree sum of its row groups'
+    /// losses over the whole global batch (`total` row groups). Default (the GPT): the sum
+    /// divided by `total`.
+    fn reference_val_loss(&self, sum: f64, _batch: u64, total: usize) -> Result<f64> {
+        Ok(sum / total as f64)
+    }
     /// The run's first log line.
     fn header(&self, layout: &str) -> String;
     /// A training microbatch of `rows` rows to profile the layers with.
@@ -816,7 +828,7 @@ fn rank_main<T: PipelineTask>(
                 &grads,
                 &mbs,
                 step as u64,
-                total_groups,
+                task.reference_loss_scale(total_groups),
                 timeline,
             )?,
         };
@@ -857,7 +869,7 @@ fn rank_main<T: PipelineTask>(
         // Reference mode: a step's share is the tree sum of its row groups' losses, summed over
         // the data-parallel ranks; the mean divides by the row groups.
         if reference.is_some() {
-            1.0 / total_groups as f64
+            task.reference_loss_scale(total_groups)
         } else {
             1.0
         },
@@ -970,8 +982,8 @@ impl ReferenceChunks {
     }
 
     /// One step's schedule in reference mode, one microbatch per row group of this
-    /// data-parallel rank (`total` row groups in the global batch): each microbatch's loss is
-    /// multiplied by `1 / total`, each chunk's per-microbatch gradients are taken out of `.grad`
+    /// data-parallel rank: each microbatch's loss is multiplied by `loss_scale` (the task's
+    /// [`PipelineTask::reference_loss_scale`]), each chunk's per-microbatch gradients are taken out of `.grad`
     /// as soon as they are complete and added over the aligned binary tree of the row groups
     /// ([`GradTree`], in whatever order the schedule finishes them), the tied table's two copies
     /// per microbatch first ([`PipelineGrads::reduce_tied_grads_by_microbatch`]). Leaves the
@@ -986,7 +998,7 @@ impl ReferenceChunks {
         grads: &PipelineGrads,
         mbs: &[Microbatch<S::Batch>],
         step: u64,
-        total: usize,
+        loss_scale: f64,
         timeline: &Timeline,
     ) -> Result<f64> {
         let m = mbs.len();
@@ -1016,7 +1028,7 @@ impl ReferenceChunks {
             step,
             Some(timeline),
             ExecuteOptions {
-                loss_scale: Some(1.0 / total as f64),
+                loss_scale: Some(loss_scale),
                 on_grads: Some(&mut on_grads),
             },
         )?;
@@ -1035,8 +1047,8 @@ impl ReferenceChunks {
 /// The validation loss in reference mode, as one device computes it
 /// (`val_loss_reference` in [`crate::train`]): each validation batch's loss is the tree sum of
 /// its row groups' losses (this rank's row groups of `rows`, each forward through the pipeline
-/// on its own), summed over the data-parallel ranks by `sync` and divided by the `total` row
-/// groups; the batches' losses are averaged in order.
+/// on its own), summed over the data-parallel ranks by `sync` and normalised by the task
+/// ([`PipelineTask::reference_val_loss`]); the batches' losses are averaged in order.
 fn val_loss_reference<T: PipelineTask>(
     task: &T,
     chunks: &[T::Stage],
@@ -1062,7 +1074,7 @@ fn val_loss_reference<T: PipelineTask>(
             for batches in &per_group {
                 losses.push(forward_only(chunks, pp, &batches[i])?);
             }
-            sum += sync.mean(tree_sum_f64(&losses))? / total as f64;
+            sum += task.reference_val_loss(sync.mean(tree_sum_f64(&losses))?, i as u64, total)?;
         }
         Ok(sum / n as f64)
     })();

@@ -1,5 +1,6 @@
 //! `meshgrad train --reference`: runs under every layout that splits the batch (data parallel,
-//! ZeRO-1/2/3, hybrid sharding, micro-batches) write the same metrics strings (loss, validation
+//! ZeRO-1/2/3, hybrid sharding, micro-batches; for BERT also pipelines, whose GPT runs
+//! `tests/reference_pipeline.rs` checks) write the same metrics strings (loss, validation
 //! loss, gradient norm) and byte-identical weights as the single-device reference run, for the
 //! GPT and for BERT; what reference mode does not cover is refused in one line.
 
@@ -115,6 +116,8 @@ fn bert_is_bit_identical_under_every_batch_layout() {
         ("dp2", &["--layout", "dp=2"]),
         ("fsdp2", &["--layout", "fsdp=2"]),
         ("hsdp", &["--layout", "hsdp=2x2"]),
+        ("pp2", &["--layout", "pp=2"]),
+        ("dp2pp2zb", &["--layout", "dp=2,pp=2", "--schedule", "zb"]),
     ];
     for (tag, extra) in layouts {
         run(&dir, tag, &sets, extra);
