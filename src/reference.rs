@@ -21,6 +21,11 @@
 //! * **Norms.** The gradient norm is an order-free exact sum of squares ([`ExactSum`]), so it
 //!   does not matter how ZeRO cuts parameters into shards.
 //!
+//! * **Tensor parallelism.** Every sum a tensor-parallel group splits (row-parallel products,
+//!   column-parallel input gradients, the vocabulary-parallel softmax, parameter gradients over
+//!   sequence-parallel positions) is a tree over a chunk count of the model's, on one device as
+//!   on `tp` ranks ([`crate::reference_tp`], [`meshgrad_nn::tp::reference`]).
+//!
 //! What is not covered yet is refused in one line before the run ([`check_reference`]).
 
 use std::ops::Range;
@@ -83,12 +88,7 @@ pub(crate) fn check_reference(cfg: &TrainConfig, layout: Option<&ParallelLayout>
     if layout.pp() > 1 {
         anyhow::bail!("reference mode does not cover pipeline parallelism yet (layout {layout})");
     }
-    if layout.tp() > 1 {
-        anyhow::bail!(
-            "reference mode does not cover tensor parallelism yet (layout {layout}): its split \
-             matmuls and vocabulary-parallel loss would add in another order than one device"
-        );
-    }
+    crate::reference_tp::check_tp(cfg, layout)?;
     let dp = layout.data_parallel_degree();
     if !dp.is_power_of_two() || !groups.is_multiple_of(dp) {
         anyhow::bail!(
@@ -246,15 +246,10 @@ pub(crate) fn reference_step(
     Ok(tree_sum_f64(&losses))
 }
 
-/// The squares of every gradient element of `params`, as an order-free [`ExactSum`].
+/// The squares of every gradient element of `params`, as an order-free [`ExactSum`] (split
+/// parameters combined over their tensor-parallel group, see [`crate::reference_tp`]).
 pub(crate) fn exact_grad_squares(params: &[Var]) -> Result<ExactSum> {
-    let mut s = ExactSum::new();
-    for p in params {
-        if let Some(g) = p.grad() {
-            s.add_squares(&g)?;
-        }
-    }
-    Ok(s)
+    crate::reference_tp::exact_grad_squares(params)
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@ use meshgrad_tensor::Result;
 
 use crate::module::{Child, Forward, Module};
 use crate::param_builder::{Init, ParamBuilder};
+use crate::tp::reference::{add_bias_positions, column_units, unit_linear};
 use crate::tp::{ParallelStyle, TensorParallel};
 
 /// `y = x Wᵀ + b` with `W` stored `[out, in]` (the PyTorch `nn.Linear` convention; the
@@ -121,7 +122,7 @@ impl Forward for Linear {
             );
         }
         match self.tp.get() {
-            Some((style, tp)) if tp.degree() > 1 => self.forward_parallel(x, *style, tp),
+            Some((style, tp)) if tp.is_active() => self.forward_parallel(x, *style, tp),
             // One fused op: a single gemm over all rows with the bias as its starting value.
             _ => Var::linear(x, &self.weight, self.bias.as_ref()),
         }
@@ -132,7 +133,9 @@ impl Linear {
     /// Column-parallel: the (sequence-gathered or replicated) input times this rank's rows.
     /// Row-parallel: this rank's columns times its input features, summed over the ranks (or
     /// reduce-scattered along the sequence), then the replicated bias. Sequence-parallel: the
-    /// replicated layer on this rank's positions, its parameters' gradients summed.
+    /// replicated layer on this rank's positions, its parameters' gradients summed. In reference
+    /// mode (also on one device) the split products are computed unit by unit
+    /// ([`unit_linear`]) and a row-parallel bias's gradient is a tree over position chunks.
     fn forward_parallel(&self, x: &Var, style: ParallelStyle, tp: &TensorParallel) -> Result<Var> {
         let g = &tp.group;
         let sp = tp.splits_sequence();
@@ -147,27 +150,44 @@ impl Linear {
                 Var::linear(x, &w, b.as_ref())
             }
             ParallelStyle::SequenceParallel => Var::linear(x, &self.weight, self.bias.as_ref()),
-            ParallelStyle::Colwise { .. } => {
+            ParallelStyle::Colwise { chunks } => {
                 let x = if sp {
                     all_gather_dim(x, 1, g)?
                 } else {
                     all_reduce_backward(x, g)?
                 };
-                Var::linear(&x, &self.weight, self.bias.as_ref())
+                match tp.local_chunks() {
+                    Some(units) => {
+                        let rows = self.weight.tensor().dims()[0];
+                        let units = column_units(rows, chunks, units)?;
+                        unit_linear(&x, &self.weight, self.bias.as_ref(), &units, 1)
+                    }
+                    None => Var::linear(&x, &self.weight, self.bias.as_ref()),
+                }
             }
             _ => {
-                let y = Var::linear(x, &self.weight, None)?;
+                let y = match tp.local_chunks() {
+                    Some(chunks) => {
+                        let whole = column_units(self.weight.tensor().dims()[0], 1, 1)?;
+                        unit_linear(x, &self.weight, None, &whole, chunks)?
+                    }
+                    None => Var::linear(x, &self.weight, None)?,
+                };
                 let y = if sp {
                     reduce_scatter_dim(&y, 1, g)?
                 } else {
                     all_reduce_forward(&y, g)?
                 };
-                match &self.bias {
-                    None => Ok(y),
+                let b = match &self.bias {
+                    None => return Ok(y),
                     // Under sequence parallelism each rank adds the bias to its own positions,
                     // so its gradient is summed over the ranks.
-                    Some(b) if sp => y.add(&all_reduce_backward(b, g)?),
-                    Some(b) => y.add(b),
+                    Some(b) if sp => all_reduce_backward(b, g)?,
+                    Some(b) => b.clone(),
+                };
+                match tp.position_chunks() {
+                    Some(chunks) => add_bias_positions(&y, &b, chunks),
+                    None => y.add(&b),
                 }
             }
         }
