@@ -20,8 +20,8 @@
 //!   of the LayerNorm parameters and of the row-parallel biases, which sequence parallelism sums
 //!   over each rank's positions and then over the ranks, are trees over `K` chunks of positions
 //!   on every layout (with or without sequence parallelism).
-//! * **The loss** ([`vocab_parallel_cross_entropy_chunked`](super::loss)): the softmax statistics
-//!   are per vocabulary chunk (`K` chunks), combined in chunk order after an all-gather.
+//! * **The loss** ([`super::vocab_parallel_cross_entropy_chunked`]): the softmax statistics are
+//!   per vocabulary chunk (`K` chunks), combined in chunk order after an all-gather.
 //!
 //! Everything else a tensor-parallel rank does is either elementwise, per head, per row, or an
 //! exact copy (all-gathers, the vocabulary-parallel embedding's sum of one row with zeros).
