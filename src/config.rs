@@ -105,8 +105,10 @@ pub struct TrainParams {
     /// overflow, doubled after 2000 consecutive good steps. Finite and > 0.
     pub loss_scale_init: f64,
     /// Reference mode: every floating-point sum whose order a layout could change (gradients and
-    /// losses over the batch, gradient norms) follows one fixed order, so the run is bit-identical
-    /// under every supported layout for the same seed, global batch and `row_group`.
+    /// losses over the batch, gradient norms, and the sums tensor parallelism splits, cut into
+    /// the GPT's reference chunks: the largest power of two dividing `n_head`, `vocab_size` and
+    /// `block_size`) follows one fixed order, so the run is bit-identical under every supported
+    /// layout for the same seed, global batch and `row_group`.
     pub reference: bool,
     /// Reference mode: sequences per row group, the unit whose gradient is computed in one
     /// forward and backward pass before row groups are summed in a fixed binary tree. Divides

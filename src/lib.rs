@@ -59,6 +59,9 @@ pub mod preflight;
 /// Reference mode: bit-identical training under every layout.
 #[cfg(feature = "cli")]
 mod reference;
+/// Reference mode under tensor parallelism.
+#[cfg(feature = "cli")]
+mod reference_tp;
 #[cfg(feature = "cli")]
 pub mod run_checkpoint;
 #[cfg(feature = "cli")]

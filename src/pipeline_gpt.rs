@@ -84,10 +84,21 @@ impl PipelineTask for GptPipeline<'_> {
         if delayed {
             builder = builder.delayed_init();
         }
+        // Reference mode: the sums tensor parallelism splits are trees over the model's chunk
+        // count on every stage, as in the single-device reference run (see `run_model`).
+        let reference = self
+            .cfg
+            .train
+            .reference
+            .then(|| meshgrad_nn::gpt::reference_chunks(&self.config));
+        let single_device_reference = tp.is_none() && reference.is_some();
         if let Some(tp) = tp {
-            builder = builder.tensor_parallel(tp, GptStage::tp_plan(&spec));
+            builder = builder.tensor_parallel(tp.reference(reference), GptStage::tp_plan(&spec));
         }
-        let mut stage = GptStage::build(self.config, spec, builder)?;
+        let mut stage = GptStage::build(self.config, spec.clone(), builder)?;
+        if let (true, Some(k)) = (single_device_reference, reference) {
+            GptStage::tp_plan(&spec).apply(&stage, &TensorParallel::single_device(k))?;
+        }
         stage.activation_checkpointing = checkpointing;
         Ok(stage)
     }

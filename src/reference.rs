@@ -24,6 +24,10 @@
 //! * **Pipelines.** A pipeline's microbatches are the row groups; each stage adds its
 //!   per-row-group gradients over the same tree, the tied table's two copies per row group first
 //!   (see [`crate::train_pipeline`]).
+//! * **Tensor parallelism.** Every sum a tensor-parallel group splits (row-parallel products,
+//!   column-parallel input gradients, the vocabulary-parallel softmax, parameter gradients over
+//!   sequence-parallel positions) is a tree over a chunk count of the model's, on one device as
+//!   on `tp` ranks ([`crate::reference_tp`], [`meshgrad_nn::tp::reference`]).
 //!
 //! What is not covered yet is refused in one line before the run ([`check_reference`]).
 
@@ -78,12 +82,14 @@ pub(crate) fn check_reference(cfg: &TrainConfig, layout: Option<&ParallelLayout>
     let Some(layout) = layout else {
         return Ok(());
     };
-    if layout.tp() > 1 {
+    if layout.tp() > 1 && cfg.model.kind != "gpt" {
         anyhow::bail!(
-            "reference mode does not cover tensor parallelism yet (layout {layout}): its split \
-             matmuls and vocabulary-parallel loss would add in another order than one device"
+            "reference mode covers tensor parallelism for the GPT only so far (model.kind is {}, \
+             layout {layout})",
+            cfg.model.kind
         );
     }
+    crate::reference_tp::check_tp(cfg, layout)?;
     let dp = layout.data_parallel_degree();
     // Rank k owns row groups [k·s, (k+1)·s): a node of the aligned tree over all G row groups
     // exactly when s is a power of two (and then the tree over the ranks' blocks is the
@@ -249,15 +255,10 @@ pub(crate) fn reference_step(
     Ok(tree_sum_f64(&losses))
 }
 
-/// The squares of every gradient element of `params`, as an order-free [`ExactSum`].
+/// The squares of every gradient element of `params`, as an order-free [`ExactSum`] (split
+/// parameters combined over their tensor-parallel group, see [`crate::reference_tp`]).
 pub(crate) fn exact_grad_squares(params: &[Var]) -> Result<ExactSum> {
-    let mut s = ExactSum::new();
-    for p in params {
-        if let Some(g) = p.grad() {
-            s.add_squares(&g)?;
-        }
-    }
-    Ok(s)
+    crate::reference_tp::exact_grad_squares(params)
 }
 
 #[cfg(test)]

@@ -507,10 +507,20 @@ pub(crate) fn run_model(
     if delayed_init {
         builder = builder.delayed_init();
     }
+    // Reference mode: the layers compute the sums tensor parallelism splits as trees over a
+    // chunk count of the model's, on one device (a group of one rank) as on tp ranks.
+    let reference = cfg
+        .train
+        .reference
+        .then(|| meshgrad_nn::gpt::reference_chunks(&gpt_config(cfg)));
+    let single_device_reference = tp.is_none() && reference.is_some();
     if let Some(tp) = tp {
-        builder = builder.tensor_parallel(tp, Gpt::tp_plan());
+        builder = builder.tensor_parallel(tp.reference(reference), Gpt::tp_plan());
     }
     let mut model = Gpt::build(gpt_config(cfg), builder)?;
+    if let (true, Some(k)) = (single_device_reference, reference) {
+        Gpt::tp_plan().apply(&model, &TensorParallel::single_device(k))?;
+    }
     model.activation_checkpointing = checkpointing;
     let (opt, schedule) = optimizer_and_schedule(cfg, &model)?;
     Ok(RunModel {

@@ -1,7 +1,7 @@
 //! `meshgrad train --reference` with pipeline parallelism: pp=2 under every schedule (1f1b,
 //! gpipe, interleaved, zb), pp=4 (gpipe, 1f1b), dp=2,pp=2 and fsdp=2,pp=2 give the single-device
 //! reference run's losses, validation losses and gradient norms (the same f64 in the metrics
-//! file) and the same final weights, bit for bit. What reference mode cannot run with a pipeline
+//! file) and the same final weights, bit for bit; so do dp=2,tp=2,pp=2 and fsdp=2,tp=2,pp=2. What reference mode cannot run with a pipeline
 //! is refused in one line.
 
 mod common;
@@ -57,7 +57,7 @@ fn assert_identical(dir: &Path, tag: &str, want: &str) {
     }
 }
 
-const LAYOUTS: [(&str, &[&str]); 8] = [
+const LAYOUTS: [(&str, &[&str]); 10] = [
     ("pp2", &["--layout", "pp=2"]),
     ("pp2gpipe", &["--layout", "pp=2", "--schedule", "gpipe"]),
     (
@@ -78,6 +78,12 @@ const LAYOUTS: [(&str, &[&str]); 8] = [
         ],
     ),
     ("dp2pp2", &["--layout", "dp=2,pp=2"]),
+    // With tensor parallelism inside the stages (its chunked sums: tests/reference_tp.rs).
+    ("dp2tp2pp2", &["--layout", "dp=2,tp=2,pp=2"]),
+    (
+        "fsdp2tp2pp2",
+        &["--layout", "fsdp=2,tp=2,pp=2", "--schedule", "zb"],
+    ),
     ("fsdp2pp2", &["--layout", "fsdp=2,pp=2", "--schedule", "zb"]),
 ];
 
@@ -137,8 +143,5 @@ fn what_reference_pipelines_cannot_run_is_refused_in_one_line() {
         ],
     );
     assert_one_line_error(&o, &["interleaved", "reference mode", "--row-group"]);
-    // Tensor parallelism stays refused, pipeline or not.
-    let o = train(&dir, "tppp", &["--layout", "tp=2,pp=2"]);
-    assert_one_line_error(&o, &["reference mode", "tensor parallelism"]);
     let _ = std::fs::remove_dir_all(&dir);
 }

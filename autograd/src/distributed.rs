@@ -20,6 +20,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use meshgrad_tensor::exact_sum::ExactSum;
 use meshgrad_tensor::{Result, Tensor};
 
 use crate::Var;
@@ -344,6 +345,37 @@ pub fn sum_over_placements(
     for (group, local) in split {
         let t = Tensor::from_vec(vec![local], 1, meshgrad_tensor::Device::Cpu)?;
         total += group.all_reduce_sum(&t)?.to_vec::<f64>()?[0];
+    }
+    Ok(total)
+}
+
+/// [`sum_over_placements`] for order-free exact sums ([`ExactSum`]): the sums of tensors with a
+/// [`Placement`] over more than one rank are merged per group and their words all-reduced over
+/// it (integers, so exact in any order), the others (replicated) are merged as they are. The
+/// result is the same bits however the tensors are split. A collective over each group, in order
+/// of first appearance.
+pub fn exact_sum_over_placements(
+    items: impl IntoIterator<Item = (Option<Placement>, ExactSum)>,
+) -> Result<ExactSum> {
+    let mut total = ExactSum::new();
+    let mut split: Vec<(Group, ExactSum)> = Vec::new();
+    for (placement, v) in items {
+        match placement {
+            Some(p) if p.degree() > 1 => {
+                match split.iter_mut().find(|(g, _)| Arc::ptr_eq(g, &p.group)) {
+                    Some((_, acc)) => acc.merge(&v),
+                    None => split.push((p.group.clone(), v)),
+                }
+            }
+            _ => total.merge(&v),
+        }
+    }
+    for (group, local) in split {
+        let words = local.to_words();
+        let n = words.len();
+        let t = Tensor::from_vec(words, n, meshgrad_tensor::Device::Cpu)?;
+        let summed = group.all_reduce_sum(&t)?.to_vec::<f64>()?;
+        total.merge(&ExactSum::from_words(&summed)?);
     }
     Ok(total)
 }

@@ -612,6 +612,19 @@ pub fn check_tp_sizes(c: &GptConfig, tp: usize, sequence: Option<usize>) -> Resu
     )
 }
 
+/// Reference mode's chunk count `K` for a GPT of config `c` (see [`crate::tp::reference`]): the
+/// largest power of two dividing the heads, the vocabulary and the context length (so also the
+/// width and the MLP width). It depends only on the model, never on the layout; reference mode
+/// runs tensor parallelism of a degree dividing it.
+pub fn reference_chunks(c: &GptConfig) -> usize {
+    let twos = [c.n_head, c.vocab_size, c.block_size]
+        .iter()
+        .map(|n| n.trailing_zeros())
+        .min()
+        .unwrap_or(0);
+    1 << twos
+}
+
 /// A uniform draw in [0, 1) keyed by (seed, index), through the tensor RNG.
 fn uniform_draw(seed: u64, index: u64) -> f64 {
     Random::new(seed)

@@ -8,6 +8,7 @@ use meshgrad_tensor::Result;
 
 use crate::module::{Child, Forward, Module};
 use crate::param_builder::{Init, ParamBuilder};
+use crate::tp::reference::layer_norm_positions;
 use crate::tp::{ParallelStyle, TensorParallel};
 
 /// Layer norm over the last dim with a learned scale and (optionally) shift.
@@ -50,6 +51,25 @@ impl LayerNorm {
 impl Forward for LayerNorm {
     fn forward(&self, x: &Var) -> Result<Var> {
         match self.tp.get() {
+            // Reference mode (also on one device): parameter gradients as trees over position
+            // chunks, the same with or without sequence parallelism.
+            Some((style, tp)) if tp.reference.is_some() => {
+                let g = &tp.group;
+                let sp = tp.splits_sequence();
+                let x = if sp && *style == ParallelStyle::SequenceSplit {
+                    split_dim(x, 1, g)?
+                } else {
+                    x.clone()
+                };
+                let (w, b) = if sp {
+                    let b = self.bias.as_ref().map(|b| all_reduce_backward(b, g));
+                    (all_reduce_backward(&self.weight, g)?, b.transpose()?)
+                } else {
+                    (self.weight.clone(), self.bias.clone())
+                };
+                let chunks = tp.position_chunks().unwrap_or(1);
+                layer_norm_positions(&x, &w, b.as_ref(), self.eps, chunks)
+            }
             Some((style, tp)) if tp.splits_sequence() => {
                 let g = &tp.group;
                 let x = if *style == ParallelStyle::SequenceSplit {

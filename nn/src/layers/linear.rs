@@ -10,6 +10,7 @@ use meshgrad_tensor::{GeluKind, Result};
 
 use crate::module::{Child, Forward, Module};
 use crate::param_builder::{Init, ParamBuilder};
+use crate::tp::reference::{add_bias_positions, column_units, unit_linear};
 use crate::tp::{ParallelStyle, TensorParallel};
 
 /// `y = x Wᵀ + b` with `W` stored `[out, in]` (the PyTorch `nn.Linear` convention; the
@@ -139,7 +140,7 @@ impl Linear {
             );
         }
         match self.tp.get() {
-            Some((style, tp)) if tp.degree() > 1 => self.forward_parallel(x, *style, tp, gelu),
+            Some((style, tp)) if tp.is_active() => self.forward_parallel(x, *style, tp, gelu),
             // One fused op: a single gemm over all rows with the bias as its starting value.
             _ => local(x, &self.weight, self.bias.as_ref(), gelu),
         }
@@ -150,6 +151,9 @@ impl Linear {
     /// reduce-scattered along the sequence), then the replicated bias. Sequence-parallel: the
     /// replicated layer on this rank's positions, its parameters' gradients summed. `gelu`: the
     /// GELU applied to the result (fused into the local product but in the row-parallel case).
+    /// In reference mode (also on one device) the split products are computed unit by unit
+    /// ([`unit_linear`], the GELU after them) and a row-parallel bias's gradient is a tree over
+    /// position chunks.
     fn forward_parallel(
         &self,
         x: &Var,
@@ -170,13 +174,24 @@ impl Linear {
                 local(x, &w, b.as_ref(), gelu)
             }
             ParallelStyle::SequenceParallel => local(x, &self.weight, self.bias.as_ref(), gelu),
-            ParallelStyle::Colwise { .. } => {
+            ParallelStyle::Colwise { chunks } => {
                 let x = if sp {
                     all_gather_dim(x, 1, g)?
                 } else {
                     all_reduce_backward(x, g)?
                 };
-                local(&x, &self.weight, self.bias.as_ref(), gelu)
+                match tp.local_chunks() {
+                    Some(units) => {
+                        let rows = self.weight.tensor().dims()[0];
+                        let units = column_units(rows, chunks, units)?;
+                        let y = unit_linear(&x, &self.weight, self.bias.as_ref(), &units, 1)?;
+                        match gelu {
+                            Some(kind) => y.gelu(kind),
+                            None => Ok(y),
+                        }
+                    }
+                    None => local(&x, &self.weight, self.bias.as_ref(), gelu),
+                }
             }
             _ => {
                 let y = self.forward_rowwise(x, tp)?;
@@ -192,18 +207,28 @@ impl Linear {
     fn forward_rowwise(&self, x: &Var, tp: &TensorParallel) -> Result<Var> {
         let g = &tp.group;
         let sp = tp.splits_sequence();
-        let y = Var::linear(x, &self.weight, None)?;
+        let y = match tp.local_chunks() {
+            Some(chunks) => {
+                let whole = column_units(self.weight.tensor().dims()[0], 1, 1)?;
+                unit_linear(x, &self.weight, None, &whole, chunks)?
+            }
+            None => Var::linear(x, &self.weight, None)?,
+        };
         let y = if sp {
             reduce_scatter_dim(&y, 1, g)?
         } else {
             all_reduce_forward(&y, g)?
         };
-        match &self.bias {
-            None => Ok(y),
+        let b = match &self.bias {
+            None => return Ok(y),
             // Under sequence parallelism each rank adds the bias to its own positions, so its
             // gradient is summed over the ranks.
-            Some(b) if sp => y.add(&all_reduce_backward(b, g)?),
-            Some(b) => y.add(b),
+            Some(b) if sp => all_reduce_backward(b, g)?,
+            Some(b) => b.clone(),
+        };
+        match tp.position_chunks() {
+            Some(chunks) => add_bias_positions(&y, &b, chunks),
+            None => y.add(&b),
         }
     }
 }

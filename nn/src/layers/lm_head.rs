@@ -8,7 +8,11 @@ use meshgrad_autograd::Var;
 use meshgrad_tensor::{Result, Tensor};
 
 use crate::module::{Child, Module};
-use crate::tp::{vocab_parallel_cross_entropy, ParallelStyle, TensorParallel};
+use crate::tp::reference::{column_units, unit_linear};
+use crate::tp::{
+    vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_chunked, ParallelStyle,
+    TensorParallel,
+};
 
 /// Logits `x tableᵀ` for a table `[vocab, C]` passed at call time (GPT's head reads `wte`), and
 /// the mean cross-entropy of logits. It owns no parameters.
@@ -41,14 +45,21 @@ impl LmHead {
     /// [`ParallelStyle::VocabHead`] the bias is this rank's vocabulary slice `[vocab / tp]`, like
     /// the table.
     pub fn forward_with_bias(&self, x: &Var, table: &Var, bias: Option<&Var>) -> Result<Var> {
-        match self.vocab_parallel() {
+        match self.tp.get().filter(|tp| tp.is_active()) {
             Some(tp) => {
                 let x = if tp.splits_sequence() {
                     all_gather_dim(x, 1, &tp.group)?
                 } else {
                     all_reduce_backward(x, &tp.group)?
                 };
-                Var::linear(&x, table, bias)
+                match tp.local_chunks() {
+                    // Reference mode: one product per vocabulary chunk.
+                    Some(units) => {
+                        let units = column_units(table.tensor().dims()[0], 1, units)?;
+                        unit_linear(&x, table, bias, &units, 1)
+                    }
+                    None => Var::linear(&x, table, bias),
+                }
             }
             None => Var::linear(x, table, bias),
         }
@@ -69,8 +80,14 @@ impl LmHead {
         }
         let flat = logits.reshape((n, v))?;
         let targets = targets.reshape(n)?;
-        match self.vocab_parallel() {
-            Some(tp) => vocab_parallel_cross_entropy(&flat, &targets, ignore_index, tp),
+        match self.tp.get().filter(|tp| tp.is_active()) {
+            Some(tp) => match tp.local_chunks() {
+                // Reference mode (also on one device): softmax statistics per vocabulary chunk.
+                Some(chunks) => {
+                    vocab_parallel_cross_entropy_chunked(&flat, &targets, ignore_index, tp, chunks)
+                }
+                None => vocab_parallel_cross_entropy(&flat, &targets, ignore_index, tp),
+            },
             None => flat.cross_entropy(&targets, ignore_index),
         }
     }

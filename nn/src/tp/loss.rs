@@ -19,6 +19,22 @@ pub fn vocab_parallel_cross_entropy(
     ignore_index: Option<i64>,
     tp: &TensorParallel,
 ) -> Result<Var> {
+    vocab_parallel_cross_entropy_chunked(logits, targets, ignore_index, tp, 1)
+}
+
+/// [`vocab_parallel_cross_entropy`] whose softmax statistics are per vocabulary chunk: this
+/// rank's slice is cut into `chunks` equal chunks, each chunk's row log-sum-exp is computed on
+/// its own (a contiguous `[N, V / (tp chunks)]` copy), and every rank combines the
+/// `tp x chunks` values of a row in chunk order. With `chunks` = reference mode's `K / tp`, the
+/// loss and its gradient are the same bits on one device (`tp = 1`, `K` chunks) as on `tp`
+/// ranks. `chunks = 1` is the fast loss.
+pub fn vocab_parallel_cross_entropy_chunked(
+    logits: &Var,
+    targets: &Tensor,
+    ignore_index: Option<i64>,
+    tp: &TensorParallel,
+    chunks: usize,
+) -> Result<Var> {
     let x = logits.tensor().clone();
     if x.rank() != 2 || targets.dims() != [x.dims()[0]] {
         meshgrad_tensor::bail!(
@@ -28,6 +44,12 @@ pub fn vocab_parallel_cross_entropy(
         );
     }
     let (n, vl) = (x.dims()[0], x.dims()[1]);
+    if chunks == 0 || !vl.is_multiple_of(chunks) {
+        meshgrad_tensor::bail!(
+            "vocab-parallel cross-entropy: the vocabulary slice of {vl} does not split into \
+             {chunks} chunks"
+        );
+    }
     let (w, r) = (tp.degree(), tp.rank());
     let offset = (r * vl) as i64;
     let t: Vec<i64> = targets.to_vec_f64()?.iter().map(|&v| v as i64).collect();
@@ -40,18 +62,29 @@ pub fn vocab_parallel_cross_entropy(
             "vocab-parallel cross-entropy: target {bad} is outside the vocabulary of {vocab}"
         );
     }
-    // Global log-sum-exp per row from every rank's local one.
-    let local_lse = x.logsumexp(1, false)?.to_dtype(DType::F64)?;
+    // Global log-sum-exp per row from every rank's local ones (one per chunk, chunk-major).
+    let local_lse = if chunks == 1 {
+        x.logsumexp(1, false)?
+    } else {
+        let vc = vl / chunks;
+        let parts: Vec<Tensor> = (0..chunks)
+            .map(|c| x.narrow(1, c * vc, vc)?.contiguous()?.logsumexp(1, false))
+            .collect::<Result<_>>()?;
+        let refs: Vec<&Tensor> = parts.iter().collect();
+        Tensor::cat(&refs, 0)?
+    }
+    .to_dtype(DType::F64)?;
     let all_lse = tp.group.all_gather(&local_lse)?.to_vec::<f64>()?;
+    let total = w * chunks;
     let lse: Vec<f64> = (0..n)
         .map(|i| {
-            let m = (0..w)
+            let m = (0..total)
                 .map(|k| all_lse[k * n + i])
                 .fold(f64::NEG_INFINITY, f64::max);
             if m == f64::NEG_INFINITY {
                 return m;
             }
-            m + (0..w)
+            m + (0..total)
                 .map(|k| (all_lse[k * n + i] - m).exp())
                 .sum::<f64>()
                 .ln()

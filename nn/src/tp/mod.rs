@@ -30,8 +30,9 @@
 
 mod loss;
 mod plan;
+pub mod reference;
 
-pub use loss::vocab_parallel_cross_entropy;
+pub use loss::{vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_chunked};
 pub use meshgrad_autograd::distributed::{Collectives, Placement};
 pub use plan::{ParallelStyle, TpPlan};
 
@@ -44,16 +45,21 @@ pub struct TensorParallel {
     pub group: Arc<dyn Collectives>,
     /// Split the LayerNorm / dropout regions along the sequence.
     pub sequence_parallel: bool,
+    /// Reference mode's chunk count `K` (see [`reference`]): `None` in fast mode. When set, the
+    /// layers compute every sum the group splits as a tree over `K` chunks, on one device (a
+    /// group of one rank) as on `T` ranks (`T` dividing `K`).
+    pub reference: Option<usize>,
 }
 
 impl std::fmt::Debug for TensorParallel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "TensorParallel(rank {} of {}, sequence_parallel={})",
+            "TensorParallel(rank {} of {}, sequence_parallel={}, reference={:?})",
             self.group.rank(),
             self.group.size(),
-            self.sequence_parallel
+            self.sequence_parallel,
+            self.reference
         )
     }
 }
@@ -64,7 +70,44 @@ impl TensorParallel {
         TensorParallel {
             group,
             sequence_parallel: false,
+            reference: None,
         }
+    }
+
+    /// The reference-mode context of a single-device run: a group of one rank (every collective
+    /// returns its input) with reference chunk count `chunks`.
+    pub fn single_device(chunks: usize) -> Self {
+        TensorParallel::new(Arc::new(reference::OneRank)).reference(Some(chunks))
+    }
+
+    /// With reference mode's chunk count `K` (`None`: fast mode).
+    pub fn reference(mut self, chunks: Option<usize>) -> Self {
+        self.reference = chunks;
+        self
+    }
+
+    /// Whether the layers take their tensor-parallel path: more than one rank, or reference
+    /// mode (whose chunked sums a single device computes too).
+    pub fn is_active(&self) -> bool {
+        self.degree() > 1 || self.reference.is_some()
+    }
+
+    /// In reference mode, the number of the `K` chunks of a split dimension this rank holds
+    /// (`K / degree`).
+    pub fn local_chunks(&self) -> Option<usize> {
+        self.reference.map(|k| (k / self.degree()).max(1))
+    }
+
+    /// In reference mode, the number of position chunks of this rank's activations: `K / degree`
+    /// under sequence parallelism (its positions are a `1 / degree` share), else `K`.
+    pub fn position_chunks(&self) -> Option<usize> {
+        self.reference.map(|k| {
+            if self.splits_sequence() {
+                (k / self.degree()).max(1)
+            } else {
+                k
+            }
+        })
     }
 
     /// With or without sequence parallelism.

@@ -233,47 +233,76 @@ impl ShardedDataParallel {
     /// gradient (after [`ShardedDataParallel::finish`]), as an order-free
     /// [`ExactSum`](meshgrad_tensor::exact_sum::ExactSum) over the shard group: the same bits
     /// however the shards cut the parameters, and the same as one device's exact sum over its
-    /// whole gradients (reference mode's norm). Parameters split by tensor parallelism are not
-    /// combined across their group. Collective over the shard group.
+    /// whole gradients (reference mode's norm). Parameters split by tensor parallelism are
+    /// combined across their group too (each element counted once). Collective over the shard
+    /// group, then over each tensor-parallel group.
     pub fn exact_grad_sq_sum(&self) -> Result<meshgrad_tensor::exact_sum::ExactSum> {
         self.exact_grad_sq_sum_without(&|_| false)
     }
 
     /// [`ShardedDataParallel::exact_grad_sq_sum`] over the parameters whose names `skip`
     /// rejects (a pipeline stage leaves out its copy of a table another stage also holds).
-    /// Collective over the shard group.
+    /// Collective over the shard group (and the tensor-parallel groups of split parameters).
     pub fn exact_grad_sq_sum_without(
         &self,
         skip: &dyn Fn(&str) -> bool,
     ) -> Result<meshgrad_tensor::exact_sum::ExactSum> {
+        use meshgrad_autograd::distributed::{exact_sum_over_placements, Placement};
         use meshgrad_tensor::exact_sum::ExactSum;
-        let words = {
-            let st = lock(&self.inner.state);
-            let inner = &self.inner;
-            let mut sum = ExactSum::new();
+        // One exact sum for the replicated parameters and one per tensor-parallel group of the
+        // split ones (combined over that group after the shard group).
+        // The same list on every rank of the shard group (from every parameter, not only
+        // the segments this rank holds), so the words all-reduce in one shape.
+        let inner = &self.inner;
+        let group_of = |pi: usize| inner.vars[pi].placement().filter(|p| p.degree() > 1);
+        let mut parts: Vec<(Option<Placement>, ExactSum)> = vec![(None, ExactSum::new())];
+        let mut slot = Vec::with_capacity(inner.vars.len());
+        for pi in 0..inner.vars.len() {
+            let at = match group_of(pi) {
+                None => 0,
+                Some(p) => {
+                    let same = |q: &Option<Placement>| {
+                        q.as_ref()
+                            .is_some_and(|q| std::sync::Arc::ptr_eq(&q.group, &p.group))
+                    };
+                    match parts.iter().position(|(q, _)| same(q)) {
+                        Some(i) => i,
+                        None => {
+                            parts.push((Some(p), ExactSum::new()));
+                            parts.len() - 1
+                        }
+                    }
+                }
+            };
+            slot.push(at);
+        }
+        {
+            let st = lock(&inner.state);
             for u in 0..inner.plan.units.len() {
                 for s in inner.plan.segments(u, inner.shard_rank) {
                     if !st.used[s.param] || skip(&inner.plan.params[s.param].name) {
                         continue;
                     }
                     if let Some(g) = inner.grad_view(&st, u, &s)? {
-                        sum.add_squares(&g)?;
+                        parts[slot[s.param]].1.add_squares(&g)?;
                     }
                 }
             }
-            sum.to_words()
-        };
-        let shard = &self.inner.topo.shard;
-        if shard.world_size() == 1 {
-            return ExactSum::from_words(&words);
         }
-        let n = words.len();
-        // The words are integers below 2^32: any order of summation is exact.
-        let total = shard
-            .all_reduce(&Tensor::from_vec(words, n, Device::Cpu)?, ReduceOp::Sum)?
-            .wait()?
-            .to_vec::<f64>()?;
-        ExactSum::from_words(&total)
+        let shard = &self.inner.topo.shard;
+        if shard.world_size() > 1 {
+            let words: Vec<f64> = parts.iter().flat_map(|(_, s)| s.to_words()).collect();
+            let n = words.len();
+            // The words are integers below 2^32: any order of summation is exact.
+            let total = shard
+                .all_reduce(&Tensor::from_vec(words, n, Device::Cpu)?, ReduceOp::Sum)?
+                .wait()?
+                .to_vec::<f64>()?;
+            for (i, (_, s)) in parts.iter_mut().enumerate() {
+                *s = ExactSum::from_words(&total[i * ExactSum::WORDS..(i + 1) * ExactSum::WORDS])?;
+            }
+        }
+        exact_sum_over_placements(parts)
     }
 
     /// The global L2 norm of the reduced gradients (after [`ShardedDataParallel::finish`]):

@@ -1,0 +1,86 @@
+//! Reference mode (`--reference`) under tensor parallelism: tp=2, tp=4, tp=2 with
+//! `--sequence-parallel`, dp=2,tp=2 and fsdp=2,tp=2 train a tiny GPT (with dropout) to the
+//! single-device reference run's bits: every loss, validation loss and gradient norm of the
+//! metrics (as written) and every weight of the final checkpoint. A degree that does not divide
+//! the model's reference chunks is refused in one line.
+
+mod common;
+
+use std::path::Path;
+use std::process::Output;
+
+use common::{assert_ok, assert_one_line_error, checkpoint_weights, tmpdir};
+
+/// Trains the tiny reference-mode GPT for 3 steps into `dir/<tag>` (4 heads, vocabulary 256 and
+/// 16 positions: 4 reference chunks).
+fn train(dir: &Path, tag: &str, extra: &[&str]) -> Output {
+    let sets = [
+        "model.n_layer=2",
+        "model.n_head=4",
+        "model.n_embd=32",
+        "model.block_size=16",
+        "model.vocab_size=256",
+        "model.dropout=0.1",
+        "train.batch_size=8",
+        "train.warmup_steps=1",
+        "train.eval_interval=2",
+        "train.eval_batches=1",
+        "train.sample_tokens=0",
+    ];
+    common::train(dir, tag, 3, &sets, &[&["--reference"], extra].concat())
+}
+
+/// The loss, val_loss and grad_norm fields of every metrics line of `dir/<tag>`, as written.
+fn numbers(dir: &Path, tag: &str) -> Vec<String> {
+    std::fs::read_to_string(dir.join(format!("{tag}.jsonl")))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            ["step", "loss", "val_loss", "grad_norm"]
+                .iter()
+                .map(|k| format!("{k}={}", v[k]))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect()
+}
+
+const LAYOUTS: [(&str, &[&str]); 5] = [
+    ("tp2", &["--layout", "tp=2"]),
+    ("tp4", &["--layout", "tp=4"]),
+    ("tp2sp", &["--layout", "tp=2", "--sequence-parallel"]),
+    ("dp2tp2", &["--layout", "dp=2,tp=2"]),
+    ("fsdp2tp2", &["--layout", "fsdp=2,tp=2"]),
+];
+
+#[test]
+fn tensor_parallel_reference_runs_are_bit_identical_to_one_device() {
+    let dir = tmpdir("reference-tp");
+    assert_ok(&train(&dir, "single", &[]));
+    let want = numbers(&dir, "single");
+    assert_eq!(want.len(), 3);
+    assert!(want.iter().all(|l| !l.contains("grad_norm=null")));
+    assert!(want.iter().any(|l| !l.contains("val_loss=null")));
+    let weights = checkpoint_weights(&dir, "single");
+    for (tag, extra) in LAYOUTS {
+        assert_ok(&train(&dir, tag, extra));
+        assert_eq!(numbers(&dir, tag), want, "{tag}: metrics");
+        let got = checkpoint_weights(&dir, tag);
+        assert_eq!(got.len(), weights.len(), "{tag}");
+        for ((n, a), (wn, b)) in got.iter().zip(&weights) {
+            assert_eq!(n, wn, "{tag}");
+            let same =
+                a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "{tag}: weight {n} differs from the single-device run");
+        }
+    }
+}
+
+#[test]
+fn a_degree_that_does_not_divide_the_reference_chunks_is_refused() {
+    let dir = tmpdir("reference-tp-refused");
+    // 4 heads: 4 reference chunks, which tp=8 does not divide.
+    let o = train(&dir, "tp8", &["--layout", "tp=8"]);
+    assert_one_line_error(&o, &["reference mode", "tp = 8", "4 reference chunk"]);
+}
