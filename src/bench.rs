@@ -242,6 +242,12 @@ pub fn run_bench(opts: &BenchOptions) -> Result<BenchResult> {
         bail!("bench: --reference runs on the CPU in f32 (as reference-mode training does)");
     }
     let model = Gpt::new(cfg, 1337, opts.precision, device)?;
+    if opts.reference.is_some() {
+        // As reference-mode training builds it: the sums tensor parallelism would split are
+        // trees over the model's chunk count, on one device too.
+        let k = meshgrad_nn::gpt::reference_chunks(&cfg);
+        Gpt::tp_plan().apply(&model, &meshgrad_nn::tp::TensorParallel::single_device(k))?;
+    }
     let params = model.num_parameters();
     if params != cfg.num_parameters() {
         bail!(
@@ -359,7 +365,10 @@ pub fn run_bench(opts: &BenchOptions) -> Result<BenchResult> {
         "meshgrad bench {}{} on {device} ({}): {} layers, {} heads, n_embd {}, seq {}, batch {}, {} rayon threads; loss {:.4} -> {:.4}; step times (s): min {:.4} median {:.4} max {:.4}",
         opts.model,
         match opts.reference {
-            Some(r) => format!(" (reference mode, row groups of {r})"),
+            Some(r) => format!(
+                " (reference mode, row groups of {r}, {} chunks)",
+                meshgrad_nn::gpt::reference_chunks(&cfg)
+            ),
             None => String::new(),
         },
         if opts.precision == DType::BF16 { "bf16, f32 master weights" } else { "f32" },
