@@ -38,6 +38,8 @@ pub struct BenchOptions {
     /// forward and backward pass per row group, gradients added over the row groups' tree, the
     /// exact gradient norm.
     pub reference: Option<usize>,
+    /// Reference mode's chunk count (`train.reference_chunks`: 0 the model's, 1 none).
+    pub reference_chunks: usize,
 }
 
 /// The figures of one run.
@@ -245,8 +247,10 @@ pub fn run_bench(opts: &BenchOptions) -> Result<BenchResult> {
     if opts.reference.is_some() {
         // As reference-mode training builds it: the sums tensor parallelism would split are
         // trees over the model's chunk count, on one device too.
-        let k = meshgrad_nn::gpt::reference_chunks(&cfg);
-        Gpt::tp_plan().apply(&model, &meshgrad_nn::tp::TensorParallel::single_device(k))?;
+        let k = reference_chunk_count(&cfg, opts.reference_chunks)?;
+        if k > 1 {
+            Gpt::tp_plan().apply(&model, &meshgrad_nn::tp::TensorParallel::single_device(k))?;
+        }
     }
     let params = model.num_parameters();
     if params != cfg.num_parameters() {
@@ -366,8 +370,8 @@ pub fn run_bench(opts: &BenchOptions) -> Result<BenchResult> {
         opts.model,
         match opts.reference {
             Some(r) => format!(
-                " (reference mode, row groups of {r}, {} chunks)",
-                meshgrad_nn::gpt::reference_chunks(&cfg)
+                " (reference mode, row groups of {r}, {} chunk(s))",
+                reference_chunk_count(&cfg, opts.reference_chunks)?
             ),
             None => String::new(),
         },
@@ -409,6 +413,16 @@ pub fn run_bench(opts: &BenchOptions) -> Result<BenchResult> {
         );
     }
     Ok(res)
+}
+
+/// The chunk count of `--reference-chunks` (0: the model's), checked as training checks it.
+fn reference_chunk_count(cfg: &GptConfig, set: usize) -> Result<usize> {
+    let model_k = meshgrad_nn::gpt::reference_chunks(cfg);
+    match set {
+        0 => Ok(model_k),
+        k if k.is_power_of_two() && model_k.is_multiple_of(k) => Ok(k),
+        k => bail!("bench: --reference-chunks {k} must be 0 or a power of two dividing {model_k}"),
+    }
 }
 
 /// The last line of `bench --reference`: reference mode's median step time and peak bytes over

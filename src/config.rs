@@ -115,6 +115,11 @@ pub struct TrainParams {
     /// `batch_size`; the layout and `--microbatches` only decide which rank computes which part
     /// of the tree.
     pub row_group: usize,
+    /// Reference mode: the chunk count of the sums tensor parallelism splits (see README's
+    /// "Reference mode"); 0 (default) takes the model's, the largest power of two dividing
+    /// `n_head`, `vocab_size` and `block_size`; 1 uses no chunked sums (cheaper, and then no
+    /// tensor parallelism). Runs compare bit for bit only with the same count.
+    pub reference_chunks: usize,
 }
 
 impl Default for TrainParams {
@@ -139,6 +144,7 @@ impl Default for TrainParams {
             loss_scale_init: 65536.0,
             reference: false,
             row_group: 1,
+            reference_chunks: 0,
         }
     }
 }
@@ -376,6 +382,7 @@ impl TrainConfig {
         "train.loss_scale_init",
         "train.reference",
         "train.row_group",
+        "train.reference_chunks",
         "data.path",
         "data.val_fraction",
         "data.tokenizer",
@@ -461,6 +468,7 @@ impl TrainConfig {
             "train.loss_scale_init" => t.loss_scale_init = parse_value(key, value, FLOAT)?,
             "train.reference" => t.reference = parse_value(key, value, BOOL)?,
             "train.row_group" => t.row_group = parse_value(key, value, INT)?,
+            "train.reference_chunks" => t.reference_chunks = parse_value(key, value, INT)?,
             "data.path" => {
                 let v = string_value(value);
                 self.data.path = (!v.is_empty()).then_some(v);
@@ -560,6 +568,7 @@ impl TrainConfig {
             ("train.log_interval", t.log_interval as u64),
             ("train.sample_tokens", t.sample_tokens as u64),
             ("train.row_group", t.row_group as u64),
+            ("train.reference_chunks", t.reference_chunks as u64),
         ];
         for (key, value) in integers {
             if value > MAX_TOML_INT {

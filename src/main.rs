@@ -66,6 +66,10 @@ enum Command {
         /// Sequences per row group for --reference.
         #[arg(long, default_value_t = 1)]
         row_group: usize,
+        /// Chunks of the tensor-parallel sums for --reference (train.reference_chunks): 0 the
+        /// model's, 1 none.
+        #[arg(long, default_value_t = 0)]
+        reference_chunks: usize,
     },
     /// Check every op on a device against the CPU in f64 (forward and backward, per dtype), then
     /// train the tiny GPT there beside the CPU; one line per check, a summary line last, non-zero
@@ -565,6 +569,7 @@ fn run(cli: Cli) -> Result<()> {
             profile,
             reference,
             row_group,
+            reference_chunks,
         } => {
             if reference && pytorch {
                 anyhow::bail!("bench: --reference and --pytorch are separate comparisons; run one");
@@ -585,6 +590,7 @@ fn run(cli: Cli) -> Result<()> {
                 threads,
                 profile,
                 reference: None,
+                reference_chunks,
             };
             let r = meshgrad::bench::run_bench(&opts)?;
             println!("{}", r.line());

@@ -86,11 +86,7 @@ impl PipelineTask for GptPipeline<'_> {
         }
         // Reference mode: the sums tensor parallelism splits are trees over the model's chunk
         // count on every stage, as in the single-device reference run (see `run_model`).
-        let reference = self
-            .cfg
-            .train
-            .reference
-            .then(|| meshgrad_nn::gpt::reference_chunks(&self.config));
+        let reference = crate::reference_tp::chunk_count(self.cfg);
         let single_device_reference = tp.is_none() && reference.is_some();
         if let Some(tp) = tp {
             builder = builder.tensor_parallel(tp.reference(reference), GptStage::tp_plan(&spec));

@@ -79,6 +79,7 @@ pub(crate) fn check_reference(cfg: &TrainConfig, layout: Option<&ParallelLayout>
         anyhow::bail!("reference mode: train.row_group {r} does not divide train.batch_size {b}");
     }
     let groups = b / r;
+    crate::reference_tp::check_tp(cfg, None)?;
     let Some(layout) = layout else {
         return Ok(());
     };
@@ -89,7 +90,7 @@ pub(crate) fn check_reference(cfg: &TrainConfig, layout: Option<&ParallelLayout>
             cfg.model.kind
         );
     }
-    crate::reference_tp::check_tp(cfg, layout)?;
+    crate::reference_tp::check_tp(cfg, Some(layout))?;
     let dp = layout.data_parallel_degree();
     // Rank k owns row groups [k·s, (k+1)·s): a node of the aligned tree over all G row groups
     // exactly when s is a power of two (and then the tree over the ranks' blocks is the

@@ -18,20 +18,46 @@ use meshgrad_tensor::exact_sum::ExactSum;
 use crate::config::TrainConfig;
 use crate::train::gpt_config;
 
-/// A one-line reason reference mode cannot run the tensor-parallel degree of `layout`, or `Ok`.
-pub(crate) fn check_tp(cfg: &TrainConfig, layout: &ParallelLayout) -> Result<()> {
-    let tp = layout.tp();
+/// The chunk count reference mode's layers use for `cfg` (a GPT): `train.reference_chunks`, or
+/// when that is 0 the model's own ([`reference_chunks`]). `None` outside reference mode or when
+/// the count is 1 (no chunked sums: the plain layers, and no tensor parallelism).
+pub(crate) fn chunk_count(cfg: &TrainConfig) -> Option<usize> {
+    if !cfg.train.reference {
+        return None;
+    }
+    let k = match cfg.train.reference_chunks {
+        0 => reference_chunks(&gpt_config(cfg)),
+        k => k,
+    };
+    (k > 1).then_some(k)
+}
+
+/// A one-line reason reference mode cannot run the chunk count or the tensor-parallel degree of
+/// `layout`, or `Ok`.
+pub(crate) fn check_tp(cfg: &TrainConfig, layout: Option<&ParallelLayout>) -> Result<()> {
+    let model_k = reference_chunks(&gpt_config(cfg));
+    let set = cfg.train.reference_chunks;
+    if set != 0 && (!set.is_power_of_two() || !model_k.is_multiple_of(set)) {
+        anyhow::bail!(
+            "reference mode: train.reference_chunks {set} must be 0 (the model's {model_k}) or a \
+             power of two dividing {model_k}, the largest power of two dividing n_head, \
+             vocab_size and block_size"
+        );
+    }
+    let tp = layout.map_or(1, |l| l.tp());
     if tp <= 1 {
         return Ok(());
     }
-    let k = reference_chunks(&gpt_config(cfg));
+    let layout = layout.expect("tp > 1 comes from a layout");
+    let k = chunk_count(cfg).unwrap_or(1);
     if !tp.is_power_of_two() || !k.is_multiple_of(tp) {
         let m = &cfg.model;
         anyhow::bail!(
             "reference mode: tp = {tp} (layout {layout}) must be a power of two dividing the \
-             model's {k} reference chunk(s) (the largest power of two dividing n_head {}, \
-             vocab_size {} and block_size {}), so that each rank holds whole chunks of every \
-             split sum",
+             {k} reference chunk(s) (train.reference_chunks {}; the model allows up to {model_k}, \
+             the largest power of two dividing n_head {}, vocab_size {} and block_size {}), so \
+             that each rank holds whole chunks of every split sum",
+            cfg.train.reference_chunks,
             m.n_head,
             m.vocab_size,
             m.block_size

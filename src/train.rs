@@ -509,10 +509,7 @@ pub(crate) fn run_model(
     }
     // Reference mode: the layers compute the sums tensor parallelism splits as trees over a
     // chunk count of the model's, on one device (a group of one rank) as on tp ranks.
-    let reference = cfg
-        .train
-        .reference
-        .then(|| meshgrad_nn::gpt::reference_chunks(&gpt_config(cfg)));
+    let reference = crate::reference_tp::chunk_count(cfg);
     let single_device_reference = tp.is_none() && reference.is_some();
     if let Some(tp) = tp {
         builder = builder.tensor_parallel(tp.reference(reference), Gpt::tp_plan());

@@ -103,6 +103,23 @@ fn gpt_is_bit_identical_under_every_batch_layout() {
     let mut tags: Vec<&str> = layouts.iter().map(|(t, _)| *t).collect();
     tags.push("threads1");
     assert_identical(&dir, &tags, "single");
+    // Without the tensor-parallel chunked sums (the cheaper setting) the batch layouts agree
+    // among themselves too.
+    let plain = ["--set", "train.reference_chunks=1"];
+    run(&dir, "plain_single", SETS, &plain);
+    run(
+        &dir,
+        "plain_fsdp4",
+        SETS,
+        &[&plain[..], &["--layout", "fsdp=4"]].concat(),
+    );
+    run(
+        &dir,
+        "plain_hsdp",
+        SETS,
+        &[&plain[..], &["--layout", "hsdp=2x2"]].concat(),
+    );
+    assert_identical(&dir, &["plain_fsdp4", "plain_hsdp"], "plain_single");
 }
 
 #[test]
@@ -161,6 +178,14 @@ fn what_reference_mode_cannot_make_exact_is_refused() {
         ),
         (&["--row-group", "3"], &["row_group 3 does not divide", "8"]),
         (&["--precision", "bf16"], &["reference mode trains in f32"]),
+        (
+            &["--set", "train.reference_chunks=3"],
+            &["train.reference_chunks 3", "power of two dividing 4"],
+        ),
+        (
+            &["--set", "train.reference_chunks=1", "--layout", "tp=2"],
+            &["tp = 2", "1 reference chunk(s)", "train.reference_chunks 1"],
+        ),
     ];
     for (i, (extra, needles)) in cases.iter().enumerate() {
         let mut args = vec!["--reference"];
