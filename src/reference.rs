@@ -36,10 +36,10 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use meshgrad_autograd::Var;
-use meshgrad_parallel::comm::tree::{tree_split, tree_sum_f64};
 use meshgrad_parallel::comm::TreeReduce;
 use meshgrad_parallel::{micro_rows, Communicator, ParallelLayout};
 use meshgrad_tensor::exact_sum::ExactSum;
+use meshgrad_tensor::tree_sum::{tree_split, tree_sum_f64};
 use meshgrad_tensor::Tensor;
 
 use crate::config::TrainConfig;
@@ -139,7 +139,7 @@ fn add_grads(a: Vec<Option<Tensor>>, b: Vec<Option<Tensor>>) -> Result<Vec<Optio
 }
 
 /// Adds per-row-group gradients over the aligned binary tree of their indices (the tree of
-/// [`tree_sum`](meshgrad_parallel::comm::tree::tree_sum)), in whatever order they arrive: two
+/// [`tree_sum`](meshgrad_tensor::tree_sum::tree_sum)), in whatever order they arrive: two
 /// siblings are added as soon as both are there. After every leaf of `0..n` arrived,
 /// [`GradTree::finish`] returns the tree's sum, the same bits as `tree_sum` over the leaves in
 /// index order. Memory: the pending subtrees, at most one per level when leaves arrive in order.
@@ -265,7 +265,7 @@ pub(crate) fn exact_grad_squares(params: &[Var]) -> Result<ExactSum> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use meshgrad_parallel::comm::tree::tree_sum;
+    use meshgrad_tensor::tree_sum::tree_sum;
     use meshgrad_tensor::Device;
 
     fn leaf(i: usize) -> Vec<Option<Tensor>> {

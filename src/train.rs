@@ -613,7 +613,7 @@ fn val_loss_reference(
                 let l = no_grad(|| model.loss(&ids, &targets, None))?;
                 losses.push(l.tensor().item()?);
             }
-            let local = meshgrad_parallel::comm::tree::tree_sum_f64(&losses);
+            let local = meshgrad_tensor::tree_sum::tree_sum_f64(&losses);
             sum += sync.mean(local)? / total as f64;
         }
         Ok(sum / n as f64)

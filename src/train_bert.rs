@@ -228,7 +228,7 @@ fn val_loss_reference(
                 let part = no_grad(|| model.loss_over(&b.ids, None, None, &b.labels, 1.0))?;
                 losses.push(part.tensor().item()?);
             }
-            let local = meshgrad_parallel::comm::tree::tree_sum_f64(&losses);
+            let local = meshgrad_tensor::tree_sum::tree_sum_f64(&losses);
             let count = s.global_count(val, seed, i)?.max(1) as f64;
             sum += sync.mean(local)? / count;
         }

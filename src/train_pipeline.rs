@@ -59,7 +59,6 @@ use meshgrad_nn::module::Child;
 use meshgrad_nn::optim::{clip_grads_with_norm, AdamW, Optimizer};
 use meshgrad_nn::tp::{full_state_dict, TensorParallel};
 use meshgrad_nn::{ModelStage, Module, StageSpec};
-use meshgrad_parallel::comm::tree::tree_sum_f64;
 use meshgrad_parallel::comm::{all_reduce_scalar, RankCtx};
 use meshgrad_parallel::pipeline::partition::{MemoryModel, ModelCosts, Partition, PartitionMethod};
 use meshgrad_parallel::pipeline::{
@@ -70,6 +69,7 @@ use meshgrad_parallel::pipeline::{
 use meshgrad_parallel::tp::tensor_parallel;
 use meshgrad_parallel::zero::{ShardConfig, ShardedDataParallel, ZeroStage};
 use meshgrad_parallel::{rank_rows, Communicator, LayoutMesh, ParallelLayout, ReduceOp};
+use meshgrad_tensor::tree_sum::tree_sum_f64;
 use meshgrad_tensor::{Device, Tensor};
 
 use crate::config::TrainConfig;

@@ -77,6 +77,7 @@ mod shape_spec;
 pub mod storage;
 mod tensor;
 pub mod testing;
+pub mod tree_sum;
 
 #[cfg(feature = "cuda")]
 pub use cuda_backend::{

@@ -30,6 +30,7 @@ use std::ops::Range;
 
 use meshgrad_autograd::distributed::Collectives;
 use meshgrad_autograd::Var;
+use meshgrad_tensor::tree_sum::tree_sum;
 use meshgrad_tensor::{Result, Tensor};
 
 /// A group of one rank: every collective returns its input. The reference-mode context of a
@@ -57,20 +58,6 @@ impl Collectives for OneRank {
     }
     fn describe(&self) -> String {
         "[one device]".to_string()
-    }
-}
-
-/// The sum of `parts` (at least one, all of one shape) over the aligned binary tree of their
-/// indices: the left subtree holds the largest power of two below the count (the tree of
-/// `meshgrad_parallel::comm::tree::tree_sum` and of `TreeReduce`).
-pub fn tree_add(parts: &[Tensor]) -> Result<Tensor> {
-    match parts.len() {
-        0 => meshgrad_tensor::bail!("tree_add: nothing to add"),
-        1 => Ok(parts[0].clone()),
-        n => {
-            let left = 1 << (usize::BITS - 1 - (n - 1).leading_zeros());
-            tree_add(&parts[..left])?.add(&tree_add(&parts[left..])?)
-        }
     }
 }
 
@@ -211,7 +198,7 @@ pub fn unit_linear(
                 .zip(wo)
                 .map(|(xi, woi)| xi.linear(woi, bo.as_ref()))
                 .collect::<Result<_>>()?;
-            tree_add(&parts)
+            tree_sum(&parts)
         })
         .collect::<Result<_>>()?;
     let y = scatter_units(&ys, -1, out_units)?;
@@ -249,7 +236,7 @@ pub fn unit_linear(
             let dx = if wanted[0] {
                 let sums: Vec<Tensor> = dx_parts
                     .iter()
-                    .map(|p| tree_add(p))
+                    .map(|p| tree_sum(p))
                     .collect::<Result<_>>()?;
                 let refs: Vec<&Tensor> = sums.iter().collect();
                 Some(if refs.len() == 1 {
@@ -342,9 +329,9 @@ pub fn layer_norm_positions(
                 dbs.push(db);
             }
             let refs: Vec<&Tensor> = dxs.iter().collect();
-            let mut grads = vec![Some(Tensor::cat(&refs, 1)?), Some(tree_add(&dws)?)];
+            let mut grads = vec![Some(Tensor::cat(&refs, 1)?), Some(tree_sum(&dws)?)];
             if has_bias {
-                grads.push(Some(tree_add(&dbs)?));
+                grads.push(Some(tree_sum(&dbs)?));
             }
             Ok(grads)
         }),
@@ -375,7 +362,7 @@ pub fn add_bias_positions(y: &Var, bias: &Var, chunks: usize) -> Result<Var> {
                         p.reshape((rows, c))?.sum(&[0], false)
                     })
                     .collect::<Result<_>>()?;
-                Some(tree_add(&sums)?)
+                Some(tree_sum(&sums)?)
             } else {
                 None
             };
@@ -414,17 +401,6 @@ mod tests {
                 "{what}[{i}]: {x} vs {y}"
             );
         }
-    }
-
-    #[test]
-    fn tree_add_follows_the_aligned_tree() {
-        let v = [1e8f32, 1.0, -1e8, 1.0, 3.0];
-        let parts: Vec<Tensor> = v
-            .iter()
-            .map(|&x| Tensor::from_vec(vec![x], 1, Device::Cpu).unwrap())
-            .collect();
-        let got = tree_add(&parts).unwrap().to_vec::<f32>().unwrap()[0];
-        assert_eq!(got, ((v[0] + v[1]) + (v[2] + v[3])) + v[4]);
     }
 
     #[test]

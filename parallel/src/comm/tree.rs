@@ -5,7 +5,7 @@
 //! and NCCL by algorithm and message size). `TreeReduce` wraps any communicator and computes
 //! float `Sum` and `Avg` reductions itself: it all-gathers the contributions, and every rank adds
 //! them in the *aligned binary tree* over group ranks, the tree whose nodes are the blocks
-//! `[k·2ʲ, (k+1)·2ʲ)` (cut at the group size): `(x0 + x1) + (x2 + x3)` for four ranks, and
+//! `[k·2ʲ, (k+1)·2ʲ)` (cut at the group size; [`meshgrad_tensor::tree_sum`]): `(x0 + x1) + (x2 + x3)` for four ranks, and
 //! `((x0 + x1) + (x2 + x3)) + (x4 + x5)` for six. So every rank gets the same bits on every
 //! backend, and a group of `2ʲ` ranks each holding the sum of an aligned block of `n` leaves
 //! reproduces the tree over all `2ʲ·n` leaves. [`ReduceOp::Avg`] divides the tree's sum by the
@@ -19,6 +19,7 @@
 
 use std::sync::Arc;
 
+use meshgrad_tensor::tree_sum::tree_sum;
 use meshgrad_tensor::{DType, Result, Tensor};
 
 use super::{Communicator, ReduceOp, Work};
@@ -85,38 +86,6 @@ impl TreeReduce {
             sum.to_dtype(dtype)?.reshape(shape)
         }))
     }
-}
-
-/// The sum of `parts` (at least one, all of one shape and dtype) over the aligned binary tree:
-/// the left subtree is the largest power of two below the count.
-pub fn tree_sum(parts: &[Tensor]) -> Result<Tensor> {
-    match parts.len() {
-        0 => meshgrad_tensor::bail!("tree_sum: nothing to add"),
-        1 => Ok(parts[0].clone()),
-        n => {
-            let left = tree_split(n);
-            tree_sum(&parts[..left])?.add(&tree_sum(&parts[left..])?)
-        }
-    }
-}
-
-/// [`tree_sum`] for f64 values.
-pub fn tree_sum_f64(parts: &[f64]) -> f64 {
-    match parts.len() {
-        0 => 0.0,
-        1 => parts[0],
-        n => {
-            let left = tree_split(n);
-            tree_sum_f64(&parts[..left]) + tree_sum_f64(&parts[left..])
-        }
-    }
-}
-
-/// Where the aligned binary tree over `n >= 2` leaves splits: the largest power of two below `n`
-/// (the left subtree's leaves).
-pub fn tree_split(n: usize) -> usize {
-    debug_assert!(n >= 2);
-    1 << (usize::BITS - 1 - (n - 1).leading_zeros())
 }
 
 impl Communicator for TreeReduce {
@@ -205,16 +174,6 @@ mod tests {
             l *= 2;
         }
         tree(&v[..l]) + tree(&v[l..])
-    }
-
-    #[test]
-    fn split_points() {
-        assert_eq!(tree_split(2), 1);
-        assert_eq!(tree_split(3), 2);
-        assert_eq!(tree_split(4), 2);
-        assert_eq!(tree_split(5), 4);
-        assert_eq!(tree_split(8), 4);
-        assert_eq!(tree_split(9), 8);
     }
 
     #[test]

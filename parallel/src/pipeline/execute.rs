@@ -91,8 +91,8 @@ use meshgrad_tensor::{Error, Result, Tensor};
 
 use super::schedule::{Action, Schedule};
 use super::trace::{record_opt, SpanKind, Timeline};
-use crate::comm::tree::tree_split;
 use crate::comm::{all_reduce_scalar, Communicator, P2pOp, P2pWork, ReduceOp};
+use meshgrad_tensor::tree_sum::tree_split;
 
 /// One microbatch of a step as the stages read it, with the global index of its first row (the
 /// [`ForwardCtx`] the single device runs it in).
@@ -600,7 +600,7 @@ pub fn execute_with<S: ModelStage>(
     run.finish()
 }
 
-/// [`tree_sum`](crate::comm::tree::tree_sum) over gradients some of which may be missing (a
+/// [`tree_sum`](meshgrad_tensor::tree_sum::tree_sum) over gradients some of which may be missing (a
 /// missing one adds nothing, and a subtree with none is missing), as per-microbatch gradients
 /// are summed on one device.
 fn tree_sum_options(parts: &[Option<Tensor>]) -> Result<Option<Tensor>> {
@@ -739,7 +739,7 @@ impl PipelineGrads {
     /// microbatches are summed over their aligned binary tree. So here: the last rank sends its
     /// per-microbatch gradients to the first (on their two-rank group), which adds each
     /// microbatch's pair, sums the microbatches over the aligned binary tree (as
-    /// [`tree_sum`](crate::comm::tree::tree_sum)) and sends the sum back: both copies get the
+    /// [`tree_sum`](meshgrad_tensor::tree_sum::tree_sum)) and sends the sum back: both copies get the
     /// bits of one device's tree over the same microbatches. Memory: the first and the last rank
     /// keep one table per microbatch until then.
     pub fn reduce_tied_grads_by_microbatch(
