@@ -256,6 +256,16 @@ pub(crate) fn reference_step(
     Ok(tree_sum_f64(&losses))
 }
 
+/// The tree sum of `loss(rows)` over this rank's row `groups` (a validation batch's share in
+/// reference mode: the data-parallel group then adds the ranks' shares in the same tree).
+pub(crate) fn group_loss_sum(
+    groups: &[Range<u64>],
+    mut loss: impl FnMut(&Range<u64>) -> Result<f64>,
+) -> Result<f64> {
+    let losses = groups.iter().map(&mut loss).collect::<Result<Vec<f64>>>()?;
+    Ok(tree_sum_f64(&losses))
+}
+
 /// The squares of every gradient element of `params`, as an order-free [`ExactSum`] (split
 /// parameters combined over their tensor-parallel group, see [`crate::reference_tp`]).
 pub(crate) fn exact_grad_squares(params: &[Var]) -> Result<ExactSum> {

@@ -604,16 +604,15 @@ fn val_loss_reference(
     let r = (|| -> Result<f64> {
         let mut sum = 0.0;
         for i in 0..n {
-            let mut losses = Vec::with_capacity(groups.len());
-            for rows in groups {
+            let local = crate::reference::group_loss_sum(groups, |rows| {
                 let (ids, targets) = to_run_device(
                     cfg,
                     batch_tensors(val, cfg.train.seed ^ VAL_STREAM, i as u64, rows.clone(), t)?,
                 )?;
-                let l = no_grad(|| model.loss(&ids, &targets, None))?;
-                losses.push(l.tensor().item()?);
-            }
-            let local = meshgrad_tensor::tree_sum::tree_sum_f64(&losses);
+                Ok(no_grad(|| model.loss(&ids, &targets, None))?
+                    .tensor()
+                    .item()?)
+            })?;
             sum += sync.mean(local)? / total as f64;
         }
         Ok(sum / n as f64)

@@ -222,13 +222,11 @@ fn val_loss_reference(
     let r = (|| -> Result<f64> {
         let mut sum = 0.0;
         for i in 0..n {
-            let mut losses = Vec::with_capacity(groups.len());
-            for rows in groups {
+            let local = crate::reference::group_loss_sum(groups, |rows| {
                 let b = s.batch(val, seed, i, rows.clone())?;
                 let part = no_grad(|| model.loss_over(&b.ids, None, None, &b.labels, 1.0))?;
-                losses.push(part.tensor().item()?);
-            }
-            let local = meshgrad_tensor::tree_sum::tree_sum_f64(&losses);
+                Ok(part.tensor().item()?)
+            })?;
             let count = s.global_count(val, seed, i)?.max(1) as f64;
             sum += sync.mean(local)? / count;
         }
