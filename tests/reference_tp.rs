@@ -11,7 +11,7 @@ use std::process::Output;
 
 use common::{assert_ok, assert_one_line_error, checkpoint_weights, tmpdir};
 
-/// Trains the tiny reference-mode GPT for 3 steps into `dir/<tag>` (4 heads, vocabulary 256 and
+/// Trains the tiny reference-mode GPT for 10 steps into `dir/<tag>` (4 heads, vocabulary 256 and
 /// 16 positions: 4 reference chunks).
 fn train(dir: &Path, tag: &str, extra: &[&str]) -> Output {
     let sets = [
@@ -23,11 +23,11 @@ fn train(dir: &Path, tag: &str, extra: &[&str]) -> Output {
         "model.dropout=0.1",
         "train.batch_size=8",
         "train.warmup_steps=1",
-        "train.eval_interval=2",
+        "train.eval_interval=5",
         "train.eval_batches=1",
         "train.sample_tokens=0",
     ];
-    common::train(dir, tag, 3, &sets, &[&["--reference"], extra].concat())
+    common::train(dir, tag, 10, &sets, &[&["--reference"], extra].concat())
 }
 
 /// The loss, val_loss and grad_norm fields of every metrics line of `dir/<tag>`, as written.
@@ -59,7 +59,7 @@ fn tensor_parallel_reference_runs_are_bit_identical_to_one_device() {
     let dir = tmpdir("reference-tp");
     assert_ok(&train(&dir, "single", &[]));
     let want = numbers(&dir, "single");
-    assert_eq!(want.len(), 3);
+    assert_eq!(want.len(), 10);
     assert!(want.iter().all(|l| !l.contains("grad_norm=null")));
     assert!(want.iter().any(|l| !l.contains("val_loss=null")));
     let weights = checkpoint_weights(&dir, "single");
