@@ -19,16 +19,16 @@
 //!   pipeline group, and clipping scales every stage's gradients by the same factor;
 //! * each rank steps its optimizer (or its shard of it).
 //!
-//! **Reference mode** (`--reference`, see [`crate::reference`]) makes a pipeline run the single
+//! **Reference mode** (`--reference`, see README's "Reference mode") makes a pipeline run the single
 //! device's reference run bit for bit:
 //!
 //! * the microbatches are the data-parallel rank's row groups, one each
-//!   ([`reference_pipeline_options`]: `--microbatches` left at 1 or equal to that count);
+//!   (`reference_pipeline_options`: `--microbatches` left at 1 or equal to that count);
 //! * the last stage multiplies each microbatch's loss by `1 / G` (`G` row groups in the global
 //!   batch) before its backward, and each chunk's gradients of a microbatch are taken out of
 //!   `.grad` as soon as they are complete (after its backward, or the zero-bubble schedule's
 //!   weight pass; [`ExecuteOptions::on_grads`]) and added over the row groups' aligned binary tree
-//!   ([`GradTree`]), whatever order the schedule finishes them in;
+//!   (`GradTree`), whatever order the schedule finishes them in;
 //! * the tied table: one device adds the head's and the embedding's gradient of a row group once,
 //!   elementwise, before the tree; so the last stage sends its per-microbatch head gradients to
 //!   the first stage, which adds each pair, sums the tree and sends the sum back

@@ -45,7 +45,7 @@ pub struct TensorParallel {
     pub group: Arc<dyn Collectives>,
     /// Split the LayerNorm / dropout regions along the sequence.
     pub sequence_parallel: bool,
-    /// Reference mode's chunk count `K` (see [`reference`]): `None` in fast mode. When set, the
+    /// Reference mode's chunk count `K` (see [`mod@reference`]): `None` in fast mode. When set, the
     /// layers compute every sum the group splits as a tree over `K` chunks, on one device (a
     /// group of one rank) as on `T` ranks (`T` dividing `K`).
     pub reference: Option<usize>,
