@@ -40,6 +40,10 @@ pub struct BenchOptions {
     pub reference: Option<usize>,
     /// Reference mode's chunk count (`train.reference_chunks`: 0 the model's, 1 none).
     pub reference_chunks: usize,
+    /// Compute the gradient norm every step, as training with clipping does (`--reference`
+    /// sets it for both of its steps, so their ratio includes the norms; off, the step matches
+    /// the PyTorch reference's, which has none).
+    pub grad_norm: bool,
 }
 
 /// The figures of one run.
@@ -286,7 +290,7 @@ pub fn run_bench(opts: &BenchOptions) -> Result<BenchResult> {
         }
         Some(r) => crate::reference::row_groups(0..batch as u64, r)?,
     };
-    // Both steps compute the gradient norm, as training with clipping does (fast: an f64 sum per
+    // With `grad_norm`, the norm as training with clipping computes it (fast: an f64 sum per
     // parameter; reference: the exact sum).
     let step = |opt: &mut AdamW| -> Result<f64> {
         opt.zero_grad();
@@ -304,12 +308,14 @@ pub fn run_bench(opts: &BenchOptions) -> Result<BenchResult> {
                     Ok(model.loss(&ids, &targets, None)?)
                 },
             )?;
-            crate::reference::exact_grad_squares(&vars)?;
+            meshgrad_autograd::distributed::exact_grad_squares(&vars)?;
             sum * factor
         } else {
             let loss = model.loss(&ids, &targets, None)?;
             loss.backward()?;
-            meshgrad_nn::optim::grad_norm(&vars)?;
+            if opts.grad_norm {
+                meshgrad_nn::optim::grad_norm(&vars)?;
+            }
             loss.tensor().item()?
         };
         {

@@ -591,6 +591,7 @@ fn run(cli: Cli) -> Result<()> {
                 profile,
                 reference: None,
                 reference_chunks,
+                grad_norm: reference,
             };
             let r = meshgrad::bench::run_bench(&opts)?;
             println!("{}", r.line());

@@ -18,8 +18,9 @@
 //! * **Scaling.** Each row group's loss is multiplied by `1 / G` before its backward, on every
 //!   layout, so the gradient sum *is* the global mean: the tree reductions add without dividing
 //!   by the group size ([`TreeReduce::for_reference`]).
-//! * **Norms.** The gradient norm is an order-free exact sum of squares ([`ExactSum`]), so it
-//!   does not matter how ZeRO cuts parameters into shards.
+//! * **Norms.** The gradient norm is an order-free exact sum of squares
+//!   ([`meshgrad_tensor::exact_sum::ExactSum`]), so it does not matter how ZeRO cuts parameters
+//!   into shards.
 //!
 //! * **Pipelines.** A pipeline's microbatches are the row groups; each stage adds its
 //!   per-row-group gradients over the same tree, the tied table's two copies per row group first
@@ -38,7 +39,6 @@ use anyhow::Result;
 use meshgrad_autograd::Var;
 use meshgrad_parallel::comm::TreeReduce;
 use meshgrad_parallel::{micro_rows, Communicator, ParallelLayout};
-use meshgrad_tensor::exact_sum::ExactSum;
 use meshgrad_tensor::tree_sum::{tree_split, tree_sum_f64};
 use meshgrad_tensor::Tensor;
 
@@ -79,18 +79,17 @@ pub(crate) fn check_reference(cfg: &TrainConfig, layout: Option<&ParallelLayout>
         anyhow::bail!("reference mode: train.row_group {r} does not divide train.batch_size {b}");
     }
     let groups = b / r;
-    crate::reference_tp::check_tp(cfg, None)?;
-    let Some(layout) = layout else {
-        return Ok(());
-    };
-    if layout.tp() > 1 && cfg.model.kind != "gpt" {
+    if let Some(layout) = layout.filter(|l| l.tp() > 1 && cfg.model.kind != "gpt") {
         anyhow::bail!(
             "reference mode covers tensor parallelism for the GPT only so far (model.kind is {}, \
              layout {layout})",
             cfg.model.kind
         );
     }
-    crate::reference_tp::check_tp(cfg, Some(layout))?;
+    crate::reference_tp::check_tp(cfg, layout)?;
+    let Some(layout) = layout else {
+        return Ok(());
+    };
     let dp = layout.data_parallel_degree();
     // Rank k owns row groups [k·s, (k+1)·s): a node of the aligned tree over all G row groups
     // exactly when s is a power of two (and then the tree over the ranks' blocks is the
@@ -264,12 +263,6 @@ pub(crate) fn group_loss_sum(
 ) -> Result<f64> {
     let losses = groups.iter().map(&mut loss).collect::<Result<Vec<f64>>>()?;
     Ok(tree_sum_f64(&losses))
-}
-
-/// The squares of every gradient element of `params`, as an order-free [`ExactSum`] (split
-/// parameters combined over their tensor-parallel group, see [`crate::reference_tp`]).
-pub(crate) fn exact_grad_squares(params: &[Var]) -> Result<ExactSum> {
-    crate::reference_tp::exact_grad_squares(params)
 }
 
 #[cfg(test)]

@@ -1,5 +1,6 @@
-//! Reference mode under tensor parallelism: which tensor-parallel layouts it covers, and the
-//! exact gradient norm over split parameters.
+//! Reference mode under tensor parallelism: the chunk count its layers use and which
+//! tensor-parallel layouts it covers (split parameters join the exact gradient norm through
+//! `meshgrad_autograd::distributed::exact_grad_squares`).
 //!
 //! The layers compute every sum that tensor parallelism splits as a tree over `K` chunks
 //! ([`meshgrad_nn::tp::reference`]), where `K` ([`reference_chunks`]) depends only on the model:
@@ -9,11 +10,8 @@
 //! over its ranks) completes.
 
 use anyhow::Result;
-use meshgrad_autograd::distributed::exact_sum_over_placements;
-use meshgrad_autograd::Var;
 use meshgrad_nn::gpt::reference_chunks;
 use meshgrad_parallel::ParallelLayout;
-use meshgrad_tensor::exact_sum::ExactSum;
 
 use crate::config::TrainConfig;
 use crate::train::gpt_config;
@@ -64,19 +62,4 @@ pub(crate) fn check_tp(cfg: &TrainConfig, layout: Option<&ParallelLayout>) -> Re
         );
     }
     Ok(())
-}
-
-/// The squares of every gradient element of `params`, as an order-free [`ExactSum`]; parameters
-/// split by tensor parallelism are combined over their group (each element counted once,
-/// replicated parameters once). A collective over the tensor-parallel group when there is one.
-pub(crate) fn exact_grad_squares(params: &[Var]) -> Result<ExactSum> {
-    let mut items = Vec::with_capacity(params.len());
-    for p in params {
-        if let Some(g) = p.grad() {
-            let mut s = ExactSum::new();
-            s.add_squares(&g)?;
-            items.push((p.placement(), s));
-        }
-    }
-    Ok(exact_sum_over_placements(items)?)
 }

@@ -282,7 +282,9 @@ pub(crate) trait GradSync {
     /// (default: over the local gradients, which are whole after `finish`; sharded strategies
     /// combine their shards' exact sums), so no layout changes its bits.
     fn exact_norm(&self, params: &[Var]) -> Result<f64> {
-        Ok(crate::reference::exact_grad_squares(params)?.value().sqrt())
+        Ok(meshgrad_autograd::distributed::exact_grad_squares(params)?
+            .value()
+            .sqrt())
     }
     /// Scales the gradients as clipping to `max_norm` does when the global norm is `norm`
     /// (default: the local gradients).

@@ -349,6 +349,22 @@ pub fn sum_over_placements(
     Ok(total)
 }
 
+/// The squares of every gradient element of `params` as an order-free [`ExactSum`]: each
+/// parameter's squares, combined by [`exact_sum_over_placements`] (split parameters over their
+/// group, each element once; replicated ones as they are). Parameters without a gradient add
+/// nothing. A collective over each tensor-parallel group among the parameters' placements.
+pub fn exact_grad_squares<'a>(params: impl IntoIterator<Item = &'a Var>) -> Result<ExactSum> {
+    let mut items = Vec::new();
+    for p in params {
+        if let Some(g) = p.grad() {
+            let mut s = ExactSum::new();
+            s.add_squares(&g)?;
+            items.push((p.placement(), s));
+        }
+    }
+    exact_sum_over_placements(items)
+}
+
 /// [`sum_over_placements`] for order-free exact sums ([`ExactSum`]): the sums of tensors with a
 /// [`Placement`] over more than one rank are merged per group and their words all-reduced over
 /// it (integers, so exact in any order), the others (replicated) are merged as they are. The

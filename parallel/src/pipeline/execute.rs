@@ -855,17 +855,8 @@ impl PipelineGrads {
     /// are reduced): this rank's parameters' squares, the tied table once, as an order-free
     /// [`ExactSum`] whose words are all-reduced over the pipeline group (exact in any order).
     pub fn exact_grad_sq_sum(&self) -> Result<ExactSum> {
-        // Parameters split by tensor parallelism are combined over their group first (each
-        // element counted once), replicated ones counted as they are.
-        let mut items = Vec::new();
-        for p in self.counted() {
-            if let Some(g) = p.grad() {
-                let mut s = ExactSum::new();
-                s.add_squares(&g)?;
-                items.push((p.placement(), s));
-            }
-        }
-        let local = meshgrad_autograd::distributed::exact_sum_over_placements(items)?;
+        // Parameters split by tensor parallelism are combined over their group first.
+        let local = meshgrad_autograd::distributed::exact_grad_squares(&self.counted())?;
         self.exact_sum_over_pipeline(&local)
     }
 
