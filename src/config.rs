@@ -39,6 +39,12 @@ pub struct ModelConfig {
     pub block_size: usize,
     /// Number of token ids; 256 for byte-level text.
     pub vocab_size: usize,
+    /// The model's vocabulary (its embedding rows and logits) is its token count rounded up to
+    /// a multiple of this; 1, the default, pads nothing. Padding lets tensor parallelism split a
+    /// vocabulary it does not divide (GPT-2's 50257, BERT's byte-level 261), as Megatron-LM's
+    /// `make-vocab-size-divisible-by` does. The padded ids never occur in the data and are never
+    /// sampled; their logits take part in the softmax (they learn to stay low).
+    pub vocab_multiple: usize,
     /// Dropout probability, in [0, 1).
     pub dropout: f64,
     /// Whether linear and layer-norm layers have bias terms.
@@ -46,6 +52,14 @@ pub struct ModelConfig {
     /// `"gpt"` (next-token prediction) or `"bert"` (masked language modelling; see
     /// [`crate::train_bert`]).
     pub kind: String,
+}
+
+impl ModelConfig {
+    /// The model's vocabulary for `ids` token ids: `ids` rounded up to a multiple of
+    /// [`ModelConfig::vocab_multiple`] (`ids` itself when that is 0 or 1).
+    pub fn padded_vocab(&self, ids: usize) -> usize {
+        ids.div_ceil(self.vocab_multiple.max(1)) * self.vocab_multiple.max(1)
+    }
 }
 
 impl Default for ModelConfig {
@@ -56,6 +70,7 @@ impl Default for ModelConfig {
             n_embd: 128,
             block_size: 128,
             vocab_size: 256,
+            vocab_multiple: 1,
             dropout: 0.0,
             bias: true,
             kind: "gpt".to_string(),
@@ -360,6 +375,7 @@ impl TrainConfig {
         "model.n_embd",
         "model.block_size",
         "model.vocab_size",
+        "model.vocab_multiple",
         "model.dropout",
         "model.bias",
         "model.kind",
@@ -446,6 +462,7 @@ impl TrainConfig {
             "model.n_embd" => m.n_embd = parse_value(key, value, INT)?,
             "model.block_size" => m.block_size = parse_value(key, value, INT)?,
             "model.vocab_size" => m.vocab_size = parse_value(key, value, INT)?,
+            "model.vocab_multiple" => m.vocab_multiple = parse_value(key, value, INT)?,
             "model.dropout" => m.dropout = parse_value(key, value, FLOAT)?,
             "model.bias" => m.bias = parse_value(key, value, BOOL)?,
             "model.kind" => m.kind = string_value(value),
@@ -540,6 +557,7 @@ impl TrainConfig {
             ("model.n_embd", m.n_embd),
             ("model.block_size", m.block_size),
             ("model.vocab_size", m.vocab_size),
+            ("model.vocab_multiple", m.vocab_multiple),
             ("train.steps", t.steps),
             ("train.batch_size", t.batch_size),
             ("train.eval_batches", t.eval_batches),
@@ -559,6 +577,7 @@ impl TrainConfig {
             ("model.n_embd", m.n_embd as u64),
             ("model.block_size", m.block_size as u64),
             ("model.vocab_size", m.vocab_size as u64),
+            ("model.vocab_multiple", m.vocab_multiple as u64),
             ("train.steps", t.steps as u64),
             ("train.batch_size", t.batch_size as u64),
             ("train.warmup_steps", t.warmup_steps as u64),

@@ -19,7 +19,7 @@ const CHECK_CHUNK: usize = 1 << 16;
 /// `tokens[s..s+T]`, targets `tokens[s+1..s+T+1]`; the mean over all targets (summed in f64).
 pub fn mean_loss(model: &Gpt, data: &dyn TokenSource) -> Result<f64> {
     let t = model.config.block_size;
-    let vocab = model.config.vocab_size;
+    let vocab = model.sampled_vocab();
     if data.vocab_size() > vocab {
         // Name the first id the model cannot take.
         let mut buf = vec![0u32; CHECK_CHUNK];
@@ -83,7 +83,7 @@ pub fn eval_checkpoint(checkpoint: &Path, data: &Path) -> Result<f64> {
     let tokenizer = crate::train::load_checkpoint_tokenizer(checkpoint)?;
     let opts = LoadOptions {
         tokenizer: tokenizer.as_ref(),
-        shard_vocab_size: model.config.vocab_size,
+        shard_vocab_size: model.sampled_vocab(),
     };
     let ds = load_dataset(data, &opts)
         .with_context(|| format!("reading eval data {}", data.display()))?;

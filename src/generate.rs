@@ -189,7 +189,7 @@ pub fn generate(
     out: &mut dyn Write,
 ) -> Result<Vec<u32>> {
     check_sampling(max_new, temperature, top_k)?;
-    let mut text = TextStream::new(tokenizer, model.config.vocab_size);
+    let mut text = TextStream::new(tokenizer, model.sampled_vocab());
     let result = model.generate(prompt, max_new, temperature, top_k, seed, |id| {
         let piece = text
             .push(id)

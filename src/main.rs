@@ -343,8 +343,8 @@ struct TrainArgs {
     /// number of ranks. dp=R (data parallel), fsdp=S (= zero3=S), zero1=S or zero2=S (sharded
     /// over S ranks), hsdp=RxS (= dp=R,fsdp=S: sharded over S ranks, replicated R times), e.g.
     /// dp=4, fsdp=4, hsdp=2x2, dp=2,zero1=2. tp=T splits each GPT or BERT layer across T ranks
-    /// (tensor parallelism; composes: dp=2,tp=2, fsdp=2,tp=2, hsdp=2x2,tp=2; for BERT, T must
-    /// divide its vocabulary of 261). pp=P cuts the model into P pipeline stages (see
+    /// (tensor parallelism; composes: dp=2,tp=2, fsdp=2,tp=2, hsdp=2x2,tp=2; T must divide the
+    /// vocabulary, BERT's 261 by default: --set model.vocab_multiple=T pads it). pp=P cuts the model into P pipeline stages (see
     /// --schedule, --microbatches, --partition; composes: dp=2,tp=2,pp=2, fsdp=2,pp=2). The
     /// global batch is the same for every layout.
     #[arg(long, value_name = "SPEC")]
@@ -680,7 +680,7 @@ fn run(cli: Cli) -> Result<()> {
             meshgrad::generate::check_sampling(max_new_tokens, temperature, top_k)?;
             let model = meshgrad::train::load_checkpoint(&checkpoint)?;
             let tokenizer = meshgrad::train::load_checkpoint_tokenizer(&checkpoint)?;
-            let vocab = model.config.vocab_size;
+            let vocab = model.sampled_vocab();
             let tokens = meshgrad::generate::prompt_tokens_with(
                 prompt.as_deref(),
                 prompt_tokens.as_deref(),

@@ -78,13 +78,14 @@ impl PipelineTask for BertPipeline<'_> {
         let mut builder = ParamBuilder::new(self.cfg().train.seed)
             .dtype(DType::F32)
             .device(Device::Cpu);
-        if let Some(tp) = tp {
-            builder = builder.tensor_parallel(tp, BertStage::tp_plan(&spec));
-        }
         if delayed {
             builder = builder.delayed_init();
         }
-        let mut stage = BertStage::build(self.config, spec, builder)?;
+        // Reference mode: chunked sums on every stage, as in the single-device reference run.
+        let plan = BertStage::tp_plan(&spec);
+        let mut stage = crate::reference_tp::build_with_plan(self.cfg(), builder, tp, plan, |b| {
+            BertStage::build(self.config, spec, b)
+        })?;
         stage.activation_checkpointing = checkpointing;
         Ok(stage)
     }

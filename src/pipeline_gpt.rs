@@ -86,15 +86,10 @@ impl PipelineTask for GptPipeline<'_> {
         }
         // Reference mode: the sums tensor parallelism splits are trees over the model's chunk
         // count on every stage, as in the single-device reference run (see `run_model`).
-        let reference = crate::reference_tp::chunk_count(self.cfg);
-        let single_device_reference = tp.is_none() && reference.is_some();
-        if let Some(tp) = tp {
-            builder = builder.tensor_parallel(tp.reference(reference), GptStage::tp_plan(&spec));
-        }
-        let mut stage = GptStage::build(self.config, spec.clone(), builder)?;
-        if let (true, Some(k)) = (single_device_reference, reference) {
-            GptStage::tp_plan(&spec).apply(&stage, &TensorParallel::single_device(k))?;
-        }
+        let plan = GptStage::tp_plan(&spec);
+        let mut stage = crate::reference_tp::build_with_plan(self.cfg, builder, tp, plan, |b| {
+            GptStage::build(self.config, spec, b)
+        })?;
         stage.activation_checkpointing = checkpointing;
         Ok(stage)
     }

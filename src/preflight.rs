@@ -194,7 +194,8 @@ impl Params {
 }
 
 impl ModelShape {
-    /// The model a training config builds (BERT's vocabulary has its five special tokens).
+    /// The model a training config builds (BERT's vocabulary has its five special tokens; both
+    /// are padded to a multiple of `model.vocab_multiple`).
     pub fn from_train_config(cfg: &TrainConfig) -> ModelShape {
         let m = &cfg.model;
         let bert = m.kind == "bert";
@@ -204,11 +205,11 @@ impl ModelShape {
             } else {
                 ModelKind::Gpt
             },
-            vocab_size: if bert {
+            vocab_size: m.padded_vocab(if bert {
                 m.vocab_size.saturating_add(5)
             } else {
                 m.vocab_size
-            },
+            }),
             positions: m.block_size,
             n_layer: m.n_layer,
             n_head: m.n_head,

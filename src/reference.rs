@@ -79,13 +79,6 @@ pub(crate) fn check_reference(cfg: &TrainConfig, layout: Option<&ParallelLayout>
         anyhow::bail!("reference mode: train.row_group {r} does not divide train.batch_size {b}");
     }
     let groups = b / r;
-    if let Some(layout) = layout.filter(|l| l.tp() > 1 && cfg.model.kind != "gpt") {
-        anyhow::bail!(
-            "reference mode covers tensor parallelism for the GPT only so far (model.kind is {}, \
-             layout {layout})",
-            cfg.model.kind
-        );
-    }
     crate::reference_tp::check_tp(cfg, layout)?;
     let Some(layout) = layout else {
         return Ok(());

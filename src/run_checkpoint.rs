@@ -170,13 +170,16 @@ pub(crate) fn open_resume(cfg: &TrainConfig, dir: &Path) -> Result<(Checkpoint, 
         type Key = (&'static str, fn(&TrainConfig) -> String);
         // A half-precision run's optimizer state holds f32 master weights that an f32 run does
         // not have (and the reverse), so the precision must match too.
-        let keys: [Key; 10] = [
+        let keys: [Key; 11] = [
             ("model.kind", |c| c.model.kind.clone()),
             ("model.n_layer", |c| c.model.n_layer.to_string()),
             ("model.n_head", |c| c.model.n_head.to_string()),
             ("model.n_embd", |c| c.model.n_embd.to_string()),
             ("model.block_size", |c| c.model.block_size.to_string()),
             ("model.vocab_size", |c| c.model.vocab_size.to_string()),
+            ("model.vocab_multiple", |c| {
+                c.model.vocab_multiple.to_string()
+            }),
             ("model.bias", |c| c.model.bias.to_string()),
             ("train.seed", |c| c.train.seed.to_string()),
             ("train.batch_size", |c| c.train.batch_size.to_string()),
@@ -283,12 +286,13 @@ pub fn load_training_model(ck: &Checkpoint) -> Result<CheckpointModel> {
         ck.load_into_module(&m, true)?;
         CheckpointModel::Bert(Box::new(m))
     } else {
-        let m = meshgrad_nn::Gpt::new(
+        let mut m = meshgrad_nn::Gpt::new(
             crate::train::gpt_config(&cfg),
             seed,
             DType::F32,
             Device::Cpu,
         )?;
+        m.vocab_in_use = Some(cfg.model.vocab_size);
         ck.load_into_module(&m, true)?;
         CheckpointModel::Gpt(Box::new(m))
     })

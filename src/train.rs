@@ -58,7 +58,7 @@ pub enum Verbosity {
 pub fn gpt_config(cfg: &TrainConfig) -> GptConfig {
     let m = &cfg.model;
     GptConfig {
-        vocab_size: m.vocab_size,
+        vocab_size: m.padded_vocab(m.vocab_size),
         block_size: m.block_size,
         n_layer: m.n_layer,
         n_head: m.n_head,
@@ -116,8 +116,28 @@ pub fn load_checkpoint(dir: &Path) -> Result<Gpt> {
         };
     }
     crate::preflight::check_checkpoint(dir)?;
-    hf_gpt2::load_gpt2(dir, DType::F32, Device::Cpu)
-        .with_context(|| format!("loading checkpoint {}", dir.display()))
+    let mut model = hf_gpt2::load_gpt2(dir, DType::F32, Device::Cpu)
+        .with_context(|| format!("loading checkpoint {}", dir.display()))?;
+    model.vocab_in_use = exported_vocab_in_use(dir)?;
+    Ok(model)
+}
+
+/// The token ids a model folder's data used, when its vocabulary may be padded: the run's
+/// `model.vocab_size` from its `meshgrad.toml`, else the size of its `tokenizer.json`, else
+/// `None` (every id of the model's vocabulary).
+fn exported_vocab_in_use(dir: &Path) -> Result<Option<usize>> {
+    let toml = dir.join("meshgrad.toml");
+    if toml.exists() {
+        let text = std::fs::read_to_string(&toml)
+            .with_context(|| format!("reading {}", toml.display()))?;
+        let cfg = TrainConfig::from_toml_str(&text, &toml.display().to_string())?;
+        return Ok(Some(cfg.model.vocab_size));
+    }
+    let tok = dir.join(TOKENIZER_FILE);
+    if tok.exists() {
+        return Ok(Some(Tokenizer::from_file(&tok)?.vocab_size()));
+    }
+    Ok(None)
 }
 
 /// Mixed into the seed for validation draws, so they never coincide with training draws.
@@ -511,16 +531,11 @@ pub(crate) fn run_model(
     }
     // Reference mode: the layers compute the sums tensor parallelism splits as trees over a
     // chunk count of the model's, on one device (a group of one rank) as on tp ranks.
-    let reference = crate::reference_tp::chunk_count(cfg);
-    let single_device_reference = tp.is_none() && reference.is_some();
-    if let Some(tp) = tp {
-        builder = builder.tensor_parallel(tp.reference(reference), Gpt::tp_plan());
-    }
-    let mut model = Gpt::build(gpt_config(cfg), builder)?;
-    if let (true, Some(k)) = (single_device_reference, reference) {
-        Gpt::tp_plan().apply(&model, &TensorParallel::single_device(k))?;
-    }
+    let mut model = crate::reference_tp::build_with_plan(cfg, builder, tp, Gpt::tp_plan(), |b| {
+        Gpt::build(gpt_config(cfg), b)
+    })?;
     model.activation_checkpointing = checkpointing;
+    model.vocab_in_use = Some(cfg.model.vocab_size);
     let (opt, schedule) = optimizer_and_schedule(cfg, &model)?;
     Ok(RunModel {
         model,

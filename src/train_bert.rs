@@ -58,12 +58,13 @@ pub fn special_tokens(cfg: &TrainConfig) -> SpecialTokens {
 
 /// The BERT a training config describes: `n_embd` wide, `n_layer` layers of `n_head` heads, a
 /// 4x feed-forward, `block_size` positions, two token types, `model.dropout` on the hidden states
-/// and the attention probabilities, the vocabulary of [`special_tokens`].
+/// and the attention probabilities, the vocabulary of [`special_tokens`] (padded to a multiple of
+/// `model.vocab_multiple`).
 pub fn bert_config(cfg: &TrainConfig) -> BertConfig {
     let m = &cfg.model;
     let sp = special_tokens(cfg);
     BertConfig {
-        vocab_size: sp.mask as usize + 1,
+        vocab_size: m.padded_vocab(sp.mask as usize + 1),
         hidden_size: m.n_embd,
         num_hidden_layers: m.n_layer,
         num_attention_heads: m.n_head,
@@ -162,13 +163,14 @@ fn bert_run(
     let mut builder = ParamBuilder::new(cfg.train.seed)
         .dtype(DType::F32)
         .device(crate::train::train_device(cfg)?);
-    if let Some(tp) = tp {
-        builder = builder.tensor_parallel(tp, BertForMaskedLM::tp_plan());
-    }
     if delayed_init {
         builder = builder.delayed_init();
     }
-    let mut model = BertForMaskedLM::build(bert_config(cfg), builder)?;
+    // Reference mode: chunked sums on one device as on tp ranks (see `crate::reference_tp`).
+    let plan = BertForMaskedLM::tp_plan();
+    let mut model = crate::reference_tp::build_with_plan(cfg, builder, tp, plan, |b| {
+        BertForMaskedLM::build(bert_config(cfg), b)
+    })?;
     model.activation_checkpointing = checkpointing;
     let (opt, schedule) = optimizer_and_schedule(cfg, &model)?;
     Ok(BertRun {
@@ -399,20 +401,15 @@ pub fn train_bert(
         }
         Some(l) => {
             check_layout(cfg, l, opts)?;
-            let vocab = bert_config(cfg).vocab_size;
-            if l.tp() > 1 && !vocab.is_multiple_of(l.tp()) {
-                anyhow::bail!(
-                    "layout {l}: BERT's byte-level vocabulary has {vocab} entries (256 bytes and 5 \
-                     special tokens), which tp={} does not divide; use a tp that divides {vocab} \
-                     (e.g. tp=3): the vocabulary is not padded",
-                    l.tp()
-                );
-            }
+            // The other sizes first; then the vocabulary, whose error names the key that pads it.
+            let mut sizes = bert_config(cfg);
+            sizes.vocab_size = sizes.vocab_size.next_multiple_of(l.tp());
             meshgrad_nn::bert::check_tp_sizes(
-                &bert_config(cfg),
+                &sizes,
                 l.tp(),
                 opts.sequence_parallel.then_some(cfg.model.block_size),
             )?;
+            crate::train_parallel::check_vocab_splits(cfg, bert_config(cfg).vocab_size, l)?;
             l.data_parallel_degree()
         }
     };

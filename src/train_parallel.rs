@@ -514,11 +514,15 @@ pub fn train_parallel(
     check_layout(cfg, layout, opts)?;
     crate::preflight::check_train(cfg, Some(layout), opts)?;
     let data = run_data(cfg, tokenizer)?;
+    // The other sizes first; then the vocabulary, whose error names the key that pads it.
+    let mut sizes = gpt_config(cfg);
+    sizes.vocab_size = sizes.vocab_size.next_multiple_of(layout.tp());
     meshgrad_nn::gpt::check_tp_sizes(
-        &gpt_config(cfg),
+        &sizes,
         layout.tp(),
         opts.sequence_parallel.then_some(cfg.model.block_size),
     )?;
+    check_vocab_splits(cfg, gpt_config(cfg).vocab_size, layout)?;
     if layout.pp() > 1 {
         let task = crate::pipeline_gpt::GptPipeline::new(cfg, &data);
         return crate::train_pipeline::train_pipeline(&task, layout, opts, verbosity);
@@ -618,6 +622,31 @@ pub(crate) fn gather_tensor_parallel<M: Module>(
     let full = single()?;
     load_state_dict(&full, &tensors, true)?;
     Ok(Some(full))
+}
+
+/// A one-line error when the model's vocabulary of `vocab` ids (after padding) does not split
+/// over the tensor-parallel degree of `layout`, naming the `model.vocab_multiple` that pads it.
+pub(crate) fn check_vocab_splits(
+    cfg: &TrainConfig,
+    vocab: usize,
+    layout: &ParallelLayout,
+) -> Result<()> {
+    let tp = layout.tp();
+    if tp > 1 && !vocab.is_multiple_of(tp) {
+        anyhow::bail!(
+            "layout {layout}: the model's vocabulary of {vocab} ids (model.vocab_size {}{}, \
+             model.vocab_multiple {}) does not split over tp={tp}; pad it with --set \
+             model.vocab_multiple={tp}",
+            cfg.model.vocab_size,
+            if cfg.model.kind == "bert" {
+                " and 5 special tokens"
+            } else {
+                ""
+            },
+            cfg.model.vocab_multiple,
+        );
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -972,6 +972,19 @@ pub fn check_tp_sizes(c: &BertConfig, tp: usize, sequence: Option<usize>) -> Res
     )
 }
 
+/// Reference mode's chunk count `K` for a BERT of config `c` trained on sequences of
+/// `sequence` positions (see [`crate::tp::reference`]): the largest power of two dividing the
+/// heads, the intermediate width, the vocabulary and the sequence length (so also the hidden
+/// width). It depends only on the model and the sequence length, never on the layout.
+pub fn reference_chunks(c: &BertConfig, sequence: usize) -> usize {
+    crate::tp::largest_common_power_of_two(&[
+        c.num_attention_heads,
+        c.intermediate_size,
+        c.vocab_size,
+        sequence,
+    ])
+}
+
 impl Forward for BertIntermediate {
     /// `gelu_erf(dense(x))`.
     fn forward(&self, x: &Var) -> Result<Var> {

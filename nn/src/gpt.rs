@@ -116,6 +116,10 @@ pub struct Gpt {
     pub lm_head: LmHead,
     /// Recompute each block's activations during backward instead of storing them.
     pub activation_checkpointing: bool,
+    /// The token ids the data uses when the vocabulary is padded (`config.vocab_size` rounded
+    /// up for tensor parallelism): [`Gpt::generate`] samples only among `0..n` and refuses
+    /// prompt ids from `n` on. `None`: every id of `config.vocab_size`.
+    pub vocab_in_use: Option<usize>,
 }
 
 impl Gpt {
@@ -143,8 +147,16 @@ impl Gpt {
                 ln_f: LayerNorm::new(p, c.n_embd, c.bias, c.layer_norm_eps)?,
                 lm_head: LmHead::new(),
                 activation_checkpointing: false,
+                vocab_in_use: None,
             })
         })
+    }
+
+    /// The ids generation samples among: [`Gpt::vocab_in_use`] when set (at most
+    /// `config.vocab_size`), else the whole vocabulary.
+    pub fn sampled_vocab(&self) -> usize {
+        self.vocab_in_use
+            .map_or(self.config.vocab_size, |n| n.min(self.config.vocab_size))
     }
 
     /// The tensor-parallel plan of the GPT (Megatron-LM's split): q/k/v and the MLP
@@ -227,6 +239,9 @@ impl Gpt {
     /// an error from it stops the generation and is returned. Pass `|_| Ok(())` to only collect
     /// the tokens.
     ///
+    /// Only ids below [`Gpt::sampled_vocab`] are prompted or sampled (a padded vocabulary's
+    /// extra ids never are).
+    ///
     /// Errors: an empty prompt or a token outside the vocabulary; a `temperature` that is not a
     /// finite number >= 0; `top_k` of `Some(0)`; logits that are not finite (NaN or infinite),
     /// naming the step (1-based); a model whose logits are split over tensor-parallel ranks.
@@ -258,13 +273,10 @@ impl Gpt {
                  from a single-device model (load the gathered checkpoint)"
             );
         }
-        if let Some(&bad) = prompt
-            .iter()
-            .find(|&&t| t as usize >= self.config.vocab_size)
-        {
+        let vocab = self.sampled_vocab();
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
             meshgrad_tensor::bail!(
-                "generate: prompt token {bad} is outside the vocabulary (size {})",
-                self.config.vocab_size
+                "generate: prompt token {bad} is outside the vocabulary (size {vocab})"
             );
         }
         let was_training = self.drop.is_training();
@@ -277,10 +289,12 @@ impl Gpt {
                 let ctx_tokens = &tokens[start..];
                 let ids = Tensor::from_slice(ctx_tokens, (1, ctx_tokens.len()), device)?;
                 let logits = self.forward(&ids)?;
-                let last = logits
+                let mut last = logits
                     .tensor()
                     .narrow(1, ctx_tokens.len() - 1, 1)?
                     .to_vec_f64()?;
+                // Padded ids are never sampled.
+                last.truncate(vocab);
                 if let Some(bad) = last.iter().find(|x| !x.is_finite()) {
                     meshgrad_tensor::bail!(
                         "generate: the logits are not finite ({bad}) at step {} of {max_new}; \
@@ -617,12 +631,7 @@ pub fn check_tp_sizes(c: &GptConfig, tp: usize, sequence: Option<usize>) -> Resu
 /// width and the MLP width). It depends only on the model, never on the layout; reference mode
 /// runs tensor parallelism of a degree dividing it.
 pub fn reference_chunks(c: &GptConfig) -> usize {
-    let twos = [c.n_head, c.vocab_size, c.block_size]
-        .iter()
-        .map(|n| n.trailing_zeros())
-        .min()
-        .unwrap_or(0);
-    1 << twos
+    crate::tp::largest_common_power_of_two(&[c.n_head, c.vocab_size, c.block_size])
 }
 
 /// A uniform draw in [0, 1) keyed by (seed, index), through the tensor RNG.

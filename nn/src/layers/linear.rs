@@ -10,7 +10,7 @@ use meshgrad_tensor::{GeluKind, Result};
 
 use crate::module::{Child, Forward, Module};
 use crate::param_builder::{Init, ParamBuilder};
-use crate::tp::reference::{add_bias_positions, column_units, unit_linear};
+use crate::tp::reference::{add_bias_positions, column_units, linear_positions, unit_linear};
 use crate::tp::{ParallelStyle, TensorParallel};
 
 /// `y = x Wᵀ + b` with `W` stored `[out, in]` (the PyTorch `nn.Linear` convention; the
@@ -164,6 +164,22 @@ impl Linear {
         let g = &tp.group;
         let sp = tp.splits_sequence();
         match style {
+            // Reference mode (also on one device): parameter gradients as trees over position
+            // chunks, the same with or without sequence parallelism.
+            ParallelStyle::SequenceParallel if tp.reference.is_some() => {
+                let (w, b) = if sp {
+                    let b = self.bias.as_ref().map(|b| all_reduce_backward(b, g));
+                    (all_reduce_backward(&self.weight, g)?, b.transpose()?)
+                } else {
+                    (self.weight.clone(), self.bias.clone())
+                };
+                let chunks = tp.position_chunks().unwrap_or(1);
+                let y = linear_positions(x, &w, b.as_ref(), chunks)?;
+                match gelu {
+                    Some(kind) => y.gelu(kind),
+                    None => Ok(y),
+                }
+            }
             ParallelStyle::SequenceParallel if sp => {
                 let w = all_reduce_backward(&self.weight, g)?;
                 let b = self

@@ -138,6 +138,18 @@ impl TensorParallel {
     }
 }
 
+/// The largest power of two dividing every one of `sizes` (1 when there are none, or one is
+/// odd): a model's reference chunk count (see [`mod@reference`]) is this over the sizes its
+/// chunked sums split.
+pub fn largest_common_power_of_two(sizes: &[usize]) -> usize {
+    let twos = sizes
+        .iter()
+        .map(|n| n.trailing_zeros().min(usize::BITS - 1))
+        .min()
+        .unwrap_or(0);
+    1 << twos
+}
+
 /// Every parameter of `model` by name at its full shape: parameters split across ranks are
 /// gathered over their group (a collective: every rank of the group calls it, in the same
 /// order), replicated ones are copied as they are. The result is the single-device state dict.
@@ -190,4 +202,17 @@ pub fn check_split_sizes(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::largest_common_power_of_two;
+
+    #[test]
+    fn largest_common_power_of_two_of_model_sizes() {
+        assert_eq!(largest_common_power_of_two(&[12, 256, 64]), 4);
+        assert_eq!(largest_common_power_of_two(&[4, 261, 128]), 1);
+        assert_eq!(largest_common_power_of_two(&[4, 264, 128]), 4);
+        assert_eq!(largest_common_power_of_two(&[]), 1);
+    }
 }

@@ -16,8 +16,10 @@
 //!   the units; a row-parallel linear (the output projections) computes its output as the tree
 //!   over `K` chunks of input features. Every product has the same shapes on every layout, so
 //!   no result depends on how the matmul kernel blocks other dimensions.
-//! * **Sums over positions** ([`layer_norm_positions`], [`add_bias_positions`]): the gradients
-//!   of the LayerNorm parameters and of the row-parallel biases, which sequence parallelism sums
+//! * **Sums over positions** ([`layer_norm_positions`], [`add_bias_positions`],
+//!   [`linear_positions`]): the gradients of the LayerNorm parameters, of the row-parallel
+//!   biases and of replicated sequence-parallel linears (BERT's MLM transform), which sequence
+//!   parallelism sums
 //!   over each rank's positions and then over the ranks, are trees over `K` chunks of positions
 //!   on every layout (with or without sequence parallelism).
 //! * **The loss** ([`super::vocab_parallel_cross_entropy_chunked`]): the softmax statistics are
@@ -371,6 +373,64 @@ pub fn add_bias_positions(y: &Var, bias: &Var, chunks: usize) -> Result<Var> {
     ))
 }
 
+/// `x Wᵀ (+ bias)` for `x [B, T, C]` (a replicated, sequence-parallel layer) whose parameter
+/// gradients are trees over `chunks` equal chunks of positions: each chunk `[B, T / chunks, C]`
+/// is its own product (forward and backward, the same shapes on every layout), and the chunks'
+/// weight and bias gradients are added over their aligned binary tree. An input whose positions
+/// do not split is computed whole.
+pub fn linear_positions(x: &Var, weight: &Var, bias: Option<&Var>, chunks: usize) -> Result<Var> {
+    let xt = x.tensor().clone();
+    if !splits_positions(&xt, chunks) {
+        return Var::linear(x, weight, bias);
+    }
+    let len = xt.dims()[1] / chunks;
+    let w = weight.tensor().clone();
+    let b = bias.map(|b| b.tensor().clone());
+    let ys: Vec<Tensor> = (0..chunks)
+        .map(|k| positions(&xt, k, len)?.linear(&w, b.as_ref()))
+        .collect::<Result<_>>()?;
+    let refs: Vec<&Tensor> = ys.iter().collect();
+    let y = Tensor::cat(&refs, 1)?;
+    let mut inputs: Vec<&Var> = vec![x, weight];
+    inputs.extend(bias);
+    let has_bias = bias.is_some();
+    Ok(Var::from_op(
+        "linear_positions",
+        y,
+        &inputs,
+        Box::new(move |g, wanted| {
+            let want_b = has_bias && wanted[2];
+            let (mut dxs, mut dws, mut dbs) = (Vec::new(), Vec::new(), Vec::new());
+            for k in 0..chunks {
+                let (dx, dw, db) = positions(&xt, k, len)?.linear_backward(
+                    &w,
+                    &positions(g, k, len)?,
+                    (wanted[0], wanted[1], want_b),
+                )?;
+                dxs.extend(dx);
+                dws.extend(dw);
+                dbs.extend(db);
+            }
+            let dx = if wanted[0] {
+                let refs: Vec<&Tensor> = dxs.iter().collect();
+                Some(Tensor::cat(&refs, 1)?.reshape(xt.dims().to_vec())?)
+            } else {
+                None
+            };
+            let dw = if wanted[1] {
+                Some(tree_sum(&dws)?)
+            } else {
+                None
+            };
+            let mut grads = vec![dx, dw];
+            if has_bias {
+                grads.push(if want_b { Some(tree_sum(&dbs)?) } else { None });
+            }
+            Ok(grads)
+        }),
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -543,6 +603,84 @@ mod tests {
         assert_eq!(bits(&dx0), bits(&dx1), "input gradients are per row");
         close(&dw1, &dw0.to_vec_f64().unwrap(), "dweight");
         close(&db1, &db0.to_vec_f64().unwrap(), "dbias");
+    }
+
+    /// The position-chunked linear against plain f64 loops (output and all three gradients),
+    /// and its weight gradient split over two "ranks" of half the positions each, tree-added,
+    /// against the whole bit for bit.
+    #[test]
+    fn position_chunked_linear_matches_an_independent_computation() {
+        let (b, t, inp, out) = (2, 8, 6, 5);
+        let x = rand(12, &[b, t, inp]);
+        let w = rand(13, &[out, inp]);
+        let bias = rand(14, &[out]);
+        let dy = rand(15, &[b, t, out]);
+        let (xa, wa, ba) = (
+            Var::leaf(x.clone()),
+            Var::leaf(w.clone()),
+            Var::leaf(bias.clone()),
+        );
+        let y = linear_positions(&xa, &wa, Some(&ba), 4).unwrap();
+        let (xv, wv, bv, gv) = (
+            x.to_vec_f64().unwrap(),
+            w.to_vec_f64().unwrap(),
+            bias.to_vec_f64().unwrap(),
+            dy.to_vec_f64().unwrap(),
+        );
+        let rows = b * t;
+        let want_y: Vec<f64> = (0..rows * out)
+            .map(|e| {
+                let (i, j) = (e / out, e % out);
+                bv[j]
+                    + (0..inp)
+                        .map(|k| xv[i * inp + k] * wv[j * inp + k])
+                        .sum::<f64>()
+            })
+            .collect();
+        close(y.tensor(), &want_y, "y");
+        y.mul(&Var::constant(dy.clone()))
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let dx: Vec<f64> = (0..rows * inp)
+            .map(|e| {
+                let (i, k) = (e / inp, e % inp);
+                (0..out).map(|j| gv[i * out + j] * wv[j * inp + k]).sum()
+            })
+            .collect();
+        let dw: Vec<f64> = (0..out * inp)
+            .map(|e| {
+                let (j, k) = (e / inp, e % inp);
+                (0..rows).map(|i| gv[i * out + j] * xv[i * inp + k]).sum()
+            })
+            .collect();
+        let db: Vec<f64> = (0..out)
+            .map(|j| (0..rows).map(|i| gv[i * out + j]).sum())
+            .collect();
+        close(&xa.grad().unwrap(), &dx, "dx");
+        close(&wa.grad().unwrap(), &dw, "dw");
+        close(&ba.grad().unwrap(), &db, "db");
+        // Two halves of the positions (2 chunks each), their weight gradients tree-added.
+        let half = |r: usize| {
+            let (xh, wh) = (
+                Var::constant(x.narrow(1, r * 4, 4).unwrap().contiguous().unwrap()),
+                Var::leaf(w.clone()),
+            );
+            let g = dy.narrow(1, r * 4, 4).unwrap().contiguous().unwrap();
+            linear_positions(&xh, &wh, None, 2)
+                .unwrap()
+                .mul(&Var::constant(g))
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            wh.grad().unwrap()
+        };
+        let split = half(0).add(&half(1)).unwrap();
+        assert_eq!(bits(&wa.grad().unwrap()), bits(&split));
     }
 
     /// The chunked vocabulary-parallel loss on one device (4 chunks) against a plain f64
