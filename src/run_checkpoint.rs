@@ -13,7 +13,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use meshgrad_nn::optim::{AdamW, Optimizer};
+use meshgrad_nn::optim::{AdamW, LossScaler, Optimizer};
 use meshgrad_nn::Module;
 use meshgrad_parallel::checkpoint::{self, Checkpoint, Piece, SaveOptions};
 use meshgrad_parallel::Communicator;
@@ -71,10 +71,20 @@ impl<'a> Saver<'a> {
     }
 
     /// Writes the checkpoint after `steps` steps from this rank's `pieces` (every rank calls
-    /// it); returns its path. Keeps the newest `--keep` afterwards.
-    pub(crate) fn save(&self, steps: usize, pieces: Vec<Piece>) -> Result<String> {
+    /// it), with an f16 run's dynamic `loss_scaler` state; returns its path. Keeps the newest
+    /// `--keep` afterwards.
+    pub(crate) fn save(
+        &self,
+        steps: usize,
+        pieces: Vec<Piece>,
+        loss_scaler: Option<&LossScaler>,
+    ) -> Result<String> {
         let mut metadata = self.metadata.clone();
         metadata["step"] = serde_json::json!(steps);
+        if let Some(s) = loss_scaler {
+            metadata[LOSS_SCALE_KEY] =
+                serde_json::json!({"scale": s.scale(), "good_steps": s.good_steps()});
+        }
         let opts = SaveOptions {
             metadata,
             files: self.files.clone(),
@@ -93,19 +103,36 @@ impl<'a> Saver<'a> {
     }
 }
 
-/// The saving hook of a training loop ([`crate::train::RunControl::save`]).
-pub(crate) type SaveHook<'b> = Box<dyn Fn(usize, &dyn Module, &AdamW) -> Result<String> + 'b>;
+/// The checkpoint metadata key of an f16 run's loss scale (`{"scale": S, "good_steps": N}`).
+const LOSS_SCALE_KEY: &str = "loss_scale";
+
+/// The saving hook of a training loop ([`crate::train::RunControl::save`]): the steps done, the
+/// model, the optimizer and an f16 run's loss scaler.
+pub(crate) type SaveHook<'b> =
+    Box<dyn Fn(usize, &dyn Module, &AdamW, Option<&LossScaler>) -> Result<String> + 'b>;
 
 impl Saver<'_> {
     /// The training loop's hook: saves this rank's pieces of the model and optimizer it is
     /// given, or of `sharded` (ZeRO) when there is one.
     pub(crate) fn hook<'b>(&'b self, sharded: Option<&'b ShardedDataParallel>) -> SaveHook<'b> {
-        Box::new(move |steps, model, opt| self.save(steps, rank_pieces(model, opt, sharded)?))
+        Box::new(move |steps, model, opt, scaler| {
+            self.save(steps, rank_pieces(model, opt, sharded)?, scaler)
+        })
     }
 }
 
-/// What a rank of a run starts from: the step to start at (after `--resume`'s checkpoint,
-/// loaded into `model` and `opt`, or `sharded`) and its saver (with `--save-every`).
+/// Where a rank's run starts.
+pub(crate) struct Start {
+    /// The first step to run (0, or the step `--resume`'s checkpoint was saved after).
+    pub(crate) step: usize,
+    /// An f16 run's loss scaler as the checkpoint saved it, unless this run changed
+    /// `train.loss_scale_init` (which restarts the scale from the new value) or the checkpoint
+    /// holds none.
+    pub(crate) loss_scaler: Option<LossScaler>,
+}
+
+/// What a rank of a run starts from ([`Start`]: after `--resume`'s checkpoint, loaded into
+/// `model` and `opt`, or `sharded`) and its saver (with `--save-every`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn begin_rank<'a>(
     cfg: &TrainConfig,
@@ -116,17 +143,44 @@ pub(crate) fn begin_rank<'a>(
     opt: &mut dyn Optimizer,
     sharded: Option<&ShardedDataParallel>,
     partial: bool,
-) -> Result<(usize, Saver<'a>)> {
+) -> Result<(Start, Saver<'a>)> {
     let start = match &opts.resume {
         Some(dir) => {
             let (ck, step) = open_resume(cfg, dir)?;
             load_rank(&ck, model, opt, sharded, partial)
                 .with_context(|| format!("--resume {}", ck.path().display()))?;
-            step
+            Start {
+                step,
+                loss_scaler: resumed_loss_scaler(cfg, &ck)
+                    .with_context(|| format!("--resume {}", ck.path().display()))?,
+            }
         }
-        None => 0,
+        None => Start {
+            step: 0,
+            loss_scaler: None,
+        },
     };
     Ok((start, Saver::new(cfg, opts, layout, world)?))
+}
+
+/// The loss scaler `ck` saved, for an f16 run that keeps the checkpoint's
+/// `train.loss_scale_init` (a run that sets another one restarts the scale from it).
+fn resumed_loss_scaler(cfg: &TrainConfig, ck: &Checkpoint) -> Result<Option<LossScaler>> {
+    let Some(base) = crate::train::loss_scaler(cfg)? else {
+        return Ok(None);
+    };
+    let saved = &ck.metadata()[LOSS_SCALE_KEY];
+    if saved.is_null() || training_config(ck)?.train.loss_scale_init != cfg.train.loss_scale_init {
+        return Ok(None);
+    }
+    let (Some(scale), Some(good)) = (saved["scale"].as_f64(), saved["good_steps"].as_u64()) else {
+        anyhow::bail!("the checkpoint's loss scale {saved} is not {{\"scale\", \"good_steps\"}}");
+    };
+    Ok(Some(LossScaler::restore(
+        scale,
+        base.growth_interval(),
+        good,
+    )?))
 }
 
 /// This rank's pieces: a ZeRO wrapper's segments, or the model's parameters (whole or

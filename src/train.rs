@@ -824,7 +824,11 @@ pub(crate) fn run_loop(
     } = run;
     let model = &*model;
     let params = model.parameters();
-    let scaler = loss_scaler(cfg)?.map(std::cell::RefCell::new);
+    let scaler = match &ctl.loss_scaler {
+        Some(resumed) => Some(resumed.clone()),
+        None => loss_scaler(cfg)?,
+    }
+    .map(std::cell::RefCell::new);
     // Reference mode: this rank's row groups, each its own pass, added over their tree.
     let reference = cfg.train.reference;
     let total_groups = cfg.train.batch_size / cfg.train.row_group;
@@ -918,10 +922,14 @@ pub(crate) struct RunControl<'a> {
     pub(crate) world: Option<&'a dyn Communicator>,
     /// Save a checkpoint after every this many steps.
     pub(crate) save_every: Option<usize>,
-    /// Saves a checkpoint of the model (this rank's part) and the optimizer after `steps`
-    /// completed steps (every rank calls it); returns where.
+    /// Saves a checkpoint of the model (this rank's part), the optimizer and an f16 run's loss
+    /// scaler after `steps` completed steps (every rank calls it); returns where.
     #[allow(clippy::type_complexity)]
-    pub(crate) save: Option<&'a dyn Fn(usize, &dyn Module, &AdamW) -> Result<String>>,
+    pub(crate) save:
+        Option<&'a dyn Fn(usize, &dyn Module, &AdamW, Option<&LossScaler>) -> Result<String>>,
+    /// An f16 run's loss scaler as a resumed checkpoint saved it (`None`: start from
+    /// `train.loss_scale_init`).
+    pub(crate) loss_scaler: Option<LossScaler>,
 }
 
 impl RunControl<'_> {
@@ -1080,7 +1088,8 @@ pub(crate) fn drive_loop(
         let periodic = ctl.save_every.is_some_and(|n| n > 0 && done % n == 0);
         let saved = match ctl.save {
             Some(save) if periodic || stop || (is_last && ctl.save_every.is_some()) => {
-                Some(save(done, model, opt)?)
+                let scaler = scaler.map(|s| s.borrow().clone());
+                Some(save(done, model, opt, scaler.as_ref())?)
             }
             _ => None,
         };
@@ -1246,7 +1255,7 @@ pub fn train_with(
     crate::preflight::check_train(cfg, None, opts)?;
     let data = run_data(cfg, tokenizer)?;
     let mut run = run_model(cfg, None, false, opts.activation_checkpointing.on_stage(0))?;
-    let (start_step, saver) = crate::run_checkpoint::begin_rank(
+    let (start, saver) = crate::run_checkpoint::begin_rank(
         cfg,
         opts,
         "single",
@@ -1256,6 +1265,7 @@ pub fn train_with(
         None,
         false,
     )?;
+    let start_step = start.step;
     let hook = saver.hook(None);
     let mut rep = Reporter::leader(cfg, verbosity, start_step)?;
     let micro = if opts.microbatches > 1 {
@@ -1275,6 +1285,7 @@ pub fn train_with(
         &mut rep,
         &RunControl {
             start_step,
+            loss_scaler: start.loss_scaler.clone(),
             world: None,
             save_every: opts.save_every,
             save: Some(&*hook),
@@ -1314,6 +1325,7 @@ mod tests {
             world: None,
             save_every: None,
             save: None,
+            loss_scaler: None,
         };
         // Only a save hook would read the model; there is none.
         let model = ParamBuilder::new(0)

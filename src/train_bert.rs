@@ -435,7 +435,7 @@ pub fn train_bert(
     match layout {
         None => {
             let mut run = bert_run(cfg, None, false, opts.activation_checkpointing.on_stage(0))?;
-            let (start_step, saver) = crate::run_checkpoint::begin_rank(
+            let (start, saver) = crate::run_checkpoint::begin_rank(
                 cfg,
                 opts,
                 "single",
@@ -445,6 +445,7 @@ pub fn train_bert(
                 None,
                 false,
             )?;
+            let start_step = start.step;
             let hook = saver.hook(None);
             let mut rep = Reporter::leader(cfg, verbosity, start_step)?;
             let desc = if opts.microbatches > 1 {
@@ -465,6 +466,7 @@ pub fn train_bert(
                 &mut rep,
                 &RunControl {
                     start_step,
+                    loss_scaler: start.loss_scaler.clone(),
                     world: None,
                     save_every: opts.save_every,
                     save: Some(&*hook),
@@ -482,7 +484,7 @@ pub fn train_bert(
                 let fsdp = layout.zero() == Some(ZeroStage::Three);
                 let mut run = bert_run(cfg, tp, fsdp, opts.activation_checkpointing.on_stage(0))?;
                 let wrapper = RankWrapper::new(mesh, &run.model, &run.opt)?;
-                let (start_step, saver) = crate::run_checkpoint::begin_rank(
+                let (start, saver) = crate::run_checkpoint::begin_rank(
                     cfg,
                     opts,
                     &layout.to_string(),
@@ -492,6 +494,7 @@ pub fn train_bert(
                     wrapper.sharded(),
                     false,
                 )?;
+                let start_step = start.step;
                 let hook = saver.hook(wrapper.sharded());
                 let rows = rank_rows(cfg.train.batch_size, mesh.dp_degree(), mesh.dp_rank())?;
                 let leader = ctx.rank == 0;
@@ -515,6 +518,7 @@ pub fn train_bert(
                     &mut rep,
                     &RunControl {
                         start_step,
+                        loss_scaler: start.loss_scaler.clone(),
                         world: Some(ctx.comm.as_ref()),
                         save_every: opts.save_every,
                         save: Some(&*hook),

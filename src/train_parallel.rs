@@ -539,7 +539,7 @@ pub fn train_parallel(
             let fsdp = layout.zero() == Some(ZeroStage::Three);
             let mut run = run_model(cfg, tp, fsdp, opts.activation_checkpointing.on_stage(0))?;
             let wrapper = RankWrapper::new(mesh, &run.model, &run.opt)?;
-            let (start_step, saver) = crate::run_checkpoint::begin_rank(
+            let (start, saver) = crate::run_checkpoint::begin_rank(
                 cfg,
                 opts,
                 &layout.to_string(),
@@ -549,6 +549,7 @@ pub fn train_parallel(
                 wrapper.sharded(),
                 false,
             )?;
+            let start_step = start.step;
             let hook = saver.hook(wrapper.sharded());
             let rows = rank_rows(cfg.train.batch_size, mesh.dp_degree(), mesh.dp_rank())?;
             let leader = ctx.rank == 0;
@@ -571,6 +572,7 @@ pub fn train_parallel(
                 &mut rep,
                 &RunControl {
                     start_step,
+                    loss_scaler: start.loss_scaler.clone(),
                     world: Some(ctx.comm.as_ref()),
                     save_every: opts.save_every,
                     save: Some(&*hook),

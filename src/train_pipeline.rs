@@ -763,7 +763,7 @@ fn rank_main<T: PipelineTask>(
         Reducer::AllReduce => None,
     };
     // A stage holds part of the model: it loads the tensors it has.
-    let (start_step, saver) = crate::run_checkpoint::begin_rank(
+    let (start, saver) = crate::run_checkpoint::begin_rank(
         cfg,
         opts,
         &layout.to_string(),
@@ -773,6 +773,7 @@ fn rank_main<T: PipelineTask>(
         sharded,
         true,
     )?;
+    let start_step = start.step;
     let hook = saver.hook(sharded);
     let grads = PipelineGrads::new(&chunks, pp.clone())?;
     let params = module.parameters();
@@ -878,6 +879,7 @@ fn rank_main<T: PipelineTask>(
         val,
         &RunControl {
             start_step,
+            loss_scaler: start.loss_scaler.clone(),
             world: Some(ctx.comm.as_ref()),
             save_every: opts.save_every,
             save: Some(&*hook),

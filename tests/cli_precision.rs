@@ -23,6 +23,9 @@
 //!   `zero1=2` within 1e-3 of the uninterrupted run (measured: 2.4e-4: the wrapper fills its
 //!   master shards from the checkpoint's bf16 weights after the optimizer state, so the saved
 //!   f32 masters are not what it continues from).
+//! * An f16 run resumed from a checkpoint continues its dynamic loss scale (the checkpoint holds
+//!   it) and repeats the uninterrupted run; a resumed run that sets another
+//!   `train.loss_scale_init` restarts the scale from it.
 //! * Flags and config values are validated with one-line errors; `--device cuda` fails before
 //!   any work on a machine without a GPU (or a build without `--features cuda`); layouts and
 //!   models that cannot run in half precision or on CUDA are refused naming the reason.
@@ -158,6 +161,58 @@ fn bf16_tracks_f32_with_f32_master_weights() {
         &o,
         &["train.precision is bf16 in the checkpoint but f32 in this run"],
     );
+}
+
+/// The metrics lines of `tag` without their timing fields (which differ from run to run).
+fn lines_without_timing(dir: &Path, tag: &str) -> Vec<serde_json::Value> {
+    lines(dir, tag)
+        .into_iter()
+        .map(|mut l| {
+            let m = l.as_object_mut().unwrap();
+            m.retain(|k, _| !k.contains("time") && !k.contains("tok") && !k.ends_with("_s"));
+            l
+        })
+        .collect()
+}
+
+#[test]
+fn an_f16_run_resumes_with_its_loss_scale() {
+    let dir = tmpdir("precision-f16-resume");
+    // From 2^20 the first steps overflow and halve the scale; the checkpoint after step 3 is
+    // taken in the middle of that, so a resumed run must continue from the halved scale (and
+    // its count of good steps) to repeat the uninterrupted run, whose last steps are taken.
+    let f16 = [
+        "--precision",
+        "f16",
+        "--set",
+        "train.loss_scale_init=1048576",
+    ];
+    assert_ok(&train(
+        &dir,
+        "whole",
+        8,
+        &[&f16[..], &["--save-every", "1"]].concat(),
+    ));
+    let whole = lines_without_timing(&dir, "whole");
+    assert_eq!(whole.len(), 8);
+    assert_eq!(
+        whole[0]["skipped"], true,
+        "2^20 overflows the first step: {whole:?}"
+    );
+    assert_eq!(
+        whole[7]["skipped"], false,
+        "the last step is taken: {whole:?}"
+    );
+    let ck = dir.join("whole/checkpoints/step-000003");
+    assert_ok(&train(
+        &dir,
+        "resumed",
+        8,
+        &[&f16[..], &["--resume", ck.to_str().unwrap()]].concat(),
+    ));
+    assert_eq!(lines_without_timing(&dir, "resumed"), whole[3..]);
+    let weights = |tag: &str| std::fs::read(dir.join(tag).join("model.safetensors")).unwrap();
+    assert!(weights("resumed") == weights("whole"));
 }
 
 #[test]

@@ -44,9 +44,36 @@ impl LossScaler {
         })
     }
 
+    /// A scaler continuing from a saved state (a resumed run): scale `scale` (finite, within
+    /// [`LossScaler::MIN_SCALE`]..=[`LossScaler::MAX_SCALE`]) after `good_steps` (below
+    /// `growth_interval`) consecutive good steps.
+    pub fn restore(scale: f64, growth_interval: u64, good_steps: u64) -> Result<Self> {
+        let mut s = LossScaler::new(scale, growth_interval)?;
+        if !(Self::MIN_SCALE..=Self::MAX_SCALE).contains(&scale) {
+            meshgrad_tensor::bail!(
+                "loss scale: saved scale {scale} is outside {}..={}",
+                Self::MIN_SCALE,
+                Self::MAX_SCALE
+            );
+        }
+        if good_steps >= growth_interval {
+            meshgrad_tensor::bail!(
+                "loss scale: {good_steps} saved good steps reach the growth interval \
+                 {growth_interval}"
+            );
+        }
+        s.good_steps = good_steps;
+        Ok(s)
+    }
+
     /// The current scale `S`.
     pub fn scale(&self) -> f64 {
         self.scale
+    }
+
+    /// Consecutive good steps that double the scale.
+    pub fn growth_interval(&self) -> u64 {
+        self.growth_interval
     }
 
     /// Consecutive good steps since the last change of the scale.
@@ -75,6 +102,20 @@ impl LossScaler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_restored_scaler_continues_where_it_was() {
+        let mut a = LossScaler::new(1024.0, 3).unwrap();
+        a.update(true);
+        let mut b = LossScaler::restore(a.scale(), 3, a.good_steps()).unwrap();
+        for finite in [true, true, false, true] {
+            assert_eq!(a.update(finite), b.update(finite));
+            assert_eq!(a, b);
+        }
+        assert!(LossScaler::restore(1024.0, 3, 3).is_err());
+        assert!(LossScaler::restore(f64::NAN, 3, 0).is_err());
+        assert!(LossScaler::restore(1e-30, 3, 0).is_err());
+    }
 
     #[test]
     fn halves_on_overflow_and_doubles_after_the_interval() {
