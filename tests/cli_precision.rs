@@ -20,9 +20,9 @@
 //!   `dp=2,tp=2` within 1e-3 of f16 on one device (measured: 4.8e-5).
 //! * ZeRO layouts train bf16 through the wrapper's own f32 master shards: `fsdp=2` within 1e-3
 //!   of one device (measured: 1.7e-5), and a one-device bf16 checkpoint resumes under
-//!   `zero1=2` within 1e-3 of the uninterrupted run (measured: 2.4e-4: the wrapper fills its
-//!   master shards from the checkpoint's bf16 weights after the optimizer state, so the saved
-//!   f32 masters are not what it continues from).
+//!   `zero1=2` within 1e-4 of the uninterrupted run (measured: 9.0e-6; the wrapper's master
+//!   shards take the checkpoint's f32 masters. Filled from the bf16 weights instead, as before,
+//!   it was 2.4e-4).
 //! * An f16 run resumed from a checkpoint continues its dynamic loss scale (the checkpoint holds
 //!   it) and repeats the uninterrupted run; a resumed run that sets another
 //!   `train.loss_scale_init` restarts the scale from it.
@@ -354,8 +354,8 @@ fn bf16_zero_layouts_keep_f32_master_shards() {
         10,
         &[sets[0], sets[1], "--layout", "fsdp=2"],
     ));
-    // A one-device bf16 checkpoint (bf16 parameters, f32 masters) resumes under zero1=2
-    // (whose f32 master shards start from the bf16 weights).
+    // A one-device bf16 checkpoint (bf16 parameters, f32 masters) resumes under zero1=2,
+    // whose f32 master shards take the saved masters.
     let ck = dir.join("one/checkpoints/step-000004");
     assert_ok(&train(
         &dir,
@@ -371,13 +371,13 @@ fn bf16_zero_layouts_keep_f32_master_shards() {
         ],
     ));
     let one = metrics(&dir, "one");
-    for tag in ["fsdp", "resumed"] {
+    for (tag, tol) in [("fsdp", 1e-3), ("resumed", 1e-4)] {
         let other = metrics(&dir, tag);
         assert_eq!(other.last().unwrap().step, 10, "{tag}");
         for y in &other {
             let x = &one[y.step - 1];
             assert!(
-                rel(y.loss, x.loss) < 1e-3,
+                rel(y.loss, x.loss) < tol,
                 "{tag} step {}: {} vs one device {}",
                 y.step,
                 y.loss,

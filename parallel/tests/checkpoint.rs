@@ -136,12 +136,19 @@ struct Run {
 /// (`load = false`), or loads the latest checkpoint of `dir` and trains the `AFTER` steps
 /// (`load = true`).
 fn run(layout: &str, dir: &Path, load: bool) -> Run {
+    run_in(layout, dir, load, DType::F32)
+}
+
+/// [`run`] with the model's parameters in `dtype` (bf16: f32 master weights, in AdamW's state
+/// on a replicated rank and as ZeRO's shards).
+fn run_in(layout: &str, dir: &Path, load: bool, dtype: DType) -> Run {
     let data = dataset();
     let layout: ParallelLayout = layout.parse().unwrap();
     let opts = RunOptions::with_timeout(Duration::from_secs(60));
     let outs = run_ranks(layout.world_size(), &opts, |ctx| {
         let mesh = layout.mesh(ctx.comm.clone())?;
         let builder = ParamBuilder::new(SEED)
+            .dtype(dtype)
             .tensor_parallel(tensor_parallel(mesh.tp_group(), false), Gpt::tp_plan());
         let model = Gpt::build(gpt_config(), builder)?;
         let groups = param_groups_for_decay(model.named_parameters(), 0.1);
@@ -326,6 +333,44 @@ fn hsdp_resumes_under_tp2() {
     let saved = run("hsdp=2x2", &dir, false);
     compare("hsdp=2x2 -> tp=2", &saved, &run("tp=2", &dir, true), ACROSS);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Each parameter's exact weights in a full state: AdamW's f32 master of a half-precision
+/// parameter (`adamw.master.<name>`, a replicated rank's) when the state has one, else the
+/// parameter (ZeRO's parameters are its f32 master shards).
+fn exact_weights(state: &State) -> Vec<(String, Vec<u64>)> {
+    let masters: HashMap<&str, &Vec<u64>> = state
+        .iter()
+        .filter_map(|(k, v)| Some((k.strip_prefix("adamw.master.")?, v)))
+        .collect();
+    state
+        .iter()
+        .filter(|(k, _)| !k.starts_with("adamw."))
+        .map(|(k, v)| (k.clone(), masters.get(k.as_str()).map_or(v, |m| *m).clone()))
+        .collect()
+}
+
+/// A bf16 run's f32 master weights survive a move between replicated and ZeRO layouts bit for
+/// bit, both ways: a replicated checkpoint keeps them as optimizer state and ZeRO as its
+/// parameters (rounding them to bf16 instead would change them by up to 2^-9 relative).
+#[test]
+fn bf16_master_weights_move_between_replicated_and_zero_layouts_exactly() {
+    for (from, to) in [("dp=1", "fsdp=2"), ("fsdp=2", "dp=1"), ("tp=2", "zero1=2")] {
+        let dir = scratch(&format!("bf16-{from}-{to}").replace([',', '='], ""));
+        let saved = run_in(from, &dir, false, DType::BF16);
+        let loaded = run_in(to, &dir, true, DType::BF16);
+        let (want, got) = (exact_weights(&saved.state), exact_weights(&loaded.state));
+        assert_eq!(want.len(), got.len(), "{from} -> {to}");
+        assert!(want.iter().any(|(k, _)| k == "wte.weight"));
+        for ((k, a), (gk, b)) in want.iter().zip(&got) {
+            assert_eq!(k, gk, "{from} -> {to}");
+            assert!(
+                a == b,
+                "{from} -> {to}: the master weights of {k} changed in the move"
+            );
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
 
 /// A rank whose pieces are wrong, or pieces that do not cover a tensor, fail the save on every

@@ -361,4 +361,8 @@ impl Optimizer for AdamW {
             .or_else(|| StateKind::parse(key, "adamw.master.", true))
             .or_else(|| StateKind::parse(key, "adamw.step.", false))
     }
+
+    fn exact_weights_key(&self, param: &str) -> Option<String> {
+        Some(format!("adamw.master.{param}"))
+    }
 }

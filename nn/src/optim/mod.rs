@@ -122,6 +122,16 @@ pub trait Optimizer {
     /// `ShardedDataParallel`) uses it to split a full state dict into per-shard ones and to
     /// assemble them again, for any optimizer.
     fn state_kind(&self, key: &str) -> Option<StateKind>;
+
+    /// The state-dict key whose values, when a checkpoint holds it, are parameter `param`'s
+    /// exact weights (AdamW's f32 master of a half-precision parameter), or `None` when this
+    /// optimizer keeps none. Loaders use it to carry exact weights across layouts that store
+    /// them differently: ZeRO keeps f32 master shards as its parameters, a replicated
+    /// half-precision run keeps them as optimizer state.
+    fn exact_weights_key(&self, param: &str) -> Option<String> {
+        let _ = param;
+        None
+    }
 }
 
 /// What an entry of an optimizer's state dict holds ([`Optimizer::state_kind`]). The key of a

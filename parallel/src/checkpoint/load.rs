@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 use meshgrad_autograd::{no_grad, Var};
 use meshgrad_nn::optim::{Optimizer, StateKind};
 use meshgrad_nn::Module;
-use meshgrad_tensor::{Result, Tensor};
+use meshgrad_tensor::{DType, Result, Tensor};
 
 use super::format::{Role, Split};
 use super::open::Checkpoint;
@@ -102,6 +102,51 @@ impl Checkpoint {
             .collect()
     }
 
+    /// The exact weights ([`Optimizer::exact_weights_key`]) of the half-precision parameters
+    /// among `vars` that `dict` has none for but whose checkpoint tensor is stored in a finer
+    /// dtype than the parameter's: a ZeRO run's parameters are its f32 master shards, which a
+    /// replicated half-precision run keeps as optimizer state. Each is this rank's part.
+    fn exact_weights_from_parameters(
+        &self,
+        opt: &dyn Optimizer,
+        vars: &HashMap<String, Var>,
+        dict: &[(String, Tensor)],
+    ) -> Result<Vec<(String, Tensor)>> {
+        let have: HashSet<&str> = dict.iter().map(|(k, _)| k.as_str()).collect();
+        // Parameters with saved state (a master only joins state that exists).
+        let stepped: HashSet<String> = dict
+            .iter()
+            .filter_map(|(k, _)| match opt.state_kind(k) {
+                Some(StateKind::Elementwise { param } | StateKind::PerParam { param }) => {
+                    Some(param)
+                }
+                _ => None,
+            })
+            .collect();
+        let mut out = Vec::new();
+        for (name, v) in vars {
+            let Some(key) = opt.exact_weights_key(name) else {
+                continue;
+            };
+            if !stepped.contains(name) {
+                continue;
+            }
+            let dtype = v.tensor().dtype();
+            let Some(entry) = self.tensor(name) else {
+                continue;
+            };
+            let finer = entry.dtype()?.size_in_bytes() > dtype.size_in_bytes();
+            let half = matches!(dtype, DType::BF16 | DType::F16);
+            if have.contains(key.as_str()) || !half || !finer {
+                continue;
+            }
+            let local = v.tensor().dims().to_vec();
+            let (split, _) = split_and_global(v, &local);
+            out.push((key, self.read_local(name, split.as_ref(), None)?));
+        }
+        Ok(out)
+    }
+
     /// Restores a (not sharded) optimizer's state, each elementwise state taking the part its
     /// parameter's current placement says; per-parameter and global values are taken whole.
     /// Then [`Optimizer::load_state_dict`] checks and replaces the whole state (state of a
@@ -156,6 +201,7 @@ impl Checkpoint {
                 list(&unexpected)
             )));
         }
+        dict.extend(self.exact_weights_from_parameters(opt, &vars, &dict)?);
         opt.load_state_dict(&dict)
             .map_err(|e| self.err(format!("optimizer state: {e}")))
     }

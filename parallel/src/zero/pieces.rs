@@ -167,8 +167,18 @@ impl ShardedDataParallel {
             )));
         }
         let converted = |t: &Tensor, like: &Tensor| t.to_dtype(like.dtype());
+        // A segment whose exact weights the checkpoint holds as optimizer state (a replicated
+        // half-precision run's f32 masters) takes those: the optimizer's load sets them, and
+        // the parameter, rounded to half precision, must not overwrite them.
+        let exact: HashSet<String> = dict.iter().map(|(k, _)| k.clone()).collect();
         let segments: Vec<(usize, Tensor)> = segments
             .iter()
+            .filter(|(k, _)| {
+                let name = &i.plan.params[i.shards[*k].seg.param].name;
+                st.opt
+                    .exact_weights_key(name)
+                    .is_none_or(|key| !exact.contains(&key))
+            })
             .map(|(k, t)| Ok((*k, converted(t, i.shards[*k].var.tensor())?)))
             .collect::<Result<_>>()?;
         let params: Vec<(usize, Tensor)> = params
