@@ -13,8 +13,9 @@
 //!
 //! * the copies of the tied embedding / head table on the first and the last stage add their
 //!   gradients ([`PipelineGrads::reduce_tied_grads`]);
-//! * data parallelism averages the gradients over the data-parallel group (an all-reduce per
-//!   parameter without sharding, the sharded wrapper's reduce-scatter otherwise);
+//! * data parallelism averages the gradients over the data-parallel group (without sharding,
+//!   all-reduces of 25 MiB buckets of the flattened gradients, all launched before any is
+//!   waited for: `all_reduce_coalesced`; the sharded wrapper's reduce-scatter otherwise);
 //! * the global gradient norm adds every stage's sum of squares (the tied table once) over the
 //!   pipeline group, and clipping scales every stage's gradients by the same factor;
 //! * each rank steps its optimizer (or its shard of it).
@@ -59,7 +60,7 @@ use meshgrad_nn::module::Child;
 use meshgrad_nn::optim::{clip_grads_with_norm, AdamW, Optimizer};
 use meshgrad_nn::tp::{full_state_dict, TensorParallel};
 use meshgrad_nn::{ModelStage, Module, StageSpec};
-use meshgrad_parallel::comm::{all_reduce_scalar, RankCtx};
+use meshgrad_parallel::comm::{all_reduce_coalesced, all_reduce_scalar, RankCtx};
 use meshgrad_parallel::pipeline::partition::{MemoryModel, ModelCosts, Partition, PartitionMethod};
 use meshgrad_parallel::pipeline::{
     execute, execute_with, forward_only, measure_idle_between, profile_layers, simulate,
@@ -68,7 +69,7 @@ use meshgrad_parallel::pipeline::{
 };
 use meshgrad_parallel::tp::tensor_parallel;
 use meshgrad_parallel::zero::{ShardConfig, ShardedDataParallel, ZeroStage};
-use meshgrad_parallel::{rank_rows, Communicator, LayoutMesh, ParallelLayout, ReduceOp};
+use meshgrad_parallel::{rank_rows, Communicator, DdpConfig, LayoutMesh, ParallelLayout, ReduceOp};
 use meshgrad_tensor::tree_sum::tree_sum_f64;
 use meshgrad_tensor::{Device, Tensor};
 
@@ -398,8 +399,8 @@ fn plan_on_mpi<T: PipelineTask>(
 
 /// What a pipeline rank reduces its gradients with.
 enum Reducer {
-    /// No sharding: an all-reduce of every gradient over the data-parallel group (a no-op on
-    /// one data-parallel rank).
+    /// No sharding: the gradients all-reduced over the data-parallel group in buckets (a no-op
+    /// on one data-parallel rank).
     AllReduce,
     /// ZeRO-1/2/3 over the layout's shard topology.
     Sharded(ShardedDataParallel),
@@ -441,11 +442,20 @@ impl GradSync for PipelineSync<'_> {
                 match self.reducer {
                     Reducer::AllReduce => {
                         if self.dp.world_size() > 1 {
-                            for p in &self.params {
-                                if let Some(g) = p.grad() {
-                                    let avg = self.dp.all_reduce(&g, ReduceOp::Avg)?.wait()?;
-                                    p.set_grad(Some(avg));
-                                }
+                            // Every rank holds gradients for the same parameters of its stage.
+                            let (params, grads): (Vec<&Var>, Vec<Tensor>) = self
+                                .params
+                                .iter()
+                                .filter_map(|p| Some((p, p.grad()?)))
+                                .unzip();
+                            let avg = all_reduce_coalesced(
+                                self.dp.as_ref(),
+                                &grads,
+                                ReduceOp::Avg,
+                                DdpConfig::default().bucket_bytes,
+                            )?;
+                            for (p, g) in params.into_iter().zip(avg) {
+                                p.set_grad(Some(g));
                             }
                         }
                     }

@@ -97,6 +97,7 @@
 //! backends and picks the default one from the device and the environment.
 
 pub mod backend;
+mod coalesced;
 pub mod env;
 mod in_process;
 mod launcher;
@@ -111,6 +112,7 @@ pub mod tree;
 mod work;
 
 pub use backend::{default_backend, Backend};
+pub use coalesced::all_reduce_coalesced;
 pub use env::{EnvSource, RankEnv};
 pub use in_process::InProcessComm;
 pub use launcher::{run_ranks, run_ranks_each, RankCtx, RunOptions};
