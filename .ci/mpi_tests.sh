@@ -17,8 +17,9 @@
 #   30 s naming the rank, and none of the job's processes is left running;
 # * a checkpoint saved under mpirun (fsdp=4, `--save-every`) resumes under the thread backend
 #   and continues with the thread run's losses (rank 0 wrote the index, every rank its shards);
-# * reference mode (`--reference`) under `mpirun -np 4` (hsdp=2x2) and `meshgrad launch` (fsdp=4):
-#   metrics and weight bytes identical to the one-device reference run.
+# * reference mode (`--reference`) under `mpirun -np 4` (hsdp=2x2; BERT dp=2,tp=2 with sequence
+#   parallelism) and `meshgrad launch` (fsdp=4): metrics and weight bytes identical to the
+#   one-device reference run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
@@ -203,6 +204,22 @@ REF=(train --reference --steps 3 --set model.n_layer=2 --batch-size 8 --set trai
 timeout 300 "${BIN}" launch --nproc-per-node 4 --backend mpi -- "${REF[@]}" --layout fsdp=4 \
     --metrics "${WORK}/ref_launch.jsonl" --out "${WORK}/ref_launch" >"${WORK}/ref_launch.log" 2>&1 \
     || { cat "${WORK}/ref_launch.log"; exit 1; }
+# BERT under tensor parallelism with sequence parallelism across processes (its vocabulary padded
+# to 264, so 4 reference chunks).
+REFB=(train --reference --model bert --steps 3 --set model.n_layer=2 --set model.vocab_multiple=8
+      --batch-size 8 --set train.eval_interval=2 --set train.eval_batches=2)
+"${BIN}" "${REFB[@]}" --metrics "${WORK}/refb_one.jsonl" --out "${WORK}/refb_one" \
+    >"${WORK}/refb_one.log" 2>&1 || { cat "${WORK}/refb_one.log"; exit 1; }
+"${MPIRUN[@]}" -np 4 "${BIN}" "${REFB[@]}" --layout dp=2,tp=2 --sequence-parallel \
+    --metrics "${WORK}/refb_mpi.jsonl" --out "${WORK}/refb_mpi" >"${WORK}/refb_mpi.log" 2>&1 \
+    || { cat "${WORK}/refb_mpi.log"; exit 1; }
+if "${BIN}" compare "${WORK}/refb_one.jsonl" "${WORK}/refb_mpi.jsonl" --max-relative-difference 0 \
+    && cmp -s "${WORK}/refb_one/model.safetensors" "${WORK}/refb_mpi/model.safetensors"; then
+    echo "ok: BERT mpirun dp=2,tp=2 --sequence-parallel: metrics and weights identical to one device"
+else
+    echo "FAIL: BERT mpirun dp=2,tp=2 --sequence-parallel: reference mode differs from one device"
+    status=1
+fi
 for run in ref_mpi ref_launch; do
     if "${BIN}" compare "${WORK}/ref_one.jsonl" "${WORK}/${run}.jsonl" --max-relative-difference 0 \
         && cmp -s "${WORK}/ref_one/model.safetensors" "${WORK}/${run}/model.safetensors"; then
