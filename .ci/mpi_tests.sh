@@ -213,20 +213,18 @@ REFB=(train --reference --model bert --steps 3 --set model.n_layer=2 --set model
 "${MPIRUN[@]}" -np 4 "${BIN}" "${REFB[@]}" --layout dp=2,tp=2 --sequence-parallel \
     --metrics "${WORK}/refb_mpi.jsonl" --out "${WORK}/refb_mpi" >"${WORK}/refb_mpi.log" 2>&1 \
     || { cat "${WORK}/refb_mpi.log"; exit 1; }
-if "${BIN}" compare "${WORK}/refb_one.jsonl" "${WORK}/refb_mpi.jsonl" --max-relative-difference 0 \
-    && cmp -s "${WORK}/refb_one/model.safetensors" "${WORK}/refb_mpi/model.safetensors"; then
-    echo "ok: BERT mpirun dp=2,tp=2 --sequence-parallel: metrics and weights identical to one device"
-else
-    echo "FAIL: BERT mpirun dp=2,tp=2 --sequence-parallel: reference mode differs from one device"
-    status=1
-fi
-for run in ref_mpi ref_launch; do
-    if "${BIN}" compare "${WORK}/ref_one.jsonl" "${WORK}/${run}.jsonl" --max-relative-difference 0 \
-        && cmp -s "${WORK}/ref_one/model.safetensors" "${WORK}/${run}/model.safetensors"; then
+# Whether run RUN equals run ONE bit for bit: metrics strings and weight bytes.
+same_as_one() {
+    local one=$1 run=$2
+    if "${BIN}" compare "${WORK}/${one}.jsonl" "${WORK}/${run}.jsonl" --max-relative-difference 0 \
+        && cmp -s "${WORK}/${one}/model.safetensors" "${WORK}/${run}/model.safetensors"; then
         echo "ok: ${run}: metrics and weights identical to one device"
     else
         echo "FAIL: ${run}: reference mode differs from one device"
         status=1
     fi
-done
+}
+same_as_one ref_one ref_mpi
+same_as_one ref_one ref_launch
+same_as_one refb_one refb_mpi
 exit "${status}"
