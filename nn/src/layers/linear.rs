@@ -10,7 +10,7 @@ use meshgrad_tensor::{GeluKind, Result};
 
 use crate::module::{Child, Forward, Module};
 use crate::param_builder::{Init, ParamBuilder};
-use crate::tp::reference::{add_bias_positions, column_units, linear_positions, unit_linear};
+use crate::tp::reference::{add_bias_positions, column_linear, linear_positions, row_linear};
 use crate::tp::{ParallelStyle, TensorParallel};
 
 /// `y = x Wᵀ + b` with `W` stored `[out, in]` (the PyTorch `nn.Linear` convention; the
@@ -152,7 +152,7 @@ impl Linear {
     /// replicated layer on this rank's positions, its parameters' gradients summed. `gelu`: the
     /// GELU applied to the result (fused into the local product but in the row-parallel case).
     /// In reference mode (also on one device) the split products are computed unit by unit
-    /// ([`unit_linear`], the GELU after them) and a row-parallel bias's gradient is a tree over
+    /// ([`column_linear`], [`row_linear`], the GELU after them) and a row-parallel bias's gradient is a tree over
     /// position chunks.
     fn forward_parallel(
         &self,
@@ -198,9 +198,7 @@ impl Linear {
                 };
                 match tp.local_chunks() {
                     Some(units) => {
-                        let rows = self.weight.tensor().dims()[0];
-                        let units = column_units(rows, chunks, units)?;
-                        let y = unit_linear(&x, &self.weight, self.bias.as_ref(), &units, 1)?;
+                        let y = column_linear(&x, &self.weight, self.bias.as_ref(), chunks, units)?;
                         match gelu {
                             Some(kind) => y.gelu(kind),
                             None => Ok(y),
@@ -224,10 +222,7 @@ impl Linear {
         let g = &tp.group;
         let sp = tp.splits_sequence();
         let y = match tp.local_chunks() {
-            Some(chunks) => {
-                let whole = column_units(self.weight.tensor().dims()[0], 1, 1)?;
-                unit_linear(x, &self.weight, None, &whole, chunks)?
-            }
+            Some(chunks) => row_linear(x, &self.weight, chunks)?,
             None => Var::linear(x, &self.weight, None)?,
         };
         let y = if sp {

@@ -8,7 +8,7 @@ use meshgrad_autograd::Var;
 use meshgrad_tensor::{Result, Tensor};
 
 use crate::module::{Child, Module};
-use crate::tp::reference::{column_units, unit_linear};
+use crate::tp::reference::column_linear;
 use crate::tp::{
     vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_chunked, ParallelStyle,
     TensorParallel,
@@ -54,10 +54,7 @@ impl LmHead {
                 };
                 match tp.local_chunks() {
                     // Reference mode: one product per vocabulary chunk.
-                    Some(units) => {
-                        let units = column_units(table.tensor().dims()[0], 1, units)?;
-                        unit_linear(&x, table, bias, &units, 1)
-                    }
+                    Some(units) => column_linear(&x, table, bias, 1, units),
                     None => Var::linear(&x, table, bias),
                 }
             }
