@@ -2,7 +2,7 @@
 
 use std::sync::OnceLock;
 
-use meshgrad_autograd::distributed::{all_reduce_backward, split_dim};
+use meshgrad_autograd::distributed::split_dim;
 use meshgrad_autograd::Var;
 use meshgrad_tensor::Result;
 
@@ -50,42 +50,20 @@ impl LayerNorm {
 
 impl Forward for LayerNorm {
     fn forward(&self, x: &Var) -> Result<Var> {
-        match self.tp.get() {
+        let Some((style, tp)) = self.tp.get() else {
+            return x.layer_norm(Some(&self.weight), self.bias.as_ref(), self.eps);
+        };
+        let x = if tp.splits_sequence() && *style == ParallelStyle::SequenceSplit {
+            split_dim(x, 1, &tp.group)?
+        } else {
+            x.clone()
+        };
+        let (w, b) = tp.replicated_params(&self.weight, self.bias.as_ref())?;
+        match tp.position_chunks() {
             // Reference mode (also on one device): parameter gradients as trees over position
             // chunks, the same with or without sequence parallelism.
-            Some((style, tp)) if tp.reference.is_some() => {
-                let g = &tp.group;
-                let sp = tp.splits_sequence();
-                let x = if sp && *style == ParallelStyle::SequenceSplit {
-                    split_dim(x, 1, g)?
-                } else {
-                    x.clone()
-                };
-                let (w, b) = if sp {
-                    let b = self.bias.as_ref().map(|b| all_reduce_backward(b, g));
-                    (all_reduce_backward(&self.weight, g)?, b.transpose()?)
-                } else {
-                    (self.weight.clone(), self.bias.clone())
-                };
-                let chunks = tp.position_chunks().unwrap_or(1);
-                layer_norm_positions(&x, &w, b.as_ref(), self.eps, chunks)
-            }
-            Some((style, tp)) if tp.splits_sequence() => {
-                let g = &tp.group;
-                let x = if *style == ParallelStyle::SequenceSplit {
-                    split_dim(x, 1, g)?
-                } else {
-                    x.clone()
-                };
-                let w = all_reduce_backward(&self.weight, g)?;
-                let b = self
-                    .bias
-                    .as_ref()
-                    .map(|b| all_reduce_backward(b, g))
-                    .transpose()?;
-                x.layer_norm(Some(&w), b.as_ref(), self.eps)
-            }
-            _ => x.layer_norm(Some(&self.weight), self.bias.as_ref(), self.eps),
+            Some(chunks) => layer_norm_positions(&x, &w, b.as_ref(), self.eps, chunks),
+            None => x.layer_norm(Some(&w), b.as_ref(), self.eps),
         }
     }
 }

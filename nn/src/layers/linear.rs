@@ -166,30 +166,21 @@ impl Linear {
         match style {
             // Reference mode (also on one device): parameter gradients as trees over position
             // chunks, the same with or without sequence parallelism.
-            ParallelStyle::SequenceParallel if tp.reference.is_some() => {
-                let (w, b) = if sp {
-                    let b = self.bias.as_ref().map(|b| all_reduce_backward(b, g));
-                    (all_reduce_backward(&self.weight, g)?, b.transpose()?)
-                } else {
-                    (self.weight.clone(), self.bias.clone())
-                };
-                let chunks = tp.position_chunks().unwrap_or(1);
-                let y = linear_positions(x, &w, b.as_ref(), chunks)?;
-                match gelu {
-                    Some(kind) => y.gelu(kind),
-                    None => Ok(y),
+            ParallelStyle::SequenceParallel => {
+                let (w, b) = tp.replicated_params(&self.weight, self.bias.as_ref())?;
+                match tp.position_chunks() {
+                    // Reference mode (also on one device): parameter gradients as trees over
+                    // position chunks, the same with or without sequence parallelism.
+                    Some(chunks) => {
+                        let y = linear_positions(x, &w, b.as_ref(), chunks)?;
+                        match gelu {
+                            Some(kind) => y.gelu(kind),
+                            None => Ok(y),
+                        }
+                    }
+                    None => local(x, &w, b.as_ref(), gelu),
                 }
             }
-            ParallelStyle::SequenceParallel if sp => {
-                let w = all_reduce_backward(&self.weight, g)?;
-                let b = self
-                    .bias
-                    .as_ref()
-                    .map(|b| all_reduce_backward(b, g))
-                    .transpose()?;
-                local(x, &w, b.as_ref(), gelu)
-            }
-            ParallelStyle::SequenceParallel => local(x, &self.weight, self.bias.as_ref(), gelu),
             ParallelStyle::Colwise { chunks } => {
                 let x = if sp {
                     all_gather_dim(x, 1, g)?

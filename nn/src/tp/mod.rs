@@ -131,6 +131,24 @@ impl TensorParallel {
         Placement::shard(dim, chunks, "tp", self.group.clone())
     }
 
+    /// A replicated layer's `weight` and `bias` as its forward uses them: under sequence
+    /// parallelism each rank applies them to its own positions, so their gradients are summed
+    /// over the group (`all_reduce_backward`); otherwise they are used as they are.
+    pub fn replicated_params(
+        &self,
+        weight: &meshgrad_autograd::Var,
+        bias: Option<&meshgrad_autograd::Var>,
+    ) -> meshgrad_tensor::Result<(meshgrad_autograd::Var, Option<meshgrad_autograd::Var>)> {
+        use meshgrad_autograd::distributed::all_reduce_backward;
+        if !self.splits_sequence() {
+            return Ok((weight.clone(), bias.cloned()));
+        }
+        let b = bias
+            .map(|b| all_reduce_backward(b, &self.group))
+            .transpose()?;
+        Ok((all_reduce_backward(weight, &self.group)?, b))
+    }
+
     /// Whether activations in the LayerNorm / dropout regions are split along the sequence
     /// (sequence parallelism on a group of more than one rank).
     pub fn splits_sequence(&self) -> bool {
