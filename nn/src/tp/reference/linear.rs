@@ -379,61 +379,8 @@ pub fn linear_positions(x: &Var, weight: &Var, bias: Option<&Var>, chunks: usize
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_support::{bits, close, rand, run};
     use super::*;
-    use meshgrad_tensor::{DType, Random};
-
-    fn rand(seed: u64, dims: &[usize]) -> Tensor {
-        Random::new(seed)
-            .dtype(DType::F32)
-            .normal(dims.to_vec(), 0.0, 1.0)
-            .unwrap()
-    }
-
-    fn bits(t: &Tensor) -> Vec<u32> {
-        t.to_vec::<f32>()
-            .unwrap()
-            .iter()
-            .map(|v| v.to_bits())
-            .collect()
-    }
-
-    fn close(a: &Tensor, b: &[f64], what: &str) {
-        let a = a.to_vec_f64().unwrap();
-        assert_eq!(a.len(), b.len(), "{what}");
-        for (i, (x, y)) in a.iter().zip(b).enumerate() {
-            assert!(
-                (x - y).abs() <= 1e-4 * (1.0 + y.abs()),
-                "{what}[{i}]: {x} vs {y}"
-            );
-        }
-    }
-
-    /// Runs `f` on leaves `x`, `w` (and `b`), back-propagates `Σ y ⊙ dy`, and returns the output
-    /// and the gradients of x, w and b.
-    fn run(
-        x: &Tensor,
-        w: &Tensor,
-        b: Option<&Tensor>,
-        dy: &Tensor,
-        f: impl Fn(&Var, &Var, Option<&Var>) -> Result<Var>,
-    ) -> (Tensor, Tensor, Tensor, Option<Tensor>) {
-        let (xa, wa) = (Var::leaf(x.clone()), Var::leaf(w.clone()));
-        let ba = b.map(|b| Var::leaf(b.clone()));
-        let y = f(&xa, &wa, ba.as_ref()).unwrap();
-        let out = y.tensor().clone();
-        y.mul(&Var::constant(dy.clone()))
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
-        (
-            out,
-            xa.grad().unwrap(),
-            wa.grad().unwrap(),
-            ba.map(|b| b.grad().unwrap()),
-        )
-    }
 
     /// Plain f64 loops for `y = x Wᵀ + b` over `rows` rows and the gradients for `dy`:
     /// `(y, dx, dw, db)`.

@@ -30,6 +30,8 @@
 //! exact copy (all-gathers, the vocabulary-parallel embedding's sum of one row with zeros).
 
 mod linear;
+#[cfg(test)]
+mod test_support;
 
 pub use linear::{column_linear, linear_positions, row_linear};
 
@@ -174,35 +176,9 @@ pub fn add_bias_positions(y: &Var, bias: &Var, chunks: usize) -> Result<Var> {
 
 #[cfg(test)]
 mod tests {
+    use super::test_support::{bits, close, rand};
     use super::*;
-    use meshgrad_tensor::{DType, Device, Random};
-
-    fn rand(seed: u64, dims: &[usize]) -> Tensor {
-        Random::new(seed)
-            .dtype(DType::F32)
-            .normal(dims.to_vec(), 0.0, 1.0)
-            .unwrap()
-    }
-
-    fn bits(t: &Tensor) -> Vec<u32> {
-        t.to_vec::<f32>()
-            .unwrap()
-            .iter()
-            .map(|v| v.to_bits())
-            .collect()
-    }
-
-    /// Plain f64 loops: `x Wᵀ + b` and its gradients for `dy`, to compare within rounding.
-    fn close(a: &Tensor, b: &[f64], what: &str) {
-        let a = a.to_vec_f64().unwrap();
-        assert_eq!(a.len(), b.len(), "{what}");
-        for (i, (x, y)) in a.iter().zip(b).enumerate() {
-            assert!(
-                (x - y).abs() <= 1e-4 * (1.0 + y.abs()),
-                "{what}[{i}]: {x} vs {y}"
-            );
-        }
-    }
+    use meshgrad_tensor::Device;
 
     #[test]
     fn position_chunked_norm_and_bias_match_the_plain_ops() {
