@@ -482,12 +482,6 @@ pub fn check_device_and_precision(
             .map_err(|e| anyhow::anyhow!("--device {d}: {e}"))?;
     }
     if dtype != DType::F32 {
-        if cfg.model.kind != "gpt" {
-            anyhow::bail!(
-                "precision {p}: only GPT trains in mixed precision for now (model.kind is {:?})",
-                cfg.model.kind
-            );
-        }
         if let Some(l) = layout {
             if l.pp() > 1 {
                 anyhow::bail!(

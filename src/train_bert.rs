@@ -161,7 +161,7 @@ fn bert_run(
     checkpointing: bool,
 ) -> Result<BertRun> {
     let mut builder = ParamBuilder::new(cfg.train.seed)
-        .dtype(DType::F32)
+        .dtype(crate::train::precision_dtype(cfg)?)
         .device(crate::train::train_device(cfg)?);
     if delayed_init {
         builder = builder.delayed_init();
@@ -264,6 +264,12 @@ fn run_loop(
         schedule,
     } = run;
     let model = &*model;
+    // f16: the dynamic loss scale (continued from a resumed checkpoint's).
+    let scaler = match &ctl.loss_scaler {
+        Some(resumed) => Some(resumed.clone()),
+        None => crate::train::loss_scaler(cfg)?,
+    }
+    .map(std::cell::RefCell::new);
     // Reference mode: this rank's row groups, each its own pass, added over their tree.
     let reference = cfg.train.reference;
     let groups = if reference {
@@ -291,8 +297,10 @@ fn run_loop(
             let ctx = ForwardCtx::new(step64, r.start);
             let part = ctx.scope(|| model.loss_over(&mb.ids, None, None, &mb.labels, total))?;
             local += part.tensor().item()?;
-            let part = if world > 1 {
-                part.mul_scalar(world as f64)?
+            // The data-parallel average divides by `world`; f16 multiplies by the loss scale.
+            let factor = world as f64 * scaler.as_ref().map_or(1.0, |s| s.borrow().scale());
+            let part = if factor != 1.0 {
+                part.mul_scalar(factor)?
             } else {
                 part
             };
@@ -311,7 +319,18 @@ fn run_loop(
     // Reference mode's data-parallel "mean" is the tree sum of the ranks' shares.
     let scale = if reference { 1.0 } else { world as f64 };
     drive_loop(
-        cfg, model, opt, schedule, &params, sync, rep, scale, None, micro_step, val, ctl,
+        cfg,
+        model,
+        opt,
+        schedule,
+        &params,
+        sync,
+        rep,
+        scale,
+        scaler.as_ref(),
+        micro_step,
+        val,
+        ctl,
     )
 }
 
