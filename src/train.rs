@@ -486,13 +486,7 @@ pub fn check_device_and_precision(
             if l.pp() > 1 {
                 anyhow::bail!(
                     "layout {l} with precision {p}: pipeline layouts do not train in mixed \
-                     precision yet (one device, dp, tp and, for bf16, ZeRO layouts do)"
-                );
-            }
-            if l.zero().is_some() && dtype == DType::F16 {
-                anyhow::bail!(
-                    "layout {l} with precision f16: ZeRO layouts have no loss scaling yet \
-                     (use bf16, or dp=N / tp=T for f16)"
+                     precision yet (one device, dp, tp and ZeRO layouts do)"
                 );
             }
         }

@@ -112,8 +112,12 @@ impl GradSync for ZeroSync<'_> {
         max_norm: f64,
         scale: f64,
     ) -> Result<(f64, bool)> {
+        // f16: the reduced shards hold loss-scaled gradients; unscale them (in the f32 master
+        // dtype) so that the norm, the clipping and the step see the true gradients. A
+        // non-finite gradient anywhere makes the global norm non-finite on every rank, which
+        // skips the step everywhere.
         if scale != 1.0 {
-            anyhow::bail!("ZeRO layouts have no f16 loss scaling yet (train.precision f16)");
+            self.sdp.scale_grads(1.0 / scale)?;
         }
         // Without clipping, a bound no norm reaches still yields the (global) norm to check.
         let bound = if max_norm > 0.0 { max_norm } else { f64::MAX };

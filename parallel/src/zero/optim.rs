@@ -330,6 +330,14 @@ impl ShardedDataParallel {
         Ok(norm)
     }
 
+    /// Multiplies this rank's reduced gradient shards by `factor`: an f16 run unscales its
+    /// loss-scaled gradients by `1 / S` (exact for a power-of-two `S`) before the norm, the
+    /// clipping and the step. Local.
+    pub fn scale_grads(&self, factor: f64) -> Result<()> {
+        let st = lock(&self.inner.state);
+        self.inner.scale_grads(&st, factor)
+    }
+
     /// Scales this rank's reduced gradient shards as clipping to `max_norm` does when the global
     /// norm is `norm` (computed elsewhere, e.g. across pipeline stages): by
     /// `max_norm / (norm + 1e-6)` when that is below 1, not at all for a non-finite norm. Local.
