@@ -17,7 +17,7 @@ use meshgrad_nn::{ParamBuilder, StageSpec};
 use meshgrad_parallel::comm::all_reduce_scalar;
 use meshgrad_parallel::pipeline::Microbatch;
 use meshgrad_parallel::{micro_rows, Communicator, ReduceOp};
-use meshgrad_tensor::{DType, Device, Tensor};
+use meshgrad_tensor::{Device, Tensor};
 
 use crate::config::TrainConfig;
 use crate::train::{LoopResult, Reporter, RunData, TrainSummary, Verbosity};
@@ -76,7 +76,7 @@ impl PipelineTask for BertPipeline<'_> {
         checkpointing: bool,
     ) -> Result<BertStage> {
         let mut builder = ParamBuilder::new(self.cfg().train.seed)
-            .dtype(DType::F32)
+            .dtype(crate::train::precision_dtype(self.cfg())?)
             .device(Device::Cpu);
         if delayed {
             builder = builder.delayed_init();
@@ -175,8 +175,12 @@ impl PipelineTask for BertPipeline<'_> {
         result: LoopResult,
         verbosity: Verbosity,
     ) -> Result<TrainSummary> {
-        let model =
-            BertForMaskedLM::new(self.config, self.cfg().train.seed, DType::F32, Device::Cpu)?;
+        let model = BertForMaskedLM::new(
+            self.config,
+            self.cfg().train.seed,
+            crate::train::precision_dtype(self.cfg())?,
+            Device::Cpu,
+        )?;
         load_state_dict(&model, tensors, true)?;
         finish(self.cfg(), &model, rep, result, verbosity)
     }

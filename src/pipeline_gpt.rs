@@ -11,7 +11,7 @@ use meshgrad_nn::{Gpt, GptConfig, ParamBuilder, StageSpec};
 use meshgrad_parallel::comm::all_reduce_scalar;
 use meshgrad_parallel::pipeline::Microbatch;
 use meshgrad_parallel::{micro_rows, Communicator, ReduceOp};
-use meshgrad_tensor::{DType, Device, Tensor};
+use meshgrad_tensor::{Device, Tensor};
 
 use crate::config::TrainConfig;
 use crate::train::{
@@ -37,10 +37,11 @@ impl<'a> GptPipeline<'a> {
         }
     }
 
-    fn builder(&self) -> ParamBuilder {
-        ParamBuilder::new(self.cfg.train.seed)
-            .dtype(DType::F32)
-            .device(Device::Cpu)
+    /// Parameters from the run seed, in the run's precision, on the CPU.
+    fn builder(&self) -> Result<ParamBuilder> {
+        Ok(ParamBuilder::new(self.cfg.train.seed)
+            .dtype(crate::train::precision_dtype(self.cfg)?)
+            .device(Device::Cpu))
     }
 
     fn batch(&self, seed: u64, step: u64, rows: Range<u64>, val: bool) -> Result<GptBatch> {
@@ -80,7 +81,7 @@ impl PipelineTask for GptPipeline<'_> {
         delayed: bool,
         checkpointing: bool,
     ) -> Result<GptStage> {
-        let mut builder = self.builder();
+        let mut builder = self.builder()?;
         if delayed {
             builder = builder.delayed_init();
         }
@@ -138,7 +139,7 @@ impl PipelineTask for GptPipeline<'_> {
         result: LoopResult,
         verbosity: Verbosity,
     ) -> Result<TrainSummary> {
-        let model = Gpt::new(self.config, self.cfg.train.seed, DType::F32, Device::Cpu)?;
+        let model = Gpt::build(self.config, self.builder()?)?;
         load_state_dict(&model, tensors, true)?;
         finish_run(
             self.cfg,

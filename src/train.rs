@@ -455,24 +455,20 @@ pub fn train_device(cfg: &TrainConfig) -> Result<Device> {
 }
 
 /// Checks, before any work, that `train.device` and `train.precision` can run with `layout`
-/// (`None`: one device) and the model kind:
-///
-/// * a CUDA device trains a GPT on one device only: a layout is refused (the ranks would need
-///   the NCCL backend), as is BERT; the device must be usable in this build (the backend's
-///   one-line reason otherwise: built without `--features cuda`, no driver, no such device);
-/// * bf16 and f16 train a GPT on one device, with data parallelism (`dp=N`, DDP) and tensor
-///   parallelism (`tp=T`, also with `dp=N`): AdamW's master weights on every rank, the
-///   clipping norm over the tensor-parallel splits. ZeRO layouts train in bf16 with the
-///   wrapper's own f32 master shards; f16 with ZeRO (no loss scaling there yet), pipeline
-///   layouts and BERT are refused with the reason.
+/// (`None`: one device): reference mode's own conditions ([`crate::reference::check_reference`]);
+/// a CUDA device trains on one device only (a layout needs the NCCL backend) and must be usable
+/// in this build (the backend's one-line reason otherwise: built without `--features cuda`, no
+/// driver, no such device). bf16 and f16 train the GPT and BERT under every layout: AdamW's f32
+/// master weights on replicated ranks, the ZeRO wrapper's f32 master shards otherwise, the
+/// f16 loss scale unscaled in f32 before the norm and the step.
 pub fn check_device_and_precision(
     cfg: &TrainConfig,
     layout: Option<&meshgrad_parallel::ParallelLayout>,
 ) -> Result<()> {
     crate::reference::check_reference(cfg, layout)?;
     let device = train_device(cfg)?;
-    let dtype = precision_dtype(cfg)?;
-    let (d, p) = (&cfg.train.device, &cfg.train.precision);
+    precision_dtype(cfg)?;
+    let d = &cfg.train.device;
     if device != Device::Cpu {
         if let Some(l) = layout {
             anyhow::bail!("--device {d} with layout {l} needs the NCCL backend (--backend nccl)");
@@ -480,16 +476,6 @@ pub fn check_device_and_precision(
         device
             .check_available()
             .map_err(|e| anyhow::anyhow!("--device {d}: {e}"))?;
-    }
-    if dtype != DType::F32 {
-        if let Some(l) = layout {
-            if l.pp() > 1 {
-                anyhow::bail!(
-                    "layout {l} with precision {p}: pipeline layouts do not train in mixed \
-                     precision yet (one device, dp, tp and ZeRO layouts do)"
-                );
-            }
-        }
     }
     Ok(())
 }

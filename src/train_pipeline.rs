@@ -63,7 +63,7 @@ use meshgrad_nn::{ModelStage, Module, StageSpec};
 use meshgrad_parallel::comm::{all_reduce_coalesced, all_reduce_scalar, RankCtx};
 use meshgrad_parallel::pipeline::partition::{MemoryModel, ModelCosts, Partition, PartitionMethod};
 use meshgrad_parallel::pipeline::{
-    execute, execute_with, forward_only, measure_idle_between, profile_layers, simulate,
+    execute_scaled, execute_with, forward_only, measure_idle_between, profile_layers, simulate,
     write_chrome_trace, Costs, ExecuteOptions, Microbatch, PipelineGrads, ProfileOptions, Schedule,
     ScheduleKind, Span, SpanKind, Timeline,
 };
@@ -518,6 +518,53 @@ impl GradSync for PipelineSync<'_> {
                 }
             })
     }
+
+    /// Mixed precision: the global norm of the unscaled gradients over every stage (the tied
+    /// table once), then, unless it is NaN or infinite on any rank (every rank sees the same
+    /// norm), the step with the clipping and the unscaling applied in f32: AdamW's gradient
+    /// multiplier on a replicated stage, the ZeRO wrapper's f32 shards otherwise.
+    fn step_mixed(
+        &self,
+        opt: &mut AdamW,
+        _params: &[Var],
+        lr: f64,
+        max_norm: f64,
+        scale: f64,
+    ) -> Result<(f64, bool)> {
+        let norm = match self.reducer {
+            Reducer::AllReduce => self.grads.grad_norm()? / scale,
+            Reducer::Sharded(sdp) => {
+                if scale != 1.0 {
+                    sdp.scale_grads(1.0 / scale)?;
+                }
+                let skip = |n: &str| self.grads.left_out_of_norm().iter().any(|s| s == n);
+                let local = sdp.grad_sq_sum_without(&skip)?;
+                all_reduce_scalar(self.pp.as_ref(), local, ReduceOp::Sum)?.sqrt()
+            }
+        };
+        if !norm.is_finite() {
+            return Ok((norm, false));
+        }
+        let coef = if max_norm > 0.0 {
+            (max_norm / (norm + 1e-6)).min(1.0)
+        } else {
+            1.0
+        };
+        self.timeline
+            .record(SpanKind::Optimizer, "optimizer step", || -> Result<()> {
+                match self.reducer {
+                    Reducer::AllReduce => opt.step_scaled(lr, coef / scale)?,
+                    Reducer::Sharded(sdp) => {
+                        if max_norm > 0.0 {
+                            sdp.clip_grads_with_norm(max_norm, norm)?;
+                        }
+                        sdp.step(lr)?;
+                    }
+                }
+                Ok(())
+            })?;
+        Ok((norm, true))
+    }
 }
 
 /// Trains `task`'s model on the ranks of `layout` (with `pp` above 1) and returns the leader's
@@ -820,17 +867,24 @@ fn rank_main<T: PipelineTask>(
     };
     let reference = cfg.train.reference.then(|| ReferenceChunks::new(&chunks));
     let total_groups = cfg.train.batch_size / cfg.train.row_group;
+    // f16: the dynamic loss scale (continued from a resumed checkpoint's).
+    let scaler = match &start.loss_scaler {
+        Some(resumed) => Some(resumed.clone()),
+        None => crate::train::loss_scaler(cfg)?,
+    }
+    .map(std::cell::RefCell::new);
     let micro_step = |step: usize| -> Result<f64> {
         let mbs = task.train_microbatches(step as u64, rows.clone(), opts.microbatches, dp)?;
         let t0 = timeline.now_s();
         let loss = match &reference {
-            None => execute(
+            None => execute_scaled(
                 &chunks,
                 &plan.schedule,
                 pp.as_ref(),
                 &mbs,
                 step as u64,
                 Some(timeline),
+                scaler.as_ref().map_or(1.0, |s| s.borrow().scale()),
             )?,
             Some(r) => r.step(
                 &chunks,
@@ -884,7 +938,7 @@ fn rank_main<T: PipelineTask>(
         } else {
             1.0
         },
-        None,
+        scaler.as_ref(),
         micro_step,
         val,
         &RunControl {

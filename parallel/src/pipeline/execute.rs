@@ -510,15 +510,26 @@ pub fn execute<S: ModelStage>(
     step: u64,
     timeline: Option<&Timeline>,
 ) -> Result<f64> {
-    let losses = execute_with(
-        stages,
-        schedule,
-        pp,
-        microbatches,
-        step,
-        timeline,
-        ExecuteOptions::default(),
-    )?;
+    execute_scaled(stages, schedule, pp, microbatches, step, timeline, 1.0)
+}
+
+/// [`execute`] whose backwards start from `loss_factor / M` instead of `1 / M` (an f16 run's
+/// loss scale `S`: the gradients come out multiplied by `S`). The returned mean loss is the
+/// unscaled one.
+pub fn execute_scaled<S: ModelStage>(
+    stages: &[S],
+    schedule: &Schedule,
+    pp: &dyn Communicator,
+    microbatches: &[Microbatch<S::Batch>],
+    step: u64,
+    timeline: Option<&Timeline>,
+    loss_factor: f64,
+) -> Result<f64> {
+    let opts = ExecuteOptions {
+        loss_scale: Some(loss_factor / microbatches.len().max(1) as f64),
+        on_grads: None,
+    };
+    let losses = execute_with(stages, schedule, pp, microbatches, step, timeline, opts)?;
     let local = if losses.is_empty() {
         0.0
     } else {

@@ -46,7 +46,8 @@ pub mod trace;
 
 pub use evaluate::forward_only;
 pub use execute::{
-    check_supported, execute, execute_with, ExecuteOptions, Microbatch, PipelineGrads,
+    check_supported, execute, execute_scaled, execute_with, ExecuteOptions, Microbatch,
+    PipelineGrads,
 };
 pub use profile::{profile_layers, profile_lines, ProfileOptions};
 pub use schedule::{Action, Schedule, ScheduleArgError, ScheduleKind};
