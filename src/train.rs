@@ -455,7 +455,7 @@ pub fn train_device(cfg: &TrainConfig) -> Result<Device> {
 }
 
 /// Checks, before any work, that `train.device` and `train.precision` can run with `layout`
-/// (`None`: one device): reference mode's own conditions ([`crate::reference::check_reference`]);
+/// (`None`: one device): reference mode's own conditions (`reference::check_reference`);
 /// a CUDA device trains on one device only (a layout needs the NCCL backend) and must be usable
 /// in this build (the backend's one-line reason otherwise: built without `--features cuda`, no
 /// driver, no such device). bf16 and f16 train the GPT and BERT under every layout: AdamW's f32
