@@ -123,10 +123,32 @@ impl ExactSum {
     }
 
     /// Adds the square of every element of `t` (computed in f64: exact for f32, bf16 and f16
-    /// values, rounded once for f64 ones).
+    /// values, rounded once for f64 ones). Chunks of the elements are summed on the rayon
+    /// threads and merged: the sum is exact, so neither the chunks nor the threads change it.
     pub fn add_squares(&mut self, t: &Tensor) -> Result<()> {
-        let v = t.to_dtype(DType::F64)?.to_vec::<f64>()?;
-        self.add_all(v.into_iter().map(|x| x * x));
+        use rayon::prelude::*;
+        /// Elements per parallel chunk.
+        const CHUNK: usize = 1 << 15;
+        fn squares<T: Copy + Into<f64> + Sync>(values: &[T]) -> Vec<ExactSum> {
+            values
+                .par_chunks(CHUNK)
+                .map(|c| {
+                    let mut s = ExactSum::new();
+                    for &x in c {
+                        let x: f64 = x.into();
+                        s.add(x * x);
+                    }
+                    s
+                })
+                .collect()
+        }
+        let parts = match t.dtype() {
+            DType::F32 => squares(&t.to_vec::<f32>()?),
+            _ => squares(&t.to_dtype(DType::F64)?.to_vec::<f64>()?),
+        };
+        for p in &parts {
+            self.merge(p);
+        }
         Ok(())
     }
 
@@ -354,5 +376,26 @@ mod tests {
         let mut s = ExactSum::new();
         s.add_squares(&t).unwrap();
         assert_eq!(s.value(), 25.0);
+    }
+
+    /// A tensor of several parallel chunks (f32 and f64) gives the words of one sequential
+    /// pass over its squares, and the f32 result is within rounding of a plain f64 sum.
+    #[test]
+    fn squares_in_parallel_chunks_equal_one_pass() {
+        let n = 5 * (1 << 15) + 123;
+        for dtype in [DType::F32, DType::F64] {
+            let t = crate::Random::new(3)
+                .dtype(dtype)
+                .normal(vec![n], 0.0, 1.0)
+                .unwrap();
+            let mut chunked = ExactSum::new();
+            chunked.add_squares(&t).unwrap();
+            let v = t.to_vec_f64().unwrap();
+            let mut one = ExactSum::new();
+            one.add_all(v.iter().map(|x| x * x));
+            assert_eq!(chunked.to_words(), one.to_words(), "{dtype}");
+            let plain: f64 = v.iter().map(|x| x * x).sum();
+            assert!((chunked.value() - plain).abs() <= 1e-9 * plain, "{dtype}");
+        }
     }
 }
