@@ -337,11 +337,7 @@ pub(crate) trait GradSync {
         if !norm.is_finite() {
             return Ok((norm, false));
         }
-        let coef = if max_norm > 0.0 {
-            (max_norm / (norm + 1e-6)).min(1.0)
-        } else {
-            1.0
-        };
+        let coef = meshgrad_nn::optim::clip_coef(max_norm, norm);
         opt.step_scaled(lr, coef / scale)?;
         Ok((norm, true))
     }
@@ -798,11 +794,7 @@ pub(crate) fn run_loop(
     } = run;
     let model = &*model;
     let params = model.parameters();
-    let scaler = match &ctl.loss_scaler {
-        Some(resumed) => Some(resumed.clone()),
-        None => loss_scaler(cfg)?,
-    }
-    .map(std::cell::RefCell::new);
+    let scaler = run_loss_scaler(cfg, ctl.loss_scaler.as_ref())?;
     // Reference mode: this rank's row groups, each its own pass, added over their tree.
     let reference = cfg.train.reference;
     let total_groups = cfg.train.batch_size / cfg.train.row_group;
@@ -872,6 +864,19 @@ pub(crate) fn run_loop(
         val,
         ctl,
     )
+}
+
+/// The loss scaler a training loop keeps: the one a resumed checkpoint saved (`resumed`), else
+/// a fresh one for an f16 run ([`loss_scaler`]); `None` for f32 and bf16.
+pub(crate) fn run_loss_scaler(
+    cfg: &TrainConfig,
+    resumed: Option<&LossScaler>,
+) -> Result<Option<std::cell::RefCell<LossScaler>>> {
+    let scaler = match resumed {
+        Some(s) => Some(s.clone()),
+        None => loss_scaler(cfg)?,
+    };
+    Ok(scaler.map(std::cell::RefCell::new))
 }
 
 /// The dynamic loss scale of an f16 run (from `train.loss_scale_init`, doubling after

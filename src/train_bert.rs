@@ -265,11 +265,7 @@ fn run_loop(
     } = run;
     let model = &*model;
     // f16: the dynamic loss scale (continued from a resumed checkpoint's).
-    let scaler = match &ctl.loss_scaler {
-        Some(resumed) => Some(resumed.clone()),
-        None => crate::train::loss_scaler(cfg)?,
-    }
-    .map(std::cell::RefCell::new);
+    let scaler = crate::train::run_loss_scaler(cfg, ctl.loss_scaler.as_ref())?;
     // Reference mode: this rank's row groups, each its own pass, added over their tree.
     let reference = cfg.train.reference;
     let groups = if reference {

@@ -545,11 +545,7 @@ impl GradSync for PipelineSync<'_> {
         if !norm.is_finite() {
             return Ok((norm, false));
         }
-        let coef = if max_norm > 0.0 {
-            (max_norm / (norm + 1e-6)).min(1.0)
-        } else {
-            1.0
-        };
+        let coef = meshgrad_nn::optim::clip_coef(max_norm, norm);
         self.timeline
             .record(SpanKind::Optimizer, "optimizer step", || -> Result<()> {
                 match self.reducer {
@@ -868,11 +864,7 @@ fn rank_main<T: PipelineTask>(
     let reference = cfg.train.reference.then(|| ReferenceChunks::new(&chunks));
     let total_groups = cfg.train.batch_size / cfg.train.row_group;
     // f16: the dynamic loss scale (continued from a resumed checkpoint's).
-    let scaler = match &start.loss_scaler {
-        Some(resumed) => Some(resumed.clone()),
-        None => crate::train::loss_scaler(cfg)?,
-    }
-    .map(std::cell::RefCell::new);
+    let scaler = crate::train::run_loss_scaler(cfg, start.loss_scaler.as_ref())?;
     let micro_step = |step: usize| -> Result<f64> {
         let mbs = task.train_microbatches(step as u64, rows.clone(), opts.microbatches, dp)?;
         let t0 = timeline.now_s();

@@ -28,6 +28,18 @@ pub fn grad_norm(params: &[Var]) -> Result<f64> {
     Ok(grad_sq_sum(params)?.sqrt())
 }
 
+/// The factor clipping to `max_norm` multiplies the gradients by when their global norm is
+/// `total_norm`: `max_norm / (total_norm + 1e-6)` when that is below 1, else 1; also 1 for a
+/// `max_norm` of 0 (no clipping). Mixed-precision steps fold it into the optimizer's gradient
+/// multiplier instead of scaling the gradients.
+pub fn clip_coef(max_norm: f64, total_norm: f64) -> f64 {
+    if max_norm > 0.0 {
+        (max_norm / (total_norm + 1e-6)).min(1.0)
+    } else {
+        1.0
+    }
+}
+
 /// Scales every gradient (in place, so gradient storage shared with communication buckets stays
 /// shared) by `max_norm / (total_norm + 1e-6)` when that factor is below 1, PyTorch's rule
 /// (its `clamp(max=1)` of the coefficient). `total_norm` is the pre-clip global norm, computed by

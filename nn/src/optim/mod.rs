@@ -33,7 +33,7 @@ mod sgd;
 
 pub use adamw::{AdamW, AdamWConfig};
 pub use builder::{AdamWBuilder, SgdBuilder};
-pub use clip::{clip_grad_norm, clip_grads_with_norm, grad_norm, grad_sq_sum};
+pub use clip::{clip_coef, clip_grad_norm, clip_grads_with_norm, grad_norm, grad_sq_sum};
 pub use scaler::LossScaler;
 pub use schedule::CosineSchedule;
 pub use sgd::{Sgd, SgdConfig};
