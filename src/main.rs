@@ -344,9 +344,9 @@ struct TrainArgs {
     /// over S ranks), hsdp=RxS (= dp=R,fsdp=S: sharded over S ranks, replicated R times), e.g.
     /// dp=4, fsdp=4, hsdp=2x2, dp=2,zero1=2. tp=T splits each GPT or BERT layer across T ranks
     /// (tensor parallelism; composes: dp=2,tp=2, fsdp=2,tp=2, hsdp=2x2,tp=2; T must divide the
-    /// vocabulary, BERT's 261 by default: --set model.vocab_multiple=T pads it). pp=P cuts the model into P pipeline stages (see
-    /// --schedule, --microbatches, --partition; composes: dp=2,tp=2,pp=2, fsdp=2,pp=2). The
-    /// global batch is the same for every layout.
+    /// vocabulary, BERT's 261 by default: --set model.vocab_multiple=T pads it). pp=P cuts the
+    /// model into P pipeline stages (see --schedule, --microbatches, --partition; composes:
+    /// dp=2,tp=2,pp=2, fsdp=2,pp=2). The global batch is the same for every layout.
     #[arg(long, value_name = "SPEC")]
     layout: Option<String>,
     /// Gradient accumulation: split each rank's rows of a step into this many micro-batches

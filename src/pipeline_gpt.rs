@@ -139,11 +139,11 @@ impl PipelineTask for GptPipeline<'_> {
         result: LoopResult,
         verbosity: Verbosity,
     ) -> Result<TrainSummary> {
-        let model = Gpt::build(self.config, self.builder()?)?;
+        let mut model = Gpt::build(self.config, self.builder()?)?;
         load_state_dict(&model, tensors, true)?;
         finish_run(
             self.cfg,
-            &model,
+            &mut model,
             self.data.tokenizer.as_ref(),
             rep,
             result,

@@ -43,8 +43,9 @@ fn model_chunks(cfg: &TrainConfig) -> (usize, String) {
 
 /// The chunk count reference mode's layers use for `cfg`: `train.reference_chunks`, or when
 /// that is 0 the model's own (the largest power of two dividing the sizes its chunked sums
-/// split: see [`meshgrad_nn::gpt::reference_chunks`], [`meshgrad_nn::bert::reference_chunks`]). `None` outside reference mode or when
-/// the count is 1 (no chunked sums: the plain layers, and no tensor parallelism).
+/// split: see [`meshgrad_nn::gpt::reference_chunks`], [`meshgrad_nn::bert::reference_chunks`]).
+/// `None` outside reference mode or when the count is 1 (no chunked sums: the plain layers, and
+/// no tensor parallelism).
 pub(crate) fn chunk_count(cfg: &TrainConfig) -> Option<usize> {
     if !cfg.train.reference {
         return None;

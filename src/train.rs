@@ -505,7 +505,6 @@ pub(crate) fn run_model(
         Gpt::build(gpt_config(cfg), b)
     })?;
     model.activation_checkpointing = checkpointing;
-    model.vocab_in_use = Some(cfg.model.vocab_size);
     let (opt, schedule) = optimizer_and_schedule(cfg, &model)?;
     Ok(RunModel {
         model,
@@ -1132,16 +1131,18 @@ fn sample_prompt(tok: &Tokenizer) -> Result<Vec<u32>> {
 
 /// The leader's end of a run: closes the reporter, writes the checkpoint, the resolved config
 /// and the tokenizer (`tokenizer.json`, when the run has one; a stale one is removed otherwise),
-/// samples and prints the summary.
+/// samples (among the run's `model.vocab_size` ids: never a padded one) and prints the summary.
 pub(crate) fn finish_run(
     cfg: &TrainConfig,
-    model: &Gpt,
+    model: &mut Gpt,
     tokenizer: Option<&Tokenizer>,
     rep: Reporter,
     r: LoopResult,
     verbosity: Verbosity,
 ) -> Result<TrainSummary> {
     rep.finish()?;
+    model.vocab_in_use = Some(cfg.model.vocab_size);
+    let model = &*model;
     let out = PathBuf::from(&cfg.out);
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     // The run's config and tokenizer first, the model last: its config.json, written last,
@@ -1270,7 +1271,14 @@ pub fn train_with(
             save: Some(&*hook),
         },
     )?;
-    finish_run(cfg, &run.model, data.tokenizer.as_ref(), rep, r, verbosity)
+    finish_run(
+        cfg,
+        &mut run.model,
+        data.tokenizer.as_ref(),
+        rep,
+        r,
+        verbosity,
+    )
 }
 
 #[cfg(test)]

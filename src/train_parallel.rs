@@ -585,7 +585,7 @@ pub fn train_parallel(
             // fsdp/hsdp: the full weights for the checkpoint and the sample.
             wrapper.summon_full_params()?;
             // tp: the leader assembles the single-device model from every rank's parts.
-            let gathered = gather_tensor_parallel(&run.model, mesh, leader, || {
+            let mut gathered = gather_tensor_parallel(&run.model, mesh, leader, || {
                 Ok(Gpt::new(
                     gpt_config(cfg),
                     cfg.train.seed,
@@ -596,7 +596,7 @@ pub fn train_parallel(
             if leader {
                 Ok(Some(finish_run(
                     cfg,
-                    gathered.as_ref().unwrap_or(&run.model),
+                    gathered.as_mut().unwrap_or(&mut run.model),
                     data.tokenizer.as_ref(),
                     rep,
                     result,

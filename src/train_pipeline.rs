@@ -9,7 +9,8 @@
 //! builds only its chunks, virtual stages `c * P + p` (under their global names, with the tensor
 //! -parallel plan of its stages and, for `fsdp`/`hsdp`, delayed initialisation), and runs the
 //! schedule `--schedule` (gpipe, 1f1b, interleaved or zb) over `--microbatches` microbatches of its
-//! data-parallel rows with [`execute_scaled()`] (the f16 loss scale seeding the backwards). After the schedule:
+//! data-parallel rows with [`execute_scaled()`] (the f16 loss scale seeding the backwards).
+//! After the schedule:
 //!
 //! * the copies of the tied embedding / head table on the first and the last stage add their
 //!   gradients ([`PipelineGrads::reduce_tied_grads`]);

@@ -151,9 +151,9 @@ impl Linear {
     /// reduce-scattered along the sequence), then the replicated bias. Sequence-parallel: the
     /// replicated layer on this rank's positions, its parameters' gradients summed. `gelu`: the
     /// GELU applied to the result (fused into the local product but in the row-parallel case).
-    /// In reference mode (also on one device) the split products are computed unit by unit
-    /// ([`column_linear`], [`row_linear`], the GELU after them) and a row-parallel bias's gradient is a tree over
-    /// position chunks.
+    /// In reference mode (also on one device) the split products are computed piece by piece
+    /// ([`column_linear`], [`row_linear`], the GELU after them), and a row-parallel bias's and a
+    /// sequence-parallel layer's parameter gradients are trees over position chunks.
     fn forward_parallel(
         &self,
         x: &Var,
@@ -164,8 +164,6 @@ impl Linear {
         let g = &tp.group;
         let sp = tp.splits_sequence();
         match style {
-            // Reference mode (also on one device): parameter gradients as trees over position
-            // chunks, the same with or without sequence parallelism.
             ParallelStyle::SequenceParallel => {
                 let (w, b) = tp.replicated_params(&self.weight, self.bias.as_ref())?;
                 match tp.position_chunks() {

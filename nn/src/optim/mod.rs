@@ -128,8 +128,7 @@ pub trait Optimizer {
     /// optimizer keeps none. Loaders use it to carry exact weights across layouts that store
     /// them differently: ZeRO keeps f32 master shards as its parameters, a replicated
     /// half-precision run keeps them as optimizer state.
-    fn exact_weights_key(&self, param: &str) -> Option<String> {
-        let _ = param;
+    fn exact_weights_key(&self, _param: &str) -> Option<String> {
         None
     }
 }

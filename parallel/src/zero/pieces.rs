@@ -170,14 +170,14 @@ impl ShardedDataParallel {
         // A segment whose exact weights the checkpoint holds as optimizer state (a replicated
         // half-precision run's f32 masters) takes those: the optimizer's load sets them, and
         // the parameter, rounded to half precision, must not overwrite them.
-        let exact: HashSet<String> = dict.iter().map(|(k, _)| k.clone()).collect();
+        let loaded: HashSet<&str> = dict.iter().map(|(k, _)| k.as_str()).collect();
         let segments: Vec<(usize, Tensor)> = segments
             .iter()
             .filter(|(k, _)| {
                 let name = &i.plan.params[i.shards[*k].seg.param].name;
                 st.opt
                     .exact_weights_key(name)
-                    .is_none_or(|key| !exact.contains(&key))
+                    .is_none_or(|key| !loaded.contains(key.as_str()))
             })
             .map(|(k, t)| Ok((*k, converted(t, i.shards[*k].var.tensor())?)))
             .collect::<Result<_>>()?;
