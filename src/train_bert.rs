@@ -34,7 +34,7 @@ use meshgrad_nn::tp::TensorParallel;
 use meshgrad_nn::{ForwardCtx, Module, ParamBuilder};
 use meshgrad_parallel::tp::tensor_parallel;
 use meshgrad_parallel::{micro_rows, rank_rows, ParallelLayout, ZeroStage};
-use meshgrad_tensor::{DType, Device, Tensor};
+use meshgrad_tensor::{Device, Tensor};
 
 use crate::config::TrainConfig;
 use crate::train::{
@@ -545,7 +545,7 @@ pub fn train_bert(
                     Ok(BertForMaskedLM::new(
                         bert_config(cfg),
                         cfg.train.seed,
-                        DType::F32,
+                        crate::train::precision_dtype(cfg)?,
                         Device::Cpu,
                     )?)
                 })?;

@@ -36,7 +36,7 @@ use meshgrad_parallel::zero::{ShardConfig, ShardedDataParallel, ZeroStage};
 use meshgrad_parallel::{
     rank_rows, Communicator, Ddp, DdpConfig, LayoutMesh, ParallelLayout, ReduceOp,
 };
-use meshgrad_tensor::{DType, Device};
+use meshgrad_tensor::Device;
 
 use crate::config::TrainConfig;
 use crate::reference::mesh_world;
@@ -589,7 +589,7 @@ pub fn train_parallel(
                 Ok(Gpt::new(
                     gpt_config(cfg),
                     cfg.train.seed,
-                    DType::F32,
+                    crate::train::precision_dtype(cfg)?,
                     Device::Cpu,
                 )?)
             })?;

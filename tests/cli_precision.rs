@@ -17,7 +17,8 @@
 //! * Tensor parallelism runs through the same master weights on every rank: bf16 `tp=2` within
 //!   5e-3 relative of bf16 on one device (measured: 2.2e-3; the row-parallel outputs are summed
 //!   across ranks from bf16 partial products, and bf16 keeps 8 bits of mantissa), f16
-//!   `dp=2,tp=2` within 1e-3 of f16 on one device (measured: 4.8e-5).
+//!   `dp=2,tp=2` within 1e-3 of f16 on one device (measured: 4.8e-5). The model the leader
+//!   gathers and exports keeps the run's precision (GPT and BERT), as one device's does.
 //! * ZeRO layouts train bf16 through the wrapper's own f32 master shards: `fsdp=2` within 1e-3
 //!   of one device (measured: 1.7e-5), and a one-device bf16 checkpoint resumes under
 //!   `zero1=2` within 1e-4 of the uninterrupted run (measured: 9.0e-6; the wrapper's master
@@ -323,6 +324,14 @@ fn half_precision_tensor_parallel_tracks_one_device() {
         10,
         &["--precision", "f16", "--layout", "dp=2,tp=2"],
     ));
+    // The leader's gathered model keeps the run's precision, as one device's does.
+    for (tag, dtype) in [("tp-bf16", "BF16"), ("dptp-f16", "F16")] {
+        let exported = dtypes(&dir.join(tag).join("model.safetensors"));
+        assert!(
+            !exported.is_empty() && exported.iter().all(|(_, d)| d == dtype),
+            "{tag}: {exported:?}"
+        );
+    }
     for (tag, one, tol) in [("tp-bf16", "one-bf16", 5e-3), ("dptp-f16", "one-f16", 1e-3)] {
         let (a, b) = (metrics(&dir, one), metrics(&dir, tag));
         assert_eq!(a.len(), b.len());
@@ -548,8 +557,29 @@ fn bert_trains_in_bf16_and_f16() {
         f32[19].loss < f32[0].loss - 1.0,
         "BERT did not train: {f32:?}"
     );
-    let exported = dtypes(&dir.join("bf16/model.safetensors"));
-    assert!(exported.iter().all(|(_, d)| d == "BF16"), "{exported:?}");
+    let tp2 = bert(
+        "bf16_tp2",
+        &[
+            "--precision",
+            "bf16",
+            "--layout",
+            "tp=2",
+            "--set",
+            "model.vocab_multiple=2",
+        ],
+    );
+    assert!(
+        worst(&tp2, &bf16) < 5e-3,
+        "bf16 tp=2: {}",
+        worst(&tp2, &bf16)
+    );
+    for tag in ["bf16", "bf16_tp2"] {
+        let exported = dtypes(&dir.join(tag).join("model.safetensors"));
+        assert!(
+            !exported.is_empty() && exported.iter().all(|(_, d)| d == "BF16"),
+            "{tag}: {exported:?}"
+        );
+    }
 }
 
 #[test]
