@@ -1619,6 +1619,35 @@ fn cat_stack_split_chunk(device: Device) -> Result<()> {
 }
 test_device!(cat_stack_split_chunk);
 
+/// `cat` writes its output into a buffer with unspecified contents (a recycled CPU buffer, the
+/// caching allocator's block on CUDA): every element must come from a piece, none from what the
+/// buffer held before (here NaN), for contiguous and strided pieces.
+fn cat_overwrites_a_recycled_buffer(device: Device) -> Result<()> {
+    let (rows, cols) = (3 << 6, 1 << 8); // 3 * 2^14 elements: large enough to be recycled
+    for _ in 0..3 {
+        drop(Tensor::full(f64::NAN, (rows, cols), DType::F32, device)?);
+    }
+    let a = Tensor::arange(0, (rows * cols / 2) as i64, DType::F32, device)?
+        .reshape((rows, cols / 2))?;
+    let b_t = Tensor::arange(0, (rows * cols / 2) as i64, DType::F32, device)?
+        .reshape((cols / 2, rows))?;
+    let b = b_t.t()?; // a strided piece
+    let out = Tensor::cat(&[&a, &b], 1)?.to_vec::<f32>()?;
+    assert_eq!(out.len(), rows * cols);
+    for r in 0..rows {
+        for c in 0..cols {
+            let expect = if c < cols / 2 {
+                r * cols / 2 + c
+            } else {
+                (c - cols / 2) * rows + r
+            };
+            assert_eq!(out[r * cols + c], expect as f32, "at ({r}, {c})");
+        }
+    }
+    Ok(())
+}
+test_device!(cat_overwrites_a_recycled_buffer);
+
 /// bf16 round-to-nearest-even of an f32, by bit manipulation (independent of `half`).
 fn bf16_round(x: f64) -> f64 {
     let bits = (x as f32).to_bits();

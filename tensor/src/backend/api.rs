@@ -79,6 +79,10 @@ pub(crate) trait BackendStorage: Sized + std::fmt::Debug + Send + Sync + 'static
     fn len(&self) -> usize;
     /// A zero-filled buffer on `device`.
     fn zeros(device: Device, dtype: DType, len: usize) -> Result<Self>;
+    /// A buffer on `device` for an output the caller overwrites completely: its contents are
+    /// unspecified (stale values of a recycled buffer, or whatever the device memory held), so
+    /// never use it for an output that is accumulated into or only partly written.
+    fn output(device: Device, dtype: DType, len: usize) -> Result<Self>;
     /// A buffer of `len` copies of `value` converted to `dtype` (as `as` converts for integers).
     fn full(device: Device, value: f64, dtype: DType, len: usize) -> Result<Self>;
     /// A copy of a host buffer on `device`.

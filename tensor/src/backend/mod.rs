@@ -229,6 +229,11 @@ pub(crate) fn zeros(device: Device, dtype: DType, len: usize) -> Result<Storage>
     with_backend!("zeros", device, S => <S as BackendStorage>::zeros(device, dtype, len).map(S::wrap))
 }
 
+/// See `BackendStorage::output`.
+pub(crate) fn output(device: Device, dtype: DType, len: usize) -> Result<Storage> {
+    with_backend!("output", device, S => <S as BackendStorage>::output(device, dtype, len).map(S::wrap))
+}
+
 pub(crate) fn full(device: Device, value: f64, dtype: DType, len: usize) -> Result<Storage> {
     with_backend!("full", device, S => S::full(device, value, dtype, len).map(S::wrap))
 }

@@ -43,6 +43,13 @@ impl BackendStorage for CpuStorage {
         Ok(CpuStorage::zeros(dtype, len))
     }
 
+    fn output(_device: Device, dtype: DType, len: usize) -> Result<Self> {
+        Ok(match dtype {
+            DType::F32 => CpuStorage::F32(crate::pool::output(len)),
+            _ => CpuStorage::zeros(dtype, len),
+        })
+    }
+
     fn full(_device: Device, value: f64, dtype: DType, n: usize) -> Result<Self> {
         Ok(match dtype {
             DType::F64 => CpuStorage::F64(vec![value; n]),

@@ -29,6 +29,10 @@ impl BackendStorage for CudaStorage {
         basic::zeros(device, dtype, len)
     }
 
+    fn output(device: Device, dtype: DType, len: usize) -> Result<Self> {
+        basic::output(device, dtype, len)
+    }
+
     fn full(device: Device, value: f64, dtype: DType, len: usize) -> Result<Self> {
         basic::full(device, value, dtype, len)
     }

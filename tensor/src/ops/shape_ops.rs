@@ -32,8 +32,9 @@ impl Tensor {
         let mut dims = first.dims().to_vec();
         dims[d] = total;
         let shape = Shape::new(dims);
+        // The pieces cover every element of the output.
         let out = Tensor::from_storage(
-            backend::zeros(first.device(), first.dtype(), shape.elem_count())?,
+            backend::output(first.device(), first.dtype(), shape.elem_count())?,
             shape,
         );
         let mut start = 0;

@@ -24,6 +24,11 @@ pub(crate) fn zeros(device: Device, dtype: DType, len: usize) -> Result<CudaStor
     Ok(out)
 }
 
+/// See `BackendStorage::output`: the caching allocator's block as it is (no memset).
+pub(crate) fn output(device: Device, dtype: DType, len: usize) -> Result<CudaStorage> {
+    CudaStorage::uninit(&ctx_of(device)?, dtype, len)
+}
+
 /// See `BackendStorage::full`: the value converted as the CPU converts it (`as` for integers,
 /// one rounding for floats), written by a memset of its bit pattern for 1-, 2- and 4-byte
 /// dtypes and by `fill_f64` / `fill_i64` for 8-byte ones.

@@ -40,7 +40,7 @@ pub(super) use elementwise::{add_assign_contiguous, binary, compare, unary, wher
 pub(super) use indexing::{
     embedding, embedding_backward, gather, gather_backward, index_select, index_select_backward,
 };
-pub(super) use memory::{arange, from_host, full, random, read_elements, to_host, zeros};
+pub(super) use memory::{arange, from_host, full, output, random, read_elements, to_host, zeros};
 pub(super) use reduce::reduce;
 
 /// The context of a CUDA device (the dispatch only hands CUDA devices to this backend).
