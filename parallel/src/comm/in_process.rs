@@ -9,9 +9,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use meshgrad_tensor::storage::CpuStorage;
-use meshgrad_tensor::{CommErrorKind, DType, Device, Error, Result, Shape, Tensor};
+use meshgrad_tensor::{CommErrorKind, Device, Error, Result, Shape, Tensor};
 
-use super::{format_ranks, reduce, Communicator, Pending, ReduceOp, Work};
+use super::call::{Call, Kind};
+use super::{format_ranks, reduce, with_peer, Communicator, Pending, ReduceOp, Work};
 
 /// Locks a mutex, recovering the data if a panicking thread poisoned it: every critical section
 /// here leaves the tables consistent, and rank failures are reported through [`World`] instead.
@@ -143,50 +144,6 @@ impl World {
 struct Payload {
     data: CpuStorage,
     shape: Shape,
-}
-
-/// What a rank called, for matching across ranks.
-#[derive(Clone, Debug, PartialEq)]
-enum Kind {
-    AllReduce(ReduceOp),
-    ReduceScatter(ReduceOp),
-    AllGather,
-    Broadcast(usize),
-    Barrier,
-}
-
-impl Kind {
-    fn name(&self) -> &'static str {
-        match self {
-            Kind::AllReduce(_) => "all_reduce",
-            Kind::ReduceScatter(_) => "reduce_scatter",
-            Kind::AllGather => "all_gather",
-            Kind::Broadcast(_) => "broadcast",
-            Kind::Barrier => "barrier",
-        }
-    }
-}
-
-#[derive(Clone, Debug, PartialEq)]
-struct Call {
-    kind: Kind,
-    /// Dtype and shape of the tensor passed (none for a barrier).
-    tensor: Option<(DType, Shape)>,
-}
-
-impl std::fmt::Display for Call {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let mut args = Vec::new();
-        match &self.kind {
-            Kind::AllReduce(op) | Kind::ReduceScatter(op) => args.push(op.to_string()),
-            Kind::Broadcast(root) => args.push(format!("root {root}")),
-            Kind::AllGather | Kind::Barrier => {}
-        }
-        if let Some((dt, shape)) = &self.tensor {
-            args.push(format!("{dt} {shape}"));
-        }
-        write!(f, "{}({})", self.kind.name(), args.join(", "))
-    }
 }
 
 enum Outcome {
@@ -797,14 +754,6 @@ impl RecvWait {
             kind,
         );
         with_peer(e, self.group.members[self.src])
-    }
-}
-
-/// Sets the peer of a [`CommError`].
-fn with_peer(e: Error, peer: usize) -> Error {
-    match e {
-        Error::Comm(c) => Error::Comm(Box::new(c.with_peer(peer))),
-        e => e,
     }
 }
 

@@ -97,6 +97,7 @@
 //! backends and picks the default one from the device and the environment.
 
 pub mod backend;
+mod call;
 mod coalesced;
 pub mod env;
 mod in_process;
@@ -108,6 +109,7 @@ pub mod nccl;
 mod reduce;
 pub mod rendezvous;
 pub mod store;
+pub mod tcp;
 pub mod tree;
 mod work;
 
@@ -273,6 +275,16 @@ pub(crate) fn group_position(
     ranks.iter().position(|&r| r == me).ok_or_else(|| {
         format!("this rank (group rank {me}) is not among {ranks:?}; only members create a group")
     })
+}
+
+/// Sets the peer of an [`Error::Comm`](meshgrad_tensor::Error::Comm) (other errors unchanged).
+pub(crate) fn with_peer(e: meshgrad_tensor::Error, peer: usize) -> meshgrad_tensor::Error {
+    match e {
+        meshgrad_tensor::Error::Comm(c) => {
+            meshgrad_tensor::Error::Comm(Box::new(c.with_peer(peer)))
+        }
+        e => e,
+    }
 }
 
 /// Formats global ranks as `[0,1,2,3]`.

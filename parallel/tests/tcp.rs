@@ -1,0 +1,302 @@
+//! The TCP backend over real sockets on the loopback interface (its ranks are threads here, each
+//! with its own connections, as processes would have): every collective gives the in-process
+//! backend's bits for every dtype, reduce op and group size (uneven blocks included), sub-groups
+//! progress independently, messages arrive in order, and mismatches, timeouts and exited peers
+//! fail with typed errors.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use meshgrad_parallel::comm::store::TcpStore;
+use meshgrad_parallel::comm::tcp::TcpCommunicator;
+use meshgrad_parallel::comm::{run_ranks, P2pOp, P2pWork, ReduceOp, RunOptions};
+use meshgrad_parallel::Communicator;
+use meshgrad_tensor::{CommErrorKind, DType, Device, Error, Random, Result, Tensor};
+
+/// Runs `f` on every rank of a TCP world of `w` ranks (threads of this process, each connected
+/// over loopback TCP) and returns the ranks' results in rank order.
+fn tcp_world<T: Send>(
+    w: usize,
+    timeout: Duration,
+    f: impl Fn(Arc<TcpCommunicator>) -> T + Sync,
+) -> Vec<T> {
+    let first = TcpStore::serve(0, w, timeout).unwrap();
+    let port = first.port();
+    let first = Mutex::new(Some(first));
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..w)
+            .map(|r| {
+                let (f, first) = (&f, &first);
+                s.spawn(move || {
+                    let store = match r {
+                        0 => first.lock().unwrap().take().unwrap(),
+                        _ => TcpStore::connect("127.0.0.1", port, r, w, timeout).unwrap(),
+                    };
+                    let comm =
+                        TcpCommunicator::connect(r, w, "127.0.0.1", Arc::new(store), timeout)
+                            .unwrap();
+                    f(comm)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Rank r's input: distinct random values with a spread of magnitudes, so sums in another
+/// order would round differently.
+fn input(rank: usize, salt: usize, shape: &[usize], dtype: DType) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let off = ((rank * 131 + salt) * (n + 1)) as u64;
+    let t = Random::new(7)
+        .offset(off)
+        .dtype(DType::F64)
+        .normal(shape.to_vec(), 0.0, 3.0)?;
+    let scale = Random::new(8)
+        .offset(off)
+        .dtype(DType::F64)
+        .normal(shape.to_vec(), 0.0, 2.0)?
+        .exp()?;
+    let t = t.mul(&scale)?;
+    if dtype.is_float() {
+        t.to_dtype(dtype)
+    } else {
+        t.mul_scalar(1000.0)?.to_dtype(dtype)
+    }
+}
+
+/// A result as compared: shape, dtype, bytes.
+type Bits = (Vec<usize>, DType, Vec<u8>);
+
+fn bits(t: &Tensor) -> Bits {
+    (
+        t.dims().to_vec(),
+        t.dtype(),
+        t.to_cpu_storage().unwrap().as_bytes().to_vec(),
+    )
+}
+
+/// Every collective on `comm` and on two sub-groups, launched before any wait (so several are
+/// in flight at once); the results' shapes, dtypes and bytes.
+fn every_collective(comm: &dyn Communicator) -> Result<Vec<Bits>> {
+    let (r, w) = (comm.rank(), comm.world_size());
+    let mut works = Vec::new();
+    for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16, DType::I64] {
+        let ops: &[ReduceOp] = if dtype.is_float() {
+            &[ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max]
+        } else {
+            &[ReduceOp::Sum, ReduceOp::Max]
+        };
+        for (k, &op) in ops.iter().enumerate() {
+            // 15 elements: uneven blocks over 2 and 4 ranks; a 0-d tensor; an empty one.
+            for (s, shape) in [vec![5, 3], vec![], vec![0]].iter().enumerate() {
+                works.push(comm.all_reduce(&input(r, 10 * k + s, shape, dtype)?, op)?);
+            }
+            let rs = input(r, 100 + k, &[2 * w, 3], dtype)?;
+            works.push(comm.reduce_scatter(&rs, op)?);
+        }
+        works.push(comm.all_gather(&input(r, 200, &[2, 3], dtype)?)?);
+        works.push(comm.all_gather(&input(r, 201, &[], dtype)?)?);
+        works.push(comm.broadcast(&input(r, 300, &[4, 2], dtype)?, w - 1)?);
+    }
+    let mut out: Vec<_> = Vec::new();
+    for work in works {
+        out.push(bits(&work.wait()?));
+    }
+    comm.barrier()?.wait()?;
+    if w >= 2 {
+        // Two groups in opposite orders on alternate ranks: they must not wait for each other.
+        let evens: Vec<usize> = (0..w).step_by(2).collect();
+        let odds: Vec<usize> = (1..w).step_by(2).collect();
+        let all: Vec<usize> = (0..w).rev().collect();
+        let mine = if r % 2 == 0 { &evens } else { &odds };
+        let sub = comm.new_group(mine, "parity")?;
+        let rev = comm.new_group(&all, "reversed")?;
+        let x = input(r, 400, &[7], DType::F32)?;
+        let (a, b) = if r % 2 == 0 {
+            let a = sub.all_reduce(&x, ReduceOp::Sum)?;
+            (a, rev.all_reduce(&x, ReduceOp::Sum)?)
+        } else {
+            let b = rev.all_reduce(&x, ReduceOp::Sum)?;
+            (sub.all_reduce(&x, ReduceOp::Sum)?, b)
+        };
+        out.push(bits(&a.wait()?));
+        out.push(bits(&b.wait()?));
+        out.push(bits(&rev.all_gather(&x)?.wait()?));
+    }
+    Ok(out)
+}
+
+#[test]
+fn collectives_give_the_in_process_backends_bits() {
+    let timeout = Duration::from_secs(30);
+    for w in [1, 2, 3, 4] {
+        let threads = run_ranks(w, &RunOptions::with_timeout(timeout), |ctx| {
+            every_collective(ctx.comm.as_ref())
+        })
+        .unwrap();
+        let tcp = tcp_world(w, timeout, |c| every_collective(c.as_ref()).unwrap());
+        assert_eq!(threads.len(), tcp.len());
+        for (rank, (a, b)) in threads.iter().zip(&tcp).enumerate() {
+            assert_eq!(a.len(), b.len());
+            for (i, (x, y)) in a.iter().zip(b).enumerate() {
+                assert_eq!(x, y, "world {w}, rank {rank}, result {i}");
+            }
+        }
+        // And the sums are real: the all-reduce of ranks' values differs from rank 0's own.
+        if w > 1 {
+            assert_ne!(
+                tcp[0][0].2,
+                bits(&input(0, 0, &[5, 3], DType::F32).unwrap()).2
+            );
+        }
+    }
+}
+
+#[test]
+fn messages_arrive_in_order_and_large_exchanges_do_not_deadlock() {
+    let w = 3;
+    let got = tcp_world(w, Duration::from_secs(30), |c| {
+        let (r, w) = (c.rank(), c.world_size());
+        let (next, prev) = ((r + 1) % w, (r + w - 1) % w);
+        for k in 0..5 {
+            let t = Tensor::from_vec(vec![(r * 10 + k) as f32; k + 1], k + 1, Device::Cpu)?;
+            let _ = c.send(&t, next)?;
+        }
+        let mut seen = Vec::new();
+        for _ in 0..5 {
+            seen.push(c.recv(prev)?.wait()?.to_vec::<f32>()?);
+        }
+        // Both neighbours send 16 MiB to each other at once, in one batch.
+        let big = Tensor::full(r as f64, 4 << 20, DType::F32, Device::Cpu)?;
+        let works = c.batch_p2p(vec![
+            P2pOp::Send {
+                tensor: big,
+                peer: next,
+            },
+            P2pOp::Recv { peer: prev },
+        ])?;
+        let mut received = None;
+        for wk in works {
+            match wk {
+                P2pWork::Send(s) => s.wait()?,
+                P2pWork::Recv(rv) => received = Some(rv.wait()?),
+            }
+        }
+        let received = received.expect("a receive");
+        Ok::<_, Error>((seen, received.to_vec::<f32>()?))
+    });
+    for (r, res) in got.into_iter().enumerate() {
+        let (seen, big) = res.unwrap();
+        let prev = (r + w - 1) % w;
+        for (k, v) in seen.iter().enumerate() {
+            assert_eq!(
+                v,
+                &vec![(prev * 10 + k) as f32; k + 1],
+                "rank {r} message {k}"
+            );
+        }
+        assert_eq!(big.len(), 4 << 20);
+        assert!(big.iter().all(|&x| x == prev as f32));
+    }
+}
+
+fn comm_kind(e: &Error) -> &CommErrorKind {
+    match e {
+        Error::Comm(c) => &c.kind,
+        e => panic!("not a communication error: {e}"),
+    }
+}
+
+#[test]
+fn mismatched_collectives_name_both_calls() {
+    let got = tcp_world(2, Duration::from_secs(30), |c| {
+        let x = Tensor::from_vec(vec![1f32, 2.0], 2, Device::Cpu).unwrap();
+        let w = if c.rank() == 0 {
+            c.all_reduce(&x, ReduceOp::Sum).unwrap()
+        } else {
+            c.all_gather(&x).unwrap()
+        };
+        w.wait().unwrap_err()
+    });
+    for (r, e) in got.iter().enumerate() {
+        match comm_kind(e) {
+            CommErrorKind::Mismatch { rank, other, calls } => {
+                assert_eq!((*rank, *other), (r, 1 - r));
+                let both = calls.join(" | ");
+                assert!(both.contains("all_reduce(sum, f32 [2])"), "{both}");
+                assert!(both.contains("all_gather(f32 [2])"), "{both}");
+            }
+            k => panic!("rank {r}: {k:?}"),
+        }
+        assert!(e.to_string().contains("all_"), "{e}");
+    }
+}
+
+#[test]
+fn a_rank_that_does_not_join_is_named_after_the_timeout() {
+    let timeout = Duration::from_millis(600);
+    let got = tcp_world(3, timeout, |c| {
+        let x = Tensor::from_vec(vec![1f32; 4], 4, Device::Cpu).unwrap();
+        if c.rank() == 2 {
+            // Stays connected but never joins, until the others have timed out.
+            std::thread::sleep(timeout * 3);
+            return None;
+        }
+        let t0 = Instant::now();
+        let e = c.all_reduce(&x, ReduceOp::Sum).unwrap().wait().unwrap_err();
+        Some((e, t0.elapsed()))
+    });
+    for (r, res) in got.into_iter().take(2).enumerate() {
+        let (e, took) = res.unwrap();
+        match comm_kind(&e) {
+            CommErrorKind::Timeout { missing, .. } => assert_eq!(missing, &vec![2], "rank {r}"),
+            k => panic!("rank {r}: {k:?}"),
+        }
+        assert!(took >= timeout && took < timeout * 3, "rank {r}: {took:?}");
+        let text = e.to_string();
+        assert!(text.contains("all_reduce #0"), "{text}");
+    }
+}
+
+#[test]
+fn an_exited_peer_fails_the_waiters_at_once() {
+    let timeout = Duration::from_secs(30);
+    let got = tcp_world(2, timeout, |c| {
+        if c.rank() == 1 {
+            drop(c); // closes its connections
+            return None;
+        }
+        let t0 = Instant::now();
+        let e = c.recv(1).unwrap().wait().unwrap_err();
+        Some((e, t0.elapsed()))
+    });
+    let (e, took) = got.into_iter().next().unwrap().unwrap();
+    assert_eq!(
+        comm_kind(&e),
+        &CommErrorKind::PeerExited { ranks: vec![1] },
+        "{e}"
+    );
+    assert!(took < Duration::from_secs(10), "{took:?}");
+}
+
+#[test]
+fn invalid_arguments_are_refused_at_launch() {
+    let got = tcp_world(2, Duration::from_secs(30), |c| {
+        let x = Tensor::from_vec(vec![1i64, 2, 3], 3, Device::Cpu).unwrap();
+        let errs = [
+            c.all_reduce(&x, ReduceOp::Avg).unwrap_err(),
+            c.reduce_scatter(&x, ReduceOp::Sum).unwrap_err(),
+            c.broadcast(&x, 2).unwrap_err(),
+            c.send(&x, c.rank()).unwrap_err(),
+            c.recv(5).unwrap_err(),
+            c.new_group(&[0, 0], "dup").unwrap_err(),
+        ];
+        errs.iter()
+            .map(|e| matches!(comm_kind(e), CommErrorKind::Invalid(_)))
+            .collect::<Vec<_>>()
+    });
+    for r in got {
+        assert!(r.iter().all(|&ok| ok), "{r:?}");
+    }
+}
