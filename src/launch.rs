@@ -18,7 +18,9 @@
 //!   from mpirun's own message (Open MPI's wording) and fails with the same kind of line, e.g.
 //!   `rank 2 was killed by signal 9 (SIGKILL); mpirun stopped the other ranks (...)`.
 //!
-//! * `--backend nccl` starts plain processes as `threads` does, with `MESHGRAD_BACKEND=nccl` so
+//! * The default, `--backend tcp`, starts plain processes; `meshgrad train` in them trains over
+//!   the TCP backend (`parallel::comm::tcp`), its ranks connecting through rank 0's store.
+//! * `--backend nccl` starts plain processes as `tcp` does, with `MESHGRAD_BACKEND=nccl` so
 //!   that `meshgrad train` in each rank uses the NCCL backend on `cuda:LOCAL_RANK`, rendezvousing
 //!   through rank 0's store. It first checks that NCCL can run here (built with `--features
 //!   nccl`, at least `--nproc-per-node` CUDA devices) and fails in one line saying why not.
@@ -44,8 +46,9 @@ pub const GRACE: Duration = Duration::from_secs(5);
 /// Which launcher starts the ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LaunchBackend {
-    /// Plain child processes with torchrun's variables.
-    Threads,
+    /// Plain child processes with torchrun's variables (`meshgrad train` in them trains over
+    /// TCP).
+    Tcp,
     /// The system's `mpirun`.
     Mpi,
     /// Plain child processes, one per GPU, training over NCCL (`MESHGRAD_BACKEND=nccl`).
@@ -60,12 +63,10 @@ impl std::str::FromStr for LaunchBackend {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         match s {
-            "threads" => Ok(LaunchBackend::Threads),
+            "tcp" => Ok(LaunchBackend::Tcp),
             "mpi" => Ok(LaunchBackend::Mpi),
             "nccl" => Ok(LaunchBackend::Nccl),
-            _ => Err(format!(
-                "unknown backend {s:?} (expected threads, mpi or nccl)"
-            )),
+            _ => Err(format!("unknown backend {s:?} (expected tcp, mpi or nccl)")),
         }
     }
 }
@@ -109,7 +110,7 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
     }
     let exe = std::env::current_exe().context("finding the meshgrad executable")?;
     match opts.backend {
-        LaunchBackend::Threads => launch_processes(&exe, opts),
+        LaunchBackend::Tcp => launch_processes(&exe, opts),
         LaunchBackend::Mpi => launch_mpirun(&exe, opts),
         LaunchBackend::Nccl => {
             if let Some(why) =
@@ -572,11 +573,12 @@ fn launch_mpirun(exe: &Path, opts: &LaunchOptions) -> Result<()> {
     }
 }
 
-/// Refuses a `meshgrad train` that was started as one of several processes (torchrun's or
-/// Slurm's variables with a world size above 1) when no multi-process backend can join them:
-/// each process would otherwise train its own independent copy of the model. Ranks of an MPI
-/// world pass: Open MPI's (`mpirun`), and Slurm's tasks started with PMIx (`srun --mpi=pmix`,
-/// which sets `PMIX_RANK`), whose `MPI_Init` forms the world; they train over MPI (see
+/// Refuses a `meshgrad train` whose backend runs ranks as threads (or MPI) but that was started
+/// as one of several processes (torchrun's or Slurm's variables with a world size above 1): each
+/// process would otherwise train its own independent copy of the model. (torchrun's processes
+/// train over TCP by default and do not come here.) Ranks of an MPI world pass: Open MPI's
+/// (`mpirun`), and Slurm's tasks started with PMIx (`srun --mpi=pmix`, which sets `PMIX_RANK`),
+/// whose `MPI_Init` forms the world; they train over MPI (see
 /// `train_parallel::check_mpi_world`, which says to rebuild without the `mpi` feature).
 pub fn refuse_multi_process(env: &RankEnv) -> Result<()> {
     refuse_multi_process_with(env, std::env::var_os("PMIX_RANK").is_some())
@@ -590,15 +592,16 @@ fn refuse_multi_process_with(env: &RankEnv, pmix: bool) -> Result<()> {
     }
     if env.is_multi_process() {
         let how = if env.source == EnvSource::Slurm {
-            "; under srun, MPI joins them: `srun --mpi=pmix` with meshgrad built with \
+            "under srun, MPI joins them: `srun --mpi=pmix` with meshgrad built with \
              `--features mpi`"
         } else {
-            ""
+            "train them over TCP with --backend tcp (the default under meshgrad launch and \
+             torchrun)"
         };
         bail!(
-            "{}={} ({}, rank {}) asks for {} processes, but meshgrad train has no multi-process \
-             backend for them yet (each would train alone){how}; or run one process with \
-             --layout dp={} (ranks as threads)",
+            "{}={} ({}, rank {}) asks for {} processes, but this run's backend cannot join \
+             them (each would train alone): {how}; or run one process with --layout dp={} \
+             (ranks as threads)",
             env.source.world_size_var(),
             env.world_size,
             env.source.describe(),

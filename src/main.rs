@@ -201,9 +201,10 @@ enum Command {
         /// Port of rank 0's store (default: a free port on one node, 29500 across nodes).
         #[arg(long)]
         master_port: Option<u16>,
-        /// threads: start the processes directly; mpi: through the system's mpirun -np N; nccl:
-        /// directly, one per GPU, training over NCCL (needs a build with --features nccl).
-        #[arg(long, default_value = "threads", value_parser = ["threads", "mpi", "nccl"])]
+        /// tcp: start the processes directly (meshgrad train in them trains over TCP); mpi:
+        /// through the system's mpirun -np N; nccl: directly, one per GPU, training over NCCL
+        /// (needs a build with --features nccl).
+        #[arg(long, default_value = "tcp", value_parser = ["tcp", "mpi", "nccl"])]
         backend: String,
         /// The meshgrad arguments every rank runs, after --, e.g. -- train --steps 10.
         #[arg(last = true, value_name = "ARGS")]
@@ -405,10 +406,12 @@ struct TrainArgs {
     #[arg(long, value_name = "SECS", default_value_t = 300.0)]
     collective_timeout: f64,
     /// With --layout: how the ranks communicate: threads (ranks as threads of this process),
-    /// mpi (one rank per process under mpirun), nccl (one rank per process and GPU, under
-    /// `meshgrad launch --backend nccl`; needs a build with --features nccl). Default:
-    /// MESHGRAD_BACKEND when set (meshgrad launch sets it), else threads, or mpi under mpirun.
-    #[arg(long, value_parser = ["threads", "mpi", "nccl"])]
+    /// tcp (one rank per process under `meshgrad launch` or torchrun), mpi (one rank per
+    /// process under mpirun), nccl (one rank per process and GPU, under `meshgrad launch
+    /// --backend nccl`; needs a build with --features nccl). Default: MESHGRAD_BACKEND when set
+    /// (meshgrad launch --backend nccl sets it), else tcp under meshgrad launch or torchrun, mpi
+    /// under mpirun, threads in a single process.
+    #[arg(long, value_parser = ["threads", "tcp", "mpi", "nccl"])]
     backend: Option<String>,
 }
 
@@ -449,14 +452,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Train(a) => {
             let env = meshgrad::parallel::comm::RankEnv::detect()?;
             let backend = meshgrad::train_parallel::resolve_backend(a.backend.as_deref(), &env)?;
-            if backend == meshgrad::parallel::comm::Backend::Nccl {
-                if a.layout.is_none() {
-                    anyhow::bail!(
-                        "--backend nccl: give a --layout of {} ranks (WORLD_SIZE)",
-                        env.world_size
-                    );
-                }
-            } else {
+            use meshgrad::parallel::comm::Backend;
+            if !matches!(backend, Backend::Nccl | Backend::Tcp) {
                 meshgrad::launch::refuse_multi_process(&env)?;
             }
             let cfg = train_config(&a)?;
@@ -500,6 +497,7 @@ fn run(cli: Cli) -> Result<()> {
             let layout: Option<meshgrad::parallel::ParallelLayout> =
                 a.layout.as_deref().map(str::parse).transpose()?;
             meshgrad::train_parallel::check_mpi_world(layout.as_ref())?;
+            meshgrad::train_parallel::check_process_layout(backend, &env, layout.as_ref())?;
             if cfg.model.kind == "bert" {
                 meshgrad::train_bert::train_bert(&cfg, layout.as_ref(), &opts, Verbosity::Normal)?;
                 return Ok(());

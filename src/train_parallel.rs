@@ -197,8 +197,13 @@ pub(crate) fn on_ranks<T: Send>(
     reference: bool,
     body: impl Fn(&RankCtx, &LayoutMesh) -> Result<Option<T>> + Send + Sync,
 ) -> Result<T> {
-    if selected_backend() == Backend::Nccl {
-        return on_nccl_rank(layout, timeout, reference, body);
+    match selected_backend() {
+        Backend::Nccl => return on_nccl_rank(layout, timeout, reference, body),
+        Backend::Tcp => {
+            let world = tcp_world(layout, timeout)?;
+            return on_process_rank(world, layout, reference, body, || Ok(()));
+        }
+        Backend::Threads | Backend::Mpi => {}
     }
     if let Some(n) = mpi_world_size() {
         return on_mpi_rank(layout, n, timeout, reference, body);
@@ -229,9 +234,10 @@ pub(crate) fn selected_backend() -> Backend {
 /// Chooses `meshgrad train`'s communication backend: `flag` (`--backend`), else
 /// `MESHGRAD_BACKEND` (which `meshgrad launch --backend nccl` sets), else
 /// [`default_backend`](meshgrad_parallel::comm::default_backend) for the CPU, where training
-/// runs (threads, or mpi under mpirun: today's behaviour). NCCL is checked at once: a one-line
-/// error when this build has no NCCL or this process has no GPU `cuda:LOCAL_RANK`; `mpi` needs
-/// mpirun's variables. The choice is kept for the layout runner (`on_ranks`).
+/// runs (threads in one process, tcp between the processes of `meshgrad launch` or torchrun,
+/// mpi under mpirun). NCCL is checked at once: a one-line error when this build has no NCCL or
+/// this process has no GPU `cuda:LOCAL_RANK`; `mpi` needs mpirun's variables, `tcp` torchrun's
+/// (`MASTER_PORT`). The choice is kept for the layout runner (`on_ranks`).
 pub fn resolve_backend(flag: Option<&str>, env: &RankEnv) -> Result<Backend> {
     let var = std::env::var(crate::launch::BACKEND_VAR)
         .ok()
@@ -252,10 +258,46 @@ pub fn resolve_backend(flag: Option<&str>, env: &RankEnv) -> Result<Backend> {
             "--backend mpi: this process was not started by mpirun as one of several ranks \
              (run `meshgrad launch --backend mpi --nproc-per-node N -- train ...` or mpirun -np N)"
         ),
+        Backend::Tcp if env.source != meshgrad_parallel::comm::EnvSource::Torchrun => {
+            anyhow::bail!(
+                "--backend tcp: this process was not started by meshgrad launch or torchrun (no \
+                 RANK and WORLD_SIZE); run `meshgrad launch --nproc-per-node N -- train ...`"
+            )
+        }
+        Backend::Tcp if env.master_port.is_none() => anyhow::bail!(
+            "--backend tcp: MASTER_PORT is not set: rank {} cannot find rank 0's store (meshgrad \
+             launch and torchrun set MASTER_ADDR and MASTER_PORT)",
+            env.rank
+        ),
         _ => {}
     }
     let _ = BACKEND.set(chosen);
     Ok(chosen)
+}
+
+/// Fails at once when this process is one rank of a job of processes over NCCL or TCP but the
+/// layout cannot use them: no `--layout`, or one of another number of ranks.
+pub fn check_process_layout(
+    backend: Backend,
+    env: &RankEnv,
+    layout: Option<&ParallelLayout>,
+) -> Result<()> {
+    if !matches!(backend, Backend::Nccl | Backend::Tcp) {
+        return Ok(());
+    }
+    match layout {
+        None => anyhow::bail!(
+            "--backend {backend}: give a --layout of {} ranks (WORLD_SIZE)",
+            env.world_size
+        ),
+        Some(l) if l.world_size() != env.world_size => anyhow::bail!(
+            "--layout {l} needs {} ranks, but this is one of {} processes ({})",
+            l.world_size(),
+            env.world_size,
+            env.source.describe()
+        ),
+        Some(_) => Ok(()),
+    }
 }
 
 /// `on_ranks` under `meshgrad launch --backend nccl`: this process runs its single rank over
@@ -272,7 +314,6 @@ fn on_nccl_rank<T: Send>(
 ) -> Result<T> {
     use meshgrad_parallel::comm::nccl::NcclCommunicator;
     use meshgrad_parallel::comm::store::TcpStore;
-    use meshgrad_tensor::alloc::{with_tracker, MemoryTracker};
     let env = RankEnv::detect()?;
     if layout.world_size() != env.world_size {
         anyhow::bail!(
@@ -283,10 +324,30 @@ fn on_nccl_rank<T: Send>(
     }
     let store = Arc::new(TcpStore::from_env(&env, timeout)?);
     let world: Arc<dyn Communicator> = NcclCommunicator::world(&env, store.clone(), timeout)?;
+    on_process_rank(world, layout, reference, body, move || {
+        // Every rank leaves the store's barrier before rank 0 drops (and stops) it.
+        store.barrier("nccl-done")?;
+        drop(store);
+        Ok(())
+    })
+}
+
+/// `on_ranks` in a job of processes (NCCL's or TCP's): this process runs its single rank of
+/// `world`. After the last barrier `done` runs on every rank. Rank 0 returns its result; the
+/// other ranks exit once every rank has finished; an error on any rank is printed with its rank
+/// and ends the process with status 1 (the launcher then stops the others).
+fn on_process_rank<T: Send>(
+    world: Arc<dyn Communicator>,
+    layout: &ParallelLayout,
+    reference: bool,
+    body: impl Fn(&RankCtx, &LayoutMesh) -> Result<Option<T>>,
+    done: impl FnOnce() -> Result<()>,
+) -> Result<T> {
+    use meshgrad_tensor::alloc::{with_tracker, MemoryTracker};
     let tracker = MemoryTracker::new();
     let ctx = RankCtx {
-        rank: env.rank,
-        world_size: env.world_size,
+        rank: world.rank(),
+        world_size: world.world_size(),
         comm: world,
         tracker: tracker.clone(),
     };
@@ -297,12 +358,12 @@ fn on_nccl_rank<T: Send>(
         ctx.comm.barrier()?.wait()?;
         Ok(r)
     });
-    match r {
+    match r.and_then(|r| {
+        drop(ctx);
+        done()?;
+        Ok(r)
+    }) {
         Ok(r) => {
-            drop(ctx);
-            // Every rank leaves the store's barrier before rank 0 drops (and stops) it.
-            store.barrier("nccl-done")?;
-            drop(store);
             if rank != 0 {
                 std::process::exit(0);
             }
@@ -313,6 +374,30 @@ fn on_nccl_rank<T: Send>(
             std::process::exit(1)
         }
     }
+}
+
+/// This process's rank of the TCP job that `meshgrad launch` or torchrun started (connected on
+/// the first call, within `timeout`, which is also its watchdog's; later calls return the same
+/// world). The layout must have as many ranks as the job.
+fn tcp_world(layout: &ParallelLayout, timeout: Duration) -> Result<Arc<dyn Communicator>> {
+    use meshgrad_parallel::comm::store::TcpStore;
+    use meshgrad_parallel::comm::tcp::TcpCommunicator;
+    static WORLD: std::sync::OnceLock<Arc<TcpCommunicator>> = std::sync::OnceLock::new();
+    let env = RankEnv::detect()?;
+    if layout.world_size() != env.world_size {
+        anyhow::bail!(
+            "--layout {layout} needs {} ranks, but this is one of {} processes ({})",
+            layout.world_size(),
+            env.world_size,
+            env.source.describe()
+        );
+    }
+    if let Some(w) = WORLD.get() {
+        return Ok(w.clone());
+    }
+    let store = Arc::new(TcpStore::from_env(&env, timeout)?);
+    let world = TcpCommunicator::world(&env, store, timeout)?;
+    Ok(WORLD.get_or_init(|| world).clone())
 }
 
 #[cfg(not(feature = "nccl"))]
@@ -349,10 +434,17 @@ fn mpi_world_size_from(var: &dyn Fn(&str) -> Option<String>) -> Option<usize> {
         .filter(|&n| n > 1)
 }
 
-/// Under an MPI launcher, this process's MPI world (initialising MPI on the first call; the same
-/// world [`on_ranks`] then runs on), for what the ranks must agree on before they start, e.g.
-/// the pipeline's partition. `None` when this process is not one of several MPI ranks.
-pub(crate) fn mpi_world(layout: &ParallelLayout) -> Result<Option<Arc<dyn Communicator>>> {
+/// In a job of processes, this process's world (the same world [`on_ranks`] then runs on), for
+/// what the ranks must agree on before they start, e.g. the pipeline's partition: MPI's under an
+/// MPI launcher (initialising MPI on the first call), TCP's under `meshgrad launch` or torchrun
+/// (connecting within `timeout`). `None` when this process is the only one.
+pub(crate) fn process_world(
+    layout: &ParallelLayout,
+    timeout: Duration,
+) -> Result<Option<Arc<dyn Communicator>>> {
+    if selected_backend() == Backend::Tcp {
+        return tcp_world(layout, timeout).map(Some);
+    }
     let Some(n) = mpi_world_size() else {
         return Ok(None);
     };
@@ -372,17 +464,19 @@ pub(crate) fn mpi_world(layout: &ParallelLayout) -> Result<Option<Arc<dyn Commun
     unreachable!("check_mpi_world fails without the mpi feature ({n} ranks)")
 }
 
-/// Under MPI, the value of `r`, or, on an error this rank's peers cannot know about, the error
-/// printed with the rank and the whole job ended (`MPI_Abort`) instead of leaving the peers
-/// waiting.
+/// In a job of processes, the value of `r`, or, on an error this rank's peers cannot know
+/// about, the error printed with the rank and this process ended instead of leaving the peers
+/// waiting: under MPI the whole job (`MPI_Abort`); otherwise with status 1, and the launcher
+/// stops the others.
 pub(crate) fn or_abort_job<T>(rank: usize, r: Result<T>) -> T {
     match r {
         Ok(v) => v,
         Err(e) => {
             eprintln!("error: rank {rank}: {e:#}");
             #[cfg(feature = "mpi")]
-            meshgrad_parallel::comm::mpi::abort(1);
-            #[cfg(not(feature = "mpi"))]
+            if mpi_world_size().is_some() {
+                meshgrad_parallel::comm::mpi::abort(1);
+            }
             std::process::exit(1)
         }
     }

@@ -250,8 +250,8 @@ fn profile_task<T: PipelineTask>(task: &T, rows: usize) -> Result<ModelCosts> {
 /// The partition and schedule a pipeline run uses, chosen before the ranks start.
 pub(crate) struct PipelinePlan {
     pub(crate) schedule: Schedule,
-    /// The partition with its predicted costs; `None` on the MPI ranks other than 0, which take
-    /// rank 0's boundaries without profiling (see [`plan_on_mpi`]).
+    /// The partition with its predicted costs; `None` on the ranks other than 0 of a job of
+    /// processes, which take rank 0's boundaries without profiling (see [`plan_on_world`]).
     pub(crate) partition: Option<Partition>,
     /// The first block of each virtual stage.
     pub(crate) boundaries: Vec<usize>,
@@ -352,12 +352,12 @@ fn profile_and_partition<T: PipelineTask>(
     })
 }
 
-/// The plan under MPI, where every process is one rank: the profile is timed in each process
+/// The plan in a job of processes (MPI or TCP), where every process is one rank: the profile is timed in each process
 /// (by ranks competing for the same cores), so `--partition auto`, `speed` or `memory` could cut
 /// the model differently on different ranks. World rank 0 alone profiles and partitions, and
 /// broadcasts the first block of each virtual stage; the other ranks build those stages without
 /// profiling. An error in rank 0's profiling ends the job.
-fn plan_on_mpi<T: PipelineTask>(
+fn plan_on_world<T: PipelineTask>(
     task: &T,
     layout: &ParallelLayout,
     opts: &TrainOptions,
@@ -574,11 +574,12 @@ pub(crate) fn train_pipeline<T: PipelineTask>(
 ) -> Result<TrainSummary> {
     opts.activation_checkpointing.check(layout.pp())?;
     let (schedule, method) = pipeline_shape(task, layout, opts)?;
-    // Under MPI this process is one rank of the world; rank 0 alone plans and prints.
-    let mpi = crate::train_parallel::mpi_world(layout)?;
-    let plan = match &mpi {
+    // In a job of processes this process is one rank of the world; rank 0 alone plans and
+    // prints.
+    let world = crate::train_parallel::process_world(layout, opts.collective_timeout)?;
+    let plan = match &world {
         None => profile_and_partition(task, layout, opts, schedule, &method)?,
-        Some(world) => plan_on_mpi(task, layout, opts, schedule, &method, world.as_ref())?,
+        Some(world) => plan_on_world(task, layout, opts, schedule, &method, world.as_ref())?,
     };
     if let Some(partition) = plan
         .partition
@@ -613,8 +614,8 @@ pub(crate) fn train_pipeline<T: PipelineTask>(
             &Timelines {
                 all: &timelines,
                 windows: &step_windows,
-                // Under MPI the other ranks' timelines are in their own processes.
-                gather: mpi.is_some(),
+                // In a job of processes the other ranks' timelines are in their own processes.
+                gather: world.is_some(),
             },
             verbosity,
         )
@@ -710,7 +711,7 @@ const SPAN_KINDS: [SpanKind; 7] = [
     SpanKind::Optimizer,
 ];
 
-/// Under MPI: every rank sends its spans and step windows to world rank 0, which adds them to
+/// In a job of processes: every rank sends its spans and step windows to world rank 0, which adds them to
 /// its copies of their timelines, so that the measured idle fraction and `--trace` cover every
 /// rank as with threads. Each process has its own clock: times travel as seconds after `sync_s`,
 /// the moment the rank left the barrier before the first step on its own clock, and rank 0 adds
@@ -855,7 +856,7 @@ fn rank_main<T: PipelineTask>(
         plan.schedule.kind,
         plan.fragment()
     )));
-    // Under MPI, the common moment every rank's times are taken from (see gather_timelines).
+    // In a job of processes, the common moment every rank's times are taken from (see gather_timelines).
     let sync_s = if timelines.gather {
         ctx.comm.barrier()?.wait()?;
         timeline.now_s()

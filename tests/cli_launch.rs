@@ -1,7 +1,9 @@
 //! `meshgrad launch` through the binary (issue 12, launcher): torchrun's variables reach every
 //! rank, output lines carry the rank, the rendezvous store works across the processes, a failed
-//! or killed rank stops the job within 30 s naming the rank with no process left behind, and
-//! `meshgrad train` started as one of several processes without a multi-process backend fails in
+//! or killed rank stops the job within 30 s naming the rank with no process left behind,
+//! `meshgrad train` in the launched processes trains over TCP bit for bit like the same layout
+//! as threads (GPT dp=2, pp=2,tp=2 with sequence parallelism, BERT fsdp=2), and a train that
+//! cannot join its processes (no store, no layout, another world size, ranks as threads) fails in
 //! one line. Uses the hidden `meshgrad launch-probe` subcommand as the child. With the `mpi`
 //! feature and mpirun on PATH, the same failures under `--backend mpi` (ranks waiting in MPI
 //! collectives): a killed rank and a panicking rank end the job within 30 s, named, with no rank
@@ -197,9 +199,18 @@ fn a_rank_killed_by_a_signal_and_ranks_ignoring_sigterm_are_stopped() {
 }
 
 #[test]
-fn train_refuses_several_processes_without_a_multi_process_backend() {
+fn train_over_several_processes_needs_a_store_a_layout_and_a_backend_that_joins_them() {
+    // torchrun's variables default to the TCP backend, which needs rank 0's store.
     let o = launcher()
-        .args(["train", "--steps", "1"])
+        .args(["train", "--steps", "1", "--layout", "dp=2"])
+        .env("RANK", "1")
+        .env("WORLD_SIZE", "2")
+        .output()
+        .unwrap();
+    assert_one_line_error(&o, &["--backend tcp: MASTER_PORT is not set"]);
+    // Ranks as threads cannot join processes.
+    let o = launcher()
+        .args(["train", "--steps", "1", "--backend", "threads"])
         .env("RANK", "1")
         .env("WORLD_SIZE", "2")
         .output()
@@ -208,9 +219,15 @@ fn train_refuses_several_processes_without_a_multi_process_backend() {
         &o,
         &[
             "WORLD_SIZE=2 (torchrun's variables, rank 1)",
+            "--backend tcp",
             "--layout dp=2",
         ],
     );
+    let o = launcher()
+        .args(["train", "--steps", "1", "--backend", "tcp"])
+        .output()
+        .unwrap();
+    assert_one_line_error(&o, &["--backend tcp: this process was not started by"]);
     let o = launcher()
         .args(["train", "--steps", "1"])
         .env("SLURM_PROCID", "0")
@@ -225,29 +242,107 @@ fn train_refuses_several_processes_without_a_multi_process_backend() {
         .output()
         .unwrap();
     assert_one_line_error(&o, &["RANK=2 is not below WORLD_SIZE=2"]);
-    // Through the launcher: every rank refuses, the launcher names one.
-    let o = launcher()
+    // Through the launcher: without a layout, or with one of another size, every rank refuses
+    // and the launcher names one.
+    for (extra, needle) in [
+        (
+            &[][..],
+            "] error: --backend tcp: give a --layout of 2 ranks (WORLD_SIZE)",
+        ),
+        (
+            &["--layout", "dp=3"][..],
+            "] error: --layout dp=3 needs 3 ranks, but this is one of 2 processes",
+        ),
+    ] {
+        let o = launcher()
+            .args(["launch", "--nproc-per-node", "2", "--"])
+            .args(["train", "--steps", "1"])
+            .args(extra)
+            .output()
+            .unwrap();
+        let (_, err) = text(&o);
+        assert!(!o.status.success());
+        assert!(err.contains(needle), "{err}");
+        assert!(
+            err.lines().last().unwrap().starts_with("error: rank "),
+            "{err}"
+        );
+    }
+}
+
+/// Trains `steps` steps into `dir/tag` through `meshgrad launch --nproc-per-node n` (over TCP)
+/// when `n` is given, else as threads of one process; returns the metrics lines without their
+/// timings and the exported weights' bytes.
+fn train_run(
+    dir: &Path,
+    tag: &str,
+    n: Option<usize>,
+    steps: usize,
+    args: &[&str],
+) -> (Vec<serde_json::Value>, Vec<u8>) {
+    let mut c = launcher();
+    if let Some(n) = n {
+        c.args(["launch", "--nproc-per-node", &n.to_string(), "--"]);
+    }
+    c.args(["train", "--steps", &steps.to_string()])
+        .args(["--out", dir.join(tag).to_str().unwrap()])
         .args([
-            "launch",
-            "--nproc-per-node",
-            "2",
-            "--",
-            "train",
-            "--steps",
-            "1",
+            "--metrics",
+            dir.join(format!("{tag}.jsonl")).to_str().unwrap(),
         ])
-        .output()
-        .unwrap();
-    let (_, err) = text(&o);
-    assert!(!o.status.success());
-    assert!(
-        err.contains("] error: WORLD_SIZE=2 (torchrun's variables"),
-        "{err}"
-    );
-    assert!(
-        err.lines().last().unwrap().starts_with("error: rank "),
-        "{err}"
-    );
+        .args(args);
+    assert_ok(&c.output().unwrap());
+    let lines = std::fs::read_to_string(dir.join(format!("{tag}.jsonl")))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+            let m = v.as_object_mut().unwrap();
+            m.retain(|k, _| !k.contains("time") && !k.contains("tok") && !k.ends_with("_s"));
+            v
+        })
+        .collect();
+    let weights = std::fs::read(dir.join(tag).join("model.safetensors")).unwrap();
+    (lines, weights)
+}
+
+#[test]
+fn processes_over_tcp_train_bit_for_bit_like_threads() {
+    let dir = common::tmpdir("launch-tcp");
+    let bert = [
+        "--set",
+        "model.kind=bert",
+        "--set",
+        "model.n_layer=2",
+        "--set",
+        "model.n_embd=64",
+        "--set",
+        "model.n_head=4",
+        "--set",
+        "model.block_size=64",
+        "--set",
+        "train.batch_size=8",
+    ];
+    let runs: [(&str, usize, Vec<&str>); 3] = [
+        ("dp2", 2, vec!["--layout", "dp=2"]),
+        (
+            "pp2tp2",
+            4,
+            vec!["--layout", "pp=2,tp=2", "--sequence-parallel"],
+        ),
+        (
+            "bert_fsdp2",
+            2,
+            [&["--layout", "fsdp=2"][..], &bert[..]].concat(),
+        ),
+    ];
+    for (tag, n, args) in &runs {
+        let (threads, tw) = train_run(&dir, &format!("{tag}-threads"), None, 4, args);
+        let (tcp, pw) = train_run(&dir, &format!("{tag}-tcp"), Some(*n), 4, args);
+        assert_eq!(threads.len(), 4, "{tag}: {threads:?}");
+        assert_eq!(tcp, threads, "{tag}: metrics over TCP vs threads");
+        assert!(tw == pw, "{tag}: exported weights differ over TCP");
+    }
 }
 
 #[test]
@@ -509,7 +604,7 @@ fn nccl_backend_without_nccl_or_gpu_is_refused_in_one_line() {
         .unwrap();
     assert_one_line_error(
         &o,
-        &["unknown backend \"gloo\" (expected threads, mpi or nccl)"],
+        &["unknown backend \"gloo\" (expected threads, tcp, mpi or nccl)"],
     );
     let o = launcher()
         .args(["train", "--steps", "1", "--backend", "mpi"])

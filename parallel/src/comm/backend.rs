@@ -8,9 +8,11 @@ use super::env::{EnvSource, RankEnv};
 /// A communication backend a run can choose (`--backend`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Backend {
-    /// Ranks as threads of one process ([`super::InProcessComm`]); under `meshgrad launch`,
-    /// plain processes with torchrun's variables.
+    /// Ranks as threads of one process ([`super::InProcessComm`]).
     Threads,
+    /// One rank per process over TCP ([`super::tcp::TcpCommunicator`]): the processes that
+    /// `meshgrad launch` or torchrun start, on the CPU.
+    Tcp,
     /// One rank per MPI process (`comm::mpi`, feature `mpi`).
     Mpi,
     /// One rank per process and GPU over NCCL (`comm::nccl`, feature `nccl`).
@@ -22,6 +24,7 @@ impl Backend {
     pub fn as_str(self) -> &'static str {
         match self {
             Backend::Threads => "threads",
+            Backend::Tcp => "tcp",
             Backend::Mpi => "mpi",
             Backend::Nccl => "nccl",
         }
@@ -39,10 +42,11 @@ impl std::str::FromStr for Backend {
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         match s {
             "threads" => Ok(Backend::Threads),
+            "tcp" => Ok(Backend::Tcp),
             "mpi" => Ok(Backend::Mpi),
             "nccl" => Ok(Backend::Nccl),
             _ => Err(format!(
-                "unknown backend {s:?} (expected threads, mpi or nccl)"
+                "unknown backend {s:?} (expected threads, tcp, mpi or nccl)"
             )),
         }
     }
@@ -53,7 +57,8 @@ pub const NCCL_BUILT: bool = cfg!(feature = "nccl");
 
 /// The backend a run uses when `--backend` is not given: NCCL for a CUDA device when this build
 /// has it ([`NCCL_BUILT`]); MPI when the process was started by `mpirun` as one rank of several;
-/// else ranks as threads (every CPU run outside `mpirun`). See [`default_backend_with`].
+/// TCP when it is one of several processes with torchrun's variables (`meshgrad launch`,
+/// torchrun); else ranks as threads (a single process). See [`default_backend_with`].
 pub fn default_backend(device: Device, env: &RankEnv) -> Backend {
     default_backend_with(device, env, NCCL_BUILT)
 }
@@ -63,6 +68,7 @@ pub fn default_backend_with(device: Device, env: &RankEnv, nccl_built: bool) -> 
     match device {
         Device::Cuda(_) if nccl_built => Backend::Nccl,
         _ if env.source == EnvSource::OpenMpi && env.world_size > 1 => Backend::Mpi,
+        _ if env.source == EnvSource::Torchrun && env.world_size > 1 => Backend::Tcp,
         _ => Backend::Threads,
     }
 }
@@ -134,8 +140,8 @@ mod tests {
         let mpirun = env(&[("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "4")]);
         let mpi1 = env(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "1")]);
         let gpu = Device::Cuda(0);
-        // CPU runs keep today's behaviour: threads, unless mpirun started several ranks.
-        for e in [&single, &torchrun, &mpi1] {
+        // CPU runs: threads in one process, tcp between torchrun's processes, mpi under mpirun.
+        for e in [&single, &mpi1] {
             assert_eq!(default_backend_with(Device::Cpu, e, true), Backend::Threads);
             assert_eq!(
                 default_backend_with(Device::Cpu, e, false),
@@ -146,15 +152,16 @@ mod tests {
             default_backend_with(Device::Cpu, &mpirun, true),
             Backend::Mpi
         );
+        assert_eq!(
+            default_backend_with(Device::Cpu, &torchrun, true),
+            Backend::Tcp
+        );
         // A CUDA device: NCCL when built in, whatever launched the process.
         for e in [&single, &torchrun, &mpirun] {
             assert_eq!(default_backend_with(gpu, e, true), Backend::Nccl);
         }
         assert_eq!(default_backend_with(gpu, &mpirun, false), Backend::Mpi);
-        assert_eq!(
-            default_backend_with(gpu, &torchrun, false),
-            Backend::Threads
-        );
+        assert_eq!(default_backend_with(gpu, &torchrun, false), Backend::Tcp);
         assert_eq!(
             default_backend(Device::Cpu, &single),
             Backend::Threads,
@@ -164,13 +171,13 @@ mod tests {
 
     #[test]
     fn backend_names_round_trip() {
-        for b in [Backend::Threads, Backend::Mpi, Backend::Nccl] {
+        for b in [Backend::Threads, Backend::Tcp, Backend::Mpi, Backend::Nccl] {
             assert_eq!(b.as_str().parse::<Backend>().unwrap(), b);
             assert_eq!(b.to_string(), b.as_str());
         }
         assert_eq!(
             "gloo".parse::<Backend>().unwrap_err(),
-            "unknown backend \"gloo\" (expected threads, mpi or nccl)"
+            "unknown backend \"gloo\" (expected threads, tcp, mpi or nccl)"
         );
     }
 

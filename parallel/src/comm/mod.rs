@@ -3,8 +3,8 @@
 //!
 //! # Guarantees of every backend
 //!
-//! These hold for the in-process backend, the MPI backend (feature `mpi`), the NCCL backend
-//! (feature `nccl`) and any backend added later; code that uses a [`Communicator`] may rely on them and on nothing more.
+//! These hold for the in-process backend, the TCP backend, the MPI backend (feature `mpi`), the
+//! NCCL backend (feature `nccl`) and any backend added later; code that uses a [`Communicator`] may rely on them and on nothing more.
 //!
 //! * **Ranks and groups.** A communicator is one rank's handle on a group of ranks. `rank()` is
 //!   this rank's index in the group (`0..world_size()`), and `ranks()` lists the members' global
@@ -65,6 +65,11 @@
 //!   dtype, reduce op or root at the same position) are detected and name both calls. Sends are
 //!   buffered by default; [`RunOptions::rendezvous_sends`] makes them rendezvous like a real
 //!   backend's. A failed, panicked or returned rank fails its peers' operations at once.
+//! * **TCP** ([`tcp::TcpCommunicator`], one rank per process, on the CPU): the in-process
+//!   backend's order and arithmetic (each rank combines one block of every all-reduce in rank
+//!   order), so the same bits on every rank and as with threads; mismatched collectives are
+//!   detected and name both calls; sends are buffered (a reader thread per connection takes
+//!   every message as it arrives); a peer whose process exits fails the waits on it at once.
 //! * **MPI** (`mpi::MpiCommunicator`, feature `mpi`, one rank per process): MPI chooses the
 //!   reduction algorithm (Open MPI: recursive doubling, rings, ... by message size), so sums are
 //!   not combined in rank order and differ in the last bits from the in-process backend's. The

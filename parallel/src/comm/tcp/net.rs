@@ -410,7 +410,10 @@ mod tests {
         assert_eq!((group, chan, m.dims), (9, Channel::P2p, vec![1, 3]));
         assert!(read_frame(&mut r).unwrap().is_none(), "clean end");
         let mut short = &buf[..buf.len() - 1];
-        assert!(read_frame(&mut short).unwrap().is_some(), "the whole first frame");
+        assert!(
+            read_frame(&mut short).unwrap().is_some(),
+            "the whole first frame"
+        );
         assert!(read_frame(&mut short).is_err(), "a truncated frame");
     }
 }
