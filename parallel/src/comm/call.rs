@@ -50,3 +50,72 @@ impl std::fmt::Display for Call {
         write!(f, "{}({})", self.kind.name(), args.join(", "))
     }
 }
+
+/// The argument checks every backend makes before launching, as the message of its
+/// [`CommErrorKind::Invalid`](meshgrad_tensor::CommErrorKind::Invalid) error.
+pub(crate) mod checks {
+    use meshgrad_tensor::{DType, Shape};
+
+    use crate::comm::{reduce, ReduceOp};
+
+    /// `peer` must be another rank of a group of `world` in which this rank is `me`; `call` and
+    /// `role` (`destination`, `source`) name it in the message.
+    pub(crate) fn peer(
+        call: &str,
+        peer: usize,
+        me: usize,
+        world: usize,
+        role: &str,
+    ) -> Result<(), String> {
+        if peer >= world {
+            return Err(format!(
+                "{role} {peer} is not a rank of this group of {world}"
+            ));
+        }
+        if peer == me {
+            return Err(format!("a rank cannot {call} to or from itself"));
+        }
+        Ok(())
+    }
+
+    /// `op` must be defined for `dtype` (`Avg` needs a float).
+    pub(crate) fn reduce_op(op: ReduceOp, dtype: DType) -> Result<(), String> {
+        if reduce::supports(op, dtype) {
+            Ok(())
+        } else {
+            Err(format!("{op} needs a float dtype, got {dtype}"))
+        }
+    }
+
+    /// A reduce-scatter's tensor: a leading dimension divisible by the group size, and `op`
+    /// defined for its dtype.
+    pub(crate) fn reduce_scatter(
+        shape: &Shape,
+        dtype: DType,
+        op: ReduceOp,
+        world: usize,
+    ) -> Result<(), String> {
+        if shape
+            .dims()
+            .first()
+            .is_none_or(|d| !d.is_multiple_of(world))
+        {
+            return Err(format!(
+                "the leading dimension of shape {shape} must be divisible by the group size \
+                 {world}"
+            ));
+        }
+        reduce_op(op, dtype)
+    }
+
+    /// A broadcast's root must be a rank of the group.
+    pub(crate) fn root(root: usize, world: usize) -> Result<(), String> {
+        if root < world {
+            Ok(())
+        } else {
+            Err(format!(
+                "root {root} is not a rank of this group of {world}"
+            ))
+        }
+    }
+}

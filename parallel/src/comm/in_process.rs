@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use meshgrad_tensor::storage::CpuStorage;
 use meshgrad_tensor::{CommErrorKind, Device, Error, Result, Shape, Tensor};
 
-use super::call::{Call, Kind};
+use super::call::{checks, Call, Kind};
 use super::{format_ranks, reduce, with_peer, Communicator, Pending, ReduceOp, Work};
 
 /// Locks a mutex, recovering the data if a panicking thread poisoned it: every critical section
@@ -357,19 +357,8 @@ impl InProcessComm {
     }
 
     fn check_peer(&self, what: &'static str, peer: usize, role: &str) -> Result<()> {
-        if peer >= self.world_size() {
-            return Err(self.invalid(
-                what,
-                format!(
-                    "{role} {peer} is not a rank of this group of {}",
-                    self.world_size()
-                ),
-            ));
-        }
-        if peer == self.rank {
-            return Err(self.invalid(what, format!("a rank cannot {what} to or from itself")));
-        }
-        Ok(())
+        checks::peer(what, peer, self.rank, self.world_size(), role)
+            .map_err(|m| self.invalid(what, m))
     }
 
     fn next_pair_seq(map: &Mutex<HashMap<usize, u64>>, peer: usize) -> u64 {
@@ -395,34 +384,13 @@ impl Communicator for InProcessComm {
     }
 
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
-        if !reduce::supports(op, tensor.dtype()) {
-            return Err(self.invalid(
-                "all_reduce",
-                format!("{op} needs a float dtype, got {}", tensor.dtype()),
-            ));
-        }
+        checks::reduce_op(op, tensor.dtype()).map_err(|m| self.invalid("all_reduce", m))?;
         self.launch(Kind::AllReduce(op), Some(tensor), true)
     }
 
     fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
-        let n = self.world_size();
-        let ok_shape = tensor.rank() >= 1 && tensor.dims()[0].is_multiple_of(n);
-        if !ok_shape {
-            return Err(self.invalid(
-                "reduce_scatter",
-                format!(
-                    "the leading dimension of shape {} must be \
-                 divisible by the group size {n}",
-                    tensor.shape()
-                ),
-            ));
-        }
-        if !reduce::supports(op, tensor.dtype()) {
-            return Err(self.invalid(
-                "reduce_scatter",
-                format!("{op} needs a float dtype, got {}", tensor.dtype()),
-            ));
-        }
+        checks::reduce_scatter(tensor.shape(), tensor.dtype(), op, self.world_size())
+            .map_err(|m| self.invalid("reduce_scatter", m))?;
         self.launch(Kind::ReduceScatter(op), Some(tensor), true)
     }
 
@@ -431,15 +399,7 @@ impl Communicator for InProcessComm {
     }
 
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Work> {
-        if root >= self.world_size() {
-            return Err(self.invalid(
-                "broadcast",
-                format!(
-                    "root {root} is not a rank of this group of {}",
-                    self.world_size()
-                ),
-            ));
-        }
+        checks::root(root, self.world_size()).map_err(|m| self.invalid("broadcast", m))?;
         self.launch(Kind::Broadcast(root), Some(tensor), root == self.rank)
     }
 

@@ -102,7 +102,8 @@ use meshgrad_tensor::storage::CpuStorage;
 use meshgrad_tensor::{cpu_map, CommError, CommErrorKind, DType, Device, Error, Result, Tensor};
 use mpi::ffi;
 
-use super::{format_ranks, reduce, Communicator, P2pOp, P2pWork, Pending, ReduceOp, Work};
+use super::call::checks;
+use super::{format_ranks, Communicator, P2pOp, P2pWork, Pending, ReduceOp, Work};
 
 /// Whether this process was started by an MPI launcher as one rank of several
 /// (`OMPI_COMM_WORLD_SIZE`, `PMI_SIZE` or `PMIX_RANK` with a size above 1). Reads only the
@@ -397,12 +398,7 @@ impl Communicator for MpiCommunicator {
     }
 
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
-        if !reduce::supports(op, tensor.dtype()) {
-            return Err(self.err(
-                "all_reduce",
-                format!("{op} needs a float dtype, got {:?}", tensor.dtype()),
-            ));
-        }
+        checks::reduce_op(op, tensor.dtype()).map_err(|m| self.err("all_reduce", m))?;
         let dims = tensor.dims().to_vec();
         let data = tensor.to_cpu_storage()?;
         let id = self.id;
@@ -413,19 +409,9 @@ impl Communicator for MpiCommunicator {
 
     fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
         let w = self.world_size();
+        checks::reduce_scatter(tensor.shape(), tensor.dtype(), op, w)
+            .map_err(|m| self.err("reduce_scatter", m))?;
         let mut dims = tensor.dims().to_vec();
-        if dims.is_empty() || !dims[0].is_multiple_of(w) {
-            return Err(self.err(
-                "reduce_scatter",
-                format!("the leading dimension of {dims:?} is not divisible by {w}"),
-            ));
-        }
-        if !reduce::supports(op, tensor.dtype()) {
-            return Err(self.err(
-                "reduce_scatter",
-                format!("{op} needs a float dtype, got {:?}", tensor.dtype()),
-            ));
-        }
         dims[0] /= w;
         let data = tensor.to_cpu_storage()?;
         let id = self.id;
@@ -452,9 +438,7 @@ impl Communicator for MpiCommunicator {
     }
 
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Work> {
-        if root >= self.world_size() {
-            return Err(self.err("broadcast", format!("root {root} is not a group rank")));
-        }
+        checks::root(root, self.world_size()).map_err(|m| self.err("broadcast", m))?;
         let dims = tensor.dims().to_vec();
         let data = tensor.to_cpu_storage()?;
         let id = self.id;
@@ -464,18 +448,16 @@ impl Communicator for MpiCommunicator {
     }
 
     fn send(&self, tensor: &Tensor, dst: usize) -> Result<Work<()>> {
-        if dst >= self.world_size() || dst == self.rank {
-            return Err(self.err("send", format!("invalid destination rank {dst}")));
-        }
+        checks::peer("send", dst, self.rank, self.world_size(), "destination")
+            .map_err(|m| self.err("send", m))?;
         let bytes = encode(tensor)?;
         let id = self.id;
         self.send_request("send", |r| Request::Send(id, bytes, dst, r))
     }
 
     fn recv(&self, src: usize) -> Result<Work> {
-        if src >= self.world_size() || src == self.rank {
-            return Err(self.err("recv", format!("invalid source rank {src}")));
-        }
+        checks::peer("recv", src, self.rank, self.world_size(), "source")
+            .map_err(|m| self.err("recv", m))?;
         let id = self.id;
         Ok(self
             .send_request("recv", |r| Request::Recv(id, src, r))?
@@ -490,17 +472,15 @@ impl Communicator for MpiCommunicator {
         for op in ops {
             match op {
                 P2pOp::Send { tensor, peer } => {
-                    if peer >= self.world_size() || peer == self.rank {
-                        return Err(self.err("send", format!("invalid destination rank {peer}")));
-                    }
+                    checks::peer("send", peer, self.rank, self.world_size(), "destination")
+                        .map_err(|m| self.err("send", m))?;
                     let (tx, work) = waiting();
                     requests.push(Request::Send(self.id, encode(&tensor)?, peer, tx));
                     works.push(P2pWork::Send(work));
                 }
                 P2pOp::Recv { peer } => {
-                    if peer >= self.world_size() || peer == self.rank {
-                        return Err(self.err("recv", format!("invalid source rank {peer}")));
-                    }
+                    checks::peer("recv", peer, self.rank, self.world_size(), "source")
+                        .map_err(|m| self.err("recv", m))?;
                     let (tx, work) = waiting::<Vec<u8>>();
                     requests.push(Request::Recv(self.id, peer, tx));
                     works.push(P2pWork::Recv(work.map(|b| decode(&b))));

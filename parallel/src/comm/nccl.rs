@@ -85,10 +85,11 @@ use meshgrad_tensor::{
     cuda_compute_stream, CommErrorKind, CudaBuffer, DType, Device, Error, Result, Tensor,
 };
 
+use super::call::checks;
 use super::env::RankEnv;
 use super::rendezvous::{self, MessageHeader, ID_BYTES};
 use super::store::TcpStore;
-use super::{format_ranks, reduce, Communicator, P2pOp, P2pWork, Pending, ReduceOp, Work};
+use super::{format_ranks, Communicator, P2pOp, P2pWork, Pending, ReduceOp, Work};
 
 /// The watchdog's default timeout (see the [module docs](self)).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -112,9 +113,7 @@ pub fn nccl_dtype(dtype: DType) -> sys::ncclDataType_t {
 /// The NCCL reduction of `op` on `dtype`: `ncclSum`, `ncclAvg` (float dtypes only: an error for
 /// integers, as on every backend) or `ncclMax`.
 pub fn nccl_op(op: ReduceOp, dtype: DType) -> std::result::Result<sys::ncclRedOp_t, String> {
-    if !reduce::supports(op, dtype) {
-        return Err(format!("{op} needs a float dtype, got {dtype:?}"));
-    }
+    checks::reduce_op(op, dtype)?;
     Ok(match op {
         ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
         ReduceOp::Avg => sys::ncclRedOp_t::ncclAvg,
@@ -547,9 +546,8 @@ impl NcclCommunicator {
 
     /// A send's operation and handle; its header is published at once.
     fn send_op(&self, tensor: &Tensor, dst: usize) -> Result<(Op, Work<()>)> {
-        if dst >= self.world_size() || dst == self.rank {
-            return Err(self.err("send", format!("invalid destination rank {dst}")));
-        }
+        checks::peer("send", dst, self.rank, self.world_size(), "destination")
+            .map_err(|m| self.err("send", m))?;
         let (input, _) = self.stage("send", tensor)?;
         let header = MessageHeader {
             dtype: input.dtype(),
@@ -577,9 +575,8 @@ impl NcclCommunicator {
     }
 
     fn recv_op(&self, src: usize, to_host: bool) -> Result<(Op, Work)> {
-        if src >= self.world_size() || src == self.rank {
-            return Err(self.err("recv", format!("invalid source rank {src}")));
-        }
+        checks::peer("recv", src, self.rank, self.world_size(), "source")
+            .map_err(|m| self.err("recv", m))?;
         let seq = Self::next_p2p(&self.recvs, src);
         let key = rendezvous::header_key(&self.key, src, self.rank, seq);
         let finish = if to_host {
@@ -638,13 +635,9 @@ impl Communicator for NcclCommunicator {
 
     fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
         let w = self.world_size();
+        checks::reduce_scatter(tensor.shape(), tensor.dtype(), op, w)
+            .map_err(|m| self.err("reduce_scatter", m))?;
         let mut dims = tensor.dims().to_vec();
-        if dims.is_empty() || !dims[0].is_multiple_of(w) {
-            return Err(self.err(
-                "reduce_scatter",
-                format!("the leading dimension of {dims:?} is not divisible by {w}"),
-            ));
-        }
         let red = nccl_op(op, tensor.dtype()).map_err(|m| self.err("reduce_scatter", m))?;
         dims[0] /= w;
         self.collective("reduce_scatter", tensor, Some(dims), |i, o| {
@@ -664,9 +657,7 @@ impl Communicator for NcclCommunicator {
     }
 
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Work> {
-        if root >= self.world_size() {
-            return Err(self.err("broadcast", format!("root {root} is not a group rank")));
-        }
+        checks::root(root, self.world_size()).map_err(|m| self.err("broadcast", m))?;
         self.collective("broadcast", tensor, None, |i, o| {
             Kind::Broadcast(i, o, root)
         })
@@ -1156,7 +1147,7 @@ mod tests {
             assert_eq!(nccl_op(ReduceOp::Max, d), Ok(O::ncclMax));
             assert_eq!(
                 nccl_op(ReduceOp::Avg, d),
-                Err(format!("avg needs a float dtype, got {d:?}"))
+                Err(format!("avg needs a float dtype, got {d}"))
             );
         }
     }

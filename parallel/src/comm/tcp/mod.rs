@@ -40,10 +40,10 @@ use meshgrad_tensor::{CommErrorKind, Device, Error, Result, Tensor};
 
 use self::net::{Channel, Missing, Net};
 use self::ops::{Job, Op};
-use super::call::Kind;
+use super::call::{checks, Kind};
 use super::env::RankEnv;
 use super::store::TcpStore;
-use super::{reduce, with_peer, Communicator, Pending, ReduceOp, Work};
+use super::{with_peer, Communicator, Pending, ReduceOp, Work};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -167,27 +167,8 @@ impl TcpCommunicator {
     }
 
     fn check_peer(&self, call: &'static str, peer: usize, role: &str) -> Result<()> {
-        if peer >= self.world_size() {
-            return Err(self.invalid(
-                call,
-                format!(
-                    "{role} {peer} is not a rank of this group of {}",
-                    self.world_size()
-                ),
-            ));
-        }
-        if peer == self.rank {
-            return Err(self.invalid(call, format!("a rank cannot {call} to or from itself")));
-        }
-        Ok(())
-    }
-
-    fn check_op(&self, call: &'static str, op: ReduceOp, t: &Tensor) -> Result<()> {
-        if reduce::supports(op, t.dtype()) {
-            Ok(())
-        } else {
-            Err(self.invalid(call, format!("{op} needs a float dtype, got {}", t.dtype())))
-        }
+        checks::peer(call, peer, self.rank, self.world_size(), role)
+            .map_err(|m| self.invalid(call, m))
     }
 
     /// Queues collective `kind` on the group's worker and returns its handle.
@@ -340,22 +321,13 @@ impl Communicator for TcpCommunicator {
     }
 
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
-        self.check_op("all_reduce", op, tensor)?;
+        checks::reduce_op(op, tensor.dtype()).map_err(|m| self.invalid("all_reduce", m))?;
         self.launch(Kind::AllReduce(op), Some(tensor))
     }
 
     fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
-        let n = self.world_size();
-        if tensor.rank() == 0 || !tensor.dims()[0].is_multiple_of(n) {
-            return Err(self.invalid(
-                "reduce_scatter",
-                format!(
-                    "the leading dimension of shape {} must be divisible by the group size {n}",
-                    tensor.shape()
-                ),
-            ));
-        }
-        self.check_op("reduce_scatter", op, tensor)?;
+        checks::reduce_scatter(tensor.shape(), tensor.dtype(), op, self.world_size())
+            .map_err(|m| self.invalid("reduce_scatter", m))?;
         self.launch(Kind::ReduceScatter(op), Some(tensor))
     }
 
@@ -364,15 +336,7 @@ impl Communicator for TcpCommunicator {
     }
 
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Work> {
-        if root >= self.world_size() {
-            return Err(self.invalid(
-                "broadcast",
-                format!(
-                    "root {root} is not a rank of this group of {}",
-                    self.world_size()
-                ),
-            ));
-        }
+        checks::root(root, self.world_size()).map_err(|m| self.invalid("broadcast", m))?;
         self.launch(Kind::Broadcast(root), Some(tensor))
     }
 
