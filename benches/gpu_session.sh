@@ -4,7 +4,8 @@
 #   2. meshgrad selftest --device cuda (every op against the CPU in f64, the tiny GPT's curve),
 #   3. every meshgrad-tensor test binary with MESHGRAD_REQUIRE_CUDA=1 (CUDA variants must run),
 #   4. meshgrad bench --device cuda --model gpt2-124m [--precision bf16] --pytorch (eager and
-#      torch.compile; bf16 mixed precision, then f32),
+#      torch.compile; bf16 mixed precision, then f32), then a per-op profile of the bf16 step
+#      (--profile: each op waits for the GPU, so its time is its own),
 #   5. meshgrad train --device cuda on the built-in corpus: GPT in f32 and bf16, BERT (masked
 #      LM) in f32,
 #   6. NCCL with world size 1 through meshgrad launch (when built with nccl).
@@ -51,6 +52,7 @@ for t in "$B"/tests/*; do
 done
 step bench-gpt2-bf16 "$B/meshgrad" bench --device cuda --model gpt2-124m --batch "${BATCH:-8}" --steps 10 --precision bf16 --pytorch
 step bench-gpt2-f32 "$B/meshgrad" bench --device cuda --model gpt2-124m --batch "${BATCH:-8}" --steps 10 --pytorch
+step profile-gpt2-bf16 "$B/meshgrad" bench --device cuda --model gpt2-124m --batch "${BATCH:-8}" --steps 5 --precision bf16 --profile
 step train-gpt "$B/meshgrad" train --device cuda --steps 50 --out "$OUT/run-gpt" --metrics "$OUT/run-gpt.jsonl"
 step train-gpt-bf16 "$B/meshgrad" train --device cuda --precision bf16 --steps 50 --out "$OUT/run-gpt-bf16" --metrics "$OUT/run-gpt-bf16.jsonl"
 step train-bert "$B/meshgrad" train --model bert --device cuda --steps 20 --out "$OUT/run-bert" --metrics "$OUT/run-bert.jsonl"

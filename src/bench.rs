@@ -333,8 +333,11 @@ pub fn run_bench(opts: &BenchOptions) -> Result<BenchResult> {
     }
     alloc::reset_peak(device);
     let driver_allocs_before = cuda_driver_allocations(device)?;
+    // On a GPU the ops are profiled in steps of their own (below): waiting for the device after
+    // every op would slow the timed steps.
+    let on_gpu = matches!(device, Device::Cuda(_));
     profile::reset();
-    profile::set_enabled(opts.profile);
+    profile::set_enabled(opts.profile && !on_gpu);
     let mut times = Vec::with_capacity(opts.steps);
     let mut last_loss = f64::NAN;
     let cpu0 = process_cpu_seconds();
@@ -344,6 +347,13 @@ pub fn run_bench(opts: &BenchOptions) -> Result<BenchResult> {
         times.push(t0.elapsed().as_secs_f64());
     }
     profile::set_enabled(false);
+    let gpu_profile_times = if opts.profile && on_gpu {
+        Some(profile_synced(device, opts.steps.min(5), || {
+            step(&mut opt).map(|_| ())
+        })?)
+    } else {
+        None
+    };
     let cpu_per_step = cpu0
         .zip(process_cpu_seconds())
         .map(|(a, b)| (b - a) / opts.steps as f64);
@@ -409,7 +419,15 @@ pub fn run_bench(opts: &BenchOptions) -> Result<BenchResult> {
             c / wall
         );
     }
-    if opts.profile {
+    if let Some(synced) = &gpu_profile_times {
+        println!(
+            "per-op device times: {} more steps in which every op waits for the GPU (so each \
+             op's time is its kernels' plus its launch; these steps are slower than the timed \
+             ones)",
+            synced.len()
+        );
+        print_profile(synced);
+    } else if opts.profile {
         print_profile(&times);
         let ceiling = sgemm_ceiling(&cfg, batch);
         println!(
@@ -453,6 +471,34 @@ fn cuda_driver_allocations(device: Device) -> Result<Option<u64>> {
         #[cfg(not(feature = "cuda"))]
         Device::Cuda(_) => Ok(None),
     }
+}
+
+/// Runs `steps` steps with the profiler on and every op waiting for `device` before its time is
+/// taken (see `profile::set_sync`); returns the step times.
+fn profile_synced(
+    device: Device,
+    steps: usize,
+    mut step: impl FnMut() -> Result<()>,
+) -> Result<Vec<f64>> {
+    #[cfg(feature = "cuda")]
+    profile::set_sync(Some(std::sync::Arc::new(move || {
+        // A failure here surfaces at the step's own next wait.
+        let _ = meshgrad_tensor::cuda_synchronize(device);
+    })));
+    #[cfg(not(feature = "cuda"))]
+    let _ = device;
+    profile::reset();
+    profile::set_enabled(true);
+    let mut times = Vec::with_capacity(steps);
+    let r = (0..steps).try_for_each(|_| {
+        let t0 = Instant::now();
+        step()?;
+        times.push(t0.elapsed().as_secs_f64());
+        Ok(())
+    });
+    profile::set_enabled(false);
+    profile::set_sync(None);
+    r.map(|()| times)
 }
 
 fn print_profile(times: &[f64]) {

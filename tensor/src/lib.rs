@@ -81,8 +81,8 @@ pub mod tree_sum;
 
 #[cfg(feature = "cuda")]
 pub use cuda_backend::{
-    cuda_compute_stream, cuda_device_count, cuda_memory_stats, CudaBuffer, CudaMemoryStats,
-    CudaStorage,
+    cuda_compute_stream, cuda_device_count, cuda_memory_stats, cuda_synchronize, CudaBuffer,
+    CudaMemoryStats, CudaStorage,
 };
 pub use device::Device;
 pub use dtype::{DType, WithDType};

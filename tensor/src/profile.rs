@@ -10,10 +10,13 @@
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
+/// What an outermost scope calls before taking its time (see [`set_sync`]).
+type SyncHook = Arc<dyn Fn() + Send + Sync>;
+static SYNC: RwLock<Option<SyncHook>> = RwLock::new(None);
 static RECORDS: Mutex<Option<HashMap<(Phase, &'static str), OpTime>>> = Mutex::new(None);
 
 /// Which part of a training step an op ran in.
@@ -63,6 +66,14 @@ pub fn is_enabled() -> bool {
     ENABLED.load(Ordering::Relaxed)
 }
 
+/// Sets (or, with `None`, removes) what every recorded (outermost) scope calls before it takes
+/// its time: a device synchronisation, so that an asynchronous device's work counts in the op
+/// that queued it rather than in whichever later op waits for it. It slows the step: profile
+/// separately from timing.
+pub fn set_sync(hook: Option<SyncHook>) {
+    *SYNC.write().unwrap_or_else(|e| e.into_inner()) = hook;
+}
+
 /// Clears every record.
 pub fn reset() {
     *RECORDS.lock().unwrap_or_else(|e| e.into_inner()) = None;
@@ -105,7 +116,6 @@ pub struct Scope {
 
 impl Drop for Scope {
     fn drop(&mut self) {
-        let dt = self.start.elapsed().as_secs_f64();
         let depth = DEPTH.with(|d| {
             let v = d.get() - 1;
             d.set(v);
@@ -114,6 +124,11 @@ impl Drop for Scope {
         if depth > 0 {
             return;
         }
+        let hook = SYNC.read().unwrap_or_else(|e| e.into_inner()).clone();
+        if let Some(sync) = hook {
+            sync();
+        }
+        let dt = self.start.elapsed().as_secs_f64();
         let phase = PHASE.with(|p| p.get());
         let mut g = RECORDS.lock().unwrap_or_else(|e| e.into_inner());
         let e = g
@@ -165,5 +180,25 @@ mod tests {
         assert_eq!(find(Phase::Forward, "outer_test_op").unwrap().calls, 1);
         assert!(find(Phase::Backward, "inner_test_op").is_none());
         assert!(find(Phase::Forward, "ignored_test_op").is_none());
+
+        // A sync hook runs once per recorded (outermost) scope, inside its time.
+        let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = calls.clone();
+        set_sync(Some(Arc::new(move || {
+            counted.fetch_add(1, Ordering::Relaxed);
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        })));
+        set_enabled(true);
+        reset();
+        {
+            let _o = scope("synced_test_op");
+            let _i = scope("inner_test_op");
+        }
+        set_enabled(false);
+        set_sync(None);
+        assert_eq!(calls.load(Ordering::Relaxed), 1);
+        let s = snapshot();
+        let t = s.iter().find(|r| r.1 == "synced_test_op").unwrap().2;
+        assert!(t.seconds >= 0.02, "{t:?}");
     }
 }

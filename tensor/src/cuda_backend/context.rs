@@ -189,6 +189,15 @@ pub struct CudaMemoryStats {
     pub driver_allocations: u64,
 }
 
+/// Waits until everything queued on `device`'s compute stream has run (nothing to wait for on
+/// the CPU).
+pub fn cuda_synchronize(device: Device) -> Result<()> {
+    match device {
+        Device::Cuda(n) => context(n)?.synchronize(),
+        Device::Cpu => Ok(()),
+    }
+}
+
 /// The caching allocator's counters of `device`, or an error when it is not a usable CUDA
 /// device.
 pub fn cuda_memory_stats(device: Device) -> Result<CudaMemoryStats> {

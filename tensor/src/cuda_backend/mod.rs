@@ -30,7 +30,7 @@ mod signature;
 mod storage;
 
 pub(crate) use context::{context, DeviceContext};
-pub use context::{cuda_device_count, cuda_memory_stats, CudaMemoryStats};
+pub use context::{cuda_device_count, cuda_memory_stats, cuda_synchronize, CudaMemoryStats};
 pub(crate) use launch::{grid_for, KernelArgs, BLOCK};
 pub use raw::{cuda_compute_stream, CudaBuffer};
 pub use storage::CudaStorage;
