@@ -4,7 +4,9 @@
 //!   where every piece sits, publication is one atomic rename, and loading reshards to any layout.
 //! * [`comm`]: the [`Communicator`] trait (all_reduce, reduce_scatter, all_gather, broadcast,
 //!   send/recv, barrier, sub-groups), each operation returning an asynchronous [`Work`] handle;
-//!   the in-process backend (every rank a thread) and its one-call launcher [`run_ranks`].
+//!   the in-process backend (every rank a thread) and its one-call launcher [`run_ranks`], the
+//!   TCP backend (one rank per process, the same bits: [`comm::tcp`]), and MPI and NCCL behind
+//!   features.
 //! * [`mesh`]: [`DeviceMesh`], named mesh dimensions and the process group along each.
 //! * [`ddp`]: data parallelism ([`Ddp`]) with bucketed gradient all-reduce launched from
 //!   gradient-ready hooks, `no_sync` gradient accumulation and optional half-precision reduction.
