@@ -300,3 +300,30 @@ fn invalid_arguments_are_refused_at_launch() {
         assert!(r.iter().all(|&ok| ok), "{r:?}");
     }
 }
+
+#[test]
+fn results_are_charged_to_the_waiting_thread_s_tracker() {
+    use meshgrad_tensor::alloc::{with_tracker, MemoryTracker};
+    let got = tcp_world(2, Duration::from_secs(30), |c| {
+        let tracker = MemoryTracker::new();
+        with_tracker(tracker.clone(), || {
+            let x = Tensor::from_vec(vec![1f32; 1000], 1000, Device::Cpu).unwrap();
+            let at = || tracker.stats().current;
+            let before = at();
+            let y = c.all_reduce(&x, ReduceOp::Sum).unwrap().wait().unwrap();
+            let reduced = at() - before;
+            // Rank 0 sends to rank 1, which receives.
+            let received = if c.rank() == 0 {
+                let _ = c.send(&x, 1).unwrap();
+                None
+            } else {
+                let before = at();
+                let z = c.recv(0).unwrap().wait().unwrap();
+                Some((at() - before, z))
+            };
+            drop(y);
+            (reduced, received.map(|(n, _)| n))
+        })
+    });
+    assert_eq!(got, vec![(4000, None), (4000, Some(4000))]);
+}

@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 use meshgrad_tensor::{CommErrorKind, Device, Error, Result, Tensor};
 
 use self::net::{Channel, Missing, Net};
-use self::ops::{Job, Op};
+use self::ops::{Job, Op, Output};
 use super::call::{checks, Kind};
 use super::env::RankEnv;
 use super::store::TcpStore;
@@ -190,10 +190,14 @@ impl TcpCommunicator {
                 tensor: tensor.map(|t| (t.dtype(), t.shape().clone())),
             },
         };
-        let done = Arc::new(Done::default());
+        let done = Arc::new(Done {
+            value: Mutex::new(None),
+            ready: Condvar::new(),
+            device,
+        });
         let job: Job = {
             let done = done.clone();
-            Box::new(move || done.set(op.run(data).and_then(|t| t.to_device(device))))
+            Box::new(move || done.set(op.run(data)))
         };
         let mut worker = lock(&self.group.worker);
         if worker.is_none() {
@@ -229,15 +233,16 @@ impl TcpCommunicator {
     }
 }
 
-/// A collective's result, set once by the worker.
-#[derive(Default)]
+/// A collective's result, set once by the worker; the waiting thread makes it a tensor on
+/// `device` (the input's).
 struct Done {
-    value: Mutex<Option<Result<Tensor>>>,
+    value: Mutex<Option<Result<Output>>>,
     ready: Condvar,
+    device: Device,
 }
 
 impl Done {
-    fn set(&self, r: Result<Tensor>) {
+    fn set(&self, r: Result<Output>) {
         *lock(&self.value) = Some(r);
         self.ready.notify_all();
     }
@@ -252,7 +257,8 @@ impl Pending<Tensor> for Arc<Done> {
         let mut v = lock(&self.value);
         loop {
             if let Some(r) = v.take() {
-                return r;
+                let (data, dims) = r?;
+                return Tensor::from_cpu(data, dims, self.device);
             }
             v = self.ready.wait(v).unwrap_or_else(|e| e.into_inner());
         }

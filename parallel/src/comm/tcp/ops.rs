@@ -5,12 +5,15 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use meshgrad_tensor::storage::CpuStorage;
-use meshgrad_tensor::{CommErrorKind, Device, Error, Result, Shape, Tensor};
+use meshgrad_tensor::{CommErrorKind, Error, Result};
 
 use super::net::{Channel, Message, Missing};
 use super::Shared;
 use crate::comm::call::{Call, Kind};
 use crate::comm::reduce;
+
+/// A collective's result on this rank: its elements and shape.
+pub(super) type Output = (CpuStorage, Vec<usize>);
 
 /// A unit of work for a group's worker thread.
 pub(super) type Job = Box<dyn FnOnce() + Send>;
@@ -35,9 +38,10 @@ fn block(i: usize, n: usize, w: usize) -> std::ops::Range<usize> {
 
 impl Op {
     /// Runs the collective with this rank's contribution `data` (none for a barrier) and returns
-    /// this rank's result on the CPU; a panic becomes an error, so the caller's wait always
-    /// ends.
-    pub(super) fn run(&self, data: Option<CpuStorage>) -> Result<Tensor> {
+    /// this rank's result (elements and shape; the waiting thread makes the tensor, so that it
+    /// is charged to that thread's allocation tracker); a panic becomes an error, so the
+    /// caller's wait always ends.
+    pub(super) fn run(&self, data: Option<CpuStorage>) -> Result<Output> {
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_inner(data)))
             .unwrap_or_else(|_| {
                 Err(self.err(CommErrorKind::Backend(
@@ -46,7 +50,7 @@ impl Op {
             })
     }
 
-    fn run_inner(&self, data: Option<CpuStorage>) -> Result<Tensor> {
+    fn run_inner(&self, data: Option<CpuStorage>) -> Result<Output> {
         let dims: Vec<usize> = match &self.call.tensor {
             Some((_, s)) => s.dims().to_vec(),
             None => vec![0],
@@ -60,13 +64,13 @@ impl Op {
                 if let Kind::ReduceScatter(_) = self.call.kind {
                     let mut out = dims;
                     out[0] /= w;
-                    return Tensor::from_cpu(mine, out, Device::Cpu);
+                    return Ok((mine, out));
                 }
                 let blocks = self.exchange(1, &mine, |p| block(p, n, w).len())?;
                 let parts: Vec<&CpuStorage> = (0..w)
                     .map(|p| blocks[p].as_ref().map_or(&mine, |m| &m.data))
                     .collect();
-                Tensor::from_cpu(reduce::concat(&parts)?, dims, Device::Cpu)
+                Ok((reduce::concat(&parts)?, dims))
             }
             Kind::AllGather | Kind::Barrier => {
                 let n = data.len();
@@ -79,7 +83,7 @@ impl Op {
                     Some(d0) => *d0 *= w,
                     None => out.push(w),
                 }
-                Tensor::from_cpu(reduce::concat(&parts)?, Shape::new(out), Device::Cpu)
+                Ok((reduce::concat(&parts)?, out))
             }
             Kind::Broadcast(root) => {
                 if root == self.rank {
@@ -87,11 +91,11 @@ impl Op {
                     for p in (0..w).filter(|&p| p != root) {
                         self.send(p, 0, &dims, bytes)?;
                     }
-                    return Tensor::from_cpu(data, dims, Device::Cpu);
+                    return Ok((data, dims));
                 }
                 let mut got = self.receive(0, &[root], |_| data.len())?;
                 let m = got[root].take().expect("received from the root");
-                Tensor::from_cpu(m.data, dims, Device::Cpu)
+                Ok((m.data, dims))
             }
         }
     }
