@@ -370,7 +370,7 @@ fn on_process_rank<T: Send>(
             r.ok_or_else(|| anyhow::anyhow!("rank 0 returned no result"))
         }
         Err(e) => {
-            eprintln!("error: rank {rank}: {e:#}");
+            eprintln!("{}", rank_error_line(rank, &e));
             std::process::exit(1)
         }
     }
@@ -464,6 +464,17 @@ pub(crate) fn process_world(
     unreachable!("check_mpi_world fails without the mpi feature ({n} ranks)")
 }
 
+/// The line a rank of a job of processes prints before it ends on `e`: `error: rank R: ...`,
+/// without repeating the rank when the error already starts with it (a communication error).
+fn rank_error_line(rank: usize, e: &anyhow::Error) -> String {
+    let text = format!("{e:#}");
+    if text.starts_with(&format!("rank {rank}:")) {
+        format!("error: {text}")
+    } else {
+        format!("error: rank {rank}: {text}")
+    }
+}
+
 /// In a job of processes, the value of `r`, or, on an error this rank's peers cannot know
 /// about, the error printed with the rank and this process ended instead of leaving the peers
 /// waiting: under MPI the whole job (`MPI_Abort`); otherwise with status 1, and the launcher
@@ -472,7 +483,7 @@ pub(crate) fn or_abort_job<T>(rank: usize, r: Result<T>) -> T {
     match r {
         Ok(v) => v,
         Err(e) => {
-            eprintln!("error: rank {rank}: {e:#}");
+            eprintln!("{}", rank_error_line(rank, &e));
             #[cfg(feature = "mpi")]
             if mpi_world_size().is_some() {
                 meshgrad_parallel::comm::mpi::abort(1);
@@ -551,7 +562,7 @@ fn on_mpi_rank<T: Send>(
             r.ok_or_else(|| anyhow::anyhow!("rank 0 returned no result"))
         }
         Err(e) => {
-            eprintln!("error: rank {rank}: {e:#}");
+            eprintln!("{}", rank_error_line(rank, &e));
             abort(1)
         }
     }

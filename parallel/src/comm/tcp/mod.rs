@@ -362,8 +362,10 @@ impl Communicator for TcpCommunicator {
                 (data.dtype(), data.as_bytes()),
             )
             .map_err(|e| {
-                let kind = CommErrorKind::Backend(format!("writing to rank {peer}: {e}"));
-                with_peer(self.err("send", Some(seq), kind), peer)
+                with_peer(
+                    self.err("send", Some(seq), net::write_error(peer, &e)),
+                    peer,
+                )
             })?;
         Ok(Work::done(()))
     }

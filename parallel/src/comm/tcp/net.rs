@@ -8,13 +8,13 @@
 //! interleave, and TCP keeps them in order.
 
 use std::collections::{HashMap, VecDeque};
-use std::io::{BufReader, BufWriter, Read, Write};
+use std::io::{BufReader, BufWriter, ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use meshgrad_tensor::storage::CpuStorage;
-use meshgrad_tensor::{cpu_map, DType, Error, Result};
+use meshgrad_tensor::{cpu_map, CommErrorKind, DType, Error, Result};
 
 use crate::comm::rendezvous::MessageHeader;
 use crate::comm::store::TcpStore;
@@ -196,7 +196,7 @@ impl Net {
                     }
                     expected -= 1;
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
                     if Instant::now() >= deadline {
                         let missing: Vec<String> = (rank + 1..world)
                             .filter(|&p| streams[p].is_none())
@@ -305,6 +305,24 @@ pub(super) fn local_host(master: Option<&str>) -> String {
     routed().unwrap_or_else(|| "127.0.0.1".to_string())
 }
 
+/// Whether an I/O error means the peer's process is gone (it closed or reset the connection).
+fn peer_gone(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted | ErrorKind::BrokenPipe
+    )
+}
+
+/// The error of a failed write to global rank `peer`: the peer exited when its connection is
+/// gone, else the I/O error.
+pub(super) fn write_error(peer: usize, e: &std::io::Error) -> CommErrorKind {
+    if peer_gone(e) {
+        CommErrorKind::PeerExited { ranks: vec![peer] }
+    } else {
+        CommErrorKind::Backend(format!("writing to rank {peer}: {e}"))
+    }
+}
+
 /// Writes one frame (see the module docs).
 fn write_frame(
     w: &mut impl Write,
@@ -343,6 +361,12 @@ fn read_loop(mut r: BufReader<TcpStream>, peer: usize, mailbox: Arc<Mailbox>) {
                 mailbox.close(peer, None);
                 return;
             }
+            // A process that ends (or is killed) with unread data in its socket resets the
+            // connection instead of closing it: it exited all the same.
+            Err(e) if peer_gone(&e) => {
+                mailbox.close(peer, None);
+                return;
+            }
             Err(e) => {
                 mailbox.close(peer, Some(format!("its connection failed: {e}")));
                 return;
@@ -356,7 +380,7 @@ fn read_frame(r: &mut impl Read) -> std::io::Result<Option<((u64, Channel), Mess
     let mut header = [0u8; MessageHeader::BYTES];
     match r.read_exact(&mut header) {
         Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) if e.kind() == ErrorKind::UnexpectedEof => return Ok(None),
         Err(e) => return Err(e),
     }
     let h = MessageHeader::decode(&header).map_err(|e| std::io::Error::other(e.to_string()))?;

@@ -162,11 +162,7 @@ impl Op {
         self.net
             .net
             .send(peer, self.group, chan, &self.call.to_string(), dims, bytes)
-            .map_err(|e| {
-                self.err(CommErrorKind::Backend(format!(
-                    "writing to rank {peer}: {e}"
-                )))
-            })
+            .map_err(|e| self.err(super::net::write_error(peer, &e)))
     }
 
     /// One message of `phase` from each of `from` (group ranks), checked against this rank's
