@@ -269,15 +269,25 @@ fn an_exited_peer_fails_the_waiters_at_once() {
         }
         let t0 = Instant::now();
         let e = c.recv(1).unwrap().wait().unwrap_err();
-        Some((e, t0.elapsed()))
+        let took = t0.elapsed();
+        // Writes to it fail too, once the kernel knows the connection is gone.
+        let x = Tensor::zeros(1 << 18, DType::F32, Device::Cpu).unwrap();
+        let sent = (0..100).find_map(|_| c.send(&x, 1).err());
+        Some((e, took, sent))
     });
-    let (e, took) = got.into_iter().next().unwrap().unwrap();
+    let (e, took, sent) = got.into_iter().next().unwrap().unwrap();
     assert_eq!(
         comm_kind(&e),
         &CommErrorKind::PeerExited { ranks: vec![1] },
         "{e}"
     );
     assert!(took < Duration::from_secs(10), "{took:?}");
+    let sent = sent.expect("a send to an exited rank fails");
+    assert_eq!(
+        comm_kind(&sent),
+        &CommErrorKind::PeerExited { ranks: vec![1] },
+        "{sent}"
+    );
 }
 
 #[test]
