@@ -240,7 +240,7 @@ fn a_rank_that_does_not_join_is_named_after_the_timeout() {
         let x = Tensor::from_vec(vec![1f32; 4], 4, Device::Cpu).unwrap();
         if c.rank() == 2 {
             // Stays connected but never joins, until the others have timed out.
-            std::thread::sleep(timeout * 3);
+            std::thread::sleep(timeout * 5);
             return None;
         }
         let t0 = Instant::now();
@@ -253,7 +253,7 @@ fn a_rank_that_does_not_join_is_named_after_the_timeout() {
             CommErrorKind::Timeout { missing, .. } => assert_eq!(missing, &vec![2], "rank {r}"),
             k => panic!("rank {r}: {k:?}"),
         }
-        assert!(took >= timeout && took < timeout * 3, "rank {r}: {took:?}");
+        assert!(took >= timeout && took < timeout * 5, "rank {r}: {took:?}");
         let text = e.to_string();
         assert!(text.contains("all_reduce #0"), "{text}");
     }
