@@ -258,38 +258,45 @@ fn launch_processes(exe: &Path, opts: &LaunchOptions) -> Result<()> {
         }
         children.push(Some(child));
     }
-    // Watch: the first rank to fail (in the order observed) is the one reported.
-    let mut failure: Option<(usize, String)> = None;
+    // Watch: the first rank to fail (in the order observed) is the one reported; of several
+    // seen failing in one round, a rank killed by a signal (likely the cause: its peers then
+    // fail on the broken connection) is named first.
+    let mut failures: Vec<Failure> = Vec::new();
+    let mut interrupted = false;
     let mut running = n;
     while running > 0 {
-        if stop.load(Ordering::SeqCst) && failure.is_none() {
-            failure = Some((usize::MAX, "interrupted".into()));
+        if stop.load(Ordering::SeqCst) {
+            interrupted = true;
             break;
         }
         for (local, slot) in children.iter_mut().enumerate() {
             let Some(child) = slot else { continue };
+            let rank = opts.node_rank * n + local;
             match child.try_wait() {
                 Ok(Some(status)) => {
                     *slot = None;
                     running -= 1;
-                    if !status.success() && failure.is_none() {
-                        failure = Some((opts.node_rank * n + local, describe_status(&status)));
+                    if !status.success() {
+                        failures.push(Failure {
+                            rank,
+                            what: describe_status(&status),
+                            by_signal: status.signal().is_some(),
+                        });
                     }
                 }
                 Ok(None) => {}
                 Err(e) => {
                     *slot = None;
                     running -= 1;
-                    if failure.is_none() {
-                        failure = Some((
-                            opts.node_rank * n + local,
-                            format!("could not be waited for: {e}"),
-                        ));
-                    }
+                    failures.push(Failure {
+                        rank,
+                        what: format!("could not be waited for: {e}"),
+                        by_signal: false,
+                    });
                 }
             }
         }
-        if failure.is_some() {
+        if !failures.is_empty() {
             break;
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -299,20 +306,43 @@ fn launch_processes(exe: &Path, opts: &LaunchOptions) -> Result<()> {
     for r in readers {
         let _ = r.join();
     }
-    match failure {
-        None => Ok(()),
-        Some((usize::MAX, _)) => {
-            bail!("interrupted: stopped {stopped} running rank(s)")
-        }
-        Some((rank, what)) => {
-            let others = if stopped > 0 {
-                format!("; stopped the other {stopped} running rank(s)")
-            } else {
-                String::new()
-            };
-            bail!("rank {rank} {what}{others}")
-        }
+    if interrupted {
+        bail!("interrupted: stopped {stopped} running rank(s)")
     }
+    match failure_line(failures, stopped) {
+        None => Ok(()),
+        Some(line) => bail!("{line}"),
+    }
+}
+
+/// A rank that ended badly, as the launcher saw it.
+struct Failure {
+    rank: usize,
+    /// `exited with status 3`, `was killed by signal 9 (SIGKILL)`, ...
+    what: String,
+    by_signal: bool,
+}
+
+/// The launcher's one-line report of the ranks seen failing in one round (`None` when none
+/// did): a rank killed by a signal first, else the first seen; the others after `also`; then
+/// how many running ranks were stopped.
+fn failure_line(mut failures: Vec<Failure>, stopped: usize) -> Option<String> {
+    if let Some(i) = failures.iter().position(|f| f.by_signal) {
+        let killed = failures.remove(i);
+        failures.insert(0, killed);
+    }
+    let mut parts = failures
+        .iter()
+        .map(|f| format!("rank {} {}", f.rank, f.what));
+    let mut line = parts.next()?;
+    let also: Vec<String> = parts.collect();
+    if !also.is_empty() {
+        line += &format!(" (also: {})", also.join(", "));
+    }
+    if stopped > 0 {
+        line += &format!("; stopped the other {stopped} running rank(s)");
+    }
+    Some(line)
 }
 
 /// SIGTERM to every running child, SIGKILL to those still running after [`GRACE`], then reaps
@@ -790,6 +820,32 @@ mod tests {
                 1,
                 "aborted the MPI job (MPI_Abort with error code 101)".into()
             ))
+        );
+    }
+
+    #[test]
+    fn a_rank_killed_by_a_signal_is_named_before_the_peers_that_failed_after_it() {
+        let f = |rank, what: &str, by_signal| Failure {
+            rank,
+            what: what.into(),
+            by_signal,
+        };
+        assert_eq!(failure_line(vec![], 3), None);
+        assert_eq!(
+            failure_line(vec![f(2, "exited with status 3", false)], 1).unwrap(),
+            "rank 2 exited with status 3; stopped the other 1 running rank(s)"
+        );
+        let line = failure_line(
+            vec![
+                f(0, "exited with status 1", false),
+                f(1, "was killed by signal 9 (SIGKILL)", true),
+            ],
+            0,
+        )
+        .unwrap();
+        assert_eq!(
+            line,
+            "rank 1 was killed by signal 9 (SIGKILL) (also: rank 0 exited with status 1)"
         );
     }
 
