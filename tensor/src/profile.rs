@@ -181,12 +181,16 @@ mod tests {
         assert!(find(Phase::Backward, "inner_test_op").is_none());
         assert!(find(Phase::Forward, "ignored_test_op").is_none());
 
-        // A sync hook runs once per recorded (outermost) scope, inside its time.
+        // A sync hook runs once per recorded (outermost) scope, inside its time. (Other tests'
+        // ops on other threads may record while the switch is on: count this thread's calls.)
         let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let counted = calls.clone();
+        let me = std::thread::current().id();
         set_sync(Some(Arc::new(move || {
-            counted.fetch_add(1, Ordering::Relaxed);
-            std::thread::sleep(std::time::Duration::from_millis(20));
+            if std::thread::current().id() == me {
+                counted.fetch_add(1, Ordering::Relaxed);
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
         })));
         set_enabled(true);
         reset();
