@@ -12,7 +12,9 @@
 # Every step runs even if an earlier one failed; logs go to $OUT/<step>.log; a table is printed
 # last. Environment: STEPS (selftest loss-curve steps, default 50), BATCH (bench, default 8),
 # SKIP (space-separated step names to skip), SYNC=1 (MESHGRAD_CUDA_SYNC_LAUNCHES=1: each fused
-# launch waits, so a kernel fault names its op).
+# launch waits, so a kernel fault names its op), BUDGET (seconds, default 540: a step is cut off
+# with `timeout` when the budget runs out, later steps are skipped, and the summary still prints
+# inside the device tool's 600 s limit; rc=124 marks a step cut off).
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
@@ -34,12 +36,15 @@ export MESHGRAD_REQUIRE_CUDA=1
 [ "${SYNC:-0}" = 1 ] && export MESHGRAD_CUDA_SYNC_LAUNCHES=1
 
 declare -a NAMES RESULTS
+BUDGET="${BUDGET:-540}"
 step() { # name, command...
     local name="$1"; shift
     if [[ " ${SKIP:-} " == *" $name "* ]]; then NAMES+=("$name"); RESULTS+=("skipped"); return; fi
+    local left=$((BUDGET - SECONDS))
+    if [ "$left" -le 5 ]; then NAMES+=("$name"); RESULTS+=("skipped (time budget)"); return; fi
     local t0=$SECONDS
     echo "== $name: $*"
-    "$@" >"$OUT/$name.log" 2>&1
+    timeout "$left" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
     tail -n 15 "$OUT/$name.log"
     NAMES+=("$name"); RESULTS+=("rc=$rc $((SECONDS - t0))s")

@@ -73,7 +73,8 @@ enum Command {
     },
     /// Check every op on a device against the CPU in f64 (forward and backward, per dtype), then
     /// train the tiny GPT there beside the CPU; one line per check, a summary line last, non-zero
-    /// exit when a check fails. A CUDA device that is not available is skipped (exit 0).
+    /// exit when a check fails. A CUDA device that is not available is skipped (exit 0), or an
+    /// error with MESHGRAD_REQUIRE_CUDA=1.
     Selftest {
         /// cpu, cuda or cuda:N.
         #[arg(long, default_value = "cpu")]
@@ -615,6 +616,10 @@ fn run(cli: Cli) -> Result<()> {
         } => {
             let device: meshgrad::prelude::Device = device.parse()?;
             if let Some(why) = meshgrad::selftest::skip_reason(device) {
+                // The GPU session sets this: there a missing device is a failure, not a skip.
+                if std::env::var("MESHGRAD_REQUIRE_CUDA").as_deref() == Ok("1") {
+                    anyhow::bail!("selftest: device={device}: {why} (MESHGRAD_REQUIRE_CUDA=1)");
+                }
                 println!("selftest: device={device} skipped: {why}");
                 return Ok(());
             }

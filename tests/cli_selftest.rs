@@ -1,6 +1,7 @@
 //! `meshgrad selftest`: on the CPU every check runs (f32 and bf16 against the CPU in f64, bf16
 //! training against f32 training) and passes; a CUDA device that is not available here is
-//! skipped with its reason and exit 0; a filter matching nothing is an error.
+//! skipped with its reason and exit 0 (an error with `MESHGRAD_REQUIRE_CUDA=1`, as the GPU
+//! session runs it); a filter matching nothing is an error.
 
 mod common;
 
@@ -59,6 +60,23 @@ fn selftest_skips_an_unavailable_cuda_device() {
         assert!(
             stdout.contains("selftest: device=cuda:0 checks="),
             "{stdout}"
+        );
+    }
+}
+
+#[test]
+fn selftest_requiring_cuda_fails_where_it_would_skip() {
+    let out = bin()
+        .args(["selftest", "--device", "cuda"])
+        .env("MESHGRAD_REQUIRE_CUDA", "1")
+        .output()
+        .unwrap();
+    let (stdout, _) = text(&out);
+    if !stdout.contains("checks=") {
+        // No usable GPU here: what would be a skip is an error.
+        assert_one_line_error(
+            &out,
+            &["selftest: device=cuda:0: ", "MESHGRAD_REQUIRE_CUDA=1"],
         );
     }
 }
