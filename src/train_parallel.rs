@@ -315,13 +315,7 @@ fn on_nccl_rank<T: Send>(
     use meshgrad_parallel::comm::nccl::NcclCommunicator;
     use meshgrad_parallel::comm::store::TcpStore;
     let env = RankEnv::detect()?;
-    if layout.world_size() != env.world_size {
-        anyhow::bail!(
-            "--layout {layout} needs {} ranks, but this is one of {} NCCL ranks",
-            layout.world_size(),
-            env.world_size
-        );
-    }
+    check_process_layout(Backend::Nccl, &env, Some(layout))?;
     let store = Arc::new(TcpStore::from_env(&env, timeout)?);
     let world: Arc<dyn Communicator> = NcclCommunicator::world(&env, store.clone(), timeout)?;
     on_process_rank(world, layout, reference, body, move || {
@@ -384,14 +378,7 @@ fn tcp_world(layout: &ParallelLayout, timeout: Duration) -> Result<Arc<dyn Commu
     use meshgrad_parallel::comm::tcp::TcpCommunicator;
     static WORLD: std::sync::OnceLock<Arc<TcpCommunicator>> = std::sync::OnceLock::new();
     let env = RankEnv::detect()?;
-    if layout.world_size() != env.world_size {
-        anyhow::bail!(
-            "--layout {layout} needs {} ranks, but this is one of {} processes ({})",
-            layout.world_size(),
-            env.world_size,
-            env.source.describe()
-        );
-    }
+    check_process_layout(Backend::Tcp, &env, Some(layout))?;
     if let Some(w) = WORLD.get() {
         return Ok(w.clone());
     }

@@ -209,7 +209,7 @@ impl Op {
                     calls: [mine, m.call],
                 }));
             }
-            if m.data.len() != len(p) || Some(m.data.dtype()) != self.dtype() {
+            if m.data.len() != len(p) || m.data.dtype() != self.dtype() {
                 return Err(self.err(CommErrorKind::Backend(format!(
                     "rank {src} sent {} {} elements where {} were expected",
                     m.data.len(),
@@ -223,13 +223,11 @@ impl Op {
     }
 
     /// The dtype of this rank's tensor (f32 for a barrier's empty messages).
-    fn dtype(&self) -> Option<meshgrad_tensor::DType> {
-        Some(
-            self.call
-                .tensor
-                .as_ref()
-                .map_or(meshgrad_tensor::DType::F32, |(d, _)| *d),
-        )
+    fn dtype(&self) -> meshgrad_tensor::DType {
+        self.call
+            .tensor
+            .as_ref()
+            .map_or(meshgrad_tensor::DType::F32, |(d, _)| *d)
     }
 }
 
