@@ -303,21 +303,39 @@ pub fn diff_weights(
         }
         let (mut num, mut den) = (0.0f64, 0.0f64);
         let mut equal = true;
+        // A NaN or an infinity on one side that the other does not have at the same place is
+        // an infinite difference (NaN would compare as no difference at all).
+        let mut unbounded = false;
         for (x, y) in a.iter().zip(b) {
-            equal &= x.to_bits() == y.to_bits();
+            let same = x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan());
+            equal &= same;
+            if same {
+                den += if x.is_finite() { x * x } else { 0.0 };
+                continue;
+            }
+            if !(x.is_finite() && y.is_finite()) {
+                unbounded = true;
+                continue;
+            }
             num += (x - y) * (x - y);
             den += x * x;
         }
-        num_all += num;
-        den_all += den;
         if !equal {
             d.differing += 1;
         }
-        let rel = if num == 0.0 {
+        let rel = if unbounded {
+            f64::INFINITY
+        } else if num == 0.0 {
             0.0
         } else {
             (num / den.max(f64::MIN_POSITIVE)).sqrt()
         };
+        num_all = if unbounded {
+            f64::INFINITY
+        } else {
+            num_all + num
+        };
+        den_all += den;
         if d.worst.as_ref().is_none_or(|(_, w)| rel > *w) {
             d.worst = Some((name.clone(), rel));
         }
@@ -354,8 +372,9 @@ pub struct CompareOptions {
     /// The runs' final weights (`--out` folders or safetensors files), one per metrics file in
     /// the same order, or none.
     pub weights: Vec<PathBuf>,
-    /// Fail when a run's losses differ from the reference's by more than this relative amount
-    /// (0: demand identical losses), or when the runs have different steps.
+    /// Fail when a run's losses or weights differ from the reference's by more than this
+    /// relative amount (0: demand identical losses), or when the runs have different steps.
+    /// (Weights that are NaN or infinite where the reference's are not always fail.)
     pub max_relative_difference: Option<f64>,
 }
 
@@ -417,6 +436,18 @@ pub fn run(opts: &CompareOptions) -> Result<()> {
             println!("  {}", d.describe());
             let worst = d.worst.as_ref().map_or(0.0, |w| w.1);
             largest_weights = Some(largest_weights.unwrap_or(0.0).max(worst));
+            let over = opts.max_relative_difference.is_some_and(|t| worst > t);
+            if worst.is_infinite() || over {
+                failures.push(format!(
+                    "{}: weights differ by {worst:.3e} (relative L2{})",
+                    names.1,
+                    if worst.is_infinite() {
+                        ", NaN or infinite where the reference is not"
+                    } else {
+                        ""
+                    }
+                ));
+            }
         }
         let (gap, unmatched) = c.loss_gap();
         if c.loss.identical() && c.val_loss.identical() {
@@ -450,11 +481,13 @@ pub fn run(opts: &CompareOptions) -> Result<()> {
     );
     if !failures.is_empty() {
         bail!(
-            "{} of {} runs differ from {} by more than {:e}: {}",
+            "{} difference(s) from {} beyond {}: {}",
             failures.len(),
-            runs.len() - 1,
             reference.name,
-            opts.max_relative_difference.unwrap_or(0.0),
+            match opts.max_relative_difference {
+                Some(t) => format!("{t:e}"),
+                None => "what can be compared".to_string(),
+            },
             failures.join("; ")
         );
     }

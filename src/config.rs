@@ -610,7 +610,7 @@ impl TrainConfig {
                 ),
             );
         }
-        // n_head >= 1 was checked above. (Not `is_multiple_of`: the workspace's MSRV is 1.85.)
+        // n_head >= 1 was checked above.
         let remainder = m.n_embd % m.n_head;
         if remainder != 0 {
             return invalid(

@@ -48,9 +48,12 @@ pub fn mean_loss(model: &Gpt, data: &dyn TokenSource) -> Result<f64> {
             let ids = Tensor::from_vec(batch.inputs, (batch.rows, t), device)?;
             let targets = Tensor::from_vec(batch.targets, batch.rows * t, device)?;
             let logits = model.forward(&ids)?;
+            // Over every logit the model has: a padded vocabulary's extra ids are never
+            // targets, but they are in the softmax, as in training.
+            let width = model.config.vocab_size;
             let (rows, _) = logits
                 .tensor()
-                .reshape((batch.rows * t, vocab))?
+                .reshape((batch.rows * t, width))?
                 .cross_entropy_rows(&targets, None)?;
             total += rows.to_vec_f64()?.iter().sum::<f64>();
             count += batch.rows * t;

@@ -25,9 +25,12 @@
 //!   through rank 0's store. It first checks that NCCL can run here (built with `--features
 //!   nccl`, at least `--nproc-per-node` CUDA devices) and fails in one line saying why not.
 //!
-//! Signals are sent with the `kill` command (no unsafe code) and `Child::kill`.
+//! Signals are sent with the `kill` command (no unsafe code) and `Child::kill`. Every rank
+//! started directly (tcp, nccl) ends itself when the launcher is gone, even after a SIGKILL
+//! that gave the launcher no chance to stop it ([`exit_with_launcher`]).
 
 use std::io::{BufRead, BufReader, Read, Write};
+use std::net::ToSocketAddrs;
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -39,6 +42,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use meshgrad_parallel::comm::RankEnv;
+use meshgrad_parallel::layout::MAX_WORLD_SIZE;
 
 /// How long the other ranks get between SIGTERM and SIGKILL once one rank failed.
 pub const GRACE: Duration = Duration::from_secs(5);
@@ -90,13 +94,76 @@ pub struct LaunchOptions {
     pub args: Vec<String>,
 }
 
+/// The variable through which `meshgrad launch` gives each rank it starts its own pid, so the
+/// rank can end with it ([`exit_with_launcher`]).
+pub const LAUNCHER_PID_VAR: &str = "MESHGRAD_LAUNCHER_PID";
+
+/// In a rank started by `meshgrad launch` (which sets [`LAUNCHER_PID_VAR`]): starts a thread
+/// that ends this process, with one line on stderr, once the launcher is gone (this process's
+/// parent is no longer the launcher: it exited or was killed, even by SIGKILL, which leaves it
+/// no chance to stop its ranks). Checked every 200 ms. Does nothing in other processes.
+pub fn exit_with_launcher() {
+    let Some(launcher) = std::env::var(LAUNCHER_PID_VAR)
+        .ok()
+        .and_then(|v| v.trim().parse::<u32>().ok())
+    else {
+        return;
+    };
+    let watch = move || loop {
+        if std::os::unix::process::parent_id() != launcher {
+            let rank = std::env::var("RANK").unwrap_or_else(|_| "?".into());
+            // Not eprintln!: the launcher held the other end of stderr, and a write to a broken
+            // pipe must not stop this thread before it ends the process.
+            let _ = writeln!(
+                std::io::stderr(),
+                "error: rank {rank}: the launcher (pid {launcher}) is gone; stopping"
+            );
+            std::process::exit(1);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let _ = std::thread::Builder::new()
+        .name("launcher-watch".into())
+        .spawn(watch);
+}
+
+/// The most processes `meshgrad launch` starts on one node.
+pub const MAX_PROCS_PER_NODE: usize = 1024;
+
 /// Runs the job: `Ok` when every rank exited 0, else one line naming the failed rank.
 pub fn launch(opts: &LaunchOptions) -> Result<()> {
     if opts.nproc_per_node == 0 {
         bail!("--nproc-per-node must be at least 1");
     }
+    if opts.nproc_per_node > MAX_PROCS_PER_NODE {
+        bail!(
+            "--nproc-per-node {} is more than the {MAX_PROCS_PER_NODE} processes one node may \
+             start",
+            opts.nproc_per_node
+        );
+    }
     if opts.nnodes == 0 {
         bail!("--nnodes must be at least 1");
+    }
+    let world = opts.nnodes.checked_mul(opts.nproc_per_node);
+    if world.is_none_or(|w| w > MAX_WORLD_SIZE) {
+        bail!(
+            "--nnodes {} x --nproc-per-node {} is more than the {MAX_WORLD_SIZE} processes a job \
+             may have",
+            opts.nnodes,
+            opts.nproc_per_node
+        );
+    }
+    if opts.master_port == Some(0) {
+        bail!(
+            "--master-port 0 is not a port the ranks can meet at: give a fixed port (1 to 65535)"
+        );
+    }
+    if let Some(addr) = &opts.master_addr {
+        // A name that does not resolve fails now, not after the ranks' store timeout.
+        (addr.as_str(), opts.master_port.unwrap_or(29500))
+            .to_socket_addrs()
+            .with_context(|| format!("--master-addr {addr} does not resolve"))?;
     }
     if opts.node_rank >= opts.nnodes {
         bail!(
@@ -237,6 +304,7 @@ fn launch_processes(exe: &Path, opts: &LaunchOptions) -> Result<()> {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
+        cmd.env(LAUNCHER_PID_VAR, std::process::id().to_string());
         if opts.backend == LaunchBackend::Nccl {
             cmd.env(BACKEND_VAR, "nccl");
         } else {
@@ -545,7 +613,9 @@ fn launch_mpirun(exe: &Path, opts: &LaunchOptions) -> Result<()> {
         Some(p) => p,
         None => free_port()?,
     };
+    // mpirun's daemons, not this launcher, are the ranks' parents: they stop with mpirun.
     cmd.env("MASTER_PORT", port.to_string())
+        .env_remove(LAUNCHER_PID_VAR)
         .arg("-np")
         .arg(opts.nproc_per_node.to_string())
         .arg(exe)

@@ -115,13 +115,15 @@ enum Command {
         /// this PNG.
         #[arg(long)]
         plot: Option<PathBuf>,
-        /// Exit non-zero when a run's losses differ from the first run's by more than this
-        /// relative amount (0: they must be identical), or when the runs logged different steps.
+        /// Exit non-zero when a run's losses (or, with --weights, weights) differ from the first
+        /// run's by more than this relative amount (0: they must be identical), or when the runs
+        /// logged different steps.
         #[arg(long)]
         max_relative_difference: Option<f64>,
         /// Also compare the runs' final weights: one per metrics file, in the same order (a
         /// run's --out folder or a .safetensors file); prints each tensor's relative L2
-        /// difference from the first run's, the largest and over all weights.
+        /// difference from the first run's, the largest and over all weights. A NaN or infinite
+        /// weight where the first run's is finite exits non-zero.
         #[arg(long, num_args = 1..)]
         weights: Vec<PathBuf>,
     },
@@ -132,9 +134,14 @@ enum Command {
         /// A training checkpoint, a folder of them, or a run's --out folder.
         #[arg(long)]
         checkpoint: PathBuf,
-        /// The Hugging Face folder to write.
+        /// The Hugging Face folder to write. A folder that already holds a model (an earlier
+        /// export, a run's final model) is refused unless --overwrite; one that holds a run's
+        /// checkpoints, or in which a run or export is in progress, always is.
         #[arg(long)]
         out: PathBuf,
+        /// Replace the model already in --out.
+        #[arg(long)]
+        overwrite: bool,
     },
     /// Continue a prompt with a checkpoint: the text is printed as each token is chosen, then
     /// `ids=<the generated ids>` last.
@@ -199,7 +206,8 @@ enum Command {
         /// Address of node 0, where rank 0's rendezvous store listens (default 127.0.0.1).
         #[arg(long)]
         master_addr: Option<String>,
-        /// Port of rank 0's store (default: a free port on one node, 29500 across nodes).
+        /// Port of rank 0's store, 1 to 65535 (default: a free port on one node, 29500 across
+        /// nodes).
         #[arg(long)]
         master_port: Option<u16>,
         /// tcp: start the processes directly (meshgrad train in them trains over TCP); mpi:
@@ -384,7 +392,9 @@ struct TrainArgs {
     max_stage_memory: Option<String>,
     /// Save a checkpoint of the whole training state (every rank's shards, optimizer state,
     /// step) every N steps and after the last into OUT/checkpoints/step-N;
-    /// OUT/checkpoints/latest names the newest. SIGINT/SIGTERM always save one, then stop.
+    /// OUT/checkpoints/latest names the newest. SIGINT/SIGTERM always save one, then stop, and
+    /// a resumed run always saves after its last step (latest is then its final state).
+    /// Weights that are not finite are never saved: the run stops instead.
     #[arg(long, value_name = "N")]
     save_every: Option<usize>,
     /// Keep only the newest K periodic checkpoints (default: all).
@@ -663,8 +673,12 @@ fn run(cli: Cli) -> Result<()> {
             weights,
             max_relative_difference,
         })?,
-        Command::Export { checkpoint, out } => {
-            let from = meshgrad::run_checkpoint::export(&checkpoint, &out)?;
+        Command::Export {
+            checkpoint,
+            out,
+            overwrite,
+        } => {
+            let from = meshgrad::run_checkpoint::export(&checkpoint, &out, overwrite)?;
             println!("exported {} to {}", from.display(), out.display());
         }
         Command::Eval { checkpoint, data } => {
@@ -750,8 +764,11 @@ fn id_list(ids: &[u32]) -> String {
 }
 
 fn main() -> ExitCode {
+    meshgrad::launch::exit_with_launcher();
     let cli = Cli::parse();
-    match run(cli) {
+    let result = run(cli);
+    meshgrad::run_dir::release_locks();
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             // One line: the outermost context and its causes, joined.

@@ -690,7 +690,23 @@ pub fn check_output(cfg: &TrainConfig) -> Result<()> {
     Ok(())
 }
 
-/// Every check before a training run's work: [`check_output`], then the memory the run needs
+/// Checks, before any work, that the file `path` (`what`, given by `flag`) can be written when
+/// the run ends: its directory is created and a probe file written and removed in it, and the
+/// path is not a directory. The file itself is not touched.
+pub fn check_file_writable(path: &Path, what: &str, flag: &str) -> Result<()> {
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    check_writable_dir(dir, &format!("{what}'s"), flag)?;
+    if path.is_dir() {
+        anyhow::bail!("the {what} {} ({flag}) is a directory", path.display());
+    }
+    Ok(())
+}
+
+/// Every check before a training run's work: [`check_output`], the `--trace` file
+/// ([`check_file_writable`]), then the memory the run needs
 /// ([`estimate_training`]) against the machine's ([`check_memory`]). `cfg` is the resolved
 /// config (validated, its vocabulary the tokenizer's).
 pub fn check_train(
@@ -699,6 +715,9 @@ pub fn check_train(
     opts: &TrainOptions,
 ) -> Result<()> {
     check_output(cfg)?;
+    if let Some(trace) = &opts.pipeline.trace {
+        check_file_writable(trace, "trace file", "--trace")?;
+    }
     check_memory(
         &estimate_training(cfg, layout, opts),
         "this run",

@@ -15,7 +15,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use meshgrad_nn::optim::{AdamW, LossScaler, Optimizer};
 use meshgrad_nn::Module;
-use meshgrad_parallel::checkpoint::{self, Checkpoint, Piece, SaveOptions};
+use meshgrad_parallel::checkpoint::{self, Checkpoint, Piece, Role, SaveOptions};
+use meshgrad_parallel::comm::ReduceOp;
 use meshgrad_parallel::Communicator;
 use meshgrad_parallel::ShardedDataParallel;
 
@@ -38,8 +39,9 @@ pub(crate) struct Saver<'a> {
 impl<'a> Saver<'a> {
     /// The saver of a run: it saves every `--save-every` steps and after the last step when
     /// that is given, and when a signal stops the run in any case. `layout` is the `--layout`
-    /// spec (or `single`). On the first rank, leftovers of killed saves are removed (no save is
-    /// running yet).
+    /// spec (or `single`). On the first rank, the run `--overwrite` replaces is removed (every
+    /// check has passed and the run is set up: this is the moment before it writes), and
+    /// leftovers of killed saves are removed (no save is running yet).
     pub(crate) fn new(
         cfg: &TrainConfig,
         opts: &TrainOptions,
@@ -48,6 +50,9 @@ impl<'a> Saver<'a> {
     ) -> Result<Saver<'a>> {
         let dir = checkpoints_dir(Path::new(&cfg.out));
         let first = world.is_none_or(|w| w.rank() == 0);
+        if first && opts.overwrite {
+            crate::run_dir::clear_old_run(Path::new(&cfg.out))?;
+        }
         if first && dir.exists() {
             checkpoint::cleanup(&dir).with_context(|| format!("cleaning up {}", dir.display()))?;
         }
@@ -79,6 +84,7 @@ impl<'a> Saver<'a> {
         pieces: Vec<Piece>,
         loss_scaler: Option<&LossScaler>,
     ) -> Result<String> {
+        self.check_finite(steps, &pieces)?;
         let mut metadata = self.metadata.clone();
         metadata["step"] = serde_json::json!(steps);
         if let Some(s) = loss_scaler {
@@ -100,6 +106,46 @@ impl<'a> Saver<'a> {
             }
         }
         Ok(path.display().to_string())
+    }
+}
+
+impl Saver<'_> {
+    /// Refuses to publish weights that are not finite (a run without clipping can step into NaN
+    /// while its loss, computed before the step, still looks finite): the ranks agree whether
+    /// any parameter piece holds a NaN or an infinity, and if one does, no rank saves and the
+    /// run stops, so `latest` keeps naming the last finite checkpoint (which `--keep` then never
+    /// deletes, as it deletes only older ones).
+    fn check_finite(&self, steps: usize, pieces: &[Piece]) -> Result<()> {
+        let mut bad: Option<&str> = None;
+        for p in pieces.iter().filter(|p| p.role == Role::Parameter) {
+            // x * 0 is 0 for every finite x and NaN for NaN and the infinities.
+            let probe = p.data.mul_scalar(0.0)?.sum_all()?.item()?;
+            if !probe.is_finite() {
+                bad = Some(&p.name);
+                break;
+            }
+        }
+        let any_bad = match self.world {
+            Some(w) => {
+                meshgrad_parallel::comm::all_reduce_scalar(
+                    w,
+                    f64::from(u8::from(bad.is_some())),
+                    ReduceOp::Max,
+                )? > 0.0
+            }
+            None => bad.is_some(),
+        };
+        if any_bad {
+            let which = bad.map_or("a parameter on another rank".to_string(), |n| {
+                format!("parameter {n}")
+            });
+            anyhow::bail!(
+                "training diverged: {which} holds NaN or infinite values after step {steps}; no \
+                 checkpoint is written for it (checkpoints/latest, if any, still names the \
+                 last finite one)"
+            );
+        }
+        Ok(())
     }
 }
 
@@ -370,7 +416,13 @@ pub fn load_training_tokenizer(
 
 /// `meshgrad export`: writes the model of a training checkpoint as a Hugging Face folder
 /// (`config.json`, `model.safetensors`, and the tokenizer and `meshgrad.toml` when it has them).
-pub fn export(checkpoint: &Path, out: &Path) -> Result<PathBuf> {
+///
+/// `out` is locked for the export ([`crate::run_dir::lock_out_dir`]: a run or another export in
+/// progress there refuses it). A folder that holds a run's checkpoints is refused; one that
+/// holds a model (an earlier export, or a run's final model) is refused unless `overwrite`.
+/// Every file is replaced atomically, the model's two files as one (a failed export leaves the
+/// previous one loadable), and a `tokenizer.json` the new model does not have is removed.
+pub fn export(checkpoint: &Path, out: &Path, overwrite: bool) -> Result<PathBuf> {
     // A run's folder may hold a final model too: export its checkpoints.
     let ckpts = checkpoints_dir(checkpoint);
     let at = if ckpts.is_dir() {
@@ -385,6 +437,21 @@ pub fn export(checkpoint: &Path, out: &Path) -> Result<PathBuf> {
             checkpoint::INDEX_FILE
         );
     }
+    crate::run_dir::lock_out_dir(out, "--out")?;
+    if checkpoints_dir(out).exists() {
+        anyhow::bail!(
+            "{} holds a run's checkpoints ({}): export into another folder",
+            out.display(),
+            checkpoints_dir(out).display()
+        );
+    }
+    if let Some(marker) = crate::run_dir::run_marker(out).filter(|_| !overwrite) {
+        anyhow::bail!(
+            "{} already holds a model ({} exists); pass --overwrite to replace it",
+            out.display(),
+            marker.display()
+        );
+    }
     let ck =
         Checkpoint::open(&at).with_context(|| format!("opening checkpoint {}", at.display()))?;
     let model = load_training_model(&ck)?;
@@ -393,8 +460,12 @@ pub fn export(checkpoint: &Path, out: &Path) -> Result<PathBuf> {
         CheckpointModel::Gpt(m) => meshgrad_nn::state::hf_gpt2::save_gpt2(m, out)?,
         CheckpointModel::Bert(m) => meshgrad_nn::state::hf_bert::save_bert(m, out)?,
     }
-    if let Some(t) = tokenizer {
-        t.save(out.join(TOKENIZER_FILE))?;
+    let tokenizer_path = out.join(TOKENIZER_FILE);
+    match tokenizer {
+        Some(t) => t.save(&tokenizer_path)?,
+        None if tokenizer_path.exists() => std::fs::remove_file(&tokenizer_path)
+            .with_context(|| format!("removing the stale {}", tokenizer_path.display()))?,
+        None => {}
     }
     if ck.index().files.iter().any(|f| f == "meshgrad.toml") {
         meshgrad_nn::state::write_bytes_atomic(

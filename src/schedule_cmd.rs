@@ -10,6 +10,9 @@
 use anyhow::{anyhow, Result};
 use meshgrad_parallel::pipeline::{simulate, Costs, Schedule, ScheduleError, ScheduleKind};
 
+/// The largest grid (time steps x ranks) printed; a larger schedule prints its summary alone.
+pub const MAX_GRID_CELLS: usize = 100_000;
+
 /// What `meshgrad schedule` prints, and whether the schedule deadlocked.
 pub struct ScheduleOutput {
     /// Stdout, ending with the `bubble=... deadlock=...` line.
@@ -18,8 +21,11 @@ pub struct ScheduleOutput {
     pub deadlock: Option<String>,
 }
 
-/// Builds, simulates and renders the schedule. Bad arguments (no stages or microbatches,
-/// interleaved with M not divisible by P, `chunks` for another kind) are errors.
+/// Builds, simulates and renders the schedule (the grid when it has at most
+/// [`MAX_GRID_CELLS`] cells). Bad arguments (no stages or microbatches, interleaved with M not
+/// divisible by P, `chunks` for another kind, a schedule of more than
+/// [`MAX_SCHEDULE_ACTIONS`](meshgrad_parallel::pipeline::MAX_SCHEDULE_ACTIONS) actions) are
+/// errors.
 pub fn schedule_output(
     kind: &str,
     stages: usize,
@@ -36,7 +42,16 @@ pub fn schedule_output(
     );
     match simulate(&schedule, &Costs::uniform(1.0, 1.0, 1.0, 0.0)) {
         Ok(r) => {
-            text.push_str(&r.grid(1.0));
+            let cells = (r.makespan.ceil() as usize).saturating_mul(stages);
+            if cells <= MAX_GRID_CELLS {
+                text.push_str(&r.grid(1.0));
+            } else {
+                text.push_str(&format!(
+                    "grid omitted: {} time steps x {stages} ranks is more than {MAX_GRID_CELLS} \
+                     cells\n",
+                    r.makespan.ceil()
+                ));
+            }
             text.push_str(&format!(
                 "makespan={} compute_per_rank={:?} peak_activations_per_rank={:?} \
                  awaiting_weight_grad_per_rank={:?}\n",

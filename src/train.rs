@@ -256,8 +256,8 @@ impl Default for TrainOptions {
     }
 }
 
-/// Checks the checkpointing options and the `--out` folder before any work (see
-/// [`crate::run_dir::prepare_out_dir`]).
+/// Checks the checkpointing options, takes the `--out` folder's lock and checks the folder,
+/// before any work (see [`crate::run_dir`]; nothing is removed here).
 pub(crate) fn check_run_options(cfg: &TrainConfig, opts: &TrainOptions) -> Result<()> {
     if opts.save_every == Some(0) {
         anyhow::bail!("--save-every must be at least 1 (a checkpoint every N steps)");
@@ -268,7 +268,9 @@ pub(crate) fn check_run_options(cfg: &TrainConfig, opts: &TrainOptions) -> Resul
     if opts.resume.is_some() && opts.overwrite {
         anyhow::bail!("--resume and --overwrite conflict: continue the run or start over");
     }
-    crate::run_dir::prepare_out_dir(Path::new(&cfg.out), opts.resume.is_some(), opts.overwrite)
+    let out = Path::new(&cfg.out);
+    crate::run_dir::lock_out_dir(out, "out, --out")?;
+    crate::run_dir::check_out_dir(out, opts.resume.is_some(), opts.overwrite)
 }
 
 /// Refuses `--sequence-parallel` without tensor parallelism (`tp` is the layout's
@@ -1065,7 +1067,14 @@ pub(crate) fn drive_loop(
         let stop = ctl.stop_requested()?;
         let periodic = ctl.save_every.is_some_and(|n| n > 0 && done % n == 0);
         let saved = match ctl.save {
-            Some(save) if periodic || stop || (is_last && ctl.save_every.is_some()) => {
+            // The last step is saved when the run saves periodically, and always when it
+            // resumed: `checkpoints/latest` then names this run's final state, not the state
+            // it resumed from (which `export` and `--resume` would otherwise take for it).
+            Some(save)
+                if periodic
+                    || stop
+                    || (is_last && (ctl.save_every.is_some() || ctl.start_step > 0)) =>
+            {
                 let scaler = scaler.map(|s| s.borrow().clone());
                 Some(save(done, model, opt, scaler.as_ref())?)
             }

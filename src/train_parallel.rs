@@ -275,13 +275,26 @@ pub fn resolve_backend(flag: Option<&str>, env: &RankEnv) -> Result<Backend> {
     Ok(chosen)
 }
 
+/// The most ranks one process runs as threads (`--backend threads`).
+pub const MAX_THREAD_RANKS: usize = 1024;
+
 /// Fails at once when this process is one rank of a job of processes over NCCL or TCP but the
-/// layout cannot use them: no `--layout`, or one of another number of ranks.
+/// layout cannot use them (no `--layout`, or one of another number of ranks), or when a layout
+/// run as threads has more than [`MAX_THREAD_RANKS`] ranks.
 pub fn check_process_layout(
     backend: Backend,
     env: &RankEnv,
     layout: Option<&ParallelLayout>,
 ) -> Result<()> {
+    if backend == Backend::Threads {
+        if let Some(l) = layout.filter(|l| l.world_size() > MAX_THREAD_RANKS) {
+            anyhow::bail!(
+                "--layout {l} needs {} ranks, more than the {MAX_THREAD_RANKS} one process runs \
+                 as threads; run them as processes (meshgrad launch, --backend tcp)",
+                l.world_size()
+            );
+        }
+    }
     if !matches!(backend, Backend::Nccl | Backend::Tcp) {
         return Ok(());
     }

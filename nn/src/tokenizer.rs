@@ -146,6 +146,15 @@ pub enum TokenizerError {
         /// What the minimum is made of.
         why: &'static str,
     },
+    /// A vocabulary size above [`MAX_VOCAB_SIZE`].
+    #[error(
+        "vocab size {vocab_size} is too large: a tokenizer here holds at most {MAX_VOCAB_SIZE} \
+         tokens"
+    )]
+    VocabTooLarge {
+        /// The requested size.
+        vocab_size: usize,
+    },
     /// Training files with no text in them.
     #[error("no text to train a tokenizer on in {files}")]
     NoText {
@@ -261,6 +270,32 @@ fn file_list(files: &[PathBuf]) -> String {
         .join(", ")
 }
 
+/// The largest vocabulary a tokenizer may be trained to: token ids are `u32`, and a model's
+/// embedding table has a row per token, so sizes are bounded well below `u32::MAX`
+/// (16,777,216, 64 times the largest vocabularies in use).
+pub const MAX_VOCAB_SIZE: usize = 1 << 24;
+
+/// Refuses a vocabulary size below what `kind` needs for its alphabet and special tokens, or
+/// above [`MAX_VOCAB_SIZE`], before any text is read.
+fn check_vocab_size(kind: TokenizerKind, vocab_size: usize) -> Result<()> {
+    let min = kind.min_vocab_size();
+    if vocab_size < min {
+        return Err(TokenizerError::VocabTooSmall {
+            kind,
+            vocab_size,
+            min,
+            why: match kind {
+                TokenizerKind::Bpe => "256 bytes and <|endoftext|>",
+                TokenizerKind::WordPiece => "[PAD] [UNK] [CLS] [SEP] [MASK] and one more",
+            },
+        });
+    }
+    if vocab_size > MAX_VOCAB_SIZE {
+        return Err(TokenizerError::VocabTooLarge { vocab_size });
+    }
+    Ok(())
+}
+
 impl Tokenizer {
     /// Wraps a `tokenizers::Tokenizer`; `name` names it in messages (usually its file).
     ///
@@ -313,7 +348,8 @@ impl Tokenizer {
             path: path.to_path_buf(),
             message: e.to_string(),
         })?;
-        std::fs::write(path, json).map_err(|e| TokenizerError::Save {
+        // Atomically: a failed write (a full disk) leaves an old tokenizer.json as it was.
+        crate::state::write_bytes_atomic(path, json.as_bytes()).map_err(|e| TokenizerError::Save {
             path: path.to_path_buf(),
             message: e.to_string(),
         })
@@ -449,18 +485,7 @@ impl Tokenizer {
     /// Errors name the file: missing or unreadable, not UTF-8, a bad JSONL line, no text at all;
     /// or the target size below [`TokenizerKind::min_vocab_size`].
     pub fn train(kind: TokenizerKind, vocab_size: usize, files: &[PathBuf]) -> Result<Self> {
-        let min = kind.min_vocab_size();
-        if vocab_size < min {
-            return Err(TokenizerError::VocabTooSmall {
-                kind,
-                vocab_size,
-                min,
-                why: match kind {
-                    TokenizerKind::Bpe => "256 bytes and <|endoftext|>",
-                    TokenizerKind::WordPiece => "[PAD] [UNK] [CLS] [SEP] [MASK] and one more",
-                },
-            });
-        }
+        check_vocab_size(kind, vocab_size)?;
         let mut texts: Vec<String> = Vec::new();
         for path in files {
             read_training_text(path, &mut texts)?;
@@ -493,6 +518,7 @@ impl Tokenizer {
         I: Iterator<Item = S> + Send,
         S: AsRef<str> + Send,
     {
+        check_vocab_size(kind, vocab_size)?;
         let name = name.into();
         let fail = |e: tokenizers::Error| TokenizerError::Train {
             kind,

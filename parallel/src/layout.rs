@@ -35,6 +35,10 @@ use meshgrad_tensor::{Error, Result};
 use crate::comm::Communicator;
 use crate::layout_mesh::LayoutMesh;
 
+/// The most ranks a job may have (1,048,576): a layout's degrees multiply to at most this, and
+/// `WORLD_SIZE` is checked against it before anything is allocated per rank.
+pub const MAX_WORLD_SIZE: usize = 1 << 20;
+
 /// What ZeRO shards across the data-parallel ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ZeroStage {
@@ -121,14 +125,13 @@ impl ParallelLayout {
                  sharded)"
             );
         }
-        if [pp, dp_replicate, dp_shard, tp]
+        let world = [pp, dp_replicate, dp_shard, tp]
             .iter()
-            .try_fold(1usize, |a, &d| a.checked_mul(d))
-            .is_none()
-        {
+            .try_fold(1usize, |a, &d| a.checked_mul(d));
+        if world.is_none_or(|w| w > MAX_WORLD_SIZE) {
             meshgrad_tensor::bail!(
                 "parallel layout: the degrees pp {pp} x dp_replicate {dp_replicate} x dp_shard \
-                 {dp_shard} x tp {tp} overflow"
+                 {dp_shard} x tp {tp} make more than {MAX_WORLD_SIZE} ranks"
             );
         }
         Ok(l)
@@ -532,7 +535,12 @@ mod tests {
         let e = ParallelLayout::new(1, usize::MAX, 2, Some(ZeroStage::One), 1)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("overflow"), "{e}");
+        assert!(e.contains("more than 1048576 ranks"), "{e}");
+        let e = ParallelLayout::new(1, 1 << 11, 1 << 10, Some(ZeroStage::One), 1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("more than 1048576 ranks"), "{e}");
+        ParallelLayout::new(1, 1 << 10, 1 << 10, Some(ZeroStage::One), 1).unwrap();
     }
 
     #[test]

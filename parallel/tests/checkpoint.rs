@@ -643,26 +643,57 @@ fn missing_pieces_files_and_tensors_are_one_line_errors() {
         .unwrap_err()
         .to_string();
     one_line(e, &["ln_f.weight", "step-000000"]);
-    // A rank file deleted: loading fails naming the file.
+    // A rank file deleted: opening fails naming the file (every piece is checked against its
+    // file's header when the checkpoint is opened).
     std::fs::write(&index_path, &index).unwrap();
     let rank1 = ck_dir.join("rank-00001.safetensors");
     let saved = std::fs::read(&rank1).unwrap();
     std::fs::remove_file(&rank1).unwrap();
-    let e = Checkpoint::open(&ck_dir)
-        .unwrap()
-        .load_into_module(&model, true)
-        .unwrap_err()
-        .to_string();
+    let e = Checkpoint::open(&ck_dir).unwrap_err().to_string();
     one_line(e, &["rank-00001.safetensors"]);
     // A truncated rank file: the same.
     std::fs::write(&rank1, &saved[..saved.len() / 2]).unwrap();
-    let e = Checkpoint::open(&ck_dir)
-        .unwrap()
-        .load_into_module(&model, true)
-        .unwrap_err()
-        .to_string();
+    let e = Checkpoint::open(&ck_dir).unwrap_err().to_string();
     one_line(e, &["rank-00001.safetensors"]);
     std::fs::write(&rank1, &saved).unwrap();
+    // An index that claims more than its files hold (a tensor 10^12 times larger, with its
+    // pieces' ranges to match) is refused when opened, before anything is allocated at the
+    // size it claims; so is a shape whose size overflows, and a split whose chunks x degree
+    // wraps around to 0.
+    let edit = |f: &dyn Fn(&mut serde_json::Value)| {
+        let mut v: serde_json::Value = serde_json::from_str(&index).unwrap();
+        let t = v["tensors"]
+            .as_array_mut()
+            .unwrap()
+            .iter_mut()
+            .find(|t| t["name"] == "wte.weight")
+            .unwrap();
+        f(t);
+        std::fs::write(&index_path, serde_json::to_vec(&v).unwrap()).unwrap();
+        Checkpoint::open(&ck_dir).unwrap_err().to_string()
+    };
+    let e = edit(&|t| {
+        let scale = 1_000_000_000_000u64;
+        t["shape"][0] = serde_json::json!(t["shape"][0].as_u64().unwrap() * scale);
+        for p in t["pieces"].as_array_mut().unwrap() {
+            if let Some(r) = p["range"].as_array_mut() {
+                let (a, b) = (r[0].as_u64().unwrap(), r[1].as_u64().unwrap());
+                *r = vec![serde_json::json!(a * scale), serde_json::json!(b * scale)];
+            }
+        }
+    });
+    one_line(e, &["wte.weight", "the index says"]);
+    let e = edit(&|t| t["shape"] = serde_json::json!([u64::MAX, 4]));
+    one_line(e, &["wte.weight", "too large"]);
+    let e = edit(&|t| {
+        for p in t["pieces"].as_array_mut().unwrap() {
+            p["split"] = serde_json::json!({
+                "dim": 0, "chunks": (1u64 << 63), "degree": 2, "index": 0, "mesh_dim": "tp"
+            });
+        }
+    });
+    one_line(e, &["wte.weight", "overflows"]);
+    std::fs::write(&index_path, &index).unwrap();
     // Another model size: the shape mismatch names the tensor and both shapes.
     let small = Gpt::new(
         GptConfig { n_embd: 16, ..cfg },

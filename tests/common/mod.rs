@@ -6,10 +6,21 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// The `meshgrad` binary built for these tests.
+/// The `meshgrad` binary built for these tests, run in a fresh, empty working folder of its
+/// own: what a command writes to a relative default path (`runs/latest` when `--out` is left
+/// out) lands there, never in the checkout, and no test sees what the main job, an example, a
+/// user or another test left behind.
 pub fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_meshgrad"))
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let cwd = std::env::temp_dir().join(format!("meshgrad-cli-cwd-{}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&cwd);
+    std::fs::create_dir_all(&cwd).unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_meshgrad"));
+    cmd.current_dir(cwd);
+    cmd
 }
 
 /// A fresh, empty `meshgrad-cli-<name>-<pid>` folder under the system temp dir.

@@ -10,9 +10,10 @@
 //! A [`ShardedDataset`] is the concatenation of its shards in order, indexed globally: token `i`
 //! of the dataset is token `i - start(k)` of the shard `k` that holds it, and a window can span
 //! two shards. The sampler ([`super::TokenSource`]) therefore draws the same windows from shards
-//! as from the same tokens in memory. Ids are checked against the dataset's vocabulary size as
-//! they are read (a shard header does not record it); an id out of range is an error naming the
-//! shard file and the position in it.
+//! as from the same tokens in memory. Ids are checked against the dataset's vocabulary size (a
+//! shard header does not record it) when the dataset is opened, in one pass over every shard,
+//! and again as they are read; an id out of range is an error naming the shard file and the
+//! position in it.
 //!
 //! A [`ShardFolder`] holds every `.bin` file of a folder, sorted by file name. As in llm.c, shards
 //! with `val` in the file name (`fineweb_val_000000.bin`, `tiny_shakespeare_val.bin`; see
@@ -141,6 +142,28 @@ impl Shard {
         u16::from_le_bytes([self.map[b], self.map[b + 1]])
     }
 
+    /// The first token id at or above `limit`, with its position, if any: one pass over the
+    /// mapped shard, in parallel chunks (a few GB/s).
+    fn first_id_at_least(&self, limit: u32) -> Option<(usize, u16)> {
+        use rayon::prelude::*;
+        const CHUNK: usize = 1 << 20;
+        #[cfg(unix)]
+        let _ = self.map.advise(memmap2::Advice::Sequential);
+        let tokens = &self.map[SHARD_HEADER_BYTES..SHARD_HEADER_BYTES + 2 * self.len];
+        let found = tokens
+            .par_chunks(2 * CHUNK)
+            .enumerate()
+            .find_map_first(|(c, bytes)| {
+                bytes.chunks_exact(2).enumerate().find_map(|(i, pair)| {
+                    let id = u16::from_le_bytes([pair[0], pair[1]]);
+                    (u32::from(id) >= limit).then_some((c * CHUNK + i, id))
+                })
+            });
+        #[cfg(unix)]
+        let _ = self.map.advise(memmap2::Advice::Random);
+        found
+    }
+
     /// Copies tokens `start..start + out.len()` (in range) into `out`.
     fn read_into(&self, start: usize, out: &mut [u32]) {
         let bytes =
@@ -229,6 +252,21 @@ impl ShardedDataset {
                 name: source,
                 vocab_size,
             });
+        }
+        // Every id is checked once, here, before training starts: an id out of range is found
+        // now, not at the step that happens to draw it. (u16 ids are all in range of a
+        // vocabulary of 65,536 or more.)
+        if vocab_size <= usize::from(u16::MAX) {
+            for shard in &shards {
+                if let Some((position, id)) = shard.first_id_at_least(vocab_size as u32) {
+                    return Err(DataError::TokenOutOfRange {
+                        name: shard.path().display().to_string(),
+                        id: u32::from(id),
+                        position,
+                        vocab_size,
+                    });
+                }
+            }
         }
         let mut total = 0usize;
         let ends: Vec<usize> = shards

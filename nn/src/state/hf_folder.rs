@@ -90,8 +90,14 @@ pub(crate) fn read_config<T>(
 }
 
 /// Writes the checkpoint folder `dir` (created if missing): `model.safetensors` holding `tensors`
-/// (metadata `{"format": "pt"}`), then `config.json` holding `config`, both atomically. Errors
-/// begin with `op` (`"save_gpt2"`).
+/// (metadata `{"format": "pt"}`) and `config.json` holding `config`. Errors begin with `op`
+/// (`"save_gpt2"`).
+///
+/// Both files are written completely as temporary files beside their places first; a failure
+/// there (a full disk, say) removes them and leaves a model already in `dir` exactly as it was,
+/// still loadable. Only then do they replace the old files: the old config goes first and the
+/// new one comes last, so even a process killed between the renames leaves a folder without
+/// `config.json` (which no loader takes for a model), never new weights beside an old config.
 pub(crate) fn write_folder(
     dir: &Path,
     op: &str,
@@ -101,23 +107,56 @@ pub(crate) fn write_folder(
     std::fs::create_dir_all(dir)
         .map_err(|e| Error::Msg(format!("{op}: cannot create {}: {e}", dir.display())))?;
     let tensors = tensors()?;
-    // Never a mix of two saves: an old config goes first and the new one is written last, so a
-    // save killed half-way leaves a folder without config.json (which no loader takes for a
-    // model) rather than new weights beside an old config.
+    let weights_path = dir.join(WEIGHTS_FILE);
     let config_path = dir.join(CONFIG_FILE);
-    if config_path.exists() {
-        std::fs::remove_file(&config_path).map_err(|e| {
-            Error::Msg(format!(
-                "{op}: cannot replace {}: {e}",
-                config_path.display()
-            ))
-        })?;
-    }
+    let weights_tmp = temp_beside(&weights_path);
+    let config_tmp = temp_beside(&config_path);
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    save_safetensors(dir.join(WEIGHTS_FILE), &tensors, Some(meta))?;
-    write_atomic_with(&dir.join(CONFIG_FILE), op, |tmp| {
-        std::fs::write(tmp, config.as_bytes()).map_err(|e| e.to_string())
+    let written = save_safetensors(&weights_tmp, &tensors, Some(meta)).and_then(|_| {
+        write_atomic_with(&config_tmp, op, |tmp| {
+            std::fs::write(tmp, config.as_bytes()).map_err(|e| e.to_string())
+        })
+    });
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&weights_tmp);
+        let _ = std::fs::remove_file(&config_tmp);
+        return Err(e);
+    }
+    let replace = || -> std::io::Result<()> {
+        match std::fs::remove_file(&config_path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+        std::fs::rename(&weights_tmp, &weights_path)?;
+        std::fs::rename(&config_tmp, &config_path)?;
+        if let Ok(d) = std::fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    };
+    replace().map_err(|e| {
+        let _ = std::fs::remove_file(&weights_tmp);
+        let _ = std::fs::remove_file(&config_tmp);
+        Error::Msg(format!(
+            "{op}: cannot move the new files into {}: {e}",
+            dir.display()
+        ))
     })
+}
+
+/// A fresh temporary path beside `path` (`.NAME.tmp-PID-N`, the pattern a run's start removes
+/// when a killed process left one).
+fn temp_beside(path: &Path) -> std::path::PathBuf {
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    path.with_file_name(format!(
+        ".{name}.tmp-{}-w{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ))
 }
 
 /// Whether two tensors have the same shape and values (compared as f64, in chunks of rows).
@@ -140,4 +179,52 @@ pub(crate) fn tensors_equal(a: &Tensor, b: &Tensor) -> Result<bool> {
         start += len;
     }
     Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use meshgrad_tensor::Device;
+
+    #[test]
+    fn a_failed_write_leaves_the_previous_folder_as_it_was() {
+        let dir = std::env::temp_dir().join(format!("meshgrad-hf-folder-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let t = |v: f32| Tensor::from_vec(vec![v; 4], (2, 2), Device::Cpu).unwrap();
+        write_folder(&dir, "test", "{\"v\": 1}", || {
+            Ok(vec![("w".into(), t(1.0))])
+        })
+        .unwrap();
+        let before: Vec<Vec<u8>> = [CONFIG_FILE, WEIGHTS_FILE]
+            .iter()
+            .map(|f| std::fs::read(dir.join(f)).unwrap())
+            .collect();
+        // The new weights cannot be written (a name twice): nothing of the old folder goes.
+        let e = write_folder(&dir, "test", "{\"v\": 2}", || {
+            Ok(vec![("w".into(), t(2.0)), ("w".into(), t(3.0))])
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("appears twice"), "{e}");
+        let after: Vec<Vec<u8>> = [CONFIG_FILE, WEIGHTS_FILE]
+            .iter()
+            .map(|f| std::fs::read(dir.join(f)).unwrap())
+            .collect();
+        assert_eq!(before, after);
+        // No temporary file is left behind.
+        let names: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names.len(), 2, "{names:?}");
+        // A good write replaces both.
+        write_folder(&dir, "test", "{\"v\": 3}", || {
+            Ok(vec![("w".into(), t(3.0))])
+        })
+        .unwrap();
+        assert_eq!(
+            std::fs::read_to_string(dir.join(CONFIG_FILE)).unwrap(),
+            "{\"v\": 3}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -73,8 +73,14 @@ impl Split {
                 self.index, self.degree, self.chunks
             ));
         }
+        let Some(parts) = self.chunks.checked_mul(self.degree) else {
+            return Err(format!(
+                "{} chunk(s) x {} parts is not a valid split (the count overflows)",
+                self.chunks, self.degree
+            ));
+        };
         match global.get(self.dim) {
-            Some(&n) if n % (self.chunks * self.degree) == 0 => Ok(()),
+            Some(&n) if n % parts == 0 => Ok(()),
             Some(&n) => Err(format!(
                 "dimension {} of size {n} does not split into {} chunk(s) x {} parts",
                 self.dim, self.chunks, self.degree
@@ -195,9 +201,25 @@ impl TensorEntry {
         self.dtype.parse()
     }
 
-    /// Number of elements of the global tensor.
+    /// Number of elements of the global tensor (its shape checked by
+    /// [`TensorEntry::check_coverage`]: the product and its bytes fit in memory's address
+    /// range).
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
+    }
+
+    /// The number of elements, or why the shape cannot be a tensor: its product, or its size
+    /// in bytes, overflows the address range.
+    pub fn checked_numel(&self) -> std::result::Result<usize, String> {
+        let size = self.dtype().map_err(|e| e.to_string())?.size_in_bytes();
+        self.shape
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .filter(|n| {
+                n.checked_mul(size)
+                    .is_some_and(|b| b <= isize::MAX as usize)
+            })
+            .ok_or_else(|| format!("shape {:?} is too large for a tensor", self.shape))
     }
 
     /// The split scheme its pieces share (`None`: unsplit).
@@ -209,7 +231,7 @@ impl TensorEntry {
     /// is split), and the ranges of each part tile its local tensor with no gap and no
     /// overlap. The message names the first problem (without the tensor's name).
     pub fn check_coverage(&self) -> std::result::Result<(), String> {
-        self.dtype().map_err(|e| e.to_string())?;
+        self.checked_numel()?;
         let first = self
             .pieces
             .first()

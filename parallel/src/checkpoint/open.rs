@@ -81,12 +81,35 @@ impl Checkpoint {
                 )));
             }
         }
-        Ok(Checkpoint {
+        let ck = Checkpoint {
             dir,
             index,
             by_name,
             files: Mutex::new(HashMap::new()),
-        })
+        };
+        ck.check_pieces_in_files()?;
+        Ok(ck)
+    }
+
+    /// Checks every piece the index lists against its rank file's header (the key exists, with
+    /// the dtype and element count the index says), before any tensor is allocated at a size
+    /// the index claims: a damaged or hand-edited index cannot make a load allocate more than
+    /// the files hold. Reads the headers only.
+    fn check_pieces_in_files(&self) -> Result<()> {
+        for t in &self.index.tensors {
+            let dtype = t.dtype()?;
+            let local_numel: usize = match t.split_scheme() {
+                Some(s) => s.local_dims(&t.shape).iter().product(),
+                None => t.numel(),
+            };
+            for p in &t.pieces {
+                let n = p.range.map_or(local_numel, |[a, b]| b - a);
+                self.rank_file(&p.file)?
+                    .entry(&p.key, dtype, n)
+                    .map_err(|e| self.err(format!("tensor {}: {e}", t.name)))?;
+            }
+        }
+        Ok(())
     }
 
     /// The checkpoint directory.

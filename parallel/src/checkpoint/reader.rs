@@ -14,7 +14,8 @@ use meshgrad_tensor::{DType, Device, Error, Result, Tensor};
 /// The largest header accepted (safetensors' own limit).
 const MAX_HEADER: u64 = 100_000_000;
 
-struct Entry {
+/// A tensor of a rank file: its dtype, shape and bytes within the data section.
+pub(crate) struct Entry {
     dtype: DType,
     shape: Vec<usize>,
     start: u64,
@@ -84,8 +85,13 @@ impl RankFile {
                 .map_err(|e| bad(format!("tensor {name}: bad shape: {e}")))?;
             let [start, end]: [u64; 2] = serde_json::from_value(v["data_offsets"].clone())
                 .map_err(|e| bad(format!("tensor {name}: bad data offsets: {e}")))?;
-            let bytes = shape.iter().product::<usize>() as u64 * dtype.size_in_bytes() as u64;
-            if end < start || end - start != bytes || data_start + end > len {
+            let bytes = shape
+                .iter()
+                .try_fold(dtype.size_in_bytes() as u64, |a, &d| {
+                    a.checked_mul(d as u64)
+                })
+                .ok_or_else(|| bad(format!("tensor {name}: shape {shape:?} is too large")))?;
+            if end < start || end - start != bytes || data_start.saturating_add(end) > len {
                 return Err(bad(format!(
                     "tensor {name}: data offsets {start}..{end} do not hold its {bytes} bytes \
                      within the file (truncated?)"
@@ -109,9 +115,9 @@ impl RankFile {
         })
     }
 
-    /// The tensor stored under `key`, checked to have `dtype` and `numel` elements, as a CPU
-    /// tensor of its stored shape.
-    pub(crate) fn read(&self, key: &str, dtype: DType, numel: usize) -> Result<Tensor> {
+    /// The entry of the tensor stored under `key`, checked to have `dtype` and `numel`
+    /// elements (what the index says of it), or a one-line error naming the file and the key.
+    pub(crate) fn entry(&self, key: &str, dtype: DType, numel: usize) -> Result<&Entry> {
         let bad = |why: String| {
             Error::msg(format!(
                 "checkpoint file {}: tensor {key}: {why}",
@@ -129,6 +135,19 @@ impl RankFile {
                 e.dtype
             )));
         }
+        Ok(e)
+    }
+
+    /// The tensor stored under `key`, checked to have `dtype` and `numel` elements, as a CPU
+    /// tensor of its stored shape.
+    pub(crate) fn read(&self, key: &str, dtype: DType, numel: usize) -> Result<Tensor> {
+        let bad = |why: String| {
+            Error::msg(format!(
+                "checkpoint file {}: tensor {key}: {why}",
+                self.path.display()
+            ))
+        };
+        let e = self.entry(key, dtype, numel)?;
         let mut bytes = vec![0u8; (e.end - e.start) as usize];
         {
             let mut f = self.file.lock().unwrap_or_else(|p| p.into_inner());

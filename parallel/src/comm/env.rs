@@ -123,12 +123,22 @@ impl RankEnv {
             num(name)?.ok_or_else(|| Error::msg(format!("{marker} is set but {name} is not")))
         };
         let master_addr = get("MASTER_ADDR");
-        let master_port = match get("MASTER_PORT") {
-            None => None,
-            Some(v) => Some(v.trim().parse::<u16>().map_err(|_| {
-                Error::msg(format!("MASTER_PORT={v} is not a port number (0 to 65535)"))
-            })?),
-        };
+        let master_port =
+            match get("MASTER_PORT") {
+                None => None,
+                Some(v) => match v.trim().parse::<u16>() {
+                    Ok(0) => return Err(Error::msg(
+                        "MASTER_PORT=0 is not a port the ranks can meet at: give rank 0's store \
+                         a fixed port (1 to 65535)",
+                    )),
+                    Ok(p) => Some(p),
+                    Err(_) => {
+                        return Err(Error::msg(format!(
+                            "MASTER_PORT={v} is not a port number (1 to 65535)"
+                        )))
+                    }
+                },
+            };
         let env = if let Some(rank) = num("RANK")? {
             let world_size = need("WORLD_SIZE", "RANK")?;
             let local_world_size = num("LOCAL_WORLD_SIZE")?.unwrap_or(world_size);
@@ -229,6 +239,13 @@ impl RankEnv {
         let [rank, world, local_rank, local_world] = self.var_names();
         if self.world_size == 0 {
             meshgrad_tensor::bail!("{world}=0: a job needs at least one process");
+        }
+        if self.world_size > crate::layout::MAX_WORLD_SIZE {
+            meshgrad_tensor::bail!(
+                "{world}={} is more than the {} processes a job may have",
+                self.world_size,
+                crate::layout::MAX_WORLD_SIZE
+            );
         }
         if self.rank >= self.world_size {
             meshgrad_tensor::bail!(
@@ -352,6 +369,10 @@ mod tests {
             "WORLD_SIZE=-2 is not a non-negative integer"
         );
         assert_eq!(err(&[("RANK", "0")]), "RANK is set but WORLD_SIZE is not");
+        assert!(
+            err(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "0")])
+                .starts_with("MASTER_PORT=0 is not a port the ranks can meet at"),
+        );
         assert_eq!(
             err(&[("RANK", "0"), ("WORLD_SIZE", "0")]),
             "WORLD_SIZE=0: a job needs at least one process"
@@ -367,7 +388,7 @@ mod tests {
         );
         assert_eq!(
             err(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "70000")]),
-            "MASTER_PORT=70000 is not a port number (0 to 65535)"
+            "MASTER_PORT=70000 is not a port number (1 to 65535)"
         );
     }
 

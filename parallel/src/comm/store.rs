@@ -224,6 +224,12 @@ impl TcpStore {
         timeout: Duration,
     ) -> Result<TcpStore> {
         let addr = format!("{host}:{port}");
+        // A name that does not resolve will not start to: fail now, not after the timeout.
+        addr.to_socket_addrs().map_err(|e| {
+            Error::msg(format!(
+                "rank {rank}: store {addr}: the address does not resolve: {e}"
+            ))
+        })?;
         let deadline = Instant::now() + timeout;
         let mut pause = Duration::from_millis(20);
         let stream = loop {

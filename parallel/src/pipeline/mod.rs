@@ -50,7 +50,7 @@ pub use execute::{
     PipelineGrads,
 };
 pub use profile::{profile_layers, profile_lines, ProfileOptions};
-pub use schedule::{Action, Schedule, ScheduleArgError, ScheduleKind};
+pub use schedule::{Action, Schedule, ScheduleArgError, ScheduleKind, MAX_SCHEDULE_ACTIONS};
 pub use simulate::{simulate, Blocked, Costs, ScheduleError, SimReport, Slot};
 pub use trace::{
     chrome_trace, chrome_trace_json, measure_idle, measure_idle_between, measured_costs,

@@ -509,8 +509,26 @@ fn check_sizes(stages: usize, microbatches: usize, chunks: usize) -> Result<(), 
             "a pipeline needs at least 1 chunk per stage".into(),
         ));
     }
-    Ok(())
+    // Every microbatch of every chunk has up to three actions (forward, input backward, weight
+    // backward) on its rank: bound their number before a list of them is allocated.
+    let actions = stages
+        .checked_mul(microbatches)
+        .and_then(|n| n.checked_mul(chunks))
+        .and_then(|n| n.checked_mul(3));
+    match actions {
+        Some(n) if n <= MAX_SCHEDULE_ACTIONS => Ok(()),
+        _ => Err(ScheduleArgError(format!(
+            "{stages} stages x {microbatches} microbatches x {chunks} chunk(s) is too large a \
+             schedule: it would hold more than {MAX_SCHEDULE_ACTIONS} actions"
+        ))),
+    }
 }
+
+/// The most actions (forwards, backwards, weight backwards over all ranks) a generated schedule
+/// may hold: `stages x microbatches x chunks x 3` is checked against it before anything is
+/// allocated (4,194,304: for example 64 stages x 4,096 microbatches x 4 chunks, and far more
+/// than any run needs).
+pub const MAX_SCHEDULE_ACTIONS: usize = 1 << 22;
 
 /// `warmup` forwards, then forward `warmup + k` and backward `k` for each `k`, then the
 /// remaining backwards; `total` forwards and backwards in all.
