@@ -6,8 +6,8 @@
 # summary.txt and session-logs.tar.gz in $OUT (valid names, under 16 MiB), an archive that
 # unpacks and holds every step's log but no training run, a summary printed last and under
 # 11,500 characters with failures first (each with its first error line), the hung step cut off
-# by timeout, later steps skipped by the budget, and nothing left running. Then ONLY= selection
-# and a missing bundle. About 20 s, nearly all of it the budget the hung step waits out.
+# by timeout, later steps skipped by the budget, and nothing left running. Then ONLY= selection,
+# TESTS_BUDGET and a missing bundle. About 20 s, nearly all of it the budget the hung step waits out.
 #
 #   bash .ci/gpu_session_check.sh
 #
@@ -116,7 +116,13 @@ check "ONLY: still 2 files in OUT" [ "$(find "$T/out" -type f | wc -l)" = 2 ]
 check "ONLY: ran selftest and the tests only" bash -c 'grep -q -E "^selftest +rc=1" "$1" && grep -q -E "^test-ops_ok " "$1" &&
     ! grep -q -E "^(bench|train|libs)" "$1" && grep -q "^not selected (ONLY/SKIP): nvidia-smi libs bench-gpt2-bf16" "$1"' _ "$S"
 
-# ---------------------------------------------------------------- run 3: no bundle
+# ---------------------------------------------------------------- run 3: TESTS_BUDGET spent
+OUT="$T/out4" BUNDLE="$T/bundle.tar.xz" ONLY='test-*' TESTS_BUDGET=0 WORK_PARENT="$T" PATH="$T/bin:$PATH" \
+    bash "$SCRIPT" >"$T/printed4.txt" 2>&1
+check "TESTS_BUDGET=0: exit status 0, the test binaries skipped" bash -c '[ "$2" = 0 ] &&
+    grep -q -E "^test-ops_ok +skipped \(TESTS_BUDGET=0s spent\)" "$1"' _ "$T/out4/summary.txt" $?
+
+# ---------------------------------------------------------------- run 4: no bundle
 OUT="$T/out3" BUNDLE="$T/missing.tar.xz" WORK_PARENT="$T" bash "$SCRIPT" >"$T/printed3.txt" 2>&1
 check "no bundle: exit status 2" [ $? = 2 ]
 check "no bundle: the summary says so" grep -q -F 'error: no bundle' "$T/out3/summary.txt"

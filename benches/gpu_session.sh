@@ -11,7 +11,8 @@
 #                              (also refreshed after every step)
 #
 # Everything else (the unpacked bundle, full logs, training runs with their checkpoints) lives in
-# a fresh work folder outside $OUT (mktemp -d under WORK_PARENT, default /tmp) and is not sent.
+# a fresh work folder outside $OUT (mktemp -d under WORK_PARENT, default /tmp) and is not sent;
+# the unpacked bundle is removed at the end, the full logs and runs stay there.
 # While it runs it prints one line per step ("[  12s] selftest ... FAIL rc=1 3s"); the summary is
 # the last thing printed and is kept under 11,500 characters: failures first, each with its
 # first error line (panic, Error:, CUDA_ERROR, FAIL...), then passes with their times and result
@@ -24,7 +25,8 @@
 #   selftest          meshgrad selftest --device cuda with MESHGRAD_CUDA_SYNC_LAUNCHES=1 (every
 #                     fused launch waits, so a kernel fault names its op)                      120
 #   test-<binary>     each meshgrad-tensor test binary, only tests whose name holds TEST_FILTER
-#                     (default "cuda": the CUDA variants; the CPU ones are CI's), 1 thread      90
+#                     (default "cuda": the CUDA variants; the CPU ones are CI's), 1 thread,
+#                     all of them within TESTS_BUDGET                                    90 each
 #   bench-gpt2-bf16   meshgrad bench gpt2-124m bf16 beside PyTorch eager and torch.compile     180
 #   profile-gpt2-bf16 the per-op profile of that step                                          120
 #   train-gpt, train-gpt-bf16, train-bert (and train-llama when `train --help` names llama):
@@ -48,6 +50,8 @@
 #   SANITIZER   end (default): the sanitize-* steps run last, in whatever budget is left;
 #               first: right after the plain test runs; 0: never
 #   TEST_FILTER libtest filter for the test binaries (default cuda; empty runs every test)
+#   TESTS_BUDGET seconds for all test-* steps together (default 120; each binary is also capped
+#               at 90 s): the binaries left when it is spent are skipped, so the bench still runs
 #   LOG_CAP     bytes of each log kept in the archive (default 1048576: first 256 KiB, last rest)
 #   WORK_PARENT where the fresh work folder is made (default /tmp)
 # Exit status: 0 when no step failed, 1 when one did, 2 when the bundle could not be unpacked.
@@ -65,6 +69,7 @@ RESERVE=15   # seconds kept for the archive and the summary
 MIN_STEP=5   # a step is not started with less than this left
 LOG_CAP="${LOG_CAP:-1048576}"
 TEST_FILTER="${TEST_FILTER-cuda}"
+TESTS_BUDGET="${TESTS_BUDGET:-120}"
 SANITIZER="${SANITIZER:-end}"
 SUMMARY_MAX=11500
 STARTED="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
@@ -77,7 +82,7 @@ RUNS="$WORK/runs"    # training runs' folders (checkpoints): never archived
 mkdir -p "$LOGS" "$RUNS"
 echo "gpu session: work folder $WORK, OUT $OUT, BUDGET ${BUDGET}s"
 
-declare -a NAMES=() STATES=() RCS=() SECS=() DETAILS=()
+declare -a NAMES=() STATES=() RCS=() SECS=() DETAILS=() SHORTS=()
 DEVICE="unknown (nvidia-smi -L did not answer)"
 COMMIT="unknown"
 FEATURES="unknown"
@@ -87,7 +92,7 @@ first_error() { # log width -> the first error line, then a panic's message line
     local log="$1" w="$2" line
     # Errors first; a libtest "... FAILED" line only when no line says more; else the last line.
     line=$(grep -n -E 'panicked|Error|error|ERROR|CUDA_ERROR|NCCL WARN|Traceback|Segmentation fault|core dumped|Aborted|Killed|cannot open shared object|No such file|not found|NOT FOUND|cut off by timeout' "$log" 2>/dev/null \
-        | grep -v -E ' ok$' | head -n1)
+        | grep -v -E '^[0-9]+:test .* \.\.\. |^[0-9]+:.* ok$' | head -n1)
     [ -z "$line" ] && line=$(grep -n -E 'FAIL' "$log" 2>/dev/null | head -n1)
     [ -z "$line" ] && line=$(grep -n -v -E '^[[:space:]]*$' "$log" 2>/dev/null | tail -n1)
     [ -z "$line" ] && { echo "(empty log)"; return; }
@@ -130,7 +135,7 @@ write_summary() {
         echo "bundle: commit $COMMIT, features $FEATURES"
         echo "device: $DEVICE"
         echo "started $STARTED, used ${SECONDS}s of BUDGET=${BUDGET}s; steps: ${nfail} failed, ${npass} passed, ${nskip} skipped"
-        echo "knobs: STEPS=${STEPS:-50} BATCH=${BATCH:-8} SYNC=${SYNC:-0} SANITIZER=$SANITIZER TEST_FILTER='$TEST_FILTER' ONLY='${ONLY:-}' SKIP='${SKIP:-}'"
+        echo "knobs: STEPS=${STEPS:-50} BATCH=${BATCH:-8} SYNC=${SYNC:-0} SANITIZER=$SANITIZER TEST_FILTER='$TEST_FILTER' TESTS_BUDGET=$TESTS_BUDGET ONLY='${ONLY:-}' SKIP='${SKIP:-}'"
         if [ "$nfail" -gt 0 ]; then
             echo "-- failed (rc, seconds, first error line; rc=124/137: cut off by timeout)"
             # Many failures (a GPU that is not there): one line each, so the passes still fit.
@@ -138,8 +143,7 @@ write_summary() {
                 [ "${STATES[$i]}" = FAIL ] || continue
                 printf '%-26s rc=%-3s %4ss\n' "${NAMES[$i]}" "${RCS[$i]}" "${SECS[$i]}"
                 if [ "$nfail" -gt 12 ]; then
-                    local d="${DETAILS[$i]%%$'\n'*}"
-                    printf '%s\n' "${d:0:154}"
+                    printf '    %s\n' "${SHORTS[$i]}"
                 else
                     printf '%s\n' "${DETAILS[$i]}"
                 fi
@@ -166,7 +170,7 @@ write_summary() {
             [ -n "$unsel" ] && echo "not selected (ONLY/SKIP): ${unsel% }" | fold -s -w 160
         fi
         [ -n "$failed" ] && echo "re-run the failed steps: ONLY='${failed% }'"
-        echo "logs: session-logs.tar.gz in OUT (each log capped at ${LOG_CAP} bytes); steps.tsv and env.txt in it"
+        echo "logs: session-logs.tar.gz in OUT (every log, capped at LOG_CAP=${LOG_CAP} bytes or less to fit; steps.tsv, env.txt)"
     } >"$f.full"
     # Never more than SUMMARY_MAX characters: what the tool returns is the output's last 12,000.
     if [ "$(wc -c <"$f.full")" -gt "$SUMMARY_MAX" ]; then
@@ -229,12 +233,19 @@ details() { # name state rc -> the summary's lines for that step (read once, fro
 record() { # name state rc seconds: a step that ran (or the unpacking); summary and archive refreshed
     NAMES+=("$1"); STATES+=("$2"); RCS+=("$3"); SECS+=("$4")
     DETAILS+=("$(details "$1" "$2" "$3" | sed 's/^/    /')")
+    # One line for the compact summary: a panic's location and message joined, no thread name.
+    if [ "$2" = FAIL ]; then
+        SHORTS+=("$(first_error "$LOGS/$1.log" 300 | head -n2 | tr '\n' ' ' \
+            | sed -e 's/^thread .* panicked at /panicked at /' -e 's/ *$//' | cut -c1-150)")
+    else
+        SHORTS+=("")
+    fi
     write_summary
     write_archive
 }
 
 note() { # name state: a step that did not run (no log; the summary is refreshed at the end)
-    NAMES+=("$1"); STATES+=("$2"); RCS+=("-"); SECS+=(0); DETAILS+=("")
+    NAMES+=("$1"); STATES+=("$2"); RCS+=("-"); SECS+=(0); DETAILS+=(""); SHORTS+=("")
 }
 
 selected() { # name -> whether ONLY/SKIP let it run
@@ -288,6 +299,7 @@ step() { # name cap command...
 finish() {
     write_summary
     write_archive
+    rm -rf "$B"  # the unpacked bundle (60 MB); the work folder keeps the full logs and the runs
     echo
     cat "$WORK/summary.txt"
     local f
@@ -414,8 +426,16 @@ sanitize_steps() {
 step nvidia-smi 30 bash -c 'nvidia-smi && nvidia-smi -L'
 step libs 60 bash -c 'python3 -c "$1" "$2"; rc=$?; echo "compute-sanitizer: $(compute-sanitizer --version 2>&1 | tail -n1)"; exit $rc' _ "$LIBS_PY" "$FEATURES"
 step selftest 120 env MESHGRAD_CUDA_SYNC_LAUNCHES=1 "$B/meshgrad" selftest --device cuda --steps "${STEPS:-50}"
+tests_t0=$SECONDS  # all test binaries together get TESTS_BUDGET seconds, so the bench still runs
 for t in "${TESTS[@]}"; do
-    step "test-$(basename "$t")" 90 "$t" "${FILTER_ARGS[@]}" --test-threads 1
+    name="test-$(basename "$t")"
+    left=$((TESTS_BUDGET - (SECONDS - tests_t0)))
+    if selected "$name" && [ "$left" -lt "$MIN_STEP" ]; then
+        printf '[%4ss] %-26s skipped: TESTS_BUDGET\n' "$SECONDS" "$name"
+        note "$name" "skipped (TESTS_BUDGET=${TESTS_BUDGET}s spent)"
+        continue
+    fi
+    step "$name" $((left < 90 ? left : 90)) "$t" "${FILTER_ARGS[@]}" --test-threads 1
 done
 [ "$SANITIZER" = first ] && sanitize_steps
 step bench-gpt2-bf16 180 "$B/meshgrad" bench --device cuda --model gpt2-124m --batch "${BATCH:-8}" --steps 10 --precision bf16 --pytorch
