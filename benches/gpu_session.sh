@@ -42,14 +42,15 @@
 #   BUDGET      seconds for the whole script, unpacking included (default 420 = 7 minutes): each
 #               step is cut off with `timeout` at min(its cap, what is left less 15 s kept for
 #               the archive and summary), and steps are skipped once under 5 s are left
-#   ONLY        space-separated step names or globs to run (e.g. ONLY="selftest test-*");
-#               (the device name is read with nvidia-smi -L whatever ONLY says); SKIP: names
-#               or globs not to run
+#   ONLY        space-separated step names or globs to run (e.g. ONLY="selftest test-*"); the
+#               unpacking always runs and the device name is read with nvidia-smi -L whatever
+#               ONLY says. SKIP: names or globs not to run
 #   STEPS       selftest loss-curve steps (default 50); BATCH: bench batch (default 8)
 #   SYNC=1      MESHGRAD_CUDA_SYNC_LAUNCHES=1 for every step, not only selftest
 #   SANITIZER   end (default): the sanitize-* steps run last, in whatever budget is left;
 #               first: right after the plain test runs; 0: never
-#   TEST_FILTER libtest filter for the test binaries (default cuda; empty runs every test)
+#   TEST_FILTER libtest filters for the test binaries (default cuda; several words are several
+#               filters, a test runs if its name holds any; empty runs every test)
 #   TESTS_BUDGET seconds for all test-* steps together (default 120; each binary is also capped
 #               at 90 s): the binaries left when it is spent are skipped, so the bench still runs
 #   LOG_CAP     bytes of each log kept in the archive (default 1048576: first 256 KiB, last rest)
