@@ -18,8 +18,8 @@
 //!   product has the same shapes and operand strides on every layout, so no result depends on
 //!   how the matmul kernel blocks other dimensions. A rank's products run as batched matmuls,
 //!   side by side on the rayon threads.
-//! * **Sums over positions** ([`layer_norm_positions`], [`add_bias_positions`],
-//!   [`linear_positions`]): the gradients of the LayerNorm parameters, of the row-parallel
+//! * **Sums over positions** ([`layer_norm_positions`], [`rms_norm_positions`], [`add_bias_positions`],
+//!   [`linear_positions`]): the gradients of the LayerNorm and RMSNorm parameters, of the row-parallel
 //!   biases and of replicated sequence-parallel linears (BERT's MLM transform), which sequence
 //!   parallelism sums over each rank's positions and then over the ranks, are trees over `K`
 //!   chunks of positions on every layout (with or without sequence parallelism).
@@ -137,6 +137,56 @@ pub fn layer_norm_positions(
                 grads.push(Some(tree_sum(&dbs)?));
             }
             Ok(grads)
+        }),
+    ))
+}
+
+/// RMS norm of `x [B, T, C]` whose weight gradient is a tree over `chunks` equal chunks of
+/// positions, as [`layer_norm_positions`] does for the layer norm: one kernel call normalises
+/// every row, each chunk is back-propagated by its own call and the chunks' weight gradients are
+/// added over their aligned binary tree. An input whose positions do not split is normalised
+/// whole.
+pub fn rms_norm_positions(x: &Var, weight: &Var, eps: f64, chunks: usize) -> Result<Var> {
+    let xt = x.tensor().clone();
+    if !splits_positions(&xt, chunks) {
+        return x.rms_norm(Some(weight), eps);
+    }
+    let (batch, t) = (xt.dims()[0], xt.dims()[1]);
+    let len = t / chunks;
+    let w = weight.tensor().clone();
+    let out = xt.rms_norm(Some(&w), eps)?;
+    let rstd = out.rstd.reshape((batch, t))?;
+    let stats: Vec<Tensor> = (0..chunks)
+        .map(|k| {
+            rstd.narrow(1, k * len, len)?
+                .contiguous()?
+                .reshape(batch * len)
+        })
+        .collect::<Result<_>>()?;
+    let weight_grad = weight.requires_grad();
+    Ok(Var::from_op(
+        "rms_norm_positions",
+        out.y,
+        &[x, weight],
+        Box::new(move |g, _| {
+            let (mut dxs, mut dws) = (Vec::new(), Vec::new());
+            for (k, rstd) in stats.iter().enumerate() {
+                let (dx, dw) = positions(&xt, k, len)?.rms_norm_backward(
+                    Some(&w),
+                    rstd,
+                    &positions(g, k, len)?,
+                    weight_grad,
+                )?;
+                dxs.push(dx);
+                dws.extend(dw);
+            }
+            let refs: Vec<&Tensor> = dxs.iter().collect();
+            let dw = if weight_grad {
+                Some(tree_sum(&dws)?)
+            } else {
+                None
+            };
+            Ok(vec![Some(Tensor::cat(&refs, 1)?), dw])
         }),
     ))
 }
