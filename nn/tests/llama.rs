@@ -546,3 +546,24 @@ fn two_tensor_parallel_ranks_match_one_device() {
         }
     }
 }
+
+/// bf16 and f16 parameters (the fused ops compute in f32): the loss and the gradients come out
+/// finite and close to the f32 model's, with the same parameter values rounded.
+#[test]
+fn half_precision_models_track_the_f32_model() {
+    let c = config(false);
+    let b = batch(2, 8, c.vocab_size as u32);
+    let full = Llama::new(c, SEED, DType::F32, Device::Cpu).unwrap();
+    let want: f64 = full.loss(&b.ids, &b.targets, None).unwrap().tensor().item().unwrap();
+    for dtype in [DType::BF16, DType::F16] {
+        let half = Llama::new(c, SEED, dtype, Device::Cpu).unwrap();
+        let loss = half.loss(&b.ids, &b.targets, None).unwrap();
+        loss.backward().unwrap();
+        let got: f64 = loss.tensor().item().unwrap();
+        assert!((got - want).abs() < 0.05, "{dtype}: loss {got} vs f32 {want}");
+        for (n, g) in grads(&half) {
+            assert_eq!(g.dtype(), dtype, "{n}");
+            assert!(g.to_vec_f64().unwrap().iter().all(|x| x.is_finite()), "{dtype}: {n}");
+        }
+    }
+}

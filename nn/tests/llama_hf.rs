@@ -308,7 +308,8 @@ fn export_for_transformers() {
         let mut c = LlamaConfig::new(64, 32, 32, 2, 4);
         c.n_kv_head = 2;
         c.intermediate_size = 48;
-        c.rope_theta = 10_000.0;
+        // A base other than the default, so a reader that missed it would differ.
+        c.rope_theta = if tied { 500_000.0 } else { 10_000.0 };
         c.tie_embeddings = tied;
         let model = Llama::new(c, 11, DType::F32, Device::Cpu).unwrap();
         // Larger weights than the N(0, 0.02) start (N(0, 0.3), norms left at one), so the
@@ -347,4 +348,40 @@ fn export_for_transformers() {
     )
     .unwrap();
     println!("wrote {}", out.display());
+}
+
+/// A folder whose weights are shards listed in `model.safetensors.index.json` (how large
+/// checkpoints come) loads like a single file; an index that misplaces a tensor is an error
+/// naming the index.
+#[test]
+fn sharded_folders_load_through_their_index() {
+    let model = Llama::new(small(true), 3, DType::F32, Device::Cpu).unwrap();
+    let dir = scratch("sharded");
+    save_llama(&model, &dir).unwrap();
+    let all = meshgrad_nn::state::load_safetensors(dir.join("model.safetensors")).unwrap();
+    std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+    let (a, b) = all.split_at(all.len() / 2);
+    let files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"];
+    let mut map = serde_json::Map::new();
+    for (file, part) in files.iter().zip([a, b]) {
+        meshgrad_nn::state::save_safetensors(dir.join(file), part, None).unwrap();
+        for (n, _) in part {
+            map.insert(n.clone(), Value::String(file.to_string()));
+        }
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": map});
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    let back = load_llama(&dir, DType::F32, Device::Cpu).unwrap();
+    for ((n, p), (_, q)) in model.named_parameters().iter().zip(back.named_parameters()) {
+        assert_eq!(p.tensor().to_vec_f64().unwrap(), q.tensor().to_vec_f64().unwrap(), "{n}");
+    }
+    map.insert("model.norm.weight".into(), Value::String(files[0].into()));
+    // The tied model's last tensor, in the second shard.
+    assert!(b.iter().any(|(n, _)| n == "model.norm.weight"));
+    let index = serde_json::json!({"weight_map": map});
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    let e = load_llama(&dir, DType::F32, Device::Cpu).err().unwrap().to_string();
+    assert!(e.contains("model.safetensors.index.json") && e.contains("model.norm.weight"), "{e}");
+    assert!(!e.contains('\n'), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
