@@ -210,7 +210,7 @@ fn gradients_match_finite_differences() {
         .unwrap();
     gradcheck(
         |xs| stage.stage_loss(StageInput::Hidden(&xs[0]), &targets, None),
-        &[x.clone()],
+        std::slice::from_ref(&x),
         GradcheckOptions::default(),
     )
     .unwrap();
@@ -349,7 +349,7 @@ fn layouts_that_do_not_split_are_one_line_errors() {
     assert!(e.contains("sequence length 7"), "{e}");
     model.check_tensor_parallel(2, Some(8)).unwrap();
     // Building for a group that does not split the heads fails before any allocation.
-    let (groups, _) = ThreadGroup::new(4);
+    let groups = ThreadGroup::group(4);
     let tp = TensorParallel::new(groups[0].clone());
     let builder = ParamBuilder::new(0)
         .tensor_parallel(tp, Llama::tp_plan(&config(false), &StageSpec::full(4)));
@@ -377,21 +377,21 @@ struct Shared {
 }
 
 impl ThreadGroup {
-    fn new(size: usize) -> (Vec<Arc<dyn Collectives>>, Arc<Shared>) {
+    /// The `size` ranks of one group.
+    fn group(size: usize) -> Vec<Arc<dyn Collectives>> {
         let shared = Arc::new(Shared {
             size,
             slots: Mutex::new(vec![None; size]),
             barrier: Barrier::new(size),
         });
-        let groups = (0..size)
+        (0..size)
             .map(|rank| {
                 Arc::new(ThreadGroup {
                     rank,
                     shared: shared.clone(),
                 }) as Arc<dyn Collectives>
             })
-            .collect();
-        (groups, shared)
+            .collect()
     }
 
     fn exchange(&self, t: &Tensor) -> Vec<Tensor> {
@@ -472,6 +472,7 @@ fn tp_step(
             (None, None) => builder,
         };
         let model = Llama::build(c, builder).unwrap();
+        check_local_shapes(&model, &c, tp);
         let loss = model.loss(&b.ids, &b.targets, b.ignore_index).unwrap();
         loss.backward().unwrap();
         let grads: Vec<(String, Tensor)> = model
@@ -491,7 +492,7 @@ fn tp_step(
     if tp == 1 {
         return run(None);
     }
-    let (groups, _) = ThreadGroup::new(tp);
+    let groups = ThreadGroup::group(tp);
     let results: Vec<_> = std::thread::scope(|s| {
         let handles: Vec<_> = groups
             .into_iter()
@@ -500,6 +501,25 @@ fn tp_step(
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     results.into_iter().next().unwrap()
+}
+
+/// Each of `tp` ranks holds its `1 / tp` of the split parameters: query heads, kv heads, MLP
+/// rows or columns, vocabulary rows; norms whole.
+fn check_local_shapes(model: &Llama, c: &LlamaConfig, tp: usize) {
+    let d = c.head_dim();
+    let (e, i, v) = (c.n_embd, c.intermediate_size, c.vocab_size);
+    for (n, p) in model.named_parameters() {
+        let want: Vec<usize> = match n.rsplit('.').nth(1).unwrap() {
+            "q_proj" => vec![c.n_head * d / tp, e],
+            "k_proj" | "v_proj" => vec![c.n_kv_head * d / tp, e],
+            "o_proj" => vec![e, c.n_head * d / tp],
+            "gate_proj" | "up_proj" => vec![i / tp, e],
+            "down_proj" => vec![e, i / tp],
+            "embed_tokens" | "lm_head" => vec![v / tp, e],
+            _ => vec![e],
+        };
+        assert_eq!(p.tensor().dims(), want, "{n} on one of {tp} ranks");
+    }
 }
 
 #[test]
@@ -554,16 +574,91 @@ fn half_precision_models_track_the_f32_model() {
     let c = config(false);
     let b = batch(2, 8, c.vocab_size as u32);
     let full = Llama::new(c, SEED, DType::F32, Device::Cpu).unwrap();
-    let want: f64 = full.loss(&b.ids, &b.targets, None).unwrap().tensor().item().unwrap();
+    let want: f64 = full
+        .loss(&b.ids, &b.targets, None)
+        .unwrap()
+        .tensor()
+        .item()
+        .unwrap();
     for dtype in [DType::BF16, DType::F16] {
         let half = Llama::new(c, SEED, dtype, Device::Cpu).unwrap();
         let loss = half.loss(&b.ids, &b.targets, None).unwrap();
         loss.backward().unwrap();
         let got: f64 = loss.tensor().item().unwrap();
-        assert!((got - want).abs() < 0.05, "{dtype}: loss {got} vs f32 {want}");
+        assert!(
+            (got - want).abs() < 0.05,
+            "{dtype}: loss {got} vs f32 {want}"
+        );
         for (n, g) in grads(&half) {
             assert_eq!(g.dtype(), dtype, "{n}");
-            assert!(g.to_vec_f64().unwrap().iter().all(|x| x.is_finite()), "{dtype}: {n}");
+            assert!(
+                g.to_vec_f64().unwrap().iter().all(|x| x.is_finite()),
+                "{dtype}: {n}"
+            );
+        }
+    }
+}
+
+/// Pipeline stages on two tensor-parallel ranks (each stage built from its part of the plan,
+/// [`Llama::tp_plan`] of its spec), chained: in reference mode the loss and the (gathered, tied
+/// copies summed) gradients are one device's whole model's, bit for bit.
+#[test]
+fn stages_on_two_tensor_parallel_ranks_match_one_device() {
+    for tied in [false, true] {
+        let c = config(tied);
+        let b = batch(2, 8, c.vocab_size as u32);
+        let (loss1, grads1) = tp_step(c, 1, false, true, &b);
+        let k = reference_chunks(&c);
+        for sp in [false, true] {
+            let groups = ThreadGroup::group(2);
+            let run = |g: Arc<dyn Collectives>| {
+                let stages: Vec<Llama> = StageSpec::split(c.n_layer, &[1, 2, 1])
+                    .unwrap()
+                    .into_iter()
+                    .map(|spec| {
+                        let tp = TensorParallel::new(g.clone())
+                            .sequence_parallel(sp)
+                            .reference(Some(k));
+                        let plan = Llama::tp_plan(&c, &spec);
+                        Llama::build_stage(
+                            c,
+                            spec,
+                            ParamBuilder::new(SEED).tensor_parallel(tp, plan),
+                        )
+                        .unwrap()
+                    })
+                    .collect();
+                let loss = run_chained(&stages, &b, ForwardCtx::new(0, 0)).unwrap();
+                let mut grads: HashMap<String, Tensor> = HashMap::new();
+                for st in &stages {
+                    for (n, p) in st.named_parameters() {
+                        let g = p.grad().unwrap();
+                        let g = match p.placement() {
+                            Some(pl) => pl.gather(&g).unwrap(),
+                            None => g,
+                        };
+                        let g = match grads.remove(&n) {
+                            Some(other) => other.add(&g).unwrap(),
+                            None => g,
+                        };
+                        grads.insert(n, g);
+                    }
+                }
+                (loss.tensor().to_vec::<f32>().unwrap()[0], grads)
+            };
+            let (loss2, grads2) = std::thread::scope(|s| {
+                let hs: Vec<_> = groups
+                    .into_iter()
+                    .map(|g| s.spawn(move || run(g)))
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).next().unwrap()
+            });
+            let what = format!("tied {tied}, sp {sp}");
+            assert_eq!(loss2.to_bits(), loss1.to_bits(), "{what}: loss");
+            assert_eq!(grads2.len(), grads1.len(), "{what}");
+            for (n, g1) in &grads1 {
+                assert_eq!(bits(&grads2[n]), bits(g1), "{what}: gradient of {n}");
+            }
         }
     }
 }

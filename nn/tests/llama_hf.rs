@@ -361,7 +361,10 @@ fn sharded_folders_load_through_their_index() {
     let all = meshgrad_nn::state::load_safetensors(dir.join("model.safetensors")).unwrap();
     std::fs::remove_file(dir.join("model.safetensors")).unwrap();
     let (a, b) = all.split_at(all.len() / 2);
-    let files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"];
+    let files = [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ];
     let mut map = serde_json::Map::new();
     for (file, part) in files.iter().zip([a, b]) {
         meshgrad_nn::state::save_safetensors(dir.join(file), part, None).unwrap();
@@ -373,15 +376,52 @@ fn sharded_folders_load_through_their_index() {
     std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
     let back = load_llama(&dir, DType::F32, Device::Cpu).unwrap();
     for ((n, p), (_, q)) in model.named_parameters().iter().zip(back.named_parameters()) {
-        assert_eq!(p.tensor().to_vec_f64().unwrap(), q.tensor().to_vec_f64().unwrap(), "{n}");
+        assert_eq!(
+            p.tensor().to_vec_f64().unwrap(),
+            q.tensor().to_vec_f64().unwrap(),
+            "{n}"
+        );
     }
     map.insert("model.norm.weight".into(), Value::String(files[0].into()));
     // The tied model's last tensor, in the second shard.
     assert!(b.iter().any(|(n, _)| n == "model.norm.weight"));
     let index = serde_json::json!({"weight_map": map});
     std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
-    let e = load_llama(&dir, DType::F32, Device::Cpu).err().unwrap().to_string();
-    assert!(e.contains("model.safetensors.index.json") && e.contains("model.norm.weight"), "{e}");
+    let e = load_llama(&dir, DType::F32, Device::Cpu)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("model.safetensors.index.json") && e.contains("model.norm.weight"),
+        "{e}"
+    );
     assert!(!e.contains('\n'), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A Llama-2-style `tokenizer.json` (SentencePiece-converted BPE with byte fallback, `<s>`
+/// prepended; `tests/hf_llama_tokenizer_reference.py`) encodes and decodes as transformers'
+/// fast tokenizer does.
+#[test]
+fn llama_tokenizer_json_gives_transformers_ids() {
+    let dir = fixtures().join("tokenizer");
+    let tok = meshgrad_nn::tokenizer::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+    let e: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    assert_eq!(tok.vocab_size() as u64, e["vocab_size"].as_u64().unwrap());
+    let ids = |v: &Value| -> Vec<u32> { ints(v).iter().map(|&x| x as u32).collect() };
+    for case in e["cases"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        assert_eq!(
+            tok.encode(text, true).unwrap(),
+            ids(&case["ids"]),
+            "{text:?}"
+        );
+        let plain = ids(&case["ids_without_special"]);
+        assert_eq!(tok.encode(text, false).unwrap(), plain, "{text:?}");
+        assert_eq!(
+            tok.decode(&plain, true).unwrap(),
+            case["decoded"].as_str().unwrap()
+        );
+    }
 }

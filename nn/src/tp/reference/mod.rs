@@ -1,5 +1,5 @@
-//! Reference mode under tensor parallelism: the ops that make a tensor-parallel GPT or BERT
-//! compute the same bits as one device.
+//! Reference mode under tensor parallelism: the ops that make a tensor-parallel GPT, BERT or
+//! Llama compute the same bits as one device.
 //!
 //! Reference mode fixes a chunk count `K` that depends only on the model (see
 //! [`crate::gpt::reference_chunks`]), never on the layout. Every sum that tensor parallelism
@@ -250,6 +250,20 @@ mod tests {
             &db0.unwrap().to_vec_f64().unwrap(),
             "dbias",
         );
+    }
+
+    #[test]
+    fn position_chunked_rms_norm_matches_the_plain_op() {
+        let x = rand(12, &[2, 8, 6]);
+        let w = rand(13, &[6]);
+        let dy = rand(14, &[2, 8, 6]);
+        let (y0, dx0, dw0, _) = run(&x, &w, None, &dy, |x, w, _| x.rms_norm(Some(w), 1e-6));
+        let (y1, dx1, dw1, _) = run(&x, &w, None, &dy, |x, w, _| {
+            rms_norm_positions(x, w, 1e-6, 4)
+        });
+        assert_eq!(bits(&y0), bits(&y1), "outputs are per row");
+        assert_eq!(bits(&dx0), bits(&dx1), "input gradients are per row");
+        close(&dw1, &dw0.to_vec_f64().unwrap(), "dweight");
     }
 
     /// The chunked vocabulary-parallel loss on one device (4 chunks) against a plain f64
