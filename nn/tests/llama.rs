@@ -9,7 +9,7 @@ use std::sync::{Arc, Barrier, Mutex};
 
 use meshgrad_autograd::distributed::Collectives;
 use meshgrad_autograd::{gradcheck, GradcheckOptions, Var};
-use meshgrad_nn::llama::reference_chunks;
+use meshgrad_nn::llama::{reference_chunks, RopeAngles};
 use meshgrad_nn::tp::TensorParallel;
 use meshgrad_nn::{
     run_chained, ForwardCtx, Llama, LlamaBatch, LlamaConfig, ModelStage, Module, ParamBuilder,
@@ -188,7 +188,14 @@ fn parameter_names_are_hugging_faces_and_stages_hold_their_slice() {
 /// and to elements of every kind of parameter.
 #[test]
 fn gradients_match_finite_differences() {
+    for angles in [RopeAngles::Fused, RopeAngles::Transformers] {
+        gradients_match_finite_differences_with(angles);
+    }
+}
+
+fn gradients_match_finite_differences_with(angles: RopeAngles) {
     let mut c = LlamaConfig::new(11, 8, 8, 2, 4);
+    c.rope_angles = angles;
     c.n_kv_head = 2;
     c.intermediate_size = 6;
     let spec = StageSpec::new(0..2, false, true);
@@ -255,7 +262,7 @@ fn gradients_match_finite_differences() {
             at(0.0);
             assert!(
                 (numeric - g[e]).abs() <= 1e-6 + 1e-5 * numeric.abs(),
-                "{name}[{e}]: backward {} vs finite differences {numeric}",
+                "{angles:?}: {name}[{e}]: backward {} vs finite differences {numeric}",
                 g[e]
             );
         }
@@ -524,8 +531,15 @@ fn check_local_shapes(model: &Llama, c: &LlamaConfig, tp: usize) {
 
 #[test]
 fn two_tensor_parallel_ranks_match_one_device() {
-    for tied in [false, true] {
-        let c = config(tied);
+    for (tied, angles) in [
+        (false, RopeAngles::Fused),
+        (true, RopeAngles::Fused),
+        (false, RopeAngles::Transformers),
+    ] {
+        let c = LlamaConfig {
+            rope_angles: angles,
+            ..config(tied)
+        };
         let b = batch(2, 8, c.vocab_size as u32);
         // Reference mode: the same bits on two ranks as on one device, with or without
         // sequence parallelism.

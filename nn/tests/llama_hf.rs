@@ -9,6 +9,7 @@
 
 use std::path::{Path, PathBuf};
 
+use meshgrad_nn::llama::RopeAngles;
 use meshgrad_nn::state::{
     llama_config_from_hf_json, load_llama, load_llama_into, read_llama_config, save_llama,
 };
@@ -95,8 +96,9 @@ fn transformers_checkpoints_give_transformers_loss_and_greedy_ids() {
             .unwrap();
         let want_ids: Vec<u32> = ints(&want["greedy"]).iter().map(|&x| x as u32).collect();
         assert_eq!(greedy, want_ids, "{case}: greedy ids");
-        // In f64 the two agree to the rounding of transformers' RoPE tables, which it computes
-        // in f32 even for an f64 model (meshgrad's fused rotation computes its angles in f64).
+        // transformers' "f64" model still computes its RoPE tables and its RMSNorm in f32, so
+        // the f64 losses agree to f32 rounding; meshgrad's f64 loss with the exact (fused)
+        // rotation is as close.
         let m64 = load_llama(&dir, DType::F64, Device::Cpu).unwrap();
         let l64: f64 = m64
             .loss(&ids, &targets, ignore)
@@ -104,15 +106,39 @@ fn transformers_checkpoints_give_transformers_loss_and_greedy_ids() {
             .tensor()
             .item()
             .unwrap();
+        let fused = Llama::new(
+            LlamaConfig {
+                rope_angles: RopeAngles::Fused,
+                ..c
+            },
+            0,
+            DType::F64,
+            Device::Cpu,
+        )
+        .unwrap();
+        load_llama_into(&fused, &dir).unwrap();
+        let lf: f64 = fused
+            .loss(&ids, &targets, ignore)
+            .unwrap()
+            .tensor()
+            .item()
+            .unwrap();
         println!(
-            "{case}: loss meshgrad f32 {loss:.9} / f64 {l64:.12}, transformers f32 {f32_ref:.9} \
-             / f64 {f64_ref:.12}; differences {:.2e} (f32), {:.2e} (f64)",
+            "{case}: loss meshgrad f32 {loss:.9} / f64 {l64:.12} / f64 fused rotation {lf:.12}, \
+             transformers f32 {f32_ref:.9} / f64 {f64_ref:.12}; differences {:.2e} (f32), \
+             {:.2e} (f64), {:.2e} (f64 fused)",
             (loss - f32_ref).abs(),
-            (l64 - f64_ref).abs()
+            (l64 - f64_ref).abs(),
+            (lf - f64_ref).abs()
         );
+        assert_eq!(c.rope_angles, RopeAngles::Transformers, "{case}");
         assert!(
             (l64 - f64_ref).abs() < 1e-6,
             "{case}: f64 loss {l64} vs {f64_ref}"
+        );
+        assert!(
+            (lf - f64_ref).abs() < 1e-6,
+            "{case}: fused f64 loss {lf} vs {f64_ref}"
         );
     }
 }
@@ -138,7 +164,16 @@ fn saved_folders_read_back_identically_whole_and_by_stage() {
         let model = Llama::new(small(tied), 3, DType::F32, Device::Cpu).unwrap();
         let dir = scratch(&format!("save-{tied}"));
         save_llama(&model, &dir).unwrap();
-        assert_eq!(read_llama_config(&dir).unwrap(), model.config);
+        // Read from a folder, a config rounds its rotation as transformers does.
+        let read = read_llama_config(&dir).unwrap();
+        assert_eq!(read.rope_angles, RopeAngles::Transformers);
+        assert_eq!(
+            LlamaConfig {
+                rope_angles: RopeAngles::Fused,
+                ..read
+            },
+            model.config
+        );
         let back = load_llama(&dir, DType::F32, Device::Cpu).unwrap();
         for ((n, p), (m, q)) in model.named_parameters().iter().zip(back.named_parameters()) {
             assert_eq!(n, &m);

@@ -4,8 +4,9 @@
 use std::sync::Arc;
 
 use meshgrad_autograd::{checkpoint, Var};
-use meshgrad_tensor::{AttentionMask, DType, Result, Tensor};
+use meshgrad_tensor::{AttentionMask, Result};
 
+use super::rope::{self, RopeAngles};
 use super::LlamaConfig;
 use crate::layers::{Linear, LinearConfig, RmsNorm};
 use crate::module::Forward;
@@ -39,6 +40,8 @@ pub struct LlamaAttention {
     pub head_dim: usize,
     /// RoPE base.
     pub rope_theta: f64,
+    /// How the rotation's angles are computed.
+    pub rope_angles: RopeAngles,
 }
 
 impl LlamaAttention {
@@ -52,6 +55,7 @@ impl LlamaAttention {
             o_proj: proj(p, c.n_head * d, e)?,
             head_dim: d,
             rope_theta: c.rope_theta,
+            rope_angles: c.rope_angles,
         })
     }
 }
@@ -71,12 +75,11 @@ impl Forward for LlamaAttention {
         let d = self.head_dim;
         let q = self.q_proj.forward(x)?;
         let (b, t) = (q.tensor().dims()[0], q.tensor().dims()[1]);
-        let positions = Tensor::arange(0, t as i64, DType::I64, q.tensor().device())?;
         // [B, T, h d] -> [B, T, h, d], rotated, then heads first: [B, h, T, d].
         let heads = |v: Var, rotate: bool| -> Result<Var> {
             let v = v.reshape((b, t, -1, d))?;
             let v = if rotate {
-                v.rotary_embedding(&positions, self.rope_theta)?
+                rope::rotate(&v, self.rope_theta, self.rope_angles)?
             } else {
                 v
             };

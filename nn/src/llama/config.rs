@@ -3,6 +3,8 @@
 
 use meshgrad_tensor::Result;
 
+use super::RopeAngles;
+
 /// Llama hyper-parameters. The Hugging Face `config.json` key of each field is in its comment;
 /// [`crate::state::hf_llama`] reads and writes them.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -28,12 +30,18 @@ pub struct LlamaConfig {
     pub norm_eps: f64,
     /// The output head is the token table `model.embed_tokens.weight` (`tie_word_embeddings`).
     pub tie_embeddings: bool,
+    /// How the rotary embedding computes its angles: exactly in the fused op (the default), or
+    /// in f32 tables as transformers does (the choice of a config read from Hugging Face, so a
+    /// checkpoint's logits are transformers'). Numerics only; no parameter depends on it.
+    #[serde(default)]
+    pub rope_angles: RopeAngles,
 }
 
 impl LlamaConfig {
     /// A config of width `n_embd`, `n_layer` layers and `n_head` heads with Llama's defaults for
     /// the rest: multi-head attention (`n_kv_head = n_head`), `intermediate_size` the Llama
-    /// rule `256 * ceil(8 n_embd / 3 / 256)`, RoPE base 10000, norm epsilon 1e-5, untied head.
+    /// rule `256 * ceil(8 n_embd / 3 / 256)`, RoPE base 10000, norm epsilon 1e-5, untied head,
+    /// the fused rotation ([`RopeAngles::Fused`]).
     pub fn new(
         vocab_size: usize,
         n_positions: usize,
@@ -53,6 +61,7 @@ impl LlamaConfig {
             rope_theta: 10_000.0,
             norm_eps: 1e-5,
             tie_embeddings: false,
+            rope_angles: RopeAngles::Fused,
         }
     }
 

@@ -23,7 +23,7 @@ use super::hf_folder::{
     read_config, read_weights, tensors_equal, write_folder, ConfigKeys, CONFIG_FILE,
 };
 use super::{check_shape, load_state_dict, name_list};
-use crate::llama::{Llama, LlamaConfig};
+use crate::llama::{Llama, LlamaConfig, RopeAngles};
 use crate::module::Module;
 
 const WHAT: &str = "Llama config";
@@ -34,7 +34,8 @@ const WHAT: &str = "Llama config";
 /// `num_attention_heads`, `max_position_embeddings` (required); `num_key_value_heads` (default
 /// `num_attention_heads`), `rms_norm_eps` (default 1e-6, transformers' default), `rope_theta` at
 /// the top level or in `rope_parameters` (default 10000), `tie_word_embeddings` (default false).
-/// Unsupported settings are errors (see the [module docs](self)).
+/// The rotation's angles are transformers' ([`RopeAngles::Transformers`]). Unsupported settings
+/// are errors (see the [module docs](self)).
 pub fn llama_config_from_hf_json(text: &str) -> Result<LlamaConfig> {
     let keys = ConfigKeys::parse(text, WHAT)?;
     if let Some(mt) = keys.string("model_type") {
@@ -84,6 +85,7 @@ pub fn llama_config_from_hf_json(text: &str) -> Result<LlamaConfig> {
         rope_theta,
         norm_eps: keys.float("rms_norm_eps", 1e-6)?,
         tie_embeddings: tie,
+        rope_angles: RopeAngles::Transformers,
     };
     config.validate()?;
     Ok(config)
@@ -197,7 +199,11 @@ pub fn load_llama(dir: impl AsRef<Path>, dtype: DType, device: Device) -> Result
 /// `config.json` must describe the model's architecture.
 pub fn load_llama_into(model: &Llama, dir: impl AsRef<Path>) -> Result<()> {
     let dir = dir.as_ref();
-    let file = read_llama_config(dir)?;
+    // The rotation's rounding is the model's choice, not the folder's.
+    let file = LlamaConfig {
+        rope_angles: model.config.rope_angles,
+        ..read_llama_config(dir)?
+    };
     if file != model.config {
         meshgrad_tensor::bail!(
             "load_llama: {} describes {file:?} but the model is {:?}",
