@@ -42,6 +42,8 @@ pub struct LlamaAttention {
     pub rope_theta: f64,
     /// How the rotation's angles are computed.
     pub rope_angles: RopeAngles,
+    /// transformers' tables, kept between calls ([`RopeAngles::Transformers`]).
+    rope_tables: rope::TableCache,
 }
 
 impl LlamaAttention {
@@ -56,6 +58,7 @@ impl LlamaAttention {
             head_dim: d,
             rope_theta: c.rope_theta,
             rope_angles: c.rope_angles,
+            rope_tables: rope::TableCache::default(),
         })
     }
 }
@@ -79,7 +82,7 @@ impl Forward for LlamaAttention {
         let heads = |v: Var, rotate: bool| -> Result<Var> {
             let v = v.reshape((b, t, -1, d))?;
             let v = if rotate {
-                rope::rotate(&v, self.rope_theta, self.rope_angles)?
+                rope::rotate(&v, self.rope_theta, self.rope_angles, &self.rope_tables)?
             } else {
                 v
             };

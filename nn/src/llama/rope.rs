@@ -4,7 +4,9 @@
 //! and evaluated with.
 
 use meshgrad_autograd::Var;
-use meshgrad_tensor::{DType, Result, Tensor};
+use std::sync::Mutex;
+
+use meshgrad_tensor::{DType, Device, Result, Tensor};
 
 /// How a Llama computes its rotary embedding's angles. Both rotate in the "rotate half"
 /// convention of Hugging Face's Llama (element `i < D/2` of a head pairs with `i + D/2`) by the
@@ -24,29 +26,65 @@ pub enum RopeAngles {
     Transformers,
 }
 
-/// Rotates `x [B, T, H, D]` at positions `0..T` with base `theta`.
-pub(crate) fn rotate(x: &Var, theta: f64, angles: RopeAngles) -> Result<Var> {
+/// The last cos and sin tables `[T, 1, D]` a layer built for [`RopeAngles::Transformers`], so a
+/// run of one sequence length computes them once per layer.
+#[derive(Default)]
+pub(crate) struct TableCache {
+    last: Mutex<Option<Tables>>,
+}
+
+/// Tables and what they were built for: sequence length, head width, base, dtype, device.
+struct Tables {
+    key: (usize, usize, u64, DType, Device),
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl TableCache {
+    /// transformers' tables for `t` positions of heads of width `d`, in `dtype` on `device`.
+    fn get(
+        &self,
+        t: usize,
+        d: usize,
+        theta: f64,
+        dtype: DType,
+        device: Device,
+    ) -> Result<(Tensor, Tensor)> {
+        let key = (t, d, theta.to_bits(), dtype, device);
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(tab) = last.as_ref().filter(|tab| tab.key == key) {
+            return Ok((tab.cos.clone(), tab.sin.clone()));
+        }
+        let (cos, sin) = transformers_tables(t, d, theta);
+        let table = |v: Vec<f32>| Tensor::from_vec(v, (t, 1, d), device)?.to_dtype(dtype);
+        let (cos, sin) = (table(cos)?, table(sin)?);
+        *last = Some(Tables {
+            key,
+            cos: cos.clone(),
+            sin: sin.clone(),
+        });
+        Ok((cos, sin))
+    }
+}
+
+/// Rotates `x [B, T, H, D]` at positions `0..T` with base `theta`; `cache` keeps transformers'
+/// tables between calls.
+pub(crate) fn rotate(x: &Var, theta: f64, angles: RopeAngles, cache: &TableCache) -> Result<Var> {
     let t = x.tensor().dims()[1];
     let device = x.tensor().device();
     if angles == RopeAngles::Fused {
         let positions = Tensor::arange(0, t as i64, DType::I64, device)?;
         return x.rotary_embedding(&positions, theta);
     }
-    let d = x.tensor().dims()[3];
-    if !d.is_multiple_of(2) {
+    let d = *x.tensor().dims().last().unwrap_or(&0);
+    if x.tensor().rank() != 4 || !d.is_multiple_of(2) {
         meshgrad_tensor::bail!(
-            "rotary embedding: the head width {d} must be even (x {})",
+            "rotary embedding: expected x [B, T, H, D] with an even head width D, got {}",
             x.tensor().shape()
         );
     }
-    let (cos, sin) = transformers_tables(t, d, theta)?;
-    let dtype = x.tensor().dtype();
-    let table = |v: Vec<f32>| -> Result<Var> {
-        Ok(Var::constant(
-            Tensor::from_vec(v, (t, 1, d), device)?.to_dtype(dtype)?,
-        ))
-    };
-    let (cos, sin) = (table(cos)?, table(sin)?);
+    let (cos, sin) = cache.get(t, d, theta, x.tensor().dtype(), device)?;
+    let (cos, sin) = (Var::constant(cos), Var::constant(sin));
     let half = d / 2;
     let rotated = Var::cat(
         &[&x.narrow(3, half, half)?.neg()?, &x.narrow(3, 0, half)?],
@@ -58,7 +96,7 @@ pub(crate) fn rotate(x: &Var, theta: f64, angles: RopeAngles) -> Result<Var> {
 /// transformers' cos and sin tables `[T, D]` (row-major) for heads of width `d`, in f32:
 /// `inv_freq[i] = 1 / theta^((2i) / d)`, `angle[t][i] = t · inv_freq[i]` (one f32 product),
 /// each half of a row the same `D/2` angles.
-fn transformers_tables(t: usize, d: usize, theta: f64) -> Result<(Vec<f32>, Vec<f32>)> {
+fn transformers_tables(t: usize, d: usize, theta: f64) -> (Vec<f32>, Vec<f32>) {
     let base = theta as f32;
     let inv_freq: Vec<f32> = (0..d / 2)
         .map(|i| 1.0f32 / base.powf((2 * i) as f32 / d as f32))
@@ -73,7 +111,7 @@ fn transformers_tables(t: usize, d: usize, theta: f64) -> Result<(Vec<f32>, Vec<
             }
         }
     }
-    Ok((cos, sin))
+    (cos, sin)
 }
 
 #[cfg(test)]
@@ -102,8 +140,9 @@ mod tests {
             .map(|k| (0.37 * (k / d) as f64 + 0.11 * (k % d) as f64).sin() as f32)
             .collect();
         let x = Var::constant(Tensor::from_vec(x, (1, t, 1, d), Device::Cpu).unwrap());
+        let cache = TableCache::default();
         let worst = |angles: RopeAngles| -> f64 {
-            let y = rotate(&x, theta, angles).unwrap();
+            let y = rotate(&x, theta, angles, &cache).unwrap();
             let mut worst = 0.0f64;
             for (row, want) in e["rows"]
                 .as_array()
