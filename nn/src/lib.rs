@@ -1,14 +1,16 @@
 //! meshgrad layers and models: the [`Module`] trait, linear/embedding/norm/dropout/attention/MLP
-//! layers, the GPT and BERT (masked-LM) models (each whole, or as stages: a range of blocks with
-//! or without the embedding and the head, under the whole model's parameter names), MLM masking,
-//! optimizers, learning-rate schedules, state dicts (safetensors and Hugging Face GPT-2 and BERT
-//! checkpoints), token datasets (in memory, JSONL, memory-mapped llm.c shards) and tokenizers
+//! layers, the GPT, BERT (masked-LM) and Llama models (each whole, or as stages: a range of blocks
+//! with or without the embedding and the head, under the whole model's parameter names), MLM
+//! masking, optimizers, learning-rate schedules, state dicts (safetensors and Hugging Face GPT-2,
+//! BERT and Llama checkpoints), token datasets (in memory, JSONL, memory-mapped llm.c shards) and tokenizers
 //! (Hugging Face `tokenizers`: byte-level BPE and WordPiece).
 
 pub mod bert;
 pub mod data;
+mod generation;
 pub mod gpt;
 pub mod layers;
+pub mod llama;
 pub mod mlm;
 pub mod module;
 pub mod optim;
@@ -22,8 +24,9 @@ pub use bert::{BertBatch, BertConfig, BertForMaskedLM, BertStage};
 pub use gpt::{Gpt, GptBatch, GptConfig, GptStage};
 pub use layers::{
     Activation, Block, BlockConfig, CausalSelfAttention, Dropout, Embedding, LayerNorm, Linear,
-    LinearConfig, Mlp, Sequential,
+    LinearConfig, Mlp, RmsNorm, SequenceEntry, Sequential,
 };
+pub use llama::{Llama, LlamaBatch, LlamaConfig};
 pub use meshgrad_autograd::ForwardCtx;
 /// Derives [`Module`] from a struct's fields (see [`module`] and the `meshgrad-derive` crate).
 pub use meshgrad_derive::Module;

@@ -13,13 +13,16 @@
 //! * [`BlockRange`] holds a stage's blocks under their global indices.
 //! * [`ModelStage`] is what every staged model provides: its spec, the parameters tied between
 //!   its first and last stage, and one forward that maps a microbatch and the previous stage's
-//!   hidden states to hidden states, or to the loss on the stage with the head. Two models
+//!   hidden states to hidden states, or to the loss on the stage with the head. Three models
 //!   implement it: [`GptStage`](crate::gpt::GptStage) (blocks `h.{i}`, microbatch
-//!   [`GptBatch`](crate::gpt::GptBatch), the tied `wte.weight`) and
+//!   [`GptBatch`](crate::gpt::GptBatch), the tied `wte.weight`),
 //!   [`BertStage`](crate::bert::BertStage) (encoder layers `bert.encoder.layer.{i}`, microbatch
 //!   [`BertBatch`](crate::bert::BertBatch) with the attention mask every stage reads, the tied
 //!   `bert.embeddings.word_embeddings.weight`; its "embedding" is `bert.embeddings`, its "head"
-//!   the MLM head `cls`).
+//!   the MLM head `cls`) and [`Llama`](crate::llama::Llama) (one type for the whole model and
+//!   its stages, the whole model being [`StageSpec::full`]; layers `model.layers.{i}`,
+//!   microbatch [`LlamaBatch`](crate::llama::LlamaBatch), the tied `model.embed_tokens.weight`
+//!   when the embeddings are tied).
 //!
 //! Chaining the stages — feeding each stage's output, as a new leaf, to the next, and its
 //! gradient back with [`Var::backward_with`] — computes the full model's loss and gradients

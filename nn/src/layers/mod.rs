@@ -1,4 +1,4 @@
-//! Building blocks: linear, embedding, layer norm, dropout, attention, MLP, transformer block,
+//! Building blocks: linear, embedding, layer norm, RMS norm, dropout, attention, MLP, transformer block,
 //! activations and [`Sequential`].
 
 mod activation;
@@ -10,6 +10,8 @@ mod layer_norm;
 mod linear;
 mod lm_head;
 mod mlp;
+mod rms_norm;
+mod sequence_entry;
 mod sequential;
 
 pub use activation::Activation;
@@ -21,4 +23,6 @@ pub use layer_norm::LayerNorm;
 pub use linear::{Linear, LinearConfig};
 pub use lm_head::LmHead;
 pub use mlp::Mlp;
+pub use rms_norm::RmsNorm;
+pub use sequence_entry::SequenceEntry;
 pub use sequential::Sequential;

@@ -1,6 +1,6 @@
-//! What the Hugging Face checkpoint folders of [`super::hf_gpt2`] and [`super::hf_bert`] share:
-//! the file names, reading the keys of a `config.json`, reading a folder's config and writing a
-//! folder.
+//! What the Hugging Face checkpoint folders of [`super::hf_gpt2`], [`super::hf_bert`] and
+//! [`super::hf_llama`] share: the file names, reading the keys of a `config.json`, reading a
+//! folder's config and weights (one file or shards) and writing a folder.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -13,6 +13,7 @@ use super::save_safetensors;
 
 pub(crate) const CONFIG_FILE: &str = "config.json";
 pub(crate) const WEIGHTS_FILE: &str = "model.safetensors";
+pub(crate) const WEIGHTS_INDEX_FILE: &str = "model.safetensors.index.json";
 
 /// The object of a `config.json`; errors begin with `what` (`"GPT-2 config"`).
 pub(crate) struct ConfigKeys {
@@ -87,6 +88,62 @@ pub(crate) fn read_config<T>(
     let text = std::fs::read_to_string(&path)
         .map_err(|e| Error::Msg(format!("{op}: cannot read {}: {e}", path.display())))?;
     parse(&text).map_err(|e| Error::Msg(format!("{op}: {}: {e}", path.display())))
+}
+
+/// The tensors of the folder `dir`: `model.safetensors`, or else the shards that
+/// `model.safetensors.index.json` lists in its `weight_map` (each shard read once, every tensor
+/// checked to be in the shard the map names). Errors begin with `op` and name the file.
+pub(crate) fn read_weights(dir: &Path, op: &str) -> Result<Vec<(String, Tensor)>> {
+    let single = dir.join(WEIGHTS_FILE);
+    let index = dir.join(WEIGHTS_INDEX_FILE);
+    if single.exists() || !index.exists() {
+        return super::load_safetensors(&single)
+            .map_err(|e| Error::Msg(format!("{op}: {}: {e}", single.display())));
+    }
+    let ctx = |e: String| Error::Msg(format!("{op}: {}: {e}", index.display()));
+    let text = std::fs::read_to_string(&index).map_err(|e| ctx(e.to_string()))?;
+    let v: Value = serde_json::from_str(&text).map_err(|e| ctx(format!("invalid JSON: {e}")))?;
+    let Some(map) = v.get("weight_map").and_then(Value::as_object) else {
+        return Err(ctx("missing the object weight_map".into()));
+    };
+    let mut shards: Vec<&str> = Vec::new();
+    for (name, file) in map {
+        let Some(file) = file.as_str() else {
+            return Err(ctx(format!(
+                "weight_map[{name}] must be a file name, got {file}"
+            )));
+        };
+        if file.contains('/') || file.contains('\\') || file.starts_with('.') {
+            return Err(ctx(format!(
+                "weight_map[{name}] names {file:?}, not a file of the folder"
+            )));
+        }
+        if !shards.contains(&file) {
+            shards.push(file);
+        }
+    }
+    let mut out = Vec::with_capacity(map.len());
+    for file in shards {
+        let path = dir.join(file);
+        for (name, t) in super::load_safetensors(&path)
+            .map_err(|e| Error::Msg(format!("{op}: {}: {e}", path.display())))?
+        {
+            if map.get(&name).and_then(Value::as_str) != Some(file) {
+                return Err(ctx(format!(
+                    "{file} holds tensor {name}, which the weight_map does not place there"
+                )));
+            }
+            out.push((name, t));
+        }
+    }
+    if out.len() != map.len() {
+        return Err(ctx(format!(
+            "the weight_map lists {} tensors but its shards hold {}",
+            map.len(),
+            out.len()
+        )));
+    }
+    Ok(out)
 }
 
 /// Writes the checkpoint folder `dir` (created if missing): `model.safetensors` holding `tensors`

@@ -1,14 +1,20 @@
 //! Model state: parameter values by name ([`state_dict`], [`load_state_dict`]), safetensors files
-//! ([`save_safetensors`], [`load_safetensors`]) and Hugging Face GPT-2 checkpoint folders
-//! ([`load_gpt2`], [`save_gpt2`]).
+//! ([`save_safetensors`], [`load_safetensors`]) and Hugging Face checkpoint folders: GPT-2
+//! ([`load_gpt2`], [`save_gpt2`]), BERT ([`load_bert`], [`save_bert`]) and Llama
+//! ([`load_llama`], [`save_llama`]).
 
 pub mod hf_bert;
 mod hf_folder;
 pub mod hf_gpt2;
+pub mod hf_llama;
 pub mod safetensors_io;
 
 pub use hf_bert::{load_bert, save_bert};
 pub use hf_gpt2::{gpt_config_from_hf_json, hf_config_json, load_gpt2, load_gpt2_into, save_gpt2};
+pub use hf_llama::{
+    llama_config_from_hf_json, llama_hf_config_json, load_llama, load_llama_into,
+    read_llama_config, save_llama,
+};
 pub use safetensors_io::{
     from_safetensors_dtype, load_safetensors, load_safetensors_with_metadata, save_safetensors,
     to_safetensors_dtype, write_bytes_atomic, NamedTensors,

@@ -17,9 +17,9 @@
 //! | `Colwise { chunks }`  | `Linear`            | weight, bias split by output rows    | input gathered (SP) or replicated; output split by features |
 //! | `Rowwise`             | `Linear`            | weight split by input columns        | partial output summed (all-reduce), or reduce-scattered along the sequence (SP); then the bias |
 //! | `VocabEmbedding`      | `Embedding`         | table split by vocabulary rows        | lookups outside the shard are zeros; summed |
-//! | `VocabHead`           | `LmHead` (or a module holding one) | (reads a vocab-split table); a `bias` split by vocabulary | logits stay split by vocabulary; loss-parallel cross-entropy |
-//! | `SequenceParallel`    | `LayerNorm`, `Dropout`, `Linear` | replicated              | SP: runs on this rank's sequence chunk (parameter gradients summed) |
-//! | `SequenceSplit`       | `LayerNorm`, `Dropout` | replicated                        | SP: first cuts the replicated input to this rank's chunk |
+//! | `VocabHead`           | `LmHead` (or a module holding one) | (reads a vocab-split table); its own `weight` (an untied table) and `bias` split by vocabulary | logits stay split by vocabulary; loss-parallel cross-entropy |
+//! | `SequenceParallel`    | `LayerNorm`, `RmsNorm`, `Dropout`, `Linear` | replicated   | SP: runs on this rank's sequence chunk (parameter gradients summed) |
+//! | `SequenceSplit`       | `LayerNorm`, `RmsNorm`, `Dropout`, `SequenceEntry` | replicated | SP: first cuts the replicated input to this rank's chunk |
 //!
 //! With sequence parallelism off, the last two are plain replicated computation. On a group of
 //! one rank, every style degenerates to the plain module (no communication, no copies).

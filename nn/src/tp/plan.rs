@@ -23,7 +23,8 @@ pub enum ParallelStyle {
     VocabEmbedding,
     /// An output head over a vocabulary-split table: logits stay split, the loss is
     /// loss-parallel. A `bias` parameter of the head's module (BERT's `cls.predictions.bias`) is
-    /// split by vocabulary like the table.
+    /// split by vocabulary like the table, and so is its own `weight` (an untied head's table,
+    /// Llama's `lm_head.weight`).
     VocabHead,
     /// A `LayerNorm`, `Dropout` or replicated `Linear` whose input is already split along the
     /// sequence (under sequence parallelism); replicated parameters get their gradients summed
@@ -42,7 +43,7 @@ impl ParallelStyle {
             (ParallelStyle::Colwise { chunks }, "weight" | "bias") => Some((0, *chunks)),
             (ParallelStyle::Rowwise, "weight") => Some((1, 1)),
             (ParallelStyle::VocabEmbedding, "weight") => Some((0, 1)),
-            (ParallelStyle::VocabHead, "bias") => Some((0, 1)),
+            (ParallelStyle::VocabHead, "weight" | "bias") => Some((0, 1)),
             _ => None,
         }
     }

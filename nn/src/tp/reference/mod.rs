@@ -1,5 +1,5 @@
-//! Reference mode under tensor parallelism: the ops that make a tensor-parallel GPT or BERT
-//! compute the same bits as one device.
+//! Reference mode under tensor parallelism: the ops that make a tensor-parallel GPT, BERT or
+//! Llama compute the same bits as one device.
 //!
 //! Reference mode fixes a chunk count `K` that depends only on the model (see
 //! [`crate::gpt::reference_chunks`]), never on the layout. Every sum that tensor parallelism
@@ -18,8 +18,8 @@
 //!   product has the same shapes and operand strides on every layout, so no result depends on
 //!   how the matmul kernel blocks other dimensions. A rank's products run as batched matmuls,
 //!   side by side on the rayon threads.
-//! * **Sums over positions** ([`layer_norm_positions`], [`add_bias_positions`],
-//!   [`linear_positions`]): the gradients of the LayerNorm parameters, of the row-parallel
+//! * **Sums over positions** ([`layer_norm_positions`], [`rms_norm_positions`], [`add_bias_positions`],
+//!   [`linear_positions`]): the gradients of the LayerNorm and RMSNorm parameters, of the row-parallel
 //!   biases and of replicated sequence-parallel linears (BERT's MLM transform), which sequence
 //!   parallelism sums over each rank's positions and then over the ranks, are trees over `K`
 //!   chunks of positions on every layout (with or without sequence parallelism).
@@ -141,6 +141,56 @@ pub fn layer_norm_positions(
     ))
 }
 
+/// RMS norm of `x [B, T, C]` whose weight gradient is a tree over `chunks` equal chunks of
+/// positions, as [`layer_norm_positions`] does for the layer norm: one kernel call normalises
+/// every row, each chunk is back-propagated by its own call and the chunks' weight gradients are
+/// added over their aligned binary tree. An input whose positions do not split is normalised
+/// whole.
+pub fn rms_norm_positions(x: &Var, weight: &Var, eps: f64, chunks: usize) -> Result<Var> {
+    let xt = x.tensor().clone();
+    if !splits_positions(&xt, chunks) {
+        return x.rms_norm(Some(weight), eps);
+    }
+    let (batch, t) = (xt.dims()[0], xt.dims()[1]);
+    let len = t / chunks;
+    let w = weight.tensor().clone();
+    let out = xt.rms_norm(Some(&w), eps)?;
+    let rstd = out.rstd.reshape((batch, t))?;
+    let stats: Vec<Tensor> = (0..chunks)
+        .map(|k| {
+            rstd.narrow(1, k * len, len)?
+                .contiguous()?
+                .reshape(batch * len)
+        })
+        .collect::<Result<_>>()?;
+    let weight_grad = weight.requires_grad();
+    Ok(Var::from_op(
+        "rms_norm_positions",
+        out.y,
+        &[x, weight],
+        Box::new(move |g, _| {
+            let (mut dxs, mut dws) = (Vec::new(), Vec::new());
+            for (k, rstd) in stats.iter().enumerate() {
+                let (dx, dw) = positions(&xt, k, len)?.rms_norm_backward(
+                    Some(&w),
+                    rstd,
+                    &positions(g, k, len)?,
+                    weight_grad,
+                )?;
+                dxs.push(dx);
+                dws.extend(dw);
+            }
+            let refs: Vec<&Tensor> = dxs.iter().collect();
+            let dw = if weight_grad {
+                Some(tree_sum(&dws)?)
+            } else {
+                None
+            };
+            Ok(vec![Some(Tensor::cat(&refs, 1)?), dw])
+        }),
+    ))
+}
+
 /// `y + bias` for `y [B, T, C]` and `bias [C]`, whose bias gradient is the tree over `chunks`
 /// equal chunks of positions of each chunk's column sum. An input whose positions do not split
 /// is added whole.
@@ -200,6 +250,20 @@ mod tests {
             &db0.unwrap().to_vec_f64().unwrap(),
             "dbias",
         );
+    }
+
+    #[test]
+    fn position_chunked_rms_norm_matches_the_plain_op() {
+        let x = rand(12, &[2, 8, 6]);
+        let w = rand(13, &[6]);
+        let dy = rand(14, &[2, 8, 6]);
+        let (y0, dx0, dw0, _) = run(&x, &w, None, &dy, |x, w, _| x.rms_norm(Some(w), 1e-6));
+        let (y1, dx1, dw1, _) = run(&x, &w, None, &dy, |x, w, _| {
+            rms_norm_positions(x, w, 1e-6, 4)
+        });
+        assert_eq!(bits(&y0), bits(&y1), "outputs are per row");
+        assert_eq!(bits(&dx0), bits(&dx1), "input gradients are per row");
+        close(&dw1, &dw0.to_vec_f64().unwrap(), "dweight");
     }
 
     /// The chunked vocabulary-parallel loss on one device (4 chunks) against a plain f64
