@@ -63,6 +63,8 @@ mod reference;
 #[cfg(feature = "cli")]
 mod reference_tp;
 #[cfg(feature = "cli")]
+pub mod flight;
+#[cfg(feature = "cli")]
 pub mod run_checkpoint;
 #[cfg(feature = "cli")]
 pub mod run_dir;
