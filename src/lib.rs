@@ -46,6 +46,8 @@ pub mod eval;
 #[cfg(feature = "cli")]
 pub mod eval_bert;
 #[cfg(feature = "cli")]
+pub mod flight;
+#[cfg(feature = "cli")]
 pub mod generate;
 pub mod guide;
 #[cfg(feature = "cli")]
@@ -62,8 +64,6 @@ mod reference;
 /// Reference mode under tensor parallelism.
 #[cfg(feature = "cli")]
 mod reference_tp;
-#[cfg(feature = "cli")]
-pub mod flight;
 #[cfg(feature = "cli")]
 pub mod run_checkpoint;
 #[cfg(feature = "cli")]

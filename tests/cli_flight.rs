@@ -35,7 +35,10 @@ fn clean() -> Command {
 
 /// Waits for `child` up to `limit`; kills it (SIGKILL) and reaps it when it runs longer.
 /// Returns (finished in time, stdout, stderr).
-fn wait_bounded(mut child: Child, limit: Duration) -> (bool, std::process::ExitStatus, String, String) {
+fn wait_bounded(
+    mut child: Child,
+    limit: Duration,
+) -> (bool, std::process::ExitStatus, String, String) {
     let mut out = child.stdout.take().unwrap();
     let mut err = child.stderr.take().unwrap();
     let o = std::thread::spawn(move || {
@@ -109,9 +112,18 @@ fn a_rank_stopped_with_sigstop_is_named_with_the_call_it_did_not_join() {
     if let Some(pid) = &stopped_pid {
         kill_hard(pid);
     }
-    assert!(in_time, "the job did not end within 240 s:\n{stdout}\n{stderr}");
-    assert!(!status.success(), "the job should fail:\n{stdout}\n{stderr}");
-    assert!(stopped_pid.is_some(), "the hook did not stop rank 2:\n{stderr}");
+    assert!(
+        in_time,
+        "the job did not end within 240 s:\n{stdout}\n{stderr}"
+    );
+    assert!(
+        !status.success(),
+        "the job should fail:\n{stdout}\n{stderr}"
+    );
+    assert!(
+        stopped_pid.is_some(),
+        "the hook did not stop rank 2:\n{stderr}"
+    );
     // The watchdog reports the timeout, naming the stopped rank.
     assert!(
         stderr.contains("rank 2 did not join within 5s"),
@@ -124,7 +136,10 @@ fn a_rank_stopped_with_sigstop_is_named_with_the_call_it_did_not_join() {
         let f = flight.join(format!("rank-{r}.json"));
         assert!(f.exists(), "{} missing:\n{stderr}", f.display());
         assert!(
-            stderr.contains(&format!("[rank {r}] flight recorder: wrote {}", f.display())),
+            stderr.contains(&format!(
+                "[rank {r}] flight recorder: wrote {}",
+                f.display()
+            )),
             "{stderr}"
         );
         let dump: serde_json::Value =
@@ -132,7 +147,10 @@ fn a_rank_stopped_with_sigstop_is_named_with_the_call_it_did_not_join() {
         assert_eq!(dump["rank"], r);
         assert_eq!(dump["world_size"], 4);
         assert!(
-            dump["reasons"][0].as_str().unwrap().starts_with("watchdog: "),
+            dump["reasons"][0]
+                .as_str()
+                .unwrap()
+                .starts_with("watchdog: "),
             "{dump}"
         );
         let failed: Vec<&serde_json::Value> = dump["entries"]
@@ -148,15 +166,25 @@ fn a_rank_stopped_with_sigstop_is_named_with_the_call_it_did_not_join() {
     }
     assert!(!flight.join("rank-2.json").exists());
 
-    let o = clean().args(["flight", out.to_str().unwrap()]).output().unwrap();
+    let o = clean()
+        .args(["flight", out.to_str().unwrap()])
+        .output()
+        .unwrap();
     assert_ok(&o);
     let (report, _) = text(&o);
     println!("{report}");
     let last = report.lines().last().unwrap();
-    assert_eq!(last, format!("flight: behind=2 call={kind}#{seq}"), "{report}");
+    assert_eq!(
+        last,
+        format!("flight: behind=2 call={kind}#{seq}"),
+        "{report}"
+    );
     assert!(report.contains("rank 2: no dump"), "{report}");
     // The flight/ folder itself works too.
-    let o = clean().args(["flight", flight.to_str().unwrap()]).output().unwrap();
+    let o = clean()
+        .args(["flight", flight.to_str().unwrap()])
+        .output()
+        .unwrap();
     assert_eq!(text(&o).0.lines().last().unwrap(), last);
     if let Some(pid) = &stopped_pid {
         assert!(
@@ -208,11 +236,18 @@ fn sigusr1_dumps_every_rank_of_a_running_job() {
             "{dump}"
         );
     }
-    let o = clean().args(["flight", out.to_str().unwrap()]).output().unwrap();
+    let o = clean()
+        .args(["flight", out.to_str().unwrap()])
+        .output()
+        .unwrap();
     assert_ok(&o);
     let (report, _) = text(&o);
     assert!(
-        report.lines().last().unwrap().starts_with("flight: behind="),
+        report
+            .lines()
+            .last()
+            .unwrap()
+            .starts_with("flight: behind="),
         "{report}"
     );
 }
@@ -225,9 +260,15 @@ fn flight_fails_in_one_line_on_bad_input() {
         .output()
         .unwrap();
     assert_one_line_error(&o, &["is not a folder"]);
-    let o = clean().args(["flight", dir.to_str().unwrap()]).output().unwrap();
+    let o = clean()
+        .args(["flight", dir.to_str().unwrap()])
+        .output()
+        .unwrap();
     assert_one_line_error(&o, &["no rank-R.json dumps in"]);
     std::fs::write(dir.join("rank-3.json"), "{ not json").unwrap();
-    let o = clean().args(["flight", dir.to_str().unwrap()]).output().unwrap();
+    let o = clean()
+        .args(["flight", dir.to_str().unwrap()])
+        .output()
+        .unwrap();
     assert_one_line_error(&o, &["rank-3.json", "malformed JSON"]);
 }

@@ -112,11 +112,8 @@ pub fn analyse(dumps: &[(PathBuf, Dump)]) -> Analysis {
     let world_size = dumps
         .iter()
         .flat_map(|(_, d)| {
-            std::iter::once(d.world_size).chain(
-                d.entries
-                    .iter()
-                    .flat_map(|e| e.ranks.iter().map(|r| r + 1)),
-            )
+            std::iter::once(d.world_size)
+                .chain(d.entries.iter().flat_map(|e| e.ranks.iter().map(|r| r + 1)))
         })
         .max()
         .unwrap_or(0);
@@ -149,9 +146,9 @@ pub fn analyse(dumps: &[(PathBuf, Dump)]) -> Analysis {
         .filter_map(|(key, g)| group_disagreement(key, g, &by_rank))
         .collect();
     candidates.extend(p2p_disagreements(&by_rank));
-    let first = candidates
-        .into_iter()
-        .min_by(|a, b| (a.at_ms, &a.found.group, a.found.seq).cmp(&(b.at_ms, &b.found.group, b.found.seq)));
+    let first = candidates.into_iter().min_by(|a, b| {
+        (a.at_ms, &a.found.group, a.found.seq).cmp(&(b.at_ms, &b.found.group, b.found.seq))
+    });
 
     let (behind, call) = match first {
         Some(c) => {
@@ -188,7 +185,9 @@ fn rank_line(d: &Dump, newest: u64) -> String {
         .iter()
         .rev()
         .find(|e| e.state == super::EntryState::Completed)
-        .map_or("none".to_string(), |e| format!("{} on {}", e.label(), e.group));
+        .map_or("none".to_string(), |e| {
+            format!("{} on {}", e.label(), e.group)
+        });
     let open: Vec<String> = d
         .entries
         .iter()
@@ -212,7 +211,10 @@ fn rank_line(d: &Dump, newest: u64) -> String {
     );
     let age = newest.saturating_sub(d.dumped_ms);
     if age >= 1000 {
-        line += &format!("; dump written {:.1}s before the newest", age as f64 / 1000.0);
+        line += &format!(
+            "; dump written {:.1}s before the newest",
+            age as f64 / 1000.0
+        );
     }
     if let Some(r) = d.reasons.last() {
         line += &format!("; dumped for: {r}");
@@ -238,7 +240,11 @@ fn group_disagreement(
         .filter(|r| by_rank.contains_key(r))
         .collect();
     let empty = BTreeMap::new();
-    let seqs: BTreeSet<u64> = g.per_rank.values().flat_map(|m| m.keys().copied()).collect();
+    let seqs: BTreeSet<u64> = g
+        .per_rank
+        .values()
+        .flat_map(|m| m.keys().copied())
+        .collect();
     for s in seqs {
         let at: Vec<(usize, &Entry)> = dumped
             .iter()
@@ -265,7 +271,10 @@ fn group_disagreement(
             .flat_map(|(_, e)| e.waiting_for.iter().copied())
             .collect();
         let differ = by_sig.len() > 1;
-        if !(differ || !not_launched.is_empty() || (open && !(absent.is_empty() && waiting.is_empty()))) {
+        if !(differ
+            || !not_launched.is_empty()
+            || (open && !(absent.is_empty() && waiting.is_empty())))
+        {
             continue;
         }
         // The majority's call: most holders, then the one the lowest rank made.

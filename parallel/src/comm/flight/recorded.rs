@@ -294,7 +294,14 @@ impl Communicator for Recorded {
         for ((is_send, peer, op), work) in described.into_iter().zip(works) {
             let seq = {
                 let mut c = self.counters();
-                Self::next(if is_send { &mut c.sent } else { &mut c.received }, peer)
+                Self::next(
+                    if is_send {
+                        &mut c.sent
+                    } else {
+                        &mut c.received
+                    },
+                    peer,
+                )
             };
             out.push(match work {
                 P2pWork::Send(w) => P2pWork::Send(self.record(seq, op, t0, Ok(w))?),

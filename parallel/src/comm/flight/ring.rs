@@ -60,7 +60,14 @@ impl Record {
                     Kind::Broadcast(root) => (None, self.group.ranks.get(*root).copied()),
                     Kind::AllGather | Kind::Barrier => (None, None),
                 };
-                (c.kind.name(), c.to_string(), c.tensor.clone(), op, root, None)
+                (
+                    c.kind.name(),
+                    c.to_string(),
+                    c.tensor.clone(),
+                    op,
+                    root,
+                    None,
+                )
             }
             Op::Send { peer, tensor } => (
                 "send",
@@ -70,7 +77,14 @@ impl Record {
                 None,
                 Some(*peer),
             ),
-            Op::Recv { peer } => ("recv", format!("recv(from {peer})"), None, None, None, Some(*peer)),
+            Op::Recv { peer } => (
+                "recv",
+                format!("recv(from {peer})"),
+                None,
+                None,
+                None,
+                Some(*peer),
+            ),
         };
         Entry {
             id: self.id,
@@ -243,7 +257,9 @@ mod tests {
     fn the_ring_keeps_the_last_calls_in_order() {
         let rec = Recorder::new(1, 2, 3);
         let g = group();
-        let ids: Vec<u64> = (0..5).map(|s| rec.launch(&g, s, all_reduce(), 10 + s)).collect();
+        let ids: Vec<u64> = (0..5)
+            .map(|s| rec.launch(&g, s, all_reduce(), 10 + s))
+            .collect();
         assert_eq!(ids, vec![0, 1, 2, 3, 4]);
         rec.finish(
             3,

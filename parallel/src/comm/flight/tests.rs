@@ -102,10 +102,11 @@ fn a_rank_without_a_dump_is_named_from_the_watchdogs_of_the_others() {
     assert_eq!(a.missing, vec![2]);
     assert!(a.lines[2].starts_with("rank 2: no dump"), "{:?}", a.lines);
     // Without the watchdog's word, the open call still names the rank without a dump.
-    let dumps = vec![
-        dump(0, 2, at(3, Some(EntryState::Launched), 2)),
-    ];
-    assert_eq!(analyse(&dumps).summary(), "flight: behind=1 call=all_reduce#3");
+    let dumps = vec![dump(0, 2, at(3, Some(EntryState::Launched), 2))];
+    assert_eq!(
+        analyse(&dumps).summary(),
+        "flight: behind=1 call=all_reduce#3"
+    );
     // Nothing open: the rank without a dump is named, with no call.
     let dumps = vec![dump(0, 2, at(3, None, 2))];
     assert_eq!(analyse(&dumps).summary(), "flight: behind=1 call=none");
@@ -127,19 +128,25 @@ fn ranks_that_launched_different_calls_disagree_there() {
     // A different shape is a different call too.
     let mut wide = at(2, Some(EntryState::Launched), 2);
     wide[1].call = "all_reduce(f32 [8])".into();
-    let dumps = vec![dump(0, 2, at(2, Some(EntryState::Launched), 2)), dump(1, 2, wide)];
-    assert_eq!(analyse(&dumps).summary(), "flight: behind=1 call=all_reduce#1");
+    let dumps = vec![
+        dump(0, 2, at(2, Some(EntryState::Launched), 2)),
+        dump(1, 2, wide),
+    ];
+    assert_eq!(
+        analyse(&dumps).summary(),
+        "flight: behind=1 call=all_reduce#1"
+    );
 }
 
 #[test]
 fn ranks_that_agree_name_nobody() {
-    let dumps = vec![
-        dump(0, 2, at(4, None, 2)),
-        dump(1, 2, at(4, None, 2)),
-    ];
+    let dumps = vec![dump(0, 2, at(4, None, 2)), dump(1, 2, at(4, None, 2))];
     let a = analyse(&dumps);
     assert_eq!(a.summary(), "flight: behind=none call=none");
-    assert_eq!(a.lines.last().unwrap(), "every rank's calls agree: no rank is behind");
+    assert_eq!(
+        a.lines.last().unwrap(),
+        "every rank's calls agree: no rank is behind"
+    );
     // Open on every rank (a SIGUSR1 in the middle of a collective) is no disagreement either.
     let dumps = vec![
         dump(0, 2, at(4, Some(EntryState::Launched), 2)),
@@ -216,7 +223,10 @@ fn dumps_are_written_atomically_and_read_back_with_one_line_errors() {
     }
     std::fs::write(flight.join("rank-0.json"), "{\"rank\": 0,").unwrap();
     let bad = read_all(&dir).unwrap_err().to_string();
-    assert!(bad.contains("rank-0.json") && bad.contains("malformed JSON"), "{bad}");
+    assert!(
+        bad.contains("rank-0.json") && bad.contains("malformed JSON"),
+        "{bad}"
+    );
     assert_eq!(bad.lines().count(), 1, "{bad}");
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -224,20 +234,24 @@ fn dumps_are_written_atomically_and_read_back_with_one_line_errors() {
 #[test]
 fn recorded_calls_on_threads_show_where_a_rank_stopped() {
     let recorders: Vec<Arc<Recorder>> = (0..2).map(|r| Arc::new(Recorder::new(r, 2, 16))).collect();
-    let results = run_ranks_each(2, &RunOptions::with_timeout(Duration::from_millis(300)), |ctx| {
-        let comm = Recorded::wrap(ctx.comm.clone(), recorders[ctx.rank].clone());
-        let t = Tensor::from_vec(vec![1.0f32; 4], 4, Device::Cpu)?;
-        comm.all_reduce(&t, ReduceOp::Sum)?.wait()?;
-        let sub = comm.new_group(&[0, 1], "tp")?;
-        sub.barrier()?.wait()?;
-        if ctx.rank == 1 {
-            // Rank 1 is late for the second all-reduce: rank 0's watchdog gives up first.
-            std::thread::sleep(Duration::from_millis(900));
-            return Ok(());
-        }
-        comm.all_reduce(&t, ReduceOp::Sum)?.wait()?;
-        Ok(())
-    })
+    let results = run_ranks_each(
+        2,
+        &RunOptions::with_timeout(Duration::from_millis(300)),
+        |ctx| {
+            let comm = Recorded::wrap(ctx.comm.clone(), recorders[ctx.rank].clone());
+            let t = Tensor::from_vec(vec![1.0f32; 4], 4, Device::Cpu)?;
+            comm.all_reduce(&t, ReduceOp::Sum)?.wait()?;
+            let sub = comm.new_group(&[0, 1], "tp")?;
+            sub.barrier()?.wait()?;
+            if ctx.rank == 1 {
+                // Rank 1 is late for the second all-reduce: rank 0's watchdog gives up first.
+                std::thread::sleep(Duration::from_millis(900));
+                return Ok(());
+            }
+            comm.all_reduce(&t, ReduceOp::Sum)?.wait()?;
+            Ok(())
+        },
+    )
     .unwrap();
     let err = results[0].as_ref().unwrap_err().to_string();
     assert!(err.contains("all_reduce #1"), "{err}");
@@ -251,7 +265,11 @@ fn recorded_calls_on_threads_show_where_a_rank_stopped() {
         labels,
         vec![
             ("all_reduce#0".into(), "world".into(), EntryState::Completed),
-            ("barrier#0".into(), "world/tp[0,1]#0".into(), EntryState::Completed),
+            (
+                "barrier#0".into(),
+                "world/tp[0,1]#0".into(),
+                EntryState::Completed
+            ),
             ("all_reduce#1".into(), "world".into(), EntryState::Failed),
         ]
     );
@@ -261,5 +279,8 @@ fn recorded_calls_on_threads_show_where_a_rank_stopped() {
         (PathBuf::from("rank-0.json"), d0),
         (PathBuf::from("rank-1.json"), recorders[1].snapshot()),
     ];
-    assert_eq!(analyse(&dumps).summary(), "flight: behind=1 call=all_reduce#1");
+    assert_eq!(
+        analyse(&dumps).summary(),
+        "flight: behind=1 call=all_reduce#1"
+    );
 }
