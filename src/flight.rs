@@ -33,7 +33,7 @@ pub fn install(out: &Path) -> Result<()> {
         .name("meshgrad-flight-sigusr1".into())
         .spawn(move || {
             for _ in signals.forever() {
-                flight::report(flight::dump_all("SIGUSR1"));
+                flight::report(flight::dump_all("SIGUSR1"), true);
             }
         })
         .context("starting the flight recorder's SIGUSR1 thread")?;
@@ -41,9 +41,11 @@ pub fn install(out: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Dumps the recorders because this rank's run failed with `e` (nothing when no folder is set).
+/// Dumps the recorders because this rank's run failed with `e` (nothing when no folder is set);
+/// quietly, so that the error stays the one line the rank prints (a dump that cannot be written
+/// adds a line saying why).
 pub fn dump_on_error(e: &anyhow::Error) {
-    flight::report(flight::dump_all(&format!("error: {e:#}")));
+    flight::report(flight::dump_all(&format!("error: {e:#}")), false);
 }
 
 /// The SIGSTOP test hook (see the [module docs](self)): stops this process when

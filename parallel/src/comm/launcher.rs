@@ -150,7 +150,7 @@ where
                             shared.fail(rank, &e.to_string());
                             // A failing rank dumps the job's flight recorders (when a folder
                             // is set: see `flight::set_dump_dir`).
-                            super::flight::dump_on(&format!("rank {rank} failed: {e}"));
+                            super::flight::dump_on(&format!("rank {rank} failed: {e}"), false);
                         }
                     }
                     r

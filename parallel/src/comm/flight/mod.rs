@@ -136,20 +136,23 @@ pub fn dump_all(reason: &str) -> Result<Vec<PathBuf>> {
         .collect()
 }
 
-/// [`dump_all`] for the library's own triggers (the watchdog): reports what it wrote, or why it
-/// could not, on stderr, one line each.
-pub(crate) fn dump_on(reason: &str) {
-    report(dump_all(reason));
+/// [`dump_all`] for the library's own triggers: reports on stderr why it could not write, and
+/// with `announce` (the watchdog) what it wrote, one line each. A failing rank's dump is quiet,
+/// so that its error stays the one line it prints.
+pub(crate) fn dump_on(reason: &str, announce: bool) {
+    report(dump_all(reason), announce);
 }
 
-/// Prints one stderr line per dump written (`flight recorder: wrote PATH`), or the error.
-pub fn report(r: Result<Vec<PathBuf>>) {
+/// Prints one stderr line per dump written (`flight recorder: wrote PATH`) when `announce`, and
+/// the error, if any.
+pub fn report(r: Result<Vec<PathBuf>>, announce: bool) {
     match r {
-        Ok(paths) => {
+        Ok(paths) if announce => {
             for p in paths {
                 eprintln!("flight recorder: wrote {}", p.display());
             }
         }
+        Ok(_) => {}
         Err(e) => eprintln!("flight recorder: {e}"),
     }
 }

@@ -157,7 +157,7 @@ fn finish(recorder: &Recorder, id: u64, r: std::result::Result<(), &Error>) {
     recorder.finish(id, outcome);
     if let Err(Error::Comm(c)) = r {
         if matches!(c.kind, CommErrorKind::Timeout { .. }) {
-            super::dump_on(&format!("watchdog: {c}"));
+            super::dump_on(&format!("watchdog: {c}"), true);
         }
     }
 }
