@@ -20,6 +20,11 @@
 //!   nothing is written. They are written when a wait fails on the watchdog's timeout (any
 //!   backend whose timeout error reaches the caller: threads, TCP, MPI, NCCL), and by the caller
 //!   through [`dump_all`]: `meshgrad train` does on SIGUSR1 and when a rank fails.
+//! * **What `completed` means**: the caller's wait returned. On NCCL completion is
+//!   stream-ordered (a wait returns once the GPU's later work is ordered after the collective),
+//!   and its watchdog's error surfaces on a later call or wait and cannot name the missing ranks,
+//!   so there the first open call may come after the one that hung; the threads, TCP and MPI
+//!   backends' waits block until the result is there and their timeouts name the missing ranks.
 //! * **Analysis**: [`analyse`] reads the dumps of every rank (a rank stopped or killed cannot
 //!   write one; the watchdog's `waiting_for` names it) and finds the first call where the ranks
 //!   disagree and the ranks behind; see [`Analysis`].
@@ -34,7 +39,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use meshgrad_tensor::Result;
 
-pub use analysis::{analyse, Analysis};
+pub use analysis::{analyse, Analysis, Disagreement};
 pub use dump::{dump_folder, file_name, read_all, write, Dump, Entry, EntryState};
 pub use recorded::Recorded;
 pub use ring::Recorder;

@@ -24,8 +24,10 @@ struct Counters {
     made: HashMap<String, u64>,
 }
 
-/// A communicator that records every call of `inner` into `recorder` (see the [module
-/// docs](self)); its sub-groups are recorded too.
+/// A communicator that records every call of the one it wraps into a [`Recorder`]: each call
+/// when it is launched, and how it ended when its handle is waited for (or dropped); a wait that
+/// fails on the watchdog's timeout dumps every recorder of the process
+/// ([`dump_all`](super::dump_all)). Its sub-groups are recorded too.
 pub struct Recorded {
     inner: Arc<dyn Communicator>,
     recorder: Arc<Recorder>,
