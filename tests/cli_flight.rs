@@ -204,21 +204,31 @@ fn sigusr1_dumps_every_rank_of_a_running_job() {
         .args(["train", "--steps", "100000", "--layout", "dp=2"])
         .args(["--out", out.to_str().unwrap()])
         .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
         .spawn()
         .unwrap();
     let pid = child.id().to_string();
+    // Signal only once the run prints its header: the handler is installed by then (before it,
+    // SIGUSR1 would end the process).
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stdout).lines() {
+            let _ = tx.send(line.unwrap_or_default());
+        }
+    });
+    let started = rx.recv_timeout(Duration::from_secs(120));
     let flight = out.join("flight");
     let files = [flight.join("rank-0.json"), flight.join("rank-1.json")];
     let deadline = Instant::now() + Duration::from_secs(120);
-    // Signal until both dumps are there (the first signal may come before the handler exists).
-    while !files.iter().all(|f| f.exists()) && Instant::now() < deadline {
+    while started.is_ok() && !files.iter().all(|f| f.exists()) && Instant::now() < deadline {
         if child.try_wait().unwrap().is_some() {
             break;
         }
-        std::thread::sleep(Duration::from_millis(500));
         let _ = Command::new("kill").args(["-USR1", &pid]).status();
+        std::thread::sleep(Duration::from_millis(500));
     }
     let _ = child.kill();
     let _ = child.wait();
