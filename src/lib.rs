@@ -46,6 +46,8 @@ pub mod eval;
 #[cfg(feature = "cli")]
 pub mod eval_bert;
 #[cfg(feature = "cli")]
+pub mod flight;
+#[cfg(feature = "cli")]
 pub mod generate;
 pub mod guide;
 #[cfg(feature = "cli")]

@@ -251,6 +251,16 @@ enum Command {
         #[arg(long)]
         panic_rank: Option<usize>,
     },
+    /// Read the flight recorder's dumps of a multi-rank run (OUT/flight/rank-R.json, written on a
+    /// collective timeout, on SIGUSR1 and when a rank fails) and name the rank that is behind and
+    /// the first call where the ranks disagree. Prints each rank's last completed and open calls,
+    /// the disagreement, and last `flight: behind=<ranks> call=<kind>#<seq>` (`none` for either
+    /// when there is nothing to name: `flight: behind=none call=none` when every rank agrees). A
+    /// rank without a dump (stopped, killed) is named from the others' records.
+    Flight {
+        /// The run's --out folder, or its flight/ folder.
+        dir: PathBuf,
+    },
     /// Train tokenizers (Hugging Face tokenizer.json format).
     Tokenizer {
         #[command(subcommand)]
@@ -469,6 +479,7 @@ fn run(cli: Cli) -> Result<()> {
             }
             let cfg = train_config(&a)?;
             meshgrad::stop::install_once()?;
+            meshgrad::flight::install(std::path::Path::new(&cfg.out))?;
             let mut pipeline = meshgrad::train_pipeline::PipelineOptions::default();
             if let Some(k) = &a.schedule {
                 pipeline.schedule = k.parse().map_err(anyhow::Error::msg)?;
@@ -509,24 +520,29 @@ fn run(cli: Cli) -> Result<()> {
                 a.layout.as_deref().map(str::parse).transpose()?;
             meshgrad::train_parallel::check_mpi_world(layout.as_ref())?;
             meshgrad::train_parallel::check_process_layout(backend, &env, layout.as_ref())?;
-            if cfg.model.kind == "bert" {
-                meshgrad::train_bert::train_bert(&cfg, layout.as_ref(), &opts, Verbosity::Normal)?;
-                return Ok(());
-            }
-            match &layout {
-                None => {
-                    meshgrad::train::train_with(&cfg, &opts, Verbosity::Normal)?;
-                }
-                Some(layout) => {
-                    meshgrad::train_parallel::train_parallel(
+            let r = if cfg.model.kind == "bert" {
+                meshgrad::train_bert::train_bert(&cfg, layout.as_ref(), &opts, Verbosity::Normal)
+                    .map(|_| ())
+            } else {
+                match &layout {
+                    None => meshgrad::train::train_with(&cfg, &opts, Verbosity::Normal).map(|_| ()),
+                    Some(layout) => meshgrad::train_parallel::train_parallel(
                         &cfg,
                         layout,
                         &opts,
                         Verbosity::Normal,
-                    )?;
+                    )
+                    .map(|_| ()),
                 }
+            };
+            if let Err(e) = &r {
+                // A failed run dumps its ranks' flight recorders (ranks as threads; a rank of a
+                // job of processes has dumped already).
+                meshgrad::flight::dump_on_error(e);
             }
+            r?;
         }
+        Command::Flight { dir } => meshgrad::flight::run(&dir)?,
         Command::Launch {
             nproc_per_node,
             nnodes,

@@ -971,6 +971,9 @@ pub(crate) fn drive_loop(
     let mut last_val = initial_val;
     let mut tokens_done = 0usize;
     for step in ctl.start_step..cfg.train.steps {
+        if let Some(w) = ctl.world {
+            crate::flight::test_stop_hook(w.global_rank(), step);
+        }
         let t0 = Instant::now();
         sync.zero_grad(opt);
         let share = micro_step(step)?;

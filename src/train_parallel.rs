@@ -29,7 +29,7 @@ use meshgrad_nn::state::load_state_dict;
 use meshgrad_nn::tp::full_state_dict;
 use meshgrad_nn::{Gpt, Module};
 use meshgrad_parallel::comm::{
-    all_reduce_scalar, run_ranks, Backend, RankCtx, RankEnv, RunOptions,
+    all_reduce_scalar, flight, run_ranks, Backend, RankCtx, RankEnv, RunOptions,
 };
 use meshgrad_parallel::tp::tensor_parallel;
 use meshgrad_parallel::zero::{ShardConfig, ShardedDataParallel, ZeroStage};
@@ -330,7 +330,7 @@ fn on_nccl_rank<T: Send>(
     let env = RankEnv::detect()?;
     check_process_layout(Backend::Nccl, &env, Some(layout))?;
     let store = Arc::new(TcpStore::from_env(&env, timeout)?);
-    let world: Arc<dyn Communicator> = NcclCommunicator::world(&env, store.clone(), timeout)?;
+    let world = flight::record(NcclCommunicator::world(&env, store.clone(), timeout)?);
     on_process_rank(world, layout, reference, body, move || {
         // Every rank leaves the store's barrier before rank 0 drops (and stops) it.
         store.barrier("nccl-done")?;
@@ -378,6 +378,7 @@ fn on_process_rank<T: Send>(
         }
         Err(e) => {
             eprintln!("{}", rank_error_line(rank, &e));
+            crate::flight::dump_on_error(&e);
             std::process::exit(1)
         }
     }
@@ -389,7 +390,7 @@ fn on_process_rank<T: Send>(
 fn tcp_world(layout: &ParallelLayout, timeout: Duration) -> Result<Arc<dyn Communicator>> {
     use meshgrad_parallel::comm::store::TcpStore;
     use meshgrad_parallel::comm::tcp::TcpCommunicator;
-    static WORLD: std::sync::OnceLock<Arc<TcpCommunicator>> = std::sync::OnceLock::new();
+    static WORLD: std::sync::OnceLock<Arc<dyn Communicator>> = std::sync::OnceLock::new();
     let env = RankEnv::detect()?;
     check_process_layout(Backend::Tcp, &env, Some(layout))?;
     if let Some(w) = WORLD.get() {
@@ -397,7 +398,7 @@ fn tcp_world(layout: &ParallelLayout, timeout: Duration) -> Result<Arc<dyn Commu
     }
     let store = Arc::new(TcpStore::from_env(&env, timeout)?);
     let world = TcpCommunicator::world(&env, store, timeout)?;
-    Ok(WORLD.get_or_init(|| world).clone())
+    Ok(WORLD.get_or_init(|| flight::record(world)).clone())
 }
 
 #[cfg(not(feature = "nccl"))]
@@ -458,7 +459,7 @@ pub(crate) fn process_world(
                 world.world_size()
             );
         }
-        Ok(Some(world))
+        Ok(Some(recorded_mpi_world(world)))
     }
     #[cfg(not(feature = "mpi"))]
     unreachable!("check_mpi_world fails without the mpi feature ({n} ranks)")
@@ -484,6 +485,7 @@ pub(crate) fn or_abort_job<T>(rank: usize, r: Result<T>) -> T {
         Ok(v) => v,
         Err(e) => {
             eprintln!("{}", rank_error_line(rank, &e));
+            crate::flight::dump_on_error(&e);
             #[cfg(feature = "mpi")]
             if mpi_world_size().is_some() {
                 meshgrad_parallel::comm::mpi::abort(1);
@@ -542,7 +544,7 @@ fn on_mpi_rank<T: Send>(
     let ctx = RankCtx {
         rank: world.rank(),
         world_size: n,
-        comm: world,
+        comm: recorded_mpi_world(world),
         tracker: tracker.clone(),
     };
     let rank = ctx.rank;
@@ -563,9 +565,21 @@ fn on_mpi_rank<T: Send>(
         }
         Err(e) => {
             eprintln!("{}", rank_error_line(rank, &e));
+            crate::flight::dump_on_error(&e);
             abort(1)
         }
     }
+}
+
+/// The MPI world wrapped in this process's flight recorder, the same on every call (so the
+/// calls made before the run, e.g. to agree on a pipeline's partition, are numbered with the
+/// run's).
+#[cfg(feature = "mpi")]
+fn recorded_mpi_world(
+    world: Arc<meshgrad_parallel::comm::mpi::MpiCommunicator>,
+) -> Arc<dyn Communicator> {
+    static WORLD: std::sync::OnceLock<Arc<dyn Communicator>> = std::sync::OnceLock::new();
+    WORLD.get_or_init(|| flight::record(world)).clone()
 }
 
 #[cfg(not(feature = "mpi"))]

@@ -114,14 +114,18 @@ where
     }
     let shared = World::new(world, opts.timeout);
     shared.set_rendezvous(opts.rendezvous_sends);
-    let handles = InProcessComm::world_handles(&shared);
+    let handles: Vec<Arc<dyn Communicator>> = InProcessComm::world_handles(&shared)
+        .into_iter()
+        .map(|c| Arc::new(c) as Arc<dyn Communicator>)
+        .collect();
+    // Every rank's calls go through the flight recorder (unless it is off).
+    let handles = super::flight::record_job(handles);
     let f = &f;
     let shared = &shared;
     std::thread::scope(|scope| {
         let mut threads = Vec::with_capacity(world);
         for (rank, comm) in handles.into_iter().enumerate() {
             let tracker = MemoryTracker::new();
-            let comm: Arc<dyn Communicator> = Arc::new(comm);
             let ctx = RankCtx {
                 rank,
                 world_size: world,
@@ -142,7 +146,12 @@ where
                     };
                     match &r {
                         Ok(_) => shared.exit(rank),
-                        Err(e) => shared.fail(rank, &e.to_string()),
+                        Err(e) => {
+                            shared.fail(rank, &e.to_string());
+                            // A failing rank dumps the job's flight recorders (when a folder
+                            // is set: see `flight::set_dump_dir`).
+                            super::flight::dump_on(&format!("rank {rank} failed: {e}"), false);
+                        }
                     }
                     r
                 });

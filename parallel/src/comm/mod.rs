@@ -100,11 +100,18 @@
 //! 0 serves at `MASTER_ADDR:MASTER_PORT` for the ranks to rendezvous before a communicator exists
 //! ([`rendezvous`]: NCCL's unique ids and message headers travel there). [`backend`] names the
 //! backends and picks the default one from the device and the environment.
+//!
+//! # Debugging hangs
+//!
+//! [`flight`] is the flight recorder every backend's calls go through: each rank keeps its last
+//! calls and dumps them on a watchdog timeout (and when the caller asks: SIGUSR1, a failed rank),
+//! and [`flight::analyse`] names the rank that is behind and the first call the ranks disagree on.
 
 pub mod backend;
 mod call;
 mod coalesced;
 pub mod env;
+pub mod flight;
 mod in_process;
 mod launcher;
 #[cfg(feature = "mpi")]
