@@ -74,7 +74,9 @@ pub(crate) fn generate(
                     &last,
                     temperature,
                     top_k,
-                    uniform_draw(seed, tokens.len() as u64),
+                    // The key GPT generation has always used (the count of tokens so far
+                    // plus the step), kept so that sampled outputs stay the same.
+                    uniform_draw(seed, (tokens.len() + i) as u64),
                 )
             };
             tokens.push(next as u32);

@@ -6,9 +6,10 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use meshgrad_autograd::{no_grad, Var};
-use meshgrad_tensor::{DType, Device, Random, Result, Tensor};
+use meshgrad_autograd::Var;
+use meshgrad_tensor::{DType, Device, Result, Tensor};
 
+use crate::generation::{self, Sampling};
 use crate::layers::{Block, BlockConfig, Dropout, Embedding, LayerNorm, LmHead};
 use crate::module::{Forward, Module};
 use crate::param_builder::ParamBuilder;
@@ -252,71 +253,38 @@ impl Gpt {
         temperature: f64,
         top_k: Option<usize>,
         seed: u64,
-        mut on_token: impl FnMut(u32) -> Result<()>,
+        on_token: impl FnMut(u32) -> Result<()>,
     ) -> Result<Vec<u32>> {
-        if prompt.is_empty() {
-            meshgrad_tensor::bail!("generate: the prompt is empty (give at least one token)");
-        }
-        if !(temperature.is_finite() && temperature >= 0.0) {
-            meshgrad_tensor::bail!(
-                "generate: temperature must be a finite number >= 0 (0 is greedy), got {temperature}"
-            );
-        }
-        if top_k == Some(0) {
-            meshgrad_tensor::bail!(
-                "generate: top_k must be at least 1 (None samples among all tokens), got 0"
-            );
-        }
         if self.lm_head.vocab_parallel().is_some() {
             meshgrad_tensor::bail!(
                 "generate: this model's logits are split over tensor-parallel ranks; generate \
                  from a single-device model (load the gathered checkpoint)"
             );
         }
-        let vocab = self.sampled_vocab();
-        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
-            meshgrad_tensor::bail!(
-                "generate: prompt token {bad} is outside the vocabulary (size {vocab})"
-            );
-        }
+        let device = self.wte.weight.tensor().device();
+        let last_logits = |context: &[u32]| -> Result<Vec<f64>> {
+            let ids = Tensor::from_slice(context, (1, context.len()), device)?;
+            self.forward(&ids)?
+                .tensor()
+                .narrow(1, context.len() - 1, 1)?
+                .to_vec_f64()
+        };
+        let sampling = Sampling {
+            temperature,
+            top_k,
+            seed,
+        };
         let was_training = self.drop.is_training();
         self.set_training(false);
-        let r = no_grad(|| {
-            let mut tokens = prompt.to_vec();
-            let device = self.wte.weight.tensor().device();
-            for i in 0..max_new {
-                let start = tokens.len().saturating_sub(self.config.block_size);
-                let ctx_tokens = &tokens[start..];
-                let ids = Tensor::from_slice(ctx_tokens, (1, ctx_tokens.len()), device)?;
-                let logits = self.forward(&ids)?;
-                let mut last = logits
-                    .tensor()
-                    .narrow(1, ctx_tokens.len() - 1, 1)?
-                    .to_vec_f64()?;
-                // Padded ids are never sampled.
-                last.truncate(vocab);
-                if let Some(bad) = last.iter().find(|x| !x.is_finite()) {
-                    meshgrad_tensor::bail!(
-                        "generate: the logits are not finite ({bad}) at step {} of {max_new}; \
-                         the model's weights may hold NaN or infinite values",
-                        i + 1
-                    );
-                }
-                let next = if temperature <= 0.0 {
-                    argmax(&last)
-                } else {
-                    sample(
-                        &last,
-                        temperature,
-                        top_k,
-                        uniform_draw(seed, (tokens.len() + i) as u64),
-                    )
-                };
-                tokens.push(next as u32);
-                on_token(next as u32)?;
-            }
-            Ok(tokens[prompt.len()..].to_vec())
-        });
+        let r = generation::generate(
+            prompt,
+            max_new,
+            sampling,
+            self.sampled_vocab(),
+            self.config.block_size,
+            last_logits,
+            on_token,
+        );
         self.set_training(was_training);
         r
     }
@@ -634,47 +602,3 @@ pub fn reference_chunks(c: &GptConfig) -> usize {
     crate::tp::largest_common_power_of_two(&[c.n_head, c.vocab_size, c.block_size])
 }
 
-/// A uniform draw in [0, 1) keyed by (seed, index), through the tensor RNG.
-fn uniform_draw(seed: u64, index: u64) -> f64 {
-    Random::new(seed)
-        .offset(index)
-        .dtype(DType::F64)
-        .uniform(1, 0.0, 1.0)
-        .and_then(|t| t.item())
-        .unwrap_or(0.5)
-}
-
-fn argmax(v: &[f64]) -> usize {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best
-}
-
-fn sample(logits: &[f64], temperature: f64, top_k: Option<usize>, u: f64) -> usize {
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    order.sort_by(|&a, &b| {
-        logits[b]
-            .partial_cmp(&logits[a])
-            .unwrap_or(std::cmp::Ordering::Equal)
-    });
-    let k = top_k.unwrap_or(logits.len()).clamp(1, logits.len());
-    let kept = &order[..k];
-    let max = logits[kept[0]];
-    let weights: Vec<f64> = kept
-        .iter()
-        .map(|&i| ((logits[i] - max) / temperature).exp())
-        .collect();
-    let total: f64 = weights.iter().sum();
-    let mut acc = 0.0;
-    for (j, w) in weights.iter().enumerate() {
-        acc += w / total;
-        if u < acc {
-            return kept[j];
-        }
-    }
-    kept[k - 1]
-}
