@@ -70,7 +70,7 @@ pub fn mean_loss(model: &Gpt, data: &dyn TokenSource) -> Result<f64> {
 /// instead (see [`crate::eval_bert`]).
 pub fn eval_checkpoint(checkpoint: &Path, data: &Path) -> Result<f64> {
     if let Some(ck) = crate::run_checkpoint::open_training_checkpoint(checkpoint)? {
-        if crate::run_checkpoint::training_model_kind(&ck)? == "bert" {
+        if crate::run_checkpoint::training_model_kind(&ck)? == crate::config::ModelKind::Bert {
             if let crate::run_checkpoint::CheckpointModel::Bert(m) =
                 crate::run_checkpoint::load_training_model(&ck)?
             {

@@ -520,7 +520,7 @@ fn run(cli: Cli) -> Result<()> {
                 a.layout.as_deref().map(str::parse).transpose()?;
             meshgrad::train_parallel::check_mpi_world(layout.as_ref())?;
             meshgrad::train_parallel::check_process_layout(backend, &env, layout.as_ref())?;
-            let r = if cfg.model.kind == "bert" {
+            let r = if cfg.model.kind == meshgrad::config::ModelKind::Bert {
                 meshgrad::train_bert::train_bert(&cfg, layout.as_ref(), &opts, Verbosity::Normal)
                     .map(|_| ())
             } else {

@@ -198,7 +198,7 @@ impl ModelShape {
     /// are padded to a multiple of `model.vocab_multiple`).
     pub fn from_train_config(cfg: &TrainConfig) -> ModelShape {
         let m = &cfg.model;
-        let bert = m.kind == "bert";
+        let bert = m.kind == crate::config::ModelKind::Bert;
         ModelShape {
             kind: if bert {
                 ModelKind::Bert
@@ -777,7 +777,7 @@ mod tests {
             assert_eq!(ModelShape::from_train_config(&cfg).num_parameters(), count);
             assert_eq!(ModelShape::from_gpt(&gpt).num_parameters(), count);
         }
-        cfg.model.kind = "bert".into();
+        cfg.model.kind = crate::config::ModelKind::Bert;
         cfg.model.bias = true;
         cfg.model.n_layer = 2;
         let bert = crate::train_bert::bert_config(&cfg);

@@ -20,7 +20,7 @@ use crate::config::TrainConfig;
 /// [`meshgrad_nn::bert::reference_chunks`]) and the sizes it is taken over, for messages.
 fn model_chunks(cfg: &TrainConfig) -> (usize, String) {
     let m = &cfg.model;
-    if m.kind == "bert" {
+    if m.kind == crate::config::ModelKind::Bert {
         let c = crate::train_bert::bert_config(cfg);
         (
             meshgrad_nn::bert::reference_chunks(&c, m.block_size),

@@ -271,7 +271,7 @@ pub(crate) fn open_resume(cfg: &TrainConfig, dir: &Path) -> Result<(Checkpoint, 
         // A half-precision run's optimizer state holds f32 master weights that an f32 run does
         // not have (and the reverse), so the precision must match too.
         let keys: [Key; 11] = [
-            ("model.kind", |c| c.model.kind.clone()),
+            ("model.kind", |c| c.model.kind.to_string()),
             ("model.n_layer", |c| c.model.n_layer.to_string()),
             ("model.n_head", |c| c.model.n_head.to_string()),
             ("model.n_embd", |c| c.model.n_embd.to_string()),
@@ -351,8 +351,8 @@ pub fn open_training_checkpoint(dir: &Path) -> Result<Option<Checkpoint>> {
     Ok(None)
 }
 
-/// The model kind (`gpt` or `bert`) of a training checkpoint.
-pub fn training_model_kind(ck: &Checkpoint) -> Result<String> {
+/// The model kind of a training checkpoint.
+pub fn training_model_kind(ck: &Checkpoint) -> Result<crate::config::ModelKind> {
     Ok(training_config(ck)?.model.kind)
 }
 
@@ -376,7 +376,7 @@ pub fn load_training_model(ck: &Checkpoint) -> Result<CheckpointModel> {
         &format!("checkpoint {}", ck.path().display()),
     )?;
     let seed = cfg.train.seed;
-    Ok(if cfg.model.kind == "bert" {
+    Ok(if cfg.model.kind == crate::config::ModelKind::Bert {
         let m = meshgrad_nn::bert::BertForMaskedLM::new(
             crate::train_bert::bert_config(&cfg),
             seed,

@@ -763,7 +763,7 @@ pub(crate) fn check_vocab_splits(
              model.vocab_multiple {}) does not split over tp={tp}; pad it with --set \
              model.vocab_multiple={tp}",
             cfg.model.vocab_size,
-            if cfg.model.kind == "bert" {
+            if cfg.model.kind == crate::config::ModelKind::Bert {
                 " and 5 special tokens"
             } else {
                 ""

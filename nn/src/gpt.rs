@@ -601,4 +601,3 @@ pub fn check_tp_sizes(c: &GptConfig, tp: usize, sequence: Option<usize>) -> Resu
 pub fn reference_chunks(c: &GptConfig) -> usize {
     crate::tp::largest_common_power_of_two(&[c.n_head, c.vocab_size, c.block_size])
 }
-

@@ -15,7 +15,11 @@
 //!
 //! Every error message is one line and names the file and the key involved.
 //!
-//! This module depends only on `serde` and `toml`.
+//! This module depends only on `serde`, `serde_json` and `toml`. Every key is written once, as a
+//! field of the structs below: the keys `--set` accepts are read from their serde form
+//! ([`keys`]).
+
+mod keys;
 
 use std::fmt;
 use std::ops::Range;
@@ -49,9 +53,50 @@ pub struct ModelConfig {
     pub dropout: f64,
     /// Whether linear and layer-norm layers have bias terms.
     pub bias: bool,
-    /// `"gpt"` (next-token prediction) or `"bert"` (masked language modelling; see
-    /// [`crate::train_bert`]).
-    pub kind: String,
+    /// The model family: `"gpt"` (next-token prediction) or `"bert"` (masked language modelling;
+    /// see [`crate::train_bert`]).
+    pub kind: ModelKind,
+}
+
+/// The model family a config trains: the one place a kind is named as text (`"gpt"`, `"bert"`,
+/// in config files, `--model` and checkpoint metadata).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelKind {
+    /// A GPT-2-style decoder trained on next-token prediction.
+    #[default]
+    Gpt,
+    /// A BERT encoder trained by masked language modelling.
+    Bert,
+}
+
+impl ModelKind {
+    /// The kind as the config writes it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ModelKind::Gpt => "gpt",
+            ModelKind::Bert => "bert",
+        }
+    }
+}
+
+impl fmt::Display for ModelKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for ModelKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "gpt" => Ok(ModelKind::Gpt),
+            "bert" => Ok(ModelKind::Bert),
+            other => Err(format!(
+                "unknown model kind {other:?} (expected gpt or bert)"
+            )),
+        }
+    }
 }
 
 impl ModelConfig {
@@ -73,7 +118,7 @@ impl Default for ModelConfig {
             vocab_multiple: 1,
             dropout: 0.0,
             bias: true,
-            kind: "gpt".to_string(),
+            kind: ModelKind::Gpt,
         }
     }
 }
@@ -248,7 +293,7 @@ pub enum ConfigError {
         /// The key as given.
         key: String,
         /// The closest known key, if one is close.
-        suggestion: Option<&'static str>,
+        suggestion: Option<String>,
     },
     /// An override's value cannot be parsed as the key's type.
     BadValue {
@@ -257,7 +302,7 @@ pub enum ConfigError {
         /// The value as given.
         value: String,
         /// What the key takes, e.g. "a non-negative integer".
-        expected: &'static str,
+        expected: String,
     },
     /// An override that is not of the form `key=value`.
     BadAssignment {
@@ -307,7 +352,7 @@ impl fmt::Display for ConfigError {
                 write!(f, "unknown config key `{key}`")?;
                 match suggestion {
                     Some(s) => write!(f, "; did you mean `{s}`?"),
-                    None => write!(f, "; known keys: {}", TrainConfig::KEYS.join(", ")),
+                    None => write!(f, "; known keys: {}", TrainConfig::keys().join(", ")),
                 }
             }
             ConfigError::BadValue {
@@ -336,74 +381,10 @@ impl fmt::Display for ConfigError {
 
 impl std::error::Error for ConfigError {}
 
-/// Parses `value` as `T` for the override of `key`.
-fn parse_value<T: FromStr>(
-    key: &str,
-    value: &str,
-    expected: &'static str,
-) -> Result<T, ConfigError> {
-    value.trim().parse().map_err(|_| ConfigError::BadValue {
-        key: key.to_string(),
-        value: value.to_string(),
-        expected,
-    })
-}
-
-/// A string value for an override: surrounding double quotes, if any, are removed.
-fn string_value(value: &str) -> String {
-    let trimmed = value.trim();
-    trimmed
-        .strip_prefix('"')
-        .and_then(|v| v.strip_suffix('"'))
-        .unwrap_or(trimmed)
-        .to_string()
-}
-
-const INT: &str = "a non-negative integer";
 /// The largest integer a TOML file holds (TOML integers are signed 64-bit).
 pub const MAX_TOML_INT: u64 = i64::MAX as u64;
-const FLOAT: &str = "a number";
-const BOOL: &str = "true or false";
 
 impl TrainConfig {
-    /// Every key that [`TrainConfig::apply_override`] accepts, in file order.
-    pub const KEYS: &'static [&'static str] = &[
-        "out",
-        "metrics",
-        "model.n_layer",
-        "model.n_head",
-        "model.n_embd",
-        "model.block_size",
-        "model.vocab_size",
-        "model.vocab_multiple",
-        "model.dropout",
-        "model.bias",
-        "model.kind",
-        "train.steps",
-        "train.batch_size",
-        "train.lr",
-        "train.min_lr",
-        "train.warmup_steps",
-        "train.weight_decay",
-        "train.beta1",
-        "train.beta2",
-        "train.grad_clip",
-        "train.seed",
-        "train.eval_interval",
-        "train.eval_batches",
-        "train.log_interval",
-        "train.sample_tokens",
-        "train.device",
-        "train.precision",
-        "train.loss_scale_init",
-        "train.reference",
-        "train.row_group",
-        "train.reference_chunks",
-        "data.path",
-        "data.val_fraction",
-        "data.tokenizer",
-    ];
-
     /// Reads and parses a TOML config file. Keys left out take their defaults.
     ///
     /// It does not call [`TrainConfig::validate`]: apply overrides first, then validate.
@@ -441,70 +422,6 @@ impl TrainConfig {
         })
     }
 
-    /// Sets one key from a command-line string: `key` is dotted (`train.steps`, `model.n_embd`,
-    /// `out`; see [`TrainConfig::KEYS`]) and `value` is parsed as the key's type (integers,
-    /// numbers such as `3e-4`, `true`/`false`, or text; surrounding double quotes are removed from
-    /// text). An empty value for `data.path`, `data.tokenizer` or `metrics` unsets it.
-    ///
-    /// Errors name the key: [`ConfigError::UnknownKey`] (with a suggestion when one is close) or
-    /// [`ConfigError::BadValue`]. It does not validate ranges; call [`TrainConfig::validate`] after.
-    pub fn apply_override(&mut self, key: &str, value: &str) -> Result<(), ConfigError> {
-        let m = &mut self.model;
-        let t = &mut self.train;
-        match key.trim() {
-            "out" => self.out = string_value(value),
-            "metrics" => {
-                let v = string_value(value);
-                self.metrics = (!v.is_empty()).then_some(v);
-            }
-            "model.n_layer" => m.n_layer = parse_value(key, value, INT)?,
-            "model.n_head" => m.n_head = parse_value(key, value, INT)?,
-            "model.n_embd" => m.n_embd = parse_value(key, value, INT)?,
-            "model.block_size" => m.block_size = parse_value(key, value, INT)?,
-            "model.vocab_size" => m.vocab_size = parse_value(key, value, INT)?,
-            "model.vocab_multiple" => m.vocab_multiple = parse_value(key, value, INT)?,
-            "model.dropout" => m.dropout = parse_value(key, value, FLOAT)?,
-            "model.bias" => m.bias = parse_value(key, value, BOOL)?,
-            "model.kind" => m.kind = string_value(value),
-            "train.steps" => t.steps = parse_value(key, value, INT)?,
-            "train.batch_size" => t.batch_size = parse_value(key, value, INT)?,
-            "train.lr" => t.lr = parse_value(key, value, FLOAT)?,
-            "train.min_lr" => t.min_lr = parse_value(key, value, FLOAT)?,
-            "train.warmup_steps" => t.warmup_steps = parse_value(key, value, INT)?,
-            "train.weight_decay" => t.weight_decay = parse_value(key, value, FLOAT)?,
-            "train.beta1" => t.beta1 = parse_value(key, value, FLOAT)?,
-            "train.beta2" => t.beta2 = parse_value(key, value, FLOAT)?,
-            "train.grad_clip" => t.grad_clip = parse_value(key, value, FLOAT)?,
-            "train.seed" => t.seed = parse_value(key, value, INT)?,
-            "train.eval_interval" => t.eval_interval = parse_value(key, value, INT)?,
-            "train.eval_batches" => t.eval_batches = parse_value(key, value, INT)?,
-            "train.log_interval" => t.log_interval = parse_value(key, value, INT)?,
-            "train.sample_tokens" => t.sample_tokens = parse_value(key, value, INT)?,
-            "train.device" => t.device = string_value(value),
-            "train.precision" => t.precision = string_value(value),
-            "train.loss_scale_init" => t.loss_scale_init = parse_value(key, value, FLOAT)?,
-            "train.reference" => t.reference = parse_value(key, value, BOOL)?,
-            "train.row_group" => t.row_group = parse_value(key, value, INT)?,
-            "train.reference_chunks" => t.reference_chunks = parse_value(key, value, INT)?,
-            "data.path" => {
-                let v = string_value(value);
-                self.data.path = (!v.is_empty()).then_some(v);
-            }
-            "data.val_fraction" => self.data.val_fraction = parse_value(key, value, FLOAT)?,
-            "data.tokenizer" => {
-                let v = string_value(value);
-                self.data.tokenizer = (!v.is_empty()).then_some(v);
-            }
-            other => {
-                return Err(ConfigError::UnknownKey {
-                    key: other.to_string(),
-                    suggestion: closest_key(other),
-                })
-            }
-        }
-        Ok(())
-    }
-
     /// Applies a `KEY=VALUE` assignment, as given to `--set`; see [`TrainConfig::apply_override`].
     pub fn apply_assignment(&mut self, assignment: &str) -> Result<(), ConfigError> {
         match assignment.split_once('=') {
@@ -518,8 +435,8 @@ impl TrainConfig {
     /// Checks the values, returning the first problem found as a one-line
     /// [`ConfigError::Invalid`] that names the key and the value(s).
     ///
-    /// Checks: `model.kind` is `gpt` or `bert` (which needs `bias` and a `block_size` of at
-    /// least 3); all sizes and counts positive (`eval_interval` and `sample_tokens` may be 0);
+    /// Checks: a BERT (`model.kind = "bert"`) has `bias` and a `block_size` of at least 3; all
+    /// sizes and counts positive (`eval_interval` and `sample_tokens` may be 0);
     /// every integer at most [`MAX_TOML_INT`] (what the saved TOML can hold, so a run never
     /// fails to save its config after training); `n_embd` divisible by `n_head`;
     /// `vocab_size >= 256` for byte-level data (no tokenizer, and no path or a path that is
@@ -539,13 +456,7 @@ impl TrainConfig {
                 message,
             })
         };
-        if m.kind != "gpt" && m.kind != "bert" {
-            return invalid(
-                "model.kind",
-                format!("must be \"gpt\" or \"bert\", got {:?}", m.kind),
-            );
-        }
-        if m.kind == "bert" && !m.bias {
+        if m.kind == ModelKind::Bert && !m.bias {
             return invalid(
                 "model.bias",
                 "BERT always has biases (model.kind = \"bert\" needs bias = true)".to_string(),
@@ -571,36 +482,15 @@ impl TrainConfig {
         }
         // The resolved config is saved as TOML (meshgrad.toml beside the checkpoint), whose
         // integers are signed 64-bit: refuse now what could not be written after the run.
-        let integers = [
-            ("model.n_layer", m.n_layer as u64),
-            ("model.n_head", m.n_head as u64),
-            ("model.n_embd", m.n_embd as u64),
-            ("model.block_size", m.block_size as u64),
-            ("model.vocab_size", m.vocab_size as u64),
-            ("model.vocab_multiple", m.vocab_multiple as u64),
-            ("train.steps", t.steps as u64),
-            ("train.batch_size", t.batch_size as u64),
-            ("train.warmup_steps", t.warmup_steps as u64),
-            ("train.seed", t.seed),
-            ("train.eval_interval", t.eval_interval as u64),
-            ("train.eval_batches", t.eval_batches as u64),
-            ("train.log_interval", t.log_interval as u64),
-            ("train.sample_tokens", t.sample_tokens as u64),
-            ("train.row_group", t.row_group as u64),
-            ("train.reference_chunks", t.reference_chunks as u64),
-        ];
-        for (key, value) in integers {
-            if value > MAX_TOML_INT {
-                return invalid(
-                    key,
-                    format!(
-                        "{value} is too large: the config file (TOML) holds integers up to \
-                         {MAX_TOML_INT}"
-                    ),
-                );
-            }
+        if let Some((key, n)) = self.integer_too_large_for_toml() {
+            return invalid(
+                &key,
+                format!(
+                    "{n} is too large: the config file (TOML) holds integers up to {MAX_TOML_INT}"
+                ),
+            );
         }
-        if m.kind == "bert" && m.block_size < 3 {
+        if m.kind == ModelKind::Bert && m.block_size < 3 {
             return invalid(
                 "model.block_size",
                 format!(
@@ -833,39 +723,6 @@ fn clean_key(key: &str) -> String {
         .join(".")
 }
 
-/// The known key closest to `key` by edit distance, if it is within a third of `key`'s length
-/// (1 to 3 edits); a bare field name (`steps`) matches its dotted key (`train.steps`).
-fn closest_key(key: &str) -> Option<&'static str> {
-    if let Some(exact) = TrainConfig::KEYS
-        .iter()
-        .find(|k| k.rsplit('.').next() == Some(key))
-    {
-        return Some(exact);
-    }
-    let (best, distance) = TrainConfig::KEYS
-        .iter()
-        .map(|k| (*k, edit_distance(k, key)))
-        .min_by_key(|&(_, d)| d)?;
-    let allowed = (key.chars().count() / 3).clamp(1, 3);
-    (distance <= allowed).then_some(best)
-}
-
-/// Levenshtein distance between two strings, by characters.
-fn edit_distance(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut row: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut diagonal = row[0];
-        row[0] = i + 1;
-        for (j, &cb) in b.iter().enumerate() {
-            let substitute = diagonal + usize::from(ca != cb);
-            diagonal = row[j + 1];
-            row[j + 1] = substitute.min(row[j] + 1).min(row[j + 1] + 1);
-        }
-    }
-    row[b.len()]
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -996,7 +853,6 @@ val_fraction = 0.05
             ),
             ("model.vocab_size", "100", "byte-level"),
             ("out", "", "empty"),
-            ("model.kind", "t5", "\"gpt\" or \"bert\""),
             ("train.device", "gpu", "\"cpu\", \"cuda\" or \"cuda:N\""),
             ("train.device", "cuda:x", "got \"cuda:x\""),
             ("train.precision", "fp16", "\"f32\", \"bf16\" or \"f16\""),
@@ -1012,7 +868,8 @@ val_fraction = 0.05
             assert!(msg.contains(expected), "{key}={value}: {msg}");
             assert!(!msg.contains('\n'), "{msg}");
         }
-        // Integers the saved TOML cannot hold, and BERT rows too short for [CLS] x [SEP].
+        // Integers the saved TOML cannot hold: refused when set from text, and by validation
+        // when set in code. And BERT rows too short for [CLS] x [SEP].
         let too_large = [
             (
                 "train.seed",
@@ -1026,10 +883,17 @@ val_fraction = 0.05
         ];
         for (key, value, expected) in too_large {
             let mut config = TrainConfig::default();
-            config.apply_override(key, value).unwrap();
-            let msg = config.validate().unwrap_err().to_string();
+            let msg = config.apply_override(key, value).unwrap_err().to_string();
             assert!(msg.contains(key) && msg.contains(expected), "{msg}");
+            assert_eq!(config, TrainConfig::default());
         }
+        let mut config = TrainConfig::default();
+        config.train.warmup_steps = usize::MAX;
+        let msg = config.validate().unwrap_err().to_string();
+        assert!(
+            msg.contains("train.warmup_steps") && msg.contains("too large"),
+            "{msg}"
+        );
         let mut config = TrainConfig::default();
         config
             .apply_override("train.seed", "9223372036854775807")
@@ -1109,7 +973,16 @@ val_fraction = 0.05
             .unwrap_err()
             .to_string();
         assert!(
-            msg.contains("known keys: out, metrics, model.n_layer"),
+            msg.contains("known keys: data.path, data.tokenizer, data.val_fraction, metrics"),
+            "{msg}"
+        );
+        // An enum names its values.
+        let msg = config
+            .apply_override("model.kind", "t5")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("`model.kind`") && msg.contains("`gpt` or `bert`"),
             "{msg}"
         );
 
@@ -1144,8 +1017,8 @@ val_fraction = 0.05
     }
 
     #[test]
-    fn keys_list_matches_the_structs() {
-        // Every key in KEYS can be overridden, and the serialized config has exactly these keys.
+    fn every_key_of_the_structs_can_be_set() {
+        // The keys are the serialized config's (every optional key set), and each takes a value.
         let config = TrainConfig {
             metrics: Some("m".into()),
             data: DataConfig {
@@ -1163,18 +1036,21 @@ val_fraction = 0.05
                 None => serialized.push(k.clone()),
             }
         }
-        let mut known: Vec<String> = TrainConfig::KEYS.iter().map(|k| k.to_string()).collect();
         serialized.sort();
-        known.sort();
-        assert_eq!(serialized, known);
-        for key in TrainConfig::KEYS {
+        assert_eq!(serialized, TrainConfig::keys());
+        for key in TrainConfig::keys() {
             let mut c = TrainConfig::default();
-            let value = match *key {
+            let value = match key.as_str() {
                 "out" | "metrics" | "data.path" | "data.tokenizer" => "x",
-                "model.bias" | "train.reference" => "false",
-                _ => "1",
+                "model.bias" => "false",
+                "train.reference" => "true",
+                "model.kind" => "bert",
+                "train.device" => "cuda",
+                "train.precision" => "bf16",
+                _ => "2",
             };
-            c.apply_override(key, value).unwrap();
+            c.apply_override(&key, value).unwrap();
+            assert_ne!(c, TrainConfig::default(), "{key}={value} changed nothing");
         }
     }
 
