@@ -105,16 +105,6 @@ impl LayoutMesh {
         self.dim_group("pp")
     }
 
-    /// This rank's pipeline stage.
-    pub fn pp_rank(&self) -> usize {
-        self.dim_coord("pp")
-    }
-
-    /// The pipeline-parallel degree.
-    pub fn pp_degree(&self) -> usize {
-        self.layout.pp()
-    }
-
     /// The groups of sharded data parallelism: sharding over `dp_shard`, replicated over
     /// `dp_replicate` (hybrid) when that is above 1, else flat ([`ShardTopology::flat`] over the
     /// shard group). Creates no process group.

@@ -54,5 +54,5 @@ pub use ddp::{Ddp, DdpConfig};
 pub use layout::{ParallelLayout, ZeroStage};
 pub use layout_mesh::LayoutMesh;
 pub use mesh::DeviceMesh;
-pub use sampler::{micro_rows, rank_rows, DistributedSampler};
+pub use sampler::{micro_rows, rank_rows};
 pub use zero::{ShardConfig, ShardTopology, ShardedDataParallel};

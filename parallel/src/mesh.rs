@@ -85,11 +85,6 @@ impl DeviceMesh {
         Ok(mesh)
     }
 
-    /// The dimension names.
-    pub fn dim_names(&self) -> &[String] {
-        &self.names
-    }
-
     /// The dimension sizes.
     pub fn shape(&self) -> &[usize] {
         &self.sizes

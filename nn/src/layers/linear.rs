@@ -93,16 +93,6 @@ impl Linear {
         LinearConfig::new(in_features, out_features).build(p)
     }
 
-    /// A layer over existing parameters (`weight [out, in]`, `bias [out]`).
-    pub fn from_params(weight: Var, bias: Option<Var>) -> Self {
-        Linear {
-            weight,
-            bias,
-            path: OnceLock::new(),
-            tp: OnceLock::new(),
-        }
-    }
-
     /// The layer's path in its model (empty before [`ParamBuilder::init`]).
     pub fn path(&self) -> &str {
         self.path.get().map(String::as_str).unwrap_or("")

@@ -80,8 +80,8 @@
 //!   pairwise addition. Mismatches are not detected (MPI may fail with a truncation error or hang
 //!   until the watchdog). The watchdog asks the peers for their
 //!   progress and names the missing ranks; a rank that panics ends the job (`MPI_Abort`).
-//! * **NCCL** (`nccl::NcclCommunicator`, feature `nccl`, one rank per process and GPU; compiled,
-//!   not yet run on a GPU): ring and tree algorithms reduce in an order that depends on the
+//! * **NCCL** (`nccl::NcclCommunicator`, feature `nccl`, one rank per process and GPU; its
+//!   status is in README's Status): ring and tree algorithms reduce in an order that depends on the
 //!   topology, the message size, the number of channels and the NCCL version; NCCL documents
 //!   neither rank-order reduction nor bit-equal results across ranks or runs, so neither may be
 //!   relied on (results equal the in-process backend's only to rounding). bf16 and f16 sums

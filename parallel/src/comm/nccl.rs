@@ -1,6 +1,6 @@
 //! The NCCL backend (cargo feature `nccl`): one rank per process and GPU, for runs started by
 //! `meshgrad launch --backend nccl` (torchrun's variables; rank `r` of a node uses
-//! `cuda:LOCAL_RANK`). Compiled in CI, **not yet run on a GPU**.
+//! `cuda:LOCAL_RANK`). Compiled in CI; what has run on a GPU is in README's Status.
 //!
 //! # Design
 //!
