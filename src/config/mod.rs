@@ -17,7 +17,7 @@
 //!
 //! This module depends only on `serde`, `serde_json` and `toml`. Every key is written once, as a
 //! field of the structs below: the keys `--set` accepts are read from their serde form
-//! ([`keys`]).
+//! ([`TrainConfig::keys`]).
 
 mod keys;
 
