@@ -4,12 +4,14 @@
 //! computed, and narrowed back by [`IntoStorage`]).
 
 pub(crate) mod attention;
+mod backend_impl;
 mod cast;
 pub(crate) mod fused;
-mod imp;
 pub(crate) mod indexing;
-pub(crate) mod llama;
 pub(crate) mod math;
+pub(crate) mod rms_norm;
+pub(crate) mod rotary;
+pub(crate) mod swiglu;
 
 use std::borrow::Cow;
 use std::ops::Range;

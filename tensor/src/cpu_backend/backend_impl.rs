@@ -8,7 +8,7 @@ use meshgrad_kernels::ops::{
 };
 use meshgrad_kernels::rng;
 
-use super::{attention, fused, indexing, llama, math};
+use super::{attention, fused, indexing, math, rms_norm, rotary, swiglu};
 use crate::backend::api::{BackendStorage, Distribution, Fused, In, MaskArgs};
 use crate::storage::CpuStorage;
 use crate::{DType, Device, Layout, Result};
@@ -335,7 +335,7 @@ impl BackendStorage for CpuStorage {
         cols: usize,
         eps: f64,
     ) -> Fused<(Self, Self)> {
-        llama::rms_norm(x, w, rows, cols, eps).map(Some)
+        rms_norm::rms_norm(x, w, rows, cols, eps).map(Some)
     }
 
     fn rms_norm_backward(
@@ -347,7 +347,7 @@ impl BackendStorage for CpuStorage {
         cols: usize,
         weight_grad: bool,
     ) -> Fused<(Self, Option<Self>)> {
-        llama::rms_norm_backward(x, w, rstd, dy, rows, cols, weight_grad).map(Some)
+        rms_norm::rms_norm_backward(x, w, rstd, dy, rows, cols, weight_grad).map(Some)
     }
 
     fn rotary_embedding(
@@ -357,11 +357,11 @@ impl BackendStorage for CpuStorage {
         theta: f64,
         inverse: bool,
     ) -> Fused<Self> {
-        llama::rotary_embedding(x, positions, dims, theta, inverse).map(Some)
+        rotary::rotary_embedding(x, positions, dims, theta, inverse).map(Some)
     }
 
     fn swiglu(gate: In<'_, Self>, up: In<'_, Self>) -> Fused<Self> {
-        llama::swiglu(gate, up).map(Some)
+        swiglu::swiglu(gate, up).map(Some)
     }
 
     fn swiglu_backward(
@@ -369,7 +369,7 @@ impl BackendStorage for CpuStorage {
         up: In<'_, Self>,
         dy: In<'_, Self>,
     ) -> Fused<(Self, Self)> {
-        llama::swiglu_backward(gate, up, dy).map(Some)
+        swiglu::swiglu_backward(gate, up, dy).map(Some)
     }
 
     fn cross_entropy(
