@@ -4,8 +4,7 @@
 use meshgrad_kernels::cpu;
 use meshgrad_kernels::Float;
 
-use super::fused::pick;
-use super::{floats, range, with_floats, Floats, IntoStorage};
+use super::{floats, pick, range, with_floats, Floats, IntoStorage};
 use crate::storage::CpuStorage;
 use crate::{Layout, Result};
 
