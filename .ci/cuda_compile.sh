@@ -3,7 +3,8 @@
 # (about 250 MB, no driver, no GPU), builds the workspace with `--features cuda`, lints the
 # kernels crate with it, and runs kernels/tests/nvrtc_compile.rs with MESHGRAD_REQUIRE_NVRTC=1:
 # every kernels/cuda/*.cu must compile for sm_80 and sm_90 (NVRTC runs ptxas for sm_*) and define
-# exactly the entry points listed in kernels/src/cuda/entries.rs; a missing NVRTC fails the test.
+# exactly the entry points that kernels/build.rs reads from the sources (the generated SOURCES table
+# of kernels/src/cuda/entries.rs); a missing NVRTC fails the test.
 # Nothing here runs a kernel.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -7,8 +7,10 @@
 // - Element types: `float` (suffix f32), `__nv_bfloat16` (bf16), `__half` (f16); some kernels also
 //   `double` (f64). Arithmetic on bf16/f16 data is done in f32 (`load` widens, `store` rounds to
 //   nearest even once), as the CPU crate does for half-precision tensors.
-// - Entry points are `extern "C"` with explicit names `<kernel>_<dtype>`; the list per file is in
-//   kernels/src/cuda/mod.rs and checked against the PTX by kernels/tests/nvrtc_compile.rs.
+// - Entry points are `extern "C" __global__ void` with explicit names `<kernel>_<dtype>`, declared
+//   directly or through function-like macros (no #if/#ifdef around them): kernels/build.rs reads
+//   each file's list from the source (kernels/src/cuda/parse.rs) and kernels/tests/nvrtc_compile.rs
+//   checks it against the PTX.
 // - Block-level reductions assume blockDim.x is a multiple of 32 and at most 1024.
 // These kernels are compiled by NVRTC in CI; they have not been run on a GPU.
 

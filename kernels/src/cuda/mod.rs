@@ -2,9 +2,10 @@
 //!
 //! Every source is compiled with the shared header `kernels/cuda/common.cuh` prepended (each part
 //! after a `#line 1 "<file>"` directive, so NVRTC's messages name the right file and line). Each
-//! [`KernelSource`] lists its `extern "C"` entry points; `kernels/tests/nvrtc_compile.rs`
-//! compiles every source for sm_80 and sm_90 and checks that exactly those entry points appear in
-//! the PTX.
+//! [`KernelSource`] lists its `extern "C"` entry points, read from the source at build time
+//! (`kernels/build.rs` with [`parse`]: an entry point is written once, in its `.cu` file);
+//! `kernels/tests/nvrtc_compile.rs` compiles every source for sm_80 and sm_90 and checks that
+//! exactly those entry points appear in the PTX.
 //!
 //! Status: these kernels are compiled by NVRTC in CI (no GPU there); none has been run on a GPU
 //! yet, so their results are unverified on hardware. `kernels/cuda/emu/run.sh` runs the kernel
@@ -32,7 +33,8 @@ pub struct KernelSource {
     pub name: &'static str,
     /// The file's text (without [`COMMON_HEADER`]).
     pub source: &'static str,
-    /// Every `extern "C" __global__` function the file defines.
+    /// Every `extern "C" __global__` function the file defines, in the order of the expanded
+    /// source (read by `kernels/build.rs`).
     pub entries: &'static [&'static str],
 }
 
@@ -196,6 +198,7 @@ pub fn ptx_entries(ptx: &str) -> Vec<&str> {
 
 mod abi;
 mod entries;
+pub mod parse;
 
 pub use abi::*;
 pub use entries::SOURCES;

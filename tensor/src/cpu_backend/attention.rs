@@ -7,8 +7,7 @@ use meshgrad_kernels::cpu::attention::{self as kernel, HeadLayout, ScoreMask};
 use meshgrad_kernels::ops::{AttentionShape, BiasLayout};
 use meshgrad_kernels::Float;
 
-use super::fused::pick;
-use super::{floats, range, with_floats, Floats, IntoStorage};
+use super::{floats, pick, range, with_floats, Floats, IntoStorage};
 use crate::storage::CpuStorage;
 use crate::{Error, Layout, Result};
 

@@ -4,12 +4,18 @@
 //! computed, and narrowed back by [`IntoStorage`]).
 
 pub(crate) mod attention;
+mod backend_impl;
 mod cast;
-pub(crate) mod fused;
-mod imp;
+pub(crate) mod cross_entropy;
 pub(crate) mod indexing;
-pub(crate) mod llama;
-pub(crate) mod math;
+pub(crate) mod layer_norm;
+pub(crate) mod linear;
+pub(crate) mod logsumexp;
+pub(crate) mod optimizer;
+pub(crate) mod rms_norm;
+pub(crate) mod rotary;
+pub(crate) mod swiglu;
+pub(crate) mod unary_backward;
 
 use std::borrow::Cow;
 use std::ops::Range;
@@ -54,6 +60,30 @@ pub(crate) fn floats<'a>(
             })
         }
     })
+}
+
+/// Selects the slice of `f` with the same element type as `_like`.
+pub(crate) fn pick<'a, T: 'static>(f: &'a Floats<'_>, _like: &[T]) -> Result<&'a [T]> {
+    pick_slice(f)
+}
+
+fn pick_slice<'a, T: 'static>(f: &'a Floats<'_>) -> Result<&'a [T]> {
+    use std::any::TypeId;
+    match f {
+        Floats::F32(c) if TypeId::of::<T>() == TypeId::of::<f32>() => {
+            let s: &[f32] = c;
+            // SAFETY: T is f32 (checked by TypeId just above), so the slice types are identical.
+            Ok(unsafe { std::slice::from_raw_parts(s.as_ptr() as *const T, s.len()) })
+        }
+        Floats::F64(c) if TypeId::of::<T>() == TypeId::of::<f64>() => {
+            let s: &[f64] = c;
+            // SAFETY: T is f64 (checked by TypeId just above), so the slice types are identical.
+            Ok(unsafe { std::slice::from_raw_parts(s.as_ptr() as *const T, s.len()) })
+        }
+        _ => Err(Error::msg(
+            "a weight or bias dtype differs from the input's",
+        )),
+    }
 }
 
 /// Narrows an f32 result back to the storage dtype it was computed for.

@@ -4,9 +4,9 @@
 //!
 //! Files: `context.rs` (one [`DeviceContext`] per device: CUDA context, compute stream, loaded
 //! kernel modules, library handles), `memory.rs` (the caching allocator), `storage.rs`
-//! ([`CudaStorage`]), `imp.rs` (the [`crate::backend::api::BackendStorage`] implementation,
+//! ([`CudaStorage`]), `backend_impl.rs` (the [`crate::backend::api::BackendStorage`] implementation,
 //! which delegates to `basic/` for the required ops, `fused/` for the fused ones and
-//! `blas.rs` for matmul and linear), `raw.rs` (device
+//! `blas/` for matmul and linear), `raw.rs` (device
 //! addresses, uninitialised outputs and the compute stream for NCCL), `signature.rs` (every launch's argument sizes checked
 //! against the kernel's declaration, read from the kernel source).
 //!
@@ -18,11 +18,11 @@
 //! Status: compiled in CI (no GPU there). The kernels are compile-checked by NVRTC and emulated
 //! on the host; this host-side code has not run on a GPU yet.
 
+mod backend_impl;
 mod basic;
 mod blas;
 mod context;
 mod fused;
-mod imp;
 mod launch;
 mod memory;
 mod raw;

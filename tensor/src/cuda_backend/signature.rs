@@ -2,14 +2,13 @@
 //! point, read from the kernel source text, so that a launch whose argument list does not match
 //! its kernel is a clear error instead of a crash or garbage on the device.
 //!
-//! The reader is a small C preprocessor for what `kernels/cuda/*.cu` use: comments, line
-//! continuations and function-like `#define`s (with `##` pasting and rescanning, so the
-//! entries instantiated by `MG_FOR_FLOAT_TYPES(EW_ENTRIES)` come out with their concrete names
-//! and element types). Each expanded declaration `extern "C" __global__ void
-//! [__launch_bounds__(..)] name(params)` yields one entry; a parameter's size is 8 for a
-//! pointer, the C size of a scalar type, or the `size_of` of the `#[repr(C)]` mirror in
-//! `meshgrad_kernels::cuda` for the argument structs. Sizes catch a missing, extra or swapped
-//! (differently sized) argument; they cannot tell `int` from `float` or one pointer from another.
+//! The declarations come from `meshgrad_kernels::cuda::parse` (the reader that also generates
+//! the kernels crate's entry-point table at build time: it expands the function-like macros, so
+//! the entries instantiated by `MG_FOR_FLOAT_TYPES(EW_ENTRIES)` come out with their concrete
+//! names and element types). A parameter's size is 8 for a pointer, the C size of a scalar
+//! type, or the `size_of` of the `#[repr(C)]` mirror in `meshgrad_kernels::cuda` for the
+//! argument structs. Sizes catch a missing, extra or swapped (differently sized) argument; they
+//! cannot tell `int` from `float` or one pointer from another.
 //!
 //! Each source is parsed once per process (at its first launch) and cached.
 
@@ -22,223 +21,6 @@ use crate::{Error, Result};
 
 /// The parameter byte sizes of every entry point of one source, by entry name.
 pub(crate) type Signatures = HashMap<String, Vec<usize>>;
-
-/// One preprocessing token: an identifier or number, a string literal, `##`, or one other
-/// character.
-type Token = String;
-
-/// Splits preprocessed text (no comments, no continuations) into tokens.
-fn tokenize(text: &str) -> Vec<Token> {
-    let chars: Vec<char> = text.chars().collect();
-    let mut out = Vec::new();
-    let mut i = 0;
-    while i < chars.len() {
-        let c = chars[i];
-        if c.is_whitespace() {
-            i += 1;
-        } else if c.is_alphanumeric() || c == '_' {
-            let start = i;
-            // Numbers such as `1.0f` or `0x9E3779B9u` stay one token (the dot joins digits).
-            while i < chars.len()
-                && (chars[i].is_alphanumeric()
-                    || chars[i] == '_'
-                    || (chars[i] == '.' && chars[start].is_ascii_digit()))
-            {
-                i += 1;
-            }
-            out.push(chars[start..i].iter().collect());
-        } else if c == '"' || c == '\'' {
-            let start = i;
-            i += 1;
-            while i < chars.len() && chars[i] != c {
-                if chars[i] == '\\' {
-                    i += 1;
-                }
-                i += 1;
-            }
-            i = (i + 1).min(chars.len());
-            out.push(chars[start..i].iter().collect());
-        } else if c == '#' && chars.get(i + 1) == Some(&'#') {
-            out.push("##".to_owned());
-            i += 2;
-        } else {
-            out.push(c.to_string());
-            i += 1;
-        }
-    }
-    out
-}
-
-/// Removes `//` and `/* */` comments (outside string literals) and joins continued lines.
-fn strip_comments(src: &str) -> String {
-    let joined = src.replace("\\\r\n", " ").replace("\\\n", " ");
-    let chars: Vec<char> = joined.chars().collect();
-    let mut out = String::with_capacity(chars.len());
-    let mut i = 0;
-    while i < chars.len() {
-        let c = chars[i];
-        if c == '"' {
-            let start = i;
-            i += 1;
-            while i < chars.len() && chars[i] != '"' && chars[i] != '\n' {
-                i += if chars[i] == '\\' { 2 } else { 1 };
-            }
-            i = (i + 1).min(chars.len());
-            out.extend(&chars[start..i]);
-        } else if c == '/' && chars.get(i + 1) == Some(&'/') {
-            while i < chars.len() && chars[i] != '\n' {
-                i += 1;
-            }
-        } else if c == '/' && chars.get(i + 1) == Some(&'*') {
-            i += 2;
-            while i < chars.len() && !(chars[i] == '*' && chars.get(i + 1) == Some(&'/')) {
-                i += 1;
-            }
-            i += 2;
-            out.push(' ');
-        } else {
-            out.push(c);
-            i += 1;
-        }
-    }
-    out
-}
-
-/// A function-like macro: parameter names and body tokens.
-struct Macro {
-    params: Vec<String>,
-    body: Vec<Token>,
-}
-
-/// Splits comment-free text into the function-like macros it defines and the tokens of its
-/// non-directive lines.
-fn read_defines(text: &str) -> (HashMap<String, Macro>, Vec<Token>) {
-    let mut macros = HashMap::new();
-    let mut tokens = Vec::new();
-    for line in text.lines() {
-        let t = line.trim_start();
-        let Some(directive) = t.strip_prefix('#') else {
-            tokens.extend(tokenize(line));
-            continue;
-        };
-        let Some(def) = directive.trim_start().strip_prefix("define") else {
-            continue; // #include, #line, #pragma, ...
-        };
-        let def = def.trim_start();
-        let name_end = def
-            .find(|c: char| !(c.is_alphanumeric() || c == '_'))
-            .unwrap_or(def.len());
-        let (name, rest) = def.split_at(name_end);
-        // Function-like only when `(` follows the name directly; object-like macros (numeric
-        // constants) do not occur in declarations and are left alone.
-        let Some(rest) = rest.strip_prefix('(') else {
-            continue;
-        };
-        let Some(close) = rest.find(')') else {
-            continue;
-        };
-        let params = rest[..close]
-            .split(',')
-            .map(|p| p.trim().to_owned())
-            .filter(|p| !p.is_empty())
-            .collect();
-        let body = tokenize(&rest[close + 1..]);
-        macros.insert(name.to_owned(), Macro { params, body });
-    }
-    (macros, tokens)
-}
-
-/// The index of the `)` matching the `(` at `open`, if any.
-fn matching_paren(tokens: &[Token], open: usize) -> Option<usize> {
-    let mut depth = 0usize;
-    for (k, t) in tokens.iter().enumerate().skip(open) {
-        match t.as_str() {
-            "(" => depth += 1,
-            ")" => {
-                depth -= 1;
-                if depth == 0 {
-                    return Some(k);
-                }
-            }
-            _ => {}
-        }
-    }
-    None
-}
-
-/// Splits the tokens strictly between two parentheses at their top-level commas.
-fn split_args(tokens: &[Token]) -> Vec<Vec<Token>> {
-    let mut args = vec![Vec::new()];
-    let mut depth = 0usize;
-    for t in tokens {
-        match t.as_str() {
-            "(" => depth += 1,
-            ")" => depth = depth.saturating_sub(1),
-            "," if depth == 0 => {
-                args.push(Vec::new());
-                continue;
-            }
-            _ => {}
-        }
-        args.last_mut().expect("one list at least").push(t.clone());
-    }
-    if args.len() == 1 && args[0].is_empty() {
-        args.clear();
-    }
-    args
-}
-
-/// The body of `m` with `args` substituted and `##` pasted.
-fn substitute(m: &Macro, args: &[Vec<Token>]) -> Vec<Token> {
-    let mut out: Vec<Token> = Vec::new();
-    let mut paste = false;
-    for t in &m.body {
-        if t == "##" {
-            paste = true;
-            continue;
-        }
-        let replacement: Vec<Token> = match m.params.iter().position(|p| p == t) {
-            Some(k) => args.get(k).cloned().unwrap_or_default(),
-            None => vec![t.clone()],
-        };
-        let mut it = replacement.into_iter();
-        if paste {
-            if let (Some(last), Some(first)) = (out.last_mut(), it.next()) {
-                last.push_str(&first);
-            }
-            paste = false;
-        }
-        out.extend(it);
-    }
-    out
-}
-
-/// Expands every invocation of a function-like macro in `tokens`, rescanning the results
-/// (`depth` bounds runaway recursion).
-fn expand(tokens: &[Token], macros: &HashMap<String, Macro>, depth: usize) -> Vec<Token> {
-    let mut out = Vec::with_capacity(tokens.len());
-    let mut i = 0;
-    while i < tokens.len() {
-        let t = &tokens[i];
-        if let Some(m) = macros.get(t) {
-            if depth < 16 && tokens.get(i + 1).map(String::as_str) == Some("(") {
-                if let Some(close) = matching_paren(tokens, i + 1) {
-                    let args = split_args(&tokens[i + 2..close]);
-                    let body = substitute(m, &args);
-                    // Rescan the expansion together with what follows (a macro name passed as an
-                    // argument, e.g. `M(f32, float)` inside MG_FOR_FLOAT_TYPES, is invoked
-                    // there).
-                    out.extend(expand(&body, macros, depth + 1));
-                    i = close + 1;
-                    continue;
-                }
-            }
-        }
-        out.push(t.clone());
-        i += 1;
-    }
-    out
-}
 
 /// The byte size of a by-value parameter whose type is `ty` (tokens without qualifiers).
 fn scalar_size(ty: &str) -> Option<usize> {
@@ -266,7 +48,7 @@ fn scalar_size(ty: &str) -> Option<usize> {
 }
 
 /// The byte size of one parameter declaration (`const T *x`, `i64 n`, `StridedArgs s`).
-fn param_size(param: &[Token]) -> std::result::Result<usize, String> {
+fn param_size(param: &[String]) -> std::result::Result<usize, String> {
     if param.iter().any(|t| t == "*" || t == "&") {
         return Ok(8);
     }
@@ -285,46 +67,30 @@ fn param_size(param: &[Token]) -> std::result::Result<usize, String> {
     }
 }
 
-/// The entry points declared in `source` (a `.cu` text; prepend the common header for the
-/// macros it defines) with their parameter sizes. An unreadable declaration is an error naming
-/// it.
-pub(crate) fn parse(source: &str) -> std::result::Result<Signatures, String> {
-    let (macros, tokens) = read_defines(&strip_comments(source));
-    let tokens = expand(&tokens, &macros, 0);
+/// The entry points declared in `files` ((name, text) pairs read in order as one translation
+/// unit: put the common header first for the macros it defines) with their parameter sizes. An
+/// unreadable declaration is an error naming its file and line.
+fn parse_files(files: &[(&str, &str)]) -> std::result::Result<Signatures, String> {
     let mut out = Signatures::new();
-    let mut i = 0;
-    while i + 3 < tokens.len() {
-        let is_decl = tokens[i] == "extern"
-            && tokens[i + 1] == "\"C\""
-            && tokens[i + 2] == "__global__"
-            && tokens[i + 3] == "void";
-        if !is_decl {
-            i += 1;
-            continue;
-        }
-        let mut k = i + 4;
-        if tokens.get(k).map(String::as_str) == Some("__launch_bounds__") {
-            k = matching_paren(&tokens, k + 1).ok_or("unclosed __launch_bounds__")? + 1;
-        }
-        let name = tokens
-            .get(k)
-            .cloned()
-            .ok_or("a declaration without a name")?;
-        if tokens.get(k + 1).map(String::as_str) != Some("(") {
-            return Err(format!("kernel {name}: no parameter list"));
-        }
-        let close = matching_paren(&tokens, k + 1)
-            .ok_or_else(|| format!("kernel {name}: unclosed parameter list"))?;
-        let sizes = split_args(&tokens[k + 2..close])
+    for e in kc::parse::entry_points(files).map_err(|e| e.to_string())? {
+        let sizes = e
+            .params
             .iter()
-            .map(|p| param_size(p).map_err(|e| format!("kernel {name}: {e}")))
+            .map(|p| {
+                param_size(p).map_err(|m| {
+                    format!("kernels/cuda/{}:{}: kernel {}: {m}", e.file, e.line, e.name)
+                })
+            })
             .collect::<std::result::Result<Vec<_>, _>>()?;
-        if out.insert(name.clone(), sizes).is_some() {
-            return Err(format!("kernel {name} is declared twice"));
-        }
-        i = close + 1;
+        out.insert(e.name, sizes);
     }
     Ok(out)
+}
+
+/// [`parse_files`] of one text.
+#[cfg(test)]
+fn parse(source: &str) -> std::result::Result<Signatures, String> {
+    parse_files(&[("test.cu", source)])
 }
 
 /// The parsed signatures of source `file` (a name in `meshgrad_kernels::cuda::SOURCES`),
@@ -337,8 +103,8 @@ pub(crate) fn signatures(file: &str) -> Result<Arc<Signatures>> {
     }
     let src = kc::source(file)
         .ok_or_else(|| Error::Msg(format!("no kernel source kernels/cuda/{file}")))?;
-    let text = format!("{}\n{}", kc::COMMON_HEADER, src.source);
-    let sigs = Arc::new(parse(&text).map_err(|e| {
+    let files = [("common.cuh", kc::COMMON_HEADER), (src.name, src.source)];
+    let sigs = Arc::new(parse_files(&files).map_err(|e| {
         Error::Msg(format!(
             "reading the kernel signatures of kernels/cuda/{file}: {e}"
         ))

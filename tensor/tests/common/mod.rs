@@ -501,6 +501,15 @@ pub fn round_to(v: &[f64], dtype: DType) -> Vec<f64> {
 
 // ----- checks -----
 
+/// `(rtol, atol)` of the RMSNorm, rotary and SwiGLU tests for results in `dtype`.
+pub fn tols(dtype: DType) -> (f64, f64) {
+    match dtype {
+        DType::F64 => (1e-12, 1e-12),
+        DType::F32 => (1e-5, 1e-6),
+        _ => (2e-2, 2e-2),
+    }
+}
+
 /// Asserts `|a - e| <= atol + rtol |e|` elementwise (NaN never passes), naming the first
 /// mismatching index.
 #[track_caller]

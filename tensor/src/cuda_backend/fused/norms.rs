@@ -2,8 +2,9 @@
 //!
 //! Dtypes: f32, bf16 and f16 data (computed in f32); f64 is not provided on CUDA (`Ok(None)`).
 //! The saved statistics (`mean`, `rstd`) are f32 `[rows]` for every data dtype: the CPU backend
-//! also returns them in compute precision (f32 for f32 / bf16 / f16: `cpu_backend/fused.rs`
-//! builds `CpuStorage::F32`, and the composed fallback of `ops/fallback.rs` keeps them in
+//! also returns them in compute precision (f32 for f32 / bf16 / f16: `cpu_backend/layer_norm.rs`
+//! and `cpu_backend/rms_norm.rs` build `CpuStorage::F32`, and the composed fallback of
+//! `ops/fallback/norms.rs` keeps them in
 //! `compute_dtype`), and the tensor op builds the `mean` / `rstd` tensors from the storages'
 //! own dtype, so both backends give f32 statistics. The backward converts statistics of another
 //! dtype to f32.

@@ -6,16 +6,17 @@
 //! kernels (forced by declining fused kernels on the test's thread).
 //!
 //! Every function takes contiguous tensors shaped as the calling op passes them. One file per
-//! family: `basic` (linear, softmax, unary derivatives, log-sum-exp), `norms` (layer norm,
-//! RMS norm), `loss` (cross-entropy), `llama` (SwiGLU, rotary embedding), `attention`,
+//! op or family: `basic` (linear, softmax, unary derivatives, log-sum-exp), `norms` (layer norm,
+//! RMS norm), `loss` (cross-entropy), `swiglu`, `rotary` (rotary embedding), `attention`,
 //! `optim` (AdamW, SGD).
 
 mod attention;
 mod basic;
-mod llama;
 mod loss;
 mod norms;
 mod optim;
+mod rotary;
+mod swiglu;
 #[cfg(test)]
 mod testutil;
 
@@ -25,10 +26,11 @@ pub(crate) use attention::{
 pub(crate) use basic::{
     gelu_backward, linear, logsumexp, softmax, softmax_backward, unary_backward,
 };
-pub(crate) use llama::{rotary_embedding, swiglu, swiglu_backward};
 pub(crate) use loss::{cross_entropy, cross_entropy_backward};
 pub(crate) use norms::{layer_norm, layer_norm_backward, rms_norm, rms_norm_backward};
 pub(crate) use optim::{adamw, sgd};
+pub(crate) use rotary::rotary_embedding;
+pub(crate) use swiglu::{swiglu, swiglu_backward};
 
 use super::compute_dtype;
 use crate::{Result, Tensor};

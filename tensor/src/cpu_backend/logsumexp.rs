@@ -1,30 +1,10 @@
-//! CPU side of the fused unary backward passes (SiLU, clamp) and of log-sum-exp.
+//! Log-sum-exp on the CPU: resolve dtypes, then call `meshgrad_kernels::cpu::logsumexp`.
 
 use meshgrad_kernels::cpu;
-use meshgrad_kernels::ops::UnaryGrad;
 
 use super::{floats, range, with_floats, Floats, IntoStorage};
 use crate::storage::CpuStorage;
 use crate::{Layout, Result};
-
-/// `dx = dy * f'(x)` for contiguous `x` and `dy` of one dtype; `dx` in that dtype.
-pub(crate) fn unary_backward(
-    x: &CpuStorage,
-    xl: &Layout,
-    dy: &CpuStorage,
-    dyl: &Layout,
-    op: UnaryGrad,
-) -> Result<CpuStorage> {
-    let dt = x.dtype();
-    let n = xl.shape().elem_count();
-    Ok(
-        with_floats!("unary_backward", (x, range(xl)) => a, (dy, range(dyl)) => g; {
-            let mut out = crate::pool::output(n);
-            cpu::unary_backward::unary_backward(op, a, g, &mut out);
-            out.into_storage(dt)
-        }),
-    )
-}
 
 /// Log-sum-exp over the middle dim of a contiguous buffer viewed as `[outer, red, inner]`, in
 /// the input's dtype (half types computed in f32).

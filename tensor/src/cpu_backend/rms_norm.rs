@@ -1,11 +1,10 @@
-//! The fused ops of Llama-style models on the CPU (RMSNorm, rotary embedding, SwiGLU): resolve
-//! dtypes, then call `meshgrad_kernels::cpu::{rms_norm, rotary, swiglu}`.
+//! RMSNorm on the CPU, forward and backward: resolve dtypes, then call
+//! `meshgrad_kernels::cpu::rms_norm`.
 
 use meshgrad_kernels::cpu;
 use meshgrad_kernels::Float;
 
-use super::fused::pick;
-use super::{floats, ids, range, with_floats, Floats, IntoStorage};
+use super::{floats, pick, range, with_floats, Floats, IntoStorage};
 use crate::storage::CpuStorage;
 use crate::{Layout, Result};
 
@@ -61,54 +60,6 @@ pub(crate) fn rms_norm_backward(
             let mut dw = weight_grad.then(|| vec![Float::ZERO; cols]);
             cpu::rms_norm::rms_norm_backward(xv, ws, rv, gv, rows, cols, &mut dx, dw.as_deref_mut());
             (dx.into_storage(dt), dw.map(|d| d.into_storage(wdt)))
-        }),
-    )
-}
-
-/// RoPE of a contiguous `[B, T, H, D]` buffer by integer `positions [T]` (inverse rotation when
-/// `inverse`).
-pub(crate) fn rotary_embedding(
-    x: In<'_>,
-    positions: In<'_>,
-    dims: [usize; 4],
-    theta: f64,
-    inverse: bool,
-) -> Result<CpuStorage> {
-    let dt = x.0.dtype();
-    let p = ids(positions.0, positions.1, "rotary_embedding (positions)")?;
-    let [b, t, h, d] = dims;
-    Ok(with_floats!("rotary_embedding", (x.0, range(x.1)) => xv; {
-        let mut out = crate::pool::output(b * t * h * d);
-        cpu::rotary::rotary_embedding(xv, &p, b, t, h, d, theta, inverse, &mut out);
-        out.into_storage(dt)
-    }))
-}
-
-/// `silu(gate) * up`.
-pub(crate) fn swiglu(gate: In<'_>, up: In<'_>) -> Result<CpuStorage> {
-    let dt = gate.0.dtype();
-    Ok(
-        with_floats!("swiglu", (gate.0, range(gate.1)) => g, (up.0, range(up.1)) => u; {
-            let mut out = crate::pool::output(g.len());
-            cpu::swiglu::swiglu_forward(g, u, &mut out);
-            out.into_storage(dt)
-        }),
-    )
-}
-
-/// Returns `(dgate, dup)`.
-pub(crate) fn swiglu_backward(
-    gate: In<'_>,
-    up: In<'_>,
-    dy: In<'_>,
-) -> Result<(CpuStorage, CpuStorage)> {
-    let dt = gate.0.dtype();
-    Ok(
-        with_floats!("swiglu_backward", (gate.0, range(gate.1)) => g, (up.0, range(up.1)) => u, (dy.0, range(dy.1)) => d; {
-            let mut dg = crate::pool::output(g.len());
-            let mut du = crate::pool::output(g.len());
-            cpu::swiglu::swiglu_backward(g, u, d, &mut dg, &mut du);
-            (dg.into_storage(dt), du.into_storage(dt))
         }),
     )
 }

@@ -8,7 +8,10 @@ use meshgrad_kernels::ops::{
 };
 use meshgrad_kernels::rng;
 
-use super::{attention, fused, indexing, llama, math};
+use super::{
+    attention, cross_entropy, indexing, layer_norm, linear, logsumexp, optimizer, rms_norm, rotary,
+    swiglu, unary_backward,
+};
 use crate::backend::api::{BackendStorage, Distribution, Fused, In, MaskArgs};
 use crate::storage::CpuStorage;
 use crate::{DType, Device, Layout, Result};
@@ -258,7 +261,7 @@ impl BackendStorage for CpuStorage {
         n: usize,
         k: usize,
     ) -> Fused<Self> {
-        fused::linear(x, xl, w, wl, bias, m, n, k).map(Some)
+        linear::linear(x, xl, w, wl, bias, m, n, k).map(Some)
     }
 
     /// Not provided: the tensor op composes `linear` then `gelu`, which is what an unfused
@@ -297,11 +300,11 @@ impl BackendStorage for CpuStorage {
     }
 
     fn unary_backward(x: In<'_, Self>, dy: In<'_, Self>, op: UnaryGrad) -> Fused<Self> {
-        math::unary_backward(x.0, x.1, dy.0, dy.1, op).map(Some)
+        unary_backward::unary_backward(x.0, x.1, dy.0, dy.1, op).map(Some)
     }
 
     fn logsumexp(x: In<'_, Self>, outer: usize, red: usize, inner: usize) -> Fused<Self> {
-        math::logsumexp(x.0, x.1, outer, red, inner).map(Some)
+        logsumexp::logsumexp(x.0, x.1, outer, red, inner).map(Some)
     }
 
     fn layer_norm(
@@ -312,7 +315,7 @@ impl BackendStorage for CpuStorage {
         cols: usize,
         eps: f64,
     ) -> Fused<(Self, Self, Self)> {
-        fused::layer_norm(x, w, b, rows, cols, eps).map(Some)
+        layer_norm::layer_norm(x, w, b, rows, cols, eps).map(Some)
     }
 
     fn layer_norm_backward(
@@ -325,7 +328,7 @@ impl BackendStorage for CpuStorage {
         cols: usize,
         param_grads: bool,
     ) -> Fused<(Self, Option<Self>, Option<Self>)> {
-        fused::layer_norm_backward(x, w, mean, rstd, dy, rows, cols, param_grads).map(Some)
+        layer_norm::layer_norm_backward(x, w, mean, rstd, dy, rows, cols, param_grads).map(Some)
     }
 
     fn rms_norm(
@@ -335,7 +338,7 @@ impl BackendStorage for CpuStorage {
         cols: usize,
         eps: f64,
     ) -> Fused<(Self, Self)> {
-        llama::rms_norm(x, w, rows, cols, eps).map(Some)
+        rms_norm::rms_norm(x, w, rows, cols, eps).map(Some)
     }
 
     fn rms_norm_backward(
@@ -347,7 +350,7 @@ impl BackendStorage for CpuStorage {
         cols: usize,
         weight_grad: bool,
     ) -> Fused<(Self, Option<Self>)> {
-        llama::rms_norm_backward(x, w, rstd, dy, rows, cols, weight_grad).map(Some)
+        rms_norm::rms_norm_backward(x, w, rstd, dy, rows, cols, weight_grad).map(Some)
     }
 
     fn rotary_embedding(
@@ -357,11 +360,11 @@ impl BackendStorage for CpuStorage {
         theta: f64,
         inverse: bool,
     ) -> Fused<Self> {
-        llama::rotary_embedding(x, positions, dims, theta, inverse).map(Some)
+        rotary::rotary_embedding(x, positions, dims, theta, inverse).map(Some)
     }
 
     fn swiglu(gate: In<'_, Self>, up: In<'_, Self>) -> Fused<Self> {
-        llama::swiglu(gate, up).map(Some)
+        swiglu::swiglu(gate, up).map(Some)
     }
 
     fn swiglu_backward(
@@ -369,7 +372,7 @@ impl BackendStorage for CpuStorage {
         up: In<'_, Self>,
         dy: In<'_, Self>,
     ) -> Fused<(Self, Self)> {
-        llama::swiglu_backward(gate, up, dy).map(Some)
+        swiglu::swiglu_backward(gate, up, dy).map(Some)
     }
 
     fn cross_entropy(
@@ -379,7 +382,7 @@ impl BackendStorage for CpuStorage {
         cols: usize,
         ignore_index: Option<i64>,
     ) -> Fused<(Self, Self)> {
-        fused::cross_entropy(logits, targets, rows, cols, ignore_index).map(Some)
+        cross_entropy::cross_entropy(logits, targets, rows, cols, ignore_index).map(Some)
     }
 
     fn cross_entropy_backward(
@@ -391,7 +394,7 @@ impl BackendStorage for CpuStorage {
         cols: usize,
         ignore_index: Option<i64>,
     ) -> Fused<Self> {
-        fused::cross_entropy_backward(logits, lse, targets, dloss, rows, cols, ignore_index)
+        cross_entropy::cross_entropy_backward(logits, lse, targets, dloss, rows, cols, ignore_index)
             .map(Some)
     }
 
@@ -443,7 +446,7 @@ impl BackendStorage for CpuStorage {
         vl: &Layout,
         hp: &AdamWStep,
     ) -> Fused<()> {
-        fused::adamw(param, pl, grad, m, ml, v, vl, hp).map(Some)
+        optimizer::adamw(param, pl, grad, m, ml, v, vl, hp).map(Some)
     }
 
     fn sgd(
@@ -457,7 +460,7 @@ impl BackendStorage for CpuStorage {
         weight_decay: f64,
         first_step: bool,
     ) -> Fused<()> {
-        fused::sgd(
+        optimizer::sgd(
             param,
             pl,
             grad,

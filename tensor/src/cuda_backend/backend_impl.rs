@@ -1,5 +1,5 @@
 //! The CUDA backend's implementation of [`BackendStorage`]: each method delegates to `basic/`
-//! (required ops), `fused/` (fused ops) or `blas.rs` (matmul, linear).
+//! (required ops), `fused/` (fused ops) or `blas/` (matmul, linear).
 
 #![allow(clippy::too_many_arguments, clippy::type_complexity)]
 
