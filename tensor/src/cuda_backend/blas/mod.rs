@@ -16,7 +16,7 @@
 //!
 //! Dtypes: f32 with full f32 accumulation (`CUBLAS_COMPUTE_32F`, no TF32: results stay close
 //! to the CPU's f32 ones), bf16 and f16 accumulated in f32 and written in their own type, f64
-//! (`CUBLAS_COMPUTE_64F`). Status: compiled and host-tested; not run on a GPU yet.
+//! (`CUBLAS_COMPUTE_64F`).
 
 mod layout;
 mod lt;
