@@ -148,16 +148,19 @@ pub(crate) fn dump_on(reason: &str, announce: bool) {
     report(dump_all(reason), announce);
 }
 
-/// Prints one stderr line per dump written (`flight recorder: wrote PATH`) when `announce`, and
-/// the error, if any.
+/// When `announce`, prints one stderr line per dump written (`flight recorder: wrote PATH`), or
+/// the error. A quiet dump (a failing rank's, whose own error must stay the one line it prints)
+/// prints nothing, not even its failure.
 pub fn report(r: Result<Vec<PathBuf>>, announce: bool) {
+    if !announce {
+        return;
+    }
     match r {
-        Ok(paths) if announce => {
+        Ok(paths) => {
             for p in paths {
                 eprintln!("flight recorder: wrote {}", p.display());
             }
         }
-        Ok(_) => {}
         Err(e) => eprintln!("flight recorder: {e}"),
     }
 }
