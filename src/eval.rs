@@ -5,7 +5,7 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use meshgrad_autograd::no_grad;
 use meshgrad_nn::data::{load_dataset, LoadOptions, TokenSource};
-use meshgrad_nn::Gpt;
+use meshgrad_nn::CausalLm;
 use meshgrad_tensor::Tensor;
 
 /// Windows per forward pass during evaluation.
@@ -17,8 +17,8 @@ const CHECK_CHUNK: usize = 1 << 16;
 /// Mean cross-entropy of `model` over `data`, by this definition: windows of the model's
 /// context length T starting at 0, T, 2T, ... while `start + T + 1 <= len`; inputs
 /// `tokens[s..s+T]`, targets `tokens[s+1..s+T+1]`; the mean over all targets (summed in f64).
-pub fn mean_loss(model: &Gpt, data: &dyn TokenSource) -> Result<f64> {
-    let t = model.config.block_size;
+pub fn mean_loss(model: &dyn CausalLm, data: &dyn TokenSource) -> Result<f64> {
+    let t = model.context_len();
     let vocab = model.sampled_vocab();
     if data.vocab_size() > vocab {
         // Name the first id the model cannot take.
@@ -39,7 +39,7 @@ pub fn mean_loss(model: &Gpt, data: &dyn TokenSource) -> Result<f64> {
         }
     }
     let starts: Vec<usize> = data.eval_windows(t)?.collect();
-    let device = model.wte.weight.tensor().device();
+    let device = model.device();
     let mut total = 0.0f64;
     let mut count = 0usize;
     no_grad(|| -> Result<()> {
@@ -47,10 +47,10 @@ pub fn mean_loss(model: &Gpt, data: &dyn TokenSource) -> Result<f64> {
             let batch = data.batch_at(chunk, t)?;
             let ids = Tensor::from_vec(batch.inputs, (batch.rows, t), device)?;
             let targets = Tensor::from_vec(batch.targets, batch.rows * t, device)?;
-            let logits = model.forward(&ids)?;
+            let logits = model.logits(&ids)?;
             // Over every logit the model has: a padded vocabulary's extra ids are never
             // targets, but they are in the softmax, as in training.
-            let width = model.config.vocab_size;
+            let width = logits.tensor().dims()[2];
             let (rows, _) = logits
                 .tensor()
                 .reshape((batch.rows * t, width))?
@@ -82,7 +82,7 @@ pub fn eval_checkpoint(checkpoint: &Path, data: &Path) -> Result<f64> {
     if meshgrad_nn::state::hf_bert::is_bert_checkpoint(checkpoint) {
         return crate::eval_bert::eval_bert_checkpoint(checkpoint, data);
     }
-    let model = crate::train::load_checkpoint(checkpoint)?;
+    let model = crate::train::load_causal_lm(checkpoint)?;
     let tokenizer = crate::train::load_checkpoint_tokenizer(checkpoint)?;
     let opts = LoadOptions {
         tokenizer: tokenizer.as_ref(),
@@ -90,5 +90,5 @@ pub fn eval_checkpoint(checkpoint: &Path, data: &Path) -> Result<f64> {
     };
     let ds = load_dataset(data, &opts)
         .with_context(|| format!("reading eval data {}", data.display()))?;
-    mean_loss(&model, &ds)
+    mean_loss(model.as_ref(), &ds)
 }

@@ -5,7 +5,7 @@ use std::io::Write;
 
 use anyhow::{Context, Result};
 use meshgrad_nn::tokenizer::{DecodeStream, Tokenizer};
-use meshgrad_nn::Gpt;
+use meshgrad_nn::CausalLm;
 
 /// A prompt as token ids, from text (byte-level: each UTF-8 byte is a token) or from a
 /// comma/space separated id list.
@@ -179,7 +179,7 @@ fn take_utf8(pending: &mut Vec<u8>, at_end: bool) -> String {
 /// ([`check_sampling`]), non-finite logits (naming the step), a failed write.
 #[allow(clippy::too_many_arguments)]
 pub fn generate(
-    model: &Gpt,
+    model: &dyn CausalLm,
     prompt: &[u32],
     max_new: usize,
     temperature: f64,
@@ -190,7 +190,7 @@ pub fn generate(
 ) -> Result<Vec<u32>> {
     check_sampling(max_new, temperature, top_k)?;
     let mut text = TextStream::new(tokenizer, model.sampled_vocab());
-    let result = model.generate(prompt, max_new, temperature, top_k, seed, |id| {
+    let result = model.generate(prompt, max_new, temperature, top_k, seed, &mut |id| {
         let piece = text
             .push(id)
             .map_err(|e| meshgrad_tensor::Error::Msg(e.to_string()))?;

@@ -89,8 +89,9 @@ enum Command {
     /// Train a GPT, or a BERT with --model bert (by default a small byte-level model on the built-in
     /// corpus, on CPU).
     Train(Box<TrainArgs>),
-    /// Evaluate a checkpoint; prints `loss=<value>` last: a GPT's mean next-token cross-entropy over
-    /// a token file, or a BERT's mean MLM cross-entropy over a JSONL file of labelled examples.
+    /// Evaluate a checkpoint; prints `loss=<value>` last: a GPT's or a Hugging Face Llama folder's
+    /// mean next-token cross-entropy over a token file, or a BERT's mean MLM cross-entropy over a
+    /// JSONL file of labelled examples.
     Eval {
         /// Checkpoint directory: a run's --out (config.json + model.safetensors, and
         /// tokenizer.json when it was trained with a tokenizer), or a training checkpoint
@@ -143,8 +144,8 @@ enum Command {
         #[arg(long)]
         overwrite: bool,
     },
-    /// Continue a prompt with a checkpoint: the text is printed as each token is chosen, then
-    /// `ids=<the generated ids>` last.
+    /// Continue a prompt with a checkpoint (a GPT, or a Hugging Face `LlamaForCausalLM` folder):
+    /// the text is printed as each token is chosen, then `ids=<the generated ids>` last.
     Generate {
         /// Checkpoint directory.
         #[arg(long)]
@@ -711,7 +712,7 @@ fn run(cli: Cli) -> Result<()> {
             seed,
         } => {
             meshgrad::generate::check_sampling(max_new_tokens, temperature, top_k)?;
-            let model = meshgrad::train::load_checkpoint(&checkpoint)?;
+            let model = meshgrad::train::load_causal_lm(&checkpoint)?;
             let tokenizer = meshgrad::train::load_checkpoint_tokenizer(&checkpoint)?;
             let vocab = model.sampled_vocab();
             let tokens = meshgrad::generate::prompt_tokens_with(
@@ -721,7 +722,7 @@ fn run(cli: Cli) -> Result<()> {
                 tokenizer.as_ref(),
             )?;
             let out = meshgrad::generate::generate(
-                &model,
+                model.as_ref(),
                 &tokens,
                 max_new_tokens,
                 temperature,

@@ -15,11 +15,11 @@ use meshgrad_nn::data::{load_split, split_dataset, Dataset, LoadOptions, TokenSo
 use meshgrad_nn::optim::{
     clip_grad_norm, grad_sq_sum, AdamW, CosineSchedule, LossScaler, Optimizer,
 };
-use meshgrad_nn::state::hf_gpt2;
+use meshgrad_nn::state::{hf_gpt2, hf_llama};
 use meshgrad_nn::tokenizer::Tokenizer;
 use meshgrad_nn::tp::TensorParallel;
 use meshgrad_nn::ForwardCtx;
-use meshgrad_nn::{Gpt, GptConfig, Module, ParamBuilder};
+use meshgrad_nn::{CausalLm, Gpt, GptConfig, Module, ParamBuilder};
 use meshgrad_parallel::comm::all_reduce_scalar;
 use meshgrad_parallel::{micro_rows, Communicator, ReduceOp};
 use meshgrad_tensor::{DType, Device, Tensor};
@@ -120,6 +120,19 @@ pub fn load_checkpoint(dir: &Path) -> Result<Gpt> {
         .with_context(|| format!("loading checkpoint {}", dir.display()))?;
     model.vocab_in_use = exported_vocab_in_use(dir)?;
     Ok(model)
+}
+
+/// Loads the next-token model in `dir` for `eval` and `generate`: a Hugging Face
+/// `LlamaForCausalLM` folder (`config.json` with `"model_type": "llama"`, through
+/// [`hf_llama::load_llama`], RoPE computed as transformers does), else a GPT as
+/// [`load_checkpoint`] loads it.
+pub fn load_causal_lm(dir: &Path) -> Result<Box<dyn CausalLm>> {
+    if hf_llama::is_llama_folder(dir) {
+        let model = hf_llama::load_llama(dir, DType::F32, Device::Cpu)
+            .with_context(|| format!("loading checkpoint {}", dir.display()))?;
+        return Ok(Box::new(model));
+    }
+    Ok(Box::new(load_checkpoint(dir)?))
 }
 
 /// The token ids a model folder's data used, when its vocabulary may be padded: the run's

@@ -6,6 +6,7 @@
 //! (Hugging Face `tokenizers`: byte-level BPE and WordPiece).
 
 pub mod bert;
+pub mod causal_lm;
 pub mod data;
 mod generation;
 pub mod gpt;
@@ -21,6 +22,7 @@ pub mod tokenizer;
 pub mod tp;
 
 pub use bert::{BertBatch, BertConfig, BertForMaskedLM, BertStage};
+pub use causal_lm::CausalLm;
 pub use gpt::{Gpt, GptBatch, GptConfig, GptStage};
 pub use layers::{
     Activation, Block, BlockConfig, CausalSelfAttention, Dropout, Embedding, LayerNorm, Linear,

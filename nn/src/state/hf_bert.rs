@@ -24,11 +24,9 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use meshgrad_tensor::{DType, Device, Error, Result, Tensor};
-use serde_json::{json, Value};
+use serde_json::json;
 
-use super::hf_folder::{
-    read_config, tensors_equal, write_folder, ConfigKeys, CONFIG_FILE, WEIGHTS_FILE,
-};
+use super::hf_folder::{read_config, tensors_equal, write_folder, ConfigKeys, WEIGHTS_FILE};
 use super::{check_shape, load_safetensors, load_state_dict, name_list};
 use crate::bert::{BertConfig, BertForMaskedLM};
 use crate::module::Module;
@@ -148,15 +146,7 @@ pub fn read_bert_config(dir: impl AsRef<Path>) -> Result<BertConfig> {
 /// Whether the checkpoint folder `dir` holds a BERT model: its `config.json` has
 /// `"model_type": "bert"`. A missing or unreadable config is `false`.
 pub fn is_bert_checkpoint(dir: impl AsRef<Path>) -> bool {
-    std::fs::read_to_string(dir.as_ref().join(CONFIG_FILE))
-        .ok()
-        .and_then(|t| serde_json::from_str::<Value>(&t).ok())
-        .and_then(|v| {
-            v.get("model_type")
-                .and_then(Value::as_str)
-                .map(|s| s == "bert")
-        })
-        .unwrap_or(false)
+    super::hf_folder::model_type(dir.as_ref()).as_deref() == Some("bert")
 }
 
 /// Builds a BERT from the Hugging Face checkpoint folder `dir` (`config.json` and

@@ -77,6 +77,14 @@ impl ConfigKeys {
     }
 }
 
+/// The `model_type` a checkpoint folder's `config.json` names (`"gpt2"`, `"bert"`, `"llama"`), or
+/// `None` when it has no readable config or names none.
+pub(crate) fn model_type(dir: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(dir.join(CONFIG_FILE)).ok()?;
+    let v: Value = serde_json::from_str(&text).ok()?;
+    v.get("model_type")?.as_str().map(str::to_string)
+}
+
 /// Reads `dir/config.json` and parses it with `parse`; errors begin with `op` (`"load_gpt2"`) and
 /// name the file.
 pub(crate) fn read_config<T>(

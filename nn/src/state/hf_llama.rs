@@ -182,6 +182,11 @@ pub fn read_llama_config(dir: impl AsRef<Path>) -> Result<LlamaConfig> {
     read_config(dir.as_ref(), "load_llama", llama_config_from_hf_json)
 }
 
+/// Whether `dir` holds a Llama checkpoint (its `config.json` says `"model_type": "llama"`).
+pub fn is_llama_folder(dir: impl AsRef<Path>) -> bool {
+    super::hf_folder::model_type(dir.as_ref()).as_deref() == Some("llama")
+}
+
 /// Builds the whole [`Llama`] of the Hugging Face checkpoint folder `dir`, with parameters of
 /// `dtype` on `device` (converted from the file's dtype). Every parameter must be in the files
 /// and every tensor in them must be a parameter (or an accepted extra, see the
