@@ -173,7 +173,7 @@ fn take_utf8(pending: &mut Vec<u8>, at_end: bool) -> String {
     out
 }
 
-/// Generates `max_new` tokens after `prompt` (see [`Gpt::generate`]) and writes their text to
+/// Generates `max_new` tokens after `prompt` (see [`CausalLm::generate`]) and writes their text to
 /// `out` as each token is chosen (flushed per token; see [`TextStream`]), then a newline when
 /// there was text. Returns the generated ids. Errors: bad sampling arguments
 /// ([`check_sampling`]), non-finite logits (naming the step), a failed write.
