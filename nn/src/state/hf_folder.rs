@@ -8,7 +8,7 @@ use std::path::Path;
 use meshgrad_tensor::{Error, Result, Tensor};
 use serde_json::{Map, Value};
 
-use super::safetensors_io::write_atomic_with;
+use super::safetensors_io::{temp_beside, write_atomic_with};
 use super::save_safetensors;
 
 pub(crate) const CONFIG_FILE: &str = "config.json";
@@ -207,21 +207,6 @@ pub(crate) fn write_folder(
             dir.display()
         ))
     })
-}
-
-/// A fresh temporary path beside `path` (`.NAME.tmp-PID-N`, the pattern a run's start removes
-/// when a killed process left one).
-fn temp_beside(path: &Path) -> std::path::PathBuf {
-    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    path.with_file_name(format!(
-        ".{name}.tmp-{}-w{}",
-        std::process::id(),
-        COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-    ))
 }
 
 /// Whether two tensors have the same shape and values (compared as f64, in chunks of rows).

@@ -189,21 +189,15 @@ pub(crate) fn write_atomic_with(
     op: &str,
     write: impl FnOnce(&Path) -> std::result::Result<(), String>,
 ) -> Result<()> {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
     let fail = |why: String| Error::Msg(format!("{op}: cannot write {}: {why}", path.display()));
-    let Some(file_name) = path.file_name() else {
+    if path.file_name().is_none() {
         return Err(fail("the path has no file name".into()));
-    };
+    }
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    let tmp = dir.join(format!(
-        ".{}.tmp-{}-{}",
-        file_name.to_string_lossy(),
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
+    let tmp = temp_beside(path);
     let result = (|| -> std::result::Result<(), String> {
         write(&tmp)?;
         let f = std::fs::OpenOptions::new()
@@ -225,4 +219,19 @@ pub(crate) fn write_atomic_with(
         let _ = d.sync_all();
     }
     Ok(())
+}
+
+/// A fresh temporary path beside `path`: `.NAME.tmp-PID-N`, the pattern a run's start removes when
+/// a killed process left one.
+pub(crate) fn temp_beside(path: &Path) -> PathBuf {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    path.with_file_name(format!(
+        ".{name}.tmp-{}-{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    ))
 }

@@ -141,21 +141,10 @@ pub fn write(dir: &Path, dump: &Dump) -> Result<PathBuf> {
     };
     std::fs::create_dir_all(dir).map_err(|e| fail("create", dir, &e))?;
     let path = dir.join(file_name(dump.rank));
-    // One temporary name per write: the threads of a process may dump the same rank at once
-    // (a failing rank, and the process's error path after it).
-    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let tmp = dir.join(format!(
-        ".{}.{}-{}.tmp",
-        file_name(dump.rank),
-        std::process::id(),
-        WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-    ));
     let text = serde_json::to_vec_pretty(dump).map_err(|e| fail("encode", &path, &e))?;
-    std::fs::write(&tmp, text).map_err(|e| fail("write", &tmp, &e))?;
-    std::fs::rename(&tmp, &path).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        fail("rename into", &path, &e)
-    })?;
+    // A fresh temporary name per write (threads of a process may dump one rank at once).
+    meshgrad_nn::state::write_bytes_atomic(&path, &text)
+        .map_err(|e| Error::msg(format!("rank {}: flight recorder: {e}", dump.rank)))?;
     Ok(path)
 }
 
