@@ -31,7 +31,8 @@
 #   profile-gpt2-bf16 the per-op profile of that step                                          120
 #   train-gpt, train-gpt-bf16, train-bert (and train-llama when `train --help` names llama):
 #                     meshgrad train --device cuda on the built-in corpus                  90 each
-#   nccl-world1       meshgrad launch --backend nccl, world size 1 (when built with nccl)       90
+#   nccl-world1       meshgrad launch --backend nccl, world size 1 (when built with nccl; the
+#                     ranks compute on the CPU, their collectives run through NCCL on the GPU) 90
 #   bench-gpt2-f32    the f32 bench beside PyTorch (last: the bf16 one is the headline)        180
 #   sanitize-<binary> the test binaries' CUDA tests under compute-sanitizer (memcheck)     90 each
 #
@@ -448,7 +449,8 @@ if timeout 10 "$B/meshgrad" train --help 2>/dev/null | grep -qi llama; then
     step train-llama 90 "$B/meshgrad" train --model llama --device cuda --steps 20 --out "$RUNS/llama" --metrics "$LOGS/train-llama.metrics.jsonl"
 fi
 if grep -q nccl "$B/FEATURES"; then
-    step nccl-world1 90 "$B/meshgrad" launch --nproc-per-node 1 --backend nccl -- train --device cuda --steps 20 --layout dp=1 --out "$RUNS/nccl"
+    # The ranks of a layout compute on the CPU; NCCL runs their collectives on cuda:LOCAL_RANK.
+    step nccl-world1 90 "$B/meshgrad" launch --nproc-per-node 1 --backend nccl -- train --steps 20 --layout dp=1 --out "$RUNS/nccl"
 fi
 step bench-gpt2-f32 180 "$B/meshgrad" bench --device cuda --model gpt2-124m --batch "${BATCH:-8}" --steps 10 --pytorch
 [ "$SANITIZER" = end ] && sanitize_steps

@@ -467,7 +467,7 @@ pub fn train_device(cfg: &TrainConfig) -> Result<Device> {
 
 /// Checks, before any work, that `train.device` and `train.precision` can run with `layout`
 /// (`None`: one device): reference mode's own conditions (`reference::check_reference`);
-/// a CUDA device trains on one device only (a layout needs the NCCL backend) and must be usable
+/// a CUDA device trains on one device only (the ranks of a layout compute on the CPU) and must be usable
 /// in this build (the backend's one-line reason otherwise: built without `--features cuda`, no
 /// driver, no such device). bf16 and f16 train the GPT and BERT under every layout: AdamW's f32
 /// master weights on replicated ranks, the ZeRO wrapper's f32 master shards otherwise, the
@@ -482,7 +482,13 @@ pub fn check_device_and_precision(
     let d = &cfg.train.device;
     if device != Device::Cpu {
         if let Some(l) = layout {
-            anyhow::bail!("--device {d} with layout {l} needs the NCCL backend (--backend nccl)");
+            // Under a layout every backend's ranks compute on the CPU (NCCL's stage their
+            // collectives through cuda:LOCAL_RANK).
+            anyhow::bail!(
+                "--device {d} with layout {l}: the ranks of a layout compute on the CPU (with \
+                 --backend nccl their collectives run on cuda:LOCAL_RANK); drop --device, or \
+                 train on one device without --layout"
+            );
         }
         device
             .check_available()

@@ -600,11 +600,11 @@ fn precision_and_device_errors_are_one_line() {
         ),
         (
             vec!["--device", "cuda", "--layout", "dp=2"],
-            vec!["--device cuda with layout dp=2 needs the NCCL backend (--backend nccl)"],
+            vec!["--device cuda with layout dp=2: the ranks of a layout compute on the CPU"],
         ),
         (
             vec!["--device", "cuda:1", "--layout", "pp=2"],
-            vec!["--device cuda:1 with layout pp=2 needs the NCCL backend"],
+            vec!["--device cuda:1 with layout pp=2", "drop --device"],
         ),
     ];
     for (i, (args, needles)) in cases.iter().enumerate() {

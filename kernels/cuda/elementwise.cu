@@ -5,10 +5,9 @@
 // Layout: the output is contiguous row-major over `shape`; every input is a strided view
 // (`offset` + Σ coord_k · stride_k, stride 0 to broadcast), passed in `StridedArgs` (up to 8
 // dims, mirrored by `cuda::StridedArgs` in Rust).
-// Precision: f32, bf16 and f16 are computed in f32 (f64 is not provided here: f64 tensors stay on
-// the CPU). Exp/tanh/sigmoid use CUDA's expf/tanhf (within a few ulp; the CPU f32 path uses the
-// crate's vectorised exp), so results agree to rounding, not bit for bit.
-// Compiled by NVRTC in CI; not run on a GPU.
+// Precision: f32, bf16 and f16 are computed in f32, f64 in f64 (`Acc<T>`). Exp/tanh/sigmoid use
+// CUDA's expf/tanhf (exp/tanh for f64; within a few ulp; the CPU f32 path uses the crate's
+// vectorised exp), so results agree to rounding, not bit for bit.
 
 // Unary op codes (kernels/src/cpu/elementwise.rs, UnaryOp, in declaration order).
 #define OP_NEG 0
@@ -36,42 +35,45 @@
 #define FRAC_1_SQRT_2 0.7071067811865476
 
 // `a` and `b` are the op's f64 parameters (PowScalar p; AddScalar/MulScalar c; Clamp lo, hi),
-// rounded to f32 as the CPU's `T::from_f64` does for f32.
+// rounded to the compute type C as the CPU's `T::from_f64` does (f32 for f32, bf16 and f16).
 // `pow_kind`: 2 when the f64 exponent is exactly 2 (x * x), 1 when exactly 1 (copy), else 0.
-__device__ __forceinline__ float unary_op(int op, float v, float a, float b, int pow_kind) {
+template <typename C>
+__device__ __forceinline__ C unary_op(int op, C v, C a, C b, int pow_kind) {
+    const C one = (C)1;
     switch (op) {
     case OP_NEG: return -v;
-    case OP_EXP: return expf(v);
-    case OP_LOG: return logf(v);
-    case OP_SQRT: return sqrtf(v);
-    case OP_TANH: return tanhf(v);
-    case OP_RELU: return v < 0.0f ? 0.0f : v; // NaN passes through
+    case OP_EXP: return mg_exp(v);
+    case OP_LOG: return mg_log(v);
+    case OP_SQRT: return mg_sqrt(v);
+    case OP_TANH: return mg_tanh(v);
+    case OP_RELU: return v < (C)0 ? (C)0 : v; // NaN passes through
     case OP_GELU_TANH: {
         // 0.5 x (1 + tanh u) == x * sigmoid(2u), as the CPU evaluates it.
-        const float c2 = (float)(-2.0 * SQRT_2_OVER_PI), k = (float)GELU_CUBIC;
-        return v / (1.0f + expf(c2 * (v + k * v * v * v)));
+        const C c2 = (C)(-2.0 * SQRT_2_OVER_PI), k = (C)GELU_CUBIC;
+        return v / (one + mg_exp(c2 * (v + k * v * v * v)));
     }
-    case OP_GELU_ERF: return 0.5f * v * (1.0f + erff(v * (float)FRAC_1_SQRT_2));
-    case OP_ABS: return fabsf(v);
-    case OP_RECIP: return 1.0f / v;
+    case OP_GELU_ERF: return (C)0.5 * v * (one + mg_erf(v * (C)FRAC_1_SQRT_2));
+    case OP_ABS: return mg_abs(v);
+    case OP_RECIP: return one / v;
     case OP_SQUARE: return v * v;
-    case OP_SIGMOID: return 1.0f / (1.0f + expf(-v));
-    case OP_POW: return pow_kind == 2 ? v * v : (pow_kind == 1 ? v : powf(v, a));
+    case OP_SIGMOID: return one / (one + mg_exp(-v));
+    case OP_POW: return pow_kind == 2 ? v * v : (pow_kind == 1 ? v : mg_pow(v, a));
     case OP_ADD_SCALAR: return v + a;
     case OP_MUL_SCALAR: return v * a;
-    case OP_SIN: return sinf(v);
-    case OP_COS: return cosf(v);
-    case OP_SILU: return v / (1.0f + expf(-v));
+    case OP_SIN: return mg_sin(v);
+    case OP_COS: return mg_cos(v);
+    case OP_SILU: return v / (one + mg_exp(-v));
     case OP_CLAMP: return v < a ? a : (v > b ? b : v); // NaN passes through
-    default: return MG_NAN;
+    default: return (C)MG_NAN;
     }
 }
 
 template <typename T>
 __device__ void unary_impl(const T *x, T *out, i64 n, int op, double a, double b) {
-    const float fa = (float)a, fb = (float)b;
+    typedef typename Acc<T>::type C;
+    const C ca = (C)a, cb = (C)b;
     const int pow_kind = a == 2.0 ? 2 : (a == 1.0 ? 1 : 0); // decided on the f64 value, as the CPU
-    MG_GRID_STRIDE(i, n) { store(out, i, unary_op(op, load(x, i), fa, fb, pow_kind)); }
+    MG_GRID_STRIDE(i, n) { store(out, i, unary_op<C>(op, load(x, i), ca, cb, pow_kind)); }
 }
 
 // ---- strided (broadcasting) maps ----
@@ -107,16 +109,17 @@ __device__ __forceinline__ void strided_offsets(const StridedArgs &s, i64 i, i64
 #define OP_MAXIMUM 4
 #define OP_MINIMUM 5
 
-// Maximum / Minimum: a NaN operand yields the other one (fmaxf/fminf, as Float::max/min).
-__device__ __forceinline__ float binary_op(int op, float a, float b) {
+// Maximum / Minimum: a NaN operand yields the other one (fmax/fmin, as Float::max/min).
+template <typename C>
+__device__ __forceinline__ C binary_op(int op, C a, C b) {
     switch (op) {
     case OP_ADD: return a + b;
     case OP_SUB: return a - b;
     case OP_MUL: return a * b;
     case OP_DIV: return a / b;
-    case OP_MAXIMUM: return fmaxf(a, b);
-    case OP_MINIMUM: return fminf(a, b);
-    default: return MG_NAN;
+    case OP_MAXIMUM: return mg_max(a, b);
+    case OP_MINIMUM: return mg_min(a, b);
+    default: return (C)MG_NAN;
     }
 }
 
@@ -125,14 +128,14 @@ __device__ void binary_impl(int op, StridedArgs s, const T *a, const T *b, T *ou
     MG_GRID_STRIDE(i, s.numel) {
         i64 off[2];
         strided_offsets<2>(s, i, off);
-        store(out, i, binary_op(op, load(a, off[0]), load(b, off[1])));
+        store(out, i, binary_op<typename Acc<T>::type>(op, load(a, off[0]), load(b, off[1])));
     }
 }
 
 // Contiguous, same-shape fast path.
 template <typename T>
 __device__ void binary_contig_impl(int op, const T *a, const T *b, T *out, i64 n) {
-    MG_GRID_STRIDE(i, n) { store(out, i, binary_op(op, load(a, i), load(b, i))); }
+    MG_GRID_STRIDE(i, n) { store(out, i, binary_op<typename Acc<T>::type>(op, load(a, i), load(b, i))); }
 }
 
 #define CMP_EQ 0
@@ -143,7 +146,8 @@ __device__ void binary_contig_impl(int op, const T *a, const T *b, T *out, i64 n
 #define CMP_GE 5
 
 // IEEE: every comparison with NaN is false except Ne.
-__device__ __forceinline__ u8 cmp_op(int op, float a, float b) {
+template <typename C>
+__device__ __forceinline__ u8 cmp_op(int op, C a, C b) {
     switch (op) {
     case CMP_EQ: return a == b;
     case CMP_NE: return a != b;
@@ -160,7 +164,7 @@ __device__ void compare_impl(int op, StridedArgs s, const T *a, const T *b, u8 *
     MG_GRID_STRIDE(i, s.numel) {
         i64 off[2];
         strided_offsets<2>(s, i, off);
-        out[i] = cmp_op(op, load(a, off[0]), load(b, off[1]));
+        out[i] = cmp_op<typename Acc<T>::type>(op, load(a, off[0]), load(b, off[1]));
     }
 }
 
@@ -220,10 +224,9 @@ __device__ void arange_impl(T *out, i64 n, double start, double step) {
     extern "C" __global__ void arange_##sfx(T *out, i64 n, double start, double step) {         \
         arange_impl<T>(out, n, start, step);                                                     \
     }
-MG_FOR_FLOAT_TYPES(EW_ENTRIES)
+MG_FOR_BASIC_TYPES(EW_ENTRIES)
 
-// f64 and i64 fills (host-visible constants, index buffers).
-extern "C" __global__ void fill_f64(double *out, i64 n, double value) { fill_impl<double>(out, n, value); }
+// Integer fills (index buffers, masks) and ranges.
 extern "C" __global__ void fill_i64(i64 *out, i64 n, i64 value) {
     MG_GRID_STRIDE(i, n) { out[i] = value; }
 }

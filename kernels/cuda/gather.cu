@@ -12,10 +12,10 @@
 // index_select: `x [outer, x_n, inner]`, `ids [m]`, `out [outer, m, inner]`;
 // `out[o, j, i] = x[o, ids[j], i]`; backward `dx[o, ids[j], i] += dout[o, j, i]`, one thread per
 // (o, i), j increasing (deterministic, the CPU's order).
-// Backward outputs `dx` are f32 accumulators (not zeroed first) for every data type. An index
+// Backward outputs `dx` are accumulators (not zeroed first) of the compute type: f32 for f32, bf16
+// and f16, f64 for f64. An index
 // out of range is skipped (forward: writes 0) and its flat position recorded in `*bad` with
 // atomicMin (the launcher sets ~0 before, checks after; the CPU checks before writing).
-// Compiled by NVRTC in CI; not run on a GPU.
 
 #define G_MAX_DIMS 8
 struct GatherArgs {
@@ -75,8 +75,8 @@ __device__ void gather_impl(GatherArgs g, const T *x, const i64 *index, T *out, 
     }
 }
 
-template <typename T>
-__device__ void gather_bwd_impl(GatherArgs g, const T *dout, const i64 *index, float *dx, u64 *bad) {
+template <typename T, typename A>
+__device__ void gather_bwd_impl(GatherArgs g, const T *dout, const i64 *index, A *dx, u64 *bad) {
     i64 outer, n, inner;
     gather_sizes(g, &outer, &n, &inner);
     const i64 xn = g.x_dims[g.dim];
@@ -110,8 +110,8 @@ __device__ void index_select_impl(const T *x, const i64 *ids, T *out, i64 outer,
     }
 }
 
-template <typename T>
-__device__ void index_select_bwd_impl(const T *dout, const i64 *ids, float *dx, i64 outer, i64 xn, i64 inner, i64 m,
+template <typename T, typename A>
+__device__ void index_select_bwd_impl(const T *dout, const i64 *ids, A *dx, i64 outer, i64 xn, i64 inner, i64 m,
                                       u64 *bad) {
     MG_GRID_STRIDE(q, outer * inner) {
         const i64 o = q / inner, i = q % inner;
@@ -126,19 +126,23 @@ __device__ void index_select_bwd_impl(const T *dout, const i64 *ids, float *dx, 
     }
 }
 
-#define GATHER_ENTRIES(sfx, T)                                                                   \
+// A: the backward's accumulator type (Acc<T>::type), written out for the entry points' signatures.
+#define GATHER_ENTRIES(sfx, T, A)                                                                \
     extern "C" __global__ void gather_##sfx(GatherArgs g, const T *x, const i64 *index, T *out, u64 *bad) { \
         gather_impl<T>(g, x, index, out, bad);                                                   \
     }                                                                                            \
-    extern "C" __global__ void gather_bwd_##sfx(GatherArgs g, const T *dout, const i64 *index, float *dx, u64 *bad) { \
-        gather_bwd_impl<T>(g, dout, index, dx, bad);                                             \
+    extern "C" __global__ void gather_bwd_##sfx(GatherArgs g, const T *dout, const i64 *index, A *dx, u64 *bad) { \
+        gather_bwd_impl<T, A>(g, dout, index, dx, bad);                                          \
     }                                                                                            \
     extern "C" __global__ void index_select_##sfx(const T *x, const i64 *ids, T *out, i64 outer, i64 xn, i64 inner, \
                                                   i64 m, u64 *bad) {                             \
         index_select_impl<T>(x, ids, out, outer, xn, inner, m, bad);                             \
     }                                                                                            \
-    extern "C" __global__ void index_select_bwd_##sfx(const T *dout, const i64 *ids, float *dx, i64 outer, i64 xn, \
+    extern "C" __global__ void index_select_bwd_##sfx(const T *dout, const i64 *ids, A *dx, i64 outer, i64 xn, \
                                                       i64 inner, i64 m, u64 *bad) {              \
-        index_select_bwd_impl<T>(dout, ids, dx, outer, xn, inner, m, bad);                       \
+        index_select_bwd_impl<T, A>(dout, ids, dx, outer, xn, inner, m, bad);                    \
     }
-MG_FOR_FLOAT_TYPES(GATHER_ENTRIES)
+GATHER_ENTRIES(f32, float, float)
+GATHER_ENTRIES(bf16, __nv_bfloat16, float)
+GATHER_ENTRIES(f16, __half, float)
+GATHER_ENTRIES(f64, double, double)

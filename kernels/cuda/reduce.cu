@@ -3,7 +3,7 @@
 // CPU references: kernels/src/cpu/reduce.rs (`sum`, `max`, `argmax`; mean is the tensor crate's
 // sum / reduce) and kernels/src/cpu/logsumexp.rs (`logsumexp`).
 // Layout: the input is contiguous `[outer, reduce, inner]` (row-major), the output contiguous
-// `[outer, inner]`. Two instances of every reduction:
+// `[outer, inner]`. Two instances of every reduction (and a third of sum, `sum_cols_<t>`, below):
 // - `*_strided_<t>` (any inner; meant for inner > 1): one thread per output element, adding in
 //   increasing r exactly as the CPU does. With f32 data the accumulation is in f32 like the CPU's,
 //   so sum/max/argmax agree bit for bit with the CPU reference (up to fused multiply-add, which
@@ -11,18 +11,18 @@
 // - `*_lastdim_<t>` (inner == 1): one block per output row, a strided per-thread pass then a tree
 //   over the block: a fixed order for a given blockDim (deterministic run to run), but not the
 //   CPU's order, so sums agree to rounding only. Max/argmax are exact whatever the order.
-// bf16/f16 inputs accumulate in f32 and round the result once. Semantics as the CPU: max
+// bf16/f16 inputs accumulate in f32 and round the result once; f64 inputs accumulate in f64.
+// Semantics as the CPU: max
 // propagates NaN; argmax returns the smallest index of the maximum, NaN counting as larger than
 // everything (first NaN wins); logsumexp shifts by the NaN-ignoring max (0 when it is infinite),
 // gives -inf for reduce == 0 or all -inf; sum gives 0 for reduce == 0.
-// Compiled by NVRTC in CI; not run on a GPU.
 
-struct ArgMax {
-    float v;
+template <typename C> struct ArgMax {
+    C v;
     i64 i;
 };
 // Whether candidate `b` beats the current `a` (NaN largest; ties and equal NaNs: smaller index).
-__device__ __forceinline__ bool argmax_better(ArgMax a, ArgMax b) {
+template <typename C> __device__ __forceinline__ bool argmax_better(ArgMax<C> a, ArgMax<C> b) {
     const bool an = isnan(a.v), bn = isnan(b.v);
     if (an || bn) {
         if (an && bn) return b.i < a.i;
@@ -39,24 +39,25 @@ __device__ void reduce_strided_impl(const T *x, T *out, i64 outer, i64 red, i64 
     MG_GRID_STRIDE(idx, outer * inner) {
         const i64 o = idx / inner, in = idx % inner;
         const T *base = x + o * red * inner + in;
-        float acc;
+        typedef typename Acc<T>::type C;
+        C acc;
         if (KIND == 0 || KIND == 1) {
-            acc = red > 0 ? load(base, 0) : 0.0f;
-            for (i64 r = 1; r < red; ++r) acc = __fadd_rn(acc, load(base, r * inner));
-            if (KIND == 1) acc = red > 0 ? acc / (float)red : MG_NAN;
+            acc = red > 0 ? load(base, 0) : (C)0;
+            for (i64 r = 1; r < red; ++r) acc = mg_add_rn(acc, load(base, r * inner));
+            if (KIND == 1) acc = red > 0 ? acc / (C)red : (C)MG_NAN;
         } else if (KIND == 2) {
-            acc = red > 0 ? load(base, 0) : MG_NAN;
+            acc = red > 0 ? load(base, 0) : (C)MG_NAN;
             for (i64 r = 1; r < red; ++r) {
-                const float v = load(base, r * inner);
+                const C v = load(base, r * inner);
                 if (v > acc || isnan(v)) acc = v;
             }
         } else {
-            float m = MG_NEG_INF;
-            for (i64 r = 0; r < red; ++r) m = fmaxf(m, load(base, r * inner));
-            const float shift = isinf(m) ? 0.0f : m;
-            float s = 0.0f;
-            for (i64 r = 0; r < red; ++r) s += expf(load(base, r * inner) - shift);
-            acc = red > 0 ? shift + logf(s) : MG_NEG_INF;
+            C m = (C)MG_NEG_INF;
+            for (i64 r = 0; r < red; ++r) m = mg_max(m, load(base, r * inner));
+            const C shift = isinf(m) ? (C)0 : m;
+            C s = 0;
+            for (i64 r = 0; r < red; ++r) s += mg_exp(load(base, r * inner) - shift);
+            acc = red > 0 ? shift + mg_log(s) : (C)MG_NEG_INF;
         }
         store(out, idx, acc);
     }
@@ -67,9 +68,10 @@ __device__ void argmax_strided_impl(const T *x, i64 *out, i64 outer, i64 red, i6
     MG_GRID_STRIDE(idx, outer * inner) {
         const i64 o = idx / inner, in = idx % inner;
         const T *base = x + o * red * inner + in;
-        ArgMax best = {red > 0 ? load(base, 0) : MG_NAN, 0};
+        typedef typename Acc<T>::type C;
+        ArgMax<C> best = {red > 0 ? load(base, 0) : (C)MG_NAN, 0};
         for (i64 r = 1; r < red; ++r) {
-            ArgMax c = {load(base, r * inner), r};
+            ArgMax<C> c = {load(base, r * inner), r};
             if (argmax_better(best, c)) best = c;
         }
         out[idx] = best.i;
@@ -79,35 +81,36 @@ __device__ void argmax_strided_impl(const T *x, i64 *out, i64 outer, i64 red, i6
 // ---- one block per output row (inner == 1) ----
 template <typename T, int KIND>
 __device__ void reduce_lastdim_impl(const T *x, T *out, i64 rows, i64 red) {
-    __shared__ float scratch[32];
+    typedef typename Acc<T>::type C;
+    __shared__ C scratch[32];
     for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
         const T *base = x + row * red;
-        float res;
+        C res;
         if (KIND == 0 || KIND == 1) {
-            float acc = 0.0f;
+            C acc = 0;
             for (i64 r = threadIdx.x; r < red; r += blockDim.x) acc += load(base, r);
             res = block_sum(acc, scratch);
-            if (KIND == 1) res = red > 0 ? res / (float)red : MG_NAN;
+            if (KIND == 1) res = red > 0 ? res / (C)red : (C)MG_NAN;
         } else if (KIND == 2) {
-            float acc = MG_NEG_INF;
+            C acc = (C)MG_NEG_INF;
             int nan = 0;
             for (i64 r = threadIdx.x; r < red; r += blockDim.x) {
-                const float v = load(base, r);
+                const C v = load(base, r);
                 nan |= isnan(v);
-                acc = fmaxf(acc, v);
+                acc = mg_max(acc, v);
             }
             const int any_nan = __syncthreads_or(nan);
             res = block_max(acc, scratch);
-            if (any_nan || red == 0) res = MG_NAN;
+            if (any_nan || red == 0) res = (C)MG_NAN;
         } else {
-            float m = MG_NEG_INF;
-            for (i64 r = threadIdx.x; r < red; r += blockDim.x) m = fmaxf(m, load(base, r));
+            C m = (C)MG_NEG_INF;
+            for (i64 r = threadIdx.x; r < red; r += blockDim.x) m = mg_max(m, load(base, r));
             m = block_max(m, scratch);
-            const float shift = isinf(m) ? 0.0f : m;
-            float s = 0.0f;
-            for (i64 r = threadIdx.x; r < red; r += blockDim.x) s += expf(load(base, r) - shift);
+            const C shift = isinf(m) ? (C)0 : m;
+            C s = 0;
+            for (i64 r = threadIdx.x; r < red; r += blockDim.x) s += mg_exp(load(base, r) - shift);
             s = block_sum(s, scratch);
-            res = red > 0 ? shift + logf(s) : MG_NEG_INF;
+            res = red > 0 ? shift + mg_log(s) : (C)MG_NEG_INF;
         }
         if (threadIdx.x == 0) store(out, row, res);
         __syncthreads();
@@ -116,19 +119,20 @@ __device__ void reduce_lastdim_impl(const T *x, T *out, i64 rows, i64 red) {
 
 template <typename T>
 __device__ void argmax_lastdim_impl(const T *x, i64 *out, i64 rows, i64 red) {
-    __shared__ float sv[32];
+    typedef typename Acc<T>::type C;
+    __shared__ C sv[32];
     __shared__ i64 si[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
         const T *base = x + row * red;
-        ArgMax best = {MG_NEG_INF, red}; // index `red`: loses every tie against a real element
+        ArgMax<C> best = {(C)MG_NEG_INF, red}; // index `red`: loses every tie against a real element
         for (i64 r = threadIdx.x; r < red; r += blockDim.x) {
-            ArgMax c = {load(base, r), r};
+            ArgMax<C> c = {load(base, r), r};
             if (argmax_better(best, c)) best = c;
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
-            ArgMax c = {__shfl_xor_sync(0xffffffffu, best.v, o), __shfl_xor_sync(0xffffffffu, best.i, o)};
+            ArgMax<C> c = {__shfl_xor_sync(0xffffffffu, best.v, o), __shfl_xor_sync(0xffffffffu, best.i, o)};
             if (argmax_better(best, c)) best = c;
         }
         if (lane == 0) {
@@ -137,13 +141,43 @@ __device__ void argmax_lastdim_impl(const T *x, i64 *out, i64 rows, i64 red) {
         }
         __syncthreads();
         if (warp == 0) {
-            ArgMax b = {lane < nwarps ? sv[lane] : MG_NEG_INF, lane < nwarps ? si[lane] : red};
+            ArgMax<C> b = {lane < nwarps ? sv[lane] : (C)MG_NEG_INF, lane < nwarps ? si[lane] : red};
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) {
-                ArgMax c = {__shfl_xor_sync(0xffffffffu, b.v, o), __shfl_xor_sync(0xffffffffu, b.i, o)};
+                ArgMax<C> c = {__shfl_xor_sync(0xffffffffu, b.v, o), __shfl_xor_sync(0xffffffffu, b.i, o)};
                 if (argmax_better(b, c)) b = c;
             }
             if (lane == 0) out[row] = b.i < red ? b.i : 0;
+        }
+        __syncthreads();
+    }
+}
+
+// ---- column tiles (inner > 1, long reductions): one block per 32 adjacent outputs ----
+// `sum_cols_<t>`: for reductions whose outputs are too few to keep the GPU busy one thread each
+// (a bias gradient: a column sum of [rows, out]). Warp w of the block's nw warps sums rows
+// r = w, w + nw, ... (increasing r) of the 32 columns of its tile, lane by lane (each warp reads
+// 32 adjacent elements of a row at a time); then warp 0 adds the nw partial sums in increasing w.
+// A fixed order for a given blockDim: deterministic run to run, equal to the CPU's to rounding.
+template <typename T>
+__device__ void sum_cols_impl(const T *x, T *out, i64 outer, i64 red, i64 inner) {
+    typedef typename Acc<T>::type C;
+    __shared__ C part[32][33];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const i64 tiles = (inner + 31) / 32;
+    for (i64 t = blockIdx.x; t < outer * tiles; t += gridDim.x) {
+        const i64 o = t / tiles, c = (t % tiles) * 32 + lane;
+        C acc = 0;
+        if (c < inner) {
+            const T *base = x + o * red * inner + c;
+            for (i64 r = w; r < red; r += nw) acc += load(base, r * inner);
+        }
+        part[w][lane] = acc;
+        __syncthreads();
+        if (w == 0 && c < inner) {
+            C total = part[0][lane];
+            for (int k = 1; k < nw; ++k) total += part[k][lane];
+            store(out, o * inner + c, total);
         }
         __syncthreads();
     }
@@ -179,5 +213,8 @@ __device__ void argmax_lastdim_impl(const T *x, i64 *out, i64 rows, i64 red) {
     }                                                                                            \
     extern "C" __global__ void argmax_lastdim_##sfx(const T *x, i64 *out, i64 rows, i64 red) {   \
         argmax_lastdim_impl<T>(x, out, rows, red);                                               \
+    }                                                                                            \
+    extern "C" __global__ void sum_cols_##sfx(const T *x, T *out, i64 outer, i64 red, i64 inner) { \
+        sum_cols_impl<T>(x, out, outer, red, inner);                                             \
     }
-MG_FOR_FLOAT_TYPES(REDUCE_ENTRIES)
+MG_FOR_BASIC_TYPES(REDUCE_ENTRIES)

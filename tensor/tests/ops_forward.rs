@@ -468,6 +468,39 @@ fn sum_and_mean_over_dims(device: Device) -> Result<()> {
 }
 test_device!(sum_and_mean_over_dims);
 
+/// Long sums over few outputs (a bias gradient: the column sum of `[rows, out]`; on CUDA the
+/// column-tile kernel), partial tiles of 32 columns included, against f64 sums of the rounded
+/// inputs.
+fn column_sums_of_many_rows(device: Device) -> Result<()> {
+    for (it, dims) in [vec![3000, 70], vec![2, 700, 33], vec![4096, 96]]
+        .into_iter()
+        .enumerate()
+    {
+        let x = uniform_vals(900 + it as u64, numel(&dims), -1.0, 1.0);
+        let red = [dims.len() - 2];
+        for dtype in [DType::F64, DType::F32, DType::BF16] {
+            let t = tensor_on(device, &x, &dims, dtype);
+            let (want, od) = ref_sum(&round_to(&x, dtype), &dims, &red, false);
+            let (rtol, atol) = match dtype {
+                DType::F64 => F64_TOL,
+                DType::F32 => (1e-5, 1e-4),
+                _ => (1e-2, 0.25), // the sum itself is rounded to bf16 once
+            };
+            let what = format!("sum {dims:?} over {red:?} {dtype}");
+            check(
+                &t.sum(&[red[0] as isize], false)?,
+                &od,
+                &want,
+                rtol,
+                atol,
+                &what,
+            );
+        }
+    }
+    Ok(())
+}
+test_device!(column_sums_of_many_rows);
+
 fn sum_edge_cases(device: Device) -> Result<()> {
     let t = tensor_on(device, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3], DType::F64);
     // Repeated dims count once.

@@ -149,6 +149,22 @@ int main() {
         for (int oo = 0; oo < 2; ++oo) for (int i = 0; i < 150; ++i) { double s = 0; for (int r = 0; r < 13; ++r) s += x[(oo * 13 + r) * 150 + i]; upd(out[oo * 150 + i], s); }
         printf("sum over the middle dim [2, 13, 150]: max rel err %.3g\n", err);
     }
+    // column tiles: [3, 300, 70] (tiles of 32 columns, the last one partial), f32 and f64
+    {
+        const int O = 3, R = 300, I = 70;
+        std::vector<float> xc(O * R * I), oc(O * I, NAN);
+        std::vector<double> xd(O * R * I), od(O * I, NAN);
+        for (size_t k = 0; k < xc.size(); ++k) { xc[k] = std::sin(0.37 * k) * 3.0f; xd[k] = std::cos(0.11 * k) * 2.0; }
+        launch({4}, {256}, [&] { sum_cols_f32(xc.data(), oc.data(), O, R, I); });
+        launch({7}, {1024}, [&] { sum_cols_f64(xd.data(), od.data(), O, R, I); });
+        for (int oo = 0; oo < O; ++oo) for (int i = 0; i < I; ++i) {
+            double s = 0, sd = 0;
+            for (int r = 0; r < R; ++r) { s += xc[(oo * R + r) * I + i]; sd += xd[(oo * R + r) * I + i]; }
+            upd(oc[oo * I + i], s);
+            if (std::fabs(od[oo * I + i] - sd) > 1e-12 * (1 + std::fabs(sd)) || std::isnan(od[oo * I + i])) err = worst = INFINITY;
+        }
+        printf("sum_cols [3, 300, 70] f32 and f64: max rel err %.3g\n", err);
+    }
     if (err == INFINITY) worst = INFINITY;
     printf("worst %.3g, argmax mismatches %d\n", worst, mism);
     return worst < 1e-4 && mism == 0 ? 0 : 1;

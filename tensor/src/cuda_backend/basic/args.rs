@@ -319,6 +319,37 @@ pub(crate) fn reduce_lastdim(
     }
 }
 
+/// Threads per block of `sum_cols_<t>`: 32 warps, each summing every 32nd row of its tile.
+pub(crate) const COLS_BLOCK: u32 = 1024;
+
+/// `sum_cols_<t>(const T *x, T *out, i64 outer, i64 red, i64 inner)`: one block of
+/// [`COLS_BLOCK`] threads per tile of 32 adjacent outputs (the kernel loops over the
+/// `outer x ceil(inner / 32)` tiles with a grid stride).
+pub(crate) fn reduce_cols(
+    sfx: &str,
+    x: u64,
+    out: u64,
+    outer: usize,
+    red: usize,
+    inner: usize,
+) -> Launch {
+    let a = KernelArgs::new()
+        .arg(x)
+        .arg(out)
+        .arg(outer as i64)
+        .arg(red as i64)
+        .arg(inner as i64);
+    let tiles = outer.saturating_mul(inner.div_ceil(32));
+    Launch {
+        file: REDUCE,
+        entry: format!("sum_cols_{sfx}"),
+        grid: (tiles.clamp(1, i32::MAX as usize) as u32, 1, 1),
+        block: (COLS_BLOCK, 1, 1),
+        shared: 0,
+        args: a,
+    }
+}
+
 /// `embedding_fwd_<t>(const i64 *ids, const T *weight, T *out, i64 n, i64 vocab, i64 dim,
 /// u64 *bad)`: one thread per output element.
 pub(crate) fn embedding_fwd(
@@ -387,7 +418,7 @@ pub(crate) fn gather(
     Launch::threads(GATHER, format!("gather_{sfx}"), count, a)
 }
 
-/// `gather_bwd_<t>(GatherArgs g, const T *dout, const i64 *index, float *dx, u64 *bad)`: one
+/// `gather_bwd_<t>(GatherArgs g, const T *dout, const i64 *index, A *dx, u64 *bad)`: one
 /// thread per (outer, inner) pair of the index (`pairs` of them).
 pub(crate) fn gather_bwd(
     sfx: &str,
@@ -432,7 +463,7 @@ pub(crate) fn index_select(
     Launch::threads(GATHER, format!("index_select_{sfx}"), outer * m * inner, a)
 }
 
-/// `index_select_bwd_<t>(const T *dout, const i64 *ids, float *dx, i64 outer, i64 xn,
+/// `index_select_bwd_<t>(const T *dout, const i64 *ids, A *dx, i64 outer, i64 xn,
 /// i64 inner, i64 m, u64 *bad)`: one thread per (outer, inner) pair.
 pub(crate) fn index_select_bwd(
     sfx: &str,

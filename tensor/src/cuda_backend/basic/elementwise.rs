@@ -4,7 +4,7 @@
 use meshgrad_kernels::ops::{BinaryOp, CmpOp, UnaryOp};
 
 use super::strided::{as_word_pairs, strided_args, View};
-use super::{args, contiguous, contiguous_ptr, download, float_sfx, from_host, mover, Mover};
+use super::{args, basic_sfx, contiguous, contiguous_ptr, download, from_host, mover, Mover};
 use crate::backend::api::{BackendStorage, In};
 use crate::cuda_backend::CudaStorage;
 use crate::storage::CpuStorage;
@@ -13,7 +13,7 @@ use crate::{DType, Error, Layout, Result};
 /// See `BackendStorage::unary`: `unary_<t>` over a contiguous copy of the view (f32, bf16,
 /// f16).
 pub(crate) fn unary((s, l): In<'_, CudaStorage>, op: UnaryOp) -> Result<CudaStorage> {
-    let sfx = float_sfx("unary", s.dtype())?;
+    let sfx = basic_sfx("unary", s.dtype())?;
     let n = l.shape().elem_count();
     let out = CudaStorage::uninit(s.ctx(), s.dtype(), n)?;
     if n > 0 {
@@ -42,7 +42,7 @@ pub(crate) fn binary(
     (a, al): In<'_, CudaStorage>,
     (b, bl): In<'_, CudaStorage>,
 ) -> Result<CudaStorage> {
-    let sfx = float_sfx("binary", same_dtype("binary", a, b)?)?;
+    let sfx = basic_sfx("binary", same_dtype("binary", a, b)?)?;
     let n = al.shape().elem_count();
     let out = CudaStorage::uninit(a.ctx(), a.dtype(), n)?;
     if n == 0 {
@@ -73,7 +73,7 @@ pub(crate) fn compare(
     (a, al): In<'_, CudaStorage>,
     (b, bl): In<'_, CudaStorage>,
 ) -> Result<CudaStorage> {
-    let sfx = float_sfx("compare", same_dtype("compare", a, b)?)?;
+    let sfx = basic_sfx("compare", same_dtype("compare", a, b)?)?;
     let n = al.shape().elem_count();
     let out = CudaStorage::uninit(a.ctx(), DType::U8, n)?;
     if n > 0 {
@@ -136,7 +136,7 @@ pub(crate) fn where_cond(
 }
 
 /// See `BackendStorage::add_assign_contiguous`: `binary_contig_<t>` adding `src` into `dst` in
-/// place for contiguous f32, bf16 and f16 operands of one element count (the values of
+/// place for contiguous f32, bf16, f16 and f64 operands of one element count (the values of
 /// `binary(Add)`); `Ok(false)` otherwise.
 pub(crate) fn add_assign_contiguous(
     dst: &mut CudaStorage,
@@ -145,7 +145,7 @@ pub(crate) fn add_assign_contiguous(
 ) -> Result<bool> {
     let n = dl.shape().elem_count();
     let (Ok(sfx), Some(d), Some(s)) = (
-        float_sfx("add_assign", dst.dtype()),
+        basic_sfx("add_assign", dst.dtype()),
         contiguous_ptr(dst, dl),
         contiguous_ptr(src, sl),
     ) else {

@@ -14,8 +14,8 @@ use std::sync::{Arc, OnceLock};
 use meshgrad_kernels::cuda::{GatherArgs, MAX_DIMS};
 
 use super::{
-    args, cast, contiguous, download_view, float_sfx, from_host, full, mover, read_u64, to_host,
-    zeros, Mover,
+    acc_dtype, args, basic_sfx, cast, contiguous, download_view, float_sfx, from_host, full, mover,
+    read_u64, to_host, zeros, Mover,
 };
 use crate::backend::api::{BackendStorage, In};
 use crate::cuda_backend::{CudaStorage, DeviceContext};
@@ -97,9 +97,10 @@ impl BadFlag {
     }
 }
 
-/// An f32 accumulator rounded once to `dtype` (itself when `dtype` is f32).
+/// An accumulator (f32, or f64 for f64: [`acc_dtype`]) rounded once to `dtype` (itself when it
+/// is of `dtype`).
 fn finish(acc: CudaStorage, dtype: DType) -> Result<CudaStorage> {
-    if dtype == DType::F32 {
+    if acc.dtype() == dtype {
         return Ok(acc);
     }
     cast(&acc, &Layout::contiguous(acc.len()), dtype)
@@ -287,7 +288,7 @@ pub(crate) fn gather(
 }
 
 /// See `BackendStorage::gather_backward`: `gather_bwd_<t>` (one thread per (outer, inner) pair
-/// of the index, increasing position along `dim`: the CPU's order). f32, bf16, f16.
+/// of the index, increasing position along `dim`: the CPU's order). f32, bf16, f16 (f32 sums); f64.
 pub(crate) fn gather_backward(
     dout: In<'_, CudaStorage>,
     index: In<'_, CudaStorage>,
@@ -295,12 +296,12 @@ pub(crate) fn gather_backward(
     dim: usize,
 ) -> Result<CudaStorage> {
     let dtype = dout.0.dtype();
-    let sfx = float_sfx("gather_backward", dtype)?;
+    let sfx = basic_sfx("gather_backward", dtype)?;
     let il = index.1;
     let g = gather_args("gather_backward", x_dims, il.dims(), dim)?;
     let ctx = dout.0.ctx();
     let idx = Ids::of("gather_backward (index)", index)?;
-    let dx = zeros(ctx.device(), DType::F32, x_dims.iter().product())?;
+    let dx = zeros(ctx.device(), acc_dtype(dtype), x_dims.iter().product())?;
     let pairs: usize =
         il.dims()[..dim].iter().product::<usize>() * il.dims()[dim + 1..].iter().product::<usize>();
     if idx.len > 0 {
@@ -367,7 +368,8 @@ pub(crate) fn index_select(
 }
 
 /// See `BackendStorage::index_select_backward`: `index_select_bwd_<t>` (one thread per
-/// (outer, inner) pair, ids in increasing position: the CPU's order). f32, bf16, f16.
+/// (outer, inner) pair, ids in increasing position: the CPU's order). f32, bf16, f16 (f32
+/// sums); f64.
 pub(crate) fn index_select_backward(
     dout: In<'_, CudaStorage>,
     ids: In<'_, CudaStorage>,
@@ -377,11 +379,11 @@ pub(crate) fn index_select_backward(
     dim: usize,
 ) -> Result<CudaStorage> {
     let dtype = dout.0.dtype();
-    let sfx = float_sfx("index_select_backward", dtype)?;
+    let sfx = basic_sfx("index_select_backward", dtype)?;
     let ctx = dout.0.ctx();
     let ids = Ids::of("index_select_backward (ids)", ids)?;
     let m = ids.len;
-    let dx = zeros(ctx.device(), DType::F32, outer * x_n * inner)?;
+    let dx = zeros(ctx.device(), acc_dtype(dtype), outer * x_n * inner)?;
     if outer * m * inner > 0 {
         let (g, _keep) = contiguous(dout)?;
         let bad = BadFlag::new(ctx)?;

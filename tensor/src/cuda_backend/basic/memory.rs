@@ -3,7 +3,7 @@
 use cudarc::driver::{result, sys};
 use half::{bf16, f16};
 
-use super::{args, copy_contiguous, ctx_of, float_sfx};
+use super::{args, basic_sfx, copy_contiguous, ctx_of, float_sfx};
 use crate::backend::api::{BackendStorage, Distribution};
 use crate::cuda_backend::CudaStorage;
 use crate::storage::CpuStorage;
@@ -198,16 +198,16 @@ pub(crate) fn random(
     }
 }
 
-/// See `BackendStorage::arange`: `arange_<t>` for f32, bf16 and f16 (f64 start + i rounded
-/// once, as the CPU), `arange_i64` for i64 (exact); f64, u8 and u32 on the host (CPU backend)
-/// and copied over.
+/// See `BackendStorage::arange`: `arange_<t>` for f32, bf16, f16 and f64 (f64 start + i
+/// rounded once, as the CPU), `arange_i64` for i64 (exact); u8 and u32 on the host (CPU
+/// backend) and copied over.
 pub(crate) fn arange(device: Device, start: i64, len: usize, dtype: DType) -> Result<CudaStorage> {
     let ctx = ctx_of(device)?;
     let out = CudaStorage::uninit(&ctx, dtype, len)?;
     let ptr = out.device_ptr();
     let launch = match dtype {
         DType::I64 => args::arange_i64(ptr, len, start),
-        d => match float_sfx("arange", d) {
+        d => match basic_sfx("arange", d) {
             Ok(sfx) => args::arange_float(sfx, ptr, len, start),
             Err(_) => {
                 let host = <CpuStorage as BackendStorage>::arange(Device::Cpu, start, len, dtype)?;

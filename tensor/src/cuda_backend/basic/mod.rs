@@ -49,14 +49,34 @@ fn ctx_of(device: Device) -> Result<Arc<DeviceContext>> {
     }
 }
 
-/// The entry-name suffix of the kernels for a float dtype they compute on (in f32); anything
-/// else is [`Error::UnsupportedDType`] naming `op` (f64 math is not provided on CUDA).
+/// The entry-name suffix of the kernels for a float dtype they compute on in f32 (f32, bf16,
+/// f16); anything else is [`Error::UnsupportedDType`] naming `op`.
 fn float_sfx(op: &'static str, dtype: DType) -> Result<&'static str> {
     match dtype {
         DType::F32 => Ok("f32"),
         DType::BF16 => Ok("bf16"),
         DType::F16 => Ok("f16"),
         _ => Err(Error::UnsupportedDType { op, dtype }),
+    }
+}
+
+/// The entry-name suffix of the basic kernels (elementwise maps, comparisons, reductions,
+/// gather and index_select backward), which also take f64 (computed in f64): [`float_sfx`]'s
+/// dtypes and f64.
+fn basic_sfx(op: &'static str, dtype: DType) -> Result<&'static str> {
+    match dtype {
+        DType::F64 => Ok("f64"),
+        d => float_sfx(op, d),
+    }
+}
+
+/// The accumulator dtype of the scatter-add backward kernels for data of `dtype`: f64 for f64,
+/// f32 otherwise (the kernels' `Acc<T>`).
+fn acc_dtype(dtype: DType) -> DType {
+    if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
     }
 }
 

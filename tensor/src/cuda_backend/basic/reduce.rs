@@ -2,7 +2,7 @@
 
 use meshgrad_kernels::ops::ReduceOp;
 
-use super::{args, contiguous, float_sfx};
+use super::{args, basic_sfx, contiguous};
 use crate::backend::api::In;
 use crate::cuda_backend::CudaStorage;
 use crate::{DType, Error, Result};
@@ -11,6 +11,25 @@ use crate::{DType, Error, Result};
 /// shorter ones by one thread each (`_strided`, which adds in the CPU's order).
 pub(crate) const LASTDIM_MIN_RED: usize = 64;
 
+/// Sums over at least this many rows with `inner > 1` and at most [`COLS_MAX_OUTPUTS`] outputs
+/// use `sum_cols_<t>` (a block per 32 outputs) rather than one thread per output.
+pub(crate) const COLS_MIN_RED: usize = 256;
+
+/// The most outputs a `sum_cols_<t>` reduction has; with more, one thread per output keeps the
+/// GPU busy by itself.
+pub(crate) const COLS_MAX_OUTPUTS: usize = 1 << 16;
+
+/// Whether a sum over the middle dim of `[outer, red, inner]` uses `sum_cols_<t>`: rows
+/// (`inner > 1`) long enough and outputs too few for one thread each (a bias gradient, the
+/// column sum of `[rows, out]`, whose one-thread-per-column loop over 8192 rows dominated the
+/// GPT-2 124M linear backward on an H200).
+pub(crate) fn use_cols(op: ReduceOp, outer: usize, red: usize, inner: usize) -> bool {
+    op == ReduceOp::Sum
+        && inner > 1
+        && red >= COLS_MIN_RED
+        && outer.saturating_mul(inner) <= COLS_MAX_OUTPUTS
+}
+
 /// Whether a reduction of `[outer, red, inner]` uses the `_lastdim` kernels (one block per
 /// row: `inner == 1` and rows of at least [`LASTDIM_MIN_RED`]) rather than `_strided` (one
 /// thread per output element).
@@ -18,9 +37,10 @@ pub(crate) fn use_lastdim(red: usize, inner: usize) -> bool {
     inner == 1 && red >= LASTDIM_MIN_RED
 }
 
-/// See `BackendStorage::reduce` (f32, bf16, f16; output in the input's dtype, i64 for argmax as
+/// See `BackendStorage::reduce` (f32, bf16, f16 accumulated in f32, f64 in f64; output in the input's dtype, i64 for argmax as
 /// on the CPU). `_strided` sums add in increasing index order in f32 like the CPU (bitwise
-/// equal for f32); `_lastdim` sums add in a fixed tree order (deterministic, equal to rounding).
+/// equal for f32); `_lastdim` and `sum_cols` sums add in a fixed tree order (deterministic, equal
+/// to rounding).
 /// Max and argmax are exact either way.
 pub(crate) fn reduce(
     op: ReduceOp,
@@ -29,7 +49,7 @@ pub(crate) fn reduce(
     red: usize,
     inner: usize,
 ) -> Result<CudaStorage> {
-    let sfx = float_sfx("reduce", s.dtype())?;
+    let sfx = basic_sfx("reduce", s.dtype())?;
     let out_dtype = if op == ReduceOp::ArgMax {
         DType::I64
     } else {
@@ -48,6 +68,8 @@ pub(crate) fn reduce(
     let (x, _keep) = contiguous((s, l))?;
     let launch = if use_lastdim(red, inner) {
         args::reduce_lastdim(op, sfx, x, out.device_ptr(), outer, red)
+    } else if use_cols(op, outer, red, inner) {
+        args::reduce_cols(sfx, x, out.device_ptr(), outer, red, inner)
     } else {
         args::reduce_strided(op, sfx, x, out.device_ptr(), outer, red, inner)
     };

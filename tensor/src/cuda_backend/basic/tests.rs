@@ -8,8 +8,8 @@ use meshgrad_kernels::ops::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
 use super::args::{self, Launch};
 use super::copy::cast_kernel;
 use super::indexing::gather_args;
-use super::reduce::use_lastdim;
-use super::{float_sfx, mover, Mover};
+use super::reduce::{use_cols, use_lastdim};
+use super::{acc_dtype, basic_sfx, float_sfx, mover, Mover};
 use crate::cuda_backend::signature::check_args;
 use crate::DType;
 
@@ -18,6 +18,8 @@ const P: [u64; 5] = [0x1000, 0x2000, 0x3000, 0x4000, 0x5000];
 
 /// The kernel suffixes of the float element types.
 const FLOATS: [&str; 3] = ["f32", "bf16", "f16"];
+/// The kernel suffixes of the basic kernels' element types (the float ones and f64).
+const BASIC: [&str; 4] = ["f32", "bf16", "f16", "f64"];
 
 /// Checks one launch's arguments against its kernel's declaration; returns its entry name.
 fn ok(l: Launch) -> String {
@@ -47,7 +49,7 @@ fn memory_launches_match_their_kernels() {
     ok(args::fill_i64(P[0], 10, -1));
     ok(args::arange_i64(P[0], 10, -3));
     ok(args::randint(P[0], 10, 7, 3, -5, 10));
-    for sfx in FLOATS {
+    for sfx in BASIC {
         ok(args::arange_float(sfx, P[0], 10, 4));
     }
     for sfx in ["f32", "bf16", "f16", "f64"] {
@@ -105,7 +107,7 @@ fn elementwise_launches_match_their_kernels() {
         UnaryOp::Silu,
         UnaryOp::Clamp(-1.0, 1.0),
     ];
-    for sfx in FLOATS {
+    for sfx in BASIC {
         for op in ops {
             ok(args::unary(sfx, P[0], P[1], 7, op));
         }
@@ -146,12 +148,24 @@ fn op_codes_follow_the_kernels() {
 
 #[test]
 fn reduce_launches_match_their_kernels() {
-    for sfx in FLOATS {
+    for sfx in BASIC {
         for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::ArgMax] {
             ok(args::reduce_strided(op, sfx, P[0], P[1], 3, 4, 5));
             ok(args::reduce_lastdim(op, sfx, P[0], P[1], 3, 500));
         }
+        ok(args::reduce_cols(sfx, P[0], P[1], 2, 8192, 768));
     }
+    // Column tiles: one block of 32 warps per 32 outputs; only long sums of few outputs.
+    let l = args::reduce_cols("bf16", P[0], P[1], 2, 8192, 770);
+    assert_eq!(
+        (l.entry.as_str(), l.grid.0, l.block.0),
+        ("sum_cols_bf16", 2 * 25, 1024)
+    );
+    assert!(use_cols(ReduceOp::Sum, 1, 8192, 768));
+    assert!(!use_cols(ReduceOp::Max, 1, 8192, 768));
+    assert!(!use_cols(ReduceOp::Sum, 1, 100, 768));
+    assert!(!use_cols(ReduceOp::Sum, 1, 8192, 1));
+    assert!(!use_cols(ReduceOp::Sum, 1, 8192, 50_304 * 2));
     // One block per row, whole warps no larger than the row needs.
     let l = args::reduce_lastdim(ReduceOp::Sum, "f32", P[0], P[1], 1000, 70);
     assert_eq!(
@@ -177,6 +191,8 @@ fn indexing_launches_match_their_kernels() {
         ok(args::embedding_bwd(
             false, sfx, P[0], P[1], P[2], 3, 10, 8, P[3],
         ));
+    }
+    for sfx in BASIC {
         ok(args::gather(sfx, g, P[0], P[1], P[2], P[3], 8));
         ok(args::gather_bwd(sfx, g, P[0], P[1], P[2], P[3], 4));
         ok(args::index_select(sfx, P[0], P[1], P[2], 2, 5, 3, 4, P[3]));
@@ -215,6 +231,13 @@ fn dtypes_pick_their_kernels() {
     for d in [DType::F64, DType::U8, DType::U32, DType::I64] {
         assert!(float_sfx("t", d).is_err());
     }
+    assert_eq!(basic_sfx("t", DType::F64).unwrap(), "f64");
+    assert_eq!(basic_sfx("t", DType::F16).unwrap(), "f16");
+    for d in [DType::U8, DType::U32, DType::I64] {
+        assert!(basic_sfx("t", d).is_err());
+    }
+    assert_eq!(acc_dtype(DType::F64), DType::F64);
+    assert_eq!(acc_dtype(DType::BF16), DType::F32);
     assert_eq!(
         mover(DType::U32),
         Mover::Kernel {

@@ -89,7 +89,7 @@ fn products_match_the_host_and_plans_are_cached() -> Result<()> {
     let Some(device) = device() else {
         return Ok(());
     };
-    let (m, n, k) = (6, 5, 7);
+    let (m, n, k) = (6, 5, 8); // rows of 32 bytes: one element further is 4-byte aligned
     let a: Vec<f32> = (0..m * k + 1).map(|i| (i % 7) as f32 - 3.0).collect();
     let b: Vec<f32> = (0..k * n + 1).map(|i| (i % 5) as f32 * 0.5 - 1.0).collect();
     let (ga, gb) = (upload(device, a.clone())?, upload(device, b.clone())?);

@@ -38,13 +38,16 @@ pub(crate) fn every_launch() -> Vec<Launch> {
         weight_decay: 0.1,
         step: 1,
     };
+    // Log-sum-exp also takes f64 (reduce.cu instantiates it with the basic kernels).
+    for t in ["f32", "bf16", "f16", "f64"] {
+        v.push(logsumexp_launch(t, 1, 2, 3, 4, 1));
+        v.push(logsumexp_launch(t, 1, 2, 3, 4, 5));
+    }
     for t in SUFFIXES {
         for log in [false, true] {
             v.push(softmax_fwd_launch(t, log, 1, 2, 3, 4));
             v.push(softmax_bwd_launch(t, log, 1, 2, 3, 4, 5));
         }
-        v.push(logsumexp_launch(t, 1, 2, 3, 4, 1));
-        v.push(logsumexp_launch(t, 1, 2, 3, 4, 5));
         v.push(gelu_bwd_launch(t, 1, 2, 3, 4, true));
         v.push(unary_bwd_launch(t, 1, 2, 3, 4, UnaryGrad::Clamp(0.0, 1.0)));
         v.push(swiglu_fwd_launch(t, 1, 2, 3, 4));

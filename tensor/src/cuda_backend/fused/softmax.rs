@@ -1,6 +1,7 @@
 //! Row softmax / log-softmax forward and backward (softmax.cu) and log-sum-exp over one
-//! dimension (reduce.cu's `logsumexp_*` kernels). f32, bf16 and f16 (computed in f32); f64 is
-//! not provided on CUDA (`Ok(None)`: the tensor op falls back, or reports it not implemented).
+//! dimension (reduce.cu's `logsumexp_*` kernels). Softmax: f32, bf16 and f16 (computed in f32);
+//! for f64 `Ok(None)` (the tensor op falls back to its composition of basic ops, which take
+//! f64). Log-sum-exp: those and f64 (computed in f64).
 
 use super::args::{i64_of, row_grid, sfx, Arg, Launch, BLOCK_1D};
 use super::operand::{as_dtype, check_len, contiguous, output};
@@ -137,7 +138,7 @@ pub(in crate::cuda_backend) fn softmax_backward(
 }
 
 /// See `BackendStorage::logsumexp`: the result in the input's dtype (f32 / bf16 / f16, computed
-/// in f32), `Ok(None)` for f64.
+/// in f32; f64 in f64).
 pub(in crate::cuda_backend) fn logsumexp(
     x: In<'_, CudaStorage>,
     outer: usize,
@@ -145,7 +146,9 @@ pub(in crate::cuda_backend) fn logsumexp(
     inner: usize,
 ) -> Fused<CudaStorage> {
     let dt = x.0.dtype();
-    let Some(t) = sfx(dt) else { return Ok(None) };
+    let Some(t) = sfx(dt).or((dt == crate::DType::F64).then_some("f64")) else {
+        return Ok(None);
+    };
     check_len("logsumexp", "x", x.1, outer * red * inner)?;
     let xo = contiguous(x)?;
     let ctx = x.0.ctx();
