@@ -5,7 +5,8 @@
 // Forward: `out[i] = weight[ids[i]]`, one thread per output element. An id outside `0..vocab`
 // writes a zero row and records its position with atomicMin in `*bad` (the launcher sets it to
 // ~0 before and raises the error after; the CPU checks before writing anything).
-// Backward, two instances, both accumulating into an f32 `dweight` (not zeroed first):
+// Backward, two instances, both accumulating into a `dweight` of the compute type (not zeroed
+// first; f32, or f64 for f64 data):
 // - `embedding_bwd_det_<t>`: deterministic and sort-free. One thread per column `c`, looping over
 //   the positions `i` in increasing order and adding `dout[i, c]` into `dweight[ids[i], c]` —
 //   the CPU's order exactly, so with f32 data the sums are bitwise the CPU's. Its parallelism is
@@ -13,7 +14,6 @@
 // - `embedding_bwd_atomic_<t>`: one thread per `dout` element with atomicAdd: fast, but the
 //   order of additions (and so the rounding) varies from run to run: NOT deterministic.
 // Out-of-range ids are skipped and flagged as in the forward.
-// Compiled by NVRTC in CI; not run on a GPU.
 
 template <typename T>
 __device__ void embedding_fwd_impl(const i64 *ids, const T *weight, T *out, i64 n, i64 vocab, i64 dim, u64 *bad) {
@@ -29,8 +29,8 @@ __device__ void embedding_fwd_impl(const i64 *ids, const T *weight, T *out, i64 
     }
 }
 
-template <typename T>
-__device__ void embedding_bwd_det_impl(const i64 *ids, const T *dout, float *dweight, i64 n, i64 vocab, i64 dim,
+template <typename T, typename A>
+__device__ void embedding_bwd_det_impl(const i64 *ids, const T *dout, A *dweight, i64 n, i64 vocab, i64 dim,
                                        u64 *bad) {
     MG_GRID_STRIDE(c, dim) {
         for (i64 i = 0; i < n; ++i) {
@@ -44,8 +44,8 @@ __device__ void embedding_bwd_det_impl(const i64 *ids, const T *dout, float *dwe
     }
 }
 
-template <typename T>
-__device__ void embedding_bwd_atomic_impl(const i64 *ids, const T *dout, float *dweight, i64 n, i64 vocab, i64 dim,
+template <typename T, typename A>
+__device__ void embedding_bwd_atomic_impl(const i64 *ids, const T *dout, A *dweight, i64 n, i64 vocab, i64 dim,
                                           u64 *bad) {
     MG_GRID_STRIDE(idx, n * dim) {
         const i64 i = idx / dim, c = idx % dim;
@@ -58,17 +58,21 @@ __device__ void embedding_bwd_atomic_impl(const i64 *ids, const T *dout, float *
     }
 }
 
-#define EMB_ENTRIES(sfx, T)                                                                      \
+// A: the backward's accumulator type (Acc<T>::type), written out for the entry points' signatures.
+#define EMB_ENTRIES(sfx, T, A)                                                                   \
     extern "C" __global__ void embedding_fwd_##sfx(const i64 *ids, const T *weight, T *out, i64 n, i64 vocab, \
                                                    i64 dim, u64 *bad) {                          \
         embedding_fwd_impl<T>(ids, weight, out, n, vocab, dim, bad);                             \
     }                                                                                            \
-    extern "C" __global__ void embedding_bwd_det_##sfx(const i64 *ids, const T *dout, float *dweight, i64 n, \
+    extern "C" __global__ void embedding_bwd_det_##sfx(const i64 *ids, const T *dout, A *dweight, i64 n, \
                                                        i64 vocab, i64 dim, u64 *bad) {           \
-        embedding_bwd_det_impl<T>(ids, dout, dweight, n, vocab, dim, bad);                       \
+        embedding_bwd_det_impl<T, A>(ids, dout, dweight, n, vocab, dim, bad);                    \
     }                                                                                            \
-    extern "C" __global__ void embedding_bwd_atomic_##sfx(const i64 *ids, const T *dout, float *dweight, i64 n, \
+    extern "C" __global__ void embedding_bwd_atomic_##sfx(const i64 *ids, const T *dout, A *dweight, i64 n, \
                                                           i64 vocab, i64 dim, u64 *bad) {        \
-        embedding_bwd_atomic_impl<T>(ids, dout, dweight, n, vocab, dim, bad);                    \
+        embedding_bwd_atomic_impl<T, A>(ids, dout, dweight, n, vocab, dim, bad);                 \
     }
-MG_FOR_FLOAT_TYPES(EMB_ENTRIES)
+EMB_ENTRIES(f32, float, float)
+EMB_ENTRIES(bf16, __nv_bfloat16, float)
+EMB_ENTRIES(f16, __half, float)
+EMB_ENTRIES(f64, double, double)

@@ -70,6 +70,7 @@ inline float __double2float_rn(double d) { return (float)d; }
 static std::mutex g_atomic_mu;
 inline unsigned long long atomicMin(unsigned long long *p, unsigned long long v) { std::lock_guard<std::mutex> g(g_atomic_mu); auto o = *p; if (v < o) *p = v; return o; }
 inline float atomicAdd(float *p, float v) { std::lock_guard<std::mutex> g(g_atomic_mu); auto o = *p; *p = o + v; return o; }
+inline double atomicAdd(double *p, double v) { std::lock_guard<std::mutex> g(g_atomic_mu); auto o = *p; *p = o + v; return o; }
 // bf16 / f16 stand-ins (round to nearest even from float; only what the kernels use).
 struct __nv_bfloat16 { uint16_t b; };
 struct __half { uint16_t b; };

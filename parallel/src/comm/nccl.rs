@@ -152,6 +152,10 @@ pub struct NcclCommunicator {
     timeout: Duration,
     shared: Arc<Shared>,
     tx: Mutex<Sender<Request>>,
+    /// Disconnected when the communicator's thread has ended (its NCCL communicator destroyed):
+    /// `Drop` waits for it, so that no NCCL teardown still runs when the process exits (seen on
+    /// an H200: SIGSEGV in NCCL's `commFree` racing the CUDA runtime's exit handlers).
+    finished: Mutex<Receiver<()>>,
     /// Collectives issued on this group (the next one's sequence number).
     colls: AtomicU64,
     /// Messages sent to / receives posted from each peer (group ranks).
@@ -370,6 +374,7 @@ impl NcclCommunicator {
         });
         let (tx, rx) = channel();
         let (init_tx, init_rx) = channel();
+        let (finished_tx, finished) = channel::<()>();
         let world = ranks.len();
         let thread = Thread {
             rank,
@@ -382,7 +387,10 @@ impl NcclCommunicator {
         };
         std::thread::Builder::new()
             .name(format!("meshgrad-nccl-{key}"))
-            .spawn(move || thread.run(rx, init_tx, id, world))
+            .spawn(move || {
+                thread.run(rx, init_tx, id, world);
+                drop(finished_tx);
+            })
             .map_err(|e| {
                 fail(CommErrorKind::Backend(format!(
                     "cannot start its thread: {e}"
@@ -411,6 +419,7 @@ impl NcclCommunicator {
             timeout,
             shared,
             tx: Mutex::new(tx),
+            finished: Mutex::new(finished),
             colls: AtomicU64::new(0),
             sends: Mutex::new(HashMap::new()),
             recvs: Mutex::new(HashMap::new()),
@@ -604,12 +613,17 @@ fn tensor_work(w: Work<Option<Tensor>>) -> Work {
 }
 
 impl Drop for NcclCommunicator {
+    /// Asks the communicator's thread to finish what is in flight and destroy the NCCL
+    /// communicator, and waits for it (at most the watchdog's timeout and 10 s more: the thread
+    /// aborts what has not finished by the timeout).
     fn drop(&mut self) {
         let _ = self
             .tx
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .send(Request::Shutdown);
+        let finished = self.finished.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = finished.recv_timeout(self.timeout.saturating_add(Duration::from_secs(10)));
     }
 }
 

@@ -375,7 +375,7 @@ pub(crate) fn embedding_fwd(
 
 /// `embedding_bwd_det_<t>` (one thread per column, positions in increasing order: the CPU's
 /// order, deterministic) or `embedding_bwd_atomic_<t>` (one thread per element, atomicAdd: not
-/// deterministic), both `(const i64 *ids, const T *dout, float *dweight, i64 n, i64 vocab,
+/// deterministic), both `(const i64 *ids, const T *dout, A *dweight, i64 n, i64 vocab,
 /// i64 dim, u64 *bad)`.
 pub(crate) fn embedding_bwd(
     deterministic: bool,

@@ -14,8 +14,8 @@ use std::sync::{Arc, OnceLock};
 use meshgrad_kernels::cuda::{GatherArgs, MAX_DIMS};
 
 use super::{
-    acc_dtype, args, basic_sfx, cast, contiguous, download_view, float_sfx, from_host, full, mover,
-    read_u64, to_host, zeros, Mover,
+    acc_dtype, args, basic_sfx, cast, contiguous, download_view, from_host, full, mover, read_u64,
+    to_host, zeros, Mover,
 };
 use crate::backend::api::{BackendStorage, In};
 use crate::cuda_backend::{CudaStorage, DeviceContext};
@@ -169,7 +169,8 @@ pub(crate) fn embedding(
 
 /// See `BackendStorage::embedding_backward`: `embedding_bwd_det_<t>` (one thread per column,
 /// positions in increasing order: the CPU's order, so f32 sums are bitwise the CPU's), or
-/// `embedding_bwd_atomic_<t>` when `MESHGRAD_CUDA_EMBEDDING_BWD=atomic`. f32, bf16, f16.
+/// `embedding_bwd_atomic_<t>` when `MESHGRAD_CUDA_EMBEDDING_BWD=atomic`. f32, bf16, f16 (f32
+/// sums); f64.
 pub(crate) fn embedding_backward(
     dout: In<'_, CudaStorage>,
     ids: In<'_, CudaStorage>,
@@ -177,11 +178,11 @@ pub(crate) fn embedding_backward(
     dim: usize,
 ) -> Result<CudaStorage> {
     let dtype = dout.0.dtype();
-    let sfx = float_sfx("embedding_backward", dtype)?;
+    let sfx = basic_sfx("embedding_backward", dtype)?;
     let ctx = dout.0.ctx();
     let ids = Ids::of("embedding_backward (ids)", ids)?;
     let n = ids.len;
-    let dw = zeros(ctx.device(), DType::F32, vocab * dim)?;
+    let dw = zeros(ctx.device(), acc_dtype(dtype), vocab * dim)?;
     if n * dim > 0 {
         let (g, _keep) = contiguous(dout)?;
         let bad = BadFlag::new(ctx)?;
