@@ -10,7 +10,6 @@
 // derivative `Φ(x) + x φ(x)`; SwiGLU `y = g σ(g) u`, `dup = dy g σ(g)`,
 // `dgate = dy u σ(g)(1 + g(1 - σ(g)))`. Computed in f32 (expf/erff: equal to the CPU to a few
 // ulp, not bitwise). A sigmoid whose exp overflows gives 0, as on the CPU.
-// Compiled by NVRTC in CI; not run on a GPU.
 
 #define A_SQRT_2_OVER_PI 0.7978845608028654
 #define A_GELU_CUBIC 0.044715

@@ -28,8 +28,8 @@
 // Arithmetic: inputs widened to f32 in shared memory, all accumulation in f32 (expf, fused
 // multiply-adds): equal to the CPU reference to rounding, not bitwise.
 // Head dims 64 and 128. This is a straightforward CUDA-core (FMA) version without tensor-core
-// MMA, far from peak. Compiled by NVRTC in CI, never run on a GPU; its logic was checked on the
-// CPU under the host emulation in kernels/cuda/emu (t_attn.cpp).
+// MMA, far from peak (about 6 TFLOP/s on an H200: benches/README.md). Its logic is also checked
+// on the CPU under the host emulation in kernels/cuda/emu (t_attn.cpp).
 
 struct HeadLayout {
     i64 offset, batch_stride, head_stride, row_stride;

@@ -17,7 +17,6 @@
 // `*bad` (atomicMin; the launcher sets ~0 before and raises the CPU's error after) and gets NaN
 // loss and a zero dlogits row.
 // Sums are in f32 in a per-thread then block-tree order (equal to the CPU to rounding).
-// Compiled by NVRTC in CI; not run on a GPU.
 
 // Online (max, sum) merge: the pair represents Σ exp(x - m) = s.
 __device__ __forceinline__ void lse_merge(float &m, float &s, float m2, float s2) {

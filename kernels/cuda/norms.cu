@@ -17,7 +17,6 @@
 // deterministic for a given grid size (no atomics), but the order differs from the CPU's
 // increasing-row order, so the sums agree to rounding.
 // Row sums: per-thread strided pass then a block tree, in f32.
-// Compiled by NVRTC in CI; not run on a GPU.
 
 template <typename T, bool RMS>
 __device__ void norm_fwd_impl(const T *x, const T *w, const T *b, T *y, float *mean_out, float *rstd_out,

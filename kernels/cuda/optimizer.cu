@@ -13,7 +13,6 @@
 // Every multiply and add is an explicit round-to-nearest intrinsic (no fused multiply-add) and
 // sqrt/division are IEEE, in the CPU's order, so for f32 grads the results are bitwise those of
 // the CPU reference (by construction; not yet checked on a GPU). Elementwise: deterministic.
-// Compiled by NVRTC in CI; not run on a GPU.
 
 template <typename G>
 __device__ void adamw_impl(float *param, const G *grad, float *m, float *v, __nv_bfloat16 *param_bf16, i64 n,

@@ -19,7 +19,6 @@
 // - dropout: `keep = uniform(start + i) >= p` (p rounded to f32 by the host, as the CPU compares
 //   in f32); mask value `scale = 1/(1-p)` (host f64, rounded to T) or 0; the fused
 //   `dropout_apply_<t>` writes `x * scale` or 0 and optionally the u8 keep mask.
-// Compiled by NVRTC in CI; not run on a GPU.
 
 #define PH_M0 0xD2511F53u
 #define PH_M1 0xCD9E8D57u

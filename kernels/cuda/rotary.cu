@@ -10,7 +10,6 @@
 // rotates by -a (the backward pass, applied to the output gradient).
 // One thread per (row, pair): `head_dim` must be even. `out` may alias `x` (each thread reads
 // its pair before writing it).
-// Compiled by NVRTC in CI; not run on a GPU.
 
 template <typename T>
 __device__ void rotary_impl(const T *x, const i64 *positions, T *out, i64 batch, i64 seq, i64 heads, i64 head_dim,

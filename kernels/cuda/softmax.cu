@@ -9,7 +9,6 @@
 // `dx = dy - exp(y) Σ dy`. Sums in f32 over a per-thread strided pass then a block tree (a
 // fixed order for a given blockDim, not the CPU's lane order: equal to rounding, not bitwise).
 // A row of all -inf gives NaN, as the CPU's max-subtracted form does.
-// Compiled by NVRTC in CI; not run on a GPU.
 
 template <typename T, bool LOG>
 __device__ void softmax_fwd_impl(const T *x, T *y, i64 rows, i64 cols) {

@@ -7,8 +7,8 @@
 //! `kernels/tests/nvrtc_compile.rs` compiles every source for sm_80 and sm_90 and checks that
 //! exactly those entry points appear in the PTX.
 //!
-//! Status: these kernels are compiled by NVRTC in CI (no GPU there); none has been run on a GPU
-//! yet, so their results are unverified on hardware. `kernels/cuda/emu/run.sh` runs the kernel
+//! These kernels are compiled by NVRTC in CI (no GPU there; what ran on a GPU: README's Status).
+//! `kernels/cuda/emu/run.sh` runs the kernel
 //! sources on the CPU under a host emulation of the CUDA execution model and compares them with
 //! naive references: evidence about their indexing, masking and synchronisation logic, not about
 //! device behaviour. Each file's header comment names the CPU
