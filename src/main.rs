@@ -412,7 +412,10 @@ struct TrainArgs {
     #[arg(long, value_name = "K")]
     keep: Option<usize>,
     /// Continue an earlier run from its latest checkpoint: its --out folder (or a checkpoint
-    /// folder). The config, data and layout may differ only where a resumed run allows.
+    /// folder). Without --config the run's config is the checkpoint's (model, data,
+    /// hyper-parameters, --out, --steps), so no flag needs repeating; flags and --set apply on
+    /// top, and model, data, seed, batch size and precision must stay the checkpoint's. The
+    /// layout may differ.
     #[arg(long, value_name = "DIR")]
     resume: Option<PathBuf>,
     /// Train into an --out folder that already holds a run, starting over (its checkpoints are
@@ -438,10 +441,15 @@ struct TrainArgs {
 }
 
 fn train_config(a: &TrainArgs) -> Result<TrainConfig> {
-    let mut cfg = match &a.config {
-        Some(p) => TrainConfig::from_toml_file(p)?,
-        None => TrainConfig::default(),
+    let mut cfg = match (&a.config, &a.resume) {
+        (Some(p), _) => TrainConfig::from_toml_file(p)?,
+        (None, Some(dir)) => meshgrad::run_checkpoint::resume_base_config(dir)?,
+        (None, None) => TrainConfig::default(),
     };
+    // A checkpoint's config names its own run's metrics file: a run resumed into another
+    // --out must not append to (and cut back) that file unless --metrics says so.
+    let saved =
+        (a.config.is_none() && a.resume.is_some()).then(|| (cfg.out.clone(), cfg.metrics.clone()));
     let flags: [(&str, Option<String>); 13] = [
         ("model.kind", a.model.clone()),
         ("train.steps", a.steps.map(|v| v.to_string())),
@@ -464,6 +472,9 @@ fn train_config(a: &TrainArgs) -> Result<TrainConfig> {
     }
     for s in &a.set {
         cfg.apply_assignment(s)?;
+    }
+    if saved.is_some_and(|(out, metrics)| out != cfg.out && metrics == cfg.metrics) {
+        cfg.metrics = None;
     }
     cfg.validate()?;
     Ok(cfg)

@@ -253,20 +253,12 @@ pub(crate) fn rank_pieces(
 /// still has steps to run; returns
 /// the checkpoint and its step.
 pub(crate) fn open_resume(cfg: &TrainConfig, dir: &Path) -> Result<(Checkpoint, usize)> {
-    let ckpts = checkpoints_dir(dir);
-    let at = if ckpts.is_dir() {
-        ckpts
-    } else {
-        dir.to_path_buf()
-    };
-    let ck = Checkpoint::open(&at).with_context(|| format!("--resume {}", dir.display()))?;
+    let ck = resume_checkpoint(dir)?;
     let meta = ck.metadata();
     let step = meta["step"].as_u64().ok_or_else(|| {
         anyhow::anyhow!("--resume {}: the checkpoint records no step", dir.display())
     })? as usize;
-    if let Some(text) = meta["config"].as_str() {
-        let saved = TrainConfig::from_toml_str(text, "the checkpoint's config")
-            .with_context(|| format!("--resume {}: its config", dir.display()))?;
+    if let Some(saved) = saved_config(&ck, dir)? {
         type Key = (&'static str, fn(&TrainConfig) -> String);
         // A half-precision run's optimizer state holds f32 master weights that an f32 run does
         // not have (and the reverse), so the precision must match too.
@@ -303,6 +295,39 @@ pub(crate) fn open_resume(cfg: &TrainConfig, dir: &Path) -> Result<(Checkpoint, 
         );
     }
     Ok((ck, step))
+}
+
+/// The checkpoint `--resume DIR` names, opened: `DIR/checkpoints`' latest when `DIR` is a run's
+/// `--out`, else `DIR` itself.
+fn resume_checkpoint(dir: &Path) -> Result<Checkpoint> {
+    let ckpts = checkpoints_dir(dir);
+    let at = if ckpts.is_dir() {
+        ckpts
+    } else {
+        dir.to_path_buf()
+    };
+    Checkpoint::open(&at).with_context(|| format!("--resume {}", dir.display()))
+}
+
+/// The config `ck` (opened from `--resume dir`) was saved with, if it records one.
+fn saved_config(ck: &Checkpoint, dir: &Path) -> Result<Option<TrainConfig>> {
+    ck.metadata()["config"]
+        .as_str()
+        .map(|text| {
+            TrainConfig::from_toml_str(text, "the checkpoint's config")
+                .with_context(|| format!("--resume {}: its config", dir.display()))
+        })
+        .transpose()
+}
+
+/// The config a run resumed from `dir` starts from when no `--config` file is given: the one its
+/// checkpoint was saved with (model, data, hyper-parameters, `out`, `train.steps`), so that
+/// `--resume` needs no flag repeated; flags and `--set` then apply on top (a model or data flag
+/// that differs from the checkpoint is refused by [`open_resume`]). The defaults when the
+/// checkpoint records no config.
+pub fn resume_base_config(dir: &Path) -> Result<TrainConfig> {
+    let ck = resume_checkpoint(dir)?;
+    Ok(saved_config(&ck, dir)?.unwrap_or_default())
 }
 
 /// Loads `ck` into this rank's model and optimizer (or its ZeRO wrapper), under the current

@@ -13,6 +13,9 @@
 //! * `eval`, `generate` and `export` read training checkpoints (saved as ZeRO-3 segments) and
 //!   give what the run's final model gives; a BERT saved on one device resumes under dp=2.
 //! * A resumed run must continue the same model and data; a folder holding a run is refused.
+//! * `--resume` alone takes the model, seed and steps from the checkpoint's config (bit for bit
+//!   the uninterrupted run), leaves the original run's metrics file alone, and still refuses a
+//!   model flag that differs.
 
 mod common;
 
@@ -407,4 +410,44 @@ fn bert_resumes_under_another_layout_and_eval_reads_its_checkpoint() {
         common::loss_line(&o).to_bits(),
         common::loss_line(&e).to_bits()
     );
+}
+
+#[test]
+fn resume_takes_the_model_and_schedule_from_the_checkpoint() {
+    let dir = tmpdir("resume-config");
+    assert_ok(&train(
+        &dir,
+        "full",
+        10,
+        &["--save-every", "5", "--seed", "7"],
+    ));
+    let from = checkpoint(&dir, "full", 5);
+    let full_metrics = std::fs::read(dir.join("full.jsonl")).unwrap();
+    // No model, data, seed or steps flag: all of it comes from the checkpoint's config.
+    let resumed = |tag: &str, extra: &[&str]| {
+        let mut cmd = bin();
+        cmd.args(["train", "--resume", &from])
+            .args(["--out", dir.join(tag).to_str().unwrap()])
+            .args(extra);
+        cmd.output().unwrap()
+    };
+    let metrics = dir.join("resumed.jsonl");
+    assert_ok(&resumed(
+        "resumed",
+        &["--metrics", metrics.to_str().unwrap()],
+    ));
+    let want: Vec<(u64, f64)> = losses(&dir, "full").into_iter().skip(5).collect();
+    let got = losses(&dir, "resumed");
+    assert_eq!(got.len(), 5);
+    for ((sa, a), (sb, b)) in got.iter().zip(&want) {
+        assert_eq!(sa, sb);
+        assert_eq!(a.to_bits(), b.to_bits(), "step {sa}: {a} vs {b}");
+    }
+    assert_eq!(weights(&dir, "resumed"), weights(&dir, "full"));
+    // Into another --out without --metrics: the original run's metrics file is left alone.
+    assert_ok(&resumed("elsewhere", &[]));
+    assert_eq!(std::fs::read(dir.join("full.jsonl")).unwrap(), full_metrics);
+    // A model flag that differs from the checkpoint is still refused, naming both values.
+    let o = resumed("bad", &["--set", "model.n_layer=2"]);
+    assert_one_line_error(&o, &["model.n_layer is 4 in the checkpoint but 2"]);
 }
