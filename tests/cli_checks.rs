@@ -320,14 +320,21 @@ fn generate_checks_its_arguments_streams_and_stops_on_nan() {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let mut first = [0u8; 8];
-        tx.send(stdout.read_exact(&mut first).map(|()| first)).ok();
+        // The pipe goes back with the bytes: dropping it here would end the child (EPIPE)
+        // before it is asked whether it still runs.
+        let r = stdout.read_exact(&mut first).map(|()| first);
+        tx.send((r, stdout)).ok();
     });
     let first = rx.recv_timeout(Duration::from_secs(30));
     let running = child.try_wait().unwrap().is_none();
     child.kill().unwrap();
     child.wait().unwrap();
     assert!(running, "the process should still be generating");
-    assert!(matches!(first, Ok(Ok(_))), "no text within 30 s: {first:?}");
+    assert!(
+        matches!(first, Ok((Ok(_), _))),
+        "no text within 30 s: {:?}",
+        first.map(|(r, _)| r)
+    );
 
     // NaN weights: the logits are NaN at the first step.
     let model = meshgrad::train::load_checkpoint(&ckpt).unwrap();
