@@ -534,17 +534,15 @@ fn run(cli: Cli) -> Result<()> {
             meshgrad::train_parallel::check_process_layout(backend, &env, layout.as_ref())?;
             let r = if cfg.model.kind == meshgrad::config::ModelKind::Bert {
                 meshgrad::train_bert::train_bert(&cfg, layout.as_ref(), &opts, Verbosity::Normal)
-                    .map(|_| ())
             } else {
                 match &layout {
-                    None => meshgrad::train::train_with(&cfg, &opts, Verbosity::Normal).map(|_| ()),
+                    None => meshgrad::train::train_with(&cfg, &opts, Verbosity::Normal),
                     Some(layout) => meshgrad::train_parallel::train_parallel(
                         &cfg,
                         layout,
                         &opts,
                         Verbosity::Normal,
-                    )
-                    .map(|_| ()),
+                    ),
                 }
             };
             if let Err(e) = &r {
@@ -552,7 +550,11 @@ fn run(cli: Cli) -> Result<()> {
                 // job of processes has dumped already).
                 meshgrad::flight::dump_on_error(e);
             }
-            r?;
+            // Last, for the planner's predictions to be set beside (the largest rank's).
+            println!(
+                "peak_memory_per_rank_mib={:.1}",
+                r?.peak_memory_per_rank as f64 / (1024.0 * 1024.0)
+            );
         }
         Command::Flight { dir } => meshgrad::flight::run(&dir)?,
         Command::Launch {

@@ -43,6 +43,11 @@ pub struct TrainSummary {
     pub checkpoint: PathBuf,
     /// The generated sample (empty when `sample_tokens == 0`).
     pub sample: String,
+    /// The largest rank's peak of tracked bytes on the device it computes on (one device: the
+    /// run's peak): parameters, gradients, optimizer state, activations and temporaries, as
+    /// the allocator accounting (`meshgrad_tensor::alloc`) counts them. `meshgrad train`
+    /// prints it last, as `peak_memory_per_rank_mib=`.
+    pub peak_memory_per_rank: usize,
 }
 
 /// How the run reports progress.
@@ -1226,6 +1231,7 @@ pub(crate) fn finish_run(
         tokens_per_s: r.tokens_per_s,
         checkpoint: out,
         sample,
+        peak_memory_per_rank: meshgrad_tensor::alloc::memory_stats(train_device(cfg)?).peak,
     };
     if verbosity != Verbosity::Quiet {
         println!(

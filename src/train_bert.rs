@@ -377,6 +377,10 @@ pub(crate) fn finish(
         tokens_per_s: r.tokens_per_s,
         checkpoint: out,
         sample: String::new(),
+        peak_memory_per_rank: meshgrad_tensor::alloc::memory_stats(
+            crate::train::train_device(cfg)?,
+        )
+        .peak,
     };
     if verbosity != Verbosity::Quiet {
         println!(
@@ -556,6 +560,10 @@ pub fn train_bert(
                     Ok(None)
                 }
             },
-        ),
+        )
+        .map(|(mut summary, peak)| {
+            summary.peak_memory_per_rank = peak;
+            summary
+        }),
     }
 }

@@ -190,13 +190,21 @@ impl RankWrapper {
 /// `timeout` without its peers), each with its [`LayoutMesh`], and returns what rank 0 returned.
 /// In `reference` mode the mesh's groups add float sums in the aligned tree over their ranks
 /// ([`mesh_world`]).
-/// `body` returns `Some` on the leader only.
+/// `body` returns `Some` on the leader only. Returned beside rank 0's result: the largest
+/// rank's peak of tracked bytes (each rank's own tracker, [`RankCtx::tracker`]), agreed by
+/// one all-reduce after `body`.
 pub(crate) fn on_ranks<T: Send>(
     layout: &ParallelLayout,
     timeout: Duration,
     reference: bool,
     body: impl Fn(&RankCtx, &LayoutMesh) -> Result<Option<T>> + Send + Sync,
-) -> Result<T> {
+) -> Result<(T, usize)> {
+    let body = |ctx: &RankCtx, mesh: &LayoutMesh| -> Result<Option<(T, usize)>> {
+        let r = body(ctx, mesh)?;
+        let peak = ctx.tracker.stats().peak as f64; // exact: below 2^53 bytes
+        let largest = all_reduce_scalar(ctx.comm.as_ref(), peak, ReduceOp::Max)?;
+        Ok(r.map(|t| (t, largest as usize)))
+    };
     match selected_backend() {
         Backend::Nccl => return on_nccl_rank(layout, timeout, reference, body),
         Backend::Tcp => {
@@ -650,7 +658,7 @@ pub fn train_parallel(
         let task = crate::pipeline_gpt::GptPipeline::new(cfg, &data);
         return crate::train_pipeline::train_pipeline(&task, layout, opts, verbosity);
     }
-    on_ranks(
+    let (mut summary, peak) = on_ranks(
         layout,
         opts.collective_timeout,
         cfg.train.reference,
@@ -725,7 +733,9 @@ pub fn train_parallel(
                 Ok(None)
             }
         },
-    )
+    )?;
+    summary.peak_memory_per_rank = peak;
+    Ok(summary)
 }
 
 /// Under tensor parallelism, the single-device model (on the leader only): every rank gathers

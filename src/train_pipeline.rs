@@ -603,7 +603,7 @@ pub(crate) fn train_pipeline<T: PipelineTask>(
     // Per rank and step: when the rank started and finished its schedule.
     let step_windows = std::sync::Mutex::new(Vec::<StepWindow>::new());
     let reference = task.cfg().train.reference;
-    let summary = on_ranks(layout, opts.collective_timeout, reference, |ctx, mesh| {
+    let (mut summary, peak) = on_ranks(layout, opts.collective_timeout, reference, |ctx, mesh| {
         rank_main(
             task,
             layout,
@@ -647,6 +647,7 @@ pub(crate) fn train_pipeline<T: PipelineTask>(
             println!("trace: {}", path.display());
         }
     }
+    summary.peak_memory_per_rank = peak;
     Ok(summary)
 }
 

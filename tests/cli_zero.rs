@@ -64,3 +64,41 @@ fn sharded_layouts_match_single_device() {
         "single",
     );
 }
+
+/// The `peak_memory_per_rank_mib=` line `meshgrad train` prints last.
+fn peak_mib(o: &Output) -> f64 {
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let last = out.lines().last().unwrap_or_default();
+    last.strip_prefix("peak_memory_per_rank_mib=")
+        .unwrap_or_else(|| panic!("last line {last:?}"))
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn every_run_ends_with_its_largest_ranks_peak_memory() {
+    let dir = tmpdir("zero-peak");
+    // Model states (about 7 MiB replicated) outweigh the activations, so sharding them shows.
+    let sets = [
+        "model.n_layer=2",
+        "model.n_embd=128",
+        "model.n_head=2",
+        "model.block_size=32",
+        "train.batch_size=8",
+        "train.eval_batches=1",
+        "train.sample_tokens=0",
+    ];
+    let run = |tag: &str, layout: &[&str]| peak_mib(&common::train(&dir, tag, 2, &sets, layout));
+    let single = run("single", &[]);
+    let dp = run("dp2", &["--layout", "dp=2"]);
+    let fsdp = run("fsdp2", &["--layout", "fsdp=2"]);
+    // Parameters, gradients and AdamW's two moments in f32: at least 4 x 4 bytes per parameter.
+    let params = 2.0 * 12.0 * 128.0 * 128.0;
+    let states_mib = 16.0 * params / (1024.0 * 1024.0);
+    assert!(single > states_mib && dp > states_mib, "{single} {dp} vs {states_mib}");
+    assert!(
+        fsdp < dp - 0.3 * states_mib,
+        "fsdp=2 {fsdp} MiB not below dp=2 {dp} MiB"
+    );
+}
