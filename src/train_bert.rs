@@ -377,9 +377,9 @@ pub(crate) fn finish(
         tokens_per_s: r.tokens_per_s,
         checkpoint: out,
         sample: String::new(),
-        peak_memory_per_rank: meshgrad_tensor::alloc::memory_stats(
-            crate::train::train_device(cfg)?,
-        )
+        peak_memory_per_rank: meshgrad_tensor::alloc::memory_stats(crate::train::train_device(
+            cfg,
+        )?)
         .peak,
     };
     if verbosity != Verbosity::Quiet {

@@ -150,13 +150,14 @@ fn bf16_tracks_f32_with_f32_master_weights() {
     assert!(toml.contains("precision = \"bf16\""), "{toml}");
     assert!(toml.contains("device = \"cpu\""), "{toml}");
 
-    // A bf16 checkpoint does not resume in f32 (its optimizer state has master weights).
+    // A bf16 checkpoint does not resume in f32 (its optimizer state has master weights);
+    // without --precision the resumed run takes the checkpoint's.
     let resume = dir.join("bf16");
     let o = train(
         &dir,
         "again",
         steps + 2,
-        &["--resume", resume.to_str().unwrap()],
+        &["--resume", resume.to_str().unwrap(), "--precision", "f32"],
     );
     assert_one_line_error(
         &o,

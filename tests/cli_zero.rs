@@ -96,7 +96,10 @@ fn every_run_ends_with_its_largest_ranks_peak_memory() {
     // Parameters, gradients and AdamW's two moments in f32: at least 4 x 4 bytes per parameter.
     let params = 2.0 * 12.0 * 128.0 * 128.0;
     let states_mib = 16.0 * params / (1024.0 * 1024.0);
-    assert!(single > states_mib && dp > states_mib, "{single} {dp} vs {states_mib}");
+    assert!(
+        single > states_mib && dp > states_mib,
+        "{single} {dp} vs {states_mib}"
+    );
     assert!(
         fsdp < dp - 0.3 * states_mib,
         "fsdp=2 {fsdp} MiB not below dp=2 {dp} MiB"

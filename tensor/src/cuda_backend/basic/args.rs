@@ -278,14 +278,20 @@ pub(crate) fn reduce_strided(
     red: usize,
     inner: usize,
 ) -> Launch {
-    let a = KernelArgs::new()
+    let a = reduce_args(x, out, outer, red, inner);
+    let entry = format!("{}_strided_{sfx}", reduce_name(op));
+    Launch::threads(REDUCE, entry, outer * inner, a)
+}
+
+/// The arguments `(x, out, outer, red, inner)` of the reductions over the middle dim of
+/// `[outer, red, inner]`.
+fn reduce_args(x: u64, out: u64, outer: usize, red: usize, inner: usize) -> KernelArgs {
+    KernelArgs::new()
         .arg(x)
         .arg(out)
         .arg(outer as i64)
         .arg(red as i64)
-        .arg(inner as i64);
-    let entry = format!("{}_strided_{sfx}", reduce_name(op));
-    Launch::threads(REDUCE, entry, outer * inner, a)
+        .arg(inner as i64)
 }
 
 /// Threads per block of a `_lastdim` reduction of rows of `red` elements: a multiple of 32 (the
@@ -333,12 +339,7 @@ pub(crate) fn reduce_cols(
     red: usize,
     inner: usize,
 ) -> Launch {
-    let a = KernelArgs::new()
-        .arg(x)
-        .arg(out)
-        .arg(outer as i64)
-        .arg(red as i64)
-        .arg(inner as i64);
+    let a = reduce_args(x, out, outer, red, inner);
     let tiles = outer.saturating_mul(inner.div_ceil(32));
     Launch {
         file: REDUCE,
