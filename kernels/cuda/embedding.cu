@@ -7,10 +7,15 @@
 // ~0 before and raises the error after; the CPU checks before writing anything).
 // Backward, two instances, both accumulating into a `dweight` of the compute type (not zeroed
 // first; f32, or f64 for f64 data):
-// - `embedding_bwd_det_<t>`: deterministic and sort-free. One thread per column `c`, looping over
-//   the positions `i` in increasing order and adding `dout[i, c]` into `dweight[ids[i], c]` —
-//   the CPU's order exactly, so with f32 data the sums are bitwise the CPU's. Its parallelism is
-//   only `dim` threads; fine for moderate `n`, slow for very long token batches.
+// - `embedding_bwd_det_<t>`: deterministic and sort-free. One warp per (id range of `range` ids,
+//   tile of 32 columns): its lanes own the tile's columns of the range's rows of `dweight`; the
+//   warp scans every position `i` in increasing order (the ids staged through shared memory a
+//   block at a time) and adds `dout[i, c]` into `dweight[ids[i], c]` when `ids[i]` is in its
+//   range. No two warps write one element, and each element's sum runs in the CPU's order
+//   exactly, so with f32 data the sums are bitwise the CPU's. The launcher picks `range` so
+//   that there are a few thousand warps (a one-thread-per-column loop over 8192 positions took
+//   2.3 ms per call for GPT-2 124M on an H200). Each warp reads all `n` ids: for very long
+//   token batches the atomic instance below is faster.
 // - `embedding_bwd_atomic_<t>`: one thread per `dout` element with atomicAdd: fast, but the
 //   order of additions (and so the rounding) varies from run to run: NOT deterministic.
 // Out-of-range ids are skipped and flagged as in the forward.
@@ -29,17 +34,36 @@ __device__ void embedding_fwd_impl(const i64 *ids, const T *weight, T *out, i64 
     }
 }
 
+#define EMB_IDS_CHUNK 1024
 template <typename T, typename A>
 __device__ void embedding_bwd_det_impl(const i64 *ids, const T *dout, A *dweight, i64 n, i64 vocab, i64 dim,
-                                       u64 *bad) {
-    MG_GRID_STRIDE(c, dim) {
-        for (i64 i = 0; i < n; ++i) {
-            const i64 id = ids[i];
-            if (id < 0 || id >= vocab) {
-                if (c == 0) flag_bad(bad, i);
-                continue;
+                                       i64 range, u64 *bad) {
+    __shared__ i64 chunk[EMB_IDS_CHUNK];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    const i64 tiles = (dim + 31) / 32, ranges = (vocab + range - 1) / range, work = tiles * ranges;
+    // The block's warps take consecutive work items together, so that all of them reach every
+    // barrier (a warp past the end still helps stage the ids).
+    for (i64 base = (i64)blockIdx.x * nwarps; base < work; base += (i64)gridDim.x * nwarps) {
+        const i64 w = base + warp;
+        const bool live = w < work;
+        const i64 lo = live ? (w / tiles) * range : 0;
+        const i64 hi = lo + range < vocab ? lo + range : vocab;
+        const i64 c = live ? (w % tiles) * 32 + lane : dim;
+        const bool flags = live && w == 0 && lane == 0; // one lane reports out-of-range ids
+        for (i64 start = 0; start < n; start += EMB_IDS_CHUNK) {
+            const i64 len = n - start < EMB_IDS_CHUNK ? n - start : EMB_IDS_CHUNK;
+            __syncthreads();
+            for (i64 k = threadIdx.x; k < len; k += blockDim.x) chunk[k] = ids[start + k];
+            __syncthreads();
+            for (i64 k = 0; k < len; ++k) {
+                const i64 id = chunk[k];
+                if (id < 0 || id >= vocab) {
+                    if (flags) flag_bad(bad, start + k);
+                    continue;
+                }
+                if (id < lo || id >= hi || c >= dim) continue;
+                dweight[id * dim + c] += load(dout, (start + k) * dim + c);
             }
-            dweight[id * dim + c] += load(dout, i * dim + c);
         }
     }
 }
@@ -65,8 +89,8 @@ __device__ void embedding_bwd_atomic_impl(const i64 *ids, const T *dout, A *dwei
         embedding_fwd_impl<T>(ids, weight, out, n, vocab, dim, bad);                             \
     }                                                                                            \
     extern "C" __global__ void embedding_bwd_det_##sfx(const i64 *ids, const T *dout, A *dweight, i64 n, \
-                                                       i64 vocab, i64 dim, u64 *bad) {           \
-        embedding_bwd_det_impl<T, A>(ids, dout, dweight, n, vocab, dim, bad);                    \
+                                                       i64 vocab, i64 dim, i64 range, u64 *bad) { \
+        embedding_bwd_det_impl<T, A>(ids, dout, dweight, n, vocab, dim, range, bad);             \
     }                                                                                            \
     extern "C" __global__ void embedding_bwd_atomic_##sfx(const i64 *ids, const T *dout, A *dweight, i64 n, \
                                                           i64 vocab, i64 dim, u64 *bad) {        \

@@ -57,7 +57,7 @@ int main() {
         std::vector<i64> ids = {3, 1, 3, 0, 6, 3, 9, 2, 1};
         unsigned long long bad = ~0ull;
         launch({1}, {32}, [&] { embedding_fwd_f32(ids.data(), w.data(), out.data(), N, V, D, &bad); });
-        launch({1}, {32}, [&] { embedding_bwd_det_f32(ids.data(), dout.data(), dw1.data(), N, V, D, nullptr); });
+        launch({1}, {32}, [&] { embedding_bwd_det_f32(ids.data(), dout.data(), dw1.data(), N, V, D, 3, nullptr); });
         launch({1}, {32}, [&] { embedding_bwd_atomic_f32(ids.data(), dout.data(), dw2.data(), N, V, D, nullptr); });
         std::vector<float> rdw(V * D, 0.0f);
         double e = 0;
@@ -70,6 +70,25 @@ int main() {
         for (int q = 0; q < V * D; ++q) { bitwise = std::max(bitwise, (double)std::fabs(dw1[q] - rdw[q])); e = std::max(e, (double)std::fabs(dw2[q] - rdw[q]) > 1e-5 ? 1.0 : 0.0); }
         chk(bad == 6 ? "embedding fwd/bwd_atomic (bad id at position 6 flagged)" : "embedding: WRONG BAD POSITION", bad == 6 ? e : INFINITY);
         chk("embedding_bwd_det vs the CPU's order in f32 (0 = bitwise)", bitwise);
+    }
+    // deterministic embedding backward over several id chunks, ranges and column tiles (a
+    // partial one), fewer warps than work items, and a bad id flagged once
+    {
+        const int V = 40, D = 37, N = 2500;
+        std::vector<float> dout(N * D), dw(V * D, 0.0f), rdw(V * D, 0.0f);
+        for (auto &v : dout) v = ud(rng);
+        std::vector<i64> ids(N);
+        for (int i = 0; i < N; ++i) ids[i] = (i * 7 + i / 13) % V;
+        ids[1700] = -1;
+        unsigned long long bad = ~0ull;
+        launch({3}, {64}, [&] { embedding_bwd_det_f32(ids.data(), dout.data(), dw.data(), N, V, D, 7, &bad); });
+        for (int i = 0; i < N; ++i) {
+            if (ids[i] < 0) continue;
+            for (int c = 0; c < D; ++c) rdw[ids[i] * D + c] += dout[i * D + c];
+        }
+        double bitwise = 0;
+        for (int q = 0; q < V * D; ++q) bitwise = std::max(bitwise, (double)std::fabs(dw[q] - rdw[q]));
+        chk(bad == 1700 ? "embedding_bwd_det, 2500 positions, ranges of 7 ids (0 = bitwise)" : "embedding_bwd_det: WRONG BAD POSITION", bad == 1700 ? bitwise : INFINITY);
     }
     // rotary vs the formula (f64 angles, rounded to f32)
     {

@@ -374,10 +374,23 @@ pub(crate) fn embedding_fwd(
     Launch::threads(EMBEDDING, format!("embedding_fwd_{sfx}"), n * dim, a)
 }
 
-/// `embedding_bwd_det_<t>` (one thread per column, positions in increasing order: the CPU's
-/// order, deterministic) or `embedding_bwd_atomic_<t>` (one thread per element, atomicAdd: not
-/// deterministic), both `(const i64 *ids, const T *dout, A *dweight, i64 n, i64 vocab,
-/// i64 dim, u64 *bad)`.
+/// The warps `embedding_bwd_det_<t>` aims at: enough to fill a large GPU several times over.
+pub(crate) const EMBEDDING_BWD_WARPS: usize = 4096;
+
+/// Ids per warp of `embedding_bwd_det_<t>` for a table of `vocab` rows of `dim` columns: the
+/// smallest range that gives at most [`EMBEDDING_BWD_WARPS`] (range, 32-column tile) warps.
+pub(crate) fn embedding_bwd_range(vocab: usize, dim: usize) -> usize {
+    vocab
+        .saturating_mul(dim.div_ceil(32))
+        .div_ceil(EMBEDDING_BWD_WARPS)
+        .max(1)
+}
+
+/// `embedding_bwd_det_<t>(const i64 *ids, const T *dout, A *dweight, i64 n, i64 vocab, i64 dim,
+/// i64 range, u64 *bad)`: one warp per (range of ids, tile of 32 columns), each scanning the
+/// positions in increasing order (the CPU's order, deterministic), blocks of [`BLOCK`] threads;
+/// or `embedding_bwd_atomic_<t>(..., i64 dim, u64 *bad)`: one thread per element, atomicAdd
+/// (not deterministic).
 pub(crate) fn embedding_bwd(
     deterministic: bool,
     sfx: &str,
@@ -395,11 +408,14 @@ pub(crate) fn embedding_bwd(
         .arg(dw)
         .arg(n as i64)
         .arg(vocab as i64)
-        .arg(dim as i64)
-        .arg(bad);
+        .arg(dim as i64);
     if deterministic {
-        Launch::threads(EMBEDDING, format!("embedding_bwd_det_{sfx}"), dim, a)
+        let range = embedding_bwd_range(vocab, dim);
+        let warps = vocab.div_ceil(range).saturating_mul(dim.div_ceil(32));
+        let a = a.arg(range as i64).arg(bad);
+        Launch::threads(EMBEDDING, format!("embedding_bwd_det_{sfx}"), warps * 32, a)
     } else {
+        let a = a.arg(bad);
         Launch::threads(EMBEDDING, format!("embedding_bwd_atomic_{sfx}"), n * dim, a)
     }
 }

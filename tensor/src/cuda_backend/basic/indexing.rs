@@ -167,8 +167,9 @@ pub(crate) fn embedding(
     Ok(out)
 }
 
-/// See `BackendStorage::embedding_backward`: `embedding_bwd_det_<t>` (one thread per column,
-/// positions in increasing order: the CPU's order, so f32 sums are bitwise the CPU's), or
+/// See `BackendStorage::embedding_backward`: `embedding_bwd_det_<t>` (one warp per id range and
+/// 32-column tile, positions in increasing order: the CPU's order, so f32 sums are bitwise the
+/// CPU's), or
 /// `embedding_bwd_atomic_<t>` when `MESHGRAD_CUDA_EMBEDDING_BWD=atomic`. f32, bf16, f16 (f32
 /// sums); f64.
 pub(crate) fn embedding_backward(

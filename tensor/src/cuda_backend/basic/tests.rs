@@ -198,9 +198,17 @@ fn indexing_launches_match_their_kernels() {
             sfx, P[0], P[1], P[2], 2, 5, 3, 4, P[3],
         ));
     }
-    // The deterministic embedding backward runs one thread per column.
+    // The deterministic embedding backward runs one warp per (id range, 32 columns): GPT-2's
+    // table (50,257 x 768, 24 tiles) in ranges of 295 ids, 171 x 24 warps in blocks of 8.
+    assert_eq!(args::embedding_bwd_range(50_257, 768), 295);
+    assert_eq!(args::embedding_bwd_range(50, 768), 1);
+    let l = args::embedding_bwd(true, "f32", P[0], P[1], P[2], 8192, 50_257, 768, 0);
+    assert_eq!(
+        (l.entry.as_str(), l.grid.0, l.block.0),
+        ("embedding_bwd_det_f32", 171 * 24 / 8, 256)
+    );
     let l = args::embedding_bwd(true, "f32", P[0], P[1], P[2], 10_000, 50, 768, 0);
-    assert_eq!((l.entry.as_str(), l.grid.0), ("embedding_bwd_det_f32", 3));
+    assert_eq!(l.grid.0, 50 * 24 / 8);
 }
 
 #[test]
