@@ -47,10 +47,12 @@ echo "stub: unexpected \$*" >&2; exit 3
 EOF
 cat >"$T/gpu-bundle/tests/ops_ok" <<'EOF'
 #!/usr/bin/env bash
+case " $* " in *" --list "*) printf 'a::cuda: test\nb::cuda: test\n'; exit 0 ;; esac
 printf 'running 2 tests\ntest a::cuda ... ok\ntest b::cuda ... ok\n\ntest result: ok. 2 passed; 0 failed; 0 ignored\n'
 EOF
 cat >"$T/gpu-bundle/tests/ops_bad" <<'EOF'
 #!/usr/bin/env bash
+case " $* " in *" --list "*) printf 'errors_are_named::cuda: test\nadd::cuda: test\n'; exit 0 ;; esac
 printf 'running 2 tests\ntest errors_are_named::cuda ... ok\ntest add::cuda ... FAILED\n\nfailures:\n\n---- add::cuda stdout ----\nError: "CUDA_ERROR_ILLEGAL_ADDRESS in add"\n\nfailures:\n    add::cuda\n\ntest result: FAILED. 1 passed; 1 failed; 0 ignored\n'
 exit 101
 EOF

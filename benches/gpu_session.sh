@@ -423,7 +423,8 @@ sanitize_steps() {
         name="sanitize-$(basename "$t")"
         # A binary none of whose tests match makes no CUDA call, which compute-sanitizer
         # reports as an error ("terminated before first instrumented API call").
-        if selected "$name" && ! "$t" "${FILTER_ARGS[@]}" --list 2>/dev/null | grep -q ': test$'; then
+        if selected "$name" && [ $((BUDGET - RESERVE - SECONDS)) -ge "$MIN_STEP" ] \
+            && ! "$t" "${FILTER_ARGS[@]}" --list 2>/dev/null | grep -q ': test$'; then
             note "$name" "skipped (no test matches TEST_FILTER)"
             continue
         fi
