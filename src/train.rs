@@ -472,9 +472,9 @@ pub fn train_device(cfg: &TrainConfig) -> Result<Device> {
 
 /// Checks, before any work, that `train.device` and `train.precision` can run with `layout`
 /// (`None`: one device): reference mode's own conditions (`reference::check_reference`);
-/// a CUDA device trains on one device only (the ranks of a layout compute on the CPU) and must be usable
-/// in this build (the backend's one-line reason otherwise: built without `--features cuda`, no
-/// driver, no such device). bf16 and f16 train the GPT and BERT under every layout: AdamW's f32
+/// a CUDA device trains on one device only (the ranks of a layout compute on the CPU) and must
+/// be usable in this build (the backend's one-line reason otherwise: built without `--features
+/// cuda`, no driver, no such device). bf16 and f16 train the GPT and BERT under every layout: AdamW's f32
 /// master weights on replicated ranks, the ZeRO wrapper's f32 master shards otherwise, the
 /// f16 loss scale unscaled in f32 before the norm and the step.
 pub fn check_device_and_precision(
