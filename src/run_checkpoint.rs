@@ -323,7 +323,7 @@ fn saved_config(ck: &Checkpoint, dir: &Path) -> Result<Option<TrainConfig>> {
 /// The config a run resumed from `dir` starts from when no `--config` file is given: the one its
 /// checkpoint was saved with (model, data, hyper-parameters, `out`, `train.steps`), so that
 /// `--resume` needs no flag repeated; flags and `--set` then apply on top (a model or data flag
-/// that differs from the checkpoint is refused by [`open_resume`]). The defaults when the
+/// that differs from the checkpoint is refused when the run opens it). The defaults when the
 /// checkpoint records no config.
 pub fn resume_base_config(dir: &Path) -> Result<TrainConfig> {
     let ck = resume_checkpoint(dir)?;
