@@ -106,7 +106,7 @@ check "the failing test's error, name and counts" bash -c 'grep -q -F "Error: \"
 check "the hung f32 bench cut off (rc=124), with its last line" bash -c 'grep -A2 -E "^bench-gpt2-f32 +rc=124" "$1" | grep -q -F "    last line: warm-up step 1 of 2"' _ "$S"
 check "the bench's result lines among the passes" grep -q -F 'ratio_vs_pytorch_eager=1.10' "$S"
 check "later steps skipped by the budget" grep -q -E '^sanitize-ops_ok +skipped \(time budget\)' "$S"
-check "the re-run line" grep -q -E "^re-run the failed steps: ONLY='libs selftest test-ops_bad train-gpt train-gpt-bf16 train-bert nccl-world1 bench-gpt2-f32'" "$S"
+check "the re-run line" grep -q -E "^re-run the failed steps: ONLY='libs selftest test-ops_bad train-gpt train-gpt-bf16 train-bert train-bert-bf16 nccl-world1 bench-gpt2-f32'" "$S"
 check "the hung stub is gone" bash -c '! kill -0 "$(cat "$1")" 2>/dev/null' _ "$T/hang.pid"
 check "the work folder holds the training run, outside OUT" bash -c 'ls -d "$1"/gpu-session.*/runs/gpt/checkpoints >/dev/null' _ "$T"
 

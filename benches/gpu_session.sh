@@ -29,7 +29,8 @@
 #                     all of them within TESTS_BUDGET                                    90 each
 #   bench-gpt2-bf16   meshgrad bench gpt2-124m bf16 beside PyTorch eager and torch.compile     180
 #   profile-gpt2-bf16 the per-op profile of that step                                          120
-#   train-gpt, train-gpt-bf16, train-bert (and train-llama when `train --help` names llama):
+#   train-gpt, train-gpt-bf16, train-bert, train-bert-bf16 (and train-llama when `train --help`
+#                     names llama):
 #                     meshgrad train --device cuda on the built-in corpus                  90 each
 #   nccl-world1       meshgrad launch --backend nccl, world size 1 (when built with nccl; the
 #                     ranks compute on the CPU, their collectives run through NCCL on the GPU) 90
@@ -453,6 +454,7 @@ step profile-gpt2-bf16 120 "$B/meshgrad" bench --device cuda --model gpt2-124m -
 step train-gpt 90 "$B/meshgrad" train --device cuda --steps 50 --out "$RUNS/gpt" --metrics "$LOGS/train-gpt.metrics.jsonl"
 step train-gpt-bf16 90 "$B/meshgrad" train --device cuda --precision bf16 --steps 50 --out "$RUNS/gpt-bf16" --metrics "$LOGS/train-gpt-bf16.metrics.jsonl"
 step train-bert 90 "$B/meshgrad" train --model bert --device cuda --steps 20 --out "$RUNS/bert" --metrics "$LOGS/train-bert.metrics.jsonl"
+step train-bert-bf16 90 "$B/meshgrad" train --model bert --device cuda --precision bf16 --steps 20 --out "$RUNS/bert-bf16" --metrics "$LOGS/train-bert-bf16.metrics.jsonl"
 if timeout 10 "$B/meshgrad" train --help 2>/dev/null | grep -qi llama; then
     step train-llama 90 "$B/meshgrad" train --model llama --device cuda --steps 20 --out "$RUNS/llama" --metrics "$LOGS/train-llama.metrics.jsonl"
 fi
