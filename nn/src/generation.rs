@@ -2,7 +2,9 @@
 //! tokens, greedy choice and temperature / top-k sampling with counter-based draws.
 
 use meshgrad_autograd::no_grad;
-use meshgrad_tensor::{DType, Random, Result};
+use meshgrad_tensor::{DType, Random, Result, Tensor};
+
+use crate::causal_lm::CausalLm;
 
 /// How to choose the next token.
 #[derive(Clone, Copy, Debug)]
@@ -15,21 +17,28 @@ pub(crate) struct Sampling {
     pub seed: u64,
 }
 
-/// Continues `prompt` by `max_new` tokens without gradients. `last_logits(context)` returns the
-/// logits of the last position of `context` (the last `context_len` tokens); only ids below
-/// `vocab` are prompted or chosen. `on_token` sees each token as it is chosen; its error stops
-/// the generation. Errors (one line, beginning `generate:`): an empty prompt, a prompt token
+/// Continues `prompt` by `max_new` tokens of `model` without gradients: each step runs the model
+/// on the last [`CausalLm::context_len`] tokens (a batch of one on its device) and takes the
+/// logits of the last position; only ids below [`CausalLm::sampled_vocab`] are prompted or
+/// chosen. `on_token` sees each token as it is chosen; its error stops the generation. Errors (one line, beginning `generate:`): an empty prompt, a prompt token
 /// outside the vocabulary, a temperature that is not a finite number >= 0, `top_k` of
 /// `Some(0)`, logits that are not finite (naming the step).
 pub(crate) fn generate(
+    model: &dyn CausalLm,
     prompt: &[u32],
     max_new: usize,
     sampling: Sampling,
-    vocab: usize,
-    context_len: usize,
-    mut last_logits: impl FnMut(&[u32]) -> Result<Vec<f64>>,
     mut on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<Vec<u32>> {
+    let (vocab, context_len, device) = (model.sampled_vocab(), model.context_len(), model.device());
+    let last_logits = |context: &[u32]| -> Result<Vec<f64>> {
+        let ids = Tensor::from_slice(context, (1, context.len()), device)?;
+        model
+            .logits(&ids)?
+            .tensor()
+            .narrow(1, context.len() - 1, 1)?
+            .to_vec_f64()
+    };
     let Sampling {
         temperature,
         top_k,

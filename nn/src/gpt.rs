@@ -261,14 +261,6 @@ impl Gpt {
                  from a single-device model (load the gathered checkpoint)"
             );
         }
-        let device = self.wte.weight.tensor().device();
-        let last_logits = |context: &[u32]| -> Result<Vec<f64>> {
-            let ids = Tensor::from_slice(context, (1, context.len()), device)?;
-            self.forward(&ids)?
-                .tensor()
-                .narrow(1, context.len() - 1, 1)?
-                .to_vec_f64()
-        };
         let sampling = Sampling {
             temperature,
             top_k,
@@ -276,15 +268,7 @@ impl Gpt {
         };
         let was_training = self.drop.is_training();
         self.set_training(false);
-        let r = generation::generate(
-            prompt,
-            max_new,
-            sampling,
-            self.sampled_vocab(),
-            self.config.block_size,
-            last_logits,
-            on_token,
-        );
+        let r = generation::generate(self, prompt, max_new, sampling, on_token);
         self.set_training(was_training);
         r
     }

@@ -413,33 +413,12 @@ impl Llama {
                  from a single-device model (load the gathered checkpoint)"
             );
         }
-        let device = self.model.layers.blocks()[0]
-            .input_layernorm
-            .weight
-            .tensor()
-            .device();
         let sampling = Sampling {
             temperature,
             top_k,
             seed,
         };
-        let last_logits = |context: &[u32]| -> Result<Vec<f64>> {
-            let ids = Tensor::from_slice(context, (1, context.len()), device)?;
-            let logits = self.forward(&ids)?;
-            logits
-                .tensor()
-                .narrow(1, context.len() - 1, 1)?
-                .to_vec_f64()
-        };
-        generation::generate(
-            prompt,
-            max_new,
-            sampling,
-            self.sampled_vocab(),
-            self.config.n_positions,
-            last_logits,
-            on_token,
-        )
+        generation::generate(self, prompt, max_new, sampling, on_token)
     }
 }
 

@@ -146,7 +146,8 @@ pub(in crate::cuda_backend) fn logsumexp(
     inner: usize,
 ) -> Fused<CudaStorage> {
     let dt = x.0.dtype();
-    let Some(t) = sfx(dt).or((dt == crate::DType::F64).then_some("f64")) else {
+    // reduce.cu instantiates log-sum-exp with the basic kernels' dtypes.
+    let Ok(t) = crate::cuda_backend::basic::basic_sfx("logsumexp", dt) else {
         return Ok(None);
     };
     check_len("logsumexp", "x", x.1, outer * red * inner)?;
