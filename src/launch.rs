@@ -679,7 +679,7 @@ fn launch_mpirun(exe: &Path, opts: &LaunchOptions) -> Result<()> {
 /// train over TCP by default and do not come here.) Ranks of an MPI world pass: Open MPI's
 /// (`mpirun`), and Slurm's tasks started with PMIx (`srun --mpi=pmix`, which sets `PMIX_RANK`),
 /// whose `MPI_Init` forms the world; they train over MPI (see
-/// `train_parallel::check_mpi_world`, which says to rebuild without the `mpi` feature).
+/// `ranks::check_mpi_world`, which says to rebuild without the `mpi` feature).
 pub fn refuse_multi_process(env: &RankEnv) -> Result<()> {
     refuse_multi_process_with(env, std::env::var_os("PMIX_RANK").is_some())
 }

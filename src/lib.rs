@@ -53,11 +53,23 @@ pub mod guide;
 #[cfg(feature = "cli")]
 pub mod launch;
 #[cfg(feature = "cli")]
-mod pipeline_bert;
+pub mod pipeline_plan;
 #[cfg(feature = "cli")]
-mod pipeline_gpt;
+mod pipeline_timelines;
 #[cfg(feature = "cli")]
 pub mod preflight;
+#[cfg(feature = "cli")]
+mod rank_sync;
+#[cfg(feature = "cli")]
+mod rank_train;
+#[cfg(feature = "cli")]
+pub mod ranks;
+#[cfg(feature = "cli")]
+mod recipe;
+#[cfg(feature = "cli")]
+pub mod recipe_bert;
+#[cfg(feature = "cli")]
+pub mod recipe_gpt;
 /// Reference mode: bit-identical training under every layout.
 #[cfg(feature = "cli")]
 mod reference;
@@ -73,15 +85,11 @@ pub mod schedule_cmd;
 #[cfg(feature = "cli")]
 pub mod selftest;
 #[cfg(feature = "cli")]
+mod step_loop;
+#[cfg(feature = "cli")]
 pub mod stop;
 #[cfg(feature = "cli")]
 pub mod train;
-#[cfg(feature = "cli")]
-pub mod train_bert;
-#[cfg(feature = "cli")]
-pub mod train_parallel;
-#[cfg(feature = "cli")]
-pub mod train_pipeline;
 
 #[doc(inline)]
 pub use meshgrad_autograd as autograd;

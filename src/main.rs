@@ -484,7 +484,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Train(a) => {
             let env = meshgrad::parallel::comm::RankEnv::detect()?;
-            let backend = meshgrad::train_parallel::resolve_backend(a.backend.as_deref(), &env)?;
+            let backend = meshgrad::ranks::resolve_backend(a.backend.as_deref(), &env)?;
             use meshgrad::parallel::comm::Backend;
             if !matches!(backend, Backend::Nccl | Backend::Tcp) {
                 meshgrad::launch::refuse_multi_process(&env)?;
@@ -492,7 +492,7 @@ fn run(cli: Cli) -> Result<()> {
             let cfg = train_config(&a)?;
             meshgrad::stop::install_once()?;
             meshgrad::flight::install(std::path::Path::new(&cfg.out))?;
-            let mut pipeline = meshgrad::train_pipeline::PipelineOptions::default();
+            let mut pipeline = meshgrad::pipeline_plan::PipelineOptions::default();
             if let Some(k) = &a.schedule {
                 pipeline.schedule = k.parse().map_err(anyhow::Error::msg)?;
             }
@@ -504,7 +504,7 @@ fn run(cli: Cli) -> Result<()> {
             pipeline.max_stage_memory = a
                 .max_stage_memory
                 .as_deref()
-                .map(meshgrad::train_pipeline::parse_bytes)
+                .map(meshgrad::pipeline_plan::parse_bytes)
                 .transpose()?;
             let opts = meshgrad::train::TrainOptions {
                 microbatches: a.microbatches,
@@ -530,21 +530,9 @@ fn run(cli: Cli) -> Result<()> {
             };
             let layout: Option<meshgrad::parallel::ParallelLayout> =
                 a.layout.as_deref().map(str::parse).transpose()?;
-            meshgrad::train_parallel::check_mpi_world(layout.as_ref())?;
-            meshgrad::train_parallel::check_process_layout(backend, &env, layout.as_ref())?;
-            let r = if cfg.model.kind == meshgrad::config::ModelKind::Bert {
-                meshgrad::train_bert::train_bert(&cfg, layout.as_ref(), &opts, Verbosity::Normal)
-            } else {
-                match &layout {
-                    None => meshgrad::train::train_with(&cfg, &opts, Verbosity::Normal),
-                    Some(layout) => meshgrad::train_parallel::train_parallel(
-                        &cfg,
-                        layout,
-                        &opts,
-                        Verbosity::Normal,
-                    ),
-                }
-            };
+            meshgrad::ranks::check_mpi_world(layout.as_ref())?;
+            meshgrad::ranks::check_process_layout(backend, &env, layout.as_ref())?;
+            let r = meshgrad::train::train(&cfg, layout.as_ref(), &opts, Verbosity::Normal);
             if let Err(e) = &r {
                 // A failed run dumps its ranks' flight recorders (ranks as threads; a rank of a
                 // job of processes has dumped already).

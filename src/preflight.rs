@@ -772,7 +772,7 @@ mod tests {
         let mut cfg = TrainConfig::default();
         for bias in [true, false] {
             cfg.model.bias = bias;
-            let gpt = crate::train::gpt_config(&cfg);
+            let gpt = crate::recipe_gpt::gpt_config(&cfg);
             let count = Some(gpt.num_parameters() as u64);
             assert_eq!(ModelShape::from_train_config(&cfg).num_parameters(), count);
             assert_eq!(ModelShape::from_gpt(&gpt).num_parameters(), count);
@@ -780,7 +780,7 @@ mod tests {
         cfg.model.kind = crate::config::ModelKind::Bert;
         cfg.model.bias = true;
         cfg.model.n_layer = 2;
-        let bert = crate::train_bert::bert_config(&cfg);
+        let bert = crate::recipe_bert::bert_config(&cfg);
         let model = BertForMaskedLM::new(bert, 0, DType::F32, Device::Cpu).unwrap();
         let count = meshgrad_nn::Module::num_parameters(&model) as u64;
         assert_eq!(bert.num_parameters() as u64, count);
@@ -924,7 +924,7 @@ mod tests {
     #[test]
     fn inference_estimate_counts_the_checkpoint() {
         let cfg = TrainConfig::default();
-        let shape = ModelShape::from_gpt(&crate::train::gpt_config(&cfg));
+        let shape = ModelShape::from_gpt(&crate::recipe_gpt::gpt_config(&cfg));
         let est = estimate_inference(&shape, INFERENCE_ROWS);
         assert_eq!(est.params, shape.num_parameters().unwrap() * 4);
         assert_eq!(est.grads + est.optimizer, 0);

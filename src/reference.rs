@@ -24,7 +24,7 @@
 //!
 //! * **Pipelines.** A pipeline's microbatches are the row groups; each stage adds its
 //!   per-row-group gradients over the same tree, the tied table's two copies per row group first
-//!   (see [`crate::train_pipeline`]).
+//!   (see [`crate::rank_train`]).
 //! * **Tensor parallelism.** Every sum a tensor-parallel group splits (row-parallel products,
 //!   column-parallel input gradients, the vocabulary-parallel softmax, parameter gradients over
 //!   sequence-parallel positions) is a tree over a chunk count of the model's, on one device as
@@ -43,7 +43,6 @@ use meshgrad_tensor::tree_sum::{tree_split, tree_sum_f64};
 use meshgrad_tensor::Tensor;
 
 use crate::config::TrainConfig;
-use crate::train::GradSync;
 
 /// The communicator reference mode builds a layout's mesh over: `world` with float sums in the
 /// aligned tree and `Avg` adding without dividing; `world` itself in fast mode.
@@ -213,21 +212,17 @@ impl GradTree {
     }
 }
 
-/// One step's forward and backward passes in reference mode, on this rank's `groups` (row
-/// ranges): `loss_of(rows)` builds a row group's loss, which is multiplied by `factor` (the
-/// GPT's `1 / G` for a mean over `G` row groups; 1 for BERT, whose row-group losses are already
-/// divided by the global count of predicted tokens) and back-propagated with gradient
-/// synchronisation off; the row groups' gradients are added over their tree into the
-/// parameters' `.grad`, and sync is turned back on for `sync.finish()`. Returns the tree sum of
-/// the row groups' (unscaled) losses.
+/// One step's forward and backward passes in reference mode on one device (`meshgrad bench
+/// --row-group`), on `groups` (row ranges): `loss_of(rows)` builds a row group's loss, which is
+/// multiplied by `factor` (`1 / G` for a mean over `G` row groups) and back-propagated; the row
+/// groups' gradients are added over their tree into the parameters' `.grad`. Returns the tree
+/// sum of the row groups' (unscaled) losses.
 pub(crate) fn reference_step(
     params: &[Var],
     groups: &[Range<u64>],
     factor: f64,
-    sync: &dyn GradSync,
     mut loss_of: impl FnMut(&Range<u64>) -> Result<Var>,
 ) -> Result<f64> {
-    sync.set_sync(false);
     let mut tree = GradTree::new(groups.len());
     let mut losses = Vec::with_capacity(groups.len());
     for (i, rows) in groups.iter().enumerate() {
@@ -244,17 +239,6 @@ pub(crate) fn reference_step(
     for (p, g) in params.iter().zip(tree.finish()?) {
         p.set_grad(g);
     }
-    sync.set_sync(true);
-    Ok(tree_sum_f64(&losses))
-}
-
-/// The tree sum of `loss(rows)` over this rank's row `groups` (a validation batch's share in
-/// reference mode: the data-parallel group then adds the ranks' shares in the same tree).
-pub(crate) fn group_loss_sum(
-    groups: &[Range<u64>],
-    mut loss: impl FnMut(&Range<u64>) -> Result<f64>,
-) -> Result<f64> {
-    let losses = groups.iter().map(&mut loss).collect::<Result<Vec<f64>>>()?;
     Ok(tree_sum_f64(&losses))
 }
 

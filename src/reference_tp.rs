@@ -21,7 +21,7 @@ use crate::config::TrainConfig;
 fn model_chunks(cfg: &TrainConfig) -> (usize, String) {
     let m = &cfg.model;
     if m.kind == crate::config::ModelKind::Bert {
-        let c = crate::train_bert::bert_config(cfg);
+        let c = crate::recipe_bert::bert_config(cfg);
         (
             meshgrad_nn::bert::reference_chunks(&c, m.block_size),
             format!(
@@ -30,7 +30,7 @@ fn model_chunks(cfg: &TrainConfig) -> (usize, String) {
             ),
         )
     } else {
-        let c = crate::train::gpt_config(cfg);
+        let c = crate::recipe_gpt::gpt_config(cfg);
         (
             meshgrad_nn::gpt::reference_chunks(&c),
             format!(

@@ -212,7 +212,7 @@ pub(crate) fn begin_rank<'a>(
 /// The loss scaler `ck` saved, for an f16 run that keeps the checkpoint's
 /// `train.loss_scale_init` (a run that sets another one restarts the scale from it).
 fn resumed_loss_scaler(cfg: &TrainConfig, ck: &Checkpoint) -> Result<Option<LossScaler>> {
-    let Some(base) = crate::train::loss_scaler(cfg)? else {
+    let Some(base) = crate::step_loop::loss_scaler(cfg)? else {
         return Ok(None);
     };
     let saved = &ck.metadata()[LOSS_SCALE_KEY];
@@ -403,7 +403,7 @@ pub fn load_training_model(ck: &Checkpoint) -> Result<CheckpointModel> {
     let seed = cfg.train.seed;
     Ok(if cfg.model.kind == crate::config::ModelKind::Bert {
         let m = meshgrad_nn::bert::BertForMaskedLM::new(
-            crate::train_bert::bert_config(&cfg),
+            crate::recipe_bert::bert_config(&cfg),
             seed,
             DType::F32,
             Device::Cpu,
@@ -412,7 +412,7 @@ pub fn load_training_model(ck: &Checkpoint) -> Result<CheckpointModel> {
         CheckpointModel::Bert(Box::new(m))
     } else {
         let mut m = meshgrad_nn::Gpt::new(
-            crate::train::gpt_config(&cfg),
+            crate::recipe_gpt::gpt_config(&cfg),
             seed,
             DType::F32,
             Device::Cpu,

@@ -44,6 +44,7 @@ pub mod memory_report;
 pub mod mesh;
 pub mod pipeline;
 pub mod sampler;
+pub mod strategy;
 pub mod tp;
 pub mod zero;
 
@@ -55,4 +56,5 @@ pub use layout::{ParallelLayout, ZeroStage};
 pub use layout_mesh::LayoutMesh;
 pub use mesh::DeviceMesh;
 pub use sampler::{micro_rows, rank_rows};
+pub use strategy::DataParallel;
 pub use zero::{ShardConfig, ShardTopology, ShardedDataParallel};

@@ -556,6 +556,7 @@ fn execute_with_hands_over_each_microbatchs_gradients_alone() {
                 ExecuteOptions {
                     loss_scale: Some(FACTOR),
                     on_grads: Some(&mut on_grads),
+                    before_grads: None,
                 },
             )?;
             Ok((losses, got))

@@ -54,7 +54,7 @@ pub struct ModelConfig {
     /// Whether linear and layer-norm layers have bias terms.
     pub bias: bool,
     /// The model family: `"gpt"` (next-token prediction) or `"bert"` (masked language modelling;
-    /// see [`crate::train_bert`]).
+    /// see [`crate::recipe_bert`]).
     pub kind: ModelKind,
 }
 

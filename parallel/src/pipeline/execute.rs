@@ -201,6 +201,9 @@ fn check_stages<S: ModelStage>(stages: &[S], rank: usize, world: usize) -> Resul
     Ok(())
 }
 
+/// A callback of the executor with `(microbatch, chunk)` (see [`ExecuteOptions`]).
+pub type MicrobatchHook<'a> = &'a mut dyn FnMut(usize, usize) -> Result<()>;
+
 /// What [`execute_with`] does beyond [`execute`]: reference mode's loss scale and per-microbatch
 /// gradients.
 #[derive(Default)]
@@ -213,8 +216,12 @@ pub struct ExecuteOptions<'a> {
     /// backward is split (the input half leaves the parameters alone). The chunk's parameters'
     /// `.grad` then hold every microbatch whose backward has finished and that the callback did
     /// not take out; a callback that takes them out each time sees that microbatch alone.
-    #[allow(clippy::type_complexity)]
-    pub on_grads: Option<&'a mut dyn FnMut(usize, usize) -> Result<()>>,
+    pub on_grads: Option<MicrobatchHook<'a>>,
+    /// Called with `(microbatch, chunk)` just before a pass that adds to the chunk's parameter
+    /// gradients: its Backward, or its BackwardWeight when the backward is split. A
+    /// data-parallel wrapper turns its gradient synchronisation on here for the last
+    /// microbatch only, so its reductions overlap that backward.
+    pub before_grads: Option<MicrobatchHook<'a>>,
 }
 
 /// One rank's state during [`execute`], keyed by (microbatch, chunk).
@@ -223,8 +230,9 @@ struct RankRun<'a, 'f, S: ModelStage> {
     /// The backward's factor on the last virtual stage's loss.
     loss_scale: f64,
     /// See [`ExecuteOptions::on_grads`].
-    #[allow(clippy::type_complexity)]
-    on_grads: Option<&'f mut dyn FnMut(usize, usize) -> Result<()>>,
+    on_grads: Option<MicrobatchHook<'f>>,
+    /// See [`ExecuteOptions::before_grads`].
+    before_grads: Option<MicrobatchHook<'f>>,
     schedule: &'a Schedule,
     microbatches: &'a [Microbatch<S::Batch>],
     step: u64,
@@ -287,6 +295,9 @@ impl<S: ModelStage> RankRun<'_, '_, S> {
             }
             Action::Backward { .. } => {
                 let (root, grad) = self.backward_root(a)?;
+                if let Some(f) = self.before_grads.as_mut() {
+                    f(m, c)?;
+                }
                 match grad {
                     None => root.backward()?,
                     Some(g) => root.backward_with(g)?,
@@ -309,6 +320,9 @@ impl<S: ModelStage> RankRun<'_, '_, S> {
                     .deferred
                     .remove(&(m, c))
                     .ok_or_else(|| self.err(a, "its backward-input has not run"))?;
+                if let Some(f) = self.before_grads.as_mut() {
+                    f(m, c)?;
+                }
                 weights.run()?;
                 if let Some(f) = self.on_grads.as_mut() {
                     f(m, c)?;
@@ -528,6 +542,7 @@ pub fn execute_scaled<S: ModelStage>(
     let opts = ExecuteOptions {
         loss_scale: Some(loss_factor / microbatches.len().max(1) as f64),
         on_grads: None,
+        before_grads: None,
     };
     let losses = execute_with(stages, schedule, pp, microbatches, step, timeline, opts)?;
     let local = if losses.is_empty() {
@@ -571,6 +586,7 @@ pub fn execute_with<S: ModelStage>(
         stages,
         loss_scale: opts.loss_scale.unwrap_or(1.0 / microbatches.len() as f64),
         on_grads: opts.on_grads,
+        before_grads: opts.before_grads,
         schedule,
         microbatches,
         step,

@@ -47,7 +47,7 @@ pub mod trace;
 pub use evaluate::forward_only;
 pub use execute::{
     check_supported, execute, execute_scaled, execute_with, ExecuteOptions, Microbatch,
-    PipelineGrads,
+    MicrobatchHook, PipelineGrads,
 };
 pub use profile::{profile_layers, profile_lines, ProfileOptions};
 pub use schedule::{Action, Schedule, ScheduleArgError, ScheduleKind, MAX_SCHEDULE_ACTIONS};

@@ -1,210 +1,36 @@
-//! `meshgrad train --layout SPEC`: the training loop of [`crate::train`] on several ranks, each a
-//! thread of this process computing on the CPU, with the same global batch as one device.
-//!
-//! Every rank builds its [`LayoutMesh`] (the `[pp, dp_replicate, dp_shard, tp]` mesh of the
-//! layout) and the model from the run seed (and [`Ddp`] broadcasts rank 0's weights anyway),
-//! takes its rows `[r * B / n, (r + 1) * B / n)` of each global batch, where `n` is the
-//! data-parallel degree and `r` its data-parallel rank (split further into micro-batches with
-//! `--microbatches`), and averages gradients over the data-parallel group with [`Ddp`] (no
-//! sharding: `dp=N`) or [`ShardedDataParallel`] over the mesh's shard topology (`zero1=N`,
-//! `zero2=N`, `fsdp=N`, `hsdp=RxS`, `dp=R,zero1=S`, ...: sharded gradients, optimizer state and,
-//! for fsdp/hsdp, parameters; clipping and the AdamW step run on each rank's shard); validation is
-//! spread the same way. Rank 0 prints progress, writes the metrics and the checkpoint
-//! (fsdp/hsdp gather the full parameters for it first). Losses are the mean of the ranks' means,
-//! so they equal the single-device run's to rounding.
-//!
-//! With `tp=T` the ranks of each tensor-parallel group read the same rows and each builds only its
-//! part of the GPT ([`Gpt::tp_plan`]: split attention and MLP, vocabulary-parallel embedding and
-//! loss; `--sequence-parallel` splits the norm and dropout regions along the sequence). Data
-//! parallelism runs over the data-parallel group of the mesh as above. For the checkpoint the
-//! split parameters are gathered into the single-device model on rank 0.
+//! Where the ranks of a layout run: threads of this process (the default), or this process as
+//! one rank of a job of processes (TCP under `meshgrad launch`, MPI under `mpirun`, NCCL), each
+//! with its [`LayoutMesh`] ([`on_ranks`]); the backend choice and its checks; the layout checks
+//! and the header's description of a layout shared by every model.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Result;
-use meshgrad_autograd::Var;
-use meshgrad_nn::optim::{AdamW, Optimizer};
-use meshgrad_nn::state::load_state_dict;
-use meshgrad_nn::tp::full_state_dict;
-use meshgrad_nn::{Gpt, Module};
-use meshgrad_parallel::comm::{
-    all_reduce_scalar, flight, run_ranks, Backend, RankCtx, RankEnv, RunOptions,
-};
-use meshgrad_parallel::tp::tensor_parallel;
-use meshgrad_parallel::zero::{ShardConfig, ShardedDataParallel, ZeroStage};
-use meshgrad_parallel::{
-    rank_rows, Communicator, Ddp, DdpConfig, LayoutMesh, ParallelLayout, ReduceOp,
-};
+use meshgrad_parallel::comm::{flight, run_ranks, Backend, RankCtx, RankEnv, RunOptions};
+use meshgrad_parallel::{Communicator, LayoutMesh, ParallelLayout};
 use meshgrad_tensor::Device;
 
 use crate::config::TrainConfig;
 use crate::reference::mesh_world;
-use crate::train::{
-    check_microbatches, check_sequence_parallel, finish_run, gpt_config, header, resolve_tokenizer,
-    run_data, run_loop, run_model, GradSync, Reporter, RunControl, TrainOptions, TrainSummary,
-    Verbosity,
-};
+use crate::train::{check_microbatches, check_sequence_parallel, TrainOptions};
 
 /// How long a rank waits for its peers in any collective before failing the run, by default
 /// (`--collective-timeout`). Ranks do the same work between collectives, so this only matters
 /// when something is stuck.
 pub const COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(300);
 
-/// A data-parallel rank's [`GradSync`]: DDP for gradients, an all-reduce over the data-parallel
-/// group for losses.
-struct DdpSync<'a> {
-    ddp: &'a Ddp,
-    comm: &'a dyn Communicator,
-}
-
-impl GradSync for DdpSync<'_> {
-    fn set_sync(&self, on: bool) {
-        self.ddp.set_sync(on);
-    }
-    fn finish(&self) -> Result<()> {
-        Ok(self.ddp.finish()?)
-    }
-    fn mean(&self, local: f64) -> Result<f64> {
-        Ok(all_reduce_scalar(self.comm, local, ReduceOp::Avg)?)
-    }
-}
-
-/// A sharded rank's [`GradSync`]: [`ShardedDataParallel`] reduces the gradients, clips across
-/// the shards and steps its shard of AdamW.
-struct ZeroSync<'a> {
-    sdp: &'a ShardedDataParallel,
-    comm: &'a dyn Communicator,
-}
-
-impl GradSync for ZeroSync<'_> {
-    fn set_sync(&self, on: bool) {
-        self.sdp.set_sync(on);
-    }
-    fn finish(&self) -> Result<()> {
-        Ok(self.sdp.finish()?)
-    }
-    fn mean(&self, local: f64) -> Result<f64> {
-        Ok(all_reduce_scalar(self.comm, local, ReduceOp::Avg)?)
-    }
-    fn zero_grad(&self, _opt: &AdamW) {
-        self.sdp.zero_grad();
-    }
-    fn clip(&self, _params: &[Var], max_norm: f64) -> Result<f64> {
-        Ok(self.sdp.clip_grad_norm(max_norm)?)
-    }
-    fn exact_norm(&self, _params: &[Var]) -> Result<f64> {
-        Ok(self.sdp.exact_grad_sq_sum()?.value().sqrt())
-    }
-    fn clip_with_norm(&self, _params: &[Var], max_norm: f64, norm: f64) -> Result<()> {
-        Ok(self.sdp.clip_grads_with_norm(max_norm, norm)?)
-    }
-    fn step(&self, _opt: &mut AdamW, lr: f64) -> Result<()> {
-        Ok(self.sdp.step(lr)?)
-    }
-    /// bf16 under ZeRO: the wrapper's own mechanism (f32 master shards, gradient shards cast
-    /// to f32), clipped across the shards. No loss scaling: f16 is refused before the run.
-    fn step_mixed(
-        &self,
-        _opt: &mut AdamW,
-        _params: &[Var],
-        lr: f64,
-        max_norm: f64,
-        scale: f64,
-    ) -> Result<(f64, bool)> {
-        // f16: the reduced shards hold loss-scaled gradients; unscale them (in the f32 master
-        // dtype) so that the norm, the clipping and the step see the true gradients. A
-        // non-finite gradient anywhere makes the global norm non-finite on every rank, which
-        // skips the step everywhere.
-        if scale != 1.0 {
-            self.sdp.scale_grads(1.0 / scale)?;
-        }
-        // Without clipping, a bound no norm reaches still yields the (global) norm to check.
-        let bound = if max_norm > 0.0 { max_norm } else { f64::MAX };
-        let norm = self.sdp.clip_grad_norm(bound)?;
-        if !norm.is_finite() {
-            return Ok((norm, false));
-        }
-        self.sdp.step(lr)?;
-        Ok((norm, true))
-    }
-}
-
-/// What a rank's model is wrapped in for its layout: DDP over the data-parallel group when
-/// nothing is sharded (`dp=N`), else sharded data parallelism over the layout's
-/// [`ShardTopology`](meshgrad_parallel::ShardTopology). Shared by the GPT and BERT training
-/// loops.
-pub(crate) enum RankWrapper {
-    /// `dp=N`.
-    Ddp(Ddp),
-    /// `zero1=N`, `zero2=N`, `fsdp=N`, `hsdp=RxS`, `dp=R,zero1=S`, ...
-    Sharded(ShardedDataParallel),
-}
-
-impl RankWrapper {
-    /// Wraps `model` (whose optimizer is `opt`) on this rank of `mesh`.
-    pub(crate) fn new(mesh: &LayoutMesh, model: &dyn Module, opt: &AdamW) -> Result<Self> {
-        Ok(match mesh.layout().zero() {
-            None => RankWrapper::Ddp(Ddp::new(
-                model.named_parameters(),
-                mesh.dp_group(),
-                DdpConfig::default(),
-            )?),
-            Some(stage) => RankWrapper::Sharded(ShardedDataParallel::new(
-                model,
-                opt.param_groups().to_vec(),
-                *opt.config(),
-                mesh.shard_topology()?,
-                ShardConfig::new(stage),
-            )?),
-        })
-    }
-
-    /// The [`GradSync`] a training loop uses on this rank.
-    pub(crate) fn sync<'a>(&'a self, comm: &'a dyn Communicator) -> Box<dyn GradSync + 'a> {
-        match self {
-            RankWrapper::Ddp(ddp) => Box::new(DdpSync { ddp, comm }),
-            RankWrapper::Sharded(sdp) => Box::new(ZeroSync { sdp, comm }),
-        }
-    }
-
-    /// The sharded wrapper, when the layout shards.
-    pub(crate) fn sharded(&self) -> Option<&ShardedDataParallel> {
-        match self {
-            RankWrapper::Sharded(sdp) => Some(sdp),
-            RankWrapper::Ddp(_) => None,
-        }
-    }
-
-    /// fsdp/hsdp keep only shards: gathers the full weights (every rank takes part) for the
-    /// checkpoint. Nothing to do for the other layouts.
-    pub(crate) fn summon_full_params(&self) -> Result<()> {
-        if let RankWrapper::Sharded(sdp) = self {
-            sdp.summon_full_params()?;
-        }
-        Ok(())
-    }
-}
-
 /// Runs `body` on the ranks of `layout` (threads of this process, each collective failing after
-/// `timeout` without its peers), each with its [`LayoutMesh`], and returns what rank 0 returned.
-/// In `reference` mode the mesh's groups add float sums in the aligned tree over their ranks
-/// ([`mesh_world`]).
-/// `body` returns `Some` on the leader only. Returned beside rank 0's result: the largest
-/// rank's peak of tracked bytes (each rank's own tracker, [`RankCtx::tracker`]), agreed by
-/// one all-reduce after `body`.
+/// `timeout` without its peers; or this process's rank of a job of processes), each with its
+/// [`LayoutMesh`], and returns what rank 0 returned. In `reference` mode the mesh's groups add
+/// float sums in the aligned tree over their ranks ([`mesh_world`]). `body` returns `Some` on
+/// the leader only.
 pub(crate) fn on_ranks<T: Send>(
     layout: &ParallelLayout,
     timeout: Duration,
     reference: bool,
     body: impl Fn(&RankCtx, &LayoutMesh) -> Result<Option<T>> + Send + Sync,
-) -> Result<(T, usize)> {
-    let body = |ctx: &RankCtx, mesh: &LayoutMesh| -> Result<Option<(T, usize)>> {
-        let r = body(ctx, mesh)?;
-        let peak = ctx.tracker.stats().peak as f64; // exact: below 2^53 bytes
-        let largest = all_reduce_scalar(ctx.comm.as_ref(), peak, ReduceOp::Max)?;
-        Ok(r.map(|t| (t, largest as usize)))
-    };
+) -> Result<T> {
     match selected_backend() {
         Backend::Nccl => return on_nccl_rank(layout, timeout, reference, body),
         Backend::Tcp => {
@@ -605,7 +431,7 @@ fn on_mpi_rank<T: Send>(
 /// A one-line reason `layout` cannot run (yet) or does not fit the run, before any work.
 pub fn check_layout(cfg: &TrainConfig, layout: &ParallelLayout, opts: &TrainOptions) -> Result<()> {
     check_sequence_parallel(opts, layout.tp())?;
-    crate::train_pipeline::check_pipeline_flags(opts, layout.pp())?;
+    crate::pipeline_plan::check_pipeline_flags(opts, layout.pp())?;
     opts.activation_checkpointing.check(layout.pp())?;
     crate::train::check_run_options(cfg, opts)?;
     layout.check(cfg.train.batch_size, opts.microbatches, None)?;
@@ -627,136 +453,6 @@ pub(crate) fn layout_desc(layout: &ParallelLayout, rows: usize, microbatches: us
     } else {
         format!(", layout {layout} ({world} ranks; {dp} data-parallel x {rows} rows{micro})")
     }
-}
-
-/// Trains a GPT as `cfg` describes on the ranks of `layout` (threads of this process, on the
-/// CPU) and writes rank 0's checkpoint to `cfg.out`.
-pub fn train_parallel(
-    cfg: &TrainConfig,
-    layout: &ParallelLayout,
-    opts: &TrainOptions,
-    verbosity: Verbosity,
-) -> Result<TrainSummary> {
-    crate::train::check_device_and_precision(cfg, Some(layout))?;
-    // Reference mode: a pipeline's microbatches are the rank's row groups.
-    let opts = &crate::train_pipeline::reference_pipeline_options(cfg, layout, opts)?;
-    let (cfg, tokenizer) = resolve_tokenizer(cfg)?;
-    let cfg = &cfg;
-    check_layout(cfg, layout, opts)?;
-    crate::preflight::check_train(cfg, Some(layout), opts)?;
-    let data = run_data(cfg, tokenizer)?;
-    // The other sizes first; then the vocabulary, whose error names the key that pads it.
-    let mut sizes = gpt_config(cfg);
-    sizes.vocab_size = sizes.vocab_size.next_multiple_of(layout.tp());
-    meshgrad_nn::gpt::check_tp_sizes(
-        &sizes,
-        layout.tp(),
-        opts.sequence_parallel.then_some(cfg.model.block_size),
-    )?;
-    check_vocab_splits(cfg, gpt_config(cfg).vocab_size, layout)?;
-    if layout.pp() > 1 {
-        let task = crate::pipeline_gpt::GptPipeline::new(cfg, &data);
-        return crate::train_pipeline::train_pipeline(&task, layout, opts, verbosity);
-    }
-    let (mut summary, peak) = on_ranks(
-        layout,
-        opts.collective_timeout,
-        cfg.train.reference,
-        |ctx, mesh| {
-            let tp = (mesh.tp_degree() > 1)
-                .then(|| tensor_parallel(mesh.tp_group(), opts.sequence_parallel));
-            // ZeRO-3 / FSDP cuts its shards from a delayed-initialisation model one unit at a time,
-            // so no rank holds the whole model.
-            let fsdp = layout.zero() == Some(ZeroStage::Three);
-            let mut run = run_model(cfg, tp, fsdp, opts.activation_checkpointing.on_stage(0))?;
-            let wrapper = RankWrapper::new(mesh, &run.model, &run.opt)?;
-            let (start, saver) = crate::run_checkpoint::begin_rank(
-                cfg,
-                opts,
-                &layout.to_string(),
-                Some(ctx.comm.as_ref()),
-                &run.model,
-                &mut run.opt,
-                wrapper.sharded(),
-                false,
-            )?;
-            let start_step = start.step;
-            let hook = saver.hook(wrapper.sharded());
-            let rows = rank_rows(cfg.train.batch_size, mesh.dp_degree(), mesh.dp_rank())?;
-            let leader = ctx.rank == 0;
-            let mut rep = if leader {
-                Reporter::leader(cfg, verbosity, start_step)?
-            } else {
-                Reporter::silent()
-            };
-            let desc = layout_desc(layout, (rows.end - rows.start) as usize, opts.microbatches);
-            rep.say(header(cfg, &run.model.config, &data, &desc));
-            let dp_group = mesh.dp_group();
-            let sync = wrapper.sync(dp_group.as_ref());
-            let result = run_loop(
-                cfg,
-                &data,
-                &mut run,
-                rows,
-                opts.microbatches,
-                sync.as_ref(),
-                &mut rep,
-                &RunControl {
-                    start_step,
-                    loss_scaler: start.loss_scaler.clone(),
-                    world: Some(ctx.comm.as_ref()),
-                    save_every: opts.save_every,
-                    save: Some(&*hook),
-                },
-            )?;
-            // fsdp/hsdp: the full weights for the checkpoint and the sample.
-            wrapper.summon_full_params()?;
-            // tp: the leader assembles the single-device model from every rank's parts.
-            let mut gathered = gather_tensor_parallel(&run.model, mesh, leader, || {
-                Ok(Gpt::new(
-                    gpt_config(cfg),
-                    cfg.train.seed,
-                    crate::train::precision_dtype(cfg)?,
-                    Device::Cpu,
-                )?)
-            })?;
-            if leader {
-                Ok(Some(finish_run(
-                    cfg,
-                    gathered.as_mut().unwrap_or(&mut run.model),
-                    data.tokenizer.as_ref(),
-                    rep,
-                    result,
-                    verbosity,
-                )?))
-            } else {
-                Ok(None)
-            }
-        },
-    )?;
-    summary.peak_memory_per_rank = peak;
-    Ok(summary)
-}
-
-/// Under tensor parallelism, the single-device model (on the leader only): every rank gathers
-/// its split parameters (a collective), and the leader loads them into `single()`, a fresh
-/// single-device model of the same config. `None` without tensor parallelism or off the leader.
-pub(crate) fn gather_tensor_parallel<M: Module>(
-    model: &M,
-    mesh: &LayoutMesh,
-    leader: bool,
-    single: impl FnOnce() -> Result<M>,
-) -> Result<Option<M>> {
-    if mesh.tp_degree() <= 1 {
-        return Ok(None);
-    }
-    let tensors = full_state_dict(model)?;
-    if !leader {
-        return Ok(None);
-    }
-    let full = single()?;
-    load_state_dict(&full, &tensors, true)?;
-    Ok(Some(full))
 }
 
 /// A one-line error when the model's vocabulary of `vocab` ids (after padding) does not split

@@ -1,0 +1,186 @@
+//! How a rank completes a step across the ranks of its layout, once its schedule has run: the
+//! tied table's copies, the data-parallel reduction, the global gradient norm and clipping, the
+//! optimizer step (plain or mixed precision), and the mean loss. One type for every layout: one
+//! device is a layout of one rank, one stage and no data parallelism.
+//!
+//! * the copies of the tied embedding / head table on the first and the last pipeline stage add
+//!   their gradients ([`PipelineGrads::reduce_tied_grads`]; nothing to do with one stage);
+//! * the layout's data-parallel wrapper ([`DataParallel`], chosen by
+//!   [`DataParallel::for_layout`]) averages the gradients over the data-parallel group: [`Ddp`]'s
+//!   buckets during the last microbatch's backward on one stage, or all of them after the
+//!   schedule on several (after the tied copies are added); the sharded wrapper's
+//!   reduce-scatter otherwise;
+//! * the global gradient norm adds every stage's sum of squares (the tied table once) over the
+//!   pipeline group (its shards' under ZeRO), and clipping scales every stage's gradients by the
+//!   same factor;
+//! * each rank steps its optimizer (or its shard of it).
+//!
+//! [`Ddp`]: meshgrad_parallel::Ddp
+
+use std::sync::Arc;
+
+use anyhow::Result;
+use meshgrad_autograd::Var;
+use meshgrad_nn::optim::{clip_grads_with_norm, AdamW, Optimizer};
+use meshgrad_parallel::comm::all_reduce_scalar;
+use meshgrad_parallel::pipeline::{PipelineGrads, SpanKind, Timeline};
+use meshgrad_parallel::{Communicator, DataParallel, ReduceOp};
+
+use crate::step_loop::GradSync;
+
+/// A rank's end of a step (see the [module docs](self)).
+pub(crate) struct RankSync<'a> {
+    pub(crate) grads: &'a PipelineGrads,
+    pub(crate) wrapper: &'a DataParallel,
+    /// The rank's parameters (every chunk's).
+    pub(crate) params: Vec<Var>,
+    pub(crate) dp: Arc<dyn Communicator>,
+    pub(crate) pp: Arc<dyn Communicator>,
+    pub(crate) timeline: &'a Timeline,
+    /// Reference mode: the tied copies' gradients were already added per microbatch (in the
+    /// step, [`PipelineGrads::reduce_tied_grads_by_microbatch`]), and no reduction overlaps a
+    /// backward.
+    pub(crate) reference: bool,
+}
+
+impl RankSync<'_> {
+    /// Whether the data-parallel reduction may run during a backward: with one pipeline stage
+    /// (no tied copies to add first) outside reference mode.
+    fn overlaps(&self) -> bool {
+        self.pp.world_size() == 1 && !self.reference
+    }
+
+    /// Before a backward that adds to the gradients of microbatch `mb` of `microbatches`: the
+    /// wrapper reduces during the last one when it [`overlaps`](Self::overlaps), and
+    /// accumulates locally otherwise.
+    pub(crate) fn before_grads(&self, mb: usize, microbatches: usize) {
+        self.wrapper
+            .set_sync(self.overlaps() && mb + 1 == microbatches);
+    }
+
+    /// The sum of squares of the gradients this rank owns (its shards under ZeRO, the tied table
+    /// once) over the pipeline group.
+    fn sharded_sq_sum(&self, sdp: &meshgrad_parallel::ShardedDataParallel) -> Result<f64> {
+        let skip = |n: &str| self.grads.left_out_of_norm().iter().any(|s| s == n);
+        let local = sdp.grad_sq_sum_without(&skip)?;
+        Ok(all_reduce_scalar(self.pp.as_ref(), local, ReduceOp::Sum)?)
+    }
+}
+
+impl GradSync for RankSync<'_> {
+    /// Clears the gradients before a step's first backward.
+    fn zero_grad(&self, opt: &AdamW) {
+        self.wrapper.zero_grad(opt);
+        self.wrapper.set_sync(false);
+    }
+
+    /// Completes the gradients after the schedule: the tied copies, then the data-parallel
+    /// reduction.
+    fn finish(&self) -> Result<()> {
+        self.timeline
+            .record(SpanKind::Optimizer, "reduce gradients", || -> Result<()> {
+                if !self.reference {
+                    self.grads.reduce_tied_grads()?;
+                }
+                Ok(self.wrapper.finish()?)
+            })
+    }
+
+    /// The mean of `local` over the data-parallel group (losses).
+    fn mean(&self, local: f64) -> Result<f64> {
+        Ok(all_reduce_scalar(self.dp.as_ref(), local, ReduceOp::Avg)?)
+    }
+
+    /// Clips the global gradient norm to `max_norm`; returns the norm before clipping.
+    fn clip(&self, max_norm: f64) -> Result<f64> {
+        match self.wrapper.sharded() {
+            None => {
+                let norm = self.grads.grad_norm()?;
+                clip_grads_with_norm(&self.params, max_norm, norm)?;
+                Ok(norm)
+            }
+            Some(sdp) => {
+                let norm = self.sharded_sq_sum(sdp)?.sqrt();
+                sdp.clip_grads_with_norm(max_norm, norm)?;
+                Ok(norm)
+            }
+        }
+    }
+
+    /// Reference mode's gradient norm: the square root of an order-free exact sum of squares
+    /// over every stage's gradients (their shards under ZeRO), so no layout changes its bits.
+    fn exact_norm(&self) -> Result<f64> {
+        let sum = match self.wrapper.sharded() {
+            None => self.grads.exact_grad_sq_sum()?,
+            Some(sdp) => {
+                let skip = |n: &str| self.grads.left_out_of_norm().iter().any(|s| s == n);
+                let local = sdp.exact_grad_sq_sum_without(&skip)?;
+                self.grads.exact_sum_over_pipeline(&local)?
+            }
+        };
+        Ok(sum.value().sqrt())
+    }
+
+    /// Scales the gradients as clipping to `max_norm` does when the global norm is `norm`.
+    fn clip_with_norm(&self, max_norm: f64, norm: f64) -> Result<()> {
+        match self.wrapper.sharded() {
+            None => clip_grads_with_norm(&self.params, max_norm, norm)?,
+            Some(sdp) => sdp.clip_grads_with_norm(max_norm, norm)?,
+        }
+        Ok(())
+    }
+
+    /// The optimizer step with learning rate `lr`: the run's AdamW, or the sharded wrapper's
+    /// shard of it.
+    fn step(&self, opt: &mut AdamW, lr: f64) -> Result<()> {
+        self.timeline
+            .record(SpanKind::Optimizer, "optimizer step", || {
+                match self.wrapper.sharded() {
+                    None => Ok(opt.step(lr)?),
+                    Some(sdp) => Ok(sdp.step(lr)?),
+                }
+            })
+    }
+
+    /// The optimizer step of a bf16 / f16 run whose loss was multiplied by `scale` (1 for bf16):
+    /// the global norm of the unscaled gradients over every stage (the tied table once), then,
+    /// unless it is NaN or infinite (every rank sees the same norm), the step with the clipping
+    /// to `max_norm` (0: none) and the unscaling applied in f32: AdamW's gradient multiplier on
+    /// replicated parameters ([`AdamW::step_scaled`]), the ZeRO wrapper's f32 shards otherwise.
+    /// Returns the norm, and whether the step was taken (false: nothing was changed).
+    fn step_mixed(
+        &self,
+        opt: &mut AdamW,
+        lr: f64,
+        max_norm: f64,
+        scale: f64,
+    ) -> Result<(f64, bool)> {
+        let norm = match self.wrapper.sharded() {
+            None => self.grads.grad_norm()? / scale,
+            Some(sdp) => {
+                if scale != 1.0 {
+                    sdp.scale_grads(1.0 / scale)?;
+                }
+                self.sharded_sq_sum(sdp)?.sqrt()
+            }
+        };
+        if !norm.is_finite() {
+            return Ok((norm, false));
+        }
+        let coef = meshgrad_nn::optim::clip_coef(max_norm, norm);
+        self.timeline
+            .record(SpanKind::Optimizer, "optimizer step", || -> Result<()> {
+                match self.wrapper.sharded() {
+                    None => opt.step_scaled(lr, coef / scale)?,
+                    Some(sdp) => {
+                        if max_norm > 0.0 {
+                            sdp.clip_grads_with_norm(max_norm, norm)?;
+                        }
+                        sdp.step(lr)?;
+                    }
+                }
+                Ok(())
+            })?;
+        Ok((norm, true))
+    }
+}

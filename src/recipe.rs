@@ -1,0 +1,92 @@
+//! What the trainer needs from a model family: a [`Recipe`]. The trainer ([`crate::rank_train`])
+//! knows recipes, never a model by name; [`crate::train::train`] maps the config's model kind to
+//! its recipe (the registry: one `match`). A family is one recipe file: [`crate::recipe_gpt`],
+//! [`crate::recipe_bert`].
+//!
+//! The model is built as stages ([`ModelStage`]); the whole model is the one stage
+//! [`StageSpec::full`], so one device, data and tensor parallelism run the same code as a
+//! pipeline, with one stage.
+
+use std::ops::Range;
+
+use anyhow::Result;
+use meshgrad_nn::tp::TensorParallel;
+use meshgrad_nn::{ModelStage, StageSpec};
+use meshgrad_parallel::pipeline::Microbatch;
+use meshgrad_parallel::{Communicator, ParallelLayout};
+use meshgrad_tensor::Tensor;
+
+use crate::config::TrainConfig;
+use crate::step_loop::{LoopResult, Reporter};
+use crate::train::{RunData, TrainOptions, TrainSummary, Verbosity};
+
+/// A model family's training recipe (see the [module docs](self)).
+pub(crate) trait Recipe: Sync + Sized {
+    /// The model's stage (the whole model being the full stage).
+    type Stage: ModelStage + Send + Sync;
+    /// The family's name in messages (`GPT`, `BERT`).
+    const NAME: &'static str;
+    /// One-line refusals of `cfg` (resolved) under `layout` (`None`: one device) before any
+    /// data is read: sizes that do not split over tensor parallelism, options the family does
+    /// not support.
+    fn check(cfg: &TrainConfig, layout: Option<&ParallelLayout>, opts: &TrainOptions)
+        -> Result<()>;
+    /// The recipe of the run `cfg` (resolved and checked) on `data`.
+    fn new(cfg: TrainConfig, data: RunData) -> Result<Self>;
+    /// The training config.
+    fn cfg(&self) -> &TrainConfig;
+    /// Number of blocks (layers) to split.
+    fn n_blocks(&self) -> usize;
+    /// Builds a stage on the run's device and in its precision: its own parameters only, split
+    /// by `tp` when given, lazily initialised when `delayed`, recomputing its blocks'
+    /// activations in the backward when `checkpointing`.
+    fn build_stage(
+        &self,
+        spec: StageSpec,
+        tp: Option<TensorParallel>,
+        delayed: bool,
+        checkpointing: bool,
+    ) -> Result<Self::Stage>;
+    /// The microbatches of training step `step` for `rows` (this data-parallel rank's), split
+    /// `microbatches` ways, on the run's device; `dp` is the data-parallel degree. The executor
+    /// scales the last stage's output by `1 / microbatches` for the backward and averages it for
+    /// the step's loss, which, averaged over the data-parallel ranks, must be the step's global
+    /// loss.
+    fn train_microbatches(
+        &self,
+        step: u64,
+        rows: Range<u64>,
+        microbatches: usize,
+        dp: usize,
+    ) -> Result<Vec<Microbatch<<Self::Stage as ModelStage>::Batch>>>;
+    /// The validation batches of `rows` (this data-parallel rank's), on the run's device.
+    fn val_batches(&self, rows: Range<u64>) -> Result<Vec<<Self::Stage as ModelStage>::Batch>>;
+    /// The validation loss from the sum of the last stage's outputs over the validation batches
+    /// (the same on every rank of a data-parallel group; `dp` averages over it).
+    fn val_loss(&self, local_sum: f64, n_batches: usize, dp: &dyn Communicator) -> Result<f64>;
+    /// Reference mode: the factor each row group's loss is multiplied by before its backward,
+    /// and the step's tree sum of row-group losses after it (`total` row groups in the global
+    /// batch). Default (a mean over tokens): `1 / total`.
+    fn reference_loss_scale(&self, total: usize) -> f64 {
+        1.0 / total as f64
+    }
+    /// Reference mode: validation batch `batch`'s loss from the tree sum of its row groups'
+    /// losses over the whole global batch (`total` row groups). Default: the sum divided by
+    /// `total`.
+    fn reference_val_loss(&self, sum: f64, _batch: u64, total: usize) -> Result<f64> {
+        Ok(sum / total as f64)
+    }
+    /// The run's first log line; `layout` describes the layout (empty on one device).
+    fn header(&self, layout: &str) -> String;
+    /// A training microbatch of `rows` rows to profile the layers with.
+    fn profile_batch(&self, rows: usize) -> Result<<Self::Stage as ModelStage>::Batch>;
+    /// The leader's end of the run, from the full single-device state dict: the checkpoint,
+    /// the config, a sample, the summary line.
+    fn finish(
+        &self,
+        tensors: &[(String, Tensor)],
+        rep: Reporter,
+        result: LoopResult,
+        verbosity: Verbosity,
+    ) -> Result<TrainSummary>;
+}
