@@ -148,8 +148,8 @@ impl TrainConfig {
     /// Sets one key from a command-line string: `key` is dotted (`train.steps`, `model.n_embd`,
     /// `out`; see [`TrainConfig::keys`]) and `value` is parsed as the key's type (integers,
     /// numbers such as `3e-4`, `true`/`false`, or text; surrounding double quotes are removed from
-    /// text). An empty value for an optional key (`data.path`, `data.tokenizer`, `metrics`)
-    /// unsets it.
+    /// text). An empty value for an optional key (`data.path`, `data.tokenizer`, `metrics`,
+    /// `model.tie_embeddings`) unsets it.
     ///
     /// Errors name the key: [`ConfigError::UnknownKey`] (with a suggestion when one is close),
     /// [`ConfigError::BadValue`], or [`ConfigError::Invalid`] for an integer above
@@ -184,11 +184,14 @@ impl TrainConfig {
             key: key.to_string(),
             value: value.to_string(),
             expected: match field_error {
-                // The field's own words for an enum: "`gpt` or `bert`".
-                Some(e) if e.contains("variant") => match e.find("expected ") {
-                    Some(i) => e[i + "expected ".len()..].trim().to_string(),
-                    None => e,
-                },
+                // The field's own words for an enum ("one of `gpt`, `bert`, `llama`") and for
+                // an optional key, whose default (unset) tells no type ("a boolean").
+                Some(e) if e.contains("variant") || default.is_null() => {
+                    match e.find("expected ") {
+                        Some(i) => e[i + "expected ".len()..].trim().to_string(),
+                        None => e,
+                    }
+                }
                 _ => expected(default).to_string(),
             },
         })

@@ -28,8 +28,13 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-/// The model's shape: a GPT-style decoder (`kind = "gpt"`) or a BERT encoder trained by masked
-/// language modelling (`kind = "bert"`).
+/// The model's shape: a GPT-style decoder (`kind = "gpt"`), a BERT encoder trained by masked
+/// language modelling (`kind = "bert"`) or a Llama decoder (`kind = "llama"`: RMSNorm, rotary
+/// position embeddings, a SwiGLU MLP, grouped-query attention, no biases and no dropout).
+///
+/// The keys `n_kv_head`, `intermediate_size`, `rope_theta`, `norm_eps` and `tie_embeddings` are
+/// the Llama family's; a GPT or BERT config must leave them at their defaults (see
+/// [`TrainConfig::validate`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
@@ -49,17 +54,36 @@ pub struct ModelConfig {
     /// `make-vocab-size-divisible-by` does. The padded ids never occur in the data and are never
     /// sampled; their logits take part in the softmax (they learn to stay low).
     pub vocab_multiple: usize,
-    /// Dropout probability, in [0, 1).
+    /// Dropout probability, in [0, 1). A Llama has no dropout: it must be 0 there.
     pub dropout: f64,
-    /// Whether linear and layer-norm layers have bias terms.
+    /// Whether linear and layer-norm layers have bias terms. A BERT always has them; the Llama
+    /// family has no biases at all, so a Llama ignores this key.
     pub bias: bool,
-    /// The model family: `"gpt"` (next-token prediction) or `"bert"` (masked language modelling;
-    /// see [`crate::recipe_bert`]).
+    /// The model family: `"gpt"` (next-token prediction), `"bert"` (masked language modelling;
+    /// see [`crate::recipe_bert`]) or `"llama"` (next-token prediction with a Llama decoder,
+    /// `meshgrad_nn::llama`; see [`crate::recipe_causal`]).
     pub kind: ModelKind,
+    /// Llama only: key/value heads per block (grouped-query attention: each serves
+    /// `n_head / n_kv_head` query heads); must divide `n_head`. 0, the default, means `n_head`
+    /// (multi-head attention); see [`ModelConfig::kv_heads`].
+    pub n_kv_head: usize,
+    /// Llama only: the hidden width of the SwiGLU MLP. 0, the default, means Llama's rule
+    /// `256 * ceil(ceil(8 * n_embd / 3) / 256)` (as `meshgrad_nn::llama::LlamaConfig::new`); see
+    /// [`ModelConfig::ffn_hidden`].
+    pub intermediate_size: usize,
+    /// Llama only: the base of the rotary position embedding's angles (10000, the default, as
+    /// Llama 2; 500000 in Llama 3). Finite and > 0.
+    pub rope_theta: f64,
+    /// Llama only: the RMSNorm epsilon (default 1e-5). Finite and > 0.
+    pub norm_eps: f64,
+    /// Whether the output head is the token embedding table. Left out (`None`, the default):
+    /// the family's default, untied for a Llama; a GPT and a BERT always tie their head to the
+    /// token table, so for them only `true` is accepted. See [`ModelConfig::tied`].
+    pub tie_embeddings: Option<bool>,
 }
 
 /// The model family a config trains: the one place a kind is named as text (`"gpt"`, `"bert"`,
-/// in config files, `--model` and checkpoint metadata).
+/// `"llama"`, in config files, `--model` and checkpoint metadata).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ModelKind {
@@ -68,6 +92,8 @@ pub enum ModelKind {
     Gpt,
     /// A BERT encoder trained by masked language modelling.
     Bert,
+    /// A Llama decoder (`meshgrad_nn::llama`) trained on next-token prediction.
+    Llama,
 }
 
 impl ModelKind {
@@ -76,6 +102,7 @@ impl ModelKind {
         match self {
             ModelKind::Gpt => "gpt",
             ModelKind::Bert => "bert",
+            ModelKind::Llama => "llama",
         }
     }
 }
@@ -92,8 +119,9 @@ impl FromStr for ModelKind {
         match s.trim() {
             "gpt" => Ok(ModelKind::Gpt),
             "bert" => Ok(ModelKind::Bert),
+            "llama" => Ok(ModelKind::Llama),
             other => Err(format!(
-                "unknown model kind {other:?} (expected gpt or bert)"
+                "unknown model kind {other:?} (expected gpt, bert or llama)"
             )),
         }
     }
@@ -104,6 +132,52 @@ impl ModelConfig {
     /// [`ModelConfig::vocab_multiple`] (`ids` itself when that is 0 or 1).
     pub fn padded_vocab(&self, ids: usize) -> usize {
         ids.div_ceil(self.vocab_multiple.max(1)) * self.vocab_multiple.max(1)
+    }
+
+    /// Key/value heads per block: [`ModelConfig::n_kv_head`], or `n_head` when that is 0 (always
+    /// `n_head` for a GPT or a BERT, whose `n_kv_head` is 0).
+    pub fn kv_heads(&self) -> usize {
+        if self.n_kv_head == 0 {
+            self.n_head
+        } else {
+            self.n_kv_head
+        }
+    }
+
+    /// The MLP's hidden width: [`ModelConfig::intermediate_size`], or when that is 0 the
+    /// family's: Llama's rule `256 * ceil(ceil(8 * n_embd / 3) / 256)` (the same as
+    /// `meshgrad_nn::llama::LlamaConfig::new`; 512 for `n_embd = 128`, 11008 for 4096), or
+    /// `4 * n_embd` for a GPT and a BERT.
+    pub fn ffn_hidden(&self) -> usize {
+        match (self.intermediate_size, self.kind) {
+            (0, ModelKind::Llama) => (8 * self.n_embd).div_ceil(3).div_ceil(256) * 256,
+            (0, ModelKind::Gpt | ModelKind::Bert) => 4 * self.n_embd,
+            (n, _) => n,
+        }
+    }
+
+    /// Whether the output head is the token embedding table: [`ModelConfig::tie_embeddings`],
+    /// or when that is unset the family's default: tied for a GPT and a BERT, untied for a
+    /// Llama.
+    pub fn tied(&self) -> bool {
+        self.tie_embeddings
+            .unwrap_or(self.kind.ties_embeddings_by_default())
+    }
+}
+
+/// The default of [`ModelConfig::rope_theta`].
+pub const DEFAULT_ROPE_THETA: f64 = 10_000.0;
+/// The default of [`ModelConfig::norm_eps`].
+pub const DEFAULT_NORM_EPS: f64 = 1e-5;
+
+impl ModelKind {
+    /// Whether the family's output head is its token table when `tie_embeddings` is left out:
+    /// true for GPT and BERT, false for Llama.
+    pub fn ties_embeddings_by_default(self) -> bool {
+        match self {
+            ModelKind::Gpt | ModelKind::Bert => true,
+            ModelKind::Llama => false,
+        }
     }
 }
 
@@ -119,6 +193,11 @@ impl Default for ModelConfig {
             dropout: 0.0,
             bias: true,
             kind: ModelKind::Gpt,
+            n_kv_head: 0,
+            intermediate_size: 0,
+            rope_theta: DEFAULT_ROPE_THETA,
+            norm_eps: DEFAULT_NORM_EPS,
+            tie_embeddings: None,
         }
     }
 }
@@ -445,8 +524,13 @@ impl TrainConfig {
     /// least 0, and `lr * weight_decay` below 1 (AdamW scales the weights by `1 - lr *
     /// weight_decay` each step); `device` one of `cpu`, `cuda`, `cuda:N`; `precision` one of
     /// [`PRECISIONS`]; `loss_scale_init` finite and > 0; `val_fraction` in (0, 1); `out`, and
-    /// `metrics`, `data.path` and `data.tokenizer` when set, non-empty. (Whether the device is
-    /// usable, and whether the precision suits the layout, is checked when the run starts.)
+    /// `metrics`, `data.path` and `data.tokenizer` when set, non-empty. A Llama
+    /// (`model.kind = "llama"`) has `dropout` 0, an even head width `n_embd / n_head` (rotary
+    /// embeddings rotate pairs), an `n_kv_head` (when set) dividing `n_head`, and `rope_theta`
+    /// and `norm_eps` finite and > 0; a GPT or a BERT leaves the Llama keys (`n_kv_head`,
+    /// `intermediate_size`, `rope_theta`, `norm_eps`) at their defaults and `tie_embeddings`
+    /// unset or `true`. (Whether the device is usable, and whether the precision suits the
+    /// layout, is checked when the run starts.)
     pub fn validate(&self) -> Result<(), ConfigError> {
         let m = &self.model;
         let t = &self.train;
@@ -538,6 +622,9 @@ impl TrainConfig {
             if !(0.0..1.0).contains(&value) {
                 return invalid(key, format!("must be in [0, 1), got {value}"));
             }
+        }
+        if let Err((key, message)) = m.check_family_keys() {
+            return invalid(key, message);
         }
         if !(t.lr.is_finite() && t.lr > 0.0) {
             return invalid("train.lr", format!("must be a number > 0, got {}", t.lr));
@@ -632,6 +719,101 @@ impl TrainConfig {
                 "data.path",
                 "must not be empty when set (leave it out for the built-in corpus)".to_string(),
             );
+        }
+        Ok(())
+    }
+}
+
+impl ModelConfig {
+    /// The family-specific checks of [`TrainConfig::validate`]: the key at fault and why, on one
+    /// line. Runs after the generic checks (`n_head >= 1`, `n_embd` divisible by `n_head`,
+    /// `dropout` in [0, 1)).
+    fn check_family_keys(&self) -> Result<(), (&'static str, String)> {
+        let m = self;
+        match m.kind {
+            ModelKind::Llama => {
+                if m.dropout != 0.0 {
+                    return Err((
+                        "model.dropout",
+                        format!(
+                            "a Llama has no dropout (model.kind = \"llama\" needs dropout = 0), \
+                             got {}",
+                            m.dropout
+                        ),
+                    ));
+                }
+                let head_dim = m.n_embd / m.n_head;
+                if !head_dim.is_multiple_of(2) {
+                    return Err((
+                        "model.n_embd",
+                        format!(
+                            "the head width n_embd / n_head = {} / {} = {head_dim} must be even \
+                             for a Llama (rotary embeddings rotate pairs)",
+                            m.n_embd, m.n_head
+                        ),
+                    ));
+                }
+                if m.n_kv_head != 0 && !m.n_head.is_multiple_of(m.n_kv_head) {
+                    return Err((
+                        "model.n_kv_head",
+                        format!(
+                            "model.n_kv_head = {} does not divide model.n_head = {} (each kv head \
+                             serves a whole group of query heads)",
+                            m.n_kv_head, m.n_head
+                        ),
+                    ));
+                }
+                let positive = [
+                    ("model.rope_theta", m.rope_theta),
+                    ("model.norm_eps", m.norm_eps),
+                ];
+                for (key, value) in positive {
+                    if !(value.is_finite() && value > 0.0) {
+                        return Err((key, format!("must be a finite number > 0, got {value}")));
+                    }
+                }
+            }
+            ModelKind::Gpt | ModelKind::Bert => {
+                let llama_only = [
+                    ("model.n_kv_head", m.n_kv_head != 0, m.n_kv_head.to_string()),
+                    (
+                        "model.intermediate_size",
+                        m.intermediate_size != 0,
+                        m.intermediate_size.to_string(),
+                    ),
+                    (
+                        "model.rope_theta",
+                        m.rope_theta != DEFAULT_ROPE_THETA,
+                        m.rope_theta.to_string(),
+                    ),
+                    (
+                        "model.norm_eps",
+                        m.norm_eps != DEFAULT_NORM_EPS,
+                        m.norm_eps.to_string(),
+                    ),
+                ];
+                if let Some((key, _, value)) = llama_only.into_iter().find(|(_, set, _)| *set) {
+                    return Err((
+                        key,
+                        format!(
+                            "{key} = {value} is a Llama key (model.kind = \"{}\"); leave it out \
+                             or set model.kind = \"llama\"",
+                            m.kind
+                        ),
+                    ));
+                }
+                if m.tie_embeddings == Some(false) {
+                    return Err((
+                        "model.tie_embeddings",
+                        format!(
+                            "model.tie_embeddings = false is for a Llama only: a {} always ties \
+                             its output head to the token table (model.kind = \"{}\")",
+                            m.kind.as_str().to_uppercase(),
+                            m.kind
+                        ),
+                    ));
+                }
+            }
         }
         Ok(())
     }
@@ -982,7 +1164,19 @@ val_fraction = 0.05
             .unwrap_err()
             .to_string();
         assert!(
-            msg.contains("`model.kind`") && msg.contains("`gpt` or `bert`"),
+            msg.contains("`model.kind`") && msg.contains("`gpt`, `bert`, `llama`"),
+            "{msg}"
+        );
+        assert_eq!(
+            "t5".parse::<ModelKind>().unwrap_err(),
+            "unknown model kind \"t5\" (expected gpt, bert or llama)"
+        );
+        let msg = config
+            .apply_override("model.tie_embeddings", "yes")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("`model.tie_embeddings`") && msg.contains("a boolean"),
             "{msg}"
         );
 
@@ -1021,6 +1215,10 @@ val_fraction = 0.05
         // The keys are the serialized config's (every optional key set), and each takes a value.
         let config = TrainConfig {
             metrics: Some("m".into()),
+            model: ModelConfig {
+                tie_embeddings: Some(true),
+                ..ModelConfig::default()
+            },
             data: DataConfig {
                 path: Some("p".into()),
                 tokenizer: Some("t".into()),
@@ -1043,6 +1241,7 @@ val_fraction = 0.05
             let value = match key.as_str() {
                 "out" | "metrics" | "data.path" | "data.tokenizer" => "x",
                 "model.bias" => "false",
+                "model.tie_embeddings" => "true",
                 "train.reference" => "true",
                 "model.kind" => "bert",
                 "train.device" => "cuda",
@@ -1062,5 +1261,260 @@ val_fraction = 0.05
         let text = config.to_toml_string().unwrap();
         let back = TrainConfig::from_toml_str(&text, "<round trip>").unwrap();
         assert_eq!(back, config);
+    }
+
+    /// A small Llama config: 4 heads of width 32.
+    fn llama() -> TrainConfig {
+        let mut config = TrainConfig::default();
+        config.model.kind = ModelKind::Llama;
+        config.model.dropout = 0.0;
+        config
+    }
+
+    #[test]
+    fn llama_kind_parses_and_prints() {
+        assert_eq!("llama".parse::<ModelKind>().unwrap(), ModelKind::Llama);
+        assert_eq!(ModelKind::Llama.as_str(), "llama");
+        assert_eq!(ModelKind::Llama.to_string(), "llama");
+        let config = TrainConfig::from_toml_str("[model]\nkind = \"llama\"\n", "t").unwrap();
+        assert_eq!(config, llama());
+        config.validate().unwrap();
+        let mut c = TrainConfig::default();
+        c.apply_override("model.kind", "llama").unwrap();
+        assert_eq!(c.model.kind, ModelKind::Llama);
+    }
+
+    #[test]
+    fn llama_defaults_and_helpers() {
+        let m = ModelConfig::default();
+        assert_eq!(m.n_kv_head, 0);
+        assert_eq!(m.intermediate_size, 0);
+        assert_eq!(m.rope_theta, 10000.0);
+        assert_eq!(m.norm_eps, 1e-5);
+        assert_eq!(m.tie_embeddings, None);
+        // GPT (and BERT): 4 x n_embd, tied, n_head kv heads.
+        assert_eq!(m.kv_heads(), 4);
+        assert_eq!(m.ffn_hidden(), 512);
+        assert!(m.tied());
+        let bert = ModelConfig {
+            kind: ModelKind::Bert,
+            ..ModelConfig::default()
+        };
+        assert!(bert.tied());
+        assert_eq!(bert.ffn_hidden(), 4 * 128);
+
+        let mut m = llama().model;
+        assert_eq!(m.kv_heads(), 4);
+        // ceil(8 * 128 / 3) = 342, rounded up to 512.
+        assert_eq!(m.ffn_hidden(), 512);
+        assert!(!m.tied());
+        m.n_embd = 4096;
+        // ceil(32768 / 3) = 10923, rounded up to 43 * 256 = 11008 (Llama 2 7B).
+        assert_eq!(m.ffn_hidden(), 11008);
+        // The same rule as the model's own config.
+        for n_embd in [64, 128, 200, 768, 4096] {
+            m.n_embd = n_embd;
+            let nn = meshgrad_nn::llama::LlamaConfig::new(256, 128, n_embd, 2, 4);
+            assert_eq!(m.ffn_hidden(), nn.intermediate_size, "n_embd {n_embd}");
+            assert_eq!(m.kv_heads(), nn.n_kv_head);
+            assert_eq!(m.tied(), nn.tie_embeddings);
+            assert_eq!(m.rope_theta, nn.rope_theta);
+            assert_eq!(m.norm_eps, nn.norm_eps);
+        }
+        m.n_kv_head = 2;
+        m.intermediate_size = 300;
+        m.tie_embeddings = Some(true);
+        assert_eq!(m.kv_heads(), 2);
+        assert_eq!(m.ffn_hidden(), 300);
+        assert!(m.tied());
+    }
+
+    #[test]
+    fn llama_refusals() {
+        let cases: Vec<(&str, &str, &str)> = vec![
+            (
+                "model.n_kv_head",
+                "3",
+                "model.n_kv_head = 3 does not divide model.n_head = 4",
+            ),
+            (
+                "model.n_kv_head",
+                "8",
+                "model.n_kv_head = 8 does not divide model.n_head = 4",
+            ),
+            ("model.rope_theta", "0", "finite number > 0, got 0"),
+            ("model.rope_theta", "-1", "finite number > 0"),
+            ("model.rope_theta", "inf", "finite number > 0"),
+            ("model.norm_eps", "0", "finite number > 0"),
+            ("model.norm_eps", "NaN", "finite number > 0"),
+            ("model.dropout", "0.1", "a Llama has no dropout"),
+            // n_embd 132 over 4 heads: heads of width 33, odd.
+            (
+                "model.n_embd",
+                "132",
+                "n_embd / n_head = 132 / 4 = 33 must be even",
+            ),
+        ];
+        for (key, value, expected) in cases {
+            let mut config = llama();
+            config.apply_override(key, value).unwrap();
+            let msg = config.validate().unwrap_err().to_string();
+            assert!(msg.contains(key), "{key}={value}: {msg}");
+            assert!(msg.contains(expected), "{key}={value}: {msg}");
+            assert!(!msg.contains('\n'), "{msg}");
+        }
+        // Allowed: grouped-query and multi-query attention, any MLP width, a tied head, a bias
+        // key (ignored).
+        let mut config = llama();
+        for kv in ["1", "2", "4"] {
+            config.apply_override("model.n_kv_head", kv).unwrap();
+            config.validate().unwrap();
+        }
+        config
+            .apply_override("model.intermediate_size", "100")
+            .unwrap();
+        config
+            .apply_override("model.tie_embeddings", "true")
+            .unwrap();
+        config.apply_override("model.rope_theta", "500000").unwrap();
+        config.apply_override("model.norm_eps", "1e-6").unwrap();
+        config.apply_override("model.bias", "false").unwrap();
+        config.validate().unwrap();
+        config.model.bias = true;
+        config.validate().unwrap();
+    }
+
+    #[test]
+    fn llama_keys_refused_for_gpt_and_bert() {
+        let cases = [
+            ("model.n_kv_head", "2"),
+            ("model.intermediate_size", "512"),
+            ("model.rope_theta", "500000"),
+            ("model.norm_eps", "1e-6"),
+        ];
+        for kind in ["gpt", "bert"] {
+            for (key, value) in cases {
+                let mut config = TrainConfig::default();
+                config.apply_override("model.kind", kind).unwrap();
+                config.validate().unwrap();
+                config.apply_override(key, value).unwrap();
+                let msg = config.validate().unwrap_err().to_string();
+                let expected = format!("is a Llama key (model.kind = \"{kind}\")");
+                assert!(msg.contains(key) && msg.contains(&expected), "{msg}");
+                assert!(!msg.contains('\n'), "{msg}");
+            }
+            let mut config = TrainConfig::default();
+            config.apply_override("model.kind", kind).unwrap();
+            // Tied is what a GPT and a BERT are: saying so is allowed, untying is not.
+            config
+                .apply_override("model.tie_embeddings", "true")
+                .unwrap();
+            config.validate().unwrap();
+            config
+                .apply_override("model.tie_embeddings", "false")
+                .unwrap();
+            let msg = config.validate().unwrap_err().to_string();
+            assert!(
+                msg.contains("`model.tie_embeddings`")
+                    && msg.contains("for a Llama only")
+                    && msg.contains("always ties"),
+                "{msg}"
+            );
+            assert!(!msg.contains('\n'), "{msg}");
+        }
+    }
+
+    #[test]
+    fn llama_overrides() {
+        let mut config = llama();
+        config.apply_assignment("model.n_kv_head=2").unwrap();
+        config
+            .apply_assignment("model.intermediate_size=344")
+            .unwrap();
+        config.apply_assignment("model.rope_theta=500000").unwrap();
+        config.apply_assignment("model.norm_eps=1e-6").unwrap();
+        config
+            .apply_assignment("model.tie_embeddings=true")
+            .unwrap();
+        assert_eq!(config.model.n_kv_head, 2);
+        assert_eq!(config.model.intermediate_size, 344);
+        assert_eq!(config.model.rope_theta, 500000.0);
+        assert_eq!(config.model.norm_eps, 1e-6);
+        assert_eq!(config.model.tie_embeddings, Some(true));
+        config
+            .apply_assignment("model.tie_embeddings=false")
+            .unwrap();
+        assert_eq!(config.model.tie_embeddings, Some(false));
+        config.validate().unwrap();
+        // Empty unsets it: the family's default.
+        config.apply_assignment("model.tie_embeddings=").unwrap();
+        assert_eq!(config.model.tie_embeddings, None);
+        assert!(!config.model.tied());
+        // Wrong types name the key.
+        for (key, value) in [
+            ("model.n_kv_head", "-1"),
+            ("model.n_kv_head", "two"),
+            ("model.rope_theta", "big"),
+            ("model.tie_embeddings", "1"),
+        ] {
+            let before = config.clone();
+            let msg = config.apply_override(key, value).unwrap_err().to_string();
+            assert!(msg.contains(&format!("`{key}`")), "{msg}");
+            assert_eq!(config, before);
+        }
+        for key in [
+            "model.n_kv_head",
+            "model.intermediate_size",
+            "model.rope_theta",
+            "model.norm_eps",
+            "model.tie_embeddings",
+        ] {
+            assert!(TrainConfig::keys().contains(&key.to_string()), "{key}");
+        }
+    }
+
+    #[test]
+    fn llama_toml_round_trip() {
+        let mut config = llama();
+        config.model.n_kv_head = 2;
+        config.model.rope_theta = 500000.0;
+        config.model.norm_eps = 1e-6;
+        config.model.intermediate_size = 344;
+        for tie in [None, Some(false), Some(true)] {
+            config.model.tie_embeddings = tie;
+            let text = config.to_toml_string().unwrap();
+            assert_eq!(text.contains("tie_embeddings"), tie.is_some(), "{text}");
+            assert!(text.contains("kind = \"llama\""), "{text}");
+            let back = TrainConfig::from_toml_str(&text, "<round trip>").unwrap();
+            assert_eq!(back, config);
+            back.validate().unwrap();
+        }
+    }
+
+    #[test]
+    fn config_without_llama_keys_loads_with_defaults() {
+        // A resolved config as saved before the Llama keys existed.
+        let mut old = TrainConfig::default();
+        old.model.n_layer = 2;
+        let text = old.to_toml_string().unwrap();
+        let text: String = text
+            .lines()
+            .filter(|l| {
+                ![
+                    "n_kv_head",
+                    "intermediate_size",
+                    "rope_theta",
+                    "norm_eps",
+                    "tie_embeddings",
+                ]
+                .iter()
+                .any(|k| l.starts_with(k))
+            })
+            .map(|l| format!("{l}\n"))
+            .collect();
+        assert!(!text.contains("rope_theta"), "{text}");
+        let back = TrainConfig::from_toml_str(&text, "<old>").unwrap();
+        assert_eq!(back, old);
+        back.validate().unwrap();
     }
 }
