@@ -69,7 +69,7 @@ mod recipe;
 #[cfg(feature = "cli")]
 pub mod recipe_bert;
 #[cfg(feature = "cli")]
-pub mod recipe_gpt;
+pub mod recipe_causal;
 /// Reference mode: bit-identical training under every layout.
 #[cfg(feature = "cli")]
 mod reference;
@@ -80,6 +80,8 @@ mod reference_tp;
 pub mod run_checkpoint;
 #[cfg(feature = "cli")]
 pub mod run_dir;
+#[cfg(feature = "cli")]
+mod run_finish;
 #[cfg(feature = "cli")]
 pub mod schedule_cmd;
 #[cfg(feature = "cli")]

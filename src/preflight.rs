@@ -63,8 +63,8 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use meshgrad_nn::bert::BertConfig;
-use meshgrad_nn::state::{hf_bert, hf_gpt2};
-use meshgrad_nn::GptConfig;
+use meshgrad_nn::state::{hf_bert, hf_gpt2, hf_llama};
+use meshgrad_nn::{GptConfig, LlamaConfig};
 use meshgrad_parallel::pipeline::ScheduleKind;
 use meshgrad_parallel::{ParallelLayout, ZeroStage};
 
@@ -136,6 +136,9 @@ pub enum ModelKind {
     Gpt,
     /// A BERT encoder with the masked-LM head.
     Bert,
+    /// A Llama decoder: RMSNorm without biases, grouped-query attention, a gated (SwiGLU) MLP,
+    /// no position table, its head tied or not.
+    Llama,
 }
 
 /// A model's sizes, as the memory estimate needs them.
@@ -159,6 +162,10 @@ pub struct ModelShape {
     pub bias: bool,
     /// Token types (BERT; 0 for GPT).
     pub type_vocab_size: usize,
+    /// Key/value heads per block (`n_head` but for a grouped-query Llama).
+    pub n_kv_head: usize,
+    /// Whether the head is the token table (always for GPT and BERT).
+    pub tied: bool,
 }
 
 /// A count of parameters, split into what tensor parallelism divides and what it replicates.
@@ -198,6 +205,9 @@ impl ModelShape {
     /// are padded to a multiple of `model.vocab_multiple`).
     pub fn from_train_config(cfg: &TrainConfig) -> ModelShape {
         let m = &cfg.model;
+        if m.kind == crate::config::ModelKind::Llama {
+            return ModelShape::from_llama(&crate::recipe_causal::llama_config(cfg));
+        }
         let bert = m.kind == crate::config::ModelKind::Bert;
         ModelShape {
             kind: if bert {
@@ -217,6 +227,8 @@ impl ModelShape {
             ffn: m.n_embd.saturating_mul(4),
             bias: m.bias || bert,
             type_vocab_size: if bert { 2 } else { 0 },
+            n_kv_head: m.n_head,
+            tied: true,
         }
     }
 
@@ -232,6 +244,8 @@ impl ModelShape {
             ffn: c.n_embd.saturating_mul(4),
             bias: c.bias,
             type_vocab_size: 0,
+            n_kv_head: c.n_head,
+            tied: true,
         }
     }
 
@@ -247,6 +261,25 @@ impl ModelShape {
             ffn: c.intermediate_size,
             bias: true,
             type_vocab_size: c.type_vocab_size,
+            n_kv_head: c.num_attention_heads,
+            tied: true,
+        }
+    }
+
+    /// The shape of a Llama config.
+    pub fn from_llama(c: &LlamaConfig) -> ModelShape {
+        ModelShape {
+            kind: ModelKind::Llama,
+            vocab_size: c.vocab_size,
+            positions: c.n_positions,
+            n_layer: c.n_layer,
+            n_head: c.n_head,
+            n_embd: c.n_embd,
+            ffn: c.intermediate_size,
+            bias: false,
+            type_vocab_size: 0,
+            n_kv_head: c.n_kv_head,
+            tied: c.tie_embeddings,
         }
     }
 
@@ -254,13 +287,14 @@ impl ModelShape {
     /// replicated).
     fn embedding(&self) -> Params {
         let c = n(self.n_embd);
-        let norm = match self.kind {
-            ModelKind::Gpt => N::of(0),
-            ModelKind::Bert => c * N::of(2),
+        let (norm, positions) = match self.kind {
+            ModelKind::Gpt => (N::of(0), n(self.positions)),
+            ModelKind::Bert => (c * N::of(2), n(self.positions)),
+            ModelKind::Llama => (N::of(0), N::of(0)),
         };
         Params {
             split: n(self.vocab_size) * c,
-            replicated: (n(self.positions) + n(self.type_vocab_size)) * c + norm,
+            replicated: (positions + n(self.type_vocab_size)) * c + norm,
         }
     }
 
@@ -268,6 +302,15 @@ impl ModelShape {
     /// are split; the norms and the row-parallel output biases are replicated.
     fn block(&self) -> Params {
         let (c, f) = (n(self.n_embd), n(self.ffn));
+        if self.kind == ModelKind::Llama {
+            // q and o (c x c), k and v (c x kv width), gate, up and down (c x f); two RMSNorm
+            // weights. No biases.
+            let kv = n(self.n_embd / self.n_head.max(1)) * n(self.n_kv_head);
+            return Params {
+                split: N::of(2) * c * c + N::of(2) * c * kv + N::of(3) * c * f,
+                replicated: N::of(2) * c,
+            };
+        }
         let b = N::of(u64::from(self.bias));
         let two = N::of(2);
         let three = N::of(3);
@@ -292,6 +335,15 @@ impl ModelShape {
             ModelKind::Bert => Params {
                 split: n(self.vocab_size),
                 replicated: c * c + N::of(3) * c,
+            },
+            // The final RMSNorm, and an untied head.
+            ModelKind::Llama => Params {
+                split: if self.tied {
+                    N::of(0)
+                } else {
+                    n(self.vocab_size) * c
+                },
+                replicated: c,
             },
         }
     }
@@ -319,7 +371,12 @@ impl ModelShape {
             n(seq.min(self.positions)),
         );
         let four = N::of(4);
-        (four * c, four * c + N::of(2) * f, h * t)
+        // The gated MLP keeps its gate, its up projection and their product.
+        let mlp = match self.kind {
+            ModelKind::Llama => N::of(3) * f,
+            _ => N::of(2) * f,
+        };
+        (four * c, four * c + mlp, h * t)
     }
 
     /// f32 values one token keeps outside the blocks, besides the logits: embedding and final
@@ -327,7 +384,7 @@ impl ModelShape {
     fn edge_activations(&self) -> N {
         let c = n(self.n_embd);
         match self.kind {
-            ModelKind::Gpt => N::of(4) * c,
+            ModelKind::Gpt | ModelKind::Llama => N::of(4) * c,
             ModelKind::Bert => N::of(8) * c,
         }
     }
@@ -738,6 +795,11 @@ pub fn check_checkpoint(dir: &Path) -> Result<()> {
             Ok(c) => ModelShape::from_bert(&c),
             Err(_) => return Ok(()),
         }
+    } else if hf_llama::is_llama_folder(dir) {
+        match hf_llama::llama_config_from_hf_json(&text) {
+            Ok(c) => ModelShape::from_llama(&c),
+            Err(_) => return Ok(()),
+        }
     } else {
         match hf_gpt2::gpt_config_from_hf_json(&text) {
             Ok((c, _)) => ModelShape::from_gpt(&c),
@@ -772,7 +834,7 @@ mod tests {
         let mut cfg = TrainConfig::default();
         for bias in [true, false] {
             cfg.model.bias = bias;
-            let gpt = crate::recipe_gpt::gpt_config(&cfg);
+            let gpt = crate::recipe_causal::gpt_config(&cfg);
             let count = Some(gpt.num_parameters() as u64);
             assert_eq!(ModelShape::from_train_config(&cfg).num_parameters(), count);
             assert_eq!(ModelShape::from_gpt(&gpt).num_parameters(), count);
@@ -924,7 +986,7 @@ mod tests {
     #[test]
     fn inference_estimate_counts_the_checkpoint() {
         let cfg = TrainConfig::default();
-        let shape = ModelShape::from_gpt(&crate::recipe_gpt::gpt_config(&cfg));
+        let shape = ModelShape::from_gpt(&crate::recipe_causal::gpt_config(&cfg));
         let est = estimate_inference(&shape, INFERENCE_ROWS);
         assert_eq!(est.params, shape.num_parameters().unwrap() * 4);
         assert_eq!(est.grads + est.optimizer, 0);

@@ -1,6 +1,7 @@
 //! What the trainer needs from a model family: a [`Recipe`]. The trainer ([`crate::rank_train`])
 //! knows recipes, never a model by name; [`crate::train::train`] maps the config's model kind to
-//! its recipe (the registry: one `match`). A family is one recipe file: [`crate::recipe_gpt`],
+//! its recipe (the registry: one `match`). A family is one recipe, or one family of a recipe:
+//! the next-token models (GPT, Llama) in [`crate::recipe_causal`], BERT in
 //! [`crate::recipe_bert`].
 //!
 //! The model is built as stages ([`ModelStage`]); the whole model is the one stage

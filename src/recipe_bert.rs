@@ -27,9 +27,8 @@
 //! over their tree.
 
 use std::ops::Range;
-use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use meshgrad_nn::bert::{BertBatch, BertConfig, BertForMaskedLM, BertStage, IGNORE_INDEX};
 use meshgrad_nn::data::{Dataset, TokenSource};
 use meshgrad_nn::mlm::{mlm_mask_rows, MlmConfig, SpecialTokens};
@@ -43,6 +42,7 @@ use meshgrad_tensor::{Device, Tensor};
 
 use crate::config::TrainConfig;
 use crate::recipe::Recipe;
+use crate::run_finish::{finish_run, Finish};
 use crate::step_loop::{LoopResult, Reporter};
 use crate::train::{precision_dtype, train_device, RunData, TrainOptions, TrainSummary, Verbosity};
 
@@ -163,54 +163,6 @@ fn header(cfg: &TrainConfig, model: &BertConfig, data: &RunData, layout: &str) -
     )
 }
 
-/// The leader's end of a run: the checkpoint (Hugging Face BERT format), the resolved config
-/// and the summary line.
-fn finish(
-    cfg: &TrainConfig,
-    model: &BertForMaskedLM,
-    rep: Reporter,
-    r: LoopResult,
-    verbosity: Verbosity,
-) -> Result<TrainSummary> {
-    rep.finish()?;
-    let out = PathBuf::from(&cfg.out);
-    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-    // The run's config first, the model last (its config.json marks a complete folder).
-    meshgrad_nn::state::write_bytes_atomic(
-        out.join("meshgrad.toml"),
-        cfg.to_toml_string()?.as_bytes(),
-    )
-    .with_context(|| format!("writing {}/meshgrad.toml", out.display()))?;
-    hf_bert::save_bert(model, &out)
-        .with_context(|| format!("saving checkpoint to {}", out.display()))?;
-    let summary = TrainSummary {
-        initial_val_loss: r.initial_val_loss,
-        final_val_loss: r.final_val_loss,
-        final_train_loss: r.final_train_loss,
-        steps: cfg.train.steps,
-        tokens_per_s: r.tokens_per_s,
-        checkpoint: out,
-        sample: String::new(),
-        peak_memory_per_rank: meshgrad_tensor::alloc::memory_stats(crate::train::train_device(
-            cfg,
-        )?)
-        .peak,
-    };
-    if verbosity != Verbosity::Quiet {
-        println!(
-            "done: {} steps in {:.1}s ({:.0} tok/s); val_loss {:.4} -> {:.4} (ln vocab = {:.4}); checkpoint in {}",
-            summary.steps,
-            r.elapsed_s,
-            summary.tokens_per_s,
-            summary.initial_val_loss,
-            summary.final_val_loss,
-            (model.config.vocab_size as f64).ln(),
-            summary.checkpoint.display()
-        );
-    }
-    Ok(summary)
-}
-
 /// A BERT run's recipe.
 pub(crate) struct BertRecipe {
     cfg: TrainConfig,
@@ -293,7 +245,7 @@ impl Recipe for BertRecipe {
         delayed: bool,
         checkpointing: bool,
     ) -> Result<BertStage> {
-        let mut builder = ParamBuilder::new(self.cfg().train.seed)
+        let mut builder = ParamBuilder::new(self.cfg.train.seed)
             .dtype(precision_dtype(&self.cfg)?)
             .device(self.device);
         if delayed {
@@ -301,7 +253,7 @@ impl Recipe for BertRecipe {
         }
         // Reference mode: chunked sums on every stage, as in the single-device reference run.
         let plan = BertStage::tp_plan(&spec);
-        let mut stage = crate::reference_tp::build_with_plan(self.cfg(), builder, tp, plan, |b| {
+        let mut stage = crate::reference_tp::build_with_plan(&self.cfg, builder, tp, plan, |b| {
             BertStage::build(self.config, spec, b)
         })?;
         stage.activation_checkpointing = checkpointing;
@@ -315,14 +267,14 @@ impl Recipe for BertRecipe {
         microbatches: usize,
         dp: usize,
     ) -> Result<Vec<Microbatch<BertBatch>>> {
-        let seed = self.cfg().train.seed;
+        let seed = self.cfg.train.seed;
         let total = self
             .sampler
             .global_count(&self.data.train, seed, step)?
             .max(1) as f64;
         // Reference mode: one microbatch per row group, each divided by the global count (the
         // executor then scales by 1 and the data-parallel reduction adds).
-        let denominator = if self.cfg().train.reference {
+        let denominator = if self.cfg.train.reference {
             total
         } else {
             total / (microbatches * dp) as f64
@@ -342,8 +294,8 @@ impl Recipe for BertRecipe {
     }
 
     fn val_batches(&self, rows: Range<u64>) -> Result<Vec<BertBatch>> {
-        let seed = self.cfg().train.seed ^ VAL_STREAM;
-        (0..self.cfg().train.eval_batches.max(1) as u64)
+        let seed = self.cfg.train.seed ^ VAL_STREAM;
+        (0..self.cfg.train.eval_batches.max(1) as u64)
             .map(|i| {
                 let b = self.sampler.batch(&self.data.val, seed, i, rows.clone())?;
                 self.bert_batch(b, 1.0)
@@ -352,7 +304,7 @@ impl Recipe for BertRecipe {
     }
 
     fn val_loss(&self, local_sum: f64, n_batches: usize, dp: &dyn Communicator) -> Result<f64> {
-        let seed = self.cfg().train.seed ^ VAL_STREAM;
+        let seed = self.cfg.train.seed ^ VAL_STREAM;
         let mut count = 0;
         for i in 0..n_batches as u64 {
             count += self.sampler.global_count(&self.data.val, seed, i)?;
@@ -368,7 +320,7 @@ impl Recipe for BertRecipe {
 
     /// The row groups' summed token losses over validation batch `batch`'s global count.
     fn reference_val_loss(&self, sum: f64, batch: u64, _total: usize) -> Result<f64> {
-        let seed = self.cfg().train.seed ^ VAL_STREAM;
+        let seed = self.cfg.train.seed ^ VAL_STREAM;
         let count = self.sampler.global_count(&self.data.val, seed, batch)?;
         Ok(sum / count.max(1) as f64)
     }
@@ -378,7 +330,7 @@ impl Recipe for BertRecipe {
     }
 
     fn profile_batch(&self, rows: usize) -> Result<BertBatch> {
-        let seed = self.cfg().train.seed;
+        let seed = self.cfg.train.seed;
         let b = self
             .sampler
             .batch(&self.data.train, seed, 0, 0..rows as u64)?;
@@ -400,6 +352,15 @@ impl Recipe for BertRecipe {
             self.device,
         )?;
         load_state_dict(&model, tensors, true)?;
-        finish(self.cfg(), &model, rep, result, verbosity)
+        let finish = Finish {
+            cfg: &self.cfg,
+            tokenizer: None,
+            rep,
+            result,
+            verbosity,
+            sampler: None,
+            note: format!(" (ln vocab = {:.4})", (self.config.vocab_size as f64).ln()),
+        };
+        finish_run(finish, |out| Ok(hf_bert::save_bert(&model, out)?))
     }
 }

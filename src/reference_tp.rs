@@ -20,6 +20,17 @@ use crate::config::TrainConfig;
 /// [`meshgrad_nn::bert::reference_chunks`]) and the sizes it is taken over, for messages.
 fn model_chunks(cfg: &TrainConfig) -> (usize, String) {
     let m = &cfg.model;
+    if m.kind == crate::config::ModelKind::Llama {
+        let c = crate::recipe_causal::llama_config(cfg);
+        return (
+            meshgrad_nn::llama::reference_chunks(&c),
+            format!(
+                "n_head {}, n_kv_head {}, intermediate_size {}, the vocabulary {} and \
+                 block_size {}",
+                c.n_head, c.n_kv_head, c.intermediate_size, c.vocab_size, c.n_positions
+            ),
+        );
+    }
     if m.kind == crate::config::ModelKind::Bert {
         let c = crate::recipe_bert::bert_config(cfg);
         (
@@ -30,7 +41,7 @@ fn model_chunks(cfg: &TrainConfig) -> (usize, String) {
             ),
         )
     } else {
-        let c = crate::recipe_gpt::gpt_config(cfg);
+        let c = crate::recipe_causal::gpt_config(cfg);
         (
             meshgrad_nn::gpt::reference_chunks(&c),
             format!(

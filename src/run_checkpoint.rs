@@ -262,7 +262,7 @@ pub(crate) fn open_resume(cfg: &TrainConfig, dir: &Path) -> Result<(Checkpoint, 
         type Key = (&'static str, fn(&TrainConfig) -> String);
         // A half-precision run's optimizer state holds f32 master weights that an f32 run does
         // not have (and the reverse), so the precision must match too.
-        let keys: [Key; 11] = [
+        let keys: [Key; 16] = [
             ("model.kind", |c| c.model.kind.to_string()),
             ("model.n_layer", |c| c.model.n_layer.to_string()),
             ("model.n_head", |c| c.model.n_head.to_string()),
@@ -273,6 +273,13 @@ pub(crate) fn open_resume(cfg: &TrainConfig, dir: &Path) -> Result<(Checkpoint, 
                 c.model.vocab_multiple.to_string()
             }),
             ("model.bias", |c| c.model.bias.to_string()),
+            ("model.n_kv_head", |c| c.model.kv_heads().to_string()),
+            ("model.intermediate_size", |c| {
+                c.model.ffn_hidden().to_string()
+            }),
+            ("model.rope_theta", |c| c.model.rope_theta.to_string()),
+            ("model.norm_eps", |c| c.model.norm_eps.to_string()),
+            ("model.tie_embeddings", |c| c.model.tied().to_string()),
             ("train.seed", |c| c.train.seed.to_string()),
             ("train.batch_size", |c| c.train.batch_size.to_string()),
             ("train.precision", |c| c.train.precision.clone()),
@@ -353,6 +360,8 @@ pub(crate) fn load_rank(
 pub enum CheckpointModel {
     /// A GPT run.
     Gpt(Box<meshgrad_nn::Gpt>),
+    /// A Llama run.
+    Llama(Box<meshgrad_nn::Llama>),
     /// A BERT (masked LM) run.
     Bert(Box<meshgrad_nn::bert::BertForMaskedLM>),
 }
@@ -401,25 +410,40 @@ pub fn load_training_model(ck: &Checkpoint) -> Result<CheckpointModel> {
         &format!("checkpoint {}", ck.path().display()),
     )?;
     let seed = cfg.train.seed;
-    Ok(if cfg.model.kind == crate::config::ModelKind::Bert {
-        let m = meshgrad_nn::bert::BertForMaskedLM::new(
-            crate::recipe_bert::bert_config(&cfg),
-            seed,
-            DType::F32,
-            Device::Cpu,
-        )?;
-        ck.load_into_module(&m, true)?;
-        CheckpointModel::Bert(Box::new(m))
-    } else {
-        let mut m = meshgrad_nn::Gpt::new(
-            crate::recipe_gpt::gpt_config(&cfg),
-            seed,
-            DType::F32,
-            Device::Cpu,
-        )?;
-        m.vocab_in_use = Some(cfg.model.vocab_size);
-        ck.load_into_module(&m, true)?;
-        CheckpointModel::Gpt(Box::new(m))
+    use crate::config::ModelKind;
+    Ok(match cfg.model.kind {
+        ModelKind::Bert => {
+            let m = meshgrad_nn::bert::BertForMaskedLM::new(
+                crate::recipe_bert::bert_config(&cfg),
+                seed,
+                DType::F32,
+                Device::Cpu,
+            )?;
+            ck.load_into_module(&m, true)?;
+            CheckpointModel::Bert(Box::new(m))
+        }
+        ModelKind::Gpt => {
+            let mut m = meshgrad_nn::Gpt::new(
+                crate::recipe_causal::gpt_config(&cfg),
+                seed,
+                DType::F32,
+                Device::Cpu,
+            )?;
+            m.vocab_in_use = Some(cfg.model.vocab_size);
+            ck.load_into_module(&m, true)?;
+            CheckpointModel::Gpt(Box::new(m))
+        }
+        ModelKind::Llama => {
+            let mut m = meshgrad_nn::Llama::new(
+                crate::recipe_causal::llama_config(&cfg),
+                seed,
+                DType::F32,
+                Device::Cpu,
+            )?;
+            m.vocab_in_use = Some(cfg.model.vocab_size);
+            ck.load_into_module(&m, true)?;
+            CheckpointModel::Llama(Box::new(m))
+        }
     })
 }
 
@@ -483,6 +507,7 @@ pub fn export(checkpoint: &Path, out: &Path, overwrite: bool) -> Result<PathBuf>
     let tokenizer = load_training_tokenizer(&ck)?;
     match &model {
         CheckpointModel::Gpt(m) => meshgrad_nn::state::hf_gpt2::save_gpt2(m, out)?,
+        CheckpointModel::Llama(m) => meshgrad_nn::state::hf_llama::save_llama(m, out)?,
         CheckpointModel::Bert(m) => meshgrad_nn::state::hf_bert::save_bert(m, out)?,
     }
     let tokenizer_path = out.join(TOKENIZER_FILE);

@@ -12,14 +12,14 @@ use meshgrad_nn::data::{load_split, split_dataset, Dataset, LoadOptions, TokenSo
 use meshgrad_nn::optim::{AdamW, CosineSchedule};
 use meshgrad_nn::state::{hf_gpt2, hf_llama};
 use meshgrad_nn::tokenizer::Tokenizer;
-use meshgrad_nn::{CausalLm, Gpt, Module};
+use meshgrad_nn::{CausalLm, Gpt, Llama, Module};
 use meshgrad_parallel::ParallelLayout;
 use meshgrad_tensor::{DType, Device, Tensor};
 
 use crate::config::{ModelKind, TrainConfig};
 use crate::recipe::Recipe;
 use crate::recipe_bert::BertRecipe;
-use crate::recipe_gpt::GptRecipe;
+use crate::recipe_causal::CausalRecipe;
 
 /// What a training run reports at the end.
 #[derive(Clone, Debug)]
@@ -94,6 +94,10 @@ pub fn load_checkpoint(dir: &Path) -> Result<Gpt> {
     if let Some(ck) = crate::run_checkpoint::open_training_checkpoint(dir)? {
         return match crate::run_checkpoint::load_training_model(&ck)? {
             crate::run_checkpoint::CheckpointModel::Gpt(m) => Ok(*m),
+            crate::run_checkpoint::CheckpointModel::Llama(_) => anyhow::bail!(
+                "{} is a Llama checkpoint; this command takes a GPT",
+                ck.path().display()
+            ),
             crate::run_checkpoint::CheckpointModel::Bert(_) => anyhow::bail!(
                 "{} is a BERT checkpoint; this command takes a GPT",
                 ck.path().display()
@@ -107,14 +111,24 @@ pub fn load_checkpoint(dir: &Path) -> Result<Gpt> {
     Ok(model)
 }
 
-/// Loads the next-token model in `dir` for `eval` and `generate`: a Hugging Face
-/// `LlamaForCausalLM` folder (`config.json` with `"model_type": "llama"`, through
-/// [`hf_llama::load_llama`], RoPE computed as transformers does), else a GPT as
-/// [`load_checkpoint`] loads it.
+/// Loads the next-token model in `dir` for `eval` and `generate`: a training checkpoint of a
+/// GPT or Llama run, a Hugging Face `LlamaForCausalLM` folder (`config.json` with
+/// `"model_type": "llama"`, through [`hf_llama::load_llama`], RoPE computed as transformers
+/// does; sampling among the ids its run's data used when it has a `meshgrad.toml` or
+/// `tokenizer.json`), else a GPT as [`load_checkpoint`] loads it.
 pub fn load_causal_lm(dir: &Path) -> Result<Box<dyn CausalLm>> {
+    if let Some(ck) = crate::run_checkpoint::open_training_checkpoint(dir)? {
+        if let crate::run_checkpoint::CheckpointModel::Llama(m) =
+            crate::run_checkpoint::load_training_model(&ck)?
+        {
+            return Ok(m);
+        }
+    }
     if hf_llama::is_llama_folder(dir) {
-        let model = hf_llama::load_llama(dir, DType::F32, Device::Cpu)
+        crate::preflight::check_checkpoint(dir)?;
+        let mut model = hf_llama::load_llama(dir, DType::F32, Device::Cpu)
             .with_context(|| format!("loading checkpoint {}", dir.display()))?;
+        model.vocab_in_use = exported_vocab_in_use(dir)?;
         return Ok(Box::new(model));
     }
     Ok(Box::new(load_checkpoint(dir)?))
@@ -459,7 +473,12 @@ pub fn train(
     }
     // The registry: the one place a model kind maps to its recipe.
     match cfg.model.kind {
-        ModelKind::Gpt => train_recipe::<GptRecipe>(cfg, tokenizer, layout, opts, verbosity),
+        ModelKind::Gpt => {
+            train_recipe::<CausalRecipe<Gpt>>(cfg, tokenizer, layout, opts, verbosity)
+        }
+        ModelKind::Llama => {
+            train_recipe::<CausalRecipe<Llama>>(cfg, tokenizer, layout, opts, verbosity)
+        }
         ModelKind::Bert => train_recipe::<BertRecipe>(cfg, tokenizer, layout, opts, verbosity),
     }
 }
