@@ -69,3 +69,172 @@ fn eval_and_generate_give_transformers_loss_and_greedy_ids() {
 fn bytemuck_bytes(ids: &[u16]) -> Vec<u8> {
     ids.iter().flat_map(|i| i.to_le_bytes()).collect()
 }
+
+/// The tiny Llama of the training tests: 4 layers, 4 query heads sharing 2 key/value heads,
+/// width 32 (MLP 256, Llama's rule), context 16, byte-level vocabulary, untied head unless
+/// `extra` ties it; `steps` steps of 8 rows, validation every 2 steps.
+fn train_llama(dir: &Path, tag: &str, steps: usize, extra: &[&str]) -> std::process::Output {
+    let sets = [
+        "model.n_layer=4",
+        "model.n_head=4",
+        "model.n_kv_head=2",
+        "model.n_embd=32",
+        "model.block_size=16",
+        "train.batch_size=8",
+        "train.warmup_steps=1",
+        "train.eval_interval=2",
+        "train.eval_batches=1",
+        "train.sample_tokens=0",
+    ];
+    train(
+        dir,
+        tag,
+        steps,
+        &sets,
+        &[&["--model", "llama"], extra].concat(),
+    )
+}
+
+/// The layouts of issue 26's acceptance list, each with its extra flags.
+const LAYOUTS: [(&str, &[&str]); 9] = [
+    ("dp2", &["--layout", "dp=2"]),
+    ("fsdp2", &["--layout", "fsdp=2"]),
+    ("hsdp2x2", &["--layout", "hsdp=2x2"]),
+    ("tp2", &["--layout", "tp=2"]),
+    ("tp2sp", &["--layout", "tp=2", "--sequence-parallel"]),
+    ("pp2", &["--layout", "pp=2"]),
+    ("pp2zb", &["--layout", "pp=2", "--schedule", "zb"]),
+    ("dp2tp2pp2", &["--layout", "dp=2,tp=2,pp=2"]),
+    (
+        "tied_pp2",
+        &["--layout", "pp=2", "--set", "model.tie_embeddings=true"],
+    ),
+];
+
+#[test]
+fn llama_trains_in_lockstep_with_one_device_under_every_layout() {
+    let dir = tmpdir("llama-lockstep");
+    for tied in [false, true] {
+        let tie = format!("model.tie_embeddings={tied}");
+        let single = format!("single_{tied}");
+        assert_ok(&train_llama(&dir, &single, 4, &["--set", &tie]));
+        let want = metrics(&dir, &single);
+        assert!(want.iter().all(|s| s.loss.is_finite() && s.grad_norm > 0.0));
+        for (tag, extra) in LAYOUTS {
+            // The tied head runs under one layout: the others with the untied one.
+            if tag.starts_with("tied") != tied {
+                continue;
+            }
+            let o = train_llama(&dir, tag, 4, &[extra, &["--microbatches", "2"]].concat());
+            assert_ok(&o);
+            assert_lockstep(tag, &metrics(&dir, tag), &want, true);
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn llama_reference_runs_are_bit_identical_to_one_device() {
+    let dir = tmpdir("llama-reference");
+    let numbers = |tag: &str| -> Vec<String> {
+        std::fs::read_to_string(dir.join(format!("{tag}.jsonl")))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                format!(
+                    "{} {} {} {}",
+                    v["step"], v["loss"], v["val_loss"], v["grad_norm"]
+                )
+            })
+            .collect()
+    };
+    let weights = |tag: &str| std::fs::read(dir.join(tag).join("model.safetensors")).unwrap();
+    let reference = ["--reference", "--set", "train.row_group=2"];
+    for tied in [false, true] {
+        let tie = format!("model.tie_embeddings={tied}");
+        let single = format!("single_{tied}");
+        assert_ok(&train_llama(
+            &dir,
+            &single,
+            3,
+            &[&reference[..], &["--set", &tie]].concat(),
+        ));
+        let (want, want_weights) = (numbers(&single), weights(&single));
+        for (tag, extra) in LAYOUTS {
+            if tag.starts_with("tied") != tied {
+                continue;
+            }
+            assert_ok(&train_llama(
+                &dir,
+                tag,
+                3,
+                &[&reference[..], extra].concat(),
+            ));
+            assert_eq!(numbers(tag), want, "{tag}: metrics");
+            assert!(weights(tag) == want_weights, "{tag}: weights differ");
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_trained_llama_is_a_hugging_face_folder_that_eval_export_and_resume_take() {
+    let dir = tmpdir("llama-folder");
+    let extra = ["--save-every", "2"];
+    assert_ok(&train_llama(&dir, "run", 4, &extra));
+    let run = dir.join("run");
+    let config = read_json(&run.join("config.json"));
+    assert_eq!(config["model_type"], "llama");
+    assert_eq!(config["num_key_value_heads"], 2);
+    assert_eq!(config["tie_word_embeddings"], false);
+    // Evaluated from the final folder and from the last training checkpoint: the same model.
+    let data = dir.join("eval.txt");
+    std::fs::write(
+        &data,
+        "The quick brown fox jumps over the lazy dog. ".repeat(20),
+    )
+    .unwrap();
+    let from_folder = loss_line(&eval(&run, &data));
+    let from_ckpt = loss_line(&eval(&run.join("checkpoints/step-000004"), &data));
+    assert!(
+        from_folder.is_finite() && from_folder < 6.0,
+        "{from_folder}"
+    );
+    assert!(
+        (from_folder - from_ckpt).abs() < 1e-6,
+        "{from_folder} vs {from_ckpt}"
+    );
+    // Exported from the step-2 checkpoint into a folder of its own.
+    let out = dir.join("step2");
+    let o = bin()
+        .args([
+            "export",
+            "--checkpoint",
+            run.join("checkpoints/step-000002").to_str().unwrap(),
+        ])
+        .args(["--out", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_ok(&o);
+    assert_eq!(read_json(&out.join("config.json"))["model_type"], "llama");
+    // Resumed from step 2 to step 4: the same final loss as the run that went straight.
+    let o = train_llama(
+        &dir,
+        "resumed",
+        4,
+        &[
+            "--resume",
+            run.join("checkpoints/step-000002").to_str().unwrap(),
+        ],
+    );
+    assert_ok(&o);
+    let (a, b) = (metrics(&dir, "run"), metrics(&dir, "resumed"));
+    assert_eq!(a.last().unwrap().loss, b.last().unwrap().loss);
+    // A kv-head count that does not divide the heads, and heads that do not split over tp.
+    let o = train_llama(&dir, "bad_kv", 1, &["--set", "model.n_kv_head=3"]);
+    assert_one_line_error(&o, &["model.n_kv_head = 3", "model.n_head = 4"]);
+    let o = train_llama(&dir, "bad_tp", 1, &["--layout", "tp=4"]);
+    assert_one_line_error(&o, &["n_kv_head"]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
