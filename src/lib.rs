@@ -51,6 +51,8 @@ pub mod flight;
 pub mod generate;
 pub mod guide;
 #[cfg(feature = "cli")]
+pub mod init_from;
+#[cfg(feature = "cli")]
 pub mod launch;
 #[cfg(feature = "cli")]
 pub mod pipeline_plan;

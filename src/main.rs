@@ -420,6 +420,13 @@ struct TrainArgs {
     /// layout may differ.
     #[arg(long, value_name = "DIR")]
     resume: Option<PathBuf>,
+    /// Fine-tune: start from the weights of a model folder (a Hugging Face GPT-2 or Llama
+    /// folder, or a model or checkpoint written by meshgrad train) with a fresh optimizer and
+    /// schedule. The folder fixes the model (its config.json or meshgrad.toml; the context length
+    /// from n_positions / max_position_embeddings) and its tokenizer.json becomes the run's
+    /// unless --tokenizer names another; a flag that changes the model's shape is refused.
+    #[arg(long, value_name = "DIR", conflicts_with = "resume")]
+    init_from: Option<PathBuf>,
     /// Train into an --out folder that already holds a run, starting over (its checkpoints are
     /// removed). Without it such a folder is refused.
     #[arg(long)]
@@ -447,6 +454,10 @@ fn train_config(a: &TrainArgs) -> Result<TrainConfig> {
         (Some(p), _) => TrainConfig::from_toml_file(p)?,
         (None, Some(dir)) => meshgrad::run_checkpoint::resume_base_config(dir)?,
         (None, None) => TrainConfig::default(),
+    };
+    let folder = match &a.init_from {
+        Some(dir) => Some(meshgrad::init_from::apply(&mut cfg, dir)?),
+        None => None,
     };
     // A checkpoint's config names its own run's metrics file: a run resumed into another
     // --out must not append to (and cut back) that file unless --metrics says so.
@@ -477,6 +488,9 @@ fn train_config(a: &TrainArgs) -> Result<TrainConfig> {
     }
     if saved.is_some_and(|(out, metrics)| out != cfg.out && metrics == cfg.metrics) {
         cfg.metrics = None;
+    }
+    if let (Some(folder), Some(dir)) = (&folder, &a.init_from) {
+        meshgrad::init_from::check(&cfg, folder, dir)?;
     }
     cfg.validate()?;
     Ok(cfg)
@@ -519,6 +533,7 @@ fn run(cli: Cli) -> Result<()> {
                 save_every: a.save_every,
                 keep: a.keep,
                 resume: a.resume.clone(),
+                init_from: a.init_from.clone(),
                 overwrite: a.overwrite,
                 collective_timeout: std::time::Duration::try_from_secs_f64(a.collective_timeout)
                     .ok()

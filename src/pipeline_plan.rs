@@ -18,7 +18,7 @@ use meshgrad_tensor::{Device, Tensor};
 use std::path::PathBuf;
 
 use crate::config::TrainConfig;
-use crate::recipe::Recipe;
+use crate::recipe::{Recipe, StageBuild};
 use crate::train::TrainOptions;
 
 /// The pipeline options of `meshgrad train` (`--schedule`, `--chunks`, `--partition`,
@@ -103,7 +103,7 @@ fn profile_task<T: Recipe>(task: &T, rows: usize) -> Result<ModelCosts> {
     let batch = task.profile_batch(rows)?;
     let opts = ProfileOptions::new(1, 3).with_min_sample_ms(2.0);
     let build = |spec: StageSpec| {
-        task.build_stage(spec, None, false, false)
+        task.build_stage(StageBuild::plain(spec))
             .map_err(|e| meshgrad_tensor::Error::msg(format!("{e:#}")))
     };
     profile_layers(task.n_blocks(), build, &batch, &opts)

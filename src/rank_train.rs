@@ -43,14 +43,14 @@
 //! actions.
 
 use std::ops::Range;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use meshgrad_autograd::Var;
 use meshgrad_nn::module::Child;
 use meshgrad_nn::tp::full_state_dict;
-use meshgrad_nn::{ModelStage, Module};
+use meshgrad_nn::{InitialValues, ModelStage, Module};
 use meshgrad_parallel::comm::{all_reduce_scalar, InProcessComm, RankCtx};
 use meshgrad_parallel::pipeline::{
     execute_with, forward_only, write_chrome_trace, ExecuteOptions, Microbatch, PipelineGrads,
@@ -64,12 +64,13 @@ use meshgrad_tensor::alloc::{memory_stats, MemoryTracker};
 use meshgrad_tensor::tree_sum::tree_sum_f64;
 use meshgrad_tensor::{Device, Tensor};
 
+use crate::config::TrainConfig;
 use crate::pipeline_plan::{pipeline_shape, plan_on_world, profile_and_partition, PipelinePlan};
 use crate::pipeline_timelines::{
     gather_timelines, measured_idle_after_warmup, StepWindow, Timelines,
 };
 use crate::rank_sync::RankSync;
-use crate::recipe::Recipe;
+use crate::recipe::{Recipe, StageBuild};
 use crate::reference::{row_groups, take_grads, GradTree};
 use crate::step_loop::{drive_loop, GradSync, Reporter, RunControl};
 use crate::train::{optimizer_and_schedule, TrainOptions, TrainSummary, Verbosity};
@@ -134,6 +135,7 @@ pub(crate) fn run<R: Recipe>(
     // Per rank and step: when the rank started and finished its schedule.
     let step_windows = Mutex::new(Vec::<StepWindow>::new());
     let reference = recipe.cfg().train.reference;
+    let init = initial_values(recipe.cfg(), opts)?;
     let summary =
         crate::ranks::on_ranks(layout, opts.collective_timeout, reference, |ctx, mesh| {
             let at = RankAt {
@@ -148,6 +150,7 @@ pub(crate) fn run<R: Recipe>(
                     // In a job of processes the other ranks' timelines are in their own processes.
                     gather: world.is_some(),
                 },
+                init: init.clone(),
             };
             rank_main(recipe, opts, &at, verbosity)
         })?;
@@ -194,7 +197,7 @@ fn run_single<R: Recipe>(
     let cfg = recipe.cfg();
     let layout = ParallelLayout::data_parallel(1)?;
     let plan = PipelinePlan::single(recipe.n_blocks(), opts.microbatches)?;
-    let comm: std::sync::Arc<dyn Communicator> = std::sync::Arc::new(
+    let comm: Arc<dyn Communicator> = Arc::new(
         InProcessComm::create_world(1, opts.collective_timeout)?
             .pop()
             .context("a world of one rank")?,
@@ -219,12 +222,23 @@ fn run_single<R: Recipe>(
             windows: &windows,
             gather: false,
         },
+        init: initial_values(cfg, opts)?,
     };
     rank_main(recipe, opts, &at, verbosity)?.context("the single rank returned no summary")
 }
 
+/// `--init-from`'s weights, read once for every rank of this process (none when the run
+/// resumes: the checkpoint has its own).
+fn initial_values(cfg: &TrainConfig, opts: &TrainOptions) -> Result<Option<Arc<InitialValues>>> {
+    match (&opts.init_from, &opts.resume) {
+        (Some(dir), None) => Ok(Some(Arc::new(crate::init_from::initial_values(dir, cfg)?))),
+        _ => Ok(None),
+    }
+}
+
 /// Where a rank runs: its layout (one rank's for one device) and the label checkpoints record,
-/// the plan, its context and mesh, and where it records its timeline.
+/// the plan, its context and mesh, where it records its timeline, and the weights it starts
+/// from.
 struct RankAt<'a> {
     layout: &'a ParallelLayout,
     label: String,
@@ -232,6 +246,8 @@ struct RankAt<'a> {
     ctx: &'a RankCtx,
     mesh: &'a LayoutMesh,
     timelines: &'a Timelines<'a>,
+    /// `--init-from`: the weights every rank copies its part of.
+    init: Option<Arc<InitialValues>>,
 }
 
 /// What the header says about the run's layout: nothing on one device (but its micro-batches),
@@ -281,12 +297,13 @@ fn rank_main<R: Recipe>(
     let fsdp = layout.zero() == Some(ZeroStage::Three);
     let chunks: Vec<R::Stage> = (0..v)
         .map(|c| {
-            recipe.build_stage(
-                plan.specs[c * world_pp + p].clone(),
-                tp.clone(),
-                fsdp,
-                opts.activation_checkpointing.on_stage(p),
-            )
+            recipe.build_stage(StageBuild {
+                spec: plan.specs[c * world_pp + p].clone(),
+                tp: tp.clone(),
+                delayed: fsdp,
+                checkpointing: opts.activation_checkpointing.on_stage(p),
+                init: at.init.clone(),
+            })
         })
         .collect::<Result<_>>()?;
     let module = Chunks(&chunks);

@@ -9,10 +9,11 @@
 //! pipeline, with one stage.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use anyhow::Result;
 use meshgrad_nn::tp::TensorParallel;
-use meshgrad_nn::{ModelStage, StageSpec};
+use meshgrad_nn::{InitialValues, ModelStage, ParamBuilder, StageSpec};
 use meshgrad_parallel::pipeline::Microbatch;
 use meshgrad_parallel::{Communicator, ParallelLayout};
 use meshgrad_tensor::Tensor;
@@ -20,6 +21,41 @@ use meshgrad_tensor::Tensor;
 use crate::config::TrainConfig;
 use crate::step_loop::{LoopResult, Reporter};
 use crate::train::{RunData, TrainOptions, TrainSummary, Verbosity};
+
+/// What stage to build and how: its own parameters only, split by `tp` when given, lazily
+/// initialised when `delayed`, recomputing its blocks' activations in the backward when
+/// `checkpointing`, starting from `init` (`--init-from`) instead of the run seed's values.
+pub(crate) struct StageBuild {
+    pub(crate) spec: StageSpec,
+    pub(crate) tp: Option<TensorParallel>,
+    pub(crate) delayed: bool,
+    pub(crate) checkpointing: bool,
+    pub(crate) init: Option<Arc<InitialValues>>,
+}
+
+impl StageBuild {
+    /// The whole model on one device, from the run seed, nothing recomputed (profiling).
+    pub(crate) fn plain(spec: StageSpec) -> StageBuild {
+        StageBuild {
+            spec,
+            tp: None,
+            delayed: false,
+            checkpointing: false,
+            init: None,
+        }
+    }
+
+    /// `builder` with this build's delayed initialisation and initial values.
+    pub(crate) fn prepare(&self, mut builder: ParamBuilder) -> ParamBuilder {
+        if self.delayed {
+            builder = builder.delayed_init();
+        }
+        if let Some(values) = &self.init {
+            builder = builder.initial_values(values.clone());
+        }
+        builder
+    }
+}
 
 /// A model family's training recipe (see the [module docs](self)).
 pub(crate) trait Recipe: Sync + Sized {
@@ -38,16 +74,8 @@ pub(crate) trait Recipe: Sync + Sized {
     fn cfg(&self) -> &TrainConfig;
     /// Number of blocks (layers) to split.
     fn n_blocks(&self) -> usize;
-    /// Builds a stage on the run's device and in its precision: its own parameters only, split
-    /// by `tp` when given, lazily initialised when `delayed`, recomputing its blocks'
-    /// activations in the backward when `checkpointing`.
-    fn build_stage(
-        &self,
-        spec: StageSpec,
-        tp: Option<TensorParallel>,
-        delayed: bool,
-        checkpointing: bool,
-    ) -> Result<Self::Stage>;
+    /// Builds a stage on the run's device and in its precision as `b` says.
+    fn build_stage(&self, b: StageBuild) -> Result<Self::Stage>;
     /// The microbatches of training step `step` for `rows` (this data-parallel rank's), split
     /// `microbatches` ways, on the run's device; `dp` is the data-parallel degree. The executor
     /// scales the last stage's output by `1 / microbatches` for the backward and averages it for

@@ -33,15 +33,14 @@ use meshgrad_nn::bert::{BertBatch, BertConfig, BertForMaskedLM, BertStage, IGNOR
 use meshgrad_nn::data::{Dataset, TokenSource};
 use meshgrad_nn::mlm::{mlm_mask_rows, MlmConfig, SpecialTokens};
 use meshgrad_nn::state::{hf_bert, load_state_dict};
-use meshgrad_nn::tp::TensorParallel;
-use meshgrad_nn::{ParamBuilder, StageSpec};
+use meshgrad_nn::ParamBuilder;
 use meshgrad_parallel::comm::all_reduce_scalar;
 use meshgrad_parallel::pipeline::Microbatch;
 use meshgrad_parallel::{micro_rows, Communicator, ParallelLayout, ReduceOp};
 use meshgrad_tensor::{Device, Tensor};
 
 use crate::config::TrainConfig;
-use crate::recipe::Recipe;
+use crate::recipe::{Recipe, StageBuild};
 use crate::run_finish::{finish_run, Finish};
 use crate::step_loop::{LoopResult, Reporter};
 use crate::train::{precision_dtype, train_device, RunData, TrainOptions, TrainSummary, Verbosity};
@@ -238,25 +237,19 @@ impl Recipe for BertRecipe {
         self.config.num_hidden_layers
     }
 
-    fn build_stage(
-        &self,
-        spec: StageSpec,
-        tp: Option<TensorParallel>,
-        delayed: bool,
-        checkpointing: bool,
-    ) -> Result<BertStage> {
-        let mut builder = ParamBuilder::new(self.cfg.train.seed)
-            .dtype(precision_dtype(&self.cfg)?)
-            .device(self.device);
-        if delayed {
-            builder = builder.delayed_init();
-        }
+    fn build_stage(&self, b: StageBuild) -> Result<BertStage> {
+        let builder = b.prepare(
+            ParamBuilder::new(self.cfg.train.seed)
+                .dtype(precision_dtype(&self.cfg)?)
+                .device(self.device),
+        );
         // Reference mode: chunked sums on every stage, as in the single-device reference run.
-        let plan = BertStage::tp_plan(&spec);
-        let mut stage = crate::reference_tp::build_with_plan(&self.cfg, builder, tp, plan, |b| {
-            BertStage::build(self.config, spec, b)
-        })?;
-        stage.activation_checkpointing = checkpointing;
+        let plan = BertStage::tp_plan(&b.spec);
+        let mut stage =
+            crate::reference_tp::build_with_plan(&self.cfg, builder, b.tp, plan, |pb| {
+                BertStage::build(self.config, b.spec.clone(), pb)
+            })?;
+        stage.activation_checkpointing = b.checkpointing;
         Ok(stage)
     }
 

@@ -14,7 +14,7 @@ use meshgrad_nn::data::TokenSource;
 use meshgrad_nn::gpt::{GptBatch, GptStage};
 use meshgrad_nn::llama::LlamaConfig;
 use meshgrad_nn::state::{hf_gpt2, hf_llama, load_state_dict};
-use meshgrad_nn::tp::{TensorParallel, TpPlan};
+use meshgrad_nn::tp::TpPlan;
 use meshgrad_nn::{CausalLm, Gpt, GptConfig, Llama, ModelStage, Module, ParamBuilder, StageSpec};
 use meshgrad_parallel::comm::all_reduce_scalar;
 use meshgrad_parallel::pipeline::Microbatch;
@@ -22,7 +22,7 @@ use meshgrad_parallel::{micro_rows, Communicator, ParallelLayout, ReduceOp};
 use meshgrad_tensor::Tensor;
 
 use crate::config::TrainConfig;
-use crate::recipe::Recipe;
+use crate::recipe::{Recipe, StageBuild};
 use crate::run_finish::{finish_run, Finish};
 use crate::step_loop::{LoopResult, Reporter};
 use crate::train::{
@@ -298,22 +298,13 @@ impl<F: CausalFamily> Recipe for CausalRecipe<F> {
         F::n_layer(&self.config)
     }
 
-    fn build_stage(
-        &self,
-        spec: StageSpec,
-        tp: Option<TensorParallel>,
-        delayed: bool,
-        checkpointing: bool,
-    ) -> Result<F::Stage> {
-        let mut builder = self.builder()?;
-        if delayed {
-            builder = builder.delayed_init();
-        }
+    fn build_stage(&self, b: StageBuild) -> Result<F::Stage> {
+        let builder = b.prepare(self.builder()?);
         // Reference mode: the sums tensor parallelism splits are trees over the model's chunk
         // count on every stage, on one device as on tp ranks.
-        let plan = F::tp_plan(&self.config, &spec);
-        crate::reference_tp::build_with_plan(&self.cfg, builder, tp, plan, |b| {
-            F::build_stage(self.config, spec, b, checkpointing)
+        let plan = F::tp_plan(&self.config, &b.spec);
+        crate::reference_tp::build_with_plan(&self.cfg, builder, b.tp, plan, |pb| {
+            F::build_stage(self.config, b.spec.clone(), pb, b.checkpointing)
         })
     }
 

@@ -216,7 +216,8 @@ fn resumed_loss_scaler(cfg: &TrainConfig, ck: &Checkpoint) -> Result<Option<Loss
         return Ok(None);
     };
     let saved = &ck.metadata()[LOSS_SCALE_KEY];
-    if saved.is_null() || training_config(ck)?.train.loss_scale_init != cfg.train.loss_scale_init {
+    if saved.is_null() || checkpoint_config(ck)?.train.loss_scale_init != cfg.train.loss_scale_init
+    {
         return Ok(None);
     }
     let (Some(scale), Some(good)) = (saved["scale"].as_f64(), saved["good_steps"].as_u64()) else {
@@ -262,29 +263,19 @@ pub(crate) fn open_resume(cfg: &TrainConfig, dir: &Path) -> Result<(Checkpoint, 
         type Key = (&'static str, fn(&TrainConfig) -> String);
         // A half-precision run's optimizer state holds f32 master weights that an f32 run does
         // not have (and the reverse), so the precision must match too.
-        let keys: [Key; 16] = [
-            ("model.kind", |c| c.model.kind.to_string()),
-            ("model.n_layer", |c| c.model.n_layer.to_string()),
-            ("model.n_head", |c| c.model.n_head.to_string()),
-            ("model.n_embd", |c| c.model.n_embd.to_string()),
-            ("model.block_size", |c| c.model.block_size.to_string()),
-            ("model.vocab_size", |c| c.model.vocab_size.to_string()),
-            ("model.vocab_multiple", |c| {
-                c.model.vocab_multiple.to_string()
-            }),
-            ("model.bias", |c| c.model.bias.to_string()),
-            ("model.n_kv_head", |c| c.model.kv_heads().to_string()),
-            ("model.intermediate_size", |c| {
-                c.model.ffn_hidden().to_string()
-            }),
-            ("model.rope_theta", |c| c.model.rope_theta.to_string()),
-            ("model.norm_eps", |c| c.model.norm_eps.to_string()),
-            ("model.tie_embeddings", |c| c.model.tied().to_string()),
+        let run_keys: [Key; 3] = [
             ("train.seed", |c| c.train.seed.to_string()),
             ("train.batch_size", |c| c.train.batch_size.to_string()),
             ("train.precision", |c| c.train.precision.clone()),
         ];
-        let pairs = keys.map(|(k, f)| (k, f(&saved), f(cfg)));
+        let pairs: Vec<(&str, String, String)> = saved
+            .model
+            .shape_keys()
+            .into_iter()
+            .zip(cfg.model.shape_keys())
+            .map(|((k, s), (_, n))| (k, s, n))
+            .chain(run_keys.map(|(k, f)| (k, f(&saved), f(cfg))))
+            .collect();
         if let Some((k, s, n)) = pairs.iter().find(|(_, s, n)| s != n) {
             anyhow::bail!(
                 "--resume {}: {k} is {s} in the checkpoint but {n} in this run; a resumed run \
@@ -387,10 +378,20 @@ pub fn open_training_checkpoint(dir: &Path) -> Result<Option<Checkpoint>> {
 
 /// The model kind of a training checkpoint.
 pub fn training_model_kind(ck: &Checkpoint) -> Result<crate::config::ModelKind> {
-    Ok(training_config(ck)?.model.kind)
+    Ok(checkpoint_config(ck)?.model.kind)
 }
 
-fn training_config(ck: &Checkpoint) -> Result<TrainConfig> {
+/// The tokenizer file a training checkpoint holds (`tokenizer.json` among its files), if any.
+pub fn checkpoint_tokenizer_file(ck: &Checkpoint) -> Option<PathBuf> {
+    ck.index()
+        .files
+        .iter()
+        .any(|f| f == TOKENIZER_FILE)
+        .then(|| ck.path().join(TOKENIZER_FILE))
+}
+
+/// The training config a checkpoint was saved with (its metadata's `config`).
+pub fn checkpoint_config(ck: &Checkpoint) -> Result<TrainConfig> {
     let text = ck.metadata()["config"].as_str().ok_or_else(|| {
         anyhow::anyhow!(
             "checkpoint {}: its metadata holds no config",
@@ -404,7 +405,7 @@ fn training_config(ck: &Checkpoint) -> Result<TrainConfig> {
 /// metadata) and loads every parameter, one tensor at a time.
 pub fn load_training_model(ck: &Checkpoint) -> Result<CheckpointModel> {
     use meshgrad_tensor::{DType, Device};
-    let cfg = training_config(ck)?;
+    let cfg = checkpoint_config(ck)?;
     crate::preflight::check_model_memory(
         &crate::preflight::ModelShape::from_train_config(&cfg),
         &format!("checkpoint {}", ck.path().display()),

@@ -177,6 +177,9 @@ pub struct TrainOptions {
     pub keep: Option<usize>,
     /// Continue the run whose `--out` folder (or checkpoint) this is (`--resume`).
     pub resume: Option<PathBuf>,
+    /// Start from the weights of this model folder or checkpoint, with a fresh optimizer and
+    /// schedule (`--init-from`; see [`crate::init_from`]).
+    pub init_from: Option<PathBuf>,
     /// Train into an `--out` folder that already holds a run, removing its checkpoints
     /// (`--overwrite`).
     pub overwrite: bool,
@@ -262,6 +265,7 @@ impl Default for TrainOptions {
             save_every: None,
             keep: None,
             resume: None,
+            init_from: None,
             overwrite: false,
             collective_timeout: crate::ranks::COLLECTIVE_TIMEOUT,
         }

@@ -33,7 +33,7 @@ pub use meshgrad_autograd::ForwardCtx;
 /// Derives [`Module`] from a struct's fields (see [`module`] and the `meshgrad-derive` crate).
 pub use meshgrad_derive::Module;
 pub use module::{Forward, Module};
-pub use param_builder::{Init, ParamBuilder};
+pub use param_builder::{Init, InitialValues, ParamBuilder};
 pub use stage::{run_chained, BlockRange, ModelStage, StageInput, StageSpec};
 
 impl From<data::DataError> for meshgrad_tensor::Error {

@@ -1,8 +1,9 @@
 //! [`ParamBuilder`]: creating a model's parameters by shape and [`Init`], then initialising
 //! each one by its full name (eagerly, delayed until first use, or as this rank's part under
-//! tensor parallelism).
+//! tensor parallelism), from the run seed or from given [`InitialValues`] (fine-tuning).
 
-use std::sync::Mutex;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use meshgrad_autograd::Var;
 use meshgrad_tensor::alloc::{with_tag, MemoryTag};
@@ -90,6 +91,45 @@ impl Init {
     }
 }
 
+/// The values a model starts from instead of its [`Init`]s (pretrained weights): every
+/// parameter's whole tensor under its full name, as the single-device model names and shapes it.
+/// Each rank copies out its own part (its tensor-parallel slice; under delayed initialisation
+/// when the parameter is first used).
+pub type InitialValues = HashMap<String, Tensor>;
+
+/// This rank's part of `full` under `placement` (the slice of blocks it holds along the split
+/// dimension), or `full` itself without one; checked against the parameter's `local` shape and
+/// cast to its dtype and device.
+fn part_of(
+    name: &str,
+    full: &Tensor,
+    placement: Option<&Placement>,
+    local: &[usize],
+    dtype: DType,
+    device: Device,
+) -> Result<Tensor> {
+    let global = placement.map_or_else(|| local.to_vec(), |p| p.global_dims(local));
+    if full.dims() != global.as_slice() {
+        meshgrad_tensor::bail!(
+            "initial values: {name} has shape {} but the model's parameter is {global:?}",
+            full.shape()
+        );
+    }
+    let part = match placement {
+        None => full.clone(),
+        Some(p) => {
+            let runs: Vec<Tensor> = p
+                .ranges(global[p.dim], p.index())
+                .into_iter()
+                .map(|r| full.narrow(p.dim as isize, r.start, r.len()))
+                .collect::<Result<_>>()?;
+            let refs: Vec<&Tensor> = runs.iter().collect();
+            Tensor::cat(&refs, p.dim as isize)?
+        }
+    };
+    part.to_dtype(dtype)?.to_device(device)?.contiguous()
+}
+
 /// Creates a model's parameters and initialises each one by its full name.
 ///
 /// Layers take `&ParamBuilder` and create their parameters with [`ParamBuilder::param`],
@@ -114,6 +154,8 @@ pub struct ParamBuilder {
     tp: Option<(TensorParallel, TpPlan)>,
     /// Under a plan, the placement of the n-th parameter created (from the meta build).
     splits: Mutex<Vec<Option<Placement>>>,
+    /// Values to start from instead of the [`Init`]s.
+    initial: Option<Arc<InitialValues>>,
 }
 
 impl std::fmt::Debug for ParamBuilder {
@@ -142,6 +184,7 @@ impl ParamBuilder {
             delayed: false,
             tp: None,
             splits: Mutex::new(Vec::new()),
+            initial: None,
         }
     }
 
@@ -152,6 +195,14 @@ impl ParamBuilder {
     /// start. (SageMaker's model-parallel library calls this delayed parameter initialisation.)
     pub fn delayed_init(mut self) -> Self {
         self.delayed = true;
+        self
+    }
+
+    /// Fills every parameter from `values` (by full name) instead of its [`Init`]: fine-tuning
+    /// from pretrained weights. [`ParamBuilder::init`] fails in one line when a parameter is
+    /// missing from `values` or has another shape there.
+    pub fn initial_values(mut self, values: Arc<InitialValues>) -> Self {
+        self.initial = Some(values);
         self
     }
 
@@ -327,8 +378,44 @@ impl ParamBuilder {
                 shapes.join(", ")
             );
         }
+        if let Some(values) = &self.initial {
+            let missing: Vec<&str> = named
+                .iter()
+                .filter(|(n, _, _)| !values.contains_key(n))
+                .map(|(n, _, _)| n.as_str())
+                .collect();
+            if !missing.is_empty() {
+                meshgrad_tensor::bail!(
+                    "initial values: no tensor for {} parameter(s) of this {}: {}",
+                    missing.len(),
+                    model.module_type(),
+                    missing.join(", ")
+                );
+            }
+        }
         with_tag(MemoryTag::Params, || -> Result<()> {
             for (name, v, init) in &named {
+                if let Some(values) = &self.initial {
+                    let (values, name) = (values.clone(), name.clone());
+                    let (t, placement) = (v.tensor(), v.placement());
+                    let (dims, dtype, device) = (t.dims().to_vec(), t.dtype(), t.device());
+                    let part = move || {
+                        part_of(
+                            &name,
+                            &values[&name],
+                            placement.as_ref(),
+                            &dims,
+                            dtype,
+                            device,
+                        )
+                    };
+                    if self.delayed {
+                        t.set_lazy_values(part)?;
+                    } else {
+                        t.copy_from(&part()?)?;
+                    }
+                    continue;
+                }
                 if self.delayed {
                     let (init, seed, name) = (*init, self.seed, name.clone());
                     let (t, placement) = (v.tensor(), v.placement());

@@ -134,6 +134,27 @@ impl ModelConfig {
         ids.div_ceil(self.vocab_multiple.max(1)) * self.vocab_multiple.max(1)
     }
 
+    /// The keys that fix the model's shape (its parameters' names and sizes), with their
+    /// resolved values as text: what a resumed run or a run started from a model folder must
+    /// keep (see `train --resume` and `train --init-from`).
+    pub fn shape_keys(&self) -> [(&'static str, String); 13] {
+        [
+            ("model.kind", self.kind.to_string()),
+            ("model.n_layer", self.n_layer.to_string()),
+            ("model.n_head", self.n_head.to_string()),
+            ("model.n_embd", self.n_embd.to_string()),
+            ("model.block_size", self.block_size.to_string()),
+            ("model.vocab_size", self.vocab_size.to_string()),
+            ("model.vocab_multiple", self.vocab_multiple.to_string()),
+            ("model.bias", self.bias.to_string()),
+            ("model.n_kv_head", self.kv_heads().to_string()),
+            ("model.intermediate_size", self.ffn_hidden().to_string()),
+            ("model.rope_theta", self.rope_theta.to_string()),
+            ("model.norm_eps", self.norm_eps.to_string()),
+            ("model.tie_embeddings", self.tied().to_string()),
+        ]
+    }
+
     /// Key/value heads per block: [`ModelConfig::n_kv_head`], or `n_head` when that is 0 (always
     /// `n_head` for a GPT or a BERT, whose `n_kv_head` is 0).
     pub fn kv_heads(&self) -> usize {
