@@ -3,6 +3,7 @@
 //! A short guide, from a layer to a sharded training run. Every example here is compiled and
 //! run by `cargo test --doc`. The runnable programs in `examples/` go further: `train_gpt`,
 //! `train_bert`, `llama_style`, `custom_op` and `fsdp_from_code`.
+//! The last section drives `meshgrad train` itself from code: a Llama, then its fine-tuning.
 //!
 //! ## 1. A model is a struct that derives `Module`
 //!
@@ -126,3 +127,42 @@
 //! its parameters are first read and released when the next one is, so the model's forward needs
 //! no hooks. Each rank passes its rows of the global batch; the run matches the single device to
 //! rounding. See `examples/fsdp_from_code.rs` and the crate docs of `meshgrad::parallel::zero`.
+//!
+//! ## 5. Training a Llama and fine-tuning it, from code
+//!
+//! [`train::train`](crate::train::train) is `meshgrad train` as a function: a
+//! [`TrainConfig`](crate::config::TrainConfig) (every key of `configs/tiny.toml` and `--set`), an
+//! optional layout, the run options. The model kind picks the family's recipe; the layout does
+//! not change the code. [`TrainOptions::init_from`](crate::train::TrainOptions::init_from)
+//! starts from a model folder (here the one the first run wrote, a Hugging Face
+//! `LlamaForCausalLM` folder) with a fresh optimizer: its first validation loss is the first
+//! run's last (to rounding), although it runs on two ranks that each hold half of every parameter.
+//!
+//! ```
+//! use meshgrad::config::TrainConfig;
+//! use meshgrad::train::{train, TrainOptions, Verbosity};
+//!
+//! let mut cfg = TrainConfig::default();
+//! for (key, value) in [
+//!     ("model.kind", "llama"), ("model.n_layer", "2"), ("model.n_embd", "32"),
+//!     ("model.n_head", "4"), ("model.n_kv_head", "2"), ("model.block_size", "16"),
+//!     ("train.steps", "3"), ("train.batch_size", "4"), ("train.eval_batches", "1"),
+//!     ("train.sample_tokens", "0"),
+//! ] {
+//!     cfg.apply_override(key, value)?;
+//! }
+//! let dir = std::env::temp_dir().join(format!("meshgrad_guide_llama_{}", std::process::id()));
+//! cfg.out = dir.join("pretrained").display().to_string();
+//! let pretrained = train(&cfg, None, &TrainOptions::default(), Verbosity::Quiet)?;
+//!
+//! let mut tune = cfg.clone();
+//! tune.out = dir.join("tuned").display().to_string();
+//! (tune.train.lr, tune.train.min_lr) = (1e-4, 1e-5);
+//! let opts = TrainOptions { init_from: Some(dir.join("pretrained")), ..TrainOptions::default() };
+//! let layout = "fsdp=2".parse()?;
+//! let tuned = train(&tune, Some(&layout), &opts, Verbosity::Quiet)?;
+//! // To rounding: each rank averages its half of the validation rows.
+//! assert!((tuned.initial_val_loss - pretrained.final_val_loss).abs() < 1e-5);
+//! # std::fs::remove_dir_all(&dir).ok();
+//! # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
+//! ```
