@@ -133,14 +133,15 @@
 //! [`train::train`](crate::train::train) is `meshgrad train` as a function: a
 //! [`TrainConfig`](crate::config::TrainConfig) (every key of `configs/tiny.toml` and `--set`), an
 //! optional layout, the run options. The model kind picks the family's recipe; the layout does
-//! not change the code. [`TrainOptions::init_from`](crate::train::TrainOptions::init_from)
+//! not change the code. [`TrainOptions::init_from`](crate::run_setup::TrainOptions::init_from)
 //! starts from a model folder (here the one the first run wrote, a Hugging Face
 //! `LlamaForCausalLM` folder) with a fresh optimizer: its first validation loss is the first
 //! run's last (to rounding), although it runs on two ranks that each hold half of every parameter.
 //!
 //! ```
 //! use meshgrad::config::TrainConfig;
-//! use meshgrad::train::{train, TrainOptions, Verbosity};
+//! use meshgrad::run_setup::{TrainOptions, Verbosity};
+//! use meshgrad::train::train;
 //!
 //! let mut cfg = TrainConfig::default();
 //! for (key, value) in [

@@ -26,7 +26,7 @@ use meshgrad_nn::{InitialValues, Module};
 use meshgrad_tensor::{DType, Device};
 
 use crate::config::{ModelConfig, ModelKind, TrainConfig};
-use crate::train::TOKENIZER_FILE;
+use crate::run_setup::TOKENIZER_FILE;
 
 /// What a model folder fixes of a run: its model section, and its tokenizer file if it has one.
 #[derive(Clone, Debug, PartialEq)]

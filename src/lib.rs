@@ -55,7 +55,9 @@ pub mod init_from;
 #[cfg(feature = "cli")]
 pub mod launch;
 #[cfg(feature = "cli")]
-pub mod pipeline_plan;
+pub mod model_configs;
+#[cfg(feature = "cli")]
+mod pipeline_plan;
 #[cfg(feature = "cli")]
 mod pipeline_timelines;
 #[cfg(feature = "cli")]
@@ -84,6 +86,8 @@ pub mod run_checkpoint;
 pub mod run_dir;
 #[cfg(feature = "cli")]
 mod run_finish;
+#[cfg(feature = "cli")]
+pub mod run_setup;
 #[cfg(feature = "cli")]
 pub mod schedule_cmd;
 #[cfg(feature = "cli")]

@@ -7,7 +7,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use meshgrad::config::TrainConfig;
 use meshgrad::nn::tokenizer::{Tokenizer, TokenizerKind};
-use meshgrad::train::Verbosity;
+use meshgrad::run_setup::Verbosity;
 
 #[derive(Parser)]
 #[command(
@@ -508,7 +508,7 @@ fn run(cli: Cli) -> Result<()> {
             let cfg = train_config(&a)?;
             meshgrad::stop::install_once()?;
             meshgrad::flight::install(std::path::Path::new(&cfg.out))?;
-            let mut pipeline = meshgrad::pipeline_plan::PipelineOptions::default();
+            let mut pipeline = meshgrad::run_setup::PipelineOptions::default();
             if let Some(k) = &a.schedule {
                 pipeline.schedule = k.parse().map_err(anyhow::Error::msg)?;
             }
@@ -520,9 +520,9 @@ fn run(cli: Cli) -> Result<()> {
             pipeline.max_stage_memory = a
                 .max_stage_memory
                 .as_deref()
-                .map(meshgrad::pipeline_plan::parse_bytes)
+                .map(meshgrad::run_setup::parse_bytes)
                 .transpose()?;
-            let opts = meshgrad::train::TrainOptions {
+            let opts = meshgrad::run_setup::TrainOptions {
                 microbatches: a.microbatches,
                 sequence_parallel: a.sequence_parallel,
                 pipeline,

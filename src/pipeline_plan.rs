@@ -15,86 +15,10 @@ use meshgrad_parallel::pipeline::{
 };
 use meshgrad_parallel::{Communicator, ParallelLayout};
 use meshgrad_tensor::{Device, Tensor};
-use std::path::PathBuf;
 
 use crate::config::TrainConfig;
 use crate::recipe::{Recipe, StageBuild};
-use crate::train::TrainOptions;
-
-/// The pipeline options of `meshgrad train` (`--schedule`, `--chunks`, `--partition`,
-/// `--trace`); used when the layout has `pp` above 1.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PipelineOptions {
-    /// The schedule (`--schedule`, default 1f1b).
-    pub schedule: ScheduleKind,
-    /// Model chunks per rank (`--chunks`, interleaved only; default 2 there, 1 otherwise).
-    pub chunks: Option<usize>,
-    /// How to cut the model (`--partition`: auto, speed, memory, even or `B0,B1,...`).
-    pub partition: String,
-    /// Write a Chrome trace of the run here (`--trace`).
-    pub trace: Option<PathBuf>,
-    /// The most memory the partitioner may give one stage, in bytes (`--max-stage-memory`).
-    pub max_stage_memory: Option<u64>,
-}
-
-impl Default for PipelineOptions {
-    fn default() -> Self {
-        PipelineOptions {
-            schedule: ScheduleKind::OneFOneB,
-            chunks: None,
-            partition: "auto".into(),
-            trace: None,
-            max_stage_memory: None,
-        }
-    }
-}
-
-impl PipelineOptions {
-    /// Whether any pipeline option differs from its default (refused without `pp` above 1).
-    pub fn is_set(&self) -> bool {
-        *self != PipelineOptions::default()
-    }
-}
-
-/// Parses a size in bytes: a whole number with an optional binary unit, `B`, `KiB`, `MiB`,
-/// `GiB` or `TiB` (`512MiB`, `1.5GiB`, `4096`).
-pub fn parse_bytes(s: &str) -> Result<u64> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let scale: u64 = match unit.trim() {
-        "" | "B" => 1,
-        "KiB" => 1 << 10,
-        "MiB" => 1 << 20,
-        "GiB" => 1 << 30,
-        "TiB" => 1 << 40,
-        other => {
-            anyhow::bail!("size {s:?}: unknown unit {other:?} (expected B, KiB, MiB, GiB or TiB)")
-        }
-    };
-    let v: f64 = num
-        .parse()
-        .map_err(|_| anyhow::anyhow!("size {s:?}: {num:?} is not a number"))?;
-    let bytes = v * scale as f64;
-    if !(bytes.is_finite() && bytes >= 1.0 && bytes < u64::MAX as f64) {
-        anyhow::bail!("size {s:?} must be at least 1 byte and below 2^64");
-    }
-    Ok(bytes as u64)
-}
-
-/// Refuses pipeline flags (`--schedule`, `--chunks`, `--partition`, `--trace`) when the layout
-/// has no pipeline (`pp` is its pipeline degree), in one line.
-pub(crate) fn check_pipeline_flags(opts: &TrainOptions, pp: usize) -> Result<()> {
-    if pp <= 1 && opts.pipeline.is_set() {
-        anyhow::bail!(
-            "--schedule, --chunks, --partition and --trace need pipeline parallelism (pp=P with \
-             P > 1 in --layout)"
-        );
-    }
-    Ok(())
-}
+use crate::run_setup::TrainOptions;
 
 /// Profiles every layer of `task`'s model on this device ([`profile_layers`]: a few timed
 /// forward + backward passes of each block, the embedding and the head on one microbatch of

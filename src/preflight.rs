@@ -69,7 +69,7 @@ use meshgrad_parallel::pipeline::ScheduleKind;
 use meshgrad_parallel::{ParallelLayout, ZeroStage};
 
 use crate::config::TrainConfig;
-use crate::train::{ActivationCheckpointing, TrainOptions};
+use crate::run_setup::{ActivationCheckpointing, TrainOptions};
 
 /// The environment variable that, set to anything but `0` or nothing, skips the comparison of
 /// the memory estimate with the machine's available memory.
@@ -206,7 +206,7 @@ impl ModelShape {
     pub fn from_train_config(cfg: &TrainConfig) -> ModelShape {
         let m = &cfg.model;
         if m.kind == crate::config::ModelKind::Llama {
-            return ModelShape::from_llama(&crate::recipe_causal::llama_config(cfg));
+            return ModelShape::from_llama(&crate::model_configs::llama_config(cfg));
         }
         let bert = m.kind == crate::config::ModelKind::Bert;
         ModelShape {
@@ -834,7 +834,7 @@ mod tests {
         let mut cfg = TrainConfig::default();
         for bias in [true, false] {
             cfg.model.bias = bias;
-            let gpt = crate::recipe_causal::gpt_config(&cfg);
+            let gpt = crate::model_configs::gpt_config(&cfg);
             let count = Some(gpt.num_parameters() as u64);
             assert_eq!(ModelShape::from_train_config(&cfg).num_parameters(), count);
             assert_eq!(ModelShape::from_gpt(&gpt).num_parameters(), count);
@@ -842,7 +842,7 @@ mod tests {
         cfg.model.kind = crate::config::ModelKind::Bert;
         cfg.model.bias = true;
         cfg.model.n_layer = 2;
-        let bert = crate::recipe_bert::bert_config(&cfg);
+        let bert = crate::model_configs::bert_config(&cfg);
         let model = BertForMaskedLM::new(bert, 0, DType::F32, Device::Cpu).unwrap();
         let count = meshgrad_nn::Module::num_parameters(&model) as u64;
         assert_eq!(bert.num_parameters() as u64, count);
@@ -986,7 +986,7 @@ mod tests {
     #[test]
     fn inference_estimate_counts_the_checkpoint() {
         let cfg = TrainConfig::default();
-        let shape = ModelShape::from_gpt(&crate::recipe_causal::gpt_config(&cfg));
+        let shape = ModelShape::from_gpt(&crate::model_configs::gpt_config(&cfg));
         let est = estimate_inference(&shape, INFERENCE_ROWS);
         assert_eq!(est.params, shape.num_parameters().unwrap() * 4);
         assert_eq!(est.grads + est.optimizer, 0);

@@ -72,8 +72,8 @@ use crate::pipeline_timelines::{
 use crate::rank_sync::RankSync;
 use crate::recipe::{Recipe, StageBuild};
 use crate::reference::{row_groups, take_grads, GradTree};
+use crate::run_setup::{optimizer_and_schedule, TrainOptions, TrainSummary, Verbosity};
 use crate::step_loop::{drive_loop, GradSync, Reporter, RunControl};
-use crate::train::{optimizer_and_schedule, TrainOptions, TrainSummary, Verbosity};
 
 /// A rank's chunks as one module (for the optimizer and the data-parallel wrapper): their
 /// parameters under their global names.
@@ -353,7 +353,7 @@ fn rank_main<R: Recipe>(
     let reference = cfg.train.reference.then(|| ReferenceChunks::new(&chunks));
     let total_groups = cfg.train.batch_size / cfg.train.row_group;
     // f16: the dynamic loss scale (continued from a resumed checkpoint's).
-    let scaler = crate::step_loop::run_loss_scaler(cfg, start.loss_scaler.as_ref())?;
+    let scaler = crate::run_setup::run_loss_scaler(cfg, start.loss_scaler.as_ref())?;
     let micro_step = |step: usize| -> Result<f64> {
         let mbs = recipe.train_microbatches(step as u64, rows.clone(), opts.microbatches, dp)?;
         let t0 = timeline.now_s();
@@ -452,7 +452,7 @@ fn rank_main<R: Recipe>(
     }
     // The largest rank's peak so far (one device: the device's), before the leader finishes.
     let peak = if at.label == "single" {
-        memory_stats(crate::train::train_device(cfg)?).peak
+        memory_stats(crate::run_setup::train_device(cfg)?).peak
     } else {
         let mine = ctx.tracker.stats().peak as f64; // exact: below 2^53 bytes
         all_reduce_scalar(ctx.comm.as_ref(), mine, ReduceOp::Max)? as usize

@@ -13,12 +13,7 @@ use meshgrad_tensor::Device;
 
 use crate::config::TrainConfig;
 use crate::reference::mesh_world;
-use crate::train::{check_microbatches, check_sequence_parallel, TrainOptions};
-
-/// How long a rank waits for its peers in any collective before failing the run, by default
-/// (`--collective-timeout`). Ranks do the same work between collectives, so this only matters
-/// when something is stuck.
-pub const COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(300);
+use crate::run_setup::{check_microbatches, check_sequence_parallel, TrainOptions};
 
 /// Runs `body` on the ranks of `layout` (threads of this process, each collective failing after
 /// `timeout` without its peers; or this process's rank of a job of processes), each with its
@@ -431,9 +426,9 @@ fn on_mpi_rank<T: Send>(
 /// A one-line reason `layout` cannot run (yet) or does not fit the run, before any work.
 pub fn check_layout(cfg: &TrainConfig, layout: &ParallelLayout, opts: &TrainOptions) -> Result<()> {
     check_sequence_parallel(opts, layout.tp())?;
-    crate::pipeline_plan::check_pipeline_flags(opts, layout.pp())?;
+    crate::run_setup::check_pipeline_flags(opts, layout.pp())?;
     opts.activation_checkpointing.check(layout.pp())?;
-    crate::train::check_run_options(cfg, opts)?;
+    crate::run_setup::check_run_options(cfg, opts)?;
     layout.check(cfg.train.batch_size, opts.microbatches, None)?;
     check_microbatches(cfg, layout.data_parallel_degree(), opts.microbatches)?;
     Ok(())

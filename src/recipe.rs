@@ -19,8 +19,8 @@ use meshgrad_parallel::{Communicator, ParallelLayout};
 use meshgrad_tensor::Tensor;
 
 use crate::config::TrainConfig;
+use crate::run_setup::{RunData, TrainOptions, TrainSummary, Verbosity};
 use crate::step_loop::{LoopResult, Reporter};
-use crate::train::{RunData, TrainOptions, TrainSummary, Verbosity};
 
 /// What stage to build and how: its own parameters only, split by `tp` when given, lazily
 /// initialised when `delayed`, recomputing its blocks' activations in the backward when

@@ -40,48 +40,18 @@ use meshgrad_parallel::{micro_rows, Communicator, ParallelLayout, ReduceOp};
 use meshgrad_tensor::{Device, Tensor};
 
 use crate::config::TrainConfig;
+use crate::model_configs::{bert_config, mlm_config, special_tokens};
 use crate::recipe::{Recipe, StageBuild};
 use crate::run_finish::{finish_run, Finish};
+use crate::run_setup::{
+    precision_dtype, train_device, RunData, TrainOptions, TrainSummary, Verbosity,
+};
 use crate::step_loop::{LoopResult, Reporter};
-use crate::train::{precision_dtype, train_device, RunData, TrainOptions, TrainSummary, Verbosity};
 
 /// Mixed into the run seed for the masking draws.
 const MLM_STREAM: u64 = 0x6d6c_6d5f_6d61_736b;
 /// Mixed into the run seed for validation batches (windows and masks).
 pub(crate) const VAL_STREAM: u64 = 0x5eed_0f7a_1d00_0002;
-
-/// The special tokens of a run: appended after `model.vocab_size` ordinary ids.
-pub fn special_tokens(cfg: &TrainConfig) -> SpecialTokens {
-    SpecialTokens::after(cfg.model.vocab_size as u32)
-}
-
-/// The BERT a training config describes: `n_embd` wide, `n_layer` layers of `n_head` heads, a
-/// 4x feed-forward, `block_size` positions, two token types, `model.dropout` on the hidden states
-/// and the attention probabilities, the vocabulary of [`special_tokens`] (padded to a multiple of
-/// `model.vocab_multiple`).
-pub fn bert_config(cfg: &TrainConfig) -> BertConfig {
-    let m = &cfg.model;
-    let sp = special_tokens(cfg);
-    BertConfig {
-        vocab_size: m.padded_vocab(sp.mask as usize + 1),
-        hidden_size: m.n_embd,
-        num_hidden_layers: m.n_layer,
-        num_attention_heads: m.n_head,
-        intermediate_size: 4 * m.n_embd,
-        max_position_embeddings: m.block_size,
-        type_vocab_size: 2,
-        layer_norm_eps: 1e-12,
-        hidden_dropout_prob: m.dropout,
-        attention_probs_dropout_prob: m.dropout,
-        pad_token_id: sp.pad as usize,
-        initializer_range: 0.02,
-    }
-}
-
-/// The masking of a run: BERT's proportions, random replacements among the ordinary ids.
-pub fn mlm_config(cfg: &TrainConfig) -> MlmConfig {
-    MlmConfig::bert(cfg.model.vocab_size as u32, special_tokens(cfg))
-}
 
 /// One part of a masked batch.
 pub(crate) struct MlmBatch {

@@ -22,13 +22,14 @@ use meshgrad_parallel::{micro_rows, Communicator, ParallelLayout, ReduceOp};
 use meshgrad_tensor::Tensor;
 
 use crate::config::TrainConfig;
+use crate::model_configs::{gpt_config, llama_config};
 use crate::recipe::{Recipe, StageBuild};
 use crate::run_finish::{finish_run, Finish};
-use crate::step_loop::{LoopResult, Reporter};
-use crate::train::{
+use crate::run_setup::{
     batch_tensors, precision_dtype, train_device, RunData, TrainOptions, TrainSummary, Verbosity,
     VAL_STREAM,
 };
+use crate::step_loop::{LoopResult, Reporter};
 
 /// What differs between next-token model families (see the [module docs](self)).
 pub(crate) trait CausalFamily: Sync + Sized {
@@ -192,43 +193,6 @@ impl CausalFamily for Llama {
     fn save(model: &Llama, dir: &Path) -> meshgrad_tensor::Result<()> {
         hf_llama::save_llama(model, dir)
     }
-}
-
-/// The GPT a training config describes.
-pub fn gpt_config(cfg: &TrainConfig) -> GptConfig {
-    let m = &cfg.model;
-    GptConfig {
-        vocab_size: m.padded_vocab(m.vocab_size),
-        block_size: m.block_size,
-        n_layer: m.n_layer,
-        n_head: m.n_head,
-        n_embd: m.n_embd,
-        dropout: m.dropout,
-        bias: m.bias,
-        layer_norm_eps: 1e-5,
-    }
-}
-
-/// The Llama a training config describes: `n_embd` wide, `n_layer` layers of `n_head` query
-/// heads and `model.n_kv_head` key/value heads, the MLP `model.intermediate_size` wide,
-/// `model.rope_theta`, `model.norm_eps`, the head tied to the token table by
-/// `model.tie_embeddings` (untied by default), context `block_size`, the vocabulary padded by
-/// `model.vocab_multiple`.
-pub fn llama_config(cfg: &TrainConfig) -> LlamaConfig {
-    let m = &cfg.model;
-    let mut c = LlamaConfig::new(
-        m.padded_vocab(m.vocab_size),
-        m.block_size,
-        m.n_embd,
-        m.n_layer,
-        m.n_head,
-    );
-    c.n_kv_head = m.kv_heads();
-    c.intermediate_size = m.ffn_hidden();
-    c.rope_theta = m.rope_theta;
-    c.norm_eps = m.norm_eps;
-    c.tie_embeddings = m.tied();
-    c
 }
 
 /// A next-token run's recipe for family `F`.

@@ -21,7 +21,7 @@ use crate::config::TrainConfig;
 fn model_chunks(cfg: &TrainConfig) -> (usize, String) {
     let m = &cfg.model;
     if m.kind == crate::config::ModelKind::Llama {
-        let c = crate::recipe_causal::llama_config(cfg);
+        let c = crate::model_configs::llama_config(cfg);
         return (
             meshgrad_nn::llama::reference_chunks(&c),
             format!(
@@ -32,7 +32,7 @@ fn model_chunks(cfg: &TrainConfig) -> (usize, String) {
         );
     }
     if m.kind == crate::config::ModelKind::Bert {
-        let c = crate::recipe_bert::bert_config(cfg);
+        let c = crate::model_configs::bert_config(cfg);
         (
             meshgrad_nn::bert::reference_chunks(&c, m.block_size),
             format!(
@@ -41,7 +41,7 @@ fn model_chunks(cfg: &TrainConfig) -> (usize, String) {
             ),
         )
     } else {
-        let c = crate::recipe_causal::gpt_config(cfg);
+        let c = crate::model_configs::gpt_config(cfg);
         (
             meshgrad_nn::gpt::reference_chunks(&c),
             format!(

@@ -22,7 +22,7 @@ use meshgrad_parallel::ShardedDataParallel;
 
 use crate::config::TrainConfig;
 use crate::run_dir::checkpoints_dir;
-use crate::train::TrainOptions;
+use crate::run_setup::TrainOptions;
 
 /// The tokenizer file a run's checkpoint carries (when the run has a tokenizer).
 const TOKENIZER_FILE: &str = "tokenizer.json";
@@ -152,7 +152,7 @@ impl Saver<'_> {
 /// The checkpoint metadata key of an f16 run's loss scale (`{"scale": S, "good_steps": N}`).
 const LOSS_SCALE_KEY: &str = "loss_scale";
 
-/// The saving hook of a training loop ([`crate::train::RunControl::save`]): the steps done, the
+/// The saving hook of a training loop ([`crate::run_setup::RunControl::save`]): the steps done, the
 /// model, the optimizer and an f16 run's loss scaler.
 pub(crate) type SaveHook<'b> =
     Box<dyn Fn(usize, &dyn Module, &AdamW, Option<&LossScaler>) -> Result<String> + 'b>;
@@ -212,7 +212,7 @@ pub(crate) fn begin_rank<'a>(
 /// The loss scaler `ck` saved, for an f16 run that keeps the checkpoint's
 /// `train.loss_scale_init` (a run that sets another one restarts the scale from it).
 fn resumed_loss_scaler(cfg: &TrainConfig, ck: &Checkpoint) -> Result<Option<LossScaler>> {
-    let Some(base) = crate::step_loop::loss_scaler(cfg)? else {
+    let Some(base) = crate::run_setup::loss_scaler(cfg)? else {
         return Ok(None);
     };
     let saved = &ck.metadata()[LOSS_SCALE_KEY];
@@ -415,7 +415,7 @@ pub fn load_training_model(ck: &Checkpoint) -> Result<CheckpointModel> {
     Ok(match cfg.model.kind {
         ModelKind::Bert => {
             let m = meshgrad_nn::bert::BertForMaskedLM::new(
-                crate::recipe_bert::bert_config(&cfg),
+                crate::model_configs::bert_config(&cfg),
                 seed,
                 DType::F32,
                 Device::Cpu,
@@ -425,7 +425,7 @@ pub fn load_training_model(ck: &Checkpoint) -> Result<CheckpointModel> {
         }
         ModelKind::Gpt => {
             let mut m = meshgrad_nn::Gpt::new(
-                crate::recipe_causal::gpt_config(&cfg),
+                crate::model_configs::gpt_config(&cfg),
                 seed,
                 DType::F32,
                 Device::Cpu,
@@ -436,7 +436,7 @@ pub fn load_training_model(ck: &Checkpoint) -> Result<CheckpointModel> {
         }
         ModelKind::Llama => {
             let mut m = meshgrad_nn::Llama::new(
-                crate::recipe_causal::llama_config(&cfg),
+                crate::model_configs::llama_config(&cfg),
                 seed,
                 DType::F32,
                 Device::Cpu,

@@ -10,8 +10,8 @@ use meshgrad_nn::tokenizer::Tokenizer;
 use meshgrad_nn::CausalLm;
 
 use crate::config::TrainConfig;
+use crate::run_setup::{TrainSummary, Verbosity, TOKENIZER_FILE};
 use crate::step_loop::{LoopResult, Reporter};
-use crate::train::{TrainSummary, Verbosity, TOKENIZER_FILE};
 
 /// What a recipe hands to [`finish_run`].
 pub(crate) struct Finish<'a> {

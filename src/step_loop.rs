@@ -16,7 +16,7 @@ use meshgrad_parallel::{Communicator, ReduceOp};
 use meshgrad_tensor::DType;
 
 use crate::config::TrainConfig;
-use crate::train::{precision_dtype, Verbosity};
+use crate::run_setup::{precision_dtype, Verbosity};
 
 /// A rank's end of a step, as [`drive_loop`] drives it: the trainer's
 /// [`RankSync`](crate::rank_sync::RankSync) for every layout (one device included).
@@ -209,31 +209,6 @@ pub(crate) struct LoopResult {
     pub(crate) final_train_loss: f64,
     pub(crate) tokens_per_s: f64,
     pub(crate) elapsed_s: f64,
-}
-
-/// The loss scaler a training loop keeps: the one a resumed checkpoint saved (`resumed`), else
-/// a fresh one for an f16 run ([`loss_scaler`]); `None` for f32 and bf16.
-pub(crate) fn run_loss_scaler(
-    cfg: &TrainConfig,
-    resumed: Option<&LossScaler>,
-) -> Result<Option<std::cell::RefCell<LossScaler>>> {
-    let scaler = match resumed {
-        Some(s) => Some(s.clone()),
-        None => loss_scaler(cfg)?,
-    };
-    Ok(scaler.map(std::cell::RefCell::new))
-}
-
-/// The dynamic loss scale of an f16 run (from `train.loss_scale_init`, doubling after
-/// [`LossScaler::DEFAULT_GROWTH_INTERVAL`] good steps); `None` for f32 and bf16.
-pub(crate) fn loss_scaler(cfg: &TrainConfig) -> Result<Option<LossScaler>> {
-    if precision_dtype(cfg)? != DType::F16 {
-        return Ok(None);
-    }
-    Ok(Some(LossScaler::new(
-        cfg.train.loss_scale_init,
-        LossScaler::DEFAULT_GROWTH_INTERVAL,
-    )?))
 }
 
 /// What a training loop does besides training: where it starts (a resumed run starts after the
