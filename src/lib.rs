@@ -71,9 +71,9 @@ pub mod ranks;
 #[cfg(feature = "cli")]
 mod recipe;
 #[cfg(feature = "cli")]
-pub mod recipe_bert;
+mod recipe_bert;
 #[cfg(feature = "cli")]
-pub mod recipe_causal;
+mod recipe_causal;
 /// Reference mode: bit-identical training under every layout.
 #[cfg(feature = "cli")]
 mod reference;

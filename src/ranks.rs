@@ -1,6 +1,6 @@
 //! Where the ranks of a layout run: threads of this process (the default), or this process as
 //! one rank of a job of processes (TCP under `meshgrad launch`, MPI under `mpirun`, NCCL), each
-//! with its [`LayoutMesh`] ([`on_ranks`]); the backend choice and its checks; the layout checks
+//! with its [`LayoutMesh`] (`on_ranks`); the backend choice and its checks; the layout checks
 //! and the header's description of a layout shared by every model.
 
 use std::sync::Arc;

@@ -1,6 +1,6 @@
 //! A training run's set-up, shared by every model family and layout: its options
 //! ([`TrainOptions`], the pipeline's [`PipelineOptions`]), their checks before any work, the
-//! device and precision, the data ([`RunData`]), AdamW with warmup + cosine, the f16 loss
+//! device and precision, the data (`RunData`), AdamW with warmup + cosine, the f16 loss
 //! scaler, and what a run reports ([`TrainSummary`]).
 
 use std::ops::Range;
@@ -73,7 +73,6 @@ pub fn resolve_tokenizer(cfg: &TrainConfig) -> Result<(TrainConfig, Option<Token
 
 /// The name of the tokenizer file in a checkpoint directory.
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
-
 
 /// Mixed into the seed for validation draws, so they never coincide with training draws.
 pub(crate) const VAL_STREAM: u64 = 0x5eed_0f7a_1d00_0001;

@@ -1,6 +1,6 @@
 //! `meshgrad train`: [`train`], the one entry for every model family and layout: the checks
 //! before any work, the run's data, and the registry that maps the config's model kind to its
-//! [`Recipe`](crate::recipe::Recipe) for the trainer ([`crate::rank_train`]); and loading the
+//! `Recipe` for the trainer (`crate::rank_train`); and loading the
 //! model a run wrote ([`load_checkpoint`], [`load_causal_lm`]). The run's options and set-up
 //! are in [`crate::run_setup`].
 

@@ -60,8 +60,8 @@ pub struct ModelConfig {
     /// family has no biases at all, so a Llama ignores this key.
     pub bias: bool,
     /// The model family: `"gpt"` (next-token prediction), `"bert"` (masked language modelling;
-    /// see [`crate::recipe_bert`]) or `"llama"` (next-token prediction with a Llama decoder,
-    /// `meshgrad_nn::llama`; see [`crate::recipe_causal`]).
+    /// see `crate::recipe_bert`) or `"llama"` (next-token prediction with a Llama decoder,
+    /// `meshgrad_nn::llama`; see `crate::recipe_causal`).
     pub kind: ModelKind,
     /// Llama only: key/value heads per block (grouped-query attention: each serves
     /// `n_head / n_kv_head` query heads); must divide `n_head`. 0, the default, means `n_head`
