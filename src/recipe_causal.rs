@@ -11,7 +11,7 @@ use std::path::Path;
 
 use anyhow::Result;
 use meshgrad_nn::data::TokenSource;
-use meshgrad_nn::gpt::{GptBatch, GptStage};
+use meshgrad_nn::gpt::GptBatch;
 use meshgrad_nn::llama::LlamaConfig;
 use meshgrad_nn::state::{hf_gpt2, hf_llama, load_state_dict};
 use meshgrad_nn::tp::TpPlan;
@@ -80,7 +80,7 @@ pub(crate) trait CausalFamily: Sync + Sized {
 
 impl CausalFamily for Gpt {
     type Config = GptConfig;
-    type Stage = GptStage;
+    type Stage = Gpt;
     type Whole = Gpt;
     const NAME: &'static str = "GPT";
 
@@ -107,15 +107,15 @@ impl CausalFamily for Gpt {
         String::new()
     }
     fn tp_plan(_config: &GptConfig, spec: &StageSpec) -> TpPlan {
-        GptStage::tp_plan(spec)
+        Gpt::stage_tp_plan(spec)
     }
     fn build_stage(
         config: GptConfig,
         spec: StageSpec,
         builder: ParamBuilder,
         checkpointing: bool,
-    ) -> meshgrad_tensor::Result<GptStage> {
-        let mut stage = GptStage::build(config, spec, builder)?;
+    ) -> meshgrad_tensor::Result<Gpt> {
+        let mut stage = Gpt::build_stage(config, spec, builder)?;
         stage.activation_checkpointing = checkpointing;
         Ok(stage)
     }

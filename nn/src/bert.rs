@@ -1063,7 +1063,7 @@ pub struct BertStageModel {
 
 /// A stage of a [`BertForMaskedLM`]: encoder layers `spec.blocks` (global indices), with the
 /// embeddings (`bert.embeddings`) when `spec.embedding` and the MLM head (`cls`) when
-/// `spec.head`. See [`crate::stage`]; it follows [`GptStage`](crate::gpt::GptStage).
+/// `spec.head`. See [`crate::stage`]; it follows the stages of [`Gpt`](crate::gpt::Gpt).
 ///
 /// It creates only its own parameters, under the full model's (Hugging Face's) names
 /// (`bert.encoder.layer.2.attention.self.query.weight` in whatever stage holds layer 2), in the

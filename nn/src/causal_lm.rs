@@ -43,7 +43,8 @@ impl CausalLm for Gpt {
         Gpt::sampled_vocab(self)
     }
     fn device(&self) -> Device {
-        self.wte.weight.tensor().device()
+        // Every stage holds at least one block.
+        self.h.blocks()[0].ln_1.weight.tensor().device()
     }
     fn generate(
         &self,

@@ -23,7 +23,7 @@ pub mod tp;
 
 pub use bert::{BertBatch, BertConfig, BertForMaskedLM, BertStage};
 pub use causal_lm::CausalLm;
-pub use gpt::{Gpt, GptBatch, GptConfig, GptStage};
+pub use gpt::{Gpt, GptBatch, GptConfig};
 pub use layers::{
     Activation, Block, BlockConfig, CausalSelfAttention, Dropout, Embedding, LayerNorm, Linear,
     LinearConfig, Mlp, RmsNorm, SequenceEntry, Sequential,

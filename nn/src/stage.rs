@@ -14,7 +14,8 @@
 //! * [`ModelStage`] is what every staged model provides: its spec, the parameters tied between
 //!   its first and last stage, and one forward that maps a microbatch and the previous stage's
 //!   hidden states to hidden states, or to the loss on the stage with the head. Three models
-//!   implement it: [`GptStage`](crate::gpt::GptStage) (blocks `h.{i}`, microbatch
+//!   implement it: [`Gpt`](crate::gpt::Gpt) (one type for the whole model and its stages, the
+//!   whole model being [`StageSpec::full`]; blocks `h.{i}`, microbatch
 //!   [`GptBatch`](crate::gpt::GptBatch), the tied `wte.weight`),
 //!   [`BertStage`](crate::bert::BertStage) (encoder layers `bert.encoder.layer.{i}`, microbatch
 //!   [`BertBatch`](crate::bert::BertBatch) with the attention mask every stage reads, the tied
@@ -228,6 +229,12 @@ impl<B> BlockRange<B> {
         &self.blocks
     }
 
+    /// The blocks in order, mutably (to adjust freshly built blocks, e.g. a checkpoint's
+    /// activation function).
+    pub fn blocks_mut(&mut self) -> &mut [Arc<B>] {
+        &mut self.blocks
+    }
+
     /// The block of global index `index`, if this range holds it.
     pub fn get(&self, index: usize) -> Option<&Arc<B>> {
         index
@@ -251,6 +258,23 @@ impl<B> BlockRange<B> {
     /// Whether it holds no block.
     pub fn is_empty(&self) -> bool {
         self.blocks.is_empty()
+    }
+}
+
+/// `range[i]` is the block of **global** index `i` (for a whole model, simply block `i`).
+///
+/// Panics when this range does not hold block `i` (see [`BlockRange::get`]).
+impl<B> std::ops::Index<usize> for BlockRange<B> {
+    type Output = Arc<B>;
+
+    fn index(&self, index: usize) -> &Arc<B> {
+        let r = self.range();
+        self.get(index).unwrap_or_else(|| {
+            panic!(
+                "block {index} is not in this stage's blocks {}..{}",
+                r.start, r.end
+            )
+        })
     }
 }
 

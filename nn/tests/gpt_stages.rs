@@ -1,7 +1,8 @@
 //! GPT stages: a GPT split into 2 and 3 stages and chained computes the full model's loss and
 //! gradients bit for bit (the tied `wte.weight` gradient summed over its two copies), with and
 //! without dropout and activation checkpointing; each stage holds exactly its slice of the full
-//! model's named parameters; bad stage specs are one-line errors.
+//! model's named parameters; bad stage specs are one-line errors. The whole model is the stage
+//! of every block with the embedding and the head (one type, `Gpt`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -10,7 +11,7 @@ use meshgrad_autograd::distributed::Collectives;
 use meshgrad_autograd::Var;
 use meshgrad_nn::tp::TensorParallel;
 use meshgrad_nn::{
-    run_chained, ForwardCtx, Gpt, GptBatch, GptConfig, GptStage, ModelStage, Module, ParamBuilder,
+    run_chained, ForwardCtx, Gpt, GptBatch, GptConfig, ModelStage, Module, ParamBuilder,
     StageInput, StageSpec,
 };
 use meshgrad_tensor::{DType, Device, Tensor};
@@ -76,12 +77,12 @@ fn staged_run(
     b: &GptBatch,
     step: u64,
     sizes: &[usize],
-) -> (u32, Vec<GptStage>) {
+) -> (u32, Vec<Gpt>) {
     let specs = StageSpec::split(cfg.n_layer, sizes).unwrap();
-    let stages: Vec<GptStage> = specs
+    let stages: Vec<Gpt> = specs
         .into_iter()
         .map(|s| {
-            let mut st = GptStage::new(cfg, s, SEED, DType::F32, Device::Cpu).unwrap();
+            let mut st = Gpt::new_stage(cfg, s, SEED, DType::F32, Device::Cpu).unwrap();
             st.activation_checkpointing = ckpt;
             st
         })
@@ -166,7 +167,7 @@ fn stages_hold_exactly_their_slice_of_the_full_parameters() {
         let specs = StageSpec::split(cfg.n_layer, sizes).unwrap();
         let mut covered = 0;
         for spec in specs {
-            let st = GptStage::new(cfg, spec.clone(), SEED, DType::F32, Device::Cpu).unwrap();
+            let st = Gpt::new_stage(cfg, spec.clone(), SEED, DType::F32, Device::Cpu).unwrap();
             let owns = |n: &str| {
                 let top = n.split('.').next().unwrap();
                 match top {
@@ -249,9 +250,9 @@ fn stage_tp_plans_resolve_on_their_stages() {
     for spec in StageSpec::split(cfg.n_layer, &[1, 2, 1]).unwrap() {
         let group = Arc::new(OneRank);
         let tp = TensorParallel::new(group);
-        let builder = ParamBuilder::new(SEED).tensor_parallel(tp, GptStage::tp_plan(&spec));
-        let st = GptStage::build(cfg, spec.clone(), builder).unwrap();
-        let direct = GptStage::new(cfg, spec.clone(), SEED, DType::F32, Device::Cpu).unwrap();
+        let builder = ParamBuilder::new(SEED).tensor_parallel(tp, Gpt::stage_tp_plan(&spec));
+        let st = Gpt::build_stage(cfg, spec.clone(), builder).unwrap();
+        let direct = Gpt::new_stage(cfg, spec.clone(), SEED, DType::F32, Device::Cpu).unwrap();
         for ((n, p), (_, q)) in st.named_parameters().iter().zip(direct.named_parameters()) {
             assert_eq!(bits(p.tensor()), bits(q.tensor()), "{n} of stage {spec}");
         }
@@ -261,7 +262,7 @@ fn stage_tp_plans_resolve_on_their_stages() {
     let group = Arc::new(OneRank);
     let builder =
         ParamBuilder::new(SEED).tensor_parallel(TensorParallel::new(group), Gpt::tp_plan());
-    let e = GptStage::build(cfg, middle, builder)
+    let e = Gpt::build_stage(cfg, middle, builder)
         .err()
         .unwrap()
         .to_string();
@@ -272,7 +273,7 @@ fn stage_tp_plans_resolve_on_their_stages() {
 fn bad_stage_specs_are_one_line_errors() {
     let cfg = config(0.0);
     let build = |spec: StageSpec| {
-        GptStage::new(cfg, spec, SEED, DType::F32, Device::Cpu)
+        Gpt::new_stage(cfg, spec, SEED, DType::F32, Device::Cpu)
             .err()
             .map(|e| e.to_string())
             .unwrap_or_default()
@@ -354,7 +355,7 @@ fn bad_stage_specs_are_one_line_errors() {
     );
     // Wrong inputs for a stage.
     let b = batch(1, 4, cfg.vocab_size as u32);
-    let mid = GptStage::new(
+    let mid = Gpt::new_stage(
         cfg,
         StageSpec::new(1..3, false, false),
         SEED,
@@ -370,7 +371,7 @@ fn bad_stage_specs_are_one_line_errors() {
         "not token ids",
     );
     one_line(
-        &mid.loss(StageInput::Ids(&b.ids), &b.targets, None)
+        &mid.stage_loss(StageInput::Ids(&b.ids), &b.targets, None)
             .err()
             .unwrap()
             .to_string(),
@@ -384,7 +385,7 @@ fn bad_stage_specs_are_one_line_errors() {
             .to_string(),
         "[B, T, 16]",
     );
-    let first = GptStage::new(
+    let first = Gpt::new_stage(
         cfg,
         StageSpec::new(0..1, true, false),
         SEED,
@@ -401,4 +402,60 @@ fn bad_stage_specs_are_one_line_errors() {
             .to_string(),
         "takes token ids",
     );
+}
+
+#[test]
+fn the_whole_model_is_the_full_stage() {
+    let cfg = config(0.1);
+    let whole = Gpt::new(cfg, SEED, DType::F32, Device::Cpu).unwrap();
+    let full = Gpt::new_stage(cfg, StageSpec::full(4), SEED, DType::F32, Device::Cpu).unwrap();
+    assert!(whole.is_full() && full.is_full());
+    assert_eq!(whole.spec, StageSpec::full(cfg.n_layer));
+    assert_eq!(whole.h.range(), 0..4);
+    assert!(std::ptr::eq(&*whole.h[2], &*whole.h.blocks()[2]));
+    let (a, b) = (whole.named_parameters(), full.named_parameters());
+    assert_eq!(a.len(), b.len());
+    for ((n, p), (m, q)) in a.iter().zip(&b) {
+        assert_eq!(n, m);
+        assert_eq!(bits(p.tensor()), bits(q.tensor()), "{n}");
+    }
+    // The full stage's plan is the whole plan; a middle stage's has no embedding or head.
+    assert_eq!(
+        Gpt::stage_tp_plan(&StageSpec::full(4)).entries(),
+        Gpt::tp_plan().entries()
+    );
+    let middle = StageSpec::new(1..3, false, false);
+    let plan = Gpt::stage_tp_plan(&middle);
+    assert!(plan.entries().iter().all(|(p, _)| p.starts_with("h.*.")));
+    // Only the whole model generates and becomes a Hugging Face folder.
+    let last = Gpt::new_stage(
+        cfg,
+        StageSpec::new(2..4, false, true),
+        SEED,
+        DType::F32,
+        Device::Cpu,
+    )
+    .unwrap();
+    assert_eq!(last.h.range(), 2..4);
+    assert!(last.h.get(1).is_none());
+    let e = last
+        .generate(&[1, 2], 2, 0.0, None, 0, |_| Ok(()))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("is a stage (blocks 2..4 + head)"), "{e}");
+    let e = meshgrad_nn::state::hf_config_json(&last)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("a Hugging Face folder holds the whole model"),
+        "{e}"
+    );
+    // A stage's whole-model loss on ids needs the embedding.
+    let b = batch(1, 4, cfg.vocab_size as u32);
+    let e = last.loss(&b.ids, &b.targets, None).unwrap_err().to_string();
+    assert!(e.contains("not token ids"), "{e}");
+    let out = whole
+        .generate(&[1, 2], 3, 0.0, None, 0, |_| Ok(()))
+        .unwrap();
+    assert_eq!(out.len(), 3);
 }

@@ -16,7 +16,7 @@ use std::time::Duration;
 use common::{DataParallel, OptKind};
 use meshgrad_nn::data::TokenDataset;
 use meshgrad_nn::optim::{param_groups_for_decay, StateKind};
-use meshgrad_nn::{ForwardCtx, Gpt, GptConfig, GptStage, Module, ParamBuilder, StageSpec};
+use meshgrad_nn::{ForwardCtx, Gpt, GptConfig, Module, ParamBuilder, StageSpec};
 use meshgrad_parallel::checkpoint::{
     self, pieces_of_module, pieces_of_optimizer, Checkpoint, Piece, Role, SaveOptions,
 };
@@ -452,7 +452,7 @@ fn pipeline_stages_load_and_save_what_they_hold() {
     let opts = RunOptions::with_timeout(Duration::from_secs(60));
     run_ranks(2, &opts, |ctx| {
         let specs = StageSpec::split(cfg.n_layer, &[1, 1])?;
-        let stage = GptStage::build(cfg, specs[ctx.rank].clone(), ParamBuilder::new(SEED))?;
+        let stage = Gpt::build_stage(cfg, specs[ctx.rank].clone(), ParamBuilder::new(SEED))?;
         let ck = Checkpoint::open(&dir)?;
         let e = ck.load_into_module(&stage, true).unwrap_err().to_string();
         assert!(e.contains("has parameters the model does not"), "{e}");

@@ -1,5 +1,5 @@
 //! GPT stages compose with tensor (and sequence) parallelism: on every rank of tp=2, the stages
-//! of a GPT built through a tensor-parallel `ParamBuilder` with `GptStage::tp_plan`, chained,
+//! of a GPT built through a tensor-parallel `ParamBuilder` with `Gpt::stage_tp_plan`, chained,
 //! give the loss and this rank's parameter shards and gradients of the tensor-parallel full
 //! model bit for bit (the tied `wte.weight` gradient summed over its two copies), with dropout
 //! and activation checkpointing.
@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use meshgrad_autograd::Var;
 use meshgrad_nn::{
-    ForwardCtx, Gpt, GptBatch, GptConfig, GptStage, ModelStage, Module, ParamBuilder, StageSpec,
+    ForwardCtx, Gpt, GptBatch, GptConfig, ModelStage, Module, ParamBuilder, StageSpec,
 };
 use meshgrad_parallel::comm::{run_ranks, RunOptions};
 use meshgrad_parallel::tp::tensor_parallel;
@@ -62,8 +62,8 @@ fn check(sp: bool) {
         // Its stages, chained.
         let mut stages = Vec::new();
         for spec in StageSpec::split(cfg.n_layer, &[1, 1, 1])? {
-            let builder = ParamBuilder::new(SEED).tensor_parallel(tp(), GptStage::tp_plan(&spec));
-            let mut st = GptStage::build(cfg, spec, builder)?;
+            let builder = ParamBuilder::new(SEED).tensor_parallel(tp(), Gpt::stage_tp_plan(&spec));
+            let mut st = Gpt::build_stage(cfg, spec, builder)?;
             st.activation_checkpointing = true;
             stages.push(st);
         }

@@ -34,7 +34,7 @@ use meshgrad_nn::data::TokenDataset;
 use meshgrad_nn::optim::{clip_grad_norm, param_groups_for_decay, AdamW, AdamWConfig, Optimizer};
 use meshgrad_nn::{
     BertBatch, BertConfig, BertForMaskedLM, BertStage, ForwardCtx, Gpt, GptBatch, GptConfig,
-    GptStage, ModelStage, Module, StageSpec,
+    ModelStage, Module, StageSpec,
 };
 use meshgrad_parallel::comm::{run_ranks, run_ranks_each, RunOptions};
 use meshgrad_parallel::micro_rows;
@@ -238,12 +238,12 @@ fn freeze<M: Staged>(m: &M, model: &dyn Module) -> Result<()> {
 struct GptModel;
 
 impl Staged for GptModel {
-    type Stage = GptStage;
+    type Stage = Gpt;
     fn n_layer(&self) -> usize {
         gpt_config().n_layer
     }
-    fn stage(&self, spec: StageSpec) -> Result<GptStage> {
-        GptStage::new(gpt_config(), spec, SEED, DType::F32, Device::Cpu)
+    fn stage(&self, spec: StageSpec) -> Result<Gpt> {
+        Gpt::new_stage(gpt_config(), spec, SEED, DType::F32, Device::Cpu)
     }
     fn batch(&self, step: usize, rows: Range<u64>) -> Result<GptBatch> {
         gpt_batch(step, rows)
@@ -768,7 +768,7 @@ fn bad_schedules_and_chunks_are_one_line_errors() {
         run_ranks_each(s.stages, &opts, |ctx| {
             let rank = ctx.comm.rank();
             let specs = StageSpec::even(gpt_config().n_layer, s.stages * n_chunks)?;
-            let stages: Vec<GptStage> = (0..n_chunks)
+            let stages: Vec<Gpt> = (0..n_chunks)
                 .map(|c| GptModel.stage(specs[c * s.stages + rank].clone()))
                 .collect::<Result<_>>()?;
             execute(

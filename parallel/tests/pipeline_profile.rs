@@ -18,8 +18,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use meshgrad_nn::{
-    BertBatch, BertConfig, BertForMaskedLM, BertStage, Gpt, GptBatch, GptConfig, GptStage, Module,
-    StageSpec,
+    BertBatch, BertConfig, BertForMaskedLM, BertStage, Gpt, GptBatch, GptConfig, Module, StageSpec,
 };
 use meshgrad_parallel::pipeline::partition::{MemoryModel, ModelCosts, PartitionMethod};
 use meshgrad_parallel::pipeline::{profile_layers, profile_lines, ProfileOptions};
@@ -44,7 +43,7 @@ fn gpt_batch(c: &GptConfig, b: usize, t: usize) -> Result<GptBatch> {
 fn gpt_profile(c: GptConfig, batch: &GptBatch, opts: &ProfileOptions) -> Result<ModelCosts> {
     profile_layers(
         c.n_layer,
-        |spec| GptStage::new(c, spec, SEED, DType::F32, Device::Cpu),
+        |spec| Gpt::new_stage(c, spec, SEED, DType::F32, Device::Cpu),
         batch,
         opts,
     )
@@ -109,7 +108,7 @@ fn gpt_profile_covers_every_layer() -> Result<()> {
     assert_eq!(total, single + table);
     let split: u64 = StageSpec::even(c.n_layer, 2)?
         .into_iter()
-        .map(|s| GptStage::new(c, s, SEED, DType::F32, Device::Cpu).map(|st| param_bytes(&st)))
+        .map(|s| Gpt::new_stage(c, s, SEED, DType::F32, Device::Cpu).map(|st| param_bytes(&st)))
         .sum::<Result<u64>>()?;
     assert_eq!(total, split);
     // The embedding holds wte and wpe; the head ln_f and its copy of wte.
@@ -229,7 +228,7 @@ fn bad_arguments_fail_with_one_line() -> Result<()> {
         layer_norm_eps: 1e-5,
     };
     let batch = gpt_batch(&c, 1, 8)?;
-    let build = |spec| GptStage::new(c, spec, SEED, DType::F32, Device::Cpu);
+    let build = |spec| Gpt::new_stage(c, spec, SEED, DType::F32, Device::Cpu);
     let err = |r: Result<ModelCosts>| {
         let e = r.expect_err("must fail").to_string();
         assert!(!e.contains('\n'), "{e}");

@@ -22,7 +22,7 @@ use meshgrad_nn::data::TokenDataset;
 use meshgrad_nn::optim::{
     clip_grad_norm, param_groups_for_decay, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig,
 };
-use meshgrad_nn::{ForwardCtx, Gpt, GptConfig, Module, ParamBuilder};
+use meshgrad_nn::{ForwardCtx, Gpt, GptConfig, Module, ParamBuilder, StageInput};
 use meshgrad_parallel::comm::{all_reduce_scalar, run_ranks, RunOptions};
 use meshgrad_parallel::tp::tensor_parallel;
 use meshgrad_parallel::zero::FullStateDictOptions;
@@ -147,7 +147,8 @@ fn mesh_run(layout: &str, sp: bool, s: Setup, initial: &[(String, Vec<f32>)]) ->
         if sp {
             // Sequence parallelism is really on: the final hidden states hold T / tp positions.
             let ids = Tensor::zeros((1, T), DType::I64, Device::Cpu)?;
-            assert_eq!(model.hidden(&ids)?.tensor().dims(), &[1, T / tp, 32]);
+            let hidden = model.hidden(StageInput::Ids(&ids))?;
+            assert_eq!(hidden.tensor().dims(), &[1, T / tp, 32]);
         }
         let dp_group = mesh.dp_group();
         let groups = param_groups_for_decay(model.named_parameters(), 0.1);

@@ -71,6 +71,7 @@ fn gelu_from_hf(name: &str) -> Result<GeluKind> {
 fn model_gelu(model: &Gpt) -> GeluKind {
     model
         .h
+        .blocks()
         .first()
         .map(|b| b.mlp.gelu)
         .unwrap_or(GeluKind::Tanh)
@@ -141,12 +142,17 @@ pub fn gpt_config_from_hf_json(text: &str) -> Result<(GptConfig, GeluKind)> {
 
 /// The Hugging Face `config.json` text describing `model` (a `GPT2LMHeadModel`).
 pub fn hf_config_json(model: &Gpt) -> Result<String> {
+    check_whole(model, "save_gpt2")?;
     let c = &model.config;
     let activation = match model_gelu(model) {
         GeluKind::Tanh => "gelu_new",
         GeluKind::Erf => "gelu",
     };
-    let torch_dtype = match model.wte.weight.tensor().dtype() {
+    // A whole model holds the token table.
+    let Some(wte) = &model.wte else {
+        meshgrad_tensor::bail!("save_gpt2: the model has no token table wte");
+    };
+    let torch_dtype = match wte.weight.tensor().dtype() {
         DType::F64 => "float64",
         DType::F32 => "float32",
         DType::BF16 => "bfloat16",
@@ -179,6 +185,17 @@ pub fn hf_config_json(model: &Gpt) -> Result<String> {
         .map_err(|e| Error::Msg(format!("save_gpt2: cannot format config.json: {e}")))
 }
 
+/// A Hugging Face folder holds the whole model: a one-line error for a stage.
+fn check_whole(model: &Gpt, what: &str) -> Result<()> {
+    if !model.is_full() {
+        meshgrad_tensor::bail!(
+            "{what}: this gpt is a stage ({}); a Hugging Face folder holds the whole model",
+            model.spec
+        );
+    }
+    Ok(())
+}
+
 fn read_config(dir: &Path) -> Result<(GptConfig, GeluKind)> {
     read_folder_config(dir, "load_gpt2", gpt_config_from_hf_json)
 }
@@ -194,7 +211,7 @@ pub fn load_gpt2(dir: impl AsRef<Path>, dtype: DType, device: Device) -> Result<
     let dir = dir.as_ref();
     let (config, gelu) = read_config(dir)?;
     let mut model = Gpt::new(config, 0, dtype, device)?;
-    for b in &mut model.h {
+    for b in model.h.blocks_mut() {
         match std::sync::Arc::get_mut(b) {
             Some(b) => b.mlp.gelu = gelu,
             None => meshgrad_tensor::bail!("load_gpt2: internal error: a new block is shared"),
@@ -209,6 +226,7 @@ pub fn load_gpt2(dir: impl AsRef<Path>, dtype: DType, device: Device) -> Result<
 /// after checking that its `config.json` describes the same architecture (sizes, layer-norm
 /// epsilon, GELU form; dropout may differ). The model's training mode is left as it is.
 pub fn load_gpt2_into(model: &Gpt, dir: impl AsRef<Path>) -> Result<()> {
+    check_whole(model, "load_gpt2")?;
     let dir = dir.as_ref();
     let (c, gelu) = read_config(dir)?;
     let m = &model.config;
