@@ -424,28 +424,24 @@ pub fn load_training_model(ck: &Checkpoint) -> Result<CheckpointModel> {
             CheckpointModel::Bert(Box::new(m))
         }
         ModelKind::Gpt => {
-            let mut m = meshgrad_nn::Gpt::new(
-                crate::model_configs::gpt_config(&cfg),
-                seed,
-                DType::F32,
-                Device::Cpu,
-            )?;
-            m.vocab_in_use = Some(cfg.model.vocab_size);
-            ck.load_into_module(&m, true)?;
-            CheckpointModel::Gpt(Box::new(m))
+            CheckpointModel::Gpt(Box::new(causal_model::<meshgrad_nn::Gpt>(ck, &cfg)?))
         }
         ModelKind::Llama => {
-            let mut m = meshgrad_nn::Llama::new(
-                crate::model_configs::llama_config(&cfg),
-                seed,
-                DType::F32,
-                Device::Cpu,
-            )?;
-            m.vocab_in_use = Some(cfg.model.vocab_size);
-            ck.load_into_module(&m, true)?;
-            CheckpointModel::Llama(Box::new(m))
+            CheckpointModel::Llama(Box::new(causal_model::<meshgrad_nn::Llama>(ck, &cfg)?))
         }
     })
+}
+
+/// The whole next-token model of family `F` a run of `cfg` trained, from checkpoint `ck`, on
+/// the CPU in f32 (sampling among the run's `model.vocab_size` ids).
+fn causal_model<F: crate::recipe_causal::CausalFamily>(
+    ck: &Checkpoint,
+    cfg: &TrainConfig,
+) -> Result<F::Whole> {
+    let builder = meshgrad_nn::ParamBuilder::new(cfg.train.seed);
+    let m = F::build_whole(F::config(cfg), builder, cfg.model.vocab_size)?;
+    ck.load_into_module(&m, true)?;
+    Ok(m)
 }
 
 /// The tokenizer a training checkpoint carries (the run's `--tokenizer`), if any.
