@@ -109,7 +109,6 @@
 
 pub mod backend;
 mod call;
-mod coalesced;
 pub mod env;
 pub mod flight;
 mod in_process;
@@ -126,7 +125,6 @@ pub mod tree;
 mod work;
 
 pub use backend::{default_backend, Backend};
-pub use coalesced::all_reduce_coalesced;
 pub use env::{EnvSource, RankEnv};
 pub use in_process::InProcessComm;
 pub use launcher::{run_ranks, run_ranks_each, RankCtx, RunOptions};
