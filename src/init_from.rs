@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use meshgrad_nn::state::{hf_bert, hf_gpt2, hf_llama, state_dict};
-use meshgrad_nn::{InitialValues, Module};
+use meshgrad_nn::InitialValues;
 use meshgrad_tensor::{DType, Device};
 
 use crate::config::{ModelConfig, ModelKind, TrainConfig};
@@ -152,21 +152,17 @@ pub(crate) fn initial_values(dir: &Path, cfg: &TrainConfig) -> Result<InitialVal
         ck.full_parameters().with_context(what)?
     } else {
         match cfg.model.kind {
-            ModelKind::Gpt => tensors_of(&hf_gpt2::load_gpt2(dir, DType::F32, Device::Cpu)),
-            ModelKind::Llama => tensors_of(&hf_llama::load_llama(dir, DType::F32, Device::Cpu)),
-            ModelKind::Bert => tensors_of(&hf_bert::load_bert(dir, DType::F32, Device::Cpu)),
+            ModelKind::Gpt => {
+                hf_gpt2::load_gpt2(dir, DType::F32, Device::Cpu).map(|m| state_dict(&m))
+            }
+            ModelKind::Llama => {
+                hf_llama::load_llama(dir, DType::F32, Device::Cpu).map(|m| state_dict(&m))
+            }
+            ModelKind::Bert => {
+                hf_bert::load_bert(dir, DType::F32, Device::Cpu).map(|m| state_dict(&m))
+            }
         }
         .with_context(what)?
     };
     Ok(named.into_iter().collect::<HashMap<_, _>>())
-}
-
-/// The state dict of a loaded model.
-fn tensors_of<M: Module>(
-    model: &meshgrad_tensor::Result<M>,
-) -> meshgrad_tensor::Result<Vec<(String, meshgrad_tensor::Tensor)>> {
-    match model {
-        Ok(m) => Ok(state_dict(m)),
-        Err(e) => Err(meshgrad_tensor::Error::msg(e.to_string())),
-    }
 }

@@ -53,8 +53,8 @@ use meshgrad_nn::tp::full_state_dict;
 use meshgrad_nn::{InitialValues, ModelStage, Module};
 use meshgrad_parallel::comm::{all_reduce_scalar, InProcessComm, RankCtx};
 use meshgrad_parallel::pipeline::{
-    execute_with, forward_only, write_chrome_trace, ExecuteOptions, Microbatch, PipelineGrads,
-    Schedule, Timeline,
+    execute_with, forward_only, mean_loss, write_chrome_trace, ExecuteOptions, Microbatch,
+    PipelineGrads, Schedule, Timeline,
 };
 use meshgrad_parallel::tp::tensor_parallel;
 use meshgrad_parallel::{
@@ -378,13 +378,7 @@ fn rank_main<R: Recipe>(
                         before_grads: Some(&mut before),
                     },
                 )?;
-                // The last stage's mean loss on every pipeline rank (the others add zeros).
-                let local = if losses.is_empty() {
-                    0.0
-                } else {
-                    losses.iter().sum::<f64>() / losses.len() as f64
-                };
-                all_reduce_scalar(pp.as_ref(), local, ReduceOp::Sum)?
+                mean_loss(pp.as_ref(), &losses)?
             }
             Some(r) => r.step(
                 &chunks,

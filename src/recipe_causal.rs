@@ -19,7 +19,7 @@ use meshgrad_nn::{CausalLm, Gpt, GptConfig, Llama, ModelStage, Module, ParamBuil
 use meshgrad_parallel::comm::all_reduce_scalar;
 use meshgrad_parallel::pipeline::Microbatch;
 use meshgrad_parallel::{micro_rows, Communicator, ParallelLayout, ReduceOp};
-use meshgrad_tensor::Tensor;
+use meshgrad_tensor::{Device, Tensor};
 
 use crate::config::TrainConfig;
 use crate::model_configs::{gpt_config, llama_config};
@@ -200,6 +200,8 @@ pub(crate) struct CausalRecipe<F: CausalFamily> {
     cfg: TrainConfig,
     data: RunData,
     config: F::Config,
+    /// The run's device (`train.device`).
+    device: Device,
 }
 
 impl<F: CausalFamily> CausalRecipe<F> {
@@ -207,7 +209,7 @@ impl<F: CausalFamily> CausalRecipe<F> {
     fn builder(&self) -> Result<ParamBuilder> {
         Ok(ParamBuilder::new(self.cfg.train.seed)
             .dtype(precision_dtype(&self.cfg)?)
-            .device(train_device(&self.cfg)?))
+            .device(self.device))
     }
 
     /// Rows `rows` of batch `step` of the training (or validation) split, on the run's device.
@@ -218,10 +220,9 @@ impl<F: CausalFamily> CausalRecipe<F> {
             &self.data.train
         };
         let (ids, targets) = batch_tensors(ds, seed, step, rows, self.cfg.model.block_size)?;
-        let device = train_device(&self.cfg)?;
         Ok(GptBatch {
-            ids: ids.to_device(device)?,
-            targets: targets.to_device(device)?,
+            ids: ids.to_device(self.device)?,
+            targets: targets.to_device(self.device)?,
             ignore_index: None,
         })
     }
@@ -250,8 +251,12 @@ impl<F: CausalFamily> Recipe for CausalRecipe<F> {
     }
 
     fn new(cfg: TrainConfig, data: RunData) -> Result<Self> {
-        let config = F::config(&cfg);
-        Ok(CausalRecipe { cfg, data, config })
+        Ok(CausalRecipe {
+            config: F::config(&cfg),
+            device: train_device(&cfg)?,
+            cfg,
+            data,
+        })
     }
 
     fn cfg(&self) -> &TrainConfig {

@@ -231,6 +231,19 @@ fn a_trained_llama_is_a_hugging_face_folder_that_eval_export_and_resume_take() {
     assert_ok(&o);
     let (a, b) = (metrics(&dir, "run"), metrics(&dir, "resumed"));
     assert_eq!(a.last().unwrap().loss, b.last().unwrap().loss);
+    // Resumed under other layouts (the checkpoint resharded): the same final loss to rounding.
+    for (tag, layout) in [("resumed_tp2", "tp=2"), ("resumed_fsdp2", "fsdp=2")] {
+        let step2 = run.join("checkpoints/step-000002");
+        let o = train_llama(
+            &dir,
+            tag,
+            4,
+            &["--resume", step2.to_str().unwrap(), "--layout", layout],
+        );
+        assert_ok(&o);
+        let got = metrics(&dir, tag).last().unwrap().loss;
+        assert!(rel(got, a.last().unwrap().loss) <= 1e-5, "{tag}: {got}");
+    }
     // A kv-head count that does not divide the heads, and heads that do not split over tp.
     let o = train_llama(&dir, "bad_kv", 1, &["--set", "model.n_kv_head=3"]);
     assert_one_line_error(&o, &["model.n_kv_head = 3", "model.n_head = 4"]);

@@ -97,9 +97,8 @@ impl Init {
 /// when the parameter is first used).
 pub type InitialValues = HashMap<String, Tensor>;
 
-/// This rank's part of `full` under `placement` (the slice of blocks it holds along the split
-/// dimension), or `full` itself without one; checked against the parameter's `local` shape and
-/// cast to its dtype and device.
+/// This rank's part of `full` under `placement` ([`Placement::shard_of`]), or `full` itself
+/// without one; checked against the parameter's `local` shape and cast to its dtype and device.
 fn part_of(
     name: &str,
     full: &Tensor,
@@ -117,15 +116,7 @@ fn part_of(
     }
     let part = match placement {
         None => full.clone(),
-        Some(p) => {
-            let runs: Vec<Tensor> = p
-                .ranges(global[p.dim], p.index())
-                .into_iter()
-                .map(|r| full.narrow(p.dim as isize, r.start, r.len()))
-                .collect::<Result<_>>()?;
-            let refs: Vec<&Tensor> = runs.iter().collect();
-            Tensor::cat(&refs, p.dim as isize)?
-        }
+        Some(p) => p.shard_of(full)?,
     };
     part.to_dtype(dtype)?.to_device(device)?.contiguous()
 }

@@ -545,16 +545,21 @@ pub fn execute_scaled<S: ModelStage>(
         before_grads: None,
     };
     let losses = execute_with(stages, schedule, pp, microbatches, step, timeline, opts)?;
+    mean_loss(pp, &losses)
+}
+
+/// The mean of the microbatch losses [`execute_with`] returned on the last stage, on every
+/// rank of `pp` (the others add zeros: exact).
+pub fn mean_loss(pp: &dyn Communicator, losses: &[f64]) -> Result<f64> {
     let local = if losses.is_empty() {
         0.0
     } else {
         let mut sum = 0.0;
-        for l in &losses {
+        for l in losses {
             sum += l;
         }
         sum / losses.len() as f64
     };
-    // The last stage's mean loss on every rank (the others add zeros: exact).
     all_reduce_scalar(pp, local, ReduceOp::Sum)
 }
 

@@ -46,7 +46,7 @@ pub mod trace;
 
 pub use evaluate::forward_only;
 pub use execute::{
-    check_supported, execute, execute_scaled, execute_with, ExecuteOptions, Microbatch,
+    check_supported, execute, execute_scaled, execute_with, mean_loss, ExecuteOptions, Microbatch,
     MicrobatchHook, PipelineGrads,
 };
 pub use profile::{profile_layers, profile_lines, ProfileOptions};
