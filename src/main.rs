@@ -571,13 +571,14 @@ fn run(cli: Cli) -> Result<()> {
             backend,
             args,
         } => {
-            meshgrad::launch::launch(&meshgrad::launch::LaunchOptions {
+            meshgrad::parallel::launch::launch(&meshgrad::parallel::launch::LaunchOptions {
                 nproc_per_node,
                 nnodes,
                 node_rank,
                 master_addr,
                 master_port,
                 backend: backend.parse().map_err(anyhow::Error::msg)?,
+                program: None,
                 args,
             })?;
         }
@@ -799,7 +800,7 @@ fn id_list(ids: &[u32]) -> String {
 }
 
 fn main() -> ExitCode {
-    meshgrad::launch::exit_with_launcher();
+    meshgrad::parallel::launch::exit_with_launcher();
     let cli = Cli::parse();
     let result = run(cli);
     meshgrad::run_dir::release_locks();

@@ -68,7 +68,7 @@ pub(crate) fn selected_backend() -> Backend {
 /// this process has no GPU `cuda:LOCAL_RANK`; `mpi` needs mpirun's variables, `tcp` torchrun's
 /// (`MASTER_PORT`). The choice is kept for the layout runner (`on_ranks`).
 pub fn resolve_backend(flag: Option<&str>, env: &RankEnv) -> Result<Backend> {
-    let var = std::env::var(crate::launch::BACKEND_VAR)
+    let var = std::env::var(meshgrad_parallel::launch::BACKEND_VAR)
         .ok()
         .filter(|v| !v.is_empty());
     let chosen = match flag.map(str::to_string).or(var) {
