@@ -8,6 +8,12 @@ use std::time::Duration;
 use anyhow::{bail, Result};
 use meshgrad_parallel::comm::RankEnv;
 
+/// Refuses a `meshgrad train` whose backend runs ranks as threads (or MPI) but that was started
+/// as one of several processes (torchrun's or Slurm's variables with a world size above 1): each
+/// process would otherwise train its own independent copy of the model. (torchrun's processes
+/// train over TCP by default and do not come here.) Ranks of an MPI world pass: Open MPI's
+/// (`mpirun`), and Slurm's tasks started with PMIx (`srun --mpi=pmix`, which sets `PMIX_RANK`),
+/// whose `MPI_Init` forms the world; they train over MPI (see
 /// `ranks::check_mpi_world`, which says to rebuild without the `mpi` feature).
 pub fn refuse_multi_process(env: &RankEnv) -> Result<()> {
     refuse_multi_process_with(env, std::env::var_os("PMIX_RANK").is_some())

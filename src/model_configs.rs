@@ -7,7 +7,7 @@ use meshgrad_nn::llama::LlamaConfig;
 use meshgrad_nn::mlm::{MlmConfig, SpecialTokens};
 use meshgrad_nn::GptConfig;
 
-use crate::config::TrainConfig;
+use crate::config::{ModelKind, TrainConfig};
 
 /// The GPT a training config describes.
 pub fn gpt_config(cfg: &TrainConfig) -> GptConfig {
@@ -44,6 +44,15 @@ pub fn llama_config(cfg: &TrainConfig) -> LlamaConfig {
     c.norm_eps = m.norm_eps;
     c.tie_embeddings = m.tied();
     c
+}
+
+/// The sizes of the model a training config describes (for memory and cost estimates).
+pub fn model_shape(cfg: &TrainConfig) -> meshgrad_nn::ModelShape {
+    match cfg.model.kind {
+        ModelKind::Gpt => gpt_config(cfg).shape(),
+        ModelKind::Llama => llama_config(cfg).shape(),
+        ModelKind::Bert => bert_config(cfg).shape(),
+    }
 }
 
 /// The special tokens of a run: appended after `model.vocab_size` ordinary ids.

@@ -407,7 +407,7 @@ pub fn load_training_model(ck: &Checkpoint) -> Result<CheckpointModel> {
     use meshgrad_tensor::{DType, Device};
     let cfg = checkpoint_config(ck)?;
     crate::preflight::check_model_memory(
-        &crate::preflight::ModelShape::from_train_config(&cfg),
+        &crate::model_configs::model_shape(&cfg),
         &format!("checkpoint {}", ck.path().display()),
     )?;
     let seed = cfg.train.seed;

@@ -122,6 +122,29 @@ impl Default for BertConfig {
 }
 
 impl BertConfig {
+    /// Its sizes for memory and cost estimates: learned positions and token types, a norm after
+    /// the embedding, biases everywhere, no final norm, the masked-LM head's transform and bias,
+    /// the decoder tied to the token table.
+    pub fn shape(&self) -> crate::ModelShape {
+        crate::ModelShape {
+            vocab_size: self.vocab_size,
+            positions: self.max_position_embeddings,
+            n_layer: self.num_hidden_layers,
+            n_head: self.num_attention_heads,
+            n_kv_head: self.num_attention_heads,
+            n_embd: self.hidden_size,
+            ffn: self.intermediate_size,
+            bias: true,
+            learned_positions: true,
+            type_vocab_size: self.type_vocab_size,
+            embedding_norm: true,
+            gated_mlp: false,
+            final_norm: false,
+            head_transform: true,
+            tied: true,
+        }
+    }
+
     /// Checks the values, with one-line errors naming the field.
     pub fn validate(&self) -> Result<()> {
         let c = self;

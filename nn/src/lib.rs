@@ -16,6 +16,7 @@ pub mod mlm;
 pub mod module;
 pub mod optim;
 pub mod param_builder;
+pub mod shape;
 pub mod stage;
 pub mod state;
 pub mod tokenizer;
@@ -34,6 +35,7 @@ pub use meshgrad_autograd::ForwardCtx;
 pub use meshgrad_derive::Module;
 pub use module::{Forward, Module};
 pub use param_builder::{Init, InitialValues, ParamBuilder};
+pub use shape::ModelShape;
 pub use stage::{run_chained, BlockRange, ModelStage, StageInput, StageSpec};
 
 impl From<data::DataError> for meshgrad_tensor::Error {

@@ -44,6 +44,7 @@ pub mod layout_mesh;
 pub mod memory_report;
 pub mod mesh;
 pub mod pipeline;
+pub mod plan;
 pub mod sampler;
 pub mod strategy;
 pub mod tp;

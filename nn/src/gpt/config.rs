@@ -26,6 +26,28 @@ pub struct GptConfig {
 }
 
 impl GptConfig {
+    /// Its sizes for memory and cost estimates: learned positions, a 4x MLP, a final norm, the
+    /// head tied to the token table.
+    pub fn shape(&self) -> crate::ModelShape {
+        crate::ModelShape {
+            vocab_size: self.vocab_size,
+            positions: self.block_size,
+            n_layer: self.n_layer,
+            n_head: self.n_head,
+            n_kv_head: self.n_head,
+            n_embd: self.n_embd,
+            ffn: self.n_embd.saturating_mul(4),
+            bias: self.bias,
+            learned_positions: true,
+            type_vocab_size: 0,
+            embedding_norm: false,
+            gated_mlp: false,
+            final_norm: true,
+            head_transform: false,
+            tied: true,
+        }
+    }
+
     /// Checks the sizes (positive, `n_embd` divisible by `n_head`), the dropout (in [0, 1)) and
     /// the layer-norm epsilon (positive and finite), with one-line errors.
     pub fn validate(&self) -> Result<()> {

@@ -38,6 +38,28 @@ pub struct LlamaConfig {
 }
 
 impl LlamaConfig {
+    /// Its sizes for memory and cost estimates: rotary positions, grouped-query attention, a
+    /// gated MLP, RMSNorm without biases, a final norm, the head tied or not.
+    pub fn shape(&self) -> crate::ModelShape {
+        crate::ModelShape {
+            vocab_size: self.vocab_size,
+            positions: self.n_positions,
+            n_layer: self.n_layer,
+            n_head: self.n_head,
+            n_kv_head: self.n_kv_head,
+            n_embd: self.n_embd,
+            ffn: self.intermediate_size,
+            bias: false,
+            learned_positions: false,
+            type_vocab_size: 0,
+            embedding_norm: false,
+            gated_mlp: true,
+            final_norm: true,
+            head_transform: false,
+            tied: self.tie_embeddings,
+        }
+    }
+
     /// A config of width `n_embd`, `n_layer` layers and `n_head` heads with Llama's defaults for
     /// the rest: multi-head attention (`n_kv_head = n_head`), `intermediate_size` the Llama
     /// rule `256 * ceil(8 n_embd / 3 / 256)`, RoPE base 10000, norm epsilon 1e-5, untied head,

@@ -247,13 +247,6 @@ pub(super) fn launch_mpirun(exe: &Path, opts: &LaunchOptions) -> Result<()> {
     }
 }
 
-/// Refuses a `meshgrad train` whose backend runs ranks as threads (or MPI) but that was started
-/// as one of several processes (torchrun's or Slurm's variables with a world size above 1): each
-/// process would otherwise train its own independent copy of the model. (torchrun's processes
-/// train over TCP by default and do not come here.) Ranks of an MPI world pass: Open MPI's
-/// (`mpirun`), and Slurm's tasks started with PMIx (`srun --mpi=pmix`, which sets `PMIX_RANK`),
-/// whose `MPI_Init` forms the world; they train over MPI (see
-
 #[cfg(test)]
 mod tests {
     use super::*;
