@@ -434,7 +434,7 @@ pub fn load_training_model(ck: &Checkpoint) -> Result<CheckpointModel> {
 
 /// The whole next-token model of family `F` a run of `cfg` trained, from checkpoint `ck`, on
 /// the CPU in f32 (sampling among the run's `model.vocab_size` ids).
-fn causal_model<F: crate::recipe_causal::CausalFamily>(
+fn causal_model<F: crate::recipe_causal::TrainFamily>(
     ck: &Checkpoint,
     cfg: &TrainConfig,
 ) -> Result<F::Whole> {

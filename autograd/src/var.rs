@@ -215,13 +215,17 @@ impl Var {
         self.set_grad(None)
     }
 
-    /// Adds `g` to the accumulated gradient (sets it if none).
+    /// Adds `g` to the accumulated gradient (sets it if none). The accumulated gradient counts
+    /// as [`MemoryTag::Grads`](meshgrad_tensor::alloc::MemoryTag::Grads) in the memory tracker,
+    /// whatever was current when the backward allocated it.
     pub(crate) fn accumulate_grad(&self, g: Tensor) -> Result<()> {
         let mut slot = self.0.grad.lock().unwrap_or_else(|e| e.into_inner());
-        *slot = Some(match slot.take() {
+        let sum = match slot.take() {
             None => g,
             Some(old) => crate::engine::accumulate(old, g)?,
-        });
+        };
+        sum.retag_memory(meshgrad_tensor::alloc::MemoryTag::Grads);
+        *slot = Some(sum);
         Ok(())
     }
 

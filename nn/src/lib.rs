@@ -8,6 +8,7 @@
 pub mod bert;
 pub mod causal_lm;
 pub mod data;
+pub mod family;
 mod generation;
 pub mod gpt;
 pub mod layers;
@@ -24,6 +25,7 @@ pub mod tp;
 
 pub use bert::{BertBatch, BertConfig, BertForMaskedLM, BertStage};
 pub use causal_lm::CausalLm;
+pub use family::CausalFamily;
 pub use gpt::{Gpt, GptBatch, GptConfig};
 pub use layers::{
     Activation, Block, BlockConfig, CausalSelfAttention, Dropout, Embedding, LayerNorm, Linear,

@@ -133,6 +133,23 @@ impl MemoryTracker {
         }
     }
 
+    /// Moves `bytes` from `from`'s counters to `to`'s (the total stays).
+    fn move_tag(&self, from: MemoryTag, to: MemoryTag, bytes: usize) {
+        self.tag_current[from as usize].fetch_sub(bytes, Ordering::Relaxed);
+        let now = self.tag_current[to as usize].fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.tag_peak[to as usize].fetch_max(now, Ordering::Relaxed);
+        match (from.is_model_state(), to.is_model_state()) {
+            (true, false) => {
+                self.state_current.fetch_sub(bytes, Ordering::Relaxed);
+            }
+            (false, true) => {
+                let now = self.state_current.fetch_add(bytes, Ordering::Relaxed) + bytes;
+                self.state_peak.fetch_max(now, Ordering::Relaxed);
+            }
+            _ => {}
+        }
+    }
+
     /// The counters now.
     pub fn stats(&self) -> MemoryStats {
         let mut s = MemoryStats {
@@ -226,7 +243,8 @@ pub fn reset_peak(device: Device) {
 #[derive(Debug)]
 pub(crate) struct Charge {
     tracker: Arc<MemoryTracker>,
-    tag: MemoryTag,
+    /// The tag's index in [`MemoryTag::ALL`] (changed by [`Charge::retag`]).
+    tag: std::sync::atomic::AtomicU8,
     bytes: usize,
 }
 
@@ -237,21 +255,53 @@ impl Charge {
         tracker.charge(tag, bytes);
         Charge {
             tracker,
-            tag,
+            tag: std::sync::atomic::AtomicU8::new(tag as u8),
             bytes,
+        }
+    }
+
+    fn tag(&self) -> MemoryTag {
+        MemoryTag::ALL[usize::from(self.tag.load(Ordering::Relaxed))]
+    }
+
+    /// Counts the bytes under `tag` from now on (the total is unchanged; the new tag's peak may
+    /// rise).
+    pub(crate) fn retag(&self, tag: MemoryTag) {
+        let old = MemoryTag::ALL[usize::from(self.tag.swap(tag as u8, Ordering::Relaxed))];
+        if old != tag {
+            self.tracker.move_tag(old, tag, self.bytes);
         }
     }
 }
 
 impl Drop for Charge {
     fn drop(&mut self) {
-        self.tracker.refund(self.tag, self.bytes);
+        self.tracker.refund(self.tag(), self.bytes);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn retagging_moves_the_bytes_between_tags() {
+        let tr = MemoryTracker::new();
+        with_tracker(tr.clone(), || {
+            let a = Charge::new(Device::Cpu, 64);
+            a.retag(MemoryTag::Grads);
+            let s = tr.stats();
+            assert_eq!((s.current, s.current_of(MemoryTag::Other)), (64, 0));
+            assert_eq!(s.current_of(MemoryTag::Grads), 64);
+            assert_eq!(s.model_state_current, 64);
+            a.retag(MemoryTag::Activations);
+            assert_eq!(tr.stats().model_state_current, 0);
+            drop(a);
+            let s = tr.stats();
+            assert_eq!((s.current, s.current_of(MemoryTag::Activations)), (0, 0));
+            assert_eq!(s.peak_of(MemoryTag::Grads), 64);
+        });
+    }
 
     #[test]
     fn charges_and_peaks() {

@@ -107,7 +107,7 @@ pub enum Storage {
 #[derive(Debug)]
 pub(crate) struct Allocation {
     pub(crate) storage: Storage,
-    _charge: Charge,
+    charge: Charge,
 }
 
 impl Drop for Allocation {
@@ -123,7 +123,7 @@ impl Allocation {
         let charge = Charge::new(storage.device(), bytes);
         Allocation {
             storage,
-            _charge: charge,
+            charge,
         }
     }
 }
@@ -261,6 +261,13 @@ impl StorageCell {
             Ok(g) => g.is_some(),
             Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner().is_some(),
             Err(std::sync::TryLockError::WouldBlock) => true,
+        }
+    }
+
+    /// Counts the buffer (if present) under `tag` in its tracker from now on.
+    pub fn retag(&self, tag: crate::alloc::MemoryTag) {
+        if let Some(a) = self.inner.read().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            a.charge.retag(tag);
         }
     }
 

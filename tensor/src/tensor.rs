@@ -495,6 +495,14 @@ impl Tensor {
         self.0.storage.try_release()
     }
 
+    /// Counts this tensor's storage (shared with its views) under `tag` in the memory tracker
+    /// from now on, e.g. a gradient the backward computed as
+    /// [`MemoryTag::Grads`](crate::alloc::MemoryTag::Grads). Accounting only; the data is
+    /// untouched.
+    pub fn retag_memory(&self, tag: crate::alloc::MemoryTag) {
+        self.0.storage.retag(tag)
+    }
+
     /// Whether the storage is present (never blocks; storage in use counts as present).
     pub fn is_materialized(&self) -> bool {
         self.0.storage.is_materialized()

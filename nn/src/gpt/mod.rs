@@ -9,6 +9,7 @@
 //! * Hugging Face GPT-2 checkpoint folders: [`crate::state::hf_gpt2`].
 
 mod config;
+mod family;
 mod model;
 
 pub use config::GptConfig;

@@ -11,6 +11,7 @@
 
 mod block;
 mod config;
+mod family;
 mod model;
 mod rope;
 
