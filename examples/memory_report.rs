@@ -9,6 +9,7 @@
 //! cargo run --release --example memory_report [-- WORLD]
 //! ```
 
+use meshgrad::nn::{Gpt, GptConfig};
 use meshgrad::parallel::memory_report::{memory_report, MemoryReportConfig, MemoryStrategy};
 
 fn main() -> anyhow::Result<()> {
@@ -18,8 +19,26 @@ fn main() -> anyhow::Result<()> {
             .map_err(|_| anyhow::anyhow!("WORLD must be a number of ranks, got '{w}'"))?,
         None => 4,
     };
-    let cfg = MemoryReportConfig::small_gpt(world);
-    let report = memory_report(&cfg, &MemoryStrategy::all(world)?)?;
+    // A 6-layer GPT (n_embd 128, 4 heads, vocab 512, context 64, 1.26 M parameters), global
+    // batch 8 x 64 tokens, 3 steps.
+    let cfg = MemoryReportConfig {
+        model: GptConfig {
+            vocab_size: 512,
+            block_size: 64,
+            n_layer: 6,
+            n_head: 4,
+            n_embd: 128,
+            dropout: 0.0,
+            bias: true,
+            layer_norm_eps: 1e-5,
+        },
+        world,
+        global_batch: 8,
+        seq_len: 64,
+        steps: 3,
+        seed: 1,
+    };
+    let report = memory_report::<Gpt>(&cfg, &MemoryStrategy::all(world)?)?;
     print!("{}", report.to_markdown());
     Ok(())
 }

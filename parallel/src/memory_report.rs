@@ -1,13 +1,15 @@
 //! The memory report: per-rank peak bytes of parameters, gradients, optimizer state and
-//! activations during real training steps of a GPT, under any [`ParallelLayout`] (with or
-//! without sequence parallelism): data parallelism without sharding (DDP), ZeRO-1, 2, 3, tensor
+//! activations during real training steps of a next-token model of any family
+//! ([`CausalFamily`]: a GPT, a Llama, ...), under any [`ParallelLayout`] (with or without
+//! sequence parallelism): data parallelism without sharding (DDP), ZeRO-1, 2, 3, tensor
 //! parallelism and their compositions, each measured by the rank's own
 //! [`MemoryTracker`](meshgrad_tensor::alloc::MemoryTracker), beside the figure the theory gives.
 //!
 //! Every rank builds its model (under `tp`, only its part: split parameters are created at their
-//! local shapes), wraps it as `meshgrad train` does (DDP over the data-parallel group when
-//! nothing is sharded, even a group of one rank; else [`ShardedDataParallel`] over the layout's
-//! [`ShardTopology`](crate::ShardTopology)), resets its tracker's peaks (so the model every rank
+//! local shapes), wraps it as `meshgrad train` does ([`DataParallel::for_layout`]: DDP over the
+//! data-parallel group when nothing is sharded and it has several ranks, [`ShardedDataParallel`](crate::zero::ShardedDataParallel)
+//! over the layout's [`ShardTopology`](crate::ShardTopology) when sharded, nothing otherwise),
+//! resets its tracker's peaks (so the model every rank
 //! builds before sharding is not counted) and trains a few steps (AdamW, clipping). The global
 //! batch is split over the data-parallel ranks; the ranks of one tensor-parallel group read the
 //! same rows. The report gives, per layout, the largest value over the ranks of:
@@ -17,18 +19,17 @@
 //! * the peak of everything the rank allocated (activations and temporaries included).
 //!
 //! What each tag holds: parameters (ZeRO-3: the shards plus the units gathered at the moment;
-//! `tp`: the rank's parts of split parameters and whole replicated ones), the gradient buffers a
-//! strategy keeps (DDP's buckets, ZeRO's flat unit buffers being assembled and reduced
-//! gradients), the optimizer's state (here AdamW's moments; under ZeRO, of this rank's segments
+//! `tp`: the rank's parts of split parameters and whole replicated ones), gradients (those
+//! autograd accumulates on the parameters, DDP's buckets, ZeRO's flat unit buffers being
+//! assembled and reduced gradients), the optimizer's state (here AdamW's moments; under ZeRO, of this rank's segments
 //! only) and master weights. **Activations** are every byte allocated while the forward runs
-//! (the report runs `Gpt::loss` under [`MemoryTag::Activations`]): the tensors autograd saves for
+//! (the report runs the model's loss under [`MemoryTag::Activations`]): the tensors autograd saves for
 //! backward, the logits and the loss, the outputs of the tensor-parallel collectives (the
 //! sequence all-gathers of sequence parallelism, the all-reduces of the row-parallel layers) and
 //! the forward's temporaries while they live; parameters gathered by ZeRO-3 during the forward
 //! stay `Params`. Their peak is reached at the end of the forward, before backward frees the
-//! graph. What the backward allocates (activation gradients, and the per-parameter gradients
-//! autograd hands to the gradient-ready hooks before DDP or ZeRO copy them into their buffers) is
-//! untagged and counted only in *all allocations*. With the in-process backend a collective's
+//! graph. What else the backward allocates (activation gradients, temporaries) is untagged and
+//! counted only in *all allocations*. With the in-process backend a collective's
 //! result is allocated when it is waited for, so a prefetch in flight costs nothing until it is
 //! used.
 //!
@@ -36,12 +37,14 @@
 //! `S` the sharding degree (`fsdp=S`, `zero1=S`, ...):
 //!
 //! * *tp-local parameters* `L = split / T + replicated`, where `split` counts the parameters
-//!   [`Gpt::tp_plan`] splits (the token table, the q/k/v and MLP up-projection weights and biases,
-//!   both output-projection weights) and `replicated` the rest (the position table, the
-//!   LayerNorms, the row-parallel output-projection biases);
+//!   the family's tensor-parallel plan splits (for a GPT: the token table, the q/k/v and MLP
+//!   up-projection weights and biases, both output-projection weights) and `replicated` the rest
+//!   (for a GPT: the position table, the LayerNorms, the row-parallel output-projection biases);
 //! * parameters `4 L`; ZeRO-3 `4 (L / S + padding) + ` the largest unit's tp-local parameters
 //!   (gathered whole around its forward and backward);
-//! * gradients `4 L` (DDP's buckets, ZeRO-1); ZeRO-2/3 `4 (L / S + padding)`;
+//! * gradients `4 L` (one rank, ZeRO-1); DDP `8 L` (autograd's gradients and the flat bucket
+//!   copies being averaged, whole at the end of the backward); ZeRO-2/3 `4 (L / S + padding) + `
+//!   the largest unit's tp-local gradient (whole, before its reduce-scatter);
 //! * optimizer state: two AdamW moments, `8 L`; under ZeRO `8 (L / S + padding)`;
 //! * activations: no figure. Tensor parallelism splits the attention and MLP interiors by heads
 //!   and features and the logits by vocabulary; the LayerNorm / dropout / residual regions
@@ -53,20 +56,20 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use meshgrad_nn::data::{splitmix64, TokenDataset};
+use meshgrad_nn::gpt::GptBatch;
 use meshgrad_nn::optim::{clip_grad_norm, param_groups_for_decay, AdamW, AdamWConfig, Optimizer};
 use meshgrad_nn::tp::TpPlan;
-use meshgrad_nn::ForwardCtx;
-use meshgrad_nn::{Gpt, GptConfig, Module, ParamBuilder};
+use meshgrad_nn::{CausalFamily, ForwardCtx, ModelStage, Module, ParamBuilder, StageSpec};
 use meshgrad_tensor::alloc::{with_tag, MemoryStats, MemoryTag};
 use meshgrad_tensor::{DType, Device, Error, Result, Tensor};
 
 use crate::comm::{run_ranks, RankCtx, RunOptions};
-use crate::ddp::{Ddp, DdpConfig};
 use crate::layout::{ParallelLayout, ZeroStage};
 use crate::sampler::rank_rows;
+use crate::strategy::DataParallel;
 use crate::tp::tensor_parallel;
 use crate::zero::plan::{ParamSpec, ShardPlan};
-use crate::zero::{ShardConfig, ShardedDataParallel, WrapPolicy};
+use crate::zero::WrapPolicy;
 
 /// A layout the report measures, with or without sequence parallelism.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -166,12 +169,12 @@ impl MemoryStrategy {
     }
 }
 
-/// What to train for the report.
+/// What to train for the report: a model of a family whose config is `C`.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct MemoryReportConfig {
-    /// The model (`n_head`, `4 n_embd` and `vocab_size` must split over every `tp` degree
+pub struct MemoryReportConfig<C> {
+    /// The model (its heads, MLP width and vocabulary must split over every `tp` degree
     /// measured, and `seq_len` too with sequence parallelism).
-    pub model: GptConfig,
+    pub model: C,
     /// Ranks of the data-parallel rows ([`MemoryStrategy::all`]) and of the ZeRO-3 target.
     pub world: usize,
     /// Rows of the global batch (split over the data-parallel ranks of each layout).
@@ -182,31 +185,6 @@ pub struct MemoryReportConfig {
     pub steps: usize,
     /// Seed of the weights and the data.
     pub seed: u64,
-}
-
-impl MemoryReportConfig {
-    /// The README's configuration: a 6-layer GPT (n_embd 128, 4 heads, vocab 512, context 64,
-    /// 1.26 M parameters), global batch 8 x 64 tokens, 3 steps; data-parallel rows on `world`
-    /// ranks.
-    pub fn small_gpt(world: usize) -> Self {
-        MemoryReportConfig {
-            model: GptConfig {
-                vocab_size: 512,
-                block_size: 64,
-                n_layer: 6,
-                n_head: 4,
-                n_embd: 128,
-                dropout: 0.0,
-                bias: true,
-                layer_norm_eps: 1e-5,
-            },
-            world,
-            global_batch: 8,
-            seq_len: 64,
-            steps: 3,
-            seed: 1,
-        }
-    }
 }
 
 /// The theory's per-rank bytes of one layout (see the [module docs](self)).
@@ -246,11 +224,19 @@ pub struct MemoryRow {
 /// The report.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MemoryReport {
-    /// What was trained.
-    pub config: MemoryReportConfig,
+    /// The model, in words (`GPT n_layer 6 n_embd 128 n_head 4 vocab 512`).
+    pub model: String,
+    /// Ranks of the data-parallel rows and of the ZeRO-3 target.
+    pub world: usize,
+    /// Rows of the global batch.
+    pub global_batch: usize,
+    /// Sequence length.
+    pub seq_len: usize,
+    /// Training steps measured.
+    pub steps: usize,
     /// Parameters of the model.
     pub num_params: usize,
-    /// Parameters [`Gpt::tp_plan`] splits over the tensor-parallel ranks (full count).
+    /// Parameters the family's tensor-parallel plan splits over the ranks (full count).
     pub split_params: usize,
     /// Parameters every tensor-parallel rank holds whole.
     pub replicated_params: usize,
@@ -272,10 +258,10 @@ impl MemoryReport {
         self.rows.iter().find(|r| r.strategy == *strategy)
     }
 
-    /// The ZeRO-3 target at `config.world` ranks: 1 / world of the unsharded model states plus
-    /// the largest unit's gathered parameters.
+    /// The ZeRO-3 target at `world` ranks: 1 / world of the unsharded model states plus the
+    /// largest unit's gathered parameters and its whole gradient.
     pub fn zero3_target(&self) -> usize {
-        self.unsharded_model_states / self.config.world + self.largest_unit_params
+        self.unsharded_model_states / self.world + 2 * self.largest_unit_params
     }
 
     /// Parameter bytes each rank holds under `tp` ranks without sharding:
@@ -288,18 +274,11 @@ impl MemoryReport {
     /// measured ones and lines on the ZeRO-3 target and sequence parallelism.
     pub fn to_markdown(&self) -> String {
         let kib = |b: usize| format!("{:.1}", b as f64 / 1024.0);
-        let c = &self.config;
+        let c = self;
         let mut s = format!(
-            "GPT n_layer {} n_embd {} n_head {} vocab {} ({} parameters, f32), global batch {} x \
-             {}, AdamW, {} steps; per-rank peaks (max over ranks) in KiB, measured (theory):\n\n",
-            c.model.n_layer,
-            c.model.n_embd,
-            c.model.n_head,
-            c.model.vocab_size,
-            self.num_params,
-            c.global_batch,
-            c.seq_len,
-            c.steps
+            "{} ({} parameters, f32), global batch {} x {}, AdamW, {} steps; per-rank peaks \
+             (max over ranks) in KiB, measured (theory):\n\n",
+            self.model, self.num_params, c.global_batch, c.seq_len, c.steps
         );
         s.push_str(
             "| layout | strategy | ranks | rows/rank | parameters | gradients | optimizer state | \
@@ -326,9 +305,7 @@ impl MemoryReport {
         }
         s.push_str(&format!(
             "\nTheory: under tp=T each rank holds (split / T + replicated) parameters, split = {} \
-             (token table, q/k/v and MLP up-projection weights and biases, output-projection \
-             weights), replicated = {} (position table, LayerNorms, output-projection biases): \
-             tp=2 {} KiB, tp=4 {} KiB; fsdp=S shards those tp-local parameters over S ranks \
+             (what the tensor-parallel plan splits), replicated = {} (the rest): tp=2 {} KiB, tp=4 {} KiB; fsdp=S shards those tp-local parameters over S ranks \
              (plus padding) and ZeRO-3 adds the largest unit gathered whole.\n",
             self.split_params,
             self.replicated_params,
@@ -337,7 +314,7 @@ impl MemoryReport {
         ));
         s.push_str(&format!(
             "\nUnsharded model states (16 B/parameter): {} KiB; ZeRO-3 target at {} ranks = 1/{} \
-             of that + the largest unit's parameters ({}, {} KiB) = {} KiB",
+             of that + the largest unit's parameters and gradient ({}, 2 x {} KiB) = {} KiB",
             kib(self.unsharded_model_states),
             c.world,
             c.world,
@@ -389,39 +366,36 @@ fn dataset(vocab: usize, seed: u64) -> Result<TokenDataset> {
     TokenDataset::from_tokens("memory-report", tokens, vocab).map_err(|e| Error::msg(e.to_string()))
 }
 
-/// How a rank's model is wrapped (as `meshgrad train` does).
-enum Wrapper {
-    Ddp(Ddp, AdamW),
-    Sharded(ShardedDataParallel),
-}
-
 /// One rank of one layout: build, wrap, reset the peaks, train, read the tracker.
-fn measure_rank(
+fn measure_rank<F: CausalFamily>(
     ctx: &RankCtx,
-    cfg: &MemoryReportConfig,
+    cfg: &MemoryReportConfig<F::Config>,
     strategy: MemoryStrategy,
     data: &TokenDataset,
 ) -> Result<MemoryStats> {
     let mesh = strategy.layout.mesh(ctx.comm.clone())?;
-    let model = if mesh.tp_degree() > 1 {
+    let spec = StageSpec::full(F::n_layer(&cfg.model));
+    let mut builder = ParamBuilder::new(cfg.seed);
+    if mesh.tp_degree() > 1 {
         let tp = tensor_parallel(mesh.tp_group(), strategy.sequence_parallel);
-        Gpt::build(
-            cfg.model,
-            ParamBuilder::new(cfg.seed).tensor_parallel(tp, Gpt::tp_plan()),
-        )?
-    } else {
-        Gpt::new(cfg.model, cfg.seed, DType::F32, Device::Cpu)?
-    };
+        builder = builder.tensor_parallel(tp, F::tp_plan(&cfg.model, &spec));
+    }
+    let model = F::build_stage(cfg.model, spec, builder, false)?;
     let groups = param_groups_for_decay(model.named_parameters(), 0.1);
+    let mut opt = AdamW::new(groups, AdamWConfig::default())?;
+    let wrapper = DataParallel::for_layout(&mesh, &model, &opt)?;
     let rows = rank_rows(cfg.global_batch, mesh.dp_degree(), mesh.dp_rank())?;
     let n = (rows.end - rows.start) as usize;
-    let batch = |step: usize| -> Result<(Tensor, Tensor, ForwardCtx)> {
+    let batch = |step: usize| -> Result<(GptBatch, ForwardCtx)> {
         let b = data
             .batch(cfg.seed, step as u64, rows.clone(), cfg.seq_len)
             .map_err(|e| Error::msg(e.to_string()))?;
         Ok((
-            Tensor::from_vec(b.inputs, (n, cfg.seq_len), Device::Cpu)?,
-            Tensor::from_vec(b.targets, (n, cfg.seq_len), Device::Cpu)?,
+            GptBatch {
+                ids: Tensor::from_vec(b.inputs, (n, cfg.seq_len), Device::Cpu)?,
+                targets: Tensor::from_vec(b.targets, (n, cfg.seq_len), Device::Cpu)?,
+                ignore_index: None,
+            },
             ForwardCtx {
                 step: step as u64,
                 first_row: rows.start,
@@ -429,43 +403,22 @@ fn measure_rank(
         ))
     };
     let lr = 1e-3;
-    let mut wrapper = match strategy.layout.zero() {
-        None => Wrapper::Ddp(
-            Ddp::new(
-                model.named_parameters(),
-                mesh.dp_group(),
-                DdpConfig::default(),
-            )?,
-            AdamW::new(groups, AdamWConfig::default())?,
-        ),
-        Some(stage) => Wrapper::Sharded(ShardedDataParallel::new(
-            &model,
-            groups,
-            AdamWConfig::default(),
-            mesh.shard_topology()?,
-            ShardConfig::new(stage),
-        )?),
-    };
     ctx.tracker.reset_peak();
     for step in 0..cfg.steps {
-        match &mut wrapper {
-            Wrapper::Ddp(_, opt) => opt.zero_grad(),
-            Wrapper::Sharded(sdp) => sdp.zero_grad(),
-        }
-        let (ids, targets, fctx) = batch(step)?;
+        wrapper.zero_grad(&opt);
+        let (batch, fctx) = batch(step)?;
         // Everything the forward allocates is an activation (see the module docs).
         with_tag(MemoryTag::Activations, || {
-            fctx.scope(|| model.loss(&ids, &targets, None))
+            fctx.scope(|| model.forward_stage(&batch, None))
         })?
         .backward()?;
-        match &mut wrapper {
-            Wrapper::Ddp(ddp, opt) => {
-                ddp.finish()?;
+        wrapper.finish()?;
+        match wrapper.sharded() {
+            None => {
                 clip_grad_norm(&model.parameters(), 1.0)?;
                 opt.step(lr)?;
             }
-            Wrapper::Sharded(sdp) => {
-                sdp.finish()?;
+            Some(sdp) => {
                 sdp.clip_grad_norm(1.0)?;
                 sdp.step(lr)?;
             }
@@ -476,8 +429,12 @@ fn measure_rank(
 
 /// The single-device model's parameters with their shapes under `tp` ranks (split parameters
 /// at their local shapes), and whether each is split.
-fn tp_local_shapes(model: &Gpt, tp: usize) -> Result<Vec<(String, Vec<usize>, bool)>> {
-    let styles: HashMap<_, _> = Gpt::tp_plan().resolve(model)?;
+fn tp_local_shapes(
+    model: &dyn Module,
+    plan: &TpPlan,
+    tp: usize,
+) -> Result<Vec<(String, Vec<usize>, bool)>> {
+    let styles: HashMap<_, _> = plan.resolve(model)?;
     Ok(model
         .named_parameters()
         .into_iter()
@@ -493,9 +450,9 @@ fn tp_local_shapes(model: &Gpt, tp: usize) -> Result<Vec<(String, Vec<usize>, bo
 }
 
 /// The ZeRO plan of the tp-local parameters over `shards` ranks (default wrap policy).
-fn shard_plan(model: &Gpt, tp: usize, shards: usize) -> Result<ShardPlan> {
+fn shard_plan(model: &dyn Module, plan: &TpPlan, tp: usize, shards: usize) -> Result<ShardPlan> {
     let (units, of) = WrapPolicy::Auto.assign(model)?;
-    let specs = tp_local_shapes(model, tp)?
+    let specs = tp_local_shapes(model, plan, tp)?
         .into_iter()
         .zip(of)
         .map(|((name, shape, _), unit)| ParamSpec {
@@ -509,21 +466,26 @@ fn shard_plan(model: &Gpt, tp: usize, shards: usize) -> Result<ShardPlan> {
 }
 
 /// The theory's figures for `strategy` (see the module docs).
-fn theory(model: &Gpt, strategy: &MemoryStrategy) -> Result<MemoryTheory> {
+fn theory(model: &dyn Module, plan: &TpPlan, strategy: &MemoryStrategy) -> Result<MemoryTheory> {
     let tp = strategy.layout.tp();
-    let local: usize = tp_local_shapes(model, tp)?
+    let local: usize = tp_local_shapes(model, plan, tp)?
         .iter()
         .map(|(_, s, _)| s.iter().product::<usize>())
         .sum();
     let f32b = DType::F32.size_in_bytes();
     let Some(stage) = strategy.layout.zero() else {
+        let copies = if strategy.layout.data_parallel_degree() > 1 {
+            2
+        } else {
+            1
+        };
         return Ok(MemoryTheory {
             params: f32b * local,
-            grads: f32b * local,
+            grads: copies * f32b * local,
             optimizer: 2 * f32b * local,
         });
     };
-    let plan = shard_plan(model, tp, strategy.layout.dp_shard())?;
+    let plan = shard_plan(model, plan, tp, strategy.layout.dp_shard())?;
     let shard = plan.shard_numel();
     let largest = plan.units.iter().map(|u| u.numel).max().unwrap_or(0);
     Ok(MemoryTheory {
@@ -535,38 +497,62 @@ fn theory(model: &Gpt, strategy: &MemoryStrategy) -> Result<MemoryTheory> {
         grads: f32b
             * match stage {
                 ZeroStage::One => local,
-                _ => shard,
+                _ => shard + largest,
             },
         optimizer: 2 * f32b * shard,
     })
 }
 
-/// Trains `strategies` (one after another, each on its layout's number of ranks) and measures
-/// them.
-pub fn memory_report(
-    cfg: &MemoryReportConfig,
+/// Trains a model of family `F` under `strategies` (one after another, each on its layout's
+/// number of ranks) and measures them.
+///
+/// ```no_run
+/// use meshgrad_nn::Gpt;
+/// use meshgrad_nn::GptConfig;
+/// use meshgrad_parallel::memory_report::{memory_report, MemoryReportConfig, MemoryStrategy};
+/// let cfg = MemoryReportConfig {
+///     model: GptConfig {
+///         vocab_size: 512,
+///         block_size: 64,
+///         n_layer: 6,
+///         n_head: 4,
+///         n_embd: 128,
+///         dropout: 0.0,
+///         bias: true,
+///         layer_norm_eps: 1e-5,
+///     },
+///     world: 4,
+///     global_batch: 8,
+///     seq_len: 64,
+///     steps: 3,
+///     seed: 1,
+/// };
+/// let report = memory_report::<Gpt>(&cfg, &MemoryStrategy::all(4)?)?;
+/// println!("{}", report.to_markdown());
+/// # Ok::<(), meshgrad_tensor::Error>(())
+/// ```
+pub fn memory_report<F: CausalFamily>(
+    cfg: &MemoryReportConfig<F::Config>,
     strategies: &[MemoryStrategy],
 ) -> Result<MemoryReport> {
-    cfg.model.validate()?;
+    F::validate(&cfg.model)?;
     if cfg.world == 0 || cfg.steps == 0 {
         meshgrad_tensor::bail!("memory report: world and steps must be at least 1");
     }
     for s in strategies {
         let tp = s.layout.tp();
-        meshgrad_nn::gpt::check_tp_sizes(
-            &cfg.model,
-            tp,
-            s.sequence_parallel.then_some(cfg.seq_len),
-        )
-        .map_err(|e| Error::msg(format!("memory report, {}: {e}", s.name())))?;
+        F::check_tp(&cfg.model, tp, s.sequence_parallel.then_some(cfg.seq_len))
+            .map_err(|e| Error::msg(format!("memory report, {}: {e}", s.name())))?;
     }
-    let model = Gpt::new(cfg.model, cfg.seed, DType::F32, Device::Cpu)?;
-    let data = dataset(cfg.model.vocab_size, cfg.seed)?;
+    let spec = StageSpec::full(F::n_layer(&cfg.model));
+    let plan = F::tp_plan(&cfg.model, &spec);
+    let model = F::build_stage(cfg.model, spec, ParamBuilder::new(cfg.seed), false)?;
+    let data = dataset(F::vocab(&cfg.model), cfg.seed)?;
     let opts = RunOptions::with_timeout(Duration::from_secs(120));
     let mut rows = Vec::new();
     for &strategy in strategies {
         let per_rank = run_ranks(strategy.layout.world_size(), &opts, |ctx| {
-            measure_rank(&ctx, cfg, strategy, &data)
+            measure_rank::<F>(&ctx, cfg, strategy, &data)
         })
         .map_err(|e| Error::msg(format!("memory report, {}: {e}", strategy.name())))?;
         let max = |f: &dyn Fn(&MemoryStats) -> usize| per_rank.iter().map(f).max().unwrap_or(0);
@@ -579,12 +565,12 @@ pub fn memory_report(
             model_states: max(&|s| s.model_state_peak),
             activations: max(&|s| s.peak_of(MemoryTag::Activations)),
             total: max(&|s| s.peak),
-            theory: theory(&model, &strategy)?,
+            theory: theory(&model, &plan, &strategy)?,
         });
     }
-    let num_params = cfg.model.num_parameters();
+    let num_params = F::num_parameters(&cfg.model);
     let (mut split_params, mut replicated_params) = (0, 0);
-    for (_, shape, split) in tp_local_shapes(&model, 1)? {
+    for (_, shape, split) in tp_local_shapes(&model, &plan, 1)? {
         let n: usize = shape.iter().product();
         if split {
             split_params += n;
@@ -592,14 +578,26 @@ pub fn memory_report(
             replicated_params += n;
         }
     }
-    let plan = shard_plan(&model, 1, cfg.world)?;
-    let u = plan
+    let units = shard_plan(&model, &plan, 1, cfg.world)?;
+    let u = units
         .units
         .iter()
         .max_by_key(|u| u.numel)
         .ok_or_else(|| Error::msg("memory report: the model has no parameters"))?;
+    let shape = F::shape(&cfg.model);
     Ok(MemoryReport {
-        config: *cfg,
+        model: format!(
+            "{} n_layer {} n_embd {} n_head {} vocab {}",
+            F::NAME,
+            shape.n_layer,
+            shape.n_embd,
+            shape.n_head,
+            shape.vocab_size
+        ),
+        world: cfg.world,
+        global_batch: cfg.global_batch,
+        seq_len: cfg.seq_len,
+        steps: cfg.steps,
         num_params,
         split_params,
         replicated_params,

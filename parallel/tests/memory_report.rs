@@ -11,13 +11,36 @@
 //!
 //! Byte counts are deterministic (the same allocations in the same order on every run).
 
+use meshgrad_nn::{Gpt, GptConfig, Llama, LlamaConfig};
 use meshgrad_parallel::memory_report::{memory_report, MemoryReportConfig, MemoryStrategy};
 use meshgrad_parallel::zero::ZeroStage;
 
+/// The README's configuration: a 6-layer GPT (n_embd 128, 4 heads, vocab 512, context 64,
+/// 1.26 M parameters), global batch 8 x 64 tokens, 3 steps, data-parallel rows on 4 ranks.
+fn small_gpt() -> MemoryReportConfig<GptConfig> {
+    MemoryReportConfig {
+        model: GptConfig {
+            vocab_size: 512,
+            block_size: 64,
+            n_layer: 6,
+            n_head: 4,
+            n_embd: 128,
+            dropout: 0.0,
+            bias: true,
+            layer_norm_eps: 1e-5,
+        },
+        world: 4,
+        global_batch: 8,
+        seq_len: 64,
+        steps: 3,
+        seed: 1,
+    }
+}
+
 #[test]
 fn zero3_meets_the_memory_target_at_world_4() {
-    let cfg = MemoryReportConfig::small_gpt(4);
-    let report = memory_report(&cfg, &MemoryStrategy::data_parallel(4).unwrap()).unwrap();
+    let cfg = small_gpt();
+    let report = memory_report::<Gpt>(&cfg, &MemoryStrategy::data_parallel(4).unwrap()).unwrap();
     println!("{}", report.to_markdown());
     let row = |s: MemoryStrategy| *report.row(&s).unwrap();
     let ddp = row(MemoryStrategy::ddp(4).unwrap());
@@ -25,7 +48,8 @@ fn zero3_meets_the_memory_target_at_world_4() {
     let z2 = row(MemoryStrategy::zero(ZeroStage::Two, 4).unwrap());
     let z3 = row(MemoryStrategy::zero(ZeroStage::Three, 4).unwrap());
     let p = 4 * report.num_params; // f32 parameter bytes
-                                   // The target.
+                                   // The target: a quarter of the model states, plus the largest unit's parameters and
+                                   // gradient, whole while it is used.
     assert!(
         z3.model_states <= report.zero3_target(),
         "ZeRO-3 model states {} > target {}",
@@ -57,17 +81,26 @@ fn zero3_meets_the_memory_target_at_world_4() {
     for z in [z1, z2, z3] {
         assert_eq!(z.activations, ddp.activations, "{z:?}");
     }
-    // The measured figures stay within the theory's.
+    // The measured figures stay within the theory's; DDP's gradients within 2% of it (the
+    // theory leaves out the fresh gradients of the parameters whose bucket has not launched yet
+    // when the last one is flattened: 45 KiB of 4.8 MiB here).
     for r in [ddp, z1, z2, z3] {
         assert!(r.params <= r.theory.params, "{r:?}");
-        assert!(r.grads <= r.theory.grads, "{r:?}");
         assert!(r.optimizer <= r.theory.optimizer, "{r:?}");
     }
+    for r in [z1, z2, z3] {
+        assert!(r.grads <= r.theory.grads, "{r:?}");
+    }
+    assert!(ddp.grads >= ddp.theory.grads, "{ddp:?}");
+    assert!(
+        ddp.grads <= ddp.theory.grads + ddp.theory.grads / 50,
+        "{ddp:?}"
+    );
 }
 
 #[test]
 fn tensor_parallelism_splits_parameters_and_sequence_parallelism_activations() {
-    let cfg = MemoryReportConfig::small_gpt(4);
+    let cfg = small_gpt();
     let m = cfg.model;
     assert!(m.n_head.is_multiple_of(4) && m.vocab_size.is_multiple_of(4));
     let strategies = [
@@ -76,7 +109,7 @@ fn tensor_parallelism_splits_parameters_and_sequence_parallelism_activations() {
         MemoryStrategy::new("tp=4", false).unwrap(),
         MemoryStrategy::new("fsdp=2,tp=2", false).unwrap(),
     ];
-    let report = memory_report(&cfg, &strategies).unwrap();
+    let report = memory_report::<Gpt>(&cfg, &strategies).unwrap();
     println!("{}", report.to_markdown());
     let row = |i: usize| *report.row(&strategies[i]).unwrap();
     let (tp2, tp2_sp, tp4, fsdp2_tp2) = (row(0), row(1), row(2), row(3));
@@ -96,8 +129,8 @@ fn tensor_parallelism_splits_parameters_and_sequence_parallelism_activations() {
     let bound = |tp: usize| 4 * (split / tp + replicated);
 
     // tp=4: every rank holds at most a quarter of the split parameters plus the replicated ones,
-    // and as many gradient bytes (DDP's buckets over a data-parallel group of one rank) and
-    // twice as many bytes of AdamW moments.
+    // and as many gradient bytes (autograd's, accumulated on the parameters: one data-parallel
+    // rank has no wrapper) and twice as many bytes of AdamW moments.
     assert!(
         tp4.params <= bound(4),
         "tp=4 parameters {} > {}",
@@ -135,4 +168,48 @@ fn tensor_parallelism_splits_parameters_and_sequence_parallelism_activations() {
         assert!(r.optimizer <= r.theory.optimizer, "{r:?}");
     }
     assert_eq!(tp4.theory.params, bound(4));
+}
+
+/// The report is the family's: a grouped-query Llama with an untied head under DDP, ZeRO-3 and
+/// tensor parallelism, its parameters counted from the model and held within the theory.
+#[test]
+fn a_llama_is_measured_the_same_way() {
+    let mut model = LlamaConfig::new(256, 32, 64, 2, 4);
+    model.n_kv_head = 2;
+    model.intermediate_size = 128;
+    let cfg = MemoryReportConfig {
+        model,
+        world: 2,
+        global_batch: 4,
+        seq_len: 32,
+        steps: 2,
+        seed: 3,
+    };
+    let strategies = vec![
+        MemoryStrategy::ddp(2).unwrap(),
+        MemoryStrategy::zero(ZeroStage::Three, 2).unwrap(),
+        MemoryStrategy::new("tp=2", true).unwrap(),
+    ];
+    let report = memory_report::<Llama>(&cfg, &strategies).unwrap();
+    println!("{}", report.to_markdown());
+    assert!(
+        report.model.starts_with("Llama n_layer 2 n_embd 64"),
+        "{}",
+        report.model
+    );
+    assert_eq!(report.num_params, model.num_parameters());
+    assert_eq!(
+        report.split_params + report.replicated_params,
+        report.num_params
+    );
+    // The norms are all a tensor-parallel rank holds whole.
+    assert_eq!(report.replicated_params, (2 * 2 + 1) * 64);
+    for r in &report.rows {
+        assert!(r.params <= r.theory.params, "{r:?}");
+        assert!(r.optimizer <= r.theory.optimizer, "{r:?}");
+        assert!(r.grads > 0 && r.activations > 0, "{r:?}");
+    }
+    let tp2 = report.rows[2];
+    assert_eq!(tp2.grads, tp2.theory.grads, "{tp2:?}");
+    assert!(report.rows[1].model_states < report.rows[0].model_states);
 }

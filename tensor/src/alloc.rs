@@ -217,6 +217,45 @@ pub fn with_tag<R>(tag: MemoryTag, f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// Where this thread's allocations are charged: its tracker (if it installed one) and its tag.
+/// Work handed to other threads (rayon tasks) runs in the captured context with
+/// [`AllocContext::run`], so that what it allocates counts where its caller's allocations do
+/// (a rank's own tracker, the gradients' tag).
+#[derive(Clone, Debug)]
+pub struct AllocContext {
+    tracker: Option<Arc<MemoryTracker>>,
+    tag: MemoryTag,
+}
+
+impl AllocContext {
+    /// This thread's context.
+    pub fn capture() -> Self {
+        AllocContext {
+            tracker: THREAD_TRACKER.with(|t| t.borrow().clone()),
+            tag: current_tag(),
+        }
+    }
+
+    /// Runs `f` on this thread with the captured tracker and tag.
+    pub fn run<R>(&self, f: impl FnOnce() -> R) -> R {
+        let tagged = || with_tag(self.tag, f);
+        match &self.tracker {
+            Some(tr) => with_tracker(tr.clone(), tagged),
+            None => tagged(),
+        }
+    }
+}
+
+/// `rayon::join(a, b)` with both sides charging their allocations as the calling thread does
+/// ([`AllocContext`]).
+pub fn join<A: Send, B: Send>(
+    a: impl FnOnce() -> A + Send,
+    b: impl FnOnce() -> B + Send,
+) -> (A, B) {
+    let ctx = AllocContext::capture();
+    rayon::join(|| ctx.run(a), || ctx.run(b))
+}
+
 /// The tag allocations on this thread get now (see [`with_tag`]).
 pub fn current_tag() -> MemoryTag {
     THREAD_TAG.with(|t| *t.borrow())
@@ -283,6 +322,22 @@ impl Drop for Charge {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rayon_tasks_charge_the_callers_tracker_and_tag() {
+        let tr = MemoryTracker::new();
+        with_tracker(tr.clone(), || {
+            with_tag(MemoryTag::Grads, || {
+                let (a, b) = join(
+                    || Charge::new(Device::Cpu, 10),
+                    || Charge::new(Device::Cpu, 20),
+                );
+                assert_eq!(tr.stats().current_of(MemoryTag::Grads), 30);
+                drop((a, b));
+            });
+        });
+        assert_eq!(tr.stats().current, 0);
+    }
 
     #[test]
     fn retagging_moves_the_bytes_between_tags() {

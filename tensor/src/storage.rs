@@ -121,10 +121,7 @@ impl Allocation {
     pub(crate) fn new(storage: Storage) -> Self {
         let bytes = storage.len() * storage.dtype().size_in_bytes();
         let charge = Charge::new(storage.device(), bytes);
-        Allocation {
-            storage,
-            charge,
-        }
+        Allocation { storage, charge }
     }
 }
 
@@ -266,7 +263,12 @@ impl StorageCell {
 
     /// Counts the buffer (if present) under `tag` in its tracker from now on.
     pub fn retag(&self, tag: crate::alloc::MemoryTag) {
-        if let Some(a) = self.inner.read().unwrap_or_else(|e| e.into_inner()).as_ref() {
+        if let Some(a) = self
+            .inner
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
             a.charge.retag(tag);
         }
     }

@@ -114,10 +114,11 @@ impl Tensor {
                     .try_for_each(|t| t.ensure_materialized())
             })
             .collect();
+        let ctx = crate::alloc::AllocContext::capture();
         items
             .par_iter()
             .zip(ready)
-            .map(|((p, g, m, v, hp), r)| r.and_then(|()| p.adamw_step_(g, m, v, hp)))
+            .map(|((p, g, m, v, hp), r)| ctx.run(|| r.and_then(|()| p.adamw_step_(g, m, v, hp))))
             .collect()
     }
 

@@ -316,7 +316,7 @@ impl Tensor {
             for t in [self, weight, dy] {
                 t.ensure_materialized()?;
             }
-            rayon::join(dx, dw_db)
+            crate::alloc::join(dx, dw_db)
         } else {
             (dx(), dw_db())
         };

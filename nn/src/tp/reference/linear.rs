@@ -75,12 +75,15 @@ fn matmul_groups(
             t.narrow(0, start, len)
         }
     };
+    let ctx = meshgrad_tensor::alloc::AllocContext::capture();
     (0..batch.div_ceil(size))
         .into_par_iter()
         .map(|g| {
-            let (start, end) = (g * size, ((g + 1) * size).min(batch));
-            let product = side(a, start, end - start)?.matmul(&side(b, start, end - start)?)?;
-            then(product, start)
+            ctx.run(|| {
+                let (start, end) = (g * size, ((g + 1) * size).min(batch));
+                let product = side(a, start, end - start)?.matmul(&side(b, start, end - start)?)?;
+                then(product, start)
+            })
         })
         .collect()
 }
@@ -100,7 +103,7 @@ fn both<A: Send, B: Send>(
     for t in reads {
         t.ensure_materialized()?;
     }
-    let (a, b) = rayon::join(f, g);
+    let (a, b) = meshgrad_tensor::alloc::join(f, g);
     Ok((a?, b?))
 }
 
