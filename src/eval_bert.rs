@@ -144,8 +144,15 @@ pub fn read_mlm_jsonl(path: &Path, config: &BertConfig) -> Result<Vec<MlmExample
 pub fn mean_mlm_loss(model: &BertForMaskedLM, examples: &[MlmExample]) -> Result<f64> {
     let (mut total, mut count) = (0.0f64, 0usize);
     let v = model.config.vocab_size;
-    let device = model.word_embeddings().tensor().device();
-    let was_training = model.bert.embeddings.dropout.is_training();
+    let table = match model.word_embeddings() {
+        Some(table) if model.is_full() => table,
+        _ => anyhow::bail!(
+            "eval: this BERT is a stage ({}), not the whole model",
+            model.spec
+        ),
+    };
+    let device = table.tensor().device();
+    let was_training = model.is_training();
     model.set_training(false);
     let r = no_grad(|| -> Result<()> {
         let mut start = 0;

@@ -29,7 +29,7 @@
 use std::ops::Range;
 
 use anyhow::Result;
-use meshgrad_nn::bert::{BertBatch, BertConfig, BertForMaskedLM, BertStage, IGNORE_INDEX};
+use meshgrad_nn::bert::{BertBatch, BertConfig, BertForMaskedLM, IGNORE_INDEX};
 use meshgrad_nn::data::{Dataset, TokenSource};
 use meshgrad_nn::mlm::{mlm_mask_rows, MlmConfig, SpecialTokens};
 use meshgrad_nn::state::{hf_bert, load_state_dict};
@@ -155,7 +155,7 @@ impl BertRecipe {
 }
 
 impl Recipe for BertRecipe {
-    type Stage = BertStage;
+    type Stage = BertForMaskedLM;
     const NAME: &'static str = "BERT";
 
     fn check(
@@ -207,17 +207,17 @@ impl Recipe for BertRecipe {
         self.config.num_hidden_layers
     }
 
-    fn build_stage(&self, b: StageBuild) -> Result<BertStage> {
+    fn build_stage(&self, b: StageBuild) -> Result<BertForMaskedLM> {
         let builder = b.prepare(
             ParamBuilder::new(self.cfg.train.seed)
                 .dtype(precision_dtype(&self.cfg)?)
                 .device(self.device),
         );
         // Reference mode: chunked sums on every stage, as in the single-device reference run.
-        let plan = BertStage::tp_plan(&b.spec);
+        let plan = BertForMaskedLM::stage_tp_plan(&b.spec);
         let mut stage =
             crate::reference_tp::build_with_plan(&self.cfg, builder, b.tp, plan, |pb| {
-                BertStage::build(self.config, b.spec.clone(), pb)
+                BertForMaskedLM::build_stage(self.config, b.spec.clone(), pb)
             })?;
         stage.activation_checkpointing = b.checkpointing;
         Ok(stage)

@@ -23,7 +23,7 @@ pub mod state;
 pub mod tokenizer;
 pub mod tp;
 
-pub use bert::{BertBatch, BertConfig, BertForMaskedLM, BertStage};
+pub use bert::{BertBatch, BertConfig, BertForMaskedLM};
 pub use causal_lm::CausalLm;
 pub use family::CausalFamily;
 pub use gpt::{Gpt, GptBatch, GptConfig};

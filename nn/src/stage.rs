@@ -17,10 +17,11 @@
 //!   implement it: [`Gpt`](crate::gpt::Gpt) (one type for the whole model and its stages, the
 //!   whole model being [`StageSpec::full`]; blocks `h.{i}`, microbatch
 //!   [`GptBatch`](crate::gpt::GptBatch), the tied `wte.weight`),
-//!   [`BertStage`](crate::bert::BertStage) (encoder layers `bert.encoder.layer.{i}`, microbatch
-//!   [`BertBatch`](crate::bert::BertBatch) with the attention mask every stage reads, the tied
-//!   `bert.embeddings.word_embeddings.weight`; its "embedding" is `bert.embeddings`, its "head"
-//!   the MLM head `cls`) and [`Llama`](crate::llama::Llama) (one type for the whole model and
+//!   [`BertForMaskedLM`](crate::bert::BertForMaskedLM) (one type for the whole model and its
+//!   stages, the whole model being [`StageSpec::full`]; encoder layers `bert.encoder.layer.{i}`,
+//!   microbatch [`BertBatch`](crate::bert::BertBatch) with the attention mask every stage reads,
+//!   the tied `bert.embeddings.word_embeddings.weight`; its "embedding" is `bert.embeddings`, its
+//!   "head" the MLM head `cls`) and [`Llama`](crate::llama::Llama) (one type for the whole model and
 //!   its stages, the whole model being [`StageSpec::full`]; layers `model.layers.{i}`,
 //!   microbatch [`LlamaBatch`](crate::llama::LlamaBatch), the tied `model.embed_tokens.weight`
 //!   when the embeddings are tied).

@@ -239,7 +239,7 @@ fn names_follow_hugging_face_and_count_matches_config() {
     assert_eq!(names.len(), 5 + 2 * 16 + 5);
     assert_eq!(m.num_parameters(), small_config().num_parameters());
     // The padding row of the word embeddings starts at zero; the others do not.
-    let w = m.word_embeddings().tensor().to_vec_f64().unwrap();
+    let w = m.word_embeddings().unwrap().tensor().to_vec_f64().unwrap();
     assert!(w[..32].iter().all(|&x| x == 0.0));
     assert!(w[32..64].iter().any(|&x| x != 0.0));
     // The encoder layers form a module list (what FSDP's default wrap policy shards by).

@@ -2,7 +2,8 @@
 //! model's MLM loss and gradients bit for bit (the tied word-embedding gradient summed over its
 //! two copies), with padding masks, two token types, dropout on and off and activation
 //! checkpointing on and off; each stage holds exactly its slice of the full model's named
-//! parameters (names, order, values); bad stage specs and inputs are one-line errors.
+//! parameters (names, order, values); the whole model is the full stage; bad stage specs and
+//! inputs are one-line errors.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -12,7 +13,7 @@ use meshgrad_autograd::Var;
 use meshgrad_nn::bert::IGNORE_INDEX;
 use meshgrad_nn::tp::TensorParallel;
 use meshgrad_nn::{
-    run_chained, BertBatch, BertConfig, BertForMaskedLM, BertStage, ForwardCtx, ModelStage, Module,
+    run_chained, BertBatch, BertConfig, BertForMaskedLM, ForwardCtx, ModelStage, Module,
     ParamBuilder, StageInput, StageSpec,
 };
 use meshgrad_tensor::{DType, Device, Tensor};
@@ -105,12 +106,12 @@ fn staged_run(
     b: &BertBatch,
     step: u64,
     sizes: &[usize],
-) -> (u32, Vec<BertStage>) {
+) -> (u32, Vec<BertForMaskedLM>) {
     let specs = StageSpec::split(cfg.num_hidden_layers, sizes).unwrap();
-    let stages: Vec<BertStage> = specs
+    let stages: Vec<BertForMaskedLM> = specs
         .into_iter()
         .map(|s| {
-            let mut st = BertStage::new(cfg, s, SEED, DType::F32, Device::Cpu).unwrap();
+            let mut st = BertForMaskedLM::new_stage(cfg, s, SEED, DType::F32, Device::Cpu).unwrap();
             st.activation_checkpointing = ckpt;
             st
         })
@@ -120,7 +121,7 @@ fn staged_run(
 }
 
 /// Every parameter's gradient, found in the stage(s) holding it; the tied table's copies summed.
-fn summed_grads(stages: &[BertStage], what: &str) -> HashMap<String, Tensor> {
+fn summed_grads(stages: &[BertForMaskedLM], what: &str) -> HashMap<String, Tensor> {
     let mut staged: HashMap<String, Tensor> = HashMap::new();
     for st in stages {
         for (n, p) in st.named_parameters() {
@@ -230,7 +231,8 @@ fn stages_hold_exactly_their_slice_of_the_full_parameters() {
         let specs = StageSpec::split(cfg.num_hidden_layers, sizes).unwrap();
         let mut covered = 0;
         for spec in specs {
-            let st = BertStage::new(cfg, spec.clone(), SEED, DType::F32, Device::Cpu).unwrap();
+            let st = BertForMaskedLM::new_stage(cfg, spec.clone(), SEED, DType::F32, Device::Cpu)
+                .unwrap();
             let owns = |n: &str| {
                 if n == TIED {
                     spec.embedding || spec.head
@@ -297,8 +299,10 @@ fn delayed_init_stages_get_the_same_values() {
     let cfg = config(0.0);
     for spec in StageSpec::split(cfg.num_hidden_layers, &[1, 2, 1]).unwrap() {
         let lazy =
-            BertStage::build(cfg, spec.clone(), ParamBuilder::new(SEED).delayed_init()).unwrap();
-        let eager = BertStage::new(cfg, spec.clone(), SEED, DType::F32, Device::Cpu).unwrap();
+            BertForMaskedLM::build_stage(cfg, spec.clone(), ParamBuilder::new(SEED).delayed_init())
+                .unwrap();
+        let eager =
+            BertForMaskedLM::new_stage(cfg, spec.clone(), SEED, DType::F32, Device::Cpu).unwrap();
         for ((n, p), (_, q)) in lazy.named_parameters().iter().zip(eager.named_parameters()) {
             assert_eq!(bits(p.tensor()), bits(q.tensor()), "{n} of stage {spec}");
         }
@@ -339,17 +343,19 @@ fn stage_tp_plans_resolve_on_their_stages() {
     let cfg = config(0.0);
     for spec in StageSpec::split(cfg.num_hidden_layers, &[1, 2, 1]).unwrap() {
         let tp = TensorParallel::new(Arc::new(OneRank));
-        let builder = ParamBuilder::new(SEED).tensor_parallel(tp, BertStage::tp_plan(&spec));
-        let st = BertStage::build(cfg, spec.clone(), builder).unwrap();
-        let direct = BertStage::new(cfg, spec.clone(), SEED, DType::F32, Device::Cpu).unwrap();
+        let builder =
+            ParamBuilder::new(SEED).tensor_parallel(tp, BertForMaskedLM::stage_tp_plan(&spec));
+        let st = BertForMaskedLM::build_stage(cfg, spec.clone(), builder).unwrap();
+        let direct =
+            BertForMaskedLM::new_stage(cfg, spec.clone(), SEED, DType::F32, Device::Cpu).unwrap();
         for ((n, p), (_, q)) in st.named_parameters().iter().zip(direct.named_parameters()) {
             assert_eq!(bits(p.tensor()), bits(q.tensor()), "{n} of stage {spec}");
         }
     }
     // The full plan is the whole model's stage's plan.
     assert_eq!(
-        BertStage::tp_plan(&StageSpec::full(4)).entries(),
-        meshgrad_nn::BertForMaskedLM::tp_plan().entries()
+        BertForMaskedLM::stage_tp_plan(&StageSpec::full(4)).entries(),
+        BertForMaskedLM::tp_plan().entries()
     );
     // The full plan does not fit a middle stage.
     let middle = StageSpec::new(1..3, false, false);
@@ -357,7 +363,7 @@ fn stage_tp_plans_resolve_on_their_stages() {
         TensorParallel::new(Arc::new(OneRank)),
         BertForMaskedLM::tp_plan(),
     );
-    let e = BertStage::build(cfg, middle, builder)
+    let e = BertForMaskedLM::build_stage(cfg, middle, builder)
         .err()
         .unwrap()
         .to_string();
@@ -368,7 +374,7 @@ fn stage_tp_plans_resolve_on_their_stages() {
 fn bad_stage_specs_and_inputs_are_one_line_errors() {
     let cfg = config(0.0);
     let build = |spec: StageSpec| {
-        BertStage::new(cfg, spec, SEED, DType::F32, Device::Cpu)
+        BertForMaskedLM::new_stage(cfg, spec, SEED, DType::F32, Device::Cpu)
             .err()
             .map(|e| e.to_string())
             .unwrap_or_default()
@@ -393,7 +399,7 @@ fn bad_stage_specs_and_inputs_are_one_line_errors() {
         ..cfg
     };
     one_line(
-        &BertStage::new(bad_cfg, StageSpec::full(4), SEED, DType::F32, Device::Cpu)
+        &BertForMaskedLM::new_stage(bad_cfg, StageSpec::full(4), SEED, DType::F32, Device::Cpu)
             .err()
             .unwrap()
             .to_string(),
@@ -402,7 +408,7 @@ fn bad_stage_specs_and_inputs_are_one_line_errors() {
     // Wrong inputs for a stage.
     let b = batch(2, 6, cfg.vocab_size as u32);
     let stage = |blocks: std::ops::Range<usize>, e: bool, h: bool| {
-        BertStage::new(
+        BertForMaskedLM::new_stage(
             cfg,
             StageSpec::new(blocks, e, h),
             SEED,
@@ -419,7 +425,7 @@ fn bad_stage_specs_and_inputs_are_one_line_errors() {
         "not token ids",
     );
     one_line(
-        &err(mid.loss(StageInput::Ids(&b.ids), mask, None, &b.labels, None)),
+        &err(mid.stage_loss(StageInput::Ids(&b.ids), mask, None, &b.labels, None)),
         "has no MLM head",
     );
     let bad = Var::constant(Tensor::zeros((2, 6, 8), DType::F32, Device::Cpu).unwrap());
@@ -459,4 +465,61 @@ fn bad_stage_specs_and_inputs_are_one_line_errors() {
     let mut zero = b.clone();
     zero.denominator = Some(0.0);
     one_line(&err(last.forward_stage(&zero, Some(&h))), "denominator");
+}
+
+#[test]
+fn the_whole_model_is_the_full_stage() {
+    let cfg = config(0.1);
+    let whole = BertForMaskedLM::new(cfg, SEED, DType::F32, Device::Cpu).unwrap();
+    let full =
+        BertForMaskedLM::new_stage(cfg, StageSpec::full(4), SEED, DType::F32, Device::Cpu).unwrap();
+    assert!(whole.is_full() && full.is_full());
+    assert_eq!(whole.spec, StageSpec::full(cfg.num_hidden_layers));
+    assert_eq!(whole.bert.encoder.layer.range(), 0..4);
+    assert!(whole.bert.embeddings.as_ref().is_some() && whole.cls.is_some());
+    let (a, b) = (whole.named_parameters(), full.named_parameters());
+    assert_eq!(a.len(), b.len());
+    for ((n, p), (m, q)) in a.iter().zip(&b) {
+        assert_eq!(n, m);
+        assert_eq!(bits(p.tensor()), bits(q.tensor()), "{n}");
+    }
+    assert_eq!(whole.module_paths(), full.module_paths());
+    // A middle stage's plan has no embeddings or head.
+    let middle = StageSpec::new(1..3, false, false);
+    let plan = BertForMaskedLM::stage_tp_plan(&middle);
+    assert!(plan
+        .entries()
+        .iter()
+        .all(|(p, _)| p.starts_with("bert.encoder.layer.*.")));
+    // Training mode is the dropouts'.
+    assert!(whole.is_training());
+    whole.set_training(false);
+    assert!(!whole.is_training());
+    // Only the whole model becomes a Hugging Face folder.
+    let last = BertForMaskedLM::new_stage(
+        cfg,
+        StageSpec::new(2..4, false, true),
+        SEED,
+        DType::F32,
+        Device::Cpu,
+    )
+    .unwrap();
+    assert!(!last.is_full());
+    assert_eq!(last.bert.encoder.layer.range(), 2..4);
+    assert!(last.word_embeddings().is_some());
+    let e = meshgrad_nn::state::hf_bert::hf_bert_config_json(&last)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("is a stage (blocks 2..4 + head)"), "{e}");
+    let dir = std::env::temp_dir().join(format!("meshgrad_bert_stage_{}", std::process::id()));
+    let e = meshgrad_nn::state::hf_bert::load_bert_weights(&last, &dir)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("load_bert: this bert is a stage"), "{e}");
+    // A middle stage holds no table; the whole model's forward needs the embeddings and head.
+    let mid = BertForMaskedLM::new_stage(cfg, middle, SEED, DType::F32, Device::Cpu).unwrap();
+    assert!(mid.word_embeddings().is_none());
+    let ids = Tensor::from_vec(vec![1u32, 2, 3], (1, 3), Device::Cpu).unwrap();
+    let e = mid.forward(&ids, None, None).unwrap_err().to_string();
+    assert!(e.contains("has no MLM head"), "{e}");
 }

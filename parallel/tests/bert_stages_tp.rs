@@ -1,6 +1,6 @@
 //! BERT stages compose with tensor (and sequence) parallelism: on every rank of tp=2, the
 //! stages of a `BertForMaskedLM` built through a tensor-parallel `ParamBuilder` with
-//! `BertStage::tp_plan`, chained, give the loss and this rank's parameter shards and gradients
+//! `BertForMaskedLM::stage_tp_plan`, chained, give the loss and this rank's parameter shards and gradients
 //! of the tensor-parallel full model bit for bit (the tied word-embedding gradient summed over
 //! its two copies), with padding, two token types, dropout on every dropout, activation
 //! checkpointing on and off, and delayed initialisation of the stages.
@@ -11,8 +11,7 @@ use std::time::Duration;
 use meshgrad_autograd::Var;
 use meshgrad_nn::bert::IGNORE_INDEX;
 use meshgrad_nn::{
-    BertBatch, BertConfig, BertForMaskedLM, BertStage, ForwardCtx, ModelStage, Module,
-    ParamBuilder, StageSpec,
+    BertBatch, BertConfig, BertForMaskedLM, ForwardCtx, ModelStage, Module, ParamBuilder, StageSpec,
 };
 use meshgrad_parallel::comm::{run_ranks, RunOptions};
 use meshgrad_parallel::tp::tensor_parallel;
@@ -102,8 +101,8 @@ fn check(sp: bool, ckpt: bool, delayed: bool) {
             if delayed {
                 builder = builder.delayed_init();
             }
-            let builder = builder.tensor_parallel(tp(), BertStage::tp_plan(&spec));
-            let mut st = BertStage::build(cfg, spec, builder)?;
+            let builder = builder.tensor_parallel(tp(), BertForMaskedLM::stage_tp_plan(&spec));
+            let mut st = BertForMaskedLM::build_stage(cfg, spec, builder)?;
             st.activation_checkpointing = ckpt;
             stages.push(st);
         }

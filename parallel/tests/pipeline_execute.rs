@@ -33,8 +33,8 @@ use meshgrad_nn::bert::IGNORE_INDEX;
 use meshgrad_nn::data::TokenDataset;
 use meshgrad_nn::optim::{clip_grad_norm, param_groups_for_decay, AdamW, AdamWConfig, Optimizer};
 use meshgrad_nn::{
-    BertBatch, BertConfig, BertForMaskedLM, BertStage, ForwardCtx, Gpt, GptBatch, GptConfig,
-    ModelStage, Module, StageSpec,
+    BertBatch, BertConfig, BertForMaskedLM, ForwardCtx, Gpt, GptBatch, GptConfig, ModelStage,
+    Module, StageSpec,
 };
 use meshgrad_parallel::comm::{run_ranks, run_ranks_each, RunOptions};
 use meshgrad_parallel::micro_rows;
@@ -263,12 +263,12 @@ impl Staged for GptModel {
 struct BertModel;
 
 impl Staged for BertModel {
-    type Stage = BertStage;
+    type Stage = BertForMaskedLM;
     fn n_layer(&self) -> usize {
         bert_config().num_hidden_layers
     }
-    fn stage(&self, spec: StageSpec) -> Result<BertStage> {
-        BertStage::new(bert_config(), spec, SEED, DType::F32, Device::Cpu)
+    fn stage(&self, spec: StageSpec) -> Result<BertForMaskedLM> {
+        BertForMaskedLM::new_stage(bert_config(), spec, SEED, DType::F32, Device::Cpu)
     }
     fn batch(&self, step: usize, rows: Range<u64>) -> Result<BertBatch> {
         bert_batch(step, rows)

@@ -18,7 +18,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use meshgrad_nn::{
-    BertBatch, BertConfig, BertForMaskedLM, BertStage, Gpt, GptBatch, GptConfig, Module, StageSpec,
+    BertBatch, BertConfig, BertForMaskedLM, Gpt, GptBatch, GptConfig, Module, StageSpec,
 };
 use meshgrad_parallel::pipeline::partition::{MemoryModel, ModelCosts, PartitionMethod};
 use meshgrad_parallel::pipeline::{profile_layers, profile_lines, ProfileOptions};
@@ -147,7 +147,7 @@ fn bert_profile_covers_every_layer() -> Result<()> {
     };
     let costs = profile_layers(
         c.num_hidden_layers,
-        |spec| BertStage::new(c, spec, SEED, DType::F32, Device::Cpu),
+        |spec| BertForMaskedLM::new_stage(c, spec, SEED, DType::F32, Device::Cpu),
         &batch,
         &ProfileOptions::new(1, 3).with_min_sample_ms(2.0),
     )?;
@@ -160,7 +160,10 @@ fn bert_profile_covers_every_layer() -> Result<()> {
     assert_eq!(total, single + table);
     let split: u64 = StageSpec::even(c.num_hidden_layers, 2)?
         .into_iter()
-        .map(|s| BertStage::new(c, s, SEED, DType::F32, Device::Cpu).map(|st| param_bytes(&st)))
+        .map(|s| {
+            BertForMaskedLM::new_stage(c, s, SEED, DType::F32, Device::Cpu)
+                .map(|st| param_bytes(&st))
+        })
         .sum::<Result<u64>>()?;
     assert_eq!(total, split);
     Ok(())

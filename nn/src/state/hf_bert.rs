@@ -102,8 +102,13 @@ pub fn bert_config_from_hf_json(text: &str) -> Result<BertConfig> {
 
 /// The Hugging Face `config.json` text describing `model` (a `BertForMaskedLM`).
 pub fn hf_bert_config_json(model: &BertForMaskedLM) -> Result<String> {
+    check_whole(model, "save_bert")?;
     let c = &model.config;
-    let torch_dtype = match model.word_embeddings().tensor().dtype() {
+    // A whole model holds the word-embedding table.
+    let Some(table) = model.word_embeddings() else {
+        meshgrad_tensor::bail!("save_bert: the model has no word-embedding table");
+    };
+    let torch_dtype = match table.tensor().dtype() {
         DType::F64 => "float64",
         DType::F32 => "float32",
         DType::BF16 => "bfloat16",
@@ -136,6 +141,17 @@ pub fn hf_bert_config_json(model: &BertForMaskedLM) -> Result<String> {
     });
     serde_json::to_string_pretty(&v)
         .map_err(|e| Error::Msg(format!("save_bert: cannot format config.json: {e}")))
+}
+
+/// A Hugging Face folder holds the whole model: a one-line error for a stage.
+fn check_whole(model: &BertForMaskedLM, what: &str) -> Result<()> {
+    if !model.is_full() {
+        meshgrad_tensor::bail!(
+            "{what}: this bert is a stage ({}); a Hugging Face folder holds the whole model",
+            model.spec
+        );
+    }
+    Ok(())
 }
 
 /// Reads `dir/config.json` as a BERT config (errors name the file).
@@ -196,6 +212,7 @@ fn model_name(file_name: &str) -> (String, String) {
 /// Reads `dir/model.safetensors` into `model` (in place), as [`load_bert`] describes. The
 /// model's structure must match the file (build it from the folder's config).
 pub fn load_bert_weights(model: &BertForMaskedLM, dir: impl AsRef<Path>) -> Result<()> {
+    check_whole(model, "load_bert")?;
     let path = dir.as_ref().join(WEIGHTS_FILE);
     let ctx = |e: Error| Error::Msg(format!("load_bert: {}: {e}", path.display()));
     let raw = load_safetensors(&path)?;
