@@ -71,9 +71,10 @@ use crate::pipeline_timelines::{
 };
 use crate::rank_sync::RankSync;
 use crate::recipe::{Recipe, StageBuild};
-use crate::reference::{row_groups, take_grads, GradTree};
+use crate::reference::row_groups;
 use crate::run_setup::{optimizer_and_schedule, TrainOptions, TrainSummary, Verbosity};
 use crate::step_loop::{drive_loop, GradSync, Reporter, RunControl};
+use meshgrad_parallel::grad_tree::{take_grads, GradTree};
 
 /// A rank's chunks as one module (for the optimizer and the data-parallel wrapper): their
 /// parameters under their global names.

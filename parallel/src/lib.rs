@@ -38,6 +38,7 @@
 pub mod checkpoint;
 pub mod comm;
 pub mod ddp;
+pub mod grad_tree;
 pub mod launch;
 pub mod layout;
 pub mod layout_mesh;
