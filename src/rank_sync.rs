@@ -21,10 +21,10 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use meshgrad_autograd::Var;
-use meshgrad_nn::optim::{clip_grads_with_norm, AdamW, Optimizer};
+use meshgrad_nn::optim::AdamW;
 use meshgrad_parallel::comm::all_reduce_scalar;
 use meshgrad_parallel::pipeline::{PipelineGrads, SpanKind, Timeline};
-use meshgrad_parallel::{Communicator, DataParallel, ReduceOp};
+use meshgrad_parallel::{Communicator, DataParallel, ReduceOp, ScaledStep};
 
 use crate::step_loop::GradSync;
 
@@ -57,14 +57,6 @@ impl RankSync<'_> {
         self.wrapper
             .set_sync(self.overlaps() && mb + 1 == microbatches);
     }
-
-    /// The sum of squares of the gradients this rank owns (its shards under ZeRO, the tied table
-    /// once) over the pipeline group.
-    fn sharded_sq_sum(&self, sdp: &meshgrad_parallel::ShardedDataParallel) -> Result<f64> {
-        let skip = |n: &str| self.grads.left_out_of_norm().iter().any(|s| s == n);
-        let local = sdp.grad_sq_sum_without(&skip)?;
-        Ok(all_reduce_scalar(self.pp.as_ref(), local, ReduceOp::Sum)?)
-    }
 }
 
 impl GradSync for RankSync<'_> {
@@ -93,41 +85,23 @@ impl GradSync for RankSync<'_> {
 
     /// Clips the global gradient norm to `max_norm`; returns the norm before clipping.
     fn clip(&self, max_norm: f64) -> Result<f64> {
-        match self.wrapper.sharded() {
-            None => {
-                let norm = self.grads.grad_norm()?;
-                clip_grads_with_norm(&self.params, max_norm, norm)?;
-                Ok(norm)
-            }
-            Some(sdp) => {
-                let norm = self.sharded_sq_sum(sdp)?.sqrt();
-                sdp.clip_grads_with_norm(max_norm, norm)?;
-                Ok(norm)
-            }
-        }
+        let norm = self.wrapper.grad_norm(self.grads)?;
+        self.wrapper
+            .clip_grads_with_norm(&self.params, max_norm, norm)?;
+        Ok(norm)
     }
 
     /// Reference mode's gradient norm: the square root of an order-free exact sum of squares
     /// over every stage's gradients (their shards under ZeRO), so no layout changes its bits.
     fn exact_norm(&self) -> Result<f64> {
-        let sum = match self.wrapper.sharded() {
-            None => self.grads.exact_grad_sq_sum()?,
-            Some(sdp) => {
-                let skip = |n: &str| self.grads.left_out_of_norm().iter().any(|s| s == n);
-                let local = sdp.exact_grad_sq_sum_without(&skip)?;
-                self.grads.exact_sum_over_pipeline(&local)?
-            }
-        };
-        Ok(sum.value().sqrt())
+        Ok(self.wrapper.exact_grad_norm(self.grads)?)
     }
 
     /// Scales the gradients as clipping to `max_norm` does when the global norm is `norm`.
     fn clip_with_norm(&self, max_norm: f64, norm: f64) -> Result<()> {
-        match self.wrapper.sharded() {
-            None => clip_grads_with_norm(&self.params, max_norm, norm)?,
-            Some(sdp) => sdp.clip_grads_with_norm(max_norm, norm)?,
-        }
-        Ok(())
+        Ok(self
+            .wrapper
+            .clip_grads_with_norm(&self.params, max_norm, norm)?)
     }
 
     /// The optimizer step with learning rate `lr`: the run's AdamW, or the sharded wrapper's
@@ -135,18 +109,14 @@ impl GradSync for RankSync<'_> {
     fn step(&self, opt: &mut AdamW, lr: f64) -> Result<()> {
         self.timeline
             .record(SpanKind::Optimizer, "optimizer step", || {
-                match self.wrapper.sharded() {
-                    None => Ok(opt.step(lr)?),
-                    Some(sdp) => Ok(sdp.step(lr)?),
-                }
+                Ok(self.wrapper.step(opt, lr)?)
             })
     }
 
     /// The optimizer step of a bf16 / f16 run whose loss was multiplied by `scale` (1 for bf16):
     /// the global norm of the unscaled gradients over every stage (the tied table once), then,
     /// unless it is NaN or infinite (every rank sees the same norm), the step with the clipping
-    /// to `max_norm` (0: none) and the unscaling applied in f32: AdamW's gradient multiplier on
-    /// replicated parameters ([`AdamW::step_scaled`]), the ZeRO wrapper's f32 shards otherwise.
+    /// to `max_norm` (0: none) and the unscaling applied in f32 ([`DataParallel::step_scaled`]).
     /// Returns the norm, and whether the step was taken (false: nothing was changed).
     fn step_mixed(
         &self,
@@ -155,31 +125,19 @@ impl GradSync for RankSync<'_> {
         max_norm: f64,
         scale: f64,
     ) -> Result<(f64, bool)> {
-        let norm = match self.wrapper.sharded() {
-            None => self.grads.grad_norm()? / scale,
-            Some(sdp) => {
-                if scale != 1.0 {
-                    sdp.scale_grads(1.0 / scale)?;
-                }
-                self.sharded_sq_sum(sdp)?.sqrt()
-            }
-        };
+        let norm = self.wrapper.unscaled_grad_norm(self.grads, scale)?;
         if !norm.is_finite() {
             return Ok((norm, false));
         }
-        let coef = meshgrad_nn::optim::clip_coef(max_norm, norm);
+        let step = ScaledStep {
+            lr,
+            max_norm,
+            norm,
+            scale,
+        };
         self.timeline
             .record(SpanKind::Optimizer, "optimizer step", || -> Result<()> {
-                match self.wrapper.sharded() {
-                    None => opt.step_scaled(lr, coef / scale)?,
-                    Some(sdp) => {
-                        if max_norm > 0.0 {
-                            sdp.clip_grads_with_norm(max_norm, norm)?;
-                        }
-                        sdp.step(lr)?;
-                    }
-                }
-                Ok(())
+                Ok(self.wrapper.step_scaled(opt, step)?)
             })?;
         Ok((norm, true))
     }

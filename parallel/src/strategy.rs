@@ -9,12 +9,20 @@
 //!
 //! A loop drives every variant the same way: [`DataParallel::set_sync`] before each backward
 //! (on for the last microbatch only, or off throughout when the loop reduces after the
-//! schedule), [`DataParallel::finish`] after the last, then clipping and the step through the
-//! loop's own code (a sharded wrapper holds the shards those need: [`DataParallel::sharded`]).
+//! schedule), [`DataParallel::finish`] after the last, then the global norm
+//! ([`DataParallel::grad_norm`], [`DataParallel::exact_grad_norm`]), clipping
+//! ([`DataParallel::clip_grads_with_norm`]) and the step ([`DataParallel::step`],
+//! [`DataParallel::step_scaled`]): the run's AdamW on whole gradients, or the sharded wrapper's
+//! shard of it.
 
-use meshgrad_nn::optim::{AdamW, Optimizer};
+use meshgrad_autograd::Var;
+use meshgrad_nn::optim::{clip_grads_with_norm, AdamW, Optimizer};
 use meshgrad_nn::Module;
 use meshgrad_tensor::Result;
+
+use crate::comm::all_reduce_scalar;
+use crate::pipeline::PipelineGrads;
+use crate::ReduceOp;
 
 use crate::zero::{ShardConfig, ShardedDataParallel};
 use crate::{Ddp, DdpConfig, LayoutMesh};
@@ -97,4 +105,97 @@ impl DataParallel {
             _ => Ok(()),
         }
     }
+
+    /// The global gradient norm of a step: every stage's gradients (the tied table once) over
+    /// the pipeline group of `grads`; under ZeRO, the rank's shards'.
+    pub fn grad_norm(&self, grads: &PipelineGrads) -> Result<f64> {
+        match self {
+            DataParallel::Sharded(sdp) => Ok(sharded_sq_sum(sdp, grads)?.sqrt()),
+            _ => grads.grad_norm(),
+        }
+    }
+
+    /// [`DataParallel::grad_norm`] from an order-free exact sum of squares (reference mode: no
+    /// layout changes its bits).
+    pub fn exact_grad_norm(&self, grads: &PipelineGrads) -> Result<f64> {
+        let sum = match self {
+            DataParallel::Sharded(sdp) => {
+                let skip = |n: &str| grads.left_out_of_norm().iter().any(|s| s == n);
+                let local = sdp.exact_grad_sq_sum_without(&skip)?;
+                grads.exact_sum_over_pipeline(&local)?
+            }
+            _ => grads.exact_grad_sq_sum()?,
+        };
+        Ok(sum.value().sqrt())
+    }
+
+    /// Scales the gradients (`params`', or the shards) as clipping to `max_norm` does when the
+    /// global norm is `norm`.
+    pub fn clip_grads_with_norm(&self, params: &[Var], max_norm: f64, norm: f64) -> Result<()> {
+        match self {
+            DataParallel::Sharded(sdp) => sdp.clip_grads_with_norm(max_norm, norm),
+            _ => clip_grads_with_norm(params, max_norm, norm),
+        }
+    }
+
+    /// The optimizer step with learning rate `lr`: `opt`, or the sharded wrapper's shard of it
+    /// (which owns the state; `opt` is then unused).
+    pub fn step(&self, opt: &mut AdamW, lr: f64) -> Result<()> {
+        match self {
+            DataParallel::Sharded(sdp) => sdp.step(lr),
+            _ => opt.step(lr),
+        }
+    }
+
+    /// The global norm of a bf16 / f16 step whose loss was multiplied by `scale` (1 for bf16),
+    /// unscaled (the shards are unscaled in place; whole gradients are unscaled by the step).
+    pub fn unscaled_grad_norm(&self, grads: &PipelineGrads, scale: f64) -> Result<f64> {
+        match self {
+            DataParallel::Sharded(sdp) => {
+                if scale != 1.0 {
+                    sdp.scale_grads(1.0 / scale)?;
+                }
+                Ok(sharded_sq_sum(sdp, grads)?.sqrt())
+            }
+            _ => Ok(grads.grad_norm()? / scale),
+        }
+    }
+
+    /// The step of a bf16 / f16 run after [`DataParallel::unscaled_grad_norm`] gave `norm`:
+    /// clipping to `max_norm` (0: none) and the unscaling applied in f32, AdamW's gradient
+    /// multiplier on whole gradients ([`AdamW::step_scaled`]), the f32 shards otherwise.
+    pub fn step_scaled(&self, opt: &mut AdamW, step: ScaledStep) -> Result<()> {
+        match self {
+            DataParallel::Sharded(sdp) => {
+                if step.max_norm > 0.0 {
+                    sdp.clip_grads_with_norm(step.max_norm, step.norm)?;
+                }
+                sdp.step(step.lr)
+            }
+            _ => {
+                let coef = meshgrad_nn::optim::clip_coef(step.max_norm, step.norm);
+                opt.step_scaled(step.lr, coef / step.scale)
+            }
+        }
+    }
+}
+
+/// A mixed-precision step ([`DataParallel::step_scaled`]).
+#[derive(Clone, Copy, Debug)]
+pub struct ScaledStep {
+    /// Learning rate.
+    pub lr: f64,
+    /// Clipping threshold (0: none).
+    pub max_norm: f64,
+    /// The unscaled global norm.
+    pub norm: f64,
+    /// The loss scale the gradients carry (1 for bf16).
+    pub scale: f64,
+}
+
+/// The sum of squares of the shards a rank owns (the tied table once) over the pipeline group.
+fn sharded_sq_sum(sdp: &ShardedDataParallel, grads: &PipelineGrads) -> Result<f64> {
+    let skip = |n: &str| grads.left_out_of_norm().iter().any(|s| s == n);
+    let local = sdp.grad_sq_sum_without(&skip)?;
+    all_reduce_scalar(grads.pipeline_group(), local, ReduceOp::Sum)
 }

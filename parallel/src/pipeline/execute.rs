@@ -921,6 +921,11 @@ impl PipelineGrads {
 
     /// The names of this rank's tied copies that the global norm leaves out (the head's copy
     /// of a table the first stage also holds): what a sharded norm must skip too.
+    /// The pipeline group.
+    pub(crate) fn pipeline_group(&self) -> &dyn Communicator {
+        self.pp.as_ref()
+    }
+
     pub fn left_out_of_norm(&self) -> &[String] {
         &self.tied_last_names
     }
