@@ -57,7 +57,7 @@ use std::time::Duration;
 
 use meshgrad_nn::data::{splitmix64, TokenDataset};
 use meshgrad_nn::gpt::GptBatch;
-use meshgrad_nn::optim::{clip_grad_norm, param_groups_for_decay, AdamW, AdamWConfig, Optimizer};
+use meshgrad_nn::optim::{param_groups_for_decay, AdamW, AdamWConfig};
 use meshgrad_nn::tp::TpPlan;
 use meshgrad_nn::{CausalFamily, ForwardCtx, ModelStage, Module, ParamBuilder, StageSpec};
 use meshgrad_tensor::alloc::{with_tag, MemoryStats, MemoryTag};
@@ -65,6 +65,7 @@ use meshgrad_tensor::{DType, Device, Error, Result, Tensor};
 
 use crate::comm::{run_ranks, RankCtx, RunOptions};
 use crate::layout::{ParallelLayout, ZeroStage};
+use crate::pipeline::PipelineGrads;
 use crate::sampler::rank_rows;
 use crate::strategy::DataParallel;
 use crate::tp::tensor_parallel;
@@ -384,6 +385,8 @@ fn measure_rank<F: CausalFamily>(
     let groups = param_groups_for_decay(model.named_parameters(), 0.1);
     let mut opt = AdamW::new(groups, AdamWConfig::default())?;
     let wrapper = DataParallel::for_layout(&mesh, &model, &opt)?;
+    let params = model.parameters();
+    let grads = PipelineGrads::new(std::slice::from_ref(&model), mesh.pp_group())?;
     let rows = rank_rows(cfg.global_batch, mesh.dp_degree(), mesh.dp_rank())?;
     let n = (rows.end - rows.start) as usize;
     let batch = |step: usize| -> Result<(GptBatch, ForwardCtx)> {
@@ -412,17 +415,11 @@ fn measure_rank<F: CausalFamily>(
             fctx.scope(|| model.forward_stage(&batch, None))
         })?
         .backward()?;
+        // The trainer's end of a step: the wrapper's norm, clipping and step.
         wrapper.finish()?;
-        match wrapper.sharded() {
-            None => {
-                clip_grad_norm(&model.parameters(), 1.0)?;
-                opt.step(lr)?;
-            }
-            Some(sdp) => {
-                sdp.clip_grad_norm(1.0)?;
-                sdp.step(lr)?;
-            }
-        }
+        let norm = wrapper.grad_norm(&grads)?;
+        wrapper.clip_grads_with_norm(&params, 1.0, norm)?;
+        wrapper.step(&mut opt, lr)?;
     }
     Ok(ctx.tracker.stats())
 }
