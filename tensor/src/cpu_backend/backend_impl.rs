@@ -9,8 +9,8 @@ use meshgrad_kernels::ops::{
 use meshgrad_kernels::rng;
 
 use super::{
-    attention, cross_entropy, indexing, layer_norm, linear, logsumexp, optimizer, rms_norm, rotary,
-    swiglu, unary_backward,
+    attention, cross_entropy, indexing, layer_norm, linear, logsumexp, optimizer, rotary, swiglu,
+    unary_backward,
 };
 use crate::backend::api::{BackendStorage, Distribution, Fused, In, MaskArgs};
 use crate::storage::CpuStorage;
@@ -329,28 +329,6 @@ impl BackendStorage for CpuStorage {
         param_grads: bool,
     ) -> Fused<(Self, Option<Self>, Option<Self>)> {
         layer_norm::layer_norm_backward(x, w, mean, rstd, dy, rows, cols, param_grads).map(Some)
-    }
-
-    fn rms_norm(
-        x: In<'_, Self>,
-        w: Option<In<'_, Self>>,
-        rows: usize,
-        cols: usize,
-        eps: f64,
-    ) -> Fused<(Self, Self)> {
-        rms_norm::rms_norm(x, w, rows, cols, eps).map(Some)
-    }
-
-    fn rms_norm_backward(
-        x: In<'_, Self>,
-        w: Option<In<'_, Self>>,
-        rstd: In<'_, Self>,
-        dy: In<'_, Self>,
-        rows: usize,
-        cols: usize,
-        weight_grad: bool,
-    ) -> Fused<(Self, Option<Self>)> {
-        rms_norm::rms_norm_backward(x, w, rstd, dy, rows, cols, weight_grad).map(Some)
     }
 
     fn rotary_embedding(
