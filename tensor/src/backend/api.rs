@@ -12,7 +12,7 @@
 //!   for the same seed and indices), and `release` (the hook of a caching allocator);
 //! - basic ops, which every backend must provide (casts, copies, elementwise, reductions,
 //!   matmul, indexing, ...);
-//! - fused ops (normalisations, softmax, attention, cross-entropy, SwiGLU, rotary embedding,
+//! - fused ops (normalisations, softmax, attention, cross-entropy, rotary embedding,
 //!   optimizer steps, ...), whose default answer is `Ok(None)`: "not provided". The tensor op then
 //!   runs a fallback composed of basic ops (see `ops/fallback/`), so a backend can arrive one
 //!   fused kernel at a time. The fused ops of `ops/fused/` are not methods here: each keeps its
@@ -272,18 +272,6 @@ pub(crate) trait BackendStorage: Sized + std::fmt::Debug + Send + Sync + 'static
         _theta: f64,
         _inverse: bool,
     ) -> Fused<Self> {
-        Ok(None)
-    }
-    /// `silu(gate) * up`.
-    fn swiglu(_gate: In<'_, Self>, _up: In<'_, Self>) -> Fused<Self> {
-        Ok(None)
-    }
-    /// The backward of [`BackendStorage::swiglu`]: `(dgate, dup)`.
-    fn swiglu_backward(
-        _gate: In<'_, Self>,
-        _up: In<'_, Self>,
-        _dy: In<'_, Self>,
-    ) -> Fused<(Self, Self)> {
         Ok(None)
     }
     /// Per-row cross-entropy of `[rows, cols]` logits against integer targets: `(loss, lse)`.

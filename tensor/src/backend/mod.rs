@@ -637,24 +637,6 @@ pub(crate) fn rotary_embedding(
     })
 }
 
-pub(crate) fn swiglu(gate: Src<'_>, up: Src<'_>) -> Fused<Storage> {
-    dispatch!("swiglu", [gate.0, up.0], S, device => {
-        let r = fused(|| S::swiglu(inp::<S>(gate), inp::<S>(up)));
-        r.map(|o| o.map(S::wrap))
-    })
-}
-
-pub(crate) fn swiglu_backward(
-    gate: Src<'_>,
-    up: Src<'_>,
-    dy: Src<'_>,
-) -> Fused<(Storage, Storage)> {
-    dispatch!("swiglu_backward", [gate.0, up.0, dy.0], S, device => {
-        let r = fused(|| S::swiglu_backward(inp::<S>(gate), inp::<S>(up), inp::<S>(dy)));
-        r.map(|o| o.map(wrap2))
-    })
-}
-
 pub(crate) fn cross_entropy(
     logits: Src<'_>,
     targets: Src<'_>,

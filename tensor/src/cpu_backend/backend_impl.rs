@@ -9,7 +9,7 @@ use meshgrad_kernels::ops::{
 use meshgrad_kernels::rng;
 
 use super::{
-    attention, cross_entropy, indexing, layer_norm, linear, logsumexp, optimizer, rotary, swiglu,
+    attention, cross_entropy, indexing, layer_norm, linear, logsumexp, optimizer, rotary,
     unary_backward,
 };
 use crate::backend::api::{BackendStorage, Distribution, Fused, In, MaskArgs};
@@ -339,18 +339,6 @@ impl BackendStorage for CpuStorage {
         inverse: bool,
     ) -> Fused<Self> {
         rotary::rotary_embedding(x, positions, dims, theta, inverse).map(Some)
-    }
-
-    fn swiglu(gate: In<'_, Self>, up: In<'_, Self>) -> Fused<Self> {
-        swiglu::swiglu(gate, up).map(Some)
-    }
-
-    fn swiglu_backward(
-        gate: In<'_, Self>,
-        up: In<'_, Self>,
-        dy: In<'_, Self>,
-    ) -> Fused<(Self, Self)> {
-        swiglu::swiglu_backward(gate, up, dy).map(Some)
     }
 
     fn cross_entropy(

@@ -13,7 +13,6 @@ pub(crate) mod linear;
 pub(crate) mod logsumexp;
 pub(crate) mod optimizer;
 pub(crate) mod rotary;
-pub(crate) mod swiglu;
 pub(crate) mod unary_backward;
 
 use std::borrow::Cow;

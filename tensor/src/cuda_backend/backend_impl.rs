@@ -254,18 +254,6 @@ impl BackendStorage for CudaStorage {
         fused::rotary_embedding(x, positions, dims, theta, inverse)
     }
 
-    fn swiglu(gate: In<'_, Self>, up: In<'_, Self>) -> Fused<Self> {
-        fused::swiglu(gate, up)
-    }
-
-    fn swiglu_backward(
-        gate: In<'_, Self>,
-        up: In<'_, Self>,
-        dy: In<'_, Self>,
-    ) -> Fused<(Self, Self)> {
-        fused::swiglu_backward(gate, up, dy)
-    }
-
     fn cross_entropy(
         logits: In<'_, Self>,
         targets: In<'_, Self>,

@@ -14,7 +14,6 @@ mod overload;
 mod reduce;
 mod rotary;
 mod shape_ops;
-mod swiglu;
 
 pub use attention::{AttentionGrads, AttentionMask, AttentionOutput};
 pub use elementwise::GeluKind;

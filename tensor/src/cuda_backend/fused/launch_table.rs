@@ -19,8 +19,8 @@ use super::norms::{layer_norm_bwd_launch, layer_norm_fwd_launch, partials_reduce
 use super::optimizer::{adamw_launch, sgd_launch};
 use super::rotary::rotary_launch;
 use super::softmax::{logsumexp_launch, softmax_bwd_launch, softmax_fwd_launch};
-use super::swiglu::{swiglu_bwd_launch, swiglu_fwd_launch};
 use crate::ops::fused::rms_norm::cuda::{rms_norm_bwd_launch, rms_norm_fwd_launch};
+use crate::ops::fused::swiglu::cuda::{swiglu_bwd_launch, swiglu_fwd_launch};
 
 /// The dtype suffixes the fused kernels are instantiated for.
 const SUFFIXES: [&str; 3] = ["f32", "bf16", "f16"];

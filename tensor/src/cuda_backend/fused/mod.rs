@@ -3,8 +3,7 @@
 //! log-sum-exp), `classifier.rs` (cross-entropy), `norms.rs` (layer norm, and the helpers
 //! of every norm),
 //! `attention.rs` (flash attention, with `attention/params.rs` building the kernels' layouts),
-//! `optimizer.rs` (AdamW, SGD), `activations.rs` (GELU / SiLU / clamp backward), `swiglu.rs`
-//! (SwiGLU) and `rotary.rs` (rotary embedding). `args.rs` describes launches as plain data
+//! `optimizer.rs` (AdamW, SGD), `activations.rs` (GELU / SiLU / clamp backward) and `rotary.rs` (rotary embedding). `args.rs` describes launches as plain data
 //! (tested against the kernels' signatures without a GPU), `operand.rs` prepares operands
 //! (contiguous copies, dtype conversions).
 //!
@@ -17,7 +16,7 @@
 //! (see `attention.rs`).
 #![allow(clippy::too_many_arguments, clippy::type_complexity)]
 
-mod activations;
+pub(crate) mod activations;
 pub(crate) mod args;
 mod attention;
 mod classifier;
@@ -28,7 +27,6 @@ pub(crate) mod operand;
 mod optimizer;
 mod rotary;
 mod softmax;
-mod swiglu;
 
 pub(super) use activations::{gelu_backward, unary_backward};
 pub(super) use attention::{attention, attention_backward, attention_qkv, attention_qkv_backward};
@@ -37,4 +35,3 @@ pub(super) use norms::{layer_norm, layer_norm_backward};
 pub(super) use optimizer::{adamw, sgd};
 pub(super) use rotary::rotary_embedding;
 pub(super) use softmax::{logsumexp, softmax, softmax_backward};
-pub(super) use swiglu::{swiglu, swiglu_backward};

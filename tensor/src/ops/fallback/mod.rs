@@ -7,7 +7,7 @@
 //!
 //! Every function takes contiguous tensors shaped as the calling op passes them. One file per
 //! op or family: `basic` (linear, softmax, unary derivatives, log-sum-exp), `norms` (layer
-//! norm), `loss` (cross-entropy), `swiglu`, `rotary` (rotary embedding), `attention`, `optim`
+//! norm), `loss` (cross-entropy), `rotary` (rotary embedding), `attention`, `optim`
 //! (AdamW, SGD). The ops moved to `ops/fused/` keep their fallback in their own folder
 //! (`fallback.rs`); this module also holds the helpers those share ([`widen`], [`column`],
 //! [`row_sum`]).
@@ -18,7 +18,6 @@ mod loss;
 mod norms;
 mod optim;
 mod rotary;
-mod swiglu;
 #[cfg(test)]
 pub(crate) mod testutil;
 
@@ -32,7 +31,6 @@ pub(crate) use loss::{cross_entropy, cross_entropy_backward};
 pub(crate) use norms::{layer_norm, layer_norm_backward};
 pub(crate) use optim::{adamw, sgd};
 pub(crate) use rotary::rotary_embedding;
-pub(crate) use swiglu::{swiglu, swiglu_backward};
 
 use super::compute_dtype;
 use crate::{DType, Result, Tensor};

@@ -24,9 +24,10 @@
 //!    paths;
 //! 5. the autograd rule in `autograd/` and the op's tests in `tensor/tests/foo.rs`.
 //!
-//! Ops here: `rms_norm` (RMSNorm, forward and backward).
+//! Ops here: `rms_norm` (RMSNorm) and `swiglu` (SwiGLU), each forward and backward.
 
 pub(crate) mod rms_norm;
+pub(crate) mod swiglu;
 
 pub use rms_norm::RmsNormOutput;
 
