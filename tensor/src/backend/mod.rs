@@ -622,21 +622,6 @@ pub(crate) fn attention_qkv_backward(
     })
 }
 
-pub(crate) fn rotary_embedding(
-    x: Src<'_>,
-    positions: Src<'_>,
-    dims: [usize; 4],
-    theta: f64,
-    inverse: bool,
-) -> Fused<Storage> {
-    dispatch!("rotary_embedding", [x.0, positions.0], S, device => {
-        let r = fused(|| {
-            S::rotary_embedding(inp::<S>(x), inp::<S>(positions), dims, theta, inverse)
-        });
-        r.map(|o| o.map(S::wrap))
-    })
-}
-
 pub(crate) fn cross_entropy(
     logits: Src<'_>,
     targets: Src<'_>,

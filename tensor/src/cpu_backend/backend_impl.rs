@@ -9,8 +9,7 @@ use meshgrad_kernels::ops::{
 use meshgrad_kernels::rng;
 
 use super::{
-    attention, cross_entropy, indexing, layer_norm, linear, logsumexp, optimizer, rotary,
-    unary_backward,
+    attention, cross_entropy, indexing, layer_norm, linear, logsumexp, optimizer, unary_backward,
 };
 use crate::backend::api::{BackendStorage, Distribution, Fused, In, MaskArgs};
 use crate::storage::CpuStorage;
@@ -329,16 +328,6 @@ impl BackendStorage for CpuStorage {
         param_grads: bool,
     ) -> Fused<(Self, Option<Self>, Option<Self>)> {
         layer_norm::layer_norm_backward(x, w, mean, rstd, dy, rows, cols, param_grads).map(Some)
-    }
-
-    fn rotary_embedding(
-        x: In<'_, Self>,
-        positions: In<'_, Self>,
-        dims: [usize; 4],
-        theta: f64,
-        inverse: bool,
-    ) -> Fused<Self> {
-        rotary::rotary_embedding(x, positions, dims, theta, inverse).map(Some)
     }
 
     fn cross_entropy(

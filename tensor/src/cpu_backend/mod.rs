@@ -12,7 +12,6 @@ pub(crate) mod layer_norm;
 pub(crate) mod linear;
 pub(crate) mod logsumexp;
 pub(crate) mod optimizer;
-pub(crate) mod rotary;
 pub(crate) mod unary_backward;
 
 use std::borrow::Cow;

@@ -244,16 +244,6 @@ impl BackendStorage for CudaStorage {
         fused::layer_norm_backward(x, w, mean, rstd, dy, rows, cols, param_grads)
     }
 
-    fn rotary_embedding(
-        x: In<'_, Self>,
-        positions: In<'_, Self>,
-        dims: [usize; 4],
-        theta: f64,
-        inverse: bool,
-    ) -> Fused<Self> {
-        fused::rotary_embedding(x, positions, dims, theta, inverse)
-    }
-
     fn cross_entropy(
         logits: In<'_, Self>,
         targets: In<'_, Self>,

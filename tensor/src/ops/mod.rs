@@ -12,7 +12,6 @@ mod matmul;
 mod nn;
 mod overload;
 mod reduce;
-mod rotary;
 mod shape_ops;
 
 pub use attention::{AttentionGrads, AttentionMask, AttentionOutput};

@@ -1,9 +1,9 @@
 //! The fused ops of the CUDA backend, one file per op or op family (named after the op, or after
-//! its kernel file for a family): `softmax.rs` (softmax, log-softmax,
-//! log-sum-exp), `classifier.rs` (cross-entropy), `norms.rs` (layer norm, and the helpers
-//! of every norm),
+//! its kernel file for a family): `softmax.rs` (softmax, log-softmax, log-sum-exp),
+//! `classifier.rs` (cross-entropy), `norms.rs` (layer norm, and the helpers of every norm),
 //! `attention.rs` (flash attention, with `attention/params.rs` building the kernels' layouts),
-//! `optimizer.rs` (AdamW, SGD), `activations.rs` (GELU / SiLU / clamp backward) and `rotary.rs` (rotary embedding). `args.rs` describes launches as plain data
+//! `optimizer.rs` (AdamW, SGD) and `activations.rs` (GELU / SiLU / clamp backward).
+//! `args.rs` describes launches as plain data
 //! (tested against the kernels' signatures without a GPU), `operand.rs` prepares operands
 //! (contiguous copies, dtype conversions).
 //!
@@ -25,7 +25,6 @@ pub(super) mod launch_table;
 pub(crate) mod norms;
 pub(crate) mod operand;
 mod optimizer;
-mod rotary;
 mod softmax;
 
 pub(super) use activations::{gelu_backward, unary_backward};
@@ -33,5 +32,4 @@ pub(super) use attention::{attention, attention_backward, attention_qkv, attenti
 pub(super) use classifier::{cross_entropy, cross_entropy_backward};
 pub(super) use norms::{layer_norm, layer_norm_backward};
 pub(super) use optimizer::{adamw, sgd};
-pub(super) use rotary::rotary_embedding;
 pub(super) use softmax::{logsumexp, softmax, softmax_backward};

@@ -7,17 +7,15 @@
 //!
 //! Every function takes contiguous tensors shaped as the calling op passes them. One file per
 //! op or family: `basic` (linear, softmax, unary derivatives, log-sum-exp), `norms` (layer
-//! norm), `loss` (cross-entropy), `rotary` (rotary embedding), `attention`, `optim`
-//! (AdamW, SGD). The ops moved to `ops/fused/` keep their fallback in their own folder
-//! (`fallback.rs`); this module also holds the helpers those share ([`widen`], [`column`],
-//! [`row_sum`]).
+//! norm), `loss` (cross-entropy), `attention`, `optim` (AdamW, SGD). The ops moved to
+//! `ops/fused/` keep their fallback in their own folder (`fallback.rs`); this module also holds
+//! the helpers those share ([`widen`], [`column`], [`row_sum`]).
 
 mod attention;
 mod basic;
 mod loss;
 mod norms;
 mod optim;
-mod rotary;
 #[cfg(test)]
 pub(crate) mod testutil;
 
@@ -30,7 +28,6 @@ pub(crate) use basic::{
 pub(crate) use loss::{cross_entropy, cross_entropy_backward};
 pub(crate) use norms::{layer_norm, layer_norm_backward};
 pub(crate) use optim::{adamw, sgd};
-pub(crate) use rotary::rotary_embedding;
 
 use super::compute_dtype;
 use crate::{DType, Result, Tensor};

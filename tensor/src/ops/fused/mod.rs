@@ -24,9 +24,11 @@
 //!    paths;
 //! 5. the autograd rule in `autograd/` and the op's tests in `tensor/tests/foo.rs`.
 //!
-//! Ops here: `rms_norm` (RMSNorm) and `swiglu` (SwiGLU), each forward and backward.
+//! Ops here: `rms_norm` (RMSNorm), `rotary` (rotary embedding) and `swiglu` (SwiGLU), each
+//! forward and backward.
 
 pub(crate) mod rms_norm;
+pub(crate) mod rotary;
 pub(crate) mod swiglu;
 
 pub use rms_norm::RmsNormOutput;
