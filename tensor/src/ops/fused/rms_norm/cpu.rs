@@ -12,13 +12,7 @@ use crate::Result;
 
 /// See [`RmsNorm`]: `(y, rstd)`.
 pub(super) fn forward(a: &RmsNorm<CpuIn<'_>>) -> Result<(CpuStorage, CpuStorage)> {
-    let RmsNorm {
-        x,
-        w,
-        rows,
-        cols,
-        eps,
-    } = *a;
+    let (x, w, rows, cols, eps) = (a.x, a.w, a.rows, a.cols, a.eps);
     let dt = x.0.dtype();
     let wv = w
         .map(|(s, l)| floats(s, range(l), "rms_norm (weight)"))
@@ -37,15 +31,8 @@ pub(super) fn forward(a: &RmsNorm<CpuIn<'_>>) -> Result<(CpuStorage, CpuStorage)
 
 /// See [`RmsNormBackward`]: `(dx, dweight)`.
 pub(super) fn backward(a: &RmsNormBackward<CpuIn<'_>>) -> Result<(CpuStorage, Option<CpuStorage>)> {
-    let RmsNormBackward {
-        x,
-        w,
-        rstd,
-        dy,
-        rows,
-        cols,
-        weight_grad,
-    } = *a;
+    let (x, w, rstd, dy) = (a.x, a.w, a.rstd, a.dy);
+    let (rows, cols, weight_grad) = (a.rows, a.cols, a.weight_grad);
     let dt = x.0.dtype();
     let wdt = w.map(|(s, _)| s.dtype()).unwrap_or(dt);
     let wv = w

@@ -55,13 +55,7 @@ pub(crate) fn rms_norm_bwd_launch(
 /// See [`RmsNorm`]: `(y, rstd)`, `y` in `x`'s dtype, `rstd` f32 `[rows]`. `Ok(None)` for f64
 /// operands.
 pub(super) fn forward(a: &RmsNorm<CudaIn<'_>>) -> Result<Option<(CudaStorage, CudaStorage)>> {
-    let RmsNorm {
-        x,
-        w,
-        rows,
-        cols,
-        eps,
-    } = *a;
+    let (x, w, rows, cols, eps) = (a.x, a.w, a.rows, a.cols, a.eps);
     let dt = x.0.dtype();
     let pdts: Vec<DType> = w.iter().map(|p| p.0.dtype()).collect();
     let Some(kd) = kernel_dtype(dt, &pdts) else {
@@ -98,15 +92,8 @@ pub(super) fn forward(a: &RmsNorm<CudaIn<'_>>) -> Result<Option<(CudaStorage, Cu
 pub(super) fn backward(
     a: &RmsNormBackward<CudaIn<'_>>,
 ) -> Result<Option<(CudaStorage, Option<CudaStorage>)>> {
-    let RmsNormBackward {
-        x,
-        w,
-        rstd,
-        dy,
-        rows,
-        cols,
-        weight_grad,
-    } = *a;
+    let (x, w, rstd, dy) = (a.x, a.w, a.rstd, a.dy);
+    let (rows, cols, weight_grad) = (a.rows, a.cols, a.weight_grad);
     let dt = x.0.dtype();
     let wdt = w.map_or(dt, |w| w.0.dtype());
     let Some(kd) = kernel_dtype(dt, &[wdt]) else {

@@ -8,13 +8,7 @@ use crate::{Result, Tensor};
 /// See [`RmsNorm`]: `y = x rstd · w` with `rstd = 1/sqrt(mean(x²) + eps)`, computed in compute
 /// precision.
 pub(super) fn forward(a: &RmsNorm<&Tensor>) -> Result<RmsNormOutput> {
-    let RmsNorm {
-        x,
-        w,
-        rows,
-        cols,
-        eps,
-    } = *a;
+    let (x, w, rows, cols, eps) = (a.x, a.w, a.rows, a.cols, a.eps);
     let xc = widen(x)?.reshape((rows, cols))?;
     let ms = xc.sqr()?.mean(&[-1], true)?;
     let rstd = ms.add_scalar(eps)?.sqrt()?.recip()?;
@@ -31,15 +25,8 @@ pub(super) fn forward(a: &RmsNorm<&Tensor>) -> Result<RmsNormOutput> {
 /// See [`RmsNormBackward`]: with `xhat = x rstd` and `g = weight · dy` (or `dy`),
 /// `dx = rstd (g - xhat mean(g xhat))` and `dweight = Σ_rows dy xhat`.
 pub(super) fn backward(a: &RmsNormBackward<&Tensor>) -> Result<(Tensor, Option<Tensor>)> {
-    let RmsNormBackward {
-        x,
-        w,
-        rstd,
-        dy,
-        rows,
-        cols,
-        weight_grad,
-    } = *a;
+    let (x, w, rstd, dy) = (a.x, a.w, a.rstd, a.dy);
+    let (rows, cols, weight_grad) = (a.rows, a.cols, a.weight_grad);
     let wdt = w.map_or(x.dtype(), |w| w.dtype());
     let xc = widen(x)?.reshape((rows, cols))?;
     let dyc = widen(dy)?.reshape((rows, cols))?;

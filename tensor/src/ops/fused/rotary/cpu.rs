@@ -11,13 +11,7 @@ use crate::Result;
 
 /// See [`Rotary`].
 pub(super) fn rotary(a: &Rotary<CpuIn<'_>>) -> Result<CpuStorage> {
-    let Rotary {
-        x,
-        positions,
-        dims,
-        theta,
-        inverse,
-    } = *a;
+    let (x, positions, dims, theta, inverse) = (a.x, a.positions, a.dims, a.theta, a.inverse);
     let dt = x.0.dtype();
     let p = ids(positions.0, positions.1, "rotary_embedding (positions)")?;
     let [b, t, h, d] = dims;

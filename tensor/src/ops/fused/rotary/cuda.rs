@@ -41,13 +41,7 @@ pub(crate) fn rotary_launch(
 
 /// See [`Rotary`] (integer positions are widened to i64); `Ok(None)` for f64.
 pub(super) fn rotary(a: &Rotary<CudaIn<'_>>) -> Result<Option<CudaStorage>> {
-    let Rotary {
-        x,
-        positions,
-        dims,
-        theta,
-        inverse,
-    } = *a;
+    let (x, positions, dims, theta, inverse) = (a.x, a.positions, a.dims, a.theta, a.inverse);
     let dt = x.0.dtype();
     let Some(t) = sfx(dt) else { return Ok(None) };
     let op = "rotary_embedding";

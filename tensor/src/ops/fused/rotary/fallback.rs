@@ -8,13 +8,7 @@ use crate::{DType, Result, Tensor};
 /// See [`Rotary`]. As in the fused kernels, the angles and their cosines and sines are computed
 /// in f64 and rounded once to the compute precision.
 pub(super) fn rotary(a: &Rotary<&Tensor>) -> Result<Tensor> {
-    let Rotary {
-        x,
-        positions,
-        dims,
-        theta,
-        inverse,
-    } = *a;
+    let (x, positions, dims, theta, inverse) = (a.x, a.positions, a.dims, a.theta, a.inverse);
     let [_, t, _, d] = dims;
     let half = d / 2;
     if x.elem_count() == 0 {
