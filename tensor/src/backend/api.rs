@@ -12,10 +12,11 @@
 //!   for the same seed and indices), and `release` (the hook of a caching allocator);
 //! - basic ops, which every backend must provide (casts, copies, elementwise, reductions,
 //!   matmul, indexing, ...);
-//! - fused ops (normalisations, softmax, attention, cross-entropy, SwiGLU, rotary embedding,
-//!   optimizer steps, ...), whose default answer is `Ok(None)`: "not provided". The tensor op then
-//!   runs a fallback composed of basic ops (see `ops/fallback/`), so a backend can arrive one
-//!   fused kernel at a time.
+//! - fused ops (layer norm, softmax, attention, cross-entropy, optimizer steps, ...), whose
+//!   default answer is `Ok(None)`: "not provided". The tensor op then runs a fallback composed
+//!   of basic ops (see `ops/fallback/`), so a backend can arrive one fused kernel at a time.
+//!   The fused ops of `ops/fused/` are not methods here: each keeps its CPU, CUDA and composed
+//!   paths in its own folder, run by `ops::fused::run`.
 //!
 //! Conventions shared by all methods: every operand is a storage with the [`Layout`] of the view
 //! being read (`In`); operands have been checked to be on the same device by the dispatch place;
@@ -261,50 +262,6 @@ pub(crate) trait BackendStorage: Sized + std::fmt::Debug + Send + Sync + 'static
         _cols: usize,
         _param_grads: bool,
     ) -> Fused<(Self, Option<Self>, Option<Self>)> {
-        Ok(None)
-    }
-    /// RMS normalisation over rows: `(y, rstd)`.
-    fn rms_norm(
-        _x: In<'_, Self>,
-        _w: Option<In<'_, Self>>,
-        _rows: usize,
-        _cols: usize,
-        _eps: f64,
-    ) -> Fused<(Self, Self)> {
-        Ok(None)
-    }
-    /// The backward of [`BackendStorage::rms_norm`]: `(dx, dw)`.
-    fn rms_norm_backward(
-        _x: In<'_, Self>,
-        _w: Option<In<'_, Self>>,
-        _rstd: In<'_, Self>,
-        _dy: In<'_, Self>,
-        _rows: usize,
-        _cols: usize,
-        _weight_grad: bool,
-    ) -> Fused<(Self, Option<Self>)> {
-        Ok(None)
-    }
-    /// Rotary position embedding of a `[B, T, H, D]` buffer (`dims`).
-    fn rotary_embedding(
-        _x: In<'_, Self>,
-        _positions: In<'_, Self>,
-        _dims: [usize; 4],
-        _theta: f64,
-        _inverse: bool,
-    ) -> Fused<Self> {
-        Ok(None)
-    }
-    /// `silu(gate) * up`.
-    fn swiglu(_gate: In<'_, Self>, _up: In<'_, Self>) -> Fused<Self> {
-        Ok(None)
-    }
-    /// The backward of [`BackendStorage::swiglu`]: `(dgate, dup)`.
-    fn swiglu_backward(
-        _gate: In<'_, Self>,
-        _up: In<'_, Self>,
-        _dy: In<'_, Self>,
-    ) -> Fused<(Self, Self)> {
         Ok(None)
     }
     /// Per-row cross-entropy of `[rows, cols]` logits against integer targets: `(loss, lse)`.

@@ -8,6 +8,8 @@
 //!
 //! Fused primitives return `Result<Option<_>>` (`None`: the backend does not provide the fused
 //! kernel); every one has a fallback composed of basic ops at its tensor op (`ops/fallback/`).
+//! The fused ops of `ops/fused/` do not pass here: `ops::fused::run` checks their device itself
+//! (with [`device_of`]) and calls their paths.
 
 pub(crate) mod api;
 
@@ -94,7 +96,7 @@ macro_rules! with_backend {
 
 /// The one same-device check: the device every operand is on, or [`Error::DeviceMismatch`]
 /// naming `op` and the first two devices that differ.
-fn device_of(op: &'static str, operands: &[&Storage]) -> Result<Device> {
+pub(crate) fn device_of(op: &'static str, operands: &[&Storage]) -> Result<Device> {
     let first = operands.first().map_or(Device::Cpu, |s| s.device());
     for s in operands.iter().skip(1) {
         let d = s.device();
@@ -166,7 +168,7 @@ pub(crate) fn with_fused_declined<R>(f: impl FnOnce() -> R) -> R {
 }
 
 /// Whether fused kernels are declined on this thread (only ever in tests).
-fn declined() -> bool {
+pub(crate) fn declined() -> bool {
     #[cfg(test)]
     {
         DECLINE_FUSED.with(|d| d.get())
@@ -617,82 +619,6 @@ pub(crate) fn attention_qkv_backward(
             )
         });
         r.map(|o| o.map(|(g, dz)| (g.wrap(), dz.map(S::wrap))))
-    })
-}
-
-pub(crate) fn rms_norm(
-    x: Src<'_>,
-    w: Option<Src<'_>>,
-    rows: usize,
-    cols: usize,
-    eps: f64,
-) -> Fused<(Storage, Storage)> {
-    let ops: Vec<&Storage> = [x.0].into_iter().chain(w.map(|s| s.0)).collect();
-    dispatch!("rms_norm", slice &ops, S, device => {
-        let r = fused(|| S::rms_norm(inp::<S>(x), opt::<S>(w), rows, cols, eps));
-        r.map(|o| o.map(wrap2))
-    })
-}
-
-pub(crate) fn rms_norm_backward(
-    x: Src<'_>,
-    w: Option<Src<'_>>,
-    rstd: Src<'_>,
-    dy: Src<'_>,
-    rows: usize,
-    cols: usize,
-    weight_grad: bool,
-) -> Fused<(Storage, Option<Storage>)> {
-    let ops: Vec<&Storage> = [x.0, rstd.0, dy.0]
-        .into_iter()
-        .chain(w.map(|s| s.0))
-        .collect();
-    dispatch!("rms_norm_backward", slice &ops, S, device => {
-        let r = fused(|| {
-            S::rms_norm_backward(
-                inp::<S>(x),
-                opt::<S>(w),
-                inp::<S>(rstd),
-                inp::<S>(dy),
-                rows,
-                cols,
-                weight_grad,
-            )
-        });
-        r.map(|o| o.map(|(dx, dw)| (dx.wrap(), dw.map(S::wrap))))
-    })
-}
-
-pub(crate) fn rotary_embedding(
-    x: Src<'_>,
-    positions: Src<'_>,
-    dims: [usize; 4],
-    theta: f64,
-    inverse: bool,
-) -> Fused<Storage> {
-    dispatch!("rotary_embedding", [x.0, positions.0], S, device => {
-        let r = fused(|| {
-            S::rotary_embedding(inp::<S>(x), inp::<S>(positions), dims, theta, inverse)
-        });
-        r.map(|o| o.map(S::wrap))
-    })
-}
-
-pub(crate) fn swiglu(gate: Src<'_>, up: Src<'_>) -> Fused<Storage> {
-    dispatch!("swiglu", [gate.0, up.0], S, device => {
-        let r = fused(|| S::swiglu(inp::<S>(gate), inp::<S>(up)));
-        r.map(|o| o.map(S::wrap))
-    })
-}
-
-pub(crate) fn swiglu_backward(
-    gate: Src<'_>,
-    up: Src<'_>,
-    dy: Src<'_>,
-) -> Fused<(Storage, Storage)> {
-    dispatch!("swiglu_backward", [gate.0, up.0, dy.0], S, device => {
-        let r = fused(|| S::swiglu_backward(inp::<S>(gate), inp::<S>(up), inp::<S>(dy)));
-        r.map(|o| o.map(wrap2))
     })
 }
 

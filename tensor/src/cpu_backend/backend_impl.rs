@@ -9,8 +9,7 @@ use meshgrad_kernels::ops::{
 use meshgrad_kernels::rng;
 
 use super::{
-    attention, cross_entropy, indexing, layer_norm, linear, logsumexp, optimizer, rms_norm, rotary,
-    swiglu, unary_backward,
+    attention, cross_entropy, indexing, layer_norm, linear, logsumexp, optimizer, unary_backward,
 };
 use crate::backend::api::{BackendStorage, Distribution, Fused, In, MaskArgs};
 use crate::storage::CpuStorage;
@@ -329,50 +328,6 @@ impl BackendStorage for CpuStorage {
         param_grads: bool,
     ) -> Fused<(Self, Option<Self>, Option<Self>)> {
         layer_norm::layer_norm_backward(x, w, mean, rstd, dy, rows, cols, param_grads).map(Some)
-    }
-
-    fn rms_norm(
-        x: In<'_, Self>,
-        w: Option<In<'_, Self>>,
-        rows: usize,
-        cols: usize,
-        eps: f64,
-    ) -> Fused<(Self, Self)> {
-        rms_norm::rms_norm(x, w, rows, cols, eps).map(Some)
-    }
-
-    fn rms_norm_backward(
-        x: In<'_, Self>,
-        w: Option<In<'_, Self>>,
-        rstd: In<'_, Self>,
-        dy: In<'_, Self>,
-        rows: usize,
-        cols: usize,
-        weight_grad: bool,
-    ) -> Fused<(Self, Option<Self>)> {
-        rms_norm::rms_norm_backward(x, w, rstd, dy, rows, cols, weight_grad).map(Some)
-    }
-
-    fn rotary_embedding(
-        x: In<'_, Self>,
-        positions: In<'_, Self>,
-        dims: [usize; 4],
-        theta: f64,
-        inverse: bool,
-    ) -> Fused<Self> {
-        rotary::rotary_embedding(x, positions, dims, theta, inverse).map(Some)
-    }
-
-    fn swiglu(gate: In<'_, Self>, up: In<'_, Self>) -> Fused<Self> {
-        swiglu::swiglu(gate, up).map(Some)
-    }
-
-    fn swiglu_backward(
-        gate: In<'_, Self>,
-        up: In<'_, Self>,
-        dy: In<'_, Self>,
-    ) -> Fused<(Self, Self)> {
-        swiglu::swiglu_backward(gate, up, dy).map(Some)
     }
 
     fn cross_entropy(

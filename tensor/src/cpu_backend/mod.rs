@@ -12,9 +12,6 @@ pub(crate) mod layer_norm;
 pub(crate) mod linear;
 pub(crate) mod logsumexp;
 pub(crate) mod optimizer;
-pub(crate) mod rms_norm;
-pub(crate) mod rotary;
-pub(crate) mod swiglu;
 pub(crate) mod unary_backward;
 
 use std::borrow::Cow;
@@ -133,7 +130,7 @@ pub(crate) fn full(s: &CpuStorage) -> Range<usize> {
     0..s.len()
 }
 
-fn range(l: &Layout) -> Range<usize> {
+pub(crate) fn range(l: &Layout) -> Range<usize> {
     l.contiguous_range()
         .expect("the tensor layer passes contiguous layouts here")
 }

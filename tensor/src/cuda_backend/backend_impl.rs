@@ -244,50 +244,6 @@ impl BackendStorage for CudaStorage {
         fused::layer_norm_backward(x, w, mean, rstd, dy, rows, cols, param_grads)
     }
 
-    fn rms_norm(
-        x: In<'_, Self>,
-        w: Option<In<'_, Self>>,
-        rows: usize,
-        cols: usize,
-        eps: f64,
-    ) -> Fused<(Self, Self)> {
-        fused::rms_norm(x, w, rows, cols, eps)
-    }
-
-    fn rms_norm_backward(
-        x: In<'_, Self>,
-        w: Option<In<'_, Self>>,
-        rstd: In<'_, Self>,
-        dy: In<'_, Self>,
-        rows: usize,
-        cols: usize,
-        weight_grad: bool,
-    ) -> Fused<(Self, Option<Self>)> {
-        fused::rms_norm_backward(x, w, rstd, dy, rows, cols, weight_grad)
-    }
-
-    fn rotary_embedding(
-        x: In<'_, Self>,
-        positions: In<'_, Self>,
-        dims: [usize; 4],
-        theta: f64,
-        inverse: bool,
-    ) -> Fused<Self> {
-        fused::rotary_embedding(x, positions, dims, theta, inverse)
-    }
-
-    fn swiglu(gate: In<'_, Self>, up: In<'_, Self>) -> Fused<Self> {
-        fused::swiglu(gate, up)
-    }
-
-    fn swiglu_backward(
-        gate: In<'_, Self>,
-        up: In<'_, Self>,
-        dy: In<'_, Self>,
-    ) -> Fused<(Self, Self)> {
-        fused::swiglu_backward(gate, up, dy)
-    }
-
     fn cross_entropy(
         logits: In<'_, Self>,
         targets: In<'_, Self>,

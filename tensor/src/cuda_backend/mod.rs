@@ -22,7 +22,7 @@ mod backend_impl;
 mod basic;
 mod blas;
 mod context;
-mod fused;
+pub(crate) mod fused;
 mod launch;
 mod memory;
 mod raw;

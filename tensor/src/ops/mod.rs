@@ -4,6 +4,7 @@
 mod attention;
 mod elementwise;
 mod fallback;
+pub(crate) mod fused;
 mod indexing;
 mod inplace;
 mod math;
@@ -11,17 +12,14 @@ mod matmul;
 mod nn;
 mod overload;
 mod reduce;
-mod rms_norm;
-mod rotary;
 mod shape_ops;
-mod swiglu;
 
 pub use attention::{AttentionGrads, AttentionMask, AttentionOutput};
 pub use elementwise::GeluKind;
+pub use fused::RmsNormOutput;
 pub use matmul::LinearGrads;
 pub use meshgrad_kernels::ops::AdamWStep;
 pub use nn::LayerNormOutput;
-pub use rms_norm::RmsNormOutput;
 
 use crate::{DType, Error, Tensor};
 

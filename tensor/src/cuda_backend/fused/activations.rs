@@ -1,6 +1,7 @@
 //! The activations' fused backward ops (activations.cu): GELU backward and the SiLU / clamp
 //! backward (`unary_bwd`). f32, bf16 and f16 (computed in f32); f64 is not provided on CUDA
-//! (`Ok(None)`). SwiGLU, also in activations.cu, is `swiglu.rs`.
+//! (`Ok(None)`). SwiGLU, also in activations.cu, is
+//! `ops/fused/swiglu/cuda.rs`.
 
 use meshgrad_kernels::cuda::unary_grad;
 use meshgrad_kernels::ops::UnaryGrad;
@@ -11,7 +12,7 @@ use crate::backend::api::{Fused, In};
 use crate::cuda_backend::CudaStorage;
 
 /// A grid-stride launch of `entry` of activations.cu over `n` elements.
-pub(super) fn act_launch(entry: String, n: usize, args: Vec<Arg>) -> Launch {
+pub(crate) fn act_launch(entry: String, n: usize, args: Vec<Arg>) -> Launch {
     Launch {
         file: "activations.cu",
         entry,

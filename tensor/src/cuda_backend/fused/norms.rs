@@ -1,11 +1,11 @@
-//! Layer norm and RMSNorm, forward and backward (norms.cu).
+//! Layer norm, forward and backward (norms.cu), and the helpers every norm of norms.cu shares
+//! (RMSNorm's CUDA path, `ops/fused/rms_norm/cuda.rs`, uses them too).
 //!
 //! Dtypes: f32, bf16 and f16 data (computed in f32); f64 is not provided on CUDA (`Ok(None)`).
 //! The saved statistics (`mean`, `rstd`) are f32 `[rows]` for every data dtype: the CPU backend
 //! also returns them in compute precision (f32 for f32 / bf16 / f16: `cpu_backend/layer_norm.rs`
-//! and `cpu_backend/rms_norm.rs` build `CpuStorage::F32`, and the composed fallback of
-//! `ops/fallback/norms.rs` keeps them in
-//! `compute_dtype`), and the tensor op builds the `mean` / `rstd` tensors from the storages'
+//! and `ops/fused/rms_norm/cpu.rs` build `CpuStorage::F32`, and the composed fallbacks keep them
+//! in `compute_dtype`), and the tensor op builds the `mean` / `rstd` tensors from the storages'
 //! own dtype, so both backends give f32 statistics. The backward converts statistics of another
 //! dtype to f32.
 //!
@@ -56,24 +56,6 @@ pub(crate) fn layer_norm_fwd_launch(
     )
 }
 
-/// `rms_norm_fwd_<t>(x, w, y, rstd, rows, cols, eps)`; `[x, w, y, rstd]` (w: 0 when absent).
-pub(crate) fn rms_norm_fwd_launch(
-    t: &str,
-    p: [u64; 4],
-    rows: usize,
-    cols: usize,
-    eps: f64,
-) -> Launch {
-    norm_launch(
-        format!("rms_norm_fwd_{t}"),
-        &p,
-        rows,
-        cols,
-        row_grid(rows),
-        Some(eps),
-    )
-}
-
 /// `layer_norm_bwd_<t>(x, w, mean, rstd, dy, dx, dw_partial, db_partial, rows, cols)` on
 /// `blocks` blocks; `[x, w, mean, rstd, dy, dx, dw_partial, db_partial]` (w and the partials: 0
 /// when absent / not wanted).
@@ -86,25 +68,6 @@ pub(crate) fn layer_norm_bwd_launch(
 ) -> Launch {
     norm_launch(
         format!("layer_norm_bwd_{t}"),
-        &p,
-        rows,
-        cols,
-        (blocks as u32, 1, 1),
-        None,
-    )
-}
-
-/// `rms_norm_bwd_<t>(x, w, rstd, dy, dx, dw_partial, rows, cols)` on `blocks` blocks;
-/// `[x, w, rstd, dy, dx, dw_partial]`.
-pub(crate) fn rms_norm_bwd_launch(
-    t: &str,
-    p: [u64; 6],
-    rows: usize,
-    cols: usize,
-    blocks: usize,
-) -> Launch {
-    norm_launch(
-        format!("rms_norm_bwd_{t}"),
         &p,
         rows,
         cols,
@@ -154,7 +117,7 @@ pub(crate) fn kernel_dtype(x: DType, params: &[DType]) -> Option<DType> {
 }
 
 /// `s` (contiguous) rounded to `dtype` (itself when it already is).
-fn rounded(s: CudaStorage, dtype: DType) -> Result<CudaStorage> {
+pub(crate) fn rounded(s: CudaStorage, dtype: DType) -> Result<CudaStorage> {
     if s.dtype() == dtype {
         Ok(s)
     } else {
@@ -164,7 +127,7 @@ fn rounded(s: CudaStorage, dtype: DType) -> Result<CudaStorage> {
 
 /// `Σ_rows` partials of `[blocks, cols]` reduced into a new `[cols]` buffer of `kd`, rounded to
 /// `out_dt`.
-fn reduce_partials(
+pub(crate) fn reduce_partials(
     ctx: &Arc<DeviceContext>,
     t: &str,
     partial: &CudaStorage,
@@ -189,7 +152,7 @@ fn reduce_partials(
 
 /// The statistics of rows of no columns, as the CPU gives them (the kernel would divide 0 by
 /// 0): mean 0 and `rstd = 1 / sqrt(eps)` in f32, for `rows` rows.
-fn empty_row_stats(
+pub(crate) fn empty_row_stats(
     ctx: &Arc<DeviceContext>,
     rows: usize,
     eps: f64,
@@ -202,7 +165,7 @@ fn empty_row_stats(
 }
 
 /// The operand `w` in `kd` (None when absent).
-fn param<'a>(w: Option<In<'a, CudaStorage>>, kd: DType) -> Result<Option<Operand<'a>>> {
+pub(crate) fn param<'a>(w: Option<In<'a, CudaStorage>>, kd: DType) -> Result<Option<Operand<'a>>> {
     w.map(|w| as_dtype(w, kd)).transpose()
 }
 
@@ -320,102 +283,9 @@ pub(in crate::cuda_backend) fn layer_norm_backward(
     Ok(Some((rounded(dx, dt)?, dw, db)))
 }
 
-/// See `BackendStorage::rms_norm`: `(y, rstd)`, `y` in `x`'s dtype, `rstd` f32 `[rows]`.
-/// `Ok(None)` for f64 operands.
-pub(in crate::cuda_backend) fn rms_norm(
-    x: In<'_, CudaStorage>,
-    w: Option<In<'_, CudaStorage>>,
-    rows: usize,
-    cols: usize,
-    eps: f64,
-) -> Fused<(CudaStorage, CudaStorage)> {
-    let dt = x.0.dtype();
-    let pdts: Vec<DType> = w.iter().map(|p| p.0.dtype()).collect();
-    let Some(kd) = kernel_dtype(dt, &pdts) else {
-        return Ok(None);
-    };
-    let t = sfx(kd).unwrap_or("f32");
-    let op = "rms_norm";
-    check_len(op, "x", x.1, rows * cols)?;
-    if let Some(w) = w {
-        check_len(op, "weight", w.1, cols)?;
-    }
-    let ctx = x.0.ctx();
-    if cols == 0 {
-        let (_, rstd) = empty_row_stats(ctx, rows, eps)?;
-        return Ok(Some((output(ctx, dt, 0)?, rstd)));
-    }
-    let (xo, wo) = (as_dtype(x, kd)?, param(w, kd)?);
-    let y = output(ctx, kd, rows * cols)?;
-    let rstd = output(ctx, DType::F32, rows)?;
-    let p = [
-        xo.ptr(),
-        ptr_or_null(&wo),
-        y.device_ptr(),
-        rstd.device_ptr(),
-    ];
-    rms_norm_fwd_launch(t, p, rows, cols, eps).run(ctx, || {
-        format!("{op} of [{rows}, {cols}] {dt:?} (weight dtype {pdts:?}, eps {eps})")
-    })?;
-    Ok(Some((rounded(y, dt)?, rstd)))
-}
-
-/// See `BackendStorage::rms_norm_backward`: `(dx, dweight)`, `dx` in `x`'s dtype, `dweight`
-/// (when `weight_grad`) in the weight's dtype (`x`'s without a weight). `Ok(None)` for f64
-/// operands.
-pub(in crate::cuda_backend) fn rms_norm_backward(
-    x: In<'_, CudaStorage>,
-    w: Option<In<'_, CudaStorage>>,
-    rstd: In<'_, CudaStorage>,
-    dy: In<'_, CudaStorage>,
-    rows: usize,
-    cols: usize,
-    weight_grad: bool,
-) -> Fused<(CudaStorage, Option<CudaStorage>)> {
-    let dt = x.0.dtype();
-    let wdt = w.map_or(dt, |w| w.0.dtype());
-    let Some(kd) = kernel_dtype(dt, &[wdt]) else {
-        return Ok(None);
-    };
-    let t = sfx(kd).unwrap_or("f32");
-    let op = "rms_norm_backward";
-    check_len(op, "x", x.1, rows * cols)?;
-    check_len(op, "dy", dy.1, rows * cols)?;
-    check_len(op, "rstd", rstd.1, rows)?;
-    if let Some(w) = w {
-        check_len(op, "weight", w.1, cols)?;
-    }
-    let (xo, go, wo) = (as_dtype(x, kd)?, as_dtype(dy, kd)?, param(w, kd)?);
-    let ro = as_dtype(rstd, DType::F32)?;
-    let ctx = x.0.ctx();
-    let dx = output(ctx, kd, rows * cols)?;
-    let blocks = norm_bwd_blocks(rows);
-    let partial = if weight_grad {
-        Some(output(ctx, DType::F32, blocks * cols)?)
-    } else {
-        None
-    };
-    let p = [
-        xo.ptr(),
-        ptr_or_null(&wo),
-        ro.ptr(),
-        go.ptr(),
-        dx.device_ptr(),
-        partial.as_ref().map_or(0, CudaStorage::device_ptr),
-    ];
-    let what =
-        || format!("{op} of [{rows}, {cols}] {dt:?} (weight {wdt:?}, weight grad {weight_grad})");
-    rms_norm_bwd_launch(t, p, rows, cols, blocks).run(ctx, what)?;
-    let dw = match &partial {
-        None => None,
-        Some(pw) => Some(reduce_partials(ctx, t, pw, blocks, cols, kd, wdt, &what)?),
-    };
-    Ok(Some((rounded(dx, dt)?, dw)))
-}
-
 /// A row kernel of norms.cu: the pointers `p` in order, then `rows`, `cols` (i64) and, for the
 /// forward kernels, `eps` (f32), on `grid` blocks of [`BLOCK_1D`] threads.
-fn norm_launch(
+pub(crate) fn norm_launch(
     entry: String,
     p: &[u64],
     rows: usize,
@@ -453,13 +323,6 @@ mod tests {
         assert_eq!(l.args[6..], [Arg::I64(10), Arg::I64(768), Arg::F32(1e-5)]);
         assert_eq!(l.grid, (10, 1, 1));
         assert_known(&l);
-        // rms_norm_fwd_<t>(const T *x, const T *w, T *y, float *rstd, i64 rows, i64 cols,
-        //                  float eps)
-        let l = rms_norm_fwd_launch("f32", [1, 2, 3, 4], 3, 64, 1e-6);
-        assert_eq!(l.entry, "rms_norm_fwd_f32");
-        assert_eq!(l.kinds(), vec![P, P, P, P, I64, I64, F32]);
-        assert_eq!(l.args[3], Arg::Ptr(4));
-        assert_known(&l);
     }
 
     #[test]
@@ -475,13 +338,6 @@ mod tests {
         assert_eq!(l.args[7], Arg::Ptr(8));
         // The partials have one row per block: the grid is exactly `blocks`.
         assert_eq!(l.grid, (NORM_BWD_BLOCKS as u32, 1, 1));
-        assert_known(&l);
-        // rms_norm_bwd_<t>(x, w, const float *rstd, dy, dx, float *dw_partial, i64 rows,
-        //                  i64 cols)
-        let l = rms_norm_bwd_launch("f32", [1, 2, 3, 4, 5, 6], 3, 64, norm_bwd_blocks(3));
-        assert_eq!(l.entry, "rms_norm_bwd_f32");
-        assert_eq!(l.kinds(), vec![P, P, P, P, P, P, I64, I64]);
-        assert_eq!(l.grid, (3, 1, 1));
         assert_known(&l);
         assert_eq!(norm_bwd_blocks(0), 1);
         // norm_partials_reduce_<t>(const float *partial, i64 nparts, i64 cols, T *out,

@@ -6,19 +6,18 @@
 //! kernels (forced by declining fused kernels on the test's thread).
 //!
 //! Every function takes contiguous tensors shaped as the calling op passes them. One file per
-//! op or family: `basic` (linear, softmax, unary derivatives, log-sum-exp), `norms` (layer norm,
-//! RMS norm), `loss` (cross-entropy), `swiglu`, `rotary` (rotary embedding), `attention`,
-//! `optim` (AdamW, SGD).
+//! op or family: `basic` (linear, softmax, unary derivatives, log-sum-exp), `norms` (layer
+//! norm), `loss` (cross-entropy), `attention`, `optim` (AdamW, SGD). The ops moved to
+//! `ops/fused/` keep their fallback in their own folder (`fallback.rs`); this module also holds
+//! the helpers those share ([`widen`], [`column`], [`row_sum`]).
 
 mod attention;
 mod basic;
 mod loss;
 mod norms;
 mod optim;
-mod rotary;
-mod swiglu;
 #[cfg(test)]
-mod testutil;
+pub(crate) mod testutil;
 
 pub(crate) use attention::{
     attention, attention_backward, attention_qkv, attention_qkv_backward, MaskParts,
@@ -27,16 +26,14 @@ pub(crate) use basic::{
     gelu_backward, linear, logsumexp, softmax, softmax_backward, unary_backward,
 };
 pub(crate) use loss::{cross_entropy, cross_entropy_backward};
-pub(crate) use norms::{layer_norm, layer_norm_backward, rms_norm, rms_norm_backward};
+pub(crate) use norms::{layer_norm, layer_norm_backward};
 pub(crate) use optim::{adamw, sgd};
-pub(crate) use rotary::rotary_embedding;
-pub(crate) use swiglu::{swiglu, swiglu_backward};
 
 use super::compute_dtype;
-use crate::{Result, Tensor};
+use crate::{DType, Result, Tensor};
 
 /// `t` converted to its compute precision.
-fn widen(t: &Tensor) -> Result<Tensor> {
+pub(crate) fn widen(t: &Tensor) -> Result<Tensor> {
     t.to_dtype(compute_dtype(t.dtype()))
 }
 
@@ -51,4 +48,17 @@ fn replace(x: &Tensor, from: f64, to: f64) -> Result<Tensor> {
     let f = Tensor::scalar(from, x.dtype(), x.device())?;
     let t = Tensor::scalar(to, x.dtype(), x.device())?;
     x.eq(&f)?.where_cond(&t, x)
+}
+
+/// `x`'s statistic `s` (shape `[rows]`) as a `[rows, 1]` column in compute precision.
+pub(crate) fn column(s: &Tensor, rows: usize) -> Result<Tensor> {
+    widen(s)?.reshape((rows, 1))
+}
+
+/// A weight gradient `Σ_rows g` of `[rows, cols]` `g`, in `dtype` (zeros when there are no rows).
+pub(crate) fn row_sum(g: &Tensor, cols: usize, dtype: DType) -> Result<Tensor> {
+    if g.elem_count() == 0 {
+        return Tensor::zeros(cols, dtype, g.device());
+    }
+    g.sum(&[0], false)?.to_dtype(dtype)
 }

@@ -6,13 +6,13 @@
 use crate::{DType, Random, Tensor};
 
 /// The cases every fallback is checked at: dtype and relative tolerance.
-pub(super) const CASES: [(DType, f64); 3] =
+pub(crate) const CASES: [(DType, f64); 3] =
     [(DType::F32, 1e-5), (DType::F64, 1e-12), (DType::BF16, 1e-2)];
 
 /// Asserts `fused` and `composed` agree within `rel` relative to the largest magnitude of
 /// `fused` (at least 1), plus `rel / 10` absolute; infinities must match exactly. Returns the
 /// largest error relative to that scale (what the reports quote).
-pub(super) fn close(what: &str, fused: &Tensor, composed: &Tensor, rel: f64) -> f64 {
+pub(crate) fn close(what: &str, fused: &Tensor, composed: &Tensor, rel: f64) -> f64 {
     assert_eq!(fused.dims(), composed.dims(), "{what}: shapes");
     assert_eq!(fused.dtype(), composed.dtype(), "{what}: dtypes");
     let (a, b) = (fused.to_vec_f64().unwrap(), composed.to_vec_f64().unwrap());
@@ -41,12 +41,12 @@ pub(super) fn close(what: &str, fused: &Tensor, composed: &Tensor, rel: f64) -> 
 }
 
 /// `f` with the fused kernels, then with them declined (the composed fallback).
-pub(super) fn both<T>(f: impl Fn() -> T) -> (T, T) {
+pub(crate) fn both<T>(f: impl Fn() -> T) -> (T, T) {
     (f(), crate::backend::with_fused_declined(&f))
 }
 
 /// Normal values (mean 0, std 2) of `shape` in `dtype` from stream `seed`.
-pub(super) fn rand(shape: &[usize], seed: u64, dtype: DType) -> Tensor {
+pub(crate) fn rand(shape: &[usize], seed: u64, dtype: DType) -> Tensor {
     Random::new(seed)
         .dtype(dtype)
         .normal(shape.to_vec(), 0.0, 2.0)

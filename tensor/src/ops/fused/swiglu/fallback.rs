@@ -1,19 +1,23 @@
-//! SwiGLU (forward and backward), composed.
+//! SwiGLU composed of basic ops, forward and backward, and the tests that it agrees with the
+//! fused paths.
 
-use super::widen;
+use super::{Swiglu, SwigluBackward};
+use crate::ops::fallback::widen;
 use crate::{Result, Tensor};
 
-/// `silu(gate) * up`, in `gate`'s dtype.
-pub(crate) fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+/// See [`Swiglu`]: `silu(gate) * up` in compute precision.
+pub(super) fn forward(&Swiglu { gate, up }: &Swiglu<&Tensor>) -> Result<Tensor> {
     widen(gate)?
         .silu()?
         .mul(&widen(up)?)?
         .to_dtype(gate.dtype())
 }
 
-/// The backward of [`swiglu`]: `(dgate, dup)` in `gate`'s dtype, with `s = sigmoid(gate)`:
-/// `dup = dy gate s`, `dgate = dy up s (1 + gate (1 - s))`.
-pub(crate) fn swiglu_backward(gate: &Tensor, up: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+/// See [`SwigluBackward`]: with `s = sigmoid(gate)`, `dup = dy gate s` and
+/// `dgate = dy up s (1 + gate (1 - s))`.
+pub(super) fn backward(
+    &SwigluBackward { gate, up, dy }: &SwigluBackward<&Tensor>,
+) -> Result<(Tensor, Tensor)> {
     let (g, u, d) = (widen(gate)?, widen(up)?, widen(dy)?);
     let s = g.sigmoid()?;
     let dup = d.mul(&g.mul(&s)?)?;
@@ -24,7 +28,7 @@ pub(crate) fn swiglu_backward(gate: &Tensor, up: &Tensor, dy: &Tensor) -> Result
 
 #[cfg(test)]
 mod tests {
-    use super::super::testutil::{both, close, rand, CASES};
+    use crate::ops::fallback::testutil::{both, close, rand, CASES};
     use crate::Tensor;
 
     #[test]

@@ -1,11 +1,14 @@
 //! SwiGLU forward and backward on CUDA (activations.cu: `swiglu_fwd`, `swiglu_bwd`). f32, bf16
-//! and f16 (computed in f32); f64 is not provided on CUDA (`Ok(None)`).
+//! and f16 (computed in f32); f64 is not provided on CUDA (`Ok(None)`: the composed fallback
+//! runs).
 
-use super::activations::act_launch;
-use super::args::{i64_of, sfx, Arg, Launch};
-use super::operand::{as_dtype, check_len, contiguous, output};
-use crate::backend::api::{Fused, In};
+use super::{Swiglu, SwigluBackward};
+use crate::cuda_backend::fused::activations::act_launch;
+use crate::cuda_backend::fused::args::{i64_of, sfx, Arg, Launch};
+use crate::cuda_backend::fused::operand::{as_dtype, check_len, contiguous, output};
 use crate::cuda_backend::CudaStorage;
+use crate::ops::fused::CudaIn;
+use crate::Result;
 
 /// `swiglu_fwd_<t>(gate, up, out, n)`.
 pub(crate) fn swiglu_fwd_launch(t: &str, gate: u64, up: u64, out: u64, n: usize) -> Launch {
@@ -32,12 +35,8 @@ pub(crate) fn swiglu_bwd_launch(t: &str, [gate, up, dy, dgate, dup]: [u64; 5], n
     )
 }
 
-/// See `BackendStorage::swiglu`: `up` converted to `gate`'s dtype if it differs; `Ok(None)` for
-/// f64.
-pub(in crate::cuda_backend) fn swiglu(
-    gate: In<'_, CudaStorage>,
-    up: In<'_, CudaStorage>,
-) -> Fused<CudaStorage> {
+/// See [`Swiglu`]: `up` converted to `gate`'s dtype if it differs; `Ok(None)` for f64.
+pub(super) fn forward(&Swiglu { gate, up }: &Swiglu<CudaIn<'_>>) -> Result<Option<CudaStorage>> {
     let dt = gate.0.dtype();
     let Some(t) = sfx(dt) else { return Ok(None) };
     let n = gate.1.shape().elem_count();
@@ -52,12 +51,10 @@ pub(in crate::cuda_backend) fn swiglu(
     Ok(Some(out))
 }
 
-/// See `BackendStorage::swiglu_backward`: `(dgate, dup)` in `gate`'s dtype; `Ok(None)` for f64.
-pub(in crate::cuda_backend) fn swiglu_backward(
-    gate: In<'_, CudaStorage>,
-    up: In<'_, CudaStorage>,
-    dy: In<'_, CudaStorage>,
-) -> Fused<(CudaStorage, CudaStorage)> {
+/// See [`SwigluBackward`]: `(dgate, dup)` in `gate`'s dtype; `Ok(None)` for f64.
+pub(super) fn backward(
+    &SwigluBackward { gate, up, dy }: &SwigluBackward<CudaIn<'_>>,
+) -> Result<Option<(CudaStorage, CudaStorage)>> {
     let dt = gate.0.dtype();
     let Some(t) = sfx(dt) else { return Ok(None) };
     let n = gate.1.shape().elem_count();
@@ -77,9 +74,9 @@ pub(in crate::cuda_backend) fn swiglu_backward(
 
 #[cfg(test)]
 mod tests {
-    use super::super::args::assert_known;
-    use super::super::args::Kind::*;
     use super::*;
+    use crate::cuda_backend::fused::args::assert_known;
+    use crate::cuda_backend::fused::args::Kind::*;
 
     #[test]
     fn swiglu_launches_match_the_kernel_signatures() {

@@ -3,14 +3,14 @@
 
 use meshgrad_kernels::cpu;
 
-use super::{floats, range, with_floats, Floats, IntoStorage};
+use super::{Swiglu, SwigluBackward};
+use crate::cpu_backend::{floats, range, with_floats, Floats, IntoStorage};
+use crate::ops::fused::CpuIn;
 use crate::storage::CpuStorage;
-use crate::{Layout, Result};
+use crate::Result;
 
-type In<'a> = (&'a CpuStorage, &'a Layout);
-
-/// `silu(gate) * up`.
-pub(crate) fn swiglu(gate: In<'_>, up: In<'_>) -> Result<CpuStorage> {
+/// See [`Swiglu`].
+pub(super) fn forward(&Swiglu { gate, up }: &Swiglu<CpuIn<'_>>) -> Result<CpuStorage> {
     let dt = gate.0.dtype();
     Ok(
         with_floats!("swiglu", (gate.0, range(gate.1)) => g, (up.0, range(up.1)) => u; {
@@ -21,11 +21,9 @@ pub(crate) fn swiglu(gate: In<'_>, up: In<'_>) -> Result<CpuStorage> {
     )
 }
 
-/// Returns `(dgate, dup)`.
-pub(crate) fn swiglu_backward(
-    gate: In<'_>,
-    up: In<'_>,
-    dy: In<'_>,
+/// See [`SwigluBackward`]: `(dgate, dup)`.
+pub(super) fn backward(
+    &SwigluBackward { gate, up, dy }: &SwigluBackward<CpuIn<'_>>,
 ) -> Result<(CpuStorage, CpuStorage)> {
     let dt = gate.0.dtype();
     Ok(

@@ -1,7 +1,72 @@
-//! Fused rotary position embedding (RoPE, Hugging Face Llama's "rotate half" convention).
+//! Rotary position embedding (RoPE, Hugging Face Llama's "rotate half" convention), both
+//! directions: the argument struct [`Rotary`], its paths (`cpu.rs`, `cuda.rs`, `fallback.rs`)
+//! and the tensor ops [`Tensor::rotary_embedding`] and [`Tensor::rotary_embedding_backward`].
+//! The CPU kernel is `meshgrad_kernels::cpu::rotary`, the CUDA one `rotary_<t>` of
+//! `kernels/cuda/rotary.cu`; the autograd rule is `Var::rotary_embedding`.
 
-use super::same_device;
-use crate::{backend, Error, Result, Tensor};
+mod cpu;
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
+mod fallback;
+
+use super::{run, CpuIn, FusedOp};
+use crate::backend::Variant;
+use crate::ops::same_device;
+use crate::storage::CpuStorage;
+#[cfg(feature = "cuda")]
+use crate::{cuda_backend::CudaStorage, ops::fused::CudaIn};
+use crate::{Error, Result, Tensor};
+
+/// Rotary embedding of `x` (`[B, T, H, D]`, `dims`, `D` even) by integer `positions` (`[T]`):
+/// the pair `(i, i + D/2)` at sequence index `t` rotated by `±positions[t] · theta^(-2i/D)`
+/// (`-` when `inverse`, the backward). Out in `x`'s dtype. Operands contiguous.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Rotary<T> {
+    /// The input, `[B, T, H, D]`.
+    pub x: T,
+    /// Integer positions, `[T]`.
+    pub positions: T,
+    /// `[B, T, H, D]`.
+    pub dims: [usize; 4],
+    /// The frequency base.
+    pub theta: f64,
+    /// Rotate by the negative angles (the backward).
+    pub inverse: bool,
+}
+
+impl FusedOp for Rotary<&Tensor> {
+    const NAME: &'static str = "rotary_embedding";
+    type Args<T> = Rotary<T>;
+    type Out<S> = S;
+    type Output = Tensor;
+
+    fn map<'s, T>(&'s self, mut f: impl FnMut(&'s Tensor) -> T) -> Rotary<T> {
+        Rotary {
+            x: f(self.x),
+            positions: f(self.positions),
+            dims: self.dims,
+            theta: self.theta,
+            inverse: self.inverse,
+        }
+    }
+
+    fn finish<S: Variant>(&self, out: S) -> Tensor {
+        Tensor::from_storage(out.wrap(), self.x.shape())
+    }
+
+    fn cpu(args: &Rotary<CpuIn<'_>>) -> Result<CpuStorage> {
+        cpu::rotary(args)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(args: &Rotary<CudaIn<'_>>) -> Result<Option<CudaStorage>> {
+        cuda::rotary(args)
+    }
+
+    fn fallback(&self) -> Result<Tensor> {
+        fallback::rotary(self)
+    }
+}
 
 impl Tensor {
     fn rotary_dims(&self, positions: &Tensor, theta: f64, op: &'static str) -> Result<[usize; 4]> {
@@ -48,14 +113,13 @@ impl Tensor {
         let _prof = crate::profile::scope(op);
         let dims = self.rotary_dims(positions, theta, op)?;
         let (x, p) = (self.contiguous()?, positions.contiguous()?);
-        let s = {
-            let (gx, gp) = (x.read_storage(op)?, p.read_storage(op)?);
-            backend::rotary_embedding((&gx, x.layout()), (&gp, p.layout()), dims, theta, inverse)?
-        };
-        match s {
-            Some(s) => Ok(Tensor::from_storage(s, x.shape())),
-            None => super::fallback::rotary_embedding(&x, &p, dims, theta, inverse),
-        }
+        run(&Rotary {
+            x: &x,
+            positions: &p,
+            dims,
+            theta,
+            inverse,
+        })
     }
 
     /// Rotary position embedding of `self` (`[B, T, H, D]`, `D` even) in the "rotate half"

@@ -1,23 +1,18 @@
 //! RMSNorm on the CPU, forward and backward: resolve dtypes, then call
-//! `meshgrad_kernels::cpu::rms_norm`.
+//! `meshgrad_kernels::cpu::rms_norm` (the weight is computed in the input's precision).
 
 use meshgrad_kernels::cpu;
 use meshgrad_kernels::Float;
 
-use super::{floats, pick, range, with_floats, Floats, IntoStorage};
+use super::{RmsNorm, RmsNormBackward};
+use crate::cpu_backend::{floats, pick, range, with_floats, Floats, IntoStorage};
+use crate::ops::fused::CpuIn;
 use crate::storage::CpuStorage;
-use crate::{Layout, Result};
+use crate::Result;
 
-type In<'a> = (&'a CpuStorage, &'a Layout);
-
-/// Returns `(y, rstd)`; the weight is computed in the input's precision.
-pub(crate) fn rms_norm(
-    x: In<'_>,
-    w: Option<In<'_>>,
-    rows: usize,
-    cols: usize,
-    eps: f64,
-) -> Result<(CpuStorage, CpuStorage)> {
+/// See [`RmsNorm`]: `(y, rstd)`.
+pub(super) fn forward(a: &RmsNorm<CpuIn<'_>>) -> Result<(CpuStorage, CpuStorage)> {
+    let (x, w, rows, cols, eps) = (a.x, a.w, a.rows, a.cols, a.eps);
     let dt = x.0.dtype();
     let wv = w
         .map(|(s, l)| floats(s, range(l), "rms_norm (weight)"))
@@ -34,17 +29,10 @@ pub(crate) fn rms_norm(
     }))
 }
 
-/// Returns `(dx, dweight)`, the latter when `weight_grad` (in the weight's dtype).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn rms_norm_backward(
-    x: In<'_>,
-    w: Option<In<'_>>,
-    rstd: In<'_>,
-    dy: In<'_>,
-    rows: usize,
-    cols: usize,
-    weight_grad: bool,
-) -> Result<(CpuStorage, Option<CpuStorage>)> {
+/// See [`RmsNormBackward`]: `(dx, dweight)`.
+pub(super) fn backward(a: &RmsNormBackward<CpuIn<'_>>) -> Result<(CpuStorage, Option<CpuStorage>)> {
+    let (x, w, rstd, dy) = (a.x, a.w, a.rstd, a.dy);
+    let (rows, cols, weight_grad) = (a.rows, a.cols, a.weight_grad);
     let dt = x.0.dtype();
     let wdt = w.map(|(s, _)| s.dtype()).unwrap_or(dt);
     let wv = w

@@ -1,19 +1,14 @@
-//! The rotary position embedding (both directions), composed.
+//! The rotary position embedding composed of basic ops (both directions), and the test that it
+//! agrees with the fused paths.
 
-use super::widen;
+use super::Rotary;
+use crate::ops::fallback::widen;
 use crate::{DType, Result, Tensor};
 
-/// Rotary embedding of `x` (`[B, T, H, D]`, `dims`) by integer `positions` (`[T]`), in `x`'s
-/// dtype: the pair `(i, i + D/2)` at sequence index `t` rotated by
-/// `±positions[t] · theta^(-2i/D)` (`-` when `inverse`). As in the fused kernel, the angles and
-/// their cosines and sines are computed in f64 and rounded once to the compute precision.
-pub(crate) fn rotary_embedding(
-    x: &Tensor,
-    positions: &Tensor,
-    dims: [usize; 4],
-    theta: f64,
-    inverse: bool,
-) -> Result<Tensor> {
+/// See [`Rotary`]. As in the fused kernels, the angles and their cosines and sines are computed
+/// in f64 and rounded once to the compute precision.
+pub(super) fn rotary(a: &Rotary<&Tensor>) -> Result<Tensor> {
+    let (x, positions, dims, theta, inverse) = (a.x, a.positions, a.dims, a.theta, a.inverse);
     let [_, t, _, d] = dims;
     let half = d / 2;
     if x.elem_count() == 0 {
@@ -36,7 +31,7 @@ pub(crate) fn rotary_embedding(
 
 #[cfg(test)]
 mod tests {
-    use super::super::testutil::{both, close, rand, CASES};
+    use crate::ops::fallback::testutil::{both, close, rand, CASES};
     use crate::{Device, Tensor};
 
     #[test]

@@ -3,21 +3,15 @@
 
 use meshgrad_kernels::cpu;
 
-use super::{floats, ids, range, with_floats, Floats, IntoStorage};
+use super::Rotary;
+use crate::cpu_backend::{floats, ids, range, with_floats, Floats, IntoStorage};
+use crate::ops::fused::CpuIn;
 use crate::storage::CpuStorage;
-use crate::{Layout, Result};
+use crate::Result;
 
-type In<'a> = (&'a CpuStorage, &'a Layout);
-
-/// RoPE of a contiguous `[B, T, H, D]` buffer by integer `positions [T]` (inverse rotation when
-/// `inverse`).
-pub(crate) fn rotary_embedding(
-    x: In<'_>,
-    positions: In<'_>,
-    dims: [usize; 4],
-    theta: f64,
-    inverse: bool,
-) -> Result<CpuStorage> {
+/// See [`Rotary`].
+pub(super) fn rotary(a: &Rotary<CpuIn<'_>>) -> Result<CpuStorage> {
+    let (x, positions, dims, theta, inverse) = (a.x, a.positions, a.dims, a.theta, a.inverse);
     let dt = x.0.dtype();
     let p = ids(positions.0, positions.1, "rotary_embedding (positions)")?;
     let [b, t, h, d] = dims;

@@ -1,10 +1,12 @@
 //! Rotary position embedding on CUDA (rotary.cu), both directions. f32, bf16 and f16 (computed
-//! in f32); f64 is not provided on CUDA (`Ok(None)`).
+//! in f32); f64 is not provided on CUDA (`Ok(None)`: the composed fallback runs).
 
-use super::args::{flat_grid, i64_of, sfx, Arg, Launch, BLOCK_1D};
-use super::operand::{check_len, contiguous, ids_i64, output};
-use crate::backend::api::{Fused, In};
+use super::Rotary;
+use crate::cuda_backend::fused::args::{flat_grid, i64_of, sfx, Arg, Launch, BLOCK_1D};
+use crate::cuda_backend::fused::operand::{check_len, contiguous, ids_i64, output};
 use crate::cuda_backend::CudaStorage;
+use crate::ops::fused::CudaIn;
+use crate::Result;
 
 /// `rotary_<t>(x, positions, out, batch, seq, heads, head_dim, theta, inverse)` over
 /// `[batch, seq, heads, head_dim]`, one thread per pair.
@@ -37,15 +39,9 @@ pub(crate) fn rotary_launch(
     }
 }
 
-/// See `BackendStorage::rotary_embedding` (`x` is `[B, T, H, D]`, `dims` those four sizes, `D`
-/// even; integer positions `[T]` are widened to i64); `Ok(None)` for f64.
-pub(in crate::cuda_backend) fn rotary_embedding(
-    x: In<'_, CudaStorage>,
-    positions: In<'_, CudaStorage>,
-    dims: [usize; 4],
-    theta: f64,
-    inverse: bool,
-) -> Fused<CudaStorage> {
+/// See [`Rotary`] (integer positions are widened to i64); `Ok(None)` for f64.
+pub(super) fn rotary(a: &Rotary<CudaIn<'_>>) -> Result<Option<CudaStorage>> {
+    let (x, positions, dims, theta, inverse) = (a.x, a.positions, a.dims, a.theta, a.inverse);
     let dt = x.0.dtype();
     let Some(t) = sfx(dt) else { return Ok(None) };
     let op = "rotary_embedding";
@@ -83,9 +79,9 @@ pub(in crate::cuda_backend) fn rotary_embedding(
 
 #[cfg(test)]
 mod tests {
-    use super::super::args::assert_known;
-    use super::super::args::Kind::*;
     use super::*;
+    use crate::cuda_backend::fused::args::assert_known;
+    use crate::cuda_backend::fused::args::Kind::*;
 
     #[test]
     fn rotary_launch_matches_the_kernel_signature() {

@@ -1,0 +1,126 @@
+//! Fused ops, one folder per op: everything about an op in one place.
+//!
+//! A fused op (one that a backend may compute in one kernel rather than as a chain of basic ops)
+//! is an **argument struct** generic over its operand type, `Args<T>`: its operands as `T` and
+//! its shapes and scalars as plain fields. The tensor op builds it over `&Tensor`; the one
+//! generic runner, [`run`], reads the operands' storages, checks they share a device and hands
+//! the same struct over that backend's operands (`Args<In<'_, S>>`) to the op's path for that
+//! device. [`FusedOp`] lists the paths:
+//!
+//! - `cpu`: the CPU path (resolves dtypes, calls `meshgrad_kernels::cpu`), required;
+//! - `cuda` (with `--features cuda`): the CUDA path (launches the op's kernels of
+//!   `kernels/cuda/*.cu`); its default, and its answer `Ok(None)` for what it does not cover,
+//!   means "not provided";
+//! - `fallback`: the op composed of basic tensor ops, which [`run`] takes when the backend's path
+//!   answers `Ok(None)` (and in tests, when fused paths are declined to check the composition).
+//!
+//! So a backend can arrive one fused kernel at a time, and nothing outside an op's folder names
+//! the op except its callers. Adding a fused op `foo` takes:
+//! 1. `ops/fused/foo/mod.rs`: the argument struct `Foo<T>`, its [`FusedOp`] impl and the public
+//!    `Tensor::foo` (checks shapes and dtypes, makes operands contiguous, calls [`run`]);
+//! 2. `ops/fused/foo/cpu.rs` over the CPU kernel `kernels/src/cpu/foo.rs`;
+//! 3. `ops/fused/foo/cuda.rs` over the kernel `kernels/cuda/foo.cu` (optional);
+//! 4. `ops/fused/foo/fallback.rs`: the composition and the test that it agrees with the fused
+//!    paths;
+//! 5. the autograd rule in `autograd/` and the op's tests in `tensor/tests/foo.rs`.
+//!
+//! Ops here: `rms_norm` (RMSNorm), `rotary` (rotary embedding) and `swiglu` (SwiGLU), each
+//! forward and backward.
+
+pub(crate) mod rms_norm;
+pub(crate) mod rotary;
+pub(crate) mod swiglu;
+
+pub use rms_norm::RmsNormOutput;
+
+use crate::backend::{self, api::In, Variant};
+#[cfg(feature = "cuda")]
+use crate::cuda_backend::CudaStorage;
+use crate::storage::{CpuStorage, Storage};
+use crate::{Device, Result, Tensor};
+
+/// A CPU operand: a CPU storage with the layout of the view being read.
+pub(crate) type CpuIn<'a> = In<'a, CpuStorage>;
+
+/// A CUDA operand: a CUDA storage with the layout of the view being read.
+#[cfg(feature = "cuda")]
+pub(crate) type CudaIn<'a> = In<'a, CudaStorage>;
+
+/// A fused op, implemented by its argument struct over `&Tensor` operands. See the module
+/// documentation.
+pub(crate) trait FusedOp {
+    /// The op's name in errors.
+    const NAME: &'static str;
+    /// The argument struct over operands of type `T` (`Self` is `Args<&Tensor>`).
+    type Args<T>;
+    /// What a backend path returns, in storages of that backend.
+    type Out<S>;
+    /// What the op returns.
+    type Output;
+
+    /// The same arguments with each operand `t` replaced by `f(t)`, the operands visited in one
+    /// fixed order (the runner relies on it: it calls `map` to list the operands and again to
+    /// hand them out).
+    fn map<'s, T>(&'s self, f: impl FnMut(&'s Tensor) -> T) -> Self::Args<T>;
+
+    /// The op's results as tensors, from the storages a backend path returned.
+    fn finish<S: Variant>(&self, out: Self::Out<S>) -> Self::Output;
+
+    /// The CPU path.
+    fn cpu(args: &Self::Args<CpuIn<'_>>) -> Result<Self::Out<CpuStorage>>;
+
+    /// The CUDA path; `Ok(None)`: not provided (for these operands), take the fallback.
+    #[cfg(feature = "cuda")]
+    fn cuda(_args: &Self::Args<CudaIn<'_>>) -> Result<Option<Self::Out<CudaStorage>>> {
+        Ok(None)
+    }
+
+    /// The op composed of basic tensor ops, on any device.
+    fn fallback(&self) -> Result<Self::Output>;
+}
+
+/// Runs a fused op: checks its operands share one device ([`crate::Error::DeviceMismatch`]
+/// naming the op otherwise), runs that device's path and, where the path is not provided, the
+/// composed fallback.
+pub(crate) fn run<O: FusedOp>(op: &O) -> Result<O::Output> {
+    let mut tensors = Vec::new();
+    op.map(|t| tensors.push(t));
+    let guards = tensors
+        .iter()
+        .map(|t| t.read_storage(O::NAME))
+        .collect::<Result<Vec<_>>>()?;
+    let storages: Vec<&Storage> = guards.iter().map(|g| &**g).collect();
+    let device = backend::device_of(O::NAME, &storages)?;
+    let done = if backend::declined() {
+        None
+    } else {
+        match device {
+            Device::Cpu => Some(op.finish(O::cpu(&operands(op, &storages, &tensors))?)),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => O::cuda(&operands(op, &storages, &tensors))?.map(|o| op.finish(o)),
+            #[cfg(not(feature = "cuda"))]
+            device @ Device::Cuda(_) => return Err(crate::Error::CudaNotBuilt(device)),
+        }
+    };
+    drop(storages);
+    drop(guards);
+    match done {
+        Some(out) => Ok(out),
+        None => op.fallback(),
+    }
+}
+
+/// The op's arguments over backend `S`'s operands: the `i`-th operand `map` visits is
+/// `storages[i]` (whose backend the runner has checked) with the layout of `tensors[i]`.
+fn operands<'g, O: FusedOp, S: Variant>(
+    op: &O,
+    storages: &[&'g Storage],
+    tensors: &[&'g Tensor],
+) -> O::Args<In<'g, S>> {
+    let mut i = 0;
+    op.map(|_| {
+        let operand = (S::of(storages[i]), tensors[i].layout());
+        i += 1;
+        operand
+    })
+}

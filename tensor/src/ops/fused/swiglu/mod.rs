@@ -1,0 +1,148 @@
+//! SwiGLU (`silu(gate) * up`, Llama's MLP gate), forward and backward: the argument structs
+//! [`Swiglu`] and [`SwigluBackward`], their paths (`cpu.rs`, `cuda.rs`, `fallback.rs`) and the
+//! tensor ops [`Tensor::swiglu`] and [`Tensor::swiglu_backward`]. The CPU kernels are
+//! `meshgrad_kernels::cpu::swiglu`, the CUDA ones `swiglu_fwd_<t>` / `swiglu_bwd_<t>` of
+//! `kernels/cuda/activations.cu`; the autograd rule is `Var::swiglu`.
+
+mod cpu;
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
+mod fallback;
+
+use super::{run, CpuIn, FusedOp};
+use crate::backend::Variant;
+use crate::ops::same_kind;
+use crate::storage::CpuStorage;
+#[cfg(feature = "cuda")]
+use crate::{cuda_backend::CudaStorage, ops::fused::CudaIn};
+use crate::{Error, Result, Tensor};
+
+/// `silu(gate) * up` elementwise, in `gate`'s dtype. Operands contiguous, of one shape.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Swiglu<T> {
+    /// The gate, passed through SiLU.
+    pub gate: T,
+    /// The value it gates.
+    pub up: T,
+}
+
+/// The backward of [`Swiglu`] from `dy`: `(dgate, dup)` in `gate`'s dtype. Operands
+/// contiguous, of one shape.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SwigluBackward<T> {
+    /// The forward's gate.
+    pub gate: T,
+    /// The forward's `up`.
+    pub up: T,
+    /// The gradient of the output.
+    pub dy: T,
+}
+
+impl FusedOp for Swiglu<&Tensor> {
+    const NAME: &'static str = "swiglu";
+    type Args<T> = Swiglu<T>;
+    type Out<S> = S;
+    type Output = Tensor;
+
+    fn map<'s, T>(&'s self, mut f: impl FnMut(&'s Tensor) -> T) -> Swiglu<T> {
+        Swiglu {
+            gate: f(self.gate),
+            up: f(self.up),
+        }
+    }
+
+    fn finish<S: Variant>(&self, out: S) -> Tensor {
+        Tensor::from_storage(out.wrap(), self.gate.shape())
+    }
+
+    fn cpu(args: &Swiglu<CpuIn<'_>>) -> Result<CpuStorage> {
+        cpu::forward(args)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(args: &Swiglu<CudaIn<'_>>) -> Result<Option<CudaStorage>> {
+        cuda::forward(args)
+    }
+
+    fn fallback(&self) -> Result<Tensor> {
+        fallback::forward(self)
+    }
+}
+
+impl FusedOp for SwigluBackward<&Tensor> {
+    const NAME: &'static str = "swiglu_backward";
+    type Args<T> = SwigluBackward<T>;
+    type Out<S> = (S, S);
+    type Output = (Tensor, Tensor);
+
+    fn map<'s, T>(&'s self, mut f: impl FnMut(&'s Tensor) -> T) -> SwigluBackward<T> {
+        SwigluBackward {
+            gate: f(self.gate),
+            up: f(self.up),
+            dy: f(self.dy),
+        }
+    }
+
+    fn finish<S: Variant>(&self, (dg, du): (S, S)) -> (Tensor, Tensor) {
+        (
+            Tensor::from_storage(dg.wrap(), self.gate.shape()),
+            Tensor::from_storage(du.wrap(), self.gate.shape()),
+        )
+    }
+
+    fn cpu(args: &SwigluBackward<CpuIn<'_>>) -> Result<(CpuStorage, CpuStorage)> {
+        cpu::backward(args)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(args: &SwigluBackward<CudaIn<'_>>) -> Result<Option<(CudaStorage, CudaStorage)>> {
+        cuda::backward(args)
+    }
+
+    fn fallback(&self) -> Result<(Tensor, Tensor)> {
+        fallback::backward(self)
+    }
+}
+
+/// Checks `other` against `gate`: same device, dtype and shape, a float dtype.
+fn check(op: &'static str, gate: &Tensor, other: &Tensor) -> Result<()> {
+    same_kind(op, gate, other)?;
+    if !gate.dtype().is_float() {
+        return Err(Error::UnsupportedDType {
+            op,
+            dtype: gate.dtype(),
+        });
+    }
+    if gate.shape() != other.shape() {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: gate.shape().clone(),
+            rhs: other.shape().clone(),
+        });
+    }
+    Ok(())
+}
+
+impl Tensor {
+    /// SwiGLU: `silu(gate) * up` elementwise, with `silu(g) = g * sigmoid(g)`, in one pass.
+    /// `gate` and `up` have the same shape and dtype (no broadcasting).
+    pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        let _prof = crate::profile::scope("swiglu");
+        check("swiglu (gate vs up)", gate, up)?;
+        let (g, u) = (gate.contiguous()?, up.contiguous()?);
+        run(&Swiglu { gate: &g, up: &u })
+    }
+
+    /// The backward of [`Tensor::swiglu`] from `dy`: `(dgate, dup)` in one pass.
+    pub fn swiglu_backward(gate: &Tensor, up: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+        let _prof = crate::profile::scope("swiglu_backward");
+        check("swiglu_backward (gate vs up)", gate, up)?;
+        check("swiglu_backward (gate vs dy)", gate, dy)?;
+        let (g, u, d) = (gate.contiguous()?, up.contiguous()?, dy.contiguous()?);
+        run(&SwigluBackward {
+            gate: &g,
+            up: &u,
+            dy: &d,
+        })
+    }
+}
