@@ -131,6 +131,24 @@ pub fn exit_with_launcher() {
 pub const MAX_PROCS_PER_NODE: usize = 1024;
 
 /// Runs the job: `Ok` when every rank exited 0, else one line naming the failed rank.
+///
+/// Four ranks of a program of one's own on this machine, each finding its rank and the store
+/// through [`RankEnv::detect`](crate::comm::RankEnv::detect):
+///
+/// ```no_run
+/// use meshgrad_parallel::launch::{launch, LaunchBackend, LaunchOptions};
+/// launch(&LaunchOptions {
+///     nproc_per_node: 4,
+///     nnodes: 1,
+///     node_rank: 0,
+///     master_addr: None,
+///     master_port: None,
+///     backend: LaunchBackend::Tcp,
+///     program: Some("target/release/my-trainer".into()),
+///     args: vec!["--steps".into(), "100".into()],
+/// })?;
+/// # Ok::<(), meshgrad_tensor::Error>(())
+/// ```
 pub fn launch(opts: &LaunchOptions) -> Result<()> {
     if opts.nproc_per_node == 0 {
         bail!("--nproc-per-node must be at least 1");
