@@ -20,7 +20,6 @@
 use std::sync::Arc;
 
 use anyhow::Result;
-use meshgrad_autograd::Var;
 use meshgrad_nn::optim::AdamW;
 use meshgrad_parallel::comm::all_reduce_scalar;
 use meshgrad_parallel::pipeline::{PipelineGrads, SpanKind, Timeline};
@@ -32,8 +31,6 @@ use crate::step_loop::GradSync;
 pub(crate) struct RankSync<'a> {
     pub(crate) grads: &'a PipelineGrads,
     pub(crate) wrapper: &'a DataParallel,
-    /// The rank's parameters (every chunk's).
-    pub(crate) params: Vec<Var>,
     pub(crate) dp: Arc<dyn Communicator>,
     pub(crate) pp: Arc<dyn Communicator>,
     pub(crate) timeline: &'a Timeline,
@@ -87,7 +84,7 @@ impl GradSync for RankSync<'_> {
     fn clip(&self, max_norm: f64) -> Result<f64> {
         let norm = self.wrapper.grad_norm(self.grads)?;
         self.wrapper
-            .clip_grads_with_norm(&self.params, max_norm, norm)?;
+            .clip_grads_with_norm(self.grads, max_norm, norm)?;
         Ok(norm)
     }
 
@@ -101,7 +98,7 @@ impl GradSync for RankSync<'_> {
     fn clip_with_norm(&self, max_norm: f64, norm: f64) -> Result<()> {
         Ok(self
             .wrapper
-            .clip_grads_with_norm(&self.params, max_norm, norm)?)
+            .clip_grads_with_norm(self.grads, max_norm, norm)?)
     }
 
     /// The optimizer step with learning rate `lr`: the run's AdamW, or the sharded wrapper's

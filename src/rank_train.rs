@@ -324,11 +324,9 @@ fn rank_main<R: Recipe>(
     let start_step = start.step;
     let hook = saver.hook(wrapper.sharded());
     let grads = PipelineGrads::new(&chunks, pp.clone())?;
-    let params = module.parameters();
     let sync = RankSync {
         grads: &grads,
         wrapper: &wrapper,
-        params: params.clone(),
         dp: mesh.dp_group(),
         pp: pp.clone(),
         timeline,

@@ -385,7 +385,6 @@ fn measure_rank<F: CausalFamily>(
     let groups = param_groups_for_decay(model.named_parameters(), 0.1);
     let mut opt = AdamW::new(groups, AdamWConfig::default())?;
     let wrapper = DataParallel::for_layout(&mesh, &model, &opt)?;
-    let params = model.parameters();
     let grads = PipelineGrads::new(std::slice::from_ref(&model), mesh.pp_group())?;
     let rows = rank_rows(cfg.global_batch, mesh.dp_degree(), mesh.dp_rank())?;
     let n = (rows.end - rows.start) as usize;
@@ -418,7 +417,7 @@ fn measure_rank<F: CausalFamily>(
         // The trainer's end of a step: the wrapper's norm, clipping and step.
         wrapper.finish()?;
         let norm = wrapper.grad_norm(&grads)?;
-        wrapper.clip_grads_with_norm(&params, 1.0, norm)?;
+        wrapper.clip_grads_with_norm(&grads, 1.0, norm)?;
         wrapper.step(&mut opt, lr)?;
     }
     Ok(ctx.tracker.stats())

@@ -15,7 +15,6 @@
 //! [`DataParallel::step_scaled`]): the run's AdamW on whole gradients, or the sharded wrapper's
 //! shard of it.
 
-use meshgrad_autograd::Var;
 use meshgrad_nn::optim::{clip_grads_with_norm, AdamW, Optimizer};
 use meshgrad_nn::Module;
 use meshgrad_tensor::Result;
@@ -120,8 +119,7 @@ impl DataParallel {
     pub fn exact_grad_norm(&self, grads: &PipelineGrads) -> Result<f64> {
         let sum = match self {
             DataParallel::Sharded(sdp) => {
-                let skip = |n: &str| grads.left_out_of_norm().iter().any(|s| s == n);
-                let local = sdp.exact_grad_sq_sum_without(&skip)?;
+                let local = sdp.exact_grad_sq_sum_without(&|n| grads.is_left_out_of_norm(n))?;
                 grads.exact_sum_over_pipeline(&local)?
             }
             _ => grads.exact_grad_sq_sum()?,
@@ -129,12 +127,17 @@ impl DataParallel {
         Ok(sum.value().sqrt())
     }
 
-    /// Scales the gradients (`params`', or the shards) as clipping to `max_norm` does when the
-    /// global norm is `norm`.
-    pub fn clip_grads_with_norm(&self, params: &[Var], max_norm: f64, norm: f64) -> Result<()> {
+    /// Scales the gradients (those of `grads`' parameters, or the shards) as clipping to
+    /// `max_norm` does when the global norm is `norm`.
+    pub fn clip_grads_with_norm(
+        &self,
+        grads: &PipelineGrads,
+        max_norm: f64,
+        norm: f64,
+    ) -> Result<()> {
         match self {
             DataParallel::Sharded(sdp) => sdp.clip_grads_with_norm(max_norm, norm),
-            _ => clip_grads_with_norm(params, max_norm, norm),
+            _ => clip_grads_with_norm(grads.params(), max_norm, norm),
         }
     }
 
@@ -195,7 +198,6 @@ pub struct ScaledStep {
 
 /// The sum of squares of the shards a rank owns (the tied table once) over the pipeline group.
 fn sharded_sq_sum(sdp: &ShardedDataParallel, grads: &PipelineGrads) -> Result<f64> {
-    let skip = |n: &str| grads.left_out_of_norm().iter().any(|s| s == n);
-    let local = sdp.grad_sq_sum_without(&skip)?;
+    let local = sdp.grad_sq_sum_without(&|n| grads.is_left_out_of_norm(n))?;
     all_reduce_scalar(grads.pipeline_group(), local, ReduceOp::Sum)
 }

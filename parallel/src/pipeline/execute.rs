@@ -919,15 +919,21 @@ impl PipelineGrads {
             .collect()
     }
 
-    /// The names of this rank's tied copies that the global norm leaves out (the head's copy
-    /// of a table the first stage also holds): what a sharded norm must skip too.
     /// The pipeline group.
     pub(crate) fn pipeline_group(&self) -> &dyn Communicator {
         self.pp.as_ref()
     }
 
-    pub fn left_out_of_norm(&self) -> &[String] {
-        &self.tied_last_names
+    /// Every local chunk's parameters.
+    pub fn params(&self) -> &[Var] {
+        &self.params
+    }
+
+    /// Whether the parameter `name` is one of this rank's tied copies that the global norm
+    /// leaves out (the head's copy of a table the first stage also holds): what a sharded norm
+    /// must skip too.
+    pub fn is_left_out_of_norm(&self, name: &str) -> bool {
+        self.tied_last_names.iter().any(|s| s == name)
     }
 
     /// The global gradient norm across the pipeline (the tied table counted once), after
