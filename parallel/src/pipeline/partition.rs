@@ -376,17 +376,7 @@ impl fmt::Display for Partition {
 
 /// Bytes in binary units with two decimals (`512 B`, `1.50 KiB`, `3.25 GiB`).
 pub fn format_bytes(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
-    if bytes < 1024 {
-        return format!("{bytes} B");
-    }
-    let mut v = bytes as f64 / 1024.0;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    format!("{v:.2} {}", UNITS[u])
+    crate::plan::memory::binary_bytes(bytes, 2)
 }
 
 fn join(v: &[usize]) -> String {

@@ -279,6 +279,11 @@ impl fmt::Display for MemoryEstimate {
 
 /// Bytes in binary units with one decimal: `512 B`, `1.5 KiB`, `44.7 TiB`.
 pub fn human(bytes: u64) -> String {
+    binary_bytes(bytes, 1)
+}
+
+/// Bytes in binary units (KiB to EiB) with `decimals` decimals; below 1 KiB, whole bytes.
+pub fn binary_bytes(bytes: u64, decimals: usize) -> String {
     const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
     if bytes < 1024 {
         return format!("{bytes} B");
@@ -289,7 +294,7 @@ pub fn human(bytes: u64) -> String {
         v /= 1024.0;
         unit += 1;
     }
-    format!("{v:.1} {}", UNITS[unit])
+    format!("{v:.decimals$} {}", UNITS[unit])
 }
 
 /// A training run, as the memory estimate needs it.
