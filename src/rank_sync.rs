@@ -3,13 +3,16 @@
 //! optimizer step (plain or mixed precision), and the mean loss. One type for every layout: one
 //! device is a layout of one rank, one stage and no data parallelism.
 //!
-//! * the copies of the tied embedding / head table on the first and the last pipeline stage add
-//!   their gradients ([`PipelineGrads::reduce_tied_grads`]; nothing to do with one stage);
 //! * the layout's data-parallel wrapper ([`DataParallel`], chosen by
-//!   [`DataParallel::for_layout`]) averages the gradients over the data-parallel group: [`Ddp`]'s
-//!   buckets during the last microbatch's backward on one stage, or all of them after the
-//!   schedule on several (after the tied copies are added); the sharded wrapper's
-//!   reduce-scatter otherwise;
+//!   [`DataParallel::for_layout`]) averages the gradients over the data-parallel group, during
+//!   each chunk's last backward (or weight pass) of the step where it may
+//!   ([`DataParallel::reduces_during_backward`]: [`Ddp`]'s buckets, the sharded wrapper's
+//!   reduce-scatters on a stage without a tied table's copy; never in reference mode), the rest
+//!   after the schedule;
+//! * the copies of the tied embedding / head table on the first and the last pipeline stage add
+//!   their gradients ([`PipelineGrads::reduce_tied_grads`]; nothing to do with one stage), in the
+//!   order [`DataParallel::finish_pipeline`] gives (after [`Ddp`]'s averages, before the shards
+//!   are cut);
 //! * the global gradient norm adds every stage's sum of squares (the tied table once) over the
 //!   pipeline group (its shards' under ZeRO), and clipping scales every stage's gradients by the
 //!   same factor;
@@ -32,8 +35,10 @@ pub(crate) struct RankSync<'a> {
     pub(crate) grads: &'a PipelineGrads,
     pub(crate) wrapper: &'a DataParallel,
     pub(crate) dp: Arc<dyn Communicator>,
-    pub(crate) pp: Arc<dyn Communicator>,
     pub(crate) timeline: &'a Timeline,
+    /// Per local chunk, the microbatch of the schedule's last action adding to its weight
+    /// gradients ([`Schedule::last_weight_gradients`](meshgrad_parallel::pipeline::Schedule::last_weight_gradients)).
+    pub(crate) last_weight_gradients: Vec<Option<usize>>,
     /// Reference mode: the tied copies' gradients were already added per microbatch (in the
     /// step, [`PipelineGrads::reduce_tied_grads_by_microbatch`]), and no reduction overlaps a
     /// backward.
@@ -41,18 +46,20 @@ pub(crate) struct RankSync<'a> {
 }
 
 impl RankSync<'_> {
-    /// Whether the data-parallel reduction may run during a backward: with one pipeline stage
-    /// (no tied copies to add first) outside reference mode.
+    /// Whether the data-parallel reduction may run during the backward: outside reference mode,
+    /// when the wrapper allows it ([`DataParallel::reduces_during_backward`]).
     fn overlaps(&self) -> bool {
-        self.pp.world_size() == 1 && !self.reference
+        !self.reference && self.wrapper.reduces_during_backward(self.grads)
     }
 
-    /// Before a backward that adds to the gradients of microbatch `mb` of `microbatches`: the
-    /// wrapper reduces during the last one when it [`overlaps`](Self::overlaps), and
-    /// accumulates locally otherwise.
-    pub(crate) fn before_grads(&self, mb: usize, microbatches: usize) {
-        self.wrapper
-            .set_sync(self.overlaps() && mb + 1 == microbatches);
+    /// Before an action that adds to the weight gradients of `chunk` on microbatch `mb`: the
+    /// wrapper reduces during the chunk's last such action ([`Schedule::last_weight_gradients`])
+    /// when it [`overlaps`](Self::overlaps), and accumulates locally otherwise.
+    ///
+    /// [`Schedule::last_weight_gradients`]: meshgrad_parallel::pipeline::Schedule::last_weight_gradients
+    pub(crate) fn before_grads(&self, mb: usize, chunk: usize) {
+        let last = self.last_weight_gradients.get(chunk).copied().flatten();
+        self.wrapper.set_sync(self.overlaps() && last == Some(mb));
     }
 }
 
@@ -63,15 +70,12 @@ impl GradSync for RankSync<'_> {
         self.wrapper.set_sync(false);
     }
 
-    /// Completes the gradients after the schedule: the tied copies, then the data-parallel
-    /// reduction.
+    /// Completes the gradients after the schedule: the tied copies and the data-parallel
+    /// reduction ([`DataParallel::finish_pipeline`]).
     fn finish(&self) -> Result<()> {
         self.timeline
             .record(SpanKind::Optimizer, "reduce gradients", || -> Result<()> {
-                if !self.reference {
-                    self.grads.reduce_tied_grads()?;
-                }
-                Ok(self.wrapper.finish()?)
+                Ok(self.wrapper.finish_pipeline(self.grads, !self.reference)?)
             })
     }
 

@@ -328,9 +328,9 @@ fn rank_main<R: Recipe>(
         grads: &grads,
         wrapper: &wrapper,
         dp: mesh.dp_group(),
-        pp: pp.clone(),
         timeline,
         reference: cfg.train.reference,
+        last_weight_gradients: plan.schedule.last_weight_gradients(pp.rank()),
     };
     let dp = mesh.dp_degree();
     let rows = rank_rows(cfg.train.batch_size, dp, mesh.dp_rank())?;
@@ -360,8 +360,8 @@ fn rank_main<R: Recipe>(
             None => {
                 let m = mbs.len();
                 let factor = scaler.as_ref().map_or(1.0, |s| s.borrow().scale());
-                let mut before = |mb: usize, _chunk: usize| -> meshgrad_tensor::Result<()> {
-                    sync.before_grads(mb, m);
+                let mut before = |mb: usize, chunk: usize| -> meshgrad_tensor::Result<()> {
+                    sync.before_grads(mb, chunk);
                     Ok(())
                 };
                 let losses = execute_with(

@@ -96,7 +96,7 @@ fn train_llama(dir: &Path, tag: &str, steps: usize, extra: &[&str]) -> std::proc
 }
 
 /// The layouts of issue 26's acceptance list, each with its extra flags.
-const LAYOUTS: [(&str, &[&str]); 9] = [
+const LAYOUTS: [(&str, &[&str]); 10] = [
     ("dp2", &["--layout", "dp=2"]),
     ("fsdp2", &["--layout", "fsdp=2"]),
     ("hsdp2x2", &["--layout", "hsdp=2x2"]),
@@ -105,6 +105,11 @@ const LAYOUTS: [(&str, &[&str]); 9] = [
     ("pp2", &["--layout", "pp=2"]),
     ("pp2zb", &["--layout", "pp=2", "--schedule", "zb"]),
     ("dp2tp2pp2", &["--layout", "dp=2,tp=2,pp=2"]),
+    // Untied: no stage holds a tied copy, so the shards are reduced during the weight passes.
+    (
+        "fsdp2pp2zb",
+        &["--layout", "fsdp=2,pp=2", "--schedule", "zb"],
+    ),
     (
         "tied_pp2",
         &["--layout", "pp=2", "--set", "model.tie_embeddings=true"],

@@ -15,6 +15,7 @@ pub mod layers;
 pub mod llama;
 pub mod mlm;
 pub mod module;
+mod next_token;
 pub mod optim;
 pub mod param_builder;
 pub mod shape;

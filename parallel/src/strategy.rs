@@ -76,6 +76,39 @@ impl DataParallel {
         }
     }
 
+    /// Whether this rank's reduction may run during the backward of the last microbatch (the
+    /// alternative: after the schedule, [`DataParallel::finish_pipeline`]). [`Ddp`] always may:
+    /// on a pipeline, the tied table's copies are added after their averages
+    /// ([`DataParallel::finish_pipeline`]), as the sum of averages is the average of the sums.
+    /// The sharded wrapper may unless this rank holds a copy of a tied table (on the first or
+    /// the last pipeline stage): the copies must be added before the gradients are cut into
+    /// shards. Every rank of a data-parallel group is on the same stage, so the group agrees.
+    pub fn reduces_during_backward(&self, grads: &PipelineGrads) -> bool {
+        match self {
+            DataParallel::Local => false,
+            DataParallel::Ddp(_) => true,
+            DataParallel::Sharded(_) => !grads.holds_tied_copy(),
+        }
+    }
+
+    /// Completes a pipeline step's gradients: adds the tied table's copies on the first and the
+    /// last stage ([`PipelineGrads::reduce_tied_grads`], unless `add_tied` is false: reference
+    /// mode adds them per microbatch) and the data-parallel reduction ([`DataParallel::finish`]),
+    /// in the order the wrapper needs: [`Ddp`] averages each copy first (its buckets may have
+    /// been reduced during the backward), the sharded wrapper adds the copies before it cuts
+    /// the gradients into shards.
+    pub fn finish_pipeline(&self, grads: &PipelineGrads, add_tied: bool) -> Result<()> {
+        let tied_after = matches!(self, DataParallel::Ddp(_));
+        if add_tied && !tied_after {
+            grads.reduce_tied_grads()?;
+        }
+        self.finish()?;
+        if add_tied && tied_after {
+            grads.reduce_tied_grads()?;
+        }
+        Ok(())
+    }
+
     /// Completes the step's reduction (turning sync on first): every bucket or shard not
     /// reduced during the backward is reduced now, and every rank holds the averaged gradients
     /// (whole, or its shard).

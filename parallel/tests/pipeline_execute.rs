@@ -37,11 +37,13 @@ use meshgrad_nn::{
     Module, StageSpec,
 };
 use meshgrad_parallel::comm::{run_ranks, run_ranks_each, RunOptions};
+use meshgrad_parallel::layout::ParallelLayout;
 use meshgrad_parallel::micro_rows;
 use meshgrad_parallel::pipeline::{
     execute, execute_with, Action, ExecuteOptions, Microbatch, PipelineGrads, Schedule,
     ScheduleKind, Timeline,
 };
+use meshgrad_parallel::{DataParallel, Ddp, DdpConfig};
 use meshgrad_tensor::{DType, Device, Result, Tensor};
 
 const SEED: u64 = 7;
@@ -414,6 +416,137 @@ fn check<M: Staged>(
     let s = Schedule::generate(kind, pp, MICRO, chunks).unwrap();
     let what = format!("pp={pp} {kind} chunks={}", s.chunks);
     assert_close(&what, &pipeline_run(model, &s), want, TOL);
+}
+
+/// `dp=2,pp=P` trained like the CLI's trainer: each stage wrapped in [`DataParallel`] (DDP
+/// with small buckets) over its data-parallel group, the reduction switched on for each chunk's
+/// last weight-gradient action of the schedule ([`Schedule::last_weight_gradients`]), the tied
+/// table's copies added after their averages ([`DataParallel::finish_pipeline`]). Returns the
+/// run (losses: the last stage's mean over the data-parallel ranks) and, per rank, how many steps
+/// launched a bucket from a gradient-ready hook, i.e. during the backward.
+fn dp_pipeline_run<M: Staged>(model: &M, schedule: &Schedule) -> (RunOut, Vec<usize>) {
+    const DP: usize = 2;
+    let pp = schedule.stages;
+    let layout: ParallelLayout = format!("dp={DP},pp={pp}").parse().unwrap();
+    let opts = RunOptions::with_timeout(Duration::from_secs(60)).rendezvous();
+    let outs = run_ranks(DP * pp, &opts, |ctx| {
+        let mesh = layout.mesh(ctx.comm.clone())?;
+        let (p, d) = (mesh.pp_group().rank(), mesh.dp_rank());
+        let stages = chunks(model, schedule, p)?;
+        let grads = PipelineGrads::new(&stages, mesh.pp_group())?;
+        let named: Vec<_> = stages
+            .iter()
+            .enumerate()
+            .flat_map(|(c, s)| {
+                s.named_parameters()
+                    .into_iter()
+                    .map(move |(n, v)| (format!("chunk{c}.{n}"), v))
+            })
+            .collect();
+        let config = DdpConfig {
+            bucket_bytes: 4 << 10,
+            ..Default::default()
+        };
+        let wrapper = DataParallel::Ddp(Ddp::new(named.clone(), mesh.dp_group(), config)?);
+        assert!(wrapper.reduces_during_backward(&grads));
+
+        let mut opt = optimizer(named);
+        let last = schedule.last_weight_gradients(p);
+        let (mut losses, mut overlapped) = (Vec::new(), 0);
+        for step in 0..STEPS {
+            wrapper.zero_grad(&opt);
+            // This rank's rows of the step: half of the global batch, in M / DP microbatches.
+            let rows = (d * BATCH / DP) as u64..((d + 1) * BATCH / DP) as u64;
+            let mbs = micro_rows(rows, MICRO / DP)?
+                .into_iter()
+                .map(|r| {
+                    Ok(Microbatch {
+                        first_row: r.start,
+                        batch: model.batch(step, r)?,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let mut before = |mb: usize, chunk: usize| -> Result<()> {
+                wrapper.set_sync(last[chunk] == Some(mb));
+                Ok(())
+            };
+            let local = execute_with(
+                &stages,
+                schedule,
+                mesh.pp_group().as_ref(),
+                &mbs,
+                step as u64,
+                None,
+                ExecuteOptions {
+                    loss_scale: Some(1.0 / mbs.len() as f64),
+                    on_grads: None,
+                    before_grads: Some(&mut before),
+                },
+            )?;
+            wrapper.finish_pipeline(&grads, true)?;
+            let DataParallel::Ddp(ddp) = &wrapper else {
+                unreachable!("built as DDP above")
+            };
+            overlapped += ddp.last_launches().iter().any(|e| e.during_backward) as usize;
+            let norm = wrapper.grad_norm(&grads)?;
+            wrapper.clip_grads_with_norm(&grads, CLIP, norm)?;
+            wrapper.step(&mut opt, LR)?;
+            losses.push(local.iter().sum::<f64>() / local.len() as f64);
+        }
+        let mut weights = Vec::new();
+        for s in &stages {
+            weights.extend(full_weights(s)?);
+        }
+        Ok((p, d, losses, weights, overlapped))
+    })
+    .unwrap();
+    let last_stage: Vec<_> = outs.iter().filter(|o| o.0 + 1 == pp).collect();
+    let losses = (0..STEPS)
+        .map(|i| last_stage.iter().map(|o| o.2[i]).sum::<f64>() / DP as f64)
+        .collect();
+    let mut weights: HashMap<String, Vec<f32>> = HashMap::new();
+    for (_, d, _, ws, _) in &outs {
+        for (name, w) in ws {
+            if let Some(first) = weights.get(name) {
+                // The replicas, and the tied table's two copies, hold the same bits.
+                assert_eq!(first, w, "{name} on data-parallel rank {d}");
+            } else {
+                weights.insert(name.clone(), w.clone());
+            }
+        }
+    }
+    let weights = model
+        .names()
+        .into_iter()
+        .map(|n| {
+            let w = weights
+                .remove(&n)
+                .unwrap_or_else(|| panic!("no chunk holds {n}"));
+            (n, w)
+        })
+        .collect();
+    (
+        RunOut { losses, weights },
+        outs.iter().map(|o| o.4).collect(),
+    )
+}
+
+#[test]
+fn gpt_dp_pipeline_reduces_during_backward_in_lockstep() {
+    for (kind, chunks) in [
+        (ScheduleKind::OneFOneB, None),
+        (ScheduleKind::ZeroBubble, None),
+        (ScheduleKind::Interleaved, Some(2)),
+    ] {
+        let s = Schedule::generate(kind, 2, MICRO / 2, chunks).unwrap();
+        let what = format!("dp=2,pp=2 {kind} chunks={}", s.chunks);
+        let (run, overlapped) = dp_pipeline_run(&GptModel, &s);
+        assert_close(&what, &run, gpt_single_device(), TOL);
+        assert!(
+            overlapped.iter().all(|&n| n == STEPS),
+            "{what}: steps with a bucket reduced during the backward, per rank: {overlapped:?}"
+        );
+    }
 }
 
 #[test]

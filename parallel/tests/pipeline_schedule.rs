@@ -254,6 +254,44 @@ const B0: Action = Action::Backward {
 };
 
 #[test]
+fn last_weight_gradients_follow_the_actions_not_the_microbatch_numbers() {
+    // Generated schedules: each chunk's last weight gradient is the last microbatch's.
+    for (kind, chunks) in [
+        (ScheduleKind::OneFOneB, None),
+        (ScheduleKind::ZeroBubble, None),
+        (ScheduleKind::Interleaved, Some(2)),
+    ] {
+        let s = Schedule::generate(kind, 2, 4, chunks).unwrap();
+        for rank in 0..2 {
+            assert_eq!(
+                s.last_weight_gradients(rank),
+                vec![Some(3); s.chunks],
+                "{kind} rank {rank}"
+            );
+        }
+    }
+    // A hand-made schedule whose weight passes run in reverse: microbatch 0's is the last.
+    let w = |microbatch| Action::BackwardWeight {
+        microbatch,
+        chunk: 0,
+    };
+    let b = |microbatch| Action::BackwardInput {
+        microbatch,
+        chunk: 0,
+    };
+    let f = |microbatch| Action::Forward {
+        microbatch,
+        chunk: 0,
+    };
+    let mut s = hand(vec![vec![f(0), f(1), b(1), b(0), w(1), w(0)]]);
+    s.microbatches = 2;
+    assert_eq!(s.last_weight_gradients(0), vec![Some(0)]);
+    // No backward at all, and a rank outside the schedule: no gradient action.
+    assert_eq!(hand(vec![vec![F0]]).last_weight_gradients(0), vec![None]);
+    assert_eq!(hand(vec![vec![F0]]).last_weight_gradients(5), vec![None]);
+}
+
+#[test]
 fn a_hand_made_schedule_runs() {
     let (send, _) = act(1, 0);
     let (_, recv) = act(0, 0);

@@ -11,6 +11,7 @@ use super::GptConfig;
 use crate::generation::{self, Sampling};
 use crate::layers::{Block, BlockConfig, Dropout, Embedding, LayerNorm, LmHead};
 use crate::module::{Forward, Module};
+use crate::next_token;
 use crate::param_builder::ParamBuilder;
 use crate::stage::{BlockRange, ModelStage, StageInput, StageSpec};
 use crate::tp::{ParallelStyle, TpPlan};
@@ -321,35 +322,17 @@ impl Gpt {
         ignore_index: Option<i64>,
     ) -> Result<Var> {
         let (head, _) = self.head()?;
-        if targets.rank() != 2 || !targets.dtype().is_int() {
-            meshgrad_tensor::bail!(
-                "gpt stage: targets must be an integer tensor [B, T], got {} of {}",
-                targets.shape(),
-                targets.dtype()
-            );
-        }
+        next_token::check_targets("gpt", targets)?;
         let logits = self.logits(input)?;
-        if logits.tensor().dims()[0] != targets.dims()[0] {
-            meshgrad_tensor::bail!(
-                "gpt stage: targets {} do not match the batch of the input ({} rows)",
-                targets.shape(),
-                logits.tensor().dims()[0]
-            );
-        }
+        next_token::check_target_rows("gpt", targets, logits.tensor().dims()[0])?;
         head.loss(&logits, targets, ignore_index)
     }
 
     /// Mean next-token cross-entropy of `ids [B, T]` against `targets [B, T]` (targets equal to
     /// `ignore_index` skipped): the whole model's loss.
     pub fn loss(&self, ids: &Tensor, targets: &Tensor, ignore_index: Option<i64>) -> Result<Var> {
-        let (b, t) = check_ids(&self.config, ids)?;
-        if targets.dims() != [b, t] {
-            meshgrad_tensor::bail!(
-                "gpt: targets {} must match ids {}",
-                targets.shape(),
-                ids.shape()
-            );
-        }
+        check_ids(&self.config, ids)?;
+        next_token::check_targets_match_ids("gpt", targets, ids)?;
         self.stage_loss(StageInput::Ids(ids), targets, ignore_index)
     }
 
@@ -378,19 +361,7 @@ impl Gpt {
         seed: u64,
         on_token: impl FnMut(u32) -> Result<()>,
     ) -> Result<Vec<u32>> {
-        if !self.is_full() {
-            meshgrad_tensor::bail!(
-                "generate: this gpt is a stage ({}), not the whole model",
-                self.spec
-            );
-        }
-        let (head, _) = self.head()?;
-        if head.vocab_parallel().is_some() {
-            meshgrad_tensor::bail!(
-                "generate: this model's logits are split over tensor-parallel ranks; generate \
-                 from a single-device model (load the gathered checkpoint)"
-            );
-        }
+        next_token::check_generate("gpt", (&self.spec, self.is_full()), || Ok(self.head()?.0))?;
         let sampling = Sampling {
             temperature,
             top_k,
@@ -432,21 +403,7 @@ impl ModelStage for Gpt {
 
 /// Checks token ids `[B, T]` against the config, returning `(B, T)`.
 fn check_ids(config: &GptConfig, ids: &Tensor) -> Result<(usize, usize)> {
-    if ids.rank() != 2 || !ids.dtype().is_int() {
-        meshgrad_tensor::bail!(
-            "gpt: token ids must be an integer tensor [B, T], got {} of {}",
-            ids.shape(),
-            ids.dtype()
-        );
-    }
-    let (b, t) = (ids.dims()[0], ids.dims()[1]);
-    if t > config.block_size || t == 0 {
-        meshgrad_tensor::bail!(
-            "gpt: sequence length {t} must be in 1..={} (block_size)",
-            config.block_size
-        );
-    }
-    Ok((b, t))
+    next_token::check_ids("gpt", ids, (config.block_size, "block_size"))
 }
 
 /// Blocks `range` (global indices; only their names, given by the model tree, depend on them).

@@ -13,6 +13,7 @@ use crate::generation::{self, Sampling};
 use crate::gpt::GptBatch;
 use crate::layers::{Embedding, LmHead, RmsNorm, SequenceEntry};
 use crate::module::{Child, Forward, Module};
+use crate::next_token;
 use crate::param_builder::{Init, ParamBuilder};
 use crate::stage::{BlockRange, ModelStage, StageInput, StageSpec};
 use crate::tp::{ParallelStyle, TensorParallel, TpPlan};
@@ -349,36 +350,17 @@ impl Llama {
         ignore_index: Option<i64>,
     ) -> Result<Var> {
         let (head, _) = self.head()?;
-        if targets.rank() != 2 || !targets.dtype().is_int() {
-            meshgrad_tensor::bail!(
-                "llama: targets must be an integer tensor [B, T], got {} of {}",
-                targets.shape(),
-                targets.dtype()
-            );
-        }
+        next_token::check_targets("llama", targets)?;
         let logits = self.logits(input)?;
-        let d = logits.tensor().dims();
-        if d[0] != targets.dims()[0] {
-            meshgrad_tensor::bail!(
-                "llama: targets {} do not match the batch of the input ({} rows)",
-                targets.shape(),
-                d[0]
-            );
-        }
+        next_token::check_target_rows("llama", targets, logits.tensor().dims()[0])?;
         head.loss(&logits, targets, ignore_index)
     }
 
     /// Mean next-token cross-entropy of `ids [B, T]` against `targets [B, T]` (targets equal to
     /// `ignore_index` skipped): the whole model's loss.
     pub fn loss(&self, ids: &Tensor, targets: &Tensor, ignore_index: Option<i64>) -> Result<Var> {
-        let (b, t) = check_ids(&self.config, ids)?;
-        if targets.dims() != [b, t] {
-            meshgrad_tensor::bail!(
-                "llama: targets {} must match ids {}",
-                targets.shape(),
-                ids.shape()
-            );
-        }
+        check_ids(&self.config, ids)?;
+        next_token::check_targets_match_ids("llama", targets, ids)?;
         self.stage_loss(StageInput::Ids(ids), targets, ignore_index)
     }
 
@@ -400,19 +382,7 @@ impl Llama {
         seed: u64,
         on_token: impl FnMut(u32) -> Result<()>,
     ) -> Result<Vec<u32>> {
-        if !self.is_full() {
-            meshgrad_tensor::bail!(
-                "generate: this llama is a stage ({}), not the whole model",
-                self.spec
-            );
-        }
-        let (head, _) = self.head()?;
-        if head.vocab_parallel().is_some() {
-            meshgrad_tensor::bail!(
-                "generate: this model's logits are split over tensor-parallel ranks; generate \
-                 from a single-device model (load the gathered checkpoint)"
-            );
-        }
+        next_token::check_generate("llama", (&self.spec, self.is_full()), || Ok(self.head()?.0))?;
         let sampling = Sampling {
             temperature,
             top_k,
@@ -462,21 +432,7 @@ fn new_layers(
 
 /// Checks token ids `[B, T]` against the config, returning `(B, T)`.
 fn check_ids(config: &LlamaConfig, ids: &Tensor) -> Result<(usize, usize)> {
-    if ids.rank() != 2 || !ids.dtype().is_int() {
-        meshgrad_tensor::bail!(
-            "llama: token ids must be an integer tensor [B, T], got {} of {}",
-            ids.shape(),
-            ids.dtype()
-        );
-    }
-    let (b, t) = (ids.dims()[0], ids.dims()[1]);
-    if t > config.n_positions || t == 0 {
-        meshgrad_tensor::bail!(
-            "llama: sequence length {t} must be in 1..={} (n_positions)",
-            config.n_positions
-        );
-    }
-    Ok((b, t))
+    next_token::check_ids("llama", ids, (config.n_positions, "n_positions"))
 }
 
 /// The tensor-parallel size checks of [`Llama::check_tensor_parallel`]: query heads, kv heads,

@@ -734,6 +734,14 @@ impl PipelineGrads {
         })
     }
 
+    /// Whether this rank holds a copy of a tied parameter that another stage also holds (the
+    /// token table on the first and the last stage): its gradient is complete only after
+    /// [`PipelineGrads::reduce_tied_grads`].
+    pub fn holds_tied_copy(&self) -> bool {
+        let both_here = !self.tied_first.is_empty() && !self.tied_last.is_empty();
+        both_here || self.tied_group.is_some()
+    }
+
     /// Sums the tied copies' gradients between virtual stage 0 and the last virtual stage (both
     /// copies get the same bits: the first's gradient plus the last's); nothing elsewhere.
     pub fn reduce_tied_grads(&self) -> Result<()> {

@@ -291,6 +291,24 @@ impl Schedule {
         (stage % self.stages, stage / self.stages)
     }
 
+    /// For each of `rank`'s chunks, the microbatch of its last action that adds to the weight
+    /// gradients ([`Action::Backward`] or [`Action::BackwardWeight`]; `None` for a chunk
+    /// without one). A data-parallel reduction that overlaps the backward starts with that
+    /// action: nothing adds to the chunk's gradients after it.
+    pub fn last_weight_gradients(&self, rank: usize) -> Vec<Option<usize>> {
+        let mut last = vec![None; self.chunks];
+        for a in self.ranks.get(rank).map_or(&[][..], Vec::as_slice) {
+            if let Action::Backward { microbatch, chunk }
+            | Action::BackwardWeight { microbatch, chunk } = *a
+            {
+                if let Some(l) = last.get_mut(chunk) {
+                    *l = Some(microbatch);
+                }
+            }
+        }
+        last
+    }
+
     /// The schedule `kind` builds (`chunks` only for [`ScheduleKind::Interleaved`]; the others
     /// refuse anything but `None` or `Some(1)`; interleaved defaults to 2 chunks).
     pub fn generate(
