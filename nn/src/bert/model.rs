@@ -471,20 +471,11 @@ fn check_inputs(
     attention_mask: Option<&Tensor>,
     token_type_ids: Option<&Tensor>,
 ) -> Result<(usize, usize)> {
-    if ids.rank() != 2 || !ids.dtype().is_int() {
-        meshgrad_tensor::bail!(
-            "bert: input_ids must be an integer tensor [B, T], got {} of {}",
-            ids.shape(),
-            ids.dtype()
-        );
-    }
-    let (b, t) = (ids.dims()[0], ids.dims()[1]);
-    if t == 0 || t > c.max_position_embeddings {
-        meshgrad_tensor::bail!(
-            "bert: sequence length {t} must be in 1..={} (max_position_embeddings)",
-            c.max_position_embeddings
-        );
-    }
+    let (b, t) = crate::input_checks::check_ids(
+        "bert",
+        ids,
+        (c.max_position_embeddings, "max_position_embeddings"),
+    )?;
     for (name, x) in [
         ("attention_mask", attention_mask),
         ("token_type_ids", token_type_ids),

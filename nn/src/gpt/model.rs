@@ -9,9 +9,9 @@ use meshgrad_tensor::{DType, Device, Result, Tensor};
 
 use super::GptConfig;
 use crate::generation::{self, Sampling};
+use crate::input_checks;
 use crate::layers::{Block, BlockConfig, Dropout, Embedding, LayerNorm, LmHead};
 use crate::module::{Forward, Module};
-use crate::next_token;
 use crate::param_builder::ParamBuilder;
 use crate::stage::{BlockRange, ModelStage, StageInput, StageSpec};
 use crate::tp::{ParallelStyle, TpPlan};
@@ -322,9 +322,9 @@ impl Gpt {
         ignore_index: Option<i64>,
     ) -> Result<Var> {
         let (head, _) = self.head()?;
-        next_token::check_targets("gpt", targets)?;
+        input_checks::check_targets("gpt", targets)?;
         let logits = self.logits(input)?;
-        next_token::check_target_rows("gpt", targets, logits.tensor().dims()[0])?;
+        input_checks::check_target_rows("gpt", targets, logits.tensor().dims()[0])?;
         head.loss(&logits, targets, ignore_index)
     }
 
@@ -332,7 +332,7 @@ impl Gpt {
     /// `ignore_index` skipped): the whole model's loss.
     pub fn loss(&self, ids: &Tensor, targets: &Tensor, ignore_index: Option<i64>) -> Result<Var> {
         check_ids(&self.config, ids)?;
-        next_token::check_targets_match_ids("gpt", targets, ids)?;
+        input_checks::check_targets_match_ids("gpt", targets, ids)?;
         self.stage_loss(StageInput::Ids(ids), targets, ignore_index)
     }
 
@@ -361,7 +361,7 @@ impl Gpt {
         seed: u64,
         on_token: impl FnMut(u32) -> Result<()>,
     ) -> Result<Vec<u32>> {
-        next_token::check_generate("gpt", (&self.spec, self.is_full()), || Ok(self.head()?.0))?;
+        input_checks::check_generate("gpt", (&self.spec, self.is_full()), || Ok(self.head()?.0))?;
         let sampling = Sampling {
             temperature,
             top_k,
@@ -403,7 +403,7 @@ impl ModelStage for Gpt {
 
 /// Checks token ids `[B, T]` against the config, returning `(B, T)`.
 fn check_ids(config: &GptConfig, ids: &Tensor) -> Result<(usize, usize)> {
-    next_token::check_ids("gpt", ids, (config.block_size, "block_size"))
+    input_checks::check_ids("gpt", ids, (config.block_size, "block_size"))
 }
 
 /// Blocks `range` (global indices; only their names, given by the model tree, depend on them).

@@ -11,9 +11,9 @@ use super::block::LlamaDecoderLayer;
 use super::LlamaConfig;
 use crate::generation::{self, Sampling};
 use crate::gpt::GptBatch;
+use crate::input_checks;
 use crate::layers::{Embedding, LmHead, RmsNorm, SequenceEntry};
 use crate::module::{Child, Forward, Module};
-use crate::next_token;
 use crate::param_builder::{Init, ParamBuilder};
 use crate::stage::{BlockRange, ModelStage, StageInput, StageSpec};
 use crate::tp::{ParallelStyle, TensorParallel, TpPlan};
@@ -350,9 +350,9 @@ impl Llama {
         ignore_index: Option<i64>,
     ) -> Result<Var> {
         let (head, _) = self.head()?;
-        next_token::check_targets("llama", targets)?;
+        input_checks::check_targets("llama", targets)?;
         let logits = self.logits(input)?;
-        next_token::check_target_rows("llama", targets, logits.tensor().dims()[0])?;
+        input_checks::check_target_rows("llama", targets, logits.tensor().dims()[0])?;
         head.loss(&logits, targets, ignore_index)
     }
 
@@ -360,7 +360,7 @@ impl Llama {
     /// `ignore_index` skipped): the whole model's loss.
     pub fn loss(&self, ids: &Tensor, targets: &Tensor, ignore_index: Option<i64>) -> Result<Var> {
         check_ids(&self.config, ids)?;
-        next_token::check_targets_match_ids("llama", targets, ids)?;
+        input_checks::check_targets_match_ids("llama", targets, ids)?;
         self.stage_loss(StageInput::Ids(ids), targets, ignore_index)
     }
 
@@ -382,7 +382,7 @@ impl Llama {
         seed: u64,
         on_token: impl FnMut(u32) -> Result<()>,
     ) -> Result<Vec<u32>> {
-        next_token::check_generate("llama", (&self.spec, self.is_full()), || Ok(self.head()?.0))?;
+        input_checks::check_generate("llama", (&self.spec, self.is_full()), || Ok(self.head()?.0))?;
         let sampling = Sampling {
             temperature,
             top_k,
@@ -432,7 +432,7 @@ fn new_layers(
 
 /// Checks token ids `[B, T]` against the config, returning `(B, T)`.
 fn check_ids(config: &LlamaConfig, ids: &Tensor) -> Result<(usize, usize)> {
-    next_token::check_ids("llama", ids, (config.n_positions, "n_positions"))
+    input_checks::check_ids("llama", ids, (config.n_positions, "n_positions"))
 }
 
 /// The tensor-parallel size checks of [`Llama::check_tensor_parallel`]: query heads, kv heads,

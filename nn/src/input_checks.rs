@@ -1,5 +1,6 @@
-//! The input checks of the next-token families (GPT, Llama), written once: token ids, targets,
-//! and whether a model can generate. Each message starts with the family's name.
+//! The input checks the model families share, written once: token ids (every family), the
+//! next-token targets and whether a model can generate (GPT, Llama). Each message starts with
+//! the family's name.
 
 use meshgrad_tensor::{Result, Tensor};
 
