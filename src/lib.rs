@@ -91,8 +91,6 @@ pub mod run_setup;
 #[cfg(feature = "cli")]
 pub mod schedule_cmd;
 #[cfg(feature = "cli")]
-pub mod selftest;
-#[cfg(feature = "cli")]
 mod step_loop;
 #[cfg(feature = "cli")]
 pub mod stop;
