@@ -44,8 +44,6 @@ pub mod corpus;
 #[cfg(feature = "cli")]
 pub mod eval;
 #[cfg(feature = "cli")]
-pub mod eval_bert;
-#[cfg(feature = "cli")]
 pub mod flight;
 #[cfg(feature = "cli")]
 pub mod generate;
