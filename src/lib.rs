@@ -57,8 +57,6 @@ pub mod model_configs;
 #[cfg(feature = "cli")]
 mod pipeline_plan;
 #[cfg(feature = "cli")]
-mod pipeline_timelines;
-#[cfg(feature = "cli")]
 pub mod preflight;
 #[cfg(feature = "cli")]
 mod rank_sync;
