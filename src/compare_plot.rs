@@ -7,7 +7,8 @@ use anyhow::{anyhow, Context, Result};
 use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
 
-use crate::compare::{relative_difference, RunMetrics};
+use meshgrad_parallel::compare::relative_difference;
+use meshgrad_parallel::metrics::RunMetrics;
 
 /// DejaVu Sans Mono (Bitstream Vera license: assets/fonts/LICENSE-DejaVu.txt), built in so the
 /// chart has text on machines without fonts.

@@ -44,8 +44,6 @@ pub mod corpus;
 #[cfg(feature = "cli")]
 pub mod eval;
 #[cfg(feature = "cli")]
-pub mod eval_bert;
-#[cfg(feature = "cli")]
 pub mod flight;
 #[cfg(feature = "cli")]
 pub mod generate;
@@ -58,8 +56,6 @@ pub mod launch;
 pub mod model_configs;
 #[cfg(feature = "cli")]
 mod pipeline_plan;
-#[cfg(feature = "cli")]
-mod pipeline_timelines;
 #[cfg(feature = "cli")]
 pub mod preflight;
 #[cfg(feature = "cli")]
@@ -90,8 +86,6 @@ mod run_finish;
 pub mod run_setup;
 #[cfg(feature = "cli")]
 pub mod schedule_cmd;
-#[cfg(feature = "cli")]
-pub mod selftest;
 #[cfg(feature = "cli")]
 mod step_loop;
 #[cfg(feature = "cli")]

@@ -660,8 +660,9 @@ fn run(cli: Cli) -> Result<()> {
             steps,
             filter,
         } => {
+            use meshgrad::nn::selftest;
             let device: meshgrad::prelude::Device = device.parse()?;
-            if let Some(why) = meshgrad::selftest::skip_reason(device) {
+            if let Some(why) = selftest::skip_reason(device) {
                 // The GPU session sets this: there a missing device is a failure, not a skip.
                 if std::env::var("MESHGRAD_REQUIRE_CUDA").as_deref() == Ok("1") {
                     anyhow::bail!("selftest: device={device}: {why} (MESHGRAD_REQUIRE_CUDA=1)");
@@ -669,11 +670,19 @@ fn run(cli: Cli) -> Result<()> {
                 println!("selftest: device={device} skipped: {why}");
                 return Ok(());
             }
-            let results = meshgrad::selftest::run(&meshgrad::selftest::SelftestOptions {
-                device,
-                train_steps: steps,
-                filter,
-            })?;
+            let print = |r: &selftest::CheckResult| println!("{}", r.line());
+            let mut results = selftest::run(device, filter.as_deref(), print);
+            if steps > 0 && filter.is_none() {
+                // bench's tiny-gpt shape on 64-token rows of the built-in corpus.
+                let (mut cfg, _) = meshgrad::bench::bench_config("tiny-gpt")?;
+                cfg.block_size = 64;
+                let data = meshgrad::corpus::builtin_dataset();
+                results.push(selftest::loss_curve(device, steps, &cfg, &data));
+                print(results.last().expect("just pushed"));
+            }
+            if results.is_empty() {
+                anyhow::bail!("selftest: no case matches the filter");
+            }
             let failed = results.iter().filter(|r| !r.ok()).count();
             println!(
                 "selftest: device={device} checks={} failed={failed}",

@@ -53,8 +53,9 @@ use meshgrad_nn::tp::full_state_dict;
 use meshgrad_nn::{InitialValues, ModelStage, Module};
 use meshgrad_parallel::comm::{all_reduce_scalar, InProcessComm, RankCtx};
 use meshgrad_parallel::pipeline::{
-    execute_with, forward_only, mean_loss, write_chrome_trace, ExecuteOptions, Microbatch,
-    PipelineGrads, Schedule, Timeline,
+    execute_with, forward_only, gather_timelines, mean_loss, measured_idle_after_warmup,
+    write_chrome_trace, ExecuteOptions, Microbatch, PipelineGrads, Schedule, StepWindow, Timeline,
+    Timelines,
 };
 use meshgrad_parallel::tp::tensor_parallel;
 use meshgrad_parallel::{
@@ -66,9 +67,6 @@ use meshgrad_tensor::{Device, Tensor};
 
 use crate::config::TrainConfig;
 use crate::pipeline_plan::{pipeline_shape, plan_on_world, profile_and_partition, PipelinePlan};
-use crate::pipeline_timelines::{
-    gather_timelines, measured_idle_after_warmup, StepWindow, Timelines,
-};
 use crate::rank_sync::RankSync;
 use crate::recipe::{Recipe, StageBuild};
 use crate::reference::row_groups;

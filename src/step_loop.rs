@@ -12,6 +12,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use meshgrad_nn::optim::{AdamW, CosineSchedule, LossScaler};
 use meshgrad_nn::Module;
 use meshgrad_parallel::comm::all_reduce_scalar;
+use meshgrad_parallel::metrics::{metrics_line, with_loss_scale};
 use meshgrad_parallel::{Communicator, ReduceOp};
 use meshgrad_tensor::DType;
 
@@ -47,40 +48,6 @@ pub(crate) trait GradSync {
         max_norm: f64,
         scale: f64,
     ) -> Result<(f64, bool)>;
-}
-
-/// One JSON line of metrics.
-pub(crate) fn metrics_line(
-    step: usize,
-    loss: f64,
-    lr: f64,
-    tokens_per_s: f64,
-    grad_norm: f64,
-    val: Option<f64>,
-) -> String {
-    let mut m = serde_json::json!({
-        "step": step,
-        "loss": loss,
-        "lr": lr,
-        "tokens_per_s": tokens_per_s,
-        "grad_norm": grad_norm,
-    });
-    if let Some(v) = val {
-        m["val_loss"] = serde_json::json!(v);
-    }
-    m.to_string()
-}
-
-/// A metrics line with an f16 run's `"loss_scale"` and `"skipped"` added.
-fn with_loss_scale(line: &str, scale: f64, skipped: bool) -> String {
-    match serde_json::from_str::<serde_json::Value>(line) {
-        Ok(mut m) => {
-            m["loss_scale"] = serde_json::json!(scale);
-            m["skipped"] = serde_json::json!(skipped);
-            m.to_string()
-        }
-        Err(_) => line.to_string(),
-    }
 }
 
 /// The metrics file of a run resumed after `start_step` steps, open for appending: lines of

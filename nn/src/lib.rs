@@ -2,12 +2,15 @@
 //! layers, the GPT, BERT (masked-LM) and Llama models (each whole, or as stages: a range of blocks
 //! with or without the embedding and the head, under the whole model's parameter names), MLM
 //! masking, optimizers, learning-rate schedules, state dicts (safetensors and Hugging Face GPT-2,
-//! BERT and Llama checkpoints), token datasets (in memory, JSONL, memory-mapped llm.c shards) and tokenizers
-//! (Hugging Face `tokenizers`: byte-level BPE and WordPiece).
+//! BERT and Llama checkpoints), token datasets (in memory, JSONL, memory-mapped llm.c shards),
+//! tokenizers (Hugging Face `tokenizers`: byte-level BPE and WordPiece), evaluation losses
+//! ([`eval`]) and the kernel self-check ([`selftest`]: every op on a device against the CPU in
+//! f64).
 
 pub mod bert;
 pub mod causal_lm;
 pub mod data;
+pub mod eval;
 pub mod family;
 mod generation;
 pub mod gpt;
@@ -18,6 +21,7 @@ pub mod mlm;
 pub mod module;
 pub mod optim;
 pub mod param_builder;
+pub mod selftest;
 pub mod shape;
 pub mod stage;
 pub mod state;

@@ -15,6 +15,9 @@
 //! Training reads text files line by line (each line with its newline) and JSONL files
 //! (`.jsonl`) document by document (each line's `text` field).
 //!
+//! [`TextStream`] turns generated ids into text as they come, through a tokenizer or as the
+//! UTF-8 bytes of a byte-level model.
+//!
 //! Every error is one line and names the file involved.
 
 use std::fmt;
@@ -225,6 +228,112 @@ impl DecodeStream<'_> {
             message: one_line(e),
         })
     }
+}
+
+/// Turns generated token ids into text piece by piece, as they come (as `meshgrad generate`
+/// prints them): through a tokenizer's streaming decoder (special tokens skipped), or as UTF-8
+/// bytes for a byte-level model (a character split over several tokens comes out whole once
+/// complete; invalid bytes become U+FFFD, as [`String::from_utf8_lossy`] renders them), or not at
+/// all for a model with neither (a vocabulary above 256 and no tokenizer).
+///
+/// ```
+/// use meshgrad_nn::tokenizer::TextStream;
+///
+/// // A byte-level model: "日" is three tokens (its UTF-8 bytes).
+/// let mut stream = TextStream::new(None, 256);
+/// assert_eq!(stream.push(0xe6)?, "");
+/// assert_eq!(stream.push(0x97)?, "");
+/// assert_eq!(stream.push(0xa5)?, "日");
+/// assert_eq!(stream.push(0xe6)?, "");
+/// assert_eq!(stream.finish(), "\u{FFFD}"); // an incomplete character at the end
+/// # Ok::<(), meshgrad_nn::tokenizer::TokenizerError>(())
+/// ```
+pub struct TextStream<'a> {
+    decoder: Decoder<'a>,
+}
+
+enum Decoder<'a> {
+    Tokenizer(DecodeStream<'a>),
+    Bytes(Vec<u8>),
+    None,
+}
+
+impl<'a> TextStream<'a> {
+    /// The stream for a model of vocabulary `vocab`, with `tokenizer` when the checkpoint has one.
+    pub fn new(tokenizer: Option<&'a Tokenizer>, vocab: usize) -> TextStream<'a> {
+        let decoder = match tokenizer {
+            Some(tok) => Decoder::Tokenizer(tok.decode_stream(true)),
+            None if vocab <= 256 => Decoder::Bytes(Vec::new()),
+            None => Decoder::None,
+        };
+        TextStream { decoder }
+    }
+
+    /// Whether the stream produces text at all.
+    pub fn has_text(&self) -> bool {
+        !matches!(self.decoder, Decoder::None)
+    }
+
+    /// The text that token `id` completes (often empty for the first bytes of a character).
+    /// Errors: the tokenizer's ([`DecodeStream::step`]).
+    pub fn push(&mut self, id: u32) -> Result<String> {
+        match &mut self.decoder {
+            Decoder::Tokenizer(stream) => Ok(stream.step(id)?.unwrap_or_default()),
+            Decoder::Bytes(pending) => {
+                pending.push(id.min(255) as u8);
+                Ok(take_utf8(pending, false))
+            }
+            Decoder::None => Ok(String::new()),
+        }
+    }
+
+    /// The text still held back at the end (the bytes of an incomplete character, as U+FFFD).
+    pub fn finish(&mut self) -> String {
+        match &mut self.decoder {
+            Decoder::Bytes(pending) => take_utf8(pending, true),
+            _ => String::new(),
+        }
+    }
+}
+
+/// Removes from `pending` the longest prefix that renders as text and returns it: valid UTF-8,
+/// and each invalid sequence as one U+FFFD (as `String::from_utf8_lossy`). An incomplete
+/// character at the end stays in `pending` unless `at_end`.
+fn take_utf8(pending: &mut Vec<u8>, at_end: bool) -> String {
+    let mut out = String::new();
+    let mut rest: &[u8] = pending;
+    loop {
+        match std::str::from_utf8(rest) {
+            Ok(s) => {
+                out.push_str(s);
+                rest = &[];
+                break;
+            }
+            Err(e) => {
+                let valid = e.valid_up_to();
+                // The first `valid` bytes are UTF-8 (checked by from_utf8).
+                out.push_str(&String::from_utf8_lossy(&rest[..valid]));
+                match e.error_len() {
+                    Some(bad) => {
+                        out.push(char::REPLACEMENT_CHARACTER);
+                        rest = &rest[valid + bad..];
+                    }
+                    None if at_end => {
+                        out.push(char::REPLACEMENT_CHARACTER);
+                        rest = &[];
+                        break;
+                    }
+                    None => {
+                        rest = &rest[valid..];
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    let keep = rest.len();
+    pending.drain(..pending.len() - keep);
+    out
 }
 
 /// Result type of this module.
@@ -616,4 +725,62 @@ fn read_training_text(path: &Path, out: &mut Vec<String>) -> Result<()> {
     })?;
     out.extend(text.split_inclusive('\n').map(str::to_string));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_stream_matches_lossy_decoding() {
+        let cases: Vec<Vec<u8>> = vec![
+            "plain ascii".bytes().collect(),
+            "héllo wörld, 日本語 🎉".bytes().collect(),
+            vec![0x68, 0xff, 0x69, 0xe6, 0x97, 0xa5, 0xe6, 0x97],
+            vec![0xe6, 0x41, 0xf0, 0x9f, 0x8e],
+            vec![0xc3],
+        ];
+        for bytes in cases {
+            let ids: Vec<u32> = bytes.iter().map(|&b| u32::from(b)).collect();
+            let mut stream = TextStream::new(None, 256);
+            let mut text = String::new();
+            for &id in &ids {
+                text.push_str(&stream.push(id).unwrap());
+            }
+            text.push_str(&stream.finish());
+            assert_eq!(text, String::from_utf8_lossy(&bytes), "{bytes:?}");
+        }
+        // A character split over tokens comes out whole when its last byte arrives.
+        let mut stream = TextStream::new(None, 256);
+        assert_eq!(stream.push(0xe6).unwrap(), "");
+        assert_eq!(stream.push(0x97).unwrap(), "");
+        assert_eq!(stream.push(0xa5).unwrap(), "日");
+        assert!(!TextStream::new(None, 300).has_text());
+    }
+
+    #[test]
+    fn tokenizer_stream_joins_to_the_full_decoding() {
+        // The CLI's built-in corpus (Pride and Prejudice).
+        let corpus = String::from_utf8_lossy(include_bytes!("../../assets/corpus.txt"));
+        let text = corpus.lines().take(2000).collect::<Vec<_>>();
+        for (kind, size) in [(TokenizerKind::Bpe, 400), (TokenizerKind::WordPiece, 300)] {
+            let tok = Tokenizer::train_on(kind, size, text.iter(), "test").unwrap();
+            let ids = tok
+                .encode(
+                    "It is a truth universally acknowledged, that a single man.",
+                    false,
+                )
+                .unwrap();
+            let mut stream = TextStream::new(Some(&tok), tok.vocab_size());
+            let mut joined = String::new();
+            for &id in &ids {
+                joined.push_str(&stream.push(id).unwrap());
+            }
+            joined.push_str(&stream.finish());
+            assert_eq!(joined, tok.decode(&ids, true).unwrap(), "{kind}");
+            let bad = tok.vocab_size() as u32;
+            let err = stream.push(bad).unwrap_err().to_string();
+            assert!(err.contains("outside the vocabulary"), "{err}");
+        }
+    }
 }

@@ -34,9 +34,12 @@
 //!   (`--partition auto|speed|memory|even|B0,B1,...`), the executor ([`pipeline::execute()`]) that
 //!   runs any schedule on a model's stages over the pipeline group, forward-only evaluation, and
 //!   per-rank timelines written as Chrome traces.
+//! * [`metrics`] and [`compare`]: a training run's metrics file (one JSON line per step), and
+//!   the lockstep check across layouts: runs' losses and final weights against a reference run's.
 
 pub mod checkpoint;
 pub mod comm;
+pub mod compare;
 pub mod ddp;
 pub mod grad_tree;
 pub mod launch;
@@ -44,6 +47,7 @@ pub mod layout;
 pub mod layout_mesh;
 pub mod memory_report;
 pub mod mesh;
+pub mod metrics;
 pub mod pipeline;
 pub mod plan;
 pub mod sampler;

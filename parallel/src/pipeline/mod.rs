@@ -16,6 +16,8 @@
 //! * [`trace`]: a [`Timeline`] per rank of what it did when (the executor records every action),
 //!   written as a Chrome trace ([`write_chrome_trace`]) and measured ([`measure_idle`], the
 //!   counterpart of the simulated bubble).
+//! * [`timelines`]: a training run's timelines and step windows on every rank, the measured idle
+//!   fraction after the first step, and their gathering on rank 0 in a job of processes.
 //! * [`profile`](mod@profile): [`profile_layers`] measures each layer's forward + backward time
 //!   and memory of a [`ModelStage`](meshgrad_nn::ModelStage) model on its device and returns the
 //!   per-layer costs the partitioner consumes.
@@ -42,6 +44,7 @@ pub mod partition;
 pub mod profile;
 pub mod schedule;
 pub mod simulate;
+pub mod timelines;
 pub mod trace;
 
 pub use evaluate::forward_only;
@@ -52,6 +55,7 @@ pub use execute::{
 pub use profile::{profile_layers, profile_lines, ProfileOptions};
 pub use schedule::{Action, Schedule, ScheduleArgError, ScheduleKind, MAX_SCHEDULE_ACTIONS};
 pub use simulate::{simulate, Blocked, Costs, ScheduleError, SimReport, Slot};
+pub use timelines::{gather_timelines, measured_idle_after_warmup, StepWindow, Timelines};
 pub use trace::{
     chrome_trace, chrome_trace_json, measure_idle, measure_idle_between, measured_costs,
     write_chrome_trace, IdleReport, Span, SpanKind, Timeline,

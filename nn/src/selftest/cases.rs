@@ -1,12 +1,12 @@
-//! The checks of `meshgrad selftest`: each builds its inputs in the [`Env`], runs one op (or a
-//! short composition) forward, then backward from `sum(out * w)` with fixed random weights `w`,
-//! and returns the output and every input gradient.
+//! The checks of the self-check ([`CASES`]): each builds its inputs in the [`Env`], runs one op
+//! (or a short composition) forward, then backward from `sum(out * w)` with fixed random weights
+//! `w`, and returns the output and every input gradient.
 
 use meshgrad_autograd::Var;
-use meshgrad_nn::optim::{AdamW, AdamWConfig, Optimizer, ParamGroup};
 use meshgrad_tensor::{AttentionMask, DType, Device, GeluKind, Result, Tensor};
 
 use super::{Case, Env};
+use crate::optim::{AdamW, AdamWConfig, Optimizer, ParamGroup};
 
 type Named = Vec<(&'static str, Tensor)>;
 

@@ -1,24 +1,36 @@
-//! `meshgrad selftest --device D`: every op the models use, forward and backward, run on `D`
-//! in each dtype the device computes in, against the same op on the CPU in f64 from the same
-//! (rounded) inputs; then the tiny GPT trained on `D` beside the CPU, loss for loss.
+//! The kernel self-check behind `meshgrad selftest`: is a device's arithmetic right? Every op the
+//! models use ([`CASES`]), forward and backward, runs on the device under test in each dtype it
+//! computes in and, from the same (rounded) inputs, on the CPU in f64 ([`check`], [`run`]); then a
+//! small GPT trains on the device beside the CPU, loss for loss ([`loss_curve`]).
 //!
-//! Each check prints one line, `selftest: <case> <dtype> max_err=<e> tol=<t> ok|FAIL`, where
+//! Each check gives one [`CheckResult`], reported as one line,
+//! `selftest: <case> <dtype> max_err=<e> tol=<t> ok|FAIL` ([`CheckResult::line`]), where
 //! `max_err` is the largest absolute difference over every output and input gradient of the
 //! case divided by the largest magnitude of the reference (scale-relative, so values near zero
-//! do not blow it up). Every check runs even after one fails; the last line is
-//! `selftest: device=<d> checks=<n> failed=<k>` and the command exits non-zero when `k > 0`.
+//! do not blow it up, see [`scaled_difference`]). Every check runs even after one fails.
 //!
 //! On the CPU this is a precision test of the CPU kernels (f32 and bf16 against f64, and bf16
-//! training against f32 training); on a GPU it is the test of the CUDA kernels against the CPU. A CUDA device that is not there
-//! (no driver, or a build without `--features cuda`) is skipped with the reason, exit 0.
+//! training against f32 training); on a GPU it is the test of the CUDA kernels against the CPU.
+//! A CUDA device that is not there (no driver, or a build without the `cuda` feature) cannot be
+//! tested: [`skip_reason`] says why.
+//!
+//! ```
+//! use meshgrad_nn::selftest;
+//! use meshgrad_tensor::Device;
+//!
+//! // The softmax checks (f32 and bf16) of the CPU kernels against f64.
+//! let results = selftest::run(Device::Cpu, Some("softmax"), |r| println!("{}", r.line()));
+//! assert_eq!(results.len(), 2);
+//! assert!(results.iter().all(|r| r.ok()));
+//! ```
 
 mod cases;
-mod track;
+mod loss_curve;
 
-use anyhow::{bail, Result};
 use meshgrad_tensor::{DType, Device, Tensor};
 
 pub use cases::CASES;
+pub use loss_curve::{loss_curve, losses, BF16_TRAINING_TOLERANCE, LOSS_CURVE_TOLERANCE};
 
 /// Where a case runs: the device and dtype it computes in, and the dtype its float inputs are
 /// rounded to (the dtype under test; the f64 reference reads the same rounded values).
@@ -84,19 +96,6 @@ pub fn base_tolerance(dtype: DType) -> f64 {
         DType::F32 => 1e-5,
         DType::F16 => 2e-3,
         _ => 1e-2, // bf16: 8 significant bits
-    }
-}
-
-/// The dtype as the report writes it (`f32`, `bf16`, ...).
-pub fn dtype_name(dtype: DType) -> &'static str {
-    match dtype {
-        DType::F64 => "f64",
-        DType::F32 => "f32",
-        DType::BF16 => "bf16",
-        DType::F16 => "f16",
-        DType::U8 => "u8",
-        DType::U32 => "u32",
-        DType::I64 => "i64",
     }
 }
 
@@ -168,7 +167,7 @@ pub fn scaled_difference(a: &Tensor, b: &Tensor) -> meshgrad_tensor::Result<f64>
 
 /// Runs `case` on `device` in `dtype` and compares it with the CPU f64 reference.
 pub fn check(case: &Case, device: Device, dtype: DType) -> CheckResult {
-    let name = format!("{} {}", case.name, dtype_name(dtype));
+    let name = format!("{} {}", case.name, dtype.as_str());
     let tol = base_tolerance(dtype) * case.tol_factor;
     let outcome = (|| -> meshgrad_tensor::Result<f64> {
         let under_test = (case.run)(&Env {
@@ -205,17 +204,6 @@ pub fn check(case: &Case, device: Device, dtype: DType) -> CheckResult {
     }
 }
 
-/// Options of `meshgrad selftest`.
-#[derive(Clone, Debug)]
-pub struct SelftestOptions {
-    /// The device under test.
-    pub device: Device,
-    /// Steps of the tiny-GPT loss-curve check (0 skips it).
-    pub train_steps: usize,
-    /// Run only the cases whose name contains this.
-    pub filter: Option<String>,
-}
-
 /// Why `device` cannot be tested here, if it cannot.
 pub fn skip_reason(device: Device) -> Option<String> {
     match device {
@@ -229,34 +217,28 @@ pub fn dtypes(_device: Device) -> Vec<DType> {
     vec![DType::F32, DType::BF16]
 }
 
-/// Runs the selftest, printing one line per check; returns the results (the caller prints
-/// the summary line and sets the exit status).
-pub fn run(opts: &SelftestOptions) -> Result<Vec<CheckResult>> {
+/// Runs every case of [`CASES`] whose name contains `filter` (all without one) on `device` in
+/// each of its [`dtypes`] (a case that does not run in half precision only in f32), handing each
+/// result to `each` as soon as it is known (to print its line); returns them all, in order
+/// (empty when no case matches the filter).
+pub fn run(
+    device: Device,
+    filter: Option<&str>,
+    mut each: impl FnMut(&CheckResult),
+) -> Vec<CheckResult> {
     let mut results = Vec::new();
     for case in CASES {
-        if opts
-            .filter
-            .as_deref()
-            .is_some_and(|f| !case.name.contains(f))
-        {
+        if filter.is_some_and(|f| !case.name.contains(f)) {
             continue;
         }
-        for dtype in dtypes(opts.device) {
+        for dtype in dtypes(device) {
             if matches!(dtype, DType::BF16 | DType::F16) && !case.half {
                 continue;
             }
-            let r = check(case, opts.device, dtype);
-            println!("{}", r.line());
+            let r = check(case, device, dtype);
+            each(&r);
             results.push(r);
         }
     }
-    if opts.train_steps > 0 && opts.filter.is_none() {
-        let r = track::loss_curve(opts.device, opts.train_steps);
-        println!("{}", r.line());
-        results.push(r);
-    }
-    if results.is_empty() {
-        bail!("selftest: no case matches the filter");
-    }
-    Ok(results)
+    results
 }

@@ -1,23 +1,26 @@
-//! What the ranks of a pipeline did and when: every rank's [`Timeline`] and step windows, the
-//! measured idle fraction printed after a pipeline run, and, in a job of processes, the
-//! gathering of every rank's timeline on world rank 0 (for the idle figure and `--trace`).
+//! What the ranks of a pipeline run did and when, over a whole training run: every rank's
+//! [`Timeline`] and the window of each step's schedule on each rank ([`Timelines`]), the
+//! measured idle fraction of the pipeline after its first step ([`measured_idle_after_warmup`],
+//! which `meshgrad train` prints beside the simulated bubble), and, in a job of processes, the
+//! gathering of every rank's timeline on world rank 0 ([`gather_timelines`], for the idle figure
+//! and the Chrome trace of every rank).
 
 use std::sync::Mutex;
 
-use anyhow::{Context, Result};
-use meshgrad_parallel::pipeline::{measure_idle_between, Span, SpanKind, Timeline};
-use meshgrad_parallel::{Communicator, ParallelLayout};
-use meshgrad_tensor::{Device, Tensor};
+use meshgrad_tensor::{Device, Error, Result, Tensor};
+
+use super::trace::{measure_idle_between, Span, SpanKind, Timeline};
+use crate::{Communicator, ParallelLayout};
 
 /// When a rank ran one step's schedule: `(global rank, step, start, end)`, seconds from the
 /// run's origin.
-pub(crate) type StepWindow = (usize, usize, f64, f64);
+pub type StepWindow = (usize, usize, f64, f64);
 
 /// The measured idle fraction of the pipeline of global rank 0 (its `pp` ranks; the other
 /// pipelines of a composed layout do the same work) over each step's window, from the first
 /// of its ranks starting the schedule to the last finishing it: the mean over the steps after
 /// the first, which warms up (the first step's figure when there is only one).
-pub(crate) fn measured_idle_after_warmup(
+pub fn measured_idle_after_warmup(
     timelines: &[Timeline],
     layout: &ParallelLayout,
     windows: &[StepWindow],
@@ -51,12 +54,14 @@ pub(crate) fn measured_idle_after_warmup(
 
 /// Where the ranks record what they did: every rank's [`Timeline`] and step windows, in this
 /// process.
-pub(crate) struct Timelines<'a> {
-    pub(crate) all: &'a [Timeline],
-    pub(crate) windows: &'a Mutex<Vec<StepWindow>>,
+pub struct Timelines<'a> {
+    /// Every world rank's timeline, by global rank.
+    pub all: &'a [Timeline],
+    /// Every rank's step windows recorded in this process.
+    pub windows: &'a Mutex<Vec<StepWindow>>,
     /// Whether this process records only its own rank (MPI): the ranks then send theirs to
     /// world rank 0 after the run ([`gather_timelines`]).
-    pub(crate) gather: bool,
+    pub gather: bool,
 }
 
 /// The kinds of span, in the order [`gather_timelines`] numbers them.
@@ -75,11 +80,7 @@ const SPAN_KINDS: [SpanKind; 7] = [
 /// rank as with threads. Each process has its own clock: times travel as seconds after `sync_s`,
 /// the moment the rank left the barrier before the first step on its own clock, and rank 0 adds
 /// its own `sync_s` (so the ranks are aligned to within a barrier's exit skew).
-pub(crate) fn gather_timelines(
-    world: &dyn Communicator,
-    t: &Timelines<'_>,
-    sync_s: f64,
-) -> Result<()> {
+pub fn gather_timelines(world: &dyn Communicator, t: &Timelines<'_>, sync_s: f64) -> Result<()> {
     let rank = world.rank();
     if rank != 0 {
         let spans = t.all[rank].spans();
@@ -114,7 +115,7 @@ pub(crate) fn gather_timelines(
     for src in 1..world.world_size() {
         let nums = world.recv(src)?.wait()?.to_vec::<f64>()?;
         let labels = String::from_utf8(world.recv(src)?.wait()?.to_vec::<u8>()?)
-            .context("pipeline timelines: span labels")?;
+            .map_err(|e| Error::Msg(format!("pipeline timelines: span labels: {e}")))?;
         let n_spans = nums.first().copied().unwrap_or(0.0) as usize;
         let mut labels = labels.split('\n');
         let (spans, windows) = nums[1..].split_at((3 * n_spans).min(nums.len() - 1));
@@ -132,4 +133,49 @@ pub(crate) fn gather_timelines(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use super::*;
+
+    fn forward(start_s: f64, end_s: f64) -> Span {
+        Span {
+            kind: SpanKind::Forward,
+            label: "F0".into(),
+            start_s,
+            end_s,
+        }
+    }
+
+    #[test]
+    fn idle_after_warmup_skips_the_first_step_and_other_pipelines() {
+        // dp=2,pp=2: global ranks 0 and 2 are the first pipeline's stages.
+        let layout: ParallelLayout = "dp=2,pp=2".parse().unwrap();
+        let origin = Instant::now();
+        let t: Vec<Timeline> = (0..4).map(|r| Timeline::new(r, origin)).collect();
+        // Step 0 (warm-up): rank 2 idles most of it. Step 1 over [10, 14]: rank 0 busy 4 s,
+        // rank 2 busy 2 s, so 1 - 6 / (2 * 4) = 0.25 idle.
+        t[0].push(forward(0.0, 1.0));
+        t[2].push(forward(0.0, 9.0));
+        t[0].push(forward(10.0, 14.0));
+        t[2].push(forward(11.0, 13.0));
+        // Rank 1, of the other pipeline, is not measured.
+        t[1].push(forward(10.0, 10.5));
+        let windows = vec![
+            (0, 0, 0.0, 1.0),
+            (2, 0, 0.0, 9.0),
+            (0, 1, 10.0, 14.0),
+            (2, 1, 10.5, 13.5),
+            (1, 1, 10.0, 20.0),
+        ];
+        let idle = measured_idle_after_warmup(&t, &layout, &windows);
+        assert!((idle - 0.25).abs() < 1e-12, "{idle}");
+        // With one step there is nothing after the warm-up: that step's figure.
+        let first = measured_idle_after_warmup(&t, &layout, &windows[..2]);
+        assert!((first - (1.0 - 10.0 / 18.0)).abs() < 1e-12, "{first}");
+        assert!(measured_idle_after_warmup(&t, &layout, &[]).is_nan());
+    }
 }
