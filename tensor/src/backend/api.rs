@@ -12,7 +12,7 @@
 //!   for the same seed and indices), and `release` (the hook of a caching allocator);
 //! - basic ops, which every backend must provide (casts, copies, elementwise, reductions,
 //!   matmul, indexing, ...);
-//! - fused ops (layer norm, softmax, attention, cross-entropy, optimizer steps, ...), whose
+//! - fused ops (softmax, attention, cross-entropy, optimizer steps, ...), whose
 //!   default answer is `Ok(None)`: "not provided". The tensor op then runs a fallback composed
 //!   of basic ops (see `ops/fallback/`), so a backend can arrive one fused kernel at a time.
 //!   The fused ops of `ops/fused/` are not methods here: each keeps its CPU, CUDA and composed
@@ -238,30 +238,6 @@ pub(crate) trait BackendStorage: Sized + std::fmt::Debug + Send + Sync + 'static
     }
     /// Log-sum-exp over `red` of a contiguous `[outer, red, inner]` buffer.
     fn logsumexp(_x: In<'_, Self>, _outer: usize, _red: usize, _inner: usize) -> Fused<Self> {
-        Ok(None)
-    }
-    /// Layer normalisation over rows: `(y, mean, rstd)`.
-    fn layer_norm(
-        _x: In<'_, Self>,
-        _w: Option<In<'_, Self>>,
-        _b: Option<In<'_, Self>>,
-        _rows: usize,
-        _cols: usize,
-        _eps: f64,
-    ) -> Fused<(Self, Self, Self)> {
-        Ok(None)
-    }
-    /// The backward of [`BackendStorage::layer_norm`]: `(dx, dw, db)`.
-    fn layer_norm_backward(
-        _x: In<'_, Self>,
-        _w: Option<In<'_, Self>>,
-        _mean: In<'_, Self>,
-        _rstd: In<'_, Self>,
-        _dy: In<'_, Self>,
-        _rows: usize,
-        _cols: usize,
-        _param_grads: bool,
-    ) -> Fused<(Self, Option<Self>, Option<Self>)> {
         Ok(None)
     }
     /// Per-row cross-entropy of `[rows, cols]` logits against integer targets: `(loss, lse)`.

@@ -480,57 +480,6 @@ pub(crate) fn logsumexp(s: Src<'_>, outer: usize, red: usize, inner: usize) -> F
     })
 }
 
-pub(crate) fn layer_norm(
-    x: Src<'_>,
-    w: Option<Src<'_>>,
-    b: Option<Src<'_>>,
-    rows: usize,
-    cols: usize,
-    eps: f64,
-) -> Fused<(Storage, Storage, Storage)> {
-    let ops: Vec<&Storage> = [x.0]
-        .into_iter()
-        .chain(w.map(|s| s.0))
-        .chain(b.map(|s| s.0))
-        .collect();
-    dispatch!("layer_norm", slice &ops, S, device => {
-        let r = fused(|| S::layer_norm(inp::<S>(x), opt::<S>(w), opt::<S>(b), rows, cols, eps));
-        r.map(|o| o.map(|(y, m, r)| (y.wrap(), m.wrap(), r.wrap())))
-    })
-}
-
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn layer_norm_backward(
-    x: Src<'_>,
-    w: Option<Src<'_>>,
-    mean: Src<'_>,
-    rstd: Src<'_>,
-    dy: Src<'_>,
-    rows: usize,
-    cols: usize,
-    param_grads: bool,
-) -> Fused<(Storage, Option<Storage>, Option<Storage>)> {
-    let ops: Vec<&Storage> = [x.0, mean.0, rstd.0, dy.0]
-        .into_iter()
-        .chain(w.map(|s| s.0))
-        .collect();
-    dispatch!("layer_norm_backward", slice &ops, S, device => {
-        let r = fused(|| {
-            S::layer_norm_backward(
-                inp::<S>(x),
-                opt::<S>(w),
-                inp::<S>(mean),
-                inp::<S>(rstd),
-                inp::<S>(dy),
-                rows,
-                cols,
-                param_grads,
-            )
-        });
-        r.map(|o| o.map(|(dx, dw, db)| (dx.wrap(), dw.map(S::wrap), db.map(S::wrap))))
-    })
-}
-
 pub(crate) fn attention(
     q: Src<'_>,
     k: Src<'_>,

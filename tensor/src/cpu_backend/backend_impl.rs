@@ -8,9 +8,7 @@ use meshgrad_kernels::ops::{
 };
 use meshgrad_kernels::rng;
 
-use super::{
-    attention, cross_entropy, indexing, layer_norm, linear, logsumexp, optimizer, unary_backward,
-};
+use super::{attention, cross_entropy, indexing, linear, logsumexp, optimizer, unary_backward};
 use crate::backend::api::{BackendStorage, Distribution, Fused, In, MaskArgs};
 use crate::storage::CpuStorage;
 use crate::{DType, Device, Layout, Result};
@@ -304,30 +302,6 @@ impl BackendStorage for CpuStorage {
 
     fn logsumexp(x: In<'_, Self>, outer: usize, red: usize, inner: usize) -> Fused<Self> {
         logsumexp::logsumexp(x.0, x.1, outer, red, inner).map(Some)
-    }
-
-    fn layer_norm(
-        x: In<'_, Self>,
-        w: Option<In<'_, Self>>,
-        b: Option<In<'_, Self>>,
-        rows: usize,
-        cols: usize,
-        eps: f64,
-    ) -> Fused<(Self, Self, Self)> {
-        layer_norm::layer_norm(x, w, b, rows, cols, eps).map(Some)
-    }
-
-    fn layer_norm_backward(
-        x: In<'_, Self>,
-        w: Option<In<'_, Self>>,
-        mean: In<'_, Self>,
-        rstd: In<'_, Self>,
-        dy: In<'_, Self>,
-        rows: usize,
-        cols: usize,
-        param_grads: bool,
-    ) -> Fused<(Self, Option<Self>, Option<Self>)> {
-        layer_norm::layer_norm_backward(x, w, mean, rstd, dy, rows, cols, param_grads).map(Some)
     }
 
     fn cross_entropy(

@@ -8,7 +8,6 @@ mod backend_impl;
 mod cast;
 pub(crate) mod cross_entropy;
 pub(crate) mod indexing;
-pub(crate) mod layer_norm;
 pub(crate) mod linear;
 pub(crate) mod logsumexp;
 pub(crate) mod optimizer;

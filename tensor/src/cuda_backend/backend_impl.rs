@@ -220,30 +220,6 @@ impl BackendStorage for CudaStorage {
         fused::logsumexp(x, outer, red, inner)
     }
 
-    fn layer_norm(
-        x: In<'_, Self>,
-        w: Option<In<'_, Self>>,
-        b: Option<In<'_, Self>>,
-        rows: usize,
-        cols: usize,
-        eps: f64,
-    ) -> Fused<(Self, Self, Self)> {
-        fused::layer_norm(x, w, b, rows, cols, eps)
-    }
-
-    fn layer_norm_backward(
-        x: In<'_, Self>,
-        w: Option<In<'_, Self>>,
-        mean: In<'_, Self>,
-        rstd: In<'_, Self>,
-        dy: In<'_, Self>,
-        rows: usize,
-        cols: usize,
-        param_grads: bool,
-    ) -> Fused<(Self, Option<Self>, Option<Self>)> {
-        fused::layer_norm_backward(x, w, mean, rstd, dy, rows, cols, param_grads)
-    }
-
     fn cross_entropy(
         logits: In<'_, Self>,
         targets: In<'_, Self>,

@@ -16,10 +16,9 @@ mod shape_ops;
 
 pub use attention::{AttentionGrads, AttentionMask, AttentionOutput};
 pub use elementwise::GeluKind;
-pub use fused::RmsNormOutput;
+pub use fused::{LayerNormOutput, RmsNormOutput};
 pub use matmul::LinearGrads;
 pub use meshgrad_kernels::ops::AdamWStep;
-pub use nn::LayerNormOutput;
 
 use crate::{DType, Error, Tensor};
 

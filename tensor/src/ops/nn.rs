@@ -1,19 +1,8 @@
-//! Fused neural-network ops and their backward passes: softmax, layer norm, cross-entropy,
+//! Fused neural-network ops and their backward passes: softmax, cross-entropy,
 //! embedding, dropout masks (attention is in `attention.rs`).
 
 use super::{same_device, same_kind};
 use crate::{backend, DType, Error, Result, Shape, Tensor};
-
-/// The results of [`Tensor::layer_norm`]: output and per-row statistics for the backward pass.
-#[derive(Clone, Debug)]
-pub struct LayerNormOutput {
-    /// The normalised output, shaped like the input.
-    pub y: Tensor,
-    /// Per-row mean (compute precision), shape `[rows]`.
-    pub mean: Tensor,
-    /// Per-row `1/sqrt(var + eps)`, shape `[rows]`.
-    pub rstd: Tensor,
-}
 
 fn rows_cols(t: &Tensor) -> (usize, usize) {
     let cols = *t.dims().last().unwrap_or(&1);
@@ -82,122 +71,6 @@ impl Tensor {
             Some(s) => Ok(Tensor::from_storage(s, y.shape())),
             None => super::fallback::softmax_backward(&y, &dy, log),
         }
-    }
-
-    /// Layer norm over the last dim with optional affine `weight` and `bias` (shape `[C]`).
-    pub fn layer_norm(
-        &self,
-        weight: Option<&Tensor>,
-        bias: Option<&Tensor>,
-        eps: f64,
-    ) -> Result<LayerNormOutput> {
-        let _prof = crate::profile::scope("layer_norm");
-        let (rows, cols) = rows_cols(self);
-        for p in [weight, bias].into_iter().flatten() {
-            same_device("layer_norm", self, p)?;
-            if p.dims() != [cols] {
-                return Err(Error::ShapeMismatch {
-                    op: "layer_norm (weight/bias vs last dim)",
-                    lhs: self.shape().clone(),
-                    rhs: p.shape().clone(),
-                });
-            }
-        }
-        let x = self.contiguous()?;
-        let w = weight.map(|w| w.contiguous()).transpose()?;
-        let b = bias.map(|b| b.contiguous()).transpose()?;
-        let r = {
-            let gx = x.read_storage("layer_norm")?;
-            let gw = w
-                .as_ref()
-                .map(|w| w.read_storage("layer_norm"))
-                .transpose()?;
-            let gb = b
-                .as_ref()
-                .map(|b| b.read_storage("layer_norm"))
-                .transpose()?;
-            backend::layer_norm(
-                (&gx, x.layout()),
-                gw.as_ref().zip(w.as_ref()).map(|(g, t)| (&**g, t.layout())),
-                gb.as_ref().zip(b.as_ref()).map(|(g, t)| (&**g, t.layout())),
-                rows,
-                cols,
-                eps,
-            )?
-        };
-        let Some((y, mean, rstd)) = r else {
-            let (y, mean, rstd) =
-                super::fallback::layer_norm(&x, w.as_ref(), b.as_ref(), rows, cols, eps)?;
-            return Ok(LayerNormOutput { y, mean, rstd });
-        };
-        Ok(LayerNormOutput {
-            y: Tensor::from_storage(y, x.shape()),
-            mean: Tensor::from_storage(mean, rows),
-            rstd: Tensor::from_storage(rstd, rows),
-        })
-    }
-
-    /// The backward of [`Tensor::layer_norm`] (`self` is its input): returns `dx` and, when
-    /// `weight` was given, `(dweight, dbias)`.
-    pub fn layer_norm_backward(
-        &self,
-        weight: Option<&Tensor>,
-        mean: &Tensor,
-        rstd: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
-        let _prof = crate::profile::scope("layer_norm_backward");
-        same_kind("layer_norm_backward", self, dy)?;
-        let (rows, cols) = rows_cols(self);
-        let (x, dy, mean, rstd) = (
-            self.contiguous()?,
-            dy.contiguous()?,
-            mean.contiguous()?,
-            rstd.contiguous()?,
-        );
-        let w = weight.map(|w| w.contiguous()).transpose()?;
-        let op = "layer_norm_backward";
-        let r = {
-            let (gx, gd, gm, gr) = (
-                x.read_storage(op)?,
-                dy.read_storage(op)?,
-                mean.read_storage(op)?,
-                rstd.read_storage(op)?,
-            );
-            let gw = w.as_ref().map(|w| w.read_storage(op)).transpose()?;
-            backend::layer_norm_backward(
-                (&gx, x.layout()),
-                gw.as_ref().zip(w.as_ref()).map(|(g, t)| (&**g, t.layout())),
-                (&gm, mean.layout()),
-                (&gr, rstd.layout()),
-                (&gd, dy.layout()),
-                rows,
-                cols,
-                weight.is_some(),
-            )?
-        };
-        let (dx, dw, db) = match r {
-            Some((dx, dw, db)) => (
-                Tensor::from_storage(dx, x.shape()),
-                dw.map(|s| Tensor::from_storage(s, cols)),
-                db.map(|s| Tensor::from_storage(s, cols)),
-            ),
-            None => super::fallback::layer_norm_backward(
-                &x,
-                w.as_ref(),
-                &mean,
-                &rstd,
-                &dy,
-                rows,
-                cols,
-                weight.is_some(),
-            )?,
-        };
-        let pg = match (dw, db) {
-            (Some(dw), Some(db)) => Some((dw, db)),
-            _ => None,
-        };
-        Ok((dx, pg))
     }
 
     /// Checks logits `[..., V]` against integer targets `[...]` (the leading dims); returns

@@ -30,6 +30,5 @@ mod softmax;
 pub(super) use activations::{gelu_backward, unary_backward};
 pub(super) use attention::{attention, attention_backward, attention_qkv, attention_qkv_backward};
 pub(super) use classifier::{cross_entropy, cross_entropy_backward};
-pub(super) use norms::{layer_norm, layer_norm_backward};
 pub(super) use optimizer::{adamw, sgd};
 pub(super) use softmax::{logsumexp, softmax, softmax_backward};

@@ -14,7 +14,6 @@
 mod attention;
 mod basic;
 mod loss;
-mod norms;
 mod optim;
 #[cfg(test)]
 pub(crate) mod testutil;
@@ -26,7 +25,6 @@ pub(crate) use basic::{
     gelu_backward, linear, logsumexp, softmax, softmax_backward, unary_backward,
 };
 pub(crate) use loss::{cross_entropy, cross_entropy_backward};
-pub(crate) use norms::{layer_norm, layer_norm_backward};
 pub(crate) use optim::{adamw, sgd};
 
 use super::compute_dtype;

@@ -24,13 +24,15 @@
 //!    paths;
 //! 5. the autograd rule in `autograd/` and the op's tests in `tensor/tests/foo.rs`.
 //!
-//! Ops here: `rms_norm` (RMSNorm), `rotary` (rotary embedding) and `swiglu` (SwiGLU), each
-//! forward and backward.
+//! Ops here: `layer_norm` (layer norm), `rms_norm` (RMSNorm), `rotary` (rotary embedding) and
+//! `swiglu` (SwiGLU), each forward and backward.
 
+pub(crate) mod layer_norm;
 pub(crate) mod rms_norm;
 pub(crate) mod rotary;
 pub(crate) mod swiglu;
 
+pub use layer_norm::LayerNormOutput;
 pub use rms_norm::RmsNormOutput;
 
 use crate::backend::{self, api::In, Variant};
@@ -77,6 +79,13 @@ pub(crate) trait FusedOp {
 
     /// The op composed of basic tensor ops, on any device.
     fn fallback(&self) -> Result<Self::Output>;
+}
+
+/// `(rows, cols)` of a tensor whose last dim is its rows (normalised, or a softmax's).
+fn rows_cols(t: &Tensor) -> (usize, usize) {
+    let cols = *t.dims().last().unwrap_or(&1);
+    let rows = t.elem_count().checked_div(cols).unwrap_or(0);
+    (rows, cols)
 }
 
 /// Runs a fused op: checks its operands share one device ([`crate::Error::DeviceMismatch`]

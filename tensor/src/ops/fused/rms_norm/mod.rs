@@ -9,7 +9,7 @@ mod cpu;
 pub(crate) mod cuda;
 mod fallback;
 
-use super::{run, CpuIn, FusedOp};
+use super::{rows_cols, run, CpuIn, FusedOp};
 use crate::backend::Variant;
 use crate::ops::{same_device, same_kind};
 use crate::storage::CpuStorage;
@@ -141,13 +141,6 @@ impl FusedOp for RmsNormBackward<&Tensor> {
     fn fallback(&self) -> Result<(Tensor, Option<Tensor>)> {
         fallback::backward(self)
     }
-}
-
-/// `(rows, cols)` of a tensor normalised over its last dim.
-fn rows_cols(t: &Tensor) -> (usize, usize) {
-    let cols = *t.dims().last().unwrap_or(&1);
-    let rows = t.elem_count().checked_div(cols).unwrap_or(0);
-    (rows, cols)
 }
 
 /// Checks the optional weight against the input's last dim.
