@@ -228,10 +228,6 @@ pub(crate) trait BackendStorage: Sized + std::fmt::Debug + Send + Sync + 'static
     ) -> Fused<Self> {
         Ok(None)
     }
-    /// `dy * gelu'(x)` (tanh or erf form).
-    fn gelu_backward(_x: In<'_, Self>, _dy: In<'_, Self>, _tanh_form: bool) -> Fused<Self> {
-        Ok(None)
-    }
     /// `dy * f'(x)` for the fused unary derivatives.
     fn unary_backward(_x: In<'_, Self>, _dy: In<'_, Self>, _op: UnaryGrad) -> Fused<Self> {
         Ok(None)

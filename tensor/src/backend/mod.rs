@@ -460,12 +460,6 @@ pub(crate) fn softmax_backward(
     })
 }
 
-pub(crate) fn gelu_backward(x: Src<'_>, dy: Src<'_>, tanh_form: bool) -> Fused<Storage> {
-    dispatch!("gelu_backward", [x.0, dy.0], S, device => {
-        fused(|| S::gelu_backward(inp::<S>(x), inp::<S>(dy), tanh_form)).map(|r| r.map(S::wrap))
-    })
-}
-
 pub(crate) fn unary_backward(x: Src<'_>, dy: Src<'_>, op: UnaryGrad) -> Fused<Storage> {
     dispatch!("unary_backward", [x.0, dy.0], S, device => {
         let r = fused(|| S::unary_backward(inp::<S>(x), inp::<S>(dy), op));

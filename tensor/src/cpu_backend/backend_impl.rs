@@ -292,10 +292,6 @@ impl BackendStorage for CpuStorage {
         super::softmax_backward(y.0, y.1, dy.0, dy.1, rows, cols, log).map(Some)
     }
 
-    fn gelu_backward(x: In<'_, Self>, dy: In<'_, Self>, tanh_form: bool) -> Fused<Self> {
-        super::gelu_backward(x.0, x.1, dy.0, dy.1, tanh_form).map(Some)
-    }
-
     fn unary_backward(x: In<'_, Self>, dy: In<'_, Self>, op: UnaryGrad) -> Fused<Self> {
         unary_backward::unary_backward(x.0, x.1, dy.0, dy.1, op).map(Some)
     }

@@ -351,24 +351,6 @@ pub(crate) fn softmax_backward(
     )
 }
 
-pub(crate) fn gelu_backward(
-    x: &CpuStorage,
-    xl: &Layout,
-    dy: &CpuStorage,
-    dyl: &Layout,
-    tanh_form: bool,
-) -> Result<CpuStorage> {
-    let dt = x.dtype();
-    let n = xl.shape().elem_count();
-    Ok(
-        with_floats!("gelu_backward", (x, range(xl)) => a, (dy, range(dyl)) => g; {
-            let mut out = crate::pool::output(n);
-            cpu::elementwise::gelu_backward(tanh_form, a, g, &mut out);
-            out.into_storage(dt)
-        }),
-    )
-}
-
 /// Borrows (or widens) ids as i64.
 pub(crate) fn ids<'a>(s: &'a CpuStorage, l: &Layout, op: &'static str) -> Result<Cow<'a, [i64]>> {
     let r = range(l);

@@ -208,10 +208,6 @@ impl BackendStorage for CudaStorage {
         fused::softmax_backward(y, dy, rows, cols, log)
     }
 
-    fn gelu_backward(x: In<'_, Self>, dy: In<'_, Self>, tanh_form: bool) -> Fused<Self> {
-        fused::gelu_backward(x, dy, tanh_form)
-    }
-
     fn unary_backward(x: In<'_, Self>, dy: In<'_, Self>, op: UnaryGrad) -> Fused<Self> {
         fused::unary_backward(x, dy, op)
     }

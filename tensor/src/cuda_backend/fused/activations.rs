@@ -1,6 +1,6 @@
-//! The activations' fused backward ops (activations.cu): GELU backward and the SiLU / clamp
-//! backward (`unary_bwd`). f32, bf16 and f16 (computed in f32); f64 is not provided on CUDA
-//! (`Ok(None)`). SwiGLU, also in activations.cu, is
+//! The launches of activations.cu ([`act_launch`]) and the SiLU / clamp backward (`unary_bwd`).
+//! f32, bf16 and f16 (computed in f32); f64 is not provided on CUDA (`Ok(None)`). GELU's
+//! backward and SwiGLU, also in activations.cu, are `ops/fused/gelu/cuda.rs` and
 //! `ops/fused/swiglu/cuda.rs`.
 
 use meshgrad_kernels::cuda::unary_grad;
@@ -21,21 +21,6 @@ pub(crate) fn act_launch(entry: String, n: usize, args: Vec<Arg>) -> Launch {
         shared: 0,
         args,
     }
-}
-
-/// `gelu_bwd_<t>(x, dy, dx, n, tanh_form)`.
-pub(crate) fn gelu_bwd_launch(t: &str, x: u64, dy: u64, dx: u64, n: usize, tanh: bool) -> Launch {
-    act_launch(
-        format!("gelu_bwd_{t}"),
-        n,
-        vec![
-            Arg::Ptr(x),
-            Arg::Ptr(dy),
-            Arg::Ptr(dx),
-            i64_of(n),
-            Arg::I32(tanh as i32),
-        ],
-    )
 }
 
 /// `unary_bwd_<t>(x, dy, dx, n, op, lo, hi)`: op 0 SiLU, 1 clamp to `[lo, hi]`.
@@ -66,27 +51,6 @@ pub(crate) fn unary_bwd_launch(
     )
 }
 
-/// See `BackendStorage::gelu_backward`: `dy` converted to `x`'s dtype if it differs; `Ok(None)`
-/// for f64.
-pub(in crate::cuda_backend) fn gelu_backward(
-    x: In<'_, CudaStorage>,
-    dy: In<'_, CudaStorage>,
-    tanh_form: bool,
-) -> Fused<CudaStorage> {
-    let dt = x.0.dtype();
-    let Some(t) = sfx(dt) else { return Ok(None) };
-    let n = x.1.shape().elem_count();
-    check_len("gelu_backward", "dy", dy.1, n)?;
-    let (xo, go) = (contiguous(x)?, as_dtype(dy, dt)?);
-    let ctx = x.0.ctx();
-    let dx = output(ctx, dt, n)?;
-    if n > 0 {
-        gelu_bwd_launch(t, xo.ptr(), go.ptr(), dx.device_ptr(), n, tanh_form)
-            .run(ctx, || format!("gelu_backward of {} {dt:?}", x.1.shape()))?;
-    }
-    Ok(Some(dx))
-}
-
 /// See `BackendStorage::unary_backward`: SiLU and clamp; `Ok(None)` for f64.
 pub(in crate::cuda_backend) fn unary_backward(
     x: In<'_, CudaStorage>,
@@ -115,14 +79,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn activation_launches_match_the_kernel_signatures() {
-        // gelu_bwd_<t>(const T *x, const T *dy, T *dx, i64 n, int tanh_form)
-        let l = gelu_bwd_launch("f32", 1, 2, 3, 1000, true);
-        assert_eq!(l.entry, "gelu_bwd_f32");
-        assert_eq!(l.kinds(), vec![P, P, P, I64, I32]);
-        assert_eq!(l.args[3..], [Arg::I64(1000), Arg::I32(1)]);
-        assert_eq!(l.grid, (4, 1, 1));
-        assert_known(&l);
+    fn unary_backward_launches_match_the_kernel_signature() {
         // unary_bwd_<t>(const T *x, const T *dy, T *dx, i64 n, int op, double lo, double hi)
         let l = unary_bwd_launch("bf16", 1, 2, 3, 5, UnaryGrad::Clamp(-1.5, f64::INFINITY));
         assert_eq!(l.entry, "unary_bwd_bf16");

@@ -9,7 +9,7 @@ use std::collections::BTreeSet;
 
 use meshgrad_kernels::ops::{AdamWStep, AttentionShape, UnaryGrad};
 
-use super::activations::{gelu_bwd_launch, unary_bwd_launch};
+use super::activations::unary_bwd_launch;
 use super::args::{assert_known, Launch};
 use super::attention::params::{
     delta_launch, dkdv_launch, dq_launch, fwd_launch, qkv_params, separate_params, HEAD_DIMS,
@@ -18,6 +18,7 @@ use super::classifier::{ce_bwd_launch, ce_fwd_launch};
 use super::norms::partials_reduce_launch;
 use super::optimizer::{adamw_launch, sgd_launch};
 use super::softmax::{logsumexp_launch, softmax_bwd_launch, softmax_fwd_launch};
+use crate::ops::fused::gelu::cuda::gelu_bwd_launch;
 use crate::ops::fused::layer_norm::cuda::{layer_norm_bwd_launch, layer_norm_fwd_launch};
 use crate::ops::fused::rms_norm::cuda::{rms_norm_bwd_launch, rms_norm_fwd_launch};
 use crate::ops::fused::rotary::cuda::rotary_launch;
@@ -47,7 +48,7 @@ pub(crate) fn every_launch() -> Vec<Launch> {
             v.push(softmax_fwd_launch(t, log, 1, 2, 3, 4));
             v.push(softmax_bwd_launch(t, log, 1, 2, 3, 4, 5));
         }
-        v.push(gelu_bwd_launch(t, 1, 2, 3, 4, true));
+        v.push(gelu_bwd_launch(t, [1, 2, 3], 4, true));
         v.push(unary_bwd_launch(t, 1, 2, 3, 4, UnaryGrad::Clamp(0.0, 1.0)));
         v.push(swiglu_fwd_launch(t, 1, 2, 3, 4));
         v.push(swiglu_bwd_launch(t, [1, 2, 3, 4, 5], 6));

@@ -27,7 +27,7 @@ pub(crate) mod operand;
 mod optimizer;
 mod softmax;
 
-pub(super) use activations::{gelu_backward, unary_backward};
+pub(super) use activations::unary_backward;
 pub(super) use attention::{attention, attention_backward, attention_qkv, attention_qkv_backward};
 pub(super) use classifier::{cross_entropy, cross_entropy_backward};
 pub(super) use optimizer::{adamw, sgd};

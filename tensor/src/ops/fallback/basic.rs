@@ -1,4 +1,4 @@
-//! Linear, softmax (and its backward), the unary derivatives (GELU, SiLU, clamp) and
+//! Linear, softmax (and its backward), the unary derivatives (SiLU, clamp) and
 //! log-sum-exp, composed.
 
 use meshgrad_kernels::ops::UnaryGrad;
@@ -43,41 +43,6 @@ pub(crate) fn softmax_backward(y: &Tensor, dy: &Tensor, log: bool) -> Result<Ten
     dx.to_dtype(y.dtype())
 }
 
-/// `dy * gelu'(x)` in `x`'s dtype: the tanh form
-/// `0.5 (1 + t) + 0.5 x (1 - t²) c (1 + 3 a x²)` with `t = tanh(c (x + a x³))`,
-/// `c = sqrt(2/π)`, `a = 0.044715`; the erf form `Φ(x) + x φ(x)` with `Φ(x) = gelu(x) / x`
-/// (0.5 at 0) and `φ(x) = exp(-x²/2) / sqrt(2π)`.
-pub(crate) fn gelu_backward(x: &Tensor, dy: &Tensor, tanh_form: bool) -> Result<Tensor> {
-    const C: f64 = 0.797_884_560_802_865_4; // sqrt(2 / pi)
-    const A: f64 = 0.044_715;
-    const INV_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
-    let xc = widen(x)?;
-    let x2 = xc.sqr()?;
-    let grad = if tanh_form {
-        let t = xc
-            .mul(&x2.mul_scalar(A)?.add_scalar(1.0)?)?
-            .mul_scalar(C)?
-            .tanh()?;
-        let left = t.add_scalar(1.0)?.mul_scalar(0.5)?;
-        let one_minus_t2 = t.sqr()?.neg()?.add_scalar(1.0)?;
-        let slope = x2
-            .mul_scalar(3.0 * A)?
-            .add_scalar(1.0)?
-            .mul_scalar(0.5 * C)?;
-        left.add(&xc.mul(&one_minus_t2)?.mul(&slope)?)?
-    } else {
-        let zero = xc.zeros_like()?;
-        let at_zero = xc.eq(&zero)?;
-        let cdf = at_zero.where_cond(
-            &zero.add_scalar(0.5)?,
-            &xc.gelu(crate::GeluKind::Erf)?.div(&xc)?,
-        )?;
-        let pdf = x2.mul_scalar(-0.5)?.exp()?.mul_scalar(INV_SQRT_2PI)?;
-        cdf.add(&xc.mul(&pdf)?)?
-    };
-    grad.mul(&widen(dy)?)?.to_dtype(x.dtype())
-}
-
 /// `dy * f'(x)` in `x`'s dtype for the fused unary derivatives: SiLU's
 /// `s (1 + x (1 - s))` with `s = sigmoid(x)`, and clamp's 1 where `lo <= x <= hi` (bounds
 /// rounded to the compute precision, NaN excluded), else 0.
@@ -116,7 +81,7 @@ pub(crate) fn logsumexp(x: &Tensor, outer: usize, red: usize, inner: usize) -> R
 #[cfg(test)]
 mod tests {
     use super::super::testutil::{both, close, rand, CASES};
-    use crate::{DType, Device, GeluKind, Tensor};
+    use crate::{DType, Device, Tensor};
 
     #[test]
     fn declining_reaches_the_backend() {
@@ -174,24 +139,6 @@ mod tests {
                 };
                 let (a, b) = both(|| y.softmax_backward(&dy, -1, log).unwrap());
                 close(&format!("softmax_backward {dt} log={log}"), &a, &b, rel);
-            }
-        }
-    }
-
-    #[test]
-    fn gelu_backward_matches_its_composition() {
-        for (dt, rel) in CASES {
-            // Include an exact zero (the erf form's special case).
-            let mut v = rand(&[4, 25], 11, DType::F64).to_vec::<f64>().unwrap();
-            v[7] = 0.0;
-            let x = Tensor::from_vec(v, (4, 25), Device::Cpu)
-                .unwrap()
-                .to_dtype(dt)
-                .unwrap();
-            let dy = rand(&[4, 25], 12, dt);
-            for kind in [GeluKind::Tanh, GeluKind::Erf] {
-                let (a, c) = both(|| x.gelu_backward(&dy, kind).unwrap());
-                close(&format!("gelu_backward {dt} {kind:?}"), &a, &c, rel);
             }
         }
     }

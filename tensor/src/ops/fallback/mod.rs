@@ -21,9 +21,7 @@ pub(crate) mod testutil;
 pub(crate) use attention::{
     attention, attention_backward, attention_qkv, attention_qkv_backward, MaskParts,
 };
-pub(crate) use basic::{
-    gelu_backward, linear, logsumexp, softmax, softmax_backward, unary_backward,
-};
+pub(crate) use basic::{linear, logsumexp, softmax, softmax_backward, unary_backward};
 pub(crate) use loss::{cross_entropy, cross_entropy_backward};
 pub(crate) use optim::{adamw, sgd};
 
