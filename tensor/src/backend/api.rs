@@ -236,28 +236,6 @@ pub(crate) trait BackendStorage: Sized + std::fmt::Debug + Send + Sync + 'static
     fn logsumexp(_x: In<'_, Self>, _outer: usize, _red: usize, _inner: usize) -> Fused<Self> {
         Ok(None)
     }
-    /// Per-row cross-entropy of `[rows, cols]` logits against integer targets: `(loss, lse)`.
-    fn cross_entropy(
-        _logits: In<'_, Self>,
-        _targets: In<'_, Self>,
-        _rows: usize,
-        _cols: usize,
-        _ignore_index: Option<i64>,
-    ) -> Fused<(Self, Self)> {
-        Ok(None)
-    }
-    /// The backward of [`BackendStorage::cross_entropy`]: dlogits.
-    fn cross_entropy_backward(
-        _logits: In<'_, Self>,
-        _lse: In<'_, Self>,
-        _targets: In<'_, Self>,
-        _dloss: In<'_, Self>,
-        _rows: usize,
-        _cols: usize,
-        _ignore_index: Option<i64>,
-    ) -> Fused<Self> {
-        Ok(None)
-    }
     /// Fused scaled dot-product attention: `(out, lse)`.
     fn attention(
         _q: In<'_, Self>,

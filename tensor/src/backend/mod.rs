@@ -565,47 +565,6 @@ pub(crate) fn attention_qkv_backward(
     })
 }
 
-pub(crate) fn cross_entropy(
-    logits: Src<'_>,
-    targets: Src<'_>,
-    rows: usize,
-    cols: usize,
-    ignore_index: Option<i64>,
-) -> Fused<(Storage, Storage)> {
-    dispatch!("cross_entropy", [logits.0, targets.0], S, device => {
-        let r = fused(|| {
-            S::cross_entropy(inp::<S>(logits), inp::<S>(targets), rows, cols, ignore_index)
-        });
-        r.map(|o| o.map(wrap2))
-    })
-}
-
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn cross_entropy_backward(
-    logits: Src<'_>,
-    lse: Src<'_>,
-    targets: Src<'_>,
-    dloss: Src<'_>,
-    rows: usize,
-    cols: usize,
-    ignore_index: Option<i64>,
-) -> Fused<Storage> {
-    dispatch!("cross_entropy_backward", [logits.0, lse.0, targets.0, dloss.0], S, device => {
-        let r = fused(|| {
-            S::cross_entropy_backward(
-                inp::<S>(logits),
-                inp::<S>(lse),
-                inp::<S>(targets),
-                inp::<S>(dloss),
-                rows,
-                cols,
-                ignore_index,
-            )
-        });
-        r.map(|o| o.map(S::wrap))
-    })
-}
-
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn adamw(
     param: &mut Storage,

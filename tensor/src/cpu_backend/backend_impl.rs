@@ -8,7 +8,7 @@ use meshgrad_kernels::ops::{
 };
 use meshgrad_kernels::rng;
 
-use super::{attention, cross_entropy, indexing, linear, logsumexp, optimizer, unary_backward};
+use super::{attention, indexing, linear, logsumexp, optimizer, unary_backward};
 use crate::backend::api::{BackendStorage, Distribution, Fused, In, MaskArgs};
 use crate::storage::CpuStorage;
 use crate::{DType, Device, Layout, Result};
@@ -298,29 +298,6 @@ impl BackendStorage for CpuStorage {
 
     fn logsumexp(x: In<'_, Self>, outer: usize, red: usize, inner: usize) -> Fused<Self> {
         logsumexp::logsumexp(x.0, x.1, outer, red, inner).map(Some)
-    }
-
-    fn cross_entropy(
-        logits: In<'_, Self>,
-        targets: In<'_, Self>,
-        rows: usize,
-        cols: usize,
-        ignore_index: Option<i64>,
-    ) -> Fused<(Self, Self)> {
-        cross_entropy::cross_entropy(logits, targets, rows, cols, ignore_index).map(Some)
-    }
-
-    fn cross_entropy_backward(
-        logits: In<'_, Self>,
-        lse: In<'_, Self>,
-        targets: In<'_, Self>,
-        dloss: In<'_, Self>,
-        rows: usize,
-        cols: usize,
-        ignore_index: Option<i64>,
-    ) -> Fused<Self> {
-        cross_entropy::cross_entropy_backward(logits, lse, targets, dloss, rows, cols, ignore_index)
-            .map(Some)
     }
 
     fn attention(

@@ -6,7 +6,6 @@
 pub(crate) mod attention;
 mod backend_impl;
 mod cast;
-pub(crate) mod cross_entropy;
 pub(crate) mod indexing;
 pub(crate) mod linear;
 pub(crate) mod logsumexp;

@@ -216,28 +216,6 @@ impl BackendStorage for CudaStorage {
         fused::logsumexp(x, outer, red, inner)
     }
 
-    fn cross_entropy(
-        logits: In<'_, Self>,
-        targets: In<'_, Self>,
-        rows: usize,
-        cols: usize,
-        ignore_index: Option<i64>,
-    ) -> Fused<(Self, Self)> {
-        fused::cross_entropy(logits, targets, rows, cols, ignore_index)
-    }
-
-    fn cross_entropy_backward(
-        logits: In<'_, Self>,
-        lse: In<'_, Self>,
-        targets: In<'_, Self>,
-        dloss: In<'_, Self>,
-        rows: usize,
-        cols: usize,
-        ignore_index: Option<i64>,
-    ) -> Fused<Self> {
-        fused::cross_entropy_backward(logits, lse, targets, dloss, rows, cols, ignore_index)
-    }
-
     fn attention(
         q: In<'_, Self>,
         k: In<'_, Self>,

@@ -1,6 +1,6 @@
 //! The fused ops of the CUDA backend, one file per op or op family (named after the op, or after
 //! its kernel file for a family): `softmax.rs` (softmax, log-softmax, log-sum-exp),
-//! `classifier.rs` (cross-entropy), `norms.rs` (layer norm, and the helpers of every norm),
+//! `norms.rs` (layer norm, and the helpers of every norm),
 //! `attention.rs` (flash attention, with `attention/params.rs` building the kernels' layouts),
 //! `optimizer.rs` (AdamW, SGD) and `activations.rs` (GELU / SiLU / clamp backward).
 //! `args.rs` describes launches as plain data
@@ -19,7 +19,6 @@
 pub(crate) mod activations;
 pub(crate) mod args;
 mod attention;
-mod classifier;
 #[cfg(test)]
 pub(super) mod launch_table;
 pub(crate) mod norms;
@@ -29,6 +28,5 @@ mod softmax;
 
 pub(super) use activations::unary_backward;
 pub(super) use attention::{attention, attention_backward, attention_qkv, attention_qkv_backward};
-pub(super) use classifier::{cross_entropy, cross_entropy_backward};
 pub(super) use optimizer::{adamw, sgd};
 pub(super) use softmax::{logsumexp, softmax, softmax_backward};

@@ -6,14 +6,12 @@
 //! kernels (forced by declining fused kernels on the test's thread).
 //!
 //! Every function takes contiguous tensors shaped as the calling op passes them. One file per
-//! op or family: `basic` (linear, softmax, unary derivatives, log-sum-exp), `norms` (layer
-//! norm), `loss` (cross-entropy), `attention`, `optim` (AdamW, SGD). The ops moved to
+//! op or family: `basic` (linear, softmax, unary derivatives, log-sum-exp), `attention`, `optim` (AdamW, SGD). The ops moved to
 //! `ops/fused/` keep their fallback in their own folder (`fallback.rs`); this module also holds
 //! the helpers those share ([`widen`], [`column`], [`row_sum`]).
 
 mod attention;
 mod basic;
-mod loss;
 mod optim;
 #[cfg(test)]
 pub(crate) mod testutil;
@@ -22,7 +20,6 @@ pub(crate) use attention::{
     attention, attention_backward, attention_qkv, attention_qkv_backward, MaskParts,
 };
 pub(crate) use basic::{linear, logsumexp, softmax, softmax_backward, unary_backward};
-pub(crate) use loss::{cross_entropy, cross_entropy_backward};
 pub(crate) use optim::{adamw, sgd};
 
 use super::compute_dtype;
@@ -34,7 +31,7 @@ pub(crate) fn widen(t: &Tensor) -> Result<Tensor> {
 }
 
 /// Row max subtracted, so `exp` cannot overflow: `(x - max, max)` over the last dim (kept).
-fn shifted(x: &Tensor) -> Result<(Tensor, Tensor)> {
+pub(crate) fn shifted(x: &Tensor) -> Result<(Tensor, Tensor)> {
     let m = x.max(-1, true)?;
     Ok((x.sub(&m)?, m))
 }

@@ -24,9 +24,10 @@
 //!    paths;
 //! 5. the autograd rule in `autograd/` and the op's tests in `tensor/tests/foo.rs`.
 //!
-//! Ops here: `gelu` (GELU's backward), `layer_norm` (layer norm), `rms_norm` (RMSNorm), `rotary` (rotary embedding) and
+//! Ops here: `cross_entropy` (cross-entropy), `gelu` (GELU's backward), `layer_norm` (layer norm), `rms_norm` (RMSNorm), `rotary` (rotary embedding) and
 //! `swiglu` (SwiGLU), each forward and backward.
 
+pub(crate) mod cross_entropy;
 pub(crate) mod gelu;
 pub(crate) mod layer_norm;
 pub(crate) mod rms_norm;
