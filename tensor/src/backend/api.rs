@@ -12,7 +12,7 @@
 //!   for the same seed and indices), and `release` (the hook of a caching allocator);
 //! - basic ops, which every backend must provide (casts, copies, elementwise, reductions,
 //!   matmul, indexing, ...);
-//! - fused ops (softmax, attention, cross-entropy, optimizer steps, ...), whose
+//! - fused ops (attention, cross-entropy, optimizer steps, ...), whose
 //!   default answer is `Ok(None)`: "not provided". The tensor op then runs a fallback composed
 //!   of basic ops (see `ops/fallback/`), so a backend can arrive one fused kernel at a time.
 //!   The fused ops of `ops/fused/` are not methods here: each keeps its CPU, CUDA and composed
@@ -214,26 +214,8 @@ pub(crate) trait BackendStorage: Sized + std::fmt::Debug + Send + Sync + 'static
     ) -> Fused<(Self, Self)> {
         Ok(None)
     }
-    /// Row softmax (or log-softmax) of a contiguous `[rows, cols]` buffer.
-    fn softmax(_x: In<'_, Self>, _rows: usize, _cols: usize, _log: bool) -> Fused<Self> {
-        Ok(None)
-    }
-    /// The backward of [`BackendStorage::softmax`] from its output `y`.
-    fn softmax_backward(
-        _y: In<'_, Self>,
-        _dy: In<'_, Self>,
-        _rows: usize,
-        _cols: usize,
-        _log: bool,
-    ) -> Fused<Self> {
-        Ok(None)
-    }
     /// `dy * f'(x)` for the fused unary derivatives.
     fn unary_backward(_x: In<'_, Self>, _dy: In<'_, Self>, _op: UnaryGrad) -> Fused<Self> {
-        Ok(None)
-    }
-    /// Log-sum-exp over `red` of a contiguous `[outer, red, inner]` buffer.
-    fn logsumexp(_x: In<'_, Self>, _outer: usize, _red: usize, _inner: usize) -> Fused<Self> {
         Ok(None)
     }
     /// Fused scaled dot-product attention: `(out, lse)`.

@@ -441,35 +441,9 @@ pub(crate) fn linear_gelu(
     })
 }
 
-pub(crate) fn softmax(s: Src<'_>, rows: usize, cols: usize, log: bool) -> Fused<Storage> {
-    dispatch!("softmax", [s.0], S, device => {
-        fused(|| S::softmax(inp::<S>(s), rows, cols, log)).map(|r| r.map(S::wrap))
-    })
-}
-
-pub(crate) fn softmax_backward(
-    y: Src<'_>,
-    dy: Src<'_>,
-    rows: usize,
-    cols: usize,
-    log: bool,
-) -> Fused<Storage> {
-    dispatch!("softmax_backward", [y.0, dy.0], S, device => {
-        fused(|| S::softmax_backward(inp::<S>(y), inp::<S>(dy), rows, cols, log))
-            .map(|r| r.map(S::wrap))
-    })
-}
-
 pub(crate) fn unary_backward(x: Src<'_>, dy: Src<'_>, op: UnaryGrad) -> Fused<Storage> {
     dispatch!("unary_backward", [x.0, dy.0], S, device => {
         let r = fused(|| S::unary_backward(inp::<S>(x), inp::<S>(dy), op));
-        r.map(|o| o.map(S::wrap))
-    })
-}
-
-pub(crate) fn logsumexp(s: Src<'_>, outer: usize, red: usize, inner: usize) -> Fused<Storage> {
-    dispatch!("logsumexp", [s.0], S, device => {
-        let r = fused(|| S::logsumexp(inp::<S>(s), outer, red, inner));
         r.map(|o| o.map(S::wrap))
     })
 }

@@ -8,7 +8,7 @@ use meshgrad_kernels::ops::{
 };
 use meshgrad_kernels::rng;
 
-use super::{attention, indexing, linear, logsumexp, optimizer, unary_backward};
+use super::{attention, indexing, linear, optimizer, unary_backward};
 use crate::backend::api::{BackendStorage, Distribution, Fused, In, MaskArgs};
 use crate::storage::CpuStorage;
 use crate::{DType, Device, Layout, Result};
@@ -278,26 +278,8 @@ impl BackendStorage for CpuStorage {
         Ok(None)
     }
 
-    fn softmax(x: In<'_, Self>, rows: usize, cols: usize, log: bool) -> Fused<Self> {
-        super::softmax(x.0, x.1, rows, cols, log).map(Some)
-    }
-
-    fn softmax_backward(
-        y: In<'_, Self>,
-        dy: In<'_, Self>,
-        rows: usize,
-        cols: usize,
-        log: bool,
-    ) -> Fused<Self> {
-        super::softmax_backward(y.0, y.1, dy.0, dy.1, rows, cols, log).map(Some)
-    }
-
     fn unary_backward(x: In<'_, Self>, dy: In<'_, Self>, op: UnaryGrad) -> Fused<Self> {
         unary_backward::unary_backward(x.0, x.1, dy.0, dy.1, op).map(Some)
-    }
-
-    fn logsumexp(x: In<'_, Self>, outer: usize, red: usize, inner: usize) -> Fused<Self> {
-        logsumexp::logsumexp(x.0, x.1, outer, red, inner).map(Some)
     }
 
     fn attention(

@@ -8,7 +8,6 @@ mod backend_impl;
 mod cast;
 pub(crate) mod indexing;
 pub(crate) mod linear;
-pub(crate) mod logsumexp;
 pub(crate) mod optimizer;
 pub(crate) mod unary_backward;
 
@@ -302,49 +301,6 @@ pub(crate) fn matmul(
         with_floats!("matmul", (a, full(a)) => x, (b, full(b)) => y; {
             let mut out = crate::pool::output(batch * m * n);
             cpu::matmul::matmul(batch, m, n, k, x, al, y, bl, &mut out, cl, false);
-            out.into_storage(dt)
-        }),
-    )
-}
-
-pub(crate) fn softmax(
-    s: &CpuStorage,
-    l: &Layout,
-    rows: usize,
-    cols: usize,
-    log: bool,
-) -> Result<CpuStorage> {
-    let dt = s.dtype();
-    Ok(with_floats!("softmax", (s, range(l)) => x; {
-        let mut out = crate::pool::output(rows * cols);
-        if log {
-            cpu::softmax::log_softmax_forward(x, rows, cols, &mut out);
-        } else {
-            cpu::softmax::softmax_forward(x, rows, cols, &mut out);
-        }
-        out.into_storage(dt)
-    }))
-}
-
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn softmax_backward(
-    y: &CpuStorage,
-    yl: &Layout,
-    dy: &CpuStorage,
-    dyl: &Layout,
-    rows: usize,
-    cols: usize,
-    log: bool,
-) -> Result<CpuStorage> {
-    let dt = y.dtype();
-    Ok(
-        with_floats!("softmax_backward", (y, range(yl)) => a, (dy, range(dyl)) => g; {
-            let mut out = crate::pool::output(rows * cols);
-            if log {
-                cpu::softmax::log_softmax_backward(a, g, rows, cols, &mut out);
-            } else {
-                cpu::softmax::softmax_backward(a, g, rows, cols, &mut out);
-            }
             out.into_storage(dt)
         }),
     )

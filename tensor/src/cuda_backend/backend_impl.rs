@@ -194,26 +194,8 @@ impl BackendStorage for CudaStorage {
         blas::linear_gelu(x, xl, w, wl, bias, m, n, k, tanh_form)
     }
 
-    fn softmax(x: In<'_, Self>, rows: usize, cols: usize, log: bool) -> Fused<Self> {
-        fused::softmax(x, rows, cols, log)
-    }
-
-    fn softmax_backward(
-        y: In<'_, Self>,
-        dy: In<'_, Self>,
-        rows: usize,
-        cols: usize,
-        log: bool,
-    ) -> Fused<Self> {
-        fused::softmax_backward(y, dy, rows, cols, log)
-    }
-
     fn unary_backward(x: In<'_, Self>, dy: In<'_, Self>, op: UnaryGrad) -> Fused<Self> {
         fused::unary_backward(x, dy, op)
-    }
-
-    fn logsumexp(x: In<'_, Self>, outer: usize, red: usize, inner: usize) -> Fused<Self> {
-        fused::logsumexp(x, outer, red, inner)
     }
 
     fn attention(

@@ -92,37 +92,4 @@ impl Tensor {
         let (lo, hi) = clamp_bounds("clamp_backward", min, max)?;
         self.unary_backward(dy, UnaryGrad::Clamp(lo, hi), "clamp_backward")
     }
-
-    /// `ln Σ exp(x)` along `dim` (negative counts from the end), computed stably: shifted by
-    /// the maximum, so large inputs neither overflow nor lose the small terms. A slice of all
-    /// `-inf` (or an empty dim) gives `-inf`, one holding `+inf` gives `+inf`, NaN propagates.
-    /// `keepdim` keeps `dim` as size 1. Float dtypes (half types computed in f32).
-    pub fn logsumexp(&self, dim: isize, keepdim: bool) -> Result<Tensor> {
-        let _prof = crate::profile::scope("logsumexp");
-        let d = self.dim("logsumexp", dim)?;
-        if !self.dtype().is_float() {
-            return Err(Error::UnsupportedDType {
-                op: "logsumexp",
-                dtype: self.dtype(),
-            });
-        }
-        let dims = self.dims();
-        let outer: usize = dims[..d].iter().product();
-        let inner: usize = dims[d + 1..].iter().product();
-        let x = self.contiguous()?;
-        let s = {
-            let g = x.read_storage("logsumexp")?;
-            backend::logsumexp((&g, x.layout()), outer, dims[d], inner)?
-        };
-        let mut out = dims.to_vec();
-        if keepdim {
-            out[d] = 1;
-        } else {
-            out.remove(d);
-        }
-        match s {
-            Some(s) => Ok(Tensor::from_storage(s, out)),
-            None => super::fallback::logsumexp(&x, outer, dims[d], inner)?.reshape(out),
-        }
-    }
 }

@@ -1,78 +1,9 @@
-//! Fused neural-network ops and their backward passes: softmax, cross-entropy,
-//! embedding, dropout masks (attention is in `attention.rs`).
+//! Embedding lookups (and their backward) and dropout masks.
 
-use super::{same_device, same_kind};
+use super::same_device;
 use crate::{backend, DType, Error, Result, Shape, Tensor};
 
-fn rows_cols(t: &Tensor) -> (usize, usize) {
-    let cols = *t.dims().last().unwrap_or(&1);
-    let rows = t.elem_count().checked_div(cols).unwrap_or(0);
-    (rows, cols)
-}
-
 impl Tensor {
-    fn softmax_impl(&self, dim: isize, log: bool) -> Result<Tensor> {
-        let _prof = crate::profile::scope("softmax");
-        let name = if log { "log_softmax" } else { "softmax" };
-        let d = self.dim(name, dim)?;
-        let last = self.rank() - 1;
-        if d != last {
-            return self
-                .transpose(d as isize, last as isize)?
-                .softmax_impl(-1, log)?
-                .transpose(d as isize, last as isize);
-        }
-        let x = self.contiguous()?;
-        let (rows, cols) = rows_cols(&x);
-        let s = {
-            let g = x.read_storage(name)?;
-            backend::softmax((&g, x.layout()), rows, cols, log)?
-        };
-        match s {
-            Some(s) => Ok(Tensor::from_storage(s, x.shape())),
-            None => super::fallback::softmax(&x, log),
-        }
-    }
-
-    /// Softmax along `dim`.
-    pub fn softmax(&self, dim: isize) -> Result<Tensor> {
-        self.softmax_impl(dim, false)
-    }
-
-    /// Log-softmax along `dim`.
-    pub fn log_softmax(&self, dim: isize) -> Result<Tensor> {
-        self.softmax_impl(dim, true)
-    }
-
-    /// The input gradient of softmax (`log = false`, `self` = the softmax output) or
-    /// log-softmax (`log = true`, `self` = the log-softmax output) along `dim`, from `dy`.
-    pub fn softmax_backward(&self, dy: &Tensor, dim: isize, log: bool) -> Result<Tensor> {
-        let _prof = crate::profile::scope("softmax_backward");
-        same_kind("softmax_backward", self, dy)?;
-        let d = self.dim("softmax_backward", dim)?;
-        let last = self.rank() - 1;
-        if d != last {
-            let (a, b) = (d as isize, last as isize);
-            return self
-                .transpose(a, b)?
-                .softmax_backward(&dy.transpose(a, b)?, -1, log)?
-                .transpose(a, b);
-        }
-        let (y, dy) = (self.contiguous()?, dy.contiguous()?);
-        let (rows, cols) = rows_cols(&y);
-        let s = {
-            let (gy, gd) = (
-                y.read_storage("softmax_backward")?,
-                dy.read_storage("softmax_backward")?,
-            );
-            backend::softmax_backward((&gy, y.layout()), (&gd, dy.layout()), rows, cols, log)?
-        };
-        match s {
-            Some(s) => Ok(Tensor::from_storage(s, y.shape())),
-            None => super::fallback::softmax_backward(&y, &dy, log),
-        }
-    }
-
     /// Embedding lookup: rows of `self` (`[vocab, dim]`) picked by integer `ids` of any shape;
     /// the result has shape `ids.shape + [dim]`.
     pub fn embedding(&self, ids: &Tensor) -> Result<Tensor> {

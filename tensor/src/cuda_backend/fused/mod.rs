@@ -1,11 +1,9 @@
-//! The fused ops of the CUDA backend, one file per op or op family (named after the op, or after
-//! its kernel file for a family): `softmax.rs` (softmax, log-softmax, log-sum-exp),
-//! `norms.rs` (layer norm, and the helpers of every norm),
-//! `attention.rs` (flash attention, with `attention/params.rs` building the kernels' layouts),
-//! `optimizer.rs` (AdamW, SGD) and `activations.rs` (GELU / SiLU / clamp backward).
-//! `args.rs` describes launches as plain data
-//! (tested against the kernels' signatures without a GPU), `operand.rs` prepares operands
-//! (contiguous copies, dtype conversions).
+//! The fused ops of the CUDA backend not yet moved to `ops/fused/<op>/`, and what the CUDA paths
+//! there share: `attention.rs` (flash attention, with `attention/params.rs` building the kernels'
+//! layouts), `optimizer.rs` (AdamW, SGD), `activations.rs` (the launch of activations.cu and the
+//! SiLU / clamp backward), `norms.rs` (the helpers of every norm of norms.cu). `args.rs`
+//! describes launches as plain data (tested against the kernels' signatures without a GPU),
+//! `operand.rs` prepares operands (contiguous copies, dtype conversions).
 //!
 //! Ops moved to `ops/fused/<op>/` keep their CUDA path there (`cuda.rs`, over `args.rs`,
 //! `operand.rs` and the shared helpers here); nothing here names them.
@@ -24,9 +22,7 @@ pub(super) mod launch_table;
 pub(crate) mod norms;
 pub(crate) mod operand;
 mod optimizer;
-mod softmax;
 
 pub(super) use activations::unary_backward;
 pub(super) use attention::{attention, attention_backward, attention_qkv, attention_qkv_backward};
 pub(super) use optimizer::{adamw, sgd};
-pub(super) use softmax::{logsumexp, softmax, softmax_backward};

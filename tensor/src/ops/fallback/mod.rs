@@ -6,9 +6,10 @@
 //! kernels (forced by declining fused kernels on the test's thread).
 //!
 //! Every function takes contiguous tensors shaped as the calling op passes them. One file per
-//! op or family: `basic` (linear, softmax, unary derivatives, log-sum-exp), `attention`, `optim` (AdamW, SGD). The ops moved to
-//! `ops/fused/` keep their fallback in their own folder (`fallback.rs`); this module also holds
-//! the helpers those share ([`widen`], [`column`], [`row_sum`]).
+//! op or family: `basic` (linear, unary derivatives), `attention`, `optim` (AdamW, SGD). The ops
+//! moved to `ops/fused/` keep their fallback in their own folder (`fallback.rs`); this module
+//! also holds the helpers those share ([`widen`], [`shifted`], [`replace`], [`column`],
+//! [`row_sum`]).
 
 mod attention;
 mod basic;
@@ -19,7 +20,7 @@ pub(crate) mod testutil;
 pub(crate) use attention::{
     attention, attention_backward, attention_qkv, attention_qkv_backward, MaskParts,
 };
-pub(crate) use basic::{linear, logsumexp, softmax, softmax_backward, unary_backward};
+pub(crate) use basic::{linear, unary_backward};
 pub(crate) use optim::{adamw, sgd};
 
 use super::compute_dtype;
@@ -37,7 +38,7 @@ pub(crate) fn shifted(x: &Tensor) -> Result<(Tensor, Tensor)> {
 }
 
 /// `x` with the elements equal to `from` (a value of `x`'s dtype) replaced by `to`.
-fn replace(x: &Tensor, from: f64, to: f64) -> Result<Tensor> {
+pub(crate) fn replace(x: &Tensor, from: f64, to: f64) -> Result<Tensor> {
     let f = Tensor::scalar(from, x.dtype(), x.device())?;
     let t = Tensor::scalar(to, x.dtype(), x.device())?;
     x.eq(&f)?.where_cond(&t, x)

@@ -24,14 +24,18 @@
 //!    paths;
 //! 5. the autograd rule in `autograd/` and the op's tests in `tensor/tests/foo.rs`.
 //!
-//! Ops here: `cross_entropy` (cross-entropy), `gelu` (GELU's backward), `layer_norm` (layer norm), `rms_norm` (RMSNorm), `rotary` (rotary embedding) and
-//! `swiglu` (SwiGLU), each forward and backward.
+//! Ops here: `cross_entropy` (cross-entropy), `gelu` (GELU's backward), `layer_norm` (layer norm),
+//! `logsumexp` (log-sum-exp), `rms_norm` (RMSNorm), `rotary` (rotary embedding), `softmax`
+//! (softmax and log-softmax) and `swiglu` (SwiGLU), each forward and (but for log-sum-exp)
+//! backward.
 
 pub(crate) mod cross_entropy;
 pub(crate) mod gelu;
 pub(crate) mod layer_norm;
+pub(crate) mod logsumexp;
 pub(crate) mod rms_norm;
 pub(crate) mod rotary;
+pub(crate) mod softmax;
 pub(crate) mod swiglu;
 
 pub use layer_norm::LayerNormOutput;
@@ -134,4 +138,42 @@ fn operands<'g, O: FusedOp, S: Variant>(
         i += 1;
         operand
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fused op whose output says which path ran.
+    struct Probe<'a>(&'a Tensor);
+
+    impl FusedOp for Probe<'_> {
+        const NAME: &'static str = "probe";
+        type Args<T> = T;
+        type Out<S> = ();
+        type Output = &'static str;
+
+        fn map<'s, T>(&'s self, mut f: impl FnMut(&'s Tensor) -> T) -> T {
+            f(self.0)
+        }
+        fn finish<S: Variant>(&self, _out: ()) -> &'static str {
+            "fused"
+        }
+        fn cpu(_args: &CpuIn<'_>) -> Result<()> {
+            Ok(())
+        }
+        fn fallback(&self) -> Result<&'static str> {
+            Ok("composed")
+        }
+    }
+
+    #[test]
+    fn declining_reaches_the_runner() {
+        // The switch makes the runner take the composition, so the comparisons of the
+        // `fallback.rs` tests do run it.
+        let x = Tensor::zeros((2, 3), crate::DType::F32, Device::Cpu).unwrap();
+        assert_eq!(run(&Probe(&x)).unwrap(), "fused");
+        let declined = backend::with_fused_declined(|| run(&Probe(&x)).unwrap());
+        assert_eq!(declined, "composed");
+    }
 }
