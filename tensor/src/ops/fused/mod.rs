@@ -16,8 +16,10 @@
 //!
 //! So a backend can arrive one fused kernel at a time, and nothing outside an op's folder names
 //! the op except its callers. Adding a fused op `foo` takes:
-//! 1. `ops/fused/foo/mod.rs`: the argument struct `Foo<T>`, its [`FusedOp`] impl and the public
-//!    `Tensor::foo` (checks shapes and dtypes, makes operands contiguous, calls [`run`]);
+//! 1. `ops/fused/foo/mod.rs`: the argument struct `Foo<T>` (`#[derive(FusedArgs)]`: its operands
+//!    are the fields of type `T` and `Option<T>`), its [`FusedOp`] impl (name, result types,
+//!    `finish`, and `fused_paths!(forward)` naming the three paths) and the public `Tensor::foo`
+//!    (checks shapes and dtypes, makes operands contiguous, calls [`run`]);
 //! 2. `ops/fused/foo/cpu.rs` over the CPU kernel `kernels/src/cpu/foo.rs`;
 //! 3. `ops/fused/foo/cuda.rs` over the kernel `kernels/cuda/foo.cu` (optional);
 //! 4. `ops/fused/foo/fallback.rs`: the composition and the test that it agrees with the fused
@@ -54,22 +56,28 @@ pub(crate) type CpuIn<'a> = In<'a, CpuStorage>;
 #[cfg(feature = "cuda")]
 pub(crate) type CudaIn<'a> = In<'a, CudaStorage>;
 
-/// A fused op, implemented by its argument struct over `&Tensor` operands. See the module
-/// documentation.
-pub(crate) trait FusedOp {
-    /// The op's name in errors.
-    const NAME: &'static str;
+/// An argument struct over `&Tensor` operands, seen over operands of another type. Derived
+/// (`#[derive(FusedArgs)]` of `meshgrad-derive`) for a struct `Foo<T>`: fields of type `T` are
+/// operands, `Option<T>` optional operands, the other fields are copied.
+pub(crate) trait FusedArgs {
     /// The argument struct over operands of type `T` (`Self` is `Args<&Tensor>`).
     type Args<T>;
-    /// What a backend path returns, in storages of that backend.
-    type Out<S>;
-    /// What the op returns.
-    type Output;
 
     /// The same arguments with each operand `t` replaced by `f(t)`, the operands visited in one
     /// fixed order (the runner relies on it: it calls `map` to list the operands and again to
     /// hand them out).
     fn map<'s, T>(&'s self, f: impl FnMut(&'s Tensor) -> T) -> Self::Args<T>;
+}
+
+/// A fused op, implemented by its argument struct over `&Tensor` operands. See the module
+/// documentation.
+pub(crate) trait FusedOp: FusedArgs {
+    /// The op's name in errors.
+    const NAME: &'static str;
+    /// What a backend path returns, in storages of that backend.
+    type Out<S>;
+    /// What the op returns.
+    type Output;
 
     /// The op's results as tensors, from the storages a backend path returned.
     fn finish<S: Variant>(&self, out: Self::Out<S>) -> Self::Output;
@@ -93,6 +101,31 @@ fn rows_cols(t: &Tensor) -> (usize, usize) {
     let rows = t.elem_count().checked_div(cols).unwrap_or(0);
     (rows, cols)
 }
+
+/// The `cpu`, `cuda` and `fallback` methods of a [`FusedOp`] impl: `fused_paths!(forward)` calls
+/// `cpu::forward`, `cuda::forward` (with `--features cuda`) and `fallback::forward` of the op's
+/// folder.
+macro_rules! fused_paths {
+    ($path:ident) => {
+        fn cpu(
+            args: &Self::Args<$crate::ops::fused::CpuIn<'_>>,
+        ) -> $crate::Result<Self::Out<$crate::storage::CpuStorage>> {
+            cpu::$path(args)
+        }
+
+        #[cfg(feature = "cuda")]
+        fn cuda(
+            args: &Self::Args<$crate::ops::fused::CudaIn<'_>>,
+        ) -> $crate::Result<Option<Self::Out<$crate::cuda_backend::CudaStorage>>> {
+            cuda::$path(args)
+        }
+
+        fn fallback(&self) -> $crate::Result<Self::Output> {
+            fallback::$path(self)
+        }
+    };
+}
+pub(crate) use fused_paths;
 
 /// Runs a fused op: checks its operands share one device ([`crate::Error::DeviceMismatch`]
 /// naming the op otherwise), runs that device's path and, where the path is not provided, the
@@ -147,15 +180,19 @@ mod tests {
     /// A fused op whose output says which path ran.
     struct Probe<'a>(&'a Tensor);
 
-    impl FusedOp for Probe<'_> {
-        const NAME: &'static str = "probe";
+    impl FusedArgs for Probe<'_> {
         type Args<T> = T;
-        type Out<S> = ();
-        type Output = &'static str;
 
         fn map<'s, T>(&'s self, mut f: impl FnMut(&'s Tensor) -> T) -> T {
             f(self.0)
         }
+    }
+
+    impl FusedOp for Probe<'_> {
+        const NAME: &'static str = "probe";
+        type Out<S> = ();
+        type Output = &'static str;
+
         fn finish<S: Variant>(&self, _out: ()) -> &'static str {
             "fused"
         }

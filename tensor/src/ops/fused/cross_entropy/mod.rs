@@ -11,19 +11,17 @@ mod cpu;
 pub(crate) mod cuda;
 mod fallback;
 
-use super::{run, CpuIn, FusedOp};
+use super::{fused_paths, run, FusedOp};
 use crate::backend::Variant;
 use crate::ops::same_device;
-use crate::storage::CpuStorage;
-#[cfg(feature = "cuda")]
-use crate::{cuda_backend::CudaStorage, ops::fused::CudaIn};
 use crate::{Error, Result, Tensor};
+use meshgrad_derive::FusedArgs;
 
 /// Cross-entropy of `[rows, cols]` logits against `[rows]` integer targets: `(loss, lse)` per
 /// row in compute precision, shaped like `targets`; the loss is 0 where the target is
 /// `ignore_index` (whose `lse` is still computed). A target outside `0..cols` that is not
 /// ignored is an error. Operands contiguous.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, FusedArgs)]
 pub(crate) struct CrossEntropy<T> {
     /// The logits, `rows * cols` elements.
     pub logits: T,
@@ -40,7 +38,7 @@ pub(crate) struct CrossEntropy<T> {
 /// The backward of [`CrossEntropy`] from its saved per-row `lse` and the upstream `dloss` (one
 /// element per row each): `dloss (softmax(logits) - onehot(target))` per row, zero for ignored
 /// rows, in the logits' dtype and shape. Operands contiguous.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, FusedArgs)]
 pub(crate) struct CrossEntropyBackward<T> {
     /// The forward's logits, `rows * cols` elements.
     pub logits: T,
@@ -60,19 +58,8 @@ pub(crate) struct CrossEntropyBackward<T> {
 
 impl FusedOp for CrossEntropy<&Tensor> {
     const NAME: &'static str = "cross_entropy";
-    type Args<T> = CrossEntropy<T>;
     type Out<S> = (S, S);
     type Output = (Tensor, Tensor);
-
-    fn map<'s, T>(&'s self, mut f: impl FnMut(&'s Tensor) -> T) -> CrossEntropy<T> {
-        CrossEntropy {
-            logits: f(self.logits),
-            targets: f(self.targets),
-            rows: self.rows,
-            cols: self.cols,
-            ignore_index: self.ignore_index,
-        }
-    }
 
     fn finish<S: Variant>(&self, (loss, lse): (S, S)) -> (Tensor, Tensor) {
         (
@@ -81,54 +68,19 @@ impl FusedOp for CrossEntropy<&Tensor> {
         )
     }
 
-    fn cpu(args: &CrossEntropy<CpuIn<'_>>) -> Result<(CpuStorage, CpuStorage)> {
-        cpu::forward(args)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda(args: &CrossEntropy<CudaIn<'_>>) -> Result<Option<(CudaStorage, CudaStorage)>> {
-        cuda::forward(args)
-    }
-
-    fn fallback(&self) -> Result<(Tensor, Tensor)> {
-        fallback::forward(self)
-    }
+    fused_paths!(forward);
 }
 
 impl FusedOp for CrossEntropyBackward<&Tensor> {
     const NAME: &'static str = "cross_entropy_backward";
-    type Args<T> = CrossEntropyBackward<T>;
     type Out<S> = S;
     type Output = Tensor;
-
-    fn map<'s, T>(&'s self, mut f: impl FnMut(&'s Tensor) -> T) -> CrossEntropyBackward<T> {
-        CrossEntropyBackward {
-            logits: f(self.logits),
-            lse: f(self.lse),
-            targets: f(self.targets),
-            dloss: f(self.dloss),
-            rows: self.rows,
-            cols: self.cols,
-            ignore_index: self.ignore_index,
-        }
-    }
 
     fn finish<S: Variant>(&self, dlogits: S) -> Tensor {
         Tensor::from_storage(dlogits.wrap(), self.logits.shape())
     }
 
-    fn cpu(args: &CrossEntropyBackward<CpuIn<'_>>) -> Result<CpuStorage> {
-        cpu::backward(args)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda(args: &CrossEntropyBackward<CudaIn<'_>>) -> Result<Option<CudaStorage>> {
-        cuda::backward(args)
-    }
-
-    fn fallback(&self) -> Result<Tensor> {
-        fallback::backward(self)
-    }
+    fused_paths!(backward);
 }
 
 /// Checks logits `[..., V]` against integer targets `[...]` (the leading dims); returns

@@ -9,16 +9,14 @@ mod cpu;
 pub(crate) mod cuda;
 mod fallback;
 
-use super::{run, CpuIn, FusedOp};
+use super::{fused_paths, run, FusedOp};
 use crate::backend::Variant;
 use crate::ops::same_kind;
-use crate::storage::CpuStorage;
-#[cfg(feature = "cuda")]
-use crate::{cuda_backend::CudaStorage, ops::fused::CudaIn};
 use crate::{GeluKind, Result, Tensor};
+use meshgrad_derive::FusedArgs;
 
 /// `dy * gelu'(x)` elementwise, in `x`'s dtype. Operands contiguous, of one shape.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, FusedArgs)]
 pub(crate) struct GeluBackward<T> {
     /// The forward's input.
     pub x: T,
@@ -30,34 +28,14 @@ pub(crate) struct GeluBackward<T> {
 
 impl FusedOp for GeluBackward<&Tensor> {
     const NAME: &'static str = "gelu_backward";
-    type Args<T> = GeluBackward<T>;
     type Out<S> = S;
     type Output = Tensor;
-
-    fn map<'s, T>(&'s self, mut f: impl FnMut(&'s Tensor) -> T) -> GeluBackward<T> {
-        GeluBackward {
-            x: f(self.x),
-            dy: f(self.dy),
-            tanh_form: self.tanh_form,
-        }
-    }
 
     fn finish<S: Variant>(&self, dx: S) -> Tensor {
         Tensor::from_storage(dx.wrap(), self.x.shape())
     }
 
-    fn cpu(args: &GeluBackward<CpuIn<'_>>) -> Result<CpuStorage> {
-        cpu::backward(args)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda(args: &GeluBackward<CudaIn<'_>>) -> Result<Option<CudaStorage>> {
-        cuda::backward(args)
-    }
-
-    fn fallback(&self) -> Result<Tensor> {
-        fallback::backward(self)
-    }
+    fused_paths!(backward);
 }
 
 impl Tensor {

@@ -9,13 +9,11 @@ mod cpu;
 pub(crate) mod cuda;
 mod fallback;
 
-use super::{rows_cols, run, CpuIn, FusedOp};
+use super::{fused_paths, rows_cols, run, FusedOp};
 use crate::backend::Variant;
 use crate::ops::{same_device, same_kind};
-use crate::storage::CpuStorage;
-#[cfg(feature = "cuda")]
-use crate::{cuda_backend::CudaStorage, ops::fused::CudaIn};
 use crate::{Error, Result, Tensor};
+use meshgrad_derive::FusedArgs;
 
 /// The results of [`Tensor::layer_norm`]: output and per-row statistics for the backward pass.
 #[derive(Clone, Debug)]
@@ -31,7 +29,7 @@ pub struct LayerNormOutput {
 /// Layer norm of `x` viewed as `[rows, cols]` over its rows:
 /// `y = (x - mean) rstd · w + b` with `rstd = 1/sqrt(var + eps)` per row. Operands contiguous;
 /// returns `(y, mean, rstd)`, `y` in `x`'s dtype, the statistics `[rows]` in compute precision.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, FusedArgs)]
 pub(crate) struct LayerNorm<T> {
     /// The input, `rows * cols` elements.
     pub x: T,
@@ -50,7 +48,7 @@ pub(crate) struct LayerNorm<T> {
 /// The backward of [`LayerNorm`] from its saved `mean` and `rstd`: `(dx, dweight, dbias)`, `dx`
 /// in `x`'s dtype, the parameter gradients (when `param_grads`) in the weight's dtype (`x`'s
 /// without a weight), summed over rows in increasing order. Operands contiguous.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, FusedArgs)]
 pub(crate) struct LayerNormBackward<T> {
     /// The forward's input, `rows * cols` elements.
     pub x: T,
@@ -72,20 +70,8 @@ pub(crate) struct LayerNormBackward<T> {
 
 impl FusedOp for LayerNorm<&Tensor> {
     const NAME: &'static str = "layer_norm";
-    type Args<T> = LayerNorm<T>;
     type Out<S> = (S, S, S);
     type Output = LayerNormOutput;
-
-    fn map<'s, T>(&'s self, mut f: impl FnMut(&'s Tensor) -> T) -> LayerNorm<T> {
-        LayerNorm {
-            x: f(self.x),
-            w: self.w.map(&mut f),
-            b: self.b.map(&mut f),
-            rows: self.rows,
-            cols: self.cols,
-            eps: self.eps,
-        }
-    }
 
     fn finish<S: Variant>(&self, (y, mean, rstd): (S, S, S)) -> LayerNormOutput {
         LayerNormOutput {
@@ -95,20 +81,7 @@ impl FusedOp for LayerNorm<&Tensor> {
         }
     }
 
-    fn cpu(args: &LayerNorm<CpuIn<'_>>) -> Result<(CpuStorage, CpuStorage, CpuStorage)> {
-        cpu::forward(args)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda(
-        args: &LayerNorm<CudaIn<'_>>,
-    ) -> Result<Option<(CudaStorage, CudaStorage, CudaStorage)>> {
-        cuda::forward(args)
-    }
-
-    fn fallback(&self) -> Result<LayerNormOutput> {
-        fallback::forward(self)
-    }
+    fused_paths!(forward);
 }
 
 /// What a backend's path of [`LayerNormBackward`] returns: `(dx, dweight, dbias)`.
@@ -116,22 +89,8 @@ pub(crate) type Grads<S> = (S, Option<S>, Option<S>);
 
 impl FusedOp for LayerNormBackward<&Tensor> {
     const NAME: &'static str = "layer_norm_backward";
-    type Args<T> = LayerNormBackward<T>;
     type Out<S> = Grads<S>;
     type Output = Grads<Tensor>;
-
-    fn map<'s, T>(&'s self, mut f: impl FnMut(&'s Tensor) -> T) -> LayerNormBackward<T> {
-        LayerNormBackward {
-            x: f(self.x),
-            w: self.w.map(&mut f),
-            mean: f(self.mean),
-            rstd: f(self.rstd),
-            dy: f(self.dy),
-            rows: self.rows,
-            cols: self.cols,
-            param_grads: self.param_grads,
-        }
-    }
 
     fn finish<S: Variant>(&self, (dx, dw, db): Grads<S>) -> Grads<Tensor> {
         let param = |s: S| Tensor::from_storage(s.wrap(), self.cols);
@@ -142,18 +101,7 @@ impl FusedOp for LayerNormBackward<&Tensor> {
         )
     }
 
-    fn cpu(args: &LayerNormBackward<CpuIn<'_>>) -> Result<Grads<CpuStorage>> {
-        cpu::backward(args)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda(args: &LayerNormBackward<CudaIn<'_>>) -> Result<Option<Grads<CudaStorage>>> {
-        cuda::backward(args)
-    }
-
-    fn fallback(&self) -> Result<Grads<Tensor>> {
-        fallback::backward(self)
-    }
+    fused_paths!(backward);
 }
 
 impl Tensor {

@@ -8,16 +8,14 @@ mod cpu;
 pub(crate) mod cuda;
 mod fallback;
 
-use super::{run, CpuIn, FusedOp};
+use super::{fused_paths, run, FusedOp};
 use crate::backend::Variant;
-use crate::storage::CpuStorage;
-#[cfg(feature = "cuda")]
-use crate::{cuda_backend::CudaStorage, ops::fused::CudaIn};
 use crate::{Error, Result, Shape, Tensor};
+use meshgrad_derive::FusedArgs;
 
 /// `ln Σ exp(x)` over the middle dim of `x` viewed as `[outer, red, inner]`, shaped `out` (the
 /// `[outer, inner]` elements) in `x`'s dtype. Operand contiguous.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, FusedArgs)]
 pub(crate) struct Logsumexp<T> {
     /// The input, `outer * red * inner` elements.
     pub x: T,
@@ -33,36 +31,14 @@ pub(crate) struct Logsumexp<T> {
 
 impl FusedOp for Logsumexp<&Tensor> {
     const NAME: &'static str = "logsumexp";
-    type Args<T> = Logsumexp<T>;
     type Out<S> = S;
     type Output = Tensor;
-
-    fn map<'s, T>(&'s self, mut f: impl FnMut(&'s Tensor) -> T) -> Logsumexp<T> {
-        Logsumexp {
-            x: f(self.x),
-            outer: self.outer,
-            red: self.red,
-            inner: self.inner,
-            out: self.out.clone(),
-        }
-    }
 
     fn finish<S: Variant>(&self, out: S) -> Tensor {
         Tensor::from_storage(out.wrap(), self.out.clone())
     }
 
-    fn cpu(args: &Logsumexp<CpuIn<'_>>) -> Result<CpuStorage> {
-        cpu::forward(args)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda(args: &Logsumexp<CudaIn<'_>>) -> Result<Option<CudaStorage>> {
-        cuda::forward(args)
-    }
-
-    fn fallback(&self) -> Result<Tensor> {
-        fallback::forward(self)
-    }
+    fused_paths!(forward);
 }
 
 impl Tensor {

@@ -10,17 +10,15 @@ mod cpu;
 pub(crate) mod cuda;
 mod fallback;
 
-use super::{rows_cols, run, CpuIn, FusedOp};
+use super::{fused_paths, rows_cols, run, FusedOp};
 use crate::backend::Variant;
 use crate::ops::same_kind;
-use crate::storage::CpuStorage;
-#[cfg(feature = "cuda")]
-use crate::{cuda_backend::CudaStorage, ops::fused::CudaIn};
 use crate::{Result, Tensor};
+use meshgrad_derive::FusedArgs;
 
 /// Softmax (or, with `log`, log-softmax) of each row of `x` viewed as `[rows, cols]`, in `x`'s
 /// dtype. Operand contiguous.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, FusedArgs)]
 pub(crate) struct Softmax<T> {
     /// The input, `rows * cols` elements.
     pub x: T,
@@ -34,7 +32,7 @@ pub(crate) struct Softmax<T> {
 
 /// The backward of [`Softmax`] from its output `y` and the gradient `dy`, in `y`'s dtype.
 /// Operands contiguous, of one shape.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, FusedArgs)]
 pub(crate) struct SoftmaxBackward<T> {
     /// The forward's output, `rows * cols` elements.
     pub y: T,
@@ -50,69 +48,26 @@ pub(crate) struct SoftmaxBackward<T> {
 
 impl FusedOp for Softmax<&Tensor> {
     const NAME: &'static str = "softmax";
-    type Args<T> = Softmax<T>;
     type Out<S> = S;
     type Output = Tensor;
-
-    fn map<'s, T>(&'s self, mut f: impl FnMut(&'s Tensor) -> T) -> Softmax<T> {
-        Softmax {
-            x: f(self.x),
-            rows: self.rows,
-            cols: self.cols,
-            log: self.log,
-        }
-    }
 
     fn finish<S: Variant>(&self, y: S) -> Tensor {
         Tensor::from_storage(y.wrap(), self.x.shape())
     }
 
-    fn cpu(args: &Softmax<CpuIn<'_>>) -> Result<CpuStorage> {
-        cpu::forward(args)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda(args: &Softmax<CudaIn<'_>>) -> Result<Option<CudaStorage>> {
-        cuda::forward(args)
-    }
-
-    fn fallback(&self) -> Result<Tensor> {
-        fallback::forward(self)
-    }
+    fused_paths!(forward);
 }
 
 impl FusedOp for SoftmaxBackward<&Tensor> {
     const NAME: &'static str = "softmax_backward";
-    type Args<T> = SoftmaxBackward<T>;
     type Out<S> = S;
     type Output = Tensor;
-
-    fn map<'s, T>(&'s self, mut f: impl FnMut(&'s Tensor) -> T) -> SoftmaxBackward<T> {
-        SoftmaxBackward {
-            y: f(self.y),
-            dy: f(self.dy),
-            rows: self.rows,
-            cols: self.cols,
-            log: self.log,
-        }
-    }
 
     fn finish<S: Variant>(&self, dx: S) -> Tensor {
         Tensor::from_storage(dx.wrap(), self.y.shape())
     }
 
-    fn cpu(args: &SoftmaxBackward<CpuIn<'_>>) -> Result<CpuStorage> {
-        cpu::backward(args)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda(args: &SoftmaxBackward<CudaIn<'_>>) -> Result<Option<CudaStorage>> {
-        cuda::backward(args)
-    }
-
-    fn fallback(&self) -> Result<Tensor> {
-        fallback::backward(self)
-    }
+    fused_paths!(backward);
 }
 
 impl Tensor {
