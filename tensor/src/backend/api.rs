@@ -25,8 +25,7 @@
 //! computed in the precision [`crate::compute_dtype`] names.
 
 use meshgrad_kernels::ops::{
-    AdamWStep, AttentionShape, BiasLayout, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryGrad,
-    UnaryOp,
+    AdamWStep, AttentionShape, BiasLayout, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryOp,
 };
 
 use crate::storage::CpuStorage;
@@ -212,10 +211,6 @@ pub(crate) trait BackendStorage: Sized + std::fmt::Debug + Send + Sync + 'static
         _k: usize,
         _tanh_form: bool,
     ) -> Fused<(Self, Self)> {
-        Ok(None)
-    }
-    /// `dy * f'(x)` for the fused unary derivatives.
-    fn unary_backward(_x: In<'_, Self>, _dy: In<'_, Self>, _op: UnaryGrad) -> Fused<Self> {
         Ok(None)
     }
     /// Fused scaled dot-product attention: `(out, lse)`.

@@ -14,7 +14,7 @@
 pub(crate) mod api;
 
 use meshgrad_kernels::ops::{
-    AdamWStep, AttentionShape, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryGrad, UnaryOp,
+    AdamWStep, AttentionShape, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryOp,
 };
 
 pub(crate) use api::{BackendStorage, Distribution, MaskArgs};
@@ -438,13 +438,6 @@ pub(crate) fn linear_gelu(
             S::linear_gelu(S::of(x), xl, S::of(w), wl, opt::<S>(bias), m, n, k, tanh_form)
         });
         r.map(|o| o.map(wrap2))
-    })
-}
-
-pub(crate) fn unary_backward(x: Src<'_>, dy: Src<'_>, op: UnaryGrad) -> Fused<Storage> {
-    dispatch!("unary_backward", [x.0, dy.0], S, device => {
-        let r = fused(|| S::unary_backward(inp::<S>(x), inp::<S>(dy), op));
-        r.map(|o| o.map(S::wrap))
     })
 }
 

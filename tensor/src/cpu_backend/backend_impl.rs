@@ -4,11 +4,11 @@
 
 use half::{bf16, f16};
 use meshgrad_kernels::ops::{
-    AdamWStep, AttentionShape, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryGrad, UnaryOp,
+    AdamWStep, AttentionShape, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryOp,
 };
 use meshgrad_kernels::rng;
 
-use super::{attention, indexing, linear, optimizer, unary_backward};
+use super::{attention, indexing, linear, optimizer};
 use crate::backend::api::{BackendStorage, Distribution, Fused, In, MaskArgs};
 use crate::storage::CpuStorage;
 use crate::{DType, Device, Layout, Result};
@@ -276,10 +276,6 @@ impl BackendStorage for CpuStorage {
         _tanh_form: bool,
     ) -> Fused<(Self, Self)> {
         Ok(None)
-    }
-
-    fn unary_backward(x: In<'_, Self>, dy: In<'_, Self>, op: UnaryGrad) -> Fused<Self> {
-        unary_backward::unary_backward(x.0, x.1, dy.0, dy.1, op).map(Some)
     }
 
     fn attention(

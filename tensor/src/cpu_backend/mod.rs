@@ -9,7 +9,6 @@ mod cast;
 pub(crate) mod indexing;
 pub(crate) mod linear;
 pub(crate) mod optimizer;
-pub(crate) mod unary_backward;
 
 use std::borrow::Cow;
 use std::ops::Range;

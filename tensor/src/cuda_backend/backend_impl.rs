@@ -4,7 +4,7 @@
 #![allow(clippy::too_many_arguments, clippy::type_complexity)]
 
 use meshgrad_kernels::ops::{
-    AdamWStep, AttentionShape, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryGrad, UnaryOp,
+    AdamWStep, AttentionShape, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryOp,
 };
 
 use super::{basic, blas, fused, CudaStorage};
@@ -192,10 +192,6 @@ impl BackendStorage for CudaStorage {
         tanh_form: bool,
     ) -> Fused<(Self, Self)> {
         blas::linear_gelu(x, xl, w, wl, bias, m, n, k, tanh_form)
-    }
-
-    fn unary_backward(x: In<'_, Self>, dy: In<'_, Self>, op: UnaryGrad) -> Fused<Self> {
-        fused::unary_backward(x, dy, op)
     }
 
     fn attention(

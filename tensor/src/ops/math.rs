@@ -1,8 +1,7 @@
 //! Elementwise math beside the basic unary set (`sin`, `cos`, `silu`, `clamp`, with the fused
 //! backward passes of `silu` and `clamp`) and the `logsumexp` reduction.
 
-use super::same_kind;
-use crate::{backend, Error, Result, Tensor};
+use crate::{Result, Tensor};
 use meshgrad_kernels::ops::{UnaryGrad, UnaryOp};
 
 /// Resolves clamp bounds to `(lo, hi)` (an absent bound is infinite), refusing no bounds at
@@ -46,33 +45,6 @@ impl Tensor {
     pub fn clamp(&self, min: Option<f64>, max: Option<f64>) -> Result<Tensor> {
         let (lo, hi) = clamp_bounds("clamp", min, max)?;
         self.unary_op(UnaryOp::Clamp(lo, hi), "clamp")
-    }
-
-    fn unary_backward(&self, dy: &Tensor, op: UnaryGrad, name: &'static str) -> Result<Tensor> {
-        let _prof = crate::profile::scope(name);
-        same_kind(name, self, dy)?;
-        if !self.dtype().is_float() {
-            return Err(Error::UnsupportedDType {
-                op: name,
-                dtype: self.dtype(),
-            });
-        }
-        if self.shape() != dy.shape() {
-            return Err(Error::ShapeMismatch {
-                op: name,
-                lhs: self.shape().clone(),
-                rhs: dy.shape().clone(),
-            });
-        }
-        let (x, dy) = (self.contiguous()?, dy.contiguous()?);
-        let s = {
-            let (gx, gd) = (x.read_storage(name)?, dy.read_storage(name)?);
-            backend::unary_backward((&gx, x.layout()), (&gd, dy.layout()), op)?
-        };
-        match s {
-            Some(s) => Ok(Tensor::from_storage(s, x.shape())),
-            None => super::fallback::unary_backward(&x, &dy, op),
-        }
     }
 
     /// The SiLU backward, fused (`self` is the forward input):

@@ -9,7 +9,6 @@ use std::collections::BTreeSet;
 
 use meshgrad_kernels::ops::{AdamWStep, AttentionShape, UnaryGrad};
 
-use super::activations::unary_bwd_launch;
 use super::args::{assert_known, Launch};
 use super::attention::params::{
     delta_launch, dkdv_launch, dq_launch, fwd_launch, qkv_params, separate_params, HEAD_DIMS,
@@ -24,6 +23,7 @@ use crate::ops::fused::rms_norm::cuda::{rms_norm_bwd_launch, rms_norm_fwd_launch
 use crate::ops::fused::rotary::cuda::rotary_launch;
 use crate::ops::fused::softmax::cuda::{softmax_bwd_launch, softmax_fwd_launch};
 use crate::ops::fused::swiglu::cuda::{swiglu_bwd_launch, swiglu_fwd_launch};
+use crate::ops::fused::unary_backward::cuda::unary_bwd_launch;
 
 /// The dtype suffixes the fused kernels are instantiated for.
 const SUFFIXES: [&str; 3] = ["f32", "bf16", "f16"];
@@ -50,7 +50,12 @@ pub(crate) fn every_launch() -> Vec<Launch> {
             v.push(softmax_bwd_launch(t, log, [1, 2, 3], 4, 5));
         }
         v.push(gelu_bwd_launch(t, [1, 2, 3], 4, true));
-        v.push(unary_bwd_launch(t, 1, 2, 3, 4, UnaryGrad::Clamp(0.0, 1.0)));
+        v.push(unary_bwd_launch(
+            t,
+            [1, 2, 3],
+            4,
+            UnaryGrad::Clamp(0.0, 1.0),
+        ));
         v.push(swiglu_fwd_launch(t, 1, 2, 3, 4));
         v.push(swiglu_bwd_launch(t, [1, 2, 3, 4, 5], 6));
         v.push(rotary_launch(t, 1, 2, 3, [1, 2, 3, 4], 1e4, false));

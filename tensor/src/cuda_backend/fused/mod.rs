@@ -1,7 +1,6 @@
 //! The fused ops of the CUDA backend not yet moved to `ops/fused/<op>/`, and what the CUDA paths
 //! there share: `attention.rs` (flash attention, with `attention/params.rs` building the kernels'
-//! layouts), `optimizer.rs` (AdamW, SGD), `activations.rs` (the launch of activations.cu and the
-//! SiLU / clamp backward), `norms.rs` (the helpers of every norm of norms.cu). `args.rs`
+//! layouts), `optimizer.rs` (AdamW, SGD), `activations.rs` (the launch of activations.cu), `norms.rs` (the helpers of every norm of norms.cu). `args.rs`
 //! describes launches as plain data (tested against the kernels' signatures without a GPU),
 //! `operand.rs` prepares operands (contiguous copies, dtype conversions).
 //!
@@ -23,6 +22,5 @@ pub(crate) mod norms;
 pub(crate) mod operand;
 mod optimizer;
 
-pub(super) use activations::unary_backward;
 pub(super) use attention::{attention, attention_backward, attention_qkv, attention_qkv_backward};
 pub(super) use optimizer::{adamw, sgd};

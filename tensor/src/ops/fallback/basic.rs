@@ -1,6 +1,4 @@
-//! Linear and the unary derivatives (SiLU, clamp), composed.
-
-use meshgrad_kernels::ops::UnaryGrad;
+//! Linear, composed.
 
 use super::widen;
 use crate::{Result, Tensor};
@@ -15,30 +13,9 @@ pub(crate) fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Resu
     y.to_dtype(x.dtype())
 }
 
-/// `dy * f'(x)` in `x`'s dtype for the fused unary derivatives: SiLU's
-/// `s (1 + x (1 - s))` with `s = sigmoid(x)`, and clamp's 1 where `lo <= x <= hi` (bounds
-/// rounded to the compute precision, NaN excluded), else 0.
-pub(crate) fn unary_backward(x: &Tensor, dy: &Tensor, op: UnaryGrad) -> Result<Tensor> {
-    let xc = widen(x)?;
-    match op {
-        UnaryGrad::Silu => {
-            let s = xc.sigmoid()?;
-            let slope = s.mul(&s.neg()?.add_scalar(1.0)?.mul(&xc)?.add_scalar(1.0)?)?;
-            widen(dy)?.mul(&slope)?.to_dtype(x.dtype())
-        }
-        UnaryGrad::Clamp(lo, hi) => {
-            let bound = |v: f64| Tensor::scalar(v, xc.dtype(), xc.device());
-            let zero = dy.zeros_like()?;
-            let below_hi = xc.le(&bound(hi)?)?.where_cond(dy, &zero)?;
-            xc.ge(&bound(lo)?)?.where_cond(&below_hi, &zero)
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::super::testutil::{both, close, rand, CASES};
-    use crate::{DType, Device, Tensor};
 
     #[test]
     fn linear_matches_its_composition() {
@@ -51,35 +28,6 @@ mod tests {
             for (w, bias) in [(&w, None), (&w, Some(&b)), (&wt, Some(&b))] {
                 let (a, c) = both(|| x.linear(w, bias).unwrap());
                 close(&format!("linear {dt} bias={}", bias.is_some()), &a, &c, rel);
-            }
-        }
-    }
-
-    #[test]
-    fn unary_backward_matches_its_composition() {
-        for (dt, rel) in CASES {
-            // Values on the clamp bounds (included) and a NaN (excluded) too.
-            let mut v = rand(&[3, 30], 40, DType::F64).to_vec::<f64>().unwrap();
-            v[2] = -1.0;
-            v[5] = 1.5;
-            v[9] = f64::NAN;
-            let x = Tensor::from_vec(v, (3, 30), Device::Cpu)
-                .unwrap()
-                .to_dtype(dt)
-                .unwrap();
-            let dy = rand(&[3, 30], 41, dt);
-            let (a, c) = both(|| x.silu_backward(&dy).unwrap());
-            // The NaN input gives NaN on both sides: compare the rest.
-            let keep = |t: &Tensor| t.narrow(1, 10, 20).unwrap();
-            close(&format!("silu_backward {dt}"), &keep(&a), &keep(&c), rel);
-            assert!(a.to_vec_f64().unwrap()[9].is_nan() && c.to_vec_f64().unwrap()[9].is_nan());
-            for (lo, hi) in [
-                (Some(-1.0), Some(1.5)),
-                (None, Some(0.5)),
-                (Some(0.0), None),
-            ] {
-                let (a, c) = both(|| x.clamp_backward(&dy, lo, hi).unwrap());
-                close(&format!("clamp_backward {dt} {lo:?}..{hi:?}"), &a, &c, rel);
             }
         }
     }

@@ -28,8 +28,8 @@
 //!
 //! Ops here: `cross_entropy` (cross-entropy), `gelu` (GELU's backward), `layer_norm` (layer norm),
 //! `logsumexp` (log-sum-exp), `rms_norm` (RMSNorm), `rotary` (rotary embedding), `softmax`
-//! (softmax and log-softmax) and `swiglu` (SwiGLU), each forward and (but for log-sum-exp)
-//! backward.
+//! (softmax and log-softmax), `swiglu` (SwiGLU), each forward and (but for log-sum-exp) backward,
+//! and `unary_backward` (the SiLU and clamp backward).
 
 pub(crate) mod cross_entropy;
 pub(crate) mod gelu;
@@ -39,6 +39,7 @@ pub(crate) mod rms_norm;
 pub(crate) mod rotary;
 pub(crate) mod softmax;
 pub(crate) mod swiglu;
+pub(crate) mod unary_backward;
 
 pub use layer_norm::LayerNormOutput;
 pub use rms_norm::RmsNormOutput;
