@@ -232,7 +232,7 @@ impl BackendStorage for CpuStorage {
         inner: usize,
         dim: usize,
     ) -> Result<Self> {
-        indexing::index_select(x.0, x.1, ids.0, ids.1, outer, x_n, inner, dim)
+        indexing::index_select(x, ids, outer, x_n, inner, dim)
     }
 
     fn index_select_backward(
@@ -243,7 +243,7 @@ impl BackendStorage for CpuStorage {
         inner: usize,
         dim: usize,
     ) -> Result<Self> {
-        indexing::index_select_backward(dout.0, dout.1, ids.0, ids.1, outer, x_n, inner, dim)
+        indexing::index_select_backward(dout, ids, outer, x_n, inner, dim)
     }
 
     // ----- fused ops: all provided on the CPU but `linear_gelu` -----

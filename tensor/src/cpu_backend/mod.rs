@@ -341,7 +341,6 @@ pub(crate) fn embedding(
     Ok(out)
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn embedding_backward(
     dout: &CpuStorage,
     dl: &Layout,
