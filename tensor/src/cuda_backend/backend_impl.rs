@@ -1,8 +1,6 @@
 //! The CUDA backend's implementation of [`BackendStorage`]: each method delegates to `basic/`
 //! (required ops), `fused/` (fused ops) or `blas/` (matmul, linear).
 
-#![allow(clippy::too_many_arguments, clippy::type_complexity)]
-
 use meshgrad_kernels::ops::{
     AdamWStep, AttentionShape, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryOp,
 };

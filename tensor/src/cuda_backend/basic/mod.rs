@@ -13,7 +13,6 @@
 //! bytes (8-byte elements as pairs of 4-byte words); u8 data and the casts, fills and random
 //! draws no kernel covers go through the host (correct, but synchronising: each such call says
 //! so in its documentation).
-#![allow(clippy::too_many_arguments, clippy::type_complexity)]
 
 use std::sync::Arc;
 

@@ -11,7 +11,6 @@
 //! the dispatch reports the op not implemented on CUDA): f64 data everywhere (the kernels are
 //! instantiated for f32, bf16 and f16 only) and, for attention, what its kernels do not cover
 //! (see `attention.rs`).
-#![allow(clippy::too_many_arguments, clippy::type_complexity)]
 
 pub(crate) mod activations;
 pub(crate) mod args;

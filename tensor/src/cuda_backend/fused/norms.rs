@@ -85,11 +85,10 @@ pub(crate) fn rounded(s: CudaStorage, dtype: DType) -> Result<CudaStorage> {
     }
 }
 
-/// `Σ_rows` partials of `[blocks, cols]` reduced into a new `[cols]` buffer of `kd`, rounded to
-/// `out_dt`.
+/// `Σ_rows` partials of `[blocks, cols]` reduced into a new `[cols]` buffer of `kd` (a kernel
+/// dtype), rounded to `out_dt`.
 pub(crate) fn reduce_partials(
     ctx: &Arc<DeviceContext>,
-    t: &str,
     partial: &CudaStorage,
     blocks: usize,
     cols: usize,
@@ -99,7 +98,7 @@ pub(crate) fn reduce_partials(
 ) -> Result<CudaStorage> {
     let out = output(ctx, kd, cols)?;
     partials_reduce_launch(
-        t,
+        sfx(kd).unwrap_or("f32"),
         partial.device_ptr(),
         blocks,
         cols,

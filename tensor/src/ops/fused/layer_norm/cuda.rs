@@ -152,8 +152,8 @@ pub(super) fn backward(a: &LayerNormBackward<CudaIn<'_>>) -> Result<Option<Grads
     let (dw, db) = match &partials {
         None => (None, None),
         Some((pw, pb)) => (
-            Some(reduce_partials(ctx, t, pw, blocks, cols, kd, wdt, &what)?),
-            Some(reduce_partials(ctx, t, pb, blocks, cols, kd, wdt, &what)?),
+            Some(reduce_partials(ctx, pw, blocks, cols, kd, wdt, &what)?),
+            Some(reduce_partials(ctx, pb, blocks, cols, kd, wdt, &what)?),
         ),
     };
     Ok(Some((rounded(dx, dt)?, dw, db)))
