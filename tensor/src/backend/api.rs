@@ -12,7 +12,7 @@
 //!   for the same seed and indices), and `release` (the hook of a caching allocator);
 //! - basic ops, which every backend must provide (casts, copies, elementwise, reductions,
 //!   matmul, indexing, ...);
-//! - fused ops (attention, cross-entropy, optimizer steps, ...), whose
+//! - fused ops (linear epilogues, optimizer steps, ...), whose
 //!   default answer is `Ok(None)`: "not provided". The tensor op then runs a fallback composed
 //!   of basic ops (see `ops/fallback/`), so a backend can arrive one fused kernel at a time.
 //!   The fused ops of `ops/fused/` are not methods here: each keeps its CPU, CUDA and composed
@@ -24,32 +24,13 @@
 //! primitive's documentation in `backend/mod.rs` says so. Float inputs of half dtypes are
 //! computed in the precision [`crate::compute_dtype`] names.
 
-use meshgrad_kernels::ops::{
-    AdamWStep, AttentionShape, BiasLayout, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryOp,
-};
+use meshgrad_kernels::ops::{AdamWStep, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryOp};
 
 use crate::storage::CpuStorage;
 use crate::{DType, Device, Layout, Result};
 
 /// One operand: a backend storage with the layout of the view being read.
 pub(crate) type In<'a, S> = (&'a S, &'a Layout);
-
-/// The key padding mask and additive bias of one attention call: `heads` heads per batch entry
-/// index both; the padding mask is a contiguous integer `[batch, seq_k]` tensor, the bias a
-/// contiguous float tensor in q's dtype read through [`BiasLayout`] (strides 0 where it
-/// broadcasts).
-pub(crate) struct MaskArgs<'a, S> {
-    pub heads: usize,
-    pub key_padding: Option<In<'a, S>>,
-    pub bias: Option<(In<'a, S>, BiasLayout)>,
-}
-
-impl<S> Clone for MaskArgs<'_, S> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl<S> Copy for MaskArgs<'_, S> {}
 
 /// What a random fill draws, element `i` from counter `offset + i` of stream `seed` (see
 /// [`meshgrad_kernels::rng`]).
@@ -211,44 +192,6 @@ pub(crate) trait BackendStorage: Sized + std::fmt::Debug + Send + Sync + 'static
         _k: usize,
         _tanh_form: bool,
     ) -> Fused<(Self, Self)> {
-        Ok(None)
-    }
-    /// Fused scaled dot-product attention: `(out, lse)`.
-    fn attention(
-        _q: In<'_, Self>,
-        _k: In<'_, Self>,
-        _v: In<'_, Self>,
-        _shape: AttentionShape,
-        _mask: MaskArgs<'_, Self>,
-    ) -> Fused<(Self, Self)> {
-        Ok(None)
-    }
-    /// The backward of [`BackendStorage::attention`]: `(dq, dk, dv, dz)`.
-    fn attention_backward(
-        _ops: [In<'_, Self>; 6],
-        _shape: AttentionShape,
-        _mask: MaskArgs<'_, Self>,
-        _want_dz: bool,
-    ) -> Fused<(Self, Self, Self, Option<Self>)> {
-        Ok(None)
-    }
-    /// Attention straight from a contiguous `[B, T, 3C]` qkv buffer: `(out, lse)`.
-    fn attention_qkv(
-        _qkv: In<'_, Self>,
-        _shape: AttentionShape,
-        _heads: usize,
-        _mask: MaskArgs<'_, Self>,
-    ) -> Fused<(Self, Self)> {
-        Ok(None)
-    }
-    /// The backward of [`BackendStorage::attention_qkv`]: `(dqkv, dz)`.
-    fn attention_qkv_backward(
-        _ops: [In<'_, Self>; 4],
-        _shape: AttentionShape,
-        _heads: usize,
-        _mask: MaskArgs<'_, Self>,
-        _want_dz: bool,
-    ) -> Fused<(Self, Option<Self>)> {
         Ok(None)
     }
     /// One in-place AdamW step; `Ok(None)` when not provided.

@@ -3,23 +3,13 @@
 //! `meshgrad_kernels::cpu`). All fused ops are provided.
 
 use half::{bf16, f16};
-use meshgrad_kernels::ops::{
-    AdamWStep, AttentionShape, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryOp,
-};
+use meshgrad_kernels::ops::{AdamWStep, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryOp};
 use meshgrad_kernels::rng;
 
-use super::{attention, indexing, linear, optimizer};
-use crate::backend::api::{BackendStorage, Distribution, Fused, In, MaskArgs};
+use super::{indexing, linear, optimizer};
+use crate::backend::api::{BackendStorage, Distribution, Fused, In};
 use crate::storage::CpuStorage;
 use crate::{DType, Device, Layout, Result};
-
-fn cpu_mask<'a>(m: MaskArgs<'a, CpuStorage>) -> attention::CpuMask<'a> {
-    attention::CpuMask {
-        heads: m.heads,
-        key_padding: m.key_padding,
-        bias: m.bias,
-    }
-}
 
 /// The buffer as a contiguous `[len]` view.
 fn whole(s: &CpuStorage) -> Layout {
@@ -276,44 +266,6 @@ impl BackendStorage for CpuStorage {
         _tanh_form: bool,
     ) -> Fused<(Self, Self)> {
         Ok(None)
-    }
-
-    fn attention(
-        q: In<'_, Self>,
-        k: In<'_, Self>,
-        v: In<'_, Self>,
-        shape: AttentionShape,
-        mask: MaskArgs<'_, Self>,
-    ) -> Fused<(Self, Self)> {
-        attention::attention(q, k, v, shape, &cpu_mask(mask)).map(Some)
-    }
-
-    fn attention_backward(
-        ops: [In<'_, Self>; 6],
-        shape: AttentionShape,
-        mask: MaskArgs<'_, Self>,
-        want_dz: bool,
-    ) -> Fused<(Self, Self, Self, Option<Self>)> {
-        attention::attention_backward(ops, shape, &cpu_mask(mask), want_dz).map(Some)
-    }
-
-    fn attention_qkv(
-        qkv: In<'_, Self>,
-        shape: AttentionShape,
-        heads: usize,
-        mask: MaskArgs<'_, Self>,
-    ) -> Fused<(Self, Self)> {
-        attention::attention_qkv(qkv, shape, heads, &cpu_mask(mask)).map(Some)
-    }
-
-    fn attention_qkv_backward(
-        ops: [In<'_, Self>; 4],
-        shape: AttentionShape,
-        heads: usize,
-        mask: MaskArgs<'_, Self>,
-        want_dz: bool,
-    ) -> Fused<(Self, Option<Self>)> {
-        attention::attention_qkv_backward(ops, shape, heads, &cpu_mask(mask), want_dz).map(Some)
     }
 
     fn adamw(

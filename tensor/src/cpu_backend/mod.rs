@@ -3,7 +3,6 @@
 //! layer's rule, [`crate::compute_dtype`] (f32 and f64 natively; bf16 and f16 widened to f32,
 //! computed, and narrowed back by [`IntoStorage`]).
 
-pub(crate) mod attention;
 mod backend_impl;
 mod cast;
 pub(crate) mod indexing;

@@ -1,12 +1,10 @@
 //! The CUDA backend's implementation of [`BackendStorage`]: each method delegates to `basic/`
 //! (required ops), `fused/` (fused ops) or `blas/` (matmul, linear).
 
-use meshgrad_kernels::ops::{
-    AdamWStep, AttentionShape, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryOp,
-};
+use meshgrad_kernels::ops::{AdamWStep, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryOp};
 
 use super::{basic, blas, fused, CudaStorage};
-use crate::backend::api::{BackendStorage, Distribution, Fused, In, MaskArgs};
+use crate::backend::api::{BackendStorage, Distribution, Fused, In};
 use crate::storage::CpuStorage;
 use crate::{DType, Device, Layout, Result};
 
@@ -190,44 +188,6 @@ impl BackendStorage for CudaStorage {
         tanh_form: bool,
     ) -> Fused<(Self, Self)> {
         blas::linear_gelu(x, xl, w, wl, bias, m, n, k, tanh_form)
-    }
-
-    fn attention(
-        q: In<'_, Self>,
-        k: In<'_, Self>,
-        v: In<'_, Self>,
-        shape: AttentionShape,
-        mask: MaskArgs<'_, Self>,
-    ) -> Fused<(Self, Self)> {
-        fused::attention(q, k, v, shape, mask)
-    }
-
-    fn attention_backward(
-        ops: [In<'_, Self>; 6],
-        shape: AttentionShape,
-        mask: MaskArgs<'_, Self>,
-        want_dz: bool,
-    ) -> Fused<(Self, Self, Self, Option<Self>)> {
-        fused::attention_backward(ops, shape, mask, want_dz)
-    }
-
-    fn attention_qkv(
-        qkv: In<'_, Self>,
-        shape: AttentionShape,
-        heads: usize,
-        mask: MaskArgs<'_, Self>,
-    ) -> Fused<(Self, Self)> {
-        fused::attention_qkv(qkv, shape, heads, mask)
-    }
-
-    fn attention_qkv_backward(
-        ops: [In<'_, Self>; 4],
-        shape: AttentionShape,
-        heads: usize,
-        mask: MaskArgs<'_, Self>,
-        want_dz: bool,
-    ) -> Fused<(Self, Option<Self>)> {
-        fused::attention_qkv_backward(ops, shape, heads, mask, want_dz)
     }
 
     fn adamw(

@@ -10,11 +10,11 @@ use std::collections::BTreeSet;
 use meshgrad_kernels::ops::{AdamWStep, AttentionShape, UnaryGrad};
 
 use super::args::{assert_known, Launch};
-use super::attention::params::{
-    delta_launch, dkdv_launch, dq_launch, fwd_launch, qkv_params, separate_params, HEAD_DIMS,
-};
 use super::norms::partials_reduce_launch;
 use super::optimizer::{adamw_launch, sgd_launch};
+use crate::ops::fused::attention::cuda::params::{
+    delta_launch, dkdv_launch, dq_launch, fwd_launch, qkv_params, separate_params, HEAD_DIMS,
+};
 use crate::ops::fused::cross_entropy::cuda::{ce_bwd_launch, ce_fwd_launch};
 use crate::ops::fused::gelu::cuda::gelu_bwd_launch;
 use crate::ops::fused::layer_norm::cuda::{layer_norm_bwd_launch, layer_norm_fwd_launch};

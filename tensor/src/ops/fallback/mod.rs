@@ -6,20 +6,16 @@
 //! kernels (forced by declining fused kernels on the test's thread).
 //!
 //! Every function takes contiguous tensors shaped as the calling op passes them. One file per
-//! op or family: `basic` (linear), `attention`, `optim` (AdamW, SGD). The ops
+//! op or family: `basic` (linear), `optim` (AdamW, SGD). The ops
 //! moved to `ops/fused/` keep their fallback in their own folder (`fallback.rs`); this module
 //! also holds the helpers those share ([`widen`], [`shifted`], [`replace`], [`column`],
 //! [`row_sum`]).
 
-mod attention;
 mod basic;
 mod optim;
 #[cfg(test)]
 pub(crate) mod testutil;
 
-pub(crate) use attention::{
-    attention, attention_backward, attention_qkv, attention_qkv_backward, MaskParts,
-};
 pub(crate) use basic::linear;
 pub(crate) use optim::{adamw, sgd};
 

@@ -26,11 +26,13 @@
 //!    paths;
 //! 5. the autograd rule in `autograd/` and the op's tests in `tensor/tests/foo.rs`.
 //!
-//! Ops here: `cross_entropy` (cross-entropy), `gelu` (GELU's backward), `layer_norm` (layer norm),
+//! Ops here: `attention` (scaled dot-product attention, on q, k, v or a fused qkv),
+//! `cross_entropy` (cross-entropy), `gelu` (GELU's backward), `layer_norm` (layer norm),
 //! `logsumexp` (log-sum-exp), `rms_norm` (RMSNorm), `rotary` (rotary embedding), `softmax`
 //! (softmax and log-softmax), `swiglu` (SwiGLU), each forward and (but for log-sum-exp) backward,
 //! and `unary_backward` (the SiLU and clamp backward).
 
+pub(crate) mod attention;
 pub(crate) mod cross_entropy;
 pub(crate) mod gelu;
 pub(crate) mod layer_norm;
@@ -41,6 +43,7 @@ pub(crate) mod softmax;
 pub(crate) mod swiglu;
 pub(crate) mod unary_backward;
 
+pub use attention::{AttentionGrads, AttentionMask, AttentionOutput};
 pub use layer_norm::LayerNormOutput;
 pub use rms_norm::RmsNormOutput;
 
