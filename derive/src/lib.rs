@@ -1,4 +1,5 @@
-//! `#[derive(Module)]` for meshgrad models.
+//! `#[derive(Module)]` for meshgrad models, and `#[derive(FusedArgs)]` for the argument structs
+//! of `meshgrad-tensor`'s fused ops (see [`derive_fused_args`]).
 //!
 //! The derive implements `Module::visit_children` from the struct's fields, so every parameter
 //! and submodule is named once, by its field name:
@@ -137,6 +138,97 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream2> {
             }
             fn module_type(&self) -> &'static str {
                 #type_name
+            }
+        }
+    })
+}
+
+/// Derives `FusedArgs` for a fused op's argument struct `Foo<T>` (inside `meshgrad-tensor`):
+/// implements `crate::ops::fused::FusedArgs` for `Foo<&Tensor>` with `Args<U> = Foo<U>` and a
+/// `map` that replaces every operand by `f(operand)`, visiting the fields in declaration order:
+///
+/// * a field of type `T` (the struct's one type parameter) is an operand;
+/// * `Option<T>` is an optional operand (mapped when present);
+/// * any other field (shapes, scalars, flags) is copied (cloned).
+#[proc_macro_derive(FusedArgs)]
+pub fn derive_fused_args(input: TokenStream) -> TokenStream {
+    let input = parse_macro_input!(input as DeriveInput);
+    match expand_fused_args(&input) {
+        Ok(ts) => ts.into(),
+        Err(e) => e.to_compile_error().into(),
+    }
+}
+
+/// How `map` carries one field of a `FusedArgs` struct over.
+enum Carried {
+    Operand,
+    Optional,
+    Copied,
+}
+
+/// `T`, `Option<T>` or another type, for the struct's type parameter `t`.
+fn carried(ty: &syn::Type, t: &syn::Ident) -> Carried {
+    let syn::Type::Path(p) = ty else {
+        return Carried::Copied;
+    };
+    if p.qself.is_none() && p.path.is_ident(t) {
+        return Carried::Operand;
+    }
+    let Some(last) = p.path.segments.last() else {
+        return Carried::Copied;
+    };
+    if last.ident != "Option" {
+        return Carried::Copied;
+    }
+    let syn::PathArguments::AngleBracketed(a) = &last.arguments else {
+        return Carried::Copied;
+    };
+    match a.args.first() {
+        Some(syn::GenericArgument::Type(syn::Type::Path(inner)))
+            if a.args.len() == 1 && inner.qself.is_none() && inner.path.is_ident(t) =>
+        {
+            Carried::Optional
+        }
+        _ => Carried::Copied,
+    }
+}
+
+fn expand_fused_args(input: &DeriveInput) -> syn::Result<TokenStream2> {
+    let name = &input.ident;
+    let params: Vec<_> = input.generics.type_params().collect();
+    if params.len() != 1 || input.generics.params.len() != 1 {
+        return Err(syn::Error::new_spanned(
+            &input.generics,
+            "#[derive(FusedArgs)] needs a struct with exactly one type parameter (the operand type)",
+        ));
+    }
+    let t = &params[0].ident;
+    let Data::Struct(s) = &input.data else {
+        return Err(syn::Error::new_spanned(
+            name,
+            "#[derive(FusedArgs)] is for structs",
+        ));
+    };
+    let Fields::Named(fields) = &s.fields else {
+        return Err(syn::Error::new_spanned(
+            name,
+            "#[derive(FusedArgs)] needs named fields",
+        ));
+    };
+    let inits = fields.named.iter().map(|fd| {
+        let f = fd.ident.as_ref().expect("named field");
+        match carried(&fd.ty, t) {
+            Carried::Operand => quote!(#f: f(self.#f)),
+            Carried::Optional => quote!(#f: self.#f.map(&mut f)),
+            Carried::Copied => quote!(#f: ::core::clone::Clone::clone(&self.#f)),
+        }
+    });
+    Ok(quote! {
+        impl<'t> crate::ops::fused::FusedArgs for #name<&'t crate::Tensor> {
+            type Args<U> = #name<U>;
+
+            fn map<'s, U>(&'s self, mut f: impl FnMut(&'s crate::Tensor) -> U) -> #name<U> {
+                #name { #(#inits,)* }
             }
         }
     })

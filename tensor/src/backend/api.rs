@@ -12,7 +12,7 @@
 //!   for the same seed and indices), and `release` (the hook of a caching allocator);
 //! - basic ops, which every backend must provide (casts, copies, elementwise, reductions,
 //!   matmul, indexing, ...);
-//! - fused ops (layer norm, softmax, attention, cross-entropy, optimizer steps, ...), whose
+//! - fused ops (linear epilogues, optimizer steps, ...), whose
 //!   default answer is `Ok(None)`: "not provided". The tensor op then runs a fallback composed
 //!   of basic ops (see `ops/fallback/`), so a backend can arrive one fused kernel at a time.
 //!   The fused ops of `ops/fused/` are not methods here: each keeps its CPU, CUDA and composed
@@ -24,33 +24,13 @@
 //! primitive's documentation in `backend/mod.rs` says so. Float inputs of half dtypes are
 //! computed in the precision [`crate::compute_dtype`] names.
 
-use meshgrad_kernels::ops::{
-    AdamWStep, AttentionShape, BiasLayout, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryGrad,
-    UnaryOp,
-};
+use meshgrad_kernels::ops::{AdamWStep, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryOp};
 
 use crate::storage::CpuStorage;
 use crate::{DType, Device, Layout, Result};
 
 /// One operand: a backend storage with the layout of the view being read.
 pub(crate) type In<'a, S> = (&'a S, &'a Layout);
-
-/// The key padding mask and additive bias of one attention call: `heads` heads per batch entry
-/// index both; the padding mask is a contiguous integer `[batch, seq_k]` tensor, the bias a
-/// contiguous float tensor in q's dtype read through [`BiasLayout`] (strides 0 where it
-/// broadcasts).
-pub(crate) struct MaskArgs<'a, S> {
-    pub heads: usize,
-    pub key_padding: Option<In<'a, S>>,
-    pub bias: Option<(In<'a, S>, BiasLayout)>,
-}
-
-impl<S> Clone for MaskArgs<'_, S> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl<S> Copy for MaskArgs<'_, S> {}
 
 /// What a random fill draws, element `i` from counter `offset + i` of stream `seed` (see
 /// [`meshgrad_kernels::rng`]).
@@ -212,116 +192,6 @@ pub(crate) trait BackendStorage: Sized + std::fmt::Debug + Send + Sync + 'static
         _k: usize,
         _tanh_form: bool,
     ) -> Fused<(Self, Self)> {
-        Ok(None)
-    }
-    /// Row softmax (or log-softmax) of a contiguous `[rows, cols]` buffer.
-    fn softmax(_x: In<'_, Self>, _rows: usize, _cols: usize, _log: bool) -> Fused<Self> {
-        Ok(None)
-    }
-    /// The backward of [`BackendStorage::softmax`] from its output `y`.
-    fn softmax_backward(
-        _y: In<'_, Self>,
-        _dy: In<'_, Self>,
-        _rows: usize,
-        _cols: usize,
-        _log: bool,
-    ) -> Fused<Self> {
-        Ok(None)
-    }
-    /// `dy * gelu'(x)` (tanh or erf form).
-    fn gelu_backward(_x: In<'_, Self>, _dy: In<'_, Self>, _tanh_form: bool) -> Fused<Self> {
-        Ok(None)
-    }
-    /// `dy * f'(x)` for the fused unary derivatives.
-    fn unary_backward(_x: In<'_, Self>, _dy: In<'_, Self>, _op: UnaryGrad) -> Fused<Self> {
-        Ok(None)
-    }
-    /// Log-sum-exp over `red` of a contiguous `[outer, red, inner]` buffer.
-    fn logsumexp(_x: In<'_, Self>, _outer: usize, _red: usize, _inner: usize) -> Fused<Self> {
-        Ok(None)
-    }
-    /// Layer normalisation over rows: `(y, mean, rstd)`.
-    fn layer_norm(
-        _x: In<'_, Self>,
-        _w: Option<In<'_, Self>>,
-        _b: Option<In<'_, Self>>,
-        _rows: usize,
-        _cols: usize,
-        _eps: f64,
-    ) -> Fused<(Self, Self, Self)> {
-        Ok(None)
-    }
-    /// The backward of [`BackendStorage::layer_norm`]: `(dx, dw, db)`.
-    fn layer_norm_backward(
-        _x: In<'_, Self>,
-        _w: Option<In<'_, Self>>,
-        _mean: In<'_, Self>,
-        _rstd: In<'_, Self>,
-        _dy: In<'_, Self>,
-        _rows: usize,
-        _cols: usize,
-        _param_grads: bool,
-    ) -> Fused<(Self, Option<Self>, Option<Self>)> {
-        Ok(None)
-    }
-    /// Per-row cross-entropy of `[rows, cols]` logits against integer targets: `(loss, lse)`.
-    fn cross_entropy(
-        _logits: In<'_, Self>,
-        _targets: In<'_, Self>,
-        _rows: usize,
-        _cols: usize,
-        _ignore_index: Option<i64>,
-    ) -> Fused<(Self, Self)> {
-        Ok(None)
-    }
-    /// The backward of [`BackendStorage::cross_entropy`]: dlogits.
-    fn cross_entropy_backward(
-        _logits: In<'_, Self>,
-        _lse: In<'_, Self>,
-        _targets: In<'_, Self>,
-        _dloss: In<'_, Self>,
-        _rows: usize,
-        _cols: usize,
-        _ignore_index: Option<i64>,
-    ) -> Fused<Self> {
-        Ok(None)
-    }
-    /// Fused scaled dot-product attention: `(out, lse)`.
-    fn attention(
-        _q: In<'_, Self>,
-        _k: In<'_, Self>,
-        _v: In<'_, Self>,
-        _shape: AttentionShape,
-        _mask: MaskArgs<'_, Self>,
-    ) -> Fused<(Self, Self)> {
-        Ok(None)
-    }
-    /// The backward of [`BackendStorage::attention`]: `(dq, dk, dv, dz)`.
-    fn attention_backward(
-        _ops: [In<'_, Self>; 6],
-        _shape: AttentionShape,
-        _mask: MaskArgs<'_, Self>,
-        _want_dz: bool,
-    ) -> Fused<(Self, Self, Self, Option<Self>)> {
-        Ok(None)
-    }
-    /// Attention straight from a contiguous `[B, T, 3C]` qkv buffer: `(out, lse)`.
-    fn attention_qkv(
-        _qkv: In<'_, Self>,
-        _shape: AttentionShape,
-        _heads: usize,
-        _mask: MaskArgs<'_, Self>,
-    ) -> Fused<(Self, Self)> {
-        Ok(None)
-    }
-    /// The backward of [`BackendStorage::attention_qkv`]: `(dqkv, dz)`.
-    fn attention_qkv_backward(
-        _ops: [In<'_, Self>; 4],
-        _shape: AttentionShape,
-        _heads: usize,
-        _mask: MaskArgs<'_, Self>,
-        _want_dz: bool,
-    ) -> Fused<(Self, Option<Self>)> {
         Ok(None)
     }
     /// One in-place AdamW step; `Ok(None)` when not provided.

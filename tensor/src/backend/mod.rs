@@ -13,11 +13,9 @@
 
 pub(crate) mod api;
 
-use meshgrad_kernels::ops::{
-    AdamWStep, AttentionShape, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryGrad, UnaryOp,
-};
+use meshgrad_kernels::ops::{AdamWStep, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryOp};
 
-pub(crate) use api::{BackendStorage, Distribution, MaskArgs};
+pub(crate) use api::{BackendStorage, Distribution};
 use api::{Fused, In};
 
 #[cfg(feature = "cuda")]
@@ -27,10 +25,6 @@ use crate::{DType, Device, Error, Layout, Result};
 
 /// A storage with the layout of the view being read.
 pub(crate) type Src<'a> = (&'a Storage, &'a Layout);
-
-/// The key padding mask and additive bias of one attention call, as the dispatch sees them (see
-/// [`MaskArgs`]).
-pub(crate) type AttentionMaskArgs<'a> = MaskArgs<'a, Storage>;
 
 /// A backend storage type held by one [`Storage`] variant.
 pub(crate) trait Variant: BackendStorage {
@@ -130,21 +124,6 @@ fn inp<'a, S: Variant>(s: Src<'a>) -> In<'a, S> {
 
 fn opt<'a, S: Variant>(s: Option<Src<'a>>) -> Option<In<'a, S>> {
     s.map(inp::<S>)
-}
-
-fn mask<'a, S: Variant>(m: &AttentionMaskArgs<'a>) -> MaskArgs<'a, S> {
-    MaskArgs {
-        heads: m.heads,
-        key_padding: opt::<S>(m.key_padding),
-        bias: m.bias.map(|(s, l)| (inp::<S>(s), l)),
-    }
-}
-
-fn mask_storages<'a>(m: &AttentionMaskArgs<'a>) -> impl Iterator<Item = &'a Storage> {
-    m.key_padding
-        .map(|s| s.0)
-        .into_iter()
-        .chain(m.bias.map(|(s, _)| s.0))
 }
 
 #[cfg(test)]
@@ -438,228 +417,6 @@ pub(crate) fn linear_gelu(
             S::linear_gelu(S::of(x), xl, S::of(w), wl, opt::<S>(bias), m, n, k, tanh_form)
         });
         r.map(|o| o.map(wrap2))
-    })
-}
-
-pub(crate) fn softmax(s: Src<'_>, rows: usize, cols: usize, log: bool) -> Fused<Storage> {
-    dispatch!("softmax", [s.0], S, device => {
-        fused(|| S::softmax(inp::<S>(s), rows, cols, log)).map(|r| r.map(S::wrap))
-    })
-}
-
-pub(crate) fn softmax_backward(
-    y: Src<'_>,
-    dy: Src<'_>,
-    rows: usize,
-    cols: usize,
-    log: bool,
-) -> Fused<Storage> {
-    dispatch!("softmax_backward", [y.0, dy.0], S, device => {
-        fused(|| S::softmax_backward(inp::<S>(y), inp::<S>(dy), rows, cols, log))
-            .map(|r| r.map(S::wrap))
-    })
-}
-
-pub(crate) fn gelu_backward(x: Src<'_>, dy: Src<'_>, tanh_form: bool) -> Fused<Storage> {
-    dispatch!("gelu_backward", [x.0, dy.0], S, device => {
-        fused(|| S::gelu_backward(inp::<S>(x), inp::<S>(dy), tanh_form)).map(|r| r.map(S::wrap))
-    })
-}
-
-pub(crate) fn unary_backward(x: Src<'_>, dy: Src<'_>, op: UnaryGrad) -> Fused<Storage> {
-    dispatch!("unary_backward", [x.0, dy.0], S, device => {
-        let r = fused(|| S::unary_backward(inp::<S>(x), inp::<S>(dy), op));
-        r.map(|o| o.map(S::wrap))
-    })
-}
-
-pub(crate) fn logsumexp(s: Src<'_>, outer: usize, red: usize, inner: usize) -> Fused<Storage> {
-    dispatch!("logsumexp", [s.0], S, device => {
-        let r = fused(|| S::logsumexp(inp::<S>(s), outer, red, inner));
-        r.map(|o| o.map(S::wrap))
-    })
-}
-
-pub(crate) fn layer_norm(
-    x: Src<'_>,
-    w: Option<Src<'_>>,
-    b: Option<Src<'_>>,
-    rows: usize,
-    cols: usize,
-    eps: f64,
-) -> Fused<(Storage, Storage, Storage)> {
-    let ops: Vec<&Storage> = [x.0]
-        .into_iter()
-        .chain(w.map(|s| s.0))
-        .chain(b.map(|s| s.0))
-        .collect();
-    dispatch!("layer_norm", slice &ops, S, device => {
-        let r = fused(|| S::layer_norm(inp::<S>(x), opt::<S>(w), opt::<S>(b), rows, cols, eps));
-        r.map(|o| o.map(|(y, m, r)| (y.wrap(), m.wrap(), r.wrap())))
-    })
-}
-
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn layer_norm_backward(
-    x: Src<'_>,
-    w: Option<Src<'_>>,
-    mean: Src<'_>,
-    rstd: Src<'_>,
-    dy: Src<'_>,
-    rows: usize,
-    cols: usize,
-    param_grads: bool,
-) -> Fused<(Storage, Option<Storage>, Option<Storage>)> {
-    let ops: Vec<&Storage> = [x.0, mean.0, rstd.0, dy.0]
-        .into_iter()
-        .chain(w.map(|s| s.0))
-        .collect();
-    dispatch!("layer_norm_backward", slice &ops, S, device => {
-        let r = fused(|| {
-            S::layer_norm_backward(
-                inp::<S>(x),
-                opt::<S>(w),
-                inp::<S>(mean),
-                inp::<S>(rstd),
-                inp::<S>(dy),
-                rows,
-                cols,
-                param_grads,
-            )
-        });
-        r.map(|o| o.map(|(dx, dw, db)| (dx.wrap(), dw.map(S::wrap), db.map(S::wrap))))
-    })
-}
-
-pub(crate) fn attention(
-    q: Src<'_>,
-    k: Src<'_>,
-    v: Src<'_>,
-    shape: AttentionShape,
-    m: &AttentionMaskArgs<'_>,
-) -> Fused<(Storage, Storage)> {
-    let ops: Vec<&Storage> = [q.0, k.0, v.0]
-        .into_iter()
-        .chain(mask_storages(m))
-        .collect();
-    dispatch!("attention", slice &ops, S, device => {
-        let r = fused(|| S::attention(inp::<S>(q), inp::<S>(k), inp::<S>(v), shape, mask::<S>(m)));
-        r.map(|o| o.map(wrap2))
-    })
-}
-
-/// Returns `(dq, dk, dv, dz)`; `dz` (the `[batch_heads, seq_q, seq_k]` gradient of the softmax
-/// inputs, compute precision) when `want_dz`.
-#[allow(clippy::too_many_arguments, clippy::type_complexity)]
-pub(crate) fn attention_backward(
-    q: Src<'_>,
-    k: Src<'_>,
-    v: Src<'_>,
-    out: Src<'_>,
-    lse: Src<'_>,
-    dout: Src<'_>,
-    shape: AttentionShape,
-    m: &AttentionMaskArgs<'_>,
-    want_dz: bool,
-) -> Fused<(Storage, Storage, Storage, Option<Storage>)> {
-    let ops: Vec<&Storage> = [q.0, k.0, v.0, out.0, lse.0, dout.0]
-        .into_iter()
-        .chain(mask_storages(m))
-        .collect();
-    dispatch!("attention_backward", slice &ops, S, device => {
-        let r = fused(|| {
-            S::attention_backward(
-                [q, k, v, out, lse, dout].map(inp::<S>),
-                shape,
-                mask::<S>(m),
-                want_dz,
-            )
-        });
-        r.map(|o| o.map(|(dq, dk, dv, dz)| (dq.wrap(), dk.wrap(), dv.wrap(), dz.map(S::wrap))))
-    })
-}
-
-pub(crate) fn attention_qkv(
-    qkv: Src<'_>,
-    shape: AttentionShape,
-    heads: usize,
-    m: &AttentionMaskArgs<'_>,
-) -> Fused<(Storage, Storage)> {
-    let ops: Vec<&Storage> = [qkv.0].into_iter().chain(mask_storages(m)).collect();
-    dispatch!("attention_qkv", slice &ops, S, device => {
-        let r = fused(|| S::attention_qkv(inp::<S>(qkv), shape, heads, mask::<S>(m)));
-        r.map(|o| o.map(wrap2))
-    })
-}
-
-/// Returns `(dqkv, dz)` (see [`attention_backward`] for `dz`).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn attention_qkv_backward(
-    qkv: Src<'_>,
-    out: Src<'_>,
-    lse: Src<'_>,
-    dout: Src<'_>,
-    shape: AttentionShape,
-    heads: usize,
-    m: &AttentionMaskArgs<'_>,
-    want_dz: bool,
-) -> Fused<(Storage, Option<Storage>)> {
-    let ops: Vec<&Storage> = [qkv.0, out.0, lse.0, dout.0]
-        .into_iter()
-        .chain(mask_storages(m))
-        .collect();
-    dispatch!("attention_qkv_backward", slice &ops, S, device => {
-        let r = fused(|| {
-            S::attention_qkv_backward(
-                [qkv, out, lse, dout].map(inp::<S>),
-                shape,
-                heads,
-                mask::<S>(m),
-                want_dz,
-            )
-        });
-        r.map(|o| o.map(|(g, dz)| (g.wrap(), dz.map(S::wrap))))
-    })
-}
-
-pub(crate) fn cross_entropy(
-    logits: Src<'_>,
-    targets: Src<'_>,
-    rows: usize,
-    cols: usize,
-    ignore_index: Option<i64>,
-) -> Fused<(Storage, Storage)> {
-    dispatch!("cross_entropy", [logits.0, targets.0], S, device => {
-        let r = fused(|| {
-            S::cross_entropy(inp::<S>(logits), inp::<S>(targets), rows, cols, ignore_index)
-        });
-        r.map(|o| o.map(wrap2))
-    })
-}
-
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn cross_entropy_backward(
-    logits: Src<'_>,
-    lse: Src<'_>,
-    targets: Src<'_>,
-    dloss: Src<'_>,
-    rows: usize,
-    cols: usize,
-    ignore_index: Option<i64>,
-) -> Fused<Storage> {
-    dispatch!("cross_entropy_backward", [logits.0, lse.0, targets.0, dloss.0], S, device => {
-        let r = fused(|| {
-            S::cross_entropy_backward(
-                inp::<S>(logits),
-                inp::<S>(lse),
-                inp::<S>(targets),
-                inp::<S>(dloss),
-                rows,
-                cols,
-                ignore_index,
-            )
-        });
-        r.map(|o| o.map(S::wrap))
     })
 }
 

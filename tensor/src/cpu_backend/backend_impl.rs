@@ -3,25 +3,13 @@
 //! `meshgrad_kernels::cpu`). All fused ops are provided.
 
 use half::{bf16, f16};
-use meshgrad_kernels::ops::{
-    AdamWStep, AttentionShape, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryGrad, UnaryOp,
-};
+use meshgrad_kernels::ops::{AdamWStep, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryOp};
 use meshgrad_kernels::rng;
 
-use super::{
-    attention, cross_entropy, indexing, layer_norm, linear, logsumexp, optimizer, unary_backward,
-};
-use crate::backend::api::{BackendStorage, Distribution, Fused, In, MaskArgs};
+use super::{indexing, linear, optimizer};
+use crate::backend::api::{BackendStorage, Distribution, Fused, In};
 use crate::storage::CpuStorage;
 use crate::{DType, Device, Layout, Result};
-
-fn cpu_mask<'a>(m: MaskArgs<'a, CpuStorage>) -> attention::CpuMask<'a> {
-    attention::CpuMask {
-        heads: m.heads,
-        key_padding: m.key_padding,
-        bias: m.bias,
-    }
-}
 
 /// The buffer as a contiguous `[len]` view.
 fn whole(s: &CpuStorage) -> Layout {
@@ -234,7 +222,7 @@ impl BackendStorage for CpuStorage {
         inner: usize,
         dim: usize,
     ) -> Result<Self> {
-        indexing::index_select(x.0, x.1, ids.0, ids.1, outer, x_n, inner, dim)
+        indexing::index_select(x, ids, outer, x_n, inner, dim)
     }
 
     fn index_select_backward(
@@ -245,7 +233,7 @@ impl BackendStorage for CpuStorage {
         inner: usize,
         dim: usize,
     ) -> Result<Self> {
-        indexing::index_select_backward(dout.0, dout.1, ids.0, ids.1, outer, x_n, inner, dim)
+        indexing::index_select_backward(dout, ids, outer, x_n, inner, dim)
     }
 
     // ----- fused ops: all provided on the CPU but `linear_gelu` -----
@@ -278,117 +266,6 @@ impl BackendStorage for CpuStorage {
         _tanh_form: bool,
     ) -> Fused<(Self, Self)> {
         Ok(None)
-    }
-
-    fn softmax(x: In<'_, Self>, rows: usize, cols: usize, log: bool) -> Fused<Self> {
-        super::softmax(x.0, x.1, rows, cols, log).map(Some)
-    }
-
-    fn softmax_backward(
-        y: In<'_, Self>,
-        dy: In<'_, Self>,
-        rows: usize,
-        cols: usize,
-        log: bool,
-    ) -> Fused<Self> {
-        super::softmax_backward(y.0, y.1, dy.0, dy.1, rows, cols, log).map(Some)
-    }
-
-    fn gelu_backward(x: In<'_, Self>, dy: In<'_, Self>, tanh_form: bool) -> Fused<Self> {
-        super::gelu_backward(x.0, x.1, dy.0, dy.1, tanh_form).map(Some)
-    }
-
-    fn unary_backward(x: In<'_, Self>, dy: In<'_, Self>, op: UnaryGrad) -> Fused<Self> {
-        unary_backward::unary_backward(x.0, x.1, dy.0, dy.1, op).map(Some)
-    }
-
-    fn logsumexp(x: In<'_, Self>, outer: usize, red: usize, inner: usize) -> Fused<Self> {
-        logsumexp::logsumexp(x.0, x.1, outer, red, inner).map(Some)
-    }
-
-    fn layer_norm(
-        x: In<'_, Self>,
-        w: Option<In<'_, Self>>,
-        b: Option<In<'_, Self>>,
-        rows: usize,
-        cols: usize,
-        eps: f64,
-    ) -> Fused<(Self, Self, Self)> {
-        layer_norm::layer_norm(x, w, b, rows, cols, eps).map(Some)
-    }
-
-    fn layer_norm_backward(
-        x: In<'_, Self>,
-        w: Option<In<'_, Self>>,
-        mean: In<'_, Self>,
-        rstd: In<'_, Self>,
-        dy: In<'_, Self>,
-        rows: usize,
-        cols: usize,
-        param_grads: bool,
-    ) -> Fused<(Self, Option<Self>, Option<Self>)> {
-        layer_norm::layer_norm_backward(x, w, mean, rstd, dy, rows, cols, param_grads).map(Some)
-    }
-
-    fn cross_entropy(
-        logits: In<'_, Self>,
-        targets: In<'_, Self>,
-        rows: usize,
-        cols: usize,
-        ignore_index: Option<i64>,
-    ) -> Fused<(Self, Self)> {
-        cross_entropy::cross_entropy(logits, targets, rows, cols, ignore_index).map(Some)
-    }
-
-    fn cross_entropy_backward(
-        logits: In<'_, Self>,
-        lse: In<'_, Self>,
-        targets: In<'_, Self>,
-        dloss: In<'_, Self>,
-        rows: usize,
-        cols: usize,
-        ignore_index: Option<i64>,
-    ) -> Fused<Self> {
-        cross_entropy::cross_entropy_backward(logits, lse, targets, dloss, rows, cols, ignore_index)
-            .map(Some)
-    }
-
-    fn attention(
-        q: In<'_, Self>,
-        k: In<'_, Self>,
-        v: In<'_, Self>,
-        shape: AttentionShape,
-        mask: MaskArgs<'_, Self>,
-    ) -> Fused<(Self, Self)> {
-        attention::attention(q, k, v, shape, &cpu_mask(mask)).map(Some)
-    }
-
-    fn attention_backward(
-        ops: [In<'_, Self>; 6],
-        shape: AttentionShape,
-        mask: MaskArgs<'_, Self>,
-        want_dz: bool,
-    ) -> Fused<(Self, Self, Self, Option<Self>)> {
-        attention::attention_backward(ops, shape, &cpu_mask(mask), want_dz).map(Some)
-    }
-
-    fn attention_qkv(
-        qkv: In<'_, Self>,
-        shape: AttentionShape,
-        heads: usize,
-        mask: MaskArgs<'_, Self>,
-    ) -> Fused<(Self, Self)> {
-        attention::attention_qkv(qkv, shape, heads, &cpu_mask(mask)).map(Some)
-    }
-
-    fn attention_qkv_backward(
-        ops: [In<'_, Self>; 4],
-        shape: AttentionShape,
-        heads: usize,
-        mask: MaskArgs<'_, Self>,
-        want_dz: bool,
-    ) -> Fused<(Self, Option<Self>)> {
-        attention::attention_qkv_backward(ops, shape, heads, &cpu_mask(mask), want_dz).map(Some)
     }
 
     fn adamw(

@@ -5,6 +5,7 @@ use meshgrad_kernels::cpu;
 use meshgrad_kernels::Float;
 
 use super::{floats, ids, range, with_floats, Floats, IntoStorage};
+use crate::backend::api::In;
 use crate::storage::CpuStorage;
 use crate::{Layout, Result};
 
@@ -51,12 +52,9 @@ pub(crate) fn gather_backward(
 }
 
 /// `index_select` of `x` viewed as `[outer, x_n, inner]` by the 1-D `ids`; any dtype.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn index_select(
-    x: &CpuStorage,
-    xl: &Layout,
-    ids_s: &CpuStorage,
-    il: &Layout,
+    (x, xl): In<'_, CpuStorage>,
+    (ids_s, il): In<'_, CpuStorage>,
     outer: usize,
     x_n: usize,
     inner: usize,
@@ -75,12 +73,9 @@ pub(crate) fn index_select(
 }
 
 /// Index-adds `dout` (`[outer, ids.len(), inner]`) into zeros of `[outer, x_n, inner]`.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn index_select_backward(
-    dout: &CpuStorage,
-    dl: &Layout,
-    ids_s: &CpuStorage,
-    il: &Layout,
+    (dout, dl): In<'_, CpuStorage>,
+    (ids_s, il): In<'_, CpuStorage>,
     outer: usize,
     x_n: usize,
     inner: usize,

@@ -3,16 +3,11 @@
 //! layer's rule, [`crate::compute_dtype`] (f32 and f64 natively; bf16 and f16 widened to f32,
 //! computed, and narrowed back by [`IntoStorage`]).
 
-pub(crate) mod attention;
 mod backend_impl;
 mod cast;
-pub(crate) mod cross_entropy;
 pub(crate) mod indexing;
-pub(crate) mod layer_norm;
 pub(crate) mod linear;
-pub(crate) mod logsumexp;
 pub(crate) mod optimizer;
-pub(crate) mod unary_backward;
 
 use std::borrow::Cow;
 use std::ops::Range;
@@ -309,67 +304,6 @@ pub(crate) fn matmul(
     )
 }
 
-pub(crate) fn softmax(
-    s: &CpuStorage,
-    l: &Layout,
-    rows: usize,
-    cols: usize,
-    log: bool,
-) -> Result<CpuStorage> {
-    let dt = s.dtype();
-    Ok(with_floats!("softmax", (s, range(l)) => x; {
-        let mut out = crate::pool::output(rows * cols);
-        if log {
-            cpu::softmax::log_softmax_forward(x, rows, cols, &mut out);
-        } else {
-            cpu::softmax::softmax_forward(x, rows, cols, &mut out);
-        }
-        out.into_storage(dt)
-    }))
-}
-
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn softmax_backward(
-    y: &CpuStorage,
-    yl: &Layout,
-    dy: &CpuStorage,
-    dyl: &Layout,
-    rows: usize,
-    cols: usize,
-    log: bool,
-) -> Result<CpuStorage> {
-    let dt = y.dtype();
-    Ok(
-        with_floats!("softmax_backward", (y, range(yl)) => a, (dy, range(dyl)) => g; {
-            let mut out = crate::pool::output(rows * cols);
-            if log {
-                cpu::softmax::log_softmax_backward(a, g, rows, cols, &mut out);
-            } else {
-                cpu::softmax::softmax_backward(a, g, rows, cols, &mut out);
-            }
-            out.into_storage(dt)
-        }),
-    )
-}
-
-pub(crate) fn gelu_backward(
-    x: &CpuStorage,
-    xl: &Layout,
-    dy: &CpuStorage,
-    dyl: &Layout,
-    tanh_form: bool,
-) -> Result<CpuStorage> {
-    let dt = x.dtype();
-    let n = xl.shape().elem_count();
-    Ok(
-        with_floats!("gelu_backward", (x, range(xl)) => a, (dy, range(dyl)) => g; {
-            let mut out = crate::pool::output(n);
-            cpu::elementwise::gelu_backward(tanh_form, a, g, &mut out);
-            out.into_storage(dt)
-        }),
-    )
-}
-
 /// Borrows (or widens) ids as i64.
 pub(crate) fn ids<'a>(s: &'a CpuStorage, l: &Layout, op: &'static str) -> Result<Cow<'a, [i64]>> {
     let r = range(l);
@@ -406,7 +340,6 @@ pub(crate) fn embedding(
     Ok(out)
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn embedding_backward(
     dout: &CpuStorage,
     dl: &Layout,

@@ -1,14 +1,10 @@
 //! The CUDA backend's implementation of [`BackendStorage`]: each method delegates to `basic/`
 //! (required ops), `fused/` (fused ops) or `blas/` (matmul, linear).
 
-#![allow(clippy::too_many_arguments, clippy::type_complexity)]
-
-use meshgrad_kernels::ops::{
-    AdamWStep, AttentionShape, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryGrad, UnaryOp,
-};
+use meshgrad_kernels::ops::{AdamWStep, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryOp};
 
 use super::{basic, blas, fused, CudaStorage};
-use crate::backend::api::{BackendStorage, Distribution, Fused, In, MaskArgs};
+use crate::backend::api::{BackendStorage, Distribution, Fused, In};
 use crate::storage::CpuStorage;
 use crate::{DType, Device, Layout, Result};
 
@@ -192,116 +188,6 @@ impl BackendStorage for CudaStorage {
         tanh_form: bool,
     ) -> Fused<(Self, Self)> {
         blas::linear_gelu(x, xl, w, wl, bias, m, n, k, tanh_form)
-    }
-
-    fn softmax(x: In<'_, Self>, rows: usize, cols: usize, log: bool) -> Fused<Self> {
-        fused::softmax(x, rows, cols, log)
-    }
-
-    fn softmax_backward(
-        y: In<'_, Self>,
-        dy: In<'_, Self>,
-        rows: usize,
-        cols: usize,
-        log: bool,
-    ) -> Fused<Self> {
-        fused::softmax_backward(y, dy, rows, cols, log)
-    }
-
-    fn gelu_backward(x: In<'_, Self>, dy: In<'_, Self>, tanh_form: bool) -> Fused<Self> {
-        fused::gelu_backward(x, dy, tanh_form)
-    }
-
-    fn unary_backward(x: In<'_, Self>, dy: In<'_, Self>, op: UnaryGrad) -> Fused<Self> {
-        fused::unary_backward(x, dy, op)
-    }
-
-    fn logsumexp(x: In<'_, Self>, outer: usize, red: usize, inner: usize) -> Fused<Self> {
-        fused::logsumexp(x, outer, red, inner)
-    }
-
-    fn layer_norm(
-        x: In<'_, Self>,
-        w: Option<In<'_, Self>>,
-        b: Option<In<'_, Self>>,
-        rows: usize,
-        cols: usize,
-        eps: f64,
-    ) -> Fused<(Self, Self, Self)> {
-        fused::layer_norm(x, w, b, rows, cols, eps)
-    }
-
-    fn layer_norm_backward(
-        x: In<'_, Self>,
-        w: Option<In<'_, Self>>,
-        mean: In<'_, Self>,
-        rstd: In<'_, Self>,
-        dy: In<'_, Self>,
-        rows: usize,
-        cols: usize,
-        param_grads: bool,
-    ) -> Fused<(Self, Option<Self>, Option<Self>)> {
-        fused::layer_norm_backward(x, w, mean, rstd, dy, rows, cols, param_grads)
-    }
-
-    fn cross_entropy(
-        logits: In<'_, Self>,
-        targets: In<'_, Self>,
-        rows: usize,
-        cols: usize,
-        ignore_index: Option<i64>,
-    ) -> Fused<(Self, Self)> {
-        fused::cross_entropy(logits, targets, rows, cols, ignore_index)
-    }
-
-    fn cross_entropy_backward(
-        logits: In<'_, Self>,
-        lse: In<'_, Self>,
-        targets: In<'_, Self>,
-        dloss: In<'_, Self>,
-        rows: usize,
-        cols: usize,
-        ignore_index: Option<i64>,
-    ) -> Fused<Self> {
-        fused::cross_entropy_backward(logits, lse, targets, dloss, rows, cols, ignore_index)
-    }
-
-    fn attention(
-        q: In<'_, Self>,
-        k: In<'_, Self>,
-        v: In<'_, Self>,
-        shape: AttentionShape,
-        mask: MaskArgs<'_, Self>,
-    ) -> Fused<(Self, Self)> {
-        fused::attention(q, k, v, shape, mask)
-    }
-
-    fn attention_backward(
-        ops: [In<'_, Self>; 6],
-        shape: AttentionShape,
-        mask: MaskArgs<'_, Self>,
-        want_dz: bool,
-    ) -> Fused<(Self, Self, Self, Option<Self>)> {
-        fused::attention_backward(ops, shape, mask, want_dz)
-    }
-
-    fn attention_qkv(
-        qkv: In<'_, Self>,
-        shape: AttentionShape,
-        heads: usize,
-        mask: MaskArgs<'_, Self>,
-    ) -> Fused<(Self, Self)> {
-        fused::attention_qkv(qkv, shape, heads, mask)
-    }
-
-    fn attention_qkv_backward(
-        ops: [In<'_, Self>; 4],
-        shape: AttentionShape,
-        heads: usize,
-        mask: MaskArgs<'_, Self>,
-        want_dz: bool,
-    ) -> Fused<(Self, Option<Self>)> {
-        fused::attention_qkv_backward(ops, shape, heads, mask, want_dz)
     }
 
     fn adamw(

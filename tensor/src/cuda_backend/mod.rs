@@ -19,7 +19,7 @@
 //! GPU is in README's Status.
 
 mod backend_impl;
-mod basic;
+pub(crate) mod basic;
 mod blas;
 mod context;
 pub(crate) mod fused;

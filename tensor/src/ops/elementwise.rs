@@ -137,32 +137,6 @@ impl Tensor {
         self.unary_op(UnaryOp::MulScalar(c), "mul_scalar")
     }
 
-    /// `dy * gelu'(x)` (the GELU backward, fused).
-    pub fn gelu_backward(&self, dy: &Tensor, kind: GeluKind) -> Result<Tensor> {
-        let _prof = crate::profile::scope("gelu_backward");
-        same_kind("gelu_backward", self, dy)?;
-        if self.shape() != dy.shape() {
-            return Err(crate::Error::ShapeMismatch {
-                op: "gelu_backward",
-                lhs: self.shape().clone(),
-                rhs: dy.shape().clone(),
-            });
-        }
-        let (x, dy) = (self.contiguous()?, dy.contiguous()?);
-        let tanh_form = kind == GeluKind::Tanh;
-        let s = {
-            let (gx, gd) = (
-                x.read_storage("gelu_backward")?,
-                dy.read_storage("gelu_backward")?,
-            );
-            backend::gelu_backward((&gx, x.layout()), (&gd, dy.layout()), tanh_form)?
-        };
-        match s {
-            Some(s) => Ok(Tensor::from_storage(s, x.shape())),
-            None => super::fallback::gelu_backward(&x, &dy, tanh_form),
-        }
-    }
-
     fn cmp_op(&self, rhs: &Tensor, op: CmpOp, name: &'static str) -> Result<Tensor> {
         let _prof = crate::profile::scope(name);
         same_kind(name, self, rhs)?;

@@ -1,8 +1,7 @@
 //! Elementwise math beside the basic unary set (`sin`, `cos`, `silu`, `clamp`, with the fused
 //! backward passes of `silu` and `clamp`) and the `logsumexp` reduction.
 
-use super::same_kind;
-use crate::{backend, Error, Result, Tensor};
+use crate::{Result, Tensor};
 use meshgrad_kernels::ops::{UnaryGrad, UnaryOp};
 
 /// Resolves clamp bounds to `(lo, hi)` (an absent bound is infinite), refusing no bounds at
@@ -48,33 +47,6 @@ impl Tensor {
         self.unary_op(UnaryOp::Clamp(lo, hi), "clamp")
     }
 
-    fn unary_backward(&self, dy: &Tensor, op: UnaryGrad, name: &'static str) -> Result<Tensor> {
-        let _prof = crate::profile::scope(name);
-        same_kind(name, self, dy)?;
-        if !self.dtype().is_float() {
-            return Err(Error::UnsupportedDType {
-                op: name,
-                dtype: self.dtype(),
-            });
-        }
-        if self.shape() != dy.shape() {
-            return Err(Error::ShapeMismatch {
-                op: name,
-                lhs: self.shape().clone(),
-                rhs: dy.shape().clone(),
-            });
-        }
-        let (x, dy) = (self.contiguous()?, dy.contiguous()?);
-        let s = {
-            let (gx, gd) = (x.read_storage(name)?, dy.read_storage(name)?);
-            backend::unary_backward((&gx, x.layout()), (&gd, dy.layout()), op)?
-        };
-        match s {
-            Some(s) => Ok(Tensor::from_storage(s, x.shape())),
-            None => super::fallback::unary_backward(&x, &dy, op),
-        }
-    }
-
     /// The SiLU backward, fused (`self` is the forward input):
     /// `dy * s (1 + x (1 - s))` with `s = sigmoid(x)`.
     pub fn silu_backward(&self, dy: &Tensor) -> Result<Tensor> {
@@ -91,38 +63,5 @@ impl Tensor {
     ) -> Result<Tensor> {
         let (lo, hi) = clamp_bounds("clamp_backward", min, max)?;
         self.unary_backward(dy, UnaryGrad::Clamp(lo, hi), "clamp_backward")
-    }
-
-    /// `ln Σ exp(x)` along `dim` (negative counts from the end), computed stably: shifted by
-    /// the maximum, so large inputs neither overflow nor lose the small terms. A slice of all
-    /// `-inf` (or an empty dim) gives `-inf`, one holding `+inf` gives `+inf`, NaN propagates.
-    /// `keepdim` keeps `dim` as size 1. Float dtypes (half types computed in f32).
-    pub fn logsumexp(&self, dim: isize, keepdim: bool) -> Result<Tensor> {
-        let _prof = crate::profile::scope("logsumexp");
-        let d = self.dim("logsumexp", dim)?;
-        if !self.dtype().is_float() {
-            return Err(Error::UnsupportedDType {
-                op: "logsumexp",
-                dtype: self.dtype(),
-            });
-        }
-        let dims = self.dims();
-        let outer: usize = dims[..d].iter().product();
-        let inner: usize = dims[d + 1..].iter().product();
-        let x = self.contiguous()?;
-        let s = {
-            let g = x.read_storage("logsumexp")?;
-            backend::logsumexp((&g, x.layout()), outer, dims[d], inner)?
-        };
-        let mut out = dims.to_vec();
-        if keepdim {
-            out[d] = 1;
-        } else {
-            out.remove(d);
-        }
-        match s {
-            Some(s) => Ok(Tensor::from_storage(s, out)),
-            None => super::fallback::logsumexp(&x, outer, dims[d], inner)?.reshape(out),
-        }
     }
 }

@@ -1,7 +1,6 @@
 //! Tensor operations, grouped by kind. Each checks its operands (shapes, dtypes, devices) and
 //! hands the work to [`crate::backend`].
 
-mod attention;
 mod elementwise;
 mod fallback;
 pub(crate) mod fused;
@@ -14,12 +13,10 @@ mod overload;
 mod reduce;
 mod shape_ops;
 
-pub use attention::{AttentionGrads, AttentionMask, AttentionOutput};
 pub use elementwise::GeluKind;
-pub use fused::RmsNormOutput;
+pub use fused::{AttentionGrads, AttentionMask, AttentionOutput, LayerNormOutput, RmsNormOutput};
 pub use matmul::LinearGrads;
 pub use meshgrad_kernels::ops::AdamWStep;
-pub use nn::LayerNormOutput;
 
 use crate::{DType, Error, Tensor};
 

@@ -353,15 +353,13 @@ pub(crate) fn reduce_cols(
 
 /// `embedding_fwd_<t>(const i64 *ids, const T *weight, T *out, i64 n, i64 vocab, i64 dim,
 /// u64 *bad)`: one thread per output element.
+/// `[ids, w, out, bad]`.
 pub(crate) fn embedding_fwd(
     sfx: &str,
-    ids: u64,
-    w: u64,
-    out: u64,
+    [ids, w, out, bad]: [u64; 4],
     n: usize,
     vocab: usize,
     dim: usize,
-    bad: u64,
 ) -> Launch {
     let a = KernelArgs::new()
         .arg(ids)
@@ -391,16 +389,14 @@ pub(crate) fn embedding_bwd_range(vocab: usize, dim: usize) -> usize {
 /// positions in increasing order (the CPU's order, deterministic), blocks of [`BLOCK`] threads;
 /// or `embedding_bwd_atomic_<t>(..., i64 dim, u64 *bad)`: one thread per element, atomicAdd
 /// (not deterministic).
+/// `[ids, dout, dw, bad]`.
 pub(crate) fn embedding_bwd(
     deterministic: bool,
     sfx: &str,
-    ids: u64,
-    dout: u64,
-    dw: u64,
+    [ids, dout, dw, bad]: [u64; 4],
     n: usize,
     vocab: usize,
     dim: usize,
-    bad: u64,
 ) -> Launch {
     let a = KernelArgs::new()
         .arg(ids)
@@ -457,16 +453,14 @@ pub(crate) fn gather_bwd(
 
 /// `index_select_<t>(const T *x, const i64 *ids, T *out, i64 outer, i64 xn, i64 inner, i64 m,
 /// u64 *bad)`: one thread per output element.
+/// `[x, ids, out, bad]`.
 pub(crate) fn index_select(
     sfx: &str,
-    x: u64,
-    ids: u64,
-    out: u64,
+    [x, ids, out, bad]: [u64; 4],
     outer: usize,
     xn: usize,
     inner: usize,
     m: usize,
-    bad: u64,
 ) -> Launch {
     let a = KernelArgs::new()
         .arg(x)
@@ -482,16 +476,14 @@ pub(crate) fn index_select(
 
 /// `index_select_bwd_<t>(const T *dout, const i64 *ids, A *dx, i64 outer, i64 xn,
 /// i64 inner, i64 m, u64 *bad)`: one thread per (outer, inner) pair.
+/// `[dout, ids, dx, bad]`.
 pub(crate) fn index_select_bwd(
     sfx: &str,
-    dout: u64,
-    ids: u64,
-    dx: u64,
+    [dout, ids, dx, bad]: [u64; 4],
     outer: usize,
     xn: usize,
     inner: usize,
     m: usize,
-    bad: u64,
 ) -> Launch {
     let a = KernelArgs::new()
         .arg(dout)

@@ -152,13 +152,10 @@ pub(crate) fn embedding(
     let bad = BadFlag::new(ctx)?;
     args::embedding_fwd(
         sfx,
-        ids.ptr,
-        wp,
-        out.device_ptr(),
+        [ids.ptr, wp, out.device_ptr(), bad.ptr()],
         n,
         vocab,
         dim * words,
-        bad.ptr(),
     )
     .run(ctx)?;
     bad.check(&ids, |i, id| {
@@ -191,13 +188,10 @@ pub(crate) fn embedding_backward(
         args::embedding_bwd(
             det,
             sfx,
-            ids.ptr,
-            g,
-            dw.device_ptr(),
+            [ids.ptr, g, dw.device_ptr(), bad.ptr()],
             n,
             vocab,
             dim,
-            bad.ptr(),
         )
         .run(ctx)?;
         bad.check(&ids, |i, id| {
@@ -355,14 +349,11 @@ pub(crate) fn index_select(
     let bad = BadFlag::new(ctx)?;
     args::index_select(
         sfx,
-        xp,
-        ids.ptr,
-        out.device_ptr(),
+        [xp, ids.ptr, out.device_ptr(), bad.ptr()],
         outer,
         x_n,
         inner * words,
         m,
-        bad.ptr(),
     )
     .run(ctx)?;
     bad.check(&ids, |j, v| select_msg("index_select", j, v, dim, x_n))?;
@@ -391,14 +382,11 @@ pub(crate) fn index_select_backward(
         let bad = BadFlag::new(ctx)?;
         args::index_select_bwd(
             sfx,
-            g,
-            ids.ptr,
-            dx.device_ptr(),
+            [g, ids.ptr, dx.device_ptr(), bad.ptr()],
             outer,
             x_n,
             inner,
             m,
-            bad.ptr(),
         )
         .run(ctx)?;
         bad.check(&ids, |j, v| {

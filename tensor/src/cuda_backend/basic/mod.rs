@@ -13,7 +13,6 @@
 //! bytes (8-byte elements as pairs of 4-byte words); u8 data and the casts, fills and random
 //! draws no kernel covers go through the host (correct, but synchronising: each such call says
 //! so in its documentation).
-#![allow(clippy::too_many_arguments, clippy::type_complexity)]
 
 use std::sync::Arc;
 
@@ -63,7 +62,7 @@ fn float_sfx(op: &'static str, dtype: DType) -> Result<&'static str> {
 /// The entry-name suffix of the basic kernels (elementwise maps, comparisons, reductions,
 /// gather and index_select backward), which also take f64 (computed in f64): [`float_sfx`]'s
 /// dtypes and f64.
-pub(super) fn basic_sfx(op: &'static str, dtype: DType) -> Result<&'static str> {
+pub(crate) fn basic_sfx(op: &'static str, dtype: DType) -> Result<&'static str> {
     match dtype {
         DType::F64 => Ok("f64"),
         d => float_sfx(op, d),

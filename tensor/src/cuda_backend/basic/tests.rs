@@ -182,32 +182,54 @@ fn reduce_launches_match_their_kernels() {
 fn indexing_launches_match_their_kernels() {
     let g = gather_args("gather", &[4, 5], &[4, 2], 1).unwrap();
     for sfx in BASIC {
-        ok(args::embedding_fwd(sfx, P[0], P[1], P[2], 3, 10, 8, P[3]));
+        ok(args::embedding_fwd(sfx, [P[0], P[1], P[2], P[3]], 3, 10, 8));
         ok(args::embedding_bwd(
-            true, sfx, P[0], P[1], P[2], 3, 10, 8, P[3],
+            true,
+            sfx,
+            [P[0], P[1], P[2], P[3]],
+            3,
+            10,
+            8,
         ));
         ok(args::embedding_bwd(
-            false, sfx, P[0], P[1], P[2], 3, 10, 8, P[3],
+            false,
+            sfx,
+            [P[0], P[1], P[2], P[3]],
+            3,
+            10,
+            8,
         ));
     }
     for sfx in BASIC {
         ok(args::gather(sfx, g, P[0], P[1], P[2], P[3], 8));
         ok(args::gather_bwd(sfx, g, P[0], P[1], P[2], P[3], 4));
-        ok(args::index_select(sfx, P[0], P[1], P[2], 2, 5, 3, 4, P[3]));
+        ok(args::index_select(
+            sfx,
+            [P[0], P[1], P[2], P[3]],
+            2,
+            5,
+            3,
+            4,
+        ));
         ok(args::index_select_bwd(
-            sfx, P[0], P[1], P[2], 2, 5, 3, 4, P[3],
+            sfx,
+            [P[0], P[1], P[2], P[3]],
+            2,
+            5,
+            3,
+            4,
         ));
     }
     // The deterministic embedding backward runs one warp per (id range, 32 columns): GPT-2's
     // table (50,257 x 768, 24 tiles) in ranges of 295 ids, 171 x 24 warps in blocks of 8.
     assert_eq!(args::embedding_bwd_range(50_257, 768), 295);
     assert_eq!(args::embedding_bwd_range(50, 768), 1);
-    let l = args::embedding_bwd(true, "f32", P[0], P[1], P[2], 8192, 50_257, 768, 0);
+    let l = args::embedding_bwd(true, "f32", [P[0], P[1], P[2], 0], 8192, 50_257, 768);
     assert_eq!(
         (l.entry.as_str(), l.grid.0, l.block.0),
         ("embedding_bwd_det_f32", 171 * 24 / 8, 256)
     );
-    let l = args::embedding_bwd(true, "f32", P[0], P[1], P[2], 10_000, 50, 768, 0);
+    let l = args::embedding_bwd(true, "f32", [P[0], P[1], P[2], 0], 10_000, 50, 768);
     assert_eq!(l.grid.0, 50 * 24 / 8);
 }
 

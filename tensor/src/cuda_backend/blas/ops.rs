@@ -2,8 +2,6 @@
 //! cuBLASLt cannot read in place, the output buffers, and one cuBLASLt call (see `layout.rs`
 //! for the mapping and the epilogues, `state.rs` for the cached plans).
 
-#![allow(clippy::too_many_arguments)]
-
 use std::fmt;
 use std::sync::Arc;
 
@@ -238,6 +236,7 @@ fn product_or_packed(
 }
 
 /// See `BackendStorage::matmul`.
+#[allow(clippy::too_many_arguments)]
 pub(in crate::cuda_backend) fn matmul(
     a: &CudaStorage,
     al: MatrixLayout,
@@ -325,6 +324,7 @@ fn bias_pointer(
 /// See `BackendStorage::linear`: `x · wᵀ + bias` where `wl` already reads `wᵀ` (`k×n`) through
 /// the weight's strides. With a bias: one cuBLASLt call with the bias epilogue; `Ok(None)` when
 /// cuBLASLt has no algorithm with that epilogue (or `k == 0`), and the tensor layer composes it.
+#[allow(clippy::too_many_arguments)]
 pub(in crate::cuda_backend) fn linear(
     x: &CudaStorage,
     xl: MatrixLayout,
@@ -383,6 +383,7 @@ pub(in crate::cuda_backend) fn linear(
 /// the output width is not a multiple of 8 (cuBLASLt's rule for the aux leading dimension),
 /// for a bias that is not a contiguous `[n]`, for `k == 0` or an empty output, and when
 /// cuBLASLt has no algorithm with the epilogue.
+#[allow(clippy::too_many_arguments)]
 pub(in crate::cuda_backend) fn linear_gelu(
     x: &CudaStorage,
     xl: MatrixLayout,

@@ -9,18 +9,21 @@ use std::collections::BTreeSet;
 
 use meshgrad_kernels::ops::{AdamWStep, AttentionShape, UnaryGrad};
 
-use super::activations::{gelu_bwd_launch, unary_bwd_launch};
 use super::args::{assert_known, Launch};
-use super::attention::params::{
+use super::norms::partials_reduce_launch;
+use super::optimizer::{adamw_launch, sgd_launch};
+use crate::ops::fused::attention::cuda::params::{
     delta_launch, dkdv_launch, dq_launch, fwd_launch, qkv_params, separate_params, HEAD_DIMS,
 };
-use super::classifier::{ce_bwd_launch, ce_fwd_launch};
-use super::norms::{layer_norm_bwd_launch, layer_norm_fwd_launch, partials_reduce_launch};
-use super::optimizer::{adamw_launch, sgd_launch};
-use super::softmax::{logsumexp_launch, softmax_bwd_launch, softmax_fwd_launch};
+use crate::ops::fused::cross_entropy::cuda::{ce_bwd_launch, ce_fwd_launch};
+use crate::ops::fused::gelu::cuda::gelu_bwd_launch;
+use crate::ops::fused::layer_norm::cuda::{layer_norm_bwd_launch, layer_norm_fwd_launch};
+use crate::ops::fused::logsumexp::cuda::logsumexp_launch;
 use crate::ops::fused::rms_norm::cuda::{rms_norm_bwd_launch, rms_norm_fwd_launch};
 use crate::ops::fused::rotary::cuda::rotary_launch;
+use crate::ops::fused::softmax::cuda::{softmax_bwd_launch, softmax_fwd_launch};
 use crate::ops::fused::swiglu::cuda::{swiglu_bwd_launch, swiglu_fwd_launch};
+use crate::ops::fused::unary_backward::cuda::unary_bwd_launch;
 
 /// The dtype suffixes the fused kernels are instantiated for.
 const SUFFIXES: [&str; 3] = ["f32", "bf16", "f16"];
@@ -38,16 +41,21 @@ pub(crate) fn every_launch() -> Vec<Launch> {
     };
     // Log-sum-exp also takes f64 (reduce.cu instantiates it with the basic kernels).
     for t in ["f32", "bf16", "f16", "f64"] {
-        v.push(logsumexp_launch(t, 1, 2, 3, 4, 1));
-        v.push(logsumexp_launch(t, 1, 2, 3, 4, 5));
+        v.push(logsumexp_launch(t, [1, 2], 3, 4, 1));
+        v.push(logsumexp_launch(t, [1, 2], 3, 4, 5));
     }
     for t in SUFFIXES {
         for log in [false, true] {
-            v.push(softmax_fwd_launch(t, log, 1, 2, 3, 4));
-            v.push(softmax_bwd_launch(t, log, 1, 2, 3, 4, 5));
+            v.push(softmax_fwd_launch(t, log, [1, 2], 3, 4));
+            v.push(softmax_bwd_launch(t, log, [1, 2, 3], 4, 5));
         }
-        v.push(gelu_bwd_launch(t, 1, 2, 3, 4, true));
-        v.push(unary_bwd_launch(t, 1, 2, 3, 4, UnaryGrad::Clamp(0.0, 1.0)));
+        v.push(gelu_bwd_launch(t, [1, 2, 3], 4, true));
+        v.push(unary_bwd_launch(
+            t,
+            [1, 2, 3],
+            4,
+            UnaryGrad::Clamp(0.0, 1.0),
+        ));
         v.push(swiglu_fwd_launch(t, 1, 2, 3, 4));
         v.push(swiglu_bwd_launch(t, [1, 2, 3, 4, 5], 6));
         v.push(rotary_launch(t, 1, 2, 3, [1, 2, 3, 4], 1e4, false));

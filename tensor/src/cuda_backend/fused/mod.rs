@@ -1,35 +1,19 @@
-//! The fused ops of the CUDA backend, one file per op or op family (named after the op, or after
-//! its kernel file for a family): `softmax.rs` (softmax, log-softmax, log-sum-exp),
-//! `classifier.rs` (cross-entropy), `norms.rs` (layer norm, and the helpers of every norm),
-//! `attention.rs` (flash attention, with `attention/params.rs` building the kernels' layouts),
-//! `optimizer.rs` (AdamW, SGD) and `activations.rs` (GELU / SiLU / clamp backward).
-//! `args.rs` describes launches as plain data
-//! (tested against the kernels' signatures without a GPU), `operand.rs` prepares operands
-//! (contiguous copies, dtype conversions).
+//! What the CUDA paths of the fused ops (`ops/fused/<op>/cuda.rs`) share, and the fused ops not
+//! yet moved there: `optimizer.rs` (AdamW, SGD), `activations.rs` (the launch of
+//! activations.cu), `norms.rs` (the helpers of every norm of norms.cu). `args.rs` describes
+//! launches as plain data (tested against the kernels' signatures without a GPU), `operand.rs`
+//! prepares operands (contiguous copies, dtype conversions); `launch_table.rs` (tests) lists one
+//! launch of every entry point.
 //!
-//! Ops moved to `ops/fused/<op>/` keep their CUDA path there (`cuda.rs`, over `args.rs`,
-//! `operand.rs` and the shared helpers here); nothing here names them.
-//!
-//! `Ok(None)` means "not provided" (the tensor op falls back to a composition of basic ops, or
-//! the dispatch reports the op not implemented on CUDA): f64 data everywhere (the kernels are
-//! instantiated for f32, bf16 and f16 only) and, for attention, what its kernels do not cover
-//! (see `attention.rs`).
-#![allow(clippy::too_many_arguments, clippy::type_complexity)]
+//! `Ok(None)` means "not provided" (the tensor op falls back to a composition of basic ops): f64
+//! data everywhere (the kernels are instantiated for f32, bf16 and f16 only).
 
 pub(crate) mod activations;
 pub(crate) mod args;
-mod attention;
-mod classifier;
 #[cfg(test)]
 pub(super) mod launch_table;
 pub(crate) mod norms;
 pub(crate) mod operand;
 mod optimizer;
-mod softmax;
 
-pub(super) use activations::{gelu_backward, unary_backward};
-pub(super) use attention::{attention, attention_backward, attention_qkv, attention_qkv_backward};
-pub(super) use classifier::{cross_entropy, cross_entropy_backward};
-pub(super) use norms::{layer_norm, layer_norm_backward};
 pub(super) use optimizer::{adamw, sgd};
-pub(super) use softmax::{logsumexp, softmax, softmax_backward};

@@ -95,6 +95,7 @@ fn f32_start(s: &CudaStorage, l: &Layout) -> Option<usize> {
 
 /// See `BackendStorage::adamw`: f32 parameter and state with contiguous views, gradient f32 /
 /// bf16 / f16; `Ok(None)` otherwise.
+#[allow(clippy::too_many_arguments)]
 pub(in crate::cuda_backend) fn adamw(
     param: &mut CudaStorage,
     pl: &Layout,
@@ -137,6 +138,7 @@ pub(in crate::cuda_backend) fn adamw(
 
 /// See `BackendStorage::sgd`: f32 parameter and momentum buffer with contiguous views, gradient
 /// f32 / bf16 / f16; `Ok(None)` otherwise.
+#[allow(clippy::too_many_arguments)]
 pub(in crate::cuda_backend) fn sgd(
     param: &mut CudaStorage,
     pl: &Layout,

@@ -6,27 +6,17 @@
 //! kernels (forced by declining fused kernels on the test's thread).
 //!
 //! Every function takes contiguous tensors shaped as the calling op passes them. One file per
-//! op or family: `basic` (linear, softmax, unary derivatives, log-sum-exp), `norms` (layer
-//! norm), `loss` (cross-entropy), `attention`, `optim` (AdamW, SGD). The ops moved to
-//! `ops/fused/` keep their fallback in their own folder (`fallback.rs`); this module also holds
-//! the helpers those share ([`widen`], [`column`], [`row_sum`]).
+//! op or family: `basic` (linear), `optim` (AdamW, SGD). The ops
+//! moved to `ops/fused/` keep their fallback in their own folder (`fallback.rs`); this module
+//! also holds the helpers those share ([`widen`], [`shifted`], [`replace`], [`column`],
+//! [`row_sum`]).
 
-mod attention;
 mod basic;
-mod loss;
-mod norms;
 mod optim;
 #[cfg(test)]
 pub(crate) mod testutil;
 
-pub(crate) use attention::{
-    attention, attention_backward, attention_qkv, attention_qkv_backward, MaskParts,
-};
-pub(crate) use basic::{
-    gelu_backward, linear, logsumexp, softmax, softmax_backward, unary_backward,
-};
-pub(crate) use loss::{cross_entropy, cross_entropy_backward};
-pub(crate) use norms::{layer_norm, layer_norm_backward};
+pub(crate) use basic::linear;
 pub(crate) use optim::{adamw, sgd};
 
 use super::compute_dtype;
@@ -38,13 +28,13 @@ pub(crate) fn widen(t: &Tensor) -> Result<Tensor> {
 }
 
 /// Row max subtracted, so `exp` cannot overflow: `(x - max, max)` over the last dim (kept).
-fn shifted(x: &Tensor) -> Result<(Tensor, Tensor)> {
+pub(crate) fn shifted(x: &Tensor) -> Result<(Tensor, Tensor)> {
     let m = x.max(-1, true)?;
     Ok((x.sub(&m)?, m))
 }
 
 /// `x` with the elements equal to `from` (a value of `x`'s dtype) replaced by `to`.
-fn replace(x: &Tensor, from: f64, to: f64) -> Result<Tensor> {
+pub(crate) fn replace(x: &Tensor, from: f64, to: f64) -> Result<Tensor> {
     let f = Tensor::scalar(from, x.dtype(), x.device())?;
     let t = Tensor::scalar(to, x.dtype(), x.device())?;
     x.eq(&f)?.where_cond(&t, x)

@@ -16,21 +16,35 @@
 //!
 //! So a backend can arrive one fused kernel at a time, and nothing outside an op's folder names
 //! the op except its callers. Adding a fused op `foo` takes:
-//! 1. `ops/fused/foo/mod.rs`: the argument struct `Foo<T>`, its [`FusedOp`] impl and the public
-//!    `Tensor::foo` (checks shapes and dtypes, makes operands contiguous, calls [`run`]);
+//! 1. `ops/fused/foo/mod.rs`: the argument struct `Foo<T>` (`#[derive(FusedArgs)]`: its operands
+//!    are the fields of type `T` and `Option<T>`), its [`FusedOp`] impl (name, result types,
+//!    `finish`, and `fused_paths!(forward)` naming the three paths) and the public `Tensor::foo`
+//!    (checks shapes and dtypes, makes operands contiguous, calls [`run`]);
 //! 2. `ops/fused/foo/cpu.rs` over the CPU kernel `kernels/src/cpu/foo.rs`;
 //! 3. `ops/fused/foo/cuda.rs` over the kernel `kernels/cuda/foo.cu` (optional);
 //! 4. `ops/fused/foo/fallback.rs`: the composition and the test that it agrees with the fused
 //!    paths;
 //! 5. the autograd rule in `autograd/` and the op's tests in `tensor/tests/foo.rs`.
 //!
-//! Ops here: `rms_norm` (RMSNorm), `rotary` (rotary embedding) and `swiglu` (SwiGLU), each
-//! forward and backward.
+//! Ops here: `attention` (scaled dot-product attention, on q, k, v or a fused qkv),
+//! `cross_entropy` (cross-entropy), `gelu` (GELU's backward), `layer_norm` (layer norm),
+//! `logsumexp` (log-sum-exp), `rms_norm` (RMSNorm), `rotary` (rotary embedding), `softmax`
+//! (softmax and log-softmax), `swiglu` (SwiGLU), each forward and (but for log-sum-exp) backward,
+//! and `unary_backward` (the SiLU and clamp backward).
 
+pub(crate) mod attention;
+pub(crate) mod cross_entropy;
+pub(crate) mod gelu;
+pub(crate) mod layer_norm;
+pub(crate) mod logsumexp;
 pub(crate) mod rms_norm;
 pub(crate) mod rotary;
+pub(crate) mod softmax;
 pub(crate) mod swiglu;
+pub(crate) mod unary_backward;
 
+pub use attention::{AttentionGrads, AttentionMask, AttentionOutput};
+pub use layer_norm::LayerNormOutput;
 pub use rms_norm::RmsNormOutput;
 
 use crate::backend::{self, api::In, Variant};
@@ -46,22 +60,28 @@ pub(crate) type CpuIn<'a> = In<'a, CpuStorage>;
 #[cfg(feature = "cuda")]
 pub(crate) type CudaIn<'a> = In<'a, CudaStorage>;
 
-/// A fused op, implemented by its argument struct over `&Tensor` operands. See the module
-/// documentation.
-pub(crate) trait FusedOp {
-    /// The op's name in errors.
-    const NAME: &'static str;
+/// An argument struct over `&Tensor` operands, seen over operands of another type. Derived
+/// (`#[derive(FusedArgs)]` of `meshgrad-derive`) for a struct `Foo<T>`: fields of type `T` are
+/// operands, `Option<T>` optional operands, the other fields are copied.
+pub(crate) trait FusedArgs {
     /// The argument struct over operands of type `T` (`Self` is `Args<&Tensor>`).
     type Args<T>;
-    /// What a backend path returns, in storages of that backend.
-    type Out<S>;
-    /// What the op returns.
-    type Output;
 
     /// The same arguments with each operand `t` replaced by `f(t)`, the operands visited in one
     /// fixed order (the runner relies on it: it calls `map` to list the operands and again to
     /// hand them out).
     fn map<'s, T>(&'s self, f: impl FnMut(&'s Tensor) -> T) -> Self::Args<T>;
+}
+
+/// A fused op, implemented by its argument struct over `&Tensor` operands. See the module
+/// documentation.
+pub(crate) trait FusedOp: FusedArgs {
+    /// The op's name in errors.
+    const NAME: &'static str;
+    /// What a backend path returns, in storages of that backend.
+    type Out<S>;
+    /// What the op returns.
+    type Output;
 
     /// The op's results as tensors, from the storages a backend path returned.
     fn finish<S: Variant>(&self, out: Self::Out<S>) -> Self::Output;
@@ -78,6 +98,38 @@ pub(crate) trait FusedOp {
     /// The op composed of basic tensor ops, on any device.
     fn fallback(&self) -> Result<Self::Output>;
 }
+
+/// `(rows, cols)` of a tensor whose last dim is its rows (normalised, or a softmax's).
+fn rows_cols(t: &Tensor) -> (usize, usize) {
+    let cols = *t.dims().last().unwrap_or(&1);
+    let rows = t.elem_count().checked_div(cols).unwrap_or(0);
+    (rows, cols)
+}
+
+/// The `cpu`, `cuda` and `fallback` methods of a [`FusedOp`] impl: `fused_paths!(forward)` calls
+/// `cpu::forward`, `cuda::forward` (with `--features cuda`) and `fallback::forward` of the op's
+/// folder.
+macro_rules! fused_paths {
+    ($path:ident) => {
+        fn cpu(
+            args: &Self::Args<$crate::ops::fused::CpuIn<'_>>,
+        ) -> $crate::Result<Self::Out<$crate::storage::CpuStorage>> {
+            cpu::$path(args)
+        }
+
+        #[cfg(feature = "cuda")]
+        fn cuda(
+            args: &Self::Args<$crate::ops::fused::CudaIn<'_>>,
+        ) -> $crate::Result<Option<Self::Out<$crate::cuda_backend::CudaStorage>>> {
+            cuda::$path(args)
+        }
+
+        fn fallback(&self) -> $crate::Result<Self::Output> {
+            fallback::$path(self)
+        }
+    };
+}
+pub(crate) use fused_paths;
 
 /// Runs a fused op: checks its operands share one device ([`crate::Error::DeviceMismatch`]
 /// naming the op otherwise), runs that device's path and, where the path is not provided, the
@@ -123,4 +175,46 @@ fn operands<'g, O: FusedOp, S: Variant>(
         i += 1;
         operand
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fused op whose output says which path ran.
+    struct Probe<'a>(&'a Tensor);
+
+    impl FusedArgs for Probe<'_> {
+        type Args<T> = T;
+
+        fn map<'s, T>(&'s self, mut f: impl FnMut(&'s Tensor) -> T) -> T {
+            f(self.0)
+        }
+    }
+
+    impl FusedOp for Probe<'_> {
+        const NAME: &'static str = "probe";
+        type Out<S> = ();
+        type Output = &'static str;
+
+        fn finish<S: Variant>(&self, _out: ()) -> &'static str {
+            "fused"
+        }
+        fn cpu(_args: &CpuIn<'_>) -> Result<()> {
+            Ok(())
+        }
+        fn fallback(&self) -> Result<&'static str> {
+            Ok("composed")
+        }
+    }
+
+    #[test]
+    fn declining_reaches_the_runner() {
+        // The switch makes the runner take the composition, so the comparisons of the
+        // `fallback.rs` tests do run it.
+        let x = Tensor::zeros((2, 3), crate::DType::F32, Device::Cpu).unwrap();
+        assert_eq!(run(&Probe(&x)).unwrap(), "fused");
+        let declined = backend::with_fused_declined(|| run(&Probe(&x)).unwrap());
+        assert_eq!(declined, "composed");
+    }
 }

@@ -130,7 +130,7 @@ pub(super) fn backward(
     rms_norm_bwd_launch(t, p, rows, cols, blocks).run(ctx, what)?;
     let dw = match &partial {
         None => None,
-        Some(pw) => Some(reduce_partials(ctx, t, pw, blocks, cols, kd, wdt, &what)?),
+        Some(pw) => Some(reduce_partials(ctx, pw, blocks, cols, kd, wdt, &what)?),
     };
     Ok(Some((rounded(dx, dt)?, dw)))
 }

@@ -9,13 +9,11 @@ mod cpu;
 pub(crate) mod cuda;
 mod fallback;
 
-use super::{run, CpuIn, FusedOp};
+use super::{fused_paths, rows_cols, run, FusedOp};
 use crate::backend::Variant;
 use crate::ops::{same_device, same_kind};
-use crate::storage::CpuStorage;
-#[cfg(feature = "cuda")]
-use crate::{cuda_backend::CudaStorage, ops::fused::CudaIn};
 use crate::{Error, Result, Tensor};
+use meshgrad_derive::FusedArgs;
 
 /// The results of [`Tensor::rms_norm`]: output and per-row statistic for the backward pass.
 #[derive(Clone, Debug)]
@@ -30,7 +28,7 @@ pub struct RmsNormOutput {
 /// RMSNorm of `x` viewed as `[rows, cols]` over its rows: `y = x rstd · w` with
 /// `rstd = 1/sqrt(mean(x²) + eps)` per row. Operands contiguous; returns `(y, rstd)`, `y` in
 /// `x`'s dtype, `rstd` `[rows]` in compute precision.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, FusedArgs)]
 pub(crate) struct RmsNorm<T> {
     /// The input, `rows * cols` elements.
     pub x: T,
@@ -47,7 +45,7 @@ pub(crate) struct RmsNorm<T> {
 /// The backward of [`RmsNorm`] from its saved `rstd`: `(dx, dweight)`, `dx` in `x`'s dtype,
 /// `dweight` (when `weight_grad`) in the weight's dtype, summed over rows in increasing order.
 /// Operands contiguous.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, FusedArgs)]
 pub(crate) struct RmsNormBackward<T> {
     /// The forward's input, `rows * cols` elements.
     pub x: T,
@@ -67,19 +65,8 @@ pub(crate) struct RmsNormBackward<T> {
 
 impl FusedOp for RmsNorm<&Tensor> {
     const NAME: &'static str = "rms_norm";
-    type Args<T> = RmsNorm<T>;
     type Out<S> = (S, S);
     type Output = RmsNormOutput;
-
-    fn map<'s, T>(&'s self, mut f: impl FnMut(&'s Tensor) -> T) -> RmsNorm<T> {
-        RmsNorm {
-            x: f(self.x),
-            w: self.w.map(f),
-            rows: self.rows,
-            cols: self.cols,
-            eps: self.eps,
-        }
-    }
 
     fn finish<S: Variant>(&self, (y, rstd): (S, S)) -> RmsNormOutput {
         RmsNormOutput {
@@ -88,37 +75,13 @@ impl FusedOp for RmsNorm<&Tensor> {
         }
     }
 
-    fn cpu(args: &RmsNorm<CpuIn<'_>>) -> Result<(CpuStorage, CpuStorage)> {
-        cpu::forward(args)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda(args: &RmsNorm<CudaIn<'_>>) -> Result<Option<(CudaStorage, CudaStorage)>> {
-        cuda::forward(args)
-    }
-
-    fn fallback(&self) -> Result<RmsNormOutput> {
-        fallback::forward(self)
-    }
+    fused_paths!(forward);
 }
 
 impl FusedOp for RmsNormBackward<&Tensor> {
     const NAME: &'static str = "rms_norm_backward";
-    type Args<T> = RmsNormBackward<T>;
     type Out<S> = (S, Option<S>);
     type Output = (Tensor, Option<Tensor>);
-
-    fn map<'s, T>(&'s self, mut f: impl FnMut(&'s Tensor) -> T) -> RmsNormBackward<T> {
-        RmsNormBackward {
-            x: f(self.x),
-            w: self.w.map(&mut f),
-            rstd: f(self.rstd),
-            dy: f(self.dy),
-            rows: self.rows,
-            cols: self.cols,
-            weight_grad: self.weight_grad,
-        }
-    }
 
     fn finish<S: Variant>(&self, (dx, dw): (S, Option<S>)) -> (Tensor, Option<Tensor>) {
         (
@@ -127,27 +90,7 @@ impl FusedOp for RmsNormBackward<&Tensor> {
         )
     }
 
-    fn cpu(args: &RmsNormBackward<CpuIn<'_>>) -> Result<(CpuStorage, Option<CpuStorage>)> {
-        cpu::backward(args)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda(
-        args: &RmsNormBackward<CudaIn<'_>>,
-    ) -> Result<Option<(CudaStorage, Option<CudaStorage>)>> {
-        cuda::backward(args)
-    }
-
-    fn fallback(&self) -> Result<(Tensor, Option<Tensor>)> {
-        fallback::backward(self)
-    }
-}
-
-/// `(rows, cols)` of a tensor normalised over its last dim.
-fn rows_cols(t: &Tensor) -> (usize, usize) {
-    let cols = *t.dims().last().unwrap_or(&1);
-    let rows = t.elem_count().checked_div(cols).unwrap_or(0);
-    (rows, cols)
+    fused_paths!(backward);
 }
 
 /// Checks the optional weight against the input's last dim.

@@ -9,18 +9,16 @@ mod cpu;
 pub(crate) mod cuda;
 mod fallback;
 
-use super::{run, CpuIn, FusedOp};
+use super::{fused_paths, run, FusedOp};
 use crate::backend::Variant;
 use crate::ops::same_device;
-use crate::storage::CpuStorage;
-#[cfg(feature = "cuda")]
-use crate::{cuda_backend::CudaStorage, ops::fused::CudaIn};
 use crate::{Error, Result, Tensor};
+use meshgrad_derive::FusedArgs;
 
 /// Rotary embedding of `x` (`[B, T, H, D]`, `dims`, `D` even) by integer `positions` (`[T]`):
 /// the pair `(i, i + D/2)` at sequence index `t` rotated by `±positions[t] · theta^(-2i/D)`
 /// (`-` when `inverse`, the backward). Out in `x`'s dtype. Operands contiguous.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, FusedArgs)]
 pub(crate) struct Rotary<T> {
     /// The input, `[B, T, H, D]`.
     pub x: T,
@@ -36,36 +34,14 @@ pub(crate) struct Rotary<T> {
 
 impl FusedOp for Rotary<&Tensor> {
     const NAME: &'static str = "rotary_embedding";
-    type Args<T> = Rotary<T>;
     type Out<S> = S;
     type Output = Tensor;
-
-    fn map<'s, T>(&'s self, mut f: impl FnMut(&'s Tensor) -> T) -> Rotary<T> {
-        Rotary {
-            x: f(self.x),
-            positions: f(self.positions),
-            dims: self.dims,
-            theta: self.theta,
-            inverse: self.inverse,
-        }
-    }
 
     fn finish<S: Variant>(&self, out: S) -> Tensor {
         Tensor::from_storage(out.wrap(), self.x.shape())
     }
 
-    fn cpu(args: &Rotary<CpuIn<'_>>) -> Result<CpuStorage> {
-        cpu::rotary(args)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda(args: &Rotary<CudaIn<'_>>) -> Result<Option<CudaStorage>> {
-        cuda::rotary(args)
-    }
-
-    fn fallback(&self) -> Result<Tensor> {
-        fallback::rotary(self)
-    }
+    fused_paths!(rotary);
 }
 
 impl Tensor {

@@ -9,16 +9,14 @@ mod cpu;
 pub(crate) mod cuda;
 mod fallback;
 
-use super::{run, CpuIn, FusedOp};
+use super::{fused_paths, run, FusedOp};
 use crate::backend::Variant;
 use crate::ops::same_kind;
-use crate::storage::CpuStorage;
-#[cfg(feature = "cuda")]
-use crate::{cuda_backend::CudaStorage, ops::fused::CudaIn};
 use crate::{Error, Result, Tensor};
+use meshgrad_derive::FusedArgs;
 
 /// `silu(gate) * up` elementwise, in `gate`'s dtype. Operands contiguous, of one shape.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, FusedArgs)]
 pub(crate) struct Swiglu<T> {
     /// The gate, passed through SiLU.
     pub gate: T,
@@ -28,7 +26,7 @@ pub(crate) struct Swiglu<T> {
 
 /// The backward of [`Swiglu`] from `dy`: `(dgate, dup)` in `gate`'s dtype. Operands
 /// contiguous, of one shape.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, FusedArgs)]
 pub(crate) struct SwigluBackward<T> {
     /// The forward's gate.
     pub gate: T,
@@ -40,48 +38,20 @@ pub(crate) struct SwigluBackward<T> {
 
 impl FusedOp for Swiglu<&Tensor> {
     const NAME: &'static str = "swiglu";
-    type Args<T> = Swiglu<T>;
     type Out<S> = S;
     type Output = Tensor;
-
-    fn map<'s, T>(&'s self, mut f: impl FnMut(&'s Tensor) -> T) -> Swiglu<T> {
-        Swiglu {
-            gate: f(self.gate),
-            up: f(self.up),
-        }
-    }
 
     fn finish<S: Variant>(&self, out: S) -> Tensor {
         Tensor::from_storage(out.wrap(), self.gate.shape())
     }
 
-    fn cpu(args: &Swiglu<CpuIn<'_>>) -> Result<CpuStorage> {
-        cpu::forward(args)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda(args: &Swiglu<CudaIn<'_>>) -> Result<Option<CudaStorage>> {
-        cuda::forward(args)
-    }
-
-    fn fallback(&self) -> Result<Tensor> {
-        fallback::forward(self)
-    }
+    fused_paths!(forward);
 }
 
 impl FusedOp for SwigluBackward<&Tensor> {
     const NAME: &'static str = "swiglu_backward";
-    type Args<T> = SwigluBackward<T>;
     type Out<S> = (S, S);
     type Output = (Tensor, Tensor);
-
-    fn map<'s, T>(&'s self, mut f: impl FnMut(&'s Tensor) -> T) -> SwigluBackward<T> {
-        SwigluBackward {
-            gate: f(self.gate),
-            up: f(self.up),
-            dy: f(self.dy),
-        }
-    }
 
     fn finish<S: Variant>(&self, (dg, du): (S, S)) -> (Tensor, Tensor) {
         (
@@ -90,18 +60,7 @@ impl FusedOp for SwigluBackward<&Tensor> {
         )
     }
 
-    fn cpu(args: &SwigluBackward<CpuIn<'_>>) -> Result<(CpuStorage, CpuStorage)> {
-        cpu::backward(args)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda(args: &SwigluBackward<CudaIn<'_>>) -> Result<Option<(CudaStorage, CudaStorage)>> {
-        cuda::backward(args)
-    }
-
-    fn fallback(&self) -> Result<(Tensor, Tensor)> {
-        fallback::backward(self)
-    }
+    fused_paths!(backward);
 }
 
 /// Checks `other` against `gate`: same device, dtype and shape, a float dtype.

@@ -2,19 +2,15 @@
 
 use meshgrad_kernels::cpu;
 
-use super::{floats, range, with_floats, Floats, IntoStorage};
+use super::Logsumexp;
+use crate::cpu_backend::{floats, range, with_floats, Floats, IntoStorage};
+use crate::ops::fused::CpuIn;
 use crate::storage::CpuStorage;
-use crate::{Layout, Result};
+use crate::Result;
 
-/// Log-sum-exp over the middle dim of a contiguous buffer viewed as `[outer, red, inner]`, in
-/// the input's dtype (half types computed in f32).
-pub(crate) fn logsumexp(
-    s: &CpuStorage,
-    l: &Layout,
-    outer: usize,
-    red: usize,
-    inner: usize,
-) -> Result<CpuStorage> {
+/// See [`Logsumexp`]: in the input's dtype (half types computed in f32).
+pub(super) fn forward(a: &Logsumexp<CpuIn<'_>>) -> Result<CpuStorage> {
+    let ((s, l), outer, red, inner) = (a.x, a.outer, a.red, a.inner);
     let dt = s.dtype();
     Ok(with_floats!("logsumexp", (s, range(l)) => x; {
         let mut out = crate::pool::output(outer * inner);

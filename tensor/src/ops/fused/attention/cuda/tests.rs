@@ -6,12 +6,12 @@ use std::collections::BTreeSet;
 use meshgrad_kernels::cuda::{AttnParams, HeadLayout};
 use meshgrad_kernels::ops::AttentionShape;
 
-use super::super::args::assert_known;
-use super::super::args::{Arg, Kind::*};
 use super::params::*;
 use super::{covered, mask_heads};
-use crate::backend::api::MaskArgs;
+use crate::cuda_backend::fused::args::assert_known;
+use crate::cuda_backend::fused::args::{Arg, Kind::*};
 use crate::cuda_backend::CudaStorage;
+use crate::ops::fused::attention::MaskArgs;
 use crate::DType;
 
 fn shape(bh: usize, sq: usize, sk: usize, d: usize) -> AttentionShape {

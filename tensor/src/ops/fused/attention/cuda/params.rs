@@ -7,7 +7,7 @@
 use meshgrad_kernels::cuda::{AttnParams, HeadLayout};
 use meshgrad_kernels::ops::AttentionShape;
 
-use super::super::args::{i64_of, Arg, Launch, MAX_BLOCKS};
+use crate::cuda_backend::fused::args::{i64_of, Arg, Launch, MAX_BLOCKS};
 
 /// The head dims the kernels are instantiated for.
 pub(crate) const HEAD_DIMS: [usize; 2] = [64, 128];

@@ -1,12 +1,11 @@
-//! Fused scaled dot-product attention, forward and backward (attention.cu), on separate q, k, v
-//! buffers or straight from a fused `[B, T, 3C]` qkv projection.
+//! Attention on CUDA, forward and backward (attention.cu), on separate q, k, v buffers or
+//! straight from a fused `[B, T, 3C]` qkv projection.
 //!
 //! Provided: f32, bf16 and f16 (computed in f32), head dims 64 and 128, causal masking and a key
 //! padding mask (integer `[batch, seq_k]`, nonzero = attend; a u32 / i64 mask is turned into u8
 //! 0/1 on the host, a round trip that waits for the stream: pass u8 masks on CUDA).
 //!
-//! `Ok(None)` (not provided: the composed fallback, or "not implemented" at the dispatch until
-//! one exists) for an additive score bias, other head dims, f64, and a backward that must
+//! `Ok(None)` (not provided: the composed fallback runs) for an additive score bias, other head dims, f64, and a backward that must
 //! return `dz` (the `[batch_heads, seq_q, seq_k]` score gradient the bias gradient needs: the
 //! kernels never form it).
 //!
@@ -15,7 +14,7 @@
 //! query row), then `attn_bwd_dq` and `attn_bwd_dkdv`, which overwrite dq, dk, dv. Batch-heads
 //! beyond the grid's y limit (65535) are split over several launches (`params::bh_chunks`).
 
-pub(super) mod params;
+pub(crate) mod params;
 #[cfg(test)]
 mod tests;
 
@@ -26,10 +25,13 @@ use self::params::{
     bh_chunks, chunk_params, delta_launch, dkdv_launch, dq_launch, fwd_launch, mask_offset,
     qkv_params, row_offset, separate_params, HEAD_DIMS, MAX_GRID_Y,
 };
-use super::args::sfx;
-use super::operand::{as_dtype, check_len, mask_u8, output, ptr_or_null, Operand};
-use crate::backend::api::{Fused, In, MaskArgs};
+use super::{Attention, AttentionBackward, AttentionQkv, AttentionQkvBackward, Grads, MaskArgs};
+use crate::cuda_backend::fused::args::sfx;
+use crate::cuda_backend::fused::operand::{
+    as_dtype, check_len, mask_u8, output, ptr_or_null, Operand,
+};
 use crate::cuda_backend::{CudaStorage, DeviceContext};
+use crate::ops::fused::CudaIn;
 use crate::{DType, Error, Result};
 
 /// The kernel dtype suffix for a call, or `None` when the kernels do not cover it.
@@ -173,15 +175,11 @@ fn run_backward(
     Ok(())
 }
 
-/// See `BackendStorage::attention`: `(out [batch_heads, seq_q, head_dim] in q's dtype, lse f32
+/// See [`Attention`]: `(out [batch_heads, seq_q, head_dim] in q's dtype, lse f32
 /// [batch_heads, seq_q])`. `Ok(None)` for what the kernels do not cover (module docs).
-pub(in crate::cuda_backend) fn attention(
-    q: In<'_, CudaStorage>,
-    k: In<'_, CudaStorage>,
-    v: In<'_, CudaStorage>,
-    shape: AttentionShape,
-    mask: MaskArgs<'_, CudaStorage>,
-) -> Fused<(CudaStorage, CudaStorage)> {
+pub(super) fn forward(a: &Attention<CudaIn<'_>>) -> Result<Option<(CudaStorage, CudaStorage)>> {
+    let (q, k, v, shape) = (a.q, a.k, a.v, a.shape);
+    let mask = a.mask.args(a.key_padding, a.bias);
     let dt = q.0.dtype();
     let Some(t) = covered(dt, &shape, &mask, false) else {
         return Ok(None);
@@ -211,15 +209,11 @@ pub(in crate::cuda_backend) fn attention(
     Ok(Some((out, lse)))
 }
 
-/// See `BackendStorage::attention_backward` (`ops`: q, k, v, out, lse, dout): `(dq, dk, dv,
-/// None)` in q's dtype. `Ok(None)` for what the kernels do not cover, `want_dz` included.
-pub(in crate::cuda_backend) fn attention_backward(
-    ops: [In<'_, CudaStorage>; 6],
-    shape: AttentionShape,
-    mask: MaskArgs<'_, CudaStorage>,
-    want_dz: bool,
-) -> Fused<(CudaStorage, CudaStorage, CudaStorage, Option<CudaStorage>)> {
-    let [q, k, v, out, lse, dout] = ops;
+/// See [`AttentionBackward`]: `(dq, dk, dv, None)` in q's dtype. `Ok(None)` for what the
+/// kernels do not cover, `want_dz` included.
+pub(super) fn backward(a: &AttentionBackward<CudaIn<'_>>) -> Result<Option<Grads<CudaStorage>>> {
+    let (q, k, v, out, lse, dout) = (a.q, a.k, a.v, a.out, a.lse, a.dout);
+    let (shape, want_dz, mask) = (a.shape, a.want_dz, a.mask.args(a.key_padding, a.bias));
     let dt = q.0.dtype();
     let Some(t) = covered(dt, &shape, &mask, want_dz) else {
         return Ok(None);
@@ -281,14 +275,13 @@ fn qkv_dims(op: &str, shape: &AttentionShape, heads: usize) -> Result<(usize, us
     Ok((shape.batch_heads / heads, heads * shape.head_dim))
 }
 
-/// See `BackendStorage::attention_qkv`: `(out [B, T, C] in qkv's dtype, lse f32 [B, heads, T])`
-/// read straight from the `[B, T, 3C]` buffer. `Ok(None)` for what the kernels do not cover.
-pub(in crate::cuda_backend) fn attention_qkv(
-    qkv: In<'_, CudaStorage>,
-    shape: AttentionShape,
-    heads: usize,
-    mask: MaskArgs<'_, CudaStorage>,
-) -> Fused<(CudaStorage, CudaStorage)> {
+/// See [`AttentionQkv`]: `(out [B, T, C] in qkv's dtype, lse f32 [B, heads, T])` read straight
+/// from the `[B, T, 3C]` buffer. `Ok(None)` for what the kernels do not cover.
+pub(super) fn qkv_forward(
+    a: &AttentionQkv<CudaIn<'_>>,
+) -> Result<Option<(CudaStorage, CudaStorage)>> {
+    let (qkv, shape, heads) = (a.qkv, a.shape, a.heads);
+    let mask = a.mask.args(a.key_padding, a.bias);
     let dt = qkv.0.dtype();
     let Some(t) = covered(dt, &shape, &mask, false) else {
         return Ok(None);
@@ -317,16 +310,14 @@ pub(in crate::cuda_backend) fn attention_qkv(
     Ok(Some((out, lse)))
 }
 
-/// See `BackendStorage::attention_qkv_backward` (`ops`: qkv, out, lse, dout): `(dqkv [B, T,
-/// 3C], None)`. `Ok(None)` for what the kernels do not cover, `want_dz` included.
-pub(in crate::cuda_backend) fn attention_qkv_backward(
-    ops: [In<'_, CudaStorage>; 4],
-    shape: AttentionShape,
-    heads: usize,
-    mask: MaskArgs<'_, CudaStorage>,
-    want_dz: bool,
-) -> Fused<(CudaStorage, Option<CudaStorage>)> {
-    let [qkv, out, lse, dout] = ops;
+/// See [`AttentionQkvBackward`]: `(dqkv [B, T, 3C], None)`. `Ok(None)` for what the kernels do
+/// not cover, `want_dz` included.
+pub(super) fn qkv_backward(
+    a: &AttentionQkvBackward<CudaIn<'_>>,
+) -> Result<Option<(CudaStorage, Option<CudaStorage>)>> {
+    let (qkv, out, lse, dout) = (a.qkv, a.out, a.lse, a.dout);
+    let (shape, heads, want_dz) = (a.shape, a.heads, a.want_dz);
+    let mask = a.mask.args(a.key_padding, a.bias);
     let dt = qkv.0.dtype();
     let Some(t) = covered(dt, &shape, &mask, want_dz) else {
         return Ok(None);

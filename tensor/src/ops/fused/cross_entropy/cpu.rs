@@ -4,20 +4,16 @@
 use meshgrad_kernels::cpu;
 use meshgrad_kernels::Float;
 
-use super::{floats, ids, range, with_floats, Floats, IntoStorage};
+use super::{CrossEntropy, CrossEntropyBackward};
+use crate::cpu_backend::{floats, ids, range, with_floats, Floats, IntoStorage};
+use crate::ops::fused::CpuIn;
 use crate::storage::CpuStorage;
-use crate::{Layout, Result};
+use crate::Result;
 
-type In<'a> = (&'a CpuStorage, &'a Layout);
-
-/// Returns `(per-row loss, lse)`, both in compute precision.
-pub(crate) fn cross_entropy(
-    logits: In<'_>,
-    targets: In<'_>,
-    rows: usize,
-    cols: usize,
-    ignore_index: Option<i64>,
-) -> Result<(CpuStorage, CpuStorage)> {
+/// See [`CrossEntropy`]: `(per-row loss, lse)`, both in compute precision.
+pub(super) fn forward(a: &CrossEntropy<CpuIn<'_>>) -> Result<(CpuStorage, CpuStorage)> {
+    let (logits, targets, rows, cols, ignore_index) =
+        (a.logits, a.targets, a.rows, a.cols, a.ignore_index);
     let t = ids(targets.0, targets.1, "cross_entropy (targets)")?;
     let err;
     let r = with_floats!("cross_entropy", (logits.0, range(logits.1)) => x; {
@@ -30,17 +26,10 @@ pub(crate) fn cross_entropy(
     Ok(r)
 }
 
-/// Returns `dlogits` in the logits' dtype.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn cross_entropy_backward(
-    logits: In<'_>,
-    lse: In<'_>,
-    targets: In<'_>,
-    dloss: In<'_>,
-    rows: usize,
-    cols: usize,
-    ignore_index: Option<i64>,
-) -> Result<CpuStorage> {
+/// See [`CrossEntropyBackward`]: `dlogits` in the logits' dtype.
+pub(super) fn backward(a: &CrossEntropyBackward<CpuIn<'_>>) -> Result<CpuStorage> {
+    let (logits, lse, targets, dloss) = (a.logits, a.lse, a.targets, a.dloss);
+    let (rows, cols, ignore_index) = (a.rows, a.cols, a.ignore_index);
     let dt = logits.0.dtype();
     let t = ids(targets.0, targets.1, "cross_entropy_backward (targets)")?;
     Ok(

@@ -1,4 +1,4 @@
-//! Fused attention on the CPU: resolves dtypes and the mask, then calls
+//! Attention on the CPU, the four functions: resolves dtypes and the mask, then calls
 //! `meshgrad_kernels::cpu::attention`.
 
 use std::borrow::Cow;
@@ -7,18 +7,14 @@ use meshgrad_kernels::cpu::attention::{self as kernel, HeadLayout, ScoreMask};
 use meshgrad_kernels::ops::{AttentionShape, BiasLayout};
 use meshgrad_kernels::Float;
 
-use super::{floats, pick, range, with_floats, Floats, IntoStorage};
+use super::{Attention, AttentionBackward, AttentionQkv, AttentionQkvBackward, Grads, MaskArgs};
+use crate::cpu_backend::{floats, pick, range, with_floats, Floats, IntoStorage};
+use crate::ops::fused::CpuIn;
 use crate::storage::CpuStorage;
-use crate::{Error, Layout, Result};
+use crate::{Error, Result};
 
-type In<'a> = (&'a CpuStorage, &'a Layout);
-
-/// The padding mask and bias of one call on the CPU (see `backend::AttentionMaskArgs`).
-pub(crate) struct CpuMask<'a> {
-    pub heads: usize,
-    pub key_padding: Option<In<'a>>,
-    pub bias: Option<(In<'a>, BiasLayout)>,
-}
+/// The padding mask and bias of one call on the CPU.
+type CpuMask<'a> = MaskArgs<'a, CpuStorage>;
 
 /// The mask's inputs in the kernel's terms: the padding mask as bytes (nonzero = attend) and
 /// the bias in compute precision.
@@ -76,17 +72,12 @@ impl<'a> Prepared<'a> {
     }
 }
 
-/// Returns `(out, lse)`.
-pub(crate) fn attention(
-    q: In<'_>,
-    k: In<'_>,
-    v: In<'_>,
-    shape: AttentionShape,
-    mask: &CpuMask<'_>,
-) -> Result<(CpuStorage, CpuStorage)> {
+/// See [`Attention`]: `(out, lse)`.
+pub(super) fn forward(a: &Attention<CpuIn<'_>>) -> Result<(CpuStorage, CpuStorage)> {
+    let (q, k, v, shape) = (a.q, a.k, a.v, a.shape);
     let dt = q.0.dtype();
     let n = shape.batch_heads * shape.seq_q * shape.head_dim;
-    let m = Prepared::new(mask, "attention")?;
+    let m = Prepared::new(&a.mask.args(a.key_padding, a.bias), "attention")?;
     Ok(
         with_floats!("attention", (q.0, range(q.1)) => qv, (k.0, range(k.1)) => kv, (v.0, range(v.1)) => vv; {
             let sm = m.mask(qv)?;
@@ -98,21 +89,15 @@ pub(crate) fn attention(
     )
 }
 
-/// `ops` are q, k, v, out, lse, dout. Returns `(dq, dk, dv, dz)` with `dz` (compute precision)
-/// when `want_dz`.
-#[allow(clippy::type_complexity)]
-pub(crate) fn attention_backward(
-    ops: [In<'_>; 6],
-    shape: AttentionShape,
-    mask: &CpuMask<'_>,
-    want_dz: bool,
-) -> Result<(CpuStorage, CpuStorage, CpuStorage, Option<CpuStorage>)> {
-    let [q, k, v, out, lse, dout] = ops;
+/// See [`AttentionBackward`]: `(dq, dk, dv, dz)` with `dz` (compute precision) when `want_dz`.
+pub(super) fn backward(a: &AttentionBackward<CpuIn<'_>>) -> Result<Grads<CpuStorage>> {
+    let (q, k, v, out, lse, dout) = (a.q, a.k, a.v, a.out, a.lse, a.dout);
+    let (shape, want_dz, mask) = (a.shape, a.want_dz, a.mask.args(a.key_padding, a.bias));
     let dt = q.0.dtype();
     let nq = shape.batch_heads * shape.seq_q * shape.head_dim;
     let nk = shape.batch_heads * shape.seq_k * shape.head_dim;
     let nz = shape.batch_heads * shape.seq_q * shape.seq_k;
-    let m = Prepared::new(mask, "attention_backward")?;
+    let m = Prepared::new(&mask, "attention_backward")?;
     Ok(
         with_floats!("attention_backward", (q.0, range(q.1)) => qv, (k.0, range(k.1)) => kv, (v.0, range(v.1)) => vv, (out.0, range(out.1)) => ov, (lse.0, range(lse.1)) => lv, (dout.0, range(dout.1)) => gv; {
             let sm = m.mask(qv)?;
@@ -150,19 +135,14 @@ fn btc_layout(shape: &AttentionShape, heads: usize) -> HeadLayout {
     }
 }
 
-/// Attention straight from a contiguous `[B, T, 3C]` qkv buffer: returns `(out [B, T, C], lse
-/// [B, H, T])`.
-pub(crate) fn attention_qkv(
-    qkv: In<'_>,
-    shape: AttentionShape,
-    heads: usize,
-    mask: &CpuMask<'_>,
-) -> Result<(CpuStorage, CpuStorage)> {
+/// See [`AttentionQkv`]: `(out [B, T, C], lse [B, H, T])`.
+pub(super) fn qkv_forward(a: &AttentionQkv<CpuIn<'_>>) -> Result<(CpuStorage, CpuStorage)> {
+    let (qkv, shape, heads, mask) = (a.qkv, a.shape, a.heads, a.mask.args(a.key_padding, a.bias));
     let dt = qkv.0.dtype();
     let [ql, kl, vl] = qkv_layouts(&shape, heads);
     let ol = btc_layout(&shape, heads);
     let n = shape.batch_heads * shape.seq_q * shape.head_dim;
-    let m = Prepared::new(mask, "attention_qkv")?;
+    let m = Prepared::new(&mask, "attention_qkv")?;
     Ok(with_floats!("attention", (qkv.0, range(qkv.1)) => x; {
         let sm = m.mask(x)?;
         let mut out = crate::pool::output(n);
@@ -172,22 +152,20 @@ pub(crate) fn attention_qkv(
     }))
 }
 
-/// The backward of [`attention_qkv`]; `ops` are qkv, out, lse, dout. Returns `dqkv [B, T, 3C]`
-/// and, when `want_dz`, the `[B, H, T, T]` gradient of the softmax inputs (compute precision).
-pub(crate) fn attention_qkv_backward(
-    ops: [In<'_>; 4],
-    shape: AttentionShape,
-    heads: usize,
-    mask: &CpuMask<'_>,
-    want_dz: bool,
+/// See [`AttentionQkvBackward`]: `dqkv [B, T, 3C]` and, when `want_dz`, the `[B, H, T, T]`
+/// gradient of the softmax inputs (compute precision).
+pub(super) fn qkv_backward(
+    a: &AttentionQkvBackward<CpuIn<'_>>,
 ) -> Result<(CpuStorage, Option<CpuStorage>)> {
-    let [qkv, out, lse, dout] = ops;
+    let (qkv, out, lse, dout) = (a.qkv, a.out, a.lse, a.dout);
+    let (shape, heads, want_dz) = (a.shape, a.heads, a.want_dz);
+    let mask = a.mask.args(a.key_padding, a.bias);
     let dt = qkv.0.dtype();
     let [ql, kl, vl] = qkv_layouts(&shape, heads);
     let ol = btc_layout(&shape, heads);
     let n = 3 * shape.batch_heads * shape.seq_q * shape.head_dim;
     let nz = shape.batch_heads * shape.seq_q * shape.seq_k;
-    let m = Prepared::new(mask, "attention_qkv_backward")?;
+    let m = Prepared::new(&mask, "attention_qkv_backward")?;
     Ok(
         with_floats!("attention_backward", (qkv.0, range(qkv.1)) => x, (out.0, range(out.1)) => o, (lse.0, range(lse.1)) => l, (dout.0, range(dout.1)) => g; {
             let sm = m.mask(x)?;

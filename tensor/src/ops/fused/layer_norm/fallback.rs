@@ -1,18 +1,14 @@
-//! Layer norm, forward and backward, composed.
+//! Layer norm composed of basic ops, forward and backward, and the tests that it agrees with
+//! the fused paths.
 
-use super::{column, row_sum, widen};
+use super::{Grads, LayerNorm, LayerNormBackward, LayerNormOutput};
+use crate::ops::fallback::{column, row_sum, widen};
 use crate::{Result, Tensor};
 
-/// Layer norm over the last dim of `x` viewed as `[rows, cols]`: `(y, mean, rstd)` with `y` in
-/// `x`'s dtype and `mean`, `rstd` (shape `[rows]`) in compute precision.
-pub(crate) fn layer_norm(
-    x: &Tensor,
-    w: Option<&Tensor>,
-    b: Option<&Tensor>,
-    rows: usize,
-    cols: usize,
-    eps: f64,
-) -> Result<(Tensor, Tensor, Tensor)> {
+/// See [`LayerNorm`]: `y = (x - mean) rstd · w + b` with `mean`, `rstd` (shape `[rows]`) in
+/// compute precision.
+pub(super) fn forward(a: &LayerNorm<&Tensor>) -> Result<LayerNormOutput> {
+    let (x, w, b, rows, cols, eps) = (a.x, a.w, a.b, a.rows, a.cols, a.eps);
     let xc = widen(x)?.reshape((rows, cols))?;
     let mean = xc.mean(&[-1], true)?;
     let d = xc.sub(&mean)?;
@@ -25,28 +21,19 @@ pub(crate) fn layer_norm(
     if let Some(b) = b {
         y = y.add(&widen(b)?)?;
     }
-    Ok((
-        y.to_dtype(x.dtype())?.reshape(x.shape().clone())?,
-        mean.reshape(rows)?,
-        rstd.reshape(rows)?,
-    ))
+    Ok(LayerNormOutput {
+        y: y.to_dtype(x.dtype())?.reshape(x.shape().clone())?,
+        mean: mean.reshape(rows)?,
+        rstd: rstd.reshape(rows)?,
+    })
 }
 
-/// The backward of [`layer_norm`] from its saved `mean` and `rstd`: with
-/// `xhat = (x - mean) rstd` and `g = weight · dy` (or `dy`),
+/// See [`LayerNormBackward`]: with `xhat = (x - mean) rstd` and `g = weight · dy` (or `dy`),
 /// `dx = rstd (g - mean(g) - xhat mean(g xhat))` in `x`'s dtype and, when `param_grads`,
 /// `dweight = Σ_rows dy xhat`, `dbias = Σ_rows dy` in the weight's dtype (`x`'s without one).
-#[allow(clippy::too_many_arguments, clippy::type_complexity)]
-pub(crate) fn layer_norm_backward(
-    x: &Tensor,
-    w: Option<&Tensor>,
-    mean: &Tensor,
-    rstd: &Tensor,
-    dy: &Tensor,
-    rows: usize,
-    cols: usize,
-    param_grads: bool,
-) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
+pub(super) fn backward(a: &LayerNormBackward<&Tensor>) -> Result<Grads<Tensor>> {
+    let (x, w, mean, rstd, dy) = (a.x, a.w, a.mean, a.rstd, a.dy);
+    let (rows, cols, param_grads) = (a.rows, a.cols, a.param_grads);
     let wdt = w.map_or(x.dtype(), |w| w.dtype());
     let xc = widen(x)?.reshape((rows, cols))?;
     let dyc = widen(dy)?.reshape((rows, cols))?;
@@ -74,7 +61,7 @@ pub(crate) fn layer_norm_backward(
 
 #[cfg(test)]
 mod tests {
-    use super::super::testutil::{both, close, rand, CASES};
+    use crate::ops::fallback::testutil::{both, close, rand, CASES};
 
     #[test]
     fn layer_norm_matches_its_composition() {

@@ -1,6 +1,8 @@
-//! Cross-entropy over rows of logits, forward and backward, composed.
+//! Cross-entropy composed of basic ops, forward and backward, and the tests that it agrees
+//! with the fused paths.
 
-use super::{shifted, widen};
+use super::{CrossEntropy, CrossEntropyBackward};
+use crate::ops::fallback::{shifted, widen};
 use crate::{DType, Result, Tensor};
 
 /// `(keep, safe)` for `[rows]` i64 targets: `keep` (u8) is 0 where the target is
@@ -16,17 +18,11 @@ fn kept_targets(t: &Tensor, ignore_index: Option<i64>) -> Result<(Option<Tensor>
     }
 }
 
-/// Cross-entropy of `[rows, cols]` logits (any leading shape folded) against integer `targets`:
-/// `(loss, lse)` per row in compute precision, shaped like `targets`; loss 0 where the target is
-/// `ignore_index` (whose `lse` is still computed). A target outside `0..cols` that is not
-/// ignored is an error.
-pub(crate) fn cross_entropy(
-    logits: &Tensor,
-    targets: &Tensor,
-    rows: usize,
-    cols: usize,
-    ignore_index: Option<i64>,
-) -> Result<(Tensor, Tensor)> {
+/// See [`CrossEntropy`]: `lse = log Σ exp(x)` (shifted by the row maximum) and
+/// `loss = lse - x[target]`, in compute precision.
+pub(super) fn forward(a: &CrossEntropy<&Tensor>) -> Result<(Tensor, Tensor)> {
+    let (logits, targets, rows, cols, ignore_index) =
+        (a.logits, a.targets, a.rows, a.cols, a.ignore_index);
     let x = widen(logits)?.reshape((rows, cols))?;
     let t = targets.to_dtype(crate::DType::I64)?.reshape(rows)?;
     let (z, m) = shifted(&x)?;
@@ -43,20 +39,12 @@ pub(crate) fn cross_entropy(
     ))
 }
 
-/// The backward of [`cross_entropy`] from its saved per-row `lse` and the upstream `dloss`
-/// (one element per row each, compute precision): `dloss (exp(x - lse) - onehot(target))` per
-/// row, zero for ignored rows, in the logits' dtype and shape. Targets are taken as valid (the
-/// forward checked them): a non-ignored target outside `0..cols` matches no column.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn cross_entropy_backward(
-    logits: &Tensor,
-    lse: &Tensor,
-    targets: &Tensor,
-    dloss: &Tensor,
-    rows: usize,
-    cols: usize,
-    ignore_index: Option<i64>,
-) -> Result<Tensor> {
+/// See [`CrossEntropyBackward`]: `dloss (exp(x - lse) - onehot(target))` per row (compute
+/// precision), zero for ignored rows. Targets are taken as valid (the forward checked them): a
+/// non-ignored target outside `0..cols` matches no column.
+pub(super) fn backward(a: &CrossEntropyBackward<&Tensor>) -> Result<Tensor> {
+    let (logits, lse, targets, dloss) = (a.logits, a.lse, a.targets, a.dloss);
+    let (rows, cols, ignore_index) = (a.rows, a.cols, a.ignore_index);
     let x = widen(logits)?.reshape((rows, cols))?;
     let l = widen(lse)?.reshape((rows, 1))?;
     let g = widen(dloss)?.reshape((rows, 1))?;
@@ -77,7 +65,7 @@ pub(crate) fn cross_entropy_backward(
 
 #[cfg(test)]
 mod tests {
-    use super::super::testutil::{both, close, rand, CASES};
+    use crate::ops::fallback::testutil::{both, close, rand, CASES};
     use crate::{Device, Random, Tensor};
 
     /// Targets `[2, 7]` in `0..11`, with position 3 set to `-100` when `ignored`.

@@ -9,12 +9,16 @@
 
 use meshgrad_kernels::ops::AttentionShape;
 
-use super::{replace, widen};
+use super::{
+    Attention, AttentionBackward, AttentionOutput, AttentionQkv, AttentionQkvBackward, Grads,
+};
+use crate::ops::compute_dtype;
+use crate::ops::fallback::{replace, widen};
 use crate::{DType, Result, Tensor};
 
 /// The padding mask and bias of one call, as the tensor op resolved them.
 #[derive(Clone, Copy, Default)]
-pub(crate) struct MaskParts<'a> {
+struct MaskParts<'a> {
     /// Integer `[B, Tk]` (nonzero = attend), `B` the leading batch dim of q (1 without one).
     pub key_padding: Option<&'a Tensor>,
     /// The bias in q's dtype with the scores' rank, broadcastable to `[batch.., Tq, Tk]`.
@@ -61,23 +65,19 @@ fn empty(shape: &AttentionShape) -> bool {
     shape.batch_heads == 0 || shape.seq_q == 0 || shape.seq_k == 0
 }
 
-/// `(out, lse)` of attention over `q [batch.., Tq, D]`, `k`, `v [batch.., Tk, D]`: `out` in q's
-/// dtype and shape, `lse` (compute precision) shaped like q without its last dim.
-pub(crate) fn attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    shape: AttentionShape,
-    mask: MaskParts<'_>,
-) -> Result<(Tensor, Tensor)> {
+/// See [`Attention`] (any batch dims `[batch..]` kept): `out` in q's dtype and shape, `lse`
+/// (compute precision) shaped like q without its last dim.
+pub(super) fn forward(a: &Attention<&Tensor>) -> Result<AttentionOutput> {
+    let (q, k, v, shape) = (a.q, a.k, a.v, a.shape);
     let r = q.rank();
     let lse_dims = q.dims()[..r - 1].to_vec();
-    let ct = super::compute_dtype(q.dtype());
+    let ct = compute_dtype(q.dtype());
     if empty(&shape) {
         let lse = Tensor::full(f64::NEG_INFINITY, lse_dims, ct, q.device())?;
-        return Ok((q.zeros_like()?, lse));
+        let out = q.zeros_like()?;
+        return Ok(AttentionOutput { out, lse });
     }
-    let z = scores(q, k, &shape, mask)?;
+    let z = scores(q, k, &shape, mask_parts(a.key_padding, a.bias))?;
     // Shifted by the row max (by 0 for a row that sees no key).
     let m = replace(&z.max(-1, true)?, f64::NEG_INFINITY, 0.0)?;
     let e = z.sub(&m)?.exp()?;
@@ -85,30 +85,26 @@ pub(crate) fn attention(
     let lse = m.add(&l.log()?)?.reshape(lse_dims)?;
     let p = e.div(&replace(&l, 0.0, 1.0)?)?;
     let out = p.matmul(&widen(v)?)?.to_dtype(q.dtype())?;
-    Ok((out, lse))
+    Ok(AttentionOutput { out, lse })
 }
 
-/// The gradients of [`attention`]: `(dq, dk, dv)` in q's dtype and, when `want_dz`, the
-/// `[batch.., Tq, Tk]` softmax-input gradient `dz` (compute precision), from the forward's
-/// `out` and `lse` and the output gradient `dout`. Probabilities are recomputed as
-/// `P = exp(z - lse)`; with `D_i = dout_i · out_i`, `dz = P (dout vᵀ - D)`, and
-/// `dv = Pᵀ dout`, `dq = scale dz k`, `dk = scale dzᵀ q`.
-#[allow(clippy::too_many_arguments, clippy::type_complexity)]
-pub(crate) fn attention_backward(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &Tensor,
-    lse: &Tensor,
-    dout: &Tensor,
-    shape: AttentionShape,
-    mask: MaskParts<'_>,
-    want_dz: bool,
-) -> Result<(Tensor, Tensor, Tensor, Option<Tensor>)> {
+/// The mask parts of an argument struct's operands.
+fn mask_parts<'a>(key_padding: Option<&'a Tensor>, bias: Option<&'a Tensor>) -> MaskParts<'a> {
+    MaskParts { key_padding, bias }
+}
+
+/// See [`AttentionBackward`] (any batch dims `[batch..]` kept): `(dq, dk, dv)` in q's dtype
+/// and, when `want_dz`, the `[batch.., Tq, Tk]` softmax-input gradient `dz` (compute
+/// precision). Probabilities are recomputed as `P = exp(z - lse)`; with
+/// `D_i = dout_i · out_i`, `dz = P (dout vᵀ - D)`, and `dv = Pᵀ dout`, `dq = scale dz k`,
+/// `dk = scale dzᵀ q`.
+pub(super) fn backward(a: &AttentionBackward<&Tensor>) -> Result<Grads<Tensor>> {
+    let (q, k, v, out, lse, dout) = (a.q, a.k, a.v, a.out, a.lse, a.dout);
+    let (shape, want_dz) = (a.shape, a.want_dz);
     let r = q.rank();
     let mut z_dims = q.dims()[..r - 1].to_vec();
     z_dims.push(shape.seq_k);
-    let ct = super::compute_dtype(q.dtype());
+    let ct = compute_dtype(q.dtype());
     if empty(&shape) {
         let dz = match want_dz {
             true => Some(Tensor::zeros(z_dims, ct, q.device())?),
@@ -118,7 +114,7 @@ pub(crate) fn attention_backward(
     }
     let (qc, kc, vc) = (widen(q)?, widen(k)?, widen(v)?);
     let (oc, gc) = (widen(out)?, widen(dout)?);
-    let z = scores(q, k, &shape, mask)?;
+    let z = scores(q, k, &shape, mask_parts(a.key_padding, a.bias))?;
     let mut col = lse.dims().to_vec();
     col.push(1);
     let l = replace(&widen(lse)?.reshape(col)?, f64::NEG_INFINITY, 0.0)?;
@@ -157,35 +153,45 @@ fn split_qkv(qkv: &Tensor, heads: usize) -> Result<[Tensor; 3]> {
     Ok([part(0)?, part(1)?, part(2)?])
 }
 
-/// [`attention`] read from a `[B, T, 3C]` qkv buffer with `heads` heads: `(out [B, T, C],
-/// lse [B, heads, T])`.
-pub(crate) fn attention_qkv(
-    qkv: &Tensor,
-    shape: AttentionShape,
-    heads: usize,
-    mask: MaskParts<'_>,
-) -> Result<(Tensor, Tensor)> {
-    let [q, k, v] = split_qkv(qkv, heads)?;
-    let (out, lse) = attention(&q, &k, &v, shape, mask)?;
-    Ok((heads_back(&out)?, lse))
+/// See [`AttentionQkv`]: [`forward`] on the heads split out of the qkv buffer.
+pub(super) fn qkv_forward(a: &AttentionQkv<&Tensor>) -> Result<AttentionOutput> {
+    let [q, k, v] = split_qkv(a.qkv, a.heads)?;
+    let fwd = forward(&Attention {
+        q: &q,
+        k: &k,
+        v: &v,
+        key_padding: a.key_padding,
+        bias: a.bias,
+        mask: a.mask,
+        shape: a.shape,
+    })?;
+    Ok(AttentionOutput {
+        out: heads_back(&fwd.out)?,
+        lse: fwd.lse,
+    })
 }
 
-/// The backward of [`attention_qkv`]: `dqkv [B, T, 3C]` and, when `want_dz`, `dz
-/// [B, heads, T, T]`, from `out [B, T, C]`, `lse [B, heads, T]` and `dout [B, T, C]`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn attention_qkv_backward(
-    qkv: &Tensor,
-    out: &Tensor,
-    lse: &Tensor,
-    dout: &Tensor,
-    shape: AttentionShape,
-    heads: usize,
-    mask: MaskParts<'_>,
-    want_dz: bool,
-) -> Result<(Tensor, Option<Tensor>)> {
-    let [q, k, v] = split_qkv(qkv, heads)?;
-    let (o, g) = (heads_forward(out, heads)?, heads_forward(dout, heads)?);
-    let (dq, dk, dv, dz) = attention_backward(&q, &k, &v, &o, lse, &g, shape, mask, want_dz)?;
+/// See [`AttentionQkvBackward`]: [`backward`] on the heads split out of the qkv buffer, the
+/// gradients put back side by side.
+pub(super) fn qkv_backward(a: &AttentionQkvBackward<&Tensor>) -> Result<(Tensor, Option<Tensor>)> {
+    let [q, k, v] = split_qkv(a.qkv, a.heads)?;
+    let (o, g) = (
+        heads_forward(a.out, a.heads)?,
+        heads_forward(a.dout, a.heads)?,
+    );
+    let (dq, dk, dv, dz) = backward(&AttentionBackward {
+        q: &q,
+        k: &k,
+        v: &v,
+        out: &o,
+        lse: a.lse,
+        dout: &g,
+        key_padding: a.key_padding,
+        bias: a.bias,
+        mask: a.mask,
+        shape: a.shape,
+        want_dz: a.want_dz,
+    })?;
     let dqkv = Tensor::cat(
         &[&heads_back(&dq)?, &heads_back(&dk)?, &heads_back(&dv)?],
         2,
@@ -195,7 +201,7 @@ pub(crate) fn attention_qkv_backward(
 
 #[cfg(test)]
 mod tests {
-    use super::super::testutil::{both, close, rand, CASES};
+    use crate::ops::fallback::testutil::{both, close, rand, CASES};
     use crate::{AttentionMask, DType, Device, Tensor};
 
     /// A `[batch, seq_k]` u8 padding mask: batch entry 0 hides keys 1 and 4, entry 1 (when

@@ -1,6 +1,8 @@
-//! Cross-entropy over logits rows, forward and backward (classifier.cu), with `ignore_index`.
+//! Cross-entropy on CUDA, forward and backward: the kernels `cross_entropy_fused_<t>` and
+//! `cross_entropy_bwd_<t>` of `kernels/cuda/classifier.cu`, with `ignore_index`.
 //!
-//! Logits f32, bf16 or f16 (computed in f32); f64 is not provided on CUDA (`Ok(None)`). The
+//! Logits f32, bf16 or f16 (computed in f32); f64 is not provided (`Ok(None)`: the composed
+//! fallback runs). The
 //! per-row `loss` and `lse` are f32, as the CPU backend returns them (compute precision).
 //! Targets are read as i64 (u8 / u32 targets are widened on the host: a round trip that waits
 //! for the stream).
@@ -12,14 +14,17 @@
 
 use cudarc::driver::result;
 
-use super::args::{flat_grid, i64_of, row_grid, sfx, Arg, Launch, BLOCK_1D};
-use super::operand::{as_dtype, check_len, contiguous, ids_i64, output, Operand};
-use crate::backend::api::{Fused, In};
+use super::{CrossEntropy, CrossEntropyBackward};
+use crate::cuda_backend::fused::args::{flat_grid, i64_of, row_grid, sfx, Arg, Launch, BLOCK_1D};
+use crate::cuda_backend::fused::operand::{
+    as_dtype, check_len, contiguous, ids_i64, output, Operand,
+};
 use crate::cuda_backend::{CudaStorage, DeviceContext};
+use crate::ops::fused::CudaIn;
 use crate::{DType, Error, Result};
 
 /// No bad row recorded: the initial value of the kernel's `bad` word.
-pub(crate) const NO_BAD_ROW: u64 = u64::MAX;
+const NO_BAD_ROW: u64 = u64::MAX;
 
 /// `(ignore_index, has_ignore)` as the kernels take them.
 fn ignore_args(ignore_index: Option<i64>) -> [Arg; 2] {
@@ -115,14 +120,10 @@ fn read_word(ctx: &DeviceContext, src: u64, what: &str) -> Result<u64> {
     Ok(v[0])
 }
 
-/// See `BackendStorage::cross_entropy`: `(loss, lse)`, f32 `[rows]`. `Ok(None)` for f64 logits.
-pub(in crate::cuda_backend) fn cross_entropy(
-    logits: In<'_, CudaStorage>,
-    targets: In<'_, CudaStorage>,
-    rows: usize,
-    cols: usize,
-    ignore_index: Option<i64>,
-) -> Fused<(CudaStorage, CudaStorage)> {
+/// See [`CrossEntropy`]: `(loss, lse)`, f32 `[rows]`. `Ok(None)` for f64 logits.
+pub(super) fn forward(a: &CrossEntropy<CudaIn<'_>>) -> Result<Option<(CudaStorage, CudaStorage)>> {
+    let (logits, targets, rows, cols, ignore_index) =
+        (a.logits, a.targets, a.rows, a.cols, a.ignore_index);
     let dt = logits.0.dtype();
     let Some(t) = sfx(dt) else { return Ok(None) };
     let op = "cross_entropy";
@@ -180,17 +181,11 @@ fn check_targets(
     )))
 }
 
-/// See `BackendStorage::cross_entropy_backward`: `dlogits` in the logits' dtype (`lse` and
-/// `dloss` read as f32, converted when they are not). `Ok(None)` for f64 logits.
-pub(in crate::cuda_backend) fn cross_entropy_backward(
-    logits: In<'_, CudaStorage>,
-    lse: In<'_, CudaStorage>,
-    targets: In<'_, CudaStorage>,
-    dloss: In<'_, CudaStorage>,
-    rows: usize,
-    cols: usize,
-    ignore_index: Option<i64>,
-) -> Fused<CudaStorage> {
+/// See [`CrossEntropyBackward`]: `dlogits` in the logits' dtype (`lse` and `dloss` read as f32,
+/// converted when they are not). `Ok(None)` for f64 logits.
+pub(super) fn backward(a: &CrossEntropyBackward<CudaIn<'_>>) -> Result<Option<CudaStorage>> {
+    let (logits, lse, targets, dloss) = (a.logits, a.lse, a.targets, a.dloss);
+    let (rows, cols, ignore_index) = (a.rows, a.cols, a.ignore_index);
     let dt = logits.0.dtype();
     let Some(t) = sfx(dt) else { return Ok(None) };
     let op = "cross_entropy_backward";
@@ -215,9 +210,9 @@ pub(in crate::cuda_backend) fn cross_entropy_backward(
 
 #[cfg(test)]
 mod tests {
-    use super::super::args::assert_known;
-    use super::super::args::Kind::*;
     use super::*;
+    use crate::cuda_backend::fused::args::assert_known;
+    use crate::cuda_backend::fused::args::Kind::*;
 
     #[test]
     fn forward_launch_matches_the_kernel_signature() {

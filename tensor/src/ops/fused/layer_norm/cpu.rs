@@ -1,24 +1,18 @@
 //! Layer norm on the CPU, forward and backward: resolve dtypes, then call
-//! `meshgrad_kernels::cpu::layer_norm`.
+//! `meshgrad_kernels::cpu::layer_norm` (weight and bias are computed in the input's precision).
 
 use meshgrad_kernels::cpu;
 use meshgrad_kernels::Float;
 
-use super::{floats, pick, range, with_floats, Floats, IntoStorage};
+use super::{Grads, LayerNorm, LayerNormBackward};
+use crate::cpu_backend::{floats, pick, range, with_floats, Floats, IntoStorage};
+use crate::ops::fused::CpuIn;
 use crate::storage::CpuStorage;
-use crate::{Error, Layout, Result};
+use crate::{Error, Result};
 
-type In<'a> = (&'a CpuStorage, &'a Layout);
-
-/// Returns `(y, mean, rstd)`.
-pub(crate) fn layer_norm(
-    x: In<'_>,
-    w: Option<In<'_>>,
-    b: Option<In<'_>>,
-    rows: usize,
-    cols: usize,
-    eps: f64,
-) -> Result<(CpuStorage, CpuStorage, CpuStorage)> {
+/// See [`LayerNorm`]: `(y, mean, rstd)`.
+pub(super) fn forward(a: &LayerNorm<CpuIn<'_>>) -> Result<(CpuStorage, CpuStorage, CpuStorage)> {
+    let (x, w, b, rows, cols, eps) = (a.x, a.w, a.b, a.rows, a.cols, a.eps);
     let dt = x.0.dtype();
     // Weight and bias are computed in the input's precision.
     let wv = w
@@ -51,6 +45,7 @@ pub(crate) fn layer_norm(
     })
 }
 
+/// An optional f32 parameter (an f64 one does not fit an f32 input).
 fn as_f32<'a>(v: &'a Option<Floats<'_>>) -> Result<Option<&'a [f32]>> {
     match v {
         None => Ok(None),
@@ -61,6 +56,7 @@ fn as_f32<'a>(v: &'a Option<Floats<'_>>) -> Result<Option<&'a [f32]>> {
     }
 }
 
+/// An optional f64 parameter (an f32 one does not fit an f64 input).
 fn as_f64<'a>(v: &'a Option<Floats<'_>>) -> Result<Option<&'a [f64]>> {
     match v {
         None => Ok(None),
@@ -71,19 +67,11 @@ fn as_f64<'a>(v: &'a Option<Floats<'_>>) -> Result<Option<&'a [f64]>> {
     }
 }
 
-/// Returns `(dx, dweight, dbias)`; the last two when the weight was given (bias grads are
-/// computed together with weight grads since they come from the same pass).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn layer_norm_backward(
-    x: In<'_>,
-    w: Option<In<'_>>,
-    mean: In<'_>,
-    rstd: In<'_>,
-    dy: In<'_>,
-    rows: usize,
-    cols: usize,
-    param_grads: bool,
-) -> Result<(CpuStorage, Option<CpuStorage>, Option<CpuStorage>)> {
+/// See [`LayerNormBackward`]: `(dx, dweight, dbias)`; the last two when `param_grads` (bias
+/// grads are computed together with weight grads since they come from the same pass).
+pub(super) fn backward(a: &LayerNormBackward<CpuIn<'_>>) -> Result<Grads<CpuStorage>> {
+    let (x, w, mean, rstd, dy) = (a.x, a.w, a.mean, a.rstd, a.dy);
+    let (rows, cols, param_grads) = (a.rows, a.cols, a.param_grads);
     let dt = x.0.dtype();
     let wv = w
         .map(|(s, l)| floats(s, range(l), "layer_norm_backward (weight)"))

@@ -1,0 +1,83 @@
+//! Log-sum-exp on CUDA: the kernels `logsumexp_lastdim_<t>` and `logsumexp_strided_<t>` of
+//! `kernels/cuda/reduce.cu`. f32, bf16 and f16 (computed in f32) and f64 (computed in f64):
+//! reduce.cu instantiates log-sum-exp with the basic kernels' dtypes.
+
+use super::Logsumexp;
+use crate::cuda_backend::basic::basic_sfx;
+use crate::cuda_backend::fused::args::{flat_grid, i64_of, row_grid, Arg, Launch, BLOCK_1D};
+use crate::cuda_backend::fused::operand::{check_len, contiguous, output};
+use crate::cuda_backend::CudaStorage;
+use crate::ops::fused::CudaIn;
+use crate::Result;
+
+/// `logsumexp_lastdim_<t>(x, out, rows, red)` (one block per row) when `inner == 1`, else
+/// `logsumexp_strided_<t>(x, out, outer, red, inner)` (one thread per output).
+pub(crate) fn logsumexp_launch(
+    t: &str,
+    [x, out]: [u64; 2],
+    outer: usize,
+    red: usize,
+    inner: usize,
+) -> Launch {
+    let (kind, grid, sizes) = if inner == 1 {
+        ("lastdim", row_grid(outer), vec![i64_of(outer), i64_of(red)])
+    } else {
+        let sizes = vec![i64_of(outer), i64_of(red), i64_of(inner)];
+        ("strided", flat_grid(outer * inner), sizes)
+    };
+    let mut args = vec![Arg::Ptr(x), Arg::Ptr(out)];
+    args.extend(sizes);
+    Launch {
+        file: "reduce.cu",
+        entry: format!("logsumexp_{kind}_{t}"),
+        grid,
+        block: BLOCK_1D,
+        shared: 0,
+        args,
+    }
+}
+
+/// See [`Logsumexp`]: the result in the input's dtype; `Ok(None)` for a dtype reduce.cu does
+/// not instantiate.
+pub(super) fn forward(a: &Logsumexp<CudaIn<'_>>) -> Result<Option<CudaStorage>> {
+    let (x, outer, red, inner) = (a.x, a.outer, a.red, a.inner);
+    let dt = x.0.dtype();
+    let Ok(t) = basic_sfx("logsumexp", dt) else {
+        return Ok(None);
+    };
+    check_len("logsumexp", "x", x.1, outer * red * inner)?;
+    let xo = contiguous(x)?;
+    let ctx = x.0.ctx();
+    let out = output(ctx, dt, outer * inner)?;
+    if outer * inner > 0 {
+        logsumexp_launch(t, [xo.ptr(), out.device_ptr()], outer, red, inner).run(ctx, || {
+            format!("logsumexp over [{outer}, {red}, {inner}] {dt:?}")
+        })?;
+    }
+    Ok(Some(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda_backend::fused::args::assert_known;
+    use crate::cuda_backend::fused::args::Kind::*;
+
+    #[test]
+    fn launch_picks_the_lastdim_or_strided_kernel() {
+        // logsumexp_lastdim_<t>(const T *x, T *out, i64 rows, i64 red)
+        let l = logsumexp_launch("f32", [1, 2], 7, 9, 1);
+        assert_eq!(l.entry, "logsumexp_lastdim_f32");
+        assert_eq!(l.kinds(), vec![P, P, I64, I64]);
+        assert_eq!(l.args[2..], [Arg::I64(7), Arg::I64(9)]);
+        assert_eq!(l.grid, (7, 1, 1));
+        assert_known(&l);
+        // logsumexp_strided_<t>(const T *x, T *out, i64 outer, i64 red, i64 inner)
+        let l = logsumexp_launch("bf16", [1, 2], 7, 9, 300);
+        assert_eq!(l.entry, "logsumexp_strided_bf16");
+        assert_eq!(l.kinds(), vec![P, P, I64, I64, I64]);
+        assert_eq!(l.args[2..], [Arg::I64(7), Arg::I64(9), Arg::I64(300)]);
+        assert_eq!(l.grid, (2100usize.div_ceil(256) as u32, 1, 1));
+        assert_known(&l);
+    }
+}

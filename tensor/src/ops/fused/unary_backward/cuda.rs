@@ -1,0 +1,81 @@
+//! The SiLU / clamp backward on CUDA: the kernel `unary_bwd_<t>` of
+//! `kernels/cuda/activations.cu`. f32, bf16 and f16 (computed in f32); f64 is not provided
+//! (`Ok(None)`: the composed fallback runs).
+
+use meshgrad_kernels::cuda::unary_grad;
+use meshgrad_kernels::ops::UnaryGrad;
+
+use super::UnaryBackward;
+use crate::cuda_backend::fused::activations::act_launch;
+use crate::cuda_backend::fused::args::{i64_of, sfx, Arg, Launch};
+use crate::cuda_backend::fused::operand::{as_dtype, check_len, contiguous, output};
+use crate::cuda_backend::CudaStorage;
+use crate::ops::fused::CudaIn;
+use crate::Result;
+
+/// `unary_bwd_<t>(x, dy, dx, n, op, lo, hi)`: op 0 SiLU, 1 clamp to `[lo, hi]`.
+pub(crate) fn unary_bwd_launch(t: &str, [x, dy, dx]: [u64; 3], n: usize, op: UnaryGrad) -> Launch {
+    let (code, lo, hi) = match op {
+        UnaryGrad::Silu => (unary_grad::SILU, 0.0, 0.0),
+        UnaryGrad::Clamp(lo, hi) => (unary_grad::CLAMP, lo, hi),
+    };
+    act_launch(
+        format!("unary_bwd_{t}"),
+        n,
+        vec![
+            Arg::Ptr(x),
+            Arg::Ptr(dy),
+            Arg::Ptr(dx),
+            i64_of(n),
+            Arg::I32(code),
+            Arg::F64(lo),
+            Arg::F64(hi),
+        ],
+    )
+}
+
+/// See [`UnaryBackward`]: `dy` converted to `x`'s dtype if it differs; `Ok(None)` for f64.
+pub(super) fn backward(
+    &UnaryBackward { x, dy, op }: &UnaryBackward<CudaIn<'_>>,
+) -> Result<Option<CudaStorage>> {
+    let dt = x.0.dtype();
+    let Some(t) = sfx(dt) else { return Ok(None) };
+    let n = x.1.shape().elem_count();
+    check_len("unary_backward", "dy", dy.1, n)?;
+    let (xo, go) = (contiguous(x)?, as_dtype(dy, dt)?);
+    let ctx = x.0.ctx();
+    let dx = output(ctx, dt, n)?;
+    if n > 0 {
+        unary_bwd_launch(t, [xo.ptr(), go.ptr(), dx.device_ptr()], n, op).run(ctx, || {
+            format!("unary_backward {op:?} of {} {dt:?}", x.1.shape())
+        })?;
+    }
+    Ok(Some(dx))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda_backend::fused::args::assert_known;
+    use crate::cuda_backend::fused::args::Kind::*;
+
+    #[test]
+    fn launch_matches_the_kernel_signature() {
+        // unary_bwd_<t>(const T *x, const T *dy, T *dx, i64 n, int op, double lo, double hi)
+        let l = unary_bwd_launch("bf16", [1, 2, 3], 5, UnaryGrad::Clamp(-1.5, f64::INFINITY));
+        assert_eq!(l.entry, "unary_bwd_bf16");
+        assert_eq!(l.kinds(), vec![P, P, P, I64, I32, F64, F64]);
+        assert_eq!(
+            l.args[3..],
+            [
+                Arg::I64(5),
+                Arg::I32(1),
+                Arg::F64(-1.5),
+                Arg::F64(f64::INFINITY)
+            ]
+        );
+        assert_known(&l);
+        let l = unary_bwd_launch("f16", [1, 2, 3], 5, UnaryGrad::Silu);
+        assert_eq!(l.args[4], Arg::I32(0));
+    }
+}

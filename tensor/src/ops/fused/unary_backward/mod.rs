@@ -1,0 +1,71 @@
+//! The fused backward of SiLU and clamp, `dy * f'(x)`: the argument struct [`UnaryBackward`],
+//! its paths (`cpu.rs`, `cuda.rs`, `fallback.rs`) and the tensor op behind
+//! [`Tensor::silu_backward`] and [`Tensor::clamp_backward`] (whose forwards are basic unary
+//! ops). The CPU kernel is `meshgrad_kernels::cpu::unary_backward`, the CUDA one `unary_bwd_<t>`
+//! of `kernels/cuda/activations.cu`; the autograd rules are `Var::silu` and `Var::clamp`.
+
+mod cpu;
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
+mod fallback;
+
+use meshgrad_derive::FusedArgs;
+use meshgrad_kernels::ops::UnaryGrad;
+
+use super::{fused_paths, run, FusedOp};
+use crate::backend::Variant;
+use crate::ops::same_kind;
+use crate::{Error, Result, Tensor};
+
+/// `dy * f'(x)` elementwise for `f` one of [`UnaryGrad`], in `x`'s dtype. Operands contiguous,
+/// of one shape.
+#[derive(Clone, Copy, Debug, FusedArgs)]
+pub(crate) struct UnaryBackward<T> {
+    /// The forward's input.
+    pub x: T,
+    /// The gradient of the output.
+    pub dy: T,
+    /// Which derivative.
+    pub op: UnaryGrad,
+}
+
+impl FusedOp for UnaryBackward<&Tensor> {
+    const NAME: &'static str = "unary_backward";
+    type Out<S> = S;
+    type Output = Tensor;
+
+    fn finish<S: Variant>(&self, dx: S) -> Tensor {
+        Tensor::from_storage(dx.wrap(), self.x.shape())
+    }
+
+    fused_paths!(backward);
+}
+
+impl Tensor {
+    /// `dy * f'(x)` for the forward input `self` (float, shaped like `dy`); `name` names the op
+    /// in errors and profiles.
+    pub(crate) fn unary_backward(
+        &self,
+        dy: &Tensor,
+        op: UnaryGrad,
+        name: &'static str,
+    ) -> Result<Tensor> {
+        let _prof = crate::profile::scope(name);
+        same_kind(name, self, dy)?;
+        if !self.dtype().is_float() {
+            return Err(Error::UnsupportedDType {
+                op: name,
+                dtype: self.dtype(),
+            });
+        }
+        if self.shape() != dy.shape() {
+            return Err(Error::ShapeMismatch {
+                op: name,
+                lhs: self.shape().clone(),
+                rhs: dy.shape().clone(),
+            });
+        }
+        let (x, dy) = (self.contiguous()?, dy.contiguous()?);
+        run(&UnaryBackward { x: &x, dy: &dy, op })
+    }
+}
