@@ -20,7 +20,8 @@
 //!   up to the reduction's rounding (see *per-backend behaviour* for when the bits are equal).
 //!   f32 and f64 accumulate in their own type, integers add with wrap-around, and
 //!   [`ReduceOp::Avg`] is the sum divided by the group size (float dtypes only; integers are an
-//!   error on every backend).
+//!   error on every backend). All-gather, broadcast and all-to-all move values unchanged, bit
+//!   for bit, on every backend.
 //! * **Shapes.** `reduce_scatter` takes a tensor whose leading dimension is divisible by the
 //!   group size (a flat 1-D buffer of length divisible by it is the common case) and returns this
 //!   rank's block of the reduced tensor: rows `[r * n / w, (r + 1) * n / w)` of dimension 0.
@@ -77,8 +78,9 @@
 //!   backend's order and arithmetic (each rank combines one block of every all-reduce in rank
 //!   order), so the same bits on every rank and as with threads; mismatched collectives are
 //!   detected and name both calls (for an all-to-all, by the two ranks that disagree: each
-//!   message carries what its pair of ranks must agree on); sends are buffered (a reader thread per connection takes
-//!   every message as it arrives); a peer whose process exits fails the waits on it at once.
+//!   message carries what its pair of ranks must agree on); sends are buffered (a reader thread
+//!   per connection takes every message as it arrives); a peer whose process exits fails the
+//!   waits on it at once.
 //! * **MPI** (`mpi::MpiCommunicator`, feature `mpi`, one rank per process): MPI chooses the
 //!   reduction algorithm (Open MPI: recursive doubling, rings, ... by message size), so sums are
 //!   not combined in rank order and differ in the last bits from the in-process backend's. The
@@ -87,9 +89,10 @@
 //!   arguments in the same order give the same result: equal bits on every rank are not a
 //!   promise of the standard, so do not rely on them. bf16 and f16 sums round after every
 //!   pairwise addition. Mismatches are not detected (MPI may fail with a truncation error or hang
-//!   until the watchdog; an all-to-all whose receive split exceeds the rows sent completes with
-//!   the missing rows left zero, one below them fails with MPI's truncation error). The watchdog asks the peers for their
-//!   progress and names the missing ranks; a rank that panics ends the job (`MPI_Abort`).
+//!   until the watchdog; an all-to-all whose splits disagree may complete with rows left zero,
+//!   fail with MPI's truncation error or break a later collective: see the MPI backend's docs).
+//!   The watchdog asks the peers for their progress and names the missing ranks; a rank that
+//!   panics ends the job (`MPI_Abort`).
 //! * **NCCL** (`nccl::NcclCommunicator`, feature `nccl`, one rank per process and GPU; its
 //!   status is in README's Status): ring and tree algorithms reduce in an order that depends on the
 //!   topology, the message size, the number of channels and the NCCL version; NCCL documents
