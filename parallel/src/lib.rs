@@ -3,7 +3,7 @@
 //! * [`checkpoint`]: distributed checkpoints: each rank writes its own pieces, one index says
 //!   where every piece sits, publication is one atomic rename, and loading reshards to any layout.
 //! * [`comm`]: the [`Communicator`] trait (all_reduce, reduce_scatter, all_gather, broadcast,
-//!   send/recv, barrier, sub-groups), each operation returning an asynchronous [`Work`] handle;
+//!   all_to_all with split sizes, send/recv, barrier, sub-groups), each operation returning an asynchronous [`Work`] handle;
 //!   the in-process backend (every rank a thread) and its one-call launcher [`run_ranks`], the
 //!   TCP backend (one rank per process, the same bits: [`comm::tcp`]), and MPI and NCCL behind
 //!   features.
@@ -56,7 +56,8 @@ pub mod tp;
 pub mod zero;
 
 pub use comm::{
-    all_reduce_scalar, run_ranks, run_ranks_each, Communicator, RankCtx, ReduceOp, RunOptions, Work,
+    all_reduce_scalar, all_to_all_splits, run_ranks, run_ranks_each, Communicator, RankCtx,
+    ReduceOp, RunOptions, Work,
 };
 pub use ddp::{Ddp, DdpConfig};
 pub use layout::{ParallelLayout, ZeroStage};

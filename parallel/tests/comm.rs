@@ -1,5 +1,9 @@
 //! Collectives of the in-process backend: values against direct computations in the documented
 //! order, every float dtype, sub-groups, mismatches, timeouts, failures, determinism, accounting.
+//! All-to-all: uneven and empty splits on 1 to 4 ranks and a sub-group, pairs of ranks that
+//! disagree, bad arguments.
+
+mod a2a;
 
 use std::time::{Duration, Instant};
 
@@ -661,5 +665,160 @@ fn errors_are_typed_with_rank_group_call_and_sequence() {
         assert_eq!([*a, *b].iter().sum::<usize>(), 1, "{c}");
         assert!(calls.iter().any(|k| k.starts_with("all_reduce(sum")), "{c}");
         assert!(calls.iter().any(|k| k.starts_with("all_gather(")), "{c}");
+    }
+}
+
+#[test]
+fn all_to_all_moves_uneven_and_empty_blocks_on_1_to_4_ranks() {
+    for world in [1, 2, 3, 4] {
+        let ran = run_ranks(world, &opts(), |ctx| {
+            Ok(a2a::check(
+                ctx.comm.as_ref(),
+                &[DType::F32, DType::BF16, DType::I64],
+                Device::Cpu,
+            ))
+        })
+        .unwrap();
+        assert_eq!(ran, vec![27; world]);
+    }
+    // On a sub-group (group ranks, not global ones): ranks 3 and 1 of 4, and rank 2 alone.
+    run_ranks(4, &opts(), |ctx| {
+        let members: &[usize] = match ctx.rank {
+            3 | 1 => &[3, 1],
+            2 => &[2],
+            _ => return Ok(()),
+        };
+        let g = ctx.comm.new_group(members, "a2a")?;
+        a2a::check(g.as_ref(), &[DType::F32], Device::Cpu);
+        Ok(())
+    })
+    .unwrap();
+}
+
+#[test]
+fn all_to_all_ranks_that_disagree_fail_naming_both() {
+    use meshgrad_tensor::{CommErrorKind, Error};
+    // Rank 1 expects 2 rows from rank 0, which sends it 1.
+    let r = run_ranks_each(3, &opts(), |ctx| {
+        let x = Tensor::zeros((3, 2), DType::F32, Device::Cpu)?;
+        let recv = if ctx.rank == 1 { [2, 1, 1] } else { [1, 1, 1] };
+        ctx.comm.all_to_all(&x, &[1, 1, 1], &recv)?.wait()
+    })
+    .unwrap();
+    for (rank, res) in r.iter().enumerate() {
+        let Err(Error::Comm(c)) = res else {
+            panic!("rank {rank}: {res:?}")
+        };
+        assert_eq!(
+            (c.rank, c.call, c.seq),
+            (rank, "all_to_all", Some(0)),
+            "{c}"
+        );
+        let CommErrorKind::Mismatch {
+            rank: a,
+            other: b,
+            calls,
+        } = &c.kind
+        else {
+            panic!("{c}")
+        };
+        let mut pair = [*a, *b];
+        pair.sort();
+        assert_eq!(pair, [0, 1], "{c}");
+        let text = c.to_string();
+        assert!(
+            text.contains("1 rows from rank 0 to rank 1")
+                && text.contains("2 rows from rank 0 to rank 1"),
+            "{text}"
+        );
+        assert_eq!(text.lines().count(), 1, "{text}");
+        assert!(
+            calls
+                .iter()
+                .all(|k| k.starts_with("all_to_all(f32 [*, 2]: ")),
+            "{c}"
+        );
+    }
+    // Rows of another trailing shape or dtype, and a different collective.
+    for bad in ["shape", "dtype", "call"] {
+        let r = run_ranks_each(2, &opts(), |ctx| {
+            let x = match (bad, ctx.rank) {
+                ("shape", 1) => Tensor::zeros((2, 3), DType::F32, Device::Cpu)?,
+                ("dtype", 1) => Tensor::zeros((2, 2), DType::BF16, Device::Cpu)?,
+                _ => Tensor::zeros((2, 2), DType::F32, Device::Cpu)?,
+            };
+            if bad == "call" && ctx.rank == 1 {
+                return ctx.comm.all_gather(&x)?.wait();
+            }
+            ctx.comm.all_to_all(&x, &[1, 1], &[1, 1])?.wait()
+        })
+        .unwrap();
+        for (rank, res) in r.iter().enumerate() {
+            let e = res.as_ref().unwrap_err().to_string();
+            assert!(e.starts_with(&format!("rank {rank}: ")), "{bad}: {e}");
+            assert!(e.contains("mismatched collectives: rank "), "{bad}: {e}");
+            let want = match bad {
+                "shape" => "f32 [*, 3]",
+                "dtype" => "bf16 [*, 2]",
+                _ => "all_gather(f32 [2, 2])",
+            };
+            assert!(e.contains(want) && e.contains("all_to_all("), "{bad}: {e}");
+        }
+    }
+}
+
+#[test]
+fn all_to_all_bad_arguments_fail_at_once_in_one_line() {
+    use meshgrad_tensor::{CommErrorKind, Error};
+    let r = run_ranks(2, &opts(), |ctx| {
+        let x = Tensor::zeros((3, 2), DType::F32, Device::Cpu)?;
+        let scalar = Tensor::scalar(1.0, DType::F32, Device::Cpu)?;
+        let errs = [
+            ctx.comm.all_to_all(&x, &[1, 1, 1], &[1, 2]).unwrap_err(),
+            ctx.comm.all_to_all(&x, &[1, 2], &[3]).unwrap_err(),
+            ctx.comm.all_to_all(&x, &[1, 1], &[1, 2]).unwrap_err(),
+            ctx.comm.all_to_all(&scalar, &[1, 0], &[1, 0]).unwrap_err(),
+            meshgrad_parallel::comm::all_to_all_splits(ctx.comm.as_ref(), &[1]).unwrap_err(),
+        ];
+        // Nothing was launched: a valid all-to-all after them is collective #0 on both ranks.
+        // Rank 0 keeps one row and sends rank 1 two; rank 1 sends rank 0 one and keeps two.
+        let recv = if ctx.rank == 0 { [1, 1] } else { [2, 2] };
+        let ok = ctx.comm.all_to_all(&x, &[1, 2], &recv)?.wait()?;
+        Ok((errs, ok.dims().to_vec()))
+    });
+    let r = r.unwrap();
+    assert_eq!(r[0].1, vec![2, 2]);
+    assert_eq!(r[1].1, vec![4, 2]);
+    for (rank, (errs, _)) in r.iter().enumerate() {
+        let texts: Vec<String> = errs.iter().map(|e| e.to_string()).collect();
+        for (e, t) in errs.iter().zip(&texts) {
+            let Error::Comm(c) = e else { panic!("{t}") };
+            assert!(matches!(c.kind, CommErrorKind::Invalid(_)), "{t}");
+            assert_eq!((c.rank, c.call, c.seq), (rank, "all_to_all", None), "{t}");
+            assert_eq!(t.lines().count(), 1, "{t}");
+        }
+        assert!(
+            texts[0].ends_with("send_splits has 3 entries but the group has 2 ranks"),
+            "{}",
+            texts[0]
+        );
+        assert!(
+            texts[1].ends_with("recv_splits has 1 entries but the group has 2 ranks"),
+            "{}",
+            texts[1]
+        );
+        assert!(
+            texts[2].ends_with(
+                "send_splits [1, 1] add up to 2 rows but the tensor of shape [3, 2] has 3"
+            ),
+            "{}",
+            texts[2]
+        );
+        assert!(texts[3].contains("0-d tensor"), "{}", texts[3]);
+        assert!(
+            texts[4].ends_with("send_splits has 1 entries but the group has 2 ranks"),
+            "{}",
+            texts[4]
+        );
     }
 }

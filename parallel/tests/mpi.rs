@@ -9,7 +9,11 @@
 //! that it is still at the first all-reduce), print `watchdog ok: <error>` and end the job with
 //! `abort` (non-zero status). `MESHGRAD_MPI_TEST_STALL_GROUP=R` does the same with a group
 //! creation: every other rank calls `new_group` over the world, and must fail naming R.
+//! Every `checks` also runs the shared all-to-all cases (uneven and empty splits, f32, bf16,
+//! i64) against the expected rows.
 #![cfg(feature = "mpi")]
+
+mod a2a;
 
 use half::bf16;
 use meshgrad_parallel::comm::mpi::{abort, finalize, MpiCommunicator};
@@ -110,6 +114,20 @@ fn checks(comm: &dyn Communicator) {
         .unwrap();
     assert_eq!(bc.to_vec::<f32>().unwrap(), vec![(w - 1) as f32; 4]);
     comm.barrier().unwrap().wait().unwrap();
+    let dtypes = [
+        meshgrad_tensor::DType::F32,
+        meshgrad_tensor::DType::BF16,
+        meshgrad_tensor::DType::I64,
+    ];
+    assert_eq!(a2a::check(comm, &dtypes, Device::Cpu), 27);
+    // A bad argument fails at once, on this rank only.
+    let e = comm
+        .all_to_all(&t(vec![1.0; 2], &[2]), &vec![0; w + 1], &vec![0; w])
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::Comm(c) if matches!(c.kind, CommErrorKind::Invalid(_))),
+        "{e}"
+    );
     if w > 1 {
         // p2p: a ring in both directions at once, several messages in flight, mixed dtypes.
         let (next, prev) = ((r + 1) % w, (r + w - 1) % w);

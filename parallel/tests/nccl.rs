@@ -7,7 +7,11 @@
 //! Without a GPU (or the NCCL library) the test prints why and passes, unless
 //! MESHGRAD_REQUIRE_CUDA=1, which makes that a failure. On the GPU machine, put a `libnccl.so`
 //! on LD_LIBRARY_PATH (cudarc opens that name, pip's NCCL ships `libnccl.so.2`).
+//! All-to-all (a world of one: one `ncclSend` and `ncclRecv` to itself per case, in a group) runs
+//! the shared cases, uneven and empty blocks, against the expected rows.
 #![cfg(feature = "nccl")]
+
+mod a2a;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -123,4 +127,18 @@ fn nccl_world_of_one_matches_the_in_process_backend() {
     // A bad argument fails at once, naming the call.
     let e = nccl.broadcast(&input(DType::F32, gpu), 3).unwrap_err();
     assert!(e.to_string().contains("broadcast"), "{e}");
+    // All-to-all on device tensors and on host tensors, and a bad split list.
+    let a2a_dtypes = [DType::F32, DType::BF16, DType::I64];
+    for device in [gpu, Device::Cpu] {
+        assert_eq!(a2a::check(&*nccl, &a2a_dtypes, device), 27, "{device}");
+    }
+    assert_eq!(a2a::check(&*sub, &[DType::F32], gpu), 9);
+    let e = nccl
+        .all_to_all(&input(DType::F32, gpu), &[3], &[4])
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .ends_with("send_splits [3] add up to 3 rows but the tensor of shape [4, 6] has 4"),
+        "{e}"
+    );
 }

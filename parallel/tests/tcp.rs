@@ -2,7 +2,10 @@
 //! with its own connections, as processes would have): every collective gives the in-process
 //! backend's bits for every dtype, reduce op and group size (uneven blocks included), sub-groups
 //! progress independently, messages arrive in order, and mismatches, timeouts and exited peers
-//! fail with typed errors.
+//! fail with typed errors. All-to-all: uneven and empty splits on 1 to 4 ranks (and a
+//! sub-group) against the expected rows, pairs of ranks that disagree, bad arguments.
+
+mod a2a;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -336,4 +339,118 @@ fn results_are_charged_to_the_waiting_thread_s_tracker() {
         })
     });
     assert_eq!(got, vec![(4000, None), (4000, Some(4000))]);
+}
+
+#[test]
+fn all_to_all_moves_uneven_and_empty_blocks_on_1_to_4_ranks() {
+    let dtypes = [DType::F32, DType::BF16, DType::I64];
+    for w in [1, 2, 3, 4] {
+        let ran = tcp_world(w, Duration::from_secs(30), |c| {
+            let n = a2a::check(c.as_ref(), &dtypes, Device::Cpu);
+            // Between other collectives, and on a sub-group of the odd ranks in reverse order.
+            let x = Tensor::ones(2, DType::F32, Device::Cpu).unwrap();
+            let ar = c.all_reduce(&x, ReduceOp::Sum).unwrap();
+            let odds: Vec<usize> = (1..w).step_by(2).rev().collect();
+            if c.rank() % 2 == 1 {
+                let g = c.new_group(&odds, "odds").unwrap();
+                a2a::check(g.as_ref(), &[DType::F32], Device::Cpu);
+            }
+            assert_eq!(
+                ar.wait().unwrap().to_vec::<f32>().unwrap(),
+                vec![w as f32; 2]
+            );
+            n
+        });
+        assert_eq!(ran, vec![27; w]);
+    }
+}
+
+#[test]
+fn all_to_all_ranks_that_disagree_fail_naming_each_other() {
+    // Rank 1 expects 2 rows from rank 0, which sends it 1; rank 2 agrees with both.
+    let got = tcp_world(3, Duration::from_secs(30), |c| {
+        let x = Tensor::zeros((3, 2), DType::F32, Device::Cpu).unwrap();
+        let recv = if c.rank() == 1 { [2, 1, 1] } else { [1, 1, 1] };
+        c.all_to_all(&x, &[1, 1, 1], &recv).unwrap().wait()
+    });
+    for (r, res) in got.iter().enumerate().take(2) {
+        let e = res.as_ref().unwrap_err();
+        match comm_kind(e) {
+            CommErrorKind::Mismatch { rank, other, calls } => {
+                assert_eq!((*rank, *other), (r, 1 - r), "{e}");
+                let both = calls.join(" | ");
+                assert!(both.contains("1 rows from rank 0 to rank 1"), "{both}");
+                assert!(both.contains("2 rows from rank 0 to rank 1"), "{both}");
+            }
+            k => panic!("rank {r}: {k:?}"),
+        }
+        let text = e.to_string();
+        assert!(
+            text.starts_with(&format!("rank {r}: all_to_all #0 on group [0,1,2]: ")),
+            "{text}"
+        );
+        assert_eq!(text.lines().count(), 1, "{text}");
+    }
+    assert_eq!(
+        got[2].as_ref().unwrap().dims(),
+        &[3, 2],
+        "rank 2 agreed with both"
+    );
+    // Another trailing shape, and another collective.
+    for bad in ["shape", "call"] {
+        let got = tcp_world(2, Duration::from_secs(30), |c| {
+            let cols = if bad == "shape" && c.rank() == 1 {
+                3
+            } else {
+                2
+            };
+            let x = Tensor::zeros((2, cols), DType::F32, Device::Cpu).unwrap();
+            if bad == "call" && c.rank() == 1 {
+                return c.all_gather(&x).unwrap().wait().unwrap_err();
+            }
+            c.all_to_all(&x, &[1, 1], &[1, 1])
+                .unwrap()
+                .wait()
+                .unwrap_err()
+        });
+        for (r, e) in got.iter().enumerate() {
+            let CommErrorKind::Mismatch { rank, other, calls } = comm_kind(e) else {
+                panic!("{bad}, rank {r}: {e}")
+            };
+            assert_eq!((*rank, *other), (r, 1 - r), "{e}");
+            let both = calls.join(" | ");
+            let want = if bad == "shape" {
+                "f32 [*, 3]"
+            } else {
+                "all_gather(f32 [2, 2])"
+            };
+            assert!(
+                both.contains(want) && both.contains("all_to_all(f32 [*, 2]"),
+                "{both}"
+            );
+        }
+    }
+}
+
+#[test]
+fn all_to_all_bad_arguments_are_refused_at_launch() {
+    let got = tcp_world(2, Duration::from_secs(30), |c| {
+        let x = Tensor::zeros((3, 2), DType::F32, Device::Cpu).unwrap();
+        let scalar = Tensor::scalar(1.0, DType::F32, Device::Cpu).unwrap();
+        let errs = [
+            c.all_to_all(&x, &[1, 1, 1], &[1, 2]).unwrap_err(),
+            c.all_to_all(&x, &[1, 2], &[3]).unwrap_err(),
+            c.all_to_all(&x, &[1, 1], &[1, 2]).unwrap_err(),
+            c.all_to_all(&scalar, &[1, 0], &[1, 0]).unwrap_err(),
+        ];
+        errs.iter()
+            .map(|e| {
+                let one_line = e.to_string().lines().count() == 1;
+                matches!(comm_kind(e), CommErrorKind::Invalid(_)) && one_line
+            })
+            .collect::<Vec<_>>()
+    });
+    for r in got {
+        assert!(r.iter().all(|&ok| ok), "{r:?}");
+    }
 }

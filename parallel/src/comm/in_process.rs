@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use meshgrad_tensor::storage::CpuStorage;
 use meshgrad_tensor::{CommErrorKind, Device, Error, Result, Shape, Tensor};
 
-use super::call::{checks, Call, Kind};
+use super::call::{checks, disagreement, Call, Kind};
 use super::{format_ranks, reduce, with_peer, Communicator, Pending, ReduceOp, Work};
 
 /// Locks a mutex, recovering the data if a panicking thread poisoned it: every critical section
@@ -144,6 +144,20 @@ impl World {
 struct Payload {
     data: CpuStorage,
     shape: Shape,
+    /// An all-to-all's result: the rows for every rank, destination by destination, and where
+    /// each destination's rows start (element offsets, one more than the group size). Empty
+    /// otherwise.
+    offsets: Vec<usize>,
+}
+
+impl Payload {
+    fn new(data: CpuStorage, shape: Shape) -> Payload {
+        Payload {
+            data,
+            shape,
+            offsets: Vec::new(),
+        }
+    }
 }
 
 enum Outcome {
@@ -311,10 +325,10 @@ impl InProcessComm {
             self.check_tensor(what, t)?;
         }
         let payload = match tensor {
-            Some(t) if contribute => Some(Arc::new(Payload {
-                data: t.to_cpu_storage()?,
-                shape: t.shape().clone(),
-            })),
+            Some(t) if contribute => Some(Arc::new(Payload::new(
+                t.to_cpu_storage()?,
+                t.shape().clone(),
+            ))),
             _ => None,
         };
         let call = Call {
@@ -326,17 +340,18 @@ impl InProcessComm {
         {
             let mut st = lock(&self.group.state);
             let slot = st.slots.entry(seq).or_insert_with(|| Slot::new(n));
-            if let Some((other, theirs)) = slot
-                .calls
-                .iter()
-                .enumerate()
-                .find_map(|(i, c)| c.as_ref().map(|c| (i, c)))
-            {
-                if *theirs != call && !matches!(slot.outcome, Outcome::Failed(_)) {
+            // Every member already there (an all-to-all matches pair by pair).
+            let members = &self.group.members;
+            let conflict = slot.calls.iter().enumerate().find_map(|(i, c)| {
+                let theirs = c.as_ref()?;
+                disagreement(&call, self.rank, theirs, i, members).map(|calls| (i, calls))
+            });
+            if let Some((other, calls)) = conflict {
+                if !matches!(slot.outcome, Outcome::Failed(_)) {
                     slot.outcome = Outcome::Failed(CommErrorKind::Mismatch {
-                        rank: self.group.members[self.rank],
-                        other: self.group.members[other],
-                        calls: [call.to_string(), theirs.to_string()],
+                        rank: members[self.rank],
+                        other: members[other],
+                        calls,
                     });
                 }
             }
@@ -403,13 +418,25 @@ impl Communicator for InProcessComm {
         self.launch(Kind::Broadcast(root), Some(tensor), root == self.rank)
     }
 
+    fn all_to_all(
+        &self,
+        tensor: &Tensor,
+        send_splits: &[usize],
+        recv_splits: &[usize],
+    ) -> Result<Work> {
+        checks::all_to_all(tensor.shape(), send_splits, recv_splits, self.world_size())
+            .map_err(|m| self.invalid("all_to_all", m))?;
+        let kind = Kind::AllToAll {
+            send: send_splits.to_vec(),
+            recv: recv_splits.to_vec(),
+        };
+        self.launch(kind, Some(tensor), true)
+    }
+
     fn send(&self, tensor: &Tensor, dst: usize) -> Result<Work<()>> {
         self.check_peer("send", dst, "destination")?;
         self.check_tensor("send", tensor)?;
-        let payload = Payload {
-            data: tensor.to_cpu_storage()?,
-            shape: tensor.shape().clone(),
-        };
+        let payload = Payload::new(tensor.to_cpu_storage()?, tensor.shape().clone());
         let seq = Self::next_pair_seq(&self.send_seq, dst);
         let mut st = lock(&self.group.state);
         st.messages.insert((self.rank, dst, seq), payload);
@@ -523,17 +550,26 @@ impl CollectiveWait {
                 let data = reduce::slice(&result.data, self.rank * chunk, chunk);
                 Tensor::from_cpu(data, dims, Device::Cpu)
             }
+            Kind::AllToAll { recv, .. } => {
+                // This rank's rows, from every source in rank order.
+                let (start, end) = (result.offsets[self.rank], result.offsets[self.rank + 1]);
+                let mut dims = result.shape.dims().to_vec();
+                dims[0] = recv.iter().sum();
+                let data = reduce::slice(&result.data, start, end - start);
+                Tensor::from_cpu(data, dims, Device::Cpu)
+            }
             _ => Tensor::from_cpu(result.data.clone(), result.shape.clone(), Device::Cpu),
         }
     }
 }
 
 /// Combines the contributions of a complete collective: `inputs` are the contributions present,
-/// in rank order, and `by_rank` the same indexed by group rank.
+/// in rank order, `by_rank` the same indexed by group rank, and `calls` the members' calls.
 fn combine(
     kind: &Kind,
     inputs: &[Arc<Payload>],
     by_rank: &[Option<Arc<Payload>>],
+    calls: &[Option<Call>],
 ) -> Result<Arc<Payload>> {
     let data: Vec<&CpuStorage> = inputs.iter().map(|p| &p.data).collect();
     let first = || {
@@ -542,10 +578,10 @@ fn combine(
             .ok_or_else(|| Error::msg("internal error: no contributions"))
     };
     match kind {
-        Kind::AllReduce(op) | Kind::ReduceScatter(op) => Ok(Arc::new(Payload {
-            data: reduce::reduce(&data, *op)?,
-            shape: first()?.shape.clone(),
-        })),
+        Kind::AllReduce(op) | Kind::ReduceScatter(op) => Ok(Arc::new(Payload::new(
+            reduce::reduce(&data, *op)?,
+            first()?.shape.clone(),
+        ))),
         Kind::AllGather => {
             let s = &first()?.shape;
             let mut dims = s.dims().to_vec();
@@ -554,10 +590,10 @@ fn combine(
             } else {
                 dims[0] *= inputs.len();
             }
-            Ok(Arc::new(Payload {
-                data: reduce::concat(&data)?,
-                shape: Shape::new(dims),
-            }))
+            Ok(Arc::new(Payload::new(
+                reduce::concat(&data)?,
+                Shape::new(dims),
+            )))
         }
         // The root's buffer is shared as is; each rank copies it when extracting.
         Kind::Broadcast(root) => by_rank
@@ -565,11 +601,59 @@ fn combine(
             .cloned()
             .flatten()
             .ok_or_else(|| Error::msg("internal error: the broadcast root's data is missing")),
-        Kind::Barrier => Ok(Arc::new(Payload {
-            data: CpuStorage::F32(Vec::new()),
-            shape: Shape::new(vec![0]),
-        })),
+        Kind::Barrier => Ok(Arc::new(Payload::new(
+            CpuStorage::F32(Vec::new()),
+            Shape::new(vec![0]),
+        ))),
+        Kind::AllToAll { .. } => all_to_all(inputs, calls),
     }
+}
+
+/// An all-to-all's rows regrouped by destination (every member's calls matched, so rank `i`
+/// sends rank `d` as many rows as `d` expects): for each destination in rank order, the rows
+/// every source sends it, in source order; the payload's shape is the input's trailing
+/// dimensions after the total number of rows.
+fn all_to_all(inputs: &[Arc<Payload>], calls: &[Option<Call>]) -> Result<Arc<Payload>> {
+    let missing = || Error::msg("internal error: an all-to-all contribution is missing");
+    let first = inputs.first().ok_or_else(missing)?;
+    let dims = first.shape.dims();
+    let row: usize = dims[1..].iter().product();
+    let ranges: Vec<Vec<std::ops::Range<usize>>> = calls
+        .iter()
+        .map(|c| match c.as_ref().map(|c| &c.kind) {
+            Some(Kind::AllToAll { send, .. }) => Ok(reduce::split_ranges(send, row)),
+            _ => Err(missing()),
+        })
+        .collect::<Result<_>>()?;
+    let w = ranges.len();
+    if inputs.len() != w {
+        return Err(missing());
+    }
+    let mut parts = Vec::with_capacity(w * w);
+    let mut offsets = Vec::with_capacity(w + 1);
+    let mut at = 0;
+    offsets.push(0);
+    for d in 0..w {
+        for (input, r) in inputs.iter().zip(&ranges) {
+            at += r[d].len();
+            parts.push((&input.data, r[d].clone()));
+        }
+        offsets.push(at);
+    }
+    let mut shape = dims.to_vec();
+    shape[0] = calls
+        .iter()
+        .flatten()
+        .map(|c| match &c.kind {
+            Kind::AllToAll { send, .. } => send.iter().sum::<usize>(),
+            _ => 0,
+        })
+        .sum();
+    Ok(Arc::new(Payload {
+        data: reduce::concat_ranges(first.data.dtype(), &parts)?,
+        shape: Shape::new(shape),
+        offsets,
+    }))
 }
 
 /// Puts a `Failed` outcome in place if the combining rank unwinds before finishing.
@@ -630,13 +714,18 @@ impl Pending<Tensor> for CollectiveWait {
                     slot.outcome = Outcome::Computing;
                     let inputs: Vec<Arc<Payload>> = slot.inputs.iter().flatten().cloned().collect();
                     let roots = slot.inputs.clone();
+                    // An all-to-all reads every member's splits.
+                    let calls = match self.kind {
+                        Kind::AllToAll { .. } => slot.calls.clone(),
+                        _ => Vec::new(),
+                    };
                     drop(st);
                     let mut guard = ComputeGuard {
                         group: &group,
                         seq: self.seq,
                         done: false,
                     };
-                    let combined = combine(&self.kind, &inputs, &roots);
+                    let combined = combine(&self.kind, &inputs, &roots, &calls);
                     st = lock(&group.state);
                     guard.done = true;
                     if let Some(slot) = st.slots.get_mut(&self.seq) {

@@ -20,13 +20,20 @@
 //!   up to the reduction's rounding (see *per-backend behaviour* for when the bits are equal).
 //!   f32 and f64 accumulate in their own type, integers add with wrap-around, and
 //!   [`ReduceOp::Avg`] is the sum divided by the group size (float dtypes only; integers are an
-//!   error on every backend).
+//!   error on every backend). All-gather, broadcast and all-to-all move values unchanged, bit
+//!   for bit, on every backend.
 //! * **Shapes.** `reduce_scatter` takes a tensor whose leading dimension is divisible by the
 //!   group size (a flat 1-D buffer of length divisible by it is the common case) and returns this
 //!   rank's block of the reduced tensor: rows `[r * n / w, (r + 1) * n / w)` of dimension 0.
 //!   `all_gather` concatenates the members' tensors (all of one shape) along dimension 0 in rank
 //!   order (a 0-d tensor gathers to shape `[w]`). `broadcast` takes a tensor of the same shape
 //!   and dtype on every rank (only the root's values are used) and returns the root's values.
+//!   `all_to_all` splits each rank's tensor along dimension 0 into one block per rank (uneven
+//!   and empty blocks allowed: `send_splits[j]` rows go to rank `j`) and returns the blocks the
+//!   members sent this rank, concatenated along dimension 0 in rank order (`recv_splits[i]`
+//!   rows from rank `i`); the other dimensions and the dtype are the same on every rank, and
+//!   rank `i`'s `send_splits[j]` must equal rank `j`'s `recv_splits[i]`
+//!   ([`all_to_all_splits`] computes the receive splits from the send splits).
 //! * **Ownership.** Inputs are copied at launch, so the caller may reuse or modify them while the
 //!   operation is in flight; results are fresh tensors owned by the receiving rank (charged to
 //!   the allocation tracker active on the thread that calls [`Work::wait`]).
@@ -62,14 +69,18 @@
 //!   bits, so a run is bit-for-bit repeatable; bf16 and f16 accumulate in f32 and are rounded (to
 //!   nearest even) once at the end; [`ReduceOp::Avg`] is one correctly rounded division per
 //!   element; [`ReduceOp::Max`] propagates NaN. Mismatched collectives (a different op, shape,
-//!   dtype, reduce op or root at the same position) are detected and name both calls. Sends are
+//!   dtype, reduce op or root at the same position; two all-to-alls whose ranks disagree on the
+//!   rows one sends the other, the rows' trailing shape or the dtype) are detected and name both
+//!   calls, and every member's wait fails. Sends are
 //!   buffered by default; [`RunOptions::rendezvous_sends`] makes them rendezvous like a real
 //!   backend's. A failed, panicked or returned rank fails its peers' operations at once.
 //! * **TCP** ([`tcp::TcpCommunicator`], one rank per process, on the CPU): the in-process
 //!   backend's order and arithmetic (each rank combines one block of every all-reduce in rank
 //!   order), so the same bits on every rank and as with threads; mismatched collectives are
-//!   detected and name both calls; sends are buffered (a reader thread per connection takes
-//!   every message as it arrives); a peer whose process exits fails the waits on it at once.
+//!   detected and name both calls (for an all-to-all, by the two ranks that disagree: each
+//!   message carries what its pair of ranks must agree on); sends are buffered (a reader thread
+//!   per connection takes every message as it arrives); a peer whose process exits fails the
+//!   waits on it at once.
 //! * **MPI** (`mpi::MpiCommunicator`, feature `mpi`, one rank per process): MPI chooses the
 //!   reduction algorithm (Open MPI: recursive doubling, rings, ... by message size), so sums are
 //!   not combined in rank order and differ in the last bits from the in-process backend's. The
@@ -78,8 +89,10 @@
 //!   arguments in the same order give the same result: equal bits on every rank are not a
 //!   promise of the standard, so do not rely on them. bf16 and f16 sums round after every
 //!   pairwise addition. Mismatches are not detected (MPI may fail with a truncation error or hang
-//!   until the watchdog). The watchdog asks the peers for their
-//!   progress and names the missing ranks; a rank that panics ends the job (`MPI_Abort`).
+//!   until the watchdog; an all-to-all whose splits disagree may complete with rows left zero,
+//!   fail with MPI's truncation error or break a later collective: see the MPI backend's docs).
+//!   The watchdog asks the peers for their progress and names the missing ranks; a rank that
+//!   panics ends the job (`MPI_Abort`).
 //! * **NCCL** (`nccl::NcclCommunicator`, feature `nccl`, one rank per process and GPU; its
 //!   status is in README's Status): ring and tree algorithms reduce in an order that depends on the
 //!   topology, the message size, the number of channels and the NCCL version; NCCL documents
@@ -89,7 +102,8 @@
 //!   stream-ordered as described above; the watchdog aborts the communicator (`ncclCommAbort`)
 //!   on timeout but cannot name the missing ranks; groups get their own unique ids through the
 //!   store (`ncclCommSplit` would need every rank of the parent, and the trait's `new_group` is
-//!   called by the members only). Mismatches are not detected. Operations of one communicator
+//!   called by the members only). Mismatches are not detected (an all-to-all whose splits
+//!   disagree may hang until the watchdog or leave rows unwritten). Operations of one communicator
 //!   run in issue order on one stream, so a receive issued before a collective holds the
 //!   collective back until its message arrives.
 //!
@@ -204,6 +218,26 @@ pub trait Communicator: Send + Sync {
     /// Receives the next message from group rank `src` (messages from one sender arrive in the
     /// order they were sent).
     fn recv(&self, src: usize) -> Result<Work>;
+
+    /// Exchanges rows of dimension 0 between every pair of ranks: `tensor`'s rows are split in
+    /// rank order into blocks of `send_splits[j]` rows, block `j` going to group rank `j` (this
+    /// rank's own block included), and the result concatenates along dimension 0 the blocks
+    /// received from ranks `0..world_size()` in rank order, `recv_splits[i]` rows from rank `i`
+    /// (shape `[sum(recv_splits), ...]`, the input's other dimensions). Splits may be uneven
+    /// or zero. Every rank passes a tensor of the same dtype and trailing dimensions, and rank
+    /// `i`'s `send_splits[j]` equals rank `j`'s `recv_splits[i]` ([`all_to_all_splits`]
+    /// exchanges the send splits to get them). Invalid arguments fail at once with
+    /// [`CommErrorKind::Invalid`](meshgrad_tensor::CommErrorKind::Invalid): a 0-d tensor, split
+    /// lists whose length is not the group size, send splits that do not add up to the
+    /// leading dimension. Ranks that disagree fail with a
+    /// [`Mismatch`](meshgrad_tensor::CommErrorKind::Mismatch) naming both, where the backend
+    /// detects it (see the [module docs](self)).
+    fn all_to_all(
+        &self,
+        tensor: &Tensor,
+        send_splits: &[usize],
+        recv_splits: &[usize],
+    ) -> Result<Work>;
 
     /// Completes once every rank of the group has entered the barrier.
     fn barrier(&self) -> Result<Work<()>>;
@@ -335,6 +369,39 @@ pub fn parse_panic_abort_line(text: &str) -> Option<(usize, i32)> {
 pub fn all_reduce_scalar(comm: &dyn Communicator, value: f64, op: ReduceOp) -> Result<f64> {
     let t = Tensor::from_vec(vec![value], 1, meshgrad_tensor::Device::Cpu)?;
     Ok(comm.all_reduce(&t, op)?.wait()?.to_vec::<f64>()?[0])
+}
+
+/// The receive splits of an all-to-all whose send splits are `send_splits` on every rank (one
+/// entry per group rank): element `i` of the result is rank `i`'s `send_splits[rank()]`, the
+/// number of rows this rank will receive from rank `i`. Collective (every member calls it at
+/// the same point, as a collective): it is one all-to-all of `world_size()` 64-bit counts, the
+/// exchange a mixture-of-experts layer makes before moving its tokens.
+pub fn all_to_all_splits(comm: &dyn Communicator, send_splits: &[usize]) -> Result<Vec<usize>> {
+    let w = comm.world_size();
+    if send_splits.len() != w {
+        return Err(meshgrad_tensor::Error::comm(
+            comm.global_rank(),
+            comm.ranks(),
+            "all_to_all",
+            None,
+            meshgrad_tensor::CommErrorKind::Invalid(format!(
+                "send_splits has {} entries but the group has {w} ranks",
+                send_splits.len()
+            )),
+        ));
+    }
+    let counts: Vec<i64> = send_splits
+        .iter()
+        .map(|&n| {
+            i64::try_from(n).map_err(|_| {
+                meshgrad_tensor::Error::msg(format!("all_to_all_splits: split {n} exceeds i64"))
+            })
+        })
+        .collect::<Result<_>>()?;
+    let t = Tensor::from_vec(counts, w, meshgrad_tensor::Device::Cpu)?;
+    let ones = vec![1; w];
+    let got = comm.all_to_all(&t, &ones, &ones)?.wait()?.to_vec::<i64>()?;
+    Ok(got.into_iter().map(|n| n.max(0) as usize).collect())
 }
 
 #[cfg(test)]

@@ -10,10 +10,10 @@
 //! [`finalize`]. Every [`MpiCommunicator`] call sends a request over a channel and returns a
 //! [`Work`] at once; the MPI thread launches the matching **nonblocking** MPI operation
 //! (`MPI_Iallreduce`, `MPI_Ireduce_scatter_block`, `MPI_Iallgather`, `MPI_Ibcast`,
-//! `MPI_Ibarrier`, `MPI_Isend`, matched probe + `MPI_Imrecv`), polls every operation in flight
-//! with `MPI_Test` and hands each result to its `Work` when it completes. So communication
-//! overlaps compute as with the in-process backend, and two ranks that send to each other at the
-//! same time do not deadlock. Operations are launched in the order they are issued, which is what
+//! `MPI_Ialltoallv`, `MPI_Ibarrier`, `MPI_Isend`, matched probe + `MPI_Imrecv`), polls every
+//! operation in flight with `MPI_Test` and hands each result to its `Work` when it completes.
+//! So communication overlaps compute as with the in-process backend, and two ranks that send to
+//! each other at the same time do not deadlock. Operations are launched in the order they are issued, which is what
 //! MPI's matching rule for collectives needs (the trait's matching rule is the same);
 //! [`Communicator::batch_p2p`] hands a batch of sends and receives over as one request, launched
 //! in one go. When nothing is in flight the thread waits for requests 10 ms at a time, so that it
@@ -82,8 +82,15 @@
 //!   the same order). The trait's tag becomes the MPI tag of the creation (a hash).
 //! * **Failures.** Every failure is an [`Error::Comm`] naming the rank, the group, the call and
 //!   (once numbered) its sequence number. Mismatched calls are not detected (MPI may fail with a
-//!   truncation error or hang until the watchdog). A rank that stops joining is named by the
-//!   watchdog (above). A panic in any thread of any rank calls `MPI_Abort` (a hook installed by
+//!   truncation error or hang until the watchdog). An all-to-all is one `MPI_Ialltoallv` with
+//!   counts and displacements in elements, so MPI sees sizes only, and the standard calls
+//!   disagreeing counts erroneous. Seen with Open MPI 4.1: a rank that expects more rows than
+//!   its peer sends gets zeros for the missing ones; fewer (but some) fails with MPI's
+//!   truncation error and the job ends; none leaves the peer's message unreceived, which breaks
+//!   a later collective; a different trailing shape of the same size goes unnoticed. Get the
+//!   receive splits from [`super::all_to_all_splits`] (itself one all-to-all of one count per
+//!   rank, so always consistent) rather than computing them separately on each rank. A rank
+//!   that stops joining is named by the watchdog (above). A panic in any thread of any rank calls `MPI_Abort` (a hook installed by
 //!   [`MpiCommunicator::world`]), so the whole job ends with a non-zero status instead of
 //!   hanging; [`abort`] does the same for errors.
 //! * **Limits.** MPI counts are `int`: one operation moves at most 2^31 - 1 elements (a message
@@ -177,6 +184,8 @@ enum Request {
     ReduceScatter(usize, CpuStorage, ReduceOp, Reply<CpuStorage>),
     AllGather(usize, CpuStorage, Reply<CpuStorage>),
     Broadcast(usize, CpuStorage, usize, Reply<CpuStorage>),
+    /// The input and the elements sent to and received from each group rank.
+    AllToAll(usize, CpuStorage, Vec<usize>, Vec<usize>, Reply<CpuStorage>),
     Barrier(usize, Reply<()>),
     Send(usize, Vec<u8>, usize, Reply<()>),
     Recv(usize, usize, Reply<Vec<u8>>),
@@ -444,6 +453,24 @@ impl Communicator for MpiCommunicator {
         let id = self.id;
         Ok(self
             .send_request("broadcast", |r| Request::Broadcast(id, data, root, r))?
+            .map(move |d| tensor_of(d, dims)))
+    }
+
+    fn all_to_all(
+        &self,
+        tensor: &Tensor,
+        send_splits: &[usize],
+        recv_splits: &[usize],
+    ) -> Result<Work> {
+        let dims = checks::all_to_all(tensor.shape(), send_splits, recv_splits, self.world_size())
+            .map_err(|m| self.err("all_to_all", m))?;
+        let row: usize = dims[1..].iter().product();
+        let send: Vec<usize> = send_splits.iter().map(|&n| n * row).collect();
+        let recv: Vec<usize> = recv_splits.iter().map(|&n| n * row).collect();
+        let data = tensor.to_cpu_storage()?;
+        let id = self.id;
+        Ok(self
+            .send_request("all_to_all", |r| Request::AllToAll(id, data, send, recv, r))?
             .map(move |d| tensor_of(d, dims)))
     }
 
@@ -753,8 +780,11 @@ fn ptr(s: &mut CpuStorage) -> *mut c_void {
 enum Finish {
     Storage {
         data: CpuStorage,
-        /// The separate send buffer, when MPI_IN_PLACE is unknown (kept alive until completion).
+        /// The separate send buffer, when MPI_IN_PLACE is unknown or the call has one (kept
+        /// alive until completion).
         _send: Option<CpuStorage>,
+        /// Count and displacement arrays MPI reads until completion (`MPI_Ialltoallv`).
+        _args: Vec<Vec<c_int>>,
         avg: Option<usize>,
         keep: Option<usize>,
         reply: Reply<CpuStorage>,
@@ -1207,6 +1237,7 @@ impl State {
                 }
                 Request::AllGather(c, _, reply) => drop(reply.send(Err(e(c, "all_gather")))),
                 Request::Broadcast(c, _, _, reply) => drop(reply.send(Err(e(c, "broadcast")))),
+                Request::AllToAll(c, _, _, _, reply) => drop(reply.send(Err(e(c, "all_to_all")))),
                 Request::Barrier(c, reply) => drop(reply.send(Err(e(c, "barrier")))),
                 Request::Send(c, _, _, reply) => drop(reply.send(Err(e(c, "send")))),
                 Request::Recv(c, _, reply) => drop(reply.send(Err(e(c, "recv")))),
@@ -1267,6 +1298,7 @@ impl State {
                     Finish::Storage {
                         data: out,
                         _send: send,
+                        _args: Vec::new(),
                         avg: None,
                         keep: None,
                         reply,
@@ -1302,12 +1334,16 @@ impl State {
                     Finish::Storage {
                         data,
                         _send: None,
+                        _args: Vec::new(),
                         avg: None,
                         keep: None,
                         reply,
                     },
                     info,
                 );
+            }
+            Request::AllToAll(c, data, send, recv, reply) => {
+                self.all_to_all(c, data, &send, &recv, reply)
             }
             Request::Barrier(c, reply) => {
                 let info = self.begin(c, "barrier", None);
@@ -1595,8 +1631,83 @@ impl State {
             Finish::Storage {
                 data,
                 _send: send,
+                _args: Vec::new(),
                 avg: (op == ReduceOp::Avg).then_some(w),
                 keep: scatter.then_some(n / w),
+                reply,
+            },
+            info,
+        );
+    }
+
+    /// Launches `MPI_Ialltoallv`: `send[p]` elements of `data` to group rank `p` (blocks in rank
+    /// order) and `recv[p]` from it into a fresh buffer (blocks in rank order).
+    fn all_to_all(
+        &mut self,
+        c: usize,
+        mut data: CpuStorage,
+        send: &[usize],
+        recv: &[usize],
+        reply: Reply<CpuStorage>,
+    ) {
+        let info = self.begin(c, "all_to_all", None);
+        // Counts and displacements are ints: every displacement, so the total, must fit.
+        let ints = |v: &[usize]| -> Result<(Vec<c_int>, Vec<c_int>, usize)> {
+            let total: usize = v.iter().sum();
+            count(total, "all_to_all")?;
+            let counts = v.iter().map(|&n| n as c_int).collect();
+            let mut at = 0;
+            let displs = v
+                .iter()
+                .map(|&n| {
+                    let d = at as c_int;
+                    at += n;
+                    d
+                })
+                .collect();
+            Ok((counts, displs, total))
+        };
+        let (sc, sd, rc, rd, total) = match ints(send).and_then(|(sc, sd, _)| {
+            let (rc, rd, total) = ints(recv)?;
+            Ok((sc, sd, rc, rd, total))
+        }) {
+            Ok(x) => x,
+            Err(e) => {
+                let _ = reply.send(Err(self.backend_err(&info, e)));
+                return;
+            }
+        };
+        let ty = datatype(data.dtype());
+        let mut out = CpuStorage::zeros(data.dtype(), total);
+        let mut req = std::mem::MaybeUninit::<ffi::MPI_Request>::uninit();
+        // SAFETY: `data` holds sum(send) elements and `out` sum(recv), the counts and
+        // displacements describe blocks inside them; the buffers and the four arrays (heap
+        // memory that does not move) stay in the InFlight entry until MPI_Test reports
+        // completion.
+        let code = unsafe {
+            ffi::MPI_Ialltoallv(
+                ptr(&mut data) as *const c_void,
+                sc.as_ptr(),
+                sd.as_ptr(),
+                ty,
+                ptr(&mut out),
+                rc.as_ptr(),
+                rd.as_ptr(),
+                ty,
+                self.comms[c].handle,
+                req.as_mut_ptr(),
+            )
+        };
+        self.start(
+            code,
+            "MPI_Ialltoallv",
+            req,
+            Finish::Storage {
+                data: out,
+                _send: Some(data),
+                _args: vec![sc, sd, rc, rd],
+                avg: None,
+                keep: None,
                 reply,
             },
             info,

@@ -40,6 +40,10 @@
 //!   sends and receives inside one `ncclGroupStart` / `ncclGroupEnd`. Costs: one store round
 //!   trip per message on each side, and the store keeps every header (64 bytes and the key) for
 //!   the life of the job.
+//! * **All-to-all**: NCCL has no collective for it; as NCCL's documentation shows, it is one
+//!   `ncclSend` and one `ncclRecv` per rank (this rank included) inside one `ncclGroupStart` /
+//!   `ncclGroupEnd`, at element offsets of the staged input and of the output allocated at the
+//!   call; empty blocks post nothing. Its splits are not checked across ranks (see below).
 //! * **Barrier**: NCCL has none; it is a one-element all-reduce whose `wait` blocks the host.
 //!
 //! # The watchdog
@@ -67,7 +71,12 @@
 //! their own type pairwise (rounded after each addition). [`ReduceOp::Avg`] is `ncclAvg`
 //! (floats only, as on every backend); [`ReduceOp::Max`] is `ncclMax`, which does not promise to
 //! propagate NaN. Every dtype maps onto a NCCL type ([`nccl_dtype`]). Mismatched calls are not
-//! detected: NCCL may hang until the watchdog or return wrong data.
+//! detected: NCCL may hang until the watchdog or return wrong data. That includes an all-to-all
+//! whose ranks disagree on a split: NCCL expects each `ncclRecv` to match its `ncclSend` in
+//! count and type and does not check it (the result is undefined: a hang until the watchdog,
+//! rows left unwritten or a later operation broken). Get the receive splits from
+//! [`super::all_to_all_splits`] (one all-to-all of one count per rank, consistent by
+//! construction).
 //!
 //! Multi-rank NCCL needs one GPU per rank (NCCL refuses two ranks of one communicator on one
 //! GPU), so on a one-GPU machine only a world of size 1 runs; the code path is the same.
@@ -213,6 +222,8 @@ enum Kind {
     ReduceScatter(CudaBuffer, CudaBuffer, sys::ncclRedOp_t),
     AllGather(CudaBuffer, CudaBuffer),
     Broadcast(CudaBuffer, CudaBuffer, usize),
+    /// Input, output, and the elements sent to / received from each group rank.
+    AllToAll(CudaBuffer, CudaBuffer, Vec<usize>, Vec<usize>),
     Send(CudaBuffer, usize),
     /// The peer and the store key of the message's header.
     Recv(usize, String),
@@ -677,6 +688,22 @@ impl Communicator for NcclCommunicator {
         })
     }
 
+    fn all_to_all(
+        &self,
+        tensor: &Tensor,
+        send_splits: &[usize],
+        recv_splits: &[usize],
+    ) -> Result<Work> {
+        let dims = checks::all_to_all(tensor.shape(), send_splits, recv_splits, self.world_size())
+            .map_err(|m| self.err("all_to_all", m))?;
+        let row: usize = dims[1..].iter().product();
+        let send: Vec<usize> = send_splits.iter().map(|&n| n * row).collect();
+        let recv: Vec<usize> = recv_splits.iter().map(|&n| n * row).collect();
+        self.collective("all_to_all", tensor, Some(dims), |i, o| {
+            Kind::AllToAll(i, o, send, recv)
+        })
+    }
+
     fn send(&self, tensor: &Tensor, dst: usize) -> Result<Work<()>> {
         let (op, work) = self.send_op(tensor, dst)?;
         self.post("send", vec![op])?;
@@ -1079,7 +1106,8 @@ impl Thread {
         // SAFETY: every buffer is a live device allocation of this rank's device (kept alive
         // until the done event completes) with room for the counts given: an all-reduce's and a
         // broadcast's output have the input's length, an all-gather's w times it, a
-        // reduce-scatter's 1/w of it, a receive's the length of its header; the communicator
+        // reduce-scatter's 1/w of it, a receive's the length of its header (an all-to-all's
+        // blocks: see `all_to_all`); the communicator
         // is live and owned by this thread; the stream belongs to the communicator's device.
         let r = unsafe {
             match kind {
@@ -1101,6 +1129,9 @@ impl Thread {
                     comm.0,
                     s,
                 ),
+                Kind::AllToAll(i, o, send, recv) => {
+                    return Self::all_to_all(comm, s, i, o, send, recv);
+                }
                 Kind::Send(i, peer) => {
                     nccl::send(p(i), i.len, nccl_dtype(i.dtype), *peer as i32, comm.0, s)
                 }
@@ -1112,6 +1143,52 @@ impl Thread {
         };
         r.map(|_| ()).map_err(|e| nccl_err(kind.name(), e))
     }
+
+    /// An all-to-all as NCCL's documentation builds it: in one group, for every rank `r` (this
+    /// one included), `ncclSend` of its block of the input and `ncclRecv` of its block of the
+    /// output, `send[r]` and `recv[r]` elements at consecutive offsets; empty blocks post
+    /// nothing.
+    fn all_to_all(
+        comm: &RawComm,
+        s: sys::cudaStream_t,
+        i: &CudaBuffer,
+        o: &CudaBuffer,
+        send: &[usize],
+        recv: &[usize],
+    ) -> std::result::Result<(), String> {
+        let size = i.dtype.size_in_bytes() as u64;
+        let ty = nccl_dtype(i.dtype);
+        let at = |b: &CudaBuffer, elems: usize| (b.ptr + elems as u64 * size) as *mut c_void;
+        nccl::group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
+        let mut first_err = None;
+        let (mut sent, mut received) = (0, 0);
+        for (r, (&ns, &nr)) in send.iter().zip(recv).enumerate() {
+            // SAFETY: `i` holds sum(send) elements and `o` sum(recv) (checked at the call), so
+            // every block lies inside its live device allocation (kept alive until the done
+            // event completes); the communicator is live and owned by this thread; the stream
+            // belongs to the communicator's device; `r` is a rank of the communicator.
+            unsafe {
+                if ns > 0 {
+                    if let Err(e) = nccl::send(at(i, sent), ns, ty, r as i32, comm.0, s) {
+                        first_err.get_or_insert(nccl_err("ncclSend", e));
+                    }
+                }
+                if nr > 0 {
+                    if let Err(e) = nccl::recv(at(o, received), nr, ty, r as i32, comm.0, s) {
+                        first_err.get_or_insert(nccl_err("ncclRecv", e));
+                    }
+                }
+            }
+            sent += ns;
+            received += nr;
+        }
+        // The group is closed whatever happened inside it.
+        let end = nccl::group_end().map_err(|e| nccl_err("ncclGroupEnd", e));
+        match first_err {
+            Some(e) => Err(e),
+            None => end.map(|_| ()),
+        }
+    }
 }
 
 impl Kind {
@@ -1121,6 +1198,7 @@ impl Kind {
             Kind::ReduceScatter(..) => "ncclReduceScatter",
             Kind::AllGather(..) => "ncclAllGather",
             Kind::Broadcast(..) => "ncclBroadcast",
+            Kind::AllToAll(..) => "ncclSend/ncclRecv",
             Kind::Send(..) => "ncclSend",
             Kind::Recv(..) => "ncclRecv",
         }

@@ -1,4 +1,5 @@
-//! Host-side combining of contributions: reductions in a fixed order, concatenation, slicing.
+//! Host-side combining of contributions: reductions in a fixed order, concatenation, slicing,
+//! and the element ranges of an all-to-all's splits.
 
 use half::{bf16, f16};
 use meshgrad_tensor::storage::CpuStorage;
@@ -191,6 +192,49 @@ pub(crate) fn concat(inputs: &[&CpuStorage]) -> Result<CpuStorage> {
     }
 }
 
+fn concat_ranges_as<T: WithDType>(
+    parts: &[(&CpuStorage, std::ops::Range<usize>)],
+) -> Result<CpuStorage> {
+    let inputs: Vec<&CpuStorage> = parts.iter().map(|(s, _)| *s).collect();
+    let slices = slices::<T>(&inputs)?;
+    let mut out = Vec::with_capacity(parts.iter().map(|(_, r)| r.len()).sum());
+    for (v, (_, r)) in slices.iter().zip(parts) {
+        out.extend_from_slice(&v[r.clone()]);
+    }
+    Ok(T::into_cpu_storage(out))
+}
+
+/// Concatenates element ranges of buffers of `dtype`, in the order given (none: an empty
+/// buffer).
+pub(crate) fn concat_ranges(
+    dtype: DType,
+    parts: &[(&CpuStorage, std::ops::Range<usize>)],
+) -> Result<CpuStorage> {
+    match dtype {
+        DType::F64 => concat_ranges_as::<f64>(parts),
+        DType::F32 => concat_ranges_as::<f32>(parts),
+        DType::BF16 => concat_ranges_as::<bf16>(parts),
+        DType::F16 => concat_ranges_as::<f16>(parts),
+        DType::U8 => concat_ranges_as::<u8>(parts),
+        DType::U32 => concat_ranges_as::<u32>(parts),
+        DType::I64 => concat_ranges_as::<i64>(parts),
+    }
+}
+
+/// The element ranges of consecutive blocks of `splits[i]` rows of `row` elements each: block
+/// `i` is `[row * (splits[0] + ... + splits[i - 1]), row * (splits[0] + ... + splits[i]))`.
+pub(crate) fn split_ranges(splits: &[usize], row: usize) -> Vec<std::ops::Range<usize>> {
+    let mut at = 0;
+    splits
+        .iter()
+        .map(|&n| {
+            let r = at..at + n * row;
+            at = r.end;
+            r
+        })
+        .collect()
+}
+
 /// A copy of elements `start..start + len` of `s`.
 pub(crate) fn slice(s: &CpuStorage, start: usize, len: usize) -> CpuStorage {
     meshgrad_tensor::cpu_map!(s, v => WithDType::into_cpu_storage(v[start..start + len].to_vec()))
@@ -199,6 +243,22 @@ pub(crate) fn slice(s: &CpuStorage, start: usize, len: usize) -> CpuStorage {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn split_ranges_and_concat_ranges() {
+        assert_eq!(split_ranges(&[2, 0, 1], 3), vec![0..6, 6..6, 6..9]);
+        assert!(split_ranges(&[], 3).is_empty());
+        let a = CpuStorage::I64((0..6).collect());
+        let b = CpuStorage::I64((10..14).collect());
+        let got = concat_ranges(DType::I64, &[(&b, 2..4), (&a, 0..0), (&a, 1..3)]).unwrap();
+        assert_eq!(
+            got.as_bytes(),
+            CpuStorage::I64(vec![12, 13, 1, 2]).as_bytes()
+        );
+        let none = concat_ranges(DType::BF16, &[]).unwrap();
+        assert_eq!((none.dtype(), none.len()), (DType::BF16, 0));
+        assert!(concat_ranges(DType::F32, &[(&a, 0..1)]).is_err(), "dtype");
+    }
 
     #[test]
     fn sum_order_and_rounding() {

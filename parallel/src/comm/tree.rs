@@ -129,6 +129,14 @@ impl Communicator for TreeReduce {
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Work> {
         self.inner.broadcast(tensor, root)
     }
+    fn all_to_all(
+        &self,
+        tensor: &Tensor,
+        send_splits: &[usize],
+        recv_splits: &[usize],
+    ) -> Result<Work> {
+        self.inner.all_to_all(tensor, send_splits, recv_splits)
+    }
     fn send(&self, tensor: &Tensor, dst: usize) -> Result<Work<()>> {
         self.inner.send(tensor, dst)
     }

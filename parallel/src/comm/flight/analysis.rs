@@ -70,8 +70,26 @@ fn is_p2p(e: &Entry) -> bool {
     e.kind == "send" || e.kind == "recv"
 }
 
-/// What makes two ranks' calls at one position the same call.
+/// What makes two ranks' calls at one position the same call. An all-to-all's splits and
+/// leading dimension differ from rank to rank by design: its signature is the dtype and the
+/// rows' trailing shape.
 fn signature(e: &Entry) -> String {
+    if e.kind == "all_to_all" {
+        let trailing: Vec<String> = e
+            .shape
+            .iter()
+            .flat_map(|s| s.iter().skip(1))
+            .map(|d| d.to_string())
+            .collect();
+        return format!(
+            "all_to_all({} [*{}])",
+            e.dtype.as_deref().unwrap_or("?"),
+            trailing
+                .iter()
+                .map(|d| format!(", {d}"))
+                .collect::<String>()
+        );
+    }
     if e.call.is_empty() {
         format!(
             "{}({:?} {:?} {:?} {:?})",

@@ -40,9 +40,11 @@ pub struct Entry {
     /// The sequence number errors quote: the n-th collective on the group (from 0), or for
     /// `send` / `recv` the n-th message to / from `peer` on the group.
     pub seq: u64,
-    /// `all_reduce`, `reduce_scatter`, `all_gather`, `broadcast`, `barrier`, `send` or `recv`.
+    /// `all_reduce`, `reduce_scatter`, `all_gather`, `broadcast`, `all_to_all`, `barrier`,
+    /// `send` or `recv`.
     pub kind: String,
-    /// The whole call as errors show it, e.g. `all_reduce(sum, f32 [4])`.
+    /// The whole call as errors show it, e.g. `all_reduce(sum, f32 [4])` (an all-to-all's
+    /// shows its splits: `all_to_all(send [1, 2], recv [2, 0], f32 [3, 4])`).
     #[serde(default)]
     pub call: String,
     /// The tensor's dtype (none for barriers and receives).

@@ -254,6 +254,24 @@ impl Communicator for Recorded {
         self.collective(call, || self.inner.broadcast(tensor, root))
     }
 
+    fn all_to_all(
+        &self,
+        tensor: &Tensor,
+        send_splits: &[usize],
+        recv_splits: &[usize],
+    ) -> Result<Work> {
+        let call = Call {
+            kind: Kind::AllToAll {
+                send: send_splits.to_vec(),
+                recv: recv_splits.to_vec(),
+            },
+            tensor: Some((tensor.dtype(), tensor.shape().clone())),
+        };
+        self.collective(call, || {
+            self.inner.all_to_all(tensor, send_splits, recv_splits)
+        })
+    }
+
     fn send(&self, tensor: &Tensor, dst: usize) -> Result<Work<()>> {
         let t0 = now_ms();
         let r = self.inner.send(tensor, dst);

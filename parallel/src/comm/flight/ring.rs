@@ -58,7 +58,7 @@ impl Record {
                 let (op, root) = match &c.kind {
                     Kind::AllReduce(op) | Kind::ReduceScatter(op) => (Some(op.to_string()), None),
                     Kind::Broadcast(root) => (None, self.group.ranks.get(*root).copied()),
-                    Kind::AllGather | Kind::Barrier => (None, None),
+                    Kind::AllGather | Kind::Barrier | Kind::AllToAll { .. } => (None, None),
                 };
                 (
                     c.kind.name(),

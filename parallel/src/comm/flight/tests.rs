@@ -156,6 +156,27 @@ fn ranks_that_agree_name_nobody() {
 }
 
 #[test]
+fn all_to_alls_with_different_splits_agree_but_not_with_different_rows() {
+    // Rank r's all-to-all #2: splits and leading dimension differ by rank, as they do.
+    let a2a = |rank: usize, rows: usize, trailing: usize| {
+        let mut v = at(2, None, 2);
+        let mut e = coll("all_to_all", 2, EntryState::Completed, 2);
+        e.call =
+            format!("all_to_all(send [{rank}, {rows}], recv [1, 1], f32 [{rows}, {trailing}])");
+        e.shape = Some(vec![rows, trailing]);
+        v.push(e);
+        v
+    };
+    let dumps = vec![dump(0, 2, a2a(0, 3, 4)), dump(1, 2, a2a(1, 5, 4))];
+    assert_eq!(analyse(&dumps).summary(), "flight: behind=none call=none");
+    let dumps = vec![dump(0, 2, a2a(0, 3, 4)), dump(1, 2, a2a(1, 5, 8))];
+    let a = analyse(&dumps);
+    assert_eq!(a.summary(), "flight: behind=1 call=all_to_all#2");
+    let why = a.lines.last().unwrap();
+    assert!(why.contains("all_to_all(f32 [*, 8]) on 1"), "{why}");
+}
+
+#[test]
 fn a_wrapped_ring_proves_nothing_about_calls_it_dropped() {
     // Rank 1 kept only its last two calls; rank 0 its first ones on another group.
     let mut late = at(10, None, 2);
@@ -283,4 +304,40 @@ fn recorded_calls_on_threads_show_where_a_rank_stopped() {
         analyse(&dumps).summary(),
         "flight: behind=1 call=all_reduce#1"
     );
+}
+
+#[test]
+fn a_recorded_all_to_all_shows_its_splits() {
+    let recorders: Vec<Arc<Recorder>> = (0..2).map(|r| Arc::new(Recorder::new(r, 2, 16))).collect();
+    let results = run_ranks_each(
+        2,
+        &RunOptions::with_timeout(Duration::from_secs(5)),
+        |ctx| {
+            let comm = Recorded::wrap(ctx.comm.clone(), recorders[ctx.rank].clone());
+            // Each rank keeps its own rows: rank 0 one, rank 1 two.
+            let rows = 1 + ctx.rank;
+            let t = Tensor::from_vec(vec![ctx.rank as f32; rows * 2], (rows, 2), Device::Cpu)?;
+            let splits = if ctx.rank == 0 { [1, 0] } else { [0, 2] };
+            let out = comm.all_to_all(&t, &splits, &splits)?.wait()?;
+            assert_eq!(out.dims(), &[rows, 2]);
+            Ok(())
+        },
+    )
+    .unwrap();
+    assert!(results.iter().all(|r| r.is_ok()), "{results:?}");
+    let entries: Vec<Entry> = recorders
+        .iter()
+        .flat_map(|r| r.snapshot().entries)
+        .collect();
+    assert_eq!(entries[0].kind, "all_to_all");
+    assert_eq!(entries[0].label(), "all_to_all#0");
+    assert_eq!(
+        entries[0].call,
+        "all_to_all(send [1, 0], recv [1, 0], f32 [1, 2])"
+    );
+    assert_eq!(
+        entries[1].call,
+        "all_to_all(send [0, 2], recv [0, 2], f32 [2, 2])"
+    );
+    assert!(entries.iter().all(|e| e.state == EntryState::Completed));
 }

@@ -18,9 +18,15 @@
 //!   one correctly rounded division), then sends the result to everyone. Every rank therefore
 //!   receives the same bits, and the bits equal the in-process backend's: a job of processes
 //!   trains bit for bit like the same layout run as threads. `reduce_scatter` is the first half;
-//!   `all_gather`, `broadcast` and `barrier` send straight to every member.
+//!   `all_gather`, `broadcast` and `barrier` send straight to every member. `all_to_all` sends
+//!   each member its rows and receives theirs over the same connections (rank `r` sends to
+//!   `r + 1, r + 2, ...` and receives from `r - 1, r - 2, ...`, modulo the group size, so the
+//!   ranks do not all start with the same peer; sends never wait for the receiver, so no
+//!   order deadlocks), on the collective's own channel, apart from point-to-point messages.
 //! * **Errors.** Every message carries its sender's description of the call, so mismatched
-//!   collectives fail with both calls named ([`CommErrorKind::Mismatch`]). A wait longer than
+//!   collectives fail with both calls named ([`CommErrorKind::Mismatch`]); an all-to-all's
+//!   messages carry what their pair of ranks must agree on (dtype, trailing shape, rows each way),
+//!   so both ranks of a pair that disagree fail naming each other. A wait longer than
 //!   the timeout fails naming the ranks whose messages did not come
 //!   ([`CommErrorKind::Timeout`]); a peer whose connection closed fails the operations that
 //!   wait for it ([`CommErrorKind::PeerExited`]).
@@ -344,6 +350,21 @@ impl Communicator for TcpCommunicator {
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Work> {
         checks::root(root, self.world_size()).map_err(|m| self.invalid("broadcast", m))?;
         self.launch(Kind::Broadcast(root), Some(tensor))
+    }
+
+    fn all_to_all(
+        &self,
+        tensor: &Tensor,
+        send_splits: &[usize],
+        recv_splits: &[usize],
+    ) -> Result<Work> {
+        checks::all_to_all(tensor.shape(), send_splits, recv_splits, self.world_size())
+            .map_err(|m| self.invalid("all_to_all", m))?;
+        let kind = Kind::AllToAll {
+            send: send_splits.to_vec(),
+            recv: recv_splits.to_vec(),
+        };
+        self.launch(kind, Some(tensor))
     }
 
     fn send(&self, tensor: &Tensor, dst: usize) -> Result<Work<()>> {

@@ -57,8 +57,9 @@ impl Op {
         };
         let data = data.unwrap_or_else(|| CpuStorage::F32(Vec::new()));
         let w = self.members.len();
-        match self.call.kind {
-            Kind::AllReduce(op) | Kind::ReduceScatter(op) => {
+        match &self.call.kind {
+            Kind::AllToAll { send, recv } => self.all_to_all(data, &dims, send, recv),
+            &Kind::AllReduce(op) | &Kind::ReduceScatter(op) => {
                 let n = data.len();
                 let mine = self.reduce_block(&data, op)?;
                 if let Kind::ReduceScatter(_) = self.call.kind {
@@ -85,7 +86,7 @@ impl Op {
                 }
                 Ok((reduce::concat(&parts)?, out))
             }
-            Kind::Broadcast(root) => {
+            &Kind::Broadcast(root) => {
                 if root == self.rank {
                     let bytes = (data.dtype(), data.as_bytes());
                     for p in (0..w).filter(|&p| p != root) {
@@ -98,6 +99,46 @@ impl Op {
                 Ok((m.data, dims))
             }
         }
+    }
+
+    /// An all-to-all: sends rank `p` its `send[p]` rows of `data` and receives `recv[p]` rows
+    /// from it, going round the group from this rank (sends to `r + k`, receives from `r - k`);
+    /// the result is the received rows in rank order (this rank's own block copied).
+    fn all_to_all(
+        &self,
+        data: CpuStorage,
+        dims: &[usize],
+        send: &[usize],
+        recv: &[usize],
+    ) -> Result<Output> {
+        let (w, me) = (self.members.len(), self.rank);
+        let row: usize = dims[1..].iter().product();
+        let sent = reduce::split_ranges(send, row);
+        let size = data.dtype().size_in_bytes();
+        let bytes = data.as_bytes();
+        let others: Vec<usize> = (1..w).map(|k| (me + k) % w).collect();
+        for &p in &others {
+            let r = &sent[p];
+            let mut block = dims.to_vec();
+            block[0] = send[p];
+            self.send(
+                p,
+                0,
+                &block,
+                (data.dtype(), &bytes[r.start * size..r.end * size]),
+            )?;
+        }
+        let from: Vec<usize> = (1..w).map(|k| (me + w - k) % w).collect();
+        let got = self.receive(0, &from, |p| recv[p] * row)?;
+        let parts: Vec<(&CpuStorage, std::ops::Range<usize>)> = (0..w)
+            .map(|p| match &got[p] {
+                Some(m) => (&m.data, 0..m.data.len()),
+                None => (&data, sent[me].clone()),
+            })
+            .collect();
+        let mut out = dims.to_vec();
+        out[0] = recv.iter().sum();
+        Ok((reduce::concat_ranges(data.dtype(), &parts)?, out))
     }
 
     /// The first half of an all-reduce: sends block `p` of `data` to every rank `p` and combines
@@ -161,7 +202,7 @@ impl Op {
         let peer = self.members[p];
         self.net
             .net
-            .send(peer, self.group, chan, &self.call.to_string(), dims, bytes)
+            .send(peer, self.group, chan, &self.agreed(p), dims, bytes)
             .map_err(|e| self.err(super::net::write_error(peer, &e)))
     }
 
@@ -179,7 +220,6 @@ impl Op {
         };
         let mailbox = &self.net.net.mailbox;
         let deadline = Instant::now() + self.net.timeout;
-        let mine = self.call.to_string();
         let mut out: Vec<Option<Message>> = (0..self.members.len()).map(|_| None).collect();
         for (i, &p) in from.iter().enumerate() {
             let src = self.members[p];
@@ -202,6 +242,7 @@ impl Op {
                 }
                 Err(Missing::Gone(why)) => return Err(self.err(gone(src, why))),
             };
+            let mine = self.agreed(p);
             if m.call != mine {
                 return Err(self.err(CommErrorKind::Mismatch {
                     rank: self.members[self.rank],
@@ -220,6 +261,12 @@ impl Op {
             out[p] = Some(m);
         }
         Ok(out)
+    }
+
+    /// What this rank and group rank `p` must agree on, as the messages between them carry it:
+    /// the whole call, or for an all-to-all the pair's view of it ([`Call::pair`]).
+    fn agreed(&self, p: usize) -> String {
+        self.call.pair(self.rank, p, &self.members)
     }
 
     /// The dtype of this rank's tensor (f32 for a barrier's empty messages).
