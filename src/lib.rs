@@ -61,6 +61,8 @@ mod pipeline_plan;
 #[cfg(feature = "cli")]
 mod pipeline_timelines;
 #[cfg(feature = "cli")]
+pub mod plan_cmd;
+#[cfg(feature = "cli")]
 pub mod preflight;
 #[cfg(feature = "cli")]
 mod rank_sync;
