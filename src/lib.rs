@@ -57,6 +57,8 @@ pub mod model_configs;
 #[cfg(feature = "cli")]
 mod pipeline_plan;
 #[cfg(feature = "cli")]
+pub mod plan_cmd;
+#[cfg(feature = "cli")]
 pub mod preflight;
 #[cfg(feature = "cli")]
 mod rank_sync;

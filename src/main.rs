@@ -86,6 +86,12 @@ enum Command {
         #[arg(long)]
         filter: Option<String>,
     },
+    /// Predict the time and memory of a training step on a cluster (or this machine, with
+    /// --device-kind cpu): every valid layout ranked, or one --layout; prints a table (or --json)
+    /// and last `plan: layout=<spec> sequence_parallel=yes|no schedule=<kind> chunks=<v>
+    /// microbatch_size=<m> step_s=<x> tokens_per_s_per_device=<x> mfu=<x>
+    /// memory_per_device_gib=<x> fits=yes|no`.
+    Plan(Box<meshgrad::plan_cmd::PlanArgs>),
     /// Train a GPT, or a BERT with --model bert (by default a small byte-level model on the built-in
     /// corpus, on CPU).
     Train(Box<TrainArgs>),
@@ -561,6 +567,7 @@ fn run(cli: Cli) -> Result<()> {
                 r?.peak_memory_per_rank as f64 / (1024.0 * 1024.0)
             );
         }
+        Command::Plan(a) => meshgrad::plan_cmd::run(&a)?,
         Command::Flight { dir } => meshgrad::flight::run(&dir)?,
         Command::Launch {
             nproc_per_node,

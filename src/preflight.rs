@@ -25,7 +25,7 @@ use anyhow::{Context, Result};
 use meshgrad_nn::state::{hf_bert, hf_gpt2, hf_llama};
 use meshgrad_nn::ModelShape;
 use meshgrad_parallel::plan::memory::{
-    estimate_inference, estimate_training, human, MemoryEstimate, TrainingRun,
+    estimate_inference, estimate_training, human, MemoryEstimate, Precision, TrainingRun,
 };
 use meshgrad_parallel::ParallelLayout;
 
@@ -58,6 +58,7 @@ pub fn estimate_run(
         sequence_parallel: opts.sequence_parallel,
         checkpoint_blocks: matches!(opts.activation_checkpointing, ActivationCheckpointing::All),
         reference_row_group: cfg.train.reference.then_some(cfg.train.row_group),
+        precision: Precision::parse(&cfg.train.precision).unwrap_or_default(),
     })
 }
 

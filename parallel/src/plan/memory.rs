@@ -11,7 +11,10 @@
 //!   head are counted on the same rank: an upper bound for the first and the last stage).
 //! * **Model states**: parameters `4 P`; gradients `8 P` (the accumulated gradients, and the
 //!   fresh ones autograd hands over in the backward or the checkpoint's buffer at the end);
-//!   AdamW's two moments `8 P`. Sharded over `S` ranks as ZeRO does: ZeRO-1 divides the moments
+//!   AdamW's two moments `8 P`. Under mixed precision ([`Precision::Bf16`], [`Precision::Fp8`])
+//!   the working parameters are 2-byte copies (`2 P`), the fresh gradients too (gradients `4 P +
+//!   2 P`), and the f32 master weights join the optimizer state (`4 P + 8 P`): the same 20 bytes
+//!   per parameter in all, split as the run holds them. Sharded over `S` ranks as ZeRO does: ZeRO-1 divides the moments
 //!   by `S`; ZeRO-2 also the gradients (`4 P / S`, plus the largest unit's fresh gradient); ZeRO-3
 //!   (fsdp) the parameters too (`4 P / S`, plus the largest unit, a block or the embedding,
 //!   gathered whole). At the end of a ZeRO-3 run every rank gathers its full parameters again
@@ -21,7 +24,7 @@
 //!   every data-parallel rank's contribution (an upper bound), and its activations are those of
 //!   one row group.
 //! * **Activations**, per token of a micro-batch (`batch_size / dp` rows split into
-//!   `microbatches`, of `positions` tokens), in f32 values: per block, what the backward keeps:
+//!   `microbatches`, of `positions` tokens), in values of 4 bytes (2 under mixed precision): per block, what the backward keeps:
 //!   `4 C` outside the attention and the MLP (the block input, the two norms' outputs, the
 //!   residual; divided by `tp` under sequence parallelism) and `4 C + 2 F` inside them (q/k/v,
 //!   the attention output, the MLP's up-projection and activation of width `F`; `3 F` for a
@@ -31,7 +34,9 @@
 //!   inputs `C` plus two whole blocks); `4 C` for the embedding and the final norm (`8 C` with a
 //!   head transform); `3 V / tp` for the logits, their softmax and their gradient. A pipeline
 //!   rank holds `min(microbatches, pp)` micro-batches in flight (1F1B, zero bubble),
-//!   `min(microbatches, 2 pp)` (interleaved) or all of them (GPipe).
+//!   `min(microbatches, 2 pp)` (interleaved) or all of them (GPipe): each keeps its blocks'
+//!   values (or their inputs) and the embedding's, while the backward's temporaries, the
+//!   attention scores and the logits exist for one micro-batch at a time.
 //! * **Gathering**: with `tp` or `pp` above 1, rank 0 builds the whole model once more at the end
 //!   (`4 P`) to write the checkpoint.
 //!
@@ -53,6 +58,49 @@ use crate::pipeline::ScheduleKind;
 
 /// Bytes of one value (f32, the dtype every run and checkpoint load uses).
 const F32: u64 = 4;
+
+/// The precision of a training run's parameters and activations.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Precision {
+    /// Everything in f32.
+    #[default]
+    F32,
+    /// bf16 (or f16) weights, gradients and activations; f32 master weights and AdamW state.
+    Bf16,
+    /// As [`Precision::Bf16`], the matrix multiplications in fp8 (activations kept in bf16).
+    Fp8,
+}
+
+impl Precision {
+    /// Bytes of one working value (a parameter copy, an activation, a fresh gradient).
+    pub fn bytes(self) -> u64 {
+        match self {
+            Precision::F32 => 4,
+            Precision::Bf16 | Precision::Fp8 => 2,
+        }
+    }
+
+    /// The precision a `train.precision` or `--precision` value names (`f16` trains as `bf16`
+    /// does, with a loss scale).
+    pub fn parse(s: &str) -> Option<Precision> {
+        match s {
+            "f32" => Some(Precision::F32),
+            "bf16" | "f16" => Some(Precision::Bf16),
+            "fp8" => Some(Precision::Fp8),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Precision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp8 => "fp8",
+        })
+    }
+}
 
 /// A size in checked 64-bit arithmetic (`checked_add`, `checked_mul`): `None` once a step
 /// overflows, and in every result computed from it.
@@ -316,6 +364,8 @@ pub struct TrainingRun<'a> {
     pub checkpoint_blocks: bool,
     /// Reference mode's row group (rows of one accumulation), `None` outside reference mode.
     pub reference_row_group: Option<usize>,
+    /// Parameters' and activations' precision.
+    pub precision: Precision,
 }
 
 /// The memory `run` needs (see the module docs for the formula).
@@ -334,6 +384,7 @@ pub struct TrainingRun<'a> {
 ///     sequence_parallel: false,
 ///     checkpoint_blocks: false,
 ///     reference_row_group: None,
+///     precision: Default::default(),
 /// };
 /// let est = estimate_training(&run);
 /// // ZeRO-3 over 4 ranks: a quarter of AdamW's state on each of them.
@@ -354,10 +405,13 @@ pub fn estimate_training(run: &TrainingRun) -> MemoryEstimate {
     let local = with_blocks(shape, blocks).local(tp);
     let unit = block(shape).local(tp).max(embedding(shape).local(tp));
     let bytes = |x: N| x * N::of(F32);
+    // Working copies: f32, or 2-byte copies beside f32 master weights (in the optimizer state).
+    let half = N::of(run.precision.bytes());
+    let mixed = flag(run.precision != Precision::F32);
     let (mut params, mut grads, mut optimizer) = (
-        bytes(local),
-        bytes(local * N::of(2)),
-        bytes(local * N::of(2)),
+        local * half,
+        bytes(local) + local * half,
+        bytes(local * (N::of(2) + mixed)),
     );
     let shard = n(layout.dp_shard());
     let sharded = |x: N| x.div_ceil(shard);
@@ -365,12 +419,12 @@ pub fn estimate_training(run: &TrainingRun) -> MemoryEstimate {
         None => {}
         Some(ZeroStage::One) => optimizer = sharded(optimizer),
         Some(ZeroStage::Two) => {
-            grads = sharded(bytes(local)) + bytes(unit);
+            grads = sharded(bytes(local)) + unit * half;
             optimizer = sharded(optimizer);
         }
         Some(ZeroStage::Three) => {
-            params = sharded(params) + bytes(unit);
-            grads = sharded(bytes(local)) + bytes(unit);
+            params = sharded(params) + unit * half;
+            grads = sharded(bytes(local)) + unit * half;
             optimizer = sharded(optimizer);
         }
     }
@@ -394,15 +448,7 @@ pub fn estimate_training(run: &TrainingRun) -> MemoryEstimate {
     };
     let seq = shape.positions;
     let tokens = n(rows) * n(seq);
-    let in_flight = if pp > 1 {
-        match run.schedule {
-            ScheduleKind::GPipe => microbatches,
-            ScheduleKind::Interleaved => microbatches.min(pp.saturating_mul(2)),
-            _ => microbatches.min(pp),
-        }
-    } else {
-        1
-    };
+    let in_flight = in_flight(run.schedule, microbatches, pp);
     let tp_n = n(tp);
     let sp_n = if run.sequence_parallel {
         tp_n
@@ -411,21 +457,24 @@ pub fn estimate_training(run: &TrainingRun) -> MemoryEstimate {
     };
     let (outside, inside, scores) = block_activations(shape, seq);
     let one_block = outside.div_ceil(sp_n) + inside.div_ceil(tp_n);
-    let blocks_values = if run.checkpoint_blocks {
-        n(blocks) * n(shape.n_embd).div_ceil(sp_n) + N::of(2) * one_block
+    // What every micro-batch in flight keeps, and the temporaries of the one being computed.
+    let (kept, temporaries) = if run.checkpoint_blocks {
+        (
+            n(blocks) * n(shape.n_embd).div_ceil(sp_n),
+            N::of(2) * one_block,
+        )
     } else {
-        (n(blocks) + N::of(1)) * one_block
+        (n(blocks) * one_block, one_block)
     };
-    let per_token = blocks_values
-        + scores.div_ceil(tp_n)
-        + edge_activations(shape).div_ceil(sp_n)
-        + (N::of(3) * n(shape.vocab_size)).div_ceil(tp_n);
-    let activations = tokens * n(in_flight) * per_token * N::of(F32);
+    let kept = kept + edge_activations(shape).div_ceil(sp_n);
+    let temporaries =
+        temporaries + scores.div_ceil(tp_n) + (N::of(3) * n(shape.vocab_size)).div_ceil(tp_n);
+    let activations = tokens * (n(in_flight) * kept + temporaries) * half;
 
     let training = params + grads + optimizer + activations;
     let per_rank = if layout.zero() == Some(ZeroStage::Three) {
         // The end of the run: every rank gathers its full (tp-local) parameters.
-        training.max(local * N::of(F32) + grads + optimizer)
+        training.max(local * half + grads + optimizer)
     } else {
         training
     };
@@ -444,6 +493,19 @@ pub fn estimate_training(run: &TrainingRun) -> MemoryEstimate {
         per_rank: per_rank.get(),
         gather: gather.get(),
         total: total.get(),
+    }
+}
+
+/// Micro-batches whose activations a rank of a `pp`-stage pipeline holds at once (1 without
+/// a pipeline; see the module docs).
+pub fn in_flight(schedule: ScheduleKind, microbatches: usize, pp: usize) -> usize {
+    if pp <= 1 {
+        return 1;
+    }
+    match schedule {
+        ScheduleKind::GPipe => microbatches,
+        ScheduleKind::Interleaved => microbatches.min(pp.saturating_mul(2)),
+        _ => microbatches.min(pp),
     }
 }
 

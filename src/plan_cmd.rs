@@ -1,0 +1,149 @@
+//! `meshgrad plan`: the model from `--model` and `--set` (as for `train`) or a Hugging Face
+//! `config.json`; the rest is [`meshgrad_parallel::plan`]'s (devices, costs, search, report).
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use meshgrad_nn::ModelShape;
+use meshgrad_parallel::pipeline::ScheduleKind;
+use meshgrad_parallel::plan::bubble::BubbleCache;
+use meshgrad_parallel::plan::cost::{Candidate, Cluster, CostModel, Workload};
+use meshgrad_parallel::plan::device::DeviceKind;
+use meshgrad_parallel::plan::memory::Precision;
+use meshgrad_parallel::plan::search::{self, SearchOptions};
+use meshgrad_parallel::plan::{calibrate, hf, report};
+
+use crate::config::TrainConfig;
+
+/// `meshgrad plan`'s arguments (see `meshgrad plan --help`).
+#[derive(clap::Args, Debug)]
+pub struct PlanArgs {
+    /// gpt, bert, llama or mixtral (sets model.kind; the rest of the model from --set).
+    #[arg(long, default_value = "gpt", value_parser = ["gpt", "bert", "llama", "mixtral"])]
+    pub model: String,
+    /// A Hugging Face config.json (GPT-2, BERT, Llama) instead of --model and --set.
+    #[arg(long, value_name = "FILE")]
+    pub hf_config: Option<PathBuf>,
+    /// Any model key, e.g. --set model.n_layer=24 (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// Devices in all.
+    #[arg(long)]
+    pub devices: usize,
+    /// Devices per node (default: the device kind's).
+    #[arg(long)]
+    pub devices_per_node: Option<usize>,
+    /// h100, h200, a100-80gb, a100-40gb, cpu (this machine, calibrated) or a FILE.toml.
+    #[arg(long)]
+    pub device_kind: String,
+    /// Rows per optimizer step.
+    #[arg(long)]
+    pub global_batch: usize,
+    /// Tokens per row (the context length).
+    #[arg(long)]
+    pub seq: usize,
+    /// f32, bf16 or fp8.
+    #[arg(long, default_value = "bf16", value_parser = ["f32", "bf16", "fp8"])]
+    pub precision: String,
+    /// Evaluate this layout only (e.g. dp=2,tp=2,pp=2) instead of searching.
+    #[arg(long, value_name = "SPEC")]
+    pub layout: Option<String>,
+    /// With --layout: sequence parallelism.
+    #[arg(long, requires = "layout")]
+    pub sequence_parallel: bool,
+    /// With --layout: gpipe, 1f1b, interleaved or zb.
+    #[arg(long, requires = "layout", value_parser = ["gpipe", "1f1b", "interleaved", "zb"])]
+    pub schedule: Option<String>,
+    /// With --layout: chunks per pipeline rank (interleaved; default 2).
+    #[arg(long, requires = "layout")]
+    pub chunks: Option<usize>,
+    /// With --layout: rows per micro-batch (default 1).
+    #[arg(long, requires = "layout")]
+    pub microbatch_size: Option<usize>,
+    /// With --layout: none or all.
+    #[arg(long, requires = "layout", default_value = "none", value_parser = ["none", "all"])]
+    pub activation_checkpointing: String,
+    /// Layouts to list.
+    #[arg(long, default_value_t = 5)]
+    pub top: usize,
+    /// JSON instead of the table (the plan line still ends the output).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The model's shape with `seq` positions.
+fn model_shape(a: &PlanArgs) -> Result<ModelShape> {
+    if let Some(path) = &a.hf_config {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("--hf-config {}: {e}", path.display()))?;
+        return hf::shape_from_config(&text, &path.display().to_string(), a.seq)
+            .map_err(anyhow::Error::msg);
+    }
+    let mut cfg = TrainConfig::default();
+    cfg.apply_override("model.kind", &a.model)?;
+    cfg.apply_override("model.block_size", &a.seq.to_string())?;
+    for s in &a.set {
+        cfg.apply_assignment(s)?;
+    }
+    let mut shape = crate::model_configs::model_shape(&cfg);
+    shape.positions = a.seq;
+    Ok(shape)
+}
+
+/// The cluster: `--devices` of `--device-kind` in nodes of `--devices-per-node`.
+fn cluster(a: &PlanArgs) -> Result<Cluster> {
+    let cpu = a.device_kind == "cpu";
+    let device = if cpu {
+        calibrate::cpu_device(a.devices)?
+    } else {
+        DeviceKind::resolve(&a.device_kind)?
+    };
+    Cluster::new(device, a.devices, a.devices_per_node, cpu).map_err(anyhow::Error::msg)
+}
+
+/// The candidate `--layout` and its options describe.
+fn fixed(a: &PlanArgs, spec: &str) -> Result<Candidate> {
+    let layout = spec.parse().map_err(|e| anyhow::anyhow!("--layout: {e}"))?;
+    let schedule: ScheduleKind = a.schedule.as_deref().unwrap_or("1f1b").parse().unwrap();
+    let interleaved = schedule == ScheduleKind::Interleaved;
+    Ok(Candidate {
+        layout,
+        sequence_parallel: a.sequence_parallel,
+        schedule,
+        chunks: a.chunks.unwrap_or(if interleaved { 2 } else { 1 }),
+        microbatch_size: a.microbatch_size.unwrap_or(1),
+        recompute: a.activation_checkpointing == "all",
+    })
+}
+
+/// Runs `meshgrad plan`: a table (or JSON), then the plan line.
+pub fn run(a: &PlanArgs) -> Result<()> {
+    let workload = Workload {
+        model: model_shape(a)?,
+        global_batch: a.global_batch,
+        precision: Precision::parse(&a.precision).expect("clap checked it"),
+        attention: Default::default(),
+    };
+    let cluster = cluster(a)?;
+    let model = CostModel {
+        workload: &workload,
+        cluster: &cluster,
+    };
+    let rows = match &a.layout {
+        Some(spec) => vec![model
+            .estimate(&fixed(a, spec)?, &mut BubbleCache::new())
+            .map_err(anyhow::Error::msg)?],
+        None => search::plan(&model, &SearchOptions::top(a.top)).map_err(anyhow::Error::msg)?,
+    };
+    let json = serde_json::to_string_pretty(&report::plan_json(&rows))?;
+    print!(
+        "{}",
+        if a.json {
+            json + "\n"
+        } else {
+            report::table(&rows)
+        }
+    );
+    println!("{}", report::plan_line(&rows[0]));
+    Ok(())
+}
