@@ -437,6 +437,11 @@ struct TrainArgs {
     /// removed). Without it such a folder is refused.
     #[arg(long)]
     overwrite: bool,
+    /// Print the planner's line for this run on this machine (`plan: ... fits=yes|no`; the CPU
+    /// calibrated as `meshgrad plan --device-kind cpu` does) and stop before any work; a run
+    /// that does not fit is refused in one line, as the preflight check would.
+    #[arg(long)]
+    dry_run: bool,
     /// Recompute activations in the backward pass instead of keeping them: none (default), all
     /// (every block) or, with pp>1, the pipeline stages whose blocks recompute, e.g. 0,1.
     #[arg(long, value_name = "WHICH", default_value = "none")]
@@ -555,6 +560,9 @@ fn run(cli: Cli) -> Result<()> {
                 a.layout.as_deref().map(str::parse).transpose()?;
             meshgrad::ranks::check_mpi_world(layout.as_ref())?;
             meshgrad::ranks::check_process_layout(backend, &env, layout.as_ref())?;
+            if a.dry_run {
+                return meshgrad::train::dry_run(&cfg, layout.as_ref(), &opts);
+            }
             let r = meshgrad::train::train(&cfg, layout.as_ref(), &opts, Verbosity::Normal);
             if let Err(e) = &r {
                 // A failed run dumps its ranks' flight recorders (ranks as threads; a rank of a

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use meshgrad_nn::ModelShape;
+use meshgrad_parallel::layout::ParallelLayout;
 use meshgrad_parallel::pipeline::ScheduleKind;
 use meshgrad_parallel::plan::bubble::BubbleCache;
 use meshgrad_parallel::plan::cost::{Candidate, Cluster, CostModel, Workload};
@@ -14,6 +15,7 @@ use meshgrad_parallel::plan::search::{self, SearchOptions};
 use meshgrad_parallel::plan::{calibrate, hf, report};
 
 use crate::config::TrainConfig;
+use crate::run_setup::{ActivationCheckpointing, TrainOptions};
 
 /// `meshgrad plan`'s arguments (see `meshgrad plan --help`).
 #[derive(clap::Args, Debug)]
@@ -146,4 +148,70 @@ pub fn run(a: &PlanArgs) -> Result<()> {
     );
     println!("{}", report::plan_line(&rows[0]));
     Ok(())
+}
+
+/// `meshgrad train ... --dry-run`: prints the plan line of the run `cfg` (resolved and checked)
+/// would make on `layout` with `opts` on this machine (the calibrated CPU, with the memory the
+/// preflight check compares with), then returns the preflight check's verdict: its one-line
+/// error when the run does not fit. Both use the same estimate and the same memory, so the line's
+/// `fits=` and the check agree.
+pub fn dry_run(
+    cfg: &TrainConfig,
+    layout: Option<&ParallelLayout>,
+    opts: &TrainOptions,
+) -> Result<()> {
+    if cfg.train.device != "cpu" {
+        anyhow::bail!(
+            "--dry-run plans a run on this machine's CPU (train.device = {:?}); for GPUs use \
+             meshgrad plan --device-kind h100|h200|a100-80gb|a100-40gb|FILE.toml",
+            cfg.train.device
+        );
+    }
+    if cfg.train.reference {
+        anyhow::bail!("--dry-run: the planner does not model reference mode (--reference)");
+    }
+    let layout = layout.copied().unwrap_or_default();
+    let schedule = match layout.pp() {
+        1 => ScheduleKind::OneFOneB,
+        _ => opts.pipeline.schedule,
+    };
+    let interleaved = schedule == ScheduleKind::Interleaved;
+    let candidate = Candidate {
+        layout,
+        sequence_parallel: opts.sequence_parallel,
+        schedule,
+        chunks: opts
+            .pipeline
+            .chunks
+            .unwrap_or(if interleaved { 2 } else { 1 }),
+        microbatch_size: cfg.train.batch_size / (layout.data_parallel_degree() * opts.microbatches),
+        recompute: opts.activation_checkpointing == ActivationCheckpointing::All,
+    };
+    let workload = Workload {
+        model: crate::model_configs::model_shape(cfg),
+        global_batch: cfg.train.batch_size,
+        precision: Precision::parse(&cfg.train.precision).unwrap_or_default(),
+        attention: Default::default(),
+    };
+    let mut device = calibrate::cpu_device(layout.world_size())?;
+    let available = crate::preflight::memory_for_check();
+    if let Some(a) = available {
+        device.memory_gib = a.bytes as f64 / (1u64 << 30) as f64;
+    }
+    let cluster =
+        Cluster::new(device, layout.world_size(), None, true).map_err(anyhow::Error::msg)?;
+    let model = CostModel {
+        workload: &workload,
+        cluster: &cluster,
+    };
+    let estimate = model
+        .estimate(&candidate, &mut BubbleCache::new())
+        .map_err(anyhow::Error::msg)?;
+    println!("{}", report::plan_line(&estimate));
+    crate::preflight::check_memory_against(
+        &estimate.memory,
+        available,
+        "this run",
+        crate::preflight::TRAIN_MEMORY_HINT,
+    )
 }

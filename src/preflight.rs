@@ -152,13 +152,22 @@ pub fn check_memory_against(
 /// [`check_memory_against`] the machine's [`available_memory`]; the comparison is skipped (an
 /// overflow is still refused) when [`SKIP_MEMORY_CHECK`] is set or the memory cannot be read.
 pub fn check_memory(estimate: &MemoryEstimate, what: &str, hint: &str) -> Result<()> {
-    let available = if skip_memory_check() {
+    check_memory_against(estimate, memory_for_check(), what, hint)
+}
+
+/// The memory [`check_memory`] compares with: [`available_memory`], or `None` when
+/// [`SKIP_MEMORY_CHECK`] is set.
+pub fn memory_for_check() -> Option<Available> {
+    if skip_memory_check() {
         None
     } else {
         available_memory()
-    };
-    check_memory_against(estimate, available, what, hint)
+    }
 }
+
+/// How a training run that does not fit can need less (the start of [`check_memory`]'s hint).
+pub const TRAIN_MEMORY_HINT: &str = "use a smaller model or batch, more --microbatches, \
+     --activation-checkpointing all or a sharded --layout, or ";
 
 /// Creates `dir` (with its parents) and writes and removes a probe file in it; `what` names the
 /// directory and `keys` the settings that give it, in the error.
@@ -231,8 +240,7 @@ pub fn check_train(
     check_memory(
         &estimate_run(cfg, layout, opts),
         "this run",
-        "use a smaller model or batch, more --microbatches, --activation-checkpointing all or a \
-         sharded --layout, or ",
+        TRAIN_MEMORY_HINT,
     )
 }
 

@@ -111,32 +111,57 @@ pub fn train(
     opts: &TrainOptions,
     verbosity: Verbosity,
 ) -> Result<TrainSummary> {
-    cfg.validate()?;
-    check_device_and_precision(cfg, layout)?;
-    // Reference mode: the microbatches are the rank's row groups.
-    let opts = &crate::pipeline_plan::reference_options(cfg, layout, opts)?;
-    let (cfg, tokenizer) = resolve_tokenizer(cfg)?;
-    let cfg = &cfg;
-    match layout {
-        Some(l) => crate::ranks::check_layout(cfg, l, opts)?,
-        None => {
-            check_sequence_parallel(opts, 1)?;
-            crate::run_setup::check_pipeline_flags(opts, 1)?;
-            opts.activation_checkpointing.check(1)?;
-            check_run_options(cfg, opts)?;
-            check_microbatches(cfg, 1, opts.microbatches)?;
-        }
-    }
+    let (cfg, tokenizer, opts) = &prepare(cfg, layout, opts)?;
     // The registry: the one place a model kind maps to its recipe.
     match cfg.model.kind {
         ModelKind::Gpt => {
-            train_recipe::<CausalRecipe<Gpt>>(cfg, tokenizer, layout, opts, verbosity)
+            train_recipe::<CausalRecipe<Gpt>>(cfg, tokenizer.clone(), layout, opts, verbosity)
         }
         ModelKind::Llama => {
-            train_recipe::<CausalRecipe<Llama>>(cfg, tokenizer, layout, opts, verbosity)
+            train_recipe::<CausalRecipe<Llama>>(cfg, tokenizer.clone(), layout, opts, verbosity)
         }
-        ModelKind::Bert => train_recipe::<BertRecipe>(cfg, tokenizer, layout, opts, verbosity),
+        ModelKind::Bert => {
+            train_recipe::<BertRecipe>(cfg, tokenizer.clone(), layout, opts, verbosity)
+        }
     }
+}
+
+/// The checks every run makes before any work (one line each), and the resolved config (a
+/// tokenizer's vocabulary), its tokenizer and the options (reference mode's microbatches are
+/// its row groups).
+fn prepare(
+    cfg: &TrainConfig,
+    layout: Option<&ParallelLayout>,
+    opts: &TrainOptions,
+) -> Result<(TrainConfig, Option<Tokenizer>, TrainOptions)> {
+    cfg.validate()?;
+    check_device_and_precision(cfg, layout)?;
+    // Reference mode: the microbatches are the rank's row groups.
+    let opts = crate::pipeline_plan::reference_options(cfg, layout, opts)?;
+    let (cfg, tokenizer) = resolve_tokenizer(cfg)?;
+    match layout {
+        Some(l) => crate::ranks::check_layout(&cfg, l, &opts)?,
+        None => {
+            check_sequence_parallel(&opts, 1)?;
+            crate::run_setup::check_pipeline_flags(&opts, 1)?;
+            opts.activation_checkpointing.check(1)?;
+            check_run_options(&cfg, &opts)?;
+            check_microbatches(&cfg, 1, opts.microbatches)?;
+        }
+    }
+    Ok((cfg, tokenizer, opts))
+}
+
+/// `train --dry-run`: the run's checks (the `--out` folder's included: it is created if absent
+/// and locked, as for the run), then the planner's line for it on this machine
+/// ([`crate::plan_cmd::dry_run`]); nothing is trained, nothing written into the folder.
+pub fn dry_run(
+    cfg: &TrainConfig,
+    layout: Option<&ParallelLayout>,
+    opts: &TrainOptions,
+) -> Result<()> {
+    let (cfg, _, opts) = prepare(cfg, layout, opts)?;
+    crate::plan_cmd::dry_run(&cfg, layout, &opts)
 }
 
 /// [`train`] once the model kind is known: the recipe's own checks, the memory preflight, the

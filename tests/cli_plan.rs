@@ -217,3 +217,56 @@ fn bad_input_is_one_line_each() {
         assert_one_line_error(&plan(&args), &needles);
     }
 }
+
+/// `meshgrad train` with `args`, into `out`.
+fn train(out: &std::path::Path, args: &[&str]) -> Output {
+    bin()
+        .arg("train")
+        .args(["--steps", "2", "--out", out.to_str().unwrap()])
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn train_dry_run_prints_the_plan_line_and_agrees_with_the_preflight_check() {
+    let dir = tmpdir("plan-dry-run");
+    // A run that fits: its plan line, for its own layout and options, and nothing written.
+    let out = dir.join("fits");
+    let layout = ["--layout", "dp=2,pp=2", "--microbatches", "2", "--dry-run"];
+    let o = train(&out, &layout);
+    assert_ok(&o);
+    let f = plan_fields(&o);
+    assert_eq!(field(&f, "layout"), "pp=2,dp=2");
+    assert_eq!(field(&f, "schedule"), "1f1b");
+    // The default batch of 16 rows over 2 data-parallel ranks in 2 micro-batches.
+    assert_eq!(field(&f, "microbatch_size"), "4");
+    assert_eq!(field(&f, "fits"), "yes");
+    let written: Vec<_> = std::fs::read_dir(&out).map_or(Vec::new(), |d| d.collect());
+    assert!(written.is_empty(), "a dry run writes nothing: {written:?}");
+    // A model whose AdamW states alone exceed any test machine (about 150 GiB at 1e10
+    // parameters): the dry run says fits=no and refuses in the preflight check's own line.
+    let huge = [
+        "--set",
+        "model.n_embd=8192",
+        "--set",
+        "model.n_layer=12",
+        "--set",
+        "model.n_head=64",
+    ];
+    let o = train(&dir.join("huge"), &[&huge[..], &["--dry-run"]].concat());
+    assert!(!o.status.success());
+    assert_eq!(field(&plan_fields(&o), "fits"), "no");
+    let (_, err) = text(&o);
+    let dry_error = err.trim().to_string();
+    assert!(
+        dry_error.starts_with("error: not enough memory for this run"),
+        "{err}"
+    );
+    assert_eq!(dry_error.lines().count(), 1, "{err}");
+    let o = train(&dir.join("huge"), &huge);
+    let (_, err) = text(&o);
+    assert!(!o.status.success());
+    assert_eq!(err.trim(), dry_error, "the preflight check says the same");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
