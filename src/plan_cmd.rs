@@ -150,7 +150,8 @@ pub fn run(a: &PlanArgs) -> Result<()> {
     Ok(())
 }
 
-/// `meshgrad train ... --dry-run`: prints the plan line of the run `cfg` (resolved and checked)
+/// `meshgrad train ... --dry-run`: prints the predicted memory per rank in MiB
+/// (`predicted_memory_per_rank_mib=`) and the plan line of the run `cfg` (resolved and checked)
 /// would make on `layout` with `opts` on this machine (the calibrated CPU, with the memory the
 /// preflight check compares with), then returns the preflight check's verdict: its one-line
 /// error when the run does not fit. Both use the same estimate and the same memory, so the line's
@@ -207,6 +208,11 @@ pub fn dry_run(
     let estimate = model
         .estimate(&candidate, &mut BubbleCache::new())
         .map_err(anyhow::Error::msg)?;
+    // The plan line's memory to the MiB, to set beside a run's `peak_memory_per_rank_mib=`.
+    println!(
+        "predicted_memory_per_rank_mib={:.1}",
+        estimate.memory.per_rank as f64 / (1u64 << 20) as f64
+    );
     println!("{}", report::plan_line(&estimate));
     crate::preflight::check_memory_against(
         &estimate.memory,
