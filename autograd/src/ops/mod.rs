@@ -4,11 +4,13 @@
 mod arith;
 mod attention;
 mod indexing;
-mod llama;
 mod math;
 mod nn;
 mod overload;
 mod reduce;
+mod rms_norm;
+mod rotary;
 mod shape;
+mod swiglu;
 
 pub use nn::DropoutSpec;
