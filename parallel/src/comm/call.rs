@@ -27,6 +27,21 @@ pub(crate) enum Kind {
 }
 
 impl Kind {
+    /// An all-to-all's kind, after its argument checks ([`checks::all_to_all`]; the message of
+    /// the first that fails).
+    pub(crate) fn all_to_all(
+        shape: &Shape,
+        send: &[usize],
+        recv: &[usize],
+        world: usize,
+    ) -> Result<Kind, String> {
+        checks::all_to_all(shape, send, recv, world)?;
+        Ok(Kind::AllToAll {
+            send: send.to_vec(),
+            recv: recv.to_vec(),
+        })
+    }
+
     /// The call's name in messages.
     pub(crate) fn name(&self) -> &'static str {
         match self {
@@ -183,6 +198,26 @@ pub(crate) mod checks {
         }
         reduce_op(op, dtype)
     }
+
+    /// [`all_to_all`]'s checks, then the splits in elements (rows times the trailing
+    /// dimensions' product), as backends that count elements take them: `(result shape, send
+    /// counts, receive counts)`.
+    #[cfg(any(feature = "mpi", feature = "nccl"))]
+    pub(crate) fn all_to_all_elements(
+        shape: &Shape,
+        send: &[usize],
+        recv: &[usize],
+        world: usize,
+    ) -> Result<AllToAllElements, String> {
+        let dims = all_to_all(shape, send, recv, world)?;
+        let row: usize = dims[1..].iter().product();
+        let elems = |splits: &[usize]| splits.iter().map(|&n| n * row).collect();
+        Ok((dims, elems(send), elems(recv)))
+    }
+
+    /// What [`all_to_all_elements`] returns.
+    #[cfg(any(feature = "mpi", feature = "nccl"))]
+    pub(crate) type AllToAllElements = (Vec<usize>, Vec<usize>, Vec<usize>);
 
     /// An all-to-all's arguments: a tensor of at least one dimension, one send and one receive
     /// split per rank of a group of `world`, send splits that add up to the leading dimension,

@@ -424,12 +424,8 @@ impl Communicator for InProcessComm {
         send_splits: &[usize],
         recv_splits: &[usize],
     ) -> Result<Work> {
-        checks::all_to_all(tensor.shape(), send_splits, recv_splits, self.world_size())
+        let kind = Kind::all_to_all(tensor.shape(), send_splits, recv_splits, self.world_size())
             .map_err(|m| self.invalid("all_to_all", m))?;
-        let kind = Kind::AllToAll {
-            send: send_splits.to_vec(),
-            recv: recv_splits.to_vec(),
-        };
         self.launch(kind, Some(tensor), true)
     }
 

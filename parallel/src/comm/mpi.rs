@@ -462,11 +462,13 @@ impl Communicator for MpiCommunicator {
         send_splits: &[usize],
         recv_splits: &[usize],
     ) -> Result<Work> {
-        let dims = checks::all_to_all(tensor.shape(), send_splits, recv_splits, self.world_size())
-            .map_err(|m| self.err("all_to_all", m))?;
-        let row: usize = dims[1..].iter().product();
-        let send: Vec<usize> = send_splits.iter().map(|&n| n * row).collect();
-        let recv: Vec<usize> = recv_splits.iter().map(|&n| n * row).collect();
+        let (dims, send, recv) = checks::all_to_all_elements(
+            tensor.shape(),
+            send_splits,
+            recv_splits,
+            self.world_size(),
+        )
+        .map_err(|m| self.err("all_to_all", m))?;
         let data = tensor.to_cpu_storage()?;
         let id = self.id;
         Ok(self

@@ -694,11 +694,13 @@ impl Communicator for NcclCommunicator {
         send_splits: &[usize],
         recv_splits: &[usize],
     ) -> Result<Work> {
-        let dims = checks::all_to_all(tensor.shape(), send_splits, recv_splits, self.world_size())
-            .map_err(|m| self.err("all_to_all", m))?;
-        let row: usize = dims[1..].iter().product();
-        let send: Vec<usize> = send_splits.iter().map(|&n| n * row).collect();
-        let recv: Vec<usize> = recv_splits.iter().map(|&n| n * row).collect();
+        let (dims, send, recv) = checks::all_to_all_elements(
+            tensor.shape(),
+            send_splits,
+            recv_splits,
+            self.world_size(),
+        )
+        .map_err(|m| self.err("all_to_all", m))?;
         self.collective("all_to_all", tensor, Some(dims), |i, o| {
             Kind::AllToAll(i, o, send, recv)
         })
