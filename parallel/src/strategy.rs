@@ -13,7 +13,8 @@
 //! ([`DataParallel::grad_norm`], [`DataParallel::exact_grad_norm`]), clipping
 //! ([`DataParallel::clip_grads_with_norm`]) and the step ([`DataParallel::step`],
 //! [`DataParallel::step_scaled`]): the run's AdamW on whole gradients, or the sharded wrapper's
-//! shard of it.
+//! shard of it (the wrapper is itself an [`Optimizer`], so a loop of one's own can hold it
+//! where it holds an optimizer).
 
 use meshgrad_nn::optim::{clip_grads_with_norm, AdamW, Optimizer};
 use meshgrad_nn::Module;

@@ -857,7 +857,7 @@ fn sgd_run(stage: ZeroStage, world: usize) -> Vec<(SgdOut, Vec<(String, Tensor)>
     run_ranks(world, &opts, |ctx| {
         let seed = if ctx.rank == 0 { SEED } else { SEED + 7 };
         let model = Gpt::new(gpt_config(), seed, DType::F32, Device::Cpu)?;
-        let sdp = ShardedDataParallel::new(
+        let mut sdp = ShardedDataParallel::new(
             &model,
             param_groups_for_decay(model.named_parameters(), WD),
             SGD,
@@ -866,17 +866,30 @@ fn sgd_run(stage: ZeroStage, world: usize) -> Vec<(SgdOut, Vec<(String, Tensor)>
         )?;
         let mut losses = Vec::new();
         for step in 0..STEPS {
-            sdp.zero_grad();
+            // The loop steps the wrapper as it would any optimizer (ZeRO's step is an
+            // `Optimizer`).
+            Optimizer::zero_grad(&sdp);
             let (ids, targets, fctx) = batch(step, rank_rows(BATCH, world, ctx.rank)?)?;
             let loss = fctx.scope(|| model.loss(&ids, &targets, None))?;
             let local = loss.tensor().item()?;
             loss.backward()?;
             sdp.finish()?;
             sdp.clip_grad_norm(CLIP)?;
-            sdp.step(SGD_LR)?;
+            let opt: &mut dyn Optimizer = &mut sdp;
+            opt.step(SGD_LR)?;
             losses.push(all_reduce_scalar(ctx.comm.as_ref(), local, ReduceOp::Avg)?);
         }
-        assert_eq!(sdp.step_count(), STEPS as u64);
+        let opt: &dyn Optimizer = &sdp;
+        assert_eq!(opt.step_count(), STEPS as u64);
+        // The trait's groups and state are the shard's: one variable per segment this rank
+        // owns, and the state dict of `local_optimizer_state_dict`.
+        let shard_vars: usize = opt.param_groups().iter().map(|g| g.params.len()).sum();
+        assert!(shard_vars > 0 && shard_vars <= model.named_parameters().len());
+        let names = |v: Vec<(String, Tensor)>| v.into_iter().map(|(n, _)| n).collect::<Vec<_>>();
+        assert_eq!(
+            names(opt.state_dict()?),
+            names(sdp.local_optimizer_state_dict()?)
+        );
         let full = sdp.full_state_dict(FullStateDictOptions {
             optimizer: true,
             rank0_only: false,

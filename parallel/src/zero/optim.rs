@@ -13,7 +13,7 @@
 
 use meshgrad_autograd::distributed::sum_over_placements;
 use meshgrad_autograd::no_grad;
-use meshgrad_nn::optim::{AdamW, AdamWConfig, Optimizer, ParamGroup, Sgd, SgdConfig};
+use meshgrad_nn::optim::{AdamW, AdamWConfig, Optimizer, ParamGroup, Sgd, SgdConfig, StateKind};
 use meshgrad_tensor::{Device, Error, Result, Tensor};
 
 use super::config::ZeroStage;
@@ -375,5 +375,44 @@ impl ShardedDataParallel {
         self.inner
             .step(lr)
             .map_err(|e| Error::msg(format!("sharded data parallel step: {e}")))
+    }
+}
+
+/// ZeRO's step as an [`Optimizer`]: a loop that holds any optimizer can hold the wrapper
+/// instead. Its [`Optimizer::step`] is [`ShardedDataParallel::step`] (the shard's update, then
+/// ZeRO-1/2's gather of the parameters: collective over the shard group), its groups and state
+/// are the shard's ([`ShardedDataParallel::local_optimizer_state_dict`]); the gradients it steps
+/// are the reduced shards of [`ShardedDataParallel::finish`].
+impl Optimizer for ShardedDataParallel {
+    fn step(&mut self, lr: f64) -> Result<()> {
+        ShardedDataParallel::step(self, lr)
+    }
+
+    fn zero_grad(&self) {
+        ShardedDataParallel::zero_grad(self)
+    }
+
+    fn param_groups(&self) -> &[ParamGroup] {
+        &self.inner.groups
+    }
+
+    fn step_count(&self) -> u64 {
+        ShardedDataParallel::step_count(self)
+    }
+
+    fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
+        self.local_optimizer_state_dict()
+    }
+
+    fn load_state_dict(&mut self, tensors: &[(String, Tensor)]) -> Result<()> {
+        lock(&self.inner.state).opt.load_state_dict(tensors)
+    }
+
+    fn state_kind(&self, key: &str) -> Option<StateKind> {
+        lock(&self.inner.state).opt.state_kind(key)
+    }
+
+    fn exact_weights_key(&self, param: &str) -> Option<String> {
+        lock(&self.inner.state).opt.exact_weights_key(param)
     }
 }

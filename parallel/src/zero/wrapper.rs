@@ -34,6 +34,9 @@ pub(crate) struct ShardVar {
 
 /// Everything one rank's wrapper shares with its hooks.
 pub(crate) struct Inner {
+    /// The optimizer's groups over the shard variables (what [`Optimizer::param_groups`]
+    /// lends out; the optimizer itself sits behind the state's lock).
+    pub(crate) groups: Vec<ParamGroup>,
     pub(crate) plan: ShardPlan,
     pub(crate) vars: Vec<Var>,
     pub(crate) index_of: HashMap<VarId, usize>,
@@ -268,10 +271,12 @@ impl ShardedDataParallel {
         for (k, sv) in shards.iter().enumerate() {
             shard_of[sv.seg.param] = Some(k);
         }
+        let groups = opt_groups.clone();
         let opt = optimizer
             .build(opt_groups)
             .map_err(|e| ctx(Error::msg(format!("building the optimizer: {e}"))))?;
         let inner = Inner {
+            groups,
             index_of: vars.iter().enumerate().map(|(i, v)| (v.id(), i)).collect(),
             vars,
             shards,
