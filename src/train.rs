@@ -111,18 +111,17 @@ pub fn train(
     opts: &TrainOptions,
     verbosity: Verbosity,
 ) -> Result<TrainSummary> {
-    let (cfg, tokenizer, opts) = &prepare(cfg, layout, opts)?;
+    let (cfg, tokenizer, opts) = prepare(cfg, layout, opts)?;
+    let (cfg, opts) = (&cfg, &opts);
     // The registry: the one place a model kind maps to its recipe.
     match cfg.model.kind {
         ModelKind::Gpt => {
-            train_recipe::<CausalRecipe<Gpt>>(cfg, tokenizer.clone(), layout, opts, verbosity)
+            train_recipe::<CausalRecipe<Gpt>>(cfg, tokenizer, layout, opts, verbosity)
         }
         ModelKind::Llama => {
-            train_recipe::<CausalRecipe<Llama>>(cfg, tokenizer.clone(), layout, opts, verbosity)
+            train_recipe::<CausalRecipe<Llama>>(cfg, tokenizer, layout, opts, verbosity)
         }
-        ModelKind::Bert => {
-            train_recipe::<BertRecipe>(cfg, tokenizer.clone(), layout, opts, verbosity)
-        }
+        ModelKind::Bert => train_recipe::<BertRecipe>(cfg, tokenizer, layout, opts, verbosity),
     }
 }
 

@@ -90,18 +90,5 @@ pub fn loss_curve(
         }
         Ok(worst)
     })();
-    match outcome {
-        Ok(max_err) => CheckResult {
-            name,
-            max_err,
-            tol,
-            error: None,
-        },
-        Err(e) => CheckResult {
-            name,
-            max_err: f64::NAN,
-            tol,
-            error: Some(e.to_string()),
-        },
-    }
+    CheckResult::of(name, tol, outcome)
 }

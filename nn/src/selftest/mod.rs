@@ -113,6 +113,21 @@ pub struct CheckResult {
 }
 
 impl CheckResult {
+    /// The result of a check named `name` with tolerance `tol` whose run gave `outcome`: its
+    /// largest error, or why it failed to run.
+    pub fn of(name: String, tol: f64, outcome: meshgrad_tensor::Result<f64>) -> CheckResult {
+        let (max_err, error) = match outcome {
+            Ok(e) => (e, None),
+            Err(e) => (f64::NAN, Some(e.to_string())),
+        };
+        CheckResult {
+            name,
+            max_err,
+            tol,
+            error,
+        }
+    }
+
     /// Whether the check passed.
     pub fn ok(&self) -> bool {
         self.error.is_none() && self.max_err <= self.tol
@@ -188,20 +203,7 @@ pub fn check(case: &Case, device: Device, dtype: DType) -> CheckResult {
         }
         Ok(worst)
     })();
-    match outcome {
-        Ok(max_err) => CheckResult {
-            name,
-            max_err,
-            tol,
-            error: None,
-        },
-        Err(e) => CheckResult {
-            name,
-            max_err: f64::NAN,
-            tol,
-            error: Some(e.to_string()),
-        },
-    }
+    CheckResult::of(name, tol, outcome)
 }
 
 /// Why `device` cannot be tested here, if it cannot.
