@@ -22,11 +22,14 @@ export LD_LIBRARY_PATH="${NV}/lib${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}"
 export CUDA_INCLUDE_DIRS="${NV}/include:${NV}/include/cccl"
 export MESHGRAD_REQUIRE_NVRTC=1
 
-echo "==> cargo build --workspace --release --features cuda"
-cargo build --workspace --release --features cuda
+# One feature set for every step below (`nccl` implies `cuda`), so each crate is compiled once
+# and every later step reuses it.
+echo "==> cargo build --workspace --release --features nccl (and so cuda)"
+cargo build --workspace --release --features nccl
 
-echo "==> cargo clippy (kernels, tensor, meshgrad) --all-targets --features cuda -- -D warnings"
-cargo clippy -p meshgrad-kernels -p meshgrad-tensor -p meshgrad --all-targets --features cuda -- -D warnings
+echo "==> cargo clippy (kernels, tensor, parallel, meshgrad) --all-targets --features nccl -- -D warnings"
+cargo clippy -p meshgrad-kernels -p meshgrad-tensor -p meshgrad-parallel -p meshgrad --all-targets \
+    --features meshgrad/nccl -- -D warnings
 
 # The CUDA backend's host-side tests (launch arguments against the kernel declarations parsed from
 # the sources, the cuBLASLt layout mapping against a host GEMM emulator, the caching allocator's
@@ -40,11 +43,9 @@ out=$(./target/release/meshgrad selftest --device cuda)
 echo "$out"
 case "$out" in "selftest: device=cuda:0 skipped: "*) ;; *) echo "unexpected selftest output"; exit 1;; esac
 
-# The NCCL backend (compiled only: no GPU here): clippy, its host-side tests (unique-id exchange and
+# The NCCL backend (compiled only: no GPU here; linted above): its host-side tests (unique-id exchange and
 # message headers through the store, the type and op tables, default_backend) and the one-line
 # refusal of --backend nccl without a GPU; the GPU tests skip with their reason.
-echo "==> cargo clippy (parallel, meshgrad) --all-targets --features nccl -- -D warnings"
-cargo clippy -p meshgrad-parallel -p meshgrad --all-targets --features nccl -- -D warnings
 echo "==> cargo test -p meshgrad-parallel --features nccl --lib comm:: and --test nccl (skips: no GPU)"
 cargo test --release -p meshgrad-parallel --features nccl --lib comm::
 cargo test --release -p meshgrad-parallel --features nccl --test nccl
