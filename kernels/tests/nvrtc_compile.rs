@@ -27,44 +27,75 @@ fn every_source_compiles_for_sm80_and_sm90_with_its_listed_entry_points() {
         return;
     }
     let dump = std::env::var("MESHGRAD_DUMP_ENTRIES").is_ok();
-    let mut failures = Vec::new();
-    for src in SOURCES {
-        for arch in ARCHS {
-            let ptx = match cuda::compile(src, arch) {
-                Ok(p) => p,
-                Err(e) => {
-                    failures.push(e.to_string());
-                    continue;
-                }
-            };
-            let found = cuda::ptx_entries(&ptx);
-            if dump && arch == ARCHS[0] {
-                println!("{} {:?}", src.name, found);
-            }
-            for want in src.entries {
-                if !found.contains(want) {
-                    failures.push(format!(
-                        "{} (sm_{arch}): entry point `{want}` missing from the PTX",
-                        src.name
-                    ));
-                }
-            }
-            for got in &found {
-                if !src.entries.contains(got) {
-                    failures.push(format!(
-                        "{} (sm_{arch}): PTX entry `{got}` is not listed in SOURCES (the build script's reader missed it)",
-                        src.name
-                    ));
-                }
-            }
-        }
-    }
+    // Every (source, arch) pair is its own NVRTC program: compile them on all cores.
+    let jobs: Vec<_> = SOURCES
+        .iter()
+        .flat_map(|src| ARCHS.iter().map(move |&arch| (src, arch)))
+        .collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut failures: Vec<(usize, String)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..workers.min(jobs.len()))
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut out = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(&(src, arch)) = jobs.get(i) else {
+                            return out;
+                        };
+                        for problem in check(src, arch, dump) {
+                            out.push((i, problem));
+                        }
+                    }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("an NVRTC compile thread panicked"))
+            .collect()
+    });
+    // Report in the sources' order, whichever thread finished first.
+    failures.sort_by_key(|(i, _)| *i);
+    let failures: Vec<String> = failures.into_iter().map(|(_, f)| f).collect();
     assert!(
         failures.is_empty(),
         "{} problem(s):\n{}",
         failures.len(),
         failures.join("\n")
     );
+}
+
+/// The problems of `src` compiled for `arch`: a compile error, or entry points the PTX and the
+/// generated table disagree on.
+fn check(src: &cuda::KernelSource, arch: u32, dump: bool) -> Vec<String> {
+    let ptx = match cuda::compile(src, arch) {
+        Ok(p) => p,
+        Err(e) => return vec![e.to_string()],
+    };
+    let found = cuda::ptx_entries(&ptx);
+    if dump && arch == ARCHS[0] {
+        println!("{} {:?}", src.name, found);
+    }
+    let mut problems = Vec::new();
+    for want in src.entries {
+        if !found.contains(want) {
+            problems.push(format!(
+                "{} (sm_{arch}): entry point `{want}` missing from the PTX",
+                src.name
+            ));
+        }
+    }
+    for got in &found {
+        if !src.entries.contains(got) {
+            problems.push(format!(
+                "{} (sm_{arch}): PTX entry `{got}` is not listed in SOURCES (the build script's reader missed it)",
+                src.name
+            ));
+        }
+    }
+    problems
 }
 
 #[test]
