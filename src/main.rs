@@ -13,7 +13,7 @@ use meshgrad::run_setup::Verbosity;
 #[command(
     name = "meshgrad",
     version,
-    about = "Train, evaluate and sample GPT and BERT models with meshgrad; train and run tokenizers"
+    about = "Train, evaluate and sample GPT, Llama and BERT models with meshgrad, on one device or a mesh of ranks; plan layouts; train and run tokenizers"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -92,8 +92,8 @@ enum Command {
     /// microbatch_size=<m> step_s=<x> tokens_per_s_per_device=<x> mfu=<x>
     /// memory_per_device_gib=<x> fits=yes|no`.
     Plan(Box<meshgrad::plan_cmd::PlanArgs>),
-    /// Train a GPT, or a BERT with --model bert (by default a small byte-level model on the built-in
-    /// corpus, on CPU).
+    /// Train a GPT, or a Llama or a BERT with --model llama|bert (by default a small byte-level GPT
+    /// on the built-in corpus, on CPU).
     Train(Box<TrainArgs>),
     /// Evaluate a checkpoint; prints `loss=<value>` last: a GPT's or a Hugging Face Llama folder's
     /// mean next-token cross-entropy over a token file, or a BERT's mean MLM cross-entropy over a
