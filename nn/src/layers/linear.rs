@@ -200,15 +200,22 @@ impl Linear {
     fn forward_rowwise(&self, x: &Var, tp: &TensorParallel) -> Result<Var> {
         let g = &tp.group;
         let sp = tp.splits_sequence();
-        let y = match tp.local_chunks() {
+        let partial = match tp.local_chunks() {
             Some(chunks) => row_linear(x, &self.weight, chunks)?,
             None => Var::linear(x, &self.weight, None)?,
         };
         let y = if sp {
-            reduce_scatter_dim(&y, 1, g)?
+            reduce_scatter_dim(&partial, 1, g)?
         } else {
-            all_reduce_forward(&y, g)?
+            all_reduce_forward(&partial, g)?
         };
+        // Over more than one rank the reduction made a new tensor, and no backward reads the
+        // partial product (the product's backward reads its input and weight, the reduction's
+        // none): free it now instead of when the graph goes.
+        let reduced = g.size() > 1;
+        if reduced {
+            partial.tensor().release_storage();
+        }
         let b = match &self.bias {
             None => return Ok(y),
             // Under sequence parallelism each rank adds the bias to its own positions, so its
@@ -218,7 +225,14 @@ impl Linear {
         };
         match tp.position_chunks() {
             Some(chunks) => add_bias_positions(&y, &b, chunks),
-            None => y.add(&b),
+            None => {
+                let out = y.add(&b)?;
+                // Nor does any backward read the sum once the bias is added.
+                if reduced {
+                    y.tensor().release_storage();
+                }
+                Ok(out)
+            }
         }
     }
 }

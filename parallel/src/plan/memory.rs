@@ -7,14 +7,18 @@
 //!   (the token table, an untied head, the attention and MLP matrices and their column-parallel
 //!   biases) and the parts every tensor-parallel rank holds whole (position and token-type
 //!   tables, norms, output biases, a head transform). A rank holds `split / tp + replicated` of
-//!   the embedding, the head and `ceil(n_layer / pp)` blocks (with `pp > 1` the embedding and the
-//!   head are counted on the same rank: an upper bound for the first and the last stage).
+//!   `ceil(n_layer / pp)` blocks and the embedding and the head (with `pp > 1`: the first stage
+//!   the embedding, the last the head; the figure is the larger of the two stages').
 //! * **Model states**: parameters `4 P`; gradients `8 P` (the accumulated gradients, and the
 //!   fresh ones autograd hands over in the backward or the checkpoint's buffer at the end);
 //!   AdamW's two moments `8 P`. Under mixed precision ([`Precision::Bf16`], [`Precision::Fp8`])
 //!   the working parameters are 2-byte copies (`2 P`), the fresh gradients too (gradients `4 P +
 //!   2 P`), and the f32 master weights join the optimizer state (`4 P + 8 P`): the same 20 bytes
-//!   per parameter in all, split as the run holds them. Sharded over `S` ranks as ZeRO does: ZeRO-1 divides the moments
+//!   per parameter in all, split as the run holds them. In an f32 run outside reference mode
+//!   the backward adds each fresh gradient to the accumulated one as soon as it is complete, so
+//!   beside the activations only `4 P` of gradients exist; the second copy (DDP's buckets, the
+//!   checkpoint's buffer) comes after the backward, and the figure is the larger of the two
+//!   moments. Sharded over `S` ranks as ZeRO does: ZeRO-1 divides the moments
 //!   by `S`; ZeRO-2 also the gradients (`4 P / S`, plus the largest unit's fresh gradient); ZeRO-3
 //!   (fsdp) the parameters too (`4 P / S`, plus the largest unit, a block or the embedding,
 //!   gathered whole). At the end of a ZeRO-3 run every rank gathers its full parameters again
@@ -28,15 +32,22 @@
 //!   `4 C` outside the attention and the MLP (the block input, the two norms' outputs, the
 //!   residual; divided by `tp` under sequence parallelism) and `4 C + 2 F` inside them (q/k/v,
 //!   the attention output, the MLP's up-projection and activation of width `F`; `3 F` for a
-//!   gated MLP; divided by `tp`), the fused attention keeping no `T x T` probabilities; that for
-//!   every block of the rank plus one more for the backward's temporaries, and the `H T`
-//!   attention scores of one block being computed (with activation checkpointing: the block
-//!   inputs `C` plus two whole blocks); `4 C` for the embedding and the final norm (`8 C` with a
-//!   head transform); `3 V / tp` for the logits, their softmax and their gradient. A pipeline
-//!   rank holds `min(microbatches, pp)` micro-batches in flight (1F1B, zero bubble),
-//!   `min(microbatches, 2 pp)` (interleaved) or all of them (GPipe): each keeps its blocks'
-//!   values (or their inputs) and the embedding's, while the backward's temporaries, the
-//!   attention scores and the logits exist for one micro-batch at a time.
+//!   gated MLP; with rotary positions `4 C` more plus the key/value width, for the rotated q and
+//!   k and the heads-first copies the attention reads; divided by `tp`), the fused attention
+//!   keeping no `T x T` probabilities; under sequence parallelism also the column-parallel
+//!   projections' gathered inputs (`2 C`). That for every block of the rank, plus the backward's
+//!   temporaries (the gradients of one block's inside values), and the `H T` attention scores
+//!   of one block being computed (with activation checkpointing: the block inputs `C` plus one
+//!   whole block recomputed); `4 C` for the embedding and the final norm (`8 C` with a head
+//!   transform; under `tp` also the vocabulary-parallel embedding's partial lookup `C` and the
+//!   loss-parallel cross-entropy's `2 V / tp`); `3 V / tp` for the logits, their softmax and
+//!   their gradient, on the stage that computes them. A pipeline's first stage holds
+//!   `min(microbatches, pp)` micro-batches in flight (1F1B, zero bubble), `min(microbatches,
+//!   2 pp)` (interleaved) or all of them (GPipe), the last stage one under 1F1B: each keeps its
+//!   blocks' values (or their inputs) and the embedding's, while the backward's temporaries,
+//!   the attention scores and the logits exist for one micro-batch at a time. Under zero bubble
+//!   every stage holds `min(microbatches, pp)` until their weight backwards, each also with its
+//!   projections' output gradients (`3 C + F` split by `tp`, `2 C`).
 //! * **Gathering**: with `tp` or `pp` above 1, rank 0 builds the whole model once more at the end
 //!   (`4 P`) to write the checkpoint.
 //!
@@ -251,7 +262,16 @@ fn block_activations(s: &ModelShape, seq: usize) -> (N, N, N) {
     let four = N::of(4);
     // The gated MLP keeps its gate, its up projection and their product.
     let mlp = if s.gated_mlp { N::of(3) } else { N::of(2) } * f;
-    (four * c, four * c + mlp, h * t)
+    // Rotary positions (no learned table): the rotated q and k, and the heads-first copies of
+    // q, k and v (k and v repeated for every query head) that the attention reads.
+    let kv = n(s.n_embd / s.n_head.max(1)) * n(s.n_kv_head);
+    let rotary = flag(!s.learned_positions) * (four * c + kv);
+    (four * c, four * c + mlp + rotary, h * t)
+}
+
+/// The width of the MLP's up projections' outputs per token: `F`, or `2 F` with a gate.
+fn mlp_width(s: &ModelShape) -> N {
+    flag(s.gated_mlp) * n(s.ffn) + n(s.ffn)
 }
 
 /// f32 values one token keeps outside the blocks, besides the logits: embedding and final norm,
@@ -398,11 +418,83 @@ pub fn estimate_training(run: &TrainingRun) -> MemoryEstimate {
     let layout = run.layout;
     let (tp, pp) = (layout.tp(), layout.pp());
     let ranks = layout.world_size();
-    let microbatches = run.microbatches.max(1);
-
-    // Parameters of the largest rank.
     let blocks = shape.n_layer.div_ceil(pp.max(1));
-    let local = with_blocks(shape, blocks).local(tp);
+    // The largest rank: without a pipeline the one stage holds everything; with one, the first
+    // stage (the embedding, the most micro-batches in flight) or the last (the head and the
+    // logits).
+    let stages = if pp > 1 {
+        let (first, last) = held_by_end_stages(run.schedule, run.microbatches.max(1), pp);
+        vec![
+            Stage {
+                params: embedding(shape).plus(block(shape).times(n(blocks))),
+                in_flight: first.held,
+                pending_weight: first.pending_weight,
+                logits: false,
+            },
+            Stage {
+                params: block(shape).times(n(blocks)).plus(head(shape)),
+                in_flight: last.held,
+                pending_weight: last.pending_weight,
+                logits: true,
+            },
+        ]
+    } else {
+        vec![Stage {
+            params: with_blocks(shape, blocks),
+            in_flight: 1,
+            pending_weight: 0,
+            logits: true,
+        }]
+    };
+    let largest = stages
+        .iter()
+        .map(|stage| stage_memory(run, stage, blocks))
+        .max_by_key(|m| m.per_rank.get())
+        .expect("at least one stage");
+    let gather = if tp > 1 || pp > 1 {
+        with_blocks(shape, shape.n_layer).total() * N::of(F32)
+    } else {
+        N::of(0)
+    };
+    let total = largest.per_rank * n(ranks) + gather;
+    MemoryEstimate {
+        ranks,
+        params: largest.params.get(),
+        grads: largest.grads.get(),
+        optimizer: largest.optimizer.get(),
+        activations: largest.activations.get(),
+        per_rank: largest.per_rank.get(),
+        gather: gather.get(),
+        total: total.get(),
+    }
+}
+
+/// A pipeline stage as the estimate sees it: its parameters (before tensor parallelism), the
+/// micro-batches whose activations it holds at once, how many of them at most also hold their
+/// output gradients for a weight backward still to come, and whether it computes the logits.
+struct Stage {
+    params: Params,
+    in_flight: usize,
+    pending_weight: usize,
+    logits: bool,
+}
+
+/// One rank's figures (see [`MemoryEstimate`]).
+struct RankMemory {
+    params: N,
+    grads: N,
+    optimizer: N,
+    activations: N,
+    per_rank: N,
+}
+
+/// The memory of a rank of `stage` (`blocks` blocks) in `run` (see the module docs).
+fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
+    let shape = &run.model;
+    let layout = run.layout;
+    let tp = layout.tp();
+    let microbatches = run.microbatches.max(1);
+    let local = stage.params.local(tp);
     let unit = block(shape).local(tp).max(embedding(shape).local(tp));
     let bytes = |x: N| x * N::of(F32);
     // Working copies: f32, or 2-byte copies beside f32 master weights (in the optimizer state).
@@ -440,15 +532,13 @@ pub fn estimate_training(run: &TrainingRun) -> MemoryEstimate {
         grads = grads + bytes(local) * n(levels as usize) + bytes(local) * n(dp);
     }
 
-    // Activations of the micro-batches (reference mode: row groups) in flight on the largest
-    // rank.
+    // Activations of the micro-batches (reference mode: row groups) in flight.
     let rows = match run.reference_row_group {
         Some(row_group) => row_group,
         None => run.batch_size.div_ceil(dp).div_ceil(microbatches),
     };
     let seq = shape.positions;
     let tokens = n(rows) * n(seq);
-    let in_flight = in_flight(run.schedule, microbatches, pp);
     let tp_n = n(tp);
     let sp_n = if run.sequence_parallel {
         tp_n
@@ -456,44 +546,110 @@ pub fn estimate_training(run: &TrainingRun) -> MemoryEstimate {
         N::of(1)
     };
     let (outside, inside, scores) = block_activations(shape, seq);
-    let one_block = outside.div_ceil(sp_n) + inside.div_ceil(tp_n);
-    // What every micro-batch in flight keeps, and the temporaries of the one being computed.
+    let one_block = outside.div_ceil(sp_n)
+        + inside.div_ceil(tp_n)
+        + tp_plumbing(shape, tp, run.sequence_parallel);
+    // What every micro-batch in flight keeps, and the temporaries of the one being computed:
+    // the gradients of one block's attention and MLP values and of tensor parallelism's
+    // communication (the residual-width gradients replace one another); with recomputation
+    // the recomputed block, whose values its backward frees as it makes their gradients.
+    let backward = inside.div_ceil(tp_n) + tp_plumbing(shape, tp, run.sequence_parallel);
     let (kept, temporaries) = if run.checkpoint_blocks {
-        (
-            n(blocks) * n(shape.n_embd).div_ceil(sp_n),
-            N::of(2) * one_block,
-        )
+        (n(blocks) * n(shape.n_embd).div_ceil(sp_n), one_block)
     } else {
-        (n(blocks) * one_block, one_block)
+        (n(blocks) * one_block, backward)
     };
-    let kept = kept + edge_activations(shape).div_ceil(sp_n);
-    let temporaries =
-        temporaries + scores.div_ceil(tp_n) + (N::of(3) * n(shape.vocab_size)).div_ceil(tp_n);
-    let activations = tokens * (n(in_flight) * kept + temporaries) * half;
+    let kept = kept + edge_activations(shape).div_ceil(sp_n) + tp_edge(shape, tp);
+    let logits = flag(stage.logits) * (N::of(3) * n(shape.vocab_size)).div_ceil(tp_n);
+    let temporaries = temporaries + scores.div_ceil(tp_n) + logits;
+    // A micro-batch whose weight backward is still to come also holds the gradients of its
+    // projections' outputs (q/k/v and the MLP's up projections split by tensor parallelism, the
+    // two output projections' `C` each as the residual stream is split).
+    let output_grads = n(blocks)
+        * ((N::of(3) * n(shape.n_embd) + mlp_width(shape)).div_ceil(tp_n)
+            + (N::of(2) * n(shape.n_embd)).div_ceil(sp_n));
+    let activations = tokens
+        * (n(stage.in_flight) * kept + n(stage.pending_weight) * output_grads + temporaries)
+        * half;
 
-    let training = params + grads + optimizer + activations;
+    // Two moments can be the peak: the backward, while the activations are still held, and
+    // after it, when every gradient copy exists. In an f32 run outside reference mode, the
+    // backward adds each parameter's fresh gradient to the accumulated one as soon as it is
+    // complete (the first micro-batch's becomes it): one copy (4 P) exists beside the
+    // activations; the second copy (DDP's buckets, a checkpoint's buffer) comes once the
+    // activations are freed.
+    let single_copy = run.precision == Precision::F32
+        && run.reference_row_group.is_none()
+        && matches!(layout.zero(), None | Some(ZeroStage::One));
+    let grads_in_backward = if single_copy { bytes(local) } else { grads };
+    let training =
+        (params + grads_in_backward + optimizer + activations).max(params + grads + optimizer);
     let per_rank = if layout.zero() == Some(ZeroStage::Three) {
         // The end of the run: every rank gathers its full (tp-local) parameters.
         training.max(local * half + grads + optimizer)
     } else {
         training
     };
-    let gather = if tp > 1 || pp > 1 {
-        with_blocks(shape, shape.n_layer).total() * N::of(F32)
-    } else {
-        N::of(0)
-    };
-    let total = per_rank * n(ranks) + gather;
-    MemoryEstimate {
-        ranks,
-        params: params.get(),
-        grads: grads.get(),
-        optimizer: optimizer.get(),
-        activations: activations.get(),
-        per_rank: per_rank.get(),
-        gather: gather.get(),
-        total: total.get(),
+    RankMemory {
+        params,
+        grads,
+        optimizer,
+        activations,
+        per_rank,
     }
+}
+
+/// Values per token and block that tensor parallelism's communication keeps beyond one
+/// device's (`tp` of 1: none): under sequence parallelism each column-parallel projection's
+/// input gathered along the sequence (two per block, `C` each; its backward reads it). The
+/// row-parallel projections' partial products and sums are freed as soon as they are used.
+fn tp_plumbing(shape: &ModelShape, tp: usize, sequence_parallel: bool) -> N {
+    if tp <= 1 || !sequence_parallel {
+        return N::of(0);
+    }
+    N::of(2) * n(shape.n_embd)
+}
+
+/// Values per token outside the blocks that tensor parallelism keeps beyond one device's:
+/// the vocabulary-parallel embedding's partial lookup (`C`) and the loss-parallel
+/// cross-entropy's per-rank logits statistics and gradient (`2 V / tp`).
+fn tp_edge(shape: &ModelShape, tp: usize) -> N {
+    if tp <= 1 {
+        return N::of(0);
+    }
+    n(shape.n_embd) + (N::of(2) * n(shape.vocab_size)).div_ceil(n(tp))
+}
+
+/// Micro-batches whose activations the first and the last stage of a `pp`-stage pipeline
+/// hold at once: [`in_flight`] for the first; for the last one under 1F1B one, under GPipe and
+/// the interleaved schedule the same as the first. Under zero bubble every stage holds
+/// `min(microbatches, pp)` until their weight backwards (what the schedule simulator counts as
+/// `peak_held` for the generated schedule; a test checks it), each with its projections' output
+/// gradients, since the input backward leaves them for the weight backward.
+fn held_by_end_stages(schedule: ScheduleKind, microbatches: usize, pp: usize) -> (Held, Held) {
+    let first = in_flight(schedule, microbatches, pp);
+    let plain = |held| Held {
+        held,
+        pending_weight: 0,
+    };
+    match schedule {
+        ScheduleKind::OneFOneB => (plain(first), plain(1)),
+        ScheduleKind::ZeroBubble => {
+            let held = Held {
+                held: microbatches.min(pp),
+                pending_weight: microbatches.min(pp),
+            };
+            (held, held)
+        }
+        _ => (plain(first), plain(first)),
+    }
+}
+
+/// What a pipeline stage holds at once (see [`held_by_end_stages`]).
+#[derive(Clone, Copy)]
+struct Held {
+    held: usize,
+    pending_weight: usize,
 }
 
 /// Micro-batches whose activations a rank of a `pp`-stage pipeline holds at once (1 without
@@ -530,5 +686,37 @@ pub fn estimate_inference(shape: &ModelShape, rows: u64) -> MemoryEstimate {
         per_rank: total.get(),
         gather: 0,
         total: total.get(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pipeline::{simulate, Costs, Schedule};
+
+    #[test]
+    fn zero_bubble_holds_what_the_simulator_counts() {
+        for pp in [2, 3, 4, 8] {
+            for m in [1, 2, pp, 2 * pp, 3 * pp + 1] {
+                let schedule = Schedule::generate(ScheduleKind::ZeroBubble, pp, m, None).unwrap();
+                let report = simulate(&schedule, &Costs::uniform(1.0, 1.0, 1.0, 0.0)).unwrap();
+                let (first, last) = held_by_end_stages(ScheduleKind::ZeroBubble, m, pp);
+                assert_eq!(first.held, report.peak_held[0], "pp={pp} m={m}");
+                assert_eq!(last.held, report.peak_held[pp - 1], "pp={pp} m={m}");
+            }
+        }
+    }
+
+    #[test]
+    fn one_f_one_b_holds_what_the_simulator_counts() {
+        for pp in [2, 3, 4] {
+            for m in [1, pp, 2 * pp] {
+                let schedule = Schedule::generate(ScheduleKind::OneFOneB, pp, m, None).unwrap();
+                let report = simulate(&schedule, &Costs::uniform(1.0, 1.0, 1.0, 0.0)).unwrap();
+                let (first, last) = held_by_end_stages(ScheduleKind::OneFOneB, m, pp);
+                assert_eq!(first.held, report.peak_activations[0], "pp={pp} m={m}");
+                assert_eq!(last.held, report.peak_activations[pp - 1], "pp={pp} m={m}");
+            }
+        }
     }
 }
