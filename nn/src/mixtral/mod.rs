@@ -90,4 +90,7 @@ impl CausalFamily for Mixtral {
     fn save(model: &Llama, dir: &Path) -> Result<()> {
         hf_mixtral::save_mixtral(model, dir)
     }
+    fn moe(config: &LlamaConfig) -> Option<crate::moe::MoeSettings> {
+        config.moe
+    }
 }
