@@ -100,14 +100,6 @@ impl<F: TrainFamily> Recipe for CausalRecipe<F> {
         let Some(layout) = layout else {
             return Ok(());
         };
-        if F::moe(&F::config(cfg)).is_some() && layout.pp() > 1 {
-            anyhow::bail!(
-                "{}: pipeline parallelism (pp = {}) is not supported for a mixture of experts \
-                 yet; use dp, fsdp or hsdp",
-                F::NAME.to_lowercase(),
-                layout.pp()
-            );
-        }
         // The other sizes first; then the vocabulary, whose error names the key that pads it.
         let config = F::config(cfg);
         F::check_tp(

@@ -302,7 +302,7 @@ fn mixtral_weights(dir: &Path, tag: &str) -> Vec<(String, Vec<f64>)> {
 }
 
 #[test]
-fn mixtral_trains_and_keeps_lockstep_with_one_device_under_dp_and_fsdp() {
+fn mixtral_trains_and_keeps_lockstep_with_one_device_under_dp_fsdp_and_pp() {
     let dir = tmpdir("mixtral");
     assert_ok(&train_mixtral(&dir, "single", 6, &[]));
     let want = metrics(&dir, "single");
@@ -311,8 +311,8 @@ fn mixtral_trains_and_keeps_lockstep_with_one_device_under_dp_and_fsdp() {
     // Every line: the objective (cross-entropy + 0.05 aux), the aux loss near its uniform value
     // k = 2, and the load: 8 rows x 16 tokens x 2 copies over 4 experts = 64 per expert on
     // average.
-    let text = std::fs::read_to_string(dir.join("single.jsonl")).unwrap();
-    for line in text.lines() {
+    let lines = std::fs::read_to_string(dir.join("single.jsonl")).unwrap();
+    for line in lines.lines() {
         let v: serde_json::Value = serde_json::from_str(line).unwrap();
         let aux = v["aux_loss"].as_f64().unwrap();
         assert!((1.9..2.5).contains(&aux), "{line}");
@@ -326,7 +326,14 @@ fn mixtral_trains_and_keeps_lockstep_with_one_device_under_dp_and_fsdp() {
     assert_eq!(config["num_local_experts"], 4);
     assert_eq!(config["num_experts_per_tok"], 2);
     let single_w = mixtral_weights(&dir, "single");
-    for (tag, layout) in [("dp2", "dp=2"), ("fsdp2", "fsdp=2")] {
+    // The load-balancing loss of layers on other pipeline stages reaches the backward with the
+    // executor's scale, and the load is reduced over the stages.
+    let layouts = [
+        ("dp2", "dp=2"),
+        ("fsdp2", "fsdp=2"),
+        ("dp2pp2", "dp=2,pp=2"),
+    ];
+    for (tag, layout) in layouts {
         let extra = ["--layout", layout, "--microbatches", "2"];
         assert_ok(&train_mixtral(&dir, tag, 6, &extra));
         assert_lockstep(tag, &metrics(&dir, tag), &want, true);
@@ -356,7 +363,33 @@ fn mixtral_trains_and_keeps_lockstep_with_one_device_under_dp_and_fsdp() {
     assert_one_line_error(&o, &["model.experts_per_token", "1..=4"]);
     let o = train_mixtral(&dir, "bad_tp", 1, &["--layout", "tp=2"]);
     assert_one_line_error(&o, &["tensor parallelism", "mixture of experts"]);
-    let o = train_mixtral(&dir, "bad_pp", 1, &["--layout", "pp=2"]);
-    assert_one_line_error(&o, &["pipeline parallelism", "mixture of experts"]);
+    // Fine-tuning from the folder: it fixes the shape, the coefficient is a training setting.
+    let single = dir.join("single");
+    let o = train_mixtral(
+        &dir,
+        "tuned",
+        1,
+        &[
+            "--init-from",
+            single.to_str().unwrap(),
+            "--set",
+            "model.router_aux_loss_coef=0.5",
+        ],
+    );
+    assert_ok(&o);
+    let (out, _) = text(&o);
+    assert!(out.contains("aux coef 0.5"), "{out}");
+    let o = train_mixtral(
+        &dir,
+        "reshaped",
+        1,
+        &[
+            "--init-from",
+            single.to_str().unwrap(),
+            "--set",
+            "model.n_experts=8",
+        ],
+    );
+    assert_one_line_error(&o, &["model.n_experts is 4 in the folder but 8"]);
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -4,7 +4,8 @@
 //! configs have experts and whose checkpoints are `MixtralForCausalLM` folders
 //! ([`crate::state::hf_mixtral`]).
 //!
-//! Tensor parallelism is not supported yet: [`CausalFamily::check_tp`] refuses it.
+//! Data parallelism (dp, fsdp, hsdp) and pipelining train it as one device does; tensor
+//! parallelism is not supported yet: [`CausalFamily::check_tp`] refuses it.
 
 use std::path::Path;
 
