@@ -303,3 +303,68 @@ fn capacity_drops_copies_and_the_load_is_collected() {
     });
     assert!(none.is_empty());
 }
+
+#[test]
+fn mixtral_folders_round_trip_and_refuse_what_they_cannot_hold() {
+    use meshgrad_nn::llama::{Llama, LlamaConfig};
+    use meshgrad_nn::state::hf_mixtral::{
+        is_mixtral_folder, load_mixtral, mixtral_config_from_hf_json, save_mixtral,
+    };
+    let mut c = LlamaConfig::new(32, 8, 16, 2, 2);
+    c.intermediate_size = 8;
+    c.moe = Some(MoeSettings::new(3, 2));
+    let model = Llama::new(c, 5, DType::F32, Device::Cpu).unwrap();
+    let names: Vec<String> = model
+        .named_parameters()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    assert!(names.contains(&"model.layers.1.block_sparse_moe.gate.weight".to_string()));
+    assert!(names.contains(&"model.layers.0.block_sparse_moe.experts.2.w3.weight".to_string()));
+    assert!(!names.iter().any(|n| n.contains(".mlp.")));
+    let dir = std::env::temp_dir().join(format!("meshgrad-mixtral-{}", std::process::id()));
+    save_mixtral(&model, &dir).unwrap();
+    assert!(is_mixtral_folder(&dir));
+    let back = load_mixtral(&dir, DType::F32, Device::Cpu).unwrap();
+    assert_eq!(back.config.moe, c.moe);
+    for ((n, p), (m, q)) in model.named_parameters().iter().zip(back.named_parameters()) {
+        assert_eq!(
+            (n, p.tensor().to_vec_f64().unwrap()),
+            (&m, q.tensor().to_vec_f64().unwrap())
+        );
+    }
+    let ids = Tensor::from_vec(vec![1u32, 5, 9, 2], (1, 4), Device::Cpu).unwrap();
+    let (a, b) = (model.forward(&ids).unwrap(), back.forward(&ids).unwrap());
+    let (a, b) = (
+        a.tensor().to_vec_f64().unwrap(),
+        b.tensor().to_vec_f64().unwrap(),
+    );
+    close(&a, &b, 1e-5, "logits");
+    std::fs::remove_dir_all(&dir).unwrap();
+    // A transformers-style config: defaults, and one-line refusals.
+    let json = |extra: &str| {
+        format!(
+            "{{\"model_type\": \"mixtral\", \"vocab_size\": 32, \"hidden_size\": 16, \
+             \"intermediate_size\": 8, \"num_hidden_layers\": 2, \"num_attention_heads\": 2, \
+             \"num_key_value_heads\": 1, \"max_position_embeddings\": 8, \
+             \"num_local_experts\": 4, \"num_experts_per_tok\": 2{extra}}}"
+        )
+    };
+    let c = mixtral_config_from_hf_json(&json("")).unwrap();
+    let moe = c.moe.unwrap();
+    assert_eq!((moe.n_experts, moe.experts_per_token), (4, 2));
+    assert_eq!(moe.router_aux_loss_coef, 0.001);
+    for (extra, needle) in [
+        (", \"sliding_window\": 4", "sliding_window 4"),
+        (", \"router_jitter_noise\": 0.1", "router_jitter_noise"),
+        (", \"num_experts_per_tok\": 5", "experts_per_token = 5"),
+    ] {
+        let text = json(extra).replacen(
+            ", \"num_experts_per_tok\": 2",
+            "",
+            usize::from(extra.contains("per_tok")),
+        );
+        let e = mixtral_config_from_hf_json(&text).unwrap_err().to_string();
+        assert!(e.contains(needle) && !e.contains('\n'), "{e}");
+    }
+}
