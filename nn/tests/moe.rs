@@ -198,7 +198,7 @@ fn gradients_with_the_aux_term_match_finite_differences() {
         ..GradcheckOptions::default()
     };
     // The layer without the aux term, then the objective with it, differentiated by the input.
-    gradcheck(|v| plain.forward(&v[0]), &[x.clone()], opts).unwrap();
+    gradcheck(|v| plain.forward(&v[0]), std::slice::from_ref(&x), opts).unwrap();
     let w = Random::new(5)
         .dtype(DType::F64)
         .uniform(&[b, t, C][..], -1.0, 1.0)
