@@ -1355,6 +1355,7 @@ val_fraction = 0.05
             metrics: Some("m".into()),
             model: ModelConfig {
                 tie_embeddings: Some(true),
+                expert_capacity_factor: Some(1.25),
                 ..ModelConfig::default()
             },
             data: DataConfig {
@@ -1380,6 +1381,7 @@ val_fraction = 0.05
                 "out" | "metrics" | "data.path" | "data.tokenizer" => "x",
                 "model.bias" => "false",
                 "model.tie_embeddings" => "true",
+                "model.experts_per_token" => "1",
                 "train.reference" => "true",
                 "model.kind" => "bert",
                 "train.device" => "cuda",
