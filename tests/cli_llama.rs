@@ -349,6 +349,28 @@ fn mixtral_trains_and_keeps_lockstep_with_one_device_under_dp_fsdp_and_pp() {
         let r = (diff / norm).sqrt();
         assert!(r <= 1e-5, "{tag}: weights differ by {r:e} (relative L2)");
     }
+    // A capacity factor drops copies per sequence: the same ones under data parallelism.
+    let cap = ["--set", "model.expert_capacity_factor=1.0"];
+    assert_ok(&train_mixtral(&dir, "cap", 2, &cap));
+    let dp_cap = [&cap[..], &["--layout", "dp=2", "--microbatches", "2"]].concat();
+    assert_ok(&train_mixtral(&dir, "cap_dp2", 2, &dp_cap));
+    assert_lockstep(
+        "cap_dp2",
+        &metrics(&dir, "cap_dp2"),
+        &metrics(&dir, "cap"),
+        true,
+    );
+    let dropped = |tag: &str| -> Vec<f64> {
+        let text = std::fs::read_to_string(dir.join(format!("{tag}.jsonl"))).unwrap();
+        text.lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                v["expert_tokens_dropped"].as_f64().unwrap()
+            })
+            .collect()
+    };
+    assert!(dropped("cap").iter().all(|&d| d > 0.0));
+    assert_eq!(dropped("cap"), dropped("cap_dp2"));
     // The folder evaluates (cross-entropy alone) and generates.
     let data = dir.join("eval.txt");
     std::fs::write(
@@ -358,6 +380,23 @@ fn mixtral_trains_and_keeps_lockstep_with_one_device_under_dp_fsdp_and_pp() {
     .unwrap();
     let loss = loss_line(&eval(&dir.join("single"), &data));
     assert!(loss.is_finite() && loss < 6.0, "{loss}");
+    let o = bin()
+        .args([
+            "generate",
+            "--checkpoint",
+            dir.join("single").to_str().unwrap(),
+        ])
+        .args([
+            "--prompt",
+            "The ",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "4",
+        ])
+        .output()
+        .unwrap();
+    assert_ok(&o);
     // One-line refusals: top-k above the experts, and layouts not supported yet.
     let o = train_mixtral(&dir, "bad_k", 1, &["--set", "model.experts_per_token=5"]);
     assert_one_line_error(&o, &["model.experts_per_token", "1..=4"]);
