@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use meshgrad_nn::state::{hf_bert, hf_gpt2, hf_llama, state_dict};
+use meshgrad_nn::state::{hf_bert, hf_gpt2, hf_llama, hf_mixtral, state_dict};
 use meshgrad_nn::InitialValues;
 use meshgrad_tensor::{DType, Device};
 
@@ -74,9 +74,15 @@ pub fn folder_model(dir: &Path) -> Result<FolderModel> {
         )
     })?;
     let mut model = ModelConfig::default();
-    if hf_llama::is_llama_folder(dir) {
+    if hf_llama::is_llama_folder(dir) || hf_mixtral::is_mixtral_folder(dir) {
         let c = hf_llama::llama_config_from_hf_json(&text).with_context(what)?;
         model.kind = ModelKind::Llama;
+        if let Some(moe) = c.moe {
+            model.kind = ModelKind::Mixtral;
+            model.n_experts = moe.n_experts;
+            model.experts_per_token = moe.experts_per_token;
+            model.router_aux_loss_coef = moe.router_aux_loss_coef;
+        }
         model.n_layer = c.n_layer;
         model.n_head = c.n_head;
         model.n_kv_head = c.n_kv_head;
@@ -155,7 +161,7 @@ pub(crate) fn initial_values(dir: &Path, cfg: &TrainConfig) -> Result<InitialVal
             ModelKind::Gpt => {
                 hf_gpt2::load_gpt2(dir, DType::F32, Device::Cpu).map(|m| state_dict(&m))
             }
-            ModelKind::Llama => {
+            ModelKind::Llama | ModelKind::Mixtral => {
                 hf_llama::load_llama(dir, DType::F32, Device::Cpu).map(|m| state_dict(&m))
             }
             ModelKind::Bert => {

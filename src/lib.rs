@@ -44,6 +44,8 @@ pub mod corpus;
 #[cfg(feature = "cli")]
 pub mod eval;
 #[cfg(feature = "cli")]
+mod expert_load;
+#[cfg(feature = "cli")]
 pub mod flight;
 #[cfg(feature = "cli")]
 pub mod generate;

@@ -312,8 +312,8 @@ enum TokenizerCommand {
 #[derive(clap::Args)]
 struct TrainArgs {
     /// Model kind: gpt (next-token prediction), llama (next-token prediction with a Llama
-    /// decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU) or bert (masked LM); sets
-    /// model.kind.
+    /// decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU), mixtral (a Llama with
+    /// mixture-of-experts feed-forwards) or bert (masked LM); sets model.kind.
     #[arg(long)]
     model: Option<String>,
     /// TOML config (see configs/tiny.toml); flags override it.

@@ -1,10 +1,11 @@
 //! The models a training config describes, for every part of the CLI that builds or sizes one
 //! (the recipes, reference mode's chunk counts, the memory preflight, checkpoints): the one
-//! place where `[model]` keys become a GPT, Llama or BERT config.
+//! place where `[model]` keys become a GPT, Llama, Mixtral or BERT config.
 
 use meshgrad_nn::bert::BertConfig;
 use meshgrad_nn::llama::LlamaConfig;
 use meshgrad_nn::mlm::{MlmConfig, SpecialTokens};
+use meshgrad_nn::moe::MoeSettings;
 use meshgrad_nn::GptConfig;
 
 use crate::config::{ModelKind, TrainConfig};
@@ -46,11 +47,28 @@ pub fn llama_config(cfg: &TrainConfig) -> LlamaConfig {
     c
 }
 
+/// The Mixtral a training config describes: the Llama of [`llama_config`] whose feed-forwards
+/// are mixtures of `model.n_experts` experts (each `intermediate_size` wide), routing each token
+/// to `model.experts_per_token`, with `model.router_aux_loss_coef` and
+/// `model.expert_capacity_factor`.
+pub fn mixtral_config(cfg: &TrainConfig) -> LlamaConfig {
+    let m = &cfg.model;
+    let mut c = llama_config(cfg);
+    c.moe = Some(MoeSettings {
+        n_experts: m.n_experts,
+        experts_per_token: m.experts_per_token,
+        router_aux_loss_coef: m.router_aux_loss_coef,
+        capacity_factor: m.expert_capacity_factor,
+    });
+    c
+}
+
 /// The sizes of the model a training config describes (for memory and cost estimates).
 pub fn model_shape(cfg: &TrainConfig) -> meshgrad_nn::ModelShape {
     match cfg.model.kind {
         ModelKind::Gpt => gpt_config(cfg).shape(),
         ModelKind::Llama => llama_config(cfg).shape(),
+        ModelKind::Mixtral => mixtral_config(cfg).shape(),
         ModelKind::Bert => bert_config(cfg).shape(),
     }
 }

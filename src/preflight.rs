@@ -22,7 +22,7 @@
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use meshgrad_nn::state::{hf_bert, hf_gpt2, hf_llama};
+use meshgrad_nn::state::{hf_bert, hf_gpt2, hf_llama, hf_mixtral};
 use meshgrad_nn::ModelShape;
 use meshgrad_parallel::plan::memory::{
     estimate_inference, estimate_training, human, MemoryEstimate, Precision, TrainingRun,
@@ -256,7 +256,7 @@ pub fn check_checkpoint(dir: &Path) -> Result<()> {
             Ok(c) => c.shape(),
             Err(_) => return Ok(()),
         }
-    } else if hf_llama::is_llama_folder(dir) {
+    } else if hf_llama::is_llama_folder(dir) || hf_mixtral::is_mixtral_folder(dir) {
         match hf_llama::llama_config_from_hf_json(&text) {
             Ok(c) => c.shape(),
             Err(_) => return Ok(()),

@@ -66,12 +66,14 @@ use meshgrad_tensor::tree_sum::tree_sum_f64;
 use meshgrad_tensor::{Device, Tensor};
 
 use crate::config::TrainConfig;
+use crate::expert_load::reduce_expert_load;
 use crate::pipeline_plan::{pipeline_shape, plan_on_world, profile_and_partition, PipelinePlan};
 use crate::rank_sync::RankSync;
 use crate::recipe::{Recipe, StageBuild};
 use crate::reference::row_groups;
 use crate::run_setup::{optimizer_and_schedule, TrainOptions, TrainSummary, Verbosity};
-use crate::step_loop::{drive_loop, GradSync, Reporter, RunControl};
+use crate::step_loop::{drive_loop, GradSync, Reporter, RunControl, StepShare};
+use meshgrad_nn::moe::collect_expert_load;
 use meshgrad_parallel::grad_tree::{take_grads, GradTree};
 
 /// A rank's chunks as one module (for the optimizer and the data-parallel wrapper): their
@@ -351,49 +353,61 @@ fn rank_main<R: Recipe>(
     let total_groups = cfg.train.batch_size / cfg.train.row_group;
     // f16: the dynamic loss scale (continued from a resumed checkpoint's).
     let scaler = crate::run_setup::run_loss_scaler(cfg, start.loss_scaler.as_ref())?;
-    let micro_step = |step: usize| -> Result<f64> {
+    let aux_coef = recipe.aux_loss_coef();
+    let micro_step = |step: usize| -> Result<StepShare> {
         let mbs = recipe.train_microbatches(step as u64, rows.clone(), opts.microbatches, dp)?;
         let t0 = timeline.now_s();
-        let loss = match &reference {
-            None => {
-                let m = mbs.len();
-                let factor = scaler.as_ref().map_or(1.0, |s| s.borrow().scale());
-                let mut before = |mb: usize, chunk: usize| -> meshgrad_tensor::Result<()> {
-                    sync.before_grads(mb, chunk);
-                    Ok(())
-                };
-                let losses = execute_with(
+        // A mixture of experts' layers record their load during the step's forwards.
+        let (loss, load) = collect_expert_load(|| -> Result<f64> {
+            Ok(match &reference {
+                None => {
+                    let m = mbs.len();
+                    let factor = scaler.as_ref().map_or(1.0, |s| s.borrow().scale());
+                    let mut before = |mb: usize, chunk: usize| -> meshgrad_tensor::Result<()> {
+                        sync.before_grads(mb, chunk);
+                        Ok(())
+                    };
+                    let losses = execute_with(
+                        &chunks,
+                        &plan.schedule,
+                        pp.as_ref(),
+                        &mbs,
+                        step as u64,
+                        Some(timeline),
+                        ExecuteOptions {
+                            loss_scale: Some(factor / m as f64),
+                            on_grads: None,
+                            before_grads: Some(&mut before),
+                        },
+                    )?;
+                    mean_loss(pp.as_ref(), &losses)?
+                }
+                Some(r) => r.step(
                     &chunks,
                     &plan.schedule,
                     pp.as_ref(),
+                    &grads,
                     &mbs,
                     step as u64,
-                    Some(timeline),
-                    ExecuteOptions {
-                        loss_scale: Some(factor / m as f64),
-                        on_grads: None,
-                        before_grads: Some(&mut before),
-                    },
-                )?;
-                mean_loss(pp.as_ref(), &losses)?
-            }
-            Some(r) => r.step(
-                &chunks,
-                &plan.schedule,
-                pp.as_ref(),
-                &grads,
-                &mbs,
-                step as u64,
-                recipe.reference_loss_scale(total_groups),
-                timeline,
-            )?,
-        };
+                    recipe.reference_loss_scale(total_groups),
+                    timeline,
+                )?,
+            })
+        });
+        let loss = loss?;
         let t1 = timeline.now_s();
         step_windows
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push((ctx.rank, step, t0, t1));
-        Ok(loss)
+        let experts = match aux_coef {
+            Some(coef) => Some((
+                reduce_expert_load(&load, mesh.dp_group().as_ref(), pp.as_ref())?,
+                coef,
+            )),
+            None => None,
+        };
+        Ok(StepShare { loss, experts })
     };
     let val = || -> Result<f64> {
         if reference.is_some() {

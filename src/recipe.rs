@@ -105,6 +105,12 @@ pub(crate) trait Recipe: Sync + Sized {
     fn reference_val_loss(&self, sum: f64, _batch: u64, total: usize) -> Result<f64> {
         Ok(sum / total as f64)
     }
+    /// A mixture of experts' load-balancing coefficient (the trainer then collects the experts'
+    /// load each step, reports it and adds `coefficient * aux_loss` to the reported loss);
+    /// `None`, the default, for a dense model.
+    fn aux_loss_coef(&self) -> Option<f64> {
+        None
+    }
     /// The run's first log line; `layout` describes the layout (empty on one device).
     fn header(&self, layout: &str) -> String;
     /// A training microbatch of `rows` rows to profile the layers with.

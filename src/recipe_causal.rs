@@ -2,9 +2,10 @@
 //! trained on next-token prediction of the same data (its microbatches, validation, profile
 //! batch, header and end of run), over a family's [`CausalFamily`] (nn: how a stage is built
 //! and split by tensor parallelism, how the whole model is saved) and its [`TrainFamily`] (how
-//! its config is read from the training config). Two families: the GPT-2-style [`Gpt`] (Hugging Face GPT-2 folders) and
+//! its config is read from the training config). Three families: the GPT-2-style [`Gpt`] (Hugging Face GPT-2 folders) and
 //! the [`Llama`] (RMSNorm, RoPE, grouped-query attention, SwiGLU; Hugging Face
-//! `LlamaForCausalLM` folders).
+//! `LlamaForCausalLM` folders) and the [`Mixtral`] (a Llama with mixture-of-experts
+//! feed-forwards; `MixtralForCausalLM` folders).
 
 use std::ops::Range;
 
@@ -13,14 +14,14 @@ use meshgrad_nn::data::TokenSource;
 use meshgrad_nn::gpt::GptBatch;
 use meshgrad_nn::llama::LlamaConfig;
 use meshgrad_nn::state::load_state_dict;
-use meshgrad_nn::{CausalFamily, Gpt, GptConfig, Llama, ParamBuilder};
+use meshgrad_nn::{CausalFamily, Gpt, GptConfig, Llama, Mixtral, ParamBuilder};
 use meshgrad_parallel::comm::all_reduce_scalar;
 use meshgrad_parallel::pipeline::Microbatch;
 use meshgrad_parallel::{micro_rows, Communicator, ParallelLayout, ReduceOp};
 use meshgrad_tensor::{Device, Tensor};
 
 use crate::config::TrainConfig;
-use crate::model_configs::{gpt_config, llama_config};
+use crate::model_configs::{gpt_config, llama_config, mixtral_config};
 use crate::recipe::{Recipe, StageBuild};
 use crate::run_finish::{finish_run, Finish};
 use crate::run_setup::{
@@ -45,6 +46,12 @@ impl TrainFamily for Gpt {
 impl TrainFamily for Llama {
     fn config(cfg: &TrainConfig) -> LlamaConfig {
         llama_config(cfg)
+    }
+}
+
+impl TrainFamily for Mixtral {
+    fn config(cfg: &TrainConfig) -> LlamaConfig {
+        mixtral_config(cfg)
     }
 }
 
@@ -157,6 +164,10 @@ impl<F: TrainFamily> Recipe for CausalRecipe<F> {
     fn val_loss(&self, local_sum: f64, n_batches: usize, dp: &dyn Communicator) -> Result<f64> {
         let mean = local_sum / n_batches.max(1) as f64;
         Ok(all_reduce_scalar(dp, mean, ReduceOp::Avg)?)
+    }
+
+    fn aux_loss_coef(&self) -> Option<f64> {
+        F::moe(&self.config).map(|m| m.router_aux_loss_coef)
     }
 
     fn header(&self, layout: &str) -> String {

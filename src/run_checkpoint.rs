@@ -429,6 +429,10 @@ pub fn load_training_model(ck: &Checkpoint) -> Result<CheckpointModel> {
         ModelKind::Llama => {
             CheckpointModel::Llama(Box::new(causal_model::<meshgrad_nn::Llama>(ck, &cfg)?))
         }
+        // A Mixtral is a Llama with experts: one model type.
+        ModelKind::Mixtral => {
+            CheckpointModel::Llama(Box::new(causal_model::<meshgrad_nn::Mixtral>(ck, &cfg)?))
+        }
     })
 }
 

@@ -12,7 +12,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use meshgrad_nn::optim::{AdamW, CosineSchedule, LossScaler};
 use meshgrad_nn::Module;
 use meshgrad_parallel::comm::all_reduce_scalar;
-use meshgrad_parallel::metrics::{metrics_line, with_loss_scale};
+use meshgrad_parallel::metrics::{metrics_line, with_expert_load, with_loss_scale, ExpertMetrics};
 use meshgrad_parallel::{Communicator, ReduceOp};
 use meshgrad_tensor::DType;
 
@@ -169,6 +169,24 @@ impl Reporter {
     }
 }
 
+/// A rank's share of a step, as its micro-step returns it: the loss (the global loss is
+/// `sync.mean(loss) * loss_scale`) and, for a mixture of experts, the step's expert load
+/// (already global) with the load-balancing coefficient.
+pub(crate) struct StepShare {
+    pub(crate) loss: f64,
+    pub(crate) experts: Option<(ExpertMetrics, f64)>,
+}
+
+impl StepShare {
+    /// The training objective's share added to the global cross-entropy: the coefficient times
+    /// the load-balancing loss (0 for a dense model).
+    fn aux_term(&self) -> f64 {
+        self.experts
+            .as_ref()
+            .map_or(0.0, |(m, coef)| coef * m.aux_loss)
+    }
+}
+
 /// What the training loop reports back.
 pub(crate) struct LoopResult {
     pub(crate) initial_val_loss: f64,
@@ -220,6 +238,11 @@ impl RunControl<'_> {
 /// every `eval_interval` steps and at the end, the metrics line (flushed), the log line and the
 /// progress bar.
 ///
+/// A mixture of experts' step ([`StepShare::experts`]): the reported `loss` is the training
+/// objective, the cross-entropy plus the coefficient times the load-balancing loss, and the
+/// metrics line carries `aux_loss` and the expert load ([`with_expert_load`]). Validation
+/// reports the cross-entropy alone.
+///
 /// Mixed precision (`train.precision` bf16 or f16): the step is [`GradSync::step_mixed`]
 /// (unscaling and clipping applied in f32 on the master weights). f16 runs pass the `scaler`
 /// whose scale `micro_step` multiplied the loss by: a step whose gradients are not finite is
@@ -239,7 +262,7 @@ pub(crate) fn drive_loop(
     rep: &mut Reporter,
     loss_scale: f64,
     scaler: Option<&std::cell::RefCell<LossScaler>>,
-    mut micro_step: impl FnMut(usize) -> Result<f64>,
+    mut micro_step: impl FnMut(usize) -> Result<StepShare>,
     mut val: impl FnMut() -> Result<f64>,
     ctl: &RunControl<'_>,
 ) -> Result<LoopResult> {
@@ -293,7 +316,7 @@ pub(crate) fn drive_loop(
         if must_be_finite && !skipped && !grad_norm.is_finite() {
             // Stop before the optimizer step spreads it into the weights. The norm is global,
             // so every rank stops here, after the same collectives.
-            let loss = sync.mean(share)? * loss_scale;
+            let loss = sync.mean(share.loss)? * loss_scale + share.aux_term();
             if !loss.is_finite() {
                 anyhow::bail!("training diverged: loss is {loss} at step {}", step + 1);
             }
@@ -305,7 +328,7 @@ pub(crate) fn drive_loop(
         if !half {
             sync.step(opt, lr)?;
         }
-        last_loss = sync.mean(share)? * loss_scale;
+        last_loss = sync.mean(share.loss)? * loss_scale + share.aux_term();
         if !last_loss.is_finite() {
             anyhow::bail!(
                 "training diverged: loss is {last_loss} at step {}",
@@ -332,6 +355,9 @@ pub(crate) fn drive_loop(
         let mut line = metrics_line(step + 1, last_loss, lr, tps, grad_norm, val);
         if let Some(s) = scaler {
             line = with_loss_scale(&line, s.borrow().scale(), skipped);
+        }
+        if let Some((m, _)) = &share.experts {
+            line = with_expert_load(&line, m);
         }
         rep.metrics(line)?;
         if cfg.train.log_interval > 0
@@ -446,10 +472,13 @@ mod tests {
         let mut opt = AdamW::new(vec![group], AdamWConfig::default()).unwrap();
         let schedule = CosineSchedule::new(1e-3, 1e-4, 1, 3).unwrap();
         let params = vec![p.clone()];
-        let micro_step = |step: usize| -> Result<f64> {
+        let micro_step = |step: usize| -> Result<StepShare> {
             let g = Tensor::from_vec(vec![grad(step); 4], 4, Device::Cpu)?;
             p.set_grad(Some(g));
-            Ok(loss(step))
+            Ok(StepShare {
+                loss: loss(step),
+                experts: None,
+            })
         };
         let mut rep = Reporter::silent();
         let ctl = RunControl {

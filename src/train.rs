@@ -7,9 +7,9 @@
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use meshgrad_nn::state::{hf_gpt2, hf_llama};
+use meshgrad_nn::state::{hf_gpt2, hf_llama, hf_mixtral};
 use meshgrad_nn::tokenizer::Tokenizer;
-use meshgrad_nn::{CausalLm, Gpt, Llama};
+use meshgrad_nn::{CausalLm, Gpt, Llama, Mixtral};
 use meshgrad_parallel::ParallelLayout;
 use meshgrad_tensor::{DType, Device};
 
@@ -61,8 +61,9 @@ pub fn load_checkpoint(dir: &Path) -> Result<Gpt> {
 }
 
 /// Loads the next-token model in `dir` for `eval` and `generate`: a training checkpoint of a
-/// GPT or Llama run, a Hugging Face `LlamaForCausalLM` folder (`config.json` with
-/// `"model_type": "llama"`, through [`hf_llama::load_llama`], RoPE computed as transformers
+/// GPT, Llama or Mixtral run, a Hugging Face `LlamaForCausalLM` or `MixtralForCausalLM` folder
+/// (`config.json` with `"model_type": "llama"` or `"mixtral"`, through
+/// [`hf_llama::load_llama`], RoPE computed as transformers
 /// does; sampling among the ids its run's data used when it has a `meshgrad.toml` or
 /// `tokenizer.json`), else a GPT as [`load_checkpoint`] loads it.
 pub fn load_causal_lm(dir: &Path) -> Result<Box<dyn CausalLm>> {
@@ -73,7 +74,7 @@ pub fn load_causal_lm(dir: &Path) -> Result<Box<dyn CausalLm>> {
             return Ok(m);
         }
     }
-    if hf_llama::is_llama_folder(dir) {
+    if hf_llama::is_llama_folder(dir) || hf_mixtral::is_mixtral_folder(dir) {
         crate::preflight::check_checkpoint(dir)?;
         let mut model = hf_llama::load_llama(dir, DType::F32, Device::Cpu)
             .with_context(|| format!("loading checkpoint {}", dir.display()))?;
@@ -120,6 +121,9 @@ pub fn train(
         }
         ModelKind::Llama => {
             train_recipe::<CausalRecipe<Llama>>(cfg, tokenizer, layout, opts, verbosity)
+        }
+        ModelKind::Mixtral => {
+            train_recipe::<CausalRecipe<Mixtral>>(cfg, tokenizer, layout, opts, verbosity)
         }
         ModelKind::Bert => train_recipe::<BertRecipe>(cfg, tokenizer, layout, opts, verbosity),
     }

@@ -256,3 +256,179 @@ fn a_trained_llama_is_a_hugging_face_folder_that_eval_export_and_resume_take() {
     assert_one_line_error(&o, &["n_kv_head"]);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The tiny Mixtral of the training tests: 2 layers of 4 experts (16 wide, top 2), 4 query
+/// heads sharing 2 key/value heads, width 32, context 16, byte-level vocabulary; `steps` steps
+/// of 8 rows, validation every 2 steps.
+fn train_mixtral(dir: &Path, tag: &str, steps: usize, extra: &[&str]) -> std::process::Output {
+    let sets = [
+        "model.n_layer=2",
+        "model.n_head=4",
+        "model.n_kv_head=2",
+        "model.n_embd=32",
+        "model.intermediate_size=16",
+        "model.n_experts=4",
+        "model.experts_per_token=2",
+        "model.router_aux_loss_coef=0.05",
+        "model.block_size=16",
+        "train.batch_size=8",
+        "train.warmup_steps=1",
+        "train.eval_interval=2",
+        "train.eval_batches=1",
+        "train.sample_tokens=0",
+    ];
+    train(
+        dir,
+        tag,
+        steps,
+        &sets,
+        &[&["--model", "mixtral"], extra].concat(),
+    )
+}
+
+/// The parameters of the Mixtral folder `dir/<tag>`, by name.
+fn mixtral_weights(dir: &Path, tag: &str) -> Vec<(String, Vec<f64>)> {
+    use meshgrad::nn::state::{hf_mixtral, state_dict};
+    let m = hf_mixtral::load_mixtral(
+        dir.join(tag),
+        meshgrad::tensor::DType::F32,
+        meshgrad::tensor::Device::Cpu,
+    )
+    .unwrap();
+    state_dict(&m)
+        .into_iter()
+        .map(|(n, t)| (n, t.to_vec_f64().unwrap()))
+        .collect()
+}
+
+#[test]
+fn mixtral_trains_and_keeps_lockstep_with_one_device_under_dp_fsdp_and_pp() {
+    let dir = tmpdir("mixtral");
+    assert_ok(&train_mixtral(&dir, "single", 6, &[]));
+    let want = metrics(&dir, "single");
+    let (first, last) = (want[0].loss, want.last().unwrap().loss);
+    assert!(last < first - 0.3, "the loss falls: {first} -> {last}");
+    // Every line: the objective (cross-entropy + 0.05 aux), the aux loss near its uniform value
+    // k = 2, and the load: 8 rows x 16 tokens x 2 copies over 4 experts = 64 per expert on
+    // average.
+    let lines = std::fs::read_to_string(dir.join("single.jsonl")).unwrap();
+    for line in lines.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let aux = v["aux_loss"].as_f64().unwrap();
+        assert!((1.9..2.5).contains(&aux), "{line}");
+        assert_eq!(v["expert_tokens_mean"].as_f64(), Some(64.0), "{line}");
+        let max = v["expert_tokens_max"].as_f64().unwrap();
+        assert!((64.0..=128.0).contains(&max), "{line}");
+        assert_eq!(v["expert_tokens_dropped"].as_f64(), Some(0.0), "{line}");
+    }
+    let config = read_json(&dir.join("single/config.json"));
+    assert_eq!(config["model_type"], "mixtral");
+    assert_eq!(config["num_local_experts"], 4);
+    assert_eq!(config["num_experts_per_tok"], 2);
+    let single_w = mixtral_weights(&dir, "single");
+    // The load-balancing loss of layers on other pipeline stages reaches the backward with the
+    // executor's scale, and the load is reduced over the stages.
+    let layouts = [
+        ("dp2", "dp=2"),
+        ("fsdp2", "fsdp=2"),
+        ("dp2pp2", "dp=2,pp=2"),
+    ];
+    for (tag, layout) in layouts {
+        let extra = ["--layout", layout, "--microbatches", "2"];
+        assert_ok(&train_mixtral(&dir, tag, 6, &extra));
+        assert_lockstep(tag, &metrics(&dir, tag), &want, true);
+        // Final weights: relative L2 over all parameters within 1e-5.
+        let (mut diff, mut norm) = (0.0, 0.0);
+        for ((n, a), (m, b)) in mixtral_weights(&dir, tag).iter().zip(&single_w) {
+            assert_eq!(n, m);
+            for (x, y) in a.iter().zip(b) {
+                diff += (x - y) * (x - y);
+                norm += y * y;
+            }
+        }
+        let r = (diff / norm).sqrt();
+        assert!(r <= 1e-5, "{tag}: weights differ by {r:e} (relative L2)");
+    }
+    // A capacity factor drops copies per sequence: the same ones under data parallelism.
+    let cap = ["--set", "model.expert_capacity_factor=1.0"];
+    assert_ok(&train_mixtral(&dir, "cap", 2, &cap));
+    let dp_cap = [&cap[..], &["--layout", "dp=2", "--microbatches", "2"]].concat();
+    assert_ok(&train_mixtral(&dir, "cap_dp2", 2, &dp_cap));
+    assert_lockstep(
+        "cap_dp2",
+        &metrics(&dir, "cap_dp2"),
+        &metrics(&dir, "cap"),
+        true,
+    );
+    let dropped = |tag: &str| -> Vec<f64> {
+        let text = std::fs::read_to_string(dir.join(format!("{tag}.jsonl"))).unwrap();
+        text.lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                v["expert_tokens_dropped"].as_f64().unwrap()
+            })
+            .collect()
+    };
+    assert!(dropped("cap").iter().all(|&d| d > 0.0));
+    assert_eq!(dropped("cap"), dropped("cap_dp2"));
+    // The folder evaluates (cross-entropy alone) and generates.
+    let data = dir.join("eval.txt");
+    std::fs::write(
+        &data,
+        "The quick brown fox jumps over the lazy dog. ".repeat(8),
+    )
+    .unwrap();
+    let loss = loss_line(&eval(&dir.join("single"), &data));
+    assert!(loss.is_finite() && loss < 6.0, "{loss}");
+    let o = bin()
+        .args([
+            "generate",
+            "--checkpoint",
+            dir.join("single").to_str().unwrap(),
+        ])
+        .args([
+            "--prompt",
+            "The ",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "4",
+        ])
+        .output()
+        .unwrap();
+    assert_ok(&o);
+    // One-line refusals: top-k above the experts, and layouts not supported yet.
+    let o = train_mixtral(&dir, "bad_k", 1, &["--set", "model.experts_per_token=5"]);
+    assert_one_line_error(&o, &["model.experts_per_token", "1..=4"]);
+    let o = train_mixtral(&dir, "bad_tp", 1, &["--layout", "tp=2"]);
+    assert_one_line_error(&o, &["tensor parallelism", "mixture of experts"]);
+    // Fine-tuning from the folder: it fixes the shape, the coefficient is a training setting.
+    let single = dir.join("single");
+    let o = train_mixtral(
+        &dir,
+        "tuned",
+        1,
+        &[
+            "--init-from",
+            single.to_str().unwrap(),
+            "--set",
+            "model.router_aux_loss_coef=0.5",
+        ],
+    );
+    assert_ok(&o);
+    let (out, _) = text(&o);
+    assert!(out.contains("aux coef 0.5"), "{out}");
+    let o = train_mixtral(
+        &dir,
+        "reshaped",
+        1,
+        &[
+            "--init-from",
+            single.to_str().unwrap(),
+            "--set",
+            "model.n_experts=8",
+        ],
+    );
+    assert_one_line_error(&o, &["model.n_experts is 4 in the folder but 8"]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

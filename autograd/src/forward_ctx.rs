@@ -17,6 +17,14 @@
 //!   runs and replays it when the block is recomputed, so recomputation draws the same masks.
 //!
 //! The context is per thread (ranks run as threads).
+//!
+//! A scope also carries the **loss scale** of its forward ([`ForwardCtx::scope_scaled`],
+//! [`loss_scale`]): the factor the backward's root multiplies this forward's loss by (the
+//! pipeline executor's `1 / M` over `M` microbatches, times an f16 run's loss scale). A layer that
+//! adds an auxiliary loss term through its backward alone (a mixture of experts' load balancing,
+//! [`Var::attach_aux_loss`](crate::Var::attach_aux_loss)) reads it, so the term's gradient is
+//! scaled as the main loss's is, on whatever pipeline stage the layer sits. Checkpointing replays
+//! it with the rest of the context. Outside any scope it is 1.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -31,10 +39,21 @@ pub struct ForwardCtx {
 }
 
 /// The context and its use counters, as saved by checkpointing.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub(crate) struct CtxState {
     ctx: ForwardCtx,
     uses: HashMap<u64, u64>,
+    loss_scale: f64,
+}
+
+impl Default for CtxState {
+    fn default() -> Self {
+        CtxState {
+            ctx: ForwardCtx::default(),
+            uses: HashMap::new(),
+            loss_scale: 1.0,
+        }
+    }
 }
 
 thread_local! {
@@ -65,14 +84,26 @@ impl ForwardCtx {
     /// Runs `f` inside this context, with fresh use counters; the previous context is restored
     /// afterwards (also on panic).
     pub fn scope<R>(self, f: impl FnOnce() -> R) -> R {
+        self.scope_scaled(1.0, f)
+    }
+
+    /// [`ForwardCtx::scope`] whose forward's loss the backward multiplies by `loss_scale` (see
+    /// the [module docs](self)).
+    pub fn scope_scaled<R>(self, loss_scale: f64, f: impl FnOnce() -> R) -> R {
         let fresh = CtxState {
             ctx: self,
             uses: HashMap::new(),
+            loss_scale,
         };
         let prev = STATE.with(|s| std::mem::replace(&mut *s.borrow_mut(), fresh));
         let _restore = Restore(Some(prev));
         f()
     }
+}
+
+/// The loss scale of the current forward (see the [module docs](self)): 1 outside any scope.
+pub fn loss_scale() -> f64 {
+    STATE.with(|s| s.borrow().loss_scale)
 }
 
 /// Takes the next use index of random stream `stream` in the current context (0 for its first
@@ -117,5 +148,17 @@ mod tests {
             replay(snap, || assert_eq!(next_use(1), 3));
             assert_eq!(next_use(1), 4);
         });
+    }
+
+    #[test]
+    fn the_loss_scale_is_scoped_and_replayed() {
+        assert_eq!(loss_scale(), 1.0);
+        ForwardCtx::new(1, 0).scope_scaled(0.25, || {
+            assert_eq!(loss_scale(), 0.25);
+            let snap = snapshot();
+            ForwardCtx::new(1, 4).scope(|| assert_eq!(loss_scale(), 1.0));
+            replay(snap, || assert_eq!(loss_scale(), 0.25));
+        });
+        assert_eq!(loss_scale(), 1.0);
     }
 }

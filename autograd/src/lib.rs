@@ -60,7 +60,7 @@ mod var;
 
 pub use checkpoint::{checkpoint, BlockFn};
 pub use engine::{backward, backward_input, grad, is_backward_running, DeferredWeightGrads};
-pub use forward_ctx::{next_use, ForwardCtx};
+pub use forward_ctx::{loss_scale, next_use, ForwardCtx};
 pub use function::{apply, Function};
 pub use grad_mode::{enable_grad, is_enabled as is_grad_enabled, no_grad};
 pub use gradcheck::{gradcheck, GradcheckOptions};

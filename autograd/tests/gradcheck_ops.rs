@@ -979,3 +979,42 @@ fn causal_mask(causal: bool) -> AttentionMask<Var> {
         ..AttentionMask::none()
     }
 }
+
+#[test]
+fn attach_aux_loss_adds_weight_times_aux_to_the_objective() {
+    // f(x, a) = attach(x * x, sum(a * a)) projected by gradcheck's weights w: the gradients must
+    // be those of sum(w * x * x) + 0.75 * sum(a * a), which finite differences of that explicit
+    // objective check.
+    let (x, a) = (rand(41, &[2, 3], -1.0, 1.0), rand(42, &[4], -1.0, 1.0));
+    let xs = [Var::leaf(x.clone()), Var::leaf(a.clone())];
+    let aux = xs[1].sqr().unwrap().sum_all().unwrap();
+    let y = xs[0].sqr().unwrap().attach_aux_loss(&aux, 0.75).unwrap();
+    assert_eq!(vals(y.tensor()), vals(xs[0].sqr().unwrap().tensor()));
+    let w = rand(43, &[2, 3], -1.0, 1.0);
+    y.backward_with(w.clone()).unwrap();
+    let objective = |x: &[f64], a: &[f64]| -> f64 {
+        let wv = vals(&w);
+        let main: f64 = x.iter().zip(&wv).map(|(x, w)| x * x * w).sum();
+        main + 0.75 * a.iter().map(|a| a * a).sum::<f64>()
+    };
+    let (xv, av) = (vals(&x), vals(&a));
+    let eps = 1e-6;
+    let fd = |i: usize, of_x: bool| -> f64 {
+        let (mut xp, mut xm, mut ap, mut am) = (xv.clone(), xv.clone(), av.clone(), av.clone());
+        if of_x {
+            xp[i] += eps;
+            xm[i] -= eps;
+        } else {
+            ap[i] += eps;
+            am[i] -= eps;
+        }
+        (objective(&xp, &ap) - objective(&xm, &am)) / (2.0 * eps)
+    };
+    let gx: Vec<f64> = (0..6).map(|i| fd(i, true)).collect();
+    let ga: Vec<f64> = (0..4).map(|i| fd(i, false)).collect();
+    assert_close(&grad_of(&xs[0]), &gx, 1e-7, 1e-6, "x");
+    assert_close(&grad_of(&xs[1]), &ga, 1e-7, 1e-6, "aux input");
+    // A tensor of several elements is refused.
+    let e = xs[0].attach_aux_loss(&xs[1], 1.0).unwrap_err().to_string();
+    assert!(e.contains("one element") && e.contains("[4]"), "{e}");
+}

@@ -59,4 +59,10 @@ pub trait CausalFamily: Sync + Sized + 'static {
     ) -> Result<Self::Whole>;
     /// Saves the whole model as the family's Hugging Face folder `dir`.
     fn save(model: &Self::Whole, dir: &Path) -> Result<()>;
+    /// The mixture-of-experts settings of a family whose feed-forwards are experts (the trainer
+    /// reports their load and adds their load-balancing loss to the reported loss); `None`, the
+    /// default, for a dense model.
+    fn moe(_config: &Self::Config) -> Option<crate::moe::MoeSettings> {
+        None
+    }
 }

@@ -17,8 +17,10 @@ pub mod gpt;
 mod input_checks;
 pub mod layers;
 pub mod llama;
+pub mod mixtral;
 pub mod mlm;
 pub mod module;
+pub mod moe;
 pub mod optim;
 pub mod param_builder;
 pub mod selftest;
@@ -40,6 +42,7 @@ pub use llama::{Llama, LlamaBatch, LlamaConfig};
 pub use meshgrad_autograd::ForwardCtx;
 /// Derives [`Module`] from a struct's fields (see [`module`] and the `meshgrad-derive` crate).
 pub use meshgrad_derive::Module;
+pub use mixtral::Mixtral;
 pub use module::{Forward, Module};
 pub use param_builder::{Init, InitialValues, ParamBuilder};
 pub use shape::ModelShape;

@@ -4,8 +4,11 @@
 //! alike (see [`compare`](crate::compare)).
 //!
 //! A line holds `step` (counted from 1), `loss` (the step's mean training loss), `lr`,
-//! `tokens_per_s` and `grad_norm` (before clipping), `val_loss` on the steps that validated, and
-//! an f16 run's `loss_scale` and `skipped`. Floats are written in their shortest round-trip form
+//! `tokens_per_s` and `grad_norm` (before clipping), `val_loss` on the steps that validated, an
+//! f16 run's `loss_scale` and `skipped`, and a mixture of experts' `aux_loss`,
+//! `expert_tokens_max`, `expert_tokens_mean` and `expert_tokens_dropped` (see
+//! [`with_expert_load`]; its `loss` is the training objective, cross-entropy plus the
+//! coefficient times `aux_loss`). Floats are written in their shortest round-trip form
 //! (NaN and the infinities as `null`), so two values are equal exactly when their strings are.
 //!
 //! ```
@@ -63,6 +66,36 @@ pub fn with_loss_scale(line: &str, scale: f64, skipped: bool) -> String {
             m["loss_scale"] = serde_json::json!(scale);
             m["skipped"] = serde_json::json!(skipped);
             m.to_string()
+        }
+        Err(_) => line.to_string(),
+    }
+}
+
+/// A mixture-of-experts step's figures in its metrics line ([`with_expert_load`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ExpertMetrics {
+    /// The load-balancing loss, averaged over the step's sequences and the layers (without its
+    /// coefficient; `loss` includes `coefficient * aux_loss`).
+    pub aux_loss: f64,
+    /// Token copies routed to the busiest expert of any layer over the step.
+    pub tokens_max: f64,
+    /// Token copies per expert over the step, averaged over the experts and the layers.
+    pub tokens_mean: f64,
+    /// Token copies dropped for capacity over the step (0 when dropless).
+    pub dropped: f64,
+}
+
+/// A metrics line with a mixture-of-experts step's `"aux_loss"`, `"expert_tokens_max"`,
+/// `"expert_tokens_mean"` and `"expert_tokens_dropped"` added; a line that is not JSON is
+/// returned unchanged.
+pub fn with_expert_load(line: &str, m: &ExpertMetrics) -> String {
+    match serde_json::from_str::<serde_json::Value>(line) {
+        Ok(mut v) => {
+            v["aux_loss"] = serde_json::json!(m.aux_loss);
+            v["expert_tokens_max"] = serde_json::json!(m.tokens_max);
+            v["expert_tokens_mean"] = serde_json::json!(m.tokens_mean);
+            v["expert_tokens_dropped"] = serde_json::json!(m.dropped);
+            v.to_string()
         }
         Err(_) => line.to_string(),
     }

@@ -149,7 +149,7 @@ impl TrainConfig {
     /// `out`; see [`TrainConfig::keys`]) and `value` is parsed as the key's type (integers,
     /// numbers such as `3e-4`, `true`/`false`, or text; surrounding double quotes are removed from
     /// text). An empty value for an optional key (`data.path`, `data.tokenizer`, `metrics`,
-    /// `model.tie_embeddings`) unsets it.
+    /// `model.tie_embeddings`, `model.expert_capacity_factor`) unsets it.
     ///
     /// Errors name the key: [`ConfigError::UnknownKey`] (with a suggestion when one is close),
     /// [`ConfigError::BadValue`], or [`ConfigError::Invalid`] for an integer above

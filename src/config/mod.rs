@@ -30,11 +30,14 @@ use serde::{Deserialize, Serialize};
 
 /// The model's shape: a GPT-style decoder (`kind = "gpt"`), a BERT encoder trained by masked
 /// language modelling (`kind = "bert"`) or a Llama decoder (`kind = "llama"`: RMSNorm, rotary
-/// position embeddings, a SwiGLU MLP, grouped-query attention, no biases and no dropout).
+/// position embeddings, a SwiGLU MLP, grouped-query attention, no biases and no dropout), or a
+/// Mixtral (`kind = "mixtral"`: a Llama whose feed-forwards are mixtures of experts).
 ///
 /// The keys `n_kv_head`, `intermediate_size`, `rope_theta`, `norm_eps` and `tie_embeddings` are
-/// the Llama family's; a GPT or BERT config must leave them at their defaults (see
-/// [`TrainConfig::validate`]).
+/// the Llama family's (Mixtral's too); a GPT or BERT config must leave them at their defaults
+/// (see [`TrainConfig::validate`]). The keys `n_experts`, `experts_per_token`,
+/// `router_aux_loss_coef` and `expert_capacity_factor` are Mixtral's; every other kind must
+/// leave them at their defaults.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
@@ -80,6 +83,18 @@ pub struct ModelConfig {
     /// the family's default, untied for a Llama; a GPT and a BERT always tie their head to the
     /// token table, so for them only `true` is accepted. See [`ModelConfig::tied`].
     pub tie_embeddings: Option<bool>,
+    /// Mixtral only: experts per layer (default 8). At least 1.
+    pub n_experts: usize,
+    /// Mixtral only: experts each token goes to (default 2); in `1..=n_experts`.
+    pub experts_per_token: usize,
+    /// Mixtral only: the load-balancing loss's coefficient in the training objective (default
+    /// 0.02, Mixtral 8x7B's); finite and >= 0. A training setting: `--set` may change it for a
+    /// run started from (`--init-from`) a model folder.
+    pub router_aux_loss_coef: f64,
+    /// Mixtral only: each expert takes at most `ceil(factor * block_size * experts_per_token /
+    /// n_experts)` token copies of a sequence and drops the rest (counted in the metrics).
+    /// Unset, the default: dropless. Finite and > 0.
+    pub expert_capacity_factor: Option<f64>,
 }
 
 /// The model family a config trains: the one place a kind is named as text (`"gpt"`, `"bert"`,
@@ -94,6 +109,9 @@ pub enum ModelKind {
     Bert,
     /// A Llama decoder (`meshgrad_nn::llama`) trained on next-token prediction.
     Llama,
+    /// A Mixtral (`meshgrad_nn::mixtral`): a Llama with mixture-of-experts feed-forwards,
+    /// trained on next-token prediction.
+    Mixtral,
 }
 
 impl ModelKind {
@@ -103,6 +121,7 @@ impl ModelKind {
             ModelKind::Gpt => "gpt",
             ModelKind::Bert => "bert",
             ModelKind::Llama => "llama",
+            ModelKind::Mixtral => "mixtral",
         }
     }
 }
@@ -120,8 +139,9 @@ impl FromStr for ModelKind {
             "gpt" => Ok(ModelKind::Gpt),
             "bert" => Ok(ModelKind::Bert),
             "llama" => Ok(ModelKind::Llama),
+            "mixtral" => Ok(ModelKind::Mixtral),
             other => Err(format!(
-                "unknown model kind {other:?} (expected gpt, bert or llama)"
+                "unknown model kind {other:?} (expected gpt, bert, llama or mixtral)"
             )),
         }
     }
@@ -137,7 +157,7 @@ impl ModelConfig {
     /// The keys that fix the model's shape (its parameters' names and sizes), with their
     /// resolved values as text: what a resumed run or a run started from a model folder must
     /// keep (see `train --resume` and `train --init-from`).
-    pub fn shape_keys(&self) -> [(&'static str, String); 13] {
+    pub fn shape_keys(&self) -> [(&'static str, String); 15] {
         [
             ("model.kind", self.kind.to_string()),
             ("model.n_layer", self.n_layer.to_string()),
@@ -152,6 +172,11 @@ impl ModelConfig {
             ("model.rope_theta", self.rope_theta.to_string()),
             ("model.norm_eps", self.norm_eps.to_string()),
             ("model.tie_embeddings", self.tied().to_string()),
+            ("model.n_experts", self.n_experts.to_string()),
+            (
+                "model.experts_per_token",
+                self.experts_per_token.to_string(),
+            ),
         ]
     }
 
@@ -171,7 +196,9 @@ impl ModelConfig {
     /// `4 * n_embd` for a GPT and a BERT.
     pub fn ffn_hidden(&self) -> usize {
         match (self.intermediate_size, self.kind) {
-            (0, ModelKind::Llama) => (8 * self.n_embd).div_ceil(3).div_ceil(256) * 256,
+            (0, ModelKind::Llama | ModelKind::Mixtral) => {
+                (8 * self.n_embd).div_ceil(3).div_ceil(256) * 256
+            }
             (0, ModelKind::Gpt | ModelKind::Bert) => 4 * self.n_embd,
             (n, _) => n,
         }
@@ -197,7 +224,7 @@ impl ModelKind {
     pub fn ties_embeddings_by_default(self) -> bool {
         match self {
             ModelKind::Gpt | ModelKind::Bert => true,
-            ModelKind::Llama => false,
+            ModelKind::Llama | ModelKind::Mixtral => false,
         }
     }
 }
@@ -219,9 +246,20 @@ impl Default for ModelConfig {
             rope_theta: DEFAULT_ROPE_THETA,
             norm_eps: DEFAULT_NORM_EPS,
             tie_embeddings: None,
+            n_experts: DEFAULT_N_EXPERTS,
+            experts_per_token: DEFAULT_EXPERTS_PER_TOKEN,
+            router_aux_loss_coef: DEFAULT_ROUTER_AUX_LOSS_COEF,
+            expert_capacity_factor: None,
         }
     }
 }
+
+/// The default of [`ModelConfig::n_experts`].
+pub const DEFAULT_N_EXPERTS: usize = 8;
+/// The default of [`ModelConfig::experts_per_token`].
+pub const DEFAULT_EXPERTS_PER_TOKEN: usize = 2;
+/// The default of [`ModelConfig::router_aux_loss_coef`].
+pub const DEFAULT_ROUTER_AUX_LOSS_COEF: f64 = 0.02;
 
 /// The optimisation loop: steps, batch, AdamW and its learning-rate schedule, evaluation and
 /// logging.
@@ -751,8 +789,13 @@ impl ModelConfig {
     /// `dropout` in [0, 1)).
     fn check_family_keys(&self) -> Result<(), (&'static str, String)> {
         let m = self;
+        if m.kind == ModelKind::Mixtral {
+            m.check_mixtral_keys()?;
+        } else {
+            m.refuse_mixtral_keys()?;
+        }
         match m.kind {
-            ModelKind::Llama => {
+            ModelKind::Llama | ModelKind::Mixtral => {
                 if m.dropout != 0.0 {
                     return Err((
                         "model.dropout",
@@ -835,6 +878,80 @@ impl ModelConfig {
                     ));
                 }
             }
+        }
+        Ok(())
+    }
+}
+
+impl ModelConfig {
+    /// A Mixtral's keys: `experts_per_token` in `1..=n_experts`, the coefficient finite and
+    /// >= 0, the capacity factor (when set) finite and > 0.
+    fn check_mixtral_keys(&self) -> Result<(), (&'static str, String)> {
+        let m = self;
+        if m.n_experts == 0 {
+            return Err(("model.n_experts", "must be at least 1, got 0".to_string()));
+        }
+        if m.experts_per_token == 0 || m.experts_per_token > m.n_experts {
+            return Err((
+                "model.experts_per_token",
+                format!(
+                    "must be in 1..={} (model.n_experts = {}), got {}",
+                    m.n_experts, m.n_experts, m.experts_per_token
+                ),
+            ));
+        }
+        let c = m.router_aux_loss_coef;
+        if !(c.is_finite() && c >= 0.0) {
+            return Err((
+                "model.router_aux_loss_coef",
+                format!("must be a finite number >= 0, got {c}"),
+            ));
+        }
+        if let Some(f) = m.expert_capacity_factor {
+            if !(f.is_finite() && f > 0.0) {
+                return Err((
+                    "model.expert_capacity_factor",
+                    format!("must be a finite number > 0, got {f}"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Another kind's config leaves the Mixtral keys at their defaults.
+    fn refuse_mixtral_keys(&self) -> Result<(), (&'static str, String)> {
+        let m = self;
+        let set = [
+            (
+                "model.n_experts",
+                m.n_experts != DEFAULT_N_EXPERTS,
+                m.n_experts.to_string(),
+            ),
+            (
+                "model.experts_per_token",
+                m.experts_per_token != DEFAULT_EXPERTS_PER_TOKEN,
+                m.experts_per_token.to_string(),
+            ),
+            (
+                "model.router_aux_loss_coef",
+                m.router_aux_loss_coef != DEFAULT_ROUTER_AUX_LOSS_COEF,
+                m.router_aux_loss_coef.to_string(),
+            ),
+            (
+                "model.expert_capacity_factor",
+                m.expert_capacity_factor.is_some(),
+                format!("{:?}", m.expert_capacity_factor),
+            ),
+        ];
+        if let Some((key, _, value)) = set.into_iter().find(|(_, s, _)| *s) {
+            return Err((
+                key,
+                format!(
+                    "{key} = {value} is a Mixtral key (model.kind = \"{}\"); leave it out or \
+                     set model.kind = \"mixtral\"",
+                    m.kind
+                ),
+            ));
         }
         Ok(())
     }
@@ -1190,7 +1307,7 @@ val_fraction = 0.05
         );
         assert_eq!(
             "t5".parse::<ModelKind>().unwrap_err(),
-            "unknown model kind \"t5\" (expected gpt, bert or llama)"
+            "unknown model kind \"t5\" (expected gpt, bert, llama or mixtral)"
         );
         let msg = config
             .apply_override("model.tie_embeddings", "yes")
@@ -1238,6 +1355,7 @@ val_fraction = 0.05
             metrics: Some("m".into()),
             model: ModelConfig {
                 tie_embeddings: Some(true),
+                expert_capacity_factor: Some(1.25),
                 ..ModelConfig::default()
             },
             data: DataConfig {
@@ -1263,6 +1381,7 @@ val_fraction = 0.05
                 "out" | "metrics" | "data.path" | "data.tokenizer" => "x",
                 "model.bias" => "false",
                 "model.tie_embeddings" => "true",
+                "model.experts_per_token" => "1",
                 "train.reference" => "true",
                 "model.kind" => "bert",
                 "train.device" => "cuda",

@@ -3,6 +3,7 @@
 
 mod arith;
 mod attention;
+mod aux_loss;
 mod indexing;
 mod math;
 mod nn;

@@ -10,6 +10,7 @@ use super::rope::{self, RopeAngles};
 use super::LlamaConfig;
 use crate::layers::{Linear, LinearConfig, RmsNorm};
 use crate::module::Forward;
+use crate::moe::SparseMoe;
 use crate::param_builder::ParamBuilder;
 
 /// A bias-free linear with Hugging Face Llama's initialisation, N(0, 0.02).
@@ -157,7 +158,8 @@ impl Forward for LlamaMlp {
 }
 
 /// One decoder layer: `x + self_attn(input_layernorm(x))`, then
-/// `x + mlp(post_attention_layernorm(x))`.
+/// `x + ffn(post_attention_layernorm(x))`, the feed-forward being the dense `mlp` (a Llama) or
+/// the mixture of experts `block_sparse_moe` (a Mixtral, Hugging Face `MixtralDecoderLayer`).
 #[derive(crate::Module)]
 #[module(crate = crate)]
 pub struct LlamaDecoderLayer {
@@ -167,19 +169,43 @@ pub struct LlamaDecoderLayer {
     pub self_attn: LlamaAttention,
     /// Norm before the MLP.
     pub post_attention_layernorm: RmsNorm,
-    /// Feed-forward.
-    pub mlp: LlamaMlp,
+    /// The dense feed-forward (a Llama).
+    pub mlp: Option<LlamaMlp>,
+    /// The mixture of experts (a Mixtral).
+    pub block_sparse_moe: Option<SparseMoe>,
 }
 
 impl LlamaDecoderLayer {
-    /// A layer of `c`.
-    pub fn new(p: &ParamBuilder, c: &LlamaConfig) -> Result<Self> {
+    /// Layer `index` (global) of `c`.
+    pub fn new(p: &ParamBuilder, c: &LlamaConfig, index: usize) -> Result<Self> {
+        let input_layernorm = RmsNorm::new(p, c.n_embd, c.norm_eps)?;
+        let self_attn = LlamaAttention::new(p, c)?;
+        let post_attention_layernorm = RmsNorm::new(p, c.n_embd, c.norm_eps)?;
+        let (mlp, block_sparse_moe) = match c.moe {
+            None => (Some(LlamaMlp::new(p, c)?), None),
+            Some(moe) => {
+                let aux_weight = moe.router_aux_loss_coef / c.n_layer as f64;
+                let sizes = (c.n_embd, c.intermediate_size);
+                let layer = SparseMoe::new(p, sizes, moe, (index, aux_weight))?;
+                (None, Some(layer))
+            }
+        };
         Ok(LlamaDecoderLayer {
-            input_layernorm: RmsNorm::new(p, c.n_embd, c.norm_eps)?,
-            self_attn: LlamaAttention::new(p, c)?,
-            post_attention_layernorm: RmsNorm::new(p, c.n_embd, c.norm_eps)?,
-            mlp: LlamaMlp::new(p, c)?,
+            input_layernorm,
+            self_attn,
+            post_attention_layernorm,
+            mlp,
+            block_sparse_moe,
         })
+    }
+
+    /// The feed-forward of `x`: the dense MLP or the mixture of experts.
+    fn ffn(&self, x: &Var) -> Result<Var> {
+        match (&self.mlp, &self.block_sparse_moe) {
+            (Some(mlp), _) => mlp.forward(x),
+            (None, Some(moe)) => moe.forward(x),
+            (None, None) => meshgrad_tensor::bail!("llama layer: has no feed-forward"),
+        }
     }
 
     /// As [`Forward::forward`], but keeps only the layer's input and recomputes its activations
@@ -197,10 +223,6 @@ impl Forward for LlamaDecoderLayer {
     /// `x [B, T, C]` -> `[B, T, C]`.
     fn forward(&self, x: &Var) -> Result<Var> {
         let x = x.add(&self.self_attn.forward(&self.input_layernorm.forward(x)?)?)?;
-        x.add(
-            &self
-                .mlp
-                .forward(&self.post_attention_layernorm.forward(&x)?)?,
-        )
+        x.add(&self.ffn(&self.post_attention_layernorm.forward(&x)?)?)
     }
 }

@@ -4,6 +4,7 @@
 use meshgrad_tensor::Result;
 
 use super::RopeAngles;
+use crate::moe::MoeSettings;
 
 /// Llama hyper-parameters. The Hugging Face `config.json` key of each field is in its comment;
 /// [`crate::state::hf_llama`] reads and writes them.
@@ -35,11 +36,18 @@ pub struct LlamaConfig {
     /// checkpoint's logits are transformers'). Numerics only; no parameter depends on it.
     #[serde(default)]
     pub rope_angles: RopeAngles,
+    /// `Some`: every layer's feed-forward is a mixture of experts ([`crate::moe::SparseMoe`],
+    /// `block_sparse_moe`, each expert `intermediate_size` wide): a Mixtral (Hugging Face
+    /// `MixtralForCausalLM`). `None`: the dense SwiGLU MLP of a Llama.
+    #[serde(default)]
+    pub moe: Option<MoeSettings>,
 }
 
 impl LlamaConfig {
     /// Its sizes for memory and cost estimates: rotary positions, grouped-query attention, a
-    /// gated MLP, RMSNorm without biases, a final norm, the head tied or not.
+    /// gated MLP, RMSNorm without biases, a final norm, the head tied or not. A mixture of
+    /// experts counts as one MLP `n_experts` times as wide (its parameters; the routers' are
+    /// left out, and the activations are over-counted: each token uses `experts_per_token`).
     pub fn shape(&self) -> crate::ModelShape {
         crate::ModelShape {
             vocab_size: self.vocab_size,
@@ -48,7 +56,7 @@ impl LlamaConfig {
             n_head: self.n_head,
             n_kv_head: self.n_kv_head,
             n_embd: self.n_embd,
-            ffn: self.intermediate_size,
+            ffn: self.intermediate_size * self.moe.map_or(1, |m| m.n_experts),
             bias: false,
             learned_positions: false,
             type_vocab_size: 0,
@@ -84,6 +92,7 @@ impl LlamaConfig {
             norm_eps: 1e-5,
             tie_embeddings: false,
             rope_angles: RopeAngles::Fused,
+            moe: None,
         }
     }
 
@@ -139,6 +148,10 @@ impl LlamaConfig {
                 c.rope_theta
             );
         }
+        if let Some(moe) = &c.moe {
+            moe.validate()
+                .map_err(|e| meshgrad_tensor::Error::msg(format!("llama config: {e}")))?;
+        }
         if !(c.norm_eps.is_finite() && c.norm_eps > 0.0) {
             meshgrad_tensor::bail!(
                 "llama config: norm_eps must be positive and finite, got {}",
@@ -148,12 +161,16 @@ impl LlamaConfig {
         Ok(())
     }
 
-    /// Number of parameters of the model this config builds (a tied head counted once).
+    /// Number of parameters of the model this config builds (a tied head counted once; every
+    /// expert and the routers of a mixture of experts).
     pub fn num_parameters(&self) -> usize {
         let (v, c, l) = (self.vocab_size, self.n_embd, self.n_layer);
         let kv = self.n_kv_head * self.head_dim();
         let attn = 2 * c * c + 2 * c * kv;
-        let mlp = 3 * c * self.intermediate_size;
+        let mlp = match &self.moe {
+            None => 3 * c * self.intermediate_size,
+            Some(m) => m.n_experts * (3 * c * self.intermediate_size + c),
+        };
         let layer = attn + mlp + 2 * c;
         let head = if self.tie_embeddings { 0 } else { v * c };
         v * c + l * layer + c + head

@@ -426,7 +426,7 @@ fn new_layers(
 ) -> Result<Vec<Arc<LlamaDecoderLayer>>> {
     range
         .clone()
-        .map(|_| LlamaDecoderLayer::new(p, c).map(Arc::new))
+        .map(|i| LlamaDecoderLayer::new(p, c, i).map(Arc::new))
         .collect()
 }
 

@@ -11,7 +11,9 @@
 //! newer versions). What meshgrad's Llama cannot represent is refused with a one-line error
 //! naming the file: RoPE scaling (`rope_scaling` not null, or a `rope_type` other than
 //! `default`), `attention_bias` or `mlp_bias` true, a `hidden_act` other than `silu`, a
-//! `head_dim` other than `hidden_size / num_attention_heads`, a `model_type` other than `llama`.
+//! `head_dim` other than `hidden_size / num_attention_heads`, a `model_type` other than `llama`
+//! or `mixtral` (whose additions are in [`super::hf_mixtral`]: the same functions read and write
+//! `MixtralForCausalLM` folders).
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
@@ -22,7 +24,7 @@ use serde_json::{json, Value};
 use super::hf_folder::{
     read_config, read_weights, tensors_equal, write_folder, ConfigKeys, CONFIG_FILE,
 };
-use super::{check_shape, load_state_dict, name_list};
+use super::{check_shape, hf_mixtral, load_state_dict, name_list};
 use crate::llama::{Llama, LlamaConfig, RopeAngles};
 use crate::module::Module;
 
@@ -38,9 +40,12 @@ const WHAT: &str = "Llama config";
 /// are errors (see the [module docs](self)).
 pub fn llama_config_from_hf_json(text: &str) -> Result<LlamaConfig> {
     let keys = ConfigKeys::parse(text, WHAT)?;
+    let mixtral = keys.string("model_type") == Some(hf_mixtral::MODEL_TYPE);
     if let Some(mt) = keys.string("model_type") {
-        if mt != "llama" {
-            meshgrad_tensor::bail!("{WHAT}: model_type is {mt:?}, expected \"llama\"");
+        if mt != "llama" && !mixtral {
+            meshgrad_tensor::bail!(
+                "{WHAT}: model_type is {mt:?}, expected \"llama\" or \"mixtral\""
+            );
         }
     }
     if let Some(act) = keys.get("hidden_act") {
@@ -74,9 +79,15 @@ pub fn llama_config_from_hf_json(text: &str) -> Result<LlamaConfig> {
         Some(Value::Bool(b)) => *b,
         Some(v) => meshgrad_tensor::bail!("{WHAT}: tie_word_embeddings must be a boolean, got {v}"),
     };
+    let n_positions = keys.req("max_position_embeddings")?;
+    let moe = if mixtral {
+        Some(hf_mixtral::moe_from_keys(&keys, n_positions)?)
+    } else {
+        None
+    };
     let config = LlamaConfig {
         vocab_size: keys.req("vocab_size")?,
-        n_positions: keys.req("max_position_embeddings")?,
+        n_positions,
         n_embd,
         n_layer: keys.req("num_hidden_layers")?,
         n_head,
@@ -86,6 +97,7 @@ pub fn llama_config_from_hf_json(text: &str) -> Result<LlamaConfig> {
         norm_eps: keys.float("rms_norm_eps", 1e-6)?,
         tie_embeddings: tie,
         rope_angles: RopeAngles::Transformers,
+        moe,
     };
     config.validate()?;
     Ok(config)
@@ -149,7 +161,7 @@ pub fn llama_hf_config_json(config: &LlamaConfig, dtype: DType) -> Result<String
             "save_llama: parameters of dtype {other} cannot form a Llama checkpoint"
         ),
     };
-    let v = json!({
+    let mut v = json!({
         "architectures": ["LlamaForCausalLM"],
         "attention_bias": false,
         "attention_dropout": 0.0,
@@ -173,6 +185,9 @@ pub fn llama_hf_config_json(config: &LlamaConfig, dtype: DType) -> Result<String
         "use_cache": true,
         "vocab_size": c.vocab_size,
     });
+    if let Some(moe) = &c.moe {
+        hf_mixtral::add_keys(&mut v, moe);
+    }
     serde_json::to_string_pretty(&v)
         .map_err(|e| Error::Msg(format!("save_llama: cannot format config.json: {e}")))
 }
@@ -234,14 +249,19 @@ fn full_names(c: &LlamaConfig) -> HashSet<String> {
             "self_attn.k_proj",
             "self_attn.v_proj",
             "self_attn.o_proj",
-            "mlp.gate_proj",
-            "mlp.up_proj",
-            "mlp.down_proj",
             "input_layernorm",
             "post_attention_layernorm",
         ] {
             names.insert(format!("model.layers.{i}.{leaf}.weight"));
         }
+        let ffn = match &c.moe {
+            None => ["gate_proj", "up_proj", "down_proj"]
+                .iter()
+                .map(|p| format!("model.layers.{i}.mlp.{p}.weight"))
+                .collect(),
+            Some(moe) => hf_mixtral::layer_names(i, moe),
+        };
+        names.extend(ffn);
     }
     names
 }

@@ -7,6 +7,7 @@ pub mod hf_bert;
 mod hf_folder;
 pub mod hf_gpt2;
 pub mod hf_llama;
+pub mod hf_mixtral;
 pub mod safetensors_io;
 
 pub use hf_bert::{load_bert, save_bert};

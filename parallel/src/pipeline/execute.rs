@@ -15,7 +15,9 @@
 //!   stage sits on the same rank (only with one rank and several chunks; the schedule then has
 //!   no transfer for the pair), that chunk's output handed over without a copy. The forward runs
 //!   in `ForwardCtx::new(step, microbatches[m].first_row)`, the context the single device runs
-//!   that microbatch in, so dropout draws the same masks. The output (hidden states, or the loss
+//!   that microbatch in, so dropout draws the same masks, with the loss scale of the backward
+//!   ([`ForwardCtx::scope_scaled`]: an auxiliary loss added through the backward, on any stage,
+//!   is scaled as the last stage's loss is). The output (hidden states, or the loss
 //!   on the last virtual stage) is kept for the backward.
 //! * **Backward** (full): the last virtual stage runs the backward of `loss / M` (the step's
 //!   loss is the mean over microbatches, as gradient accumulation on one device computes it),
@@ -284,8 +286,12 @@ impl<S: ModelStage> RankRun<'_, '_, S> {
                     )
                 };
                 let mb = &self.microbatches[m];
+                // The loss scale the backward applies, for layers whose auxiliary losses reach
+                // the backward on their own (a mixture of experts' load balancing).
                 let out = ForwardCtx::new(self.step, mb.first_row)
-                    .scope(|| self.stages[c].forward_stage(&mb.batch, hidden.as_ref()))?;
+                    .scope_scaled(self.loss_scale, || {
+                        self.stages[c].forward_stage(&mb.batch, hidden.as_ref())
+                    })?;
                 if vs == self.last_stage() {
                     self.losses[m] = Some(out.tensor().item()?);
                 }
