@@ -5,9 +5,8 @@
 
 mod backend_impl;
 mod cast;
+pub(crate) mod in_place;
 pub(crate) mod indexing;
-pub(crate) mod linear;
-pub(crate) mod optimizer;
 
 use std::borrow::Cow;
 use std::ops::Range;
@@ -19,6 +18,7 @@ use meshgrad_kernels::Float;
 
 pub(crate) use cast::{cast, copy_contiguous, copy_into};
 
+use crate::backend::Product;
 use crate::storage::CpuStorage;
 use crate::{DType, Error, Layout, Result};
 
@@ -277,17 +277,16 @@ pub(crate) fn reduce(
     })
 }
 
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn matmul(
-    a: &CpuStorage,
-    al: MatrixLayout,
-    b: &CpuStorage,
-    bl: MatrixLayout,
-    batch: usize,
-    m: usize,
-    n: usize,
-    k: usize,
-) -> Result<CpuStorage> {
+/// See `BackendStorage::matmul`.
+pub(crate) fn matmul(a: &CpuStorage, b: &CpuStorage, p: &Product) -> Result<CpuStorage> {
+    let &Product {
+        al,
+        bl,
+        batch,
+        m,
+        n,
+        k,
+    } = p;
     let dt = a.dtype();
     let cl = MatrixLayout {
         offset: 0,

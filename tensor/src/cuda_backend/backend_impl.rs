@@ -1,10 +1,10 @@
 //! The CUDA backend's implementation of [`BackendStorage`]: each method delegates to `basic/`
-//! (required ops), `fused/` (fused ops) or `blas/` (matmul, linear).
+//! or `blas/` (matmul).
 
-use meshgrad_kernels::ops::{AdamWStep, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryOp};
+use meshgrad_kernels::ops::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
 
-use super::{basic, blas, fused, CudaStorage};
-use crate::backend::api::{BackendStorage, Distribution, Fused, In};
+use super::{basic, blas, CudaStorage};
+use crate::backend::api::{BackendStorage, Distribution, In, Product};
 use crate::storage::CpuStorage;
 use crate::{DType, Device, Layout, Result};
 
@@ -102,17 +102,8 @@ impl BackendStorage for CudaStorage {
         basic::reduce(op, x, outer, red, inner)
     }
 
-    fn matmul(
-        a: &Self,
-        al: MatrixLayout,
-        b: &Self,
-        bl: MatrixLayout,
-        batch: usize,
-        m: usize,
-        n: usize,
-        k: usize,
-    ) -> Result<Self> {
-        blas::matmul(a, al, b, bl, batch, m, n, k)
+    fn matmul(a: &Self, b: &Self, p: &Product) -> Result<Self> {
+        blas::matmul(a, b, p)
     }
 
     fn embedding(w: In<'_, Self>, ids: In<'_, Self>, vocab: usize, dim: usize) -> Result<Self> {
@@ -161,69 +152,5 @@ impl BackendStorage for CudaStorage {
         dim: usize,
     ) -> Result<Self> {
         basic::index_select_backward(dout, ids, outer, x_n, inner, dim)
-    }
-
-    fn linear(
-        x: &Self,
-        xl: MatrixLayout,
-        w: &Self,
-        wl: MatrixLayout,
-        bias: Option<In<'_, Self>>,
-        m: usize,
-        n: usize,
-        k: usize,
-    ) -> Fused<Self> {
-        blas::linear(x, xl, w, wl, bias, m, n, k)
-    }
-
-    fn linear_gelu(
-        x: &Self,
-        xl: MatrixLayout,
-        w: &Self,
-        wl: MatrixLayout,
-        bias: Option<In<'_, Self>>,
-        m: usize,
-        n: usize,
-        k: usize,
-        tanh_form: bool,
-    ) -> Fused<(Self, Self)> {
-        blas::linear_gelu(x, xl, w, wl, bias, m, n, k, tanh_form)
-    }
-
-    fn adamw(
-        param: &mut Self,
-        pl: &Layout,
-        grad: In<'_, Self>,
-        m: &mut Self,
-        ml: &Layout,
-        v: &mut Self,
-        vl: &Layout,
-        hp: &AdamWStep,
-    ) -> Fused<()> {
-        fused::adamw(param, pl, grad, m, ml, v, vl, hp)
-    }
-
-    fn sgd(
-        param: &mut Self,
-        pl: &Layout,
-        grad: In<'_, Self>,
-        buf: &mut Self,
-        bl: &Layout,
-        lr: f64,
-        momentum: f64,
-        weight_decay: f64,
-        first_step: bool,
-    ) -> Fused<()> {
-        fused::sgd(
-            param,
-            pl,
-            grad,
-            buf,
-            bl,
-            lr,
-            momentum,
-            weight_decay,
-            first_step,
-        )
     }
 }

@@ -14,8 +14,9 @@ mod reduce;
 mod shape_ops;
 
 pub use elementwise::GeluKind;
-pub use fused::{AttentionGrads, AttentionMask, AttentionOutput, LayerNormOutput, RmsNormOutput};
-pub use matmul::LinearGrads;
+pub use fused::{
+    AttentionGrads, AttentionMask, AttentionOutput, LayerNormOutput, LinearGrads, RmsNormOutput,
+};
 pub use meshgrad_kernels::ops::AdamWStep;
 
 use crate::{DType, Error, Tensor};

@@ -205,6 +205,15 @@ pub(crate) fn flat_grid(n: usize) -> (u32, u32, u32) {
 /// A 1-D block of [`THREADS`] threads.
 pub(crate) const BLOCK_1D: (u32, u32, u32) = (THREADS, 1, 1);
 
+/// Asserts that `l` launches `entry` with parameters of `kinds` (as the kernel declares them),
+/// and [`assert_known`] (a test helper).
+#[cfg(test)]
+pub(crate) fn assert_launch(l: &Launch, entry: &str, kinds: &[Kind]) {
+    assert_eq!(l.entry, entry);
+    assert_eq!(l.kinds(), kinds, "the parameters of {entry}");
+    assert_known(l);
+}
+
 /// Asserts that `l` names an entry point its source file defines, with a block and grid the
 /// kernels accept (a test helper).
 #[cfg(test)]

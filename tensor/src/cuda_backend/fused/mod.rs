@@ -1,6 +1,5 @@
-//! What the CUDA paths of the fused ops (`ops/fused/<op>/cuda.rs`) share, and the fused ops not
-//! yet moved there: `optimizer.rs` (AdamW, SGD), `activations.rs` (the launch of
-//! activations.cu), `norms.rs` (the helpers of every norm of norms.cu). `args.rs` describes
+//! What the CUDA paths of the fused ops (`ops/fused/<op>/cuda.rs`) share: `activations.rs` (the
+//! launch of activations.cu), `norms.rs` (the helpers of every norm of norms.cu). `args.rs` describes
 //! launches as plain data (tested against the kernels' signatures without a GPU), `operand.rs`
 //! prepares operands (contiguous copies, dtype conversions); `launch_table.rs` (tests) lists one
 //! launch of every entry point.
@@ -14,6 +13,3 @@ pub(crate) mod args;
 pub(super) mod launch_table;
 pub(crate) mod norms;
 pub(crate) mod operand;
-mod optimizer;
-
-pub(super) use optimizer::{adamw, sgd};
