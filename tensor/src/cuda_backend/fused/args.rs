@@ -89,6 +89,30 @@ pub(crate) struct Launch {
     pub args: Vec<Arg>,
 }
 
+/// Kernel arguments written short: `args![ptr x, i64 n, i32 flag, f32 eps, f64 theta]` is
+/// `[Arg::Ptr(x), Arg::I64(n), Arg::I32(flag), Arg::F32(eps), Arg::F64(theta)]`.
+macro_rules! args {
+    (@ptr $v:expr) => {
+        $crate::cuda_backend::fused::args::Arg::Ptr($v)
+    };
+    (@i64 $v:expr) => {
+        $crate::cuda_backend::fused::args::Arg::I64($v)
+    };
+    (@i32 $v:expr) => {
+        $crate::cuda_backend::fused::args::Arg::I32($v)
+    };
+    (@f32 $v:expr) => {
+        $crate::cuda_backend::fused::args::Arg::F32($v)
+    };
+    (@f64 $v:expr) => {
+        $crate::cuda_backend::fused::args::Arg::F64($v)
+    };
+    ($($kind:ident $v:expr),* $(,)?) => {
+        [$($crate::cuda_backend::fused::args::args!(@$kind $v)),*]
+    };
+}
+pub(crate) use args;
+
 impl Launch {
     /// The parameters' kinds, in order.
     #[cfg(test)]

@@ -156,6 +156,7 @@ mod tests {
     use super::super::args::assert_launch;
     use super::super::args::Kind::*;
     use super::*;
+    use crate::cuda_backend::fused::args::args;
 
     #[test]
     fn partials_reduce_launch_matches_the_kernel_signature() {
@@ -165,16 +166,7 @@ mod tests {
         //                          int accumulate)
         let l = partials_reduce_launch("bf16", 1, 7, 300, 2, false);
         assert_launch(&l, "norm_partials_reduce_bf16", &[P, I64, I64, P, I32]);
-        assert_eq!(
-            l.args,
-            vec![
-                Arg::Ptr(1),
-                Arg::I64(7),
-                Arg::I64(300),
-                Arg::Ptr(2),
-                Arg::I32(0)
-            ]
-        );
+        assert_eq!(l.args, args![ptr 1, i64 7, i64 300, ptr 2, i32 0]);
         assert_eq!(l.grid, (2, 1, 1));
     }
 

@@ -45,6 +45,7 @@ pub(super) fn backward(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda_backend::fused::args::args;
     use crate::cuda_backend::fused::args::assert_launch;
     use crate::cuda_backend::fused::args::Kind::*;
 
@@ -53,7 +54,7 @@ mod tests {
         // gelu_bwd_<t>(const T *x, const T *dy, T *dx, i64 n, int tanh_form)
         let l = gelu_bwd_launch("f32", [1, 2, 3], 1000, true);
         assert_launch(&l, "gelu_bwd_f32", &[P, P, P, I64, I32]);
-        assert_eq!(l.args[3..], [Arg::I64(1000), Arg::I32(1)]);
+        assert_eq!(l.args[3..], args![i64 1000, i32 1]);
         assert_eq!(l.grid, (4, 1, 1));
     }
 }

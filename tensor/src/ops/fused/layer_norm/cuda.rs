@@ -162,6 +162,7 @@ pub(super) fn backward(a: &LayerNormBackward<CudaIn<'_>>) -> Result<Option<Grads
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda_backend::fused::args::args;
     use crate::cuda_backend::fused::args::Kind::*;
     use crate::cuda_backend::fused::args::{assert_launch, Arg};
     use crate::cuda_backend::fused::norms::NORM_BWD_BLOCKS;
@@ -177,7 +178,7 @@ mod tests {
             &[P, P, P, P, P, P, I64, I64, F32],
         );
         assert_eq!(l.args[1], Arg::Ptr(0));
-        assert_eq!(l.args[6..], [Arg::I64(10), Arg::I64(768), Arg::F32(1e-5)]);
+        assert_eq!(l.args[6..], args![i64 10, i64 768, f32 1e-5]);
         assert_eq!(l.grid, (10, 1, 1));
     }
 

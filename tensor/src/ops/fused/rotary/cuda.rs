@@ -80,6 +80,7 @@ pub(super) fn rotary(a: &Rotary<CudaIn<'_>>) -> Result<Option<CudaStorage>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda_backend::fused::args::args;
     use crate::cuda_backend::fused::args::assert_launch;
     use crate::cuda_backend::fused::args::Kind::*;
 
@@ -91,14 +92,7 @@ mod tests {
         assert_launch(&l, "rotary_bf16", &[P, P, P, I64, I64, I64, I64, F64, I32]);
         assert_eq!(
             l.args[3..],
-            [
-                Arg::I64(2),
-                Arg::I64(8),
-                Arg::I64(4),
-                Arg::I64(64),
-                Arg::F64(10000.0),
-                Arg::I32(1)
-            ]
+            args![i64 2, i64 8, i64 4, i64 64, f64 10000.0, i32 1]
         );
         // One thread per pair: 2 * 8 * 4 * 32 pairs.
         assert_eq!(l.grid, ((2 * 8 * 4 * 32usize).div_ceil(256) as u32, 1, 1));

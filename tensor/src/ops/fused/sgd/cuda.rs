@@ -79,6 +79,7 @@ pub(super) fn step(a: &mut Sgd<CudaIn<'_>, CudaMut<'_>>) -> Result<Option<()>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda_backend::fused::args::args;
     use crate::cuda_backend::fused::args::assert_launch;
     use crate::cuda_backend::fused::args::Kind::*;
 
@@ -90,17 +91,7 @@ mod tests {
         assert_launch(&l, "sgd_grad_f32", &[P, P, P, P, I64, F32, F32, F32, I32]);
         assert_eq!(
             l.args,
-            vec![
-                Arg::Ptr(1),
-                Arg::Ptr(2),
-                Arg::Ptr(3),
-                Arg::Ptr(0),
-                Arg::I64(10),
-                Arg::F32(0.1),
-                Arg::F32(0.9),
-                Arg::F32(0.01),
-                Arg::I32(1)
-            ]
+            args![ptr 1, ptr 2, ptr 3, ptr 0, i64 10, f32 0.1, f32 0.9, f32 0.01, i32 1]
         );
     }
 }

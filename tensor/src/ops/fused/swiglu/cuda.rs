@@ -75,6 +75,7 @@ pub(super) fn backward(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda_backend::fused::args::args;
     use crate::cuda_backend::fused::args::assert_launch;
     use crate::cuda_backend::fused::args::Kind::*;
 
@@ -86,16 +87,6 @@ mod tests {
         // swiglu_bwd_<t>(gate, up, dy, dgate, dup, i64 n)
         let l = swiglu_bwd_launch("f32", [1, 2, 3, 4, 5], 9);
         assert_launch(&l, "swiglu_bwd_f32", &[P, P, P, P, P, I64]);
-        assert_eq!(
-            l.args,
-            vec![
-                Arg::Ptr(1),
-                Arg::Ptr(2),
-                Arg::Ptr(3),
-                Arg::Ptr(4),
-                Arg::Ptr(5),
-                Arg::I64(9)
-            ]
-        );
+        assert_eq!(l.args, args![ptr 1, ptr 2, ptr 3, ptr 4, ptr 5, i64 9]);
     }
 }

@@ -56,6 +56,7 @@ pub(super) fn backward(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda_backend::fused::args::args;
     use crate::cuda_backend::fused::args::assert_launch;
     use crate::cuda_backend::fused::args::Kind::*;
 
@@ -66,12 +67,7 @@ mod tests {
         assert_launch(&l, "unary_bwd_bf16", &[P, P, P, I64, I32, F64, F64]);
         assert_eq!(
             l.args[3..],
-            [
-                Arg::I64(5),
-                Arg::I32(1),
-                Arg::F64(-1.5),
-                Arg::F64(f64::INFINITY)
-            ]
+            args![i64 5, i32 1, f64 -1.5, f64 f64::INFINITY]
         );
         let l = unary_bwd_launch("f16", [1, 2, 3], 5, UnaryGrad::Silu);
         assert_eq!(l.args[4], Arg::I32(0));
