@@ -1,6 +1,6 @@
 //! Layer norm on CUDA, forward and backward: the kernels `layer_norm_fwd_<t>` and
 //! `layer_norm_bwd_<t>` of `kernels/cuda/norms.cu`, with the helpers the norms share
-//! (`cuda_backend/fused/norms.rs`: kernel dtype of mixed operands, statistics of empty rows, the
+//! (`cuda_backend/fused/norm_partials.rs`: kernel dtype of mixed operands, statistics of empty rows, the
 //! parameter-gradient partial sums).
 //!
 //! Dtypes: f32, bf16 and f16 data (computed in f32); f64 is not provided (`Ok(None)`: the
@@ -9,7 +9,7 @@
 
 use super::{Grads, LayerNorm, LayerNormBackward};
 use crate::cuda_backend::fused::args::{row_grid, sfx, Launch};
-use crate::cuda_backend::fused::norms::{
+use crate::cuda_backend::fused::norm_partials::{
     empty_row_stats, kernel_dtype, norm_bwd_blocks, norm_launch, param, reduce_partials, rounded,
 };
 use crate::cuda_backend::fused::operand::{as_dtype, check_len, output, ptr_or_null};
@@ -165,7 +165,7 @@ mod tests {
     use crate::cuda_backend::fused::args::args;
     use crate::cuda_backend::fused::args::Kind::*;
     use crate::cuda_backend::fused::args::{assert_launch, Arg};
-    use crate::cuda_backend::fused::norms::NORM_BWD_BLOCKS;
+    use crate::cuda_backend::fused::norm_partials::NORM_BWD_BLOCKS;
 
     #[test]
     fn forward_launch_matches_the_kernel_signature() {

@@ -1,5 +1,5 @@
 //! RMSNorm on CUDA, forward and backward: the kernels `rms_norm_fwd_<t>` and `rms_norm_bwd_<t>`
-//! of `kernels/cuda/norms.cu`, with the helpers the norms share (`cuda_backend/fused/norms.rs`:
+//! of `kernels/cuda/norms.cu`, with the helpers the norms share (`cuda_backend/fused/norm_partials.rs`:
 //! kernel dtype of mixed operands, statistics of empty rows, the weight-gradient partial sums).
 //!
 //! Dtypes: f32, bf16 and f16 data (computed in f32); f64 is not provided (`Ok(None)`: the
@@ -7,7 +7,7 @@
 
 use super::{RmsNorm, RmsNormBackward};
 use crate::cuda_backend::fused::args::{row_grid, sfx, Launch};
-use crate::cuda_backend::fused::norms::{
+use crate::cuda_backend::fused::norm_partials::{
     empty_row_stats, kernel_dtype, norm_bwd_blocks, norm_launch, param, reduce_partials, rounded,
 };
 use crate::cuda_backend::fused::operand::{as_dtype, check_len, output, ptr_or_null};

@@ -1,5 +1,5 @@
 //! SGD with momentum on the CPU, in place: resolve dtypes, then call
-//! `meshgrad_kernels::cpu::adamw::sgd_step`.
+//! `meshgrad_kernels::cpu::sgd::sgd_step`.
 
 use meshgrad_kernels::cpu;
 
@@ -24,7 +24,7 @@ pub(super) fn step(a: &mut Sgd<CpuIn<'_>, CpuMut<'_>>) -> Result<()> {
     float_mut!(OP, &mut *param.0, range(param.1), |p| {
         let g = same(grad.0, grad.1, OP)?;
         let b = same_mut(buf.0, buf.1, OP)?;
-        cpu::adamw::sgd_step(*lr, *momentum, *weight_decay, *first_step, p, g, b);
+        cpu::sgd::sgd_step(*lr, *momentum, *weight_decay, *first_step, p, g, b);
     });
     Ok(())
 }

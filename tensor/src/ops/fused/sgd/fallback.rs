@@ -1,5 +1,5 @@
 //! SGD with momentum composed of basic ops, and the test that it agrees with the fused paths
-//! (the arithmetic of `meshgrad_kernels::cpu::adamw::sgd_step`, as for AdamW's composition).
+//! (the arithmetic of `meshgrad_kernels::cpu::sgd::sgd_step`, as for AdamW's composition).
 
 use super::Sgd;
 use crate::ops::fallback::optimizer_dtype;

@@ -1,4 +1,5 @@
-//! The helpers every norm of norms.cu shares (the CUDA paths of layer norm,
+//! The weight-gradient partial sums of the norms (`norm_partials_reduce_<t>` of norms.cu) and the
+//! helpers every norm of norms.cu shares (the CUDA paths of layer norm,
 //! `ops/fused/layer_norm/cuda.rs`, and RMSNorm, `ops/fused/rms_norm/cuda.rs`, use them).
 //!
 //! Dtypes: f32, bf16 and f16 data (computed in f32); f64 is not provided on CUDA (`Ok(None)`).

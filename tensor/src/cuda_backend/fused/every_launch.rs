@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 use meshgrad_kernels::ops::{AdamWStep, AttentionShape, UnaryGrad};
 
 use super::args::{assert_known, Launch};
-use super::norms::partials_reduce_launch;
+use super::norm_partials::partials_reduce_launch;
 use crate::ops::fused::adamw::cuda::adamw_launch;
 use crate::ops::fused::attention::cuda::params::{
     delta_launch, dkdv_launch, dq_launch, fwd_launch, qkv_params, separate_params, HEAD_DIMS,
