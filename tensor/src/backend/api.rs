@@ -131,15 +131,6 @@ pub(crate) trait BackendStorage: Sized + std::fmt::Debug + Send + Sync + 'static
     ) -> Result<Self>;
     /// The batched product `p` of `a` and `b` with arbitrary strides.
     fn matmul(a: &Self, b: &Self, p: &Product) -> Result<Self>;
-    /// Row-wise embedding lookup: `ids` (integer) into a `[vocab, dim]` table.
-    fn embedding(w: In<'_, Self>, ids: In<'_, Self>, vocab: usize, dim: usize) -> Result<Self>;
-    /// Scatter-add of `dout` rows into a zero `[vocab, dim]` gradient.
-    fn embedding_backward(
-        dout: In<'_, Self>,
-        ids: In<'_, Self>,
-        vocab: usize,
-        dim: usize,
-    ) -> Result<Self>;
     /// `torch.gather` along `dim`.
     fn gather(x: In<'_, Self>, index: In<'_, Self>, dim: usize) -> Result<Self>;
     /// The scatter-add backward of [`BackendStorage::gather`].

@@ -287,23 +287,6 @@ pub(crate) fn matmul(a: &Storage, b: &Storage, p: &Product) -> Result<Storage> {
     dispatch!("matmul", [a, b], S, device => S::matmul(S::of(a), S::of(b), p).map(S::wrap))
 }
 
-pub(crate) fn embedding(w: Src<'_>, ids: Src<'_>, vocab: usize, dim: usize) -> Result<Storage> {
-    dispatch!("embedding", [w.0, ids.0], S, device => {
-        S::embedding(inp::<S>(w), inp::<S>(ids), vocab, dim).map(S::wrap)
-    })
-}
-
-pub(crate) fn embedding_backward(
-    dout: Src<'_>,
-    ids: Src<'_>,
-    vocab: usize,
-    dim: usize,
-) -> Result<Storage> {
-    dispatch!("embedding_backward", [dout.0, ids.0], S, device => {
-        S::embedding_backward(inp::<S>(dout), inp::<S>(ids), vocab, dim).map(S::wrap)
-    })
-}
-
 pub(crate) fn gather(x: Src<'_>, index: Src<'_>, dim: usize) -> Result<Storage> {
     dispatch!("gather", [x.0, index.0], S, device => {
         S::gather(inp::<S>(x), inp::<S>(index), dim).map(S::wrap)

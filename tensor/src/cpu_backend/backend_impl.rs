@@ -179,19 +179,6 @@ impl BackendStorage for CpuStorage {
         super::matmul(a, b, p)
     }
 
-    fn embedding(w: In<'_, Self>, ids: In<'_, Self>, vocab: usize, dim: usize) -> Result<Self> {
-        super::embedding(w.0, w.1, ids.0, ids.1, vocab, dim)
-    }
-
-    fn embedding_backward(
-        dout: In<'_, Self>,
-        ids: In<'_, Self>,
-        vocab: usize,
-        dim: usize,
-    ) -> Result<Self> {
-        super::embedding_backward(dout.0, dout.1, ids.0, ids.1, vocab, dim)
-    }
-
     fn gather(x: In<'_, Self>, index: In<'_, Self>, dim: usize) -> Result<Self> {
         indexing::gather(x.0, x.1, index.0, index.1, dim)
     }

@@ -1,6 +1,7 @@
 //! Tensor operations, grouped by kind. Each checks its operands (shapes, dtypes, devices) and
 //! hands the work to [`crate::backend`].
 
+mod dropout;
 mod elementwise;
 mod fallback;
 pub(crate) mod fused;
@@ -8,7 +9,6 @@ mod indexing;
 mod inplace;
 mod math;
 mod matmul;
-mod nn;
 mod overload;
 mod reduce;
 mod shape_ops;

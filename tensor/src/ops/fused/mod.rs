@@ -2,12 +2,15 @@
 //!
 //! A fused op (one that a backend may compute in one kernel rather than as a chain of basic ops)
 //! is an **argument struct** generic over its operand type, `Args<T>`: its operands as `T` and
-//! its shapes and scalars as plain fields. The tensor op builds it over `&Tensor`; the one
-//! generic runner, [`run`], reads the operands' storages, checks they share a device and hands
-//! the same struct over that backend's operands (`Args<In<'_, S>>`) to the op's path for that
-//! device. [`FusedOp`] lists the paths:
+//! its shapes and scalars as plain fields (an op that updates operands in place, as the
+//! optimizer steps do, takes them as a second type parameter, `Args<T, W>`). The tensor op
+//! builds it over `&Tensor`; the one generic runner, [`run`], locks the operands' storages,
+//! checks they share a device and hands the same struct over that backend's operands
+//! (`Args<In<'_, S>, InMut<'_, S>>`) to the op's path for that device. [`FusedOp`] lists the
+//! paths:
 //!
-//! - `cpu`: the CPU path (resolves dtypes, calls `meshgrad_kernels::cpu`), required;
+//! - `cpu`: the CPU path (resolves dtypes, calls `meshgrad_kernels::cpu`), required (it may
+//!   answer `Ok(None)`, "not provided", as the linear layer's GELU epilogue does);
 //! - `cuda` (with `--features cuda`): the CUDA path (launches the op's kernels of
 //!   `kernels/cuda/*.cu`); its default, and its answer `Ok(None)` for what it does not cover,
 //!   means "not provided";
@@ -18,23 +21,27 @@
 //! the op except its callers. Adding a fused op `foo` takes:
 //! 1. `ops/fused/foo/mod.rs`: the argument struct `Foo<T>` (`#[derive(FusedArgs)]`: its operands
 //!    are the fields of type `T` and `Option<T>`), its [`FusedOp`] impl (name, result types,
-//!    `finish`, and `fused_paths!(forward)` naming the three paths) and the public `Tensor::foo`
-//!    (checks shapes and dtypes, makes operands contiguous, calls [`run`]);
+//!    `finish`, and `fused_paths!(forward)` naming the three paths; `fused_op!` writes it for an
+//!    op returning one tensor) and the public `Tensor::foo` (checks shapes and dtypes, makes
+//!    operands contiguous, calls [`run`]);
 //! 2. `ops/fused/foo/cpu.rs` over the CPU kernel `kernels/src/cpu/foo.rs`;
 //! 3. `ops/fused/foo/cuda.rs` over the kernel `kernels/cuda/foo.cu` (optional);
 //! 4. `ops/fused/foo/fallback.rs`: the composition and the test that it agrees with the fused
 //!    paths;
 //! 5. the autograd rule in `autograd/` and the op's tests in `tensor/tests/foo.rs`.
 //!
-//! Ops here: `attention` (scaled dot-product attention, on q, k, v or a fused qkv),
-//! `cross_entropy` (cross-entropy), `gelu` (GELU's backward), `layer_norm` (layer norm),
-//! `logsumexp` (log-sum-exp), `rms_norm` (RMSNorm), `rotary` (rotary embedding), `softmax`
-//! (softmax and log-softmax), `swiglu` (SwiGLU), each forward and (but for log-sum-exp) backward,
-//! and `unary_backward` (the SiLU and clamp backward).
+//! Ops here: `adamw` (an AdamW step, in place), `attention` (scaled dot-product attention, on
+//! q, k, v or a fused qkv), `cross_entropy` (cross-entropy), `embedding` (embedding lookup),
+//! `gelu` (GELU's backward), `layer_norm` (layer norm), `linear` (the linear layer and its GELU
+//! epilogue), `logsumexp` (log-sum-exp), `rms_norm` (RMSNorm), `rotary` (rotary embedding),
+//! `sgd` (an SGD-with-momentum step, in place), `softmax` (softmax and log-softmax), `swiglu`
+//! (SwiGLU), each forward and (where it has one) backward, and `unary_backward` (the SiLU and
+//! clamp backward).
 
 pub(crate) mod adamw;
 pub(crate) mod attention;
 pub(crate) mod cross_entropy;
+pub(crate) mod embedding;
 pub(crate) mod gelu;
 pub(crate) mod layer_norm;
 pub(crate) mod linear;

@@ -8,23 +8,15 @@ use crate::{Result, Tensor};
 /// See [`Sgd`]: `g' = g + wd p`; `buf = g'` on the first step, else `momentum buf + g'`;
 /// `p -= lr buf`.
 pub(super) fn step(a: &Sgd<&Tensor, &Tensor>) -> Result<()> {
-    let &Sgd {
-        grad,
-        param,
-        buf,
-        lr,
-        momentum,
-        weight_decay,
-        first_step,
-    } = a;
+    let (param, buf) = (a.param, a.buf);
     optimizer_dtype("sgd_step", param)?;
-    let g = grad.add(&param.mul_scalar(weight_decay)?)?;
-    let nb = if first_step {
+    let g = a.grad.add(&param.mul_scalar(a.weight_decay)?)?;
+    let nb = if a.first_step {
         g
     } else {
-        buf.mul_scalar(momentum)?.add(&g)?
+        buf.mul_scalar(a.momentum)?.add(&g)?
     };
-    let pn = param.sub(&nb.mul_scalar(lr)?)?;
+    let pn = param.sub(&nb.mul_scalar(a.lr)?)?;
     param.copy_from(&pn)?;
     buf.copy_from(&nb)
 }
