@@ -346,23 +346,28 @@ fn random_operand(
     (rng.values(len), l)
 }
 
-#[test]
-fn the_mapping_computes_the_row_major_product_for_random_layouts() {
-    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+/// Runs `cases` random products (batch up to `max_batch`, sizes up to `max_dim`) through the
+/// backend's mapping against the naive product; returns the paths taken.
+fn random_products(seed: u64, cases: usize, max_batch: usize, max_dim: usize) -> Seen {
+    let mut rng = Rng(seed);
     let mut seen = Seen::default();
-    for case in 0..4000 {
-        let batch = 1 + rng.below(4);
-        let (m, n, k) = (1 + rng.below(6), 1 + rng.below(6), 1 + rng.below(6));
+    for case in 0..cases {
+        let batch = 1 + rng.below(max_batch);
+        let dims = [0; 3].map(|_| 1 + rng.below(max_dim));
+        let (m, n, k) = (dims[0], dims[1], dims[2]);
         let (a, al) = random_operand(&mut rng, batch, m, k);
         let (b, bl) = random_operand(&mut rng, batch, k, n);
         let p = product(al, bl, batch, m, n, k);
         let want = naive(&a, &b, &p, None);
         let got = backend_product(&a, &b, &p, None, &mut seen);
-        assert_eq!(
-            got, want,
-            "case {case}: batch {batch}, [{m}, {k}] x [{k}, {n}], lhs {al:?}, rhs {bl:?}"
-        );
+        assert_eq!(got, want, "case {case}: {p:?}");
     }
+    seen
+}
+
+#[test]
+fn the_mapping_computes_the_row_major_product_for_random_layouts() {
+    let seen = random_products(0x9E37_79B9_7F4A_7C15, 4000, 4, 6);
     // Every path was taken.
     assert!(seen.copies > 500, "{seen:?}");
     assert!(seen.broadcast_in_place > 200, "{seen:?}");
@@ -378,21 +383,7 @@ fn the_mapping_computes_the_row_major_product_for_random_layouts() {
 
 #[test]
 fn larger_products_with_padded_and_offset_layouts() {
-    let mut rng = Rng(12345);
-    let mut seen = Seen::default();
-    for _ in 0..60 {
-        let batch = 1 + rng.below(3);
-        let (m, n, k) = (1 + rng.below(40), 1 + rng.below(40), 1 + rng.below(40));
-        let (a, al) = random_operand(&mut rng, batch, m, k);
-        let (b, bl) = random_operand(&mut rng, batch, k, n);
-        let p = product(al, bl, batch, m, n, k);
-        let want = naive(&a, &b, &p, None);
-        let got = backend_product(&a, &b, &p, None, &mut seen);
-        assert_eq!(
-            got, want,
-            "batch {batch}, [{m}, {k}] x [{k}, {n}], {al:?}, {bl:?}"
-        );
-    }
+    random_products(12345, 60, 3, 40);
 }
 
 #[test]

@@ -42,6 +42,26 @@ impl fmt::Display for What {
     }
 }
 
+impl What {
+    /// The description of `op` on `a` and `b` (their shared dtype checked, see
+    /// [`operand_dtype`]) for the product `p`, and the output's element count.
+    fn new(
+        op: &'static str,
+        a: &CudaStorage,
+        b: &CudaStorage,
+        p: &Product,
+    ) -> Result<(Self, usize)> {
+        let dtype = operand_dtype(op, a, b)?;
+        let what = What { op, dtype, p: *p };
+        let len = p
+            .batch
+            .checked_mul(p.m)
+            .and_then(|x| x.checked_mul(p.n))
+            .ok_or_else(|| Error::Msg(format!("{what}: the output size overflows")))?;
+        Ok((what, len))
+    }
+}
+
 /// The dtype shared by the operands, when cuBLASLt takes it.
 fn operand_dtype(op: &'static str, a: &CudaStorage, b: &CudaStorage) -> Result<DType> {
     if a.dtype() != b.dtype() {
@@ -251,25 +271,10 @@ pub(in crate::cuda_backend) fn matmul(
     b: &CudaStorage,
     p: &Product,
 ) -> Result<CudaStorage> {
-    let &Product {
-        al,
-        bl,
-        batch,
-        m,
-        n,
-        k,
-    } = p;
-    let dtype = operand_dtype("matmul", a, b)?;
-    let what = What {
-        op: "matmul",
-        dtype,
-        p: *p,
-    };
+    let (al, bl, batch, m, n, k) = (p.al, p.bl, p.batch, p.m, p.n, p.k);
+    let (what, len) = What::new("matmul", a, b, p)?;
+    let dtype = what.dtype;
     let ctx = a.ctx().clone();
-    let len = batch
-        .checked_mul(m)
-        .and_then(|x| x.checked_mul(n))
-        .ok_or_else(|| Error::Msg(format!("{what}: the output size overflows")))?;
     if len == 0 {
         return CudaStorage::uninit(&ctx, dtype, 0);
     }
@@ -341,24 +346,10 @@ pub(crate) fn linear(
     let Some((bs, bl)) = bias else {
         return matmul(x, w, p).map(Some);
     };
-    let &Product {
-        al,
-        bl: wl,
-        m,
-        n,
-        k,
-        ..
-    } = p;
-    let dtype = operand_dtype("linear", x, w)?;
-    let what = What {
-        op: "linear",
-        dtype,
-        p: *p,
-    };
+    let (al, wl, m, n, k) = (p.al, p.bl, p.m, p.n, p.k);
+    let (what, len) = What::new("linear", x, w, p)?;
+    let dtype = what.dtype;
     let ctx = x.ctx().clone();
-    let len = m
-        .checked_mul(n)
-        .ok_or_else(|| Error::Msg(format!("{what}: the output size overflows")))?;
     if len == 0 {
         return CudaStorage::uninit(&ctx, dtype, 0).map(Some);
     }
@@ -396,26 +387,12 @@ pub(crate) fn linear_gelu(
     p: &Product,
     tanh_form: bool,
 ) -> Result<Option<(CudaStorage, CudaStorage)>> {
-    let dtype = operand_dtype("linear_gelu", x, w)?;
+    let (what, len) = What::new("linear_gelu", x, w, p)?;
+    let dtype = what.dtype;
     if !tanh_form || dtype == DType::F64 {
         return Ok(None);
     }
-    let &Product {
-        al,
-        bl: wl,
-        m,
-        n,
-        k,
-        ..
-    } = p;
-    let what = What {
-        op: "linear_gelu",
-        dtype,
-        p: *p,
-    };
-    let len = m
-        .checked_mul(n)
-        .ok_or_else(|| Error::Msg(format!("{what}: the output size overflows")))?;
+    let (al, wl, m, n, k) = (p.al, p.bl, p.m, p.n, p.k);
     if len == 0
         || k == 0
         || epilogue_for(&output_operand(1, m, n), 1, bias.is_some(), true).is_none()

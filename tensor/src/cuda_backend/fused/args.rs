@@ -89,9 +89,12 @@ pub(crate) struct Launch {
     pub args: Vec<Arg>,
 }
 
-/// Kernel arguments written short: `args![ptr x, i64 n, i32 flag, f32 eps, f64 theta]` is
-/// `[Arg::Ptr(x), Arg::I64(n), Arg::I32(flag), Arg::F32(eps), Arg::F64(theta)]`.
+/// Kernel arguments written short: `args![ptr x, i64 n, i32 flag, f32 eps, f64 theta, size len]`
+/// is `[Arg::Ptr(x), Arg::I64(n), Arg::I32(flag), Arg::F32(eps), Arg::F64(theta), i64_of(len)]`.
 macro_rules! args {
+    (@size $v:expr) => {
+        $crate::cuda_backend::fused::args::i64_of($v)
+    };
     (@ptr $v:expr) => {
         $crate::cuda_backend::fused::args::Arg::Ptr($v)
     };

@@ -23,7 +23,7 @@
 
 use std::sync::Arc;
 
-use super::args::{flat_grid, i64_of, sfx, Arg, Launch, BLOCK_1D};
+use super::args::{args, flat_grid, i64_of, sfx, Arg, Launch, BLOCK_1D};
 use super::operand::{as_dtype, output, Operand};
 use crate::backend::api::In;
 use crate::cuda_backend::{basic, CudaStorage, DeviceContext};
@@ -52,13 +52,7 @@ pub(crate) fn partials_reduce_launch(
         grid: flat_grid(cols),
         block: BLOCK_1D,
         shared: 0,
-        args: vec![
-            Arg::Ptr(partial),
-            i64_of(nparts),
-            i64_of(cols),
-            Arg::Ptr(out),
-            Arg::I32(accumulate as i32),
-        ],
+        args: args![ptr partial, size nparts, size cols, ptr out, i32 accumulate as i32].to_vec(),
     }
 }
 

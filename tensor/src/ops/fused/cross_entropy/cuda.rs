@@ -15,9 +15,7 @@
 use cudarc::driver::result;
 
 use super::{CrossEntropy, CrossEntropyBackward};
-use crate::cuda_backend::fused::args::{
-    args, flat_grid, i64_of, row_grid, sfx, Arg, Launch, BLOCK_1D,
-};
+use crate::cuda_backend::fused::args::{args, flat_grid, row_grid, sfx, Arg, Launch, BLOCK_1D};
 use crate::cuda_backend::fused::operand::{
     as_dtype, check_len, contiguous, ids_i64, output, Operand,
 };
@@ -43,17 +41,7 @@ pub(crate) fn ce_fwd_launch(
     cols: usize,
     ignore_index: Option<i64>,
 ) -> Launch {
-    let mut args = vec![
-        Arg::Ptr(logits),
-        Arg::Ptr(targets),
-        Arg::Ptr(loss),
-        Arg::Ptr(lse),
-        Arg::Ptr(0),
-        Arg::Ptr(0),
-        Arg::F32(0.0),
-        i64_of(rows),
-        i64_of(cols),
-    ];
+    let mut args = args![ptr logits, ptr targets, ptr loss, ptr lse, ptr 0, ptr 0, f32 0.0, size rows, size cols].to_vec();
     args.extend(ignore_args(ignore_index));
     args.push(Arg::Ptr(bad));
     Launch {
@@ -75,16 +63,7 @@ pub(crate) fn ce_bwd_launch(
     cols: usize,
     ignore_index: Option<i64>,
 ) -> Launch {
-    let mut args = vec![
-        Arg::Ptr(logits),
-        Arg::Ptr(lse),
-        Arg::Ptr(targets),
-        Arg::Ptr(dloss),
-        Arg::F32(0.0),
-        Arg::Ptr(dlogits),
-        i64_of(rows),
-        i64_of(cols),
-    ];
+    let mut args = args![ptr logits, ptr lse, ptr targets, ptr dloss, f32 0.0, ptr dlogits, size rows, size cols].to_vec();
     args.extend(ignore_args(ignore_index));
     Launch {
         file: "classifier.cu",

@@ -3,7 +3,7 @@
 
 use super::GeluBackward;
 use crate::cuda_backend::fused::activations::act_launch;
-use crate::cuda_backend::fused::args::{i64_of, sfx, Arg, Launch};
+use crate::cuda_backend::fused::args::{args, sfx, Launch};
 use crate::cuda_backend::fused::operand::{as_dtype, check_len, contiguous, output};
 use crate::cuda_backend::CudaStorage;
 use crate::ops::fused::CudaIn;
@@ -14,13 +14,7 @@ pub(crate) fn gelu_bwd_launch(t: &str, [x, dy, dx]: [u64; 3], n: usize, tanh: bo
     act_launch(
         format!("gelu_bwd_{t}"),
         n,
-        vec![
-            Arg::Ptr(x),
-            Arg::Ptr(dy),
-            Arg::Ptr(dx),
-            i64_of(n),
-            Arg::I32(tanh as i32),
-        ],
+        args![ptr x, ptr dy, ptr dx, size n, i32 tanh as i32].to_vec(),
     )
 }
 

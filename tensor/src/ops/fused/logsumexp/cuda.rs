@@ -4,7 +4,7 @@
 
 use super::Logsumexp;
 use crate::cuda_backend::basic::basic_sfx;
-use crate::cuda_backend::fused::args::{args, flat_grid, i64_of, row_grid, Launch, BLOCK_1D};
+use crate::cuda_backend::fused::args::{args, flat_grid, row_grid, Launch, BLOCK_1D};
 use crate::cuda_backend::fused::operand::{check_len, contiguous, output};
 use crate::cuda_backend::CudaStorage;
 use crate::ops::fused::CudaIn;
@@ -20,9 +20,13 @@ pub(crate) fn logsumexp_launch(
     inner: usize,
 ) -> Launch {
     let (kind, grid, sizes) = if inner == 1 {
-        ("lastdim", row_grid(outer), vec![i64_of(outer), i64_of(red)])
+        (
+            "lastdim",
+            row_grid(outer),
+            args![size outer, size red].to_vec(),
+        )
     } else {
-        let sizes = vec![i64_of(outer), i64_of(red), i64_of(inner)];
+        let sizes = args![size outer, size red, size inner].to_vec();
         ("strided", flat_grid(outer * inner), sizes)
     };
     let mut args = args![ptr x, ptr out].to_vec();

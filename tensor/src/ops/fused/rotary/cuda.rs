@@ -2,7 +2,7 @@
 //! in f32); f64 is not provided on CUDA (`Ok(None)`: the composed fallback runs).
 
 use super::Rotary;
-use crate::cuda_backend::fused::args::{flat_grid, i64_of, sfx, Arg, Launch, BLOCK_1D};
+use crate::cuda_backend::fused::args::{args, flat_grid, sfx, Launch, BLOCK_1D};
 use crate::cuda_backend::fused::operand::{check_len, contiguous, ids_i64, output};
 use crate::cuda_backend::CudaStorage;
 use crate::ops::fused::CudaIn;
@@ -25,17 +25,7 @@ pub(crate) fn rotary_launch(
         grid: flat_grid(b * s * h * (d / 2)),
         block: BLOCK_1D,
         shared: 0,
-        args: vec![
-            Arg::Ptr(x),
-            Arg::Ptr(positions),
-            Arg::Ptr(out),
-            i64_of(b),
-            i64_of(s),
-            i64_of(h),
-            i64_of(d),
-            Arg::F64(theta),
-            Arg::I32(inverse as i32),
-        ],
+        args: args![ptr x, ptr positions, ptr out, size b, size s, size h, size d, f64 theta, i32 inverse as i32].to_vec(),
     }
 }
 

@@ -4,7 +4,7 @@
 
 use super::{Swiglu, SwigluBackward};
 use crate::cuda_backend::fused::activations::act_launch;
-use crate::cuda_backend::fused::args::{i64_of, sfx, Arg, Launch};
+use crate::cuda_backend::fused::args::{args, sfx, Launch};
 use crate::cuda_backend::fused::operand::{as_dtype, check_len, contiguous, output};
 use crate::cuda_backend::CudaStorage;
 use crate::ops::fused::CudaIn;
@@ -15,7 +15,7 @@ pub(crate) fn swiglu_fwd_launch(t: &str, gate: u64, up: u64, out: u64, n: usize)
     act_launch(
         format!("swiglu_fwd_{t}"),
         n,
-        vec![Arg::Ptr(gate), Arg::Ptr(up), Arg::Ptr(out), i64_of(n)],
+        args![ptr gate, ptr up, ptr out, size n].to_vec(),
     )
 }
 
@@ -24,14 +24,7 @@ pub(crate) fn swiglu_bwd_launch(t: &str, [gate, up, dy, dgate, dup]: [u64; 5], n
     act_launch(
         format!("swiglu_bwd_{t}"),
         n,
-        vec![
-            Arg::Ptr(gate),
-            Arg::Ptr(up),
-            Arg::Ptr(dy),
-            Arg::Ptr(dgate),
-            Arg::Ptr(dup),
-            i64_of(n),
-        ],
+        args![ptr gate, ptr up, ptr dy, ptr dgate, ptr dup, size n].to_vec(),
     )
 }
 

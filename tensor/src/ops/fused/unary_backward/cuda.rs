@@ -7,7 +7,7 @@ use meshgrad_kernels::ops::UnaryGrad;
 
 use super::UnaryBackward;
 use crate::cuda_backend::fused::activations::act_launch;
-use crate::cuda_backend::fused::args::{i64_of, sfx, Arg, Launch};
+use crate::cuda_backend::fused::args::{args, sfx, Launch};
 use crate::cuda_backend::fused::operand::{as_dtype, check_len, contiguous, output};
 use crate::cuda_backend::CudaStorage;
 use crate::ops::fused::CudaIn;
@@ -22,15 +22,7 @@ pub(crate) fn unary_bwd_launch(t: &str, [x, dy, dx]: [u64; 3], n: usize, op: Una
     act_launch(
         format!("unary_bwd_{t}"),
         n,
-        vec![
-            Arg::Ptr(x),
-            Arg::Ptr(dy),
-            Arg::Ptr(dx),
-            i64_of(n),
-            Arg::I32(code),
-            Arg::F64(lo),
-            Arg::F64(hi),
-        ],
+        args![ptr x, ptr dy, ptr dx, size n, i32 code, f64 lo, f64 hi].to_vec(),
     )
 }
 
@@ -70,6 +62,6 @@ mod tests {
             args![i64 5, i32 1, f64 -1.5, f64 f64::INFINITY]
         );
         let l = unary_bwd_launch("f16", [1, 2, 3], 5, UnaryGrad::Silu);
-        assert_eq!(l.args[4], Arg::I32(0));
+        assert_eq!(l.args[4], args![i32 0][0]);
     }
 }
