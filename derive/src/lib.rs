@@ -143,12 +143,15 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream2> {
     })
 }
 
-/// Derives `FusedArgs` for a fused op's argument struct `Foo<T>` (inside `meshgrad-tensor`):
-/// implements `crate::ops::fused::FusedArgs` for `Foo<&Tensor>` with `Args<U> = Foo<U>` and a
-/// `map` that replaces every operand by `f(operand)`, visiting the fields in declaration order:
+/// Derives `FusedArgs` for a fused op's argument struct `Foo<T>` or `Foo<T, W>` (inside
+/// `meshgrad-tensor`): implements `crate::ops::fused::FusedArgs` for `Foo<&Tensor>` (or
+/// `Foo<&Tensor, &Tensor>`) with `Args<U, V> = Foo<U>` (or `Foo<U, V>`) and a `map` that
+/// replaces every operand read by `read(operand)` and every operand written by
+/// `write(operand)`, visiting the fields in declaration order:
 ///
-/// * a field of type `T` (the struct's one type parameter) is an operand;
-/// * `Option<T>` is an optional operand (mapped when present);
+/// * a field of type `T` (the struct's first type parameter) is an operand read;
+/// * `Option<T>` is an optional operand read (mapped when present);
+/// * a field of type `W` (the optional second type parameter) is an operand written in place;
 /// * any other field (shapes, scalars, flags) is copied (cloned).
 #[proc_macro_derive(FusedArgs)]
 pub fn derive_fused_args(input: TokenStream) -> TokenStream {
@@ -163,16 +166,20 @@ pub fn derive_fused_args(input: TokenStream) -> TokenStream {
 enum Carried {
     Operand,
     Optional,
+    Written,
     Copied,
 }
 
-/// `T`, `Option<T>` or another type, for the struct's type parameter `t`.
-fn carried(ty: &syn::Type, t: &syn::Ident) -> Carried {
+/// `T`, `Option<T>`, `W` or another type, for the struct's type parameters `t` and `w`.
+fn carried(ty: &syn::Type, t: &syn::Ident, w: Option<&syn::Ident>) -> Carried {
     let syn::Type::Path(p) = ty else {
         return Carried::Copied;
     };
     if p.qself.is_none() && p.path.is_ident(t) {
         return Carried::Operand;
+    }
+    if p.qself.is_none() && w.is_some_and(|w| p.path.is_ident(w)) {
+        return Carried::Written;
     }
     let Some(last) = p.path.segments.last() else {
         return Carried::Copied;
@@ -196,13 +203,15 @@ fn carried(ty: &syn::Type, t: &syn::Ident) -> Carried {
 fn expand_fused_args(input: &DeriveInput) -> syn::Result<TokenStream2> {
     let name = &input.ident;
     let params: Vec<_> = input.generics.type_params().collect();
-    if params.len() != 1 || input.generics.params.len() != 1 {
+    if !(1..=2).contains(&params.len()) || input.generics.params.len() != params.len() {
         return Err(syn::Error::new_spanned(
             &input.generics,
-            "#[derive(FusedArgs)] needs a struct with exactly one type parameter (the operand type)",
+            "#[derive(FusedArgs)] needs a struct with one or two type parameters (the operand \
+             types: read, and written in place)",
         ));
     }
     let t = &params[0].ident;
+    let w = params.get(1).map(|p| &p.ident);
     let Data::Struct(s) = &input.data else {
         return Err(syn::Error::new_spanned(
             name,
@@ -217,17 +226,31 @@ fn expand_fused_args(input: &DeriveInput) -> syn::Result<TokenStream2> {
     };
     let inits = fields.named.iter().map(|fd| {
         let f = fd.ident.as_ref().expect("named field");
-        match carried(&fd.ty, t) {
-            Carried::Operand => quote!(#f: f(self.#f)),
-            Carried::Optional => quote!(#f: self.#f.map(&mut f)),
+        match carried(&fd.ty, t, w) {
+            Carried::Operand => quote!(#f: read(self.#f)),
+            Carried::Optional => quote!(#f: self.#f.map(&mut read)),
+            Carried::Written => quote!(#f: write(self.#f)),
             Carried::Copied => quote!(#f: ::core::clone::Clone::clone(&self.#f)),
         }
     });
+    let (lifetimes, tensors, args) = match w {
+        None => (quote!('t), quote!(&'t crate::Tensor), quote!(#name<U>)),
+        Some(_) => (
+            quote!('t, 'u),
+            quote!(&'t crate::Tensor, &'u crate::Tensor),
+            quote!(#name<U, V>),
+        ),
+    };
     Ok(quote! {
-        impl<'t> crate::ops::fused::FusedArgs for #name<&'t crate::Tensor> {
-            type Args<U> = #name<U>;
+        impl<#lifetimes> crate::ops::fused::FusedArgs for #name<#tensors> {
+            type Args<U, V> = #args;
 
-            fn map<'s, U>(&'s self, mut f: impl FnMut(&'s crate::Tensor) -> U) -> #name<U> {
+            #[allow(unused_mut, unused_variables)]
+            fn map<'s, U, V>(
+                &'s self,
+                mut read: impl FnMut(&'s crate::Tensor) -> U,
+                mut write: impl FnMut(&'s crate::Tensor) -> V,
+            ) -> #args {
                 #name { #(#inits,)* }
             }
         }

@@ -1,12 +1,13 @@
 //! Empty and degenerate sizes must not panic (and must write what the contracts promise).
 
-use meshgrad_kernels::cpu::adamw::{adamw_step, sgd_step};
+use meshgrad_kernels::cpu::adamw::adamw_step;
 use meshgrad_kernels::cpu::attention::{attention_backward, attention_forward, ScoreMask};
 use meshgrad_kernels::cpu::cross_entropy::{cross_entropy_backward, cross_entropy_forward};
 use meshgrad_kernels::cpu::elementwise::{binary, compare, unary, where_cond, View};
 use meshgrad_kernels::cpu::embedding::{embedding_backward, embedding_forward};
 use meshgrad_kernels::cpu::layer_norm::{layer_norm_backward, layer_norm_forward};
 use meshgrad_kernels::cpu::matmul::matmul;
+use meshgrad_kernels::cpu::sgd::sgd_step;
 use meshgrad_kernels::cpu::softmax::{log_softmax_forward, softmax_backward, softmax_forward};
 use meshgrad_kernels::cpu::strided::copy_strided;
 use meshgrad_kernels::ops::{AdamWStep, AttentionShape, BinaryOp, CmpOp, MatrixLayout, UnaryOp};

@@ -13,6 +13,7 @@ pub mod matmul;
 pub mod reduce;
 pub mod rms_norm;
 pub mod rotary;
+pub mod sgd;
 pub mod softmax;
 pub mod strided;
 pub mod swiglu;

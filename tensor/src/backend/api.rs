@@ -6,17 +6,17 @@
 //! sites changes. The CPU backend is [`crate::storage::CpuStorage`] (its implementation lives in
 //! `cpu_backend/`).
 //!
-//! The methods come in three groups:
+//! The methods come in two groups:
 //! - memory: allocation, host transfers, random fills and `arange` (generated on the device from
 //!   the counter-based stream of [`meshgrad_kernels::rng`], so every backend draws the same values
 //!   for the same seed and indices), and `release` (the hook of a caching allocator);
 //! - basic ops, which every backend must provide (casts, copies, elementwise, reductions,
 //!   matmul, indexing, ...);
-//! - fused ops (linear epilogues, optimizer steps, ...), whose
-//!   default answer is `Ok(None)`: "not provided". The tensor op then runs a fallback composed
-//!   of basic ops (see `ops/fallback/`), so a backend can arrive one fused kernel at a time.
-//!   The fused ops of `ops/fused/` are not methods here: each keeps its CPU, CUDA and composed
-//!   paths in its own folder, run by `ops::fused::run`.
+//!
+//! The fused ops (norms, attention, linear epilogues, optimizer steps, ...) are not methods here:
+//! each keeps its CPU, CUDA and composed paths in its own folder of `ops/fused/`, run by
+//! `ops::fused::run` (a path answering `Ok(None)` leaves the op to its composition), so a
+//! backend can arrive one fused kernel at a time.
 //!
 //! Conventions shared by all methods: every operand is a storage with the [`Layout`] of the view
 //! being read (`In`); operands have been checked to be on the same device by the dispatch place;
@@ -24,7 +24,7 @@
 //! primitive's documentation in `backend/mod.rs` says so. Float inputs of half dtypes are
 //! computed in the precision [`crate::compute_dtype`] names.
 
-use meshgrad_kernels::ops::{AdamWStep, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryOp};
+use meshgrad_kernels::ops::{BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryOp};
 
 use crate::storage::CpuStorage;
 use crate::{DType, Device, Layout, Result};
@@ -44,11 +44,26 @@ pub(crate) enum Distribution {
     RandInt { low: i64, high: i64 },
 }
 
-/// A result of a fused op: `Ok(None)` when the backend does not provide it.
-pub(crate) type Fused<T> = Result<Option<T>>;
+/// One batched matrix product as a backend takes it: `batch` products `[m, k] x [k, n]`, the
+/// left operand read through `al` and the right through `bl` (offsets and strides in elements
+/// of each operand's whole buffer); the output is contiguous `[batch, m, n]`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Product {
+    /// The left operand's matrices.
+    pub al: MatrixLayout,
+    /// The right operand's matrices.
+    pub bl: MatrixLayout,
+    /// Products in the batch.
+    pub batch: usize,
+    /// Rows of the left operand and of the output.
+    pub m: usize,
+    /// Columns of the right operand and of the output.
+    pub n: usize,
+    /// The contracted dim.
+    pub k: usize,
+}
 
 /// The primitives a backend provides, on its own storage type. See the module documentation.
-#[allow(clippy::too_many_arguments, clippy::type_complexity)]
 pub(crate) trait BackendStorage: Sized + std::fmt::Debug + Send + Sync + 'static {
     // ----- identity and memory -----
 
@@ -114,26 +129,8 @@ pub(crate) trait BackendStorage: Sized + std::fmt::Debug + Send + Sync + 'static
         red: usize,
         inner: usize,
     ) -> Result<Self>;
-    /// Batched `[m, k] x [k, n]` product with arbitrary strides.
-    fn matmul(
-        a: &Self,
-        al: MatrixLayout,
-        b: &Self,
-        bl: MatrixLayout,
-        batch: usize,
-        m: usize,
-        n: usize,
-        k: usize,
-    ) -> Result<Self>;
-    /// Row-wise embedding lookup: `ids` (integer) into a `[vocab, dim]` table.
-    fn embedding(w: In<'_, Self>, ids: In<'_, Self>, vocab: usize, dim: usize) -> Result<Self>;
-    /// Scatter-add of `dout` rows into a zero `[vocab, dim]` gradient.
-    fn embedding_backward(
-        dout: In<'_, Self>,
-        ids: In<'_, Self>,
-        vocab: usize,
-        dim: usize,
-    ) -> Result<Self>;
+    /// The batched product `p` of `a` and `b` with arbitrary strides.
+    fn matmul(a: &Self, b: &Self, p: &Product) -> Result<Self>;
     /// `torch.gather` along `dim`.
     fn gather(x: In<'_, Self>, index: In<'_, Self>, dim: usize) -> Result<Self>;
     /// The scatter-add backward of [`BackendStorage::gather`].
@@ -161,64 +158,4 @@ pub(crate) trait BackendStorage: Sized + std::fmt::Debug + Send + Sync + 'static
         inner: usize,
         dim: usize,
     ) -> Result<Self>;
-
-    // ----- fused ops (optional: `Ok(None)` means "not provided") -----
-
-    /// `x · wᵀ + bias` in one pass.
-    fn linear(
-        _x: &Self,
-        _xl: MatrixLayout,
-        _w: &Self,
-        _wl: MatrixLayout,
-        _bias: Option<In<'_, Self>>,
-        _m: usize,
-        _n: usize,
-        _k: usize,
-    ) -> Fused<Self> {
-        Ok(None)
-    }
-    /// `gelu(x · wᵀ + bias)` and the pre-activation `x · wᵀ + bias` in one pass: `(y, pre)`,
-    /// both contiguous `[m, n]` (the pre-activation is what the backward differentiates GELU
-    /// at). `tanh_form`: the tanh approximation (else the erf form). Operands as for
-    /// [`BackendStorage::linear`].
-    fn linear_gelu(
-        _x: &Self,
-        _xl: MatrixLayout,
-        _w: &Self,
-        _wl: MatrixLayout,
-        _bias: Option<In<'_, Self>>,
-        _m: usize,
-        _n: usize,
-        _k: usize,
-        _tanh_form: bool,
-    ) -> Fused<(Self, Self)> {
-        Ok(None)
-    }
-    /// One in-place AdamW step; `Ok(None)` when not provided.
-    fn adamw(
-        _param: &mut Self,
-        _pl: &Layout,
-        _grad: In<'_, Self>,
-        _m: &mut Self,
-        _ml: &Layout,
-        _v: &mut Self,
-        _vl: &Layout,
-        _hp: &AdamWStep,
-    ) -> Fused<()> {
-        Ok(None)
-    }
-    /// One in-place SGD (momentum) step; `Ok(None)` when not provided.
-    fn sgd(
-        _param: &mut Self,
-        _pl: &Layout,
-        _grad: In<'_, Self>,
-        _buf: &mut Self,
-        _bl: &Layout,
-        _lr: f64,
-        _momentum: f64,
-        _weight_decay: f64,
-        _first_step: bool,
-    ) -> Fused<()> {
-        Ok(None)
-    }
 }

@@ -6,17 +6,15 @@
 //! of the four matches on [`Storage`] below (device, dtype, len, release); the op call sites do
 //! not change.
 //!
-//! Fused primitives return `Result<Option<_>>` (`None`: the backend does not provide the fused
-//! kernel); every one has a fallback composed of basic ops at its tensor op (`ops/fallback/`).
-//! The fused ops of `ops/fused/` do not pass here: `ops::fused::run` checks their device itself
-//! (with [`device_of`]) and calls their paths.
+//! The fused ops (`ops/fused/`, one folder each) do not pass here: `ops::fused::run` checks
+//! their device itself (with [`device_of`]) and calls their paths.
 
 pub(crate) mod api;
 
-use meshgrad_kernels::ops::{AdamWStep, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryOp};
+use meshgrad_kernels::ops::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
 
-pub(crate) use api::{BackendStorage, Distribution};
-use api::{Fused, In};
+use api::In;
+pub(crate) use api::{BackendStorage, Distribution, Product};
 
 #[cfg(feature = "cuda")]
 use crate::cuda_backend::CudaStorage;
@@ -122,10 +120,6 @@ fn inp<'a, S: Variant>(s: Src<'a>) -> In<'a, S> {
     (S::of(s.0), s.1)
 }
 
-fn opt<'a, S: Variant>(s: Option<Src<'a>>) -> Option<In<'a, S>> {
-    s.map(inp::<S>)
-}
-
 #[cfg(test)]
 thread_local! {
     static DECLINE_FUSED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
@@ -156,18 +150,6 @@ pub(crate) fn declined() -> bool {
     {
         false
     }
-}
-
-/// A fused primitive with a fallback at the op: `None` when the backend does not provide it.
-fn fused<T>(f: impl FnOnce() -> Fused<T>) -> Fused<T> {
-    if declined() {
-        return Ok(None);
-    }
-    f()
-}
-
-fn wrap2<S: Variant>((a, b): (S, S)) -> (Storage, Storage) {
-    (a.wrap(), b.wrap())
 }
 
 // ----- identity and memory -----
@@ -301,37 +283,8 @@ pub(crate) fn reduce(
     dispatch!("reduce", [s.0], S, device => S::reduce(op, inp::<S>(s), outer, red, inner).map(S::wrap))
 }
 
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn matmul(
-    a: &Storage,
-    al: MatrixLayout,
-    b: &Storage,
-    bl: MatrixLayout,
-    batch: usize,
-    m: usize,
-    n: usize,
-    k: usize,
-) -> Result<Storage> {
-    dispatch!("matmul", [a, b], S, device => {
-        S::matmul(S::of(a), al, S::of(b), bl, batch, m, n, k).map(S::wrap)
-    })
-}
-
-pub(crate) fn embedding(w: Src<'_>, ids: Src<'_>, vocab: usize, dim: usize) -> Result<Storage> {
-    dispatch!("embedding", [w.0, ids.0], S, device => {
-        S::embedding(inp::<S>(w), inp::<S>(ids), vocab, dim).map(S::wrap)
-    })
-}
-
-pub(crate) fn embedding_backward(
-    dout: Src<'_>,
-    ids: Src<'_>,
-    vocab: usize,
-    dim: usize,
-) -> Result<Storage> {
-    dispatch!("embedding_backward", [dout.0, ids.0], S, device => {
-        S::embedding_backward(inp::<S>(dout), inp::<S>(ids), vocab, dim).map(S::wrap)
-    })
+pub(crate) fn matmul(a: &Storage, b: &Storage, p: &Product) -> Result<Storage> {
+    dispatch!("matmul", [a, b], S, device => S::matmul(S::of(a), S::of(b), p).map(S::wrap))
 }
 
 pub(crate) fn gather(x: Src<'_>, index: Src<'_>, dim: usize) -> Result<Storage> {
@@ -375,94 +328,5 @@ pub(crate) fn index_select_backward(
     dispatch!("index_select_backward", [dout.0, ids.0], S, device => {
         S::index_select_backward(inp::<S>(dout), inp::<S>(ids), outer, x_n, inner, dim)
             .map(S::wrap)
-    })
-}
-
-// ----- fused ops -----
-
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn linear(
-    x: &Storage,
-    xl: MatrixLayout,
-    w: &Storage,
-    wl: MatrixLayout,
-    bias: Option<Src<'_>>,
-    m: usize,
-    n: usize,
-    k: usize,
-) -> Fused<Storage> {
-    let ops: Vec<&Storage> = [x, w].into_iter().chain(bias.map(|b| b.0)).collect();
-    dispatch!("linear", slice &ops, S, device => {
-        let r = fused(|| S::linear(S::of(x), xl, S::of(w), wl, opt::<S>(bias), m, n, k));
-        r.map(|o| o.map(S::wrap))
-    })
-}
-
-/// Returns `(gelu(pre), pre)` with `pre = x · wᵀ + bias`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn linear_gelu(
-    x: &Storage,
-    xl: MatrixLayout,
-    w: &Storage,
-    wl: MatrixLayout,
-    bias: Option<Src<'_>>,
-    m: usize,
-    n: usize,
-    k: usize,
-    tanh_form: bool,
-) -> Fused<(Storage, Storage)> {
-    let ops: Vec<&Storage> = [x, w].into_iter().chain(bias.map(|b| b.0)).collect();
-    dispatch!("linear_gelu", slice &ops, S, device => {
-        let r = fused(|| {
-            S::linear_gelu(S::of(x), xl, S::of(w), wl, opt::<S>(bias), m, n, k, tanh_form)
-        });
-        r.map(|o| o.map(wrap2))
-    })
-}
-
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn adamw(
-    param: &mut Storage,
-    pl: &Layout,
-    grad: Src<'_>,
-    m: &mut Storage,
-    ml: &Layout,
-    v: &mut Storage,
-    vl: &Layout,
-    hp: &AdamWStep,
-) -> Fused<()> {
-    dispatch!("adamw", [param, grad.0, m, v], S, device => {
-        fused(|| {
-            S::adamw(S::of_mut(param), pl, inp::<S>(grad), S::of_mut(m), ml, S::of_mut(v), vl, hp)
-        })
-    })
-}
-
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn sgd(
-    param: &mut Storage,
-    pl: &Layout,
-    grad: Src<'_>,
-    buf: &mut Storage,
-    bl: &Layout,
-    lr: f64,
-    momentum: f64,
-    weight_decay: f64,
-    first_step: bool,
-) -> Fused<()> {
-    dispatch!("sgd", [param, grad.0, buf], S, device => {
-        fused(|| {
-            S::sgd(
-                S::of_mut(param),
-                pl,
-                inp::<S>(grad),
-                S::of_mut(buf),
-                bl,
-                lr,
-                momentum,
-                weight_decay,
-                first_step,
-            )
-        })
     })
 }

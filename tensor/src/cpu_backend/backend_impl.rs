@@ -1,13 +1,13 @@
 //! The CPU backend's implementation of [`BackendStorage`]: every method hands its operands to the
 //! CPU adapters of this module (which resolve dtypes and layouts and call
-//! `meshgrad_kernels::cpu`). All fused ops are provided.
+//! `meshgrad_kernels::cpu`).
 
 use half::{bf16, f16};
-use meshgrad_kernels::ops::{AdamWStep, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryOp};
+use meshgrad_kernels::ops::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
 use meshgrad_kernels::rng;
 
-use super::{indexing, linear, optimizer};
-use crate::backend::api::{BackendStorage, Distribution, Fused, In};
+use super::indexing;
+use crate::backend::api::{BackendStorage, Distribution, In, Product};
 use crate::storage::CpuStorage;
 use crate::{DType, Device, Layout, Result};
 
@@ -175,30 +175,8 @@ impl BackendStorage for CpuStorage {
         super::reduce(op, x.0, x.1, outer, red, inner)
     }
 
-    fn matmul(
-        a: &Self,
-        al: MatrixLayout,
-        b: &Self,
-        bl: MatrixLayout,
-        batch: usize,
-        m: usize,
-        n: usize,
-        k: usize,
-    ) -> Result<Self> {
-        super::matmul(a, al, b, bl, batch, m, n, k)
-    }
-
-    fn embedding(w: In<'_, Self>, ids: In<'_, Self>, vocab: usize, dim: usize) -> Result<Self> {
-        super::embedding(w.0, w.1, ids.0, ids.1, vocab, dim)
-    }
-
-    fn embedding_backward(
-        dout: In<'_, Self>,
-        ids: In<'_, Self>,
-        vocab: usize,
-        dim: usize,
-    ) -> Result<Self> {
-        super::embedding_backward(dout.0, dout.1, ids.0, ids.1, vocab, dim)
+    fn matmul(a: &Self, b: &Self, p: &Product) -> Result<Self> {
+        super::matmul(a, b, p)
     }
 
     fn gather(x: In<'_, Self>, index: In<'_, Self>, dim: usize) -> Result<Self> {
@@ -234,75 +212,5 @@ impl BackendStorage for CpuStorage {
         dim: usize,
     ) -> Result<Self> {
         indexing::index_select_backward(dout, ids, outer, x_n, inner, dim)
-    }
-
-    // ----- fused ops: all provided on the CPU but `linear_gelu` -----
-
-    fn linear(
-        x: &Self,
-        xl: MatrixLayout,
-        w: &Self,
-        wl: MatrixLayout,
-        bias: Option<In<'_, Self>>,
-        m: usize,
-        n: usize,
-        k: usize,
-    ) -> Fused<Self> {
-        linear::linear(x, xl, w, wl, bias, m, n, k).map(Some)
-    }
-
-    /// Not provided: the tensor op composes `linear` then `gelu`, which is what an unfused
-    /// model computes, so fusing changes no bit of a CPU run (and a CPU kernel would save only
-    /// one elementwise pass over the output).
-    fn linear_gelu(
-        _x: &Self,
-        _xl: MatrixLayout,
-        _w: &Self,
-        _wl: MatrixLayout,
-        _bias: Option<In<'_, Self>>,
-        _m: usize,
-        _n: usize,
-        _k: usize,
-        _tanh_form: bool,
-    ) -> Fused<(Self, Self)> {
-        Ok(None)
-    }
-
-    fn adamw(
-        param: &mut Self,
-        pl: &Layout,
-        grad: In<'_, Self>,
-        m: &mut Self,
-        ml: &Layout,
-        v: &mut Self,
-        vl: &Layout,
-        hp: &AdamWStep,
-    ) -> Fused<()> {
-        optimizer::adamw(param, pl, grad, m, ml, v, vl, hp).map(Some)
-    }
-
-    fn sgd(
-        param: &mut Self,
-        pl: &Layout,
-        grad: In<'_, Self>,
-        buf: &mut Self,
-        bl: &Layout,
-        lr: f64,
-        momentum: f64,
-        weight_decay: f64,
-        first_step: bool,
-    ) -> Fused<()> {
-        optimizer::sgd(
-            param,
-            pl,
-            grad,
-            buf,
-            bl,
-            lr,
-            momentum,
-            weight_decay,
-            first_step,
-        )
-        .map(Some)
     }
 }

@@ -5,9 +5,8 @@
 
 mod backend_impl;
 mod cast;
+pub(crate) mod in_place;
 pub(crate) mod indexing;
-pub(crate) mod linear;
-pub(crate) mod optimizer;
 
 use std::borrow::Cow;
 use std::ops::Range;
@@ -15,10 +14,10 @@ use std::ops::Range;
 use half::{bf16, f16};
 use meshgrad_kernels::cpu::{self, elementwise::View};
 use meshgrad_kernels::ops::{MatrixLayout, ReduceOp};
-use meshgrad_kernels::Float;
 
 pub(crate) use cast::{cast, copy_contiguous, copy_into};
 
+use crate::backend::Product;
 use crate::storage::CpuStorage;
 use crate::{DType, Error, Layout, Result};
 
@@ -277,17 +276,16 @@ pub(crate) fn reduce(
     })
 }
 
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn matmul(
-    a: &CpuStorage,
-    al: MatrixLayout,
-    b: &CpuStorage,
-    bl: MatrixLayout,
-    batch: usize,
-    m: usize,
-    n: usize,
-    k: usize,
-) -> Result<CpuStorage> {
+/// See `BackendStorage::matmul`.
+pub(crate) fn matmul(a: &CpuStorage, b: &CpuStorage, p: &Product) -> Result<CpuStorage> {
+    let &Product {
+        al,
+        bl,
+        batch,
+        m,
+        n,
+        k,
+    } = p;
     let dt = a.dtype();
     let cl = MatrixLayout {
         offset: 0,
@@ -318,44 +316,4 @@ pub(crate) fn ids<'a>(s: &'a CpuStorage, l: &Layout, op: &'static str) -> Result
             })
         }
     })
-}
-
-pub(crate) fn embedding(
-    w: &CpuStorage,
-    wl: &Layout,
-    ids_s: &CpuStorage,
-    il: &Layout,
-    vocab: usize,
-    dim: usize,
-) -> Result<CpuStorage> {
-    let ids = ids(ids_s, il, "embedding (ids)")?;
-    let r = range(wl);
-    let err;
-    let out = crate::cpu_map!(w, v => {
-        let mut out = vec![Default::default(); ids.len() * dim];
-        err = cpu::embedding::embedding_forward(&v[r], vocab, dim, &ids, &mut out);
-        crate::WithDType::into_cpu_storage(out)
-    });
-    err?;
-    Ok(out)
-}
-
-pub(crate) fn embedding_backward(
-    dout: &CpuStorage,
-    dl: &Layout,
-    ids_s: &CpuStorage,
-    il: &Layout,
-    vocab: usize,
-    dim: usize,
-) -> Result<CpuStorage> {
-    let ids = ids(ids_s, il, "embedding_backward (ids)")?;
-    let dt = dout.dtype();
-    let err;
-    let out = with_floats!("embedding_backward", (dout, range(dl)) => g; {
-        let mut out = vec![Float::ZERO; vocab * dim];
-        err = cpu::embedding::embedding_backward(g, &ids, vocab, dim, &mut out);
-        out.into_storage(dt)
-    });
-    err?;
-    Ok(out)
 }

@@ -1,229 +1,71 @@
-//! The CUDA backend's implementation of [`BackendStorage`]: each method delegates to `basic/`
-//! (required ops), `fused/` (fused ops) or `blas/` (matmul, linear).
+//! The CUDA backend's implementation of [`BackendStorage`]: each method hands its arguments to
+//! the function of the same name in `basic/` (or `blas/` for matmul; the identity methods to
+//! [`CudaStorage`]'s own).
 
-use meshgrad_kernels::ops::{AdamWStep, BinaryOp, CmpOp, MatrixLayout, ReduceOp, UnaryOp};
+use meshgrad_kernels::ops::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
 
-use super::{basic, blas, fused, CudaStorage};
-use crate::backend::api::{BackendStorage, Distribution, Fused, In};
+use super::{basic, blas, CudaStorage};
+use crate::backend::api::{BackendStorage, Distribution, In, Product};
 use crate::storage::CpuStorage;
 use crate::{DType, Device, Layout, Result};
 
+/// Trait methods that hand their arguments, in order, to the function of the same name in
+/// `$m`: `forward! { m; fn f(&self, x: X) -> R; ... }` writes `fn f(&self, x: X) -> R { m::f(self,
+/// x) }` for each signature.
+macro_rules! forward {
+    ($m:ident;) => {};
+    ($m:ident; fn $name:ident(&self $(, $arg:ident: $ty:ty)*) -> $ret:ty; $($rest:tt)*) => {
+        fn $name(&self $(, $arg: $ty)*) -> $ret {
+            $m::$name(self $(, $arg)*)
+        }
+        forward!($m; $($rest)*);
+    };
+    ($m:ident; fn $name:ident(&mut self $(, $arg:ident: $ty:ty)*) -> $ret:ty; $($rest:tt)*) => {
+        fn $name(&mut self $(, $arg: $ty)*) -> $ret {
+            $m::$name(self $(, $arg)*)
+        }
+        forward!($m; $($rest)*);
+    };
+    ($m:ident; fn $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty; $($rest:tt)*) => {
+        fn $name($($arg: $ty),*) -> $ret {
+            $m::$name($($arg),*)
+        }
+        forward!($m; $($rest)*);
+    };
+}
+
 impl BackendStorage for CudaStorage {
-    fn device(&self) -> Device {
-        CudaStorage::device(self)
+    forward! { CudaStorage;
+        fn device(&self) -> Device;
+        fn dtype(&self) -> DType;
+        fn len(&self) -> usize;
     }
 
-    fn dtype(&self) -> DType {
-        CudaStorage::dtype(self)
+    forward! { basic;
+        fn zeros(device: Device, dtype: DType, len: usize) -> Result<Self>;
+        fn output(device: Device, dtype: DType, len: usize) -> Result<Self>;
+        fn full(device: Device, value: f64, dtype: DType, len: usize) -> Result<Self>;
+        fn from_host(device: Device, host: CpuStorage) -> Result<Self>;
+        fn to_host(&self, l: &Layout) -> Result<CpuStorage>;
+        fn read_elements(&self, indices: &[usize]) -> Result<CpuStorage>;
+        fn random(device: Device, dtype: DType, len: usize, seed: u64, offset: u64, dist: Distribution) -> Result<Self>;
+        fn arange(device: Device, start: i64, len: usize, dtype: DType) -> Result<Self>;
+        fn cast(&self, l: &Layout, dtype: DType) -> Result<Self>;
+        fn copy_contiguous(&self, l: &Layout) -> Result<Self>;
+        fn copy_into(&mut self, dl: &Layout, src: In<'_, Self>) -> Result<()>;
+        fn add_assign_contiguous(&mut self, dl: &Layout, src: In<'_, Self>) -> Result<bool>;
+        fn unary(x: In<'_, Self>, op: UnaryOp) -> Result<Self>;
+        fn binary(op: BinaryOp, a: In<'_, Self>, b: In<'_, Self>) -> Result<Self>;
+        fn compare(op: CmpOp, a: In<'_, Self>, b: In<'_, Self>) -> Result<Self>;
+        fn where_cond(cond: In<'_, Self>, t: In<'_, Self>, f: In<'_, Self>) -> Result<Self>;
+        fn reduce(op: ReduceOp, x: In<'_, Self>, outer: usize, red: usize, inner: usize) -> Result<Self>;
+        fn gather(x: In<'_, Self>, index: In<'_, Self>, dim: usize) -> Result<Self>;
+        fn gather_backward(dout: In<'_, Self>, index: In<'_, Self>, x_dims: &[usize], dim: usize) -> Result<Self>;
+        fn index_select(x: In<'_, Self>, ids: In<'_, Self>, outer: usize, x_n: usize, inner: usize, dim: usize) -> Result<Self>;
+        fn index_select_backward(dout: In<'_, Self>, ids: In<'_, Self>, outer: usize, x_n: usize, inner: usize, dim: usize) -> Result<Self>;
     }
 
-    fn len(&self) -> usize {
-        CudaStorage::len(self)
-    }
-
-    fn zeros(device: Device, dtype: DType, len: usize) -> Result<Self> {
-        basic::zeros(device, dtype, len)
-    }
-
-    fn output(device: Device, dtype: DType, len: usize) -> Result<Self> {
-        basic::output(device, dtype, len)
-    }
-
-    fn full(device: Device, value: f64, dtype: DType, len: usize) -> Result<Self> {
-        basic::full(device, value, dtype, len)
-    }
-
-    fn from_host(device: Device, host: CpuStorage) -> Result<Self> {
-        basic::from_host(device, host)
-    }
-
-    fn to_host(&self, l: &Layout) -> Result<CpuStorage> {
-        basic::to_host(self, l)
-    }
-
-    fn read_elements(&self, indices: &[usize]) -> Result<CpuStorage> {
-        basic::read_elements(self, indices)
-    }
-
-    fn random(
-        device: Device,
-        dtype: DType,
-        len: usize,
-        seed: u64,
-        offset: u64,
-        dist: Distribution,
-    ) -> Result<Self> {
-        basic::random(device, dtype, len, seed, offset, dist)
-    }
-
-    fn arange(device: Device, start: i64, len: usize, dtype: DType) -> Result<Self> {
-        basic::arange(device, start, len, dtype)
-    }
-
-    fn cast(&self, l: &Layout, dtype: DType) -> Result<Self> {
-        basic::cast(self, l, dtype)
-    }
-
-    fn copy_contiguous(&self, l: &Layout) -> Result<Self> {
-        basic::copy_contiguous(self, l)
-    }
-
-    fn copy_into(&mut self, dl: &Layout, src: In<'_, Self>) -> Result<()> {
-        basic::copy_into(self, dl, src)
-    }
-
-    fn add_assign_contiguous(&mut self, dl: &Layout, src: In<'_, Self>) -> Result<bool> {
-        basic::add_assign_contiguous(self, dl, src)
-    }
-
-    fn unary(x: In<'_, Self>, op: UnaryOp) -> Result<Self> {
-        basic::unary(x, op)
-    }
-
-    fn binary(op: BinaryOp, a: In<'_, Self>, b: In<'_, Self>) -> Result<Self> {
-        basic::binary(op, a, b)
-    }
-
-    fn compare(op: CmpOp, a: In<'_, Self>, b: In<'_, Self>) -> Result<Self> {
-        basic::compare(op, a, b)
-    }
-
-    fn where_cond(cond: In<'_, Self>, t: In<'_, Self>, f: In<'_, Self>) -> Result<Self> {
-        basic::where_cond(cond, t, f)
-    }
-
-    fn reduce(
-        op: ReduceOp,
-        x: In<'_, Self>,
-        outer: usize,
-        red: usize,
-        inner: usize,
-    ) -> Result<Self> {
-        basic::reduce(op, x, outer, red, inner)
-    }
-
-    fn matmul(
-        a: &Self,
-        al: MatrixLayout,
-        b: &Self,
-        bl: MatrixLayout,
-        batch: usize,
-        m: usize,
-        n: usize,
-        k: usize,
-    ) -> Result<Self> {
-        blas::matmul(a, al, b, bl, batch, m, n, k)
-    }
-
-    fn embedding(w: In<'_, Self>, ids: In<'_, Self>, vocab: usize, dim: usize) -> Result<Self> {
-        basic::embedding(w, ids, vocab, dim)
-    }
-
-    fn embedding_backward(
-        dout: In<'_, Self>,
-        ids: In<'_, Self>,
-        vocab: usize,
-        dim: usize,
-    ) -> Result<Self> {
-        basic::embedding_backward(dout, ids, vocab, dim)
-    }
-
-    fn gather(x: In<'_, Self>, index: In<'_, Self>, dim: usize) -> Result<Self> {
-        basic::gather(x, index, dim)
-    }
-
-    fn gather_backward(
-        dout: In<'_, Self>,
-        index: In<'_, Self>,
-        x_dims: &[usize],
-        dim: usize,
-    ) -> Result<Self> {
-        basic::gather_backward(dout, index, x_dims, dim)
-    }
-
-    fn index_select(
-        x: In<'_, Self>,
-        ids: In<'_, Self>,
-        outer: usize,
-        x_n: usize,
-        inner: usize,
-        dim: usize,
-    ) -> Result<Self> {
-        basic::index_select(x, ids, outer, x_n, inner, dim)
-    }
-
-    fn index_select_backward(
-        dout: In<'_, Self>,
-        ids: In<'_, Self>,
-        outer: usize,
-        x_n: usize,
-        inner: usize,
-        dim: usize,
-    ) -> Result<Self> {
-        basic::index_select_backward(dout, ids, outer, x_n, inner, dim)
-    }
-
-    fn linear(
-        x: &Self,
-        xl: MatrixLayout,
-        w: &Self,
-        wl: MatrixLayout,
-        bias: Option<In<'_, Self>>,
-        m: usize,
-        n: usize,
-        k: usize,
-    ) -> Fused<Self> {
-        blas::linear(x, xl, w, wl, bias, m, n, k)
-    }
-
-    fn linear_gelu(
-        x: &Self,
-        xl: MatrixLayout,
-        w: &Self,
-        wl: MatrixLayout,
-        bias: Option<In<'_, Self>>,
-        m: usize,
-        n: usize,
-        k: usize,
-        tanh_form: bool,
-    ) -> Fused<(Self, Self)> {
-        blas::linear_gelu(x, xl, w, wl, bias, m, n, k, tanh_form)
-    }
-
-    fn adamw(
-        param: &mut Self,
-        pl: &Layout,
-        grad: In<'_, Self>,
-        m: &mut Self,
-        ml: &Layout,
-        v: &mut Self,
-        vl: &Layout,
-        hp: &AdamWStep,
-    ) -> Fused<()> {
-        fused::adamw(param, pl, grad, m, ml, v, vl, hp)
-    }
-
-    fn sgd(
-        param: &mut Self,
-        pl: &Layout,
-        grad: In<'_, Self>,
-        buf: &mut Self,
-        bl: &Layout,
-        lr: f64,
-        momentum: f64,
-        weight_decay: f64,
-        first_step: bool,
-    ) -> Fused<()> {
-        fused::sgd(
-            param,
-            pl,
-            grad,
-            buf,
-            bl,
-            lr,
-            momentum,
-            weight_decay,
-            first_step,
-        )
+    forward! { blas;
+        fn matmul(a: &Self, b: &Self, p: &Product) -> Result<Self>;
     }
 }

@@ -20,7 +20,7 @@
 
 mod backend_impl;
 pub(crate) mod basic;
-mod blas;
+pub(crate) mod blas;
 mod context;
 pub(crate) mod fused;
 mod launch;

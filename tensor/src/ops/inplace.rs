@@ -1,5 +1,5 @@
-//! In-place updates: copies into views, accumulation, optimizer steps. They write through the
-//! storage shared by every view of it.
+//! In-place updates: copies into views, accumulation, and the checks of the optimizer steps
+//! (`fused/adamw`, `fused/sgd`). They write through the storage shared by every view of it.
 
 use super::same_kind;
 use crate::{backend, Error, Result, Tensor};
@@ -63,7 +63,9 @@ impl Tensor {
         self.copy_from(&sum)
     }
 
-    fn check_flat(&self, others: &[&Tensor], op: &'static str) -> Result<()> {
+    /// Checks the operands of an in-place optimizer step (`self` the parameter): contiguous,
+    /// of one kind and shape, sharing no storage.
+    pub(crate) fn check_flat(&self, others: &[&Tensor], op: &'static str) -> Result<()> {
         if !self.is_contiguous() {
             crate::bail!(
                 "{op}: the parameter (shape {}) must be contiguous",
@@ -93,99 +95,5 @@ impl Tensor {
             }
         }
         Ok(())
-    }
-
-    /// One AdamW step on many parameters at once (the "foreach" form of
-    /// [`Tensor::adamw_step_`]): each item is `(param, grad, m, v, hyper-parameters)`, updated
-    /// exactly as `adamw_step_` would, with the parameters spread over rayon tasks (the update is
-    /// elementwise, so the results do not depend on the split). Returns one result per item, in
-    /// order.
-    pub fn adamw_step_many(
-        items: &[(&Tensor, &Tensor, &Tensor, &Tensor, super::AdamWStep)],
-    ) -> Vec<Result<()>> {
-        use rayon::prelude::*;
-        let _prof = crate::profile::scope("adamw_step");
-        // Released storage is materialised here, on the calling thread, never in a task.
-        let ready: Vec<Result<()>> = items
-            .iter()
-            .map(|(p, g, m, v, _)| {
-                [*p, *g, *m, *v]
-                    .iter()
-                    .try_for_each(|t| t.ensure_materialized())
-            })
-            .collect();
-        let ctx = crate::alloc::AllocContext::capture();
-        items
-            .par_iter()
-            .zip(ready)
-            .map(|((p, g, m, v, hp), r)| ctx.run(|| r.and_then(|()| p.adamw_step_(g, m, v, hp))))
-            .collect()
-    }
-
-    /// One AdamW step in place: `self` is the parameter, `m` and `v` the moment buffers (all
-    /// contiguous, of one dtype and shape).
-    pub fn adamw_step_(
-        &self,
-        grad: &Tensor,
-        m: &Tensor,
-        v: &Tensor,
-        hp: &super::AdamWStep,
-    ) -> Result<()> {
-        let _prof = crate::profile::scope("adamw_step");
-        self.check_flat(&[grad, m, v], "adamw_step")?;
-        let done = {
-            let g = grad.read_storage("adamw_step")?;
-            let mut p = self.write_storage("adamw_step")?;
-            let mut gm = m.write_storage("adamw_step")?;
-            let mut gv = v.write_storage("adamw_step")?;
-            backend::adamw(
-                &mut p,
-                self.layout(),
-                (&g, grad.layout()),
-                &mut gm,
-                m.layout(),
-                &mut gv,
-                v.layout(),
-                hp,
-            )?
-        };
-        match done {
-            Some(()) => Ok(()),
-            None => super::fallback::adamw(self, grad, m, v, hp),
-        }
-    }
-
-    /// One SGD-with-momentum step in place (PyTorch semantics, see the kernel).
-    pub fn sgd_step_(
-        &self,
-        grad: &Tensor,
-        buf: &Tensor,
-        lr: f64,
-        momentum: f64,
-        weight_decay: f64,
-        first_step: bool,
-    ) -> Result<()> {
-        let _prof = crate::profile::scope("sgd_step");
-        self.check_flat(&[grad, buf], "sgd_step")?;
-        let done = {
-            let g = grad.read_storage("sgd_step")?;
-            let mut p = self.write_storage("sgd_step")?;
-            let mut b = buf.write_storage("sgd_step")?;
-            backend::sgd(
-                &mut p,
-                self.layout(),
-                (&g, grad.layout()),
-                &mut b,
-                buf.layout(),
-                lr,
-                momentum,
-                weight_decay,
-                first_step,
-            )?
-        };
-        match done {
-            Some(()) => Ok(()),
-            None => super::fallback::sgd(self, grad, buf, lr, momentum, weight_decay, first_step),
-        }
     }
 }

@@ -1,6 +1,7 @@
 //! Tensor operations, grouped by kind. Each checks its operands (shapes, dtypes, devices) and
 //! hands the work to [`crate::backend`].
 
+mod dropout;
 mod elementwise;
 mod fallback;
 pub(crate) mod fused;
@@ -8,14 +9,14 @@ mod indexing;
 mod inplace;
 mod math;
 mod matmul;
-mod nn;
 mod overload;
 mod reduce;
 mod shape_ops;
 
 pub use elementwise::GeluKind;
-pub use fused::{AttentionGrads, AttentionMask, AttentionOutput, LayerNormOutput, RmsNormOutput};
-pub use matmul::LinearGrads;
+pub use fused::{
+    AttentionGrads, AttentionMask, AttentionOutput, LayerNormOutput, LinearGrads, RmsNormOutput,
+};
 pub use meshgrad_kernels::ops::AdamWStep;
 
 use crate::{DType, Error, Tensor};

@@ -19,6 +19,7 @@ use super::{
 };
 use crate::backend::api::{BackendStorage, In};
 use crate::cuda_backend::{CudaStorage, DeviceContext};
+use crate::ops::fused::embedding::Embedding;
 use crate::storage::CpuStorage;
 use crate::{DType, Error, Layout, Result};
 
@@ -128,7 +129,7 @@ fn atomic_embedding_backward() -> bool {
     })
 }
 
-/// See `BackendStorage::embedding`: `embedding_fwd_<t>` for every dtype of 2, 4 or 8 bytes
+/// The CUDA path of the embedding lookup (`ops/fused/embedding`): `embedding_fwd_<t>` for every dtype of 2, 4 or 8 bytes
 /// (rows of 8-byte elements as rows of twice as many words); u8 tables through the host.
 pub(crate) fn embedding(
     w: In<'_, CudaStorage>,
@@ -138,7 +139,13 @@ pub(crate) fn embedding(
 ) -> Result<CudaStorage> {
     let Mover::Kernel { sfx, words } = mover(w.0.dtype()) else {
         let ((hw, hwl), (hi, hil)) = (download_view(w)?, download_view(ids)?);
-        let r = <CpuStorage as BackendStorage>::embedding((&hw, &hwl), (&hi, &hil), vocab, dim)?;
+        let r = crate::ops::fused::embedding::cpu::forward(&Embedding {
+            table: (&hw, &hwl),
+            ids: (&hi, &hil),
+            vocab,
+            dim,
+            out_dims: Vec::new(),
+        })?;
         return from_host(w.0.device(), r);
     };
     let ctx = w.0.ctx();
@@ -164,7 +171,7 @@ pub(crate) fn embedding(
     Ok(out)
 }
 
-/// See `BackendStorage::embedding_backward`: `embedding_bwd_det_<t>` (one warp per id range and
+/// The CUDA path of the embedding backward (`ops/fused/embedding`): `embedding_bwd_det_<t>` (one warp per id range and
 /// 32-column tile, positions in increasing order: the CPU's order, so f32 sums are bitwise the
 /// CPU's), or
 /// `embedding_bwd_atomic_<t>` when `MESHGRAD_CUDA_EMBEDDING_BWD=atomic`. f32, bf16, f16 (f32

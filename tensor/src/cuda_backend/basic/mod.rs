@@ -34,9 +34,8 @@ mod tests;
 
 pub(super) use copy::{cast, copy_contiguous, copy_into};
 pub(super) use elementwise::{add_assign_contiguous, binary, compare, unary, where_cond};
-pub(super) use indexing::{
-    embedding, embedding_backward, gather, gather_backward, index_select, index_select_backward,
-};
+pub(crate) use indexing::{embedding, embedding_backward};
+pub(super) use indexing::{gather, gather_backward, index_select, index_select_backward};
 pub(super) use memory::{arange, from_host, full, output, random, read_elements, to_host, zeros};
 pub(super) use reduce::reduce;
 

@@ -10,6 +10,8 @@
 use cudarc::cublaslt::sys::cublasLtEpilogue_t;
 use meshgrad_kernels::ops::MatrixLayout;
 
+use crate::backend::Product;
+
 use super::layout::{
     epilogue_for, extent, gemm, lhs_operand, packed_copy, rhs_operand, Gemm, Operand,
 };
@@ -134,21 +136,14 @@ fn at(buf: &[f64], l: &MatrixLayout, b: usize, i: usize, j: usize) -> f64 {
 
 /// The naive row-major `[batch, m, n]` product of the logical operands (plus a bias per
 /// column).
-fn naive(
-    a: (&[f64], &MatrixLayout),
-    b: (&[f64], &MatrixLayout),
-    bias: Option<&[f64]>,
-    batch: usize,
-    m: usize,
-    n: usize,
-    k: usize,
-) -> Vec<f64> {
+fn naive(a: &[f64], b: &[f64], p: &Product, bias: Option<&[f64]>) -> Vec<f64> {
+    let (batch, m, n, k) = (p.batch, p.m, p.n, p.k);
     let mut out = vec![0.0; batch * m * n];
     for bt in 0..batch {
         for i in 0..m {
             for j in 0..n {
                 let mut s: f64 = (0..k)
-                    .map(|l| at(a.0, a.1, bt, i, l) * at(b.0, b.1, bt, l, j))
+                    .map(|l| at(a, &p.al, bt, i, l) * at(b, &p.bl, bt, l, j))
                     .sum();
                 if let Some(bias) = bias {
                     s += bias[j];
@@ -201,18 +196,14 @@ struct Seen {
 
 /// The backend's path on the host: copy what cannot be read in place, map, run the emulator;
 /// returns the output buffer (`[batch, m, n]` row-major).
-#[allow(clippy::too_many_arguments)]
 fn backend_product(
-    a: (&[f64], MatrixLayout),
-    b: (&[f64], MatrixLayout),
+    a: &[f64],
+    b: &[f64],
+    p: &Product,
     bias: Option<&[f64]>,
-    batch: usize,
-    m: usize,
-    n: usize,
-    k: usize,
     seen: &mut Seen,
 ) -> Vec<f64> {
-    backend_product_gelu(a, b, bias, false, batch, m, n, k, seen)
+    backend_product_gelu(a, b, p, bias, false, seen)
         .expect("no GELU: every product maps")
         .0
 }
@@ -220,30 +211,27 @@ fn backend_product(
 /// [`backend_product`] with the GELU epilogue when `gelu` (as `ops.rs` maps `linear_gelu`):
 /// `(D, aux)`, the aux buffer (`[m, n]` row-major) when GELU was applied; `None` when the
 /// mapping refuses the GELU epilogue (the backend then composes the op).
-#[allow(clippy::too_many_arguments)]
 fn backend_product_gelu(
-    a: (&[f64], MatrixLayout),
-    b: (&[f64], MatrixLayout),
+    a: &[f64],
+    b: &[f64],
+    p: &Product,
     bias: Option<&[f64]>,
     gelu: bool,
-    batch: usize,
-    m: usize,
-    n: usize,
-    k: usize,
     seen: &mut Seen,
 ) -> Option<(Vec<f64>, Option<Vec<f64>>)> {
-    let (a_buf, al) = match lhs_operand(&a.1, batch, m, k) {
-        Some(_) => (a.0.to_vec(), a.1),
+    let (batch, m, n, k) = (p.batch, p.m, p.n, p.k);
+    let (a_buf, al) = match lhs_operand(&p.al, batch, m, k) {
+        Some(_) => (a.to_vec(), p.al),
         None => {
             seen.copies += 1;
-            host_pack(a.0, &a.1, batch, m, k)
+            host_pack(a, &p.al, batch, m, k)
         }
     };
-    let (b_buf, bl) = match rhs_operand(&b.1, batch, k, n) {
-        Some(_) => (b.0.to_vec(), b.1),
+    let (b_buf, bl) = match rhs_operand(&p.bl, batch, k, n) {
+        Some(_) => (b.to_vec(), p.bl),
         None => {
             seen.copies += 1;
-            host_pack(b.0, &b.1, batch, k, n)
+            host_pack(b, &p.bl, batch, k, n)
         }
     };
     let lhs = lhs_operand(&al, batch, m, k).expect("packed lhs maps");
@@ -266,6 +254,25 @@ fn backend_product_gelu(
     // cuBLASLt's A is the logical right operand, its B the logical left one.
     lt_gemm(&g, (&b_buf, bl.offset), (&a_buf, al.offset), ep, &mut d);
     Some((d, aux))
+}
+
+/// The product of `batch` matrices `[m, k]` read through `al` and `[k, n]` read through `bl`.
+fn product(
+    al: MatrixLayout,
+    bl: MatrixLayout,
+    batch: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Product {
+    Product {
+        al,
+        bl,
+        batch,
+        m,
+        n,
+        k,
+    }
 }
 
 /// A small deterministic generator (xorshift64*).
@@ -339,22 +346,28 @@ fn random_operand(
     (rng.values(len), l)
 }
 
-#[test]
-fn the_mapping_computes_the_row_major_product_for_random_layouts() {
-    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+/// Runs `cases` random products (batch up to `max_batch`, sizes up to `max_dim`) through the
+/// backend's mapping against the naive product; returns the paths taken.
+fn random_products(seed: u64, cases: usize, max_batch: usize, max_dim: usize) -> Seen {
+    let mut rng = Rng(seed);
     let mut seen = Seen::default();
-    for case in 0..4000 {
-        let batch = 1 + rng.below(4);
-        let (m, n, k) = (1 + rng.below(6), 1 + rng.below(6), 1 + rng.below(6));
+    for case in 0..cases {
+        let batch = 1 + rng.below(max_batch);
+        let dims = [0; 3].map(|_| 1 + rng.below(max_dim));
+        let (m, n, k) = (dims[0], dims[1], dims[2]);
         let (a, al) = random_operand(&mut rng, batch, m, k);
         let (b, bl) = random_operand(&mut rng, batch, k, n);
-        let want = naive((&a, &al), (&b, &bl), None, batch, m, n, k);
-        let got = backend_product((&a, al), (&b, bl), None, batch, m, n, k, &mut seen);
-        assert_eq!(
-            got, want,
-            "case {case}: batch {batch}, [{m}, {k}] x [{k}, {n}], lhs {al:?}, rhs {bl:?}"
-        );
+        let p = product(al, bl, batch, m, n, k);
+        let want = naive(&a, &b, &p, None);
+        let got = backend_product(&a, &b, &p, None, &mut seen);
+        assert_eq!(got, want, "case {case}: {p:?}");
     }
+    seen
+}
+
+#[test]
+fn the_mapping_computes_the_row_major_product_for_random_layouts() {
+    let seen = random_products(0x9E37_79B9_7F4A_7C15, 4000, 4, 6);
     // Every path was taken.
     assert!(seen.copies > 500, "{seen:?}");
     assert!(seen.broadcast_in_place > 200, "{seen:?}");
@@ -370,20 +383,7 @@ fn the_mapping_computes_the_row_major_product_for_random_layouts() {
 
 #[test]
 fn larger_products_with_padded_and_offset_layouts() {
-    let mut rng = Rng(12345);
-    let mut seen = Seen::default();
-    for _ in 0..60 {
-        let batch = 1 + rng.below(3);
-        let (m, n, k) = (1 + rng.below(40), 1 + rng.below(40), 1 + rng.below(40));
-        let (a, al) = random_operand(&mut rng, batch, m, k);
-        let (b, bl) = random_operand(&mut rng, batch, k, n);
-        let want = naive((&a, &al), (&b, &bl), None, batch, m, n, k);
-        let got = backend_product((&a, al), (&b, bl), None, batch, m, n, k, &mut seen);
-        assert_eq!(
-            got, want,
-            "batch {batch}, [{m}, {k}] x [{k}, {n}], {al:?}, {bl:?}"
-        );
-    }
+    random_products(12345, 60, 3, 40);
 }
 
 #[test]
@@ -394,8 +394,9 @@ fn the_bias_epilogue_adds_the_bias_to_every_output_row() {
         let (m, n, k) = (1 + rng.below(7), 1 + rng.below(7), 1 + rng.below(7));
         let ((x, xl), (w, wl)) = random_linear(&mut rng, m, n, k);
         let bias = rng.values(n);
-        let want = naive((&x, &xl), (&w, &wl), Some(&bias), 1, m, n, k);
-        let got = backend_product((&x, xl), (&w, wl), Some(&bias), 1, m, n, k, &mut seen);
+        let p = product(xl, wl, 1, m, n, k);
+        let want = naive(&x, &w, &p, Some(&bias));
+        let got = backend_product(&x, &w, &p, Some(&bias), &mut seen);
         assert_eq!(
             got, want,
             "case {case}: [{m}, {k}] x [{k}, {n}], {xl:?}, {wl:?}"
@@ -446,18 +447,9 @@ fn the_gelu_epilogue_writes_the_activation_and_the_pre_activation() {
         };
         let ((x, xl), (w, wl)) = random_linear(&mut rng, m, n, k);
         let bias = (rng.below(2) == 0).then(|| rng.values(n));
-        let pre = naive((&x, &xl), (&w, &wl), bias.as_deref(), 1, m, n, k);
-        let got = backend_product_gelu(
-            (&x, xl),
-            (&w, wl),
-            bias.as_deref(),
-            true,
-            1,
-            m,
-            n,
-            k,
-            &mut seen,
-        );
+        let p = product(xl, wl, 1, m, n, k);
+        let pre = naive(&x, &w, &p, bias.as_deref());
+        let got = backend_product_gelu(&x, &w, &p, bias.as_deref(), true, &mut seen);
         let what = format!("case {case}: [{m}, {k}] x [{k}, {n}], {xl:?}, {wl:?}");
         let Some((d, aux)) = got else {
             assert!(n % 8 != 0, "{what}: refused");
@@ -553,8 +545,9 @@ fn the_shapes_of_a_transformer_step_map_in_place() {
         let a = rng.values(extent(&al, batch, m, k).unwrap());
         let bb = rng.values(extent(&bl, batch, k, n).unwrap());
         let mut seen = Seen::default();
-        let got = backend_product((&a, al), (&bb, bl), None, batch, m, n, k, &mut seen);
+        let p = product(al, bl, batch, m, n, k);
+        let got = backend_product(&a, &bb, &p, None, &mut seen);
         assert_eq!(seen.copies, 0);
-        assert_eq!(got, naive((&a, &al), (&bb, &bl), None, batch, m, n, k));
+        assert_eq!(got, naive(&a, &bb, &p, None));
     }
 }

@@ -6,6 +6,7 @@ use meshgrad_kernels::ops::MatrixLayout;
 
 use super::ops::{linear, linear_gelu, matmul};
 use super::state::with_blaslt;
+use crate::backend::Product;
 use crate::cuda_backend::{basic, cuda_device_count, CudaStorage};
 use crate::storage::CpuStorage;
 use crate::{Device, Layout, Result};
@@ -84,6 +85,18 @@ fn assert_close(got: &[f32], want: &[f32], what: &str) {
     }
 }
 
+/// One (unbatched) product of `[m, k]` read through `al` and `[k, n]` read through `bl`.
+fn one(al: MatrixLayout, bl: MatrixLayout, m: usize, n: usize, k: usize) -> Product {
+    Product {
+        al,
+        bl,
+        batch: 1,
+        m,
+        n,
+        k,
+    }
+}
+
 #[test]
 fn products_match_the_host_and_plans_are_cached() -> Result<()> {
     let Some(device) = device() else {
@@ -97,11 +110,11 @@ fn products_match_the_host_and_plans_are_cached() -> Result<()> {
     let want = host_product(&a, &al, &b, &bl, m, n, k);
 
     let before = plans(device)?;
-    let c = matmul(&ga, al, &gb, bl, 1, m, n, k)?;
+    let c = matmul(&ga, &gb, &one(al, bl, m, n, k))?;
     assert_close(&download(&c)?, &want, "first call");
     let after_first = plans(device)?;
     assert_eq!(after_first, before + 1, "one plan for a new shape");
-    let c = matmul(&ga, al, &gb, bl, 1, m, n, k)?;
+    let c = matmul(&ga, &gb, &one(al, bl, m, n, k))?;
     assert_close(&download(&c)?, &want, "second call");
     assert_eq!(
         plans(device)?,
@@ -112,7 +125,7 @@ fn products_match_the_host_and_plans_are_cached() -> Result<()> {
     // One element further: a 4-byte aligned pointer is another key.
     let al1 = row_major(1, m, k);
     let want1 = host_product(&a, &al1, &b, &bl, m, n, k);
-    let c = matmul(&ga, al1, &gb, bl, 1, m, n, k)?;
+    let c = matmul(&ga, &gb, &one(al1, bl, m, n, k))?;
     assert_close(&download(&c)?, &want1, "offset lhs");
     assert_eq!(
         plans(device)?,
@@ -133,13 +146,9 @@ fn products_match_the_host_and_plans_are_cached() -> Result<()> {
     let gbias = upload(device, bias.clone())?;
     let y = linear(
         &ga,
-        al,
         &gw,
-        wl,
         Some((&gbias, &Layout::contiguous(n))),
-        m,
-        n,
-        k,
+        &one(al, wl, m, n, k),
     )?
     .expect("the bias epilogue exists for f32");
     let mut want = host_product(&a, &al, &w, &wl, m, n, k);
@@ -178,12 +187,13 @@ fn the_gelu_epilogue_writes_activation_and_pre_activation() -> Result<()> {
         col_stride: k,
     };
     let product = host_product(&x, &xl, &w, &wl, m, n, k);
+    let p = one(xl, wl, m, n, k);
     let bias_in = (&gbias, &Layout::contiguous(n));
     for with_bias in [true, false] {
         let b = with_bias.then_some(bias_in);
         let before = plans(device)?;
-        let (y, pre) = linear_gelu(&gx, xl, &gw, wl, b, m, n, k, true)?
-            .expect("the GELU epilogue exists for f32");
+        let (y, pre) =
+            linear_gelu(&gx, &gw, b, &p, true)?.expect("the GELU epilogue exists for f32");
         assert_eq!(plans(device)?, before + 1, "a new epilogue, a new plan");
         let want_pre: Vec<f32> = product
             .iter()
@@ -193,7 +203,7 @@ fn the_gelu_epilogue_writes_activation_and_pre_activation() -> Result<()> {
         let want: Vec<f32> = want_pre.iter().map(|&v| gelu_tanh(v)).collect();
         assert_close(&download(&pre)?, &want_pre, "pre-activation");
         assert_close(&download(&y)?, &want, "activation");
-        let _ = linear_gelu(&gx, xl, &gw, wl, b, m, n, k, true)?;
+        let _ = linear_gelu(&gx, &gw, b, &p, true)?;
         assert_eq!(
             plans(device)?,
             before + 1,
@@ -201,7 +211,7 @@ fn the_gelu_epilogue_writes_activation_and_pre_activation() -> Result<()> {
         );
     }
     // The erf form, and a width that is not a multiple of 8: composed by the tensor layer.
-    assert!(linear_gelu(&gx, xl, &gw, wl, Some(bias_in), m, n, k, false)?.is_none());
-    assert!(linear_gelu(&gx, xl, &gw, wl, None, m, n - 1, k, true)?.is_none());
+    assert!(linear_gelu(&gx, &gw, Some(bias_in), &p, false)?.is_none());
+    assert!(linear_gelu(&gx, &gw, None, &one(xl, wl, m, n - 1, k), true)?.is_none());
     Ok(())
 }

@@ -7,7 +7,7 @@
 //!   the heuristic's algorithm) and running it;
 //! - `state.rs`: the per-device state (handle, 32 MiB workspace, plans by key), kept in the
 //!   device's [`super::DeviceContext`];
-//! - `ops.rs`: the three backend ops (checks, copies of operands cuBLASLt cannot read in place,
+//! - `ops.rs`: matmul and the linear layer's products (checks, copies of operands cuBLASLt cannot read in place,
 //!   the bias epilogue of `linear`, the GELU epilogue of `linear_gelu`);
 //! - `emulate.rs` (tests only): a host emulator of cuBLASLt's strided-batched GEMM and its
 //!   epilogues checking the mapping against a naive product;
@@ -28,5 +28,6 @@ mod emulate;
 #[cfg(test)]
 mod gpu_tests;
 
-pub(super) use ops::{linear, linear_gelu, matmul};
+pub(super) use ops::matmul;
+pub(crate) use ops::{linear, linear_gelu};
 pub(crate) use state::BlasLt;

@@ -13,7 +13,7 @@ use super::layout::{
     output_operand, packed_copy, rhs_operand, PlanKey, BIAS_ALIGNMENT,
 };
 use super::state::{with_blaslt, Call};
-use crate::backend::api::{Fused, In};
+use crate::backend::api::{In, Product};
 use crate::cuda_backend::{basic, CudaStorage, DeviceContext};
 use crate::{DType, Error, Layout, Result, Shape};
 
@@ -21,21 +21,44 @@ use crate::{DType, Error, Layout, Result, Shape};
 struct What {
     op: &'static str,
     dtype: DType,
-    batch: usize,
-    m: usize,
-    n: usize,
-    k: usize,
-    al: MatrixLayout,
-    bl: MatrixLayout,
+    p: Product,
 }
 
 impl fmt::Display for What {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Product {
+            al,
+            bl,
+            batch,
+            m,
+            n,
+            k,
+        } = self.p;
         write!(
             f,
-            "{} ({:?}, batch {} of [{}, {}] x [{}, {}]; lhs {:?}, rhs {:?})",
-            self.op, self.dtype, self.batch, self.m, self.k, self.k, self.n, self.al, self.bl
+            "{} ({:?}, batch {batch} of [{m}, {k}] x [{k}, {n}]; lhs {al:?}, rhs {bl:?})",
+            self.op, self.dtype
         )
+    }
+}
+
+impl What {
+    /// The description of `op` on `a` and `b` (their shared dtype checked, see
+    /// [`operand_dtype`]) for the product `p`, and the output's element count.
+    fn new(
+        op: &'static str,
+        a: &CudaStorage,
+        b: &CudaStorage,
+        p: &Product,
+    ) -> Result<(Self, usize)> {
+        let dtype = operand_dtype(op, a, b)?;
+        let what = What { op, dtype, p: *p };
+        let len = p
+            .batch
+            .checked_mul(p.m)
+            .and_then(|x| x.checked_mul(p.n))
+            .ok_or_else(|| Error::Msg(format!("{what}: the output size overflows")))?;
+        Ok((what, len))
     }
 }
 
@@ -157,16 +180,23 @@ fn product(
     extras: Extras,
     force_copy: bool,
 ) -> Result<Outcome> {
-    let (batch, m, n, k) = (what.batch, what.m, what.n, what.k);
+    let Product {
+        al,
+        bl,
+        batch,
+        m,
+        n,
+        k,
+    } = what.p;
     let internal = |side: &str| {
         Error::Msg(format!(
             "{what}: the packed {side} operand has no cuBLASLt layout (a bug in the mapping)"
         ))
     };
-    let lhs_ok = lhs_operand(&what.al, batch, m, k).is_some();
-    let rhs_ok = rhs_operand(&what.bl, batch, k, n).is_some();
-    let pa = prepare(a, what.al, batch, m, k, lhs_ok, force_copy)?;
-    let pb = prepare(b, what.bl, batch, k, n, rhs_ok, force_copy)?;
+    let lhs_ok = lhs_operand(&al, batch, m, k).is_some();
+    let rhs_ok = rhs_operand(&bl, batch, k, n).is_some();
+    let pa = prepare(a, al, batch, m, k, lhs_ok, force_copy)?;
+    let pb = prepare(b, bl, batch, k, n, rhs_ok, force_copy)?;
     let lhs = lhs_operand(&pa.layout, batch, m, k).ok_or_else(|| internal("left"))?;
     let rhs = rhs_operand(&pb.layout, batch, k, n).ok_or_else(|| internal("right"))?;
     let g = gemm(lhs, rhs, batch, m, n, k).map_err(|e| Error::Msg(format!("{what}: {e}")))?;
@@ -236,33 +266,15 @@ fn product_or_packed(
 }
 
 /// See `BackendStorage::matmul`.
-#[allow(clippy::too_many_arguments)]
 pub(in crate::cuda_backend) fn matmul(
     a: &CudaStorage,
-    al: MatrixLayout,
     b: &CudaStorage,
-    bl: MatrixLayout,
-    batch: usize,
-    m: usize,
-    n: usize,
-    k: usize,
+    p: &Product,
 ) -> Result<CudaStorage> {
-    let dtype = operand_dtype("matmul", a, b)?;
-    let what = What {
-        op: "matmul",
-        dtype,
-        batch,
-        m,
-        n,
-        k,
-        al,
-        bl,
-    };
+    let (al, bl, batch, m, n, k) = (p.al, p.bl, p.batch, p.m, p.n, p.k);
+    let (what, len) = What::new("matmul", a, b, p)?;
+    let dtype = what.dtype;
     let ctx = a.ctx().clone();
-    let len = batch
-        .checked_mul(m)
-        .and_then(|x| x.checked_mul(n))
-        .ok_or_else(|| Error::Msg(format!("{what}: the output size overflows")))?;
     if len == 0 {
         return CudaStorage::uninit(&ctx, dtype, 0);
     }
@@ -321,45 +333,30 @@ fn bias_pointer(
     Ok(Some((copy.device_ptr(), Some(copy))))
 }
 
-/// See `BackendStorage::linear`: `x · wᵀ + bias` where `wl` already reads `wᵀ` (`k×n`) through
-/// the weight's strides. With a bias: one cuBLASLt call with the bias epilogue; `Ok(None)` when
-/// cuBLASLt has no algorithm with that epilogue (or `k == 0`), and the tensor layer composes it.
-#[allow(clippy::too_many_arguments)]
-pub(in crate::cuda_backend) fn linear(
+/// The fused linear layer (`ops/fused/linear`): `x · wᵀ + bias` where `p.bl` already reads
+/// `wᵀ` (`k×n`) through the weight's strides (`p.batch` is 1). With a bias: one cuBLASLt call
+/// with the bias epilogue; `Ok(None)` when cuBLASLt has no algorithm with that epilogue (or
+/// `k == 0`), and the tensor layer composes it.
+pub(crate) fn linear(
     x: &CudaStorage,
-    xl: MatrixLayout,
     w: &CudaStorage,
-    wl: MatrixLayout,
     bias: Option<In<'_, CudaStorage>>,
-    m: usize,
-    n: usize,
-    k: usize,
-) -> Fused<CudaStorage> {
+    p: &Product,
+) -> Result<Option<CudaStorage>> {
     let Some((bs, bl)) = bias else {
-        return matmul(x, xl, w, wl, 1, m, n, k).map(Some);
+        return matmul(x, w, p).map(Some);
     };
-    let dtype = operand_dtype("linear", x, w)?;
-    let what = What {
-        op: "linear",
-        dtype,
-        batch: 1,
-        m,
-        n,
-        k,
-        al: xl,
-        bl: wl,
-    };
+    let (al, wl, m, n, k) = (p.al, p.bl, p.m, p.n, p.k);
+    let (what, len) = What::new("linear", x, w, p)?;
+    let dtype = what.dtype;
     let ctx = x.ctx().clone();
-    let len = m
-        .checked_mul(n)
-        .ok_or_else(|| Error::Msg(format!("{what}: the output size overflows")))?;
     if len == 0 {
         return CudaStorage::uninit(&ctx, dtype, 0).map(Some);
     }
     if k == 0 {
         return Ok(None);
     }
-    check_fits(&what, "input", x, &xl, 1, m, k)?;
+    check_fits(&what, "input", x, &al, 1, m, k)?;
     check_fits(&what, "weight", w, &wl, 1, k, n)?;
     let Some((bias_ptr, _bias_copy)) = bias_pointer(&ctx, &what, bs, bl, n)? else {
         return Ok(None);
@@ -376,42 +373,26 @@ pub(in crate::cuda_backend) fn linear(
     }
 }
 
-/// See `BackendStorage::linear_gelu`: `(gelu(x · wᵀ + bias), x · wᵀ + bias)` in one cuBLASLt
-/// call with the `GELU_AUX(_BIAS)` epilogue, which writes the activation to D and the
-/// pre-activation to the aux buffer. `Ok(None)` (the tensor layer composes `linear` and `gelu`)
-/// for the erf form (cuBLASLt's GELU is the tanh approximation), for f64 (not attempted), when
-/// the output width is not a multiple of 8 (cuBLASLt's rule for the aux leading dimension),
-/// for a bias that is not a contiguous `[n]`, for `k == 0` or an empty output, and when
-/// cuBLASLt has no algorithm with the epilogue.
-#[allow(clippy::too_many_arguments)]
-pub(in crate::cuda_backend) fn linear_gelu(
+/// The fused linear layer with the GELU epilogue (`ops/fused/linear`):
+/// `(gelu(x · wᵀ + bias), x · wᵀ + bias)` in one cuBLASLt call with the `GELU_AUX(_BIAS)`
+/// epilogue, which writes the activation to D and the pre-activation to the aux buffer.
+/// `Ok(None)` (the tensor layer composes `linear` and `gelu`) for the erf form (cuBLASLt's GELU
+/// is the tanh approximation), for f64 (not attempted), when the output width is not a multiple
+/// of 8 (cuBLASLt's rule for the aux leading dimension), for a bias that is not a contiguous
+/// `[n]`, for `k == 0` or an empty output, and when cuBLASLt has no algorithm with the epilogue.
+pub(crate) fn linear_gelu(
     x: &CudaStorage,
-    xl: MatrixLayout,
     w: &CudaStorage,
-    wl: MatrixLayout,
     bias: Option<In<'_, CudaStorage>>,
-    m: usize,
-    n: usize,
-    k: usize,
+    p: &Product,
     tanh_form: bool,
-) -> Fused<(CudaStorage, CudaStorage)> {
-    let dtype = operand_dtype("linear_gelu", x, w)?;
+) -> Result<Option<(CudaStorage, CudaStorage)>> {
+    let (what, len) = What::new("linear_gelu", x, w, p)?;
+    let dtype = what.dtype;
     if !tanh_form || dtype == DType::F64 {
         return Ok(None);
     }
-    let what = What {
-        op: "linear_gelu",
-        dtype,
-        batch: 1,
-        m,
-        n,
-        k,
-        al: xl,
-        bl: wl,
-    };
-    let len = m
-        .checked_mul(n)
-        .ok_or_else(|| Error::Msg(format!("{what}: the output size overflows")))?;
+    let (al, wl, m, n, k) = (p.al, p.bl, p.m, p.n, p.k);
     if len == 0
         || k == 0
         || epilogue_for(&output_operand(1, m, n), 1, bias.is_some(), true).is_none()
@@ -419,7 +400,7 @@ pub(in crate::cuda_backend) fn linear_gelu(
         return Ok(None);
     }
     let ctx = x.ctx().clone();
-    check_fits(&what, "input", x, &xl, 1, m, k)?;
+    check_fits(&what, "input", x, &al, 1, m, k)?;
     check_fits(&what, "weight", w, &wl, 1, k, n)?;
     // The bias (copied when misaligned; the copy lives until the call is enqueued).
     let (bias_ptr, _bias_copy) = match bias {

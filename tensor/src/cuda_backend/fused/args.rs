@@ -89,6 +89,33 @@ pub(crate) struct Launch {
     pub args: Vec<Arg>,
 }
 
+/// Kernel arguments written short: `args![ptr x, i64 n, i32 flag, f32 eps, f64 theta, size len]`
+/// is `[Arg::Ptr(x), Arg::I64(n), Arg::I32(flag), Arg::F32(eps), Arg::F64(theta), i64_of(len)]`.
+macro_rules! args {
+    (@size $v:expr) => {
+        $crate::cuda_backend::fused::args::i64_of($v)
+    };
+    (@ptr $v:expr) => {
+        $crate::cuda_backend::fused::args::Arg::Ptr($v)
+    };
+    (@i64 $v:expr) => {
+        $crate::cuda_backend::fused::args::Arg::I64($v)
+    };
+    (@i32 $v:expr) => {
+        $crate::cuda_backend::fused::args::Arg::I32($v)
+    };
+    (@f32 $v:expr) => {
+        $crate::cuda_backend::fused::args::Arg::F32($v)
+    };
+    (@f64 $v:expr) => {
+        $crate::cuda_backend::fused::args::Arg::F64($v)
+    };
+    ($($kind:ident $v:expr),* $(,)?) => {
+        [$($crate::cuda_backend::fused::args::args!(@$kind $v)),*]
+    };
+}
+pub(crate) use args;
+
 impl Launch {
     /// The parameters' kinds, in order.
     #[cfg(test)]
@@ -204,6 +231,15 @@ pub(crate) fn flat_grid(n: usize) -> (u32, u32, u32) {
 
 /// A 1-D block of [`THREADS`] threads.
 pub(crate) const BLOCK_1D: (u32, u32, u32) = (THREADS, 1, 1);
+
+/// Asserts that `l` launches `entry` with parameters of `kinds` (as the kernel declares them),
+/// and [`assert_known`] (a test helper).
+#[cfg(test)]
+pub(crate) fn assert_launch(l: &Launch, entry: &str, kinds: &[Kind]) {
+    assert_eq!(l.entry, entry);
+    assert_eq!(l.kinds(), kinds, "the parameters of {entry}");
+    assert_known(l);
+}
 
 /// Asserts that `l` names an entry point its source file defines, with a block and grid the
 /// kernels accept (a test helper).

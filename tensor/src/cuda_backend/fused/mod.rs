@@ -1,8 +1,7 @@
-//! What the CUDA paths of the fused ops (`ops/fused/<op>/cuda.rs`) share, and the fused ops not
-//! yet moved there: `optimizer.rs` (AdamW, SGD), `activations.rs` (the launch of
-//! activations.cu), `norms.rs` (the helpers of every norm of norms.cu). `args.rs` describes
+//! What the CUDA paths of the fused ops (`ops/fused/<op>/cuda.rs`) share: `activations.rs` (the
+//! launch of activations.cu), `norm_partials.rs` (the norms' weight-gradient partial sums and the helpers every norm of norms.cu shares). `args.rs` describes
 //! launches as plain data (tested against the kernels' signatures without a GPU), `operand.rs`
-//! prepares operands (contiguous copies, dtype conversions); `launch_table.rs` (tests) lists one
+//! prepares operands (contiguous copies, dtype conversions); `every_launch.rs` (tests) lists one
 //! launch of every entry point.
 //!
 //! `Ok(None)` means "not provided" (the tensor op falls back to a composition of basic ops): f64
@@ -11,9 +10,6 @@
 pub(crate) mod activations;
 pub(crate) mod args;
 #[cfg(test)]
-pub(super) mod launch_table;
-pub(crate) mod norms;
+pub(super) mod every_launch;
+pub(crate) mod norm_partials;
 pub(crate) mod operand;
-mod optimizer;
-
-pub(super) use optimizer::{adamw, sgd};

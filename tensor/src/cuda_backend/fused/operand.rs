@@ -106,3 +106,12 @@ pub(crate) fn output(
 ) -> Result<CudaStorage> {
     CudaStorage::uninit(ctx, dtype, len)
 }
+
+/// The first element of an f32 buffer's contiguous view (`None`: not what the in-place kernels
+/// of the optimizer steps take).
+pub(crate) fn f32_start(s: &CudaStorage, l: &Layout) -> Option<usize> {
+    (s.dtype() == DType::F32)
+        .then(|| l.contiguous_range())
+        .flatten()
+        .map(|r| r.start)
+}

@@ -1,26 +1,30 @@
-//! Fallbacks of fused ops composed from basic ops, for backends that do not (yet) provide the
-//! fused kernel (their [`BackendStorage`](crate::backend::BackendStorage) method answers
-//! `Ok(None)`). Each computes in [`compute_dtype`] of its input and returns what the fused op
-//! returns (dtypes and shapes included); results agree with the fused kernels up to rounding
-//! (the order of operations differs), which the tests of each file check against the CPU's
-//! kernels (forced by declining fused kernels on the test's thread).
-//!
-//! Every function takes contiguous tensors shaped as the calling op passes them. One file per
-//! op or family: `basic` (linear), `optim` (AdamW, SGD). The ops
-//! moved to `ops/fused/` keep their fallback in their own folder (`fallback.rs`); this module
-//! also holds the helpers those share ([`widen`], [`shifted`], [`replace`], [`column`],
-//! [`row_sum`]).
+//! What the composed fallbacks of the fused ops share. Every fused op of `ops/fused/` keeps its
+//! fallback (the op composed of basic ops, for a backend whose fused path answers `Ok(None)`)
+//! in its own folder (`fallback.rs`); each computes in [`compute_dtype`] of its input and
+//! returns what the fused op returns (dtypes and shapes included), and the tests beside it check
+//! it against the CPU's kernels (forced by declining fused kernels on the test's thread, with
+//! [`testutil`]). The helpers here: [`widen`], [`shifted`], [`replace`], [`column`],
+//! [`row_sum`], [`optimizer_dtype`] and [`scalar_like`].
 
-mod basic;
-mod optim;
 #[cfg(test)]
 pub(crate) mod testutil;
 
-pub(crate) use basic::linear;
-pub(crate) use optim::{adamw, sgd};
-
 use super::compute_dtype;
-use crate::{DType, Result, Tensor};
+use crate::{DType, Error, Result, Tensor};
+
+/// Refuses parameter dtypes the optimizer kernels do not take (half types: the state would
+/// lose the small updates).
+pub(crate) fn optimizer_dtype(op: &'static str, p: &Tensor) -> Result<()> {
+    match p.dtype() {
+        DType::F32 | DType::F64 => Ok(()),
+        dtype => Err(Error::UnsupportedDType { op, dtype }),
+    }
+}
+
+/// A scalar of `p`'s dtype on its device.
+pub(crate) fn scalar_like(v: f64, p: &Tensor) -> Result<Tensor> {
+    Tensor::scalar(v, p.dtype(), p.device())
+}
 
 /// `t` converted to its compute precision.
 pub(crate) fn widen(t: &Tensor) -> Result<Tensor> {

@@ -2,12 +2,15 @@
 //!
 //! A fused op (one that a backend may compute in one kernel rather than as a chain of basic ops)
 //! is an **argument struct** generic over its operand type, `Args<T>`: its operands as `T` and
-//! its shapes and scalars as plain fields. The tensor op builds it over `&Tensor`; the one
-//! generic runner, [`run`], reads the operands' storages, checks they share a device and hands
-//! the same struct over that backend's operands (`Args<In<'_, S>>`) to the op's path for that
-//! device. [`FusedOp`] lists the paths:
+//! its shapes and scalars as plain fields (an op that updates operands in place, as the
+//! optimizer steps do, takes them as a second type parameter, `Args<T, W>`). The tensor op
+//! builds it over `&Tensor`; the one generic runner, [`run`], locks the operands' storages,
+//! checks they share a device and hands the same struct over that backend's operands
+//! (`Args<In<'_, S>, InMut<'_, S>>`) to the op's path for that device. [`FusedOp`] lists the
+//! paths:
 //!
-//! - `cpu`: the CPU path (resolves dtypes, calls `meshgrad_kernels::cpu`), required;
+//! - `cpu`: the CPU path (resolves dtypes, calls `meshgrad_kernels::cpu`), required (it may
+//!   answer `Ok(None)`, "not provided", as the linear layer's GELU epilogue does);
 //! - `cuda` (with `--features cuda`): the CUDA path (launches the op's kernels of
 //!   `kernels/cuda/*.cu`); its default, and its answer `Ok(None)` for what it does not cover,
 //!   means "not provided";
@@ -18,59 +21,83 @@
 //! the op except its callers. Adding a fused op `foo` takes:
 //! 1. `ops/fused/foo/mod.rs`: the argument struct `Foo<T>` (`#[derive(FusedArgs)]`: its operands
 //!    are the fields of type `T` and `Option<T>`), its [`FusedOp`] impl (name, result types,
-//!    `finish`, and `fused_paths!(forward)` naming the three paths) and the public `Tensor::foo`
-//!    (checks shapes and dtypes, makes operands contiguous, calls [`run`]);
+//!    `finish`, and `fused_paths!(forward)` naming the three paths; `fused_op!` writes it for an
+//!    op returning one tensor) and the public `Tensor::foo` (checks shapes and dtypes, makes
+//!    operands contiguous, calls [`run`]);
 //! 2. `ops/fused/foo/cpu.rs` over the CPU kernel `kernels/src/cpu/foo.rs`;
 //! 3. `ops/fused/foo/cuda.rs` over the kernel `kernels/cuda/foo.cu` (optional);
 //! 4. `ops/fused/foo/fallback.rs`: the composition and the test that it agrees with the fused
 //!    paths;
 //! 5. the autograd rule in `autograd/` and the op's tests in `tensor/tests/foo.rs`.
 //!
-//! Ops here: `attention` (scaled dot-product attention, on q, k, v or a fused qkv),
-//! `cross_entropy` (cross-entropy), `gelu` (GELU's backward), `layer_norm` (layer norm),
-//! `logsumexp` (log-sum-exp), `rms_norm` (RMSNorm), `rotary` (rotary embedding), `softmax`
-//! (softmax and log-softmax), `swiglu` (SwiGLU), each forward and (but for log-sum-exp) backward,
-//! and `unary_backward` (the SiLU and clamp backward).
+//! Ops here: `adamw` (an AdamW step, in place), `attention` (scaled dot-product attention, on
+//! q, k, v or a fused qkv), `cross_entropy` (cross-entropy), `embedding` (embedding lookup),
+//! `gelu` (GELU's backward), `layer_norm` (layer norm), `linear` (the linear layer and its GELU
+//! epilogue), `logsumexp` (log-sum-exp), `rms_norm` (RMSNorm), `rotary` (rotary embedding),
+//! `sgd` (an SGD-with-momentum step, in place), `softmax` (softmax and log-softmax), `swiglu`
+//! (SwiGLU), each forward and (where it has one) backward, and `unary_backward` (the SiLU and
+//! clamp backward).
 
+pub(crate) mod adamw;
 pub(crate) mod attention;
 pub(crate) mod cross_entropy;
+pub(crate) mod embedding;
 pub(crate) mod gelu;
 pub(crate) mod layer_norm;
+pub(crate) mod linear;
 pub(crate) mod logsumexp;
 pub(crate) mod rms_norm;
 pub(crate) mod rotary;
+pub(crate) mod sgd;
 pub(crate) mod softmax;
 pub(crate) mod swiglu;
 pub(crate) mod unary_backward;
 
 pub use attention::{AttentionGrads, AttentionMask, AttentionOutput};
 pub use layer_norm::LayerNormOutput;
+pub use linear::LinearGrads;
 pub use rms_norm::RmsNormOutput;
 
 use crate::backend::{self, api::In, Variant};
 #[cfg(feature = "cuda")]
 use crate::cuda_backend::CudaStorage;
 use crate::storage::{CpuStorage, Storage};
-use crate::{Device, Result, Tensor};
+use crate::{Device, Layout, Result, Tensor};
 
 /// A CPU operand: a CPU storage with the layout of the view being read.
 pub(crate) type CpuIn<'a> = In<'a, CpuStorage>;
+
+/// A CPU operand written in place: a CPU storage with the layout of the view written.
+pub(crate) type CpuMut<'a> = InMut<'a, CpuStorage>;
 
 /// A CUDA operand: a CUDA storage with the layout of the view being read.
 #[cfg(feature = "cuda")]
 pub(crate) type CudaIn<'a> = In<'a, CudaStorage>;
 
-/// An argument struct over `&Tensor` operands, seen over operands of another type. Derived
-/// (`#[derive(FusedArgs)]` of `meshgrad-derive`) for a struct `Foo<T>`: fields of type `T` are
-/// operands, `Option<T>` optional operands, the other fields are copied.
-pub(crate) trait FusedArgs {
-    /// The argument struct over operands of type `T` (`Self` is `Args<&Tensor>`).
-    type Args<T>;
+/// A CUDA operand written in place: a CUDA storage with the layout of the view written.
+#[cfg(feature = "cuda")]
+pub(crate) type CudaMut<'a> = InMut<'a, CudaStorage>;
 
-    /// The same arguments with each operand `t` replaced by `f(t)`, the operands visited in one
-    /// fixed order (the runner relies on it: it calls `map` to list the operands and again to
-    /// hand them out).
-    fn map<'s, T>(&'s self, f: impl FnMut(&'s Tensor) -> T) -> Self::Args<T>;
+/// An operand written in place: a backend storage with the layout of the view written.
+pub(crate) type InMut<'a, S> = (&'a mut S, &'a Layout);
+
+/// An argument struct over `&Tensor` operands, seen over operands of other types. Derived
+/// (`#[derive(FusedArgs)]` of `meshgrad-derive`) for a struct `Foo<T>` or `Foo<T, W>`: fields
+/// of type `T` are operands read, `Option<T>` optional operands read, fields of type `W`
+/// operands written in place; the other fields are copied.
+pub(crate) trait FusedArgs {
+    /// The argument struct with operands read of type `T` and operands written of type `W`
+    /// (`Self` is `Args<&Tensor, &Tensor>`).
+    type Args<T, W>;
+
+    /// The same arguments with each operand read `t` replaced by `read(t)` and each operand
+    /// written `t` by `write(t)`, the operands visited in one fixed order (the runner relies on
+    /// it: it calls `map` to list the operands and again to hand them out).
+    fn map<'s, T, W>(
+        &'s self,
+        read: impl FnMut(&'s Tensor) -> T,
+        write: impl FnMut(&'s Tensor) -> W,
+    ) -> Self::Args<T, W>;
 }
 
 /// A fused op, implemented by its argument struct over `&Tensor` operands. See the module
@@ -86,12 +113,14 @@ pub(crate) trait FusedOp: FusedArgs {
     /// The op's results as tensors, from the storages a backend path returned.
     fn finish<S: Variant>(&self, out: Self::Out<S>) -> Self::Output;
 
-    /// The CPU path.
-    fn cpu(args: &Self::Args<CpuIn<'_>>) -> Result<Self::Out<CpuStorage>>;
+    /// The CPU path; `Ok(None)`: not provided (for these operands), take the fallback.
+    fn cpu(args: &mut Self::Args<CpuIn<'_>, CpuMut<'_>>) -> Result<Option<Self::Out<CpuStorage>>>;
 
     /// The CUDA path; `Ok(None)`: not provided (for these operands), take the fallback.
     #[cfg(feature = "cuda")]
-    fn cuda(_args: &Self::Args<CudaIn<'_>>) -> Result<Option<Self::Out<CudaStorage>>> {
+    fn cuda(
+        _args: &mut Self::Args<CudaIn<'_>, CudaMut<'_>>,
+    ) -> Result<Option<Self::Out<CudaStorage>>> {
         Ok(None)
     }
 
@@ -112,14 +141,14 @@ fn rows_cols(t: &Tensor) -> (usize, usize) {
 macro_rules! fused_paths {
     ($path:ident) => {
         fn cpu(
-            args: &Self::Args<$crate::ops::fused::CpuIn<'_>>,
-        ) -> $crate::Result<Self::Out<$crate::storage::CpuStorage>> {
-            cpu::$path(args)
+            args: &mut Self::Args<$crate::ops::fused::CpuIn<'_>, $crate::ops::fused::CpuMut<'_>>,
+        ) -> $crate::Result<Option<Self::Out<$crate::storage::CpuStorage>>> {
+            cpu::$path(args).map(Some)
         }
 
         #[cfg(feature = "cuda")]
         fn cuda(
-            args: &Self::Args<$crate::ops::fused::CudaIn<'_>>,
+            args: &mut Self::Args<$crate::ops::fused::CudaIn<'_>, $crate::ops::fused::CudaMut<'_>>,
         ) -> $crate::Result<Option<Self::Out<$crate::cuda_backend::CudaStorage>>> {
             cuda::$path(args)
         }
@@ -131,50 +160,101 @@ macro_rules! fused_paths {
 }
 pub(crate) use fused_paths;
 
+/// The [`FusedOp`] impl of an op `$args<&Tensor>` named `$name` whose result is one tensor of
+/// dims `$dims` (an expression of the arguments `$a`), with the paths `$path` of its folder
+/// (see [`fused_paths`]): `fused_op!(Softmax, "softmax", forward, |a| a.x.shape())`.
+macro_rules! fused_op {
+    ($args:ident, $name:literal, $path:ident, |$a:ident| $dims:expr) => {
+        impl $crate::ops::fused::FusedOp for $args<&$crate::Tensor> {
+            const NAME: &'static str = $name;
+            type Out<S> = S;
+            type Output = $crate::Tensor;
+
+            fn finish<S: $crate::backend::Variant>(&self, y: S) -> $crate::Tensor {
+                let $a = self;
+                $crate::Tensor::from_storage(y.wrap(), $dims)
+            }
+
+            $crate::ops::fused::fused_paths!($path);
+        }
+    };
+}
+pub(crate) use fused_op;
+
 /// Runs a fused op: checks its operands share one device ([`crate::Error::DeviceMismatch`]
 /// naming the op otherwise), runs that device's path and, where the path is not provided, the
-/// composed fallback.
+/// composed fallback. The operands read are locked for reading, then those written for writing
+/// (each in the order `map` visits them).
 pub(crate) fn run<O: FusedOp>(op: &O) -> Result<O::Output> {
-    let mut tensors = Vec::new();
-    op.map(|t| tensors.push(t));
-    let guards = tensors
+    let (mut reads, mut writes) = (Vec::new(), Vec::new());
+    op.map(|t| reads.push(t), |t| writes.push(t));
+    let read_guards = reads
         .iter()
         .map(|t| t.read_storage(O::NAME))
         .collect::<Result<Vec<_>>>()?;
-    let storages: Vec<&Storage> = guards.iter().map(|g| &**g).collect();
-    let device = backend::device_of(O::NAME, &storages)?;
+    let mut write_guards = writes
+        .iter()
+        .map(|t| t.write_storage(O::NAME))
+        .collect::<Result<Vec<_>>>()?;
+    let storages: Vec<&Storage> = read_guards.iter().map(|g| &**g).collect();
+    let device = {
+        let written = write_guards.iter().map(|g| &**g);
+        let all: Vec<&Storage> = storages.iter().copied().chain(written).collect();
+        backend::device_of(O::NAME, &all)?
+    };
+    let mut written: Vec<&mut Storage> = write_guards.iter_mut().map(|g| &mut **g).collect();
     let done = if backend::declined() {
         None
     } else {
+        let ops = Operands {
+            reads: (&storages, &reads),
+            writes: (&mut written, &writes),
+        };
         match device {
-            Device::Cpu => Some(op.finish(O::cpu(&operands(op, &storages, &tensors))?)),
+            Device::Cpu => O::cpu(&mut ops.of(op))?.map(|o| op.finish(o)),
             #[cfg(feature = "cuda")]
-            Device::Cuda(_) => O::cuda(&operands(op, &storages, &tensors))?.map(|o| op.finish(o)),
+            Device::Cuda(_) => O::cuda(&mut ops.of(op))?.map(|o| op.finish(o)),
             #[cfg(not(feature = "cuda"))]
             device @ Device::Cuda(_) => return Err(crate::Error::CudaNotBuilt(device)),
         }
     };
+    drop(written);
     drop(storages);
-    drop(guards);
+    drop(write_guards);
+    drop(read_guards);
     match done {
         Some(out) => Ok(out),
         None => op.fallback(),
     }
 }
 
-/// The op's arguments over backend `S`'s operands: the `i`-th operand `map` visits is
-/// `storages[i]` (whose backend the runner has checked) with the layout of `tensors[i]`.
-fn operands<'g, O: FusedOp, S: Variant>(
-    op: &O,
-    storages: &[&'g Storage],
-    tensors: &[&'g Tensor],
-) -> O::Args<In<'g, S>> {
-    let mut i = 0;
-    op.map(|_| {
-        let operand = (S::of(storages[i]), tensors[i].layout());
-        i += 1;
-        operand
-    })
+/// The locked storages of a fused op's operands, with the tensors they belong to (for their
+/// layouts): those read, and those written.
+struct Operands<'a, 'g> {
+    reads: (&'a [&'g Storage], &'a [&'g Tensor]),
+    writes: (&'a mut [&'g mut Storage], &'a [&'g Tensor]),
+}
+
+impl<'a> Operands<'a, '_> {
+    /// The op's arguments over backend `S`'s operands: the `i`-th operand read (written) that
+    /// `map` visits is the `i`-th storage read (written), whose backend the runner has
+    /// checked, with the layout of its tensor.
+    fn of<O: FusedOp, S: Variant>(self, op: &O) -> O::Args<In<'a, S>, InMut<'a, S>> {
+        let mut reads = self.reads.0.iter().zip(self.reads.1);
+        let mut writes = self.writes.0.iter_mut().zip(self.writes.1);
+        op.map(
+            |_| {
+                let (s, t) = reads.next().expect("map visits the operands read in order");
+                (S::of(s), t.layout())
+            },
+            |_| {
+                let (s, t) = writes
+                    .next()
+                    .expect("map visits the operands written in order");
+                (S::of_mut(s), t.layout())
+            },
+        )
+    }
 }
 
 #[cfg(test)]
@@ -185,10 +265,14 @@ mod tests {
     struct Probe<'a>(&'a Tensor);
 
     impl FusedArgs for Probe<'_> {
-        type Args<T> = T;
+        type Args<T, W> = T;
 
-        fn map<'s, T>(&'s self, mut f: impl FnMut(&'s Tensor) -> T) -> T {
-            f(self.0)
+        fn map<'s, T, W>(
+            &'s self,
+            mut read: impl FnMut(&'s Tensor) -> T,
+            _write: impl FnMut(&'s Tensor) -> W,
+        ) -> T {
+            read(self.0)
         }
     }
 
@@ -200,8 +284,8 @@ mod tests {
         fn finish<S: Variant>(&self, _out: ()) -> &'static str {
             "fused"
         }
-        fn cpu(_args: &CpuIn<'_>) -> Result<()> {
-            Ok(())
+        fn cpu(_args: &mut CpuIn<'_>) -> Result<Option<()>> {
+            Ok(Some(()))
         }
         fn fallback(&self) -> Result<&'static str> {
             Ok("composed")

@@ -15,7 +15,7 @@
 use cudarc::driver::result;
 
 use super::{CrossEntropy, CrossEntropyBackward};
-use crate::cuda_backend::fused::args::{flat_grid, i64_of, row_grid, sfx, Arg, Launch, BLOCK_1D};
+use crate::cuda_backend::fused::args::{args, flat_grid, row_grid, sfx, Arg, Launch, BLOCK_1D};
 use crate::cuda_backend::fused::operand::{
     as_dtype, check_len, contiguous, ids_i64, output, Operand,
 };
@@ -28,10 +28,7 @@ const NO_BAD_ROW: u64 = u64::MAX;
 
 /// `(ignore_index, has_ignore)` as the kernels take them.
 fn ignore_args(ignore_index: Option<i64>) -> [Arg; 2] {
-    [
-        Arg::I64(ignore_index.unwrap_or(0)),
-        Arg::I32(ignore_index.is_some() as i32),
-    ]
+    args![i64 ignore_index.unwrap_or(0), i32 ignore_index.is_some() as i32]
 }
 
 /// `cross_entropy_fused_<t>(logits, targets, loss, lse, dlogits, dloss, dloss_scale, rows, cols,
@@ -44,17 +41,7 @@ pub(crate) fn ce_fwd_launch(
     cols: usize,
     ignore_index: Option<i64>,
 ) -> Launch {
-    let mut args = vec![
-        Arg::Ptr(logits),
-        Arg::Ptr(targets),
-        Arg::Ptr(loss),
-        Arg::Ptr(lse),
-        Arg::Ptr(0),
-        Arg::Ptr(0),
-        Arg::F32(0.0),
-        i64_of(rows),
-        i64_of(cols),
-    ];
+    let mut args = args![ptr logits, ptr targets, ptr loss, ptr lse, ptr 0, ptr 0, f32 0.0, size rows, size cols].to_vec();
     args.extend(ignore_args(ignore_index));
     args.push(Arg::Ptr(bad));
     Launch {
@@ -76,16 +63,7 @@ pub(crate) fn ce_bwd_launch(
     cols: usize,
     ignore_index: Option<i64>,
 ) -> Launch {
-    let mut args = vec![
-        Arg::Ptr(logits),
-        Arg::Ptr(lse),
-        Arg::Ptr(targets),
-        Arg::Ptr(dloss),
-        Arg::F32(0.0),
-        Arg::Ptr(dlogits),
-        i64_of(rows),
-        i64_of(cols),
-    ];
+    let mut args = args![ptr logits, ptr lse, ptr targets, ptr dloss, f32 0.0, ptr dlogits, size rows, size cols].to_vec();
     args.extend(ignore_args(ignore_index));
     Launch {
         file: "classifier.cu",
@@ -211,7 +189,7 @@ pub(super) fn backward(a: &CrossEntropyBackward<CudaIn<'_>>) -> Result<Option<Cu
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda_backend::fused::args::assert_known;
+    use crate::cuda_backend::fused::args::assert_launch;
     use crate::cuda_backend::fused::args::Kind::*;
 
     #[test]
@@ -220,31 +198,18 @@ mod tests {
         //     T *dlogits, const float *dloss, float dloss_scale, i64 rows, i64 cols,
         //     i64 ignore_index, int has_ignore, u64 *bad)
         let l = ce_fwd_launch("bf16", [1, 2, 3, 4, 5], 8, 50257, Some(-100));
-        assert_eq!(l.entry, "cross_entropy_fused_bf16");
-        assert_eq!(
-            l.kinds(),
-            vec![P, P, P, P, P, P, F32, I64, I64, I64, I32, P]
+        assert_launch(
+            &l,
+            "cross_entropy_fused_bf16",
+            &[P, P, P, P, P, P, F32, I64, I64, I64, I32, P],
         );
-        assert_eq!(
-            l.args[..4],
-            [Arg::Ptr(1), Arg::Ptr(2), Arg::Ptr(3), Arg::Ptr(4)]
-        );
+        assert_eq!(l.args[..4], args![ptr 1, ptr 2, ptr 3, ptr 4]);
         // Forward only: no dlogits, no dloss.
-        assert_eq!(l.args[4..6], [Arg::Ptr(0), Arg::Ptr(0)]);
-        assert_eq!(
-            l.args[7..],
-            [
-                Arg::I64(8),
-                Arg::I64(50257),
-                Arg::I64(-100),
-                Arg::I32(1),
-                Arg::Ptr(5)
-            ]
-        );
+        assert_eq!(l.args[4..6], args![ptr 0, ptr 0]);
+        assert_eq!(l.args[7..], args![i64 8, i64 50257, i64 -100, i32 1, ptr 5]);
         assert_eq!(l.grid, (8, 1, 1));
-        assert_known(&l);
         let l = ce_fwd_launch("f32", [1, 2, 3, 4, 5], 8, 10, None);
-        assert_eq!(l.args[9..11], [Arg::I64(0), Arg::I32(0)]);
+        assert_eq!(l.args[9..11], args![i64 0, i32 0]);
     }
 
     #[test]
@@ -253,24 +218,15 @@ mod tests {
         //     const float *dloss, float dloss_scale, T *dlogits, i64 rows, i64 cols,
         //     i64 ignore_index, int has_ignore)
         let l = ce_bwd_launch("f16", [1, 2, 3, 4, 5], 4, 100, Some(7));
-        assert_eq!(l.entry, "cross_entropy_bwd_f16");
-        assert_eq!(l.kinds(), vec![P, P, P, P, F32, P, I64, I64, I64, I32]);
+        assert_launch(
+            &l,
+            "cross_entropy_bwd_f16",
+            &[P, P, P, P, F32, P, I64, I64, I64, I32],
+        );
         assert_eq!(
             l.args,
-            vec![
-                Arg::Ptr(1),
-                Arg::Ptr(2),
-                Arg::Ptr(3),
-                Arg::Ptr(4),
-                Arg::F32(0.0),
-                Arg::Ptr(5),
-                Arg::I64(4),
-                Arg::I64(100),
-                Arg::I64(7),
-                Arg::I32(1)
-            ]
+            args![ptr 1, ptr 2, ptr 3, ptr 4, f32 0.0, ptr 5, i64 4, i64 100, i64 7, i32 1]
         );
         assert_eq!(l.grid, (2, 1, 1));
-        assert_known(&l);
     }
 }

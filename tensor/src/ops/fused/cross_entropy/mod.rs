@@ -11,7 +11,7 @@ mod cpu;
 pub(crate) mod cuda;
 mod fallback;
 
-use super::{fused_paths, run, FusedOp};
+use super::{fused_op, fused_paths, run, FusedOp};
 use crate::backend::Variant;
 use crate::ops::same_device;
 use crate::{Error, Result, Tensor};
@@ -71,17 +71,12 @@ impl FusedOp for CrossEntropy<&Tensor> {
     fused_paths!(forward);
 }
 
-impl FusedOp for CrossEntropyBackward<&Tensor> {
-    const NAME: &'static str = "cross_entropy_backward";
-    type Out<S> = S;
-    type Output = Tensor;
-
-    fn finish<S: Variant>(&self, dlogits: S) -> Tensor {
-        Tensor::from_storage(dlogits.wrap(), self.logits.shape())
-    }
-
-    fused_paths!(backward);
-}
+fused_op!(
+    CrossEntropyBackward,
+    "cross_entropy_backward",
+    backward,
+    |a| a.logits.shape()
+);
 
 /// Checks logits `[..., V]` against integer targets `[...]` (the leading dims); returns
 /// `(rows, V)` with `rows` the product of the leading dims.

@@ -3,7 +3,7 @@
 
 use super::GeluBackward;
 use crate::cuda_backend::fused::activations::act_launch;
-use crate::cuda_backend::fused::args::{i64_of, sfx, Arg, Launch};
+use crate::cuda_backend::fused::args::{args, sfx, Launch};
 use crate::cuda_backend::fused::operand::{as_dtype, check_len, contiguous, output};
 use crate::cuda_backend::CudaStorage;
 use crate::ops::fused::CudaIn;
@@ -14,13 +14,7 @@ pub(crate) fn gelu_bwd_launch(t: &str, [x, dy, dx]: [u64; 3], n: usize, tanh: bo
     act_launch(
         format!("gelu_bwd_{t}"),
         n,
-        vec![
-            Arg::Ptr(x),
-            Arg::Ptr(dy),
-            Arg::Ptr(dx),
-            i64_of(n),
-            Arg::I32(tanh as i32),
-        ],
+        args![ptr x, ptr dy, ptr dx, size n, i32 tanh as i32].to_vec(),
     )
 }
 
@@ -45,17 +39,16 @@ pub(super) fn backward(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda_backend::fused::args::assert_known;
+    use crate::cuda_backend::fused::args::args;
+    use crate::cuda_backend::fused::args::assert_launch;
     use crate::cuda_backend::fused::args::Kind::*;
 
     #[test]
     fn launch_matches_the_kernel_signature() {
         // gelu_bwd_<t>(const T *x, const T *dy, T *dx, i64 n, int tanh_form)
         let l = gelu_bwd_launch("f32", [1, 2, 3], 1000, true);
-        assert_eq!(l.entry, "gelu_bwd_f32");
-        assert_eq!(l.kinds(), vec![P, P, P, I64, I32]);
-        assert_eq!(l.args[3..], [Arg::I64(1000), Arg::I32(1)]);
+        assert_launch(&l, "gelu_bwd_f32", &[P, P, P, I64, I32]);
+        assert_eq!(l.args[3..], args![i64 1000, i32 1]);
         assert_eq!(l.grid, (4, 1, 1));
-        assert_known(&l);
     }
 }

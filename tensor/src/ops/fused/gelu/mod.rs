@@ -9,8 +9,7 @@ mod cpu;
 pub(crate) mod cuda;
 mod fallback;
 
-use super::{fused_paths, run, FusedOp};
-use crate::backend::Variant;
+use super::{fused_op, run};
 use crate::ops::same_kind;
 use crate::{GeluKind, Result, Tensor};
 use meshgrad_derive::FusedArgs;
@@ -26,17 +25,7 @@ pub(crate) struct GeluBackward<T> {
     pub tanh_form: bool,
 }
 
-impl FusedOp for GeluBackward<&Tensor> {
-    const NAME: &'static str = "gelu_backward";
-    type Out<S> = S;
-    type Output = Tensor;
-
-    fn finish<S: Variant>(&self, dx: S) -> Tensor {
-        Tensor::from_storage(dx.wrap(), self.x.shape())
-    }
-
-    fused_paths!(backward);
-}
+fused_op!(GeluBackward, "gelu_backward", backward, |a| a.x.shape());
 
 impl Tensor {
     /// `dy * gelu'(x)` (the GELU backward, fused).

@@ -4,7 +4,7 @@
 
 use super::Logsumexp;
 use crate::cuda_backend::basic::basic_sfx;
-use crate::cuda_backend::fused::args::{flat_grid, i64_of, row_grid, Arg, Launch, BLOCK_1D};
+use crate::cuda_backend::fused::args::{args, flat_grid, row_grid, Launch, BLOCK_1D};
 use crate::cuda_backend::fused::operand::{check_len, contiguous, output};
 use crate::cuda_backend::CudaStorage;
 use crate::ops::fused::CudaIn;
@@ -20,12 +20,16 @@ pub(crate) fn logsumexp_launch(
     inner: usize,
 ) -> Launch {
     let (kind, grid, sizes) = if inner == 1 {
-        ("lastdim", row_grid(outer), vec![i64_of(outer), i64_of(red)])
+        (
+            "lastdim",
+            row_grid(outer),
+            args![size outer, size red].to_vec(),
+        )
     } else {
-        let sizes = vec![i64_of(outer), i64_of(red), i64_of(inner)];
+        let sizes = args![size outer, size red, size inner].to_vec();
         ("strided", flat_grid(outer * inner), sizes)
     };
-    let mut args = vec![Arg::Ptr(x), Arg::Ptr(out)];
+    let mut args = args![ptr x, ptr out].to_vec();
     args.extend(sizes);
     Launch {
         file: "reduce.cu",
@@ -60,24 +64,20 @@ pub(super) fn forward(a: &Logsumexp<CudaIn<'_>>) -> Result<Option<CudaStorage>> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda_backend::fused::args::assert_known;
+    use crate::cuda_backend::fused::args::assert_launch;
     use crate::cuda_backend::fused::args::Kind::*;
 
     #[test]
     fn launch_picks_the_lastdim_or_strided_kernel() {
         // logsumexp_lastdim_<t>(const T *x, T *out, i64 rows, i64 red)
         let l = logsumexp_launch("f32", [1, 2], 7, 9, 1);
-        assert_eq!(l.entry, "logsumexp_lastdim_f32");
-        assert_eq!(l.kinds(), vec![P, P, I64, I64]);
-        assert_eq!(l.args[2..], [Arg::I64(7), Arg::I64(9)]);
+        assert_launch(&l, "logsumexp_lastdim_f32", &[P, P, I64, I64]);
+        assert_eq!(l.args[2..], args![i64 7, i64 9]);
         assert_eq!(l.grid, (7, 1, 1));
-        assert_known(&l);
         // logsumexp_strided_<t>(const T *x, T *out, i64 outer, i64 red, i64 inner)
         let l = logsumexp_launch("bf16", [1, 2], 7, 9, 300);
-        assert_eq!(l.entry, "logsumexp_strided_bf16");
-        assert_eq!(l.kinds(), vec![P, P, I64, I64, I64]);
-        assert_eq!(l.args[2..], [Arg::I64(7), Arg::I64(9), Arg::I64(300)]);
+        assert_launch(&l, "logsumexp_strided_bf16", &[P, P, I64, I64, I64]);
+        assert_eq!(l.args[2..], args![i64 7, i64 9, i64 300]);
         assert_eq!(l.grid, (2100usize.div_ceil(256) as u32, 1, 1));
-        assert_known(&l);
     }
 }

@@ -8,8 +8,7 @@ mod cpu;
 pub(crate) mod cuda;
 mod fallback;
 
-use super::{fused_paths, run, FusedOp};
-use crate::backend::Variant;
+use super::{fused_op, run};
 use crate::{Error, Result, Shape, Tensor};
 use meshgrad_derive::FusedArgs;
 
@@ -29,17 +28,7 @@ pub(crate) struct Logsumexp<T> {
     pub out: Shape,
 }
 
-impl FusedOp for Logsumexp<&Tensor> {
-    const NAME: &'static str = "logsumexp";
-    type Out<S> = S;
-    type Output = Tensor;
-
-    fn finish<S: Variant>(&self, out: S) -> Tensor {
-        Tensor::from_storage(out.wrap(), self.out.clone())
-    }
-
-    fused_paths!(forward);
-}
+fused_op!(Logsumexp, "logsumexp", forward, |a| a.out.clone());
 
 impl Tensor {
     /// `ln Σ exp(x)` along `dim` (negative counts from the end), computed stably: shifted by

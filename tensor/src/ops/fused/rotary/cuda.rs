@@ -2,7 +2,7 @@
 //! in f32); f64 is not provided on CUDA (`Ok(None)`: the composed fallback runs).
 
 use super::Rotary;
-use crate::cuda_backend::fused::args::{flat_grid, i64_of, sfx, Arg, Launch, BLOCK_1D};
+use crate::cuda_backend::fused::args::{args, flat_grid, sfx, Launch, BLOCK_1D};
 use crate::cuda_backend::fused::operand::{check_len, contiguous, ids_i64, output};
 use crate::cuda_backend::CudaStorage;
 use crate::ops::fused::CudaIn;
@@ -25,17 +25,7 @@ pub(crate) fn rotary_launch(
         grid: flat_grid(b * s * h * (d / 2)),
         block: BLOCK_1D,
         shared: 0,
-        args: vec![
-            Arg::Ptr(x),
-            Arg::Ptr(positions),
-            Arg::Ptr(out),
-            i64_of(b),
-            i64_of(s),
-            i64_of(h),
-            i64_of(d),
-            Arg::F64(theta),
-            Arg::I32(inverse as i32),
-        ],
+        args: args![ptr x, ptr positions, ptr out, size b, size s, size h, size d, f64 theta, i32 inverse as i32].to_vec(),
     }
 }
 
@@ -80,7 +70,8 @@ pub(super) fn rotary(a: &Rotary<CudaIn<'_>>) -> Result<Option<CudaStorage>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda_backend::fused::args::assert_known;
+    use crate::cuda_backend::fused::args::args;
+    use crate::cuda_backend::fused::args::assert_launch;
     use crate::cuda_backend::fused::args::Kind::*;
 
     #[test]
@@ -88,21 +79,12 @@ mod tests {
         // rotary_<t>(const T *x, const i64 *positions, T *out, i64 batch, i64 seq, i64 heads,
         //            i64 head_dim, double theta, int inverse)
         let l = rotary_launch("bf16", 1, 2, 3, [2, 8, 4, 64], 10000.0, true);
-        assert_eq!(l.entry, "rotary_bf16");
-        assert_eq!(l.kinds(), vec![P, P, P, I64, I64, I64, I64, F64, I32]);
+        assert_launch(&l, "rotary_bf16", &[P, P, P, I64, I64, I64, I64, F64, I32]);
         assert_eq!(
             l.args[3..],
-            [
-                Arg::I64(2),
-                Arg::I64(8),
-                Arg::I64(4),
-                Arg::I64(64),
-                Arg::F64(10000.0),
-                Arg::I32(1)
-            ]
+            args![i64 2, i64 8, i64 4, i64 64, f64 10000.0, i32 1]
         );
         // One thread per pair: 2 * 8 * 4 * 32 pairs.
         assert_eq!(l.grid, ((2 * 8 * 4 * 32usize).div_ceil(256) as u32, 1, 1));
-        assert_known(&l);
     }
 }

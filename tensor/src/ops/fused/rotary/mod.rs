@@ -9,8 +9,7 @@ mod cpu;
 pub(crate) mod cuda;
 mod fallback;
 
-use super::{fused_paths, run, FusedOp};
-use crate::backend::Variant;
+use super::{fused_op, run};
 use crate::ops::same_device;
 use crate::{Error, Result, Tensor};
 use meshgrad_derive::FusedArgs;
@@ -32,17 +31,7 @@ pub(crate) struct Rotary<T> {
     pub inverse: bool,
 }
 
-impl FusedOp for Rotary<&Tensor> {
-    const NAME: &'static str = "rotary_embedding";
-    type Out<S> = S;
-    type Output = Tensor;
-
-    fn finish<S: Variant>(&self, out: S) -> Tensor {
-        Tensor::from_storage(out.wrap(), self.x.shape())
-    }
-
-    fused_paths!(rotary);
-}
+fused_op!(Rotary, "rotary_embedding", rotary, |a| a.x.shape());
 
 impl Tensor {
     fn rotary_dims(&self, positions: &Tensor, theta: f64, op: &'static str) -> Result<[usize; 4]> {

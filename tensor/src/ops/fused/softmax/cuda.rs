@@ -94,19 +94,16 @@ pub(super) fn backward(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda_backend::fused::args::assert_known;
+    use crate::cuda_backend::fused::args::args;
     use crate::cuda_backend::fused::args::Kind::*;
+    use crate::cuda_backend::fused::args::{assert_known, assert_launch};
 
     #[test]
     fn launches_match_the_kernel_signatures() {
         // softmax_fwd_<t>(const T *x, T *y, i64 rows, i64 cols)
         let l = softmax_fwd_launch("bf16", false, [10, 20], 3, 5);
-        assert_eq!(l.entry, "softmax_fwd_bf16");
-        assert_eq!(l.kinds(), vec![P, P, I64, I64]);
-        assert_eq!(
-            l.args,
-            vec![Arg::Ptr(10), Arg::Ptr(20), Arg::I64(3), Arg::I64(5)]
-        );
+        assert_launch(&l, "softmax_fwd_bf16", &[P, P, I64, I64]);
+        assert_eq!(l.args, args![ptr 10, ptr 20, i64 3, i64 5]);
         assert_eq!(l.grid, (3, 1, 1));
         assert_eq!(
             softmax_fwd_launch("f32", true, [1, 2], 0, 5).entry,
@@ -114,18 +111,8 @@ mod tests {
         );
         // softmax_bwd_<t>(const T *y, const T *dy, T *dx, i64 rows, i64 cols)
         let l = softmax_bwd_launch("f16", true, [1, 2, 3], 4, 6);
-        assert_eq!(l.entry, "log_softmax_bwd_f16");
-        assert_eq!(l.kinds(), vec![P, P, P, I64, I64]);
-        assert_eq!(
-            l.args,
-            vec![
-                Arg::Ptr(1),
-                Arg::Ptr(2),
-                Arg::Ptr(3),
-                Arg::I64(4),
-                Arg::I64(6)
-            ]
-        );
+        assert_launch(&l, "log_softmax_bwd_f16", &[P, P, P, I64, I64]);
+        assert_eq!(l.args, args![ptr 1, ptr 2, ptr 3, i64 4, i64 6]);
         for l in [
             softmax_fwd_launch("f32", false, [1, 2], 3, 4),
             softmax_bwd_launch("bf16", false, [1, 2, 3], 4, 5),

@@ -10,8 +10,7 @@ mod cpu;
 pub(crate) mod cuda;
 mod fallback;
 
-use super::{fused_paths, rows_cols, run, FusedOp};
-use crate::backend::Variant;
+use super::{fused_op, rows_cols, run};
 use crate::ops::same_kind;
 use crate::{Result, Tensor};
 use meshgrad_derive::FusedArgs;
@@ -46,29 +45,11 @@ pub(crate) struct SoftmaxBackward<T> {
     pub log: bool,
 }
 
-impl FusedOp for Softmax<&Tensor> {
-    const NAME: &'static str = "softmax";
-    type Out<S> = S;
-    type Output = Tensor;
+fused_op!(Softmax, "softmax", forward, |a| a.x.shape());
 
-    fn finish<S: Variant>(&self, y: S) -> Tensor {
-        Tensor::from_storage(y.wrap(), self.x.shape())
-    }
-
-    fused_paths!(forward);
-}
-
-impl FusedOp for SoftmaxBackward<&Tensor> {
-    const NAME: &'static str = "softmax_backward";
-    type Out<S> = S;
-    type Output = Tensor;
-
-    fn finish<S: Variant>(&self, dx: S) -> Tensor {
-        Tensor::from_storage(dx.wrap(), self.y.shape())
-    }
-
-    fused_paths!(backward);
-}
+fused_op!(SoftmaxBackward, "softmax_backward", backward, |a| a
+    .y
+    .shape());
 
 impl Tensor {
     fn softmax_impl(&self, dim: isize, log: bool) -> Result<Tensor> {

@@ -4,7 +4,7 @@
 
 use super::{Swiglu, SwigluBackward};
 use crate::cuda_backend::fused::activations::act_launch;
-use crate::cuda_backend::fused::args::{i64_of, sfx, Arg, Launch};
+use crate::cuda_backend::fused::args::{args, sfx, Launch};
 use crate::cuda_backend::fused::operand::{as_dtype, check_len, contiguous, output};
 use crate::cuda_backend::CudaStorage;
 use crate::ops::fused::CudaIn;
@@ -15,7 +15,7 @@ pub(crate) fn swiglu_fwd_launch(t: &str, gate: u64, up: u64, out: u64, n: usize)
     act_launch(
         format!("swiglu_fwd_{t}"),
         n,
-        vec![Arg::Ptr(gate), Arg::Ptr(up), Arg::Ptr(out), i64_of(n)],
+        args![ptr gate, ptr up, ptr out, size n].to_vec(),
     )
 }
 
@@ -24,14 +24,7 @@ pub(crate) fn swiglu_bwd_launch(t: &str, [gate, up, dy, dgate, dup]: [u64; 5], n
     act_launch(
         format!("swiglu_bwd_{t}"),
         n,
-        vec![
-            Arg::Ptr(gate),
-            Arg::Ptr(up),
-            Arg::Ptr(dy),
-            Arg::Ptr(dgate),
-            Arg::Ptr(dup),
-            i64_of(n),
-        ],
+        args![ptr gate, ptr up, ptr dy, ptr dgate, ptr dup, size n].to_vec(),
     )
 }
 
@@ -75,31 +68,18 @@ pub(super) fn backward(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda_backend::fused::args::assert_known;
+    use crate::cuda_backend::fused::args::args;
+    use crate::cuda_backend::fused::args::assert_launch;
     use crate::cuda_backend::fused::args::Kind::*;
 
     #[test]
     fn swiglu_launches_match_the_kernel_signatures() {
         // swiglu_fwd_<t>(const T *gate, const T *up, T *out, i64 n)
         let l = swiglu_fwd_launch("f16", 1, 2, 3, 9);
-        assert_eq!(l.entry, "swiglu_fwd_f16");
-        assert_eq!(l.kinds(), vec![P, P, P, I64]);
-        assert_known(&l);
+        assert_launch(&l, "swiglu_fwd_f16", &[P, P, P, I64]);
         // swiglu_bwd_<t>(gate, up, dy, dgate, dup, i64 n)
         let l = swiglu_bwd_launch("f32", [1, 2, 3, 4, 5], 9);
-        assert_eq!(l.entry, "swiglu_bwd_f32");
-        assert_eq!(l.kinds(), vec![P, P, P, P, P, I64]);
-        assert_eq!(
-            l.args,
-            vec![
-                Arg::Ptr(1),
-                Arg::Ptr(2),
-                Arg::Ptr(3),
-                Arg::Ptr(4),
-                Arg::Ptr(5),
-                Arg::I64(9)
-            ]
-        );
-        assert_known(&l);
+        assert_launch(&l, "swiglu_bwd_f32", &[P, P, P, P, P, I64]);
+        assert_eq!(l.args, args![ptr 1, ptr 2, ptr 3, ptr 4, ptr 5, i64 9]);
     }
 }

@@ -9,7 +9,7 @@ mod cpu;
 pub(crate) mod cuda;
 mod fallback;
 
-use super::{fused_paths, run, FusedOp};
+use super::{fused_op, fused_paths, run, FusedOp};
 use crate::backend::Variant;
 use crate::ops::same_kind;
 use crate::{Error, Result, Tensor};
@@ -36,17 +36,7 @@ pub(crate) struct SwigluBackward<T> {
     pub dy: T,
 }
 
-impl FusedOp for Swiglu<&Tensor> {
-    const NAME: &'static str = "swiglu";
-    type Out<S> = S;
-    type Output = Tensor;
-
-    fn finish<S: Variant>(&self, out: S) -> Tensor {
-        Tensor::from_storage(out.wrap(), self.gate.shape())
-    }
-
-    fused_paths!(forward);
-}
+fused_op!(Swiglu, "swiglu", forward, |a| a.gate.shape());
 
 impl FusedOp for SwigluBackward<&Tensor> {
     const NAME: &'static str = "swiglu_backward";

@@ -7,7 +7,7 @@ use meshgrad_kernels::ops::UnaryGrad;
 
 use super::UnaryBackward;
 use crate::cuda_backend::fused::activations::act_launch;
-use crate::cuda_backend::fused::args::{i64_of, sfx, Arg, Launch};
+use crate::cuda_backend::fused::args::{args, sfx, Launch};
 use crate::cuda_backend::fused::operand::{as_dtype, check_len, contiguous, output};
 use crate::cuda_backend::CudaStorage;
 use crate::ops::fused::CudaIn;
@@ -22,15 +22,7 @@ pub(crate) fn unary_bwd_launch(t: &str, [x, dy, dx]: [u64; 3], n: usize, op: Una
     act_launch(
         format!("unary_bwd_{t}"),
         n,
-        vec![
-            Arg::Ptr(x),
-            Arg::Ptr(dy),
-            Arg::Ptr(dx),
-            i64_of(n),
-            Arg::I32(code),
-            Arg::F64(lo),
-            Arg::F64(hi),
-        ],
+        args![ptr x, ptr dy, ptr dx, size n, i32 code, f64 lo, f64 hi].to_vec(),
     )
 }
 
@@ -56,26 +48,20 @@ pub(super) fn backward(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda_backend::fused::args::assert_known;
+    use crate::cuda_backend::fused::args::args;
+    use crate::cuda_backend::fused::args::assert_launch;
     use crate::cuda_backend::fused::args::Kind::*;
 
     #[test]
     fn launch_matches_the_kernel_signature() {
         // unary_bwd_<t>(const T *x, const T *dy, T *dx, i64 n, int op, double lo, double hi)
         let l = unary_bwd_launch("bf16", [1, 2, 3], 5, UnaryGrad::Clamp(-1.5, f64::INFINITY));
-        assert_eq!(l.entry, "unary_bwd_bf16");
-        assert_eq!(l.kinds(), vec![P, P, P, I64, I32, F64, F64]);
+        assert_launch(&l, "unary_bwd_bf16", &[P, P, P, I64, I32, F64, F64]);
         assert_eq!(
             l.args[3..],
-            [
-                Arg::I64(5),
-                Arg::I32(1),
-                Arg::F64(-1.5),
-                Arg::F64(f64::INFINITY)
-            ]
+            args![i64 5, i32 1, f64 -1.5, f64 f64::INFINITY]
         );
-        assert_known(&l);
         let l = unary_bwd_launch("f16", [1, 2, 3], 5, UnaryGrad::Silu);
-        assert_eq!(l.args[4], Arg::I32(0));
+        assert_eq!(l.args[4], args![i32 0][0]);
     }
 }

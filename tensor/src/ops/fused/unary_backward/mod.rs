@@ -12,8 +12,7 @@ mod fallback;
 use meshgrad_derive::FusedArgs;
 use meshgrad_kernels::ops::UnaryGrad;
 
-use super::{fused_paths, run, FusedOp};
-use crate::backend::Variant;
+use super::{fused_op, run};
 use crate::ops::same_kind;
 use crate::{Error, Result, Tensor};
 
@@ -29,17 +28,7 @@ pub(crate) struct UnaryBackward<T> {
     pub op: UnaryGrad,
 }
 
-impl FusedOp for UnaryBackward<&Tensor> {
-    const NAME: &'static str = "unary_backward";
-    type Out<S> = S;
-    type Output = Tensor;
-
-    fn finish<S: Variant>(&self, dx: S) -> Tensor {
-        Tensor::from_storage(dx.wrap(), self.x.shape())
-    }
-
-    fused_paths!(backward);
-}
+fused_op!(UnaryBackward, "unary_backward", backward, |a| a.x.shape());
 
 impl Tensor {
     /// `dy * f'(x)` for the forward input `self` (float, shaped like `dy`); `name` names the op

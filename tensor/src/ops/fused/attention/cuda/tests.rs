@@ -8,7 +8,7 @@ use meshgrad_kernels::ops::AttentionShape;
 
 use super::params::*;
 use super::{covered, mask_heads};
-use crate::cuda_backend::fused::args::assert_known;
+use crate::cuda_backend::fused::args::{assert_known, assert_launch};
 use crate::cuda_backend::fused::args::{Arg, Kind::*};
 use crate::cuda_backend::CudaStorage;
 use crate::ops::fused::attention::MaskArgs;
@@ -138,14 +138,12 @@ fn forward_launch_matches_the_kernel_signature() {
     //                   const u8 *key_padding, AttnParams P)
     let p = separate_params(&shape(10, 100, 100, 64), 1);
     let l = fwd_launch("bf16", 64, [1, 2, 3, 4, 5, 0], &p);
-    assert_eq!(l.entry, "attn_fwd_d64_bf16");
-    assert_eq!(l.kinds(), vec![P, P, P, P, P, P, Attn]);
+    assert_launch(&l, "attn_fwd_d64_bf16", &[P, P, P, P, P, P, Attn]);
     assert_eq!(l.args[5], Arg::Ptr(0));
     assert_eq!(l.args[6], Arg::Attn(Box::new(p)));
     assert_eq!(l.grid, (4, 10, 1)); // ceil(100 / 32) query tiles of BQ = 32
     assert_eq!(l.block, (128, 1, 1));
     assert_eq!(l.shared, 0);
-    assert_known(&l);
     let p = separate_params(&shape(10, 100, 100, 128), 1);
     let l = fwd_launch("f32", 128, [1, 2, 3, 4, 5, 6], &p);
     assert_eq!(l.entry, "attn_fwd_d128_f32");
@@ -162,25 +160,23 @@ fn backward_launches_match_the_kernel_signatures() {
     let p = separate_params(&shape(3, 50, 70, 64), 1);
     // attn_bwd_delta_<t>(const T *out, const T *dout, float *delta, AttnParams P, i64 head_dim)
     let l = delta_launch("f16", 64, [1, 2, 3], &p);
-    assert_eq!(l.entry, "attn_bwd_delta_f16");
-    assert_eq!(l.kinds(), vec![P, P, P, Attn, I64]);
+    assert_launch(&l, "attn_bwd_delta_f16", &[P, P, P, Attn, I64]);
     assert_eq!(l.args[4], Arg::I64(64));
     // One warp per row: 150 rows, 8 warps per block of 256.
     assert_eq!((l.grid, l.block), ((19, 1, 1), (256, 1, 1)));
-    assert_known(&l);
     // attn_bwd_dq_d<D>_<t>(q, k, v, dout, const float *lse, const float *delta, T *dq,
     //                      const u8 *key_padding, AttnParams P)
     let l = dq_launch("f16", 64, [1, 2, 3, 4, 5, 6, 7, 8], &p);
-    assert_eq!(l.entry, "attn_bwd_dq_d64_f16");
-    assert_eq!(l.kinds(), vec![P, P, P, P, P, P, P, P, Attn]);
+    assert_launch(&l, "attn_bwd_dq_d64_f16", &[P, P, P, P, P, P, P, P, Attn]);
     assert_eq!(l.grid, (4, 3, 1)); // ceil(50 / 16)
-    assert_known(&l);
-    // attn_bwd_dkdv_d<D>_<t>(q, k, v, dout, lse, delta, T *dk, T *dv, key_padding, P)
+                                   // attn_bwd_dkdv_d<D>_<t>(q, k, v, dout, lse, delta, T *dk, T *dv, key_padding, P)
     let l = dkdv_launch("f16", 64, [1, 2, 3, 4, 5, 6, 7, 8, 9], &p);
-    assert_eq!(l.entry, "attn_bwd_dkdv_d64_f16");
-    assert_eq!(l.kinds(), vec![P, P, P, P, P, P, P, P, P, Attn]);
+    assert_launch(
+        &l,
+        "attn_bwd_dkdv_d64_f16",
+        &[P, P, P, P, P, P, P, P, P, Attn],
+    );
     assert_eq!(l.grid, (5, 3, 1)); // ceil(70 / 16) key blocks
-    assert_known(&l);
     let p = separate_params(&shape(3, 50, 70, 128), 1);
     assert_eq!(dq_launch("f32", 128, [0; 8], &p).grid, (7, 3, 1)); // BQ = 8
     assert_eq!(dkdv_launch("f32", 128, [0; 9], &p).grid, (9, 3, 1)); // BKB = 8

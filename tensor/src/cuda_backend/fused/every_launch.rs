@@ -10,8 +10,8 @@ use std::collections::BTreeSet;
 use meshgrad_kernels::ops::{AdamWStep, AttentionShape, UnaryGrad};
 
 use super::args::{assert_known, Launch};
-use super::norms::partials_reduce_launch;
-use super::optimizer::{adamw_launch, sgd_launch};
+use super::norm_partials::partials_reduce_launch;
+use crate::ops::fused::adamw::cuda::adamw_launch;
 use crate::ops::fused::attention::cuda::params::{
     delta_launch, dkdv_launch, dq_launch, fwd_launch, qkv_params, separate_params, HEAD_DIMS,
 };
@@ -21,6 +21,7 @@ use crate::ops::fused::layer_norm::cuda::{layer_norm_bwd_launch, layer_norm_fwd_
 use crate::ops::fused::logsumexp::cuda::logsumexp_launch;
 use crate::ops::fused::rms_norm::cuda::{rms_norm_bwd_launch, rms_norm_fwd_launch};
 use crate::ops::fused::rotary::cuda::rotary_launch;
+use crate::ops::fused::sgd::cuda::sgd_launch;
 use crate::ops::fused::softmax::cuda::{softmax_bwd_launch, softmax_fwd_launch};
 use crate::ops::fused::swiglu::cuda::{swiglu_bwd_launch, swiglu_fwd_launch};
 use crate::ops::fused::unary_backward::cuda::unary_bwd_launch;

@@ -1,33 +1,26 @@
-//! The fused linear layer on the CPU (`x Wᵀ + bias` as one gemm): resolve dtypes, then call
-//! `meshgrad_kernels::cpu::matmul`.
+//! The linear layer on the CPU (`x Wᵀ + bias` as one gemm): resolve dtypes, then call
+//! `meshgrad_kernels::cpu::matmul`. GELU's epilogue is not fused here
+//! (see [`super::LinearGelu`]).
 
 use meshgrad_kernels::cpu;
+use meshgrad_kernels::ops::MatrixLayout;
 
-use super::{floats, full, pick, range, with_floats, Floats, IntoStorage};
+use super::Linear;
+use crate::cpu_backend::{floats, full, pick, range, with_floats, Floats, IntoStorage};
+use crate::ops::fused::CpuIn;
 use crate::storage::CpuStorage;
-use crate::{Layout, Result};
+use crate::Result;
 
-type In<'a> = (&'a CpuStorage, &'a Layout);
-
-/// `x Wᵀ (+ bias)` as one gemm: `x` is `m × k` (layout `xl`), `W` is read as the `k × n`
-/// matrix `wl` (the transposed view of a `[n, k]` weight), the bias (`[n]`, contiguous) is
-/// written into every output row first and the product accumulates onto it.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn linear(
-    x: &CpuStorage,
-    xl: meshgrad_kernels::ops::MatrixLayout,
-    w: &CpuStorage,
-    wl: meshgrad_kernels::ops::MatrixLayout,
-    bias: Option<In<'_>>,
-    m: usize,
-    n: usize,
-    k: usize,
-) -> Result<CpuStorage> {
+/// See [`Linear`]: the bias (`[n]`, contiguous) is written into every output row first and the
+/// product accumulates onto it.
+pub(super) fn forward(a: &Linear<CpuIn<'_>>) -> Result<CpuStorage> {
+    let ((x, _), (w, _), bias) = (a.x, a.w, a.bias);
+    let (xl, wl, m, n, k) = (a.p.al, a.p.bl, a.p.m, a.p.n, a.p.k);
     let dt = x.dtype();
     let bv = bias
         .map(|(s, l)| floats(s, range(l), "linear (bias)"))
         .transpose()?;
-    let cl = meshgrad_kernels::ops::MatrixLayout {
+    let cl = MatrixLayout {
         offset: 0,
         batch_stride: 0,
         row_stride: n,

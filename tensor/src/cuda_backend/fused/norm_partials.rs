@@ -1,4 +1,5 @@
-//! The helpers every norm of norms.cu shares (the CUDA paths of layer norm,
+//! The weight-gradient partial sums of the norms (`norm_partials_reduce_<t>` of norms.cu) and the
+//! helpers every norm of norms.cu shares (the CUDA paths of layer norm,
 //! `ops/fused/layer_norm/cuda.rs`, and RMSNorm, `ops/fused/rms_norm/cuda.rs`, use them).
 //!
 //! Dtypes: f32, bf16 and f16 data (computed in f32); f64 is not provided on CUDA (`Ok(None)`).
@@ -22,7 +23,7 @@
 
 use std::sync::Arc;
 
-use super::args::{flat_grid, i64_of, sfx, Arg, Launch, BLOCK_1D};
+use super::args::{args, flat_grid, i64_of, sfx, Arg, Launch, BLOCK_1D};
 use super::operand::{as_dtype, output, Operand};
 use crate::backend::api::In;
 use crate::cuda_backend::{basic, CudaStorage, DeviceContext};
@@ -51,13 +52,7 @@ pub(crate) fn partials_reduce_launch(
         grid: flat_grid(cols),
         block: BLOCK_1D,
         shared: 0,
-        args: vec![
-            Arg::Ptr(partial),
-            i64_of(nparts),
-            i64_of(cols),
-            Arg::Ptr(out),
-            Arg::I32(accumulate as i32),
-        ],
+        args: args![ptr partial, size nparts, size cols, ptr out, i32 accumulate as i32].to_vec(),
     }
 }
 
@@ -153,9 +148,10 @@ pub(crate) fn norm_launch(
 
 #[cfg(test)]
 mod tests {
-    use super::super::args::assert_known;
+    use super::super::args::assert_launch;
     use super::super::args::Kind::*;
     use super::*;
+    use crate::cuda_backend::fused::args::args;
 
     #[test]
     fn partials_reduce_launch_matches_the_kernel_signature() {
@@ -164,20 +160,9 @@ mod tests {
         // norm_partials_reduce_<t>(const float *partial, i64 nparts, i64 cols, T *out,
         //                          int accumulate)
         let l = partials_reduce_launch("bf16", 1, 7, 300, 2, false);
-        assert_eq!(l.entry, "norm_partials_reduce_bf16");
-        assert_eq!(l.kinds(), vec![P, I64, I64, P, I32]);
-        assert_eq!(
-            l.args,
-            vec![
-                Arg::Ptr(1),
-                Arg::I64(7),
-                Arg::I64(300),
-                Arg::Ptr(2),
-                Arg::I32(0)
-            ]
-        );
+        assert_launch(&l, "norm_partials_reduce_bf16", &[P, I64, I64, P, I32]);
+        assert_eq!(l.args, args![ptr 1, i64 7, i64 300, ptr 2, i32 0]);
         assert_eq!(l.grid, (2, 1, 1));
-        assert_known(&l);
     }
 
     #[test]

@@ -1,0 +1,46 @@
+//! The linear layer composed of basic ops, and the tests that it agrees with the fused paths.
+
+use super::{Linear, LinearGelu};
+use crate::ops::fallback::widen;
+use crate::{GeluKind, Result, Tensor};
+
+/// See [`Linear`]: one product and a broadcast add in compute precision, rounded once to `x`'s
+/// dtype.
+pub(super) fn forward(a: &Linear<&Tensor>) -> Result<Tensor> {
+    let mut y = widen(a.x)?.matmul(&widen(a.w)?.t()?)?;
+    if let Some(b) = a.bias {
+        y = y.add(&widen(b)?)?;
+    }
+    y.to_dtype(a.x.dtype())?.reshape(a.out_dims.clone())
+}
+
+/// See [`LinearGelu`]: [`Tensor::linear`] (fused where the backend provides it), then GELU.
+pub(super) fn gelu(a: &LinearGelu<&Tensor>) -> Result<(Tensor, Tensor)> {
+    let pre = a.x.linear(a.w, a.bias)?.reshape(a.out_dims.clone())?;
+    let kind = if a.tanh_form {
+        GeluKind::Tanh
+    } else {
+        GeluKind::Erf
+    };
+    Ok((pre.gelu(kind)?, pre))
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::ops::fallback::testutil::{both, close, rand, CASES};
+
+    #[test]
+    fn linear_matches_its_composition() {
+        for (dt, rel) in CASES {
+            let x = rand(&[2, 5, 24], 15, dt);
+            let w = rand(&[7, 24], 16, dt);
+            let b = rand(&[7], 17, dt);
+            // A transposed weight view too (the fused op reads it through its strides).
+            let wt = rand(&[24, 7], 18, dt).t().unwrap();
+            for (w, bias) in [(&w, None), (&w, Some(&b)), (&wt, Some(&b))] {
+                let (a, c) = both(|| x.linear(w, bias).unwrap());
+                close(&format!("linear {dt} bias={}", bias.is_some()), &a, &c, rel);
+            }
+        }
+    }
+}
