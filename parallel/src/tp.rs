@@ -8,7 +8,7 @@ use meshgrad_autograd::distributed::Collectives;
 use meshgrad_nn::tp::TensorParallel;
 use meshgrad_tensor::{Result, Tensor};
 
-use crate::comm::{Communicator, ReduceOp};
+use crate::comm::{Communicator, P2pOp, P2pWork, ReduceOp};
 
 /// A communicator seen as the [`Collectives`] tensor parallelism needs (each call launches the
 /// collective and waits for it).
@@ -45,6 +45,37 @@ impl Collectives for CommCollectives {
     }
     fn reduce_scatter_sum(&self, t: &Tensor) -> Result<Tensor> {
         self.comm.reduce_scatter(t, ReduceOp::Sum)?.wait()
+    }
+    /// One send to the next rank and one receive from the previous, posted together as one
+    /// [`Communicator::batch_p2p`] (so it cannot deadlock when sends rendezvous).
+    fn ring_shift(&self, t: &Tensor) -> Result<Tensor> {
+        let w = self.comm.world_size();
+        if w == 1 {
+            return Ok(t.clone());
+        }
+        let me = self.comm.rank();
+        let ops = vec![
+            P2pOp::Send {
+                tensor: t.clone(),
+                peer: (me + 1) % w,
+            },
+            P2pOp::Recv {
+                peer: (me + w - 1) % w,
+            },
+        ];
+        // The receive first, then the send (as the pipeline executor waits): a rendezvous send
+        // completes only once the peer has taken the message.
+        let mut works = self.comm.batch_p2p(ops)?.into_iter();
+        let (Some(P2pWork::Send(sent)), Some(P2pWork::Recv(recv))) = (works.next(), works.next())
+        else {
+            meshgrad_tensor::bail!(
+                "ring_shift on {}: batch_p2p did not return a send and a receive",
+                self.describe()
+            );
+        };
+        let received = recv.wait()?;
+        sent.wait()?;
+        Ok(received)
     }
     fn describe(&self) -> String {
         format!("{}{}", self.name, self.comm.describe())
