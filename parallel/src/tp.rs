@@ -1,10 +1,12 @@
-//! Tensor and sequence parallelism over a [`Communicator`]: the [`Collectives`] view that the
-//! layers of `meshgrad_nn::tp` communicate through, and [`tensor_parallel`] to make the
-//! [`TensorParallel`] a model is built with (see `meshgrad_nn::tp` for plans and styles).
+//! Tensor, sequence and context parallelism over a [`Communicator`]: the [`Collectives`] view
+//! that the layers of `meshgrad_nn::tp` and `meshgrad_nn::cp` communicate through,
+//! [`tensor_parallel`] to make the [`TensorParallel`] a model is built with (see
+//! `meshgrad_nn::tp` for plans and styles) and [`context_parallel`] its [`ContextParallel`].
 
 use std::sync::Arc;
 
 use meshgrad_autograd::distributed::Collectives;
+use meshgrad_nn::cp::ContextParallel;
 use meshgrad_nn::tp::TensorParallel;
 use meshgrad_tensor::{Result, Tensor};
 
@@ -80,6 +82,12 @@ impl Collectives for CommCollectives {
     fn describe(&self) -> String {
         format!("{}{}", self.name, self.comm.describe())
     }
+}
+
+/// Context parallelism over `group` (this rank's `cp` group of the mesh): the ring of ring
+/// attention.
+pub fn context_parallel(group: Arc<dyn Communicator>) -> ContextParallel {
+    ContextParallel::new(Arc::new(CommCollectives::new(group, "cp")))
 }
 
 /// Tensor parallelism over `group` (this rank's `tp` group of the mesh), with or without
