@@ -4,7 +4,7 @@
 //! [`ContextParallel`] ([`ParamBuilder::context_parallel`](crate::ParamBuilder::context_parallel))
 //! takes this rank's part of each sequence: chunks `i` and `2C - 1 - i` of `2C`
 //! ([`ChunkOrder`]), side by side. Its attention layers run ring attention over the group
-//! ([`meshgrad_autograd::distributed::ring_attention`]) and its position encodings (GPT's
+//! ([`meshgrad_autograd::distributed::ring_attention()`]) and its position encodings (GPT's
 //! learned table, Llama's rotary embedding) read the global positions of the local tokens
 //! ([`ContextParallel::positions`]). Everything else in a transformer is per token. On a group of
 //! one rank the model is the plain model.

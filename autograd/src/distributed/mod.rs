@@ -26,8 +26,8 @@ use meshgrad_tensor::{Result, Tensor};
 
 use crate::Var;
 
-mod chunk_order;
-mod ring_attention;
+pub mod chunk_order;
+pub mod ring_attention;
 
 pub use chunk_order::ChunkOrder;
 pub use ring_attention::{ring_attention, RingAttention};

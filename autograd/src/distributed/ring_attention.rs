@@ -3,7 +3,7 @@
 //!
 //! Each rank holds two chunks of every sequence ([`ChunkOrder`](super::ChunkOrder): chunks `i` and `2C - 1 - i` of
 //! `2C`) and its queries, keys and values for them. The keys and values pass around the ring
-//! ([`Collectives::ring_shift`], `C - 1` hops): at step `s` rank `i` holds those of rank
+//! ([`Collectives::ring_shift`](super::Collectives::ring_shift), `C - 1` hops): at step `s` rank `i` holds those of rank
 //! `j = i - s` (mod `C`) and attends its queries to them with the fused attention kernel. Under
 //! a causal mask the chunk pairs decide what runs (Megatron-LM's and torchtitan's split):
 //!
