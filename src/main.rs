@@ -375,7 +375,10 @@ struct TrainArgs {
     /// (tensor parallelism; composes: dp=2,tp=2, fsdp=2,tp=2, hsdp=2x2,tp=2; T must divide the
     /// vocabulary, BERT's 261 by default: --set model.vocab_multiple=T pads it). pp=P cuts the
     /// model into P pipeline stages (see --schedule, --microbatches, --partition; composes:
-    /// dp=2,tp=2,pp=2, fsdp=2,pp=2). The global batch is the same for every layout.
+    /// dp=2,tp=2,pp=2, fsdp=2,pp=2). cp=C splits every row's sequence over C ranks (context
+    /// parallelism, GPT and Llama: chunks i and 2C-1-i of 2C per rank, ring attention; alone or
+    /// with dp, e.g. cp=2, dp=2,cp=2; the sequence must split into 2C chunks; no dropout). The
+    /// global batch is the same for every layout.
     #[arg(long, value_name = "SPEC")]
     layout: Option<String>,
     /// Gradient accumulation: split each rank's rows of a step into this many micro-batches

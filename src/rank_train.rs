@@ -57,7 +57,7 @@ use meshgrad_parallel::pipeline::{
     write_chrome_trace, ExecuteOptions, Microbatch, PipelineGrads, Schedule, StepWindow, Timeline,
     Timelines,
 };
-use meshgrad_parallel::tp::tensor_parallel;
+use meshgrad_parallel::tp::{context_parallel, tensor_parallel};
 use meshgrad_parallel::{
     rank_rows, Communicator, DataParallel, LayoutMesh, ParallelLayout, ReduceOp, ZeroStage,
 };
@@ -293,6 +293,13 @@ fn rank_main<R: Recipe>(
     let v = plan.schedule.chunks;
     let tp =
         (mesh.tp_degree() > 1).then(|| tensor_parallel(mesh.tp_group(), opts.sequence_parallel));
+    // Context parallelism: the ring over the cp group; each rank takes its chunks of the rows.
+    let cp = (layout.cp() > 1).then(|| context_parallel(mesh.cp_group()));
+    let order = cp.as_ref().map(|cp| cp.order());
+    let own_chunks = |b: <R::Stage as ModelStage>::Batch| match &order {
+        Some(o) => recipe.context_chunks(b, o),
+        None => Ok(b),
+    };
     // ZeRO-3 / FSDP cuts its shards from a delayed-initialisation model one unit at a time, so
     // no rank holds the whole model.
     let fsdp = layout.zero() == Some(ZeroStage::Three);
@@ -301,6 +308,7 @@ fn rank_main<R: Recipe>(
             recipe.build_stage(StageBuild {
                 spec: plan.specs[c * world_pp + p].clone(),
                 tp: tp.clone(),
+                cp: cp.clone(),
                 delayed: fsdp,
                 checkpointing: opts.activation_checkpointing.on_stage(p),
                 init: at.init.clone(),
@@ -332,8 +340,9 @@ fn rank_main<R: Recipe>(
         reference: cfg.train.reference,
         last_weight_gradients: plan.schedule.last_weight_gradients(pp.rank()),
     };
-    let dp = mesh.dp_degree();
-    let rows = rank_rows(cfg.train.batch_size, dp, mesh.dp_rank())?;
+    // The ranks of a context-parallel group read the same rows (each its chunks of them).
+    let dp = mesh.batch_degree();
+    let rows = rank_rows(cfg.train.batch_size, dp, mesh.batch_rank())?;
     let leader = ctx.rank == 0;
     let mut rep = if leader {
         Reporter::leader(cfg, verbosity, start_step)?
@@ -355,7 +364,16 @@ fn rank_main<R: Recipe>(
     let scaler = crate::run_setup::run_loss_scaler(cfg, start.loss_scaler.as_ref())?;
     let aux_coef = recipe.aux_loss_coef();
     let micro_step = |step: usize| -> Result<StepShare> {
-        let mbs = recipe.train_microbatches(step as u64, rows.clone(), opts.microbatches, dp)?;
+        let mbs = recipe
+            .train_microbatches(step as u64, rows.clone(), opts.microbatches, dp)?
+            .into_iter()
+            .map(|mb| {
+                Ok(Microbatch {
+                    first_row: mb.first_row,
+                    batch: own_chunks(mb.batch)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
         let t0 = timeline.now_s();
         // A mixture of experts' layers record their load during the step's forwards.
         let (loss, load) = collect_expert_load(|| -> Result<f64> {
@@ -413,7 +431,11 @@ fn rank_main<R: Recipe>(
         if reference.is_some() {
             return val_loss_reference(recipe, &chunks, pp.as_ref(), &rows, total_groups, &sync);
         }
-        let batches = recipe.val_batches(rows.clone())?;
+        let batches = recipe
+            .val_batches(rows.clone())?
+            .into_iter()
+            .map(&own_chunks)
+            .collect::<Result<Vec<_>>>()?;
         for c in &chunks {
             c.set_training(false);
         }

@@ -12,6 +12,8 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use anyhow::Result;
+use meshgrad_autograd::distributed::ChunkOrder;
+use meshgrad_nn::cp::ContextParallel;
 use meshgrad_nn::tp::TensorParallel;
 use meshgrad_nn::{InitialValues, ModelStage, ParamBuilder, StageSpec};
 use meshgrad_parallel::pipeline::Microbatch;
@@ -22,12 +24,14 @@ use crate::config::TrainConfig;
 use crate::run_setup::{RunData, TrainOptions, TrainSummary, Verbosity};
 use crate::step_loop::{LoopResult, Reporter};
 
-/// What stage to build and how: its own parameters only, split by `tp` when given, lazily
+/// What stage to build and how: its own parameters only, split by `tp` when given, taking its
+/// chunks of each sequence over `cp` when given, lazily
 /// initialised when `delayed`, recomputing its blocks' activations in the backward when
 /// `checkpointing`, starting from `init` (`--init-from`) instead of the run seed's values.
 pub(crate) struct StageBuild {
     pub(crate) spec: StageSpec,
     pub(crate) tp: Option<TensorParallel>,
+    pub(crate) cp: Option<ContextParallel>,
     pub(crate) delayed: bool,
     pub(crate) checkpointing: bool,
     pub(crate) init: Option<Arc<InitialValues>>,
@@ -39,14 +43,19 @@ impl StageBuild {
         StageBuild {
             spec,
             tp: None,
+            cp: None,
             delayed: false,
             checkpointing: false,
             init: None,
         }
     }
 
-    /// `builder` with this build's delayed initialisation and initial values.
+    /// `builder` with this build's delayed initialisation, initial values and context
+    /// parallelism.
     pub(crate) fn prepare(&self, mut builder: ParamBuilder) -> ParamBuilder {
+        if let Some(cp) = &self.cp {
+            builder = builder.context_parallel(cp.clone());
+        }
         if self.delayed {
             builder = builder.delayed_init();
         }
@@ -88,6 +97,20 @@ pub(crate) trait Recipe: Sync + Sized {
         microbatches: usize,
         dp: usize,
     ) -> Result<Vec<Microbatch<<Self::Stage as ModelStage>::Batch>>>;
+    /// Context parallelism: this rank's chunks (`order`) of every sequence of `batch`. Each
+    /// rank's loss must then be its tokens' share of the global mean times the group size (for
+    /// equal token counts, the mean over its own tokens), as gradients and losses are averaged
+    /// over the context-parallel ranks with the data-parallel ones. Default: a one-line refusal.
+    fn context_chunks(
+        &self,
+        _batch: <Self::Stage as ModelStage>::Batch,
+        _order: &ChunkOrder,
+    ) -> Result<<Self::Stage as ModelStage>::Batch> {
+        anyhow::bail!(
+            "context parallelism (cp) is not supported for {} yet",
+            Self::NAME
+        )
+    }
     /// The validation batches of `rows` (this data-parallel rank's), on the run's device.
     fn val_batches(&self, rows: Range<u64>) -> Result<Vec<<Self::Stage as ModelStage>::Batch>>;
     /// The validation loss from the sum of the last stage's outputs over the validation batches

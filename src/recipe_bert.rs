@@ -172,6 +172,12 @@ impl Recipe for BertRecipe {
         let Some(l) = layout else {
             return Ok(());
         };
+        if l.cp() > 1 {
+            anyhow::bail!(
+                "layout {l}: context parallelism (cp) is not supported for BERT yet (its masked \
+                 tokens differ per chunk: the loss needs the global masked-token count)"
+            );
+        }
         // The other sizes first; then the vocabulary, whose error names the key that pads it.
         let mut sizes = bert_config(cfg);
         sizes.vocab_size = sizes.vocab_size.next_multiple_of(l.tp());

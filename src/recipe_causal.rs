@@ -10,6 +10,7 @@
 use std::ops::Range;
 
 use anyhow::Result;
+use meshgrad_autograd::distributed::ChunkOrder;
 use meshgrad_nn::data::TokenSource;
 use meshgrad_nn::gpt::GptBatch;
 use meshgrad_nn::llama::LlamaConfig;
@@ -100,6 +101,7 @@ impl<F: TrainFamily> Recipe for CausalRecipe<F> {
         let Some(layout) = layout else {
             return Ok(());
         };
+        crate::ranks::check_context_parallel(cfg, layout)?;
         // The other sizes first; then the vocabulary, whose error names the key that pads it.
         let config = F::config(cfg);
         F::check_tp(
@@ -153,6 +155,17 @@ impl<F: TrainFamily> Recipe for CausalRecipe<F> {
                 })
             })
             .collect()
+    }
+
+    /// The ids and targets cut to this rank's chunks: every target is counted (no ignore
+    /// index) and every rank holds the same number, so each rank's mean is its share of the
+    /// global mean times the group size.
+    fn context_chunks(&self, batch: GptBatch, order: &ChunkOrder) -> Result<GptBatch> {
+        Ok(GptBatch {
+            ids: order.local_of(&batch.ids, 1)?,
+            targets: order.local_of(&batch.targets, 1)?,
+            ignore_index: batch.ignore_index,
+        })
     }
 
     fn val_batches(&self, rows: Range<u64>) -> Result<Vec<GptBatch>> {

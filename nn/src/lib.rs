@@ -9,6 +9,7 @@
 
 pub mod bert;
 pub mod causal_lm;
+pub mod cp;
 pub mod data;
 pub mod eval;
 pub mod family;

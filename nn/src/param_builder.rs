@@ -9,6 +9,7 @@ use meshgrad_autograd::Var;
 use meshgrad_tensor::alloc::{with_tag, MemoryTag};
 use meshgrad_tensor::{DType, Device, Random, Result, Shape, Tensor};
 
+use crate::cp::ContextParallel;
 use crate::module::{name_seed, Module};
 use crate::tp::{Placement, TensorParallel, TpPlan};
 
@@ -147,6 +148,8 @@ pub struct ParamBuilder {
     splits: Mutex<Vec<Option<Placement>>>,
     /// Values to start from instead of the [`Init`]s.
     initial: Option<Arc<InitialValues>>,
+    /// Context parallelism: the group the model's layers split sequences over.
+    cp: Option<ContextParallel>,
 }
 
 impl std::fmt::Debug for ParamBuilder {
@@ -176,6 +179,7 @@ impl ParamBuilder {
             tp: None,
             splits: Mutex::new(Vec::new()),
             initial: None,
+            cp: None,
         }
     }
 
@@ -211,6 +215,19 @@ impl ParamBuilder {
     /// sizes split before building).
     pub fn tensor_parallel_group(&self) -> Option<&TensorParallel> {
         self.tp.as_ref().map(|(tp, _)| tp)
+    }
+
+    /// Builds the model context-parallel over `cp` (see [`crate::cp`]): its attention layers run
+    /// ring attention over the group and its position encodings read global positions. Creates
+    /// no parameter differently.
+    pub fn context_parallel(mut self, cp: ContextParallel) -> Self {
+        self.cp = Some(cp);
+        self
+    }
+
+    /// The context parallelism this builder builds for, if any (layers keep it).
+    pub fn context_parallel_group(&self) -> Option<&ContextParallel> {
+        self.cp.as_ref()
     }
 
     /// Sets the parameter dtype.

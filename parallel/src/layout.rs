@@ -13,18 +13,23 @@
 //! | `hsdp=RxS`  | hybrid sharding, the same as `dp=R,fsdp=S`: shard over S ranks, replicate R times |
 //! | `tp=T`      | tensor parallel over T ranks (each layer split across them)       |
 //! | `pp=P`      | pipeline parallel over P ranks (the model cut into stages; [`crate::pipeline`]) |
+//! | `cp=C`      | context parallel over C ranks: each row's sequence cut into 2C chunks, rank i holding chunks i and 2C-1-i; attention as ring attention |
 //!
 //! For example `dp=4` (DDP over 4 ranks), `fsdp=4`, `zero1=4`, `hsdp=2x2` (= `dp=2,fsdp=2`),
 //! `dp=2,zero2=2` (hybrid ZeRO-2) or `dp=2,tp=2`. At most one sharding entry (`fsdp`, `zero1`,
 //! `zero2`, `zero3`) is allowed, `hsdp` excludes `dp` and the sharding entries, and no entry may
-//! be given twice; degree 1 is allowed everywhere (`fsdp=1` is a one-rank ZeRO-3 run).
+//! be given twice; degree 1 is allowed everywhere (`fsdp=1` is a one-rank ZeRO-3 run). `cp`
+//! composes today with `dp` only (not with a sharding entry, `tp` or `pp`: refused in one line).
 //!
 //! The ranks form a [`crate::DeviceMesh`] with dimensions `["pp", "dp_replicate", "dp_shard",
-//! "tp"]` (every one present, possibly of size 1; `tp` fastest, so tensor-parallel ranks are
-//! adjacent): see [`ParallelLayout::mesh`] and [`LayoutMesh`]. The data-parallel ranks
-//! (`dp_replicate x dp_shard`) split the global batch evenly (and each rank's rows into
-//! micro-batches); the ranks of one tensor- or pipeline-parallel group read the same rows. So the
-//! same seed and global batch give the same training run under any layout.
+//! "cp", "tp"]` (torchtitan's order; every one present, possibly of size 1; `tp` fastest, so
+//! tensor-parallel ranks are adjacent, then the context-parallel ring): see
+//! [`ParallelLayout::mesh`] and [`LayoutMesh`]. The data-parallel ranks (`dp_replicate x
+//! dp_shard`) split the global batch evenly (and each rank's rows into micro-batches); the ranks
+//! of one tensor-, context- or pipeline-parallel group read the same rows. Gradients are averaged
+//! over `dp_replicate x dp_shard x cp` (the context-parallel ranks fold into the data-parallel
+//! reduction, as torchtitan folds them into FSDP's group). So the same seed and global batch give
+//! the same training run under any layout.
 
 use std::fmt;
 use std::str::FromStr;
@@ -62,11 +67,11 @@ impl ZeroStage {
 }
 
 /// The names of the mesh dimensions of a layout, slowest first.
-pub const MESH_DIMS: [&str; 4] = ["pp", "dp_replicate", "dp_shard", "tp"];
+pub const MESH_DIMS: [&str; 5] = ["pp", "dp_replicate", "dp_shard", "cp", "tp"];
 
 /// A parallel layout: the degree of each kind of parallelism (see the [module docs](self)).
 ///
-/// The world is `pp x dp_replicate x dp_shard x tp` ranks. Without a ZeRO stage the layout is
+/// The world is `pp x dp_replicate x dp_shard x cp x tp` ranks. Without a ZeRO stage the layout is
 /// plain data parallel over `dp_replicate` ranks (`dp_shard` is 1); with one, parameters,
 /// gradients and/or optimizer state are sharded over `dp_shard` ranks and replicated
 /// `dp_replicate` times (hybrid sharding when `dp_replicate > 1`).
@@ -76,6 +81,7 @@ pub struct ParallelLayout {
     dp_replicate: usize,
     dp_shard: usize,
     zero: Option<ZeroStage>,
+    cp: usize,
     tp: usize,
 }
 
@@ -87,6 +93,7 @@ impl Default for ParallelLayout {
             dp_replicate: 1,
             dp_shard: 1,
             zero: None,
+            cp: 1,
             tp: 1,
         }
     }
@@ -107,6 +114,7 @@ impl ParallelLayout {
             dp_replicate,
             dp_shard,
             zero,
+            cp: 1,
             tp,
         };
         for (name, d) in [
@@ -155,12 +163,40 @@ impl ParallelLayout {
 
     /// This layout with tensor-parallel degree `tp`.
     pub fn with_tp(self, tp: usize) -> Result<Self> {
-        Self::new(self.pp, self.dp_replicate, self.dp_shard, self.zero, tp)
+        Self::new(self.pp, self.dp_replicate, self.dp_shard, self.zero, tp)?.with_cp(self.cp)
+    }
+
+    /// This layout with context-parallel degree `cp` (at least 1). Context parallelism composes
+    /// with plain data parallelism only: a one-line error names what it does not compose with
+    /// yet (a ZeRO stage, `tp`, `pp`).
+    pub fn with_cp(self, cp: usize) -> Result<Self> {
+        if cp == 0 {
+            meshgrad_tensor::bail!("parallel layout: the cp degree must be at least 1");
+        }
+        if cp > 1 {
+            let other = [
+                (self.zero.is_some(), self.zero.map_or("", ZeroStage::key)),
+                (self.tp > 1, "tp"),
+                (self.pp > 1, "pp"),
+            ];
+            if let Some((_, key)) = other.iter().find(|(on, _)| *on) {
+                meshgrad_tensor::bail!(
+                    "parallel layout: cp does not compose with {key} yet (cp runs alone or with dp)"
+                );
+            }
+        }
+        let world = self.world_size().checked_mul(cp);
+        if world.is_none_or(|w| w > MAX_WORLD_SIZE) {
+            meshgrad_tensor::bail!(
+                "parallel layout: the degrees with cp {cp} make more than {MAX_WORLD_SIZE} ranks"
+            );
+        }
+        Ok(ParallelLayout { cp, ..self })
     }
 
     /// Number of ranks the layout runs on: the product of its degrees.
     pub fn world_size(&self) -> usize {
-        self.pp * self.dp_replicate * self.dp_shard * self.tp
+        self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
     }
 
     /// Number of ranks the global batch is split across: `dp_replicate * dp_shard`.
@@ -176,6 +212,11 @@ impl ParallelLayout {
     /// The tensor-parallel degree.
     pub fn tp(&self) -> usize {
         self.tp
+    }
+
+    /// The context-parallel degree (ranks that split each row's sequence).
+    pub fn cp(&self) -> usize {
+        self.cp
     }
 
     /// The number of replicas of the data-parallel ranks (the DDP degree without a ZeRO stage).
@@ -194,8 +235,8 @@ impl ParallelLayout {
     }
 
     /// The mesh dimension sizes, in the order of [`MESH_DIMS`].
-    pub fn mesh_shape(&self) -> [usize; 4] {
-        [self.pp, self.dp_replicate, self.dp_shard, self.tp]
+    pub fn mesh_shape(&self) -> [usize; 5] {
+        [self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp]
     }
 
     /// This rank's [`LayoutMesh`] over `world`, which must have [`Self::world_size`] ranks.
@@ -256,13 +297,13 @@ fn parse_degree(spec: &str, key: &str, v: &str) -> Result<usize> {
     Ok(d)
 }
 
-const EXPECTED: &str = "dp=R, fsdp=S, zero1=S, zero2=S, zero3=S, hsdp=RxS, tp=T, pp=P";
+const EXPECTED: &str = "dp=R, fsdp=S, zero1=S, zero2=S, zero3=S, hsdp=RxS, tp=T, pp=P, cp=C";
 
 impl FromStr for ParallelLayout {
     type Err = Error;
 
     /// Parses comma-separated `dp=R`, `fsdp=S` (`zero3=S`), `zero1=S`, `zero2=S`, `hsdp=RxS`,
-    /// `tp=T` and `pp=P` entries (see the [module docs](self)). Errors are one line naming the
+    /// `tp=T`, `pp=P` and `cp=C` entries (see the [module docs](self)). Errors are one line naming the
     /// offending entries.
     fn from_str(spec: &str) -> Result<Self> {
         let spec = spec.trim();
@@ -272,6 +313,7 @@ impl FromStr for ParallelLayout {
         let mut hsdp: Option<(usize, usize)> = None;
         let mut tp: Option<usize> = None;
         let mut pp: Option<usize> = None;
+        let mut cp: Option<usize> = None;
         for entry in spec.split(',') {
             let entry = entry.trim();
             if entry.is_empty() {
@@ -343,6 +385,12 @@ impl FromStr for ParallelLayout {
                     }
                     pp = Some(parse_degree(spec, &key, value)?);
                 }
+                "cp" => {
+                    if cp.is_some() {
+                        return Err(twice());
+                    }
+                    cp = Some(parse_degree(spec, &key, value)?);
+                }
                 other => meshgrad_tensor::bail!(
                     "layout '{spec}': unknown entry '{other}' (expected {EXPECTED})"
                 ),
@@ -366,6 +414,7 @@ impl FromStr for ParallelLayout {
             zero,
             tp.unwrap_or(1),
         )
+        .and_then(|l| l.with_cp(cp.unwrap_or(1)))
         .map_err(|e| Error::msg(format!("layout '{spec}': {e}")))
     }
 }
@@ -373,7 +422,7 @@ impl FromStr for ParallelLayout {
 impl fmt::Display for ParallelLayout {
     /// The canonical spec, which parses back to the same layout: `pp=P` (when above 1), then
     /// `dp=R` (left out when 1 beside other entries), `hsdp=RxS` for hybrid ZeRO-3 or `dp=R`
-    /// and `fsdp=S` / `zero1=S` / `zero2=S`, then `tp=T` (when above 1); e.g. `dp=4`, `fsdp=4`,
+    /// and `fsdp=S` / `zero1=S` / `zero2=S`, then `cp=C` and `tp=T` (when above 1); e.g. `dp=4`, `fsdp=4`,
     /// `hsdp=2x2`, `dp=2,zero1=2`, `dp=2,tp=2`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut parts: Vec<String> = Vec::new();
@@ -391,10 +440,13 @@ impl fmt::Display for ParallelLayout {
                 parts.push(format!("{}={}", stage.key(), self.dp_shard));
             }
             None => {
-                if self.dp_replicate > 1 || (self.tp == 1 && self.pp == 1) {
+                if self.dp_replicate > 1 || (self.tp == 1 && self.pp == 1 && self.cp == 1) {
                     parts.push(format!("dp={}", self.dp_replicate));
                 }
             }
+        }
+        if self.cp > 1 {
+            parts.push(format!("cp={}", self.cp));
         }
         if self.tp > 1 {
             parts.push(format!("tp={}", self.tp));
@@ -463,7 +515,13 @@ mod tests {
             (c.dp_replicate(), c.dp_shard(), c.zero()),
             (2, 2, Some(One))
         );
-        assert_eq!(c.mesh_shape(), [1, 2, 2, 2]);
+        assert_eq!(c.mesh_shape(), [1, 2, 2, 1, 2]);
+        let c = p("dp=2,cp=4").unwrap();
+        assert_eq!(c.mesh_shape(), [1, 2, 1, 4, 1]);
+        assert_eq!(
+            (c.world_size(), c.data_parallel_degree(), c.cp()),
+            (8, 2, 4)
+        );
         let c = p("hsdp=2x2,tp=4").unwrap();
         assert_eq!((c.world_size(), c.data_parallel_degree()), (16, 4));
         let c = p("tp=4,dp=2").unwrap();
@@ -491,6 +549,9 @@ mod tests {
             ("pp=1", "dp=1"),
             ("hsdp=2x1", "hsdp=2x1"),
             ("dp=1,zero1=2", "zero1=2"),
+            ("cp=2", "cp=2"),
+            ("cp=2,dp=2", "dp=2,cp=2"),
+            ("cp=1", "dp=1"),
         ] {
             let layout = p(s).unwrap();
             assert_eq!(layout.to_string(), canonical, "{s}");
@@ -519,6 +580,11 @@ mod tests {
             ("fsdp=2,fsdp=2", &["fsdp is given twice"][..]),
             ("hsdp=2x2,dp=2", &["hsdp and dp conflict"][..]),
             ("fsdp=2,hsdp=2x2", &["hsdp and fsdp conflict"][..]),
+            ("cp=0", &["cp degree must be at least 1"][..]),
+            ("cp=2,cp=2", &["cp is given twice"][..]),
+            ("cp=2,tp=2", &["cp does not compose with tp yet"][..]),
+            ("cp=2,pp=2", &["cp does not compose with pp yet"][..]),
+            ("cp=2,fsdp=2", &["cp does not compose with fsdp yet"][..]),
             ("hsdp=2x2,zero1=2", &["hsdp and zero1 conflict"][..]),
         ] {
             let e = p(s).unwrap_err().to_string();

@@ -1,11 +1,13 @@
 //! [`LayoutMesh`]: one rank's [`DeviceMesh`] for a [`ParallelLayout`], and the process groups
 //! each strategy takes from it.
 //!
-//! The mesh has the dimensions `["pp", "dp_replicate", "dp_shard", "tp"]` (see
+//! The mesh has the dimensions `["pp", "dp_replicate", "dp_shard", "cp", "tp"]` (see
 //! [`crate::layout::MESH_DIMS`]), every one present even at size 1, laid out row-major with `tp`
-//! fastest: tensor-parallel ranks are adjacent (as in Megatron-LM), then the shard group, then the
-//! replicas, then the pipeline stages. For `dp=2,tp=2` over 4 ranks the tensor-parallel groups are
-//! `[0,1]` and `[2,3]` and the data-parallel groups `[0,2]` and `[1,3]`.
+//! fastest: tensor-parallel ranks are adjacent (as in Megatron-LM), then the context-parallel
+//! ring, then the shard group, then the replicas, then the pipeline stages. For `dp=2,tp=2` over 4
+//! ranks the tensor-parallel groups are `[0,1]` and `[2,3]` and the data-parallel groups `[0,2]`
+//! and `[1,3]`. For `dp=2,cp=2` the context-parallel groups are `[0,1]` and `[2,3]`, the rows
+//! split over `[0,2]` (and `[1,3]`), and gradients average over all four ranks.
 
 use std::sync::Arc;
 
@@ -42,8 +44,15 @@ impl LayoutMesh {
         let mesh = DeviceMesh::new(world, &MESH_DIMS, &layout.mesh_shape())?;
         // The data-parallel group, created here so that every rank creates the mesh's groups in
         // the same order. When one of the two dimensions has size 1 the other's group already
-        // has the same members in the same order.
-        let dp = if layout.dp_replicate() == 1 {
+        // has the same members in the same order. Context-parallel ranks fold into it (they
+        // average their gradients with the data-parallel ranks').
+        let dp = if layout.cp() > 1 {
+            if layout.data_parallel_degree() == 1 {
+                mesh.group("cp")?
+            } else {
+                mesh.group_over(&["dp_replicate", "dp_shard", "cp"])?
+            }
+        } else if layout.dp_replicate() == 1 {
             mesh.group("dp_shard")?
         } else if layout.dp_shard() == 1 {
             mesh.group("dp_replicate")?
@@ -58,7 +67,7 @@ impl LayoutMesh {
         &self.layout
     }
 
-    /// The underlying mesh (dimensions `["pp", "dp_replicate", "dp_shard", "tp"]`).
+    /// The underlying mesh (dimensions `["pp", "dp_replicate", "dp_shard", "cp", "tp"]`).
     pub fn device_mesh(&self) -> &DeviceMesh {
         &self.mesh
     }
@@ -69,20 +78,37 @@ impl LayoutMesh {
     }
 
     /// The data-parallel ranks of this rank: `dp_replicate x dp_shard` flattened (replicate
-    /// slowest), the ranks that read different rows of the global batch and average their
-    /// gradients (DDP's group; losses are averaged over it too).
+    /// slowest), times `cp` under context parallelism: the ranks that average their gradients
+    /// (DDP's group; losses are averaged over it too). Its ranks read different rows, or
+    /// different chunks of the same rows ([`Self::batch_rank`] says which rows).
     pub fn dp_group(&self) -> Arc<dyn Communicator> {
         self.dp.clone()
     }
 
-    /// This rank's index among the data-parallel ranks: which rows of the global batch it reads.
+    /// This rank's index in [`Self::dp_group`].
     pub fn dp_rank(&self) -> usize {
         self.dp.rank()
     }
 
-    /// Number of data-parallel ranks (`dp_replicate * dp_shard`).
+    /// Number of ranks of [`Self::dp_group`] (`dp_replicate * dp_shard * cp`).
     pub fn dp_degree(&self) -> usize {
         self.dp.world_size()
+    }
+
+    /// Which rows of the global batch this rank reads: its index among the `dp_replicate x
+    /// dp_shard` ranks (replicate slowest); the ranks of a context-parallel group share it.
+    pub fn batch_rank(&self) -> usize {
+        self.dim_coord("dp_replicate") * self.layout.dp_shard() + self.dim_coord("dp_shard")
+    }
+
+    /// Number of ranks the global batch's rows are split over (`dp_replicate * dp_shard`).
+    pub fn batch_degree(&self) -> usize {
+        self.layout.data_parallel_degree()
+    }
+
+    /// The context-parallel ranks of this rank (the ring of ring attention).
+    pub fn cp_group(&self) -> Arc<dyn Communicator> {
+        self.dim_group("cp")
     }
 
     /// The tensor-parallel ranks of this rank (adjacent world ranks).
@@ -198,7 +224,7 @@ mod tests {
         let tp_rank: Vec<_> = s.iter().map(|x| x.tp_rank).collect();
         assert_eq!(dp_rank, [0, 0, 1, 1]);
         assert_eq!(tp_rank, [0, 1, 0, 1]);
-        assert_eq!(s[3].coords, [0, 1, 0, 1]);
+        assert_eq!(s[3].coords, [0, 1, 0, 0, 1]);
         assert_eq!(s[2].pp, [2]);
         // Not sharded (DDP's layout), but the topology is still well formed: shards of one rank,
         // replicated over the data-parallel group.
@@ -214,7 +240,7 @@ mod tests {
         assert_eq!(s.len(), 8);
         // Rank 5 = (pp 0, replicate 1, shard 0, tp 1).
         let r5 = &s[5];
-        assert_eq!(r5.coords, [0, 1, 0, 1]);
+        assert_eq!(r5.coords, [0, 1, 0, 0, 1]);
         assert_eq!(r5.tp, [4, 5]);
         assert_eq!(r5.tp_rank, 1);
         assert_eq!(r5.dp, [1, 3, 5, 7]);
@@ -247,6 +273,26 @@ mod tests {
         let s = seen("dp=2,zero2=2");
         assert_eq!(s[3].shard, [2, 3]);
         assert_eq!(s[3].replicate.as_deref(), Some(&[1, 3][..]));
+    }
+
+    #[test]
+    fn cp_ranks_share_rows_and_fold_into_the_gradient_group() {
+        let layout: ParallelLayout = "dp=2,cp=2".parse().unwrap();
+        let opts = RunOptions::with_timeout(Duration::from_secs(10));
+        let seen = run_ranks(4, &opts, |ctx| {
+            let m = layout.mesh(ctx.comm.clone())?;
+            Ok((
+                m.cp_group().ranks().to_vec(),
+                m.dp_group().ranks().to_vec(),
+                m.batch_rank(),
+                m.batch_degree(),
+            ))
+        })
+        .unwrap();
+        assert_eq!(seen[0], (vec![0, 1], vec![0, 1, 2, 3], 0, 2));
+        assert_eq!(seen[1], (vec![0, 1], vec![0, 1, 2, 3], 0, 2));
+        assert_eq!(seen[2], (vec![2, 3], vec![0, 1, 2, 3], 1, 2));
+        assert_eq!(seen[3].2, 1);
     }
 
     #[test]

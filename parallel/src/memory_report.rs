@@ -84,8 +84,14 @@ pub struct MemoryStrategy {
 impl MemoryStrategy {
     /// A layout spec as `--layout` takes it (`dp=4`, `fsdp=2,tp=2`, ...).
     pub fn new(spec: &str, sequence_parallel: bool) -> Result<Self> {
+        let layout: ParallelLayout = spec.parse()?;
+        if layout.cp() > 1 {
+            meshgrad_tensor::bail!(
+                "memory report: layout {layout}: context parallelism (cp) has no memory rows yet"
+            );
+        }
         Ok(MemoryStrategy {
-            layout: spec.parse()?,
+            layout,
             sequence_parallel,
         })
     }
@@ -386,7 +392,7 @@ fn measure_rank<F: CausalFamily>(
     let mut opt = AdamW::new(groups, AdamWConfig::default())?;
     let wrapper = DataParallel::for_layout(&mesh, &model, &opt)?;
     let grads = PipelineGrads::new(std::slice::from_ref(&model), mesh.pp_group())?;
-    let rows = rank_rows(cfg.global_batch, mesh.dp_degree(), mesh.dp_rank())?;
+    let rows = rank_rows(cfg.global_batch, mesh.batch_degree(), mesh.batch_rank())?;
     let n = (rows.end - rows.start) as usize;
     let batch = |step: usize| -> Result<(GptBatch, ForwardCtx)> {
         let b = data

@@ -8,6 +8,7 @@ use meshgrad_autograd::Var;
 use meshgrad_tensor::{DType, Device, Result, Tensor};
 
 use super::GptConfig;
+use crate::cp::ContextParallel;
 use crate::generation::{self, Sampling};
 use crate::input_checks;
 use crate::layers::{Block, BlockConfig, Dropout, Embedding, LayerNorm, LmHead};
@@ -112,6 +113,9 @@ pub struct Gpt {
     pub lm_head: Option<LmHead>,
     /// Recompute each block's activations during backward instead of storing them.
     pub activation_checkpointing: bool,
+    /// Context parallelism (from the builder): the positions of the ids the embedding takes are
+    /// this rank's chunks of the sequence ([`ContextParallel::positions`]).
+    pub cp: Option<ContextParallel>,
     /// The token ids the data uses when the vocabulary is padded (`config.vocab_size` rounded
     /// up for tensor parallelism): [`Gpt::generate`] samples only among `0..n` and refuses
     /// prompt ids from `n` on. `None`: every id of `config.vocab_size`.
@@ -179,6 +183,7 @@ impl Gpt {
                     .transpose()?,
                 lm_head: last.then(LmHead::new),
                 activation_checkpointing: false,
+                cp: p.context_parallel_group().cloned(),
                 vocab_in_use: None,
             })
         })
@@ -253,7 +258,7 @@ impl Gpt {
                     );
                 };
                 check_ids(&self.config, ids)?;
-                embed(wte, wpe, drop, ids)?
+                embed(wte, wpe, drop, ids, self.cp.as_ref())?
             }
             StageInput::Hidden(h) => {
                 if self.spec.embedding {
@@ -411,10 +416,20 @@ fn new_blocks(p: &ParamBuilder, bc: BlockConfig, range: Range<usize>) -> Result<
     range.map(|_| Block::new(p, bc).map(Arc::new)).collect()
 }
 
-/// Token + position embeddings of ids `[B, T]`, then the embedding dropout.
-fn embed(wte: &Embedding, wpe: &Embedding, drop: &Dropout, ids: &Tensor) -> Result<Var> {
+/// Token + position embeddings of ids `[B, T]` (under context parallelism this rank's chunks,
+/// at their global positions), then the embedding dropout.
+fn embed(
+    wte: &Embedding,
+    wpe: &Embedding,
+    drop: &Dropout,
+    ids: &Tensor,
+    cp: Option<&ContextParallel>,
+) -> Result<Var> {
     let t = ids.dims()[1];
-    let pos = Tensor::arange(0, t as i64, DType::I64, ids.device())?;
+    let pos = match cp {
+        Some(cp) => cp.positions(t, ids.device())?,
+        None => Tensor::arange(0, t as i64, DType::I64, ids.device())?,
+    };
     let x = wte.forward(ids)?.add(&wpe.forward(&pos)?)?;
     drop.forward(&x)
 }

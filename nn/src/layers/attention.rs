@@ -1,9 +1,11 @@
-//! Causal multi-head self-attention (GPT-2 style, fused qkv projection).
+//! Causal multi-head self-attention (GPT-2 style, fused qkv projection); ring attention over a
+//! context-parallel group when the model is built for one ([`crate::cp`]).
 
 use meshgrad_autograd::Var;
 use meshgrad_tensor::{AttentionMask, Result};
 
 use super::{Dropout, Linear, LinearConfig};
+use crate::cp::ContextParallel;
 use crate::module::Forward;
 use crate::param_builder::ParamBuilder;
 
@@ -20,6 +22,8 @@ pub struct CausalSelfAttention {
     pub resid_dropout: Dropout,
     /// Number of heads.
     pub n_head: usize,
+    /// The context-parallel group the sequence is split over (from the builder), if any.
+    pub cp: Option<ContextParallel>,
 }
 
 impl CausalSelfAttention {
@@ -45,6 +49,7 @@ impl CausalSelfAttention {
                 .build(p)?,
             resid_dropout: Dropout::new(dropout)?,
             n_head,
+            cp: p.context_parallel_group().cloned(),
         })
     }
 }
@@ -66,7 +71,25 @@ impl Forward for CausalSelfAttention {
         let qkv = self.c_attn.forward(x)?;
         // q, k and v are read straight out of the fused projection and the heads come back side
         // by side as [B, T, C]: no split, transpose or copy.
-        let y = Var::attention_qkv(&qkv, h, &AttentionMask::causal(), 1.0 / (d as f64).sqrt())?;
+        let scale = 1.0 / (d as f64).sqrt();
+        let y = match self.cp.as_ref().filter(|cp| cp.degree() > 1) {
+            // Context parallelism: this rank's heads of q, k, v as [B, h, T, d], ring attention,
+            // heads back side by side.
+            Some(cp) => {
+                let (b, t) = (dims[0], dims[1]);
+                let parts = qkv.split(&[h * d, h * d, h * d], -1)?;
+                let heads = |v: &Var| v.reshape((b, t, h, d))?.transpose(1, 2);
+                cp.causal_attention(
+                    &heads(&parts[0])?,
+                    &heads(&parts[1])?,
+                    &heads(&parts[2])?,
+                    scale,
+                )?
+                .transpose(1, 2)?
+                .reshape((b, t, h * d))?
+            }
+            None => Var::attention_qkv(&qkv, h, &AttentionMask::causal(), scale)?,
+        };
         self.resid_dropout.forward(&self.c_proj.forward(&y)?)
     }
 }

@@ -8,6 +8,7 @@ use meshgrad_tensor::{AttentionMask, Result};
 
 use super::rope::{self, RopeAngles};
 use super::LlamaConfig;
+use crate::cp::ContextParallel;
 use crate::layers::{Linear, LinearConfig, RmsNorm};
 use crate::module::Forward;
 use crate::moe::SparseMoe;
@@ -45,6 +46,9 @@ pub struct LlamaAttention {
     pub rope_angles: RopeAngles,
     /// transformers' tables, kept between calls ([`RopeAngles::Transformers`]).
     rope_tables: rope::TableCache,
+    /// The context-parallel group the sequence is split over (from the builder), if any: ring
+    /// attention, and rotations at global positions.
+    pub cp: Option<ContextParallel>,
 }
 
 impl LlamaAttention {
@@ -60,6 +64,10 @@ impl LlamaAttention {
             rope_theta: c.rope_theta,
             rope_angles: c.rope_angles,
             rope_tables: rope::TableCache::default(),
+            cp: p
+                .context_parallel_group()
+                .filter(|cp| cp.degree() > 1)
+                .cloned(),
         })
     }
 }
@@ -67,7 +75,9 @@ impl LlamaAttention {
 impl Forward for LlamaAttention {
     /// `x [B, T, C]` -> `[B, T, C]` (under sequence parallelism `[B, T / tp, C]` both ways: the
     /// projections gather the sequence, `o_proj` scatters it back). Positions are `0..T` of the
-    /// whole sequence.
+    /// whole sequence; under context parallelism `x` is this rank's two chunks, rotated at their
+    /// global positions, and attention is ring attention over the group (the kv heads are
+    /// repeated before the ring, so the ring carries the query heads' keys and values).
     fn forward(&self, x: &Var) -> Result<Var> {
         if x.tensor().rank() != 3 {
             meshgrad_tensor::bail!(
@@ -83,7 +93,13 @@ impl Forward for LlamaAttention {
         let heads = |v: Var, rotate: bool| -> Result<Var> {
             let v = v.reshape((b, t, -1, d))?;
             let v = if rotate {
-                rope::rotate(&v, self.rope_theta, self.rope_angles, &self.rope_tables)?
+                rope::rotate(
+                    &v,
+                    self.rope_theta,
+                    self.rope_angles,
+                    &self.rope_tables,
+                    self.cp.as_ref(),
+                )?
             } else {
                 v
             };
@@ -102,13 +118,11 @@ impl Forward for LlamaAttention {
             );
         }
         let (k, v) = (repeat_kv(&k, h / kv)?, repeat_kv(&v, h / kv)?);
-        let y = Var::attention(
-            &q,
-            &k,
-            &v,
-            &AttentionMask::causal(),
-            1.0 / (d as f64).sqrt(),
-        )?;
+        let scale = 1.0 / (d as f64).sqrt();
+        let y = match &self.cp {
+            Some(cp) => cp.causal_attention(&q, &k, &v, scale)?,
+            None => Var::attention(&q, &k, &v, &AttentionMask::causal(), scale)?,
+        };
         self.o_proj
             .forward(&y.transpose(1, 2)?.reshape((b, t, h * d))?)
     }

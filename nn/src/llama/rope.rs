@@ -8,6 +8,8 @@ use std::sync::Mutex;
 
 use meshgrad_tensor::{DType, Device, Result, Tensor};
 
+use crate::cp::ContextParallel;
+
 /// How a Llama computes its rotary embedding's angles. Both rotate in the "rotate half"
 /// convention of Hugging Face's Llama (element `i < D/2` of a head pairs with `i + D/2`) by the
 /// angle `position · theta^(-2i/D)`; they differ in rounding.
@@ -67,13 +69,23 @@ impl TableCache {
     }
 }
 
-/// Rotates `x [B, T, H, D]` at positions `0..T` with base `theta`; `cache` keeps transformers'
-/// tables between calls.
-pub(crate) fn rotate(x: &Var, theta: f64, angles: RopeAngles, cache: &TableCache) -> Result<Var> {
+/// Rotates `x [B, T, H, D]` at positions `0..T` with base `theta` (under context parallelism
+/// `cp`, at this rank's global positions of a sequence `cp.degree()` times longer); `cache`
+/// keeps transformers' tables between calls.
+pub(crate) fn rotate(
+    x: &Var,
+    theta: f64,
+    angles: RopeAngles,
+    cache: &TableCache,
+    cp: Option<&ContextParallel>,
+) -> Result<Var> {
     let t = x.tensor().dims()[1];
     let device = x.tensor().device();
     if angles == RopeAngles::Fused {
-        let positions = Tensor::arange(0, t as i64, DType::I64, device)?;
+        let positions = match cp {
+            Some(cp) => cp.positions(t, device)?,
+            None => Tensor::arange(0, t as i64, DType::I64, device)?,
+        };
         return x.rotary_embedding(&positions, theta);
     }
     let d = *x.tensor().dims().last().unwrap_or(&0);
@@ -83,7 +95,14 @@ pub(crate) fn rotate(x: &Var, theta: f64, angles: RopeAngles, cache: &TableCache
             x.tensor().shape()
         );
     }
-    let (cos, sin) = cache.get(t, d, theta, x.tensor().dtype(), device)?;
+    let (cos, sin) = match cp {
+        // The whole sequence's tables, this rank's rows.
+        Some(cp) => {
+            let (cos, sin) = cache.get(t * cp.degree(), d, theta, x.tensor().dtype(), device)?;
+            (cp.local_rows(&cos, 0)?, cp.local_rows(&sin, 0)?)
+        }
+        None => cache.get(t, d, theta, x.tensor().dtype(), device)?,
+    };
     let (cos, sin) = (Var::constant(cos), Var::constant(sin));
     let half = d / 2;
     let rotated = Var::cat(
@@ -142,7 +161,7 @@ mod tests {
         let x = Var::constant(Tensor::from_vec(x, (1, t, 1, d), Device::Cpu).unwrap());
         let cache = TableCache::default();
         let worst = |angles: RopeAngles| -> f64 {
-            let y = rotate(&x, theta, angles, &cache).unwrap();
+            let y = rotate(&x, theta, angles, &cache, None).unwrap();
             let mut worst = 0.0f64;
             for (row, want) in e["rows"]
                 .as_array()

@@ -10,6 +10,7 @@
 //! | [`all_gather_dim`]           | concatenate the ranks' chunks | this rank's chunk of the sum |
 //! | [`reduce_scatter_dim`]       | this rank's chunk of the sum  | concatenate the chunks       |
 //! | [`split_dim`]                | this rank's chunk             | concatenate the chunks       |
+//! | [`ring_attention()`]         | attention over the sequence split across the group (keys and values pass around the ring) | the same ring backwards (dk, dv return to their owner) |
 //!
 //! On a group of one rank every function returns its input unchanged (no copy, no node), so a
 //! model written for tensor parallelism runs at degree 1 exactly as the plain model.
@@ -24,6 +25,12 @@ use meshgrad_tensor::exact_sum::ExactSum;
 use meshgrad_tensor::{Result, Tensor};
 
 use crate::Var;
+
+pub mod chunk_order;
+pub mod ring_attention;
+
+pub use chunk_order::ChunkOrder;
+pub use ring_attention::{ring_attention, RingAttention};
 
 /// The collectives tensor and sequence parallelism need, on one group of ranks. Every member
 /// calls the same collectives in the same order (the usual matching rule); results are fresh
@@ -42,6 +49,24 @@ pub trait Collectives: Send + Sync {
     /// The sum of every rank's `t`, split along dimension 0 into `size()` equal blocks: this
     /// rank's block.
     fn reduce_scatter_sum(&self, t: &Tensor) -> Result<Tensor>;
+    /// A ring shift: sends `t` to the next rank (`rank + 1`, wrapping) and returns what the
+    /// previous rank (`rank - 1`, wrapping) sent. Every member calls it, with tensors of one shape
+    /// and dtype. The default gathers every rank's `t` and keeps the previous rank's (correct on
+    /// any group, but it moves `size()` tensors); communicators override it with one send and one
+    /// receive.
+    fn ring_shift(&self, t: &Tensor) -> Result<Tensor> {
+        let w = self.size();
+        if w == 1 {
+            return Ok(t.clone());
+        }
+        let prev = (self.rank() + w - 1) % w;
+        let all = self.all_gather(&t.contiguous()?)?;
+        let n = t.dims().first().copied().unwrap_or(1);
+        if t.rank() == 0 {
+            return all.narrow(0, prev, 1)?.reshape(t.shape().clone());
+        }
+        all.narrow(0, prev * n, n)?.contiguous()
+    }
     /// The group's members for messages, e.g. `tp[0,1]`.
     fn describe(&self) -> String;
 }

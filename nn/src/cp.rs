@@ -1,0 +1,83 @@
+//! Context parallelism: the group of ranks that split every sequence, as the layers see it.
+//!
+//! A model built through a [`ParamBuilder`](crate::ParamBuilder) that carries a
+//! [`ContextParallel`] ([`ParamBuilder::context_parallel`](crate::ParamBuilder::context_parallel))
+//! takes this rank's part of each sequence: chunks `i` and `2C - 1 - i` of `2C`
+//! ([`ChunkOrder`]), side by side. Its attention layers run ring attention over the group
+//! ([`meshgrad_autograd::distributed::ring_attention()`]) and its position encodings (GPT's
+//! learned table, Llama's rotary embedding) read the global positions of the local tokens
+//! ([`ContextParallel::positions`]). Everything else in a transformer is per token. On a group of
+//! one rank the model is the plain model.
+
+use std::sync::Arc;
+
+use meshgrad_autograd::distributed::{ring_attention, ChunkOrder, Collectives, RingAttention};
+use meshgrad_autograd::Var;
+use meshgrad_tensor::{DType, Device, Result, Tensor};
+
+/// This rank's context-parallel group (mesh dimension `cp`).
+#[derive(Clone)]
+pub struct ContextParallel {
+    /// The ranks that split each sequence, in ring order.
+    pub group: Arc<dyn Collectives>,
+}
+
+impl std::fmt::Debug for ContextParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "ContextParallel(rank {} of {})",
+            self.group.rank(),
+            self.group.describe()
+        )
+    }
+}
+
+impl ContextParallel {
+    /// Context parallelism over `group`.
+    pub fn new(group: Arc<dyn Collectives>) -> Self {
+        ContextParallel { group }
+    }
+
+    /// Number of ranks (`C`).
+    pub fn degree(&self) -> usize {
+        self.group.size()
+    }
+
+    /// Which chunks of a sequence this rank holds.
+    pub fn order(&self) -> ChunkOrder {
+        ChunkOrder::new(self.group.rank(), self.group.size())
+    }
+
+    /// The global positions (`i64 [local]`) of this rank's `local` positions: the whole sequence
+    /// is `local x degree` long.
+    pub fn positions(&self, local: usize, device: Device) -> Result<Tensor> {
+        if self.degree() == 1 {
+            return Tensor::arange(0, local as i64, DType::I64, device);
+        }
+        self.order().positions(local * self.degree(), device)
+    }
+
+    /// This rank's rows of `full` along dimension `dim` (a per-position table of the whole
+    /// sequence, `local x degree` long): its two chunks side by side.
+    pub fn local_rows(&self, full: &Tensor, dim: usize) -> Result<Tensor> {
+        if self.degree() == 1 {
+            return Ok(full.clone());
+        }
+        self.order().local_of(full, dim)
+    }
+
+    /// Causal self-attention of this rank's `q`, `k`, `v` (`[B, H, 2L, D]`) over the whole
+    /// sequence: ring attention over the group.
+    pub fn causal_attention(&self, q: &Var, k: &Var, v: &Var, scale: f64) -> Result<Var> {
+        ring_attention(RingAttention {
+            q,
+            k,
+            v,
+            key_padding: None,
+            causal: true,
+            scale,
+            group: &self.group,
+        })
+    }
+}
