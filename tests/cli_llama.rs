@@ -286,21 +286,6 @@ fn train_mixtral(dir: &Path, tag: &str, steps: usize, extra: &[&str]) -> std::pr
     )
 }
 
-/// The parameters of the Mixtral folder `dir/<tag>`, by name.
-fn mixtral_weights(dir: &Path, tag: &str) -> Vec<(String, Vec<f64>)> {
-    use meshgrad::nn::state::{hf_mixtral, state_dict};
-    let m = hf_mixtral::load_mixtral(
-        dir.join(tag),
-        meshgrad::tensor::DType::F32,
-        meshgrad::tensor::Device::Cpu,
-    )
-    .unwrap();
-    state_dict(&m)
-        .into_iter()
-        .map(|(n, t)| (n, t.to_vec_f64().unwrap()))
-        .collect()
-}
-
 #[test]
 fn mixtral_trains_and_keeps_lockstep_with_one_device_under_dp_fsdp_and_pp() {
     let dir = tmpdir("mixtral");
@@ -325,7 +310,7 @@ fn mixtral_trains_and_keeps_lockstep_with_one_device_under_dp_fsdp_and_pp() {
     assert_eq!(config["model_type"], "mixtral");
     assert_eq!(config["num_local_experts"], 4);
     assert_eq!(config["num_experts_per_tok"], 2);
-    let single_w = mixtral_weights(&dir, "single");
+    let single_w = hf_folder_weights(&dir, "single");
     // The load-balancing loss of layers on other pipeline stages reaches the backward with the
     // executor's scale, and the load is reduced over the stages.
     let layouts = [
@@ -337,17 +322,7 @@ fn mixtral_trains_and_keeps_lockstep_with_one_device_under_dp_fsdp_and_pp() {
         let extra = ["--layout", layout, "--microbatches", "2"];
         assert_ok(&train_mixtral(&dir, tag, 6, &extra));
         assert_lockstep(tag, &metrics(&dir, tag), &want, true);
-        // Final weights: relative L2 over all parameters within 1e-5.
-        let (mut diff, mut norm) = (0.0, 0.0);
-        for ((n, a), (m, b)) in mixtral_weights(&dir, tag).iter().zip(&single_w) {
-            assert_eq!(n, m);
-            for (x, y) in a.iter().zip(b) {
-                diff += (x - y) * (x - y);
-                norm += y * y;
-            }
-        }
-        let r = (diff / norm).sqrt();
-        assert!(r <= 1e-5, "{tag}: weights differ by {r:e} (relative L2)");
+        assert_weights_close(tag, &hf_folder_weights(&dir, tag), &single_w);
     }
     // A capacity factor drops copies per sequence: the same ones under data parallelism.
     let cap = ["--set", "model.expert_capacity_factor=1.0"];

@@ -172,6 +172,41 @@ pub fn checkpoint_weights(dir: &Path, tag: &str) -> Vec<(String, Vec<f32>)> {
         .collect()
 }
 
+/// The parameters of the Hugging Face Llama or Mixtral folder `dir/<tag>` (a run's `--out`), by
+/// name.
+pub fn hf_folder_weights(dir: &Path, tag: &str) -> Vec<(String, Vec<f64>)> {
+    use meshgrad::nn::state::{hf_llama, hf_mixtral, state_dict};
+    use meshgrad::tensor::{DType, Device};
+    let folder = dir.join(tag);
+    let m = if hf_mixtral::is_mixtral_folder(&folder) {
+        hf_mixtral::load_mixtral(&folder, DType::F32, Device::Cpu)
+    } else {
+        hf_llama::load_llama(&folder, DType::F32, Device::Cpu)
+    }
+    .unwrap();
+    state_dict(&m)
+        .into_iter()
+        .map(|(n, t)| (n, t.to_vec_f64().unwrap()))
+        .collect()
+}
+
+/// Asserts that the final weights `got` equal `want` (the same names, in order) within 1e-5
+/// relative L2 over all parameters together.
+pub fn assert_weights_close(tag: &str, got: &[(String, Vec<f64>)], want: &[(String, Vec<f64>)]) {
+    assert_eq!(got.len(), want.len(), "{tag}: parameter count");
+    let (mut diff, mut norm) = (0.0, 0.0);
+    for ((n, a), (m, b)) in got.iter().zip(want) {
+        assert_eq!(n, m, "{tag}");
+        assert_eq!(a.len(), b.len(), "{tag}: {n}");
+        for (x, y) in a.iter().zip(b) {
+            diff += (x - y) * (x - y);
+            norm += y * y;
+        }
+    }
+    let r = (diff / norm).sqrt();
+    assert!(r <= 1e-5, "{tag}: weights differ by {r:e} (relative L2)");
+}
+
 /// Asserts that the GPT checkpoint of every run in `tags` holds the weights of the checkpoint
 /// `reference` to rounding: each tensor within 1e-5 of its largest magnitude. The key
 /// projection's bias (the middle third of `c_attn.bias`) has a gradient that is zero up to
