@@ -38,13 +38,15 @@
 //!   projections' gathered inputs (`2 C`). That for every block of the rank, plus the backward's
 //!   temporaries (the gradients of one block's inside values), and the `H T` attention scores
 //!   of one block being computed (with activation checkpointing: the block inputs `C` plus one
-//!   whole block recomputed); `4 C` for the embedding and the final norm (`8 C` with a head
-//!   transform; under `tp` also the vocabulary-parallel embedding's partial lookup `C` and the
-//!   loss-parallel cross-entropy's `2 V / tp`); `3 V / tp` for the logits, their softmax and
-//!   their gradient, on the stage that computes them. A pipeline's first stage holds
+//!   whole block recomputed); `2 C` for the embedding on its stage (under `tp` also its
+//!   vocabulary-parallel partial lookup `C`) and `2 C` for the final norm on the head's (`6 C`
+//!   with a head transform; under `tp` also the loss-parallel cross-entropy's `2 V / tp`);
+//!   `3 V / tp` for the logits, their softmax and their gradient, on the stage that computes
+//!   them. A pipeline's first stage holds
 //!   `min(microbatches, pp)` micro-batches in flight (1F1B, zero bubble), `min(microbatches,
 //!   2 pp)` (interleaved) or all of them (GPipe), the last stage one under 1F1B: each keeps its
-//!   blocks' values (or their inputs) and the embedding's, while the backward's temporaries,
+//!   blocks' values (or their inputs), the embedding's and its boundary values (the input it
+//!   received and the output it sent, `2 C`, without recomputation), while the backward's temporaries,
 //!   the attention scores and the logits exist for one micro-batch at a time. Under zero bubble
 //!   every stage holds `min(microbatches, pp)` until their weight backwards, each also with its
 //!   projections' output gradients (`3 C + F` split by `tp`, `2 C`).
@@ -274,11 +276,12 @@ fn mlp_width(s: &ModelShape) -> N {
     flag(s.gated_mlp) * n(s.ffn) + n(s.ffn)
 }
 
-/// f32 values one token keeps outside the blocks, besides the logits: embedding and final norm,
-/// and a head transform.
-fn edge_activations(s: &ModelShape) -> N {
-    let per = if s.head_transform { 8 } else { 4 };
-    N::of(per) * n(s.n_embd)
+/// f32 values one token keeps outside the blocks, besides the logits: `2 C` on the stage with
+/// the embedding, `2 C` for the final norm (`6 C` with a head transform) on the stage with the
+/// head.
+fn edge_activations(s: &ModelShape, embedding: bool, head: bool) -> N {
+    let head_per = if s.head_transform { 6 } else { 2 };
+    (N::of(2) * flag(embedding) + N::of(head_per) * flag(head)) * n(s.n_embd)
 }
 
 /// The memory a run needs, in bytes (see the module docs for the formula). The per-rank figures
@@ -429,12 +432,14 @@ pub fn estimate_training(run: &TrainingRun) -> MemoryEstimate {
                 params: embedding(shape).plus(block(shape).times(n(blocks))),
                 in_flight: first.held,
                 pending_weight: first.pending_weight,
+                embedding: true,
                 logits: false,
             },
             Stage {
                 params: block(shape).times(n(blocks)).plus(head(shape)),
                 in_flight: last.held,
                 pending_weight: last.pending_weight,
+                embedding: false,
                 logits: true,
             },
         ]
@@ -443,6 +448,7 @@ pub fn estimate_training(run: &TrainingRun) -> MemoryEstimate {
             params: with_blocks(shape, blocks),
             in_flight: 1,
             pending_weight: 0,
+            embedding: true,
             logits: true,
         }]
     };
@@ -471,11 +477,13 @@ pub fn estimate_training(run: &TrainingRun) -> MemoryEstimate {
 
 /// A pipeline stage as the estimate sees it: its parameters (before tensor parallelism), the
 /// micro-batches whose activations it holds at once, how many of them at most also hold their
-/// output gradients for a weight backward still to come, and whether it computes the logits.
+/// output gradients for a weight backward still to come, and whether it holds the embedding and
+/// computes the logits.
 struct Stage {
     params: Params,
     in_flight: usize,
     pending_weight: usize,
+    embedding: bool,
     logits: bool,
 }
 
@@ -559,7 +567,14 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
     } else {
         (n(blocks) * one_block, backward)
     };
-    let kept = kept + edge_activations(shape).div_ceil(sp_n) + tp_edge(shape, tp);
+    // A pipeline stage also keeps each micro-batch's boundary values: the input it received and
+    // the copy of the output it sent (`C` each). With recomputation the received input is the
+    // first block's input, already counted, and the sent copy is not told apart.
+    let boundary = flag(layout.pp() > 1 && !run.checkpoint_blocks) * N::of(2) * n(shape.n_embd);
+    let kept = kept
+        + edge_activations(shape, stage.embedding, stage.logits).div_ceil(sp_n)
+        + tp_edge(shape, tp, stage)
+        + boundary;
     let logits = flag(stage.logits) * (N::of(3) * n(shape.vocab_size)).div_ceil(tp_n);
     let temporaries = temporaries + scores.div_ceil(tp_n) + logits;
     // A micro-batch whose weight backward is still to come also holds the gradients of its
@@ -610,14 +625,16 @@ fn tp_plumbing(shape: &ModelShape, tp: usize, sequence_parallel: bool) -> N {
     N::of(2) * n(shape.n_embd)
 }
 
-/// Values per token outside the blocks that tensor parallelism keeps beyond one device's:
-/// the vocabulary-parallel embedding's partial lookup (`C`) and the loss-parallel
-/// cross-entropy's per-rank logits statistics and gradient (`2 V / tp`).
-fn tp_edge(shape: &ModelShape, tp: usize) -> N {
+/// Values per token outside the blocks that tensor parallelism keeps beyond one device's: on
+/// the stage with the embedding its vocabulary-parallel partial lookup (`C`), on the stage with
+/// the head the loss-parallel cross-entropy's per-rank logits statistics and gradient
+/// (`2 V / tp`).
+fn tp_edge(shape: &ModelShape, tp: usize, stage: &Stage) -> N {
     if tp <= 1 {
         return N::of(0);
     }
-    n(shape.n_embd) + (N::of(2) * n(shape.vocab_size)).div_ceil(n(tp))
+    flag(stage.embedding) * n(shape.n_embd)
+        + flag(stage.logits) * (N::of(2) * n(shape.vocab_size)).div_ceil(n(tp))
 }
 
 /// Micro-batches whose activations the first and the last stage of a `pp`-stage pipeline
@@ -673,7 +690,7 @@ pub fn estimate_inference(shape: &ModelShape, rows: u64) -> MemoryEstimate {
     let (outside, inside, scores) = block_activations(shape, shape.positions);
     let per_token = N::of(2) * (outside + inside)
         + scores
-        + edge_activations(shape)
+        + edge_activations(shape, true, true)
         + N::of(2) * n(shape.vocab_size);
     let activations = tokens * per_token * N::of(F32);
     let total = params + activations;
