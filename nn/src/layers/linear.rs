@@ -209,13 +209,12 @@ impl Linear {
         } else {
             all_reduce_forward(&partial, g)?
         };
-        // Over more than one rank the reduction made a new tensor, and no backward reads the
-        // partial product (the product's backward reads its input and weight, the reduction's
-        // none): free it now instead of when the graph goes.
+        // No backward reads the partial product (the product's backward reads its input and
+        // weight, the reduction's nothing): free it now instead of when the graph goes, when
+        // this handle is the only one left to it (a group may still hold it, or have returned
+        // it as the sum).
         let reduced = g.size() > 1;
-        if reduced {
-            partial.tensor().release_storage();
-        }
+        release_if_exclusive(&partial, reduced);
         let b = match &self.bias {
             None => return Ok(y),
             // Under sequence parallelism each rank adds the bias to its own positions, so its
@@ -228,12 +227,18 @@ impl Linear {
             None => {
                 let out = y.add(&b)?;
                 // Nor does any backward read the sum once the bias is added.
-                if reduced {
-                    y.tensor().release_storage();
-                }
+                release_if_exclusive(&y, reduced);
                 Ok(out)
             }
         }
+    }
+}
+
+/// Frees `v`'s values when `when` and its tensor handle is the only one to its storage (no
+/// clone, view or communicator holds it): its graph node keeps only the shape.
+fn release_if_exclusive(v: &Var, when: bool) {
+    if when && v.tensor().is_exclusive() {
+        v.tensor().release_storage();
     }
 }
 
