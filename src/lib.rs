@@ -33,7 +33,7 @@
 extern crate self as meshgrad;
 
 #[cfg(feature = "cli")]
-pub mod bench;
+pub mod bench_pytorch;
 #[cfg(feature = "cli")]
 pub mod compare;
 #[cfg(feature = "cli")]

@@ -640,7 +640,10 @@ fn run(cli: Cli) -> Result<()> {
             rayon::ThreadPoolBuilder::new()
                 .num_threads(threads.max(1))
                 .build_global()?;
-            let opts = meshgrad::bench::BenchOptions {
+            // Reference mode's step: the row groups' gradient tree (meshgrad-parallel).
+            let reference_step: meshgrad::nn::bench::ReferenceStep =
+                |p, g, f, l| meshgrad::parallel::grad_tree::reference_step(p, g, f, l);
+            let opts = meshgrad::nn::bench::BenchOptions {
                 model,
                 device: device.parse()?,
                 batch,
@@ -656,21 +659,25 @@ fn run(cli: Cli) -> Result<()> {
                 reference_chunks,
                 grad_norm: reference,
             };
-            let r = meshgrad::bench::run_bench(&opts)?;
+            let r = meshgrad::nn::bench::run_bench(&opts, reference_step)?;
             println!("{}", r.line());
             if reference {
-                let opts = meshgrad::bench::BenchOptions {
+                let opts = meshgrad::nn::bench::BenchOptions {
                     reference: Some(row_group),
                     ..opts.clone()
                 };
-                let rr = meshgrad::bench::run_bench(&opts)?;
+                let rr = meshgrad::nn::bench::run_bench(&opts, reference_step)?;
                 println!("{}", rr.line());
-                println!("{}", meshgrad::bench::reference_cost_line(&r, &rr));
+                println!("{}", meshgrad::nn::bench::reference_cost_line(&r, &rr));
             }
             if pytorch {
-                let refs = meshgrad::bench::run_pytorch_reference(&opts, &python, &pytorch_script)?;
+                let refs = meshgrad::bench_pytorch::run_pytorch_reference(
+                    &opts,
+                    &python,
+                    &pytorch_script,
+                )?;
                 println!("{}", r.line());
-                println!("{}", meshgrad::bench::ratio_line(r.tokens_per_s, &refs));
+                println!("{}", meshgrad::nn::bench::ratio_line(r.tokens_per_s, &refs));
             }
         }
         Command::Selftest {
@@ -692,7 +699,7 @@ fn run(cli: Cli) -> Result<()> {
             let mut results = selftest::run(device, filter.as_deref(), print);
             if steps > 0 && filter.is_none() {
                 // bench's tiny-gpt shape on 64-token rows of the built-in corpus.
-                let (mut cfg, _) = meshgrad::bench::bench_config("tiny-gpt")?;
+                let (mut cfg, _) = meshgrad::nn::bench::bench_config("tiny-gpt")?;
                 cfg.block_size = 64;
                 let data = meshgrad::corpus::builtin_dataset();
                 results.push(selftest::loss_curve(device, steps, &cfg, &data));

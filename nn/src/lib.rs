@@ -4,9 +4,10 @@
 //! masking, optimizers, learning-rate schedules, state dicts (safetensors and Hugging Face GPT-2,
 //! BERT and Llama checkpoints), token datasets (in memory, JSONL, memory-mapped llm.c shards),
 //! tokenizers (Hugging Face `tokenizers`: byte-level BPE and WordPiece), evaluation losses
-//! ([`eval`]) and the kernel self-check ([`selftest`]: every op on a device against the CPU in
-//! f64).
+//! ([`eval`]), the kernel self-check ([`selftest`]: every op on a device against the CPU in
+//! f64) and the GPT training-step benchmark ([`bench`](mod@bench)).
 
+pub mod bench;
 pub mod bert;
 pub mod causal_lm;
 pub mod cp;
