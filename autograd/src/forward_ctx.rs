@@ -87,8 +87,10 @@ impl ForwardCtx {
         self.scope_scaled(1.0, f)
     }
 
-    /// [`ForwardCtx::scope`] whose forward's loss the backward multiplies by `loss_scale` (see
-    /// the [module docs](self)).
+    /// [`ForwardCtx::scope`] whose forward's loss the backward multiplies by `loss_scale`: a
+    /// term a layer adds to the objective itself (a mixture of experts' load-balancing loss,
+    /// [`Var::attach_aux_loss`](crate::Var::attach_aux_loss)) reads it with [`loss_scale`] so
+    /// that it is scaled as the loss is.
     pub fn scope_scaled<R>(self, loss_scale: f64, f: impl FnOnce() -> R) -> R {
         let fresh = CtxState {
             ctx: self,
@@ -101,7 +103,7 @@ impl ForwardCtx {
     }
 }
 
-/// The loss scale of the current forward (see the [module docs](self)): 1 outside any scope.
+/// The loss scale of the current forward ([`ForwardCtx::scope_scaled`]): 1 outside any scope.
 pub fn loss_scale() -> f64 {
     STATE.with(|s| s.borrow().loss_scale)
 }
