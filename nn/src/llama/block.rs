@@ -14,8 +14,9 @@ use crate::module::Forward;
 use crate::moe::SparseMoe;
 use crate::param_builder::ParamBuilder;
 
-/// A bias-free linear with Hugging Face Llama's initialisation, N(0, 0.02).
-fn proj(p: &ParamBuilder, in_features: usize, out_features: usize) -> Result<Linear> {
+/// A bias-free linear with Hugging Face Llama's initialisation, N(0, 0.02) (Mixtral's experts
+/// and router too).
+pub(crate) fn proj(p: &ParamBuilder, in_features: usize, out_features: usize) -> Result<Linear> {
     LinearConfig::new(in_features, out_features)
         .bias(false)
         .std(0.02)

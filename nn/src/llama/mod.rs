@@ -9,7 +9,7 @@
 //! * [`Llama::tp_plan`], [`check_tp_sizes`], [`reference_chunks`]: tensor parallelism.
 //! * Hugging Face checkpoint folders: [`crate::state::hf_llama`].
 
-mod block;
+pub(crate) mod block;
 mod config;
 mod family;
 mod model;

@@ -6,7 +6,8 @@ use meshgrad_tensor::{DType, Result, Tensor};
 
 use super::load;
 use super::routing::{check_top_k, Routing, RoutingArgs};
-use crate::layers::{Linear, LinearConfig};
+use crate::layers::Linear;
+use crate::llama::block::proj;
 use crate::module::Forward;
 use crate::param_builder::ParamBuilder;
 
@@ -54,14 +55,6 @@ impl MoeSettings {
         }
         Ok(())
     }
-}
-
-/// A bias-free linear with Hugging Face's initialisation, N(0, 0.02).
-fn proj(p: &ParamBuilder, in_features: usize, out_features: usize) -> Result<Linear> {
-    LinearConfig::new(in_features, out_features)
-        .bias(false)
-        .std(0.02)
-        .build(p)
 }
 
 /// One expert: the SwiGLU feed-forward `w2(silu(w1 x) * w3 x)` (`experts.{e}`).
