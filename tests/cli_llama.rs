@@ -65,6 +65,62 @@ fn eval_and_generate_give_transformers_loss_and_greedy_ids() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The same through `eval` and `generate` on the Mixtral folders transformers wrote
+/// (`nn/tests/fixtures/hf_mixtral`, `nn/tests/hf_mixtral_reference.py`): the classic expert
+/// layout and transformers 5's fused one. `eval` prints the cross-entropy alone, as
+/// transformers' logits give it (the router's auxiliary loss is a training term).
+#[test]
+fn mixtral_eval_and_generate_give_transformers_loss_and_greedy_ids() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("nn/tests/fixtures/hf_mixtral");
+    let dir = tmpdir("mixtral-hf");
+    let expected = read_json(&fixtures.join("expected.json"));
+    let ids: Vec<u16> = expected["eval_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u16)
+        .collect();
+    let data = dir.join("ids.bin");
+    std::fs::write(&data, bytemuck_bytes(&ids)).unwrap();
+    let prompt: Vec<String> = expected["prompt"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_string())
+        .collect();
+    for case in ["classic_gqa_untied", "fused_tied_defaults"] {
+        let folder = fixtures.join(case);
+        let want = &expected["cases"][case];
+        let o = eval(&folder, &data);
+        assert_ok(&o);
+        let (got, eval_want) = (loss_line(&o), want["eval"].as_f64().unwrap());
+        assert!(
+            (got - eval_want).abs() <= 1e-5 * eval_want,
+            "{case}: eval {got} vs transformers {eval_want}"
+        );
+        let o = bin()
+            .args(["generate", "--checkpoint", folder.to_str().unwrap()])
+            .args(["--prompt-tokens", &prompt.join(",")])
+            .args(["--temperature", "0", "--max-new-tokens", "8"])
+            .output()
+            .unwrap();
+        assert_ok(&o);
+        let (out, _) = text(&o);
+        let greedy: Vec<String> = want["greedy"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_string())
+            .collect();
+        assert_eq!(
+            out.lines().last().unwrap(),
+            format!("ids={}", greedy.join(",")),
+            "{case}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Little-endian bytes of `ids`.
 fn bytemuck_bytes(ids: &[u16]) -> Vec<u8> {
     ids.iter().flat_map(|i| i.to_le_bytes()).collect()

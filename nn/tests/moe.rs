@@ -354,6 +354,8 @@ fn mixtral_folders_round_trip_and_refuse_what_they_cannot_hold() {
     let moe = c.moe.unwrap();
     assert_eq!((moe.n_experts, moe.experts_per_token), (4, 2));
     assert_eq!(moe.router_aux_loss_coef, 0.001);
+    // MixtralConfig's defaults, not LlamaConfig's (1e-6, 1e4).
+    assert_eq!((c.norm_eps, c.rope_theta), (1e-5, 1e6));
     for (extra, needle) in [
         (", \"sliding_window\": 4", "sliding_window 4"),
         (", \"router_jitter_noise\": 0.1", "router_jitter_noise"),

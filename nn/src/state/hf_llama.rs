@@ -36,6 +36,8 @@ const WHAT: &str = "Llama config";
 /// `num_attention_heads`, `max_position_embeddings` (required); `num_key_value_heads` (default
 /// `num_attention_heads`), `rms_norm_eps` (default 1e-6, transformers' default), `rope_theta` at
 /// the top level or in `rope_parameters` (default 10000), `tie_word_embeddings` (default false).
+/// A Mixtral config's missing keys take transformers' `MixtralConfig` defaults instead
+/// ([`hf_mixtral::DEFAULTS`]: 8 kv heads, eps 1e-5, rope_theta 1e6).
 /// The rotation's angles are transformers' ([`RopeAngles::Transformers`]). Unsupported settings
 /// are errors (see the [module docs](self)).
 pub fn llama_config_from_hf_json(text: &str) -> Result<LlamaConfig> {
@@ -63,7 +65,16 @@ pub fn llama_config_from_hf_json(text: &str) -> Result<LlamaConfig> {
             ),
         }
     }
-    let rope_theta = rope_theta(&keys)?;
+    let defaults = if mixtral {
+        hf_mixtral::DEFAULTS
+    } else {
+        Defaults {
+            n_kv_head: None,
+            norm_eps: 1e-6,
+            rope_theta: 10_000.0,
+        }
+    };
+    let rope_theta = rope_theta(&keys, defaults.rope_theta)?;
     let n_embd = keys.req("hidden_size")?;
     let n_head = keys.req("num_attention_heads")?;
     if let Some(d) = keys.int("head_dim")? {
@@ -91,10 +102,13 @@ pub fn llama_config_from_hf_json(text: &str) -> Result<LlamaConfig> {
         n_embd,
         n_layer: keys.req("num_hidden_layers")?,
         n_head,
-        n_kv_head: keys.int("num_key_value_heads")?.unwrap_or(n_head),
+        n_kv_head: keys
+            .int("num_key_value_heads")?
+            .or(defaults.n_kv_head)
+            .unwrap_or(n_head),
         intermediate_size: keys.req("intermediate_size")?,
         rope_theta,
-        norm_eps: keys.float("rms_norm_eps", 1e-6)?,
+        norm_eps: keys.float("rms_norm_eps", defaults.norm_eps)?,
         tie_embeddings: tie,
         rope_angles: RopeAngles::Transformers,
         moe,
@@ -103,9 +117,19 @@ pub fn llama_config_from_hf_json(text: &str) -> Result<LlamaConfig> {
     Ok(config)
 }
 
+/// What a `config.json` without the key gives (transformers' config class defaults).
+pub(crate) struct Defaults {
+    /// `num_key_value_heads` (`None`: `num_attention_heads`).
+    pub n_kv_head: Option<usize>,
+    /// `rms_norm_eps`.
+    pub norm_eps: f64,
+    /// `rope_theta`.
+    pub rope_theta: f64,
+}
+
 /// The RoPE base of the config: `rope_parameters.rope_theta` (newer transformers) or the top
-/// level `rope_theta`, refusing any RoPE scaling.
-fn rope_theta(keys: &ConfigKeys) -> Result<f64> {
+/// level `rope_theta` (`default` when neither is given), refusing any RoPE scaling.
+fn rope_theta(keys: &ConfigKeys, default: f64) -> Result<f64> {
     match keys.get("rope_scaling") {
         None | Some(Value::Null) => {}
         Some(v) => meshgrad_tensor::bail!(
@@ -119,7 +143,7 @@ fn rope_theta(keys: &ConfigKeys) -> Result<f64> {
         Some(v) => meshgrad_tensor::bail!("{WHAT}: rope_parameters must be an object, got {v}"),
     };
     let Some(p) = params else {
-        return Ok(if top.is_nan() { 10_000.0 } else { top });
+        return Ok(if top.is_nan() { default } else { top });
     };
     match p.get("rope_type") {
         None | Some(Value::Null) => {}
@@ -129,7 +153,7 @@ fn rope_theta(keys: &ConfigKeys) -> Result<f64> {
         ),
     }
     match p.get("rope_theta") {
-        None | Some(Value::Null) => Ok(if top.is_nan() { 10_000.0 } else { top }),
+        None | Some(Value::Null) => Ok(if top.is_nan() { default } else { top }),
         Some(v) => {
             let Some(theta) = v.as_f64() else {
                 meshgrad_tensor::bail!(
@@ -280,7 +304,9 @@ fn load_weights(model: &Llama, dir: &Path) -> Result<()> {
     let mut by_name: HashMap<String, Tensor> = HashMap::new();
     let mut unexpected = Vec::new();
     let mut tied_head = None;
-    for (name, t) in read_weights(dir, "load_llama")? {
+    let tensors = hf_mixtral::unfuse_experts(read_weights(dir, "load_llama")?, c.moe.as_ref())
+        .map_err(ctx)?;
+    for (name, t) in tensors {
         if is_rotary_buffer(&name) {
             continue;
         }

@@ -6,13 +6,21 @@
 //! `block_sparse_moe.gate.weight` and `block_sparse_moe.experts.{e}.w{1,2,3}.weight` in place of
 //! `mlp.*`. Refused with one line: a `sliding_window` shorter than the context (meshgrad's
 //! attention sees the whole causal context) and `router_jitter_noise` other than 0.
+//!
+//! A `config.json` without `num_key_value_heads`, `rms_norm_eps` or `rope_theta` gets
+//! `MixtralConfig`'s defaults ([`DEFAULTS`]), not Llama's. Besides the classic layout above (what
+//! transformers 4 and 5 write by default), folders in transformers 5's fused layout are read
+//! (`save_pretrained(..., save_original_format=False)`): `model.layers.{i}.mlp.gate.weight`,
+//! `mlp.experts.gate_up_proj` `[E, 2 * I, H]` (each expert's `w1` then `w3`) and
+//! `mlp.experts.down_proj` `[E, H, I]` (each expert's `w2`). meshgrad writes the classic layout.
 
 use std::path::Path;
 
-use meshgrad_tensor::{DType, Device, Result};
+use meshgrad_tensor::{DType, Device, Result, Tensor};
 use serde_json::{json, Value};
 
 use super::hf_folder::ConfigKeys;
+use super::hf_llama::Defaults;
 use crate::llama::{Llama, LlamaConfig};
 use crate::moe::MoeSettings;
 
@@ -20,6 +28,14 @@ use crate::moe::MoeSettings;
 pub const MODEL_TYPE: &str = "mixtral";
 
 const WHAT: &str = "Mixtral config";
+
+/// transformers' `MixtralConfig` defaults for keys a `config.json` may leave out: 8 kv heads,
+/// `rms_norm_eps` 1e-5, `rope_theta` 1e6 (Llama's are the query heads, 1e-6 and 1e4).
+pub(crate) const DEFAULTS: Defaults = Defaults {
+    n_kv_head: Some(8),
+    norm_eps: 1e-5,
+    rope_theta: 1e6,
+};
 
 /// The mixture-of-experts settings of a Mixtral `config.json` (whose context is `n_positions`).
 pub(crate) fn moe_from_keys(keys: &ConfigKeys, n_positions: usize) -> Result<MoeSettings> {
@@ -77,6 +93,72 @@ pub(crate) fn layer_names(i: usize, moe: &MoeSettings) -> Vec<String> {
         }
     }
     names
+}
+
+/// The folder's tensors with transformers 5's fused expert tensors (see the [module
+/// docs](self)) split into the classic names; other tensors, and every tensor of a model without
+/// experts (`moe` `None`), pass unchanged. A fused tensor that is not `[n_experts, _, _]` (with
+/// an even middle size for `gate_up_proj`) is an error naming it; the split tensors' shapes are
+/// checked with the others'.
+pub(crate) fn unfuse_experts(
+    tensors: Vec<(String, Tensor)>,
+    moe: Option<&MoeSettings>,
+) -> Result<Vec<(String, Tensor)>> {
+    let Some(moe) = moe else {
+        return Ok(tensors);
+    };
+    let mut out = Vec::with_capacity(tensors.len());
+    for (name, t) in tensors {
+        let Some((layer, leaf)) = name
+            .strip_prefix("model.layers.")
+            .and_then(|r| r.split_once(".mlp."))
+            .filter(|(i, _)| i.parse::<usize>().is_ok())
+        else {
+            out.push((name, t));
+            continue;
+        };
+        let prefix = format!("model.layers.{layer}.block_sparse_moe");
+        let fused = |middle_even: bool| -> Result<()> {
+            let d = t.dims();
+            if d.len() != 3 || d[0] != moe.n_experts || (middle_even && d[1] % 2 != 0) {
+                meshgrad_tensor::bail!(
+                    "tensor {name} has shape {:?}, expected [{}, {}, _] (experts fused)",
+                    d,
+                    moe.n_experts,
+                    if middle_even {
+                        "2 * intermediate_size"
+                    } else {
+                        "hidden_size"
+                    }
+                );
+            }
+            Ok(())
+        };
+        let expert = |e: usize| -> Result<Tensor> { t.narrow(0, e, 1)?.squeeze(0) };
+        match leaf {
+            "gate.weight" => out.push((format!("{prefix}.gate.weight"), t)),
+            "experts.gate_up_proj" => {
+                fused(true)?;
+                let i = t.dims()[1] / 2;
+                for e in 0..moe.n_experts {
+                    let w = expert(e)?;
+                    for (k, start) in [("w1", 0), ("w3", i)] {
+                        let part = w.narrow(0, start, i)?.contiguous()?;
+                        out.push((format!("{prefix}.experts.{e}.{k}.weight"), part));
+                    }
+                }
+            }
+            "experts.down_proj" => {
+                fused(false)?;
+                for e in 0..moe.n_experts {
+                    let w2 = expert(e)?.contiguous()?;
+                    out.push((format!("{prefix}.experts.{e}.w2.weight"), w2));
+                }
+            }
+            _ => out.push((name, t)),
+        }
+    }
+    Ok(out)
 }
 
 /// Whether `dir` holds a Mixtral checkpoint (its `config.json` says `"model_type": "mixtral"`).
