@@ -113,6 +113,22 @@ impl<F: TrainFamily> Recipe for CausalRecipe<F> {
                 F::NAME
             );
         }
+        if layout.ep() > 1 {
+            let Some(moe) = F::moe(&config) else {
+                anyhow::bail!(
+                    "layout {layout}: expert parallelism (ep) needs a model with experts; {} has \
+                     none (use --model mixtral)",
+                    F::NAME
+                );
+            };
+            meshgrad_nn::moe::ExpertParallel::check_divides(layout.ep(), moe.n_experts)
+                .map_err(|e| anyhow::anyhow!("layout {layout}: {e} (model.n_experts)"))?;
+            if cfg.train.reference {
+                anyhow::bail!(
+                    "layout {layout}: --reference does not support expert parallelism (ep) yet"
+                );
+            }
+        }
         F::check_tp(
             &F::padded(config, layout.tp()),
             layout.tp(),

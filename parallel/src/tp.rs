@@ -1,12 +1,13 @@
-//! Tensor, sequence and context parallelism over a [`Communicator`]: the [`Collectives`] view
+//! Tensor, sequence, context and expert parallelism over a [`Communicator`]: the [`Collectives`] view
 //! that the layers of `meshgrad_nn::tp` and `meshgrad_nn::cp` communicate through,
 //! [`tensor_parallel`] to make the [`TensorParallel`] a model is built with (see
-//! `meshgrad_nn::tp` for plans and styles) and [`context_parallel`] its [`ContextParallel`].
+//! `meshgrad_nn::tp` for plans and styles) and [`context_parallel`] its [`ContextParallel`], [`expert_parallel`] its [`ExpertParallel`].
 
 use std::sync::Arc;
 
 use meshgrad_autograd::distributed::Collectives;
 use meshgrad_nn::cp::ContextParallel;
+use meshgrad_nn::moe::ExpertParallel;
 use meshgrad_nn::tp::TensorParallel;
 use meshgrad_tensor::{Result, Tensor};
 
@@ -79,9 +80,23 @@ impl Collectives for CommCollectives {
         sent.wait()?;
         Ok(received)
     }
+    fn all_to_all(
+        &self,
+        t: &Tensor,
+        send_splits: &[usize],
+        recv_splits: &[usize],
+    ) -> Result<Tensor> {
+        self.comm.all_to_all(t, send_splits, recv_splits)?.wait()
+    }
     fn describe(&self) -> String {
         format!("{}{}", self.name, self.comm.describe())
     }
+}
+
+/// Expert parallelism over `group` (this rank's expert-parallel group,
+/// [`crate::LayoutMesh::ep_group`]): the ranks a mixture of experts' experts are sharded over.
+pub fn expert_parallel(group: Arc<dyn Communicator>) -> ExpertParallel {
+    ExpertParallel::new(Arc::new(CommCollectives::new(group, "ep")))
 }
 
 /// Context parallelism over `group` (this rank's `cp` group of the mesh): the ring of ring
