@@ -1,7 +1,7 @@
 //! `meshgrad train --layout` with expert parallelism: a tiny Mixtral-style Llama (4 experts, top
-//! 2) under ep=2, ep=4 and dp=4,ep=2 gives the single-device losses on the same global batch
+//! 2) under ep=2, ep=4, dp=4,ep=2 and pp=2,ep=2 gives the single-device losses on the same global batch
 //! (within 1e-5 relative, train and validation; gradient norms within 1e-4) for 4 steps, and
-//! its Hugging Face folder holds the single device's weights within 1e-5 relative L2 over all
+//! the same for ep=2 as two processes of `meshgrad launch` over TCP; its Hugging Face folder holds the single device's weights within 1e-5 relative L2 over all
 //! parameters (every expert gathered under its full name). Bad input is refused in one line: ep
 //! that does not divide the experts or the data-parallel ranks, ep on a model without experts.
 
@@ -14,6 +14,12 @@ use common::{assert_lockstep, assert_one_line_error, metrics, tmpdir};
 
 /// Trains a tiny Mixtral (or `model`) for 4 steps: 8 rows of 16 tokens, 4 experts, top 2.
 fn train(dir: &Path, model: &str, tag: &str, extra: &[&str]) -> Output {
+    train_on(dir, model, tag, None, extra)
+}
+
+/// [`train`] as `n` processes of `meshgrad launch` (over TCP) when `n` is given, else as the
+/// ranks' threads of one process.
+fn train_on(dir: &Path, model: &str, tag: &str, n: Option<usize>, extra: &[&str]) -> Output {
     let mut sets = vec![
         "model.n_layer=2",
         "model.n_embd=32",
@@ -38,24 +44,49 @@ fn train(dir: &Path, model: &str, tag: &str, extra: &[&str]) -> Output {
             "model.router_aux_loss_coef=0.05",
         ]);
     }
-    common::train(
-        dir,
-        tag,
-        4,
-        &sets,
-        &[&["--model", model, "--lr", "1e-3"], extra].concat(),
-    )
+    let mut c = common::bin();
+    for v in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ] {
+        c.env_remove(v);
+    }
+    c.env_remove("MESHGRAD_BACKEND");
+    if let Some(n) = n {
+        c.args(["launch", "--nproc-per-node", &n.to_string(), "--"]);
+    }
+    c.args(["train", "--steps", "4"])
+        .args(["--out", dir.join(tag).to_str().unwrap()])
+        .args([
+            "--metrics",
+            dir.join(format!("{tag}.jsonl")).to_str().unwrap(),
+        ]);
+    for s in sets {
+        c.args(["--set", s]);
+    }
+    c.args(["--model", model, "--lr", "1e-3"])
+        .args(extra)
+        .output()
+        .unwrap()
 }
 
 fn assert_lockstep_layouts(dir: &Path, layouts: &[(&str, &str)], extra: &[&str]) {
+    assert_lockstep_on(dir, layouts, None, extra)
+}
+
+fn assert_lockstep_on(dir: &Path, layouts: &[(&str, &str)], n: Option<usize>, extra: &[&str]) {
     let single = metrics(dir, "single");
     assert_eq!(single.len(), 4);
     let single_w = common::hf_folder_weights(dir, "single");
     for (tag, layout) in layouts {
-        let o = train(
+        let o = train_on(
             dir,
             "mixtral",
             tag,
+            n,
             &[&["--layout", layout][..], extra].concat(),
         );
         let out = String::from_utf8_lossy(&o.stdout);
@@ -78,6 +109,10 @@ fn mixtral_trains_in_lockstep_under_expert_parallelism() {
         &[("ep2", "ep=2"), ("ep4", "ep=4"), ("dp4ep2", "dp=4,ep=2")],
         &[],
     );
+    // Two pipeline stages, each with its expert-parallel pair, two microbatches per rank.
+    assert_lockstep_layouts(&dir, &[("pp2ep2", "pp=2,ep=2")], &["--microbatches", "2"]);
+    // Two processes over TCP (`meshgrad launch`): the all-to-alls over sockets.
+    assert_lockstep_on(&dir, &[("ep2tcp", "ep=2")], Some(2), &[]);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
