@@ -136,5 +136,15 @@ fn expert_parallelism_refuses_bad_layouts_in_one_line() {
     assert_one_line_error(&o, &["expert parallelism (ep) needs a model with experts"]);
     let o = train(&dir, "gpt", "gpt", &["--layout", "ep=2"]);
     assert_one_line_error(&o, &["expert parallelism (ep) needs a model with experts"]);
+    // Not supported yet: reference mode, periodic checkpoints.
+    let o = train(&dir, "mixtral", "ref", &["--layout", "ep=2", "--reference"]);
+    assert_one_line_error(&o, &["do not support expert parallelism (ep) yet"]);
+    let o = train(
+        &dir,
+        "mixtral",
+        "save",
+        &["--layout", "ep=2", "--save-every", "2"],
+    );
+    assert_one_line_error(&o, &["do not support expert parallelism (ep) yet"]);
     std::fs::remove_dir_all(&dir).unwrap();
 }
