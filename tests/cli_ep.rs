@@ -1,5 +1,5 @@
 //! `meshgrad train --layout` with expert parallelism: a tiny Mixtral-style Llama (4 experts, top
-//! 2) under ep=2, ep=4, dp=4,ep=2 and pp=2,ep=2 gives the single-device losses on the same global batch
+//! 2) under ep=2, ep=4, dp=4,ep=2, pp=2,ep=2, tp=2 and tp=2,ep=2 gives the single-device losses on the same global batch
 //! (within 1e-5 relative, train and validation; gradient norms within 1e-4) for 4 steps, and
 //! the same for ep=2 as two processes of `meshgrad launch` over TCP; its Hugging Face folder holds the single device's weights within 1e-5 relative L2 over all
 //! parameters (every expert gathered under its full name). Bad input is refused in one line: ep
@@ -109,6 +109,9 @@ fn mixtral_trains_in_lockstep_under_expert_parallelism() {
         &[("ep2", "ep=2"), ("ep4", "ep=4"), ("dp4ep2", "dp=4,ep=2")],
         &[],
     );
+    // Tensor parallelism splits the attention; the mixtures of experts stay whole on both
+    // tensor-parallel ranks (routing the same tokens), alone and with ep=2 (4 ranks).
+    assert_lockstep_layouts(&dir, &[("tp2", "tp=2"), ("tp2ep2", "tp=2,ep=2")], &[]);
     // Two pipeline stages, each with its expert-parallel pair, two microbatches per rank.
     assert_lockstep_layouts(&dir, &[("pp2ep2", "pp=2,ep=2")], &["--microbatches", "2"]);
     // Two processes over TCP (`meshgrad launch`): the all-to-alls over sockets.
@@ -136,7 +139,14 @@ fn expert_parallelism_refuses_bad_layouts_in_one_line() {
     assert_one_line_error(&o, &["expert parallelism (ep) needs a model with experts"]);
     let o = train(&dir, "gpt", "gpt", &["--layout", "ep=2"]);
     assert_one_line_error(&o, &["expert parallelism (ep) needs a model with experts"]);
-    // Not supported yet: reference mode, periodic checkpoints.
+    // Not supported yet: sequence parallelism, reference mode, periodic checkpoints.
+    let o = train(
+        &dir,
+        "mixtral",
+        "sp",
+        &["--layout", "tp=2", "--sequence-parallel"],
+    );
+    assert_one_line_error(&o, &["sequence parallelism", "mixture of experts"]);
     let o = train(&dir, "mixtral", "ref", &["--layout", "ep=2", "--reference"]);
     assert_one_line_error(&o, &["do not support expert parallelism (ep) yet"]);
     let o = train(

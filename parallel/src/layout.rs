@@ -26,7 +26,7 @@
 //! of E consecutive ones (torchtitan's rule), each holding every expert once; the ranks that
 //! hold the same experts average their gradients (see [`LayoutMesh::ep_group`]). Without a
 //! `dp`, sharding or `hsdp` entry the data-parallel degree is E (`ep=2` is `dp=2,ep=2`). `ep`
-//! composes today with `dp` and `pp` (a sharding entry or `tp` is refused in one line).
+//! composes today with `dp`, `tp` and `pp` (a sharding entry is refused in one line).
 //!
 //! The ranks form a [`crate::DeviceMesh`] with dimensions `["pp", "dp_replicate", "dp_shard",
 //! "cp", "tp"]` (torchtitan's order; every one present, possibly of size 1; `tp` fastest, so
@@ -180,7 +180,8 @@ impl ParallelLayout {
 
     /// This layout with expert-parallel degree `ep` (at least 1; see the [module docs](self)),
     /// which must divide the data-parallel (times context-parallel) ranks. Composes with `dp`,
-    /// `cp` and `pp`; a ZeRO stage or `tp` is refused in one line.
+    /// `cp`, `tp` and `pp` (the expert-parallel groups are data-parallel ranks of one
+    /// tensor-parallel coordinate); a ZeRO stage is refused in one line.
     pub fn with_ep(self, ep: usize) -> Result<Self> {
         if ep == 0 {
             meshgrad_tensor::bail!("parallel layout: the ep degree must be at least 1");
@@ -188,13 +189,8 @@ impl ParallelLayout {
         if ep > 1 {
             if let Some(z) = self.zero {
                 meshgrad_tensor::bail!(
-                    "parallel layout: ep does not compose with {} yet (ep runs with dp and pp)",
+                    "parallel layout: ep does not compose with {} yet (ep runs with dp, tp and pp)",
                     z.key()
-                );
-            }
-            if self.tp > 1 {
-                meshgrad_tensor::bail!(
-                    "parallel layout: ep does not compose with tp yet (ep runs with dp and pp)"
                 );
             }
             let ranks = self.data_parallel_degree() * self.cp;
@@ -619,6 +615,7 @@ mod tests {
             ("dp=4,ep=2", "dp=4,ep=2"),
             ("ep=2,pp=2", "pp=2,dp=2,ep=2"),
             ("ep=1", "dp=1"),
+            ("tp=2,ep=2", "dp=2,tp=2,ep=2"),
         ] {
             let layout = p(s).unwrap();
             assert_eq!(layout.to_string(), canonical, "{s}");
@@ -660,7 +657,6 @@ mod tests {
                 &["ep = 2 does not divide the 3 data-parallel ranks"][..],
             ),
             ("ep=2,fsdp=2", &["ep does not compose with fsdp yet"][..]),
-            ("ep=2,tp=2", &["ep does not compose with tp yet"][..]),
         ] {
             let e = p(s).unwrap_err().to_string();
             for n in needles {

@@ -607,13 +607,8 @@ pub fn memory_report<F: CausalFamily>(
             .map_err(|e| Error::msg(format!("memory report, {}: {e}", s.name())))?;
     }
     let spec = StageSpec::full(F::n_layer(&cfg.model));
-    let model = F::build_stage(cfg.model, spec.clone(), ParamBuilder::new(cfg.seed), false)?;
-    // A family without tensor parallelism (a mixture of experts) has a plan that matches none
-    // of its modules: without tp rows every parameter counts as replicated.
-    let plan = match F::tp_plan(&cfg.model, &spec) {
-        p if p.resolve(&model).is_ok() || strategies.iter().any(|s| s.layout.tp() > 1) => p,
-        _ => TpPlan::new(),
-    };
+    let plan = F::tp_plan(&cfg.model, &spec);
+    let model = F::build_stage(cfg.model, spec, ParamBuilder::new(cfg.seed), false)?;
     let data = dataset(F::vocab(&cfg.model), cfg.seed)?;
     let opts = RunOptions::with_timeout(Duration::from_secs(120));
     let mut rows = Vec::new();
