@@ -58,12 +58,16 @@ pub struct ExpertDataParallel {
     experts: Option<Ddp>,
     params: Vec<Var>,
     ep: Arc<dyn Communicator>,
-    degree: usize,
+    /// What the experts' averaged gradients are multiplied by (see [`ExpertDataParallel::new`]).
+    factor: f64,
 }
 
 impl ExpertDataParallel {
     /// The wrapper of `module` on this rank of `mesh` (which has expert parallelism), the
-    /// parameters named `experts` reduced apart.
+    /// parameters named `experts` reduced apart. The experts' factor after their replicas'
+    /// average is `1 / E`, or 1 when the mesh's averages add without dividing (reference mode:
+    /// the replicas' sum is then the sum over all ranks, as the other parameters'); it is
+    /// measured with one scalar average over each group.
     pub fn new(mesh: &LayoutMesh, module: &dyn Module, experts: &[String]) -> Result<Self> {
         let (Some(ep), Some(replicas)) = (mesh.ep_group(), mesh.expert_replica_group()) else {
             meshgrad_tensor::bail!(
@@ -76,6 +80,12 @@ impl ExpertDataParallel {
             .into_iter()
             .partition(|(n, _)| experts.contains(n));
         let params = mine.iter().map(|(_, v)| v.clone()).collect();
+        // The factor after the replicas' average: `1 / E` where an average divides; where it
+        // adds without dividing (reference mode's tree sums) the replicas' sum is already the
+        // sum over all ranks, and the factor is 1. Measured on the groups themselves.
+        let avg_of_one = |g: &dyn Communicator| all_reduce_scalar(g, 1.0, ReduceOp::Avg);
+        let factor = avg_of_one(mesh.dp_group().as_ref())?
+            / (avg_of_one(replicas.as_ref())? * ep.world_size() as f64);
         let experts = if replicas.world_size() > 1 {
             Some(Ddp::new(mine, replicas, DdpConfig::default())?)
         } else {
@@ -85,7 +95,7 @@ impl ExpertDataParallel {
             dense: Ddp::new(dense, mesh.dp_group(), DdpConfig::default())?,
             experts,
             params,
-            degree: ep.world_size(),
+            factor,
             ep,
         })
     }
@@ -102,7 +112,10 @@ impl ExpertDataParallel {
         if let Some(e) = &self.experts {
             e.finish()?;
         }
-        let f = 1.0 / self.degree as f64;
+        let f = self.factor;
+        if f == 1.0 {
+            return Ok(());
+        }
         no_grad(|| {
             for p in &self.params {
                 if let Some(g) = p.grad() {
