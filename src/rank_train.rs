@@ -51,19 +51,20 @@ use meshgrad_autograd::Var;
 use meshgrad_nn::module::Child;
 use meshgrad_nn::tp::full_state_dict;
 use meshgrad_nn::{InitialValues, ModelStage, Module};
+use meshgrad_parallel::comm::gather_named;
 use meshgrad_parallel::comm::{all_reduce_scalar, InProcessComm, RankCtx};
 use meshgrad_parallel::pipeline::{
     execute_with, forward_only, gather_timelines, mean_loss, measured_idle_after_warmup,
     write_chrome_trace, ExecuteOptions, Microbatch, PipelineGrads, Schedule, StepWindow, Timeline,
     Timelines,
 };
-use meshgrad_parallel::tp::{context_parallel, tensor_parallel};
+use meshgrad_parallel::tp::{context_parallel, expert_parallel, tensor_parallel};
 use meshgrad_parallel::{
     rank_rows, Communicator, DataParallel, LayoutMesh, ParallelLayout, ReduceOp, ZeroStage,
 };
 use meshgrad_tensor::alloc::{memory_stats, MemoryTracker};
 use meshgrad_tensor::tree_sum::tree_sum_f64;
-use meshgrad_tensor::{Device, Tensor};
+use meshgrad_tensor::Tensor;
 
 use crate::config::TrainConfig;
 use crate::expert_load::reduce_expert_load;
@@ -296,6 +297,7 @@ fn rank_main<R: Recipe>(
     // Context parallelism: the ring over the cp group; each rank takes its chunks of the rows.
     let cp = (layout.cp() > 1).then(|| context_parallel(mesh.cp_group()));
     let order = cp.as_ref().map(|cp| cp.order());
+    let ep = mesh.ep_group().map(expert_parallel);
     let own_chunks = |b: <R::Stage as ModelStage>::Batch| match &order {
         Some(o) => recipe.context_chunks(b, o),
         None => Ok(b),
@@ -309,6 +311,7 @@ fn rank_main<R: Recipe>(
                 spec: plan.specs[c * world_pp + p].clone(),
                 tp: tp.clone(),
                 cp: cp.clone(),
+                ep: ep.clone(),
                 delayed: fsdp,
                 checkpointing: opts.activation_checkpointing.on_stage(p),
                 init: at.init.clone(),
@@ -486,12 +489,15 @@ fn rank_main<R: Recipe>(
     };
     // The single-device state dict on the leader.
     wrapper.summon_full_params()?;
-    let local = full_state_dict(&module)?;
+    let mut local = Some(full_state_dict(&module)?);
+    // Expert parallelism: each group's first rank collects the experts of the others.
+    if let Some(ep) = mesh.ep_group() {
+        local = gather_named(ep.as_ref(), local.unwrap_or_default())?;
+    }
     let gathers = mesh.dp_rank() == 0 && mesh.tp_rank() == 0;
-    let tensors = if gathers {
-        gather_stages(pp.as_ref(), local)?
-    } else {
-        None
+    let tensors = match local {
+        Some(local) if gathers => gather_named(pp.as_ref(), local)?,
+        _ => None,
     };
     match tensors {
         Some(t) if leader => {
@@ -501,51 +507,6 @@ fn rank_main<R: Recipe>(
         }
         _ => Ok(None),
     }
-}
-
-/// Sends every pipeline rank's named tensors to pipeline rank 0, which returns them all (the
-/// first copy of a name kept: the tied table's copies are equal). Names travel as a tensor of
-/// byte values.
-fn gather_stages(
-    pp: &dyn Communicator,
-    local: Vec<(String, Tensor)>,
-) -> Result<Option<Vec<(String, Tensor)>>> {
-    let rank = pp.rank();
-    if rank != 0 {
-        let names: Vec<f32> = local
-            .iter()
-            .map(|(n, _)| n.as_str())
-            .collect::<Vec<_>>()
-            .join("\n")
-            .bytes()
-            .map(f32::from)
-            .collect();
-        let len = names.len();
-        pp.send(&Tensor::from_vec(names, len, Device::Cpu)?, 0)?
-            .wait()?;
-        for (_, t) in &local {
-            pp.send(t, 0)?.wait()?;
-        }
-        return Ok(None);
-    }
-    let mut all = local;
-    for src in 1..pp.world_size() {
-        let bytes: Vec<u8> = pp
-            .recv(src)?
-            .wait()?
-            .to_vec::<f32>()?
-            .into_iter()
-            .map(|b| b as u8)
-            .collect();
-        let names = String::from_utf8(bytes).context("pipeline gather: parameter names")?;
-        for name in names.split('\n') {
-            let t = pp.recv(src)?.wait()?;
-            if !all.iter().any(|(n, _)| n == name) {
-                all.push((name.to_string(), t));
-            }
-        }
-    }
-    Ok(Some(all))
 }
 
 /// Reference mode's view of a rank's chunks (see [`crate::reference`]): each chunk's parameters,

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use anyhow::Result;
 use meshgrad_autograd::distributed::ChunkOrder;
 use meshgrad_nn::cp::ContextParallel;
+use meshgrad_nn::moe::ExpertParallel;
 use meshgrad_nn::tp::TensorParallel;
 use meshgrad_nn::{InitialValues, ModelStage, ParamBuilder, StageSpec};
 use meshgrad_parallel::pipeline::Microbatch;
@@ -25,13 +26,15 @@ use crate::run_setup::{RunData, TrainOptions, TrainSummary, Verbosity};
 use crate::step_loop::{LoopResult, Reporter};
 
 /// What stage to build and how: its own parameters only, split by `tp` when given, taking its
-/// chunks of each sequence over `cp` when given, lazily
+/// chunks of each sequence over `cp` when given, holding its block of the experts over `ep` when
+/// given, lazily
 /// initialised when `delayed`, recomputing its blocks' activations in the backward when
 /// `checkpointing`, starting from `init` (`--init-from`) instead of the run seed's values.
 pub(crate) struct StageBuild {
     pub(crate) spec: StageSpec,
     pub(crate) tp: Option<TensorParallel>,
     pub(crate) cp: Option<ContextParallel>,
+    pub(crate) ep: Option<ExpertParallel>,
     pub(crate) delayed: bool,
     pub(crate) checkpointing: bool,
     pub(crate) init: Option<Arc<InitialValues>>,
@@ -44,6 +47,7 @@ impl StageBuild {
             spec,
             tp: None,
             cp: None,
+            ep: None,
             delayed: false,
             checkpointing: false,
             init: None,
@@ -55,6 +59,9 @@ impl StageBuild {
     pub(crate) fn prepare(&self, mut builder: ParamBuilder) -> ParamBuilder {
         if let Some(cp) = &self.cp {
             builder = builder.context_parallel(cp.clone());
+        }
+        if let Some(ep) = &self.ep {
+            builder = builder.expert_parallel(ep.clone());
         }
         if self.delayed {
             builder = builder.delayed_init();

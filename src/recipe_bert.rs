@@ -172,6 +172,11 @@ impl Recipe for BertRecipe {
         let Some(l) = layout else {
             return Ok(());
         };
+        if l.ep() > 1 {
+            anyhow::bail!(
+                "layout {l}: expert parallelism (ep) needs a model with experts; BERT has none"
+            );
+        }
         if l.cp() > 1 {
             anyhow::bail!(
                 "layout {l}: context parallelism (cp) is not supported for BERT yet (its masked \

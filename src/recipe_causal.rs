@@ -113,6 +113,23 @@ impl<F: TrainFamily> Recipe for CausalRecipe<F> {
                 F::NAME
             );
         }
+        if layout.ep() > 1 {
+            let Some(moe) = F::moe(&config) else {
+                anyhow::bail!(
+                    "layout {layout}: expert parallelism (ep) needs a model with experts; {} has \
+                     none (use --model mixtral)",
+                    F::NAME
+                );
+            };
+            meshgrad_nn::moe::ExpertParallel::check_divides(layout.ep(), moe.n_experts)
+                .map_err(|e| anyhow::anyhow!("layout {layout}: {e} (model.n_experts)"))?;
+            if cfg.train.reference || opts.save_every.is_some() || opts.resume.is_some() {
+                anyhow::bail!(
+                    "layout {layout}: --reference, --save-every and --resume do not support \
+                     expert parallelism (ep) yet"
+                );
+            }
+        }
         F::check_tp(
             &F::padded(config, layout.tp()),
             layout.tp(),

@@ -431,8 +431,13 @@ fn mixtral_trains_and_keeps_lockstep_with_one_device_under_dp_fsdp_and_pp() {
     // One-line refusals: top-k above the experts, and layouts not supported yet.
     let o = train_mixtral(&dir, "bad_k", 1, &["--set", "model.experts_per_token=5"]);
     assert_one_line_error(&o, &["model.experts_per_token", "1..=4"]);
-    let o = train_mixtral(&dir, "bad_tp", 1, &["--layout", "tp=2"]);
-    assert_one_line_error(&o, &["tensor parallelism", "mixture of experts"]);
+    let o = train_mixtral(
+        &dir,
+        "bad_sp",
+        1,
+        &["--layout", "tp=2", "--sequence-parallel"],
+    );
+    assert_one_line_error(&o, &["sequence parallelism", "mixture of experts"]);
     // Fine-tuning from the folder: it fixes the shape, the coefficient is a training setting.
     let single = dir.join("single");
     let o = train_mixtral(

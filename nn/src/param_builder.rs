@@ -150,6 +150,8 @@ pub struct ParamBuilder {
     initial: Option<Arc<InitialValues>>,
     /// Context parallelism: the group the model's layers split sequences over.
     cp: Option<ContextParallel>,
+    /// Expert parallelism: the group a mixture of experts' experts are sharded over.
+    ep: Option<crate::moe::ExpertParallel>,
 }
 
 impl std::fmt::Debug for ParamBuilder {
@@ -180,6 +182,7 @@ impl ParamBuilder {
             splits: Mutex::new(Vec::new()),
             initial: None,
             cp: None,
+            ep: None,
         }
     }
 
@@ -228,6 +231,19 @@ impl ParamBuilder {
     /// The context parallelism this builder builds for, if any (layers keep it).
     pub fn context_parallel_group(&self) -> Option<&ContextParallel> {
         self.cp.as_ref()
+    }
+
+    /// Builds the model expert-parallel over `ep` (see [`crate::moe::ep`]): each mixture of
+    /// experts creates only this rank's block of its experts (under their global names) and
+    /// moves tokens to them with all-to-alls.
+    pub fn expert_parallel(mut self, ep: crate::moe::ExpertParallel) -> Self {
+        self.ep = Some(ep);
+        self
+    }
+
+    /// The expert parallelism this builder builds for, if any.
+    pub fn expert_parallel_group(&self) -> Option<&crate::moe::ExpertParallel> {
+        self.ep.as_ref()
     }
 
     /// Sets the parameter dtype.
@@ -321,6 +337,7 @@ impl ParamBuilder {
             .dtype(self.dtype)
             .device(self.device);
         meta.meta = true;
+        meta.ep = self.ep.clone();
         let model = f(&meta)?;
         meta.initialised
             .store(true, std::sync::atomic::Ordering::Relaxed);

@@ -14,12 +14,19 @@
 //! | `tp=T`      | tensor parallel over T ranks (each layer split across them)       |
 //! | `pp=P`      | pipeline parallel over P ranks (the model cut into stages; [`crate::pipeline`]) |
 //! | `cp=C`      | context parallel over C ranks: each row's sequence cut into 2C chunks, rank i holding chunks i and 2C-1-i; attention as ring attention |
+//! | `ep=E`      | expert parallel over E ranks: a mixture of experts' experts sharded over them, tokens moved to their experts and back by all-to-alls; adds no ranks (see below) |
 //!
 //! For example `dp=4` (DDP over 4 ranks), `fsdp=4`, `zero1=4`, `hsdp=2x2` (= `dp=2,fsdp=2`),
 //! `dp=2,zero2=2` (hybrid ZeRO-2) or `dp=2,tp=2`. At most one sharding entry (`fsdp`, `zero1`,
 //! `zero2`, `zero3`) is allowed, `hsdp` excludes `dp` and the sharding entries, and no entry may
 //! be given twice; degree 1 is allowed everywhere (`fsdp=1` is a one-rank ZeRO-3 run). `cp`
 //! composes today with `dp` only (not with a sharding entry, `tp` or `pp`: refused in one line).
+//!
+//! `ep=E` adds no ranks: it divides the data-parallel (times context-parallel) ranks into groups
+//! of E consecutive ones (torchtitan's rule), each holding every expert once; the ranks that
+//! hold the same experts average their gradients (see [`LayoutMesh::ep_group`]). Without a
+//! `dp`, sharding or `hsdp` entry the data-parallel degree is E (`ep=2` is `dp=2,ep=2`). `ep`
+//! composes today with `dp`, `tp` and `pp` (a sharding entry is refused in one line).
 //!
 //! The ranks form a [`crate::DeviceMesh`] with dimensions `["pp", "dp_replicate", "dp_shard",
 //! "cp", "tp"]` (torchtitan's order; every one present, possibly of size 1; `tp` fastest, so
@@ -83,6 +90,7 @@ pub struct ParallelLayout {
     zero: Option<ZeroStage>,
     cp: usize,
     tp: usize,
+    ep: usize,
 }
 
 impl Default for ParallelLayout {
@@ -95,6 +103,7 @@ impl Default for ParallelLayout {
             zero: None,
             cp: 1,
             tp: 1,
+            ep: 1,
         }
     }
 }
@@ -116,6 +125,7 @@ impl ParallelLayout {
             zero,
             cp: 1,
             tp,
+            ep: 1,
         };
         for (name, d) in [
             ("pp", pp),
@@ -163,7 +173,37 @@ impl ParallelLayout {
 
     /// This layout with tensor-parallel degree `tp`.
     pub fn with_tp(self, tp: usize) -> Result<Self> {
-        Self::new(self.pp, self.dp_replicate, self.dp_shard, self.zero, tp)?.with_cp(self.cp)
+        Self::new(self.pp, self.dp_replicate, self.dp_shard, self.zero, tp)?
+            .with_cp(self.cp)?
+            .with_ep(self.ep)
+    }
+
+    /// This layout with expert-parallel degree `ep` (at least 1; see the [module docs](self)),
+    /// which must divide the data-parallel (times context-parallel) ranks. Composes with `dp`,
+    /// `cp`, `tp` and `pp` (the expert-parallel groups are data-parallel ranks of one
+    /// tensor-parallel coordinate); a ZeRO stage is refused in one line.
+    pub fn with_ep(self, ep: usize) -> Result<Self> {
+        if ep == 0 {
+            meshgrad_tensor::bail!("parallel layout: the ep degree must be at least 1");
+        }
+        if ep > 1 {
+            if let Some(z) = self.zero {
+                meshgrad_tensor::bail!(
+                    "parallel layout: ep does not compose with {} yet (ep runs with dp, tp and pp)",
+                    z.key()
+                );
+            }
+            let ranks = self.data_parallel_degree() * self.cp;
+            if !ranks.is_multiple_of(ep) {
+                meshgrad_tensor::bail!(
+                    "parallel layout: ep = {ep} does not divide the {ranks} data-parallel ranks \
+                     (dp {} x cp {})",
+                    self.data_parallel_degree(),
+                    self.cp
+                );
+            }
+        }
+        Ok(ParallelLayout { ep, ..self })
     }
 
     /// This layout with context-parallel degree `cp` (at least 1). Context parallelism composes
@@ -217,6 +257,12 @@ impl ParallelLayout {
     /// The context-parallel degree (ranks that split each row's sequence).
     pub fn cp(&self) -> usize {
         self.cp
+    }
+
+    /// The expert-parallel degree (ranks a mixture of experts' experts are sharded over; they
+    /// are data-parallel ranks, see the [module docs](self)).
+    pub fn ep(&self) -> usize {
+        self.ep
     }
 
     /// The number of replicas of the data-parallel ranks (the DDP degree without a ZeRO stage).
@@ -297,13 +343,13 @@ fn parse_degree(spec: &str, key: &str, v: &str) -> Result<usize> {
     Ok(d)
 }
 
-const EXPECTED: &str = "dp=R, fsdp=S, zero1=S, zero2=S, zero3=S, hsdp=RxS, tp=T, pp=P, cp=C";
+const EXPECTED: &str = "dp=R, fsdp=S, zero1=S, zero2=S, zero3=S, hsdp=RxS, tp=T, pp=P, cp=C, ep=E";
 
 impl FromStr for ParallelLayout {
     type Err = Error;
 
     /// Parses comma-separated `dp=R`, `fsdp=S` (`zero3=S`), `zero1=S`, `zero2=S`, `hsdp=RxS`,
-    /// `tp=T`, `pp=P` and `cp=C` entries (see the [module docs](self)). Errors are one line naming the
+    /// `tp=T`, `pp=P`, `cp=C` and `ep=E` entries (see the [module docs](self)). Errors are one line naming the
     /// offending entries.
     fn from_str(spec: &str) -> Result<Self> {
         let spec = spec.trim();
@@ -314,6 +360,7 @@ impl FromStr for ParallelLayout {
         let mut tp: Option<usize> = None;
         let mut pp: Option<usize> = None;
         let mut cp: Option<usize> = None;
+        let mut ep: Option<usize> = None;
         for entry in spec.split(',') {
             let entry = entry.trim();
             if entry.is_empty() {
@@ -391,6 +438,12 @@ impl FromStr for ParallelLayout {
                     }
                     cp = Some(parse_degree(spec, &key, value)?);
                 }
+                "ep" => {
+                    if ep.is_some() {
+                        return Err(twice());
+                    }
+                    ep = Some(parse_degree(spec, &key, value)?);
+                }
                 other => meshgrad_tensor::bail!(
                     "layout '{spec}': unknown entry '{other}' (expected {EXPECTED})"
                 ),
@@ -405,7 +458,8 @@ impl FromStr for ParallelLayout {
             ),
             (Some((r, s)), None, None) => (r, s, Some(ZeroStage::Three)),
             (None, dp, Some((_, stage, s))) => (dp.map_or(1, |d| d.1), s, Some(stage)),
-            (None, dp, None) => (dp.map_or(1, |d| d.1), 1, None),
+            // Without a data-parallel entry, ep=E is dp=E,ep=E.
+            (None, dp, None) => (dp.map_or(ep.unwrap_or(1), |d| d.1), 1, None),
         };
         ParallelLayout::new(
             pp.unwrap_or(1),
@@ -415,6 +469,7 @@ impl FromStr for ParallelLayout {
             tp.unwrap_or(1),
         )
         .and_then(|l| l.with_cp(cp.unwrap_or(1)))
+        .and_then(|l| l.with_ep(ep.unwrap_or(1)))
         .map_err(|e| Error::msg(format!("layout '{spec}': {e}")))
     }
 }
@@ -450,6 +505,9 @@ impl fmt::Display for ParallelLayout {
         }
         if self.tp > 1 {
             parts.push(format!("tp={}", self.tp));
+        }
+        if self.ep > 1 {
+            parts.push(format!("ep={}", self.ep));
         }
         f.write_str(&parts.join(","))
     }
@@ -552,6 +610,12 @@ mod tests {
             ("cp=2", "cp=2"),
             ("cp=2,dp=2", "dp=2,cp=2"),
             ("cp=1", "dp=1"),
+            ("ep=2", "dp=2,ep=2"),
+            ("ep=4,dp=4", "dp=4,ep=4"),
+            ("dp=4,ep=2", "dp=4,ep=2"),
+            ("ep=2,pp=2", "pp=2,dp=2,ep=2"),
+            ("ep=1", "dp=1"),
+            ("tp=2,ep=2", "dp=2,tp=2,ep=2"),
         ] {
             let layout = p(s).unwrap();
             assert_eq!(layout.to_string(), canonical, "{s}");
@@ -586,6 +650,13 @@ mod tests {
             ("cp=2,pp=2", &["cp does not compose with pp yet"][..]),
             ("cp=2,fsdp=2", &["cp does not compose with fsdp yet"][..]),
             ("hsdp=2x2,zero1=2", &["hsdp and zero1 conflict"][..]),
+            ("ep=0", &["ep degree must be at least 1"][..]),
+            ("ep=2,ep=2", &["ep is given twice"][..]),
+            (
+                "dp=3,ep=2",
+                &["ep = 2 does not divide the 3 data-parallel ranks"][..],
+            ),
+            ("ep=2,fsdp=2", &["ep does not compose with fsdp yet"][..]),
         ] {
             let e = p(s).unwrap_err().to_string();
             for n in needles {

@@ -23,6 +23,9 @@ pub struct LayoutMesh {
     layout: ParallelLayout,
     mesh: DeviceMesh,
     dp: Arc<dyn Communicator>,
+    /// Under expert parallelism: the expert-parallel group and the group of the ranks that hold
+    /// the same experts.
+    ep: Option<(Arc<dyn Communicator>, Arc<dyn Communicator>)>,
 }
 
 impl std::fmt::Debug for LayoutMesh {
@@ -59,7 +62,39 @@ impl LayoutMesh {
         } else {
             mesh.group_over(&["dp_replicate", "dp_shard"])?
         };
-        Ok(LayoutMesh { layout, mesh, dp })
+        // Expert parallelism: E consecutive data-parallel ranks hold every expert once; the
+        // ranks E apart hold the same experts.
+        let ep = if layout.ep() > 1 {
+            let (e, d, me) = (layout.ep(), dp.world_size(), dp.rank());
+            let block = me / e * e;
+            let ep_ranks: Vec<usize> = (block..block + e).collect();
+            let same: Vec<usize> = (me % e..d).step_by(e).collect();
+            Some((
+                dp.new_group(&ep_ranks, "ep")?,
+                dp.new_group(&same, "ep_replicate")?,
+            ))
+        } else {
+            None
+        };
+        Ok(LayoutMesh {
+            layout,
+            mesh,
+            dp,
+            ep,
+        })
+    }
+
+    /// Under expert parallelism (`ep=E`), this rank's expert-parallel group: E consecutive
+    /// ranks of [`Self::dp_group`] (rank `r` of it holds the `r`-th block of every layer's
+    /// experts). `None` without expert parallelism.
+    pub fn ep_group(&self) -> Option<Arc<dyn Communicator>> {
+        self.ep.as_ref().map(|(g, _)| g.clone())
+    }
+
+    /// Under expert parallelism, the ranks of [`Self::dp_group`] that hold the same experts as
+    /// this one (every E-th): the group expert gradients are reduced over. `None` without.
+    pub fn expert_replica_group(&self) -> Option<Arc<dyn Communicator>> {
+        self.ep.as_ref().map(|(_, g)| g.clone())
     }
 
     /// The layout.
@@ -293,6 +328,25 @@ mod tests {
         assert_eq!(seen[1], (vec![0, 1], vec![0, 1, 2, 3], 0, 2));
         assert_eq!(seen[2], (vec![2, 3], vec![0, 1, 2, 3], 1, 2));
         assert_eq!(seen[3].2, 1);
+    }
+
+    #[test]
+    fn ep_groups_divide_the_data_parallel_ranks() {
+        let layout: ParallelLayout = "dp=4,ep=2".parse().unwrap();
+        let opts = RunOptions::with_timeout(Duration::from_secs(10));
+        let seen = run_ranks(4, &opts, |ctx| {
+            let m = layout.mesh(ctx.comm.clone())?;
+            Ok((
+                m.ep_group().unwrap().ranks().to_vec(),
+                m.expert_replica_group().unwrap().ranks().to_vec(),
+                m.dp_group().ranks().to_vec(),
+            ))
+        })
+        .unwrap();
+        assert_eq!(seen[0], (vec![0, 1], vec![0, 2], vec![0, 1, 2, 3]));
+        assert_eq!(seen[1], (vec![0, 1], vec![1, 3], vec![0, 1, 2, 3]));
+        assert_eq!(seen[2], (vec![2, 3], vec![0, 2], vec![0, 1, 2, 3]));
+        assert_eq!(seen[3].0, vec![2, 3]);
     }
 
     #[test]

@@ -64,5 +64,5 @@ pub use layout::{ParallelLayout, ZeroStage};
 pub use layout_mesh::LayoutMesh;
 pub use mesh::DeviceMesh;
 pub use sampler::{micro_rows, rank_rows};
-pub use strategy::{DataParallel, ScaledStep};
+pub use strategy::{DataParallel, ExpertDataParallel, ScaledStep};
 pub use zero::{ShardConfig, ShardTopology, ShardedDataParallel};

@@ -46,6 +46,10 @@
 //!   copies being averaged, whole at the end of the backward); ZeRO-2/3 `4 (L / S + padding) + `
 //!   the largest unit's tp-local gradient (whole, before its reduce-scatter);
 //! * optimizer state: two AdamW moments, `8 L`; under ZeRO `8 (L / S + padding)`;
+//! * expert parallelism (`ep=E`, with DDP): a rank holds `X / E` of the `X` expert parameters
+//!   (the rest whole): parameters `4 (L - X + X / E)`, optimizer state twice that, gradients
+//!   `8 (L - X)` plus `4 X / E` (`8 X / E` when the data-parallel degree exceeds `E`: the
+//!   experts' own bucket copies); the report adds a line of expert parameters per rank;
 //! * activations: no figure. Tensor parallelism splits the attention and MLP interiors by heads
 //!   and features and the logits by vocabulary; the LayerNorm / dropout / residual regions
 //!   (`[B, T, C]` tensors) stay whole on every rank unless sequence parallelism splits them
@@ -68,7 +72,7 @@ use crate::layout::{ParallelLayout, ZeroStage};
 use crate::pipeline::PipelineGrads;
 use crate::sampler::rank_rows;
 use crate::strategy::DataParallel;
-use crate::tp::tensor_parallel;
+use crate::tp::{expert_parallel, tensor_parallel};
 use crate::zero::plan::{ParamSpec, ShardPlan};
 use crate::zero::WrapPolicy;
 
@@ -167,6 +171,10 @@ impl MemoryStrategy {
             (true, false) => Some("TP"),
             (true, true) => Some("TP + SP"),
         };
+        let dp = match dp {
+            Some("DDP") if self.layout.ep() > 1 => Some("DDP + EP"),
+            d => d,
+        };
         match (dp, tp) {
             (Some(d), Some(t)) => format!("{d} x {t}"),
             (Some(d), None) => d.to_string(),
@@ -224,6 +232,9 @@ pub struct MemoryRow {
     pub activations: usize,
     /// Peak of all allocations (activations and temporaries included).
     pub total: usize,
+    /// Expert parameters a rank holds (the largest over the ranks; every expert of the model
+    /// without expert parallelism, `1 / ep` of them under `ep`).
+    pub expert_params: usize,
     /// The theory's figures.
     pub theory: MemoryTheory,
 }
@@ -247,6 +258,8 @@ pub struct MemoryReport {
     pub split_params: usize,
     /// Parameters every tensor-parallel rank holds whole.
     pub replicated_params: usize,
+    /// Expert parameters of the model (a mixture of experts'; 0 without one).
+    pub expert_params: usize,
     /// Bytes of the unsharded model states of f32 AdamW training: parameters, gradients and two
     /// moments, 16 bytes per parameter.
     pub unsharded_model_states: usize,
@@ -339,6 +352,27 @@ impl MemoryReport {
         } else {
             s.push_str(".\n");
         }
+        let ep_lines: Vec<String> = self
+            .rows
+            .iter()
+            .filter(|r| r.strategy.layout.ep() > 1)
+            .map(|r| {
+                format!(
+                    "`{}` {} of {} (1/{})",
+                    r.strategy.name(),
+                    r.expert_params,
+                    self.expert_params,
+                    r.strategy.layout.ep()
+                )
+            })
+            .collect();
+        if !ep_lines.is_empty() {
+            s.push_str(&format!(
+                "\nExpert parameters per rank (expert parallelism holds 1/ep of the experts on each \
+                 rank; the router and the rest whole): {}.\n",
+                ep_lines.join(", ")
+            ));
+        }
         let mut sp_lines = Vec::new();
         for r in self.rows.iter().filter(|r| r.strategy.sequence_parallel) {
             let plain = MemoryStrategy {
@@ -379,15 +413,19 @@ fn measure_rank<F: CausalFamily>(
     cfg: &MemoryReportConfig<F::Config>,
     strategy: MemoryStrategy,
     data: &TokenDataset,
-) -> Result<MemoryStats> {
+) -> Result<(MemoryStats, usize)> {
     let mesh = strategy.layout.mesh(ctx.comm.clone())?;
     let spec = StageSpec::full(F::n_layer(&cfg.model));
     let mut builder = ParamBuilder::new(cfg.seed);
+    if let Some(ep) = mesh.ep_group() {
+        builder = builder.expert_parallel(expert_parallel(ep));
+    }
     if mesh.tp_degree() > 1 {
         let tp = tensor_parallel(mesh.tp_group(), strategy.sequence_parallel);
         builder = builder.tensor_parallel(tp, F::tp_plan(&cfg.model, &spec));
     }
     let model = F::build_stage(cfg.model, spec, builder, false)?;
+    let experts = expert_numel(&model);
     let groups = param_groups_for_decay(model.named_parameters(), 0.1);
     let mut opt = AdamW::new(groups, AdamWConfig::default())?;
     let wrapper = DataParallel::for_layout(&mesh, &model, &opt)?;
@@ -426,7 +464,18 @@ fn measure_rank<F: CausalFamily>(
         wrapper.clip_grads_with_norm(&grads, 1.0, norm)?;
         wrapper.step(&mut opt, lr)?;
     }
-    Ok(ctx.tracker.stats())
+    Ok((ctx.tracker.stats(), experts))
+}
+
+/// The elements of `model`'s expert parameters ([`meshgrad_nn::moe::expert_parameter_names`]).
+fn expert_numel(model: &dyn Module) -> usize {
+    let names = meshgrad_nn::moe::expert_parameter_names(model);
+    model
+        .named_parameters()
+        .iter()
+        .filter(|(n, _)| names.contains(n))
+        .map(|(_, v)| v.tensor().elem_count())
+        .sum()
 }
 
 /// The single-device model's parameters with their shapes under `tp` ranks (split parameters
@@ -481,10 +530,21 @@ fn theory(model: &dyn Module, plan: &TpPlan, strategy: &MemoryStrategy) -> Resul
         } else {
             1
         };
+        // Under ep=E a rank holds 1/E of the experts; their gradients have a bucket copy only
+        // when other ranks hold the same experts (D / E above 1).
+        let e = strategy.layout.ep();
+        let experts = expert_numel(model);
+        let held = local - experts + experts / e;
+        let expert_copies = if strategy.layout.data_parallel_degree() > e {
+            2
+        } else {
+            1
+        };
+        let grads = copies * (local - experts) + expert_copies * experts / e;
         return Ok(MemoryTheory {
-            params: f32b * local,
-            grads: copies * f32b * local,
-            optimizer: 2 * f32b * local,
+            params: f32b * held,
+            grads: f32b * grads,
+            optimizer: 2 * f32b * held,
         });
     };
     let plan = shard_plan(model, plan, tp, strategy.layout.dp_shard())?;
@@ -557,7 +617,9 @@ pub fn memory_report<F: CausalFamily>(
             measure_rank::<F>(&ctx, cfg, strategy, &data)
         })
         .map_err(|e| Error::msg(format!("memory report, {}: {e}", strategy.name())))?;
-        let max = |f: &dyn Fn(&MemoryStats) -> usize| per_rank.iter().map(f).max().unwrap_or(0);
+        let max = |f: &dyn Fn(&MemoryStats) -> usize| {
+            per_rank.iter().map(|(s, _)| f(s)).max().unwrap_or(0)
+        };
         rows.push(MemoryRow {
             strategy,
             rows_per_rank: cfg.global_batch / strategy.layout.data_parallel_degree(),
@@ -567,6 +629,7 @@ pub fn memory_report<F: CausalFamily>(
             model_states: max(&|s| s.model_state_peak),
             activations: max(&|s| s.peak_of(MemoryTag::Activations)),
             total: max(&|s| s.peak),
+            expert_params: per_rank.iter().map(|(_, e)| *e).max().unwrap_or(0),
             theory: theory(&model, &plan, &strategy)?,
         });
     }
@@ -603,6 +666,7 @@ pub fn memory_report<F: CausalFamily>(
         num_params,
         split_params,
         replicated_params,
+        expert_params: expert_numel(&model),
         unsharded_model_states: 16 * num_params,
         largest_unit_params: u.numel * DType::F32.size_in_bytes(),
         largest_unit: u.name.clone(),

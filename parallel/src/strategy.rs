@@ -4,6 +4,9 @@
 //! * one data-parallel rank (one device, `tp=T`, `pp=P`): nothing; the gradients are whole;
 //! * `dp=N` (nothing sharded): [`Ddp`] over the mesh's data-parallel group, its bucketed
 //!   all-reduces launched during the backward of the step's last microbatch;
+//! * `dp=N,ep=E`: [`ExpertDataParallel`]: [`Ddp`] over the data-parallel group for every
+//!   parameter but the experts, and over the ranks holding the same experts for those (see its
+//!   docs for the scaling);
 //! * `zero1/2=N`, `fsdp=N`, `hsdp=RxS`, `dp=R,zero1=S`, ...: [`ShardedDataParallel`] over the
 //!   mesh's shard topology, which also owns the optimizer state (its shard of it) and steps.
 //!
@@ -16,12 +19,15 @@
 //! shard of it (the wrapper is itself an [`Optimizer`], so a loop of one's own can hold it
 //! where it holds an optimizer).
 
+use std::sync::Arc;
+
+use meshgrad_autograd::{no_grad, Var};
 use meshgrad_nn::optim::{clip_grads_with_norm, AdamW, Optimizer};
 use meshgrad_nn::Module;
 use meshgrad_tensor::Result;
 
-use crate::comm::all_reduce_scalar;
-use crate::pipeline::PipelineGrads;
+use crate::comm::{all_reduce_scalar, Communicator};
+use crate::pipeline::{ApartParams, PipelineGrads};
 use crate::ReduceOp;
 
 use crate::zero::{ShardConfig, ShardedDataParallel};
@@ -35,6 +41,97 @@ pub enum DataParallel {
     Ddp(Ddp),
     /// ZeRO-1/2/3 over the layout's shard topology.
     Sharded(ShardedDataParallel),
+    /// Expert parallelism: experts reduced apart from the other parameters.
+    Experts(Box<ExpertDataParallel>),
+}
+
+/// Data parallelism under expert parallelism (`ep=E` over `D` data-parallel ranks): [`Ddp`] over
+/// the data-parallel group for the parameters every rank holds, and for the experts [`Ddp`] over
+/// the `D / E` ranks that hold the same experts ([`LayoutMesh::expert_replica_group`]), then a
+/// factor `1 / E`. The scaling: the loss is averaged over the `D` ranks, and an expert's
+/// gradient on a rank already sums the contributions of the tokens of its `E` expert-parallel
+/// ranks (the all-to-all's backward brings them), so summing over the `D / E` replicas and
+/// dividing by `D` (their average times `1 / E`) gives one device's gradient. The gradient norm
+/// sums the experts' squares over the expert-parallel group ([`ApartParams`]).
+pub struct ExpertDataParallel {
+    dense: Ddp,
+    experts: Option<Ddp>,
+    params: Vec<Var>,
+    ep: Arc<dyn Communicator>,
+    /// What the experts' averaged gradients are multiplied by (see [`ExpertDataParallel::new`]).
+    factor: f64,
+}
+
+impl ExpertDataParallel {
+    /// The wrapper of `module` on this rank of `mesh` (which has expert parallelism), the
+    /// parameters named `experts` reduced apart. The experts' factor after their replicas'
+    /// average is `1 / E`, or 1 when the mesh's averages add without dividing (reference mode:
+    /// the replicas' sum is then the sum over all ranks, as the other parameters'); it is
+    /// measured with one scalar average over each group.
+    pub fn new(mesh: &LayoutMesh, module: &dyn Module, experts: &[String]) -> Result<Self> {
+        let (Some(ep), Some(replicas)) = (mesh.ep_group(), mesh.expert_replica_group()) else {
+            meshgrad_tensor::bail!(
+                "expert data parallelism: layout {} has no expert-parallel group",
+                mesh.layout()
+            );
+        };
+        let (mine, dense): (Vec<_>, Vec<_>) = module
+            .named_parameters()
+            .into_iter()
+            .partition(|(n, _)| experts.contains(n));
+        let params = mine.iter().map(|(_, v)| v.clone()).collect();
+        // The factor after the replicas' average: `1 / E` where an average divides; where it
+        // adds without dividing (reference mode's tree sums) the replicas' sum is already the
+        // sum over all ranks, and the factor is 1. Measured on the groups themselves.
+        let avg_of_one = |g: &dyn Communicator| all_reduce_scalar(g, 1.0, ReduceOp::Avg);
+        let factor = avg_of_one(mesh.dp_group().as_ref())?
+            / (avg_of_one(replicas.as_ref())? * ep.world_size() as f64);
+        let experts = if replicas.world_size() > 1 {
+            Some(Ddp::new(mine, replicas, DdpConfig::default())?)
+        } else {
+            None
+        };
+        Ok(ExpertDataParallel {
+            dense: Ddp::new(dense, mesh.dp_group(), DdpConfig::default())?,
+            experts,
+            params,
+            factor,
+            ep,
+        })
+    }
+
+    fn set_sync(&self, on: bool) {
+        self.dense.set_sync(on);
+        if let Some(e) = &self.experts {
+            e.set_sync(on);
+        }
+    }
+
+    fn finish(&self) -> Result<()> {
+        self.dense.finish()?;
+        if let Some(e) = &self.experts {
+            e.finish()?;
+        }
+        let f = self.factor;
+        if f == 1.0 {
+            return Ok(());
+        }
+        no_grad(|| {
+            for p in &self.params {
+                if let Some(g) = p.grad() {
+                    g.copy_from(&g.mul_scalar(f)?)?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn apart(&self) -> ApartParams<'_> {
+        ApartParams {
+            params: &self.params,
+            group: self.ep.as_ref(),
+        }
+    }
 }
 
 impl DataParallel {
@@ -42,6 +139,19 @@ impl DataParallel {
     /// the layout names a ZeRO stage, [`Ddp`] over the data-parallel group when that group has
     /// more than one rank, nothing otherwise. [`Ddp`] broadcasts rank 0's parameters.
     pub fn for_layout(mesh: &LayoutMesh, module: &dyn Module, opt: &AdamW) -> Result<Self> {
+        if mesh.ep_group().is_some() {
+            let experts = meshgrad_nn::moe::expert_parameter_names(module);
+            if experts.is_empty() {
+                meshgrad_tensor::bail!(
+                    "layout {}: expert parallelism (ep) needs a model with a mixture of experts; \
+                     this one has no experts",
+                    mesh.layout()
+                );
+            }
+            return Ok(DataParallel::Experts(Box::new(ExpertDataParallel::new(
+                mesh, module, &experts,
+            )?)));
+        }
         Ok(match mesh.layout().zero() {
             Some(stage) => DataParallel::Sharded(ShardedDataParallel::new(
                 module,
@@ -66,6 +176,7 @@ impl DataParallel {
             DataParallel::Local => {}
             DataParallel::Ddp(ddp) => ddp.set_sync(on),
             DataParallel::Sharded(sdp) => sdp.set_sync(on),
+            DataParallel::Experts(e) => e.set_sync(on),
         }
     }
 
@@ -87,7 +198,7 @@ impl DataParallel {
     pub fn reduces_during_backward(&self, grads: &PipelineGrads) -> bool {
         match self {
             DataParallel::Local => false,
-            DataParallel::Ddp(_) => true,
+            DataParallel::Ddp(_) | DataParallel::Experts(_) => true,
             DataParallel::Sharded(_) => !grads.holds_tied_copy(),
         }
     }
@@ -99,7 +210,7 @@ impl DataParallel {
     /// been reduced during the backward), the sharded wrapper adds the copies before it cuts
     /// the gradients into shards.
     pub fn finish_pipeline(&self, grads: &PipelineGrads, add_tied: bool) -> Result<()> {
-        let tied_after = matches!(self, DataParallel::Ddp(_));
+        let tied_after = matches!(self, DataParallel::Ddp(_) | DataParallel::Experts(_));
         if add_tied && !tied_after {
             grads.reduce_tied_grads()?;
         }
@@ -119,6 +230,7 @@ impl DataParallel {
             DataParallel::Local => Ok(()),
             DataParallel::Ddp(ddp) => ddp.finish(),
             DataParallel::Sharded(sdp) => sdp.finish(),
+            DataParallel::Experts(e) => e.finish(),
         }
     }
 
@@ -144,7 +256,8 @@ impl DataParallel {
     pub fn grad_norm(&self, grads: &PipelineGrads) -> Result<f64> {
         match self {
             DataParallel::Sharded(sdp) => Ok(sharded_sq_sum(sdp, grads)?.sqrt()),
-            _ => grads.grad_norm(),
+            DataParallel::Experts(e) => grads.grad_norm(Some(e.apart())),
+            _ => grads.grad_norm(None),
         }
     }
 
@@ -156,7 +269,8 @@ impl DataParallel {
                 let local = sdp.exact_grad_sq_sum_without(&|n| grads.is_left_out_of_norm(n))?;
                 grads.exact_sum_over_pipeline(&local)?
             }
-            _ => grads.exact_grad_sq_sum()?,
+            DataParallel::Experts(e) => grads.exact_grad_sq_sum(Some(e.apart()))?,
+            _ => grads.exact_grad_sq_sum(None)?,
         };
         Ok(sum.value().sqrt())
     }
@@ -194,7 +308,7 @@ impl DataParallel {
                 }
                 Ok(sharded_sq_sum(sdp, grads)?.sqrt())
             }
-            _ => Ok(grads.grad_norm()? / scale),
+            _ => Ok(self.grad_norm(grads)? / scale),
         }
     }
 

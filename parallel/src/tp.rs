@@ -1,12 +1,13 @@
-//! Tensor, sequence and context parallelism over a [`Communicator`]: the [`Collectives`] view
+//! Tensor, sequence, context and expert parallelism over a [`Communicator`]: the [`Collectives`] view
 //! that the layers of `meshgrad_nn::tp` and `meshgrad_nn::cp` communicate through,
 //! [`tensor_parallel`] to make the [`TensorParallel`] a model is built with (see
-//! `meshgrad_nn::tp` for plans and styles) and [`context_parallel`] its [`ContextParallel`].
+//! `meshgrad_nn::tp` for plans and styles) and [`context_parallel`] its [`ContextParallel`], [`expert_parallel`] its [`ExpertParallel`].
 
 use std::sync::Arc;
 
 use meshgrad_autograd::distributed::Collectives;
 use meshgrad_nn::cp::ContextParallel;
+use meshgrad_nn::moe::ExpertParallel;
 use meshgrad_nn::tp::TensorParallel;
 use meshgrad_tensor::{Result, Tensor};
 
@@ -79,9 +80,23 @@ impl Collectives for CommCollectives {
         sent.wait()?;
         Ok(received)
     }
+    fn all_to_all(
+        &self,
+        t: &Tensor,
+        send_splits: &[usize],
+        recv_splits: &[usize],
+    ) -> Result<Tensor> {
+        self.comm.all_to_all(t, send_splits, recv_splits)?.wait()
+    }
     fn describe(&self) -> String {
         format!("{}{}", self.name, self.comm.describe())
     }
+}
+
+/// Expert parallelism over `group` (this rank's expert-parallel group,
+/// [`crate::LayoutMesh::ep_group`]): the ranks a mixture of experts' experts are sharded over.
+pub fn expert_parallel(group: Arc<dyn Communicator>) -> ExpertParallel {
+    ExpertParallel::new(Arc::new(CommCollectives::new(group, "ep")))
 }
 
 /// Context parallelism over `group` (this rank's `cp` group of the mesh): the ring of ring
@@ -95,4 +110,56 @@ pub fn context_parallel(group: Arc<dyn Communicator>) -> ContextParallel {
 pub fn tensor_parallel(group: Arc<dyn Communicator>, sequence_parallel: bool) -> TensorParallel {
     TensorParallel::new(Arc::new(CommCollectives::new(group, "tp")))
         .sequence_parallel(sequence_parallel)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use meshgrad_autograd::distributed::all_to_all_rows;
+    use meshgrad_autograd::Var;
+    use meshgrad_tensor::{Device, Tensor};
+
+    use super::*;
+    use crate::comm::{run_ranks, RunOptions};
+
+    /// Three ranks with uneven (and zero) splits: rank `r` sends `send[r][j]` rows to rank `j`,
+    /// its row `i` holding the value `100 r + i`. Forward: each rank receives its blocks in
+    /// source order; backward with the upstream gradient `1000 + value`, each row's gradient
+    /// returns to the row it came from (`1000 + 100 r + i` on rank `r`'s row `i`).
+    #[test]
+    fn all_to_all_rows_moves_rows_and_their_gradients_back() {
+        let send = [[1usize, 0, 2], [2, 1, 0], [0, 3, 1]];
+        let opts = RunOptions::with_timeout(Duration::from_secs(10));
+        let seen = run_ranks(3, &opts, |ctx| {
+            let r = ctx.rank;
+            let group: Arc<dyn Collectives> =
+                Arc::new(CommCollectives::new(ctx.comm.clone(), "ep"));
+            let n: usize = send[r].iter().sum();
+            let vals: Vec<f64> = (0..n).flat_map(|i| [(100 * r + i) as f64; 2]).collect();
+            let x = Var::leaf(Tensor::from_vec(vals, (n, 2), Device::Cpu)?);
+            let recv: Vec<usize> = (0..3).map(|src| send[src][r]).collect();
+            let y = all_to_all_rows(&x, &send[r], &recv, &group)?;
+            let got = y.tensor().to_vec_f64()?;
+            let upstream = y.tensor().add_scalar(1000.0)?;
+            y.backward_with(upstream)?;
+            Ok((got, x.grad().unwrap().to_vec_f64()?))
+        })
+        .unwrap();
+        // The rows rank j receives, from ranks 0, 1, 2 in order (first column of each).
+        let want: [Vec<f64>; 3] = [
+            vec![0.0, 100.0, 101.0],
+            vec![102.0, 200.0, 201.0, 202.0],
+            vec![1.0, 2.0, 203.0],
+        ];
+        for (j, (got, grad)) in seen.iter().enumerate() {
+            let first: Vec<f64> = got.iter().step_by(2).copied().collect();
+            assert_eq!(first, want[j], "rank {j} received");
+            let n: usize = send[j].iter().sum();
+            let back: Vec<f64> = (0..n)
+                .flat_map(|i| [(1000 + 100 * j + i) as f64; 2])
+                .collect();
+            assert_eq!(grad, &back, "rank {j}'s gradients");
+        }
+    }
 }

@@ -213,3 +213,44 @@ fn a_llama_is_measured_the_same_way() {
     assert_eq!(tp2.grads, tp2.theory.grads, "{tp2:?}");
     assert!(report.rows[1].model_states < report.rows[0].model_states);
 }
+
+/// Expert parallelism: under `ep=2` a rank holds half of a Mixtral's experts (the router and
+/// the rest whole), so its parameter bytes are the `dp=2` rank's less half the experts' bytes.
+#[test]
+fn expert_parallelism_halves_the_experts_per_rank() {
+    let mut model = LlamaConfig::new(256, 32, 64, 2, 4);
+    model.n_kv_head = 2;
+    model.intermediate_size = 32;
+    model.moe = Some(meshgrad_nn::moe::MoeSettings::new(4, 2));
+    let cfg = MemoryReportConfig {
+        model,
+        world: 2,
+        global_batch: 4,
+        seq_len: 32,
+        steps: 2,
+        seed: 3,
+    };
+    let strategies = vec![
+        MemoryStrategy::ddp(2).unwrap(),
+        MemoryStrategy::new("ep=2", false).unwrap(),
+    ];
+    let report = memory_report::<meshgrad_nn::Mixtral>(&cfg, &strategies).unwrap();
+    let md = report.to_markdown();
+    println!("{md}");
+    // 2 layers x 4 experts x (w1, w2, w3) of 64 x 32.
+    let experts = 2 * 4 * 3 * 64 * 32;
+    assert_eq!(report.expert_params, experts);
+    let (dp, ep) = (report.rows[0], report.rows[1]);
+    assert_eq!(ep.strategy.kind(), "DDP + EP");
+    assert_eq!(dp.expert_params, experts);
+    assert_eq!(ep.expert_params, experts / 2);
+    assert_eq!(ep.params, dp.params - 4 * experts / 2, "{ep:?} vs {dp:?}");
+    for r in [dp, ep] {
+        assert!(r.params <= r.theory.params, "{r:?}");
+        assert!(r.optimizer <= r.theory.optimizer, "{r:?}");
+    }
+    assert!(
+        md.contains(&format!("`dp=2,ep=2` {} of {experts} (1/2)", experts / 2)),
+        "{md}"
+    );
+}

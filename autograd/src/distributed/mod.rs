@@ -11,6 +11,7 @@
 //! | [`reduce_scatter_dim`]       | this rank's chunk of the sum  | concatenate the chunks       |
 //! | [`split_dim`]                | this rank's chunk             | concatenate the chunks       |
 //! | [`ring_attention()`]         | attention over the sequence split across the group (keys and values pass around the ring) | the same ring backwards (dk, dv return to their owner) |
+//! | [`all_to_all_rows`]          | rows sent to the ranks by split sizes | the reverse all-to-all of the gradients |
 //!
 //! On a group of one rank every function returns its input unchanged (no copy, no node), so a
 //! model written for tensor parallelism runs at degree 1 exactly as the plain model.
@@ -66,6 +67,26 @@ pub trait Collectives: Send + Sync {
             return all.narrow(0, prev, 1)?.reshape(t.shape().clone());
         }
         all.narrow(0, prev * n, n)?.contiguous()
+    }
+    /// Exchanges rows of dimension 0: `t`'s rows, cut in rank order into blocks of
+    /// `send_splits[j]` rows, go to rank `j`; the result concatenates the blocks received from
+    /// every rank in rank order, `recv_splits[i]` rows from rank `i` (uneven splits allowed; rank
+    /// `i`'s `send_splits[j]` must equal rank `j`'s `recv_splits[i]`). The default serves a group
+    /// of one rank only (it returns `t`); communicators override it with their all-to-all.
+    fn all_to_all(
+        &self,
+        t: &Tensor,
+        send_splits: &[usize],
+        recv_splits: &[usize],
+    ) -> Result<Tensor> {
+        if self.size() == 1 && send_splits == recv_splits {
+            return Ok(t.clone());
+        }
+        meshgrad_tensor::bail!(
+            "all_to_all on {}: this group has no all-to-all (send splits {send_splits:?}, \
+             receive splits {recv_splits:?})",
+            self.describe()
+        )
     }
     /// The group's members for messages, e.g. `tp[0,1]`.
     fn describe(&self) -> String;
@@ -344,6 +365,49 @@ pub fn split_dim(x: &Var, dim: usize, group: &Group) -> Result<Var> {
         mine,
         &[x],
         Box::new(move |grad, _| Ok(vec![Some(gather_along(grad, dim, &*g)?)])),
+    ))
+}
+
+/// The rows of `x` (dimension 0) exchanged over `group` ([`Collectives::all_to_all`]): block
+/// `j` of `send_splits[j]` rows goes to rank `j`, and the result holds the blocks received from
+/// every rank in rank order (`recv_splits[i]` rows from rank `i`). Backward: the reverse
+/// all-to-all of the gradient (the splits swapped), so each row's gradient returns to the rank
+/// it came from. A collective in both directions: every member calls it, and every member's
+/// backward reaches it. On a group of one rank it returns `x`.
+pub fn all_to_all_rows(
+    x: &Var,
+    send_splits: &[usize],
+    recv_splits: &[usize],
+    group: &Group,
+) -> Result<Var> {
+    let rows = x.tensor().dims().first().copied();
+    let sent: usize = send_splits.iter().sum();
+    if rows != Some(sent) || send_splits.len() != group.size() || recv_splits.len() != group.size()
+    {
+        meshgrad_tensor::bail!(
+            "all_to_all_rows: shape {} with send splits {send_splits:?} and receive splits \
+             {recv_splits:?} over the {} ranks of {}",
+            x.tensor().shape(),
+            group.size(),
+            group.describe()
+        );
+    }
+    if group.size() == 1 {
+        return Ok(x.clone());
+    }
+    let out = group.all_to_all(&x.tensor().contiguous()?, send_splits, recv_splits)?;
+    let (g, send, recv) = (group.clone(), send_splits.to_vec(), recv_splits.to_vec());
+    Ok(Var::from_op(
+        "all_to_all_rows",
+        out,
+        &[x],
+        Box::new(move |grad, _| {
+            Ok(vec![Some(g.all_to_all(
+                &grad.contiguous()?,
+                &recv,
+                &send,
+            )?)])
+        }),
     ))
 }
 

@@ -230,10 +230,15 @@ impl Llama {
             .with(
                 "model.layers.*.post_attention_layernorm",
                 ParallelStyle::SequenceParallel,
-            )
-            .with("model.layers.*.mlp.gate_proj", col)
-            .with("model.layers.*.mlp.up_proj", col)
-            .with("model.layers.*.mlp.down_proj", ParallelStyle::Rowwise);
+            );
+        // A mixture of experts (Mixtral) stays whole on every tensor-parallel rank: each runs
+        // the router and the experts on the same (replicated) tokens.
+        if config.moe.is_none() {
+            plan = plan
+                .with("model.layers.*.mlp.gate_proj", col)
+                .with("model.layers.*.mlp.up_proj", col)
+                .with("model.layers.*.mlp.down_proj", ParallelStyle::Rowwise);
+        }
         if spec.head {
             plan = plan
                 .with("model.norm", ParallelStyle::SequenceParallel)

@@ -4,8 +4,9 @@
 //! configs have experts and whose checkpoints are `MixtralForCausalLM` folders
 //! ([`crate::state::hf_mixtral`]).
 //!
-//! Data parallelism (dp, fsdp, hsdp) and pipelining train it as one device does; tensor
-//! parallelism is not supported yet: [`CausalFamily::check_tp`] refuses it.
+//! Data parallelism (dp, fsdp, hsdp), pipelining, expert parallelism (ep) and tensor
+//! parallelism without sequence parallelism (the attention split, the mixtures of experts whole
+//! on every tensor-parallel rank) train it as one device does.
 
 use std::path::Path;
 
@@ -38,14 +39,18 @@ impl CausalFamily for Mixtral {
     fn vocab(config: &LlamaConfig) -> usize {
         config.vocab_size
     }
-    fn check_tp(_config: &LlamaConfig, tp: usize, _sequence: Option<usize>) -> Result<()> {
-        if tp > 1 {
+    /// Tensor parallelism splits the attention and the vocabulary as for a Llama; the router
+    /// and the experts stay whole on every tensor-parallel rank (each routes the same tokens).
+    /// Sequence parallelism is refused: the experts' gradients would then need a sum over the
+    /// tensor-parallel ranks' tokens.
+    fn check_tp(config: &LlamaConfig, tp: usize, sequence: Option<usize>) -> Result<()> {
+        if tp > 1 && sequence.is_some() {
             meshgrad_tensor::bail!(
-                "mixtral: tensor parallelism (tp = {tp}) is not supported for a mixture of \
-                 experts yet; use dp, fsdp or hsdp"
+                "mixtral: sequence parallelism (tp = {tp}) is not supported for a mixture of \
+                 experts yet; use tp without --sequence-parallel"
             );
         }
-        Ok(())
+        crate::llama::check_tp_sizes(config, tp, None)
     }
     fn n_layer(config: &LlamaConfig) -> usize {
         config.n_layer

@@ -1,14 +1,16 @@
 //! [`SparseMoe`]: Mixtral's sparse feed-forward (`block_sparse_moe`): the router, the experts
 //! and the dispatch between them (see the [module docs](super)).
 
+use meshgrad_autograd::distributed::all_to_all_rows;
 use meshgrad_autograd::Var;
-use meshgrad_tensor::{DType, Result, Tensor};
+use meshgrad_tensor::{DType, Device, Result, Tensor};
 
+use super::ep::ExpertParallel;
 use super::load;
 use super::routing::{check_top_k, Routing, RoutingArgs};
 use crate::layers::Linear;
 use crate::llama::block::proj;
-use crate::module::Forward;
+use crate::module::{Child, Forward, ModuleField};
 use crate::param_builder::ParamBuilder;
 
 /// A mixture of experts' settings (Hugging Face `MixtralConfig` keys in the comments).
@@ -87,6 +89,23 @@ impl Forward for MoeExpert {
     }
 }
 
+/// A layer's experts, or under expert parallelism this rank's block of them: `list[i]` is
+/// expert `first + i`, and is named so (`experts.{first + i}`), as in the full model.
+pub struct ExpertList {
+    /// The global index of `list[0]`.
+    pub first: usize,
+    /// The experts held.
+    pub list: Vec<MoeExpert>,
+}
+
+impl ModuleField for ExpertList {
+    fn visit_field(&self, name: &str, f: &mut dyn FnMut(&str, Child<'_>)) {
+        for (i, x) in self.list.iter().enumerate() {
+            x.visit_field(&format!("{name}.{}", self.first + i), f)
+        }
+    }
+}
+
 /// Mixtral's sparse feed-forward (`block_sparse_moe`; see the [module docs](super)): the router
 /// `gate` `[n_experts, n_embd]` and the experts `experts.{e}.{w1,w2,w3}`.
 #[derive(crate::Module)]
@@ -94,8 +113,10 @@ impl Forward for MoeExpert {
 pub struct SparseMoe {
     /// The router.
     pub gate: Linear,
-    /// The experts.
-    pub experts: Vec<MoeExpert>,
+    /// The experts (this rank's block of them under expert parallelism).
+    pub experts: ExpertList,
+    /// Expert parallelism: the group the experts are sharded over.
+    pub ep: Option<ExpertParallel>,
     /// Routing settings.
     pub settings: MoeSettings,
     /// The layer's global index (its load's key in [`super::collect_expert_load`]).
@@ -125,11 +146,24 @@ impl SparseMoe {
         (layer, aux_weight): (usize, f64),
     ) -> Result<Self> {
         settings.validate()?;
+        let ep = p
+            .expert_parallel_group()
+            .filter(|e| e.degree() > 1)
+            .cloned();
+        let held = match &ep {
+            Some(e) => e.local_experts(settings.n_experts)?,
+            None => 0..settings.n_experts,
+        };
+        let gate = proj(p, n_embd, settings.n_experts)?;
         Ok(SparseMoe {
-            gate: proj(p, n_embd, settings.n_experts)?,
-            experts: (0..settings.n_experts)
-                .map(|_| MoeExpert::new(p, n_embd, intermediate))
-                .collect::<Result<_>>()?,
+            gate,
+            experts: ExpertList {
+                first: held.start,
+                list: held
+                    .map(|_| MoeExpert::new(p, n_embd, intermediate))
+                    .collect::<Result<_>>()?,
+            },
+            ep,
             settings,
             layer,
             aux_weight,
@@ -176,7 +210,10 @@ impl SparseMoe {
             .div(&top.sum(&[-1], true)?)?
             .to_dtype(x.tensor().dtype())?;
         let permuted = permute(&flat, &routing)?;
-        let expert_out = self.run_experts(&permuted, &routing)?;
+        let expert_out = match &self.ep {
+            Some(ep) => self.run_experts_parallel(&permuted, &routing, ep)?,
+            None => self.run_experts(&permuted, &routing.expert_sizes)?,
+        };
         let y = unpermute(&expert_out, &routing, &weights)?.reshape((b, t, c))?;
         let aux = load_balancing_loss(&probs, &routing, (b, t, n))?;
         let output = if self.aux_weight != 0.0 {
@@ -198,19 +235,85 @@ impl SparseMoe {
         })
     }
 
-    /// Each expert on its contiguous slice of the permuted tokens `[S, C]` (experts without
-    /// tokens skipped); the outputs in the same order.
-    pub fn run_experts(&self, permuted: &Var, routing: &Routing) -> Result<Var> {
-        let mut outs = Vec::with_capacity(self.experts.len());
+    /// Each held expert on its contiguous slice of `permuted [S, C]`, `sizes[i]` rows for
+    /// `experts.list[i]` (experts without tokens skipped); the outputs in the same order. With
+    /// no rows at all the result is `permuted` itself (`[0, C]`, still on the graph).
+    pub fn run_experts(&self, permuted: &Var, sizes: &[usize]) -> Result<Var> {
+        if sizes.len() != self.experts.list.len() {
+            meshgrad_tensor::bail!(
+                "moe layer {}: {} expert sizes for the {} experts held",
+                self.layer,
+                sizes.len(),
+                self.experts.list.len()
+            );
+        }
+        let mut outs = Vec::with_capacity(sizes.len());
         let mut start = 0;
-        for (expert, &size) in self.experts.iter().zip(&routing.expert_sizes) {
+        for (expert, &size) in self.experts.list.iter().zip(sizes) {
             if size > 0 {
                 outs.push(expert.forward(&permuted.narrow(0, start, size)?)?);
             }
             start += size;
         }
+        if outs.is_empty() {
+            return Ok(permuted.clone());
+        }
         let refs: Vec<&Var> = outs.iter().collect();
         Var::cat(&refs, 0)
+    }
+
+    /// Expert parallelism: the permuted copies `[S, C]` (grouped by global expert) go to their
+    /// experts' ranks (one all-to-all of the expert counts, one of the rows), this rank's
+    /// experts run on what arrived (regrouped by expert, each expert's copies in source-rank
+    /// order), and the outputs go back (the reverse all-to-all): `[S, C]` in `permuted`'s order.
+    fn run_experts_parallel(
+        &self,
+        permuted: &Var,
+        routing: &Routing,
+        ep: &ExpertParallel,
+    ) -> Result<Var> {
+        let (e, n) = (ep.degree(), self.settings.n_experts);
+        let per = n / e;
+        // Every rank's per-expert counts (exact in f64: far below 2^53).
+        let sizes: Vec<f64> = routing.expert_sizes.iter().map(|&s| s as f64).collect();
+        let all = ep
+            .group
+            .all_gather(&Tensor::from_vec(sizes, n, Device::Cpu)?)?
+            .to_vec_f64()?;
+        let count = |src: usize, expert: usize| all[src * n + expert] as usize;
+        let me = ep.group.rank();
+        let send: Vec<usize> = (0..e)
+            .map(|r| routing.expert_sizes[r * per..(r + 1) * per].iter().sum())
+            .collect();
+        let recv: Vec<usize> = (0..e)
+            .map(|src| (me * per..(me + 1) * per).map(|x| count(src, x)).sum())
+            .collect();
+        let received = all_to_all_rows(permuted, &send, &recv, &ep.group)?;
+        // Arrived grouped by source, then expert: regroup by expert, then source.
+        let mut src_start = vec![0usize; e];
+        for s in 1..e {
+            src_start[s] = src_start[s - 1] + recv[s - 1];
+        }
+        let mut order: Vec<u32> = Vec::with_capacity(recv.iter().sum());
+        let mut local_sizes = vec![0usize; per];
+        for (i, size) in local_sizes.iter_mut().enumerate() {
+            for (src, start) in src_start.iter().enumerate() {
+                let before: usize = (0..i).map(|j| count(src, me * per + j)).sum();
+                let c = count(src, me * per + i);
+                order.extend((start + before..start + before + c).map(|x| x as u32));
+                *size += c;
+            }
+        }
+        let device = permuted.tensor().device();
+        let by_expert = gather_rows(&received, &order, device)?;
+        let out = self.run_experts(&by_expert, &local_sizes)?;
+        // Back to source order: the inverse permutation.
+        let mut inverse = vec![0u32; order.len()];
+        for (pos, &src_row) in order.iter().enumerate() {
+            inverse[src_row as usize] = pos as u32;
+        }
+        let back = gather_rows(&out, &inverse, device)?;
+        all_to_all_rows(&back, &recv, &send, &ep.group)
     }
 }
 
@@ -219,6 +322,14 @@ impl Forward for SparseMoe {
     fn forward(&self, x: &Var) -> Result<Var> {
         Ok(self.forward_routed(x)?.output)
     }
+}
+
+/// Rows `ids` of `x` (an `index_select`; `x` itself when there are no rows).
+fn gather_rows(x: &Var, ids: &[u32], device: Device) -> Result<Var> {
+    if ids.is_empty() {
+        return Ok(x.clone());
+    }
+    x.index_select(0, &Tensor::from_vec(ids.to_vec(), ids.len(), device)?)
 }
 
 /// The permutation: the kept token copies of `flat [tokens, C]`, grouped by expert

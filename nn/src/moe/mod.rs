@@ -21,6 +21,14 @@
 //! and the dropped copies are counted. The capacity is per sequence, not per batch, so a layout
 //! that splits the batch by rows (data parallelism, microbatches) drops the same copies.
 //!
+//! **Expert parallelism** ([`ExpertParallel`], built with
+//! [`ParamBuilder::expert_parallel`](crate::ParamBuilder::expert_parallel)): a rank holds a block
+//! of the experts ([`ExpertList`], named by global index); after the permutation the token copies
+//! go to their experts' ranks with an all-to-all, each rank runs its experts on what it received
+//! (grouped by expert, each expert's copies in source-rank order) and a second all-to-all brings
+//! the outputs back before the un-permutation. Each expert's gradient then sums the
+//! contributions of every rank of the group's tokens.
+//!
 //! # The load-balancing loss
 //! For one sequence of `T` tokens and one layer, with `f_e` the number of the sequence's token
 //! copies routed to expert `e` divided by `T` (the fraction of tokens that chose `e` among their
@@ -39,10 +47,12 @@
 //! scale the executor gives the loss; the model's loss value stays the cross-entropy. The values
 //! (for the metrics) are collected per step with [`collect_expert_load`].
 
+pub mod ep;
 mod layer;
 mod load;
 mod routing;
 
-pub use layer::{MoeExpert, MoeOutput, MoeSettings, SparseMoe};
+pub use ep::{expert_parameter_names, ExpertParallel};
+pub use layer::{ExpertList, MoeExpert, MoeOutput, MoeSettings, SparseMoe};
 pub use load::{collect_expert_load, ExpertLoad, LayerLoad};
 pub use routing::{Routing, RoutingArgs};

@@ -371,6 +371,60 @@ pub fn all_reduce_scalar(comm: &dyn Communicator, value: f64, op: ReduceOp) -> R
     Ok(comm.all_reduce(&t, op)?.wait()?.to_vec::<f64>()?[0])
 }
 
+/// Sends every rank's named tensors to group rank 0, which returns them all, in rank order
+/// (the first copy of a name kept: copies of a replicated tensor are equal); `None` on the other
+/// ranks. Collective over `comm`: the pipeline stages' parameters meet on the first stage, the
+/// expert-parallel ranks' experts on the first of them. Names travel as a tensor of byte values.
+pub fn gather_named(
+    comm: &dyn Communicator,
+    local: Vec<(String, Tensor)>,
+) -> Result<Option<Vec<(String, Tensor)>>> {
+    use meshgrad_tensor::Device;
+    if comm.world_size() == 1 {
+        return Ok(Some(local));
+    }
+    if comm.rank() != 0 {
+        let names: Vec<f32> = local
+            .iter()
+            .map(|(n, _)| n.as_str())
+            .collect::<Vec<_>>()
+            .join("\n")
+            .bytes()
+            .map(f32::from)
+            .collect();
+        let len = names.len();
+        comm.send(&Tensor::from_vec(names, len, Device::Cpu)?, 0)?
+            .wait()?;
+        for (_, t) in &local {
+            comm.send(t, 0)?.wait()?;
+        }
+        return Ok(None);
+    }
+    let mut all = local;
+    for src in 1..comm.world_size() {
+        let bytes: Vec<u8> = comm
+            .recv(src)?
+            .wait()?
+            .to_vec::<f32>()?
+            .into_iter()
+            .map(|b| b as u8)
+            .collect();
+        let names = String::from_utf8(bytes).map_err(|e| {
+            meshgrad_tensor::Error::msg(format!(
+                "gather_named on {}: the names from rank {src} are not UTF-8: {e}",
+                comm.describe()
+            ))
+        })?;
+        for name in names.split('\n') {
+            let t = comm.recv(src)?.wait()?;
+            if !all.iter().any(|(n, _)| n == name) {
+                all.push((name.to_string(), t));
+            }
+        }
+    }
+    Ok(Some(all))
+}
+
 /// The receive splits of an all-to-all whose send splits are `send_splits` on every rank (one
 /// entry per group rank): element `i` of the result is rank `i`'s `send_splits[rank()]`, the
 /// number of rows this rank will receive from rank `i`. Collective (every member calls it at

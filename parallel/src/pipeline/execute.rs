@@ -900,10 +900,32 @@ impl PipelineGrads {
     /// Reference mode's squared gradient norm across the pipeline (after the tied gradients
     /// are reduced): this rank's parameters' squares, the tied table once, as an order-free
     /// [`ExactSum`] whose words are all-reduced over the pipeline group (exact in any order).
-    pub fn exact_grad_sq_sum(&self) -> Result<ExactSum> {
+    /// With `apart` (parameters that differ across a group, e.g. the experts under expert
+    /// parallelism, and that group), their squares are summed over the group first.
+    pub fn exact_grad_sq_sum(&self, apart: Option<ApartParams<'_>>) -> Result<ExactSum> {
+        use meshgrad_autograd::distributed::exact_grad_squares;
         // Parameters split by tensor parallelism are combined over their group first.
-        let local = meshgrad_autograd::distributed::exact_grad_squares(&self.counted())?;
+        let (mine, theirs) = self.split_apart(apart);
+        let mut local = exact_grad_squares(&mine)?;
+        if let Some(a) = apart {
+            let words = exact_grad_squares(&theirs)?.to_words();
+            let n = words.len();
+            let t = Tensor::from_vec(words, n, meshgrad_tensor::Device::Cpu)?;
+            let summed = a.group.all_reduce(&t, ReduceOp::Sum)?.wait()?;
+            local.merge(&ExactSum::from_words(&summed.to_vec::<f64>()?)?);
+        }
         self.exact_sum_over_pipeline(&local)
+    }
+
+    /// The counted parameters ([`Self::counted`]) split into those not in `apart` and those in.
+    fn split_apart(&self, apart: Option<ApartParams<'_>>) -> (Vec<Var>, Vec<Var>) {
+        let counted = self.counted();
+        match apart {
+            None => (counted, Vec::new()),
+            Some(a) => counted
+                .into_iter()
+                .partition(|p| !a.params.iter().any(|q| q.id() == p.id())),
+        }
     }
 
     /// `local` summed over the pipeline group, exactly (its words all-reduced).
@@ -952,8 +974,14 @@ impl PipelineGrads {
 
     /// The global gradient norm across the pipeline (the tied table counted once), after
     /// [`PipelineGrads::reduce_tied_grads`]; a collective on the pipeline group.
-    pub fn grad_norm(&self) -> Result<f64> {
-        let local = grad_sq_sum(&self.counted())?;
+    /// With `apart`, those parameters' squares are summed over its group first (see
+    /// [`ApartParams`]).
+    pub fn grad_norm(&self, apart: Option<ApartParams<'_>>) -> Result<f64> {
+        let (mine, theirs) = self.split_apart(apart);
+        let mut local = grad_sq_sum(&mine)?;
+        if let Some(a) = apart {
+            local += all_reduce_scalar(a.group, grad_sq_sum(&theirs)?, ReduceOp::Sum)?;
+        }
         Ok(all_reduce_scalar(self.pp.as_ref(), local, ReduceOp::Sum)?.sqrt())
     }
 
@@ -969,7 +997,7 @@ impl PipelineGrads {
         self.reduce_tied_grads()?;
         let norm = match clip {
             Some(c) => {
-                let norm = self.grad_norm()?;
+                let norm = self.grad_norm(None)?;
                 clip_grads_with_norm(&self.params, c, norm)?;
                 Some(norm)
             }
@@ -978,4 +1006,15 @@ impl PipelineGrads {
         optimizer.step(lr)?;
         Ok(norm)
     }
+}
+
+/// Parameters whose values differ across the ranks of `group` (each rank holds its own, e.g.
+/// its block of a mixture of experts' experts under expert parallelism): a gradient norm sums
+/// their squares over the group, where the other parameters are the same on every rank of it.
+#[derive(Clone, Copy)]
+pub struct ApartParams<'a> {
+    /// The parameters.
+    pub params: &'a [Var],
+    /// The ranks that hold different ones.
+    pub group: &'a dyn Communicator,
 }
