@@ -368,7 +368,12 @@ fn rank_main<R: Recipe>(
     let aux_coef = recipe.aux_loss_coef();
     let micro_step = |step: usize| -> Result<StepShare> {
         let mbs = recipe
-            .train_microbatches(step as u64, rows.clone(), opts.microbatches, dp)?
+            .train_microbatches(
+                step as u64,
+                rows.clone(),
+                opts.microbatches,
+                mesh.dp_degree(),
+            )?
             .into_iter()
             .map(|mb| {
                 Ok(Microbatch {

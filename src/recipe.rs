@@ -93,10 +93,10 @@ pub(crate) trait Recipe: Sync + Sized {
     /// Builds a stage on the run's device and in its precision as `b` says.
     fn build_stage(&self, b: StageBuild) -> Result<Self::Stage>;
     /// The microbatches of training step `step` for `rows` (this data-parallel rank's), split
-    /// `microbatches` ways, on the run's device; `dp` is the data-parallel degree. The executor
-    /// scales the last stage's output by `1 / microbatches` for the backward and averages it for
-    /// the step's loss, which, averaged over the data-parallel ranks, must be the step's global
-    /// loss.
+    /// `microbatches` ways, on the run's device; `dp` is the number of ranks the loss is averaged
+    /// over (data-parallel times context-parallel). The executor scales the last stage's output
+    /// by `1 / microbatches` for the backward and averages it for the step's loss, which,
+    /// averaged over those ranks, must be the step's global loss.
     fn train_microbatches(
         &self,
         step: u64,

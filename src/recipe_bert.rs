@@ -21,7 +21,8 @@
 //! tokens of `eval_batches` fixed batches of the validation split.
 //!
 //! Concretely, each microbatch's last stage divides its summed cross-entropy by `count / (M *
-//! dp)` (`M` microbatches, `dp` data-parallel ranks), so that the executor's mean over
+//! dp)` (`M` microbatches, `dp` data-parallel ranks times the context-parallel degree: each
+//! context-parallel rank sums its chunks' tokens), so that the executor's mean over
 //! microbatches and the data-parallel average give the global figure. In reference mode each
 //! microbatch is one row group divided by the global count itself, and the row groups are added
 //! over their tree.
@@ -29,6 +30,7 @@
 use std::ops::Range;
 
 use anyhow::Result;
+use meshgrad_autograd::distributed::ChunkOrder;
 use meshgrad_nn::bert::{BertBatch, BertConfig, BertForMaskedLM, IGNORE_INDEX};
 use meshgrad_nn::data::{Dataset, TokenSource};
 use meshgrad_nn::mlm::{mlm_mask_rows, MlmConfig, SpecialTokens};
@@ -177,12 +179,6 @@ impl Recipe for BertRecipe {
                 "layout {l}: expert parallelism (ep) needs a model with experts; BERT has none"
             );
         }
-        if l.cp() > 1 {
-            anyhow::bail!(
-                "layout {l}: context parallelism (cp) is not supported for BERT yet (its masked \
-                 tokens differ per chunk: the loss needs the global masked-token count)"
-            );
-        }
         // The other sizes first; then the vocabulary, whose error names the key that pads it.
         let mut sizes = bert_config(cfg);
         sizes.vocab_size = sizes.vocab_size.next_multiple_of(l.tp());
@@ -265,6 +261,19 @@ impl Recipe for BertRecipe {
                 })
             })
             .collect()
+    }
+
+    /// The ids, labels and padding cut to this rank's chunks; the denominator (the global
+    /// count) stays, so the chunks' summed losses add up to the rows'.
+    fn context_chunks(&self, b: BertBatch, order: &ChunkOrder) -> Result<BertBatch> {
+        let local = |t: &Tensor| order.local_of(t, 1);
+        Ok(BertBatch {
+            ids: local(&b.ids)?,
+            attention_mask: b.attention_mask.as_ref().map(local).transpose()?,
+            token_type_ids: b.token_type_ids.as_ref().map(local).transpose()?,
+            labels: local(&b.labels)?,
+            denominator: b.denominator,
+        })
     }
 
     fn val_batches(&self, rows: Range<u64>) -> Result<Vec<BertBatch>> {

@@ -1,9 +1,10 @@
-//! `meshgrad train --layout` with context parallelism: GPT and Llama under cp=2, cp=4 and
-//! dp=2,cp=2 give the single-device losses on the same global batch (within 1e-5 relative, train
-//! and validation; gradient norms within 1e-4), 4 steps of tiny models; GPT's gathered
-//! checkpoints hold the single device's weights to rounding (1e-5 of each tensor's scale). Bad
-//! input is refused in one line: a sequence that does not split into 2 x cp chunks, cp with a
-//! layout entry it does not compose with, BERT.
+//! `meshgrad train --layout` with context parallelism: GPT and Llama under cp=2, cp=4,
+//! dp=2,cp=2, tp=2,cp=2 and pp=2,cp=2 (GPT also zero1=2,cp=2 and fsdp=2,cp=2), and BERT (non-causal, masked LM) under cp=2, give the
+//! single-device losses on the same global batch (within 1e-5 relative, train and validation;
+//! gradient norms within 1e-4), 4 steps of tiny models; GPT's gathered checkpoints hold the
+//! single device's weights to rounding (1e-5 of each tensor's scale), Llama's and BERT's Hugging
+//! Face folders within 1e-5 relative L2 over all parameters. Bad input is refused in one line: a
+//! sequence that does not split into 2 x cp chunks, dropout, a mixture of experts.
 
 mod common;
 
@@ -39,15 +40,21 @@ fn train(dir: &Path, model: &str, tag: &str, extra: &[&str]) -> Output {
     )
 }
 
-const LAYOUTS: [(&str, &str); 3] = [("cp2", "cp=2"), ("cp4", "cp=4"), ("dp2cp2", "dp=2,cp=2")];
+const LAYOUTS: [(&str, &str); 5] = [
+    ("cp2", "cp=2"),
+    ("cp4", "cp=4"),
+    ("dp2cp2", "dp=2,cp=2"),
+    ("tp2cp2", "cp=2,tp=2"),
+    ("pp2cp2", "pp=2,cp=2"),
+];
 
-fn lockstep(model: &str) {
+fn lockstep(model: &str, layouts: &[(&str, &str)]) {
     let dir = tmpdir(&format!("cp-lockstep-{model}"));
     let o = train(&dir, model, "single", &[]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let single = metrics(&dir, "single");
     assert_eq!(single.len(), 4);
-    for (tag, layout) in LAYOUTS {
+    for &(tag, layout) in layouts {
         let o = train(&dir, model, tag, &["--layout", layout]);
         let out = String::from_utf8_lossy(&o.stdout);
         assert!(
@@ -58,14 +65,14 @@ fn lockstep(model: &str) {
         assert!(out.contains(&format!("layout {layout}")), "{tag}: {out}");
         assert_lockstep(tag, &metrics(&dir, tag), &single, true);
     }
-    // Final weights: a GPT's GPT-2 checkpoints tensor by tensor, a Llama's Hugging Face folders
-    // within 1e-5 relative L2 over all parameters.
+    // Final weights: a GPT's GPT-2 checkpoints tensor by tensor, a Llama's or BERT's Hugging Face
+    // folders within 1e-5 relative L2 over all parameters.
     if model == "gpt" {
-        let tags: Vec<&str> = LAYOUTS.iter().map(|(t, _)| *t).collect();
+        let tags: Vec<&str> = layouts.iter().map(|(t, _)| *t).collect();
         common::assert_checkpoints_match(&dir, &tags, "single");
     } else {
         let single = common::hf_folder_weights(&dir, "single");
-        for (tag, _) in LAYOUTS {
+        for (tag, _) in layouts {
             common::assert_weights_close(tag, &common::hf_folder_weights(&dir, tag), &single);
         }
     }
@@ -74,12 +81,19 @@ fn lockstep(model: &str) {
 
 #[test]
 fn gpt_trains_in_lockstep_under_context_parallelism() {
-    lockstep("gpt");
+    // Sharded data parallelism shards over the data-parallel and context-parallel ranks.
+    let sharded = [("zero1cp2", "zero1=2,cp=2"), ("fsdp2cp2", "fsdp=2,cp=2")];
+    lockstep("gpt", &[&LAYOUTS[..], &sharded].concat());
 }
 
 #[test]
 fn llama_trains_in_lockstep_under_context_parallelism() {
-    lockstep("llama");
+    lockstep("llama", &LAYOUTS);
+}
+
+#[test]
+fn bert_trains_in_lockstep_under_context_parallelism() {
+    lockstep("bert", &[("cp2", "cp=2")]);
 }
 
 #[test]
@@ -91,28 +105,12 @@ fn what_context_parallelism_does_not_support_is_refused_in_one_line() {
             "sequence length 16 does not split into 2 x cp = 6 equal chunks",
         ),
         (
-            &["--layout", "cp=2,tp=2"][..],
-            "cp does not compose with tp yet",
-        ),
-        (
-            &["--layout", "cp=2,pp=2"][..],
-            "cp does not compose with pp yet",
-        ),
-        (
-            &["--layout", "fsdp=2,cp=2"][..],
-            "cp does not compose with fsdp yet",
-        ),
-        (
             &["--layout", "cp=2", "--set", "model.dropout=0.1"][..],
             "does not support dropout yet",
         ),
     ] {
         assert_one_line_error(&train(&dir, "gpt", "refused", extra), &[needle]);
     }
-    assert_one_line_error(
-        &train(&dir, "bert", "refused-bert", &["--layout", "cp=2"]),
-        &["not supported for BERT yet"],
-    );
     assert_one_line_error(
         &train(&dir, "mixtral", "refused-mixtral", &["--layout", "cp=2"]),
         &["not supported for a mixture of experts (Mixtral) yet"],

@@ -70,12 +70,27 @@ impl ContextParallel {
     /// Causal self-attention of this rank's `q`, `k`, `v` (`[B, H, 2L, D]`) over the whole
     /// sequence: ring attention over the group.
     pub fn causal_attention(&self, q: &Var, k: &Var, v: &Var, scale: f64) -> Result<Var> {
+        self.attention(q, k, v, None, true, scale)
+    }
+
+    /// Self-attention of this rank's `q`, `k`, `v` (`[B, H, 2L, D]`) over the whole sequence,
+    /// causal or not, with this rank's key padding `[B, 2L]` (integer, nonzero = attend) if any:
+    /// ring attention over the group.
+    pub fn attention(
+        &self,
+        q: &Var,
+        k: &Var,
+        v: &Var,
+        key_padding: Option<&Tensor>,
+        causal: bool,
+        scale: f64,
+    ) -> Result<Var> {
         ring_attention(RingAttention {
             q,
             k,
             v,
-            key_padding: None,
-            causal: true,
+            key_padding,
+            causal,
             scale,
             group: &self.group,
         })

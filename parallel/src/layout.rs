@@ -207,23 +207,10 @@ impl ParallelLayout {
     }
 
     /// This layout with context-parallel degree `cp` (at least 1). Context parallelism composes
-    /// with plain data parallelism only: a one-line error names what it does not compose with
-    /// yet (a ZeRO stage, `tp`, `pp`).
+    /// with every other degree: plain, sharded or hybrid data parallelism, `tp` and `pp`.
     pub fn with_cp(self, cp: usize) -> Result<Self> {
         if cp == 0 {
             meshgrad_tensor::bail!("parallel layout: the cp degree must be at least 1");
-        }
-        if cp > 1 {
-            let other = [
-                (self.zero.is_some(), self.zero.map_or("", ZeroStage::key)),
-                (self.tp > 1, "tp"),
-                (self.pp > 1, "pp"),
-            ];
-            if let Some((_, key)) = other.iter().find(|(on, _)| *on) {
-                meshgrad_tensor::bail!(
-                    "parallel layout: cp does not compose with {key} yet (cp runs alone or with dp)"
-                );
-            }
         }
         let world = self.world_size().checked_mul(cp);
         if world.is_none_or(|w| w > MAX_WORLD_SIZE) {
@@ -646,9 +633,6 @@ mod tests {
             ("fsdp=2,hsdp=2x2", &["hsdp and fsdp conflict"][..]),
             ("cp=0", &["cp degree must be at least 1"][..]),
             ("cp=2,cp=2", &["cp is given twice"][..]),
-            ("cp=2,tp=2", &["cp does not compose with tp yet"][..]),
-            ("cp=2,pp=2", &["cp does not compose with pp yet"][..]),
-            ("cp=2,fsdp=2", &["cp does not compose with fsdp yet"][..]),
             ("hsdp=2x2,zero1=2", &["hsdp and zero1 conflict"][..]),
             ("ep=0", &["ep degree must be at least 1"][..]),
             ("ep=2,ep=2", &["ep is given twice"][..]),

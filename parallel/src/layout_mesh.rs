@@ -166,17 +166,21 @@ impl LayoutMesh {
         self.dim_group("pp")
     }
 
-    /// The groups of sharded data parallelism: sharding over `dp_shard`, replicated over
-    /// `dp_replicate` (hybrid) when that is above 1, else flat ([`ShardTopology::flat`] over the
-    /// shard group). Creates no process group.
+    /// The groups of sharded data parallelism: sharding over `dp_shard` (times `cp` under
+    /// context parallelism: the context-parallel ranks hold different shards, as they average
+    /// their gradients with the data-parallel ranks'), replicated over `dp_replicate` (hybrid)
+    /// when that is above 1, else flat ([`ShardTopology::flat`] over the shard group).
     pub fn shard_topology(&self) -> Result<ShardTopology> {
-        let shard = self.mesh.group("dp_shard")?;
         let t = if self.layout.dp_replicate() == 1 {
-            ShardTopology::flat(shard)
+            ShardTopology::flat(self.dp.clone())
         } else {
             ShardTopology {
                 dp: self.dp.clone(),
-                shard,
+                shard: if self.layout.cp() > 1 {
+                    self.mesh.group_over(&["dp_shard", "cp"])?
+                } else {
+                    self.mesh.group("dp_shard")?
+                },
                 replicate: Some(self.mesh.group("dp_replicate")?),
             }
         };

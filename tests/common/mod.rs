@@ -172,22 +172,28 @@ pub fn checkpoint_weights(dir: &Path, tag: &str) -> Vec<(String, Vec<f32>)> {
         .collect()
 }
 
-/// The parameters of the Hugging Face Llama or Mixtral folder `dir/<tag>` (a run's `--out`), by
-/// name.
+/// The parameters of the Hugging Face Llama, Mixtral or BERT folder `dir/<tag>` (a run's
+/// `--out`), by name.
 pub fn hf_folder_weights(dir: &Path, tag: &str) -> Vec<(String, Vec<f64>)> {
-    use meshgrad::nn::state::{hf_llama, hf_mixtral, state_dict};
+    use meshgrad::nn::state::{hf_bert, hf_llama, hf_mixtral, state_dict};
     use meshgrad::tensor::{DType, Device};
     let folder = dir.join(tag);
+    let values = |m: &dyn meshgrad::nn::Module| {
+        state_dict(m)
+            .into_iter()
+            .map(|(n, t)| (n, t.to_vec_f64().unwrap()))
+            .collect()
+    };
+    if hf_bert::is_bert_checkpoint(&folder) {
+        return values(&hf_bert::load_bert(&folder, DType::F32, Device::Cpu).unwrap());
+    }
     let m = if hf_mixtral::is_mixtral_folder(&folder) {
         hf_mixtral::load_mixtral(&folder, DType::F32, Device::Cpu)
     } else {
         hf_llama::load_llama(&folder, DType::F32, Device::Cpu)
     }
     .unwrap();
-    state_dict(&m)
-        .into_iter()
-        .map(|(n, t)| (n, t.to_vec_f64().unwrap()))
-        .collect()
+    values(&m)
 }
 
 /// Asserts that the final weights `got` equal `want` (the same names, in order) within 1e-5

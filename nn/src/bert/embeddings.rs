@@ -5,6 +5,7 @@ use meshgrad_autograd::Var;
 use meshgrad_tensor::{DType, Result, Tensor};
 
 use super::BertConfig;
+use crate::cp::ContextParallel;
 use crate::layers::{Dropout, Embedding, LayerNorm};
 use crate::module::Forward;
 use crate::param_builder::ParamBuilder;
@@ -29,6 +30,9 @@ pub struct BertEmbeddings {
     pub layer_norm: Option<LayerNorm>,
     /// Dropout after the norm (with the embeddings).
     pub dropout: Option<Dropout>,
+    /// The context-parallel group the sequence is split over (from the builder), if any: the
+    /// position embeddings read the global positions of the local tokens.
+    pub cp: Option<ContextParallel>,
 }
 
 impl BertEmbeddings {
@@ -51,11 +55,13 @@ impl BertEmbeddings {
             dropout: lookup
                 .then(|| Dropout::new(c.hidden_dropout_prob))
                 .transpose()?,
+            cp: p.context_parallel_group().cloned(),
         })
     }
 
     /// `ids [B, T]`, `token_type_ids [B, T]` (type 0 when `None`) -> `[B, T, hidden]`: word +
-    /// token-type + position (`0..T`) embeddings, then `LayerNorm` and dropout. An error when
+    /// token-type + position (`0..T`, or the global positions of this rank's tokens under context
+    /// parallelism) embeddings, then `LayerNorm` and dropout. An error when
     /// this holds only the word-embedding table.
     pub fn forward(&self, ids: &Tensor, token_type_ids: Option<&Tensor>) -> Result<Var> {
         let (Some(position), Some(token_type), Some(layer_norm), Some(dropout)) = (
@@ -70,7 +76,10 @@ impl BertEmbeddings {
             );
         };
         let t = ids.dims()[1];
-        let pos = Tensor::arange(0, t as i64, DType::I64, ids.device())?;
+        let pos = match &self.cp {
+            Some(cp) => cp.positions(t, ids.device())?,
+            None => Tensor::arange(0, t as i64, DType::I64, ids.device())?,
+        };
         let zeros;
         let types = match token_type_ids {
             Some(tt) => tt,

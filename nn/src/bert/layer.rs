@@ -8,6 +8,7 @@ use meshgrad_autograd::{checkpoint, Var};
 use meshgrad_tensor::{AttentionMask, DType, Device, GeluKind, Result, Tensor};
 
 use super::BertConfig;
+use crate::cp::ContextParallel;
 use crate::layers::{Dropout, LayerNorm, Linear, LinearConfig};
 use crate::module::Forward;
 use crate::param_builder::ParamBuilder;
@@ -28,6 +29,8 @@ pub struct BertSelfAttention {
     pub dropout: Dropout,
     /// Heads.
     pub num_heads: usize,
+    /// The context-parallel group the sequence is split over (from the builder), if any.
+    pub cp: Option<ContextParallel>,
 }
 
 impl BertSelfAttention {
@@ -53,7 +56,10 @@ impl BertSelfAttention {
             first,
             total: self.num_heads,
         };
-        masked_attention(&q, &k, &v, mask, heads, &self.dropout)
+        match self.cp.as_ref().filter(|cp| cp.degree() > 1) {
+            Some(cp) => ring_attention(cp, &q, &k, &v, mask, local),
+            None => masked_attention(&q, &k, &v, mask, heads, &self.dropout),
+        }
     }
 }
 
@@ -112,6 +118,46 @@ fn masked_attention(
         Var::attention(&q, &split(k)?, &v, &am, scale)?
     };
     out.permute(&[0, 2, 1, 3])?.contiguous()?.reshape((b, t, c))
+}
+
+/// Context parallelism: non-causal ring attention over `cp` of this rank's `q`, `k`, `v` (each
+/// `[B, 2L, C]`, `heads` heads contiguous in `C`) with the key padding of the additive mask
+/// `[B, 1, 1, 2L]` (0 = attend) if any; returns `[B, 2L, C]`. No probability dropout (refused
+/// with cp).
+fn ring_attention(
+    cp: &ContextParallel,
+    q: &Var,
+    k: &Var,
+    v: &Var,
+    mask: Option<&Tensor>,
+    heads: usize,
+) -> Result<Var> {
+    let dims = q.tensor().dims().to_vec();
+    let (b, t, c) = (dims[0], dims[1], dims[2]);
+    let d = c / heads;
+    let split = |x: &Var| x.reshape((b, t, heads, d))?.transpose(1, 2);
+    let padding = match mask {
+        Some(m) => {
+            let attend: Vec<u32> = m
+                .to_vec_f64()?
+                .into_iter()
+                .map(|x| u32::from(x == 0.0))
+                .collect();
+            Some(Tensor::from_vec(attend, (b, t), Device::Cpu)?.to_device(m.device())?)
+        }
+        None => None,
+    };
+    let scale = 1.0 / (d as f64).sqrt();
+    cp.attention(
+        &split(q)?,
+        &split(k)?,
+        &split(v)?,
+        padding.as_ref(),
+        false,
+        scale,
+    )?
+    .transpose(1, 2)?
+    .reshape((b, t, c))
 }
 
 /// `LayerNorm(input + dropout(dense(x)))`: the residual branch after attention
@@ -189,6 +235,7 @@ impl BertLayer {
                     value: lin(h, h)?,
                     dropout: Dropout::new(c.attention_probs_dropout_prob)?,
                     num_heads: c.num_attention_heads,
+                    cp: p.context_parallel_group().cloned(),
                 },
                 output: BertResidualOutput::new(p, c, h)?,
             },
