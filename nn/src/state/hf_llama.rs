@@ -37,7 +37,7 @@ const WHAT: &str = "Llama config";
 /// `num_attention_heads`), `rms_norm_eps` (default 1e-6, transformers' default), `rope_theta` at
 /// the top level or in `rope_parameters` (default 10000), `tie_word_embeddings` (default false).
 /// A Mixtral config's missing keys take transformers' `MixtralConfig` defaults instead
-/// ([`hf_mixtral::DEFAULTS`]: 8 kv heads, eps 1e-5, rope_theta 1e6).
+/// (`hf_mixtral`'s defaults: 8 kv heads, eps 1e-5, rope_theta 1e6).
 /// The rotation's angles are transformers' ([`RopeAngles::Transformers`]). Unsupported settings
 /// are errors (see the [module docs](self)).
 pub fn llama_config_from_hf_json(text: &str) -> Result<LlamaConfig> {

@@ -8,7 +8,7 @@
 //! attention sees the whole causal context) and `router_jitter_noise` other than 0.
 //!
 //! A `config.json` without `num_key_value_heads`, `rms_norm_eps` or `rope_theta` gets
-//! `MixtralConfig`'s defaults ([`DEFAULTS`]), not Llama's. Besides the classic layout above (what
+//! `MixtralConfig`'s defaults (`DEFAULTS` below), not Llama's. Besides the classic layout above (what
 //! transformers 4 and 5 write by default), folders in transformers 5's fused layout are read
 //! (`save_pretrained(..., save_original_format=False)`): `model.layers.{i}.mlp.gate.weight`,
 //! `mlp.experts.gate_up_proj` `[E, 2 * I, H]` (each expert's `w1` then `w3`) and
