@@ -376,8 +376,9 @@ struct TrainArgs {
     /// vocabulary, BERT's 261 by default: --set model.vocab_multiple=T pads it). pp=P cuts the
     /// model into P pipeline stages (see --schedule, --microbatches, --partition; composes:
     /// dp=2,tp=2,pp=2, fsdp=2,pp=2). cp=C splits every row's sequence over C ranks (context
-    /// parallelism, GPT and Llama: chunks i and 2C-1-i of 2C per rank, ring attention; alone or
-    /// with dp, e.g. cp=2, dp=2,cp=2; the sequence must split into 2C chunks; no dropout).
+    /// parallelism, GPT, Llama and BERT: chunks i and 2C-1-i of 2C per rank, ring attention;
+    /// composes with dp, fsdp/zeroN, tp and pp, e.g. dp=2,cp=2, cp=2,tp=2; the sequence must
+    /// split into 2C chunks; no dropout).
     /// ep=E shards a Mixtral's experts over E of the data-parallel ranks (expert parallelism;
     /// adds no ranks: ep=2 is dp=2,ep=2; E must divide the experts and the data-parallel
     /// ranks; with dp, tp and pp). The global batch is the same for every layout.
