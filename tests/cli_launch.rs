@@ -2,7 +2,7 @@
 //! rank, output lines carry the rank, the rendezvous store works across the processes, a failed
 //! or killed rank stops the job within 30 s naming the rank with no process left behind,
 //! `meshgrad train` in the launched processes trains over TCP bit for bit like the same layout
-//! as threads (GPT dp=2, pp=2,tp=2 with sequence parallelism, BERT fsdp=2), and a train that
+//! as threads (GPT dp=2, cp=2, pp=2,tp=2 with sequence parallelism, BERT fsdp=2), and a train that
 //! cannot join its processes (no store, no layout, another world size, ranks as threads) fails in
 //! one line. Uses the hidden `meshgrad launch-probe` subcommand as the child. With the `mpi`
 //! feature and mpirun on PATH, the same failures under `--backend mpi` (ranks waiting in MPI
@@ -323,8 +323,21 @@ fn processes_over_tcp_train_bit_for_bit_like_threads() {
         "--set",
         "train.batch_size=8",
     ];
-    let runs: [(&str, usize, Vec<&str>); 3] = [
+    let runs: [(&str, usize, Vec<&str>); 4] = [
         ("dp2", 2, vec!["--layout", "dp=2"]),
+        // Ring attention's hops are the TCP communicator's sends and receives.
+        (
+            "cp2",
+            2,
+            vec![
+                "--layout",
+                "cp=2",
+                "--set",
+                "model.n_layer=2",
+                "--set",
+                "model.block_size=32",
+            ],
+        ),
         (
             "pp2tp2",
             4,

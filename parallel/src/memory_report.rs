@@ -12,7 +12,8 @@
 //! resets its tracker's peaks (so the model every rank
 //! builds before sharding is not counted) and trains a few steps (AdamW, clipping). The global
 //! batch is split over the data-parallel ranks; the ranks of one tensor-parallel group read the
-//! same rows. The report gives, per layout, the largest value over the ranks of:
+//! same rows, those of a context-parallel group each their chunks of them. The report gives, per
+//! layout, the largest value over the ranks of:
 //!
 //! * the peak of each tag: `Params`, `Grads`, `OptimizerState`, `Activations`;
 //! * the peak of the first three's sum at one time (*model states*, what ZeRO shards);
@@ -54,7 +55,12 @@
 //!   and features and the logits by vocabulary; the LayerNorm / dropout / residual regions
 //!   (`[B, T, C]` tensors) stay whole on every rank unless sequence parallelism splits them
 //!   along the sequence, dividing those regions' activations by `T` (the column-parallel layers'
-//!   inputs are gathered back to the full sequence and saved for the weight gradient).
+//!   inputs are gathered back to the full sequence and saved for the weight gradient). Context
+//!   parallelism (`cp=C`) gives each rank `1 / C` of every sequence's tokens: every per-token
+//!   activation divides by `C`; ring attention adds the key and value blocks in flight (two
+//!   per hop, `2 x 2 x` the rank's key/value width per local token, freed after each hop) and
+//!   keeps each row's log-sum-exp (one value per head and token) for the backward. Under a ZeRO
+//!   stage `S` is `dp_shard x cp` (the context-parallel ranks hold different shards).
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -72,7 +78,7 @@ use crate::layout::{ParallelLayout, ZeroStage};
 use crate::pipeline::PipelineGrads;
 use crate::sampler::rank_rows;
 use crate::strategy::DataParallel;
-use crate::tp::{expert_parallel, tensor_parallel};
+use crate::tp::{context_parallel, expert_parallel, tensor_parallel};
 use crate::zero::plan::{ParamSpec, ShardPlan};
 use crate::zero::WrapPolicy;
 
@@ -89,11 +95,6 @@ impl MemoryStrategy {
     /// A layout spec as `--layout` takes it (`dp=4`, `fsdp=2,tp=2`, ...).
     pub fn new(spec: &str, sequence_parallel: bool) -> Result<Self> {
         let layout: ParallelLayout = spec.parse()?;
-        if layout.cp() > 1 {
-            meshgrad_tensor::bail!(
-                "memory report: layout {layout}: context parallelism (cp) has no memory rows yet"
-            );
-        }
         Ok(MemoryStrategy {
             layout,
             sequence_parallel,
@@ -388,10 +389,32 @@ impl MemoryReport {
                 ));
             }
         }
+        for r in self.rows.iter().filter(|r| r.strategy.layout.cp() > 1) {
+            let plain = r
+                .strategy
+                .layout
+                .with_cp(1)
+                .ok()
+                .map(|layout| MemoryStrategy {
+                    layout,
+                    ..r.strategy
+                });
+            if let Some((plain, p)) = plain.and_then(|l| Some((l, self.row(&l)?))) {
+                sp_lines.push(format!(
+                    "`{}` holds {:.0}% of `{}`'s (context parallelism: each rank's tokens are \
+                     1/{} of the sequence, plus the ring's key and value blocks)",
+                    r.strategy.name(),
+                    100.0 * r.activations as f64 / p.activations.max(1) as f64,
+                    plain.name(),
+                    r.strategy.layout.cp()
+                ));
+            }
+        }
         if !sp_lines.is_empty() {
             s.push_str(&format!(
                 "\nActivations (bytes allocated during the forward, peak): sequence parallelism \
-                 splits the LayerNorm / dropout / residual regions along the sequence: {}.\n",
+                 splits the LayerNorm / dropout / residual regions along the sequence, context \
+                 parallelism the whole sequence: {}.\n",
                 sp_lines.join(", ")
             ));
         }
@@ -424,6 +447,17 @@ fn measure_rank<F: CausalFamily>(
         let tp = tensor_parallel(mesh.tp_group(), strategy.sequence_parallel);
         builder = builder.tensor_parallel(tp, F::tp_plan(&cfg.model, &spec));
     }
+    // Context parallelism: ring attention over the cp group, each rank its chunks of the rows.
+    let mut order = None;
+    if strategy.layout.cp() > 1 {
+        let cp = context_parallel(mesh.cp_group());
+        order = Some(cp.order());
+        builder = builder.context_parallel(cp);
+    }
+    let local = |t: Tensor| match &order {
+        Some(o) => o.local_of(&t, 1),
+        None => Ok(t),
+    };
     let model = F::build_stage(cfg.model, spec, builder, false)?;
     let experts = expert_numel(&model);
     let groups = param_groups_for_decay(model.named_parameters(), 0.1);
@@ -438,8 +472,8 @@ fn measure_rank<F: CausalFamily>(
             .map_err(|e| Error::msg(e.to_string()))?;
         Ok((
             GptBatch {
-                ids: Tensor::from_vec(b.inputs, (n, cfg.seq_len), Device::Cpu)?,
-                targets: Tensor::from_vec(b.targets, (n, cfg.seq_len), Device::Cpu)?,
+                ids: local(Tensor::from_vec(b.inputs, (n, cfg.seq_len), Device::Cpu)?)?,
+                targets: local(Tensor::from_vec(b.targets, (n, cfg.seq_len), Device::Cpu)?)?,
                 ignore_index: None,
             },
             ForwardCtx {
@@ -547,7 +581,9 @@ fn theory(model: &dyn Module, plan: &TpPlan, strategy: &MemoryStrategy) -> Resul
             optimizer: 2 * f32b * held,
         });
     };
-    let plan = shard_plan(model, plan, tp, strategy.layout.dp_shard())?;
+    // The context-parallel ranks hold different shards (see `LayoutMesh::shard_topology`).
+    let shards = strategy.layout.dp_shard() * strategy.layout.cp();
+    let plan = shard_plan(model, plan, tp, shards)?;
     let shard = plan.shard_numel();
     let largest = plan.units.iter().map(|u| u.numel).max().unwrap_or(0);
     Ok(MemoryTheory {

@@ -254,3 +254,39 @@ fn expert_parallelism_halves_the_experts_per_rank() {
         "{md}"
     );
 }
+
+/// Context parallelism: at cp=4 a rank of a 1024-token GPT allocates at most 0.35 of one
+/// device's activation bytes during the forward (its 256 tokens are a quarter of the sequence;
+/// ring attention adds the key/value blocks in flight and the rows' log-sum-exp).
+#[test]
+fn context_parallelism_divides_the_activations_per_rank() {
+    let cfg = MemoryReportConfig {
+        model: GptConfig {
+            vocab_size: 64,
+            block_size: 1024,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 32,
+            dropout: 0.0,
+            bias: true,
+            layer_norm_eps: 1e-5,
+        },
+        world: 4,
+        global_batch: 1,
+        seq_len: 1024,
+        steps: 1,
+        seed: 1,
+    };
+    let one = MemoryStrategy::new("dp=1", false).unwrap();
+    let cp4 = MemoryStrategy::new("cp=4", false).unwrap();
+    let report = memory_report::<Gpt>(&cfg, &[one, cp4]).unwrap();
+    println!("{}", report.to_markdown());
+    let (a1, a4) = (
+        report.row(&one).unwrap().activations,
+        report.row(&cp4).unwrap().activations,
+    );
+    let ratio = a4 as f64 / a1 as f64;
+    println!("cp=4 activations per rank / one device's: {ratio:.3}");
+    assert!(ratio <= 0.35, "cp=4: {a4} vs {a1} bytes ({ratio:.3})");
+    assert!(report.to_markdown().contains("`cp=4` holds"));
+}

@@ -50,6 +50,12 @@
 //!   the attention scores and the logits exist for one micro-batch at a time. Under zero bubble
 //!   every stage holds `min(microbatches, pp)` until their weight backwards, each also with its
 //!   projections' output gradients (`3 C + F` split by `tp`, `2 C`).
+//! * **Context parallelism** (`cp=C`): a rank holds `positions / C` tokens of each row, so every
+//!   per-token figure above counts `1 / C` of the tokens and the attention scores cover `T / C`
+//!   keys at a time (one ring hop); ring attention adds, for the micro-batch being computed, the
+//!   key and value blocks in flight (the backward's message carries keys, values and their
+//!   gradients, received beside the held one: `8` key/value widths per token) and the partial
+//!   output being combined (`C`), split by `tp`. ZeRO shards over `dp_shard x cp` ranks.
 //! * **Gathering**: with `tp` or `pp` above 1, rank 0 builds the whole model once more at the end
 //!   (`4 P`) to write the checkpoint.
 //!
@@ -513,7 +519,8 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
         bytes(local) + local * half,
         bytes(local * (N::of(2) + mixed)),
     );
-    let shard = n(layout.dp_shard());
+    // The context-parallel ranks hold different shards (see `LayoutMesh::shard_topology`).
+    let shard = n(layout.dp_shard() * layout.cp());
     let sharded = |x: N| x.div_ceil(shard);
     match layout.zero() {
         None => {}
@@ -545,15 +552,17 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
         Some(row_group) => row_group,
         None => run.batch_size.div_ceil(dp).div_ceil(microbatches),
     };
+    // Context parallelism: each rank holds `1 / cp` of every row's tokens.
+    let cp = layout.cp().max(1);
     let seq = shape.positions;
-    let tokens = n(rows) * n(seq);
+    let tokens = n(rows) * n(seq.div_ceil(cp));
     let tp_n = n(tp);
     let sp_n = if run.sequence_parallel {
         tp_n
     } else {
         N::of(1)
     };
-    let (outside, inside, scores) = block_activations(shape, seq);
+    let (outside, inside, scores) = block_activations(shape, seq.div_ceil(cp));
     let one_block = outside.div_ceil(sp_n)
         + inside.div_ceil(tp_n)
         + tp_plumbing(shape, tp, run.sequence_parallel);
@@ -576,7 +585,12 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
         + tp_edge(shape, tp, stage)
         + boundary;
     let logits = flag(stage.logits) * (N::of(3) * n(shape.vocab_size)).div_ceil(tp_n);
-    let temporaries = temporaries + scores.div_ceil(tp_n) + logits;
+    // Ring attention: the key and value blocks in flight (forward: the held pair and the
+    // received one; backward: both with their gradients, `8` key/value widths) and the partial
+    // output being combined (`C`), split by tensor parallelism.
+    let kv = n(shape.n_embd / shape.n_head.max(1)) * n(shape.n_kv_head);
+    let ring = flag(cp > 1) * (N::of(8) * kv + n(shape.n_embd)).div_ceil(tp_n);
+    let temporaries = temporaries + scores.div_ceil(tp_n) + logits + ring;
     // A micro-batch whose weight backward is still to come also holds the gradients of its
     // projections' outputs (q/k/v and the MLP's up projections split by tensor parallelism, the
     // two output projections' `C` each as the residual stream is split).
