@@ -160,7 +160,8 @@ impl MemoryStrategy {
     /// `ZeRO-3 x TP`, ...
     pub fn kind(&self) -> String {
         let dp = match self.layout.zero() {
-            None if self.layout.data_parallel_degree() > 1 => Some("DDP"),
+            // Context-parallel ranks average their gradients with the data-parallel ones.
+            None if self.layout.data_parallel_degree() * self.layout.cp() > 1 => Some("DDP"),
             None => None,
             Some(ZeroStage::One) => Some("ZeRO-1"),
             Some(ZeroStage::Two) => Some("ZeRO-2"),
@@ -174,6 +175,7 @@ impl MemoryStrategy {
         };
         let dp = match dp {
             Some("DDP") if self.layout.ep() > 1 => Some("DDP + EP"),
+            Some("DDP") if self.layout.cp() > 1 => Some("DDP + CP"),
             d => d,
         };
         match (dp, tp) {
@@ -559,21 +561,16 @@ fn theory(model: &dyn Module, plan: &TpPlan, strategy: &MemoryStrategy) -> Resul
         .sum();
     let f32b = DType::F32.size_in_bytes();
     let Some(stage) = strategy.layout.zero() else {
-        let copies = if strategy.layout.data_parallel_degree() > 1 {
-            2
-        } else {
-            1
-        };
+        // The gradients' bucket copy exists wherever gradients are averaged: over the
+        // data-parallel and the context-parallel ranks.
+        let averaged = strategy.layout.data_parallel_degree() * strategy.layout.cp();
+        let copies = if averaged > 1 { 2 } else { 1 };
         // Under ep=E a rank holds 1/E of the experts; their gradients have a bucket copy only
         // when other ranks hold the same experts (D / E above 1).
         let e = strategy.layout.ep();
         let experts = expert_numel(model);
         let held = local - experts + experts / e;
-        let expert_copies = if strategy.layout.data_parallel_degree() > e {
-            2
-        } else {
-            1
-        };
+        let expert_copies = if averaged > e { 2 } else { 1 };
         let grads = copies * (local - experts) + expert_copies * experts / e;
         return Ok(MemoryTheory {
             params: f32b * held,

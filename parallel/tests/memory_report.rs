@@ -289,4 +289,9 @@ fn context_parallelism_divides_the_activations_per_rank() {
     println!("cp=4 activations per rank / one device's: {ratio:.3}");
     assert!(ratio <= 0.35, "cp=4: {a4} vs {a1} bytes ({ratio:.3})");
     assert!(report.to_markdown().contains("`cp=4` holds"));
+    // Gradients are averaged over the context-parallel ranks (DDP's bucket copy): the theory
+    // counts what the ranks hold.
+    let r4 = report.row(&cp4).unwrap();
+    assert_eq!(r4.grads, r4.theory.grads, "{r4:?}");
+    assert_eq!(r4.strategy.kind(), "DDP + CP");
 }
