@@ -16,35 +16,16 @@ use meshgrad_nn::{Llama, LlamaConfig, Module};
 use meshgrad_tensor::{DType, Device, Tensor};
 use serde_json::Value;
 
+mod hf_fixture;
+
+use hf_fixture::{batch, ints};
+
 fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf_mixtral")
+    hf_fixture::folder("hf_mixtral")
 }
 
 fn expected() -> Value {
-    let text = std::fs::read_to_string(fixtures().join("expected.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
-}
-
-fn ints(v: &Value) -> Vec<i64> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|x| match x.as_array() {
-            Some(row) => row.iter().map(|y| y.as_i64().unwrap()).collect(),
-            None => vec![x.as_i64().unwrap()],
-        })
-        .collect()
-}
-
-/// `[B, T]` ids and targets of the fixtures.
-fn batch(e: &Value) -> (Tensor, Tensor) {
-    let rows = e["ids"].as_array().unwrap().len();
-    let ids = ints(&e["ids"]);
-    let t = ids.len() / rows;
-    (
-        Tensor::from_vec(ids, (rows, t), Device::Cpu).unwrap(),
-        Tensor::from_vec(ints(&e["targets"]), (rows, t), Device::Cpu).unwrap(),
-    )
+    hf_fixture::expected("hf_mixtral")
 }
 
 fn loss(model: &Llama, e: &Value) -> f64 {
