@@ -12,13 +12,10 @@ fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("nn/tests/fixtures/hf_llama")
 }
 
-#[test]
-fn eval_and_generate_give_transformers_loss_and_greedy_ids() {
-    let dir = tmpdir("llama-hf");
-    let eval_expected = read_json(&fixtures().join("eval_expected.json"));
-    let expected = read_json(&fixtures().join("expected.json"));
-    // The ids as raw little-endian u16 (a .bin file without a shard header).
-    let ids: Vec<u16> = eval_expected["ids"]
+/// The fixture's token ids written to `dir/ids.bin` as raw little-endian u16 (a .bin file
+/// without a shard header), for `eval --data`.
+fn write_ids(dir: &Path, ids: &serde_json::Value) -> PathBuf {
+    let ids: Vec<u16> = ids
         .as_array()
         .unwrap()
         .iter()
@@ -26,12 +23,25 @@ fn eval_and_generate_give_transformers_loss_and_greedy_ids() {
         .collect();
     let data = dir.join("ids.bin");
     std::fs::write(&data, bytemuck_bytes(&ids)).unwrap();
-    let prompt: Vec<String> = expected["prompt"]
-        .as_array()
+    data
+}
+
+/// A JSON list's items as command-line words.
+fn json_words(list: &serde_json::Value) -> Vec<String> {
+    list.as_array()
         .unwrap()
         .iter()
         .map(|v| v.to_string())
-        .collect();
+        .collect()
+}
+
+#[test]
+fn eval_and_generate_give_transformers_loss_and_greedy_ids() {
+    let dir = tmpdir("llama-hf");
+    let eval_expected = read_json(&fixtures().join("eval_expected.json"));
+    let expected = read_json(&fixtures().join("expected.json"));
+    let data = write_ids(&dir, &eval_expected["ids"]);
+    let prompt = json_words(&expected["prompt"]);
     for case in ["gqa_untied", "tied_old_config"] {
         let folder = fixtures().join(case);
         let o = eval(&folder, &data);
@@ -74,20 +84,8 @@ fn mixtral_eval_and_generate_give_transformers_loss_and_greedy_ids() {
     let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("nn/tests/fixtures/hf_mixtral");
     let dir = tmpdir("mixtral-hf");
     let expected = read_json(&fixtures.join("expected.json"));
-    let ids: Vec<u16> = expected["eval_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap() as u16)
-        .collect();
-    let data = dir.join("ids.bin");
-    std::fs::write(&data, bytemuck_bytes(&ids)).unwrap();
-    let prompt: Vec<String> = expected["prompt"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.to_string())
-        .collect();
+    let data = write_ids(&dir, &expected["eval_ids"]);
+    let prompt = json_words(&expected["prompt"]);
     for case in ["classic_gqa_untied", "fused_tied_defaults"] {
         let folder = fixtures.join(case);
         let want = &expected["cases"][case];
