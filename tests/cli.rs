@@ -1,6 +1,6 @@
 //! End-to-end tests of the `meshgrad` binary: train -> eval -> generate, and one-line errors.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Output;

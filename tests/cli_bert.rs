@@ -6,7 +6,7 @@
 #[path = "../nn/tests/bert_ref/mod.rs"]
 mod bert_ref;
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Output;

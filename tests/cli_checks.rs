@@ -12,7 +12,7 @@
 //! * training: divergence stops the run, and metrics lines are on disk as soon as they are
 //!   written (a `kill -9` loses none).
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;

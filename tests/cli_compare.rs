@@ -2,7 +2,7 @@
 //! here by hand from the values written), exit codes of `--max-relative-difference`, the PNG of
 //! `--plot`, and errors for bad files.
 
-mod common;
+use crate::common;
 
 use common::{assert_ok, bin, text, tmpdir};
 

@@ -6,7 +6,7 @@
 //! Face folders within 1e-5 relative L2 over all parameters. Bad input is refused in one line: a
 //! sequence that does not split into 2 x cp chunks, dropout, a mixture of experts.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Output;

@@ -3,7 +3,7 @@
 //! tokenizer (stored in the checkpoint and used by generate and eval), and one-line errors for bad
 //! shards and bad JSONL lines.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Output;

@@ -5,7 +5,7 @@
 //! parameters (every expert gathered under its full name). Bad input is refused in one line: ep
 //! that does not divide the experts or the data-parallel ranks, ep on a model without experts.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Output;

@@ -4,7 +4,7 @@
 //! names the stopped rank and the call it did not join; SIGUSR1 dumps a running job's ranks;
 //! bad input to `meshgrad flight` fails in one line.
 
-mod common;
+use crate::common;
 
 use std::io::Read;
 use std::path::Path;

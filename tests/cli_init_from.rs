@@ -5,7 +5,7 @@
 //! model's shape, a missing folder and a malformed config are refused in one line.
 //! (`tests/hf_gpt2_finetune_check.py` checks the steps against PyTorch's.)
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

@@ -2,7 +2,7 @@
 //! (`nn/tests/fixtures/hf_llama`): transformers' loss and greedy ids, as
 //! `nn/tests/hf_llama_reference.py` and `nn/tests/hf_llama_eval_reference.py` computed them.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

@@ -3,7 +3,7 @@
 //! `hsdp=2x2`); bad layouts (and `--sequence-parallel` without tensor parallelism) are refused in
 //! one line.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Output;

@@ -7,7 +7,7 @@
 //! predicted_slowest_ms=... simulated_idle=... measured_idle=...` line; `--trace` writes a
 //! Chrome trace with one track per rank; bad pipeline flags are refused in one line.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Output;

@@ -2,7 +2,7 @@
 //! layout is evaluated with the options it names, `--json` carries the same, and every bad input
 //! is one line.
 
-mod common;
+use crate::common;
 
 use std::process::Output;
 

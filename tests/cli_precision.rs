@@ -31,7 +31,7 @@
 //!   any work on a machine without a GPU (or a build without `--features cuda`); layouts and
 //!   models that cannot run in half precision or on CUDA are refused naming the reason.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Output;

@@ -4,7 +4,7 @@
 //! loss, gradient norm) and byte-identical weights as the single-device reference run, for the
 //! GPT and for BERT; what reference mode does not cover is refused in one line.
 
-mod common;
+use crate::common;
 
 use common::{assert_ok, assert_one_line_error, tmpdir, train};
 use std::path::Path;

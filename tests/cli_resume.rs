@@ -17,7 +17,7 @@
 //!   the uninterrupted run), leaves the original run's metrics file alone, and still refuses a
 //!   model flag that differs.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::{Child, Output, Stdio};

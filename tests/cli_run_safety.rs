@@ -3,7 +3,7 @@
 //! fast instead of waiting, and the wrong answers found by trying the CLI as a user would. One
 //! test per class, each with the example that exposed it.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::time::{Duration, Instant};

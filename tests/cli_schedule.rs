@@ -2,7 +2,7 @@
 //! `bubble=0.2727 peak_activations=8 deadlock=no` (3/11 with 4 decimals), the grid has one row
 //! per time step; bad arguments end in one `error:` line.
 
-mod common;
+use crate::common;
 
 use common::{assert_ok, assert_one_line_error, bin, text};
 

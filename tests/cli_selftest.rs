@@ -3,7 +3,7 @@
 //! skipped with its reason and exit 0 (an error with `MESHGRAD_REQUIRE_CUDA=1`, as the GPU
 //! session runs it); a filter matching nothing is an error.
 
-mod common;
+use crate::common;
 
 use common::{assert_ok, assert_one_line_error, bin, text};
 

@@ -6,7 +6,7 @@
 //! prints `skipped: <reason>` (on stderr, also when the harness captures output) and passes, unless `MESHGRAD_REQUIRE_PY_TOKENIZERS=1` is set (CI
 //! sets it when it could install the module), in which case it fails.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

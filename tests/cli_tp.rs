@@ -7,7 +7,7 @@
 //! fsdp=2,tp=3 with sequence parallelism; with the vocabulary padded (`model.vocab_multiple`),
 //! BERT and a GPT of 257 ids train under tp=2.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Output;

@@ -4,7 +4,7 @@
 //! within 1e-4), and rank 0 writes the metrics and a checkpoint holding the single device's
 //! weights to rounding (1e-5 of each tensor's scale).
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Output;

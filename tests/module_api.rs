@@ -1,7 +1,7 @@
 //! The model-writing API: `#[derive(Module)]`, `ParamBuilder`, `Sequential`, freezing, optimizer
 //! builders and dropout randomness that advances by itself.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -4,7 +4,7 @@
 //! file) and the same final weights, bit for bit; so do dp=2,tp=2,pp=2 and fsdp=2,tp=2,pp=2. What reference mode cannot run with a pipeline
 //! is refused in one line.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Output;

@@ -6,7 +6,7 @@
 //! fsdp=2,tp=2 with sequence parallelism and tp=2,pp=2. A degree that does not divide the
 //! model's reference chunks is refused in one line.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Output;

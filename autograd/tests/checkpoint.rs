@@ -2,7 +2,7 @@
 //! normally, for inputs and for parameters captured by the closure; recomputation during
 //! backward; dropout masks reproduced; nested blocks; memory actually saved.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

@@ -2,7 +2,7 @@
 //! supplied gradients, `grad()`, gradient-ready and pre-backward hooks (timing, order, errors),
 //! custom functions and determinism.
 
-mod common;
+use crate::common;
 
 use std::sync::{Arc, Mutex};
 

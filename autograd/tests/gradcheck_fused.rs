@@ -4,7 +4,7 @@
 //! inputs (views taken inside the checked function); linear + GELU also bit for bit against
 //! `linear` then `gelu` on the CPU.
 
-mod common;
+use crate::common;
 
 use common::*;
 use meshgrad_autograd::Var;

@@ -1,7 +1,7 @@
 //! Every differentiable `Var` op against central finite differences (`gradcheck`, f64), with
 //! broadcasting operands and non-contiguous inputs (views taken inside the checked function).
 
-mod common;
+use crate::common;
 
 use common::*;
 use meshgrad_autograd::{gradcheck, DropoutSpec, GradcheckOptions, Var};

@@ -2,7 +2,7 @@
 //! flow through them (checked against finite differences and by hand), errors are values and a
 //! chain returns its first one; `reshape` with an inferred dimension is differentiable.
 
-mod common;
+use crate::common;
 
 use common::*;
 use meshgrad_autograd::{gradcheck, GradcheckOptions, Var};

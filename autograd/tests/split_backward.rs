@@ -4,7 +4,7 @@
 //! input pass alone touches no parameter; gradient-ready hooks fire in the pass that completes
 //! the gradient.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

@@ -4,7 +4,7 @@
 //! over labels with -100; gradients against finite differences in f64; dropout masks that follow
 //! global rows; activation checkpointing; the MLM masking.
 
-mod bert_ref;
+use crate::bert_ref;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

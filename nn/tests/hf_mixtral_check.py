@@ -5,7 +5,7 @@ greedy ids with meshgrad's (meshgrad_expected.json beside the folders).
 
 Run by hand (CI has no torch), in a throwaway venv with torch, transformers and safetensors:
 
-    cargo test --release -p meshgrad-nn --test mixtral_hf -- --ignored export_for_transformers
+    cargo test --release -p meshgrad-nn --test integration -- --ignored mixtral_hf::export_for_transformers
     /tmp/hfvenv/bin/python nn/tests/hf_mixtral_check.py target/mixtral_export
 
 Exits non-zero when a loss differs by more than 1e-5 (relative) or a greedy id differs.

@@ -17,7 +17,7 @@ use meshgrad_nn::{Llama, LlamaConfig, Module, StageSpec};
 use meshgrad_tensor::{DType, Device};
 use serde_json::Value;
 
-mod hf_fixture;
+use crate::hf_fixture;
 
 use hf_fixture::{batch, ints};
 
@@ -306,7 +306,7 @@ fn bad_config_json_files_are_one_line_errors_naming_the_file() {
 /// ids beside them (`meshgrad_expected.json`). Run it, then the check script:
 ///
 /// ```text
-/// cargo test --release -p meshgrad-nn --test llama_hf -- --ignored export_for_transformers
+/// cargo test --release -p meshgrad-nn --test integration -- --ignored llama_hf::export_for_transformers
 /// python nn/tests/hf_llama_check.py target/llama_export
 /// ```
 #[test]

@@ -16,7 +16,7 @@ use meshgrad_nn::{Llama, LlamaConfig, Module};
 use meshgrad_tensor::{DType, Device, Tensor};
 use serde_json::Value;
 
-mod hf_fixture;
+use crate::hf_fixture;
 
 use hf_fixture::{batch, ints};
 
@@ -196,7 +196,7 @@ fn fused_expert_layout_reads_as_the_classic_one() {
 /// the fixture ids and greedy ids in `meshgrad_expected.json`, for `tests/hf_mixtral_check.py`:
 ///
 /// ```text
-/// cargo test --release -p meshgrad-nn --test mixtral_hf -- --ignored export_for_transformers
+/// cargo test --release -p meshgrad-nn --test integration -- --ignored mixtral_hf::export_for_transformers
 /// /tmp/hfvenv/bin/python nn/tests/hf_mixtral_check.py target/mixtral_export
 /// ```
 #[test]

@@ -7,7 +7,7 @@
 //! parameters they hold (the tied table written once), and one-line errors for a missing piece,
 //! a missing rank file, a missing tensor and a shape mismatch.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

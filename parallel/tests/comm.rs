@@ -3,7 +3,7 @@
 //! All-to-all: uneven and empty splits on 1 to 4 ranks and a sub-group, pairs of ranks that
 //! disagree, bad arguments.
 
-mod a2a;
+use crate::a2a;
 
 use std::time::{Duration, Instant};
 

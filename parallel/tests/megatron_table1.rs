@@ -6,7 +6,7 @@
 //! layout ranks among the layouts the planner's search puts first for that model, cluster and
 //! batch, over every layout the planner knows and over those the paper's system had (tensor,
 //! pipeline and plain data parallelism: no ZeRO, no sequence parallelism). Run with
-//! `MEGATRON_ROWS=10 cargo test --release -p meshgrad-parallel --test megatron_table1 --
+//! `MEGATRON_ROWS=10 cargo test --release -p meshgrad-parallel --test integration megatron_table1:: --
 //! --nocapture` to see the whole table.
 
 use meshgrad_nn::GptConfig;

@@ -21,7 +21,7 @@
 //! one that deadlocks fails after the timeout with an error naming the ranks and the actions.
 //! Every action of every run is recorded in a timeline span.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::ops::Range;

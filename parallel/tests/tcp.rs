@@ -5,7 +5,7 @@
 //! fail with typed errors. All-to-all: uneven and empty splits on 1 to 4 ranks (and a
 //! sub-group) against the expected rows, pairs of ranks that disagree, bad arguments.
 
-mod a2a;
+use crate::a2a;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

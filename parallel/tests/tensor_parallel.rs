@@ -13,7 +13,7 @@
 //! and the dropout masks (replicated, and keyed by global position under sequence parallelism)
 //! are checked with SGD with momentum, which does not amplify rounding.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

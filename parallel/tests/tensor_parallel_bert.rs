@@ -21,7 +21,7 @@
 //! absolutely (L2 of the difference within 1e-12) instead of relatively. The SGD test also runs
 //! tp=2 +sp with activation checkpointing (the layers' collectives rerun during backward).
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

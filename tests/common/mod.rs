@@ -1,7 +1,7 @@
 //! Helpers shared by the CLI integration tests: running the `meshgrad` binary, temporary
 //! folders, checking a run's outcome, and reading the metrics and losses it writes.
 //!
-//! Each test file is its own crate and uses only some of these.
+//! Each test module (and `cli_launch`, its own binary) uses only some of these.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
