@@ -47,4 +47,25 @@ pub struct ModelShape {
     pub head_transform: bool,
     /// Whether the head's matrix is the token table.
     pub tied: bool,
+    /// Experts of each block's mixture of experts, each an MLP of width `ffn` (0: one dense
+    /// MLP). A router (`n_embd x n_experts`) picks each token's experts.
+    pub n_experts: usize,
+    /// Experts each token goes through (with `n_experts > 0`).
+    pub experts_per_token: usize,
+}
+
+impl ModelShape {
+    /// The MLPs (experts) one block holds: `n_experts`, or the one dense MLP.
+    pub fn mlps_held(&self) -> usize {
+        self.n_experts.max(1)
+    }
+
+    /// The MLPs (experts) one token goes through: `experts_per_token`, or the one dense MLP.
+    pub fn mlps_per_token(&self) -> usize {
+        if self.n_experts == 0 {
+            1
+        } else {
+            self.experts_per_token.max(1)
+        }
+    }
 }

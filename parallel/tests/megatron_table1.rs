@@ -98,6 +98,7 @@ fn compare(row: &Row, device: &DeviceKind) -> Outcome {
         &SearchOptions {
             sharding: false,
             sequence_parallel: false,
+            context_parallel: false,
             ..opts
         },
     );

@@ -253,6 +253,27 @@ fn expert_parallelism_halves_the_experts_per_rank() {
         md.contains(&format!("`dp=2,ep=2` {} of {experts} (1/2)", experts / 2)),
         "{md}"
     );
+    // The preflight check's and the planner's formula gives each rank's parameter bytes
+    // exactly: half the experts under ep=2, the router and the rest whole.
+    let predicted = |spec: &str| {
+        let layout = spec.parse().unwrap();
+        meshgrad_parallel::plan::memory::estimate_training(
+            &meshgrad_parallel::plan::memory::TrainingRun {
+                model: model.shape(),
+                layout: &layout,
+                batch_size: 4,
+                microbatches: 1,
+                schedule: meshgrad_parallel::pipeline::ScheduleKind::OneFOneB,
+                sequence_parallel: false,
+                checkpoint_blocks: false,
+                reference_row_group: None,
+                precision: Default::default(),
+            },
+        )
+        .params
+    };
+    assert_eq!(predicted("dp=2"), dp.params as u64);
+    assert_eq!(predicted("ep=2"), ep.params as u64);
 }
 
 /// Context parallelism: at cp=4 a rank of a 1024-token GPT allocates at most 0.35 of one

@@ -47,6 +47,23 @@ fn llama_counts_match_the_model() {
 }
 
 #[test]
+fn mixtral_counts_match_the_model() {
+    // Experts, routers and the rest: the model's own count.
+    for (experts, k) in [(4, 2), (3, 1)] {
+        let mut c = LlamaConfig::new(101, 16, 32, 2, 4);
+        c.n_kv_head = 2;
+        c.intermediate_size = 24;
+        c.moe = Some(meshgrad_nn::moe::MoeSettings::new(experts, k));
+        let model = Llama::new(c, 0, DType::F32, Device::Cpu).unwrap();
+        assert_eq!(
+            num_parameters(&c.shape()),
+            Some(model.num_parameters() as u64),
+            "{experts} experts"
+        );
+    }
+}
+
+#[test]
 fn bert_counts_match_the_model() {
     let c = BertConfig {
         vocab_size: 61,

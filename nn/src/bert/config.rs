@@ -72,6 +72,8 @@ impl BertConfig {
             final_norm: false,
             head_transform: true,
             tied: true,
+            n_experts: 0,
+            experts_per_token: 0,
         }
     }
 

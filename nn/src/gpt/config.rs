@@ -45,6 +45,8 @@ impl GptConfig {
             final_norm: true,
             head_transform: false,
             tied: true,
+            n_experts: 0,
+            experts_per_token: 0,
         }
     }
 

@@ -45,9 +45,8 @@ pub struct LlamaConfig {
 
 impl LlamaConfig {
     /// Its sizes for memory and cost estimates: rotary positions, grouped-query attention, a
-    /// gated MLP, RMSNorm without biases, a final norm, the head tied or not. A mixture of
-    /// experts counts as one MLP `n_experts` times as wide (its parameters; the routers' are
-    /// left out, and the activations are over-counted: each token uses `experts_per_token`).
+    /// gated MLP, RMSNorm without biases, a final norm, the head tied or not, and a mixture
+    /// of experts' expert count and experts per token.
     pub fn shape(&self) -> crate::ModelShape {
         crate::ModelShape {
             vocab_size: self.vocab_size,
@@ -56,7 +55,7 @@ impl LlamaConfig {
             n_head: self.n_head,
             n_kv_head: self.n_kv_head,
             n_embd: self.n_embd,
-            ffn: self.intermediate_size * self.moe.map_or(1, |m| m.n_experts),
+            ffn: self.intermediate_size,
             bias: false,
             learned_positions: false,
             type_vocab_size: 0,
@@ -65,6 +64,8 @@ impl LlamaConfig {
             final_norm: true,
             head_transform: false,
             tied: self.tie_embeddings,
+            n_experts: self.moe.map_or(0, |m| m.n_experts),
+            experts_per_token: self.moe.map_or(0, |m| m.experts_per_token),
         }
     }
 

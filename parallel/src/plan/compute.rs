@@ -9,7 +9,9 @@
 //! `peak * peak_fraction * f(m) f(n) f(k)` with `f(d) = d / (d + half_dim)` (the device file's
 //! `[matmul]` curve: a large GEMM reaches `peak_fraction` of the peak, and a thin one loses to
 //! tiles it cannot fill). The backward runs two GEMMs of the same shapes per forward GEMM (the
-//! input and the weight gradient), so it costs twice the forward's time.
+//! input and the weight gradient), so it costs twice the forward's time. A mixture of experts'
+//! experts stay whole on every tensor-parallel rank, each running `k / E` of the token copies
+//! (balanced routing), and its router adds a `C x E` product.
 //!
 //! **Element-wise work** moves activations through device memory at
 //! [`STREAM_FRACTION`] of its bandwidth. Per token, the forward of a block reads and writes
@@ -61,6 +63,9 @@ pub struct MicroBatch<'a> {
     pub tp: usize,
     /// Sequence parallelism (splits the element-wise work outside attention and MLP).
     pub sequence_parallel: bool,
+    /// Context-parallel degree: the rank holds `1 / cp` of each row's tokens, whose queries
+    /// meet all `T` keys over the ring.
+    pub cp: usize,
 }
 
 /// Forward seconds of one part of the model for one micro-batch, split by kind of work.
@@ -88,8 +93,9 @@ struct Gemm {
 }
 
 impl MicroBatch<'_> {
+    /// This rank's tokens: `rows x T / cp`.
     fn tokens(&self) -> f64 {
-        (self.rows * self.model.positions) as f64
+        (self.rows * self.model.positions) as f64 / self.cp.max(1) as f64
     }
 
     /// The efficiency curve's factor for one dimension.
@@ -116,6 +122,7 @@ impl MicroBatch<'_> {
         let kv = d * s.n_kv_head as f64;
         let f = s.ffn as f64;
         let t = s.positions as f64;
+        let cp = self.cp.max(1) as f64;
         let heads = self.rows as f64 * s.n_head as f64 / tp;
         let up = if s.gated_mlp { 2.0 } else { 1.0 };
         let one = |m, n, k| Gemm {
@@ -124,29 +131,47 @@ impl MicroBatch<'_> {
             k,
             count: 1.0,
         };
-        vec![
+        // A mixture of experts: whole on every tensor-parallel rank, each of the `E` experts
+        // takes `k / E` of the token copies (balanced routing), and the router one product.
+        let moe = s.n_experts > 0;
+        let (mlp_m, mlp_count, mlp_tp) = if moe {
+            let e = s.n_experts as f64;
+            (tok * s.mlps_per_token() as f64 / e, e, 1.0)
+        } else {
+            (tok, 1.0, tp)
+        };
+        let mut gemms = vec![
             one(tok, (c + 2.0 * kv) / tp, c),
             Gemm {
-                m: t,
+                m: t / cp,
                 n: t,
                 k: d,
                 count: heads,
             },
             Gemm {
-                m: t,
+                m: t / cp,
                 n: d,
                 k: t,
                 count: heads,
             },
             one(tok, c, c / tp),
             Gemm {
-                m: tok,
-                n: f / tp,
+                m: mlp_m,
+                n: f / mlp_tp,
                 k: c,
-                count: up,
+                count: up * mlp_count,
             },
-            one(tok, c, f / tp),
-        ]
+            Gemm {
+                m: mlp_m,
+                n: c,
+                k: f / mlp_tp,
+                count: mlp_count,
+            },
+        ];
+        if moe {
+            gemms.push(one(tok, s.n_experts as f64, c));
+        }
+        gemms
     }
 
     /// Operations of one block's forward on one tensor-parallel rank.
@@ -163,9 +188,16 @@ impl MicroBatch<'_> {
         let tp = self.tp as f64;
         let outside = 16.0 * s.n_embd as f64 / if self.sequence_parallel { tp } else { 1.0 };
         let mlp = if s.gated_mlp { 3.0 } else { 2.0 } * s.ffn as f64;
+
         let scores = match self.attention {
             Attention::Fused => 0.0,
             Attention::Materialized => 5.0 * (s.n_head * s.positions) as f64,
+        };
+        // A mixture of experts streams its `k` experts' values on every tensor-parallel rank.
+        let inside = if s.n_experts > 0 {
+            s.mlps_per_token() as f64 * mlp + scores / tp
+        } else {
+            (mlp + scores) / tp
         };
         PartTime {
             gemm: self
@@ -173,7 +205,7 @@ impl MicroBatch<'_> {
                 .iter()
                 .map(|g| self.gemm_seconds(g, peak))
                 .sum(),
-            elementwise: self.stream_seconds(self.tokens() * (outside + (mlp + scores) / tp)),
+            elementwise: self.stream_seconds(self.tokens() * (outside + inside)),
         }
     }
 
@@ -234,10 +266,51 @@ mod tests {
                 rows: 2,
                 tp,
                 sequence_parallel: false,
+                cp: 1,
             };
             let (b, s, h) = (2.0, 2048.0, 12288.0);
             let paper = 24.0 * b * s * h * h * (1.0 + s / (6.0 * h)) / tp as f64;
             assert!((mb.block_flops() / paper - 1.0).abs() < 1e-12, "tp {tp}");
+            // Context parallelism: a rank's queries are `1 / cp` of the tokens, whatever the
+            // keys they meet.
+            for cp in [2, 4] {
+                let part = MicroBatch { cp, ..mb }.block_flops();
+                assert!(
+                    (part * cp as f64 / paper - 1.0).abs() < 1e-12,
+                    "tp {tp} cp {cp}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_mixture_of_experts_runs_the_flops_the_count_gives() {
+        let mut c = meshgrad_nn::LlamaConfig::new(32000, 1024, 1024, 2, 16);
+        c.moe = Some(meshgrad_nn::moe::MoeSettings {
+            n_experts: 8,
+            experts_per_token: 2,
+            router_aux_loss_coef: 0.02,
+            capacity_factor: None,
+        });
+        let shape = c.shape();
+        let device = DeviceKind::preset("h100").unwrap();
+        for tp in [1, 2] {
+            let mb = MicroBatch {
+                model: &shape,
+                device: &device,
+                precision: Precision::Bf16,
+                attention: Attention::Fused,
+                rows: 2,
+                tp,
+                sequence_parallel: false,
+                cp: 1,
+            };
+            let per_token = super::super::flops::forward_per_token(&shape, 1024).block;
+            // Under tp the experts and the router stay whole on every rank.
+            let f = shape.ffn as f64;
+            let whole = 2.0 * (6.0 * 1024.0 * f) + 2.0 * 1024.0 * 8.0;
+            let want = 2048.0 * ((per_token - whole) / tp as f64 + whole);
+            assert!((mb.block_flops() / want - 1.0).abs() < 1e-12, "tp {tp}");
         }
     }
 
@@ -253,6 +326,7 @@ mod tests {
             rows: 4,
             tp: 1,
             sequence_parallel: false,
+            cp: 1,
         };
         let g = Gemm {
             m: 8192.0,

@@ -167,6 +167,26 @@ impl Candidate {
         if self.sequence_parallel && tp == 1 {
             return Err(format!("layout {l}: sequence parallelism needs tp > 1"));
         }
+        let (cp, ep) = (l.cp(), l.ep());
+        if cp > 1 && !s.positions.is_multiple_of(2 * cp) {
+            return Err(format!(
+                "layout {l}: cp={cp} does not split the sequence of {} tokens into {} chunks",
+                s.positions,
+                2 * cp
+            ));
+        }
+        if s.n_experts > 0 && (cp > 1 || self.sequence_parallel) {
+            return Err(format!(
+                "layout {l}: a mixture of experts does not run under context or sequence \
+                 parallelism yet"
+            ));
+        }
+        if ep > 1 && (s.n_experts == 0 || !s.n_experts.is_multiple_of(ep)) {
+            return Err(format!(
+                "layout {l}: ep={ep} does not divide the model's {} experts",
+                s.n_experts
+            ));
+        }
         if pp * self.chunks > s.n_layer {
             return Err(format!(
                 "layout {l}: {pp} stages x {} chunks is more than the {} layers",
@@ -207,6 +227,10 @@ pub struct StepTime {
     pub shard: f64,
     /// Exposed pipeline transfers.
     pub pp: f64,
+    /// Exposed context-parallel ring transfers (keys and values, and their gradients).
+    pub cp: f64,
+    /// Exposed expert-parallel all-to-alls (tokens to their experts and back).
+    pub ep: f64,
     /// Pipeline bubble (idle time of the busiest stage, transfers left out).
     pub bubble: f64,
     /// Exposed data-parallel gradient reduction and parameter gathers.
@@ -247,6 +271,8 @@ impl Estimate {
             (t.tp, "tensor-parallel communication"),
             (t.shard, "ZeRO-3 parameter gathers"),
             (t.pp, "pipeline transfers"),
+            (t.cp, "context-parallel ring transfers"),
+            (t.ep, "expert-parallel all-to-alls"),
             (t.bubble, "pipeline bubble"),
             (t.dp, "data-parallel gradient reduction"),
             (t.optimizer, "optimizer step"),
@@ -271,14 +297,27 @@ struct BlockCost {
     tp_b: f64,
     shard_f: f64,
     shard_b: f64,
+    cp_f: f64,
+    cp_b: f64,
+    ep_f: f64,
+    ep_b: f64,
 }
 
-/// The parameters of one block's matrices on one tensor-parallel rank.
-fn block_params(s: &ModelShape, tp: usize) -> f64 {
+/// The parameters of one block's matrices on one rank of `tp` tensor-parallel and `ep`
+/// expert-parallel ranks (a mixture of experts' experts and router are whole under `tp`, the
+/// experts divided by `ep`).
+fn block_params(s: &ModelShape, tp: usize, ep: usize) -> f64 {
     let c = s.n_embd as f64;
     let kv = (s.n_embd / s.n_head.max(1) * s.n_kv_head) as f64;
     let mats = if s.gated_mlp { 3.0 } else { 2.0 };
-    (2.0 * c * c + 2.0 * c * kv + mats * c * s.ffn as f64) / tp as f64
+    let mlp = mats * c * s.ffn as f64;
+    let attention = 2.0 * c * c + 2.0 * c * kv;
+    if s.n_experts > 0 {
+        let e = s.n_experts as f64;
+        attention / tp as f64 + c * e + e * mlp / ep.max(1) as f64
+    } else {
+        (attention + mlp) / tp as f64
+    }
 }
 
 /// The cost of one candidate (see the [module docs](self)).
@@ -351,6 +390,7 @@ impl CostModel<'_> {
             rows: c.microbatch_size,
             tp: c.layout.tp(),
             sequence_parallel: c.sequence_parallel,
+            cp: c.layout.cp(),
         }
     }
 
@@ -359,8 +399,11 @@ impl CostModel<'_> {
         let l = &c.layout;
         let mb = self.micro(c);
         let fwd = mb.block(peak).total();
-        let act = (c.microbatch_size * w.model.positions * w.model.n_embd) as f64
-            * w.precision.bytes() as f64;
+        let s = &w.model;
+        let bytes = w.precision.bytes() as f64;
+        // This rank's tokens of the micro-batch (`1 / cp` of each row).
+        let tokens = (c.microbatch_size * s.positions) as f64 / l.cp() as f64;
+        let act = tokens * s.n_embd as f64 * bytes;
         let tp_group = topo.group(l.tp(), 1);
         // Two all-reduces (or all-gather + reduce-scatter pairs, which cost the same).
         let tp_pass = 2.0
@@ -370,15 +413,40 @@ impl CostModel<'_> {
                 f64::INFINITY
             });
         let recompute = if c.recompute { 1.0 } else { 0.0 };
-        let (shard_f, shard_b) = if l.zero() == Some(ZeroStage::Three) && l.dp_shard() > 1 {
-            let g = topo.group(l.dp_shard(), l.tp());
-            let bytes = block_params(&w.model, l.tp()) * w.precision.bytes() as f64;
-            let gather = comm::all_gather(&g, bytes);
-            let scatter = comm::reduce_scatter(&g, bytes);
+        let shard_n = l.dp_shard() * l.cp();
+        let (shard_f, shard_b) = if l.zero() == Some(ZeroStage::Three) && shard_n > 1 {
+            let g = topo.group(shard_n, l.tp());
+            let params = block_params(s, l.tp(), l.ep()) * bytes;
+            let gather = comm::all_gather(&g, params);
+            let scatter = comm::reduce_scatter(&g, params);
             (
                 (gather - fwd).max(0.0),
                 (gather + scatter - (2.0 + recompute) * fwd).max(0.0),
             )
+        } else {
+            (0.0, 0.0)
+        };
+        // Ring attention (not overlapped with the attention it feeds): the forward passes this
+        // rank's keys and values `cp - 1` hops; the backward passes them with their gradients
+        // `cp - 1` hops and the gradients one more hop home. Key/value heads split by `tp`.
+        let kv = (s.n_embd / s.n_head.max(1) * s.n_kv_head) as f64 / l.tp() as f64;
+        let ring = topo.group(l.cp(), l.tp());
+        let hops = l.cp().saturating_sub(1) as f64;
+        let kv_bytes = tokens * 2.0 * kv * bytes;
+        let ring_f = hops * comm::p2p(&ring, kv_bytes);
+        let ring_b = hops * comm::p2p(&ring, 2.0 * kv_bytes) + comm::p2p(&ring, kv_bytes);
+        let (cp_f, cp_b) = if l.cp() > 1 {
+            (ring_f, recompute * ring_f + ring_b)
+        } else {
+            (0.0, 0.0)
+        };
+        // Expert parallelism: the token copies (`k` per token, `C` wide) go to their experts'
+        // ranks and come back, two all-to-alls in the forward and two in the backward.
+        let (ep_f, ep_b) = if s.n_experts > 0 && l.ep() > 1 {
+            let g = topo.group(l.ep(), l.tp());
+            let copies = tokens * s.mlps_per_token() as f64 * s.n_embd as f64 * bytes;
+            let pass = 2.0 * comm::all_to_all(&g, copies);
+            (pass, (1.0 + recompute) * pass)
         } else {
             (0.0, 0.0)
         };
@@ -389,6 +457,10 @@ impl CostModel<'_> {
             tp_b: (1.0 + recompute) * tp_pass,
             shard_f,
             shard_b,
+            cp_f,
+            cp_b,
+            ep_f,
+            ep_b,
         }
     }
 
@@ -423,9 +495,9 @@ impl CostModel<'_> {
         let (embed, head): (PartTime, PartTime) = (mb.embedding(), mb.head(peak));
 
         // Per rank and chunk: forward, input backward, weight backward.
-        let block_f = b.compute_f + b.tp_f + b.shard_f;
+        let block_f = b.compute_f + b.tp_f + b.shard_f + b.cp_f + b.ep_f;
         let block_w = b.compute_f;
-        let block_bi = b.compute_b - block_w + b.tp_b + b.shard_b;
+        let block_bi = b.compute_b - block_w + b.tp_b + b.shard_b + b.cp_b + b.ep_b;
         let mut forward = vec![blocks * block_f; pp];
         let mut bwd_in = vec![blocks * block_bi; pp];
         let bwd_w = vec![blocks * block_w; pp];
@@ -436,8 +508,9 @@ impl CostModel<'_> {
         bwd_in[pp - 1] += 2.0 * head.total() / v_f;
         let act = (c.microbatch_size * w.model.positions * w.model.n_embd) as f64
             * w.precision.bytes() as f64
-            / if c.sequence_parallel { tp as f64 } else { 1.0 };
-        let pp_group = topo.group(pp, tp * l.data_parallel_degree());
+            / if c.sequence_parallel { tp as f64 } else { 1.0 }
+            / l.cp() as f64;
+        let pp_group = topo.group(pp, tp * l.cp() * l.data_parallel_degree());
         let p2p = if pp > 1 {
             comm::p2p(&pp_group, act)
         } else {
@@ -456,7 +529,11 @@ impl CostModel<'_> {
         let last_backward = bwd_in[busiest] + bwd_w[busiest];
         let dp = self.data_parallel(c, &topo, last_backward * vf);
         let local = self.local_params(c);
-        let shard_n = if l.zero().is_some() { l.dp_shard() } else { 1 } as f64;
+        let shard_n = if l.zero().is_some() {
+            l.dp_shard() * l.cp()
+        } else {
+            1
+        } as f64;
         let copy = if w.precision == Precision::F32 {
             0.0
         } else {
@@ -502,7 +579,9 @@ impl CostModel<'_> {
         let n = (micro * v) as f64 * blocks;
         let tpc = n * (b.tp_f + b.tp_b);
         let shard = n * (b.shard_f + b.shard_b);
-        let compute = work[busiest] - tpc - shard;
+        let cpc = n * (b.cp_f + b.cp_b);
+        let epc = n * (b.ep_f + b.ep_b);
+        let compute = work[busiest] - tpc - shard - cpc - epc;
         let bubble = (free - work[busiest]).max(0.0);
         let pp_exposed = (makespan - free).max(0.0);
         let step = makespan + dp + optimizer;
@@ -511,6 +590,8 @@ impl CostModel<'_> {
             tp: tpc,
             shard,
             pp: pp_exposed,
+            cp: cpc,
+            ep: epc,
             bubble,
             dp,
             optimizer,
@@ -539,7 +620,7 @@ impl CostModel<'_> {
         let l = &c.layout;
         let blocks = s.n_layer.div_ceil(l.pp()) as f64;
         let edge = (s.vocab_size * s.n_embd) as f64 / l.tp() as f64;
-        blocks * block_params(s, l.tp()) + edge
+        blocks * block_params(s, l.tp(), l.ep()) + edge
     }
 
     /// Exposed data-parallel communication after the micro-batches; `window` is the backward
@@ -552,13 +633,17 @@ impl CostModel<'_> {
         let overlapped = |total: f64, last: f64| (total - window).max(last);
         let bucket = bytes.min(BUCKET_BYTES);
         match l.zero() {
+            // The context-parallel ranks hold the same parameters: the gradient is averaged
+            // over `dp x cp` ranks, and ZeRO shards over `dp_shard x cp` (see
+            // `LayoutMesh::shard_topology`).
             None => {
-                let g = topo.group(l.dp_replicate(), tp);
+                let g = topo.group(l.dp_replicate() * l.cp(), tp);
                 overlapped(comm::all_reduce(&g, bytes), comm::all_reduce(&g, bucket))
             }
             Some(stage) => {
-                let shard = topo.group(l.dp_shard(), tp);
-                let replicas = topo.group(l.dp_replicate(), tp * l.dp_shard());
+                let shard_n = l.dp_shard() * l.cp();
+                let shard = topo.group(shard_n, tp);
+                let replicas = topo.group(l.dp_replicate(), tp * shard_n);
                 let rs = match stage {
                     // ZeRO-2 and -3 reduce-scatter during every micro-batch's backward.
                     ZeroStage::Two | ZeroStage::Three => 0.0,
@@ -567,7 +652,7 @@ impl CostModel<'_> {
                         comm::reduce_scatter(&shard, bucket),
                     ),
                 };
-                let across = comm::all_reduce(&replicas, bytes / l.dp_shard() as f64);
+                let across = comm::all_reduce(&replicas, bytes / shard_n as f64);
                 let gather = match stage {
                     ZeroStage::Three => 0.0,
                     _ => comm::all_gather(&shard, bytes),

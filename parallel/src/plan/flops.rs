@@ -12,7 +12,9 @@
 //! * attention projections: `2 C (C + 2 K + C)` for q, k, v and the output (`K` the key/value
 //!   width: `C` without grouped-query attention);
 //! * scores and their weighted sum: `4 T C`;
-//! * MLP: `4 C F` (up and down), `6 C F` when gated (gate, up and down);
+//! * MLP: `4 C F` (up and down), `6 C F` when gated (gate, up and down); a mixture of experts
+//!   counts the MLPs of the `k` experts a token goes through and its router, `2 C E` for `E`
+//!   experts;
 //!
 //! and the head's logits add `2 C V`. For a GPT (`K = C`, `F = 4 C`) a step of `B` sequences is
 //! then `72 B T L C^2 (1 + T / (6 C) + V / (12 L C))`, the paper's equation (without
@@ -37,7 +39,9 @@ pub fn forward_per_token(shape: &ModelShape, seq: usize) -> TokenFlops {
     let t = seq as f64;
     let projections = 2.0 * c * (2.0 * c + 2.0 * kv);
     let attention = 4.0 * t * c;
-    let mlp = if shape.gated_mlp { 6.0 } else { 4.0 } * c * f;
+    let one_mlp = if shape.gated_mlp { 6.0 } else { 4.0 } * c * f;
+    let router = 2.0 * c * shape.n_experts as f64;
+    let mlp = shape.mlps_per_token() as f64 * one_mlp + router;
     TokenFlops {
         block: projections + attention + mlp,
         head: 2.0 * c * shape.vocab_size as f64,
@@ -139,5 +143,25 @@ mod tests {
         let dense = 2.0 * cc * 4.0 * cc + 4.0 * 4096.0 * cc + 6.0 * cc * f;
         assert_eq!(mha.block, dense);
         assert_eq!(mha.head, 2.0 * cc * 32000.0);
+    }
+
+    #[test]
+    fn a_mixture_of_experts_counts_the_routed_experts_and_the_router() {
+        // Mixtral-8x7B's shape: 8 experts of width 14336, 2 per token, 8 key/value heads.
+        let mut c = LlamaConfig::new(32000, 4096, 4096, 32, 32);
+        c.intermediate_size = 14336;
+        c.n_kv_head = 8;
+        let dense = forward_per_token(&c.shape(), 4096);
+        c.moe = Some(meshgrad_nn::moe::MoeSettings {
+            n_experts: 8,
+            experts_per_token: 2,
+            router_aux_loss_coef: 0.02,
+            capacity_factor: None,
+        });
+        let moe = forward_per_token(&c.shape(), 4096);
+        let (cc, f) = (4096.0f64, 14336.0f64);
+        // One more expert's gated MLP, and the router's 4096 x 8 product.
+        assert_eq!(moe.block - dense.block, 6.0 * cc * f + 2.0 * cc * 8.0);
+        assert_eq!(moe.head, dense.head);
     }
 }

@@ -56,6 +56,13 @@
 //!   key and value blocks in flight (the backward's message carries keys, values and their
 //!   gradients, received beside the held one: `8` key/value widths per token) and the partial
 //!   output being combined (`C`), split by `tp`. ZeRO shards over `dp_shard x cp` ranks.
+//! * **Mixture of experts** (`n_experts > 0`): a block holds `n_experts` MLPs and a router
+//!   (`C x n_experts`); tensor parallelism leaves both whole on every rank (each routes the same
+//!   tokens), expert parallelism (`ep=E`) divides the experts by `E`, ZeRO shards what a rank
+//!   holds as for any parameter. Per token a block keeps, instead of one MLP's values, those of
+//!   its `k` experts with the copy each read and the output it wrote (`2 C` each), and the
+//!   router's logits and probabilities (`2 n_experts`), none split by `tp`; the all-to-alls
+//!   bring each rank as many token copies as it sends (balanced routing).
 //! * **Gathering**: with `tp` or `pp` above 1, rank 0 builds the whole model once more at the end
 //!   (`4 P`) to write the checkpoint.
 //!
@@ -173,27 +180,31 @@ fn flag(on: bool) -> N {
     N::of(u64::from(on))
 }
 
-/// A count of parameters, split into what tensor parallelism divides and what it replicates.
+/// A count of parameters, split into what tensor parallelism divides, what it replicates, and a
+/// mixture of experts' experts (whole on every tensor-parallel rank, divided by expert
+/// parallelism).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Params {
     split: N,
     replicated: N,
+    experts: N,
 }
 
 impl Params {
     fn total(self) -> N {
-        self.split + self.replicated
+        self.split + self.replicated + self.experts
     }
 
-    /// What one of `tp` tensor-parallel ranks holds.
-    fn local(self, tp: usize) -> N {
-        self.split.div_ceil(n(tp)) + self.replicated
+    /// What one rank of `tp` tensor-parallel and `ep` expert-parallel ranks holds.
+    fn local(self, tp: usize, ep: usize) -> N {
+        self.split.div_ceil(n(tp)) + self.replicated + self.experts.div_ceil(n(ep))
     }
 
     fn times(self, k: N) -> Params {
         Params {
             split: self.split * k,
             replicated: self.replicated * k,
+            experts: self.experts * k,
         }
     }
 
@@ -201,6 +212,7 @@ impl Params {
         Params {
             split: self.split + o.split,
             replicated: self.replicated + o.replicated,
+            experts: self.experts + o.experts,
         }
     }
 }
@@ -218,11 +230,14 @@ fn embedding(s: &ModelShape) -> Params {
     Params {
         split: n(s.vocab_size) * c,
         replicated: (positions + n(s.type_vocab_size)) * c + flag(s.embedding_norm) * norm(s),
+        experts: N::of(0),
     }
 }
 
 /// One block's parameters: the attention and MLP matrices and their column-parallel biases are
-/// split; the two norms and the row-parallel output biases are replicated.
+/// split; the two norms and the row-parallel output biases are replicated. A mixture of experts
+/// holds `n_experts` MLPs (experts) and a router (`C x n_experts`, replicated), none split by
+/// tensor parallelism.
 fn block(s: &ModelShape) -> Params {
     let (c, f, b, two) = (n(s.n_embd), n(s.ffn), flag(s.bias), N::of(2));
     // The key/value width: one head's width per key/value head.
@@ -233,11 +248,15 @@ fn block(s: &ModelShape) -> Params {
     } else {
         (two, N::of(1))
     };
+    // The MLP matrices and up biases (its output bias is counted with the replicated ones).
+    let mlp = mlp_mats * c * f + b * mlp_up * f;
+    let moe = s.n_experts > 0;
     Params {
-        // q and o (c x c), k and v (c x kv), q/k/v biases, the MLP matrices and up biases.
-        split: two * c * c + two * c * kv + b * (c + two * kv) + mlp_mats * c * f + b * mlp_up * f,
-        // Two norms, the output projections' biases.
-        replicated: two * norm(s) + two * b * c,
+        // q and o (c x c), k and v (c x kv), q/k/v biases, a dense MLP.
+        split: two * c * c + two * c * kv + b * (c + two * kv) + flag(!moe) * mlp,
+        // Two norms, the output projections' biases, a router.
+        replicated: two * norm(s) + two * b * c + flag(moe) * c * n(s.n_experts),
+        experts: flag(moe) * n(s.n_experts) * mlp,
     }
 }
 
@@ -249,6 +268,7 @@ fn head(s: &ModelShape) -> Params {
     Params {
         split: flag(!s.tied) * v * c + flag(s.head_transform) * v,
         replicated: flag(s.final_norm) * norm(s) + flag(s.head_transform) * (c * c + c + norm(s)),
+        experts: N::of(0),
     }
 }
 
@@ -262,10 +282,18 @@ pub fn num_parameters(shape: &ModelShape) -> Option<u64> {
     with_blocks(shape, shape.n_layer).total().0
 }
 
-/// f32 values one token keeps in one block for the backward, `(outside, inside)` the attention
-/// and the MLP, and the attention scores one token needs while a block runs (see the module
-/// docs).
-fn block_activations(s: &ModelShape, seq: usize) -> (N, N, N) {
+/// f32 values one token keeps in one block for the backward: outside the attention and the
+/// MLP, inside them (split by tensor parallelism), in a mixture of experts (whole on every
+/// tensor-parallel rank), and the attention scores one token needs while a block runs (see the
+/// module docs).
+struct BlockValues {
+    outside: N,
+    inside: N,
+    experts: N,
+    scores: N,
+}
+
+fn block_activations(s: &ModelShape, seq: usize) -> BlockValues {
     let (c, f, h, t) = (n(s.n_embd), n(s.ffn), n(s.n_head), n(seq.min(s.positions)));
     let four = N::of(4);
     // The gated MLP keeps its gate, its up projection and their product.
@@ -274,7 +302,17 @@ fn block_activations(s: &ModelShape, seq: usize) -> (N, N, N) {
     // q, k and v (k and v repeated for every query head) that the attention reads.
     let kv = n(s.n_embd / s.n_head.max(1)) * n(s.n_kv_head);
     let rotary = flag(!s.learned_positions) * (four * c + kv);
-    (four * c, four * c + mlp + rotary, h * t)
+    let moe = s.n_experts > 0;
+    // A mixture of experts: each of the token's `k` experts keeps its MLP values, the token's
+    // copy it read and the output it wrote (`2 C`); the router its logits and probabilities.
+    let k = n(s.mlps_per_token());
+    let experts = flag(moe) * (k * (mlp + N::of(2) * c) + N::of(2) * n(s.n_experts));
+    BlockValues {
+        outside: four * c,
+        inside: four * c + flag(!moe) * mlp + rotary,
+        experts,
+        scores: h * t,
+    }
 }
 
 /// The width of the MLP's up projections' outputs per token: `F`, or `2 F` with a gate.
@@ -508,8 +546,11 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
     let layout = run.layout;
     let tp = layout.tp();
     let microbatches = run.microbatches.max(1);
-    let local = stage.params.local(tp);
-    let unit = block(shape).local(tp).max(embedding(shape).local(tp));
+    let ep = layout.ep();
+    let local = stage.params.local(tp, ep);
+    let unit = block(shape)
+        .local(tp, ep)
+        .max(embedding(shape).local(tp, ep));
     let bytes = |x: N| x * N::of(F32);
     // Working copies: f32, or 2-byte copies beside f32 master weights (in the optimizer state).
     let half = N::of(run.precision.bytes());
@@ -562,15 +603,21 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
     } else {
         N::of(1)
     };
-    let (outside, inside, scores) = block_activations(shape, seq.div_ceil(cp));
+    let BlockValues {
+        outside,
+        inside,
+        experts,
+        scores,
+    } = block_activations(shape, seq.div_ceil(cp));
     let one_block = outside.div_ceil(sp_n)
         + inside.div_ceil(tp_n)
+        + experts
         + tp_plumbing(shape, tp, run.sequence_parallel);
     // What every micro-batch in flight keeps, and the temporaries of the one being computed:
     // the gradients of one block's attention and MLP values and of tensor parallelism's
     // communication (the residual-width gradients replace one another); with recomputation
     // the recomputed block, whose values its backward frees as it makes their gradients.
-    let backward = inside.div_ceil(tp_n) + tp_plumbing(shape, tp, run.sequence_parallel);
+    let backward = inside.div_ceil(tp_n) + experts + tp_plumbing(shape, tp, run.sequence_parallel);
     let (kept, temporaries) = if run.checkpoint_blocks {
         (n(blocks) * n(shape.n_embd).div_ceil(sp_n), one_block)
     } else {
@@ -595,8 +642,12 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
     // projections' outputs (q/k/v and the MLP's up projections split by tensor parallelism, the
     // two output projections' `C` each as the residual stream is split).
     let output_grads = n(blocks)
-        * ((N::of(3) * n(shape.n_embd) + mlp_width(shape)).div_ceil(tp_n)
-            + (N::of(2) * n(shape.n_embd)).div_ceil(sp_n));
+        * (if shape.n_experts > 0 {
+            (N::of(3) * n(shape.n_embd)).div_ceil(tp_n)
+                + n(shape.mlps_per_token()) * mlp_width(shape)
+        } else {
+            (N::of(3) * n(shape.n_embd) + mlp_width(shape)).div_ceil(tp_n)
+        } + (N::of(2) * n(shape.n_embd)).div_ceil(sp_n));
     let activations = tokens
         * (n(stage.in_flight) * kept + n(stage.pending_weight) * output_grads + temporaries)
         * half;
@@ -701,9 +752,9 @@ pub fn in_flight(schedule: ScheduleKind, microbatches: usize, pp: usize) -> usiz
 pub fn estimate_inference(shape: &ModelShape, rows: u64) -> MemoryEstimate {
     let params = N(num_parameters(shape)) * N::of(F32);
     let tokens = N::of(rows) * n(shape.positions);
-    let (outside, inside, scores) = block_activations(shape, shape.positions);
-    let per_token = N::of(2) * (outside + inside)
-        + scores
+    let b = block_activations(shape, shape.positions);
+    let per_token = N::of(2) * (b.outside + b.inside + b.experts)
+        + b.scores
         + edge_activations(shape, true, true)
         + N::of(2) * n(shape.vocab_size);
     let activations = tokens * per_token * N::of(F32);

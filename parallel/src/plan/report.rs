@@ -42,8 +42,8 @@ pub fn plan_line(e: &Estimate) -> String {
 /// (seconds), tokens/s per device, MFU and the bottleneck.
 pub fn table(rows: &[Estimate]) -> String {
     let mut out = format!(
-        "{:>2} {:<24} {:>3} {:>11} {:>2} {:>3} {:>4} | {:>7} {:>6} {:>6} {:>6} {:>6} | {:>9} \
-         {:>8} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} | {:>9} {:>5}  bottleneck\n",
+        "{:>2} {:<28} {:>3} {:>11} {:>2} {:>3} {:>4} | {:>7} {:>6} {:>6} {:>6} {:>6} | {:>9} \
+         {:>8} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} | {:>9} {:>5}  bottleneck\n",
         "#",
         "layout",
         "sp",
@@ -61,6 +61,8 @@ pub fn table(rows: &[Estimate]) -> String {
         "tp",
         "shard",
         "pp",
+        "cp",
+        "ep",
         "bubble",
         "dp",
         "optim",
@@ -73,8 +75,9 @@ pub fn table(rows: &[Estimate]) -> String {
         let t = &e.time;
         let g = |b: u64| b as f64 / GIB;
         out += &format!(
-            "{:>2} {:<24} {:>3} {:>11} {:>2} {:>3} {:>4} | {:>7.2} {:>6.2} {:>6.2} {:>6.2} \
-             {:>6.2} | {:>9.4} {:>8.4} {:>7.4} {:>7.4} {:>7.4} {:>7.4} {:>7.4} {:>7.4} | \
+            "{:>2} {:<28} {:>3} {:>11} {:>2} {:>3} {:>4} | {:>7.2} {:>6.2} {:>6.2} {:>6.2} \
+             {:>6.2} | {:>9.4} {:>8.4} {:>7.4} {:>7.4} {:>7.4} {:>7.4} {:>7.4} {:>7.4} {:>7.4} \
+             {:>7.4} | \
              {:>9.1} {:>5.3}  {}{}\n",
             i + 1,
             c.layout.to_string(),
@@ -93,6 +96,8 @@ pub fn table(rows: &[Estimate]) -> String {
             t.tp,
             t.shard,
             t.pp,
+            t.cp,
+            t.ep,
             t.bubble,
             t.dp,
             t.optimizer,
@@ -132,6 +137,8 @@ pub fn to_json(e: &Estimate) -> Value {
             "tp": t.tp,
             "shard": t.shard,
             "pp": t.pp,
+            "cp": t.cp,
+            "ep": t.ep,
             "bubble": t.bubble,
             "dp": t.dp,
             "optimizer": t.optimizer,

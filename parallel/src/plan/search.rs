@@ -2,17 +2,24 @@
 //!
 //! The layouts: every `tp` that divides `N` and the attention heads, up to the devices of one
 //! node (tensor parallelism across nodes puts its all-reduces, which are on the critical path,
-//! on the network); every `pp` that divides what is left, up to the layers; the rest,
-//! `d = N / (tp pp)`, as plain data parallelism (`dp=d`), or sharded over `s` ranks and
+//! on the network); every `pp` that divides what is left, up to the layers; every context-parallel
+//! `cp` that divides what is left, splits the sequence into `2 cp` chunks and keeps `tp x cp`
+//! inside a node (not for a mixture of experts, which does not run under cp yet); the rest,
+//! `d = N / (tp pp cp)`, as plain data parallelism (`dp=d`), or sharded over `s` ranks and
 //! replicated `d / s` times for every divisor `s > 1` of `d` (ZeRO-1, ZeRO-2, ZeRO-3: `zero1=s`,
-//! `dp=r,zero2=s`, `fsdp=s`, `hsdp=rxs`). For each: sequence parallelism on and off (with `tp >
-//! 1`); with a pipeline the GPipe, 1F1B, zero-bubble and interleaved schedules (2, 3, 4, 6 or 8
+//! `dp=r,zero2=s`, `fsdp=s`, `hsdp=rxs`; with cp also `s = 1`, ZeRO then sharding over the cp
+//! ranks); for a mixture of experts each of those with every expert-parallel `ep > 1` dividing
+//! the experts and the `d x cp` data-parallel ranks that the layout accepts (ep runs with plain
+//! data parallelism). For each: sequence parallelism on and off (with `tp > 1`, not for a
+//! mixture of experts); with a pipeline the GPipe, 1F1B, zero-bubble and interleaved schedules (2, 3, 4, 6 or 8
 //! chunks); every micro-batch size up to [`SearchOptions::max_microbatch_size`] that divides a
 //! data-parallel rank's rows; recomputation of every block or of none. Candidates that fail
 //! [`Candidate::check`] or do not fit are dropped; the rest are ranked by step time, and the best
 //! candidate of each layout (with its sequence parallelism) is kept.
 
 use std::collections::HashMap;
+
+use meshgrad_nn::ModelShape;
 
 use super::bubble::BubbleCache;
 use super::cost::{Candidate, CostModel, Estimate};
@@ -30,6 +37,8 @@ pub struct SearchOptions {
     pub sharding: bool,
     /// Whether to try sequence parallelism.
     pub sequence_parallel: bool,
+    /// Whether to try context parallelism (`cp > 1`).
+    pub context_parallel: bool,
 }
 
 impl Default for SearchOptions {
@@ -39,6 +48,7 @@ impl Default for SearchOptions {
             max_microbatch_size: 16,
             sharding: true,
             sequence_parallel: true,
+            context_parallel: true,
         }
     }
 }
@@ -72,33 +82,48 @@ fn divisors(n: usize) -> Vec<usize> {
     (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
 }
 
-/// Every layout of `devices` devices for a model of `n_head` heads and `n_layer` layers (see
-/// the [module docs](self)).
-pub fn layouts(
-    devices: usize,
-    devices_per_node: usize,
-    n_head: usize,
-    n_layer: usize,
-) -> Vec<ParallelLayout> {
+/// Every layout of `devices` devices in nodes of `devices_per_node` for `model` (see the
+/// [module docs](self)).
+pub fn layouts(devices: usize, devices_per_node: usize, model: &ModelShape) -> Vec<ParallelLayout> {
+    let node = devices_per_node.max(1);
     let mut out = Vec::new();
     for tp in divisors(devices) {
-        if tp > devices_per_node.max(1) || !n_head.is_multiple_of(tp) {
+        if tp > node || !model.n_head.is_multiple_of(tp) {
             continue;
         }
         for pp in divisors(devices / tp) {
-            if pp > n_layer {
+            if pp > model.n_layer {
                 continue;
             }
-            let d = devices / tp / pp;
-            let mut add = |r, s, z| {
-                if let Ok(l) = ParallelLayout::new(pp, r, s, z, tp) {
-                    out.push(l);
+            for cp in divisors(devices / tp / pp) {
+                // The ring stays inside a node with tensor parallelism; each rank holds two
+                // chunks of every row; a mixture of experts does not run under cp yet.
+                let ring_fits = tp * cp <= node && model.positions.is_multiple_of(2 * cp);
+                if cp > 1 && (!ring_fits || model.n_experts > 0) {
+                    continue;
                 }
-            };
-            add(d, 1, None);
-            for s in divisors(d).into_iter().filter(|&s| s > 1) {
-                for z in [ZeroStage::One, ZeroStage::Two, ZeroStage::Three] {
-                    add(d / s, s, Some(z));
+                let d = devices / tp / pp / cp;
+                let mut add = |r, s, z| {
+                    let Ok(l) = ParallelLayout::new(pp, r, s, z, tp).and_then(|l| l.with_cp(cp))
+                    else {
+                        return;
+                    };
+                    // Expert parallelism over every degree that divides the experts and the
+                    // data-parallel ranks (what the layout refuses is skipped).
+                    for ep in divisors(d * cp) {
+                        if ep == 1 || (model.n_experts.is_multiple_of(ep) && model.n_experts > 0) {
+                            if let Ok(l) = l.with_ep(ep) {
+                                out.push(l);
+                            }
+                        }
+                    }
+                };
+                add(d, 1, None);
+                // ZeRO shards over `dp_shard x cp` ranks: with cp, over the ring's ranks alone too.
+                for s in divisors(d).into_iter().filter(|&s| s > 1 || cp > 1) {
+                    for z in [ZeroStage::One, ZeroStage::Two, ZeroStage::Three] {
+                        add(d / s, s, Some(z));
+                    }
                 }
             }
         }
@@ -176,8 +201,10 @@ pub fn search(model: &CostModel, opts: &SearchOptions) -> SearchResult {
     let mut best: HashMap<(ParallelLayout, bool), Estimate> = HashMap::new();
     let top = opts.top.max(1);
     let mut smallest: Option<(u64, Candidate)> = None;
-    for layout in layouts(cl.devices, cl.devices_per_node, s.n_head, s.n_layer) {
-        if layout.zero().is_some() && !opts.sharding {
+    for layout in layouts(cl.devices, cl.devices_per_node, s) {
+        if (layout.zero().is_some() && !opts.sharding)
+            || (layout.cp() > 1 && !opts.context_parallel)
+        {
             continue;
         }
         for c in candidates(layout, w.global_batch, s.n_layer, opts) {
@@ -270,11 +297,50 @@ mod tests {
         // d = 8 (tp 1 pp 1): 1 + 3 x 3; d = 4 (tp 1 pp 2, tp 2 pp 1): 1 + 3 x 2 each;
         // d = 2 (tp 1 pp 4, tp 2 pp 2, tp 4 pp 1): 1 + 3 each; d = 1 (tp 2 pp 4, tp 4 pp 2,
         // tp 8 pp 1): 1 each.
-        let l = layouts(8, 8, 8, 4);
+        let shape = |positions, n_experts| ModelShape {
+            n_head: 8,
+            n_layer: 4,
+            positions,
+            n_experts,
+            experts_per_token: 2,
+            ..GptConfig {
+                vocab_size: 64,
+                block_size: 16,
+                n_layer: 4,
+                n_head: 8,
+                n_embd: 16,
+                dropout: 0.0,
+                bias: true,
+                layer_norm_eps: 1e-5,
+            }
+            .shape()
+        };
+        // A row of 1 token splits into no cp chunks, and the model has no experts.
+        let l = layouts(8, 8, &shape(1, 0));
         assert_eq!(l.len(), 10 + 2 * 7 + 3 * 4 + 3);
         assert!(l.iter().all(|l| l.world_size() == 8));
         // Tensor parallelism stays inside a node of 4.
-        assert!(layouts(8, 4, 8, 4).iter().all(|l| l.tp() <= 4));
+        assert!(layouts(8, 4, &shape(1, 0)).iter().all(|l| l.tp() <= 4));
+        // Context parallelism: cp in {2, 4, 8} where tp x cp fits the node of 8, over the
+        // ranks left by tp and pp, each with the data-parallel layouts of what remains.
+        let with_cp = layouts(8, 8, &shape(16, 0));
+        let cp: Vec<_> = with_cp.iter().filter(|l| l.cp() > 1).collect();
+        // (tp, pp) -> remaining r, cp | r with cp > 1, tp cp <= 8, then d = r / cp as dp=d and
+        // 3 ZeRO stages for every divisor s of d (1 included: ZeRO over the cp ranks), 1 + 3 x
+        // divisors(d): (1,1) r 8: cp 2 (d 4: 10), cp 4 (d 2: 7), cp 8 (d 1: 4); (1,2) and (2,1)
+        // r 4: cp 2 (7), cp 4 (4); (1,4), (2,2), (4,1) r 2: cp 2 (4).
+        assert_eq!(cp.len(), 21 + 2 * 11 + 3 * 4);
+        assert!(cp
+            .iter()
+            .all(|l| l.world_size() == 8 && l.tp() * l.cp() <= 8));
+        // Expert parallelism: 4 experts; ep in {2, 4} dividing the data-parallel ranks, with
+        // plain data parallelism only (ZeRO with ep is refused by the layout).
+        let with_ep = layouts(8, 8, &shape(16, 4));
+        assert!(with_ep.iter().all(|l| l.cp() == 1));
+        let ep: Vec<_> = with_ep.iter().filter(|l| l.ep() > 1).collect();
+        assert!(ep.iter().all(|l| l.zero().is_none() && 4 % l.ep() == 0));
+        // dp = 8 (ep 2, 4), dp = 4 (tp 2 or pp 2: ep 2, 4 each), dp = 2 (3 ways: ep 2).
+        assert_eq!(ep.len(), 2 + 2 * 2 + 3);
     }
 
     #[test]
