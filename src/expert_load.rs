@@ -3,6 +3,8 @@
 //! data-parallel ranks (the same layers, other sequences) and combined over the pipeline stages
 //! (other layers), so every layout reports what one device does.
 
+use std::sync::Arc;
+
 use anyhow::Result;
 use meshgrad_nn::moe::ExpertLoad;
 use meshgrad_parallel::comm::all_reduce_scalar;
@@ -10,9 +12,35 @@ use meshgrad_parallel::metrics::ExpertMetrics;
 use meshgrad_parallel::{Communicator, ReduceOp};
 use meshgrad_tensor::{Device, Tensor};
 
-/// The step's expert metrics from this rank's `load` (collective over `dp` and `pp`: every rank
-/// calls it after every step of a mixture-of-experts run).
-pub(crate) fn reduce_expert_load(
+/// A step's expert load as this rank recorded it, with the groups to reduce it over and the
+/// load-balancing coefficient. The reduction waits until after the gradient synchronisation
+/// ([`PendingExperts::reduce`]): a collective issued between the backward and DDP's `finish`
+/// would meet, on another rank, a gradient bucket that rank launched during its backward (an
+/// expert without tokens on one rank leaves its bucket to `finish`).
+pub(crate) struct PendingExperts {
+    /// What this rank's layers recorded.
+    pub(crate) load: ExpertLoad,
+    /// The data-parallel group (the same layers, other sequences).
+    pub(crate) dp: Arc<dyn Communicator>,
+    /// The pipeline group (other layers).
+    pub(crate) pp: Arc<dyn Communicator>,
+    /// The load-balancing loss's coefficient.
+    pub(crate) coef: f64,
+}
+
+impl PendingExperts {
+    /// The step's metrics over every rank, with the coefficient (collective over `dp` and `pp`:
+    /// every rank calls it after every step's gradient synchronisation).
+    pub(crate) fn reduce(self) -> Result<(ExpertMetrics, f64)> {
+        Ok((
+            reduce_expert_load(&self.load, self.dp.as_ref(), self.pp.as_ref())?,
+            self.coef,
+        ))
+    }
+}
+
+/// The step's expert metrics from this rank's `load` (collective over `dp` and `pp`).
+fn reduce_expert_load(
     load: &ExpertLoad,
     dp: &dyn Communicator,
     pp: &dyn Communicator,

@@ -67,7 +67,7 @@ use meshgrad_tensor::tree_sum::tree_sum_f64;
 use meshgrad_tensor::Tensor;
 
 use crate::config::TrainConfig;
-use crate::expert_load::reduce_expert_load;
+use crate::expert_load::PendingExperts;
 use crate::pipeline_plan::{pipeline_shape, plan_on_world, profile_and_partition, PipelinePlan};
 use crate::rank_sync::RankSync;
 use crate::recipe::{Recipe, StageBuild};
@@ -426,13 +426,12 @@ fn rank_main<R: Recipe>(
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push((ctx.rank, step, t0, t1));
-        let experts = match aux_coef {
-            Some(coef) => Some((
-                reduce_expert_load(&load, mesh.dp_group().as_ref(), pp.as_ref())?,
-                coef,
-            )),
-            None => None,
-        };
+        let experts = aux_coef.map(|coef| PendingExperts {
+            load,
+            dp: mesh.dp_group(),
+            pp: pp.clone(),
+            coef,
+        });
         Ok(StepShare { loss, experts })
     };
     let val = || -> Result<f64> {

@@ -7,6 +7,7 @@ use std::io::Write;
 use std::path::Path;
 use std::time::Instant;
 
+use crate::expert_load::PendingExperts;
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use meshgrad_nn::optim::{AdamW, CosineSchedule, LossScaler};
@@ -170,21 +171,17 @@ impl Reporter {
 }
 
 /// A rank's share of a step, as its micro-step returns it: the loss (the global loss is
-/// `sync.mean(loss) * loss_scale`) and, for a mixture of experts, the step's expert load
-/// (already global) with the load-balancing coefficient.
+/// `sync.mean(loss) * loss_scale`) and, for a mixture of experts, the step's expert load on
+/// this rank, reduced over the ranks after the gradient synchronisation.
 pub(crate) struct StepShare {
     pub(crate) loss: f64,
-    pub(crate) experts: Option<(ExpertMetrics, f64)>,
+    pub(crate) experts: Option<PendingExperts>,
 }
 
-impl StepShare {
-    /// The training objective's share added to the global cross-entropy: the coefficient times
-    /// the load-balancing loss (0 for a dense model).
-    fn aux_term(&self) -> f64 {
-        self.experts
-            .as_ref()
-            .map_or(0.0, |(m, coef)| coef * m.aux_loss)
-    }
+/// The training objective's share added to the global cross-entropy: the coefficient times the
+/// load-balancing loss (0 for a dense model).
+fn aux_term(experts: &Option<(ExpertMetrics, f64)>) -> f64 {
+    experts.as_ref().map_or(0.0, |(m, coef)| coef * m.aux_loss)
 }
 
 /// What the training loop reports back.
@@ -283,6 +280,7 @@ pub(crate) fn drive_loop(
         sync.zero_grad(opt);
         let share = micro_step(step)?;
         sync.finish()?;
+        let experts = share.experts.map(PendingExperts::reduce).transpose()?;
         let lr = schedule.lr_at(step);
         let mut skipped = false;
         let grad_norm = if half {
@@ -316,7 +314,7 @@ pub(crate) fn drive_loop(
         if must_be_finite && !skipped && !grad_norm.is_finite() {
             // Stop before the optimizer step spreads it into the weights. The norm is global,
             // so every rank stops here, after the same collectives.
-            let loss = sync.mean(share.loss)? * loss_scale + share.aux_term();
+            let loss = sync.mean(share.loss)? * loss_scale + aux_term(&experts);
             if !loss.is_finite() {
                 anyhow::bail!("training diverged: loss is {loss} at step {}", step + 1);
             }
@@ -328,7 +326,7 @@ pub(crate) fn drive_loop(
         if !half {
             sync.step(opt, lr)?;
         }
-        last_loss = sync.mean(share.loss)? * loss_scale + share.aux_term();
+        last_loss = sync.mean(share.loss)? * loss_scale + aux_term(&experts);
         if !last_loss.is_finite() {
             anyhow::bail!(
                 "training diverged: loss is {last_loss} at step {}",
@@ -356,7 +354,7 @@ pub(crate) fn drive_loop(
         if let Some(s) = scaler {
             line = with_loss_scale(&line, s.borrow().scale(), skipped);
         }
-        if let Some((m, _)) = &share.experts {
+        if let Some((m, _)) = &experts {
             line = with_expert_load(&line, m);
         }
         rep.metrics(line)?;

@@ -62,6 +62,15 @@ pub struct ExpertDataParallel {
     factor: f64,
 }
 
+/// DDP for parameters a step may leave without a gradient on every rank (a mixture of experts'
+/// experts that no token reached): they keep none, so the optimizer skips them as on one device.
+fn sometimes_unused() -> DdpConfig {
+    DdpConfig {
+        find_unused_parameters: true,
+        ..DdpConfig::default()
+    }
+}
+
 impl ExpertDataParallel {
     /// The wrapper of `module` on this rank of `mesh` (which has expert parallelism), the
     /// parameters named `experts` reduced apart. The experts' factor after their replicas'
@@ -87,7 +96,7 @@ impl ExpertDataParallel {
         let factor = avg_of_one(mesh.dp_group().as_ref())?
             / (avg_of_one(replicas.as_ref())? * ep.world_size() as f64);
         let experts = if replicas.world_size() > 1 {
-            Some(Ddp::new(mine, replicas, DdpConfig::default())?)
+            Some(Ddp::new(mine, replicas, sometimes_unused())?)
         } else {
             None
         };
@@ -160,10 +169,15 @@ impl DataParallel {
                 mesh.shard_topology()?,
                 ShardConfig::new(stage),
             )?),
+            // Experts that no rank's tokens reached keep no gradient, as on one device.
             None if mesh.dp_degree() > 1 => DataParallel::Ddp(Ddp::new(
                 module.named_parameters(),
                 mesh.dp_group(),
-                DdpConfig::default(),
+                if meshgrad_nn::moe::expert_parameter_names(module).is_empty() {
+                    DdpConfig::default()
+                } else {
+                    sometimes_unused()
+                },
             )?),
             None => DataParallel::Local,
         })
