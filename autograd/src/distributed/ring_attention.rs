@@ -158,6 +158,14 @@ impl Ring {
     fn source(&self, s: usize) -> usize {
         (self.rank() + self.size() - s % self.size()) % self.size()
     }
+    /// One ring shift of `t`, traced as `<group> ring <what()>` (see
+    /// [`Collectives::traced`](super::Collectives::traced)).
+    fn hop(&self, t: &Tensor, what: impl Fn() -> String) -> Result<Tensor> {
+        self.group.traced(
+            &|| format!("{} ring {}", self.group.describe(), what()),
+            &mut || self.group.ring_shift(t),
+        )
+    }
     fn mask(&self, src: usize, p: &Pair) -> Result<AttentionMask> {
         let mut m = AttentionMask {
             causal: p.causal,
@@ -261,7 +269,7 @@ fn forward(ring: &Ring, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<AttentionO
     let mut acc: Option<(Tensor, Tensor)> = None;
     for s in 0..ring.size() {
         if s > 0 {
-            kv = ring.group.ring_shift(&kv)?;
+            kv = ring.hop(&kv, || format!("hop {s}/{} forward", ring.size() - 1))?;
         }
         let src = ring.source(s);
         let p = pair(ring.rank(), src, len, ring.causal);
@@ -312,9 +320,9 @@ fn backward(
     for s in 0..ring.size() {
         if s > 0 {
             // One message in compute precision (the keys and values convert back exactly).
-            let both = ring
-                .group
-                .ring_shift(&Tensor::cat(&[&kv.to_dtype(compute)?, &dkv], 0)?)?;
+            let both = ring.hop(&Tensor::cat(&[&kv.to_dtype(compute)?, &dkv], 0)?, || {
+                format!("hop {s}/{} backward", ring.size() - 1)
+            })?;
             kv = both.narrow(0, 0, 2)?.to_dtype(q.dtype())?.contiguous()?;
             dkv = both.narrow(0, 2, 2)?.contiguous()?;
         }
@@ -340,7 +348,9 @@ fn backward(
         dkv = update_rows(&dkv, 3, &p.keys, |d| d.add(&part))?;
     }
     // One more hop brings each block's summed gradient home.
-    let dkv = ring.group.ring_shift(&dkv)?.to_dtype(q.dtype())?;
+    let dkv = ring
+        .hop(&dkv, || "hop home backward (dk, dv)".to_string())?
+        .to_dtype(q.dtype())?;
     Ok((
         dq.to_dtype(q.dtype())?,
         unstack(&dkv, 0)?,
