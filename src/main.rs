@@ -407,7 +407,8 @@ struct TrainArgs {
     #[arg(long, value_name = "METHOD")]
     partition: Option<String>,
     /// Write a Chrome trace (JSON, for Perfetto or chrome://tracing) of every rank's forward,
-    /// backward, send, receive, optimizer and idle time to FILE (with pp>1).
+    /// backward, send, receive, optimizer and idle time to FILE, with the ring attention hops
+    /// (cp) and all-to-alls (ep) inside the passes.
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
     /// With --partition auto, speed or memory: the most memory one pipeline stage may hold

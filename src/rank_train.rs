@@ -58,7 +58,7 @@ use meshgrad_parallel::pipeline::{
     write_chrome_trace, ExecuteOptions, Microbatch, PipelineGrads, Schedule, StepWindow, Timeline,
     Timelines,
 };
-use meshgrad_parallel::tp::{context_parallel, expert_parallel, tensor_parallel};
+use meshgrad_parallel::tp::{context_parallel_traced, expert_parallel_traced, tensor_parallel};
 use meshgrad_parallel::{
     rank_rows, Communicator, DataParallel, LayoutMesh, ParallelLayout, ReduceOp, ZeroStage,
 };
@@ -177,15 +177,22 @@ pub(crate) fn run<R: Recipe>(
                 measured
             );
         }
-        if let Some(path) = &opts.pipeline.trace {
-            write_chrome_trace(path, &timelines)
-                .with_context(|| format!("writing the trace {}", path.display()))?;
-            if verbosity != Verbosity::Quiet {
-                println!("trace: {}", path.display());
-            }
+    }
+    write_trace(opts, &timelines, verbosity)?;
+    Ok(summary)
+}
+
+/// `--trace`: writes the ranks' timelines as a Chrome trace (on the process that holds them all,
+/// or rank 0's of a job of processes, which gathered them).
+fn write_trace(opts: &TrainOptions, timelines: &[Timeline], verbosity: Verbosity) -> Result<()> {
+    if let Some(path) = &opts.pipeline.trace {
+        write_chrome_trace(path, timelines)
+            .with_context(|| format!("writing the trace {}", path.display()))?;
+        if verbosity != Verbosity::Quiet {
+            println!("trace: {}", path.display());
         }
     }
-    Ok(summary)
+    Ok(())
 }
 
 /// One device: the trainer on this thread, as the one rank of a world of one (on the run's
@@ -226,7 +233,10 @@ fn run_single<R: Recipe>(
         },
         init: initial_values(cfg, opts)?,
     };
-    rank_main(recipe, opts, &at, verbosity)?.context("the single rank returned no summary")
+    let summary =
+        rank_main(recipe, opts, &at, verbosity)?.context("the single rank returned no summary")?;
+    write_trace(opts, &timelines, verbosity)?;
+    Ok(summary)
 }
 
 /// `--init-from`'s weights, read once for every rank of this process (none when the run
@@ -295,9 +305,13 @@ fn rank_main<R: Recipe>(
     let tp =
         (mesh.tp_degree() > 1).then(|| tensor_parallel(mesh.tp_group(), opts.sequence_parallel));
     // Context parallelism: the ring over the cp group; each rank takes its chunks of the rows.
-    let cp = (layout.cp() > 1).then(|| context_parallel(mesh.cp_group()));
+    // `--trace`: the ring's hops and the all-to-alls are spans of this rank's timeline.
+    let traced = opts.pipeline.trace.as_ref().map(|_| timeline.clone());
+    let cp = (layout.cp() > 1).then(|| context_parallel_traced(mesh.cp_group(), traced.clone()));
     let order = cp.as_ref().map(|cp| cp.order());
-    let ep = mesh.ep_group().map(expert_parallel);
+    let ep = mesh
+        .ep_group()
+        .map(|g| expert_parallel_traced(g, traced.clone()));
     let own_chunks = |b: <R::Stage as ModelStage>::Batch| match &order {
         Some(o) => recipe.context_chunks(b, o),
         None => Ok(b),

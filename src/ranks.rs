@@ -477,7 +477,8 @@ pub(crate) fn check_vocab_splits(
 
 /// One-line refusals of context parallelism (`cp` above 1 in `layout`) for what it does not
 /// support: a sequence (`model.block_size`) that does not split into `2 cp` equal chunks,
-/// dropout (its masks are keyed by local positions), reference mode.
+/// dropout (its masks are keyed by local positions), reference mode (why: the module docs of
+/// `meshgrad_autograd::distributed::ring_attention`).
 pub(crate) fn check_context_parallel(cfg: &TrainConfig, layout: &ParallelLayout) -> Result<()> {
     let cp = layout.cp();
     if cp <= 1 {
@@ -494,7 +495,11 @@ pub(crate) fn check_context_parallel(cfg: &TrainConfig, layout: &ParallelLayout)
         );
     }
     if cfg.train.reference {
-        anyhow::bail!("layout {layout}: --reference does not support context parallelism (cp) yet");
+        anyhow::bail!(
+            "layout {layout}: --reference does not support context parallelism (cp) yet: the \
+             ring combines key blocks and each rank sums parameter gradients over its own \
+             positions, in orders one device does not reproduce"
+        );
     }
     Ok(())
 }

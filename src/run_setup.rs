@@ -400,9 +400,14 @@ impl Default for PipelineOptions {
 }
 
 impl PipelineOptions {
-    /// Whether any pipeline option differs from its default (refused without `pp` above 1).
+    /// Whether any pipeline-only option differs from its default (refused without `pp` above
+    /// 1); `--trace` is not one: every layout records its ranks' timelines.
     pub fn is_set(&self) -> bool {
-        *self != PipelineOptions::default()
+        *self
+            != PipelineOptions {
+                trace: self.trace.clone(),
+                ..PipelineOptions::default()
+            }
     }
 }
 
@@ -434,13 +439,13 @@ pub fn parse_bytes(s: &str) -> Result<u64> {
     Ok(bytes as u64)
 }
 
-/// Refuses pipeline flags (`--schedule`, `--chunks`, `--partition`, `--trace`) when the layout
-/// has no pipeline (`pp` is its pipeline degree), in one line.
+/// Refuses pipeline flags (`--schedule`, `--chunks`, `--partition`, `--max-stage-memory`) when
+/// the layout has no pipeline (`pp` is its pipeline degree), in one line.
 pub(crate) fn check_pipeline_flags(opts: &TrainOptions, pp: usize) -> Result<()> {
     if pp <= 1 && opts.pipeline.is_set() {
         anyhow::bail!(
-            "--schedule, --chunks, --partition and --trace need pipeline parallelism (pp=P with \
-             P > 1 in --layout)"
+            "--schedule, --chunks, --partition and --max-stage-memory need pipeline parallelism \
+             (pp=P with P > 1 in --layout)"
         );
     }
     Ok(())

@@ -4,7 +4,7 @@
 //! gradient norms within 1e-4), 4 steps of tiny models; GPT's gathered checkpoints hold the
 //! single device's weights to rounding (1e-5 of each tensor's scale), Llama's and BERT's Hugging
 //! Face folders within 1e-5 relative L2 over all parameters. Bad input is refused in one line: a
-//! sequence that does not split into 2 x cp chunks, dropout, a mixture of experts.
+//! sequence that does not split into 2 x cp chunks, dropout, a mixture of experts, reference mode.
 
 use crate::common;
 
@@ -107,6 +107,10 @@ fn what_context_parallelism_does_not_support_is_refused_in_one_line() {
         (
             &["--layout", "cp=2", "--set", "model.dropout=0.1"][..],
             "does not support dropout yet",
+        ),
+        (
+            &["--layout", "cp=2", "--reference"][..],
+            "--reference does not support context parallelism (cp) yet",
         ),
     ] {
         assert_one_line_error(&train(&dir, "gpt", "refused", extra), &[needle]);

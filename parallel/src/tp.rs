@@ -12,12 +12,15 @@ use meshgrad_nn::tp::TensorParallel;
 use meshgrad_tensor::{Result, Tensor};
 
 use crate::comm::{Communicator, P2pOp, P2pWork, ReduceOp};
+use crate::pipeline::trace::{record_opt, SpanKind, Timeline};
 
 /// A communicator seen as the [`Collectives`] tensor parallelism needs (each call launches the
 /// collective and waits for it).
 pub struct CommCollectives {
     comm: Arc<dyn Communicator>,
     name: String,
+    /// Where [`Collectives::traced`] transfers are recorded (`--trace`), if anywhere.
+    timeline: Option<Timeline>,
 }
 
 impl CommCollectives {
@@ -26,7 +29,15 @@ impl CommCollectives {
         CommCollectives {
             comm,
             name: name.to_string(),
+            timeline: None,
         }
+    }
+
+    /// The same collectives, recording the transfers the layers trace (ring hops, all-to-alls)
+    /// as [`SpanKind::Collective`] spans of `timeline` when one is given.
+    pub fn with_timeline(mut self, timeline: Option<Timeline>) -> Self {
+        self.timeline = timeline;
+        self
     }
 }
 
@@ -91,18 +102,45 @@ impl Collectives for CommCollectives {
     fn describe(&self) -> String {
         format!("{}{}", self.name, self.comm.describe())
     }
+    fn traced(
+        &self,
+        label: &dyn Fn() -> String,
+        f: &mut dyn FnMut() -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        record_opt(self.timeline.as_ref(), SpanKind::Collective, label, f)
+    }
 }
 
 /// Expert parallelism over `group` (this rank's expert-parallel group,
 /// [`crate::LayoutMesh::ep_group`]): the ranks a mixture of experts' experts are sharded over.
 pub fn expert_parallel(group: Arc<dyn Communicator>) -> ExpertParallel {
-    ExpertParallel::new(Arc::new(CommCollectives::new(group, "ep")))
+    expert_parallel_traced(group, None)
+}
+
+/// [`expert_parallel`] whose all-to-alls are recorded in `timeline` (`--trace`) when given.
+pub fn expert_parallel_traced(
+    group: Arc<dyn Communicator>,
+    timeline: Option<Timeline>,
+) -> ExpertParallel {
+    ExpertParallel::new(Arc::new(
+        CommCollectives::new(group, "ep").with_timeline(timeline),
+    ))
 }
 
 /// Context parallelism over `group` (this rank's `cp` group of the mesh): the ring of ring
 /// attention.
 pub fn context_parallel(group: Arc<dyn Communicator>) -> ContextParallel {
-    ContextParallel::new(Arc::new(CommCollectives::new(group, "cp")))
+    context_parallel_traced(group, None)
+}
+
+/// [`context_parallel`] whose ring hops are recorded in `timeline` (`--trace`) when given.
+pub fn context_parallel_traced(
+    group: Arc<dyn Communicator>,
+    timeline: Option<Timeline>,
+) -> ContextParallel {
+    ContextParallel::new(Arc::new(
+        CommCollectives::new(group, "cp").with_timeline(timeline),
+    ))
 }
 
 /// Tensor parallelism over `group` (this rank's `tp` group of the mesh), with or without

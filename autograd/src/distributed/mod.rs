@@ -90,6 +90,17 @@ pub trait Collectives: Send + Sync {
     }
     /// The group's members for messages, e.g. `tp[0,1]`.
     fn describe(&self) -> String;
+    /// Runs `f`, one transfer over this group (a ring hop, an all-to-all), as a span labelled
+    /// `label()` when the group records a timeline (`meshgrad train --trace`); the default just
+    /// runs it. Callers name what the transfer is for, the group when it happens.
+    fn traced(
+        &self,
+        label: &dyn Fn() -> String,
+        f: &mut dyn FnMut() -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let _ = label;
+        f()
+    }
 }
 
 impl std::fmt::Debug for dyn Collectives {
@@ -395,17 +406,22 @@ pub fn all_to_all_rows(
     if group.size() == 1 {
         return Ok(x.clone());
     }
-    let out = group.all_to_all(&x.tensor().contiguous()?, send_splits, recv_splits)?;
+    let xt = x.tensor().contiguous()?;
+    let out = group.traced(
+        &|| format!("{} all_to_all forward ({sent} rows out)", group.describe()),
+        &mut || group.all_to_all(&xt, send_splits, recv_splits),
+    )?;
     let (g, send, recv) = (group.clone(), send_splits.to_vec(), recv_splits.to_vec());
     Ok(Var::from_op(
         "all_to_all_rows",
         out,
         &[x],
         Box::new(move |grad, _| {
-            Ok(vec![Some(g.all_to_all(
-                &grad.contiguous()?,
-                &recv,
-                &send,
+            let grad = grad.contiguous()?;
+            let back: usize = recv.iter().sum();
+            Ok(vec![Some(g.traced(
+                &|| format!("{} all_to_all backward ({back} rows out)", g.describe()),
+                &mut || g.all_to_all(&grad, &recv, &send),
             )?)])
         }),
     ))

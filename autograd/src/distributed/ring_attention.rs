@@ -25,6 +25,39 @@
 //! `dv`. `dq` stays local; the keys' and values' gradients travel with them (one message of
 //! keys, values and their partial gradients per hop) and, after the last step, one more hop
 //! brings each block's sum home to its owner.
+//!
+//! # Not bit-identical to one device (why reference mode refuses cp)
+//!
+//! A context-parallel run matches one device to rounding, not bit for bit, and `--reference`
+//! refuses it. Every place where the bits part, and what reference mode would have to fix:
+//!
+//! 1. **The combination order over keys.** Rank `i` combines its key blocks in ring order
+//!    (`i, i-1, ..., i+1` mod `C`) by the rule above, which rounds (`exp`, `log`, the weighted
+//!    sum), so the result depends on the order; one device's fused kernel runs the online
+//!    softmax over key tiles in sequence order instead. A fixed order needs the same kernel
+//!    calls everywhere (pairs of fine query and key chunks of a chunk count that does not
+//!    depend on `C`) with each pair's `(out, lse)` kept until all have arrived and combined in
+//!    one fixed order; in backward `dq` adds over key chunks and `dk`, `dv` over query chunks
+//!    held by other ranks, so the travelling message would carry one partial per query chunk
+//!    instead of their running sum.
+//! 2. **Parameter gradients are sums over positions.** A weight gradient `g^T x` is one matmul
+//!    whose inner dimension is the token count (`B T` on one device, `B 2L` on a rank),
+//!    accumulated along the tokens by gemm in blocks that depend on that count, and the ranks'
+//!    partial sums are then added by the gradient all-reduce: another association of the same
+//!    terms. The same holds for biases, norms, the embedding tables and the loss's token mean.
+//!    A fixed
+//!    order is a tree over fine position chunks in which every rank's chunks form an aligned
+//!    subtree: the *folded* order (leaf `j` = chunks `j` and `2K-1-j` of `2K`) does so for every
+//!    power of two `C` dividing `K`, with each row group's gradient reduced over the cp group
+//!    (in that tree) before the row groups' tree, as one device adds them.
+//! 3. **That tree is not the one reference mode uses over positions today.** Tensor
+//!    parallelism's position sums (layer norms, row-parallel biases, sequence-parallel
+//!    linears) are trees over `K` chunks in sequence order, so that a sequence-parallel rank's
+//!    contiguous positions are a subtree. Subtrees of one binary tree are nested or disjoint,
+//!    and `{first half}` (sp = 2) and `{chunks 0, 3 of 4}` (cp = 2) are neither: no single
+//!    one-device reference run can serve both, so a cp-exact reference would be a setting both
+//!    runs share (the folded order and its chunk count), independent of `C` but not of the
+//!    choice between sequence and context parallelism.
 
 use std::ops::Range;
 
@@ -158,6 +191,14 @@ impl Ring {
     fn source(&self, s: usize) -> usize {
         (self.rank() + self.size() - s % self.size()) % self.size()
     }
+    /// One ring shift of `t`, traced as `<group> ring <what()>` (see
+    /// [`Collectives::traced`](super::Collectives::traced)).
+    fn hop(&self, t: &Tensor, what: impl Fn() -> String) -> Result<Tensor> {
+        self.group.traced(
+            &|| format!("{} ring {}", self.group.describe(), what()),
+            &mut || self.group.ring_shift(t),
+        )
+    }
     fn mask(&self, src: usize, p: &Pair) -> Result<AttentionMask> {
         let mut m = AttentionMask {
             causal: p.causal,
@@ -261,7 +302,7 @@ fn forward(ring: &Ring, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<AttentionO
     let mut acc: Option<(Tensor, Tensor)> = None;
     for s in 0..ring.size() {
         if s > 0 {
-            kv = ring.group.ring_shift(&kv)?;
+            kv = ring.hop(&kv, || format!("hop {s}/{} forward", ring.size() - 1))?;
         }
         let src = ring.source(s);
         let p = pair(ring.rank(), src, len, ring.causal);
@@ -312,9 +353,9 @@ fn backward(
     for s in 0..ring.size() {
         if s > 0 {
             // One message in compute precision (the keys and values convert back exactly).
-            let both = ring
-                .group
-                .ring_shift(&Tensor::cat(&[&kv.to_dtype(compute)?, &dkv], 0)?)?;
+            let both = ring.hop(&Tensor::cat(&[&kv.to_dtype(compute)?, &dkv], 0)?, || {
+                format!("hop {s}/{} backward", ring.size() - 1)
+            })?;
             kv = both.narrow(0, 0, 2)?.to_dtype(q.dtype())?.contiguous()?;
             dkv = both.narrow(0, 2, 2)?.contiguous()?;
         }
@@ -340,7 +381,9 @@ fn backward(
         dkv = update_rows(&dkv, 3, &p.keys, |d| d.add(&part))?;
     }
     // One more hop brings each block's summed gradient home.
-    let dkv = ring.group.ring_shift(&dkv)?.to_dtype(q.dtype())?;
+    let dkv = ring
+        .hop(&dkv, || "hop home backward (dk, dv)".to_string())?
+        .to_dtype(q.dtype())?;
     Ok((
         dq.to_dtype(q.dtype())?,
         unstack(&dkv, 0)?,

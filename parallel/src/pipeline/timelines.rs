@@ -65,7 +65,7 @@ pub struct Timelines<'a> {
 }
 
 /// The kinds of span, in the order [`gather_timelines`] numbers them.
-const SPAN_KINDS: [SpanKind; 7] = [
+const SPAN_KINDS: [SpanKind; 8] = [
     SpanKind::Forward,
     SpanKind::Backward,
     SpanKind::BackwardInput,
@@ -73,6 +73,7 @@ const SPAN_KINDS: [SpanKind; 7] = [
     SpanKind::Send,
     SpanKind::Recv,
     SpanKind::Optimizer,
+    SpanKind::Collective,
 ];
 
 /// In a job of processes: every rank sends its spans and step windows to world rank 0, which adds them to

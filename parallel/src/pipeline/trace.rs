@@ -4,7 +4,12 @@
 //! A [`Timeline`] belongs to one rank. The executor wraps every action in
 //! [`Timeline::record`] (forward, backward, send, receive) and the training loop wraps the
 //! optimizer step; the spans keep wall-clock start and end times measured from one origin that
-//! every rank of a run shares, so the ranks' spans line up.
+//! every rank of a run shares, so the ranks' spans line up. Every layout runs through the
+//! executor (one without pipelining as one stage), so every layout has timelines; the layers'
+//! own transfers (ring attention hops under context parallelism, the all-to-alls of expert
+//! parallelism) are [`SpanKind::Collective`] spans nested in the pass that made them, recorded
+//! through `meshgrad_autograd::distributed::Collectives::traced` by the groups
+//! [`crate::tp::context_parallel_traced`] and [`crate::tp::expert_parallel_traced`] build.
 //!
 //! # Chrome trace
 //!
@@ -87,6 +92,9 @@ pub enum SpanKind {
     Recv,
     /// The optimizer step (with the gradient reductions before it).
     Optimizer,
+    /// A transfer of a layer's collective inside a forward or backward (a ring attention hop,
+    /// an expert-parallel all-to-all), nested in that pass's span.
+    Collective,
 }
 
 impl SpanKind {
@@ -100,12 +108,13 @@ impl SpanKind {
             SpanKind::Send => "send",
             SpanKind::Recv => "recv",
             SpanKind::Optimizer => "optimizer",
+            SpanKind::Collective => "collective",
         }
     }
 
     /// Whether the span computes (forward, backward, optimizer) rather than waits on a transfer.
     pub fn is_compute(&self) -> bool {
-        !matches!(self, SpanKind::Send | SpanKind::Recv)
+        !matches!(self, SpanKind::Send | SpanKind::Recv | SpanKind::Collective)
     }
 
     /// Whether the span is a compute action of a schedule (forward, full backward, input or
