@@ -3,7 +3,7 @@
 //! gradients home) and that of an expert-parallel run every all-to-all, as `collective` spans
 //! inside the backward spans of the rank that made them.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

@@ -25,6 +25,7 @@ mod cli_schedule;
 mod cli_selftest;
 mod cli_tokenizer;
 mod cli_tp;
+mod cli_trace;
 mod cli_zero;
 mod module_api;
 mod reference_pipeline;
