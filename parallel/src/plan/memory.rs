@@ -58,8 +58,8 @@
 //!   output being combined (`C`), split by `tp`. ZeRO shards over `dp_shard x cp` ranks.
 //! * **Mixture of experts** (`n_experts > 0`): a block holds `n_experts` MLPs and a router
 //!   (`C x n_experts`); tensor parallelism leaves both whole on every rank (each routes the same
-//!   tokens), expert parallelism (`ep=E`) divides the experts by `E`, ZeRO shards what a rank
-//!   holds as for any parameter. Per token a block keeps, instead of one MLP's values, those of
+//!   tokens), expert parallelism (`ep=E`) divides the experts by `E`; ZeRO shards the other
+//!   parameters, the experts staying whole on their ranks with their gradients and AdamW state. Per token a block keeps, instead of one MLP's values, those of
 //!   its `k` experts with the copy each read and the output it wrote (`2 C` each), and the
 //!   router's logits and probabilities (`2 n_experts`), none split by `tp`; the all-to-alls
 //!   bring each rank as many token copies as it sends (balanced routing).
@@ -198,6 +198,11 @@ impl Params {
     /// What one rank of `tp` tensor-parallel and `ep` expert-parallel ranks holds.
     fn local(self, tp: usize, ep: usize) -> N {
         self.split.div_ceil(n(tp)) + self.replicated + self.experts.div_ceil(n(ep))
+    }
+
+    /// What one of `tp` tensor-parallel ranks holds besides the experts.
+    fn dense(self, tp: usize) -> N {
+        self.split.div_ceil(n(tp)) + self.replicated
     }
 
     fn times(self, k: N) -> Params {
@@ -548,32 +553,33 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
     let microbatches = run.microbatches.max(1);
     let ep = layout.ep();
     let local = stage.params.local(tp, ep);
-    let unit = block(shape)
-        .local(tp, ep)
-        .max(embedding(shape).local(tp, ep));
+    // ZeRO shards what is not an expert; the experts (already split `ep` ways) stay whole on
+    // their ranks with their gradients and an AdamW of their own (`ExpertDataParallel`).
+    let experts = stage.params.experts.div_ceil(n(ep));
+    let dense = stage.params.dense(tp);
+    let unit = block(shape).dense(tp).max(embedding(shape).dense(tp));
     let bytes = |x: N| x * N::of(F32);
     // Working copies: f32, or 2-byte copies beside f32 master weights (in the optimizer state).
     let half = N::of(run.precision.bytes());
     let mixed = flag(run.precision != Precision::F32);
-    let (mut params, mut grads, mut optimizer) = (
-        local * half,
-        bytes(local) + local * half,
-        bytes(local * (N::of(2) + mixed)),
-    );
+    let grads_of = |x: N| bytes(x) + x * half;
+    let optimizer_of = |x: N| bytes(x * (N::of(2) + mixed));
+    let (mut params, mut grads, mut optimizer) =
+        (local * half, grads_of(local), optimizer_of(local));
     // The context-parallel ranks hold different shards (see `LayoutMesh::shard_topology`).
     let shard = n(layout.dp_shard() * layout.cp());
     let sharded = |x: N| x.div_ceil(shard);
     match layout.zero() {
         None => {}
-        Some(ZeroStage::One) => optimizer = sharded(optimizer),
+        Some(ZeroStage::One) => optimizer = sharded(optimizer_of(dense)) + optimizer_of(experts),
         Some(ZeroStage::Two) => {
-            grads = sharded(bytes(local)) + unit * half;
-            optimizer = sharded(optimizer);
+            grads = sharded(bytes(dense)) + unit * half + grads_of(experts);
+            optimizer = sharded(optimizer_of(dense)) + optimizer_of(experts);
         }
         Some(ZeroStage::Three) => {
-            params = sharded(params) + unit * half;
-            grads = sharded(bytes(local)) + unit * half;
-            optimizer = sharded(optimizer);
+            params = sharded(dense * half) + unit * half + experts * half;
+            grads = sharded(bytes(dense)) + unit * half + grads_of(experts);
+            optimizer = sharded(optimizer_of(dense)) + optimizer_of(experts);
         }
     }
 
