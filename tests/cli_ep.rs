@@ -4,6 +4,9 @@
 //! the same for ep=2 as two processes of `meshgrad launch` over TCP; its Hugging Face folder holds the single device's weights within 1e-5 relative L2 over all
 //! parameters (every expert gathered under its full name). Bad input is refused in one line: ep
 //! that does not divide the experts or the data-parallel ranks, ep on a model without experts.
+//!
+//! Reference mode (`--reference`) under ep=2, ep=4, dp=4,ep=2, tp=2,ep=2 and pp=2,ep=2 gives
+//! one device's reference run bit for bit: every metrics value and the weights file.
 
 mod common;
 
@@ -119,6 +122,51 @@ fn mixtral_trains_in_lockstep_under_expert_parallelism() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A run's metrics lines without their timing (`tokens_per_s`): every loss, validation loss,
+/// gradient norm, auxiliary loss and expert load, as the JSON text writes them.
+fn metric_lines(dir: &Path, tag: &str) -> Vec<String> {
+    std::fs::read_to_string(dir.join(format!("{tag}.jsonl")))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v.as_object_mut().unwrap().remove("tokens_per_s");
+            v.to_string()
+        })
+        .collect()
+}
+
+#[test]
+fn mixtral_reference_runs_are_bit_identical_to_one_device_under_expert_parallelism() {
+    let dir = tmpdir("ep-reference");
+    // 8 row groups of one row: 4 per rank under ep=2, 2 under ep=4, 2 per rank and 4 per
+    // expert-parallel pair under dp=4,ep=2.
+    let reference = ["--reference", "--set", "train.row_group=1"];
+    common::assert_ok(&train(&dir, "mixtral", "single", &reference));
+    let want = metric_lines(&dir, "single");
+    assert_eq!(want.len(), 4);
+    assert!(want.iter().all(|l| l.contains("\"expert_tokens_max\"")));
+    let weights = std::fs::read(dir.join("single").join("model.safetensors")).unwrap();
+    for (tag, layout) in [
+        ("ep2", "ep=2"),
+        ("ep4", "ep=4"),
+        ("dp4ep2", "dp=4,ep=2"),
+        ("tp2ep2", "tp=2,ep=2"),
+        ("pp2ep2", "pp=2,ep=2"),
+    ] {
+        common::assert_ok(&train(
+            &dir,
+            "mixtral",
+            tag,
+            &[&reference[..], &["--layout", layout]].concat(),
+        ));
+        assert_eq!(metric_lines(&dir, tag), want, "{tag}: metrics differ");
+        let got = std::fs::read(dir.join(tag).join("model.safetensors")).unwrap();
+        assert!(got == weights, "{tag}: weights differ from one device's");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn expert_parallelism_refuses_bad_layouts_in_one_line() {
     let dir = tmpdir("ep-refusals");
@@ -139,7 +187,7 @@ fn expert_parallelism_refuses_bad_layouts_in_one_line() {
     assert_one_line_error(&o, &["expert parallelism (ep) needs a model with experts"]);
     let o = train(&dir, "gpt", "gpt", &["--layout", "ep=2"]);
     assert_one_line_error(&o, &["expert parallelism (ep) needs a model with experts"]);
-    // Not supported yet: sequence parallelism, reference mode, periodic checkpoints.
+    // Not supported yet: sequence parallelism, periodic checkpoints.
     let o = train(
         &dir,
         "mixtral",
@@ -147,8 +195,18 @@ fn expert_parallelism_refuses_bad_layouts_in_one_line() {
         &["--layout", "tp=2", "--sequence-parallel"],
     );
     assert_one_line_error(&o, &["sequence parallelism", "mixture of experts"]);
-    let o = train(&dir, "mixtral", "ref", &["--layout", "ep=2", "--reference"]);
-    assert_one_line_error(&o, &["do not support expert parallelism (ep) yet"]);
+    // Reference mode needs each expert-parallel group's row groups to form a subtree.
+    let o = train(
+        &dir,
+        "mixtral",
+        "ref",
+        &["--layout", "dp=6,ep=3", "--reference"]
+            .iter()
+            .chain(&["--set", "train.batch_size=12", "--set", "model.n_experts=3"])
+            .copied()
+            .collect::<Vec<_>>(),
+    );
+    assert_one_line_error(&o, &["ep = 3", "must be a power of two"]);
     let o = train(
         &dir,
         "mixtral",
