@@ -1,12 +1,14 @@
 //! `meshgrad train --layout` with expert parallelism: a tiny Mixtral-style Llama (4 experts, top
-//! 2) under ep=2, ep=4, dp=4,ep=2, pp=2,ep=2, tp=2 and tp=2,ep=2 gives the single-device losses on the same global batch
+//! 2) under ep=2, ep=4, dp=4,ep=2, fsdp=4,ep=2, hsdp=2x2,ep=2, zero1=4,ep=2, pp=2,ep=2, tp=2
+//! and tp=2,ep=2 gives the single-device losses on the same global batch
 //! (within 1e-5 relative, train and validation; gradient norms within 1e-4) for 4 steps, and
 //! the same for ep=2 as two processes of `meshgrad launch` over TCP; its Hugging Face folder holds the single device's weights within 1e-5 relative L2 over all
 //! parameters (every expert gathered under its full name). Bad input is refused in one line: ep
 //! that does not divide the experts or the data-parallel ranks, ep on a model without experts.
 //!
-//! Reference mode (`--reference`) under ep=2, ep=4, dp=4,ep=2, tp=2,ep=2 and pp=2,ep=2 gives
-//! one device's reference run bit for bit: every metrics value and the weights file.
+//! Reference mode (`--reference`) under ep=2, ep=4, dp=4,ep=2, fsdp=4,ep=2, hsdp=2x2,ep=2,
+//! tp=2,ep=2 and pp=2,ep=2 gives one device's reference run bit for bit: every metrics value
+//! and the weights file.
 
 mod common;
 
@@ -115,6 +117,17 @@ fn mixtral_trains_in_lockstep_under_expert_parallelism() {
     // Tensor parallelism splits the attention; the mixtures of experts stay whole on both
     // tensor-parallel ranks (routing the same tokens), alone and with ep=2 (4 ranks).
     assert_lockstep_layouts(&dir, &[("tp2", "tp=2"), ("tp2ep2", "tp=2,ep=2")], &[]);
+    // Sharded data parallelism: the other parameters sharded over the 4 ranks (ZeRO-3,
+    // hybrid, ZeRO-1), each expert whole on the 2 ranks that hold it.
+    assert_lockstep_layouts(
+        &dir,
+        &[
+            ("fsdp4ep2", "fsdp=4,ep=2"),
+            ("hsdp2x2ep2", "hsdp=2x2,ep=2"),
+            ("zero1ep2", "zero1=4,ep=2"),
+        ],
+        &[],
+    );
     // Two pipeline stages, each with its expert-parallel pair, two microbatches per rank.
     assert_lockstep_layouts(&dir, &[("pp2ep2", "pp=2,ep=2")], &["--microbatches", "2"]);
     // Two processes over TCP (`meshgrad launch`): the all-to-alls over sockets.
@@ -151,6 +164,8 @@ fn mixtral_reference_runs_are_bit_identical_to_one_device_under_expert_paralleli
         ("ep2", "ep=2"),
         ("ep4", "ep=4"),
         ("dp4ep2", "dp=4,ep=2"),
+        ("fsdp4ep2", "fsdp=4,ep=2"),
+        ("hsdp2x2ep2", "hsdp=2x2,ep=2"),
         ("tp2ep2", "tp=2,ep=2"),
         ("pp2ep2", "pp=2,ep=2"),
     ] {
