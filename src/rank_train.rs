@@ -323,7 +323,8 @@ fn rank_main<R: Recipe>(
     let module = Chunks(&chunks);
     let (mut opt, lr_schedule) = optimizer_and_schedule(cfg, &module)?;
     let wrapper = DataParallel::for_layout(mesh, &module, &opt)?;
-    // A stage holds part of the model: it loads the tensors it has.
+    // A stage, or an expert-parallel rank, holds part of the model: it loads the tensors it
+    // has (a checkpoint holds every expert under its global name).
     let (start, saver) = crate::run_checkpoint::begin_rank(
         cfg,
         opts,
@@ -332,7 +333,7 @@ fn rank_main<R: Recipe>(
         &module,
         &mut opt,
         wrapper.sharded(),
-        world_pp > 1,
+        world_pp > 1 || ep.is_some(),
     )?;
     let start_step = start.step;
     let hook = saver.hook(wrapper.sharded());
