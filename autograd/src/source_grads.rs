@@ -23,10 +23,11 @@
 //! a.add(&b)?.sum_all()?.backward()?;
 //! assert!(w.grad().is_none());
 //! let got = source_grads::take(&[w.id()]);
-//! let by_source: Vec<(usize, f32)> = got
+//! let mut by_source: Vec<(usize, f32)> = got
 //!     .iter()
 //!     .map(|g| (g.source, g.grad.to_vec::<f32>().unwrap()[0]))
 //!     .collect();
+//! by_source.sort_by_key(|x| x.0); // deposited in backward order
 //! assert_eq!(by_source, vec![(0, 3.0), (1, 5.0)]);
 //! drop(guard);
 //! # Ok::<(), meshgrad_tensor::Error>(())
