@@ -21,7 +21,7 @@
 //!   batch) before its backward, and each chunk's gradients of a microbatch are taken out of
 //!   `.grad` as soon as they are complete (after its backward, or the zero-bubble schedule's
 //!   weight pass; [`ExecuteOptions::on_grads`]) and added over the row groups' aligned binary tree
-//!   (`GradTree`), whatever order the schedule finishes them in;
+//!   (`RowGroupTrees`), whatever order the schedule finishes them in;
 //! * the tied table: one device adds the head's and the embedding's gradient of a row group once,
 //!   elementwise, before the tree; so the last stage sends its per-microbatch head gradients to
 //!   the first stage, which adds each pair, sums the tree and sends the sum back
@@ -47,7 +47,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use meshgrad_autograd::Var;
+use meshgrad_autograd::{source_grads, Var};
 use meshgrad_nn::module::Child;
 use meshgrad_nn::tp::full_state_dict;
 use meshgrad_nn::{InitialValues, ModelStage, Module};
@@ -75,7 +75,7 @@ use crate::reference::row_groups;
 use crate::run_setup::{optimizer_and_schedule, TrainOptions, TrainSummary, Verbosity};
 use crate::step_loop::{drive_loop, GradSync, Reporter, RunControl, StepShare};
 use meshgrad_nn::moe::collect_expert_load;
-use meshgrad_parallel::grad_tree::{take_grads, GradTree};
+use meshgrad_parallel::grad_tree::{take_grads, RowGroupTrees};
 
 /// A rank's chunks as one module (for the optimizer and the data-parallel wrapper): their
 /// parameters under their global names.
@@ -311,7 +311,7 @@ fn rank_main<R: Recipe>(
     let order = cp.as_ref().map(|cp| cp.order());
     let ep = mesh
         .ep_group()
-        .map(|g| expert_parallel_traced(g, traced.clone()));
+        .map(|g| expert_parallel_traced(g, traced.clone()).with_reference(cfg.train.reference));
     let own_chunks = |b: <R::Stage as ModelStage>::Batch| match &order {
         Some(o) => recipe.context_chunks(b, o),
         None => Ok(b),
@@ -335,7 +335,8 @@ fn rank_main<R: Recipe>(
     let module = Chunks(&chunks);
     let (mut opt, lr_schedule) = optimizer_and_schedule(cfg, &module)?;
     let wrapper = DataParallel::for_layout(mesh, &module, &opt)?;
-    // A stage holds part of the model: it loads the tensors it has.
+    // A stage, or an expert-parallel rank, holds part of the model: it loads the tensors it
+    // has (a checkpoint holds every expert under its global name).
     let (start, saver) = crate::run_checkpoint::begin_rank(
         cfg,
         opts,
@@ -344,7 +345,7 @@ fn rank_main<R: Recipe>(
         &module,
         &mut opt,
         wrapper.sharded(),
-        world_pp > 1,
+        world_pp > 1 || ep.is_some(),
     )?;
     let start_step = start.step;
     let hook = saver.hook(wrapper.sharded());
@@ -375,7 +376,8 @@ fn rank_main<R: Recipe>(
     } else {
         0.0
     };
-    let reference = cfg.train.reference.then(|| ReferenceChunks::new(&chunks));
+    let sources = ep.as_ref().map_or(1, |e| e.degree());
+    let reference = (cfg.train.reference).then(|| ReferenceChunks::new(&chunks, sources));
     let total_groups = cfg.train.batch_size / cfg.train.row_group;
     // f16: the dynamic loss scale (continued from a resumed checkpoint's).
     let scaler = crate::run_setup::run_loss_scaler(cfg, start.loss_scaler.as_ref())?;
@@ -536,10 +538,13 @@ struct ReferenceChunks {
     /// [`ModelStage::tied_parameters`] order, and whether the chunk is virtual stage 0 (the
     /// embedding's copy; else the head's). Empty for a chunk that holds no copy or both uses.
     tied: Vec<(Vec<usize>, bool)>,
+    /// The ranks whose row groups a parameter's set-aside gradients come from (the
+    /// expert-parallel degree; 1 without).
+    sources: usize,
 }
 
 impl ReferenceChunks {
-    fn new<S: ModelStage>(chunks: &[S]) -> Self {
+    fn new<S: ModelStage>(chunks: &[S], sources: usize) -> Self {
         let mut params = Vec::with_capacity(chunks.len());
         let mut tied = Vec::with_capacity(chunks.len());
         for c in chunks {
@@ -557,14 +562,19 @@ impl ReferenceChunks {
             tied.push((pos, spec.embedding));
             params.push(named.into_iter().map(|(_, p)| p).collect());
         }
-        ReferenceChunks { params, tied }
+        ReferenceChunks {
+            params,
+            tied,
+            sources,
+        }
     }
 
     /// One step's schedule in reference mode, one microbatch per row group of this
     /// data-parallel rank: each microbatch's loss is multiplied by `loss_scale` (the task's
     /// [`Recipe::reference_loss_scale`]), each chunk's per-microbatch gradients are taken out of `.grad`
     /// as soon as they are complete and added over the aligned binary tree of the row groups
-    /// ([`GradTree`], in whatever order the schedule finishes them), the tied table's two copies
+    /// ([`RowGroupTrees`], in whatever order the schedule finishes them; an expert's
+    /// per-source gradients at their sources' leaves), the tied table's two copies
     /// per microbatch first ([`PipelineGrads::reduce_tied_grads_by_microbatch`]). Leaves the
     /// tree sums in `.grad` and returns the tree sum of the row groups' losses on every
     /// pipeline rank.
@@ -581,7 +591,9 @@ impl ReferenceChunks {
         timeline: &Timeline,
     ) -> Result<f64> {
         let m = mbs.len();
-        let mut trees: Vec<GradTree> = (0..chunks.len()).map(|_| GradTree::new(m)).collect();
+        let mut trees: Vec<RowGroupTrees> = (self.params.iter())
+            .map(|p| RowGroupTrees::new(p.clone(), m, self.sources))
+            .collect();
         let mut first: Vec<Vec<Option<Tensor>>> = vec![Vec::new(); m];
         let mut last: Vec<Vec<Option<Tensor>>> = vec![Vec::new(); m];
         let mut on_grads = |mb: usize, c: usize| -> meshgrad_tensor::Result<()> {
@@ -599,6 +611,8 @@ impl ReferenceChunks {
                 .push(mb, g)
                 .map_err(|e| meshgrad_tensor::Error::msg(format!("{e:#}")))
         };
+        // Expert parallelism sets its experts' per-source gradients aside for the trees.
+        let collecting = source_grads::collect();
         let losses = execute_with(
             chunks,
             schedule,
@@ -612,10 +626,9 @@ impl ReferenceChunks {
                 before_grads: None,
             },
         )?;
-        for (tree, params) in trees.into_iter().zip(&self.params) {
-            for (p, g) in params.iter().zip(tree.finish()?) {
-                p.set_grad(g);
-            }
+        drop(collecting);
+        for tree in trees {
+            tree.finish()?;
         }
         // On a rank without a copy, every microbatch's list is empty (as many as its copies).
         grads.reduce_tied_grads_by_microbatch(&first, &last)?;

@@ -29,6 +29,11 @@
 //!   column-parallel input gradients, the vocabulary-parallel softmax, parameter gradients over
 //!   sequence-parallel positions) is a tree over a chunk count of the model's, on one device as
 //!   on `tp` ranks ([`crate::reference_tp`], [`meshgrad_nn::tp::reference`]).
+//! * **Expert parallelism.** An expert meets the token copies of its group's ranks in one pass;
+//!   each source rank's copies run through it apart and their gradients are set aside per
+//!   source ([`meshgrad_nn::moe::ExpertParallel`]), then added at their row groups' leaves of
+//!   the tree over the group's row groups
+//!   ([`RowGroupTrees`](meshgrad_parallel::grad_tree::RowGroupTrees)).
 //!
 //! What is not covered yet is refused in one line before the run ([`check_reference`]).
 
@@ -88,6 +93,16 @@ pub(crate) fn check_reference(cfg: &TrainConfig, layout: Option<&ParallelLayout>
             "reference mode: the data-parallel degree {dp} (layout {layout}) must split the \
              {groups} row groups (batch {b} / row group {r}) into a power of two per rank, so \
              that each rank owns a whole subtree of the row groups' sum"
+        );
+    }
+    // An expert-parallel group's E consecutive ranks must own a subtree too: their experts' tree
+    // adds the row groups of all of them (see meshgrad_parallel::grad_tree::RowGroupTrees).
+    let ep = layout.ep();
+    if ep > 1 && !(ep.is_power_of_two() || ep == dp) {
+        anyhow::bail!(
+            "reference mode: ep = {ep} (layout {layout}) must be a power of two or the \
+             data-parallel degree {dp}, so that each expert-parallel group's row groups are a \
+             subtree of the row groups' sum"
         );
     }
     Ok(())

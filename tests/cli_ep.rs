@@ -1,9 +1,15 @@
 //! `meshgrad train --layout` with expert parallelism: a tiny Mixtral-style Llama (4 experts, top
-//! 2) under ep=2, ep=4, dp=4,ep=2, pp=2,ep=2, tp=2 and tp=2,ep=2 gives the single-device losses on the same global batch
+//! 2) under ep=2, ep=4, dp=4,ep=2, fsdp=4,ep=2, hsdp=2x2,ep=2, zero1=4,ep=2, pp=2,ep=2, tp=2
+//! and tp=2,ep=2 gives the single-device losses on the same global batch
 //! (within 1e-5 relative, train and validation; gradient norms within 1e-4) for 4 steps, and
 //! the same for ep=2 as two processes of `meshgrad launch` over TCP; its Hugging Face folder holds the single device's weights within 1e-5 relative L2 over all
 //! parameters (every expert gathered under its full name). Bad input is refused in one line: ep
 //! that does not divide the experts or the data-parallel ranks, ep on a model without experts.
+//!
+//! Reference mode (`--reference`) under ep=2, ep=4, dp=4,ep=2, fsdp=4,ep=2, hsdp=2x2,ep=2,
+//! tp=2,ep=2 and pp=2,ep=2 gives one device's reference run bit for bit: every metrics value
+//! and the weights file; and a checkpoint moves between one device and ep=2 / ep=4 / dp=4,ep=2
+//! with the resumed run continuing the uninterrupted one bit for bit.
 
 use crate::common;
 
@@ -112,10 +118,112 @@ fn mixtral_trains_in_lockstep_under_expert_parallelism() {
     // Tensor parallelism splits the attention; the mixtures of experts stay whole on both
     // tensor-parallel ranks (routing the same tokens), alone and with ep=2 (4 ranks).
     assert_lockstep_layouts(&dir, &[("tp2", "tp=2"), ("tp2ep2", "tp=2,ep=2")], &[]);
+    // Sharded data parallelism: the other parameters sharded over the 4 ranks (ZeRO-3,
+    // hybrid, ZeRO-1), each expert whole on the 2 ranks that hold it.
+    assert_lockstep_layouts(
+        &dir,
+        &[
+            ("fsdp4ep2", "fsdp=4,ep=2"),
+            ("hsdp2x2ep2", "hsdp=2x2,ep=2"),
+            ("zero1ep2", "zero1=4,ep=2"),
+        ],
+        &[],
+    );
     // Two pipeline stages, each with its expert-parallel pair, two microbatches per rank.
     assert_lockstep_layouts(&dir, &[("pp2ep2", "pp=2,ep=2")], &["--microbatches", "2"]);
     // Two processes over TCP (`meshgrad launch`): the all-to-alls over sockets.
     assert_lockstep_on(&dir, &[("ep2tcp", "ep=2")], Some(2), &[]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A run's metrics lines without their timing (`tokens_per_s`): every loss, validation loss,
+/// gradient norm, auxiliary loss and expert load, as the JSON text writes them.
+fn metric_lines(dir: &Path, tag: &str) -> Vec<String> {
+    std::fs::read_to_string(dir.join(format!("{tag}.jsonl")))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v.as_object_mut().unwrap().remove("tokens_per_s");
+            v.to_string()
+        })
+        .collect()
+}
+
+#[test]
+fn mixtral_reference_runs_are_bit_identical_to_one_device_under_expert_parallelism() {
+    let dir = tmpdir("ep-reference");
+    // 8 row groups of one row: 4 per rank under ep=2, 2 under ep=4, 2 per rank and 4 per
+    // expert-parallel pair under dp=4,ep=2.
+    let reference = ["--reference", "--set", "train.row_group=1"];
+    common::assert_ok(&train(&dir, "mixtral", "single", &reference));
+    let want = metric_lines(&dir, "single");
+    assert_eq!(want.len(), 4);
+    assert!(want.iter().all(|l| l.contains("\"expert_tokens_max\"")));
+    let weights = std::fs::read(dir.join("single").join("model.safetensors")).unwrap();
+    for (tag, layout) in [
+        ("ep2", "ep=2"),
+        ("ep4", "ep=4"),
+        ("dp4ep2", "dp=4,ep=2"),
+        ("fsdp4ep2", "fsdp=4,ep=2"),
+        ("hsdp2x2ep2", "hsdp=2x2,ep=2"),
+        ("tp2ep2", "tp=2,ep=2"),
+        ("pp2ep2", "pp=2,ep=2"),
+    ] {
+        common::assert_ok(&train(
+            &dir,
+            "mixtral",
+            tag,
+            &[&reference[..], &["--layout", layout]].concat(),
+        ));
+        assert_eq!(metric_lines(&dir, tag), want, "{tag}: metrics differ");
+        let got = std::fs::read(dir.join(tag).join("model.safetensors")).unwrap();
+        assert!(got == weights, "{tag}: weights differ from one device's");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn checkpoints_move_between_one_device_and_expert_parallelism() {
+    let dir = tmpdir("ep-resume");
+    // Reference mode: a resumed run must continue the uninterrupted one bit for bit.
+    let reference = ["--reference", "--set", "train.row_group=1"];
+    let go = |tag: &str, extra: &[&str]| {
+        common::assert_ok(&train(
+            &dir,
+            "mixtral",
+            tag,
+            &[&reference[..], extra].concat(),
+        ))
+    };
+    go("single", &[]);
+    go("saved_ep2", &["--layout", "ep=2", "--save-every", "2"]);
+    go("saved_single", &["--save-every", "2"]);
+    let step2 = |tag: &str| {
+        let ck = dir.join(tag).join("checkpoints").join("step-000002");
+        ck.to_str().unwrap().to_string()
+    };
+    // Every expert is saved under its global name: ep=2's checkpoint resumes on one device,
+    // and one device's under ep=4 and dp=4,ep=2.
+    go("ep2_to_single", &["--resume", &step2("saved_ep2")]);
+    go(
+        "single_to_ep4",
+        &["--layout", "ep=4", "--resume", &step2("saved_single")],
+    );
+    go(
+        "ep2_to_dp4ep2",
+        &["--layout", "dp=4,ep=2", "--resume", &step2("saved_ep2")],
+    );
+    let want = metric_lines(&dir, "single");
+    let weights = |tag: &str| std::fs::read(dir.join(tag).join("model.safetensors")).unwrap();
+    for tag in ["ep2_to_single", "single_to_ep4", "ep2_to_dp4ep2"] {
+        assert_eq!(
+            metric_lines(&dir, tag),
+            want[2..],
+            "{tag}: steps 3 and 4 differ"
+        );
+        assert!(weights(tag) == weights("single"), "{tag}: weights differ");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -139,7 +247,7 @@ fn expert_parallelism_refuses_bad_layouts_in_one_line() {
     assert_one_line_error(&o, &["expert parallelism (ep) needs a model with experts"]);
     let o = train(&dir, "gpt", "gpt", &["--layout", "ep=2"]);
     assert_one_line_error(&o, &["expert parallelism (ep) needs a model with experts"]);
-    // Not supported yet: sequence parallelism, reference mode, periodic checkpoints.
+    // Not supported yet: sequence parallelism, checkpoints of ep with a sharding entry.
     let o = train(
         &dir,
         "mixtral",
@@ -147,14 +255,27 @@ fn expert_parallelism_refuses_bad_layouts_in_one_line() {
         &["--layout", "tp=2", "--sequence-parallel"],
     );
     assert_one_line_error(&o, &["sequence parallelism", "mixture of experts"]);
-    let o = train(&dir, "mixtral", "ref", &["--layout", "ep=2", "--reference"]);
-    assert_one_line_error(&o, &["do not support expert parallelism (ep) yet"]);
+    // Reference mode needs each expert-parallel group's row groups to form a subtree.
+    let o = train(
+        &dir,
+        "mixtral",
+        "ref",
+        &["--layout", "dp=6,ep=3", "--reference"]
+            .iter()
+            .chain(&["--set", "train.batch_size=12", "--set", "model.n_experts=3"])
+            .copied()
+            .collect::<Vec<_>>(),
+    );
+    assert_one_line_error(&o, &["ep = 3", "must be a power of two"]);
     let o = train(
         &dir,
         "mixtral",
         "save",
-        &["--layout", "ep=2", "--save-every", "2"],
+        &["--layout", "fsdp=4,ep=2", "--save-every", "2"],
     );
-    assert_one_line_error(&o, &["do not support expert parallelism (ep) yet"]);
+    assert_one_line_error(
+        &o,
+        &["do not support expert parallelism (ep) with fsdp yet"],
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

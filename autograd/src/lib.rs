@@ -56,6 +56,7 @@ mod function;
 mod grad_mode;
 mod gradcheck;
 mod ops;
+pub mod source_grads;
 mod var;
 
 pub use checkpoint::{checkpoint, BlockFn};

@@ -3,10 +3,16 @@
 //! layout add the same numbers in the same order (the data-parallel group then adds the ranks'
 //! subtrees in the same tree: [`TreeReduce`](crate::comm::TreeReduce)). `meshgrad train
 //! --reference` builds on it.
+//!
+//! A layer may compute, in one pass, a parameter's gradient contributions from the row groups of
+//! several ranks (an expert under expert parallelism meets the token copies of every rank of its
+//! group). It sets them aside per source rank ([`meshgrad_autograd::source_grads`]), and
+//! [`RowGroupTrees`] adds them over the tree of the row groups of those ranks, each contribution
+//! at its own row group's leaf: the leaves one device computes.
 
 use std::ops::Range;
 
-use meshgrad_autograd::Var;
+use meshgrad_autograd::{source_grads, Var};
 use meshgrad_tensor::tree_sum::{tree_split, tree_sum_f64};
 use meshgrad_tensor::{bail, Result, Tensor};
 
@@ -116,6 +122,78 @@ impl GradTree {
             );
         }
         Ok(self.pending.pop().expect("one node").1)
+    }
+}
+
+/// One step's gradient trees for one model chunk's parameters in reference mode (see the [module
+/// docs](self)). Over `m` microbatches (this rank's row groups), whose gradients in `.grad` are
+/// leaves `0..m` of the rank's tree; and over the row groups of `sources` consecutive
+/// data-parallel ranks (this one among them) for gradients set aside per source rank while
+/// [`source_grads::collect`] runs: source `s`'s contribution in microbatch `mb` is leaf
+/// `s * m + mb` of a tree over `sources * m` leaves, the subtree of those ranks' row groups
+/// (which the ranks holding the same parameter then add in the data-parallel tree).
+pub struct RowGroupTrees {
+    params: Vec<Var>,
+    m: usize,
+    sources: usize,
+    own: GradTree,
+    spread: GradTree,
+}
+
+impl RowGroupTrees {
+    /// Trees for `params` over `m` microbatches, with `sources` source ranks (1: none but this
+    /// one).
+    pub fn new(params: Vec<Var>, m: usize, sources: usize) -> Self {
+        let sources = sources.max(1);
+        RowGroupTrees {
+            params,
+            m,
+            sources,
+            own: GradTree::new(m),
+            spread: GradTree::new(sources * m),
+        }
+    }
+
+    /// Microbatch `mb`'s gradients once its backward is complete: `own` (per parameter, taken
+    /// out of `.grad`), and what was set aside for these parameters since the last call.
+    pub fn push(&mut self, mb: usize, own: Vec<Option<Tensor>>) -> Result<()> {
+        let ids: Vec<_> = self.params.iter().map(Var::id).collect();
+        let mut by_source: Vec<Vec<Option<Tensor>>> = vec![vec![None; ids.len()]; self.sources];
+        for g in source_grads::take(&ids) {
+            let pos = ids
+                .iter()
+                .position(|&i| i == g.param)
+                .expect("taken for these ids");
+            if g.source >= self.sources {
+                bail!(
+                    "reference mode: internal error: a gradient set aside for source {} of {}",
+                    g.source,
+                    self.sources
+                );
+            }
+            by_source[g.source][pos] = Some(g.grad);
+        }
+        self.own.push(mb, own)?;
+        for (s, grads) in by_source.into_iter().enumerate() {
+            self.spread.push(s * self.m + mb, grads)?;
+        }
+        Ok(())
+    }
+
+    /// Every microbatch pushed: leaves the tree sums in the parameters' `.grad`.
+    pub fn finish(self) -> Result<()> {
+        let own = self.own.finish()?;
+        let spread = self.spread.finish()?;
+        for ((p, a), b) in self.params.iter().zip(own).zip(spread) {
+            if a.is_some() && b.is_some() {
+                bail!(
+                    "reference mode: internal error: a parameter has both its own and set-aside \
+                     gradients"
+                );
+            }
+            p.set_grad(a.or(b));
+        }
+        Ok(())
     }
 }
 

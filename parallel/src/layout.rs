@@ -26,7 +26,9 @@
 //! of E consecutive ones (torchtitan's rule), each holding every expert once; the ranks that
 //! hold the same experts average their gradients (see [`LayoutMesh::ep_group`]). Without a
 //! `dp`, sharding or `hsdp` entry the data-parallel degree is E (`ep=2` is `dp=2,ep=2`). `ep`
-//! composes today with `dp`, `tp` and `pp` (a sharding entry is refused in one line).
+//! composes with `dp`, the sharding entries, `hsdp`, `tp` and `pp`; under a sharding entry the
+//! experts stay whole on their ranks (already split E ways) while the other parameters are
+//! sharded ([`crate::ExpertDataParallel`]).
 //!
 //! The ranks form a [`crate::DeviceMesh`] with dimensions `["pp", "dp_replicate", "dp_shard",
 //! "cp", "tp"]` (torchtitan's order; every one present, possibly of size 1; `tp` fastest, so
@@ -180,19 +182,13 @@ impl ParallelLayout {
 
     /// This layout with expert-parallel degree `ep` (at least 1; see the [module docs](self)),
     /// which must divide the data-parallel (times context-parallel) ranks. Composes with `dp`,
-    /// `cp`, `tp` and `pp` (the expert-parallel groups are data-parallel ranks of one
-    /// tensor-parallel coordinate); a ZeRO stage is refused in one line.
+    /// the ZeRO stages, `fsdp`, `hsdp`, `cp`, `tp` and `pp` (the expert-parallel groups are
+    /// data-parallel ranks of one tensor-parallel coordinate).
     pub fn with_ep(self, ep: usize) -> Result<Self> {
         if ep == 0 {
             meshgrad_tensor::bail!("parallel layout: the ep degree must be at least 1");
         }
         if ep > 1 {
-            if let Some(z) = self.zero {
-                meshgrad_tensor::bail!(
-                    "parallel layout: ep does not compose with {} yet (ep runs with dp, tp and pp)",
-                    z.key()
-                );
-            }
             let ranks = self.data_parallel_degree() * self.cp;
             if !ranks.is_multiple_of(ep) {
                 meshgrad_tensor::bail!(
@@ -640,7 +636,10 @@ mod tests {
                 "dp=3,ep=2",
                 &["ep = 2 does not divide the 3 data-parallel ranks"][..],
             ),
-            ("ep=2,fsdp=2", &["ep does not compose with fsdp yet"][..]),
+            (
+                "ep=2,fsdp=3",
+                &["ep = 2 does not divide the 3 data-parallel ranks"][..],
+            ),
         ] {
             let e = p(s).unwrap_err().to_string();
             for n in needles {

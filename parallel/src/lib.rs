@@ -41,6 +41,7 @@ pub mod checkpoint;
 pub mod comm;
 pub mod compare;
 pub mod ddp;
+pub mod expert_dp;
 pub mod grad_tree;
 pub mod launch;
 pub mod layout;
@@ -60,9 +61,10 @@ pub use comm::{
     ReduceOp, RunOptions, Work,
 };
 pub use ddp::{Ddp, DdpConfig};
+pub use expert_dp::ExpertDataParallel;
 pub use layout::{ParallelLayout, ZeroStage};
 pub use layout_mesh::LayoutMesh;
 pub use mesh::DeviceMesh;
 pub use sampler::{micro_rows, rank_rows};
-pub use strategy::{DataParallel, ExpertDataParallel, ScaledStep};
+pub use strategy::{DataParallel, ScaledStep};
 pub use zero::{ShardConfig, ShardTopology, ShardedDataParallel};

@@ -95,6 +95,15 @@ impl MemoryStrategy {
     /// A layout spec as `--layout` takes it (`dp=4`, `fsdp=2,tp=2`, ...).
     pub fn new(spec: &str, sequence_parallel: bool) -> Result<Self> {
         let layout: ParallelLayout = spec.parse()?;
+        if layout.ep() > 1 {
+            if let Some(z) = layout.zero() {
+                meshgrad_tensor::bail!(
+                    "memory report: layout {layout}: ep with {} is not covered yet (ep with dp, \
+                     tp or pp is)",
+                    z.key()
+                );
+            }
+        }
         Ok(MemoryStrategy {
             layout,
             sequence_parallel,

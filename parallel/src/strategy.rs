@@ -4,9 +4,9 @@
 //! * one data-parallel rank (one device, `tp=T`, `pp=P`): nothing; the gradients are whole;
 //! * `dp=N` (nothing sharded): [`Ddp`] over the mesh's data-parallel group, its bucketed
 //!   all-reduces launched during the backward of the step's last microbatch;
-//! * `dp=N,ep=E`: [`ExpertDataParallel`]: [`Ddp`] over the data-parallel group for every
-//!   parameter but the experts, and over the ranks holding the same experts for those (see its
-//!   docs for the scaling);
+//! * `ep=E` (with `dp`, `zero1/2`, `fsdp` or `hsdp`): [`ExpertDataParallel`]: the layout's
+//!   wrapper for every parameter but the experts, and [`Ddp`] over the ranks holding the same
+//!   experts for those (see [`crate::expert_dp`]);
 //! * `zero1/2=N`, `fsdp=N`, `hsdp=RxS`, `dp=R,zero1=S`, ...: [`ShardedDataParallel`] over the
 //!   mesh's shard topology, which also owns the optimizer state (its shard of it) and steps.
 //!
@@ -19,15 +19,13 @@
 //! shard of it (the wrapper is itself an [`Optimizer`], so a loop of one's own can hold it
 //! where it holds an optimizer).
 
-use std::sync::Arc;
-
-use meshgrad_autograd::{no_grad, Var};
 use meshgrad_nn::optim::{clip_grads_with_norm, AdamW, Optimizer};
 use meshgrad_nn::Module;
 use meshgrad_tensor::Result;
 
-use crate::comm::{all_reduce_scalar, Communicator};
-use crate::pipeline::{ApartParams, PipelineGrads};
+use crate::comm::all_reduce_scalar;
+use crate::expert_dp::ExpertDataParallel;
+use crate::pipeline::PipelineGrads;
 use crate::ReduceOp;
 
 use crate::zero::{ShardConfig, ShardedDataParallel};
@@ -45,101 +43,12 @@ pub enum DataParallel {
     Experts(Box<ExpertDataParallel>),
 }
 
-/// Data parallelism under expert parallelism (`ep=E` over `D` data-parallel ranks): [`Ddp`] over
-/// the data-parallel group for the parameters every rank holds, and for the experts [`Ddp`] over
-/// the `D / E` ranks that hold the same experts ([`LayoutMesh::expert_replica_group`]), then a
-/// factor `1 / E`. The scaling: the loss is averaged over the `D` ranks, and an expert's
-/// gradient on a rank already sums the contributions of the tokens of its `E` expert-parallel
-/// ranks (the all-to-all's backward brings them), so summing over the `D / E` replicas and
-/// dividing by `D` (their average times `1 / E`) gives one device's gradient. The gradient norm
-/// sums the experts' squares over the expert-parallel group ([`ApartParams`]).
-pub struct ExpertDataParallel {
-    dense: Ddp,
-    experts: Option<Ddp>,
-    params: Vec<Var>,
-    ep: Arc<dyn Communicator>,
-    /// What the experts' averaged gradients are multiplied by (see [`ExpertDataParallel::new`]).
-    factor: f64,
-}
-
 /// DDP for parameters a step may leave without a gradient on every rank (a mixture of experts'
 /// experts that no token reached): they keep none, so the optimizer skips them as on one device.
-fn sometimes_unused() -> DdpConfig {
+pub(crate) fn sometimes_unused() -> DdpConfig {
     DdpConfig {
         find_unused_parameters: true,
         ..DdpConfig::default()
-    }
-}
-
-impl ExpertDataParallel {
-    /// The wrapper of `module` on this rank of `mesh` (which has expert parallelism), the
-    /// parameters named `experts` reduced apart. The experts' factor after their replicas'
-    /// average is `1 / E`, or 1 when the mesh's averages add without dividing (reference mode:
-    /// the replicas' sum is then the sum over all ranks, as the other parameters'); it is
-    /// measured with one scalar average over each group.
-    pub fn new(mesh: &LayoutMesh, module: &dyn Module, experts: &[String]) -> Result<Self> {
-        let (Some(ep), Some(replicas)) = (mesh.ep_group(), mesh.expert_replica_group()) else {
-            meshgrad_tensor::bail!(
-                "expert data parallelism: layout {} has no expert-parallel group",
-                mesh.layout()
-            );
-        };
-        let (mine, dense): (Vec<_>, Vec<_>) = module
-            .named_parameters()
-            .into_iter()
-            .partition(|(n, _)| experts.contains(n));
-        let params = mine.iter().map(|(_, v)| v.clone()).collect();
-        // The factor after the replicas' average: `1 / E` where an average divides; where it
-        // adds without dividing (reference mode's tree sums) the replicas' sum is already the
-        // sum over all ranks, and the factor is 1. Measured on the groups themselves.
-        let avg_of_one = |g: &dyn Communicator| all_reduce_scalar(g, 1.0, ReduceOp::Avg);
-        let factor = avg_of_one(mesh.dp_group().as_ref())?
-            / (avg_of_one(replicas.as_ref())? * ep.world_size() as f64);
-        let experts = if replicas.world_size() > 1 {
-            Some(Ddp::new(mine, replicas, sometimes_unused())?)
-        } else {
-            None
-        };
-        Ok(ExpertDataParallel {
-            dense: Ddp::new(dense, mesh.dp_group(), DdpConfig::default())?,
-            experts,
-            params,
-            factor,
-            ep,
-        })
-    }
-
-    fn set_sync(&self, on: bool) {
-        self.dense.set_sync(on);
-        if let Some(e) = &self.experts {
-            e.set_sync(on);
-        }
-    }
-
-    fn finish(&self) -> Result<()> {
-        self.dense.finish()?;
-        if let Some(e) = &self.experts {
-            e.finish()?;
-        }
-        let f = self.factor;
-        if f == 1.0 {
-            return Ok(());
-        }
-        no_grad(|| {
-            for p in &self.params {
-                if let Some(g) = p.grad() {
-                    g.copy_from(&g.mul_scalar(f)?)?;
-                }
-            }
-            Ok(())
-        })
-    }
-
-    fn apart(&self) -> ApartParams<'_> {
-        ApartParams {
-            params: &self.params,
-            group: self.ep.as_ref(),
-        }
     }
 }
 
@@ -158,7 +67,7 @@ impl DataParallel {
                 );
             }
             return Ok(DataParallel::Experts(Box::new(ExpertDataParallel::new(
-                mesh, module, &experts,
+                mesh, module, &experts, opt,
             )?)));
         }
         Ok(match mesh.layout().zero() {
@@ -198,6 +107,7 @@ impl DataParallel {
     pub fn zero_grad(&self, opt: &AdamW) {
         match self {
             DataParallel::Sharded(sdp) => sdp.zero_grad(),
+            DataParallel::Experts(e) => e.zero_grad(opt),
             _ => opt.zero_grad(),
         }
     }
@@ -212,8 +122,9 @@ impl DataParallel {
     pub fn reduces_during_backward(&self, grads: &PipelineGrads) -> bool {
         match self {
             DataParallel::Local => false,
-            DataParallel::Ddp(_) | DataParallel::Experts(_) => true,
+            DataParallel::Ddp(_) => true,
             DataParallel::Sharded(_) => !grads.holds_tied_copy(),
+            DataParallel::Experts(e) => e.dense().reduces_during_backward(grads),
         }
     }
 
@@ -224,7 +135,10 @@ impl DataParallel {
     /// been reduced during the backward), the sharded wrapper adds the copies before it cuts
     /// the gradients into shards.
     pub fn finish_pipeline(&self, grads: &PipelineGrads, add_tied: bool) -> Result<()> {
-        let tied_after = matches!(self, DataParallel::Ddp(_) | DataParallel::Experts(_));
+        let tied_after = match self {
+            DataParallel::Experts(e) => matches!(e.dense(), DataParallel::Ddp(_)),
+            _ => matches!(self, DataParallel::Ddp(_)),
+        };
         if add_tied && !tied_after {
             grads.reduce_tied_grads()?;
         }
@@ -248,10 +162,12 @@ impl DataParallel {
         }
     }
 
-    /// The sharded wrapper, when the layout shards.
+    /// The sharded wrapper, when the layout shards (under expert parallelism, the dense
+    /// parameters' one).
     pub fn sharded(&self) -> Option<&ShardedDataParallel> {
         match self {
             DataParallel::Sharded(sdp) => Some(sdp),
+            DataParallel::Experts(e) => e.dense().sharded(),
             _ => None,
         }
     }
@@ -261,6 +177,7 @@ impl DataParallel {
     pub fn summon_full_params(&self) -> Result<()> {
         match self {
             DataParallel::Sharded(sdp) => sdp.summon_full_params(),
+            DataParallel::Experts(e) => e.dense().summon_full_params(),
             _ => Ok(()),
         }
     }
@@ -270,7 +187,7 @@ impl DataParallel {
     pub fn grad_norm(&self, grads: &PipelineGrads) -> Result<f64> {
         match self {
             DataParallel::Sharded(sdp) => Ok(sharded_sq_sum(sdp, grads)?.sqrt()),
-            DataParallel::Experts(e) => grads.grad_norm(Some(e.apart())),
+            DataParallel::Experts(e) => e.grad_norm(grads),
             _ => grads.grad_norm(None),
         }
     }
@@ -283,7 +200,7 @@ impl DataParallel {
                 let local = sdp.exact_grad_sq_sum_without(&|n| grads.is_left_out_of_norm(n))?;
                 grads.exact_sum_over_pipeline(&local)?
             }
-            DataParallel::Experts(e) => grads.exact_grad_sq_sum(Some(e.apart()))?,
+            DataParallel::Experts(e) => e.exact_grad_sq_sum(grads)?,
             _ => grads.exact_grad_sq_sum(None)?,
         };
         Ok(sum.value().sqrt())
@@ -299,6 +216,7 @@ impl DataParallel {
     ) -> Result<()> {
         match self {
             DataParallel::Sharded(sdp) => sdp.clip_grads_with_norm(max_norm, norm),
+            DataParallel::Experts(e) => e.clip_grads_with_norm(grads, max_norm, norm),
             _ => clip_grads_with_norm(grads.params(), max_norm, norm),
         }
     }
@@ -308,6 +226,7 @@ impl DataParallel {
     pub fn step(&self, opt: &mut AdamW, lr: f64) -> Result<()> {
         match self {
             DataParallel::Sharded(sdp) => sdp.step(lr),
+            DataParallel::Experts(e) => e.step(opt, lr),
             _ => opt.step(lr),
         }
     }
@@ -322,6 +241,7 @@ impl DataParallel {
                 }
                 Ok(sharded_sq_sum(sdp, grads)?.sqrt())
             }
+            DataParallel::Experts(e) => e.unscaled_grad_norm(grads, scale),
             _ => Ok(self.grad_norm(grads)? / scale),
         }
     }
@@ -337,6 +257,7 @@ impl DataParallel {
                 }
                 sdp.step(step.lr)
             }
+            DataParallel::Experts(e) => e.step_scaled(opt, step),
             _ => {
                 let coef = meshgrad_nn::optim::clip_coef(step.max_norm, step.norm);
                 opt.step_scaled(step.lr, coef / step.scale)
@@ -359,7 +280,7 @@ pub struct ScaledStep {
 }
 
 /// The sum of squares of the shards a rank owns (the tied table once) over the pipeline group.
-fn sharded_sq_sum(sdp: &ShardedDataParallel, grads: &PipelineGrads) -> Result<f64> {
+pub(crate) fn sharded_sq_sum(sdp: &ShardedDataParallel, grads: &PipelineGrads) -> Result<f64> {
     let local = sdp.grad_sq_sum_without(&|n| grads.is_left_out_of_norm(n))?;
     all_reduce_scalar(grads.pipeline_group(), local, ReduceOp::Sum)
 }

@@ -7,6 +7,14 @@
 //! to the rank of its expert and back with an all-to-all of uneven splits
 //! ([`meshgrad_autograd::distributed::all_to_all_rows`]; see [`super::SparseMoe`]). On a group of
 //! one rank the layer is the plain layer.
+//!
+//! **Reference mode** ([`ExpertParallel::reference`]): a rank's expert meets, in one pass, the
+//! token copies of the row groups of every rank of the group, which one device computes in
+//! separate passes. So each source rank's copies run through the expert on their own (the same
+//! products as one device's, row for row), and the expert's parameters are read through
+//! [`meshgrad_autograd::source_grads::set_aside`] per source: each source's contribution to their
+//! gradients is set aside for the trainer, which places it at that row group's leaf of the
+//! gradient tree instead of adding it in `.grad`.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -20,23 +28,38 @@ pub struct ExpertParallel {
     /// The ranks the experts are sharded over, in expert order (rank `r` holds the `r`-th
     /// block of experts).
     pub group: Arc<dyn Collectives>,
+    /// Reference mode: each source rank's token copies run through an expert apart, their
+    /// gradients set aside per source (see the [module docs](self)).
+    pub reference: bool,
 }
 
 impl std::fmt::Debug for ExpertParallel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "ExpertParallel(rank {} of {})",
+            "ExpertParallel(rank {} of {}{})",
             self.group.rank(),
-            self.group.describe()
+            self.group.describe(),
+            if self.reference { ", reference" } else { "" }
         )
     }
 }
 
 impl ExpertParallel {
-    /// Expert parallelism over `group`.
+    /// Expert parallelism over `group` (fast mode).
     pub fn new(group: Arc<dyn Collectives>) -> Self {
-        ExpertParallel { group }
+        ExpertParallel {
+            group,
+            reference: false,
+        }
+    }
+
+    /// This group in reference mode when `on` (see the [module docs](self)).
+    pub fn with_reference(self, on: bool) -> Self {
+        ExpertParallel {
+            reference: on,
+            ..self
+        }
     }
 
     /// Number of ranks (`E`).

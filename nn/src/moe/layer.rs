@@ -2,6 +2,7 @@
 //! and the dispatch between them (see the [module docs](super)).
 
 use meshgrad_autograd::distributed::all_to_all_rows;
+use meshgrad_autograd::source_grads::set_aside;
 use meshgrad_autograd::Var;
 use meshgrad_tensor::{DType, Device, Result, Tensor};
 
@@ -79,6 +80,23 @@ impl MoeExpert {
             w2: proj(p, intermediate, n_embd)?,
             w3: proj(p, n_embd, intermediate)?,
         })
+    }
+}
+
+impl MoeExpert {
+    /// The forward of rows from `source` (reference mode under expert parallelism): the same
+    /// products as [`Forward::forward`], the parameters read through [`set_aside`] for `source`,
+    /// so that their gradients are set aside per source while the trainer collects them.
+    pub fn forward_for_source(&self, x: &Var, source: usize) -> Result<Var> {
+        let linear = |l: &Linear, x: &Var| -> Result<Var> {
+            let w = set_aside(&l.weight, source)?;
+            let b = l.bias.as_ref().map(|b| set_aside(b, source)).transpose()?;
+            Var::linear(x, &w, b.as_ref())
+        };
+        linear(
+            &self.w2,
+            &Var::swiglu(&linear(&self.w1, x)?, &linear(&self.w3, x)?)?,
+        )
     }
 }
 
@@ -289,6 +307,11 @@ impl SparseMoe {
             .map(|src| (me * per..(me + 1) * per).map(|x| count(src, x)).sum())
             .collect();
         let received = all_to_all_rows(permuted, &send, &recv, &ep.group)?;
+        if ep.reference {
+            let out =
+                self.run_experts_by_source(&received, e, |src, i| count(src, me * per + i))?;
+            return all_to_all_rows(&out, &recv, &send, &ep.group);
+        }
         // Arrived grouped by source, then expert: regroup by expert, then source.
         let mut src_start = vec![0usize; e];
         for s in 1..e {
@@ -314,6 +337,36 @@ impl SparseMoe {
         }
         let back = gather_rows(&out, &inverse, device)?;
         all_to_all_rows(&back, &recv, &send, &ep.group)
+    }
+
+    /// Reference mode's experts under expert parallelism: `received` holds the copies of each
+    /// of the `sources` ranks in turn, each grouped by this rank's experts (`count(source, i)`
+    /// copies for `experts.list[i]`); each source's copies of each expert run on their own,
+    /// with the expert's parameters set aside for that source (see
+    /// [`ExpertParallel`]'s docs). The outputs in `received`'s order (`received` itself when
+    /// nothing arrived).
+    fn run_experts_by_source(
+        &self,
+        received: &Var,
+        sources: usize,
+        count: impl Fn(usize, usize) -> usize,
+    ) -> Result<Var> {
+        let mut outs = Vec::new();
+        let mut start = 0;
+        for src in 0..sources {
+            for (i, expert) in self.experts.list.iter().enumerate() {
+                let c = count(src, i);
+                if c > 0 {
+                    outs.push(expert.forward_for_source(&received.narrow(0, start, c)?, src)?);
+                }
+                start += c;
+            }
+        }
+        if outs.is_empty() {
+            return Ok(received.clone());
+        }
+        let refs: Vec<&Var> = outs.iter().collect();
+        Var::cat(&refs, 0)
     }
 }
 

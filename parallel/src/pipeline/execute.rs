@@ -908,11 +908,7 @@ impl PipelineGrads {
         let (mine, theirs) = self.split_apart(apart);
         let mut local = exact_grad_squares(&mine)?;
         if let Some(a) = apart {
-            let words = exact_grad_squares(&theirs)?.to_words();
-            let n = words.len();
-            let t = Tensor::from_vec(words, n, meshgrad_tensor::Device::Cpu)?;
-            let summed = a.group.all_reduce(&t, ReduceOp::Sum)?.wait()?;
-            local.merge(&ExactSum::from_words(&summed.to_vec::<f64>()?)?);
+            local.merge(&exact_sq_sum_over(&theirs, a.group)?);
         }
         self.exact_sum_over_pipeline(&local)
     }
@@ -1006,6 +1002,17 @@ impl PipelineGrads {
         optimizer.step(lr)?;
         Ok(norm)
     }
+}
+
+/// The exact sum of squares of `params`' gradients summed over `group` (its words
+/// all-reduced: exact in any order): the squares of parameters each rank of `group` holds
+/// its own of ([`ApartParams`]).
+pub fn exact_sq_sum_over(params: &[Var], group: &dyn Communicator) -> Result<ExactSum> {
+    let words = meshgrad_autograd::distributed::exact_grad_squares(params)?.to_words();
+    let n = words.len();
+    let t = Tensor::from_vec(words, n, meshgrad_tensor::Device::Cpu)?;
+    let summed = group.all_reduce(&t, ReduceOp::Sum)?.wait()?;
+    ExactSum::from_words(&summed.to_vec::<f64>()?)
 }
 
 /// Parameters whose values differ across the ranks of `group` (each rank holds its own, e.g.

@@ -49,8 +49,8 @@ pub mod trace;
 
 pub use evaluate::forward_only;
 pub use execute::{
-    check_supported, execute, execute_scaled, execute_with, mean_loss, ApartParams, ExecuteOptions,
-    Microbatch, MicrobatchHook, PipelineGrads,
+    check_supported, exact_sq_sum_over, execute, execute_scaled, execute_with, mean_loss,
+    ApartParams, ExecuteOptions, Microbatch, MicrobatchHook, PipelineGrads,
 };
 pub use profile::{profile_layers, profile_lines, ProfileOptions};
 pub use schedule::{Action, Schedule, ScheduleArgError, ScheduleKind, MAX_SCHEDULE_ACTIONS};

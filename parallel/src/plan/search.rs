@@ -9,8 +9,7 @@
 //! replicated `d / s` times for every divisor `s > 1` of `d` (ZeRO-1, ZeRO-2, ZeRO-3: `zero1=s`,
 //! `dp=r,zero2=s`, `fsdp=s`, `hsdp=rxs`; with cp also `s = 1`, ZeRO then sharding over the cp
 //! ranks); for a mixture of experts each of those with every expert-parallel `ep > 1` dividing
-//! the experts and the `d x cp` data-parallel ranks that the layout accepts (ep runs with plain
-//! data parallelism). For each: sequence parallelism on and off (with `tp > 1`, not for a
+//! the experts and the `d x cp` data-parallel ranks that the layout accepts. For each: sequence parallelism on and off (with `tp > 1`, not for a
 //! mixture of experts); with a pipeline the GPipe, 1F1B, zero-bubble and interleaved schedules (2, 3, 4, 6 or 8
 //! chunks); every micro-batch size up to [`SearchOptions::max_microbatch_size`] that divides a
 //! data-parallel rank's rows; recomputation of every block or of none. Candidates that fail
@@ -333,14 +332,16 @@ mod tests {
         assert!(cp
             .iter()
             .all(|l| l.world_size() == 8 && l.tp() * l.cp() <= 8));
-        // Expert parallelism: 4 experts; ep in {2, 4} dividing the data-parallel ranks, with
-        // plain data parallelism only (ZeRO with ep is refused by the layout).
+        // Expert parallelism: 4 experts; ep in {2, 4} dividing the data-parallel ranks, for
+        // every data-parallel layout of them (plain, ZeRO, hybrid).
         let with_ep = layouts(8, 8, &shape(16, 4));
         assert!(with_ep.iter().all(|l| l.cp() == 1));
         let ep: Vec<_> = with_ep.iter().filter(|l| l.ep() > 1).collect();
-        assert!(ep.iter().all(|l| l.zero().is_none() && 4 % l.ep() == 0));
-        // dp = 8 (ep 2, 4), dp = 4 (tp 2 or pp 2: ep 2, 4 each), dp = 2 (3 ways: ep 2).
-        assert_eq!(ep.len(), 2 + 2 * 2 + 3);
+        assert!(ep.iter().all(|l| 4 % l.ep() == 0));
+        assert!(ep.iter().any(|l| l.zero().is_some()));
+        // d = 8 (10 layouts, ep 2 and 4 each), d = 4 (tp 2 or pp 2: 7 layouts, ep 2 and 4
+        // each), d = 2 (3 ways, 4 layouts each: ep 2).
+        assert_eq!(ep.len(), 10 * 2 + 2 * 7 * 2 + 3 * 4);
     }
 
     #[test]

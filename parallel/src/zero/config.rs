@@ -233,6 +233,10 @@ pub struct ShardConfig {
     /// Broadcast the parameters from data-parallel rank 0 when wrapping, so every rank starts
     /// from the same weights. Default true.
     pub broadcast_params: bool,
+    /// Parameters (by full name) the wrapper leaves alone, as PyTorch FSDP's `ignored_states`:
+    /// not sharded, reduced, broadcast or stepped; another strategy owns them (the experts under
+    /// expert parallelism, [`crate::ExpertDataParallel`]). Default none.
+    pub ignored: Vec<String>,
 }
 
 impl ShardConfig {
@@ -244,6 +248,7 @@ impl ShardConfig {
             mixed_precision: MixedPrecision::default(),
             prefetch: true,
             broadcast_params: true,
+            ignored: Vec::new(),
         }
     }
 }

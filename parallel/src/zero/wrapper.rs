@@ -171,7 +171,16 @@ impl ShardedDataParallel {
         let ctx = |e: Error| Error::msg(format!("sharded data parallel: {e}"));
         config.mixed_precision.validate().map_err(ctx)?;
         topo.validate().map_err(ctx)?;
-        let named = model.named_parameters();
+        let all = model.named_parameters();
+        let kept: Vec<bool> = all
+            .iter()
+            .map(|(n, _)| !config.ignored.contains(n))
+            .collect();
+        let named: Vec<(String, Var)> = all
+            .into_iter()
+            .zip(&kept)
+            .filter_map(|(p, &k)| k.then_some(p))
+            .collect();
         let mut seen: HashMap<VarId, &str> = HashMap::new();
         for (name, v) in &named {
             if let Some(first) = seen.insert(v.id(), name) {
@@ -190,6 +199,9 @@ impl ShardedDataParallel {
             }
         }
         let mut groups = groups;
+        for g in &mut groups {
+            g.params.retain(|(n, _)| !config.ignored.contains(n));
+        }
         let group_of = assign_groups(&named, &mut groups).map_err(ctx)?;
         let param_dtype = named
             .first()
@@ -218,6 +230,7 @@ impl ShardedDataParallel {
             }
         }
         let (unit_names, unit_of) = config.wrap.assign(model).map_err(ctx)?;
+        let (unit_names, unit_of) = without_ignored(unit_names, unit_of, &kept);
         let specs = named
             .iter()
             .enumerate()
@@ -506,6 +519,33 @@ fn shard_vars(
 /// The optimizer group of every parameter of `named`. A frozen parameter (see
 /// `Module::freeze`) that no group lists goes into an extra group appended to `groups`: it is
 /// sharded like the others but never gets a gradient, so the optimizer never updates it.
+/// The units of the kept parameters (`kept[i]` for the model's parameter `i`): `unit_of`
+/// restricted to them, units left empty dropped and the rest renumbered in order.
+fn without_ignored(
+    unit_names: Vec<String>,
+    unit_of: Vec<usize>,
+    kept: &[bool],
+) -> (Vec<String>, Vec<usize>) {
+    let of: Vec<usize> = unit_of
+        .into_iter()
+        .zip(kept)
+        .filter_map(|(u, &k)| k.then_some(u))
+        .collect();
+    let mut renumber = vec![None; unit_names.len()];
+    let mut names = Vec::new();
+    for (u, name) in unit_names.into_iter().enumerate() {
+        if of.contains(&u) {
+            renumber[u] = Some(names.len());
+            names.push(name);
+        }
+    }
+    let of = of
+        .into_iter()
+        .map(|u| renumber[u].expect("a kept parameter's unit is kept"))
+        .collect();
+    (names, of)
+}
+
 fn assign_groups(named: &[(String, Var)], groups: &mut Vec<ParamGroup>) -> Result<Vec<usize>> {
     let mut of: HashMap<VarId, usize> = HashMap::new();
     let model_ids: HashMap<VarId, &str> = named.iter().map(|(n, v)| (v.id(), n.as_str())).collect();
