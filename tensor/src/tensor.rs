@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::storage::{CpuStorage, Storage, StorageCell};
-use crate::{backend, DType, Device, Error, Layout, Result, Shape, WithDType};
+use crate::{DType, Device, Error, Layout, Result, Shape, WithDType};
 
 /// A process-unique tensor identity.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -179,7 +179,7 @@ impl Tensor {
         }
         device.check_available()?;
         Ok(Tensor::from_storage(
-            backend::from_host(device, storage)?,
+            Storage::from_host(device, storage)?,
             shape,
         ))
     }
@@ -201,7 +201,7 @@ impl Tensor {
         let n = shape.elem_count();
         let _prof = crate::profile::scope("full");
         Ok(Tensor::from_storage(
-            backend::full(device, value, dtype, n)?,
+            Storage::full(device, value, dtype, n)?,
             shape,
         ))
     }
@@ -212,7 +212,7 @@ impl Tensor {
         let shape = shape.into();
         device.check_available()?;
         Ok(Tensor::from_storage(
-            backend::zeros(device, dtype, shape.elem_count())?,
+            Storage::zeros(device, dtype, shape.elem_count())?,
             shape,
         ))
     }
@@ -237,7 +237,7 @@ impl Tensor {
         device.check_available()?;
         let n = (end.max(start) - start) as usize;
         Ok(Tensor::from_storage(
-            backend::arange(device, start, n, dtype)?,
+            Storage::arange(device, start, n, dtype)?,
             n,
         ))
     }
@@ -256,7 +256,7 @@ impl Tensor {
         }
         let c = self.contiguous()?;
         let g = c.0.storage.read("to_vec")?;
-        let host = backend::to_host(&g, c.layout())?;
+        let host = Storage::to_host(&g, c.layout())?;
         Ok(T::from_cpu_storage(host).expect("dtype checked"))
     }
 
@@ -286,7 +286,7 @@ impl Tensor {
     pub fn to_cpu_storage(&self) -> Result<CpuStorage> {
         let c = self.contiguous()?;
         let g = c.0.storage.read("to_cpu_storage")?;
-        backend::to_host(&g, c.layout())
+        Storage::to_host(&g, c.layout())
     }
 
     // ----- conversions -----
@@ -298,7 +298,7 @@ impl Tensor {
         }
         let _prof = crate::profile::scope("to_dtype");
         let g = self.0.storage.read("to_dtype")?;
-        let s = backend::cast(&g, self.layout(), dtype)?;
+        let s = Storage::cast(&g, self.layout(), dtype)?;
         Ok(Tensor::from_storage(s, self.shape()))
     }
 
@@ -312,10 +312,10 @@ impl Tensor {
         let _prof = crate::profile::scope("to_device");
         let host = {
             let g = self.0.storage.read("to_device")?;
-            backend::to_host(&g, self.layout())?
+            Storage::to_host(&g, self.layout())?
         };
         Ok(Tensor::from_storage(
-            backend::from_host(device, host)?,
+            Storage::from_host(device, host)?,
             self.shape(),
         ))
     }
@@ -328,7 +328,7 @@ impl Tensor {
         }
         let _prof = crate::profile::scope("contiguous");
         let g = self.0.storage.read("contiguous")?;
-        let s = backend::copy_contiguous(&g, self.layout())?;
+        let s = Storage::copy_contiguous(&g, self.layout())?;
         Ok(Tensor::from_storage(s, self.shape()))
     }
 
@@ -336,7 +336,7 @@ impl Tensor {
     pub fn deep_clone(&self) -> Result<Tensor> {
         let _prof = crate::profile::scope("deep_clone");
         let g = self.0.storage.read("deep_clone")?;
-        let s = backend::copy_contiguous(&g, self.layout())?;
+        let s = Storage::copy_contiguous(&g, self.layout())?;
         Ok(Tensor::from_storage(s, self.shape()))
     }
 
@@ -560,7 +560,7 @@ impl Tensor {
             );
         }
         let g = src.0.storage.read("materialize_from")?;
-        let s = backend::copy_contiguous(&g, src.layout())?;
+        let s = Storage::copy_contiguous(&g, src.layout())?;
         drop(g);
         self.0.storage.materialize(s)
     }
@@ -612,7 +612,7 @@ impl Tensor {
                 );
                 }
                 let g = v.0.storage.read("set_lazy_values")?;
-                let s = backend::copy_contiguous(&g, v.layout())?;
+                let s = Storage::copy_contiguous(&g, v.layout())?;
                 drop(g);
                 cell.materialize(s)?;
                 cell.set_lazy(false);

@@ -3,6 +3,7 @@
 use half::{bf16, f16};
 use meshgrad_kernels::cpu::strided;
 
+use crate::backend::api::In;
 use crate::storage::CpuStorage;
 use crate::{DType, Error, Layout, Result};
 
@@ -25,8 +26,7 @@ pub(crate) fn copy_contiguous(s: &CpuStorage, l: &Layout) -> Result<CpuStorage> 
 pub(crate) fn copy_into(
     dst: &mut CpuStorage,
     dl: &Layout,
-    src: &CpuStorage,
-    sl: &Layout,
+    (src, sl): In<'_, CpuStorage>,
 ) -> Result<()> {
     if dst.dtype() != src.dtype() {
         return Err(Error::DTypeMismatch {

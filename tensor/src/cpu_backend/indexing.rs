@@ -7,14 +7,12 @@ use meshgrad_kernels::Float;
 use super::{floats, ids, range, with_floats, Floats, IntoStorage};
 use crate::backend::api::In;
 use crate::storage::CpuStorage;
-use crate::{Layout, Result};
+use crate::Result;
 
 /// `torch.gather` of `x` (dims `xl.dims()`) along `dim` by `index` (dims `il.dims()`); any dtype.
 pub(crate) fn gather(
-    x: &CpuStorage,
-    xl: &Layout,
-    index: &CpuStorage,
-    il: &Layout,
+    (x, xl): In<'_, CpuStorage>,
+    (index, il): In<'_, CpuStorage>,
     dim: usize,
 ) -> Result<CpuStorage> {
     let idx = ids(index, il, "gather (index)")?;
@@ -31,10 +29,8 @@ pub(crate) fn gather(
 
 /// Scatter-adds `dout` (dims `il.dims()`) into zeros of `x_dims` along `dim` by `index`.
 pub(crate) fn gather_backward(
-    dout: &CpuStorage,
-    dl: &Layout,
-    index: &CpuStorage,
-    il: &Layout,
+    (dout, dl): In<'_, CpuStorage>,
+    (index, il): In<'_, CpuStorage>,
     x_dims: &[usize],
     dim: usize,
 ) -> Result<CpuStorage> {

@@ -2,7 +2,8 @@
 //! deterministic scatter-add / index-add backward passes.
 
 use super::same_device;
-use crate::{backend, Error, Result, Shape, Tensor};
+use crate::storage::Storage;
+use crate::{Error, Result, Shape, Tensor};
 
 /// Refuses a non-integer index tensor.
 fn integer_index(op: &'static str, index: &Tensor) -> Result<()> {
@@ -62,7 +63,7 @@ impl Tensor {
         check_gather("gather", self.shape(), index, d)?;
         let (x, i) = (self.contiguous()?, index.contiguous()?);
         let (gx, gi) = (x.read_storage("gather")?, i.read_storage("gather")?);
-        let s = backend::gather((&gx, x.layout()), (&gi, i.layout()), d)?;
+        let s = Storage::gather((&gx, x.layout()), (&gi, i.layout()), d)?;
         Ok(Tensor::from_storage(s, index.shape()))
     }
 
@@ -92,7 +93,7 @@ impl Tensor {
         let (g, i) = (self.contiguous()?, index.contiguous()?);
         let (gg, gi) = (g.read_storage(op)?, i.read_storage(op)?);
         let s =
-            backend::gather_backward((&gg, g.layout()), (&gi, i.layout()), input_shape.dims(), d)?;
+            Storage::gather_backward((&gg, g.layout()), (&gi, i.layout()), input_shape.dims(), d)?;
         Ok(Tensor::from_storage(s, input_shape))
     }
 
@@ -118,7 +119,7 @@ impl Tensor {
             x.read_storage("index_select")?,
             i.read_storage("index_select")?,
         );
-        let s = backend::index_select((&gx, x.layout()), (&gi, i.layout()), outer, n, inner, d)?;
+        let s = Storage::index_select((&gx, x.layout()), (&gi, i.layout()), outer, n, inner, d)?;
         let mut out = self.dims().to_vec();
         out[d] = ids.elem_count();
         Ok(Tensor::from_storage(s, out))
@@ -152,7 +153,7 @@ impl Tensor {
         let (outer, n, inner) = split_at(input_shape.dims(), d);
         let (g, i) = (self.contiguous()?, ids.contiguous()?);
         let (gg, gi) = (g.read_storage(op)?, i.read_storage(op)?);
-        let s = backend::index_select_backward(
+        let s = Storage::index_select_backward(
             (&gg, g.layout()),
             (&gi, i.layout()),
             outer,

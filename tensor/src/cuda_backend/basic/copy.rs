@@ -95,7 +95,7 @@ pub(crate) fn copy_into(
     if plan.copies() > MAX_PITCHED_COPIES {
         let mut host = download(dst)?;
         let (s, l) = download_view((src, &sl))?;
-        crate::cpu_backend::copy_into(&mut host, &dl, &s, &l)?;
+        crate::cpu_backend::copy_into(&mut host, &dl, (&s, &l))?;
         return upload_to(dst.ctx(), dst.device_ptr(), host.as_bytes());
     }
     let (src_ptr, _keep) = contiguous((src, &sl))?;
