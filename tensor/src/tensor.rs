@@ -247,13 +247,7 @@ impl Tensor {
     /// The elements in row-major order as `T` (which must be this tensor's dtype). Waits for
     /// queued device work.
     pub fn to_vec<T: WithDType>(&self) -> Result<Vec<T>> {
-        if T::DTYPE != self.dtype() {
-            return Err(Error::DTypeMismatch {
-                op: "to_vec",
-                lhs: self.dtype(),
-                rhs: T::DTYPE,
-            });
-        }
+        self.dtype().matching("to_vec", T::DTYPE)?;
         let c = self.contiguous()?;
         let g = c.0.storage.read("to_vec")?;
         let host = Storage::to_host(&g, c.layout())?;
@@ -542,13 +536,7 @@ impl Tensor {
     /// contiguous-compatible: same dtype, device and element count as the whole storage this
     /// tensor views. `self` must be a full contiguous view of its storage.
     pub fn materialize_from(&self, src: &Tensor) -> Result<()> {
-        if src.dtype() != self.dtype() {
-            return Err(Error::DTypeMismatch {
-                op: "materialize_from",
-                lhs: self.dtype(),
-                rhs: src.dtype(),
-            });
-        }
+        self.dtype().matching("materialize_from", src.dtype())?;
         if src.elem_count() != self.elem_count()
             || !self.is_contiguous()
             || self.layout().offset() != 0

@@ -65,6 +65,21 @@ pub(crate) struct Product {
     pub k: usize,
 }
 
+/// The shape of an `index_select` (and of its backward): the input viewed as
+/// `[outer, x_n, inner]`, its middle dim (dim `dim` of the tensor, named in errors) picked by
+/// the ids.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Select {
+    /// Product of the dims before `dim`.
+    pub outer: usize,
+    /// The size of `dim`.
+    pub x_n: usize,
+    /// Product of the dims after `dim`.
+    pub inner: usize,
+    /// The dim the ids pick along.
+    pub dim: usize,
+}
+
 /// The primitives a backend provides, on its own storage type. See the module documentation.
 pub(crate) trait BackendStorage: Sized + std::fmt::Debug + Send + Sync + 'static {
     /// The device the buffer lives on.
@@ -175,19 +190,13 @@ macro_rules! backend_ops {
             fn index_select(
                 x: In<'_, Self>,
                 ids: In<'_, Self>,
-                outer: usize,
-                x_n: usize,
-                inner: usize,
-                dim: usize,
+                s: Select,
             ) -> Result<Self> = "index_select";
             /// The scatter-add backward of `index_select`.
             fn index_select_backward(
                 dout: In<'_, Self>,
                 ids: In<'_, Self>,
-                outer: usize,
-                x_n: usize,
-                inner: usize,
-                dim: usize,
+                s: Select,
             ) -> Result<Self> = "index_select_backward";
         }
     };

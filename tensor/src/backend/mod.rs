@@ -13,7 +13,7 @@ pub(crate) mod api;
 
 use meshgrad_kernels::ops::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
 
-use api::{backend_ops, In};
+use api::{backend_ops, In, Select};
 pub(crate) use api::{BackendStorage, Distribution, Product};
 
 #[cfg(feature = "cuda")]
@@ -204,7 +204,8 @@ unchanged!(
     UnaryOp,
     BinaryOp,
     CmpOp,
-    ReduceOp
+    ReduceOp,
+    Select
 );
 unchanged!(&'a Layout, &'a [usize], &'a Product);
 

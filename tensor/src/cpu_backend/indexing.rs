@@ -5,7 +5,7 @@ use meshgrad_kernels::cpu;
 use meshgrad_kernels::Float;
 
 use super::{floats, ids, range, with_floats, Floats, IntoStorage};
-use crate::backend::api::In;
+use crate::backend::api::{In, Select};
 use crate::storage::CpuStorage;
 use crate::Result;
 
@@ -51,10 +51,12 @@ pub(crate) fn gather_backward(
 pub(crate) fn index_select(
     (x, xl): In<'_, CpuStorage>,
     (ids_s, il): In<'_, CpuStorage>,
-    outer: usize,
-    x_n: usize,
-    inner: usize,
-    dim: usize,
+    Select {
+        outer,
+        x_n,
+        inner,
+        dim,
+    }: Select,
 ) -> Result<CpuStorage> {
     let idx = ids(ids_s, il, "index_select (ids)")?;
     let r = range(xl);
@@ -72,10 +74,12 @@ pub(crate) fn index_select(
 pub(crate) fn index_select_backward(
     (dout, dl): In<'_, CpuStorage>,
     (ids_s, il): In<'_, CpuStorage>,
-    outer: usize,
-    x_n: usize,
-    inner: usize,
-    dim: usize,
+    Select {
+        outer,
+        x_n,
+        inner,
+        dim,
+    }: Select,
 ) -> Result<CpuStorage> {
     let idx = ids(ids_s, il, "index_select_backward (ids)")?;
     let dt = dout.dtype();

@@ -5,7 +5,9 @@
 use meshgrad_kernels::ops::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
 
 use super::{basic, CudaStorage};
-use crate::backend::api::{backend_ops, forward, BackendStorage, Distribution, In, Product};
+use crate::backend::api::{
+    backend_ops, forward, BackendStorage, Distribution, In, Product, Select,
+};
 use crate::storage::CpuStorage;
 use crate::{DType, Device, Layout, Result};
 
