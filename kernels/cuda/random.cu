@@ -2,7 +2,7 @@
 //
 // CPU reference: kernels/src/rng.rs (`philox4x32_10`, `uniform`, `normal`, `below`,
 // `fill_uniform`, `fill_normal`, `fill_randint`) and the dropout mask of
-// tensor/src/ops/nn.rs (`dropout_mask`: keep where the f32 uniform is >= p, value 1/(1-p)).
+// tensor/src/ops/dropout.rs (`dropout_mask`: keep where the f32 uniform is >= p, value 1/(1-p)).
 // Element `i` of a fill uses the Philox block with counter `[lo32(start+i), hi32(start+i), 0, 0]`
 // and key `[lo32(seed), hi32(seed)]`, words w0..w3 (w2, w3 unused). Output buffers contiguous
 // `[n]`, element i being stream index `start + i`, so shards built with their global `start`

@@ -3,7 +3,7 @@
 
 use std::fmt::{self, Write};
 
-use crate::storage::CpuStorage;
+use crate::storage::{CpuStorage, Storage};
 use crate::{Error, Tensor};
 
 /// Tensors with more elements than this are summarised.
@@ -144,7 +144,7 @@ impl Tensor {
             }
         }
         walk(&shown, strides, self.layout().offset(), &mut offsets);
-        let s = crate::backend::read_elements(&g, &offsets)?;
+        let s = Storage::read_elements(&g, &offsets)?;
         Ok(match s {
             CpuStorage::F64(v) => v.into_iter().map(Elem::Float).collect(),
             CpuStorage::F32(v) => v.into_iter().map(|x| Elem::Float(x.into())).collect(),

@@ -2,6 +2,8 @@
 
 use half::{bf16, f16};
 
+use crate::{Error, Result};
+
 /// The element type of a tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum DType {
@@ -22,6 +24,19 @@ pub enum DType {
 }
 
 impl DType {
+    /// `self`, or [`Error::DTypeMismatch`] naming `op` (`self` as the left operand) when
+    /// `other` is another dtype: the one dtype check of two operands.
+    pub(crate) fn matching(self, op: &'static str, other: DType) -> Result<DType> {
+        if self != other {
+            return Err(Error::DTypeMismatch {
+                op,
+                lhs: self,
+                rhs: other,
+            });
+        }
+        Ok(self)
+    }
+
     /// Bytes per element.
     pub fn size_in_bytes(self) -> usize {
         match self {

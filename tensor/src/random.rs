@@ -22,6 +22,7 @@
 //! ```
 
 use crate::backend::Distribution;
+use crate::storage::Storage;
 use crate::{DType, Device, Result, Shape, Tensor};
 
 /// A builder for counter-based random tensors: seed, offset into the stream, dtype and device,
@@ -84,7 +85,7 @@ impl Random {
     /// counter-based stream, so the values do not depend on the device).
     fn draw(&self, shape: Shape, dtype: DType, dist: Distribution) -> Result<Tensor> {
         self.device.check_available()?;
-        let s = crate::backend::random(
+        let s = Storage::random(
             self.device,
             dtype,
             shape.elem_count(),

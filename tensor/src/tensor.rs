@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::storage::{CpuStorage, Storage, StorageCell};
-use crate::{backend, DType, Device, Error, Layout, Result, Shape, WithDType};
+use crate::{DType, Device, Error, Layout, Result, Shape, WithDType};
 
 /// A process-unique tensor identity.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -179,7 +179,7 @@ impl Tensor {
         }
         device.check_available()?;
         Ok(Tensor::from_storage(
-            backend::from_host(device, storage)?,
+            Storage::from_host(device, storage)?,
             shape,
         ))
     }
@@ -201,7 +201,7 @@ impl Tensor {
         let n = shape.elem_count();
         let _prof = crate::profile::scope("full");
         Ok(Tensor::from_storage(
-            backend::full(device, value, dtype, n)?,
+            Storage::full(device, value, dtype, n)?,
             shape,
         ))
     }
@@ -212,7 +212,7 @@ impl Tensor {
         let shape = shape.into();
         device.check_available()?;
         Ok(Tensor::from_storage(
-            backend::zeros(device, dtype, shape.elem_count())?,
+            Storage::zeros(device, dtype, shape.elem_count())?,
             shape,
         ))
     }
@@ -237,7 +237,7 @@ impl Tensor {
         device.check_available()?;
         let n = (end.max(start) - start) as usize;
         Ok(Tensor::from_storage(
-            backend::arange(device, start, n, dtype)?,
+            Storage::arange(device, start, n, dtype)?,
             n,
         ))
     }
@@ -247,16 +247,10 @@ impl Tensor {
     /// The elements in row-major order as `T` (which must be this tensor's dtype). Waits for
     /// queued device work.
     pub fn to_vec<T: WithDType>(&self) -> Result<Vec<T>> {
-        if T::DTYPE != self.dtype() {
-            return Err(Error::DTypeMismatch {
-                op: "to_vec",
-                lhs: self.dtype(),
-                rhs: T::DTYPE,
-            });
-        }
+        self.dtype().matching("to_vec", T::DTYPE)?;
         let c = self.contiguous()?;
         let g = c.0.storage.read("to_vec")?;
-        let host = backend::to_host(&g, c.layout())?;
+        let host = Storage::to_host(&g, c.layout())?;
         Ok(T::from_cpu_storage(host).expect("dtype checked"))
     }
 
@@ -286,7 +280,7 @@ impl Tensor {
     pub fn to_cpu_storage(&self) -> Result<CpuStorage> {
         let c = self.contiguous()?;
         let g = c.0.storage.read("to_cpu_storage")?;
-        backend::to_host(&g, c.layout())
+        Storage::to_host(&g, c.layout())
     }
 
     // ----- conversions -----
@@ -298,7 +292,7 @@ impl Tensor {
         }
         let _prof = crate::profile::scope("to_dtype");
         let g = self.0.storage.read("to_dtype")?;
-        let s = backend::cast(&g, self.layout(), dtype)?;
+        let s = Storage::cast(&g, self.layout(), dtype)?;
         Ok(Tensor::from_storage(s, self.shape()))
     }
 
@@ -312,10 +306,10 @@ impl Tensor {
         let _prof = crate::profile::scope("to_device");
         let host = {
             let g = self.0.storage.read("to_device")?;
-            backend::to_host(&g, self.layout())?
+            Storage::to_host(&g, self.layout())?
         };
         Ok(Tensor::from_storage(
-            backend::from_host(device, host)?,
+            Storage::from_host(device, host)?,
             self.shape(),
         ))
     }
@@ -328,7 +322,7 @@ impl Tensor {
         }
         let _prof = crate::profile::scope("contiguous");
         let g = self.0.storage.read("contiguous")?;
-        let s = backend::copy_contiguous(&g, self.layout())?;
+        let s = Storage::copy_contiguous(&g, self.layout())?;
         Ok(Tensor::from_storage(s, self.shape()))
     }
 
@@ -336,7 +330,7 @@ impl Tensor {
     pub fn deep_clone(&self) -> Result<Tensor> {
         let _prof = crate::profile::scope("deep_clone");
         let g = self.0.storage.read("deep_clone")?;
-        let s = backend::copy_contiguous(&g, self.layout())?;
+        let s = Storage::copy_contiguous(&g, self.layout())?;
         Ok(Tensor::from_storage(s, self.shape()))
     }
 
@@ -542,13 +536,7 @@ impl Tensor {
     /// contiguous-compatible: same dtype, device and element count as the whole storage this
     /// tensor views. `self` must be a full contiguous view of its storage.
     pub fn materialize_from(&self, src: &Tensor) -> Result<()> {
-        if src.dtype() != self.dtype() {
-            return Err(Error::DTypeMismatch {
-                op: "materialize_from",
-                lhs: self.dtype(),
-                rhs: src.dtype(),
-            });
-        }
+        self.dtype().matching("materialize_from", src.dtype())?;
         if src.elem_count() != self.elem_count()
             || !self.is_contiguous()
             || self.layout().offset() != 0
@@ -560,7 +548,7 @@ impl Tensor {
             );
         }
         let g = src.0.storage.read("materialize_from")?;
-        let s = backend::copy_contiguous(&g, src.layout())?;
+        let s = Storage::copy_contiguous(&g, src.layout())?;
         drop(g);
         self.0.storage.materialize(s)
     }
@@ -612,7 +600,7 @@ impl Tensor {
                 );
                 }
                 let g = v.0.storage.read("set_lazy_values")?;
-                let s = backend::copy_contiguous(&g, v.layout())?;
+                let s = Storage::copy_contiguous(&g, v.layout())?;
                 drop(g);
                 cell.materialize(s)?;
                 cell.set_lazy(false);

@@ -4,14 +4,20 @@
 mod arith;
 mod attention;
 mod aux_loss;
+mod cross_entropy;
+mod dropout;
+mod embedding;
 mod indexing;
+mod layer_norm;
+mod linear;
 mod math;
-mod nn;
+mod matmul;
 mod overload;
 mod reduce;
 mod rms_norm;
 mod rotary;
 mod shape;
+mod softmax;
 mod swiglu;
 
-pub use nn::DropoutSpec;
+pub use dropout::DropoutSpec;

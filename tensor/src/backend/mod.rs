@@ -13,7 +13,7 @@ pub(crate) mod api;
 
 use meshgrad_kernels::ops::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
 
-use api::In;
+use api::{backend_ops, In, Select};
 pub(crate) use api::{BackendStorage, Distribution, Product};
 
 #[cfg(feature = "cuda")]
@@ -89,9 +89,15 @@ macro_rules! with_backend {
 /// The one same-device check: the device every operand is on, or [`Error::DeviceMismatch`]
 /// naming `op` and the first two devices that differ.
 pub(crate) fn device_of(op: &'static str, operands: &[&Storage]) -> Result<Device> {
-    let first = operands.first().map_or(Device::Cpu, |s| s.device());
-    for s in operands.iter().skip(1) {
-        let d = s.device();
+    same_device(op, operands.iter().map(|s| s.device()))
+}
+
+/// The device all of `devices` name (the CPU when there are none), or [`Error::DeviceMismatch`]
+/// naming `op` and the first two that differ.
+fn same_device(op: &'static str, devices: impl IntoIterator<Item = Device>) -> Result<Device> {
+    let mut devices = devices.into_iter();
+    let first = devices.next().unwrap_or(Device::Cpu);
+    for d in devices {
         if d != first {
             return Err(Error::DeviceMismatch {
                 op,
@@ -103,22 +109,130 @@ pub(crate) fn device_of(op: &'static str, operands: &[&Storage]) -> Result<Devic
     Ok(first)
 }
 
-/// Checks the operands' device (bound to `$d`), then runs `$body` with `$S` that device's backend
-/// storage type.
+/// Writes the list of [`backend_ops`] as `Storage` methods with the backend trait's signatures
+/// (`Self` is now [`Storage`]): each checks that its operands share one device, then calls that
+/// device's backend with the operands unwrapped ([`Arg`]) and wraps its result ([`Lift`]).
 macro_rules! dispatch {
-    ($op:expr, [$($x:expr),* $(,)?], $S:ident, $d:ident => $body:expr) => {{
-        let $d = device_of($op, &[$($x),*])?;
-        with_backend!($op, $d, $S => $body)
-    }};
-    ($op:expr, slice $ops:expr, $S:ident, $d:ident => $body:expr) => {{
-        let $d = device_of($op, $ops)?;
-        with_backend!($op, $d, $S => $body)
-    }};
+    (; $($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) -> $ret:ty = $op:literal;)*) => {
+        impl Storage {
+            $(
+                $(#[$doc])*
+                #[allow(clippy::needless_arbitrary_self_type)]
+                pub(crate) fn $name($($arg: $ty),*) -> $ret {
+                    let device = same_device($op, [$(Arg::fixed_device(&$arg)),*].into_iter().flatten())?;
+                    with_backend!($op, device, S => {
+                        <S as BackendStorage>::$name($(Arg::on::<S>($arg)),*).map(Lift::lift)
+                    })
+                }
+            )*
+        }
+    };
 }
 
-fn inp<'a, S: Variant>(s: Src<'a>) -> In<'a, S> {
-    (S::of(s.0), s.1)
+/// An argument of a dispatched method, as the backend `S` takes it: a storage (alone or with its
+/// layout) becomes `S`'s storage inside it; anything else passes unchanged.
+trait Arg: Sized {
+    /// The argument as backend `S` takes it.
+    type On<S: Variant>;
+    /// The device this argument fixes: a storage's, or a [`Device`] argument itself.
+    fn fixed_device(&self) -> Option<Device> {
+        None
+    }
+    /// The argument for backend `S` (which the dispatch picked from [`Arg::fixed_device`]).
+    fn on<S: Variant>(self) -> Self::On<S>;
 }
+
+impl<'a> Arg for &'a Storage {
+    type On<S: Variant> = &'a S;
+    fn fixed_device(&self) -> Option<Device> {
+        Some(Storage::device(self))
+    }
+    fn on<S: Variant>(self) -> &'a S {
+        S::of(self)
+    }
+}
+
+impl<'a> Arg for &'a mut Storage {
+    type On<S: Variant> = &'a mut S;
+    fn fixed_device(&self) -> Option<Device> {
+        Some(Storage::device(self))
+    }
+    fn on<S: Variant>(self) -> &'a mut S {
+        S::of_mut(self)
+    }
+}
+
+impl<'a> Arg for Src<'a> {
+    type On<S: Variant> = In<'a, S>;
+    fn fixed_device(&self) -> Option<Device> {
+        Some(self.0.device())
+    }
+    fn on<S: Variant>(self) -> In<'a, S> {
+        (S::of(self.0), self.1)
+    }
+}
+
+impl Arg for Device {
+    type On<S: Variant> = Device;
+    fn fixed_device(&self) -> Option<Device> {
+        Some(*self)
+    }
+    fn on<S: Variant>(self) -> Device {
+        self
+    }
+}
+
+/// [`Arg`] for arguments that pass unchanged.
+macro_rules! unchanged {
+    ($($t:ty),*) => {
+        $(impl<'a> Arg for $t {
+            type On<S: Variant> = Self;
+            fn on<S: Variant>(self) -> Self {
+                self
+            }
+        })*
+    };
+}
+unchanged!(
+    DType,
+    usize,
+    u64,
+    i64,
+    f64,
+    CpuStorage,
+    Distribution,
+    UnaryOp,
+    BinaryOp,
+    CmpOp,
+    ReduceOp,
+    Select
+);
+unchanged!(&'a Layout, &'a [usize], &'a Product);
+
+/// A backend method's result as the dispatch returns it: a backend storage wrapped into its
+/// [`Storage`] variant; anything else unchanged.
+trait Lift<T> {
+    /// `self` as the dispatch returns it.
+    fn lift(self) -> T;
+}
+
+impl<S: Variant> Lift<Storage> for S {
+    fn lift(self) -> Storage {
+        self.wrap()
+    }
+}
+
+/// [`Lift`] for results that pass unchanged.
+macro_rules! same {
+    ($($t:ty),*) => {
+        $(impl Lift<$t> for $t {
+            fn lift(self) -> $t {
+                self
+            }
+        })*
+    };
+}
+same!((), bool, CpuStorage);
 
 #[cfg(test)]
 thread_local! {
@@ -188,46 +302,6 @@ impl Storage {
     }
 }
 
-pub(crate) fn zeros(device: Device, dtype: DType, len: usize) -> Result<Storage> {
-    with_backend!("zeros", device, S => <S as BackendStorage>::zeros(device, dtype, len).map(S::wrap))
-}
-
-/// See `BackendStorage::output`.
-pub(crate) fn output(device: Device, dtype: DType, len: usize) -> Result<Storage> {
-    with_backend!("output", device, S => <S as BackendStorage>::output(device, dtype, len).map(S::wrap))
-}
-
-pub(crate) fn full(device: Device, value: f64, dtype: DType, len: usize) -> Result<Storage> {
-    with_backend!("full", device, S => S::full(device, value, dtype, len).map(S::wrap))
-}
-
-pub(crate) fn from_host(device: Device, host: CpuStorage) -> Result<Storage> {
-    with_backend!("from_host", device, S => S::from_host(device, host).map(S::wrap))
-}
-
-pub(crate) fn to_host(s: &Storage, l: &Layout) -> Result<CpuStorage> {
-    dispatch!("to_host", [s], S, device => S::of(s).to_host(l))
-}
-
-pub(crate) fn read_elements(s: &Storage, indices: &[usize]) -> Result<CpuStorage> {
-    dispatch!("read_elements", [s], S, device => S::of(s).read_elements(indices))
-}
-
-pub(crate) fn random(
-    device: Device,
-    dtype: DType,
-    len: usize,
-    seed: u64,
-    offset: u64,
-    dist: Distribution,
-) -> Result<Storage> {
-    with_backend!("random", device, S => S::random(device, dtype, len, seed, offset, dist).map(S::wrap))
-}
-
-pub(crate) fn arange(device: Device, start: i64, len: usize, dtype: DType) -> Result<Storage> {
-    with_backend!("arange", device, S => S::arange(device, start, len, dtype).map(S::wrap))
-}
-
 /// Hands a freed buffer to its backend's allocator.
 pub(crate) fn release(s: &mut Storage) {
     match s {
@@ -237,96 +311,4 @@ pub(crate) fn release(s: &mut Storage) {
     }
 }
 
-// ----- basic ops -----
-
-pub(crate) fn cast(s: &Storage, l: &Layout, dtype: DType) -> Result<Storage> {
-    dispatch!("to_dtype", [s], S, device => S::of(s).cast(l, dtype).map(S::wrap))
-}
-
-pub(crate) fn copy_contiguous(s: &Storage, l: &Layout) -> Result<Storage> {
-    dispatch!("contiguous", [s], S, device => S::of(s).copy_contiguous(l).map(S::wrap))
-}
-
-pub(crate) fn copy_into(dst: &mut Storage, dl: &Layout, src: Src<'_>) -> Result<()> {
-    dispatch!("copy_into", [dst, src.0], S, device => S::of_mut(dst).copy_into(dl, inp::<S>(src)))
-}
-
-pub(crate) fn add_assign_contiguous(dst: &mut Storage, dl: &Layout, src: Src<'_>) -> Result<bool> {
-    dispatch!("add_assign", [dst, src.0], S, device => S::of_mut(dst).add_assign_contiguous(dl, inp::<S>(src)))
-}
-
-pub(crate) fn unary(s: Src<'_>, op: UnaryOp) -> Result<Storage> {
-    dispatch!("unary", [s.0], S, device => S::unary(inp::<S>(s), op).map(S::wrap))
-}
-
-pub(crate) fn binary(op: BinaryOp, a: Src<'_>, b: Src<'_>) -> Result<Storage> {
-    dispatch!("binary", [a.0, b.0], S, device => S::binary(op, inp::<S>(a), inp::<S>(b)).map(S::wrap))
-}
-
-pub(crate) fn compare(op: CmpOp, a: Src<'_>, b: Src<'_>) -> Result<Storage> {
-    dispatch!("compare", [a.0, b.0], S, device => S::compare(op, inp::<S>(a), inp::<S>(b)).map(S::wrap))
-}
-
-pub(crate) fn where_cond(cond: Src<'_>, t: Src<'_>, f: Src<'_>) -> Result<Storage> {
-    dispatch!("where_cond", [cond.0, t.0, f.0], S, device => {
-        S::where_cond(inp::<S>(cond), inp::<S>(t), inp::<S>(f)).map(S::wrap)
-    })
-}
-
-pub(crate) fn reduce(
-    op: ReduceOp,
-    s: Src<'_>,
-    outer: usize,
-    red: usize,
-    inner: usize,
-) -> Result<Storage> {
-    dispatch!("reduce", [s.0], S, device => S::reduce(op, inp::<S>(s), outer, red, inner).map(S::wrap))
-}
-
-pub(crate) fn matmul(a: &Storage, b: &Storage, p: &Product) -> Result<Storage> {
-    dispatch!("matmul", [a, b], S, device => S::matmul(S::of(a), S::of(b), p).map(S::wrap))
-}
-
-pub(crate) fn gather(x: Src<'_>, index: Src<'_>, dim: usize) -> Result<Storage> {
-    dispatch!("gather", [x.0, index.0], S, device => {
-        S::gather(inp::<S>(x), inp::<S>(index), dim).map(S::wrap)
-    })
-}
-
-pub(crate) fn gather_backward(
-    dout: Src<'_>,
-    index: Src<'_>,
-    x_dims: &[usize],
-    dim: usize,
-) -> Result<Storage> {
-    dispatch!("gather_backward", [dout.0, index.0], S, device => {
-        S::gather_backward(inp::<S>(dout), inp::<S>(index), x_dims, dim).map(S::wrap)
-    })
-}
-
-pub(crate) fn index_select(
-    x: Src<'_>,
-    ids: Src<'_>,
-    outer: usize,
-    x_n: usize,
-    inner: usize,
-    dim: usize,
-) -> Result<Storage> {
-    dispatch!("index_select", [x.0, ids.0], S, device => {
-        S::index_select(inp::<S>(x), inp::<S>(ids), outer, x_n, inner, dim).map(S::wrap)
-    })
-}
-
-pub(crate) fn index_select_backward(
-    dout: Src<'_>,
-    ids: Src<'_>,
-    outer: usize,
-    x_n: usize,
-    inner: usize,
-    dim: usize,
-) -> Result<Storage> {
-    dispatch!("index_select_backward", [dout.0, ids.0], S, device => {
-        S::index_select_backward(inp::<S>(dout), inp::<S>(ids), outer, x_n, inner, dim)
-            .map(S::wrap)
-    })
-}
+backend_ops!(dispatch);

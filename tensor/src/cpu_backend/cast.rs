@@ -3,8 +3,9 @@
 use half::{bf16, f16};
 use meshgrad_kernels::cpu::strided;
 
+use crate::backend::api::In;
 use crate::storage::CpuStorage;
-use crate::{DType, Error, Layout, Result};
+use crate::{DType, Layout, Result};
 
 /// A contiguous copy of the view `l` of `s`.
 pub(crate) fn copy_contiguous(s: &CpuStorage, l: &Layout) -> Result<CpuStorage> {
@@ -25,16 +26,9 @@ pub(crate) fn copy_contiguous(s: &CpuStorage, l: &Layout) -> Result<CpuStorage> 
 pub(crate) fn copy_into(
     dst: &mut CpuStorage,
     dl: &Layout,
-    src: &CpuStorage,
-    sl: &Layout,
+    (src, sl): In<'_, CpuStorage>,
 ) -> Result<()> {
-    if dst.dtype() != src.dtype() {
-        return Err(Error::DTypeMismatch {
-            op: "copy_into",
-            lhs: dst.dtype(),
-            rhs: src.dtype(),
-        });
-    }
+    dst.dtype().matching("copy_into", src.dtype())?;
     let contiguous_src = copy_contiguous(src, sl)?;
     macro_rules! go {
         ($($v:ident),*) => {

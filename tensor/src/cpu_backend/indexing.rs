@@ -5,16 +5,14 @@ use meshgrad_kernels::cpu;
 use meshgrad_kernels::Float;
 
 use super::{floats, ids, range, with_floats, Floats, IntoStorage};
-use crate::backend::api::In;
+use crate::backend::api::{In, Select};
 use crate::storage::CpuStorage;
-use crate::{Layout, Result};
+use crate::Result;
 
 /// `torch.gather` of `x` (dims `xl.dims()`) along `dim` by `index` (dims `il.dims()`); any dtype.
 pub(crate) fn gather(
-    x: &CpuStorage,
-    xl: &Layout,
-    index: &CpuStorage,
-    il: &Layout,
+    (x, xl): In<'_, CpuStorage>,
+    (index, il): In<'_, CpuStorage>,
     dim: usize,
 ) -> Result<CpuStorage> {
     let idx = ids(index, il, "gather (index)")?;
@@ -31,10 +29,8 @@ pub(crate) fn gather(
 
 /// Scatter-adds `dout` (dims `il.dims()`) into zeros of `x_dims` along `dim` by `index`.
 pub(crate) fn gather_backward(
-    dout: &CpuStorage,
-    dl: &Layout,
-    index: &CpuStorage,
-    il: &Layout,
+    (dout, dl): In<'_, CpuStorage>,
+    (index, il): In<'_, CpuStorage>,
     x_dims: &[usize],
     dim: usize,
 ) -> Result<CpuStorage> {
@@ -55,10 +51,12 @@ pub(crate) fn gather_backward(
 pub(crate) fn index_select(
     (x, xl): In<'_, CpuStorage>,
     (ids_s, il): In<'_, CpuStorage>,
-    outer: usize,
-    x_n: usize,
-    inner: usize,
-    dim: usize,
+    Select {
+        outer,
+        x_n,
+        inner,
+        dim,
+    }: Select,
 ) -> Result<CpuStorage> {
     let idx = ids(ids_s, il, "index_select (ids)")?;
     let r = range(xl);
@@ -76,10 +74,12 @@ pub(crate) fn index_select(
 pub(crate) fn index_select_backward(
     (dout, dl): In<'_, CpuStorage>,
     (ids_s, il): In<'_, CpuStorage>,
-    outer: usize,
-    x_n: usize,
-    inner: usize,
-    dim: usize,
+    Select {
+        outer,
+        x_n,
+        inner,
+        dim,
+    }: Select,
 ) -> Result<CpuStorage> {
     let idx = ids(ids_s, il, "index_select_backward (ids)")?;
     let dt = dout.dtype();

@@ -7,6 +7,7 @@ mod backend_impl;
 mod cast;
 pub(crate) mod in_place;
 pub(crate) mod indexing;
+mod memory;
 
 use std::borrow::Cow;
 use std::ops::Range;
@@ -16,7 +17,10 @@ use meshgrad_kernels::cpu::{self, elementwise::View};
 use meshgrad_kernels::ops::{MatrixLayout, ReduceOp};
 
 pub(crate) use cast::{cast, copy_contiguous, copy_into};
+pub(crate) use indexing::{gather, gather_backward, index_select, index_select_backward};
+pub(crate) use memory::{arange, from_host, full, output, random, read_elements, to_host, zeros};
 
+use crate::backend::api::In;
 use crate::backend::Product;
 use crate::storage::CpuStorage;
 use crate::{DType, Error, Layout, Result};
@@ -120,7 +124,8 @@ macro_rules! with_floats {
 }
 pub(crate) use with_floats;
 
-pub(crate) fn full(s: &CpuStorage) -> Range<usize> {
+/// The whole buffer as a range.
+pub(crate) fn entire(s: &CpuStorage) -> Range<usize> {
     0..s.len()
 }
 
@@ -138,8 +143,7 @@ fn view<'a, T>(data: &'a [T], l: &'a Layout) -> View<'a, T> {
 }
 
 pub(crate) fn unary(
-    s: &CpuStorage,
-    l: &Layout,
+    (s, l): In<'_, CpuStorage>,
     op: meshgrad_kernels::ops::UnaryOp,
 ) -> Result<CpuStorage> {
     let dt = s.dtype();
@@ -152,7 +156,7 @@ pub(crate) fn unary(
         }));
     }
     let c = copy_contiguous(s, l)?;
-    unary(&c, &Layout::contiguous(l.shape().clone()), op)
+    unary((&c, &Layout::contiguous(l.shape().clone())), op)
 }
 
 /// `dst += src` in place for contiguous float buffers of one dtype and equal element count;
@@ -160,8 +164,7 @@ pub(crate) fn unary(
 pub(crate) fn add_assign_contiguous(
     dst: &mut CpuStorage,
     dl: &Layout,
-    src: &CpuStorage,
-    sl: &Layout,
+    (src, sl): In<'_, CpuStorage>,
 ) -> Result<bool> {
     let (dr, sr) = (range(dl), range(sl));
     match (dst, src) {
@@ -179,16 +182,14 @@ pub(crate) fn add_assign_contiguous(
 
 pub(crate) fn binary(
     op: meshgrad_kernels::ops::BinaryOp,
-    a: &CpuStorage,
-    al: &Layout,
-    b: &CpuStorage,
-    bl: &Layout,
+    (a, al): In<'_, CpuStorage>,
+    (b, bl): In<'_, CpuStorage>,
 ) -> Result<CpuStorage> {
     let dt = a.dtype();
     let shape = al.dims();
     let n = al.shape().elem_count();
     Ok(
-        with_floats!("binary", (a, full(a)) => x, (b, full(b)) => y; {
+        with_floats!("binary", (a, entire(a)) => x, (b, entire(b)) => y; {
             let mut out = crate::pool::output(n);
             cpu::elementwise::binary(op, shape, view(x, al), view(y, bl), &mut out);
             out.into_storage(dt)
@@ -198,27 +199,22 @@ pub(crate) fn binary(
 
 pub(crate) fn compare(
     op: meshgrad_kernels::ops::CmpOp,
-    a: &CpuStorage,
-    al: &Layout,
-    b: &CpuStorage,
-    bl: &Layout,
+    (a, al): In<'_, CpuStorage>,
+    (b, bl): In<'_, CpuStorage>,
 ) -> Result<CpuStorage> {
     let shape = al.dims();
     let n = al.shape().elem_count();
     let mut out = vec![0u8; n];
-    with_floats!("compare", (a, full(a)) => x, (b, full(b)) => y; {
+    with_floats!("compare", (a, entire(a)) => x, (b, entire(b)) => y; {
         cpu::elementwise::compare(op, shape, view(x, al), view(y, bl), &mut out);
     });
     Ok(CpuStorage::U8(out))
 }
 
 pub(crate) fn where_cond(
-    c: &CpuStorage,
-    cl: &Layout,
-    t: &CpuStorage,
-    tl: &Layout,
-    f: &CpuStorage,
-    fl: &Layout,
+    (c, cl): In<'_, CpuStorage>,
+    (t, tl): In<'_, CpuStorage>,
+    (f, fl): In<'_, CpuStorage>,
 ) -> Result<CpuStorage> {
     let CpuStorage::U8(cond) = c else {
         return Err(Error::UnsupportedDType {
@@ -245,8 +241,7 @@ pub(crate) fn where_cond(
 
 pub(crate) fn reduce(
     op: ReduceOp,
-    s: &CpuStorage,
-    l: &Layout,
+    (s, l): In<'_, CpuStorage>,
     outer: usize,
     red: usize,
     inner: usize,
@@ -294,7 +289,7 @@ pub(crate) fn matmul(a: &CpuStorage, b: &CpuStorage, p: &Product) -> Result<CpuS
         col_stride: 1,
     };
     Ok(
-        with_floats!("matmul", (a, full(a)) => x, (b, full(b)) => y; {
+        with_floats!("matmul", (a, entire(a)) => x, (b, entire(b)) => y; {
             let mut out = crate::pool::output(batch * m * n);
             cpu::matmul::matmul(batch, m, n, k, x, al, y, bl, &mut out, cl, false);
             out.into_storage(dt)

@@ -57,6 +57,15 @@ impl KernelArgs {
     }
 }
 
+/// A [`KernelArgs`] of the given parameters, in order: `kernel_args![x, out, n as i64]` is
+/// `KernelArgs::new().arg(x).arg(out).arg(n as i64)`.
+macro_rules! kernel_args {
+    ($($value:expr),* $(,)?) => {
+        $crate::cuda_backend::KernelArgs::new()$(.arg($value))*
+    };
+}
+pub(crate) use kernel_args;
+
 /// Threads per block of the 1-D elementwise launches.
 pub(crate) const BLOCK: u32 = 256;
 

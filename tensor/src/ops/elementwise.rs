@@ -1,7 +1,8 @@
 //! Elementwise ops: broadcasting binary arithmetic, unary maps, comparisons and `where`.
 
 use super::same_kind;
-use crate::{backend, DType, Result, Shape, Tensor};
+use crate::storage::Storage;
+use crate::{DType, Result, Shape, Tensor};
 use meshgrad_kernels::ops::{BinaryOp, CmpOp, UnaryOp};
 
 /// Which GELU formula.
@@ -30,7 +31,7 @@ impl Tensor {
             rhs.layout().broadcast_as(&shape)?,
         );
         let (ga, gb) = (self.read_storage(name)?, rhs.read_storage(name)?);
-        let s = backend::binary(op, (&ga, &la), (&gb, &lb))?;
+        let s = Storage::binary(op, (&ga, &la), (&gb, &lb))?;
         Ok(Tensor::from_storage(s, shape))
     }
 
@@ -73,7 +74,7 @@ impl Tensor {
             });
         }
         let g = self.read_storage(name)?;
-        let s = backend::unary((&g, self.layout()), op)?;
+        let s = Storage::unary((&g, self.layout()), op)?;
         Ok(Tensor::from_storage(s, self.shape()))
     }
 
@@ -151,7 +152,7 @@ impl Tensor {
             b.layout().broadcast_as(&shape)?,
         );
         let (ga, gb) = (a.read_storage(name)?, b.read_storage(name)?);
-        let s = backend::compare(op, (&ga, &la), (&gb, &lb))?;
+        let s = Storage::compare(op, (&ga, &la), (&gb, &lb))?;
         Ok(Tensor::from_storage(s, shape))
     }
 
@@ -203,7 +204,7 @@ impl Tensor {
             on_true.read_storage("where_cond")?,
             on_false.read_storage("where_cond")?,
         );
-        let s = backend::where_cond((&gc, &lc), (&gt, &lt), (&gf, &lf))?;
+        let s = Storage::where_cond((&gc, &lc), (&gt, &lt), (&gf, &lf))?;
         Ok(Tensor::from_storage(s, shape))
     }
 }

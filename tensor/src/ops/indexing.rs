@@ -2,7 +2,9 @@
 //! deterministic scatter-add / index-add backward passes.
 
 use super::same_device;
-use crate::{backend, Error, Result, Shape, Tensor};
+use crate::backend::api::Select;
+use crate::storage::Storage;
+use crate::{Error, Result, Shape, Tensor};
 
 /// Refuses a non-integer index tensor.
 fn integer_index(op: &'static str, index: &Tensor) -> Result<()> {
@@ -38,13 +40,14 @@ fn check_gather(op: &'static str, x_shape: &Shape, index: &Tensor, d: usize) -> 
     Ok(())
 }
 
-/// `[outer, size, inner]` around dim `d` of `dims`.
-fn split_at(dims: &[usize], d: usize) -> (usize, usize, usize) {
-    (
-        dims[..d].iter().product(),
-        dims[d],
-        dims[d + 1..].iter().product(),
-    )
+/// `dims` viewed as `[outer, dims[d], inner]` around dim `d`, for an `index_select` along it.
+fn select_at(dims: &[usize], d: usize) -> Select {
+    Select {
+        outer: dims[..d].iter().product(),
+        x_n: dims[d],
+        inner: dims[d + 1..].iter().product(),
+        dim: d,
+    }
 }
 
 impl Tensor {
@@ -62,7 +65,7 @@ impl Tensor {
         check_gather("gather", self.shape(), index, d)?;
         let (x, i) = (self.contiguous()?, index.contiguous()?);
         let (gx, gi) = (x.read_storage("gather")?, i.read_storage("gather")?);
-        let s = backend::gather((&gx, x.layout()), (&gi, i.layout()), d)?;
+        let s = Storage::gather((&gx, x.layout()), (&gi, i.layout()), d)?;
         Ok(Tensor::from_storage(s, index.shape()))
     }
 
@@ -92,7 +95,7 @@ impl Tensor {
         let (g, i) = (self.contiguous()?, index.contiguous()?);
         let (gg, gi) = (g.read_storage(op)?, i.read_storage(op)?);
         let s =
-            backend::gather_backward((&gg, g.layout()), (&gi, i.layout()), input_shape.dims(), d)?;
+            Storage::gather_backward((&gg, g.layout()), (&gi, i.layout()), input_shape.dims(), d)?;
         Ok(Tensor::from_storage(s, input_shape))
     }
 
@@ -112,13 +115,13 @@ impl Tensor {
                 self.shape()
             );
         }
-        let (outer, n, inner) = split_at(self.dims(), d);
+        let sel = select_at(self.dims(), d);
         let (x, i) = (self.contiguous()?, ids.contiguous()?);
         let (gx, gi) = (
             x.read_storage("index_select")?,
             i.read_storage("index_select")?,
         );
-        let s = backend::index_select((&gx, x.layout()), (&gi, i.layout()), outer, n, inner, d)?;
+        let s = Storage::index_select((&gx, x.layout()), (&gi, i.layout()), sel)?;
         let mut out = self.dims().to_vec();
         out[d] = ids.elem_count();
         Ok(Tensor::from_storage(s, out))
@@ -149,17 +152,10 @@ impl Tensor {
                 input_shape
             );
         }
-        let (outer, n, inner) = split_at(input_shape.dims(), d);
+        let sel = select_at(input_shape.dims(), d);
         let (g, i) = (self.contiguous()?, ids.contiguous()?);
         let (gg, gi) = (g.read_storage(op)?, i.read_storage(op)?);
-        let s = backend::index_select_backward(
-            (&gg, g.layout()),
-            (&gi, i.layout()),
-            outer,
-            n,
-            inner,
-            d,
-        )?;
+        let s = Storage::index_select_backward((&gg, g.layout()), (&gi, i.layout()), sel)?;
         Ok(Tensor::from_storage(s, input_shape))
     }
 }

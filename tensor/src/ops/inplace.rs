@@ -2,7 +2,8 @@
 //! (`fused/adamw`, `fused/sgd`). They write through the storage shared by every view of it.
 
 use super::same_kind;
-use crate::{backend, Error, Result, Tensor};
+use crate::storage::Storage;
+use crate::{Error, Result, Tensor};
 
 impl Tensor {
     /// Copies `src`'s values into this tensor's elements (shapes must match; dtypes too).
@@ -24,7 +25,7 @@ impl Tensor {
         };
         let gs = src.read_storage("copy_from")?;
         let mut gd = self.write_storage("copy_from")?;
-        backend::copy_into(&mut gd, self.layout(), (&gs, src.layout()))
+        Storage::copy_into(&mut gd, self.layout(), (&gs, src.layout()))
     }
 
     /// Sets every element to `value`.
@@ -48,7 +49,7 @@ impl Tensor {
         {
             let gs = other.read_storage("add_assign")?;
             let mut gd = self.write_storage("add_assign")?;
-            if backend::add_assign_contiguous(&mut gd, self.layout(), (&gs, other.layout()))? {
+            if Storage::add_assign_contiguous(&mut gd, self.layout(), (&gs, other.layout()))? {
                 return Ok(());
             }
         }

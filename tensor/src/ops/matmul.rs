@@ -2,7 +2,8 @@
 //! strides, never copied.
 
 use super::same_kind;
-use crate::backend::{self, Product};
+use crate::backend::Product;
+use crate::storage::Storage;
 use crate::{Error, Layout, Result, Shape, Tensor};
 use meshgrad_kernels::ops::MatrixLayout;
 
@@ -105,7 +106,7 @@ impl Tensor {
                         n,
                         k,
                     };
-                    let s = backend::matmul(&ga, &gb, &p)?;
+                    let s = Storage::matmul(&ga, &gb, &p)?;
                     return Ok(Tensor::from_storage(s, out_dims));
                 }
             }
@@ -135,7 +136,7 @@ impl Tensor {
             n,
             k,
         };
-        let s = backend::matmul(&ga, &gb, &p)?;
+        let s = Storage::matmul(&ga, &gb, &p)?;
         Ok(Tensor::from_storage(s, out_dims))
     }
 }

@@ -44,20 +44,8 @@ pub fn compute_dtype(dtype: DType) -> DType {
 
 /// Checks that two tensors share a device and dtype.
 pub(crate) fn same_kind(op: &'static str, a: &Tensor, b: &Tensor) -> crate::Result<()> {
-    if a.device() != b.device() {
-        return Err(Error::DeviceMismatch {
-            op,
-            lhs: a.device(),
-            rhs: b.device(),
-        });
-    }
-    if a.dtype() != b.dtype() {
-        return Err(Error::DTypeMismatch {
-            op,
-            lhs: a.dtype(),
-            rhs: b.dtype(),
-        });
-    }
+    same_device(op, a, b)?;
+    a.dtype().matching(op, b.dtype())?;
     Ok(())
 }
 

@@ -1,6 +1,7 @@
 //! Reductions over dimensions.
 
-use crate::{backend, DType, Result, Shape, Tensor};
+use crate::storage::Storage;
+use crate::{DType, Result, Shape, Tensor};
 use meshgrad_kernels::ops::ReduceOp;
 
 impl Tensor {
@@ -22,7 +23,7 @@ impl Tensor {
         let inner: usize = dims[dim + 1..].iter().product();
         let x = self.contiguous()?;
         let g = x.read_storage(name)?;
-        let s = backend::reduce(op, (&g, x.layout()), outer, dims[dim], inner)?;
+        let s = Storage::reduce(op, (&g, x.layout()), outer, dims[dim], inner)?;
         let mut out = dims.to_vec();
         out[dim] = 1;
         Ok(Tensor::from_storage(s, out))

@@ -1,7 +1,8 @@
 //! Joining tensors: cat and stack.
 
 use super::same_kind;
-use crate::{backend, Error, Result, Shape, Tensor};
+use crate::storage::Storage;
+use crate::{Error, Result, Shape, Tensor};
 
 impl Tensor {
     /// Concatenates along `dim`; all other dims must agree.
@@ -34,7 +35,7 @@ impl Tensor {
         let shape = Shape::new(dims);
         // The pieces cover every element of the output.
         let out = Tensor::from_storage(
-            backend::output(first.device(), first.dtype(), shape.elem_count())?,
+            Storage::output(first.device(), first.dtype(), shape.elem_count())?,
             shape,
         );
         let mut start = 0;
@@ -43,7 +44,7 @@ impl Tensor {
             let dst = out.layout().narrow(d, start, len)?;
             let src = t.read_storage("cat")?;
             let mut g = out.write_storage("cat")?;
-            backend::copy_into(&mut g, &dst, (&src, t.layout()))?;
+            Storage::copy_into(&mut g, &dst, (&src, t.layout()))?;
             start += len;
         }
         Ok(out)

@@ -6,7 +6,7 @@
 use meshgrad_kernels::cuda::{binary_op, cmp_op, unary_op, GatherArgs, StridedArgs};
 use meshgrad_kernels::ops::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
 
-use crate::cuda_backend::{grid_for, DeviceContext, KernelArgs, BLOCK};
+use crate::cuda_backend::{grid_for, kernel_args, DeviceContext, KernelArgs, BLOCK};
 use crate::Result;
 
 /// One kernel launch: entry `entry` of `kernels/cuda/<file>`, its grid, block, dynamic shared
@@ -112,33 +112,25 @@ pub(crate) fn cmp_code(op: CmpOp) -> i32 {
 
 /// `fill_f64(double *out, i64 n, double value)`.
 pub(crate) fn fill_f64(out: u64, n: usize, value: f64) -> Launch {
-    let a = KernelArgs::new().arg(out).arg(n as i64).arg(value);
+    let a = kernel_args![out, n as i64, value];
     Launch::threads(EW, "fill_f64".into(), n, a)
 }
 
 /// `fill_i64(i64 *out, i64 n, i64 value)`.
 pub(crate) fn fill_i64(out: u64, n: usize, value: i64) -> Launch {
-    let a = KernelArgs::new().arg(out).arg(n as i64).arg(value);
+    let a = kernel_args![out, n as i64, value];
     Launch::threads(EW, "fill_i64".into(), n, a)
 }
 
 /// `arange_<t>(T *out, i64 n, double start, double step)` with step 1 (f32, bf16, f16).
 pub(crate) fn arange_float(sfx: &str, out: u64, n: usize, start: i64) -> Launch {
-    let a = KernelArgs::new()
-        .arg(out)
-        .arg(n as i64)
-        .arg(start as f64)
-        .arg(1.0f64);
+    let a = kernel_args![out, n as i64, start as f64, 1.0f64];
     Launch::threads(EW, format!("arange_{sfx}"), n, a)
 }
 
 /// `arange_i64(i64 *out, i64 n, i64 start, i64 step)` with step 1.
 pub(crate) fn arange_i64(out: u64, n: usize, start: i64) -> Launch {
-    let a = KernelArgs::new()
-        .arg(out)
-        .arg(n as i64)
-        .arg(start)
-        .arg(1i64);
+    let a = kernel_args![out, n as i64, start, 1i64];
     Launch::threads(EW, "arange_i64".into(), n, a)
 }
 
@@ -152,13 +144,7 @@ pub(crate) fn uniform(
     low: f64,
     width: f64,
 ) -> Launch {
-    let a = KernelArgs::new()
-        .arg(out)
-        .arg(n as i64)
-        .arg(seed)
-        .arg(start)
-        .arg(low)
-        .arg(width);
+    let a = kernel_args![out, n as i64, seed, start, low, width];
     Launch::threads(RANDOM, format!("uniform_{sfx}"), n, a)
 }
 
@@ -172,89 +158,56 @@ pub(crate) fn normal(
     mean: f64,
     std: f64,
 ) -> Launch {
-    let a = KernelArgs::new()
-        .arg(out)
-        .arg(n as i64)
-        .arg(seed)
-        .arg(start)
-        .arg(mean)
-        .arg(std);
+    let a = kernel_args![out, n as i64, seed, start, mean, std];
     Launch::threads(RANDOM, format!("normal_{sfx}"), n, a)
 }
 
 /// `randint_i64(i64 *out, i64 n, u64 seed, u64 start, i64 low, u64 width)`.
 pub(crate) fn randint(out: u64, n: usize, seed: u64, start: u64, low: i64, width: u64) -> Launch {
-    let a = KernelArgs::new()
-        .arg(out)
-        .arg(n as i64)
-        .arg(seed)
-        .arg(start)
-        .arg(low)
-        .arg(width);
+    let a = kernel_args![out, n as i64, seed, start, low, width];
     Launch::threads(RANDOM, "randint_i64".into(), n, a)
 }
 
 /// `cast_<a>_to_<b>(const S *x, D *out, i64 n)`.
 pub(crate) fn cast(from: &str, to: &str, x: u64, out: u64, n: usize) -> Launch {
-    let a = KernelArgs::new().arg(x).arg(out).arg(n as i64);
+    let a = kernel_args![x, out, n as i64];
     Launch::threads(EW, format!("cast_{from}_to_{to}"), n, a)
 }
 
 /// `copy_strided_<t>(StridedArgs s, const T *x, T *out)`.
 pub(crate) fn copy_strided(sfx: &str, s: StridedArgs, x: u64, out: u64) -> Launch {
-    let a = KernelArgs::new().arg(s).arg(x).arg(out);
+    let a = kernel_args![s, x, out];
     Launch::threads(EW, format!("copy_strided_{sfx}"), s.numel as usize, a)
 }
 
 /// `unary_<t>(const T *x, T *out, i64 n, int op, double a, double b)`.
 pub(crate) fn unary(sfx: &str, x: u64, out: u64, n: usize, op: UnaryOp) -> Launch {
     let (code, pa, pb) = unary_code(op);
-    let a = KernelArgs::new()
-        .arg(x)
-        .arg(out)
-        .arg(n as i64)
-        .arg(code)
-        .arg(pa)
-        .arg(pb);
+    let a = kernel_args![x, out, n as i64, code, pa, pb];
     Launch::threads(EW, format!("unary_{sfx}"), n, a)
 }
 
 /// `binary_<t>(int op, StridedArgs s, const T *a, const T *b, T *out)`.
 pub(crate) fn binary(sfx: &str, op: BinaryOp, s: StridedArgs, x: u64, y: u64, out: u64) -> Launch {
-    let a = KernelArgs::new()
-        .arg(binary_code(op))
-        .arg(s)
-        .arg(x)
-        .arg(y)
-        .arg(out);
+    let a = kernel_args![binary_code(op), s, x, y, out];
     Launch::threads(EW, format!("binary_{sfx}"), s.numel as usize, a)
 }
 
 /// `binary_contig_<t>(int op, const T *a, const T *b, T *out, i64 n)`.
 pub(crate) fn binary_contig(sfx: &str, op: BinaryOp, x: u64, y: u64, out: u64, n: usize) -> Launch {
-    let a = KernelArgs::new()
-        .arg(binary_code(op))
-        .arg(x)
-        .arg(y)
-        .arg(out)
-        .arg(n as i64);
+    let a = kernel_args![binary_code(op), x, y, out, n as i64];
     Launch::threads(EW, format!("binary_contig_{sfx}"), n, a)
 }
 
 /// `compare_<t>(int op, StridedArgs s, const T *a, const T *b, u8 *out)`.
 pub(crate) fn compare(sfx: &str, op: CmpOp, s: StridedArgs, x: u64, y: u64, out: u64) -> Launch {
-    let a = KernelArgs::new()
-        .arg(cmp_code(op))
-        .arg(s)
-        .arg(x)
-        .arg(y)
-        .arg(out);
+    let a = kernel_args![cmp_code(op), s, x, y, out];
     Launch::threads(EW, format!("compare_{sfx}"), s.numel as usize, a)
 }
 
 /// `where_<t>(StridedArgs s, const u8 *c, const T *t, const T *f, T *out)`.
 pub(crate) fn where_cond(sfx: &str, s: StridedArgs, c: u64, t: u64, f: u64, out: u64) -> Launch {
-    let a = KernelArgs::new().arg(s).arg(c).arg(t).arg(f).arg(out);
+    let a = kernel_args![s, c, t, f, out];
     Launch::threads(EW, format!("where_{sfx}"), s.numel as usize, a)
 }
 
@@ -286,12 +239,7 @@ pub(crate) fn reduce_strided(
 /// The arguments `(x, out, outer, red, inner)` of the reductions over the middle dim of
 /// `[outer, red, inner]`.
 fn reduce_args(x: u64, out: u64, outer: usize, red: usize, inner: usize) -> KernelArgs {
-    KernelArgs::new()
-        .arg(x)
-        .arg(out)
-        .arg(outer as i64)
-        .arg(red as i64)
-        .arg(inner as i64)
+    kernel_args![x, out, outer as i64, red as i64, inner as i64]
 }
 
 /// Threads per block of a `_lastdim` reduction of rows of `red` elements: a multiple of 32 (the
@@ -310,11 +258,7 @@ pub(crate) fn reduce_lastdim(
     rows: usize,
     red: usize,
 ) -> Launch {
-    let a = KernelArgs::new()
-        .arg(x)
-        .arg(out)
-        .arg(rows as i64)
-        .arg(red as i64);
+    let a = kernel_args![x, out, rows as i64, red as i64];
     Launch {
         file: REDUCE,
         entry: format!("{}_lastdim_{sfx}", reduce_name(op)),
@@ -361,14 +305,7 @@ pub(crate) fn embedding_fwd(
     vocab: usize,
     dim: usize,
 ) -> Launch {
-    let a = KernelArgs::new()
-        .arg(ids)
-        .arg(w)
-        .arg(out)
-        .arg(n as i64)
-        .arg(vocab as i64)
-        .arg(dim as i64)
-        .arg(bad);
+    let a = kernel_args![ids, w, out, n as i64, vocab as i64, dim as i64, bad];
     Launch::threads(EMBEDDING, format!("embedding_fwd_{sfx}"), n * dim, a)
 }
 
@@ -398,13 +335,7 @@ pub(crate) fn embedding_bwd(
     vocab: usize,
     dim: usize,
 ) -> Launch {
-    let a = KernelArgs::new()
-        .arg(ids)
-        .arg(dout)
-        .arg(dw)
-        .arg(n as i64)
-        .arg(vocab as i64)
-        .arg(dim as i64);
+    let a = kernel_args![ids, dout, dw, n as i64, vocab as i64, dim as i64];
     if deterministic {
         let range = embedding_bwd_range(vocab, dim);
         let warps = vocab.div_ceil(range).saturating_mul(dim.div_ceil(32));
@@ -416,83 +347,46 @@ pub(crate) fn embedding_bwd(
     }
 }
 
-/// `gather_<t>(GatherArgs g, const T *x, const i64 *index, T *out, u64 *bad)`: one thread per
-/// output element (`count` of them).
+/// `gather_<t>(GatherArgs g, const T *x, const i64 *index, T *out, u64 *bad)`, or with
+/// `backward` `gather_bwd_<t>(GatherArgs g, const T *dout, const i64 *index, A *dx, u64 *bad)`:
+/// one thread per output element, or per (outer, inner) pair of the index for the backward
+/// (`threads` of them). `[x or dout, index, out or dx, bad]`.
 pub(crate) fn gather(
     sfx: &str,
+    backward: bool,
     g: GatherArgs,
-    x: u64,
-    index: u64,
-    out: u64,
-    bad: u64,
-    count: usize,
+    [x, index, out, bad]: [u64; 4],
+    threads: usize,
 ) -> Launch {
-    let a = KernelArgs::new().arg(g).arg(x).arg(index).arg(out).arg(bad);
-    Launch::threads(GATHER, format!("gather_{sfx}"), count, a)
-}
-
-/// `gather_bwd_<t>(GatherArgs g, const T *dout, const i64 *index, A *dx, u64 *bad)`: one
-/// thread per (outer, inner) pair of the index (`pairs` of them).
-pub(crate) fn gather_bwd(
-    sfx: &str,
-    g: GatherArgs,
-    dout: u64,
-    index: u64,
-    dx: u64,
-    bad: u64,
-    pairs: usize,
-) -> Launch {
-    let a = KernelArgs::new()
-        .arg(g)
-        .arg(dout)
-        .arg(index)
-        .arg(dx)
-        .arg(bad);
-    Launch::threads(GATHER, format!("gather_bwd_{sfx}"), pairs, a)
+    let a = kernel_args![g, x, index, out, bad];
+    let entry = if backward { "gather_bwd" } else { "gather" };
+    Launch::threads(GATHER, format!("{entry}_{sfx}"), threads, a)
 }
 
 /// `index_select_<t>(const T *x, const i64 *ids, T *out, i64 outer, i64 xn, i64 inner, i64 m,
-/// u64 *bad)`: one thread per output element.
-/// `[x, ids, out, bad]`.
+/// u64 *bad)`: one thread per output element; or with `backward`
+/// `index_select_bwd_<t>(const T *dout, const i64 *ids, A *dx, ...)` (the same parameters): one
+/// thread per (outer, inner) pair. `[x or dout, ids, out or dx, bad]`, `[outer, xn, inner, m]`.
 pub(crate) fn index_select(
     sfx: &str,
+    backward: bool,
     [x, ids, out, bad]: [u64; 4],
-    outer: usize,
-    xn: usize,
-    inner: usize,
-    m: usize,
+    [outer, xn, inner, m]: [usize; 4],
 ) -> Launch {
-    let a = KernelArgs::new()
-        .arg(x)
-        .arg(ids)
-        .arg(out)
-        .arg(outer as i64)
-        .arg(xn as i64)
-        .arg(inner as i64)
-        .arg(m as i64)
-        .arg(bad);
-    Launch::threads(GATHER, format!("index_select_{sfx}"), outer * m * inner, a)
-}
-
-/// `index_select_bwd_<t>(const T *dout, const i64 *ids, A *dx, i64 outer, i64 xn,
-/// i64 inner, i64 m, u64 *bad)`: one thread per (outer, inner) pair.
-/// `[dout, ids, dx, bad]`.
-pub(crate) fn index_select_bwd(
-    sfx: &str,
-    [dout, ids, dx, bad]: [u64; 4],
-    outer: usize,
-    xn: usize,
-    inner: usize,
-    m: usize,
-) -> Launch {
-    let a = KernelArgs::new()
-        .arg(dout)
-        .arg(ids)
-        .arg(dx)
-        .arg(outer as i64)
-        .arg(xn as i64)
-        .arg(inner as i64)
-        .arg(m as i64)
-        .arg(bad);
-    Launch::threads(GATHER, format!("index_select_bwd_{sfx}"), outer * inner, a)
+    let a = kernel_args![
+        x,
+        ids,
+        out,
+        outer as i64,
+        xn as i64,
+        inner as i64,
+        m as i64,
+        bad
+    ];
+    let (entry, threads) = if backward {
+        ("index_select_bwd", outer * inner)
+    } else {
+        ("index_select", outer * m * inner)
+    };
+    Launch::threads(GATHER, format!("{entry}_{sfx}"), threads, a)
 }

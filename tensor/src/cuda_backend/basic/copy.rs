@@ -69,13 +69,7 @@ pub(crate) fn copy_into(
     dl: &Layout,
     (src, sl): In<'_, CudaStorage>,
 ) -> Result<()> {
-    if dst.dtype() != src.dtype() {
-        return Err(Error::DTypeMismatch {
-            op: "copy_into",
-            lhs: dst.dtype(),
-            rhs: src.dtype(),
-        });
-    }
+    dst.dtype().matching("copy_into", src.dtype())?;
     if dl.dims() != sl.dims() {
         return Err(Error::ShapeMismatch {
             op: "copy_into",
@@ -95,7 +89,7 @@ pub(crate) fn copy_into(
     if plan.copies() > MAX_PITCHED_COPIES {
         let mut host = download(dst)?;
         let (s, l) = download_view((src, &sl))?;
-        crate::cpu_backend::copy_into(&mut host, &dl, &s, &l)?;
+        crate::cpu_backend::copy_into(&mut host, &dl, (&s, &l))?;
         return upload_to(dst.ctx(), dst.device_ptr(), host.as_bytes());
     }
     let (src_ptr, _keep) = contiguous((src, &sl))?;
@@ -144,22 +138,10 @@ pub(crate) fn copy_into(
     Ok(())
 }
 
-/// The entry-name suffix of a dtype in the `cast_<a>_to_<b>` kernels.
-fn cast_sfx(dtype: DType) -> &'static str {
-    match dtype {
-        DType::F64 => "f64",
-        DType::F32 => "f32",
-        DType::BF16 => "bf16",
-        DType::F16 => "f16",
-        DType::U8 => "u8",
-        DType::U32 => "u32",
-        DType::I64 => "i64",
-    }
-}
-
-/// The `cast_<a>_to_<b>` kernel of a conversion (every pair of dtypes has one).
+/// The `cast_<a>_to_<b>` kernel of a conversion (every pair of dtypes has one; the suffixes are
+/// [`DType::as_str`]).
 pub(crate) fn cast_kernel(from: DType, to: DType) -> (&'static str, &'static str) {
-    (cast_sfx(from), cast_sfx(to))
+    (from.as_str(), to.as_str())
 }
 
 /// See `BackendStorage::cast`. `cast_<a>_to_<b>` on the device for every pair, as the CPU

@@ -25,14 +25,7 @@ pub(crate) fn unary((s, l): In<'_, CudaStorage>, op: UnaryOp) -> Result<CudaStor
 
 /// The common dtype of two operands of `op`, or [`Error::DTypeMismatch`].
 fn same_dtype(op: &'static str, a: &CudaStorage, b: &CudaStorage) -> Result<DType> {
-    if a.dtype() != b.dtype() {
-        return Err(Error::DTypeMismatch {
-            op,
-            lhs: a.dtype(),
-            rhs: b.dtype(),
-        });
-    }
-    Ok(a.dtype())
+    a.dtype().matching(op, b.dtype())
 }
 
 /// See `BackendStorage::binary`: `binary_contig_<t>` when both views are contiguous (same shape

@@ -17,7 +17,7 @@ use super::{
     acc_dtype, args, basic_sfx, cast, contiguous, download_view, from_host, full, mover, read_u64,
     to_host, zeros, Mover,
 };
-use crate::backend::api::{BackendStorage, In};
+use crate::backend::api::{BackendStorage, In, Select};
 use crate::cuda_backend::{CudaStorage, DeviceContext};
 use crate::ops::fused::embedding::Embedding;
 use crate::storage::CpuStorage;
@@ -283,7 +283,14 @@ pub(crate) fn gather(
     }
     let (xp, _keep) = contiguous(x)?;
     let bad = BadFlag::new(ctx)?;
-    args::gather(sfx, g, xp, idx.ptr, out.device_ptr(), bad.ptr(), idx.len).run(ctx)?;
+    args::gather(
+        sfx,
+        false,
+        g,
+        [xp, idx.ptr, out.device_ptr(), bad.ptr()],
+        idx.len,
+    )
+    .run(ctx)?;
     bad.check(&idx, |p, v| {
         gather_msg("gather", p, v, il.dims(), dim, xl.dims()[dim])
     })?;
@@ -310,7 +317,14 @@ pub(crate) fn gather_backward(
     if idx.len > 0 {
         let (gp, _keep) = contiguous(dout)?;
         let bad = BadFlag::new(ctx)?;
-        args::gather_bwd(sfx, g, gp, idx.ptr, dx.device_ptr(), bad.ptr(), pairs).run(ctx)?;
+        args::gather(
+            sfx,
+            true,
+            g,
+            [gp, idx.ptr, dx.device_ptr(), bad.ptr()],
+            pairs,
+        )
+        .run(ctx)?;
         bad.check(&idx, |p, v| {
             gather_msg("gather_backward", p, v, il.dims(), dim, x_dims[dim])
         })?;
@@ -319,7 +333,7 @@ pub(crate) fn gather_backward(
 }
 
 /// The error message of an index_select id out of range, as the CPU words it.
-fn select_msg(op: &str, j: usize, v: i64, dim: usize, x_n: usize) -> String {
+fn select_msg(op: &str, j: usize, v: i64, Select { dim, x_n, .. }: Select) -> String {
     format!("{op}: index {v} at position [{j}] is out of range for dim {dim} of size {x_n}")
 }
 
@@ -328,23 +342,16 @@ fn select_msg(op: &str, j: usize, v: i64, dim: usize, x_n: usize) -> String {
 pub(crate) fn index_select(
     x: In<'_, CudaStorage>,
     ids: In<'_, CudaStorage>,
-    outer: usize,
-    x_n: usize,
-    inner: usize,
-    dim: usize,
+    s: Select,
 ) -> Result<CudaStorage> {
     let Mover::Kernel { sfx, words } = mover(x.0.dtype()) else {
         let ((hx, hxl), (hi, hil)) = (download_view(x)?, download_view(ids)?);
-        let r = <CpuStorage as BackendStorage>::index_select(
-            (&hx, &hxl),
-            (&hi, &hil),
-            outer,
-            x_n,
-            inner,
-            dim,
-        )?;
+        let r = <CpuStorage as BackendStorage>::index_select((&hx, &hxl), (&hi, &hil), s)?;
         return from_host(x.0.device(), r);
     };
+    let Select {
+        outer, x_n, inner, ..
+    } = s;
     let ctx = x.0.ctx();
     let ids = Ids::of("index_select (ids)", ids)?;
     let m = ids.len;
@@ -354,16 +361,9 @@ pub(crate) fn index_select(
     }
     let (xp, _keep) = contiguous(x)?;
     let bad = BadFlag::new(ctx)?;
-    args::index_select(
-        sfx,
-        [xp, ids.ptr, out.device_ptr(), bad.ptr()],
-        outer,
-        x_n,
-        inner * words,
-        m,
-    )
-    .run(ctx)?;
-    bad.check(&ids, |j, v| select_msg("index_select", j, v, dim, x_n))?;
+    let ptrs = [xp, ids.ptr, out.device_ptr(), bad.ptr()];
+    args::index_select(sfx, false, ptrs, [outer, x_n, inner * words, m]).run(ctx)?;
+    bad.check(&ids, |j, v| select_msg("index_select", j, v, s))?;
     Ok(out)
 }
 
@@ -373,11 +373,11 @@ pub(crate) fn index_select(
 pub(crate) fn index_select_backward(
     dout: In<'_, CudaStorage>,
     ids: In<'_, CudaStorage>,
-    outer: usize,
-    x_n: usize,
-    inner: usize,
-    dim: usize,
+    s: Select,
 ) -> Result<CudaStorage> {
+    let Select {
+        outer, x_n, inner, ..
+    } = s;
     let dtype = dout.0.dtype();
     let sfx = basic_sfx("index_select_backward", dtype)?;
     let ctx = dout.0.ctx();
@@ -387,18 +387,9 @@ pub(crate) fn index_select_backward(
     if outer * m * inner > 0 {
         let (g, _keep) = contiguous(dout)?;
         let bad = BadFlag::new(ctx)?;
-        args::index_select_bwd(
-            sfx,
-            [g, ids.ptr, dx.device_ptr(), bad.ptr()],
-            outer,
-            x_n,
-            inner,
-            m,
-        )
-        .run(ctx)?;
-        bad.check(&ids, |j, v| {
-            select_msg("index_select_backward", j, v, dim, x_n)
-        })?;
+        let ptrs = [g, ids.ptr, dx.device_ptr(), bad.ptr()];
+        args::index_select(sfx, true, ptrs, [outer, x_n, inner, m]).run(ctx)?;
+        bad.check(&ids, |j, v| select_msg("index_select_backward", j, v, s))?;
     }
     finish(dx, dtype)
 }

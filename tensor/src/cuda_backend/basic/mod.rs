@@ -38,6 +38,8 @@ pub(crate) use indexing::{embedding, embedding_backward};
 pub(super) use indexing::{gather, gather_backward, index_select, index_select_backward};
 pub(super) use memory::{arange, from_host, full, output, random, read_elements, to_host, zeros};
 pub(super) use reduce::reduce;
+// The backend trait's matmul is cuBLAS's (`blas/`); listed here with the other required ops.
+pub(super) use super::blas::matmul;
 
 /// The context of a CUDA device (the dispatch only hands CUDA devices to this backend).
 fn ctx_of(device: Device) -> Result<Arc<DeviceContext>> {

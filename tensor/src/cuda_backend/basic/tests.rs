@@ -201,24 +201,16 @@ fn indexing_launches_match_their_kernels() {
         ));
     }
     for sfx in BASIC {
-        ok(args::gather(sfx, g, P[0], P[1], P[2], P[3], 8));
-        ok(args::gather_bwd(sfx, g, P[0], P[1], P[2], P[3], 4));
-        ok(args::index_select(
-            sfx,
-            [P[0], P[1], P[2], P[3]],
-            2,
-            5,
-            3,
-            4,
-        ));
-        ok(args::index_select_bwd(
-            sfx,
-            [P[0], P[1], P[2], P[3]],
-            2,
-            5,
-            3,
-            4,
-        ));
+        ok(args::gather(sfx, false, g, [P[0], P[1], P[2], P[3]], 8));
+        ok(args::gather(sfx, true, g, [P[0], P[1], P[2], P[3]], 4));
+        for backward in [false, true] {
+            ok(args::index_select(
+                sfx,
+                backward,
+                [P[0], P[1], P[2], P[3]],
+                [2, 5, 3, 4],
+            ));
+        }
     }
     // The deterministic embedding backward runs one warp per (id range, 32 columns): GPT-2's
     // table (50,257 x 768, 24 tiles) in ranges of 295 ids, 171 x 24 warps in blocks of 8.

@@ -6,7 +6,7 @@ use meshgrad_kernels::cpu;
 use meshgrad_kernels::ops::MatrixLayout;
 
 use super::Linear;
-use crate::cpu_backend::{floats, full, pick, range, with_floats, Floats, IntoStorage};
+use crate::cpu_backend::{entire, floats, pick, range, with_floats, Floats, IntoStorage};
 use crate::ops::fused::CpuIn;
 use crate::storage::CpuStorage;
 use crate::Result;
@@ -27,7 +27,7 @@ pub(super) fn forward(a: &Linear<CpuIn<'_>>) -> Result<CpuStorage> {
         col_stride: 1,
     };
     Ok(
-        with_floats!("linear", (x, full(x)) => a, (w, full(w)) => b; {
+        with_floats!("linear", (x, entire(x)) => a, (w, entire(w)) => b; {
             let mut out = crate::pool::output(m * n);
             let accumulate = match &bv {
                 None => false,
