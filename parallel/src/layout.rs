@@ -258,6 +258,12 @@ impl ParallelLayout {
         self.dp_shard
     }
 
+    /// The number of ranks a ZeRO stage shards over: `dp_shard x cp` (the context-parallel
+    /// ranks hold the same parameters; see `LayoutMesh::shard_topology`).
+    pub fn shard_degree(&self) -> usize {
+        self.dp_shard * self.cp
+    }
+
     /// What ZeRO shards, if the layout is sharded.
     pub fn zero(&self) -> Option<ZeroStage> {
         self.zero

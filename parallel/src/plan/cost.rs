@@ -413,7 +413,7 @@ impl CostModel<'_> {
                 f64::INFINITY
             });
         let recompute = if c.recompute { 1.0 } else { 0.0 };
-        let shard_n = l.dp_shard() * l.cp();
+        let shard_n = l.shard_degree();
         let (shard_f, shard_b) = if l.zero() == Some(ZeroStage::Three) && shard_n > 1 {
             let g = topo.group(shard_n, l.tp());
             let params = block_params(s, l.tp(), l.ep()) * bytes;
@@ -530,7 +530,7 @@ impl CostModel<'_> {
         let dp = self.data_parallel(c, &topo, last_backward * vf);
         let local = self.local_params(c);
         let shard_n = if l.zero().is_some() {
-            l.dp_shard() * l.cp()
+            l.shard_degree()
         } else {
             1
         } as f64;
@@ -641,7 +641,7 @@ impl CostModel<'_> {
                 overlapped(comm::all_reduce(&g, bytes), comm::all_reduce(&g, bucket))
             }
             Some(stage) => {
-                let shard_n = l.dp_shard() * l.cp();
+                let shard_n = l.shard_degree();
                 let shard = topo.group(shard_n, tp);
                 let replicas = topo.group(l.dp_replicate(), tp * shard_n);
                 let rs = match stage {

@@ -195,11 +195,6 @@ impl Params {
         self.split + self.replicated + self.experts
     }
 
-    /// What one rank of `tp` tensor-parallel and `ep` expert-parallel ranks holds.
-    fn local(self, tp: usize, ep: usize) -> N {
-        self.split.div_ceil(n(tp)) + self.replicated + self.experts.div_ceil(n(ep))
-    }
-
     /// What one of `tp` tensor-parallel ranks holds besides the experts.
     fn dense(self, tp: usize) -> N {
         self.split.div_ceil(n(tp)) + self.replicated
@@ -551,12 +546,11 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
     let layout = run.layout;
     let tp = layout.tp();
     let microbatches = run.microbatches.max(1);
-    let ep = layout.ep();
-    let local = stage.params.local(tp, ep);
     // ZeRO shards what is not an expert; the experts (already split `ep` ways) stay whole on
     // their ranks with their gradients and an AdamW of their own (`ExpertDataParallel`).
-    let experts = stage.params.experts.div_ceil(n(ep));
+    let experts = stage.params.experts.div_ceil(n(layout.ep()));
     let dense = stage.params.dense(tp);
+    let local = dense + experts;
     let unit = block(shape).dense(tp).max(embedding(shape).dense(tp));
     let bytes = |x: N| x * N::of(F32);
     // Working copies: f32, or 2-byte copies beside f32 master weights (in the optimizer state).
@@ -566,8 +560,7 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
     let optimizer_of = |x: N| bytes(x * (N::of(2) + mixed));
     let (mut params, mut grads, mut optimizer) =
         (local * half, grads_of(local), optimizer_of(local));
-    // The context-parallel ranks hold different shards (see `LayoutMesh::shard_topology`).
-    let shard = n(layout.dp_shard() * layout.cp());
+    let shard = n(layout.shard_degree());
     let sharded = |x: N| x.div_ceil(shard);
     match layout.zero() {
         None => {}
