@@ -16,13 +16,19 @@ Prints the table, the Spearman rank correlation of the throughputs, the median r
 the throughputs and the largest relative memory error. Usage, from the repository root after
 `cargo build --release`:
 
-    python3 benches/plan_vs_measured.py [--steps N] [--bin target/release/meshgrad]
+    python3 benches/plan_vs_measured.py [--steps N] [--rounds R] [--keep-cache]
+                                        [--bin target/release/meshgrad]
 
-Timings depend on whatever else runs on the machine; run it on a quiet one.
+The CPU calibration and the per-layer profile are measured at the start, in a cache of this run
+(`--keep-cache`: those in ~/.cache/meshgrad), so prediction and measurement see the same machine.
+The runs go in `R` rounds (default 3), each starting one layout later; a layout's measured
+throughput is the median over its rounds. Timings still depend on whatever else runs on the
+machine; run it on a quiet one.
 """
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -63,8 +69,8 @@ def fields(line):
     return dict(kv.split("=", 1) for kv in line[len("plan: "):].split())
 
 
-def run(cmd):
-    p = subprocess.run(cmd, capture_output=True, text=True)
+def run(cmd, env):
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode != 0:
         sys.exit(f"failed: {' '.join(cmd)}\n{p.stderr}")
     return p.stdout
@@ -97,36 +103,53 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--bin", default="target/release/meshgrad")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--keep-cache",
+        action="store_true",
+        help="use the calibration and profiles cached in ~/.cache/meshgrad instead of measuring "
+        "them in this run",
+    )
     args = ap.parse_args()
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ)
+        if not args.keep_cache:
+            # Calibrate and profile now, under the load the runs will see.
+            env["XDG_CACHE_HOME"] = str(Path(tmp) / "cache")
+        predicted = {}
         for name, flags in LAYOUTS:
             out = Path(tmp) / re.sub(r"[^a-z0-9]+", "_", name)
             base = [args.bin, "train", "--steps", str(args.steps), "--out", str(out)]
-            dry = run(base + flags + ["--dry-run"]).strip().splitlines()
-            plan = fields(dry[-1])
-            predicted_mib = float(dry[-2].split("=")[1])
-            metrics = Path(tmp) / (out.name + ".jsonl")
-            stdout = run(base + flags + ["--overwrite", "--metrics", str(metrics)])
-            peak = float(re.search(r"peak_memory_per_rank_mib=([0-9.]+)", stdout).group(1))
-            steps = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
-            # Skip the first steps (warm-up: allocator, caches).
-            tps = [s["tokens_per_s"] for s in steps[2:] if "tokens_per_s" in s]
-            measured = statistics.median(tps) / ranks_of(flags)
-            rows.append(
-                (
-                    name,
-                    float(plan["tokens_per_s_per_device"]),
-                    measured,
-                    predicted_mib,
-                    peak,
-                )
-            )
-            print(
-                f"{name:>12}: predicted {rows[-1][1]:9.1f} tok/s/dev, measured {measured:9.1f}; "
-                f"memory predicted {rows[-1][3]:7.1f} MiB, measured {peak:7.1f}",
-                flush=True,
-            )
+            dry = run(base + flags + ["--dry-run"], env).strip().splitlines()
+            predicted[name] = (fields(dry[-1]), float(dry[-2].split("=")[1]))
+        # Rounds of every layout, each round starting one layout later, so that load from other
+        # processes falls on all layouts alike; a layout's figure is the median of its rounds.
+        measured = {name: [] for name, _ in LAYOUTS}
+        peaks = {}
+        for r in range(args.rounds):
+            for i in range(len(LAYOUTS)):
+                name, flags = LAYOUTS[(i + r) % len(LAYOUTS)]
+                out = Path(tmp) / re.sub(r"[^a-z0-9]+", "_", name)
+                base = [args.bin, "train", "--steps", str(args.steps), "--out", str(out)]
+                metrics = Path(tmp) / (out.name + ".jsonl")
+                stdout = run(base + flags + ["--overwrite", "--metrics", str(metrics)], env)
+                peak = re.search(r"peak_memory_per_rank_mib=([0-9.]+)", stdout).group(1)
+                peaks[name] = max(peaks.get(name, 0.0), float(peak))
+                steps = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
+                # Skip the first steps (warm-up: allocator, caches).
+                tps = [s["tokens_per_s"] for s in steps[2:] if "tokens_per_s" in s]
+                measured[name].append(statistics.median(tps) / ranks_of(flags))
+                print(f"round {r + 1}: {name:>12} {measured[name][-1]:9.1f} tok/s/dev", flush=True)
+    rows = [
+        (
+            name,
+            float(predicted[name][0]["tokens_per_s_per_device"]),
+            statistics.median(measured[name]),
+            predicted[name][1],
+            peaks[name],
+        )
+        for name, _ in LAYOUTS
+    ]
     print()
     print("| layout | predicted tok/s/dev | measured | error | predicted MiB/rank | measured | error |")
     print("|---|---:|---:|---:|---:|---:|---:|")

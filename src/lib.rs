@@ -42,6 +42,8 @@ mod compare_plot;
 pub mod config;
 pub mod corpus;
 #[cfg(feature = "cli")]
+mod cpu_profile;
+#[cfg(feature = "cli")]
 pub mod eval;
 #[cfg(feature = "cli")]
 mod expert_load;

@@ -568,7 +568,8 @@ fn run(cli: Cli) -> Result<()> {
             meshgrad::ranks::check_mpi_world(layout.as_ref())?;
             meshgrad::ranks::check_process_layout(backend, &env, layout.as_ref())?;
             if a.dry_run {
-                return meshgrad::train::dry_run(&cfg, layout.as_ref(), &opts);
+                let over_tcp = backend == Backend::Tcp && env.world_size > 1;
+                return meshgrad::train::dry_run(&cfg, layout.as_ref(), &opts, over_tcp);
             }
             let r = meshgrad::train::train(&cfg, layout.as_ref(), &opts, Verbosity::Normal);
             if let Err(e) = &r {

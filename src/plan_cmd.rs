@@ -73,13 +73,15 @@ pub struct PlanArgs {
     pub json: bool,
 }
 
-/// The model's shape with `seq` positions.
-fn model_shape(a: &PlanArgs) -> Result<ModelShape> {
+/// The model's shape with `seq` positions, and its config when it comes from `--model` and
+/// `--set` (the per-layer profile of `--device-kind cpu` builds the model from it).
+fn model_shape(a: &PlanArgs) -> Result<(ModelShape, Option<TrainConfig>)> {
     if let Some(path) = &a.hf_config {
         let text = std::fs::read_to_string(path)
             .map_err(|e| anyhow::anyhow!("--hf-config {}: {e}", path.display()))?;
-        return hf::shape_from_config(&text, &path.display().to_string(), a.seq)
-            .map_err(anyhow::Error::msg);
+        let shape = hf::shape_from_config(&text, &path.display().to_string(), a.seq)
+            .map_err(anyhow::Error::msg)?;
+        return Ok((shape, None));
     }
     let mut cfg = TrainConfig::default();
     cfg.apply_override("model.kind", &a.model)?;
@@ -87,20 +89,30 @@ fn model_shape(a: &PlanArgs) -> Result<ModelShape> {
     for s in &a.set {
         cfg.apply_assignment(s)?;
     }
+    if a.precision != "fp8" {
+        cfg.train.precision = a.precision.clone();
+    }
     let mut shape = crate::model_configs::model_shape(&cfg);
     shape.positions = a.seq;
-    Ok(shape)
+    Ok((shape, Some(cfg)))
 }
 
-/// The cluster: `--devices` of `--device-kind` in nodes of `--devices-per-node`.
-fn cluster(a: &PlanArgs) -> Result<Cluster> {
+/// The cluster: `--devices` of `--device-kind` in nodes of `--devices-per-node`; on `cpu`,
+/// with the per-layer profile of the model `cfg` (when known) at one row per micro-batch.
+fn cluster(a: &PlanArgs, cfg: Option<&TrainConfig>) -> Result<Cluster> {
     let cpu = a.device_kind == "cpu";
     let device = if cpu {
         calibrate::cpu_device(a.devices)?
     } else {
         DeviceKind::resolve(&a.device_kind)?
     };
-    Cluster::new(device, a.devices, a.devices_per_node, cpu).map_err(anyhow::Error::msg)
+    let mut cluster =
+        Cluster::new(device, a.devices, a.devices_per_node, cpu).map_err(anyhow::Error::msg)?;
+    if let (true, Some(cfg)) = (cpu, cfg) {
+        cluster.compute_scale = crate::cpu_profile::compute_scale(cfg, 1)?;
+        println!("{}", crate::cpu_profile::line(&cluster.compute_scale));
+    }
+    Ok(cluster)
 }
 
 /// The candidate `--layout` and its options describe.
@@ -120,13 +132,14 @@ fn fixed(a: &PlanArgs, spec: &str) -> Result<Candidate> {
 
 /// Runs `meshgrad plan`: a table (or JSON), then the plan line.
 pub fn run(a: &PlanArgs) -> Result<()> {
+    let (shape, cfg) = model_shape(a)?;
     let workload = Workload {
-        model: model_shape(a)?,
+        model: shape,
         global_batch: a.global_batch,
         precision: Precision::parse(&a.precision).expect("clap checked it"),
         attention: Default::default(),
     };
-    let cluster = cluster(a)?;
+    let cluster = cluster(a, cfg.as_ref())?;
     let model = CostModel {
         workload: &workload,
         cluster: &cluster,
@@ -160,6 +173,7 @@ pub fn dry_run(
     cfg: &TrainConfig,
     layout: Option<&ParallelLayout>,
     opts: &TrainOptions,
+    over_tcp: bool,
 ) -> Result<()> {
     if cfg.train.device != "cpu" {
         anyhow::bail!(
@@ -195,12 +209,17 @@ pub fn dry_run(
         attention: Default::default(),
     };
     let mut device = calibrate::cpu_device(layout.world_size())?;
+    if over_tcp {
+        device = device.over_tcp()?;
+    }
     let available = crate::preflight::memory_for_check();
     if let Some(a) = available {
         device.memory_gib = a.bytes as f64 / (1u64 << 30) as f64;
     }
-    let cluster =
+    let mut cluster =
         Cluster::new(device, layout.world_size(), None, true).map_err(anyhow::Error::msg)?;
+    cluster.compute_scale = crate::cpu_profile::compute_scale(cfg, candidate.microbatch_size)?;
+    println!("{}", crate::cpu_profile::line(&cluster.compute_scale));
     let model = CostModel {
         workload: &workload,
         cluster: &cluster,

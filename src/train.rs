@@ -113,20 +113,14 @@ pub fn train(
     verbosity: Verbosity,
 ) -> Result<TrainSummary> {
     let (cfg, tokenizer, opts) = prepare(cfg, layout, opts)?;
-    let (cfg, opts) = (&cfg, &opts);
-    // The registry: the one place a model kind maps to its recipe.
-    match cfg.model.kind {
-        ModelKind::Gpt => {
-            train_recipe::<CausalRecipe<Gpt>>(cfg, tokenizer, layout, opts, verbosity)
-        }
-        ModelKind::Llama => {
-            train_recipe::<CausalRecipe<Llama>>(cfg, tokenizer, layout, opts, verbosity)
-        }
-        ModelKind::Mixtral => {
-            train_recipe::<CausalRecipe<Mixtral>>(cfg, tokenizer, layout, opts, verbosity)
-        }
-        ModelKind::Bert => train_recipe::<BertRecipe>(cfg, tokenizer, layout, opts, verbosity),
-    }
+    let job = TrainJob {
+        cfg: &cfg,
+        tokenizer,
+        layout,
+        opts: &opts,
+        verbosity,
+    };
+    with_recipe(cfg.model.kind, job)
 }
 
 /// The checks every run makes before any work (one line each), and the resolved config (a
@@ -157,28 +151,56 @@ fn prepare(
 
 /// `train --dry-run`: the run's checks (the `--out` folder's included: it is created if absent
 /// and locked, as for the run), then the planner's line for it on this machine
-/// ([`crate::plan_cmd::dry_run`]); nothing is trained, nothing written into the folder.
+/// ([`crate::plan_cmd::dry_run`], with the `[tcp]` link when `over_tcp`: the ranks are processes
+/// of `meshgrad launch`); nothing is trained, nothing written into the folder.
 pub fn dry_run(
     cfg: &TrainConfig,
     layout: Option<&ParallelLayout>,
     opts: &TrainOptions,
+    over_tcp: bool,
 ) -> Result<()> {
     let (cfg, _, opts) = prepare(cfg, layout, opts)?;
-    crate::plan_cmd::dry_run(&cfg, layout, &opts)
+    crate::plan_cmd::dry_run(&cfg, layout, &opts, over_tcp)
+}
+
+/// Work that needs the model kind's recipe type: [`with_recipe`] calls [`RecipeJob::run`] with
+/// the recipe of the config's model kind.
+pub(crate) trait RecipeJob {
+    /// What the work returns.
+    type Output;
+    /// Does the work with recipe `R`.
+    fn run<R: Recipe>(self) -> Result<Self::Output>;
+}
+
+/// The registry: the one place a model kind maps to its recipe.
+pub(crate) fn with_recipe<J: RecipeJob>(kind: ModelKind, job: J) -> Result<J::Output> {
+    match kind {
+        ModelKind::Gpt => job.run::<CausalRecipe<Gpt>>(),
+        ModelKind::Llama => job.run::<CausalRecipe<Llama>>(),
+        ModelKind::Mixtral => job.run::<CausalRecipe<Mixtral>>(),
+        ModelKind::Bert => job.run::<BertRecipe>(),
+    }
 }
 
 /// [`train`] once the model kind is known: the recipe's own checks, the memory preflight, the
 /// data, and the trainer.
-fn train_recipe<R: Recipe>(
-    cfg: &TrainConfig,
+struct TrainJob<'a> {
+    cfg: &'a TrainConfig,
     tokenizer: Option<Tokenizer>,
-    layout: Option<&ParallelLayout>,
-    opts: &TrainOptions,
+    layout: Option<&'a ParallelLayout>,
+    opts: &'a TrainOptions,
     verbosity: Verbosity,
-) -> Result<TrainSummary> {
-    R::check(cfg, layout, opts)?;
-    crate::preflight::check_train(cfg, layout, opts)?;
-    let data = run_data(cfg, tokenizer)?;
-    let recipe = R::new(cfg.clone(), data)?;
-    crate::rank_train::run(&recipe, layout, opts, verbosity)
+}
+
+impl RecipeJob for TrainJob<'_> {
+    type Output = TrainSummary;
+
+    fn run<R: Recipe>(self) -> Result<TrainSummary> {
+        let (cfg, layout, opts) = (self.cfg, self.layout, self.opts);
+        R::check(cfg, layout, opts)?;
+        crate::preflight::check_train(cfg, layout, opts)?;
+        let data = run_data(cfg, self.tokenizer)?;
+        let recipe = R::new(cfg.clone(), data)?;
+        crate::rank_train::run(&recipe, layout, opts, self.verbosity)
+    }
 }

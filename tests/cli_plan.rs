@@ -270,3 +270,49 @@ fn train_dry_run_prints_the_plan_line_and_agrees_with_the_preflight_check() {
     assert_eq!(err.trim(), dry_error, "the preflight check says the same");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn the_cpu_profile_scales_the_dry_runs_compute_and_is_cached() {
+    let dir = tmpdir("plan-profile");
+    let cache = dir.join("cache");
+    let dry_run = || {
+        let o = bin()
+            .env("XDG_CACHE_HOME", &cache)
+            .args(["train", "--steps", "2", "--dry-run", "--out"])
+            .arg(dir.join("out"))
+            .output()
+            .unwrap();
+        assert_ok(&o);
+        let (out, _) = text(&o);
+        assert!(
+            out.contains("cpu_profile: measured/modelled compute block="),
+            "{out}"
+        );
+        field(&plan_fields(&o), "step_s").parse::<f64>().unwrap()
+    };
+    // The first dry run calibrates and profiles this machine into the cache.
+    dry_run();
+    let profiles: Vec<_> = std::fs::read_dir(cache.join("meshgrad"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("profile-")
+        })
+        .collect();
+    assert_eq!(profiles.len(), 1, "{profiles:?}");
+    // Later runs read it: blocks four times as slow as modelled make the step more than twice
+    // as long (the default GPT's step is mostly its blocks).
+    let write = |block: f64| {
+        let text = format!("block = {block:?}\nembedding = 1.0\nhead = 1.0\n");
+        std::fs::write(&profiles[0], text).unwrap();
+    };
+    write(1.0);
+    let as_modelled = dry_run();
+    write(4.0);
+    let slower = dry_run();
+    assert!(slower > 2.0 * as_modelled, "{slower} vs {as_modelled}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

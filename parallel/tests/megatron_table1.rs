@@ -71,7 +71,8 @@ fn compare(row: &Row, device: &DeviceKind) -> Outcome {
         device: device.clone(),
         devices: row.gpus,
         devices_per_node: 8,
-        shared_memory: false,
+        one_machine: false,
+        compute_scale: Default::default(),
     };
     let model = CostModel {
         workload: &workload,

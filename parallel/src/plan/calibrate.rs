@@ -12,19 +12,26 @@
 //!   measured).
 //! * **collectives**: in-process all-reduces over `ranks` threads of 4 KiB (the latency) and
 //!   16 MiB (the bandwidth, solved from the ring formula); the same figures serve both levels.
+//!   The same over a loopback TCP world of `ranks` threads gives the `[tcp]` link, the one of
+//!   ranks that are processes (`meshgrad launch`).
 //! * **memory**: what the machine has available now.
 //!
 //! The result is written as a device file to `$XDG_CACHE_HOME/meshgrad` (or
 //! `~/.cache/meshgrad`) under a name made of the CPU model, the core count and the ranks, and
-//! read back by later runs.
+//! read back by later runs. The model's own compute is measured apart, by a per-layer profile
+//! (`meshgrad`'s `cpu_profile`), as a [`super::compute::ComputeScale`].
 
 use std::path::PathBuf;
-use std::time::Instant;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use meshgrad_tensor::{DType, Device, Tensor};
 
 use super::device::{DeviceError, DeviceKind};
+use crate::comm::store::TcpStore;
+use crate::comm::tcp::TcpCommunicator;
 use crate::comm::{run_ranks, ReduceOp, RunOptions};
+use crate::Communicator;
 
 fn err(e: impl std::fmt::Display) -> DeviceError {
     DeviceError(format!("cpu calibration: {e}"))
@@ -62,27 +69,89 @@ fn copy_rate() -> Result<f64, DeviceError> {
     Ok(2.0 * (src.len() * 4) as f64 / t)
 }
 
-/// Seconds of an in-process all-reduce of `values` f32 over `ranks` threads.
-fn all_reduce_time(ranks: usize, values: usize) -> Result<f64, DeviceError> {
-    let times = run_ranks(ranks, &RunOptions::default(), |ctx| {
-        let x = Tensor::zeros([values], DType::F32, Device::Cpu)?;
-        let mut best = f64::INFINITY;
-        for _ in 0..4 {
-            let t = Instant::now();
-            ctx.comm.all_reduce(&x, ReduceOp::Sum)?.wait()?;
-            best = best.min(t.elapsed().as_secs_f64());
-        }
-        Ok(best)
-    })
-    .map_err(err)?;
+/// The fastest of four all-reduces of `values` f32 on `comm`, seconds.
+fn timed_all_reduce(comm: &dyn Communicator, values: usize) -> meshgrad_tensor::Result<f64> {
+    let x = Tensor::zeros([values], DType::F32, Device::Cpu)?;
+    let mut best = f64::INFINITY;
+    for _ in 0..4 {
+        let t = Instant::now();
+        comm.all_reduce(&x, ReduceOp::Sum)?.wait()?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}
+
+/// Seconds of an all-reduce of `values` f32 over `ranks` threads (the slowest rank's best), on
+/// the in-process backend or, with `tcp`, each thread its own rank of a loopback TCP world.
+fn all_reduce_time(ranks: usize, values: usize, tcp: bool) -> Result<f64, DeviceError> {
+    let times = if tcp {
+        tcp_ranks(ranks, |comm| timed_all_reduce(&*comm, values))?
+    } else {
+        run_ranks(ranks, &RunOptions::default(), |ctx| {
+            timed_all_reduce(&*ctx.comm, values)
+        })
+        .map_err(err)?
+    };
     Ok(times.into_iter().fold(0.0, f64::max))
 }
 
-/// The file this machine's calibration for `ranks` ranks is cached in.
-fn cache_file(ranks: usize) -> Option<PathBuf> {
-    let dir = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+/// Runs `f` on every rank of a TCP world of `ranks` threads of this process, each connected to
+/// the others over loopback TCP as processes of `meshgrad launch` are.
+fn tcp_ranks<T: Send>(
+    ranks: usize,
+    f: impl Fn(Arc<TcpCommunicator>) -> meshgrad_tensor::Result<T> + Sync,
+) -> Result<Vec<T>, DeviceError> {
+    let timeout = Duration::from_secs(60);
+    let first = TcpStore::serve(0, ranks, timeout).map_err(err)?;
+    let port = first.port();
+    let first = Mutex::new(Some(first));
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..ranks)
+            .map(|r| {
+                let (f, first) = (&f, &first);
+                s.spawn(move || {
+                    let served = match r {
+                        0 => first.lock().ok().and_then(|mut g| g.take()),
+                        _ => None,
+                    };
+                    let store = match served {
+                        Some(store) => store,
+                        None => TcpStore::connect("127.0.0.1", port, r, ranks, timeout)?,
+                    };
+                    f(TcpCommunicator::connect(
+                        r,
+                        ranks,
+                        "127.0.0.1",
+                        Arc::new(store),
+                        timeout,
+                    )?)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .map_err(|_| err("a TCP rank thread panicked"))?
+                    .map_err(err)
+            })
+            .collect()
+    })
+}
+
+/// A link's latency (microseconds) and bandwidth (GB/s) solved from all-reduce times of 4 KiB
+/// and 16 MiB over `ranks` by the ring formula.
+fn link_of(ranks: usize, tcp: bool) -> Result<(f64, f64), DeviceError> {
+    let n = ranks as f64;
+    let small_t = all_reduce_time(ranks, 1024, tcp)?;
+    let big_t = all_reduce_time(ranks, 4 << 20, tcp)?;
+    let alpha = small_t / (2.0 * (n - 1.0));
+    let beta = 2.0 * (n - 1.0) / n * (16u64 << 20) as f64 / (big_t - small_t).max(1e-9);
+    Ok((alpha * 1e6, beta / 1e9))
+}
+
+/// The identity of this machine in cache file names: its CPU model and core count.
+pub fn machine_id() -> String {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let model = cpuinfo
         .lines()
@@ -92,10 +161,22 @@ fn cache_file(ranks: usize) -> Option<PathBuf> {
         .trim()
         .replace(|c: char| !c.is_ascii_alphanumeric(), "-");
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    Some(
-        dir.join("meshgrad")
-            .join(format!("cpu-{model}-{cores}cores-{ranks}ranks.toml")),
-    )
+    format!("{model}-{cores}cores")
+}
+
+/// `name` in meshgrad's cache folder, `$XDG_CACHE_HOME/meshgrad` (or `~/.cache/meshgrad`);
+/// `None` without either variable.
+pub fn cache_path(name: &str) -> Option<PathBuf> {
+    let dir = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(dir.join("meshgrad").join(name))
+}
+
+/// The file this machine's calibration for `ranks` ranks is cached in (`v2`: with the `[tcp]`
+/// link).
+fn cache_file(ranks: usize) -> Option<PathBuf> {
+    cache_path(&format!("cpu-v2-{}-{ranks}ranks.toml", machine_id()))
 }
 
 /// Measures this machine for `ranks` ranks (see the [module docs](self)) as a device file.
@@ -117,15 +198,10 @@ pub fn measure(ranks: usize) -> Result<String, DeviceError> {
     let half_dim = 0.5 * (lo + hi);
     let peak = large / (1024.0 / (1024.0 + half_dim)).powi(3) / ranks as f64 / 1e12;
     let bandwidth = copy_rate()? / ranks as f64 / super::compute::STREAM_FRACTION / 1e9;
-    let (alpha, beta) = if ranks > 1 {
-        let n = ranks as f64;
-        let small_t = all_reduce_time(ranks, 1024)?;
-        let big_t = all_reduce_time(ranks, 4 << 20)?;
-        let alpha = small_t / (2.0 * (n - 1.0));
-        let beta = 2.0 * (n - 1.0) / n * (16u64 << 20) as f64 / (big_t - small_t).max(1e-9);
-        (alpha * 1e6, beta / 1e9)
+    let ((alpha, beta), (tcp_alpha, tcp_beta)) = if ranks > 1 {
+        (link_of(ranks, false)?, link_of(ranks, true)?)
     } else {
-        (1.0, 1e3)
+        ((1.0, 1e3), (1.0, 1e3))
     };
     let memory = available_gib();
     Ok(format!(
@@ -134,7 +210,8 @@ pub fn measure(ranks: usize) -> Result<String, DeviceError> {
          devices_per_node = {ranks}\n[peak_tflops]\nf32 = {peak:.6}\nbf16 = {peak:.6}\n\
          fp8 = {peak:.6}\n[matmul]\npeak_fraction = 1.0\nhalf_dim = {half_dim:.1}\n\
          [intra_node]\nbandwidth_gbps = {beta:.3}\nlatency_us = {alpha:.3}\n\
-         [inter_node]\nbandwidth_gbps = {beta:.3}\nlatency_us = {alpha:.3}\n"
+         [inter_node]\nbandwidth_gbps = {beta:.3}\nlatency_us = {alpha:.3}\n\
+         [tcp]\nbandwidth_gbps = {tcp_beta:.3}\nlatency_us = {tcp_alpha:.3}\n"
     ))
 }
 
@@ -163,4 +240,20 @@ pub fn cpu_device(ranks: usize) -> Result<DeviceKind, DeviceError> {
         let _ = std::fs::write(f, &text);
     }
     DeviceKind::parse(&text, "the cpu calibration")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_measurement_of_two_ranks_is_a_device_file_with_both_links() {
+        let d = DeviceKind::parse(&measure(2).unwrap(), "measured").unwrap();
+        let tcp = d.tcp.expect("a [tcp] link");
+        // Loopback TCP goes through the kernel's socket buffers: slower than threads sharing
+        // memory, and not free.
+        assert!(tcp.latency_us > 0.0 && tcp.bandwidth_gbps > 0.0, "{tcp:?}");
+        assert!(d.intra_node.bandwidth_gbps > 0.0, "{:?}", d.intra_node);
+        assert_eq!(d.over_tcp().unwrap().intra_node, tcp);
+    }
 }

@@ -68,6 +68,50 @@ pub struct MicroBatch<'a> {
     pub cp: usize,
 }
 
+/// Measured over modelled compute time of each part of the model on the device, by which the
+/// cost model multiplies its compute: a per-layer profile's correction (`--device-kind cpu`
+/// measures the model's layers on this machine and sets it); 1 for every part otherwise.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ComputeScale {
+    /// One block's forward and backward.
+    pub block: f64,
+    /// The embedding's.
+    pub embedding: f64,
+    /// The head's (the logits and the loss).
+    pub head: f64,
+}
+
+impl ComputeScale {
+    /// The scale of measured forward + backward milliseconds of one block, the embedding and
+    /// the head (a per-layer profile's) against what `mb` predicts at `peak` FLOP/s for them
+    /// (three forwards: the backward is twice the forward).
+    pub fn measured(
+        block_ms: f64,
+        embedding_ms: f64,
+        head_ms: f64,
+        mb: &MicroBatch<'_>,
+        peak: f64,
+    ) -> Self {
+        let ratio = |ms: f64, forward: f64| (ms * 1e-3 / (3.0 * forward)).max(0.0);
+        ComputeScale {
+            block: ratio(block_ms, mb.block(peak).total()),
+            embedding: ratio(embedding_ms, mb.embedding().total()),
+            head: ratio(head_ms, mb.head(peak).total()),
+        }
+    }
+}
+
+impl Default for ComputeScale {
+    /// 1 for every part: the cost model's compute as it is.
+    fn default() -> Self {
+        ComputeScale {
+            block: 1.0,
+            embedding: 1.0,
+            head: 1.0,
+        }
+    }
+}
+
 /// Forward seconds of one part of the model for one micro-batch, split by kind of work.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct PartTime {

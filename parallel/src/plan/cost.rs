@@ -6,7 +6,9 @@
 //!
 //! * **Per micro-batch and block** ([`super::compute`]): the forward's GEMMs and element-wise
 //!   work; the backward twice that (half of it the input gradient, half the weight gradient,
-//!   which a zero-bubble schedule moves); recomputation adds one forward to the backward.
+//!   which a zero-bubble schedule moves); recomputation adds one forward to the backward. The
+//!   cluster's [`ComputeScale`] multiplies the block's, the embedding's and the head's compute
+//!   (a measured correction; 1 unless a per-layer profile set it).
 //! * **Tensor parallelism** is on the critical path: two all-reduces of the block's activations
 //!   (`rows x T x C` values) in the forward and two in the backward (and two more in a
 //!   recomputed forward); with sequence parallelism each all-reduce becomes an all-gather and a
@@ -18,7 +20,9 @@
 //!   the last the head) and the point-to-point time of one activation (`rows x T x C` values,
 //!   divided by `tp` under sequence parallelism) go to the simulator ([`super::bubble`]); the
 //!   bubble is the makespan less the busiest stage's work. The pipeline's exposed
-//!   communication is the makespan less that of the same pipeline with free transfers.
+//!   communication is the makespan less that of the same pipeline with free transfers. Ranks
+//!   that share one machine's cores (`Cluster::one_machine`) have no bubble: an idle stage
+//!   leaves its cores to the others, and the step takes the stages' mean work.
 //! * **Data parallelism**: gradients (in the working precision) are reduced in buckets of
 //!   [`BUCKET_BYTES`] during the last micro-batch's backward, so only the part that does not fit
 //!   under that backward, and at least the last bucket, is exposed: an all-reduce over the
@@ -40,7 +44,7 @@ use meshgrad_nn::ModelShape;
 
 use super::bubble::{BubbleCache, PipelineRun, StageCosts};
 use super::comm::{self, Topology};
-use super::compute::{Attention, MicroBatch, PartTime};
+use super::compute::{Attention, ComputeScale, MicroBatch};
 use super::device::DeviceKind;
 use super::flops::training_step;
 use super::memory::{estimate_training, in_flight, MemoryEstimate, Precision, TrainingRun};
@@ -77,10 +81,14 @@ pub struct Cluster {
     pub devices: usize,
     /// Devices per node.
     pub devices_per_node: usize,
-    /// Whether the ranks share one machine's memory (threads of one process, as `meshgrad
-    /// train --layout` runs them on a CPU): then the total must fit, as the preflight check
-    /// requires; otherwise each rank's own.
-    pub shared_memory: bool,
+    /// Whether the ranks share one machine (threads of one process, as `meshgrad train
+    /// --layout` runs them on a CPU, or processes of `meshgrad launch` on it): its memory, so
+    /// that the total must fit, as the preflight check requires (otherwise each rank's own);
+    /// and its cores, so that a pipeline rank idle in the bubble leaves them to the others (the
+    /// step takes the stages' mean work, not the busiest stage's work plus a bubble).
+    pub one_machine: bool,
+    /// The measured correction of the compute (1 unless a per-layer profile set it).
+    pub compute_scale: ComputeScale,
 }
 
 impl Cluster {
@@ -91,7 +99,7 @@ impl Cluster {
         device: DeviceKind,
         devices: usize,
         devices_per_node: Option<usize>,
-        shared_memory: bool,
+        one_machine: bool,
     ) -> Result<Cluster, String> {
         let mut g = devices_per_node.unwrap_or(device.devices_per_node);
         if devices_per_node.is_none() && devices > 0 && devices < g && g.is_multiple_of(devices) {
@@ -107,7 +115,8 @@ impl Cluster {
             device,
             devices,
             devices_per_node: g,
-            shared_memory,
+            one_machine,
+            compute_scale: ComputeScale::default(),
         })
     }
 }
@@ -374,7 +383,7 @@ impl CostModel<'_> {
     pub fn fits(&self, memory: &MemoryEstimate) -> bool {
         let have = self.cluster.device.memory_bytes();
         !memory.overflowed()
-            && if self.cluster.shared_memory {
+            && if self.cluster.one_machine {
                 memory.total <= have
             } else {
                 memory.per_rank <= have
@@ -398,7 +407,7 @@ impl CostModel<'_> {
         let w = self.workload;
         let l = &c.layout;
         let mb = self.micro(c);
-        let fwd = mb.block(peak).total();
+        let fwd = mb.block(peak).total() * self.cluster.compute_scale.block;
         let s = &w.model;
         let bytes = w.precision.bytes() as f64;
         // This rank's tokens of the micro-batch (`1 / cp` of each row).
@@ -492,7 +501,11 @@ impl CostModel<'_> {
         let blocks = w.model.n_layer.div_ceil(pp * v) as f64;
         let b = self.block_cost(c, peak, &topo);
         let mb = self.micro(c);
-        let (embed, head): (PartTime, PartTime) = (mb.embedding(), mb.head(peak));
+        let scale = cl.compute_scale;
+        let (embed, head) = (
+            mb.embedding().total() * scale.embedding,
+            mb.head(peak).total() * scale.head,
+        );
 
         // Per rank and chunk: forward, input backward, weight backward.
         let block_f = b.compute_f + b.tp_f + b.shard_f + b.cp_f + b.ep_f;
@@ -502,10 +515,10 @@ impl CostModel<'_> {
         let mut bwd_in = vec![blocks * block_bi; pp];
         let bwd_w = vec![blocks * block_w; pp];
         let v_f = v as f64;
-        forward[0] += embed.total() / v_f;
-        bwd_in[0] += 2.0 * embed.total() / v_f;
-        forward[pp - 1] += head.total() / v_f;
-        bwd_in[pp - 1] += 2.0 * head.total() / v_f;
+        forward[0] += embed / v_f;
+        bwd_in[0] += 2.0 * embed / v_f;
+        forward[pp - 1] += head / v_f;
+        bwd_in[pp - 1] += 2.0 * head / v_f;
         let act = (c.microbatch_size * w.model.positions * w.model.n_embd) as f64
             * w.precision.bytes() as f64
             / if c.sequence_parallel { tp as f64 } else { 1.0 }
@@ -574,15 +587,27 @@ impl CostModel<'_> {
         } else {
             (work[0], work[0])
         };
+        // Ranks of one machine share its cores: a stage idle in the bubble lends them to the
+        // others, so the pipeline takes the stages' mean work and its exposed transfers.
+        let stage_work = if cl.one_machine && pp > 1 {
+            work.iter().sum::<f64>() / pp as f64
+        } else {
+            work[busiest]
+        };
+        let (makespan, free) = if cl.one_machine && pp > 1 {
+            (stage_work + (makespan - free).max(0.0), stage_work)
+        } else {
+            (makespan, free)
+        };
 
-        // The busiest stage's work, split by cause.
+        // The (busiest or mean) stage's work, split by cause.
         let n = (micro * v) as f64 * blocks;
         let tpc = n * (b.tp_f + b.tp_b);
         let shard = n * (b.shard_f + b.shard_b);
         let cpc = n * (b.cp_f + b.cp_b);
         let epc = n * (b.ep_f + b.ep_b);
-        let compute = work[busiest] - tpc - shard - cpc - epc;
-        let bubble = (free - work[busiest]).max(0.0);
+        let compute = stage_work - tpc - shard - cpc - epc;
+        let bubble = (free - stage_work).max(0.0);
         let pp_exposed = (makespan - free).max(0.0);
         let step = makespan + dp + optimizer;
         let time = StepTime {
@@ -697,7 +722,8 @@ mod tests {
             device: DeviceKind::preset("a100-80gb").unwrap(),
             devices,
             devices_per_node: 8,
-            shared_memory: false,
+            one_machine: false,
+            compute_scale: Default::default(),
         }
     }
 
@@ -710,6 +736,82 @@ mod tests {
             microbatch_size: m,
             recompute: false,
         }
+    }
+
+    #[test]
+    fn a_measured_compute_scale_multiplies_the_compute_and_nothing_else() {
+        let w = workload(4);
+        let mut cl = cluster(2);
+        let c = candidate("tp=2", 1);
+        let base = CostModel {
+            workload: &w,
+            cluster: &cl,
+        }
+        .estimate(&c, &mut BubbleCache::new())
+        .unwrap();
+        // Blocks twice as slow as modelled, the embedding and the head as modelled.
+        cl.compute_scale.block = 2.0;
+        let slow = CostModel {
+            workload: &w,
+            cluster: &cl,
+        }
+        .estimate(&c, &mut BubbleCache::new())
+        .unwrap();
+        let mb = MicroBatch {
+            model: &w.model,
+            device: &cl.device,
+            precision: w.precision,
+            attention: w.attention,
+            rows: 1,
+            tp: 2,
+            sequence_parallel: false,
+            cp: 1,
+        };
+        let peak = cl.device.peak_flops(w.precision).unwrap();
+        // 4 micro-batches x 8 blocks x (forward + backward = 3 forwards) more.
+        let extra = 4.0 * 8.0 * 3.0 * mb.block(peak).total();
+        assert!(
+            ((slow.time.compute - base.time.compute) / extra - 1.0).abs() < 1e-9,
+            "{:?} vs {:?}",
+            slow.time,
+            base.time
+        );
+        assert_eq!(slow.time.tp, base.time.tp);
+        assert_eq!(slow.memory.per_rank, base.memory.per_rank);
+    }
+
+    #[test]
+    fn ranks_sharing_one_machines_cores_have_no_pipeline_bubble() {
+        let w = workload(8);
+        let mut cl = cluster(2);
+        let c = candidate("pp=2", 1);
+        let apart = CostModel {
+            workload: &w,
+            cluster: &cl,
+        }
+        .estimate(&c, &mut BubbleCache::new())
+        .unwrap();
+        cl.one_machine = true;
+        let shared = CostModel {
+            workload: &w,
+            cluster: &cl,
+        }
+        .estimate(&c, &mut BubbleCache::new())
+        .unwrap();
+        // 8 micro-batches over 2 stages under 1F1B: a bubble of one micro-batch's forward and
+        // backward per stage, which ranks on one machine spend on the other stage's work.
+        assert!(apart.time.bubble > 0.0, "{:?}", apart.time);
+        assert_eq!(shared.time.bubble, 0.0);
+        // The stages' mean work (the embedding on one, the head on the other) is below the
+        // busiest's, and the step loses the bubble.
+        assert!(shared.time.compute <= apart.time.compute);
+        let saved = apart.time.step - shared.time.step;
+        assert!(
+            saved >= apart.time.bubble,
+            "{:?} vs {:?}",
+            shared.time,
+            apart.time
+        );
     }
 
     #[test]

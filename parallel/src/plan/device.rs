@@ -21,6 +21,7 @@
 //! [inter_node]                    # per node, each way
 //! bandwidth_gbps = 400.0
 //! latency_us = 10.0
+//! # [tcp]: optional, processes over loopback TCP (what --device-kind cpu measures)
 //! ```
 //!
 //! Unknown keys are refused (a misspelt key would otherwise be silently ignored), and every
@@ -122,6 +123,10 @@ pub struct DeviceKind {
     pub intra_node: Link,
     /// Between nodes, per node (its devices share it).
     pub inter_node: Link,
+    /// Between processes of one machine over loopback TCP (`--device-kind cpu` measures it;
+    /// the link of a run of processes under `meshgrad launch`, see [`DeviceKind::over_tcp`]).
+    #[serde(default)]
+    pub tcp: Option<Link>,
 }
 
 impl DeviceKind {
@@ -176,6 +181,10 @@ impl DeviceKind {
             ("matmul.peak_fraction", self.matmul.peak_fraction),
             ("intra_node.bandwidth_gbps", self.intra_node.bandwidth_gbps),
             ("inter_node.bandwidth_gbps", self.inter_node.bandwidth_gbps),
+            (
+                "tcp.bandwidth_gbps",
+                self.tcp.map_or(1.0, |l| l.bandwidth_gbps),
+            ),
         ];
         for (key, v) in positive {
             if !(v.is_finite() && v > 0.0) {
@@ -188,6 +197,7 @@ impl DeviceKind {
             ("matmul.half_dim", self.matmul.half_dim),
             ("intra_node.latency_us", self.intra_node.latency_us),
             ("inter_node.latency_us", self.inter_node.latency_us),
+            ("tcp.latency_us", self.tcp.map_or(0.0, |l| l.latency_us)),
         ];
         for (key, v) in non_negative {
             if !(v.is_finite() && v >= 0.0) {
@@ -208,6 +218,22 @@ impl DeviceKind {
             )));
         }
         Ok(())
+    }
+
+    /// This device kind for ranks that are processes talking over TCP: its `[tcp]` link
+    /// inside and between nodes; an error naming the device kind when it has none.
+    pub fn over_tcp(&self) -> Result<DeviceKind, DeviceError> {
+        let link = self.tcp.ok_or_else(|| {
+            DeviceError(format!(
+                "device kind {} has no [tcp] link (measured by --device-kind cpu)",
+                self.name
+            ))
+        })?;
+        Ok(DeviceKind {
+            intra_node: link,
+            inter_node: link,
+            ..self.clone()
+        })
     }
 
     /// Device memory in bytes.
@@ -266,6 +292,22 @@ mod tests {
     }
 
     #[test]
+    fn a_tcp_link_replaces_both_levels_for_ranks_over_tcp() {
+        let good = include_str!("../../devices/h100.toml");
+        let h100 = DeviceKind::parse(good, "h100.toml").unwrap();
+        let e = h100.over_tcp().unwrap_err().0;
+        assert!(e.contains("no [tcp] link"), "{e}");
+        let text = format!("{good}\n[tcp]\nbandwidth_gbps = 0.5\nlatency_us = 50.0\n");
+        let d = DeviceKind::parse(&text, "x.toml")
+            .unwrap()
+            .over_tcp()
+            .unwrap();
+        assert_eq!(d.intra_node.bytes_per_s(), 0.5e9);
+        assert_eq!(d.inter_node.latency_us, 50.0);
+        assert_eq!(d.peak_tflops, h100.peak_tflops);
+    }
+
+    #[test]
     fn bad_files_are_one_line_naming_the_file_and_key() {
         let good = include_str!("../../devices/h100.toml");
         let typo = good.replace("memory_gib", "memory_gb");
@@ -279,6 +321,9 @@ mod tests {
         let text = good.replace("peak_fraction = 0.75", "peak_fraction = 0.0");
         let e = DeviceKind::parse(&text, "x.toml").unwrap_err().0;
         assert!(e.contains("matmul.peak_fraction"), "{e}");
+        let text = format!("{good}\n[tcp]\nbandwidth_gbps = -1.0\nlatency_us = 50.0\n");
+        let e = DeviceKind::parse(&text, "x.toml").unwrap_err().0;
+        assert!(e.contains("tcp.bandwidth_gbps"), "{e}");
         let e = DeviceKind::resolve("tpu-v9").unwrap_err().0;
         assert!(e.contains("unknown device kind 'tpu-v9'"), "{e}");
         let e = DeviceKind::resolve("/nonexistent/dev.toml").unwrap_err().0;

@@ -366,7 +366,8 @@ mod tests {
             device: DeviceKind::preset("a100-40gb").unwrap(),
             devices: 16,
             devices_per_node: 8,
-            shared_memory: false,
+            one_machine: false,
+            compute_scale: Default::default(),
         };
         let m = CostModel {
             workload: &w,
