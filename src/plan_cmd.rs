@@ -110,7 +110,12 @@ fn cluster(a: &PlanArgs, cfg: Option<&TrainConfig>) -> Result<Cluster> {
         Cluster::new(device, a.devices, a.devices_per_node, cpu).map_err(anyhow::Error::msg)?;
     if let (true, Some(cfg)) = (cpu, cfg) {
         cluster.compute_scale = crate::cpu_profile::compute_scale(cfg, 1)?;
-        println!("{}", crate::cpu_profile::line(&cluster.compute_scale));
+        // Beside the table; with --json on stderr, so that stdout stays JSON and the plan line.
+        let line = crate::cpu_profile::line(&cluster.compute_scale);
+        match a.json {
+            true => eprintln!("{line}"),
+            false => println!("{line}"),
+        }
     }
     Ok(cluster)
 }
