@@ -318,6 +318,13 @@ pub struct TrainParams {
     /// `n_head`, `vocab_size` and `block_size`; 1 uses no chunked sums (cheaper, and then no
     /// tensor parallelism). Runs compare bit for bit only with the same count.
     pub reference_chunks: usize,
+    /// Reference mode: the order of the sums over a sequence's positions. `"sequence"`
+    /// (default): trees over `train.reference_chunks` chunks in sequence order, what tensor
+    /// parallelism's sequence parallelism needs. `"folded"`: trees over the chunk count's
+    /// position leaves, leaf `j` being chunks `j` and `2K - 1 - j` of `2K`, each layer run once
+    /// per leaf; what context parallelism (`cp` in `--layout`) needs. Runs compare bit for bit
+    /// only with the same order.
+    pub reference_positions: String,
 }
 
 impl Default for TrainParams {
@@ -343,6 +350,7 @@ impl Default for TrainParams {
             reference: false,
             row_group: 1,
             reference_chunks: 0,
+            reference_positions: "sequence".to_string(),
         }
     }
 }
@@ -741,6 +749,15 @@ impl TrainConfig {
                 ),
             );
         }
+        if !REFERENCE_POSITIONS.contains(&t.reference_positions.as_str()) {
+            return invalid(
+                "train.reference_positions",
+                format!(
+                    "must be \"sequence\" or \"folded\", got {:?}",
+                    t.reference_positions
+                ),
+            );
+        }
         if !(t.loss_scale_init.is_finite() && t.loss_scale_init > 0.0) {
             return invalid(
                 "train.loss_scale_init",
@@ -956,6 +973,9 @@ impl ModelConfig {
         Ok(())
     }
 }
+
+/// The values `train.reference_positions` takes.
+pub const REFERENCE_POSITIONS: &[&str] = &["sequence", "folded"];
 
 /// The values `train.precision` takes.
 pub const PRECISIONS: &[&str] = &["f32", "bf16", "f16"];
@@ -1176,6 +1196,11 @@ val_fraction = 0.05
             ("train.device", "gpu", "\"cpu\", \"cuda\" or \"cuda:N\""),
             ("train.device", "cuda:x", "got \"cuda:x\""),
             ("train.precision", "fp16", "\"f32\", \"bf16\" or \"f16\""),
+            (
+                "train.reference_positions",
+                "fold",
+                "\"sequence\" or \"folded\"",
+            ),
             ("train.loss_scale_init", "0", "> 0"),
             ("train.loss_scale_init", "inf", "> 0"),
         ];

@@ -28,9 +28,13 @@ use meshgrad_tensor::{Result, Tensor};
 use crate::Var;
 
 pub mod chunk_order;
+pub mod folded;
+pub mod folded_attention;
 pub mod ring_attention;
 
 pub use chunk_order::ChunkOrder;
+pub use folded::FoldedPositions;
+pub use folded_attention::{folded_attention, FoldedAttention};
 pub use ring_attention::{ring_attention, RingAttention};
 
 /// The collectives tensor and sequence parallelism need, on one group of ranks. Every member

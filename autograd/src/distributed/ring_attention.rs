@@ -151,7 +151,7 @@ fn update_rows(
 
 /// The online-softmax combination of two partial results `(out [.., T, D], lse [.., T])` over
 /// disjoint key sets (see the [module docs](self)); both in one float dtype.
-fn combine(a: (&Tensor, &Tensor), b: (&Tensor, &Tensor)) -> Result<(Tensor, Tensor)> {
+pub(super) fn combine(a: (&Tensor, &Tensor), b: (&Tensor, &Tensor)) -> Result<(Tensor, Tensor)> {
     let (o1, l1) = a;
     let (o2, l2) = b;
     // A finite stand-in for a maximum of -inf (no key seen on either side): the weights are
