@@ -17,8 +17,7 @@
 use std::sync::Arc;
 
 use meshgrad_autograd::distributed::{
-    folded_attention, ring_attention, ChunkOrder, Collectives, FoldedAttention, FoldedPositions,
-    RingAttention,
+    folded_attention, ring_attention, ChunkOrder, Collectives, FoldedPositions, RingAttention,
 };
 use meshgrad_autograd::Var;
 use meshgrad_tensor::{DType, Device, Result, Tensor};
@@ -117,18 +116,7 @@ impl ContextParallel {
         causal: bool,
         scale: f64,
     ) -> Result<Var> {
-        if let Some(positions) = &self.folded {
-            return folded_attention(FoldedAttention {
-                q,
-                k,
-                v,
-                key_padding,
-                causal,
-                scale,
-                positions,
-            });
-        }
-        ring_attention(RingAttention {
+        let args = RingAttention {
             q,
             k,
             v,
@@ -136,6 +124,10 @@ impl ContextParallel {
             causal,
             scale,
             group: &self.group,
-        })
+        };
+        match &self.folded {
+            Some(positions) => folded_attention(args, positions.leaves()),
+            None => ring_attention(args),
+        }
     }
 }

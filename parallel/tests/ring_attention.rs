@@ -14,8 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use meshgrad_autograd::distributed::{
-    folded_attention, ring_attention, ChunkOrder, Collectives, FoldedAttention, FoldedPositions,
-    RingAttention,
+    folded_attention, ring_attention, ChunkOrder, Collectives, FoldedPositions, RingAttention,
 };
 use meshgrad_autograd::Var;
 use meshgrad_parallel::comm::tree::TreeReduce;
@@ -79,6 +78,17 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// This rank's chunks (`order`) of `q`, `k`, `v` (as leaves) and of the key padding.
+fn local_operands(
+    order: &ChunkOrder,
+    qkv: [&Tensor; 3],
+    pad: Option<&Tensor>,
+) -> Result<([Var; 3], Option<Tensor>)> {
+    let [q, k, v] = qkv.map(|x| order.local_of(x, 2).map(Var::leaf));
+    let pad = pad.map(|p| order.local_of(p, 1)).transpose()?;
+    Ok(([q?, k?, v?], pad))
+}
+
 /// Runs ring attention on `cp` threads and compares every rank's rows with the single device.
 fn check(cp: usize, t: usize, causal: bool, padded: bool, dtype: DType, tol: f64) {
     let dims = [B, H, t, D];
@@ -103,12 +113,7 @@ fn check(cp: usize, t: usize, causal: bool, padded: bool, dtype: DType, tol: f64
         let group: Arc<dyn Collectives> = Arc::new(CommCollectives::new(ctx.comm.clone(), "cp"));
         let order = ChunkOrder::new(ctx.rank, cp);
         let local = |x: &Tensor| order.local_of(x, 2);
-        let (lq, lk, lv) = (
-            Var::leaf(local(&q)?),
-            Var::leaf(local(&k)?),
-            Var::leaf(local(&v)?),
-        );
-        let lpad = pad.as_ref().map(|p| order.local_of(p, 1)).transpose()?;
+        let ([lq, lk, lv], lpad) = local_operands(&order, [&q, &k, &v], pad.as_ref())?;
         let out = ring_attention(RingAttention {
             q: &lq,
             k: &lk,
@@ -211,24 +216,19 @@ fn folded_rows(
     run_ranks(cp, &opts, |ctx| -> Result<[Vec<f64>; 4]> {
         let comm = TreeReduce::for_reference(ctx.comm.clone());
         let group: Arc<dyn Collectives> = Arc::new(CommCollectives::new(comm, "cp"));
-        let positions = FoldedPositions::new(leaves, group)?;
         let order = ChunkOrder::new(ctx.rank, cp);
         let local = |x: &Tensor| order.local_of(x, 2);
-        let (lq, lk, lv) = (
-            Var::leaf(local(q)?),
-            Var::leaf(local(k)?),
-            Var::leaf(local(v)?),
-        );
-        let lpad = pad.map(|p| order.local_of(p, 1)).transpose()?;
-        let out = folded_attention(FoldedAttention {
+        let ([lq, lk, lv], lpad) = local_operands(&order, [q, k, v], pad)?;
+        let args = RingAttention {
             q: &lq,
             k: &lk,
             v: &lv,
             key_padding: lpad.as_ref(),
             causal,
             scale: 1.0 / (D as f64).sqrt(),
-            positions: &positions,
-        })?;
+            group: &group,
+        };
+        let out = folded_attention(args, leaves)?;
         out.backward_with(local(w)?)?;
         Ok([
             out.tensor().to_vec_f64()?,
@@ -259,8 +259,15 @@ fn check_folded(cp: usize, t: usize, causal: bool, padded: bool, tol: f64) {
     let one = folded_rows(1, 4, ops, pad.as_ref(), causal).remove(0);
     let plain = [&full.out, &full.dq, &full.dk, &full.dv].map(|x| x.to_vec_f64().unwrap());
     for (what, (a, b)) in ["out", "dq", "dk", "dv"].iter().zip(one.iter().zip(&plain)) {
-        let d = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
-        assert!(d <= tol, "one device: folded {what} differs from plain attention by {d:e}");
+        let d = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f64::max);
+        assert!(
+            d <= tol,
+            "one device: folded {what} differs from plain attention by {d:e}"
+        );
     }
     let per_rank = folded_rows(cp, 4, ops, pad.as_ref(), causal);
     for (rank, got) in per_rank.iter().enumerate() {
@@ -320,11 +327,18 @@ fn a_layer_run_per_position_leaf_is_one_devices_bit_for_bit() {
     let (xv, wv) = (Var::leaf(x.clone()), Var::leaf(w.clone()));
     let y = Var::linear(&xv, &wv, None).unwrap();
     y.backward_with(dy.clone()).unwrap();
-    let plain = [y.tensor(), &xv.grad().unwrap(), &wv.grad().unwrap()]
-        .map(|x| x.to_vec_f64().unwrap());
+    let plain =
+        [y.tensor(), &xv.grad().unwrap(), &wv.grad().unwrap()].map(|x| x.to_vec_f64().unwrap());
     for (what, (a, b)) in ["y", "dx", "dW"].iter().zip(one.iter().zip(&plain)) {
-        let d = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
-        assert!(d <= 1e-5, "one device: per-leaf {what} differs from the plain layer by {d:e}");
+        let d = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f64::max);
+        assert!(
+            d <= 1e-5,
+            "one device: per-leaf {what} differs from the plain layer by {d:e}"
+        );
     }
     for cp in [2, 4] {
         let per_rank = leafwise_linear(cp, &x, &w, &dy);
@@ -336,7 +350,10 @@ fn a_layer_run_per_position_leaf_is_one_devices_bit_for_bit() {
                     .reshape(vec![B, t, if i == 0 { o } else { c }])
                     .unwrap();
                 let want = order.local_of(&whole, 1).unwrap().to_vec_f64().unwrap();
-                assert!(got[i] == want, "cp={cp}: rank {rank}'s {what} differs from one device's");
+                assert!(
+                    got[i] == want,
+                    "cp={cp}: rank {rank}'s {what} differs from one device's"
+                );
             }
             // The weight gradient lands whole on the group's first rank, zero on the others.
             let want = if rank == 0 {
@@ -344,7 +361,52 @@ fn a_layer_run_per_position_leaf_is_one_devices_bit_for_bit() {
             } else {
                 vec![0.0; one[2].len()]
             };
-            assert!(got[2] == want, "cp={cp}: rank {rank}'s dW is not one device's tree");
+            assert!(
+                got[2] == want,
+                "cp={cp}: rank {rank}'s dW is not one device's tree"
+            );
         }
     }
+}
+
+#[test]
+fn a_context_parallel_ranks_chunks_are_a_block_of_the_position_leaves() {
+    // K = 4 leaves, 8 fine chunks of 2 positions, T = 16. Under cp = 2 rank 1 holds chunks 1
+    // and 2 of 4 (positions 4..8 and 8..12): fine chunks 2, 3 and 4, 5, leaves 2 and 3.
+    let opts = RunOptions::with_timeout(Duration::from_secs(10));
+    let per_rank = run_ranks(2, &opts, |ctx| -> Result<_> {
+        let group: Arc<dyn Collectives> = Arc::new(CommCollectives::new(ctx.comm.clone(), "cp"));
+        let f = FoldedPositions::new(4, group)?;
+        let t = Tensor::from_vec((0..8i64).collect::<Vec<_>>(), (1, 8), Device::Cpu)?;
+        let leaves = [f.leaf(&t, 1, 0)?, f.leaf(&t, 1, 1)?];
+        Ok((
+            f.local_leaves(),
+            [f.leaf_ranges(8, 0)?, f.leaf_ranges(8, 1)?],
+            (0..4).map(|c| f.global_chunk(c)).collect::<Vec<_>>(),
+            [f.owner_of(5), f.owner_of(7)],
+            leaves[0].to_vec::<i64>()?,
+            f.assemble(&leaves, 1)?.to_vec::<i64>()?,
+        ))
+    })
+    .unwrap();
+    let (n, ranges, chunks, owners, leaf0, back) = &per_rank[1];
+    assert_eq!(*n, 2);
+    // Leaf 2 = fine chunks 2 and 5: local 0..2 and, mirrored, 6..8.
+    assert_eq!(*ranges, [[0..2, 6..8], [2..4, 4..6]]);
+    assert_eq!(*chunks, [2, 3, 4, 5]);
+    assert_eq!(*owners, [(1, 3), (0, 3)]);
+    assert_eq!(*leaf0, [0, 1, 6, 7]);
+    assert_eq!(*back, (0..8).collect::<Vec<i64>>());
+    // Rank 0 holds chunks 0 and 3 of 4: fine chunks 0, 1 and 6, 7 (leaves 0 and 1).
+    assert_eq!(per_rank[0].2, [0, 1, 6, 7]);
+    let e = run_ranks(4, &opts, |ctx| {
+        let group: Arc<dyn Collectives> = Arc::new(CommCollectives::new(ctx.comm.clone(), "cp"));
+        FoldedPositions::new(2, group).map(|_| ())
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("divisible by the context-parallel degree 4"),
+        "{e}"
+    );
 }

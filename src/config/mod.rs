@@ -590,7 +590,7 @@ impl TrainConfig {
     /// `min_lr` in [0, lr]; `beta1`, `beta2` in [0, 1); `weight_decay`, `grad_clip` finite and at
     /// least 0, and `lr * weight_decay` below 1 (AdamW scales the weights by `1 - lr *
     /// weight_decay` each step); `device` one of `cpu`, `cuda`, `cuda:N`; `precision` one of
-    /// [`PRECISIONS`]; `loss_scale_init` finite and > 0; `val_fraction` in (0, 1); `out`, and
+    /// [`PRECISIONS`]; `reference_positions` one of [`REFERENCE_POSITIONS`]; `loss_scale_init` finite and > 0; `val_fraction` in (0, 1); `out`, and
     /// `metrics`, `data.path` and `data.tokenizer` when set, non-empty. A Llama
     /// (`model.kind = "llama"`) has `dropout` 0, an even head width `n_embd / n_head` (rotary
     /// embeddings rotate pairs), an `n_kv_head` (when set) dividing `n_head`, and `rope_theta`
@@ -740,23 +740,17 @@ impl TrainConfig {
                 ),
             );
         }
-        if !PRECISIONS.contains(&t.precision.as_str()) {
-            return invalid(
-                "train.precision",
-                format!(
-                    "must be \"f32\", \"bf16\" or \"f16\", got {:?}",
-                    t.precision
-                ),
-            );
-        }
-        if !REFERENCE_POSITIONS.contains(&t.reference_positions.as_str()) {
-            return invalid(
+        for (key, value, allowed) in [
+            ("train.precision", &t.precision, PRECISIONS),
+            (
                 "train.reference_positions",
-                format!(
-                    "must be \"sequence\" or \"folded\", got {:?}",
-                    t.reference_positions
-                ),
-            );
+                &t.reference_positions,
+                REFERENCE_POSITIONS,
+            ),
+        ] {
+            if !allowed.contains(&value.as_str()) {
+                return invalid(key, format!("must be {}, got {value:?}", one_of(allowed)));
+            }
         }
         if !(t.loss_scale_init.is_finite() && t.loss_scale_init > 0.0) {
             return invalid(
@@ -971,6 +965,16 @@ impl ModelConfig {
             ));
         }
         Ok(())
+    }
+}
+
+/// `"a"`, `"b"` or `"c"` for the values `allowed`.
+fn one_of(allowed: &[&str]) -> String {
+    let quoted: Vec<String> = allowed.iter().map(|a| format!("{a:?}")).collect();
+    match quoted.split_last() {
+        Some((last, [])) => last.clone(),
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+        None => String::new(),
     }
 }
 

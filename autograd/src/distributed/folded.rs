@@ -19,6 +19,10 @@
 //!   `dp x cp` ranks that follows adds each row group's sum once (`x + 0` is exact).
 //! * **Attention** over the whole sequence in the same order:
 //!   [`folded_attention`](super::folded_attention::folded_attention).
+//!
+//! A per-position table read at the global positions (GPT's learned positions) needs no leaves:
+//! each position's row gathers its gradient on the one rank holding the position, from the
+//! same rows in the same order as one device, and the other ranks hold zeros there.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -259,66 +263,5 @@ impl FoldedPositions {
                 Ok(grads)
             }),
         ))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use meshgrad_tensor::Device;
-
-    /// A stand-in group: rank `rank` of `size`, no communication (the tests read layouts only).
-    struct Layout(usize, usize);
-    impl Collectives for Layout {
-        fn rank(&self) -> usize {
-            self.0
-        }
-        fn size(&self) -> usize {
-            self.1
-        }
-        fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
-            Ok(t.clone())
-        }
-        fn all_reduce_max(&self, t: &Tensor) -> Result<Tensor> {
-            Ok(t.clone())
-        }
-        fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
-            Ok(t.clone())
-        }
-        fn reduce_scatter_sum(&self, t: &Tensor) -> Result<Tensor> {
-            Ok(t.clone())
-        }
-        fn describe(&self) -> String {
-            format!("layout[{} of {}]", self.0, self.1)
-        }
-    }
-
-    #[test]
-    fn a_ranks_chunks_are_a_block_of_the_leaves() {
-        // K = 4 leaves, 8 fine chunks of 2 positions, T = 16. cp = 2, rank 1 holds chunks
-        // 1 and 2 of 4 (positions 4..8 and 8..12): fine chunks 2, 3 and 4, 5, leaves 2 and 3.
-        let f = FoldedPositions::new(4, Arc::new(Layout(1, 2))).unwrap();
-        assert_eq!(f.local_leaves(), 2);
-        // Leaf 2 = fine chunks 2 and 5: local 0..2 and, mirrored, 6..8.
-        assert_eq!(f.leaf_ranges(8, 0).unwrap(), [0..2, 6..8]);
-        assert_eq!(f.leaf_ranges(8, 1).unwrap(), [2..4, 4..6]);
-        assert_eq!(
-            (0..4).map(|c| f.global_chunk(c)).collect::<Vec<_>>(),
-            [2, 3, 4, 5]
-        );
-        assert_eq!(f.owner_of(5), (1, 3));
-        assert_eq!(f.owner_of(7), (0, 3));
-        let t = Tensor::from_vec((0..8i64).collect::<Vec<_>>(), (1, 8), Device::Cpu).unwrap();
-        let leaves = [f.leaf(&t, 1, 0).unwrap(), f.leaf(&t, 1, 1).unwrap()];
-        assert_eq!(leaves[0].to_vec::<i64>().unwrap(), [0, 1, 6, 7]);
-        let back = f.assemble(&leaves, 1).unwrap();
-        assert_eq!(back.to_vec::<i64>().unwrap(), (0..8).collect::<Vec<_>>());
-        // One device: leaf j is fine chunks j and 7 - j.
-        let one = FoldedPositions::new(4, Arc::new(Layout(0, 1))).unwrap();
-        assert_eq!(one.leaf_ranges(16, 1).unwrap(), [2..4, 12..14]);
-        let e = FoldedPositions::new(2, Arc::new(Layout(0, 4))).unwrap_err();
-        assert!(e
-            .to_string()
-            .contains("divisible by the context-parallel degree 4"));
     }
 }

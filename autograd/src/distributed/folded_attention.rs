@@ -8,7 +8,7 @@
 //! a causal mask, causal within `b == a`; every `b` without), one fused attention call on the
 //! pair, of the same shapes on every layout. The pairs' `(out, lse)` are combined by the
 //! online-softmax rule in ascending `b` (one fixed order; the rule of
-//! [`ring_attention`](super::ring_attention)). Backward, each pair's fused backward gives its
+//! [`ring_attention`](super::ring_attention())). Backward, each pair's fused backward gives its
 //! share of `dq`, `dk`, `dv`: a query chunk's `dq` adds its pairs in ascending `b`; key chunk
 //! `b`'s `dk` and `dv` add, per position leaf, the shares of the leaf's two query chunks, then
 //! the leaves in their aligned tree: each rank the subtree of its leaves, the group's tree
@@ -22,25 +22,8 @@ use meshgrad_tensor::tree_sum::tree_sum;
 use meshgrad_tensor::{AttentionMask, AttentionOutput, DType, Result, Tensor};
 
 use super::folded::FoldedPositions;
+use super::RingAttention;
 use crate::Var;
-
-/// The arguments of [`folded_attention()`].
-pub struct FoldedAttention<'a> {
-    /// This rank's queries `[B, H, 2L, D]` (its two chunks side by side).
-    pub q: &'a Var,
-    /// This rank's keys, shaped like `q`.
-    pub k: &'a Var,
-    /// This rank's values, shaped like `q`.
-    pub v: &'a Var,
-    /// This rank's key padding `[B, 2L]` (integer, nonzero = attend), if any.
-    pub key_padding: Option<&'a Tensor>,
-    /// Causal masking over the global positions.
-    pub causal: bool,
-    /// The score scale (usually `1 / sqrt(D)`).
-    pub scale: f64,
-    /// The position order and the context-parallel group.
-    pub positions: &'a FoldedPositions,
-}
 
 /// Everything the pairs need: the group's keys and values and padding, by rank.
 struct Gathered {
@@ -85,16 +68,18 @@ impl Gathered {
     }
 }
 
-/// Self-attention over the sequence split across `args.positions`' group, every number as one
-/// device computes it in reference mode (see the [module docs](self)): this rank's output
-/// `[B, H, 2L, D]`, and the gradients of `q`, `k` and `v` in backward (every member of the group
-/// runs its backwards in the same order, as its forwards).
+/// Self-attention over the sequence split across `args.group` (the ring's arguments), every
+/// number as one device computes it in reference mode with `leaves` position leaves (see the
+/// [module docs](self)): this rank's output `[B, H, 2L, D]`, and the gradients of `q`, `k` and
+/// `v` in backward (every member of the group runs its backwards in the same order, as its
+/// forwards).
 ///
-/// Errors are one line: operands not all `[B, H, 2L, D]` of one shape, a local length that
-/// does not split into the rank's fine chunks, a padding mask not `[B, 2L]`.
-pub fn folded_attention(args: FoldedAttention<'_>) -> Result<Var> {
-    let positions = args.positions.clone();
-    let group = positions.group().clone();
+/// Errors are one line: operands not all `[B, H, 2L, D]` of one shape, leaves that are not a
+/// power of two the group size divides, a local length that does not split into the rank's
+/// fine chunks, a padding mask not `[B, 2L]`.
+pub fn folded_attention(args: RingAttention<'_>, leaves: usize) -> Result<Var> {
+    let positions = FoldedPositions::new(leaves, args.group.clone())?;
+    let group = args.group.clone();
     let (q, k, v) = (
         args.q.tensor().contiguous()?,
         args.k.tensor().contiguous()?,

@@ -35,7 +35,7 @@ pub mod ring_attention;
 
 pub use chunk_order::ChunkOrder;
 pub use folded::FoldedPositions;
-pub use folded_attention::{folded_attention, FoldedAttention};
+pub use folded_attention::folded_attention;
 pub use ring_attention::{ring_attention, RingAttention};
 
 /// The collectives tensor and sequence parallelism need, on one group of ranks. Every member

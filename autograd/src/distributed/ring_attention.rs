@@ -30,7 +30,7 @@
 //!
 //! A context-parallel run through this ring matches one device to rounding, not bit for bit.
 //! Reference mode (`--reference` with `train.reference_positions=folded`) therefore runs
-//! [`folded_attention`](super::folded_attention) instead, and fixes the other sums over
+//! [`folded_attention`](super::folded_attention()) instead, and fixes the other sums over
 //! positions with [`FoldedPositions`](super::FoldedPositions); on one device too. Where the
 //! bits part, and how reference mode fixes each:
 //!
