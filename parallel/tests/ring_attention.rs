@@ -78,6 +78,18 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// The single device's mask: causal or not, with the key padding `pad` if any.
+fn mask_of(causal: bool, pad: Option<&Tensor>) -> AttentionMask<Var> {
+    let mask = AttentionMask {
+        causal,
+        ..AttentionMask::none()
+    };
+    match pad {
+        Some(p) => mask.with_key_padding(p.clone()),
+        None => mask,
+    }
+}
+
 /// This rank's chunks (`order`) of `q`, `k`, `v` (as leaves) and of the key padding.
 fn local_operands(
     order: &ChunkOrder,
@@ -100,13 +112,7 @@ fn check(cp: usize, t: usize, causal: bool, padded: bool, dtype: DType, tol: f64
     );
     let scale = 1.0 / (D as f64).sqrt();
     let pad = padded.then(|| padding(t));
-    let mut mask = AttentionMask {
-        causal,
-        ..AttentionMask::none()
-    };
-    if let Some(p) = &pad {
-        mask = mask.with_key_padding(p.clone());
-    }
+    let mask = mask_of(causal, pad.as_ref());
     let full = single_device([&q, &k, &v, &w], &mask, scale);
     let opts = RunOptions::with_timeout(Duration::from_secs(20)).rendezvous();
     let per_rank = run_ranks(cp, &opts, |ctx| -> Result<Vec<(String, f64)>> {
@@ -248,13 +254,7 @@ fn check_folded(cp: usize, t: usize, causal: bool, padded: bool, tol: f64) {
     let ops: Vec<Tensor> = (1..=4).map(|s| randn(s, &dims, dtype)).collect();
     let ops = [&ops[0], &ops[1], &ops[2], &ops[3]];
     let pad = padded.then(|| padding(t));
-    let mut mask = AttentionMask {
-        causal,
-        ..AttentionMask::none()
-    };
-    if let Some(p) = &pad {
-        mask = mask.with_key_padding(p.clone());
-    }
+    let mask = mask_of(causal, pad.as_ref());
     let full = single_device(ops, &mask, 1.0 / (D as f64).sqrt());
     let one = folded_rows(1, 4, ops, pad.as_ref(), causal).remove(0);
     let plain = [&full.out, &full.dq, &full.dk, &full.dv].map(|x| x.to_vec_f64().unwrap());
