@@ -246,6 +246,21 @@ fn folded_rows(
     .unwrap()
 }
 
+/// One device's `got` values against the plain op's `want`, named `whats`, to `tol`.
+fn assert_close(op: &str, whats: &[&str], got: &[Vec<f64>], want: &[Vec<f64>], tol: f64) {
+    for (what, (a, b)) in whats.iter().zip(got.iter().zip(want)) {
+        let d = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f64::max);
+        assert!(
+            d <= tol,
+            "one device: {op}'s {what} differs from the plain op's by {d:e}"
+        );
+    }
+}
+
 /// Folded attention on `cp` ranks against one device's folded attention (bit for bit) and
 /// plain single-device attention (to `tol`), every rank's rows.
 fn check_folded(cp: usize, t: usize, causal: bool, padded: bool, tol: f64) {
@@ -258,17 +273,13 @@ fn check_folded(cp: usize, t: usize, causal: bool, padded: bool, tol: f64) {
     let full = single_device(ops, &mask, 1.0 / (D as f64).sqrt());
     let one = folded_rows(1, 4, ops, pad.as_ref(), causal).remove(0);
     let plain = [&full.out, &full.dq, &full.dk, &full.dv].map(|x| x.to_vec_f64().unwrap());
-    for (what, (a, b)) in ["out", "dq", "dk", "dv"].iter().zip(one.iter().zip(&plain)) {
-        let d = a
-            .iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f64::max);
-        assert!(
-            d <= tol,
-            "one device: folded {what} differs from plain attention by {d:e}"
-        );
-    }
+    assert_close(
+        "folded attention",
+        &["out", "dq", "dk", "dv"],
+        &one,
+        &plain,
+        tol,
+    );
     let per_rank = folded_rows(cp, 4, ops, pad.as_ref(), causal);
     for (rank, got) in per_rank.iter().enumerate() {
         let order = ChunkOrder::new(rank, cp);
@@ -329,17 +340,13 @@ fn a_layer_run_per_position_leaf_is_one_devices_bit_for_bit() {
     y.backward_with(dy.clone()).unwrap();
     let plain =
         [y.tensor(), &xv.grad().unwrap(), &wv.grad().unwrap()].map(|x| x.to_vec_f64().unwrap());
-    for (what, (a, b)) in ["y", "dx", "dW"].iter().zip(one.iter().zip(&plain)) {
-        let d = a
-            .iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f64::max);
-        assert!(
-            d <= 1e-5,
-            "one device: per-leaf {what} differs from the plain layer by {d:e}"
-        );
-    }
+    assert_close(
+        "the per-leaf linear",
+        &["y", "dx", "dW"],
+        &one,
+        &plain,
+        1e-5,
+    );
     for cp in [2, 4] {
         let per_rank = leafwise_linear(cp, &x, &w, &dy);
         for (rank, got) in per_rank.iter().enumerate() {
