@@ -359,7 +359,9 @@ struct TrainArgs {
     precision: Option<String>,
     /// Reference mode: bit-identical losses, gradient norms and weights under every layout for
     /// the same seed, global batch and row group (sets train.reference; see README's "Reference
-    /// mode"). Costs speed: each row group runs its own forward and backward pass.
+    /// mode"). Costs speed: each row group runs its own forward and backward pass. Under
+    /// context parallelism (cp in --layout) pass --set train.reference_positions=folded, to the
+    /// one-device run too: both then add over positions in the folded order.
     #[arg(long)]
     reference: bool,
     /// Reference mode: sequences per row group (sets train.row_group; default 1).

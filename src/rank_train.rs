@@ -307,8 +307,24 @@ fn rank_main<R: Recipe>(
     // Context parallelism: the ring over the cp group; each rank takes its chunks of the rows.
     // `--trace`: the ring's hops and the all-to-alls are spans of this rank's timeline.
     let traced = opts.pipeline.trace.as_ref().map(|_| timeline.clone());
-    let cp = (layout.cp() > 1).then(|| context_parallel_traced(mesh.cp_group(), traced.clone()));
-    let order = cp.as_ref().map(|cp| cp.order());
+    // Reference mode's folded position order (on one device too): its leaves over the cp group.
+    let folded = crate::reference::folded_positions(cfg)
+        .then(|| crate::reference_tp::chunk_count(cfg))
+        .flatten();
+    let cp = match (layout.cp() > 1, folded) {
+        (false, None) => None,
+        (_, leaves) => {
+            let cp = context_parallel_traced(mesh.cp_group(), traced.clone());
+            Some(match leaves {
+                Some(k) => cp.with_folded(k)?,
+                None => cp,
+            })
+        }
+    };
+    let order = cp
+        .as_ref()
+        .filter(|cp| cp.degree() > 1)
+        .map(|cp| cp.order());
     let ep = mesh
         .ep_group()
         .map(|g| expert_parallel_traced(g, traced.clone()).with_reference(cfg.train.reference));
@@ -452,7 +468,15 @@ fn rank_main<R: Recipe>(
     };
     let val = || -> Result<f64> {
         if reference.is_some() {
-            return val_loss_reference(recipe, &chunks, pp.as_ref(), &rows, total_groups, &sync);
+            return val_loss_reference(
+                recipe,
+                &chunks,
+                pp.as_ref(),
+                &rows,
+                total_groups,
+                &sync,
+                &own_chunks,
+            );
         }
         let batches = recipe
             .val_batches(rows.clone())?
@@ -639,8 +663,10 @@ impl ReferenceChunks {
 
 /// The validation loss in reference mode: each validation batch's loss is the tree sum of
 /// its row groups' losses (this rank's row groups of `rows`, each forward through the pipeline
-/// on its own), summed over the data-parallel ranks by `sync` and normalised by the task
+/// on its own, this rank's chunks of it under context parallelism: `own_chunks`), summed over
+/// the data-parallel ranks by `sync` and normalised by the task
 /// ([`Recipe::reference_val_loss`]); the batches' losses are averaged in order.
+#[allow(clippy::too_many_arguments)]
 fn val_loss_reference<T: Recipe>(
     task: &T,
     chunks: &[T::Stage],
@@ -648,12 +674,18 @@ fn val_loss_reference<T: Recipe>(
     rows: &Range<u64>,
     total: usize,
     sync: &dyn GradSync,
+    own_chunks: &dyn Fn(<T::Stage as ModelStage>::Batch) -> Result<<T::Stage as ModelStage>::Batch>,
 ) -> Result<f64> {
     let cfg = task.cfg();
     let groups = row_groups(rows.clone(), cfg.train.row_group)?;
     let per_group = groups
         .iter()
-        .map(|g| task.val_batches(g.clone()))
+        .map(|g| {
+            task.val_batches(g.clone())?
+                .into_iter()
+                .map(own_chunks)
+                .collect::<Result<Vec<_>>>()
+        })
         .collect::<Result<Vec<_>>>()?;
     let n = cfg.train.eval_batches.max(1);
     for c in chunks {

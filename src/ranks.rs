@@ -477,8 +477,8 @@ pub(crate) fn check_vocab_splits(
 
 /// One-line refusals of context parallelism (`cp` above 1 in `layout`) for what it does not
 /// support: a sequence (`model.block_size`) that does not split into `2 cp` equal chunks,
-/// dropout (its masks are keyed by local positions), reference mode (why: the module docs of
-/// `meshgrad_autograd::distributed::ring_attention`).
+/// dropout (its masks are keyed by local positions). Reference mode's conditions are
+/// [`crate::reference::check_reference`]'s.
 pub(crate) fn check_context_parallel(cfg: &TrainConfig, layout: &ParallelLayout) -> Result<()> {
     let cp = layout.cp();
     if cp <= 1 {
@@ -492,13 +492,6 @@ pub(crate) fn check_context_parallel(cfg: &TrainConfig, layout: &ParallelLayout)
             "layout {layout}: context parallelism (cp) does not support dropout yet (model.dropout \
              = {}; its masks are keyed by local positions): set model.dropout=0",
             cfg.model.dropout
-        );
-    }
-    if cfg.train.reference {
-        anyhow::bail!(
-            "layout {layout}: --reference does not support context parallelism (cp) yet: the \
-             ring combines key blocks and each rank sums parameter gradients over its own \
-             positions, in orders one device does not reproduce"
         );
     }
     Ok(())

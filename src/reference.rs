@@ -35,6 +35,13 @@
 //!   the tree over the group's row groups
 //!   ([`RowGroupTrees`](meshgrad_parallel::grad_tree::RowGroupTrees)).
 //!
+//! * **Context parallelism** (with `train.reference_positions=folded`, on one device too):
+//!   every sum over a sequence's positions is a tree over position leaves in which each cp
+//!   rank's positions are a subtree; the layers run once per leaf and attention pairs fine
+//!   chunks in one fixed order; a cp group's sums land whole on its first rank, so the
+//!   data-parallel tree over `dp x cp` ranks adds each once
+//!   ([`meshgrad_autograd::distributed::folded`]).
+//!
 //! What is not covered yet is refused in one line before the run ([`check_reference`]).
 
 use std::ops::Range;
@@ -81,6 +88,7 @@ pub(crate) fn check_reference(cfg: &TrainConfig, layout: Option<&ParallelLayout>
     }
     let groups = b / r;
     crate::reference_tp::check_tp(cfg, layout)?;
+    check_positions(cfg, layout)?;
     let Some(layout) = layout else {
         return Ok(());
     };
@@ -103,6 +111,57 @@ pub(crate) fn check_reference(cfg: &TrainConfig, layout: Option<&ParallelLayout>
             "reference mode: ep = {ep} (layout {layout}) must be a power of two or the \
              data-parallel degree {dp}, so that each expert-parallel group's row groups are a \
              subtree of the row groups' sum"
+        );
+    }
+    Ok(())
+}
+
+/// Whether reference mode adds over positions in the folded order
+/// (`train.reference_positions=folded`; see [`meshgrad_autograd::distributed::folded`]).
+pub(crate) fn folded_positions(cfg: &TrainConfig) -> bool {
+    cfg.train.reference && cfg.train.reference_positions == "folded"
+}
+
+/// A one-line reason reference mode cannot run its position order on `layout`: context
+/// parallelism needs the folded order, which covers GPT and Llama on dp and cp layouts, with
+/// position leaves (the reference chunk count `K`) that split the sequence into `2K` chunks
+/// and that the cp degree divides.
+fn check_positions(cfg: &TrainConfig, layout: Option<&ParallelLayout>) -> Result<()> {
+    let cp = layout.map_or(1, |l| l.cp());
+    if !folded_positions(cfg) {
+        if cp > 1 {
+            anyhow::bail!(
+                "reference mode under context parallelism (layout {}) adds over positions in the \
+                 folded order: pass --set train.reference_positions=folded (to the one-device run \
+                 you compare with too)",
+                layout.expect("cp > 1 comes from a layout")
+            );
+        }
+        return Ok(());
+    }
+    use crate::config::ModelKind;
+    if !matches!(cfg.model.kind, ModelKind::Gpt | ModelKind::Llama) {
+        anyhow::bail!(
+            "reference mode: train.reference_positions=folded covers GPT and Llama, not {}",
+            cfg.model.kind.as_str()
+        );
+    }
+    let k = crate::reference_tp::chunk_count(cfg).unwrap_or(1);
+    let t = cfg.model.block_size;
+    if k < 2 || !t.is_multiple_of(2 * k) || !k.is_multiple_of(cp) {
+        anyhow::bail!(
+            "reference mode: train.reference_positions=folded needs the reference chunk count \
+             K = {k} (train.reference_chunks {}) to be at least 2 and divisible by cp = {cp}, \
+             and 2K to divide block_size {t} (K is the largest power of two dividing the \
+             model's sizes; train.reference_chunks may lower it)",
+            cfg.train.reference_chunks
+        );
+    }
+    if let Some(l) = layout.filter(|l| l.tp() > 1 || l.pp() > 1 || l.ep() > 1 || l.zero().is_some())
+    {
+        anyhow::bail!(
+            "reference mode: train.reference_positions=folded covers dp and cp layouts, not {l} \
+             (tp, pp, ep and ZeRO/FSDP are not covered in the folded order yet)"
         );
     }
     Ok(())

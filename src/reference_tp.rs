@@ -108,7 +108,8 @@ pub(crate) fn check_tp(cfg: &TrainConfig, layout: Option<&ParallelLayout>) -> Re
 /// Builds a model or a pipeline stage through `builder` with its tensor-parallel `plan`: over
 /// `tp` when given (in reference mode with [`chunk_count`]'s chunked sums), and in reference
 /// mode on one device with the same chunked sums over a group of one rank
-/// ([`TensorParallel::single_device`]).
+/// ([`TensorParallel::single_device`]); in reference mode's folded position order, with the
+/// builder's context-parallel group's [`FoldedPositions`](meshgrad_autograd::distributed::FoldedPositions).
 pub(crate) fn build_with_plan<M: Module>(
     cfg: &TrainConfig,
     builder: ParamBuilder,
@@ -117,14 +118,18 @@ pub(crate) fn build_with_plan<M: Module>(
     build: impl FnOnce(ParamBuilder) -> meshgrad_tensor::Result<M>,
 ) -> Result<M> {
     let reference = chunk_count(cfg);
+    // Reference mode's folded position order comes with the context-parallel group.
+    let folded = builder
+        .context_parallel_group()
+        .and_then(|cp| cp.folded().cloned());
     match tp {
         Some(tp) => Ok(build(
-            builder.tensor_parallel(tp.reference(reference), plan),
+            builder.tensor_parallel(tp.reference(reference).folded(folded), plan),
         )?),
         None => {
             let model = build(builder)?;
             if let Some(k) = reference {
-                plan.apply(&model, &TensorParallel::single_device(k))?;
+                plan.apply(&model, &TensorParallel::single_device(k).folded(folded))?;
             }
             Ok(model)
         }

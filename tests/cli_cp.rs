@@ -3,15 +3,22 @@
 //! single-device losses on the same global batch (within 1e-5 relative, train and validation;
 //! gradient norms within 1e-4), 4 steps of tiny models; GPT's gathered checkpoints hold the
 //! single device's weights to rounding (1e-5 of each tensor's scale), Llama's and BERT's Hugging
-//! Face folders within 1e-5 relative L2 over all parameters. Bad input is refused in one line: a
-//! sequence that does not split into 2 x cp chunks, dropout, a mixture of experts, reference mode.
+//! Face folders within 1e-5 relative L2 over all parameters.
+//!
+//! Reference mode (`--reference` with `train.reference_positions=folded`) under cp=2, cp=4 and
+//! dp=2,cp=2 gives one device's reference run (in the same order) bit for bit, GPT and Llama:
+//! every metrics value and the weights file.
+//!
+//! Bad input is refused in one line: a sequence that does not split into 2 x cp chunks,
+//! dropout, a mixture of experts, reference mode without the folded order or on a layout it
+//! does not cover.
 
 use crate::common;
 
 use std::path::Path;
 use std::process::Output;
 
-use common::{assert_lockstep, assert_one_line_error, metrics, tmpdir};
+use common::{assert_lockstep, assert_one_line_error, metric_lines, metrics, tmpdir};
 
 /// Trains a tiny `model` (4 heads, 16 positions: 8 chunks of 2 under cp=4) for 4 steps.
 fn train(dir: &Path, model: &str, tag: &str, extra: &[&str]) -> Output {
@@ -96,6 +103,56 @@ fn bert_trains_in_lockstep_under_context_parallelism() {
     lockstep("bert", &[("cp2", "cp=2")]);
 }
 
+/// `model` in reference mode's folded order on one device, then under cp=2, cp=4 and
+/// dp=2,cp=2: every metrics value and the weights file must be the same bits.
+fn reference_is_bit_identical(model: &str, extra: &[&str]) {
+    let dir = tmpdir(&format!("cp-reference-{model}"));
+    // 4 row groups of one row: 2 per rank under dp=2,cp=2.
+    let reference = [
+        &[
+            "--reference",
+            "--set",
+            "train.row_group=1",
+            "--set",
+            "train.reference_positions=folded",
+        ][..],
+        extra,
+    ]
+    .concat();
+    common::assert_ok(&train(&dir, model, "single", &reference));
+    let want = metric_lines(&dir, "single");
+    assert_eq!(want.len(), 4);
+    let weights = |tag: &str| std::fs::read(dir.join(tag).join("model.safetensors")).unwrap();
+    let single = weights("single");
+    for (tag, layout) in [("cp2", "cp=2"), ("cp4", "cp=4"), ("dp2cp2", "dp=2,cp=2")] {
+        let o = train(
+            &dir,
+            model,
+            tag,
+            &[&reference[..], &["--layout", layout]].concat(),
+        );
+        common::assert_ok(&o);
+        assert_eq!(
+            metric_lines(&dir, tag),
+            want,
+            "{model} {tag}: metrics differ"
+        );
+        assert!(weights(tag) == single, "{model} {tag}: weights differ");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn gpt_reference_runs_are_bit_identical_to_one_device_under_context_parallelism() {
+    reference_is_bit_identical("gpt", &[]);
+}
+
+#[test]
+fn llama_reference_runs_are_bit_identical_to_one_device_under_context_parallelism() {
+    // Four kv heads: the reference chunk count (4 position leaves) must divide by cp = 4.
+    reference_is_bit_identical("llama", &["--set", "model.n_kv_head=4"]);
+}
+
 #[test]
 fn what_context_parallelism_does_not_support_is_refused_in_one_line() {
     let dir = tmpdir("cp-refusals");
@@ -110,7 +167,17 @@ fn what_context_parallelism_does_not_support_is_refused_in_one_line() {
         ),
         (
             &["--layout", "cp=2", "--reference"][..],
-            "--reference does not support context parallelism (cp) yet",
+            "pass --set train.reference_positions=folded",
+        ),
+        (
+            &[
+                "--layout",
+                "cp=2,tp=2",
+                "--reference",
+                "--set",
+                "train.reference_positions=folded",
+            ][..],
+            "train.reference_positions=folded covers dp and cp layouts, not",
         ),
     ] {
         assert_one_line_error(&train(&dir, "gpt", "refused", extra), &[needle]);

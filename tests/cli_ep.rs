@@ -16,7 +16,7 @@ use crate::common;
 use std::path::Path;
 use std::process::Output;
 
-use common::{assert_lockstep, assert_one_line_error, metrics, tmpdir};
+use common::{assert_lockstep, assert_one_line_error, metric_lines, metrics, tmpdir};
 
 /// Trains a tiny Mixtral (or `model`) for 4 steps: 8 rows of 16 tokens, 4 experts, top 2.
 fn train(dir: &Path, model: &str, tag: &str, extra: &[&str]) -> Output {
@@ -134,20 +134,6 @@ fn mixtral_trains_in_lockstep_under_expert_parallelism() {
     // Two processes over TCP (`meshgrad launch`): the all-to-alls over sockets.
     assert_lockstep_on(&dir, &[("ep2tcp", "ep=2")], Some(2), &[]);
     std::fs::remove_dir_all(&dir).unwrap();
-}
-
-/// A run's metrics lines without their timing (`tokens_per_s`): every loss, validation loss,
-/// gradient norm, auxiliary loss and expert load, as the JSON text writes them.
-fn metric_lines(dir: &Path, tag: &str) -> Vec<String> {
-    std::fs::read_to_string(dir.join(format!("{tag}.jsonl")))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
-            v.as_object_mut().unwrap().remove("tokens_per_s");
-            v.to_string()
-        })
-        .collect()
 }
 
 #[test]

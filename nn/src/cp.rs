@@ -8,10 +8,17 @@
 //! learned table, Llama's rotary embedding) read the global positions of the local tokens
 //! ([`ContextParallel::positions`]). Everything else in a transformer is per token. On a group of
 //! one rank the model is the plain model.
+//!
+//! In reference mode with the folded position order ([`ContextParallel::folded`], also on one
+//! device, as a group of one rank) attention is
+//! [`folded_attention()`](meshgrad_autograd::distributed::folded_attention()) instead, and the
+//! layers run per position leaf ([`meshgrad_autograd::distributed::folded`]).
 
 use std::sync::Arc;
 
-use meshgrad_autograd::distributed::{ring_attention, ChunkOrder, Collectives, RingAttention};
+use meshgrad_autograd::distributed::{
+    folded_attention, ring_attention, ChunkOrder, Collectives, FoldedPositions, RingAttention,
+};
 use meshgrad_autograd::Var;
 use meshgrad_tensor::{DType, Device, Result, Tensor};
 
@@ -20,6 +27,8 @@ use meshgrad_tensor::{DType, Device, Result, Tensor};
 pub struct ContextParallel {
     /// The ranks that split each sequence, in ring order.
     pub group: Arc<dyn Collectives>,
+    /// Reference mode's folded position order over the group, if set ([`Self::folded`]).
+    folded: Option<FoldedPositions>,
 }
 
 impl std::fmt::Debug for ContextParallel {
@@ -36,7 +45,29 @@ impl std::fmt::Debug for ContextParallel {
 impl ContextParallel {
     /// Context parallelism over `group`.
     pub fn new(group: Arc<dyn Collectives>) -> Self {
-        ContextParallel { group }
+        ContextParallel {
+            group,
+            folded: None,
+        }
+    }
+
+    /// Reference mode's folded position order of `leaves` position leaves over the group (see
+    /// [`meshgrad_autograd::distributed::folded`]), or a one-line error unless `leaves` is a
+    /// power of two the group size divides.
+    pub fn with_folded(mut self, leaves: usize) -> Result<Self> {
+        self.folded = Some(FoldedPositions::new(leaves, self.group.clone())?);
+        Ok(self)
+    }
+
+    /// The folded position order, in reference mode with `train.reference_positions=folded`.
+    pub fn folded(&self) -> Option<&FoldedPositions> {
+        self.folded.as_ref()
+    }
+
+    /// Whether attention and positions differ from the plain model's: more than one rank, or
+    /// the folded order (also on one rank).
+    pub fn is_active(&self) -> bool {
+        self.degree() > 1 || self.folded.is_some()
     }
 
     /// Number of ranks (`C`).
@@ -75,7 +106,7 @@ impl ContextParallel {
 
     /// Self-attention of this rank's `q`, `k`, `v` (`[B, H, 2L, D]`) over the whole sequence,
     /// causal or not, with this rank's key padding `[B, 2L]` (integer, nonzero = attend) if any:
-    /// ring attention over the group.
+    /// ring attention over the group (in the folded order, [`folded_attention()`]).
     pub fn attention(
         &self,
         q: &Var,
@@ -85,7 +116,7 @@ impl ContextParallel {
         causal: bool,
         scale: f64,
     ) -> Result<Var> {
-        ring_attention(RingAttention {
+        let args = RingAttention {
             q,
             k,
             v,
@@ -93,6 +124,10 @@ impl ContextParallel {
             causal,
             scale,
             group: &self.group,
-        })
+        };
+        match &self.folded {
+            Some(positions) => folded_attention(args, positions.leaves()),
+            None => ring_attention(args),
+        }
     }
 }

@@ -318,6 +318,13 @@ pub struct TrainParams {
     /// `n_head`, `vocab_size` and `block_size`; 1 uses no chunked sums (cheaper, and then no
     /// tensor parallelism). Runs compare bit for bit only with the same count.
     pub reference_chunks: usize,
+    /// Reference mode: the order of the sums over a sequence's positions. `"sequence"`
+    /// (default): trees over `train.reference_chunks` chunks in sequence order, what tensor
+    /// parallelism's sequence parallelism needs. `"folded"`: trees over the chunk count's
+    /// position leaves, leaf `j` being chunks `j` and `2K - 1 - j` of `2K`, each layer run once
+    /// per leaf; what context parallelism (`cp` in `--layout`) needs. Runs compare bit for bit
+    /// only with the same order.
+    pub reference_positions: String,
 }
 
 impl Default for TrainParams {
@@ -343,6 +350,7 @@ impl Default for TrainParams {
             reference: false,
             row_group: 1,
             reference_chunks: 0,
+            reference_positions: "sequence".to_string(),
         }
     }
 }
@@ -582,7 +590,7 @@ impl TrainConfig {
     /// `min_lr` in [0, lr]; `beta1`, `beta2` in [0, 1); `weight_decay`, `grad_clip` finite and at
     /// least 0, and `lr * weight_decay` below 1 (AdamW scales the weights by `1 - lr *
     /// weight_decay` each step); `device` one of `cpu`, `cuda`, `cuda:N`; `precision` one of
-    /// [`PRECISIONS`]; `loss_scale_init` finite and > 0; `val_fraction` in (0, 1); `out`, and
+    /// [`PRECISIONS`]; `reference_positions` one of [`REFERENCE_POSITIONS`]; `loss_scale_init` finite and > 0; `val_fraction` in (0, 1); `out`, and
     /// `metrics`, `data.path` and `data.tokenizer` when set, non-empty. A Llama
     /// (`model.kind = "llama"`) has `dropout` 0, an even head width `n_embd / n_head` (rotary
     /// embeddings rotate pairs), an `n_kv_head` (when set) dividing `n_head`, and `rope_theta`
@@ -732,14 +740,17 @@ impl TrainConfig {
                 ),
             );
         }
-        if !PRECISIONS.contains(&t.precision.as_str()) {
-            return invalid(
-                "train.precision",
-                format!(
-                    "must be \"f32\", \"bf16\" or \"f16\", got {:?}",
-                    t.precision
-                ),
-            );
+        for (key, value, allowed) in [
+            ("train.precision", &t.precision, PRECISIONS),
+            (
+                "train.reference_positions",
+                &t.reference_positions,
+                REFERENCE_POSITIONS,
+            ),
+        ] {
+            if !allowed.contains(&value.as_str()) {
+                return invalid(key, format!("must be {}, got {value:?}", one_of(allowed)));
+            }
         }
         if !(t.loss_scale_init.is_finite() && t.loss_scale_init > 0.0) {
             return invalid(
@@ -956,6 +967,19 @@ impl ModelConfig {
         Ok(())
     }
 }
+
+/// `"a"`, `"b"` or `"c"` for the values `allowed`.
+fn one_of(allowed: &[&str]) -> String {
+    let quoted: Vec<String> = allowed.iter().map(|a| format!("{a:?}")).collect();
+    match quoted.split_last() {
+        Some((last, [])) => last.clone(),
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+        None => String::new(),
+    }
+}
+
+/// The values `train.reference_positions` takes.
+pub const REFERENCE_POSITIONS: &[&str] = &["sequence", "folded"];
 
 /// The values `train.precision` takes.
 pub const PRECISIONS: &[&str] = &["f32", "bf16", "f16"];
@@ -1176,6 +1200,11 @@ val_fraction = 0.05
             ("train.device", "gpu", "\"cpu\", \"cuda\" or \"cuda:N\""),
             ("train.device", "cuda:x", "got \"cuda:x\""),
             ("train.precision", "fp16", "\"f32\", \"bf16\" or \"f16\""),
+            (
+                "train.reference_positions",
+                "fold",
+                "\"sequence\" or \"folded\"",
+            ),
             ("train.loss_scale_init", "0", "> 0"),
             ("train.loss_scale_init", "inf", "> 0"),
         ];

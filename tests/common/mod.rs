@@ -249,3 +249,17 @@ pub fn assert_checkpoints_match(dir: &Path, tags: &[&str], reference: &str) {
         }
     }
 }
+
+/// A run's metrics lines without their timing (`tokens_per_s`): every loss, validation loss,
+/// gradient norm, auxiliary loss and expert load, as the JSON text writes them.
+pub fn metric_lines(dir: &Path, tag: &str) -> Vec<String> {
+    std::fs::read_to_string(dir.join(format!("{tag}.jsonl")))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v.as_object_mut().unwrap().remove("tokens_per_s");
+            v.to_string()
+        })
+        .collect()
+}

@@ -11,6 +11,7 @@
 //! | [`reduce_scatter_dim`]       | this rank's chunk of the sum  | concatenate the chunks       |
 //! | [`split_dim`]                | this rank's chunk             | concatenate the chunks       |
 //! | [`ring_attention()`]         | attention over the sequence split across the group (keys and values pass around the ring) | the same ring backwards (dk, dv return to their owner) |
+//! | [`folded_attention()`]       | reference mode's attention over the split sequence: fine chunk pairs in one order after an all-gather | each pair's shares added in one order; keys' over the position leaves' tree and the group |
 //! | [`all_to_all_rows`]          | rows sent to the ranks by split sizes | the reverse all-to-all of the gradients |
 //!
 //! On a group of one rank every function returns its input unchanged (no copy, no node), so a
@@ -28,9 +29,13 @@ use meshgrad_tensor::{Result, Tensor};
 use crate::Var;
 
 pub mod chunk_order;
+pub mod folded;
+pub mod folded_attention;
 pub mod ring_attention;
 
 pub use chunk_order::ChunkOrder;
+pub use folded::FoldedPositions;
+pub use folded_attention::folded_attention;
 pub use ring_attention::{ring_attention, RingAttention};
 
 /// The collectives tensor and sequence parallelism need, on one group of ranks. Every member

@@ -26,38 +26,46 @@
 //! keys, values and their partial gradients per hop) and, after the last step, one more hop
 //! brings each block's sum home to its owner.
 //!
-//! # Not bit-identical to one device (why reference mode refuses cp)
+//! # Not bit-identical to one device; what reference mode runs instead
 //!
-//! A context-parallel run matches one device to rounding, not bit for bit, and `--reference`
-//! refuses it. Every place where the bits part, and what reference mode would have to fix:
+//! A context-parallel run through this ring matches one device to rounding, not bit for bit.
+//! Reference mode (`--reference` with `train.reference_positions=folded`) therefore runs
+//! [`folded_attention`](super::folded_attention()) instead, and fixes the other sums over
+//! positions with [`FoldedPositions`](super::FoldedPositions); on one device too. Where the
+//! bits part, and how reference mode fixes each:
 //!
 //! 1. **The combination order over keys.** Rank `i` combines its key blocks in ring order
 //!    (`i, i-1, ..., i+1` mod `C`) by the rule above, which rounds (`exp`, `log`, the weighted
 //!    sum), so the result depends on the order; one device's fused kernel runs the online
-//!    softmax over key tiles in sequence order instead. A fixed order needs the same kernel
-//!    calls everywhere (pairs of fine query and key chunks of a chunk count that does not
-//!    depend on `C`) with each pair's `(out, lse)` kept until all have arrived and combined in
-//!    one fixed order; in backward `dq` adds over key chunks and `dk`, `dv` over query chunks
-//!    held by other ranks, so the travelling message would carry one partial per query chunk
-//!    instead of their running sum.
+//!    softmax over key tiles in sequence order instead. *Fix*: the same kernel calls everywhere,
+//!    on pairs of fine query and key chunks (`2K` chunks, `K` independent of `C`), each query
+//!    chunk's pairs combined in ascending key order; in backward a query chunk's `dq` adds its
+//!    pairs in that order, and a key chunk's `dk`, `dv` add the query chunks' shares per
+//!    position leaf and then over the leaves' tree (each rank its subtree, the group's tree
+//!    all-reduce the rest). Instead of one message per hop carrying one partial per query
+//!    chunk, the group all-gathers the keys and values once: simpler, and exact, at the cost of
+//!    every rank holding every key and value.
 //! 2. **Parameter gradients are sums over positions.** A weight gradient `g^T x` is one matmul
 //!    whose inner dimension is the token count (`B T` on one device, `B 2L` on a rank),
 //!    accumulated along the tokens by gemm in blocks that depend on that count, and the ranks'
 //!    partial sums are then added by the gradient all-reduce: another association of the same
-//!    terms. The same holds for biases, norms, the embedding tables and the loss's token mean.
-//!    A fixed
-//!    order is a tree over fine position chunks in which every rank's chunks form an aligned
-//!    subtree: the *folded* order (leaf `j` = chunks `j` and `2K-1-j` of `2K`) does so for every
-//!    power of two `C` dividing `K`, with each row group's gradient reduced over the cp group
-//!    (in that tree) before the row groups' tree, as one device adds them.
-//! 3. **That tree is not the one reference mode uses over positions today.** Tensor
+//!    terms. The same holds for biases, norms, the embedding tables and the loss's token mean;
+//!    and gemm may pick its kernel by the row count, so even a row's output may depend on how
+//!    many rows a rank holds. *Fix*: every layer runs once per position leaf (leaf `j` = fine
+//!    chunks `j` and `2K-1-j`), on tensors of the same shape on every layout, and its
+//!    parameters' gradients are the tree over the leaves; the *folded* leaves make each rank's
+//!    chunks an aligned block of leaves for every power of two `C` dividing `K`, so a subtree,
+//!    and the cp group's tree all-reduce completes each row group's tree inside its backward.
+//!    The sum lands on the group's first rank (zeros elsewhere), so the data-parallel tree over
+//!    `dp x cp` ranks adds each row group's once, after the row groups' tree, as one device.
+//!    The loss adds its rows per leaf and over the same tree.
+//! 3. **That tree is not the one reference mode uses over positions by default.** Tensor
 //!    parallelism's position sums (layer norms, row-parallel biases, sequence-parallel
 //!    linears) are trees over `K` chunks in sequence order, so that a sequence-parallel rank's
 //!    contiguous positions are a subtree. Subtrees of one binary tree are nested or disjoint,
 //!    and `{first half}` (sp = 2) and `{chunks 0, 3 of 4}` (cp = 2) are neither: no single
-//!    one-device reference run can serve both, so a cp-exact reference would be a setting both
-//!    runs share (the folded order and its chunk count), independent of `C` but not of the
-//!    choice between sequence and context parallelism.
+//!    one-device reference run can serve both. *Fix*: the order is a setting both runs share,
+//!    `train.reference_positions` (`sequence`, the default, or `folded`).
 
 use std::ops::Range;
 
@@ -151,7 +159,7 @@ fn update_rows(
 
 /// The online-softmax combination of two partial results `(out [.., T, D], lse [.., T])` over
 /// disjoint key sets (see the [module docs](self)); both in one float dtype.
-fn combine(a: (&Tensor, &Tensor), b: (&Tensor, &Tensor)) -> Result<(Tensor, Tensor)> {
+pub(super) fn combine(a: (&Tensor, &Tensor), b: (&Tensor, &Tensor)) -> Result<(Tensor, Tensor)> {
     let (o1, l1) = a;
     let (o2, l2) = b;
     // A finite stand-in for a maximum of -inf (no key seen on either side): the weights are

@@ -56,7 +56,7 @@ impl BertSelfAttention {
             first,
             total: self.num_heads,
         };
-        match self.cp.as_ref().filter(|cp| cp.degree() > 1) {
+        match self.cp.as_ref().filter(|cp| cp.is_active()) {
             Some(cp) => ring_attention(cp, &q, &k, &v, mask, local),
             None => masked_attention(&q, &k, &v, mask, heads, &self.dropout),
         }

@@ -72,9 +72,10 @@ impl Forward for CausalSelfAttention {
         // q, k and v are read straight out of the fused projection and the heads come back side
         // by side as [B, T, C]: no split, transpose or copy.
         let scale = 1.0 / (d as f64).sqrt();
-        let y = match self.cp.as_ref().filter(|cp| cp.degree() > 1) {
-            // Context parallelism: this rank's heads of q, k, v as [B, h, T, d], ring attention,
-            // heads back side by side.
+        let y = match self.cp.as_ref().filter(|cp| cp.is_active()) {
+            // Context parallelism (or reference mode's folded position order): this rank's
+            // heads of q, k, v as [B, h, T, d], ring (or folded) attention, heads back side by
+            // side.
             Some(cp) => {
                 let (b, t) = (dims[0], dims[1]);
                 let parts = qkv.split(&[h * d, h * d, h * d], -1)?;

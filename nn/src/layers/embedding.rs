@@ -35,6 +35,13 @@ impl Embedding {
     pub fn forward(&self, ids: &Tensor) -> Result<Var> {
         let r = match self.tp.get() {
             Some(tp) if tp.degree() > 1 => self.forward_vocab_parallel(ids, tp),
+            // Reference mode's folded position order: the lookup once per position leaf.
+            Some(tp) if tp.folded_for(ids).is_some() => {
+                let folded = tp.folded_for(ids).expect("checked");
+                folded.leafwise(&Var::constant(ids.clone()), 1, &[&self.weight], |leaf| {
+                    Var::embedding(&self.weight, leaf.tensor())
+                })
+            }
             _ => Var::embedding(&self.weight, ids),
         };
         r.map_err(|e| {

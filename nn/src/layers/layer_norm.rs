@@ -59,6 +59,14 @@ impl Forward for LayerNorm {
             x.clone()
         };
         let (w, b) = tp.replicated_params(&self.weight, self.bias.as_ref())?;
+        if let Some(folded) = tp.folded_for(x.tensor()) {
+            // Reference mode's folded position order: once per position leaf.
+            let mut params = vec![&w];
+            params.extend(b.as_ref());
+            return folded.leafwise(&x, 1, &params, |xl| {
+                xl.layer_norm(Some(&w), b.as_ref(), self.eps)
+            });
+        }
         match tp.position_chunks() {
             // Reference mode (also on one device): parameter gradients as trees over position
             // chunks, the same with or without sequence parallelism.

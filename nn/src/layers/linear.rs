@@ -130,7 +130,17 @@ impl Linear {
             );
         }
         match self.tp.get() {
-            Some((style, tp)) if tp.is_active() => self.forward_parallel(x, *style, tp, gelu),
+            // Reference mode's folded position order: the layer once per position leaf.
+            Some((style, tp)) if tp.is_active() => match tp.folded_for(x.tensor()) {
+                Some(folded) => {
+                    let mut params = vec![&self.weight];
+                    params.extend(self.bias.as_ref());
+                    folded.leafwise(x, 1, &params, |xl| {
+                        self.forward_parallel(xl, *style, tp, gelu)
+                    })
+                }
+                None => self.forward_parallel(x, *style, tp, gelu),
+            },
             // One fused op: a single gemm over all rows with the bias as its starting value.
             _ => local(x, &self.weight, self.bias.as_ref(), gelu),
         }

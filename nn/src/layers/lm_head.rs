@@ -52,10 +52,18 @@ impl LmHead {
                 } else {
                     all_reduce_backward(x, &tp.group)?
                 };
-                match tp.local_chunks() {
+                match (tp.local_chunks(), tp.folded_for(x.tensor())) {
+                    // Reference mode's folded position order: once per position leaf.
+                    (Some(units), Some(folded)) => {
+                        let mut params = vec![table];
+                        params.extend(bias);
+                        folded.leafwise(&x, 1, &params, |xl| {
+                            column_linear(xl, table, bias, 1, units)
+                        })
+                    }
                     // Reference mode: one product per vocabulary chunk.
-                    Some(units) => column_linear(&x, table, bias, 1, units),
-                    None => Var::linear(&x, table, bias),
+                    (Some(units), None) => column_linear(&x, table, bias, 1, units),
+                    (None, _) => Var::linear(&x, table, bias),
                 }
             }
             None => Var::linear(x, table, bias),
@@ -75,14 +83,25 @@ impl LmHead {
                 targets.shape()
             );
         }
+        // Reference mode's folded position order: the token sum over the position leaves' tree.
+        let folded = self
+            .tp
+            .get()
+            .and_then(|tp| tp.folded_for(targets))
+            .map(|f| (f, targets.dims()[1]));
         let flat = logits.reshape((n, v))?;
         let targets = targets.reshape(n)?;
         match self.tp.get().filter(|tp| tp.is_active()) {
             Some(tp) => match tp.local_chunks() {
                 // Reference mode (also on one device): softmax statistics per vocabulary chunk.
-                Some(chunks) => {
-                    vocab_parallel_cross_entropy_chunked(&flat, &targets, ignore_index, tp, chunks)
-                }
+                Some(chunks) => vocab_parallel_cross_entropy_chunked(
+                    &flat,
+                    &targets,
+                    ignore_index,
+                    tp,
+                    chunks,
+                    folded,
+                ),
                 None => vocab_parallel_cross_entropy(&flat, &targets, ignore_index, tp),
             },
             None => flat.cross_entropy(&targets, ignore_index),

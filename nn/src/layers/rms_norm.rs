@@ -51,6 +51,10 @@ impl Forward for RmsNorm {
             x.clone()
         };
         let (w, _) = tp.replicated_params(&self.weight, None)?;
+        if let Some(folded) = tp.folded_for(x.tensor()) {
+            // Reference mode's folded position order: once per position leaf.
+            return folded.leafwise(&x, 1, &[&w], |xl| xl.rms_norm(Some(&w), self.eps));
+        }
         match tp.position_chunks() {
             Some(chunks) => rms_norm_positions(&x, &w, self.eps, chunks),
             None => x.rms_norm(Some(&w), self.eps),

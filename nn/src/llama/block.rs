@@ -67,7 +67,7 @@ impl LlamaAttention {
             rope_tables: rope::TableCache::default(),
             cp: p
                 .context_parallel_group()
-                .filter(|cp| cp.degree() > 1)
+                .filter(|cp| cp.is_active())
                 .cloned(),
         })
     }

@@ -1,8 +1,9 @@
 //! Loss-parallel cross-entropy over logits split by vocabulary: the full logits are never
 //! gathered, only per-row statistics cross the group.
 
+use meshgrad_autograd::distributed::FoldedPositions;
 use meshgrad_autograd::Var;
-use meshgrad_tensor::{DType, Result, Tensor};
+use meshgrad_tensor::{DType, Device, Result, Tensor};
 
 use super::TensorParallel;
 
@@ -19,7 +20,7 @@ pub fn vocab_parallel_cross_entropy(
     ignore_index: Option<i64>,
     tp: &TensorParallel,
 ) -> Result<Var> {
-    vocab_parallel_cross_entropy_chunked(logits, targets, ignore_index, tp, 1)
+    vocab_parallel_cross_entropy_chunked(logits, targets, ignore_index, tp, 1, None)
 }
 
 /// [`vocab_parallel_cross_entropy`] whose softmax statistics are per vocabulary chunk: this
@@ -28,12 +29,20 @@ pub fn vocab_parallel_cross_entropy(
 /// `tp x chunks` values of a row in chunk order. With `chunks` = reference mode's `K / tp`, the
 /// loss and its gradient are the same bits on one device (`tp = 1`, `K` chunks) as on `tp`
 /// ranks. `chunks = 1` is the fast loss.
+///
+/// `folded`: reference mode's folded position order and the local sequence length `T` of the
+/// rows (`N = B T`, row `b T + t`): the rows' losses are added per position leaf (in row order),
+/// the leaves over their tree and the context-parallel group
+/// ([`FoldedPositions::sum_over_group`]), and divided by the group's count of kept rows: one
+/// device's loss, on the group's first rank; the others return zero (their rows' gradients are
+/// the loss's all the same), so that the data-parallel sum over `dp x cp` ranks counts it once.
 pub fn vocab_parallel_cross_entropy_chunked(
     logits: &Var,
     targets: &Tensor,
     ignore_index: Option<i64>,
     tp: &TensorParallel,
     chunks: usize,
+    folded: Option<(&FoldedPositions, usize)>,
 ) -> Result<Var> {
     let x = logits.tensor().clone();
     if x.rank() != 2 || targets.dims() != [x.dims()[0]] {
@@ -117,7 +126,14 @@ pub fn vocab_parallel_cross_entropy_chunked(
         .all_reduce_sum(&Tensor::from_vec(mine, n, x.device())?)?
         .to_vec::<f64>()?;
     let keep: Vec<bool> = t.iter().map(|&v| Some(v) != ignore_index).collect();
-    let count = keep.iter().filter(|&&k| k).count();
+    let mut count = keep.iter().filter(|&&k| k).count();
+    if let Some((f, _)) = folded.filter(|(f, _)| f.group().size() > 1) {
+        // Exact: a count below 2^53.
+        let all =
+            f.group()
+                .all_reduce_sum(&Tensor::from_vec(vec![count as f64], 1, x.device())?)?;
+        count = all.to_vec::<f64>()?[0] as usize;
+    }
     let scale = 1.0 / count.max(1) as f64;
     let rows: Vec<f64> = (0..n)
         .map(|i| {
@@ -133,10 +149,16 @@ pub fn vocab_parallel_cross_entropy_chunked(
         DType::BF16 | DType::F16 => DType::F32,
         d => d,
     };
-    let loss = Tensor::from_vec(rows, n, x.device())?
-        .sum_all()?
-        .mul_scalar(scale)?
-        .to_dtype(loss_dtype)?;
+    let loss = match folded {
+        None => Tensor::from_vec(rows, n, x.device())?.sum_all()?,
+        Some((f, t)) => folded_row_sum(f, &rows, t, x.device())?,
+    }
+    .mul_scalar(scale)?
+    .to_dtype(loss_dtype)?;
+    let loss = match folded {
+        Some((f, _)) if f.group().rank() > 0 => loss.zeros_like()?,
+        _ => loss,
+    };
     Ok(Var::from_op(
         "vocab_parallel_cross_entropy",
         loss,
@@ -171,4 +193,26 @@ pub fn vocab_parallel_cross_entropy_chunked(
             Ok(vec![Some(softmax.sub(&onehot)?.to_dtype(x.dtype())?)])
         }),
     ))
+}
+
+/// The sum of per-row values `rows` (`B T` rows of local sequences of `t` positions, row
+/// `b t + p`) in the folded order: per position leaf in row order, then the leaves' tree and
+/// the context-parallel group's ([`FoldedPositions::sum_over_group`]), as an f64 scalar.
+fn folded_row_sum(f: &FoldedPositions, rows: &[f64], t: usize, device: Device) -> Result<Tensor> {
+    let batch = rows.len() / t.max(1);
+    let leaves: Vec<Tensor> = (0..f.local_leaves())
+        .map(|a| {
+            let ranges = f.leaf_ranges(t, a)?;
+            let mut sum = 0.0;
+            for b in 0..batch {
+                for r in &ranges {
+                    for p in r.clone() {
+                        sum += rows[b * t + p];
+                    }
+                }
+            }
+            Tensor::from_vec(vec![sum], 1, device)
+        })
+        .collect::<Result<_>>()?;
+    f.sum_over_group(&leaves)?.reshape(())
 }

@@ -49,6 +49,8 @@ pub struct TensorParallel {
     /// layers compute every sum the group splits as a tree over `K` chunks, on one device (a
     /// group of one rank) as on `T` ranks (`T` dividing `K`).
     pub reference: Option<usize>,
+    /// Reference mode's folded position order ([`TensorParallel::folded`]), if set.
+    pub folded: Option<meshgrad_autograd::distributed::FoldedPositions>,
 }
 
 impl std::fmt::Debug for TensorParallel {
@@ -71,6 +73,7 @@ impl TensorParallel {
             group,
             sequence_parallel: false,
             reference: None,
+            folded: None,
         }
     }
 
@@ -98,9 +101,37 @@ impl TensorParallel {
         self.reference.map(|k| (k / self.degree()).max(1))
     }
 
+    /// Reference mode's folded position order (`train.reference_positions=folded`, under
+    /// context parallelism or on one device): the layers run once per position leaf and add
+    /// their parameters' gradients over the leaves' tree
+    /// ([`FoldedPositions::leafwise`](meshgrad_autograd::distributed::FoldedPositions::leafwise)),
+    /// instead of the sequence-order chunks of [`TensorParallel::position_chunks`].
+    pub fn folded(
+        mut self,
+        folded: Option<meshgrad_autograd::distributed::FoldedPositions>,
+    ) -> Self {
+        self.folded = folded;
+        self
+    }
+
+    /// The folded order's leaves when `x` is `[B, T, ...]` whose positions split into them
+    /// (reference mode's training sequences always do; a shorter context is taken whole).
+    pub fn folded_for(
+        &self,
+        x: &meshgrad_tensor::Tensor,
+    ) -> Option<&meshgrad_autograd::distributed::FoldedPositions> {
+        self.folded
+            .as_ref()
+            .filter(|f| x.rank() >= 2 && f.splits(x.dims()[1]))
+    }
+
     /// In reference mode, the number of position chunks of this rank's activations: `K / degree`
-    /// under sequence parallelism (its positions are a `1 / degree` share), else `K`.
+    /// under sequence parallelism (its positions are a `1 / degree` share), else `K`. `None`
+    /// in the folded order, where each layer runs per position leaf instead.
     pub fn position_chunks(&self) -> Option<usize> {
+        if self.folded.is_some() {
+            return None;
+        }
         self.reference.map(|k| {
             if self.splits_sequence() {
                 (k / self.degree()).max(1)

@@ -275,9 +275,15 @@ mod tests {
         let targets = Tensor::from_vec(vec![3i64, 15, -1, 0, 8], n, Device::Cpu).unwrap();
         let tp = super::super::TensorParallel::single_device(4);
         let xa = Var::leaf(x.clone());
-        let loss =
-            super::super::vocab_parallel_cross_entropy_chunked(&xa, &targets, Some(-1), &tp, 4)
-                .unwrap();
+        let loss = super::super::vocab_parallel_cross_entropy_chunked(
+            &xa,
+            &targets,
+            Some(-1),
+            &tp,
+            4,
+            None,
+        )
+        .unwrap();
         loss.backward().unwrap();
         let xv = x.to_vec_f64().unwrap();
         let t = [3usize, 15, usize::MAX, 0, 8];
