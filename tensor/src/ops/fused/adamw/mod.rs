@@ -11,8 +11,7 @@ mod fallback;
 use meshgrad_derive::FusedArgs;
 use meshgrad_kernels::ops::AdamWStep;
 
-use super::{fused_paths, run, FusedOp};
-use crate::backend::Variant;
+use super::{fused_op, run};
 use crate::{Result, Tensor};
 
 /// One AdamW step from `grad` on `param` and its moments `m`, `v`, all updated in place
@@ -31,15 +30,7 @@ pub(crate) struct AdamW<T, W> {
     pub hp: AdamWStep,
 }
 
-impl FusedOp for AdamW<&Tensor, &Tensor> {
-    const NAME: &'static str = "adamw_step";
-    type Out<S> = ();
-    type Output = ();
-
-    fn finish<S: Variant>(&self, (): ()) {}
-
-    fused_paths!(step);
-}
+fused_op!(AdamW<_, _>, "adamw_step", step, in_place);
 
 impl Tensor {
     /// One AdamW step on many parameters at once (the "foreach" form of

@@ -16,7 +16,8 @@ pub(super) fn forward(a: &Linear<&Tensor>) -> Result<Tensor> {
 
 /// See [`LinearGelu`]: [`Tensor::linear`] (fused where the backend provides it), then GELU.
 pub(super) fn gelu(a: &LinearGelu<&Tensor>) -> Result<(Tensor, Tensor)> {
-    let pre = a.x.linear(a.w, a.bias)?.reshape(a.out_dims.clone())?;
+    let l = &a.lin;
+    let pre = l.x.linear(l.w, l.bias)?.reshape(l.out_dims.clone())?;
     let kind = if a.tanh_form {
         GeluKind::Tanh
     } else {

@@ -9,7 +9,7 @@ mod cpu;
 pub(crate) mod cuda;
 mod fallback;
 
-use super::{fused_paths, rows_cols, run, FusedOp};
+use super::{fused_op, fused_paths, rows_cols, run, FusedOp};
 use crate::backend::Variant;
 use crate::ops::{same_device, same_kind};
 use crate::{Error, Result, Tensor};
@@ -78,20 +78,10 @@ impl FusedOp for RmsNorm<&Tensor> {
     fused_paths!(forward);
 }
 
-impl FusedOp for RmsNormBackward<&Tensor> {
-    const NAME: &'static str = "rms_norm_backward";
-    type Out<S> = (S, Option<S>);
-    type Output = (Tensor, Option<Tensor>);
-
-    fn finish<S: Variant>(&self, (dx, dw): (S, Option<S>)) -> (Tensor, Option<Tensor>) {
-        (
-            Tensor::from_storage(dx.wrap(), self.x.shape()),
-            dw.map(|s| Tensor::from_storage(s.wrap(), self.cols)),
-        )
-    }
-
-    fused_paths!(backward);
-}
+fused_op!(RmsNormBackward, "rms_norm_backward", backward, |a| (S, Option<S>) => (
+    a.x.shape(),
+    a.cols
+));
 
 /// Checks the optional weight against the input's last dim.
 fn check_weight(op: &'static str, x: &Tensor, weight: Option<&Tensor>) -> Result<()> {

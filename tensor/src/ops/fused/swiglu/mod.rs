@@ -9,8 +9,7 @@ mod cpu;
 pub(crate) mod cuda;
 mod fallback;
 
-use super::{fused_op, fused_paths, run, FusedOp};
-use crate::backend::Variant;
+use super::{fused_op, run};
 use crate::ops::same_kind;
 use crate::{Error, Result, Tensor};
 use meshgrad_derive::FusedArgs;
@@ -38,20 +37,10 @@ pub(crate) struct SwigluBackward<T> {
 
 fused_op!(Swiglu, "swiglu", forward, |a| a.gate.shape());
 
-impl FusedOp for SwigluBackward<&Tensor> {
-    const NAME: &'static str = "swiglu_backward";
-    type Out<S> = (S, S);
-    type Output = (Tensor, Tensor);
-
-    fn finish<S: Variant>(&self, (dg, du): (S, S)) -> (Tensor, Tensor) {
-        (
-            Tensor::from_storage(dg.wrap(), self.gate.shape()),
-            Tensor::from_storage(du.wrap(), self.gate.shape()),
-        )
-    }
-
-    fused_paths!(backward);
-}
+fused_op!(SwigluBackward, "swiglu_backward", backward, |a| (S, S) => (
+    a.gate.shape(),
+    a.gate.shape()
+));
 
 /// Checks `other` against `gate`: same device, dtype and shape, a float dtype.
 fn check(op: &'static str, gate: &Tensor, other: &Tensor) -> Result<()> {
