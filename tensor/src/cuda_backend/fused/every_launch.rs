@@ -50,15 +50,15 @@ pub(crate) fn every_launch() -> Vec<Launch> {
             v.push(softmax_fwd_launch(t, log, [1, 2], 3, 4));
             v.push(softmax_bwd_launch(t, log, [1, 2, 3], 4, 5));
         }
-        v.push(gelu_bwd_launch(t, [1, 2, 3], 4, true));
+        v.push(gelu_bwd_launch(t, &[1, 2, 3], 4, true));
         v.push(unary_bwd_launch(
             t,
-            [1, 2, 3],
+            &[1, 2, 3],
             4,
             UnaryGrad::Clamp(0.0, 1.0),
         ));
-        v.push(swiglu_fwd_launch(t, 1, 2, 3, 4));
-        v.push(swiglu_bwd_launch(t, [1, 2, 3, 4, 5], 6));
+        v.push(swiglu_fwd_launch(t, &[1, 2, 3], 4));
+        v.push(swiglu_bwd_launch(t, &[1, 2, 3, 4, 5], 6));
         v.push(rotary_launch(t, 1, 2, 3, [1, 2, 3, 4], 1e4, false));
         v.push(layer_norm_fwd_launch(t, [1, 2, 3, 4, 5, 6], 7, 8, 1e-5));
         v.push(rms_norm_fwd_launch(t, [1, 2, 3, 4], 5, 6, 1e-5));
@@ -111,7 +111,9 @@ fn every_entry_point_of_the_fused_kernel_files_has_a_launch() {
     for file in [
         "softmax.cu",
         "norms.cu",
-        "activations.cu",
+        "gelu.cu",
+        "swiglu.cu",
+        "unary_backward.cu",
         "rotary.cu",
         "classifier.cu",
         "optimizer.cu",

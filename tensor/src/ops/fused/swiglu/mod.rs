@@ -2,7 +2,7 @@
 //! [`Swiglu`] and [`SwigluBackward`], their paths (`cpu.rs`, `cuda.rs`, `fallback.rs`) and the
 //! tensor ops [`Tensor::swiglu`] and [`Tensor::swiglu_backward`]. The CPU kernels are
 //! `meshgrad_kernels::cpu::swiglu`, the CUDA ones `swiglu_fwd_<t>` / `swiglu_bwd_<t>` of
-//! `kernels/cuda/activations.cu`; the autograd rule is `Var::swiglu`.
+//! `kernels/cuda/swiglu.cu`; the autograd rule is `Var::swiglu`.
 
 mod cpu;
 #[cfg(feature = "cuda")]

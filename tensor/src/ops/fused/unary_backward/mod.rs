@@ -2,7 +2,7 @@
 //! its paths (`cpu.rs`, `cuda.rs`, `fallback.rs`) and the tensor op behind
 //! [`Tensor::silu_backward`] and [`Tensor::clamp_backward`] (whose forwards are basic unary
 //! ops). The CPU kernel is `meshgrad_kernels::cpu::unary_backward`, the CUDA one `unary_bwd_<t>`
-//! of `kernels/cuda/activations.cu`; the autograd rules are `Var::silu` and `Var::clamp`.
+//! of `kernels/cuda/unary_backward.cu`; the autograd rules are `Var::silu` and `Var::clamp`.
 
 mod cpu;
 #[cfg(feature = "cuda")]
