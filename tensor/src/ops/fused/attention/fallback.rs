@@ -185,7 +185,7 @@ pub(super) fn qkv_backward(a: &AttentionQkvBackward<&Tensor>) -> Result<(Tensor,
 
 #[cfg(test)]
 mod tests {
-    use crate::ops::fallback::testutil::{both, close, rand, CASES};
+    use crate::ops::fallback::testutil::{both, cases, close, rand, CASES};
     use crate::{AttentionMask, DType, Device, Tensor};
 
     /// A `[batch, seq_k]` u8 padding mask: batch entry 0 hides keys 1 and 4, entry 1 (when
@@ -294,12 +294,10 @@ mod tests {
 
     #[test]
     fn attention_qkv_matches_its_composition() {
-        for (dt, rel) in CASES {
-            let (b, t, heads, d) = (2, 6, 2, 4);
-            let c = heads * d;
-            let qkv = rand(&[b, t, 3 * c], 130, dt);
-            let dout = rand(&[b, t, c], 131, dt);
-            let bias = rand(&[heads, t, t], 132, dt);
+        let (b, t, heads, d) = (2, 6, 2, 4);
+        let c = heads * d;
+        for (dt, rel, [qkv, dout, bias]) in cases(130, [&[b, t, 3 * c], &[b, t, c], &[heads, t, t]])
+        {
             for (name, mask) in masks(b, t, &bias) {
                 let what = format!("attention_qkv {dt} {name}");
                 let (a, r) = both(|| {
