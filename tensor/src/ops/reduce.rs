@@ -1,17 +1,13 @@
 //! Reductions over dimensions.
 
+use crate::ops::float_only;
 use crate::storage::Storage;
 use crate::{DType, Result, Shape, Tensor};
 use meshgrad_kernels::ops::ReduceOp;
 
 impl Tensor {
     fn reduce_dim(&self, dim: usize, op: ReduceOp, name: &'static str) -> Result<Tensor> {
-        if !self.dtype().is_float() {
-            return Err(crate::Error::UnsupportedDType {
-                op: name,
-                dtype: self.dtype(),
-            });
-        }
+        float_only(name, self)?;
         let dims = self.dims();
         if matches!(op, ReduceOp::Max | ReduceOp::ArgMax) && dims[dim] == 0 {
             crate::bail!(

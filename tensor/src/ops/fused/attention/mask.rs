@@ -5,6 +5,7 @@
 use meshgrad_kernels::ops::BiasLayout;
 
 use super::{Mask, MaskLayout};
+use crate::ops::float_only;
 use crate::ops::same_device;
 use crate::{DType, Error, Result, Shape, Tensor};
 
@@ -187,12 +188,7 @@ fn resolve_bias(
     seq_k: usize,
 ) -> Result<(Tensor, BiasLayout, Shape, DType)> {
     same_device(op, q, b)?;
-    if !b.dtype().is_float() {
-        return Err(Error::UnsupportedDType {
-            op: "attention (bias must be a float tensor)",
-            dtype: b.dtype(),
-        });
-    }
+    float_only("attention (bias must be a float tensor)", b)?;
     let mut full = batch.to_vec();
     full.extend([seq_q, seq_k]);
     let fits = b.rank() <= full.len()

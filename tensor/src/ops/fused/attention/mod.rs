@@ -23,8 +23,9 @@ use mask::{resolve, Resolved};
 use super::{fused_op, fused_paths, run, FusedOp};
 use crate::backend::api::In;
 use crate::backend::Variant;
+use crate::ops::float_only;
 use crate::ops::same_kind;
-use crate::{Error, Result, Tensor};
+use crate::{Result, Tensor};
 
 /// The mask of one call as the paths read it: `heads` heads per batch entry index both the key
 /// padding mask (a contiguous integer `[batch, seq_k]` operand) and the bias (a contiguous float
@@ -384,12 +385,7 @@ impl Tensor {
                 qkv.shape()
             );
         }
-        if !qkv.dtype().is_float() {
-            return Err(Error::UnsupportedDType {
-                op: "attention_qkv",
-                dtype: qkv.dtype(),
-            });
-        }
+        float_only("attention_qkv", qkv)?;
         let (b, t, c3) = (qkv.dims()[0], qkv.dims()[1], qkv.dims()[2]);
         Ok(AttentionShape {
             batch_heads: b * heads,

@@ -33,11 +33,11 @@ impl Tensor {
         let _prof = crate::profile::scope("gelu_backward");
         same_kind("gelu_backward", self, dy)?;
         if self.shape() != dy.shape() {
-            return Err(crate::Error::ShapeMismatch {
-                op: "gelu_backward",
-                lhs: self.shape().clone(),
-                rhs: dy.shape().clone(),
-            });
+            return Err(crate::Error::shape_mismatch(
+                "gelu_backward",
+                self.shape(),
+                dy.shape(),
+            ));
         }
         let (x, dy) = (self.contiguous()?, dy.contiguous()?);
         run(&GeluBackward {

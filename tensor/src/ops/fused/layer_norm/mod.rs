@@ -117,11 +117,11 @@ impl Tensor {
         for p in [weight, bias].into_iter().flatten() {
             same_device("layer_norm", self, p)?;
             if p.dims() != [cols] {
-                return Err(Error::ShapeMismatch {
-                    op: "layer_norm (weight/bias vs last dim)",
-                    lhs: self.shape().clone(),
-                    rhs: p.shape().clone(),
-                });
+                return Err(Error::shape_mismatch(
+                    "layer_norm (weight/bias vs last dim)",
+                    self.shape(),
+                    p.shape(),
+                ));
             }
         }
         let x = self.contiguous()?;

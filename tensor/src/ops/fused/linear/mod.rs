@@ -15,6 +15,7 @@ use meshgrad_kernels::ops::MatrixLayout;
 
 use super::{fused_op, run};
 use crate::backend::Product;
+use crate::ops::float_only;
 use crate::ops::same_kind;
 use crate::{Error, GeluKind, Result, Tensor};
 
@@ -152,12 +153,7 @@ impl Tensor {
     ) -> Result<(Tensor, Tensor)> {
         let _prof = crate::profile::scope("linear_gelu");
         let a = Prepared::new("linear_gelu", self, weight, bias)?;
-        if !a.x.dtype().is_float() {
-            return Err(Error::UnsupportedDType {
-                op: "linear_gelu",
-                dtype: a.x.dtype(),
-            });
-        }
+        float_only("linear_gelu", &a.x)?;
         run(&LinearGelu {
             lin: Linear {
                 x: &a.x,

@@ -11,6 +11,7 @@ mod fallback;
 
 use super::{fused_op, fused_paths, rows_cols, run, FusedOp};
 use crate::backend::Variant;
+use crate::ops::float_only;
 use crate::ops::{same_device, same_kind};
 use crate::{Error, Result, Tensor};
 use meshgrad_derive::FusedArgs;
@@ -87,18 +88,9 @@ fused_op!(RmsNormBackward, "rms_norm_backward", backward, |a| (S, Option<S>) => 
 fn check_weight(op: &'static str, x: &Tensor, weight: Option<&Tensor>) -> Result<()> {
     if let Some(w) = weight {
         same_device(op, x, w)?;
-        if !w.dtype().is_float() {
-            return Err(Error::UnsupportedDType {
-                op,
-                dtype: w.dtype(),
-            });
-        }
+        float_only(op, w)?;
         if w.dims() != [rows_cols(x).1] || x.rank() == 0 {
-            return Err(Error::ShapeMismatch {
-                op,
-                lhs: x.shape().clone(),
-                rhs: w.shape().clone(),
-            });
+            return Err(Error::shape_mismatch(op, x.shape(), w.shape()));
         }
     }
     Ok(())
@@ -117,12 +109,7 @@ impl Tensor {
                 self.shape()
             );
         }
-        if !self.dtype().is_float() {
-            return Err(Error::UnsupportedDType {
-                op: "rms_norm",
-                dtype: self.dtype(),
-            });
-        }
+        float_only("rms_norm", self)?;
         check_weight("rms_norm (weight vs last dim)", self, weight)?;
         let (rows, cols) = rows_cols(self);
         let x = self.contiguous()?;

@@ -10,6 +10,7 @@ pub(crate) mod cuda;
 mod fallback;
 
 use super::{fused_op, run};
+use crate::ops::float_only;
 use crate::ops::same_kind;
 use crate::{Error, Result, Tensor};
 use meshgrad_derive::FusedArgs;
@@ -45,18 +46,9 @@ fused_op!(SwigluBackward, "swiglu_backward", backward, |a| (S, S) => (
 /// Checks `other` against `gate`: same device, dtype and shape, a float dtype.
 fn check(op: &'static str, gate: &Tensor, other: &Tensor) -> Result<()> {
     same_kind(op, gate, other)?;
-    if !gate.dtype().is_float() {
-        return Err(Error::UnsupportedDType {
-            op,
-            dtype: gate.dtype(),
-        });
-    }
+    float_only(op, gate)?;
     if gate.shape() != other.shape() {
-        return Err(Error::ShapeMismatch {
-            op,
-            lhs: gate.shape().clone(),
-            rhs: other.shape().clone(),
-        });
+        return Err(Error::shape_mismatch(op, gate.shape(), other.shape()));
     }
     Ok(())
 }

@@ -13,6 +13,7 @@ use meshgrad_derive::FusedArgs;
 use meshgrad_kernels::ops::UnaryGrad;
 
 use super::{fused_op, run};
+use crate::ops::float_only;
 use crate::ops::same_kind;
 use crate::{Error, Result, Tensor};
 
@@ -41,18 +42,9 @@ impl Tensor {
     ) -> Result<Tensor> {
         let _prof = crate::profile::scope(name);
         same_kind(name, self, dy)?;
-        if !self.dtype().is_float() {
-            return Err(Error::UnsupportedDType {
-                op: name,
-                dtype: self.dtype(),
-            });
-        }
+        float_only(name, self)?;
         if self.shape() != dy.shape() {
-            return Err(Error::ShapeMismatch {
-                op: name,
-                lhs: self.shape().clone(),
-                rhs: dy.shape().clone(),
-            });
+            return Err(Error::shape_mismatch(name, self.shape(), dy.shape()));
         }
         let (x, dy) = (self.contiguous()?, dy.contiguous()?);
         run(&UnaryBackward { x: &x, dy: &dy, op })
