@@ -6,25 +6,10 @@
 use meshgrad_kernels::cuda::{binary_op, cmp_op, unary_op, GatherArgs, StridedArgs};
 use meshgrad_kernels::ops::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
 
-use crate::cuda_backend::{grid_for, kernel_args, DeviceContext, KernelArgs, BLOCK};
-use crate::Result;
+use crate::cuda_backend::{grid_for, kernel_args, KernelArgs, KernelLaunch, BLOCK};
 
-/// One kernel launch: entry `entry` of `kernels/cuda/<file>`, its grid, block, dynamic shared
-/// memory and arguments.
-pub(crate) struct Launch {
-    /// The source file.
-    pub file: &'static str,
-    /// The entry point.
-    pub entry: String,
-    /// Grid dimensions.
-    pub grid: (u32, u32, u32),
-    /// Block dimensions.
-    pub block: (u32, u32, u32),
-    /// Dynamic shared memory in bytes.
-    pub shared: u32,
-    /// The arguments.
-    pub args: KernelArgs,
-}
+/// One kernel launch of a basic op, with raw arguments.
+pub(crate) type Launch = KernelLaunch<KernelArgs>;
 
 impl Launch {
     /// A launch of `threads` threads in 1-D blocks of [`BLOCK`] (the kernels loop with a grid
@@ -38,19 +23,6 @@ impl Launch {
             shared: 0,
             args,
         }
-    }
-
-    /// Launches on `ctx`'s compute stream (the arguments are checked against the kernel's
-    /// declaration there).
-    pub fn run(self, ctx: &DeviceContext) -> Result<()> {
-        ctx.launch(
-            self.file,
-            &self.entry,
-            self.grid,
-            self.block,
-            self.shared,
-            self.args,
-        )
     }
 }
 

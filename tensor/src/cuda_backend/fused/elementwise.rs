@@ -1,7 +1,8 @@
 //! What the CUDA paths of the elementwise fused ops (`ops/fused/gelu/`, `ops/fused/swiglu/`,
 //! `ops/fused/unary_backward/`) share: their kernels' launch ([`elementwise_launch`]: the
 //! buffers, the element count, then the op's scalars) and the run around it ([`run_elementwise`]:
-//! operands checked and made contiguous in the first one's dtype, outputs allocated).
+//! operands checked and made contiguous in the first one's dtype, outputs allocated;
+//! [`run_backward`] for a backward pass).
 
 use super::args::{flat_grid, i64_of, sfx, Arg, Launch, BLOCK_1D};
 use super::operand::{as_dtype, check_len, contiguous, output};
@@ -29,6 +30,17 @@ pub(crate) fn elementwise_launch(
         shared: 0,
         args,
     }
+}
+
+/// [`run_elementwise`] of an elementwise backward pass: `dx` from `x` and the output's gradient
+/// `dy` (converted to `x`'s dtype where it differs).
+pub(crate) fn run_backward(
+    op: &'static str,
+    x: CudaIn<'_>,
+    dy: CudaIn<'_>,
+    launch: impl FnOnce(&'static str, &[u64], usize) -> Launch,
+) -> Result<Option<CudaStorage>> {
+    Ok(run_elementwise(op, x, &[("dy", dy)], launch)?.map(|[dx]| dx))
 }
 
 /// Runs the elementwise fused op `op` on `x` and the operands `others` (each named for errors,

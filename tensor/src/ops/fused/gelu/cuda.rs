@@ -3,7 +3,7 @@
 
 use super::GeluBackward;
 use crate::cuda_backend::fused::args::{args, Launch};
-use crate::cuda_backend::fused::elementwise::{elementwise_launch, run_elementwise};
+use crate::cuda_backend::fused::elementwise::{elementwise_launch, run_backward};
 use crate::cuda_backend::CudaStorage;
 use crate::ops::fused::CudaIn;
 use crate::Result;
@@ -14,13 +14,12 @@ pub(crate) fn gelu_bwd_launch(t: &str, p: &[u64], n: usize, tanh: bool) -> Launc
     elementwise_launch("gelu.cu", format!("gelu_bwd_{t}"), p, n, &scalars)
 }
 
-/// See [`GeluBackward`]: `dy` converted to `x`'s dtype if it differs; `Ok(None)` for f64.
+/// See [`GeluBackward`]; `Ok(None)` for f64.
 pub(super) fn backward(a: &GeluBackward<CudaIn<'_>>) -> Result<Option<CudaStorage>> {
     let tanh = a.tanh_form;
-    let dx = run_elementwise("gelu_backward", a.x, &[("dy", a.dy)], |t, p, n| {
+    run_backward("gelu_backward", a.x, a.dy, |t, p, n| {
         gelu_bwd_launch(t, p, n, tanh)
-    })?;
-    Ok(dx.map(|[dx]| dx))
+    })
 }
 
 #[cfg(test)]

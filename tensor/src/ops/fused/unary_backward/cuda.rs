@@ -7,7 +7,7 @@ use meshgrad_kernels::ops::UnaryGrad;
 
 use super::UnaryBackward;
 use crate::cuda_backend::fused::args::{args, Launch};
-use crate::cuda_backend::fused::elementwise::{elementwise_launch, run_elementwise};
+use crate::cuda_backend::fused::elementwise::{elementwise_launch, run_backward};
 use crate::cuda_backend::CudaStorage;
 use crate::ops::fused::CudaIn;
 use crate::Result;
@@ -28,13 +28,12 @@ pub(crate) fn unary_bwd_launch(t: &str, p: &[u64], n: usize, op: UnaryGrad) -> L
     )
 }
 
-/// See [`UnaryBackward`]: `dy` converted to `x`'s dtype if it differs; `Ok(None)` for f64.
+/// See [`UnaryBackward`]; `Ok(None)` for f64.
 pub(super) fn backward(a: &UnaryBackward<CudaIn<'_>>) -> Result<Option<CudaStorage>> {
     let op = a.op;
-    let dx = run_elementwise("unary_backward", a.x, &[("dy", a.dy)], |t, p, n| {
+    run_backward("unary_backward", a.x, a.dy, |t, p, n| {
         unary_bwd_launch(t, p, n, op)
-    })?;
-    Ok(dx.map(|[dx]| dx))
+    })
 }
 
 #[cfg(test)]
