@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Runs kernels/cuda/*.cu on the CPU under the host SIMT emulation of simt.h and compares with
-# naive double-precision references: attention forward/backward (t_attn.cpp: causal, key padding,
-# fully masked rows, seq_k > seq_q, fused strided layouts, head dims 64 and 128), layer norm,
-# RMSNorm, softmax, the fused cross-entropy and the reductions (t_rows.cpp); elementwise,
-# gather, embedding, rotary, AdamW and the Philox fills (t_misc.cpp). Needs g++ >= 12
+# naive double-precision references, one test per kernel file: attention forward/backward
+# (t_attn.cpp: causal, key padding, fully masked rows, seq_k > seq_q, fused strided layouts, head
+# dims 64 and 128), layer norm, RMSNorm, softmax, the fused cross-entropy and the reductions
+# (t_rows.cpp: the row kernels), elementwise (t_elementwise.cpp: strided broadcast binary,
+# integer casts), gather (t_gather.cpp), embedding (t_embedding.cpp), rotary (t_rotary.cpp),
+# AdamW (t_adamw.cpp), SGD (t_sgd.cpp) and the Philox fills (t_random.cpp). Needs g++ >= 12
 # (C++20 <barrier>); no CUDA. This is evidence about the kernels' logic, not a GPU test.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -20,9 +22,12 @@ gen() { # gen OUTPUT FILES...: simt.h + common.cuh (without the CUDA includes) +
 }
 cp "${here}/simt.h" "${out}/"
 gen attention.inc attention.cu
-gen rows.inc norms.cu softmax.cu classifier.cu reduce.cu
-gen misc.inc elementwise.cu gather.cu embedding.cu rotary.cu optimizer.cu random.cu
-for t in t_attn t_rows t_misc; do
+gen rows.inc norms.cu softmax.cu cross_entropy.cu reduce.cu
+for k in elementwise gather embedding rotary adamw sgd random; do
+    gen "${k}.inc" "${k}.cu"
+done
+cp "${here}/check.h" "${out}/"
+for t in t_attn t_rows t_elementwise t_gather t_embedding t_rotary t_adamw t_sgd t_random; do
     g++ -std=c++20 -O1 -g -w -pthread -fsanitize=address -I "${out}" "${here}/${t}.cpp" -o "${out}/${t}"
     "${out}/${t}"
 done

@@ -115,8 +115,9 @@ fn every_entry_point_of_the_fused_kernel_files_has_a_launch() {
         "swiglu.cu",
         "unary_backward.cu",
         "rotary.cu",
-        "classifier.cu",
-        "optimizer.cu",
+        "cross_entropy.cu",
+        "adamw.cu",
+        "sgd.cu",
         "attention.cu",
     ] {
         let src = meshgrad_kernels::cuda::source(file).expect("listed");

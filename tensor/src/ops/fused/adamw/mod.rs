@@ -1,7 +1,7 @@
 //! One AdamW step in place: the argument struct [`AdamW`], its paths (`cpu.rs`, `cuda.rs`,
 //! `fallback.rs`) and the tensor ops [`Tensor::adamw_step_`] and [`Tensor::adamw_step_many`].
 //! The CPU kernel is `meshgrad_kernels::cpu::adamw::adamw_step`, the CUDA one `adamw_grad_<g>`
-//! of `kernels/cuda/optimizer.cu`; `nn`'s optimizer calls the tensor ops.
+//! of `kernels/cuda/adamw.cu`; `nn`'s optimizer calls the tensor ops.
 
 mod cpu;
 #[cfg(feature = "cuda")]

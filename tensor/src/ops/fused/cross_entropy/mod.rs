@@ -3,7 +3,7 @@
 //! (`cpu.rs`, `cuda.rs`, `fallback.rs`) and the tensor ops [`Tensor::cross_entropy_rows`] and
 //! [`Tensor::cross_entropy_backward`]. The CPU kernels are
 //! `meshgrad_kernels::cpu::cross_entropy`, the CUDA ones `cross_entropy_fused_<t>` /
-//! `cross_entropy_bwd_<t>` of `kernels/cuda/classifier.cu`; the autograd rule is
+//! `cross_entropy_bwd_<t>` of `kernels/cuda/cross_entropy.cu`; the autograd rule is
 //! `Var::cross_entropy`.
 
 mod cpu;

@@ -1,7 +1,7 @@
 //! One SGD-with-momentum step in place: the argument struct [`Sgd`], its paths (`cpu.rs`,
 //! `cuda.rs`, `fallback.rs`) and the tensor op [`Tensor::sgd_step_`]. The CPU kernel is
 //! `meshgrad_kernels::cpu::sgd::sgd_step`, the CUDA one `sgd_grad_<g>` of
-//! `kernels/cuda/optimizer.cu`.
+//! `kernels/cuda/sgd.cu`.
 
 mod cpu;
 #[cfg(feature = "cuda")]
