@@ -1,5 +1,6 @@
 //! Reductions over dimensions.
 
+use crate::backend::api::ReduceDims;
 use crate::ops::float_only;
 use crate::storage::Storage;
 use crate::{DType, Result, Shape, Tensor};
@@ -19,7 +20,12 @@ impl Tensor {
         let inner: usize = dims[dim + 1..].iter().product();
         let x = self.contiguous()?;
         let g = x.read_storage(name)?;
-        let s = Storage::reduce(op, (&g, x.layout()), outer, dims[dim], inner)?;
+        let d = ReduceDims {
+            outer,
+            red: dims[dim],
+            inner,
+        };
+        let s = Storage::reduce(op, (&g, x.layout()), d)?;
         let mut out = dims.to_vec();
         out[dim] = 1;
         Ok(Tensor::from_storage(s, out))

@@ -6,6 +6,7 @@
 use meshgrad_kernels::cuda::{binary_op, cmp_op, unary_op, GatherArgs, StridedArgs};
 use meshgrad_kernels::ops::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
 
+use crate::backend::api::ReduceDims;
 use crate::cuda_backend::{grid_for, kernel_args, KernelArgs, KernelLaunch, BLOCK};
 
 /// One kernel launch of a basic op, with raw arguments.
@@ -194,24 +195,15 @@ fn reduce_name(op: ReduceOp) -> &'static str {
 
 /// `<op>_strided_<t>(const T *x, T *out, i64 outer, i64 red, i64 inner)` (argmax: `i64 *out`):
 /// one thread per output element.
-pub(crate) fn reduce_strided(
-    op: ReduceOp,
-    sfx: &str,
-    x: u64,
-    out: u64,
-    outer: usize,
-    red: usize,
-    inner: usize,
-) -> Launch {
-    let a = reduce_args(x, out, outer, red, inner);
+pub(crate) fn reduce_strided(op: ReduceOp, sfx: &str, x: u64, out: u64, d: ReduceDims) -> Launch {
     let entry = format!("{}_strided_{sfx}", reduce_name(op));
-    Launch::threads(REDUCE, entry, outer * inner, a)
+    Launch::threads(REDUCE, entry, d.outer * d.inner, reduce_args(x, out, d))
 }
 
 /// The arguments `(x, out, outer, red, inner)` of the reductions over the middle dim of
 /// `[outer, red, inner]`.
-fn reduce_args(x: u64, out: u64, outer: usize, red: usize, inner: usize) -> KernelArgs {
-    kernel_args![x, out, outer as i64, red as i64, inner as i64]
+fn reduce_args(x: u64, out: u64, d: ReduceDims) -> KernelArgs {
+    kernel_args![x, out, d.outer as i64, d.red as i64, d.inner as i64]
 }
 
 /// Threads per block of a `_lastdim` reduction of rows of `red` elements: a multiple of 32 (the
@@ -247,16 +239,9 @@ pub(crate) const COLS_BLOCK: u32 = 1024;
 /// `sum_cols_<t>(const T *x, T *out, i64 outer, i64 red, i64 inner)`: one block of
 /// [`COLS_BLOCK`] threads per tile of 32 adjacent outputs (the kernel loops over the
 /// `outer x ceil(inner / 32)` tiles with a grid stride).
-pub(crate) fn reduce_cols(
-    sfx: &str,
-    x: u64,
-    out: u64,
-    outer: usize,
-    red: usize,
-    inner: usize,
-) -> Launch {
-    let a = reduce_args(x, out, outer, red, inner);
-    let tiles = outer.saturating_mul(inner.div_ceil(32));
+pub(crate) fn reduce_cols(sfx: &str, x: u64, out: u64, d: ReduceDims) -> Launch {
+    let a = reduce_args(x, out, d);
+    let tiles = d.outer.saturating_mul(d.inner.div_ceil(32));
     Launch {
         file: REDUCE,
         entry: format!("sum_cols_{sfx}"),
