@@ -22,8 +22,8 @@
 //! 1. `ops/fused/foo/mod.rs`: the argument struct `Foo<T>` (`#[derive(FusedArgs)]`: its operands
 //!    are the fields of type `T` and `Option<T>`), its [`FusedOp`] impl (name, result types,
 //!    `finish`, and `fused_paths!(forward)` naming the three paths; `fused_op!` writes it for an
-//!    op returning one tensor) and the public `Tensor::foo` (checks shapes and dtypes, makes
-//!    operands contiguous, calls [`run`]);
+//!    op returning one tensor, two, a tensor and an optional one, or nothing) and the public
+//!    `Tensor::foo` (checks shapes and dtypes, makes operands contiguous, calls [`run`]);
 //! 2. `ops/fused/foo/cpu.rs` over the CPU kernel `kernels/src/cpu/foo.rs`;
 //! 3. `ops/fused/foo/cuda.rs` over the kernel `kernels/cuda/foo.cu` (optional);
 //! 4. `ops/fused/foo/fallback.rs`: the composition and the test that it agrees with the fused
@@ -84,7 +84,9 @@ pub(crate) type InMut<'a, S> = (&'a mut S, &'a Layout);
 /// An argument struct over `&Tensor` operands, seen over operands of other types. Derived
 /// (`#[derive(FusedArgs)]` of `meshgrad-derive`) for a struct `Foo<T>` or `Foo<T, W>`: fields
 /// of type `T` are operands read, `Option<T>` optional operands read, fields of type `W`
-/// operands written in place; the other fields are copied.
+/// operands written in place, fields of type `Part<T>` (itself `FusedArgs`: attention's
+/// `Mask`, the `Linear` inside `LinearGelu`) parts mapped by their own `map`; the other fields
+/// are copied.
 pub(crate) trait FusedArgs {
     /// The argument struct with operands read of type `T` and operands written of type `W`
     /// (`Self` is `Args<&Tensor, &Tensor>`).
