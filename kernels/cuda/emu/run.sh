@@ -12,17 +12,19 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 out="${1:-$(mktemp -d)}"
 mkdir -p "${out}"
 gen() { # gen OUTPUT FILES...: simt.h + common.cuh (without the CUDA includes) + the sources
+    # (shared .cuh headers listed before the .cu files that include them; their #include lines
+    # are dropped, as NVRTC's source has them inlined)
     local dst="$1"
     shift
     {
         echo '#include "simt.h"'
         grep -v '#include <cuda_' "${here}/../common.cuh"
-        for f in "$@"; do cat "${here}/../${f}"; done
+        for f in "$@"; do grep -v '^#include "' "${here}/../${f}"; done
     } >"${out}/${dst}"
 }
 cp "${here}/simt.h" "${out}/"
 gen attention.inc attention.cu
-gen rows.inc norms.cu softmax.cu cross_entropy.cu reduce.cu
+gen rows.inc norm.cuh layer_norm.cu rms_norm.cu norm_partials.cu softmax.cu cross_entropy.cu reduce.cu
 for k in elementwise gather embedding rotary adamw sgd random; do
     gen "${k}.inc" "${k}.cu"
 done

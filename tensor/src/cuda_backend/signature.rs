@@ -103,8 +103,7 @@ pub(crate) fn signatures(file: &str) -> Result<Arc<Signatures>> {
     }
     let src = kc::source(file)
         .ok_or_else(|| Error::Msg(format!("no kernel source kernels/cuda/{file}")))?;
-    let files = [("common.cuh", kc::COMMON_HEADER), (src.name, src.source)];
-    let sigs = Arc::new(parse_files(&files).map_err(|e| {
+    let sigs = Arc::new(parse_files(&src.files()).map_err(|e| {
         Error::Msg(format!(
             "reading the kernel signatures of kernels/cuda/{file}: {e}"
         ))
@@ -172,7 +171,7 @@ mod tests {
             ("elementwise.cu", "cast_bf16_to_f16", vec![8, 8, 8]),
             // (x, w, b, y, mean, rstd, i64 rows, i64 cols, float eps)
             (
-                "norms.cu",
+                "layer_norm.cu",
                 "layer_norm_fwd_bf16",
                 vec![8, 8, 8, 8, 8, 8, 8, 8, 4],
             ),

@@ -110,7 +110,9 @@ fn every_entry_point_of_the_fused_kernel_files_has_a_launch() {
     }
     for file in [
         "softmax.cu",
-        "norms.cu",
+        "layer_norm.cu",
+        "rms_norm.cu",
+        "norm_partials.cu",
         "gelu.cu",
         "swiglu.cu",
         "unary_backward.cu",

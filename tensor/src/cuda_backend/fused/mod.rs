@@ -1,7 +1,7 @@
 //! What the CUDA paths of the fused ops (`ops/fused/<op>/cuda.rs`) share: `elementwise.rs` (the
 //! launch and run of the elementwise fused kernels: GELU's backward, SwiGLU, the unary
 //! backward), `norm_partials.rs` (the norms' weight-gradient partial sums and the helpers every
-//! norm of norms.cu shares). `args.rs` describes
+//! norm of layer_norm.cu and rms_norm.cu shares). `args.rs` describes
 //! launches as plain data (tested against the kernels' signatures without a GPU), `operand.rs`
 //! prepares operands (contiguous copies, dtype conversions); `every_launch.rs` (tests) lists one
 //! launch of every entry point.

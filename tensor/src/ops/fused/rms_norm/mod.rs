@@ -2,7 +2,7 @@
 //! [`RmsNorm`] and [`RmsNormBackward`], their paths (`cpu.rs`, `cuda.rs`, `fallback.rs`) and the
 //! tensor ops [`Tensor::rms_norm`] and [`Tensor::rms_norm_backward`]. The CPU kernels are
 //! `meshgrad_kernels::cpu::rms_norm`, the CUDA ones `rms_norm_fwd_<t>` / `rms_norm_bwd_<t>` of
-//! `kernels/cuda/norms.cu`; the autograd rule is `Var::rms_norm`.
+//! `kernels/cuda/rms_norm.cu`; the autograd rule is `Var::rms_norm`.
 
 mod cpu;
 #[cfg(feature = "cuda")]
