@@ -184,7 +184,7 @@ mod tests {
             ("attention.cu", "attn_bwd_delta_f16", vec![8, 8, 8, attn, 8]),
             ("gather.cu", "gather_bwd_f16", vec![gather, 8, 8, 8, 8]),
             // (out, n, u64 seed, u64 start, float p, double scale)
-            ("random.cu", "dropout_mask_bf16", vec![8, 8, 8, 8, 4, 8]),
+            ("dropout.cu", "dropout_mask_bf16", vec![8, 8, 8, 8, 4, 8]),
             ("random.cu", "randint_i64", vec![8, 8, 8, 8, 8, 8]),
         ];
         for (file, entry, want) in cases {
