@@ -24,7 +24,7 @@ gen() { # gen OUTPUT FILES...: simt.h + common.cuh (without the CUDA includes) +
 }
 cp "${here}/simt.h" "${out}/"
 gen attention.inc attention.cu
-gen rows.inc norm.cuh layer_norm.cu rms_norm.cu norm_partials.cu softmax.cu cross_entropy.cu reduce.cu
+gen rows.inc norm.cuh layer_norm.cu rms_norm.cu norm_partials.cu softmax.cu cross_entropy.cu reduce.cuh reduce.cu logsumexp.cu
 for k in elementwise gather embedding rotary adamw sgd; do
     gen "${k}.inc" "${k}.cu"
 done

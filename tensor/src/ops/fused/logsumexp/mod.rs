@@ -1,7 +1,7 @@
 //! Log-sum-exp over one dim: the argument struct [`Logsumexp`], its paths (`cpu.rs`, `cuda.rs`,
 //! `fallback.rs`) and the tensor op [`Tensor::logsumexp`]. The CPU kernel is
 //! `meshgrad_kernels::cpu::logsumexp`, the CUDA ones `logsumexp_lastdim_<t>` /
-//! `logsumexp_strided_<t>` of `kernels/cuda/reduce.cu`; the autograd rule is `Var::logsumexp`.
+//! `logsumexp_strided_<t>` of `kernels/cuda/logsumexp.cu`; the autograd rule is `Var::logsumexp`.
 
 mod cpu;
 #[cfg(feature = "cuda")]
