@@ -32,6 +32,7 @@ const RANDOM: &str = "random.cu";
 const REDUCE: &str = "reduce.cu";
 const EMBEDDING: &str = "embedding.cu";
 const GATHER: &str = "gather.cu";
+const INDEX_SELECT: &str = "index_select.cu";
 
 /// `unary_<t>`'s op code and its two f64 parameters (`a`, `b`; 0 when unused).
 pub(crate) fn unary_code(op: UnaryOp) -> (i32, f64, f64) {
@@ -345,5 +346,5 @@ pub(crate) fn index_select(
     } else {
         ("index_select", outer * m * inner)
     };
-    Launch::threads(GATHER, format!("{entry}_{sfx}"), threads, a)
+    Launch::threads(INDEX_SELECT, format!("{entry}_{sfx}"), threads, a)
 }
