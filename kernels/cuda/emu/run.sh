@@ -3,8 +3,8 @@
 # naive double-precision references: attention forward/backward (t_attn.cpp: causal, key padding,
 # fully masked rows, seq_k > seq_q, fused strided layouts, head dims 64 and 128); the row kernels
 # layer norm, RMSNorm, softmax, cross-entropy, the reductions and log-sum-exp (t_rows.cpp); and
-# one test per file for elementwise (t_elementwise.cpp: strided broadcast binary, integer casts),
-# gather, index_select, embedding, rotary, AdamW, SGD, the Philox fills and dropout
+# one test per file for elementwise (t_elementwise.cpp: strided broadcast binary), the integer
+# casts, gather, index_select, embedding, rotary, AdamW, SGD, the Philox fills and dropout
 # (t_<file>.cpp). Needs g++ >= 12 (C++20 <barrier>); no CUDA. This is evidence about the
 # kernels' logic, not a GPU test.
 set -euo pipefail
@@ -25,13 +25,13 @@ gen() { # gen OUTPUT FILES...: simt.h + common.cuh (without the CUDA includes) +
 cp "${here}/simt.h" "${out}/"
 gen attention.inc attention.cu
 gen rows.inc norm.cuh layer_norm.cu rms_norm.cu norm_partials.cu softmax.cu cross_entropy.cu reduce.cuh reduce.cu logsumexp.cu
-for k in elementwise gather index_select embedding rotary adamw sgd; do
+for k in elementwise cast gather index_select embedding rotary adamw sgd; do
     gen "${k}.inc" "${k}.cu"
 done
 gen random.inc philox.cuh random.cu
 gen dropout.inc philox.cuh random.cu dropout.cu
 cp "${here}/check.h" "${out}/"
-for t in t_attn t_rows t_elementwise t_gather t_index_select t_embedding t_rotary t_adamw t_sgd t_random t_dropout; do
+for t in t_attn t_rows t_elementwise t_cast t_gather t_index_select t_embedding t_rotary t_adamw t_sgd t_random t_dropout; do
     g++ -std=c++20 -O1 -g -w -pthread -fsanitize=address -I "${out}" "${here}/${t}.cpp" -o "${out}/${t}"
     "${out}/${t}"
 done

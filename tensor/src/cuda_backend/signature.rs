@@ -168,7 +168,7 @@ mod tests {
             // (int op, StridedArgs s, const T *a, const T *b, T *out)
             ("elementwise.cu", "binary_f32", vec![4, strided, 8, 8, 8]),
             ("elementwise.cu", "fill_u8", vec![8, 8, 4]),
-            ("elementwise.cu", "cast_bf16_to_f16", vec![8, 8, 8]),
+            ("cast.cu", "cast_bf16_to_f16", vec![8, 8, 8]),
             // (x, w, b, y, mean, rstd, i64 rows, i64 cols, float eps)
             (
                 "layer_norm.cu",

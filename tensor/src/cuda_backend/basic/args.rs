@@ -28,6 +28,7 @@ impl Launch {
 }
 
 const EW: &str = "elementwise.cu";
+const CAST: &str = "cast.cu";
 const RANDOM: &str = "random.cu";
 const REDUCE: &str = "reduce.cu";
 const EMBEDDING: &str = "embedding.cu";
@@ -145,7 +146,7 @@ pub(crate) fn randint(out: u64, n: usize, seed: u64, start: u64, low: i64, width
 /// `cast_<a>_to_<b>(const S *x, D *out, i64 n)`.
 pub(crate) fn cast(from: &str, to: &str, x: u64, out: u64, n: usize) -> Launch {
     let a = kernel_args![x, out, n as i64];
-    Launch::threads(EW, format!("cast_{from}_to_{to}"), n, a)
+    Launch::threads(CAST, format!("cast_{from}_to_{to}"), n, a)
 }
 
 /// `copy_strided_<t>(StridedArgs s, const T *x, T *out)`.
