@@ -1,7 +1,9 @@
 //! Generates the table of CUDA kernel sources and their entry points (`SOURCES` in
 //! `src/cuda/entries.rs`) from `cuda/*.cu`, so that an entry point is written once: in its `.cu`
 //! file. Reads text only (no CUDA needed); the reader is `src/cuda/parse.rs`, shared with the
-//! crate. A declaration it cannot read fails the build with the file and line.
+//! crate. A declaration it cannot read fails the build with the file and line. A `.cu` file may
+//! `#include "<name>.cuh"` headers of `cuda/` that a few kernel files share (as `norm.cuh`, the
+//! norms' row kernels); the table lists them with the file.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -49,8 +51,18 @@ fn main() {
     for name in &names {
         println!("cargo:rerun-if-changed=cuda/{name}");
         let text = read(name);
-        let entries = parse::entry_points(&[(HEADER, &header), (name, &text)])
-            .unwrap_or_else(|e| fail(&e.to_string()));
+        let included = local_includes(name, &text);
+        let mut parts = vec![(HEADER.to_owned(), header.clone())];
+        for h in &included {
+            println!("cargo:rerun-if-changed=cuda/{h}");
+            parts.push((h.clone(), read(h)));
+        }
+        parts.push((name.clone(), text));
+        let parts: Vec<(&str, &str)> = parts
+            .iter()
+            .map(|(n, t)| (n.as_str(), t.as_str()))
+            .collect();
+        let entries = parse::entry_points(&parts).unwrap_or_else(|e| fail(&e.to_string()));
         if entries.is_empty() {
             fail(&format!(
                 "kernels/cuda/{name}: no `extern \"C\" __global__ void name(...)` entry point"
@@ -58,14 +70,22 @@ fn main() {
         }
         if let Some(e) = entries.iter().find(|e| e.file != *name) {
             fail(&format!(
-                "kernels/cuda/{}:{}: entry point `{}` is declared in the common header; \
+                "kernels/cuda/{}:{}: entry point `{}` is declared in a header; \
                  declare entry points in a .cu file",
                 e.file, e.line, e.name
             ));
         }
+        let src =
+            |n: &str| format!("include_str!(concat!(env!(\"CARGO_MANIFEST_DIR\"), \"/cuda/{n}\"))");
+        let headers: Vec<String> = included
+            .iter()
+            .map(|h| format!("({h:?}, {})", src(h)))
+            .collect();
         writeln!(
             out,
-            "    KernelSource {{\n        name: {name:?},\n        source: include_str!(concat!(env!(\"CARGO_MANIFEST_DIR\"), \"/cuda/{name}\")),\n        entries: &["
+            "    KernelSource {{\n        name: {name:?},\n        source: {},\n        headers: &[{}],\n        entries: &[",
+            src(name),
+            headers.join(", ")
         )
         .expect("write to a String");
         for e in &entries {
@@ -79,6 +99,24 @@ fn main() {
         Path::new(&std::env::var("OUT_DIR").expect("set by cargo")).join("kernel_sources.rs");
     std::fs::write(&dest, out)
         .unwrap_or_else(|e| fail(&format!("cannot write {}: {e}", dest.display())));
+}
+
+/// The headers `text` (the file `name`) includes with `#include "<header>.cuh"`, in order: each a
+/// file of `cuda/` other than the common header, which every source gets anyway.
+fn local_includes(name: &str, text: &str) -> Vec<String> {
+    text.lines()
+        .filter_map(|l| l.trim().strip_prefix("#include \""))
+        .filter_map(|rest| rest.strip_suffix('"'))
+        .map(|h| {
+            if h == HEADER || !h.ends_with(".cuh") || h.contains('/') {
+                fail(&format!(
+                    "kernels/cuda/{name}: `#include \"{h}\"`: a .cu file includes only shared \
+                     headers of kernels/cuda/ (<name>.cuh), not {HEADER}"
+                ));
+            }
+            h.to_owned()
+        })
+        .collect()
 }
 
 /// Stops the build with `message` (cargo shows it under "failed to run custom build command").

@@ -152,6 +152,9 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream2> {
 /// * a field of type `T` (the struct's first type parameter) is an operand read;
 /// * `Option<T>` is an optional operand read (mapped when present);
 /// * a field of type `W` (the optional second type parameter) is an operand written in place;
+/// * a field of type `Part<T>` (another generic struct over `T` alone, not `Option`) is a part
+///   of the arguments with a `FusedArgs` of its own, mapped by its `map`: operands that several
+///   ops share (an attention mask, a linear layer's operands) are declared once;
 /// * any other field (shapes, scalars, flags) is copied (cloned).
 #[proc_macro_derive(FusedArgs)]
 pub fn derive_fused_args(input: TokenStream) -> TokenStream {
@@ -167,10 +170,12 @@ enum Carried {
     Operand,
     Optional,
     Written,
+    Nested,
     Copied,
 }
 
-/// `T`, `Option<T>`, `W` or another type, for the struct's type parameters `t` and `w`.
+/// `T`, `Option<T>`, `W`, `Part<T>` or another type, for the struct's type parameters `t` and
+/// `w`.
 fn carried(ty: &syn::Type, t: &syn::Ident, w: Option<&syn::Ident>) -> Carried {
     let syn::Type::Path(p) = ty else {
         return Carried::Copied;
@@ -184,9 +189,6 @@ fn carried(ty: &syn::Type, t: &syn::Ident, w: Option<&syn::Ident>) -> Carried {
     let Some(last) = p.path.segments.last() else {
         return Carried::Copied;
     };
-    if last.ident != "Option" {
-        return Carried::Copied;
-    }
     let syn::PathArguments::AngleBracketed(a) = &last.arguments else {
         return Carried::Copied;
     };
@@ -194,7 +196,11 @@ fn carried(ty: &syn::Type, t: &syn::Ident, w: Option<&syn::Ident>) -> Carried {
         Some(syn::GenericArgument::Type(syn::Type::Path(inner)))
             if a.args.len() == 1 && inner.qself.is_none() && inner.path.is_ident(t) =>
         {
-            Carried::Optional
+            if last.ident == "Option" {
+                Carried::Optional
+            } else {
+                Carried::Nested
+            }
         }
         _ => Carried::Copied,
     }
@@ -230,6 +236,9 @@ fn expand_fused_args(input: &DeriveInput) -> syn::Result<TokenStream2> {
             Carried::Operand => quote!(#f: read(self.#f)),
             Carried::Optional => quote!(#f: self.#f.map(&mut read)),
             Carried::Written => quote!(#f: write(self.#f)),
+            Carried::Nested => {
+                quote!(#f: crate::ops::fused::FusedArgs::map(&self.#f, &mut read, &mut write))
+            }
             Carried::Copied => quote!(#f: ::core::clone::Clone::clone(&self.#f)),
         }
     });

@@ -71,6 +71,8 @@ __device__ __forceinline__ double mg_min(double a, double b) { return fmin(a, b)
 // Addition rounded to nearest, never contracted into a fused multiply-add.
 __device__ __forceinline__ float mg_add_rn(float a, float b) { return __fadd_rn(a, b); }
 __device__ __forceinline__ double mg_add_rn(double a, double b) { return __dadd_rn(a, b); }
+// The logistic sigmoid in f32 (an exp that overflows gives 0, as on the CPU).
+__device__ __forceinline__ float sigmoidf_(float v) { return 1.0f / (1.0f + expf(-v)); }
 
 template <typename T> __device__ __forceinline__ T from_float(float v);
 template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }

@@ -1,4 +1,5 @@
-// elementwise.cu: unary maps, broadcasting binary ops, comparisons, where, casts, fill, arange.
+// elementwise.cu: unary maps, broadcasting binary ops, comparisons, where, strided copies, fill,
+// arange (dtype casts: cast.cu).
 //
 // CPU references (kernels/src/cpu/elementwise.rs): `unary` (UnaryOp, op codes below in the
 // enum's order), `binary` (BinaryOp), `compare` (CmpOp), `where_cond`, with `View` strides.
@@ -236,71 +237,3 @@ extern "C" __global__ void fill_u8(u8 *out, i64 n, int value) {
 extern "C" __global__ void arange_i64(i64 *out, i64 n, i64 start, i64 step) {
     MG_GRID_STRIDE(i, n) { out[i] = start + i * step; }
 }
-
-// ---- casts: one rounding from the source value (through f32 only where that is exact) ----
-__device__ __forceinline__ double to_double(float v) { return (double)v; }
-__device__ __forceinline__ double to_double(double v) { return v; }
-__device__ __forceinline__ double to_double(__nv_bfloat16 v) { return (double)__bfloat162float(v); }
-__device__ __forceinline__ double to_double(__half v) { return (double)__half2float(v); }
-__device__ __forceinline__ double to_double(u8 v) { return (double)v; }
-__device__ __forceinline__ double to_double(u32 v) { return (double)v; }
-__device__ __forceinline__ double to_double(i64 v) { return (double)v; }
-
-template <typename S, typename D>
-__device__ void cast_impl(const S *x, D *out, i64 n) {
-    // Every f32/bf16/f16 value is exact in f64, so going through f64 rounds exactly once.
-    MG_GRID_STRIDE(i, n) { out[i] = from_double<D>(to_double(x[i])); }
-}
-
-#define CAST_ENTRY(sname, S, dname, D)                                                          \
-    extern "C" __global__ void cast_##sname##_to_##dname(const S *x, D *out, i64 n) { cast_impl<S, D>(x, out, n); }
-#define CAST_FROM(sname, S)                                                                     \
-    CAST_ENTRY(sname, S, f64, double) CAST_ENTRY(sname, S, f32, float)                          \
-    CAST_ENTRY(sname, S, bf16, __nv_bfloat16) CAST_ENTRY(sname, S, f16, __half)
-CAST_FROM(f64, double)
-CAST_FROM(f32, float)
-CAST_FROM(bf16, __nv_bfloat16)
-CAST_FROM(f16, __half)
-
-// ---- casts from and to the integer types u8, u32, i64, as the CPU's `cast` does: through f64
-// (one rounding to a float type; i64 beyond 2^53 rounds to nearest on the way, as `as f64`),
-// and to an integer type Rust's saturating `as` from f64: truncation toward zero, NaN -> 0,
-// out-of-range values clamped to the type's range (so u8 keeps 0 for negatives and 255 above).
-
-template <typename D> __device__ __forceinline__ D saturate_from_double(double v);
-template <> __device__ __forceinline__ u8 saturate_from_double<u8>(double v) {
-    if (!(v > 0.0)) return 0; // NaN and non-positive values
-    if (v >= 255.0) return 255;
-    return (u8)v;
-}
-template <> __device__ __forceinline__ u32 saturate_from_double<u32>(double v) {
-    if (!(v > 0.0)) return 0;
-    if (v >= 4294967295.0) return 4294967295u;
-    return (u32)v;
-}
-template <> __device__ __forceinline__ i64 saturate_from_double<i64>(double v) {
-    if (v != v) return 0;
-    if (v >= 9223372036854775808.0) return (i64)0x7fffffffffffffffLL; // 2^63 and above
-    if (v <= -9223372036854775808.0) return (i64)(-0x7fffffffffffffffLL - 1);
-    return (i64)v;
-}
-
-template <typename S, typename D>
-__device__ void cast_to_int_impl(const S *x, D *out, i64 n) {
-    MG_GRID_STRIDE(i, n) { out[i] = saturate_from_double<D>(to_double(x[i])); }
-}
-
-#define CAST_TO_INT(sname, S, dname, D)                                                         \
-    extern "C" __global__ void cast_##sname##_to_##dname(const S *x, D *out, i64 n) { cast_to_int_impl<S, D>(x, out, n); }
-#define CAST_TO_INTS(sname, S)                                                                  \
-    CAST_TO_INT(sname, S, u8, u8) CAST_TO_INT(sname, S, u32, u32) CAST_TO_INT(sname, S, i64, i64)
-CAST_FROM(u8, u8)
-CAST_FROM(u32, u32)
-CAST_FROM(i64, i64)
-CAST_TO_INTS(f64, double)
-CAST_TO_INTS(f32, float)
-CAST_TO_INTS(bf16, __nv_bfloat16)
-CAST_TO_INTS(f16, __half)
-CAST_TO_INTS(u8, u8)
-CAST_TO_INTS(u32, u32)
-CAST_TO_INTS(i64, i64)

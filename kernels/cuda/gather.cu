@@ -1,7 +1,6 @@
-// gather.cu: torch.gather and index_select, with their deterministic backward passes.
+// gather.cu: torch.gather, with its deterministic backward pass (index_select: index_select.cu).
 //
-// CPU reference: kernels/src/cpu/gather.rs (`gather`, `gather_backward`, `index_select`,
-// `index_select_backward`).
+// CPU reference: kernels/src/cpu/gather.rs (`gather`, `gather_backward`).
 // gather: `x` contiguous with dims `x_dims`, `index` (i64) and `out` contiguous with dims
 // `index_dims` (same rank, no larger than `x_dims` except along `dim`), passed in `GatherArgs`;
 // `out[p] = x[p with coordinate dim replaced by index[p]]`. Viewing the index as
@@ -9,9 +8,6 @@
 // `dout[o, j, i]` into `dx[xo, index[o, j, i], xi]` for j increasing. Different (o, i) pairs touch
 // disjoint `dx` elements, so there are no atomics and the order is the CPU's (increasing position
 // along `dim`): deterministic.
-// index_select: `x [outer, x_n, inner]`, `ids [m]`, `out [outer, m, inner]`;
-// `out[o, j, i] = x[o, ids[j], i]`; backward `dx[o, ids[j], i] += dout[o, j, i]`, one thread per
-// (o, i), j increasing (deterministic, the CPU's order).
 // Backward outputs `dx` are accumulators (not zeroed first) of the compute type: f32 for f32, bf16
 // and f16, f64 for f64. An index
 // out of range is skipped (forward: writes 0) and its flat position recorded in `*bad` with
@@ -96,36 +92,6 @@ __device__ void gather_bwd_impl(GatherArgs g, const T *dout, const i64 *index, A
     }
 }
 
-template <typename T>
-__device__ void index_select_impl(const T *x, const i64 *ids, T *out, i64 outer, i64 xn, i64 inner, i64 m, u64 *bad) {
-    MG_GRID_STRIDE(p, outer * m * inner) {
-        const i64 i = p % inner, j = (p / inner) % m, o = p / (inner * m);
-        const i64 id = ids[j];
-        if (id < 0 || id >= xn) {
-            if (o == 0 && i == 0) flag_bad(bad, j);
-            out[p] = from_float<T>(0.0f);
-        } else {
-            out[p] = x[(o * xn + id) * inner + i];
-        }
-    }
-}
-
-template <typename T, typename A>
-__device__ void index_select_bwd_impl(const T *dout, const i64 *ids, A *dx, i64 outer, i64 xn, i64 inner, i64 m,
-                                      u64 *bad) {
-    MG_GRID_STRIDE(q, outer * inner) {
-        const i64 o = q / inner, i = q % inner;
-        for (i64 j = 0; j < m; ++j) {
-            const i64 id = ids[j];
-            if (id < 0 || id >= xn) {
-                if (q == 0) flag_bad(bad, j);
-                continue;
-            }
-            dx[(o * xn + id) * inner + i] += load(dout, (o * m + j) * inner + i);
-        }
-    }
-}
-
 // A: the backward's accumulator type (Acc<T>::type), written out for the entry points' signatures.
 #define GATHER_ENTRIES(sfx, T, A)                                                                \
     extern "C" __global__ void gather_##sfx(GatherArgs g, const T *x, const i64 *index, T *out, u64 *bad) { \
@@ -133,14 +99,6 @@ __device__ void index_select_bwd_impl(const T *dout, const i64 *ids, A *dx, i64 
     }                                                                                            \
     extern "C" __global__ void gather_bwd_##sfx(GatherArgs g, const T *dout, const i64 *index, A *dx, u64 *bad) { \
         gather_bwd_impl<T, A>(g, dout, index, dx, bad);                                          \
-    }                                                                                            \
-    extern "C" __global__ void index_select_##sfx(const T *x, const i64 *ids, T *out, i64 outer, i64 xn, i64 inner, \
-                                                  i64 m, u64 *bad) {                             \
-        index_select_impl<T>(x, ids, out, outer, xn, inner, m, bad);                             \
-    }                                                                                            \
-    extern "C" __global__ void index_select_bwd_##sfx(const T *dout, const i64 *ids, A *dx, i64 outer, i64 xn, \
-                                                      i64 inner, i64 m, u64 *bad) {              \
-        index_select_bwd_impl<T, A>(dout, ids, dx, outer, xn, inner, m, bad);                    \
     }
 GATHER_ENTRIES(f32, float, float)
 GATHER_ENTRIES(bf16, __nv_bfloat16, float)

@@ -1,4 +1,5 @@
-// reduce.cu: sum, mean, max, argmax and logsumexp over one dimension.
+// reduce.cu: sum, mean, max and argmax over one dimension (log-sum-exp: logsumexp.cu; both use
+// the kernels of reduce.cuh).
 //
 // CPU references: kernels/src/cpu/reduce.rs (`sum`, `max`, `argmax`; mean is the tensor crate's
 // sum / reduce) and kernels/src/cpu/logsumexp.rs (`logsumexp`).
@@ -17,6 +18,8 @@
 // everything (first NaN wins); logsumexp shifts by the NaN-ignoring max (0 when it is infinite),
 // gives -inf for reduce == 0 or all -inf; sum gives 0 for reduce == 0.
 
+#include "reduce.cuh"
+
 template <typename C> struct ArgMax {
     C v;
     i64 i;
@@ -33,36 +36,6 @@ template <typename C> __device__ __forceinline__ bool argmax_better(ArgMax<C> a,
     return b.i < a.i;
 }
 
-// ---- one thread per output (increasing r) ----
-template <typename T, int KIND> // 0 sum, 1 mean, 2 max, 3 logsumexp
-__device__ void reduce_strided_impl(const T *x, T *out, i64 outer, i64 red, i64 inner) {
-    MG_GRID_STRIDE(idx, outer * inner) {
-        const i64 o = idx / inner, in = idx % inner;
-        const T *base = x + o * red * inner + in;
-        typedef typename Acc<T>::type C;
-        C acc;
-        if (KIND == 0 || KIND == 1) {
-            acc = red > 0 ? load(base, 0) : (C)0;
-            for (i64 r = 1; r < red; ++r) acc = mg_add_rn(acc, load(base, r * inner));
-            if (KIND == 1) acc = red > 0 ? acc / (C)red : (C)MG_NAN;
-        } else if (KIND == 2) {
-            acc = red > 0 ? load(base, 0) : (C)MG_NAN;
-            for (i64 r = 1; r < red; ++r) {
-                const C v = load(base, r * inner);
-                if (v > acc || isnan(v)) acc = v;
-            }
-        } else {
-            C m = (C)MG_NEG_INF;
-            for (i64 r = 0; r < red; ++r) m = mg_max(m, load(base, r * inner));
-            const C shift = isinf(m) ? (C)0 : m;
-            C s = 0;
-            for (i64 r = 0; r < red; ++r) s += mg_exp(load(base, r * inner) - shift);
-            acc = red > 0 ? shift + mg_log(s) : (C)MG_NEG_INF;
-        }
-        store(out, idx, acc);
-    }
-}
-
 template <typename T>
 __device__ void argmax_strided_impl(const T *x, i64 *out, i64 outer, i64 red, i64 inner) {
     MG_GRID_STRIDE(idx, outer * inner) {
@@ -75,45 +48,6 @@ __device__ void argmax_strided_impl(const T *x, i64 *out, i64 outer, i64 red, i6
             if (argmax_better(best, c)) best = c;
         }
         out[idx] = best.i;
-    }
-}
-
-// ---- one block per output row (inner == 1) ----
-template <typename T, int KIND>
-__device__ void reduce_lastdim_impl(const T *x, T *out, i64 rows, i64 red) {
-    typedef typename Acc<T>::type C;
-    __shared__ C scratch[32];
-    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
-        const T *base = x + row * red;
-        C res;
-        if (KIND == 0 || KIND == 1) {
-            C acc = 0;
-            for (i64 r = threadIdx.x; r < red; r += blockDim.x) acc += load(base, r);
-            res = block_sum(acc, scratch);
-            if (KIND == 1) res = red > 0 ? res / (C)red : (C)MG_NAN;
-        } else if (KIND == 2) {
-            C acc = (C)MG_NEG_INF;
-            int nan = 0;
-            for (i64 r = threadIdx.x; r < red; r += blockDim.x) {
-                const C v = load(base, r);
-                nan |= isnan(v);
-                acc = mg_max(acc, v);
-            }
-            const int any_nan = __syncthreads_or(nan);
-            res = block_max(acc, scratch);
-            if (any_nan || red == 0) res = (C)MG_NAN;
-        } else {
-            C m = (C)MG_NEG_INF;
-            for (i64 r = threadIdx.x; r < red; r += blockDim.x) m = mg_max(m, load(base, r));
-            m = block_max(m, scratch);
-            const C shift = isinf(m) ? (C)0 : m;
-            C s = 0;
-            for (i64 r = threadIdx.x; r < red; r += blockDim.x) s += mg_exp(load(base, r) - shift);
-            s = block_sum(s, scratch);
-            res = red > 0 ? shift + mg_log(s) : (C)MG_NEG_INF;
-        }
-        if (threadIdx.x == 0) store(out, row, res);
-        __syncthreads();
     }
 }
 
@@ -193,9 +127,6 @@ __device__ void sum_cols_impl(const T *x, T *out, i64 outer, i64 red, i64 inner)
     extern "C" __global__ void max_strided_##sfx(const T *x, T *out, i64 outer, i64 red, i64 inner) { \
         reduce_strided_impl<T, 2>(x, out, outer, red, inner);                                    \
     }                                                                                            \
-    extern "C" __global__ void logsumexp_strided_##sfx(const T *x, T *out, i64 outer, i64 red, i64 inner) { \
-        reduce_strided_impl<T, 3>(x, out, outer, red, inner);                                    \
-    }                                                                                            \
     extern "C" __global__ void argmax_strided_##sfx(const T *x, i64 *out, i64 outer, i64 red, i64 inner) { \
         argmax_strided_impl<T>(x, out, outer, red, inner);                                       \
     }                                                                                            \
@@ -207,9 +138,6 @@ __device__ void sum_cols_impl(const T *x, T *out, i64 outer, i64 red, i64 inner)
     }                                                                                            \
     extern "C" __global__ void max_lastdim_##sfx(const T *x, T *out, i64 rows, i64 red) {        \
         reduce_lastdim_impl<T, 2>(x, out, rows, red);                                            \
-    }                                                                                            \
-    extern "C" __global__ void logsumexp_lastdim_##sfx(const T *x, T *out, i64 rows, i64 red) {  \
-        reduce_lastdim_impl<T, 3>(x, out, rows, red);                                            \
     }                                                                                            \
     extern "C" __global__ void argmax_lastdim_##sfx(const T *x, i64 *out, i64 rows, i64 red) {   \
         argmax_lastdim_impl<T>(x, out, rows, red);                                               \

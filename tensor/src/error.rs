@@ -162,6 +162,15 @@ pub enum CommErrorKind {
 }
 
 impl Error {
+    /// An [`Error::ShapeMismatch`] of `op` between the shapes `lhs` and `rhs`.
+    pub fn shape_mismatch(op: &'static str, lhs: &Shape, rhs: &Shape) -> Error {
+        Error::ShapeMismatch {
+            op,
+            lhs: lhs.clone(),
+            rhs: rhs.clone(),
+        }
+    }
+
     /// An [`Error::Comm`] from these facts (no peer; see [`CommError::with_peer`]).
     pub fn comm(
         rank: usize,

@@ -219,36 +219,36 @@ impl StorageCell {
         m().map_err(|e| Error::Msg(format!("{op}: materialising a released tensor: {e}")))
     }
 
-    pub(crate) fn read(&self, op: &'static str) -> Result<StorageRead<'_>> {
-        let g = self.inner.read().unwrap_or_else(|e| e.into_inner());
+    /// The cell through the guard `lock` takes (a read or a write lock), holding a buffer: a
+    /// released one is materialised first (the lock dropped meanwhile).
+    fn present<G: std::ops::Deref<Target = Option<Allocation>>>(
+        &self,
+        op: &'static str,
+        lock: impl Fn() -> G,
+    ) -> Result<G> {
+        let g = lock();
         if g.is_some() {
-            return Ok(StorageRead(g));
+            return Ok(g);
         }
         drop(g);
         self.run_materializer(op)?;
-        let g = self.inner.read().unwrap_or_else(|e| e.into_inner());
+        let g = lock();
         if g.is_none() {
             return Err(Error::Msg(format!(
                 "{op}: the tensor's storage is still released after its materialiser ran"
             )));
         }
-        Ok(StorageRead(g))
+        Ok(g)
+    }
+
+    pub(crate) fn read(&self, op: &'static str) -> Result<StorageRead<'_>> {
+        self.present(op, || self.inner.read().unwrap_or_else(|e| e.into_inner()))
+            .map(StorageRead)
     }
 
     pub(crate) fn write(&self, op: &'static str) -> Result<StorageWrite<'_>> {
-        let g = self.inner.write().unwrap_or_else(|e| e.into_inner());
-        if g.is_some() {
-            return Ok(StorageWrite(g));
-        }
-        drop(g);
-        self.run_materializer(op)?;
-        let g = self.inner.write().unwrap_or_else(|e| e.into_inner());
-        if g.is_none() {
-            return Err(Error::Msg(format!(
-                "{op}: the tensor's storage is still released after its materialiser ran"
-            )));
-        }
-        Ok(StorageWrite(g))
+        self.present(op, || self.inner.write().unwrap_or_else(|e| e.into_inner()))
+            .map(StorageWrite)
     }
 
     /// Whether the buffer is present. Never blocks: a cell whose lock is held (by an op using

@@ -144,14 +144,6 @@ impl Tensor {
         shape: impl Into<Shape>,
         device: Device,
     ) -> Result<Tensor> {
-        let shape = shape.into();
-        if data.len() != shape.elem_count() {
-            crate::bail!(
-                "from_vec: {} elements do not fill shape {shape} ({} elements)",
-                data.len(),
-                shape.elem_count()
-            );
-        }
         Tensor::from_cpu(T::into_cpu_storage(data), shape, device)
     }
 
@@ -164,7 +156,7 @@ impl Tensor {
         Tensor::from_vec(data.to_vec(), shape, device)
     }
 
-    /// A tensor from a CPU buffer, moved to `device`.
+    /// A tensor from a CPU buffer, moved to `device`; the buffer must fill `shape` exactly.
     pub fn from_cpu(
         storage: CpuStorage,
         shape: impl Into<Shape>,
@@ -173,8 +165,9 @@ impl Tensor {
         let shape = shape.into();
         if storage.len() != shape.elem_count() {
             crate::bail!(
-                "from_cpu: {} elements do not fill shape {shape}",
-                storage.len()
+                "from_vec/from_cpu: {} elements do not fill shape {shape} ({} elements)",
+                storage.len(),
+                shape.elem_count()
             );
         }
         device.check_available()?;

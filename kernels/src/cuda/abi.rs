@@ -77,7 +77,7 @@ pub mod cmp_op {
     pub const GE: i32 = 5;
 }
 
-/// Unary-backward codes of `unary_bwd_<t>` (activations.cu), as the CPU's `UnaryGrad`.
+/// Unary-backward codes of `unary_bwd_<t>` (unary_backward.cu), as the CPU's `UnaryGrad`.
 pub mod unary_grad {
     /// SiLU derivative
     pub const SILU: i32 = 0;

@@ -1,7 +1,9 @@
 //! CUDA C kernels (`kernels/cuda/*.cu`), compiled by NVRTC at run time (first use) and cached.
 //!
-//! Every source is compiled with the shared header `kernels/cuda/common.cuh` prepended (each part
-//! after a `#line 1 "<file>"` directive, so NVRTC's messages name the right file and line). Each
+//! Every source is compiled with the shared header `kernels/cuda/common.cuh` prepended, and the
+//! headers it includes (`#include "<name>.cuh"`, shared by a few kernel files, as `norm.cuh` by
+//! the two norms) inlined before it; each part after a `#line 1 "<file>"` directive, so NVRTC's
+//! messages name the right file and line. Each
 //! [`KernelSource`] lists its `extern "C"` entry points, read from the source at build time
 //! (`kernels/build.rs` with [`parse`]: an entry point is written once, in its `.cu` file);
 //! `kernels/tests/nvrtc_compile.rs` compiles every source for sm_80 and sm_90 and checks that
@@ -33,19 +35,37 @@ pub struct KernelSource {
     pub name: &'static str,
     /// The file's text (without [`COMMON_HEADER`]).
     pub source: &'static str,
+    /// The headers of `kernels/cuda/` the file includes (`#include "<name>.cuh"`), by name with
+    /// their text, in order.
+    pub headers: &'static [(&'static str, &'static str)],
     /// Every `extern "C" __global__` function the file defines, in the order of the expanded
     /// source (read by `kernels/build.rs`).
     pub entries: &'static [&'static str],
 }
 
 impl KernelSource {
-    /// The text handed to NVRTC: [`COMMON_HEADER`] and the file, each after a `#line 1`
-    /// directive naming it (so NVRTC's messages point at the right file and line).
+    /// The parts of the translation unit, by name with their text, in order: [`COMMON_HEADER`],
+    /// the included headers, the file (what the entry-point reader [`parse`] reads).
+    pub fn files(&self) -> Vec<(&'static str, &'static str)> {
+        let mut files = vec![("common.cuh", COMMON_HEADER)];
+        files.extend_from_slice(self.headers);
+        files.push((self.name, self.source));
+        files
+    }
+
+    /// The text handed to NVRTC: the [`files`](Self::files), each after a `#line 1` directive
+    /// naming it (so NVRTC's messages point at the right file and line), the file's
+    /// `#include` lines of its headers blanked (their text is already in front).
     pub fn full_source(&self) -> String {
-        format!(
-            "#line 1 \"common.cuh\"\n{COMMON_HEADER}\n#line 1 \"{}\"\n{}",
-            self.name, self.source
-        )
+        let mut text = String::new();
+        for (name, part) in self.files() {
+            let mut part = part.to_owned();
+            for (h, _) in self.headers {
+                part = part.replace(&format!("#include \"{h}\""), "");
+            }
+            text.push_str(&format!("#line 1 \"{name}\"\n{part}\n"));
+        }
+        text
     }
 }
 
@@ -233,7 +253,29 @@ mod tests {
         let text = s.full_source();
         assert!(text.starts_with("#line 1 \"common.cuh\"\n"));
         assert!(text.contains("\n#line 1 \"softmax.cu\"\n"));
-        assert!(text.ends_with(s.source));
+        assert!(text.ends_with(&format!("{}\n", s.source)));
+        assert!(s.headers.is_empty());
         assert!(source("nope.cu").is_none());
+    }
+
+    #[test]
+    fn included_headers_come_inlined_before_the_file() {
+        for name in ["layer_norm.cu", "rms_norm.cu"] {
+            let s = source(name).expect("listed");
+            assert_eq!(s.headers.len(), 1, "{name}");
+            assert_eq!(s.headers[0].0, "norm.cuh");
+            let text = s.full_source();
+            let (h, f) = (
+                text.find("\n#line 1 \"norm.cuh\"\n").expect("header part"),
+                text.find(&format!("\n#line 1 \"{name}\"\n"))
+                    .expect("file part"),
+            );
+            assert!(h < f, "{name}: the header comes first");
+            assert!(
+                !text.contains("#include \"norm.cuh\""),
+                "{name}: include blanked"
+            );
+            assert!(text.contains("__device__ void norm_fwd_impl"));
+        }
     }
 }

@@ -80,6 +80,18 @@ pub(crate) struct Select {
     pub dim: usize,
 }
 
+/// The shape of a reduction: a contiguous buffer viewed as `[outer, red, inner]`, reduced over
+/// its middle dim `red`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct ReduceDims {
+    /// Product of the dims before the reduced one.
+    pub outer: usize,
+    /// The size of the reduced dim.
+    pub red: usize,
+    /// Product of the dims after the reduced one.
+    pub inner: usize,
+}
+
 /// The primitives a backend provides, on its own storage type. See the module documentation.
 pub(crate) trait BackendStorage: Sized + std::fmt::Debug + Send + Sync + 'static {
     /// The device the buffer lives on.
@@ -168,13 +180,7 @@ macro_rules! backend_ops {
                 f: In<'_, Self>,
             ) -> Result<Self> = "where_cond";
             /// Reduction of a contiguous buffer viewed as `[outer, red, inner]` over `red`.
-            fn reduce(
-                op: ReduceOp,
-                x: In<'_, Self>,
-                outer: usize,
-                red: usize,
-                inner: usize,
-            ) -> Result<Self> = "reduce";
+            fn reduce(op: ReduceOp, x: In<'_, Self>, d: ReduceDims) -> Result<Self> = "reduce";
             /// The batched product `p` of `a` and `b` with arbitrary strides.
             fn matmul(a: &Self, b: &Self, p: &Product) -> Result<Self> = "matmul";
             /// `torch.gather` along `dim`.

@@ -13,7 +13,7 @@ pub(crate) mod api;
 
 use meshgrad_kernels::ops::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
 
-use api::{backend_ops, In, Select};
+use api::{backend_ops, In, ReduceDims, Select};
 pub(crate) use api::{BackendStorage, Distribution, Product};
 
 #[cfg(feature = "cuda")]
@@ -205,6 +205,7 @@ unchanged!(
     BinaryOp,
     CmpOp,
     ReduceOp,
+    ReduceDims,
     Select
 );
 unchanged!(&'a Layout, &'a [usize], &'a Product);

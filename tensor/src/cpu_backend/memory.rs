@@ -72,26 +72,18 @@ pub(crate) fn random(
     // f32 fills directly (the f64 -> f32 rounding inside the fill equals filling f64 and
     // casting); every other dtype fills f64 (i64 for integers) and casts.
     let wide = match dist {
-        Distribution::Normal { mean, std } => {
-            if dtype == DType::F32 {
-                let mut v = vec![0f32; n];
-                rng::fill_normal(seed, offset, mean, std, &mut v);
-                return Ok(CpuStorage::F32(v));
-            }
-            let mut v = vec![0f64; n];
-            rng::fill_normal(seed, offset, mean, std, &mut v);
-            CpuStorage::F64(v)
-        }
-        Distribution::Uniform { low, high } => {
-            if dtype == DType::F32 {
-                let mut v = vec![0f32; n];
-                rng::fill_uniform(seed, offset, low, high, &mut v);
-                return Ok(CpuStorage::F32(v));
-            }
-            let mut v = vec![0f64; n];
-            rng::fill_uniform(seed, offset, low, high, &mut v);
-            CpuStorage::F64(v)
-        }
+        Distribution::Normal { mean, std } => float_fill(
+            dtype,
+            n,
+            |v| rng::fill_normal(seed, offset, mean, std, v),
+            |v| rng::fill_normal(seed, offset, mean, std, v),
+        ),
+        Distribution::Uniform { low, high } => float_fill(
+            dtype,
+            n,
+            |v| rng::fill_uniform(seed, offset, low, high, v),
+            |v| rng::fill_uniform(seed, offset, low, high, v),
+        ),
         Distribution::RandInt { low, high } => {
             let mut v = vec![0i64; n];
             rng::fill_randint(seed, offset, low, high, &mut v);
@@ -102,6 +94,24 @@ pub(crate) fn random(
         return Ok(wide);
     }
     super::cast(&wide, &whole(&wide), dtype)
+}
+
+/// `n` values written by `f32s` when `dtype` is f32, else by `f64s` in f64 (cast to `dtype` by
+/// the caller).
+fn float_fill(
+    dtype: DType,
+    n: usize,
+    f32s: impl FnOnce(&mut [f32]),
+    f64s: impl FnOnce(&mut [f64]),
+) -> CpuStorage {
+    if dtype == DType::F32 {
+        let mut v = vec![0f32; n];
+        f32s(&mut v);
+        return CpuStorage::F32(v);
+    }
+    let mut v = vec![0f64; n];
+    f64s(&mut v);
+    CpuStorage::F64(v)
 }
 
 /// `[start, start + 1, ...]` in `dtype`, computed in f64 and cast.

@@ -20,7 +20,7 @@ pub(crate) use cast::{cast, copy_contiguous, copy_into};
 pub(crate) use indexing::{gather, gather_backward, index_select, index_select_backward};
 pub(crate) use memory::{arange, from_host, full, output, random, read_elements, to_host, zeros};
 
-use crate::backend::api::In;
+use crate::backend::api::{In, ReduceDims};
 use crate::backend::Product;
 use crate::storage::CpuStorage;
 use crate::{DType, Error, Layout, Result};
@@ -242,9 +242,7 @@ pub(crate) fn where_cond(
 pub(crate) fn reduce(
     op: ReduceOp,
     (s, l): In<'_, CpuStorage>,
-    outer: usize,
-    red: usize,
-    inner: usize,
+    ReduceDims { outer, red, inner }: ReduceDims,
 ) -> Result<CpuStorage> {
     let dt = s.dtype();
     let mut idx = vec![

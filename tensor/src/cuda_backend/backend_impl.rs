@@ -6,7 +6,7 @@ use meshgrad_kernels::ops::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
 
 use super::{basic, CudaStorage};
 use crate::backend::api::{
-    backend_ops, forward, BackendStorage, Distribution, In, Product, Select,
+    backend_ops, forward, BackendStorage, Distribution, In, Product, ReduceDims, Select,
 };
 use crate::storage::CpuStorage;
 use crate::{DType, Device, Layout, Result};

@@ -10,6 +10,41 @@ use cudarc::driver::{result, DeviceRepr};
 use super::context::DeviceContext;
 use crate::{Error, Result};
 
+/// One launch of entry `entry` of `kernels/cuda/<file>`: its grid, block, dynamic shared memory
+/// and parameters `args`, in the kernel's order. The basic ops hold them as raw [`KernelArgs`]
+/// (`basic::args::Launch`), the fused ops as typed lists that their tests compare with the
+/// kernels' signatures (`fused::args::Launch`).
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct KernelLaunch<A> {
+    /// The source file (a name of `meshgrad_kernels::cuda::SOURCES`).
+    pub file: &'static str,
+    /// The `extern "C"` entry point.
+    pub entry: String,
+    /// Blocks per grid dimension.
+    pub grid: (u32, u32, u32),
+    /// Threads per block dimension.
+    pub block: (u32, u32, u32),
+    /// Bytes of dynamic shared memory.
+    pub shared: u32,
+    /// The parameters, in the kernel's order.
+    pub args: A,
+}
+
+impl KernelLaunch<KernelArgs> {
+    /// Launches on `ctx`'s compute stream (the arguments are checked against the kernel's
+    /// declaration there; see [`DeviceContext::launch`]).
+    pub fn run(self, ctx: &DeviceContext) -> Result<()> {
+        ctx.launch(
+            self.file,
+            &self.entry,
+            self.grid,
+            self.block,
+            self.shared,
+            self.args,
+        )
+    }
+}
+
 /// The parameters of one launch, in the kernel's order: their bytes in 8-byte-aligned slots of
 /// one buffer (no allocation per parameter), with each one's slot offset and size. The
 /// addresses handed to the driver are taken at launch, when the buffer no longer grows.

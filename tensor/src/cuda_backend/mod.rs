@@ -31,6 +31,6 @@ mod storage;
 
 pub(crate) use context::{context, DeviceContext};
 pub use context::{cuda_device_count, cuda_memory_stats, cuda_synchronize, CudaMemoryStats};
-pub(crate) use launch::{grid_for, kernel_args, KernelArgs, BLOCK};
+pub(crate) use launch::{grid_for, kernel_args, KernelArgs, KernelLaunch, BLOCK};
 pub use raw::{cuda_compute_stream, CudaBuffer};
 pub use storage::CudaStorage;

@@ -103,8 +103,7 @@ pub(crate) fn signatures(file: &str) -> Result<Arc<Signatures>> {
     }
     let src = kc::source(file)
         .ok_or_else(|| Error::Msg(format!("no kernel source kernels/cuda/{file}")))?;
-    let files = [("common.cuh", kc::COMMON_HEADER), (src.name, src.source)];
-    let sigs = Arc::new(parse_files(&files).map_err(|e| {
+    let sigs = Arc::new(parse_files(&src.files()).map_err(|e| {
         Error::Msg(format!(
             "reading the kernel signatures of kernels/cuda/{file}: {e}"
         ))
@@ -169,10 +168,10 @@ mod tests {
             // (int op, StridedArgs s, const T *a, const T *b, T *out)
             ("elementwise.cu", "binary_f32", vec![4, strided, 8, 8, 8]),
             ("elementwise.cu", "fill_u8", vec![8, 8, 4]),
-            ("elementwise.cu", "cast_bf16_to_f16", vec![8, 8, 8]),
+            ("cast.cu", "cast_bf16_to_f16", vec![8, 8, 8]),
             // (x, w, b, y, mean, rstd, i64 rows, i64 cols, float eps)
             (
-                "norms.cu",
+                "layer_norm.cu",
                 "layer_norm_fwd_bf16",
                 vec![8, 8, 8, 8, 8, 8, 8, 8, 4],
             ),
@@ -185,7 +184,7 @@ mod tests {
             ("attention.cu", "attn_bwd_delta_f16", vec![8, 8, 8, attn, 8]),
             ("gather.cu", "gather_bwd_f16", vec![gather, 8, 8, 8, 8]),
             // (out, n, u64 seed, u64 start, float p, double scale)
-            ("random.cu", "dropout_mask_bf16", vec![8, 8, 8, 8, 4, 8]),
+            ("dropout.cu", "dropout_mask_bf16", vec![8, 8, 8, 8, 4, 8]),
             ("random.cu", "randint_i64", vec![8, 8, 8, 8, 8, 8]),
         ];
         for (file, entry, want) in cases {

@@ -1,6 +1,7 @@
 //! Elementwise ops: broadcasting binary arithmetic, unary maps, comparisons and `where`.
 
 use super::same_kind;
+use crate::ops::float_only;
 use crate::storage::Storage;
 use crate::{DType, Result, Shape, Tensor};
 use meshgrad_kernels::ops::{BinaryOp, CmpOp, UnaryOp};
@@ -19,12 +20,7 @@ impl Tensor {
     fn binary_op(&self, rhs: &Tensor, op: BinaryOp, name: &'static str) -> Result<Tensor> {
         let _prof = crate::profile::scope(name);
         same_kind(name, self, rhs)?;
-        if !self.dtype().is_float() {
-            return Err(crate::Error::UnsupportedDType {
-                op: name,
-                dtype: self.dtype(),
-            });
-        }
+        float_only(name, self)?;
         let shape = Shape::broadcast(name, self.shape(), rhs.shape())?;
         let (la, lb) = (
             self.layout().broadcast_as(&shape)?,
@@ -67,12 +63,7 @@ impl Tensor {
 
     pub(crate) fn unary_op(&self, op: UnaryOp, name: &'static str) -> Result<Tensor> {
         let _prof = crate::profile::scope(name);
-        if !self.dtype().is_float() {
-            return Err(crate::Error::UnsupportedDType {
-                op: name,
-                dtype: self.dtype(),
-            });
-        }
+        float_only(name, self)?;
         let g = self.read_storage(name)?;
         let s = Storage::unary((&g, self.layout()), op)?;
         Ok(Tensor::from_storage(s, self.shape()))

@@ -86,11 +86,11 @@ impl Tensor {
         let d = input_shape.dim(op, dim)?;
         check_gather(op, &input_shape, index, d)?;
         if self.shape() != index.shape() {
-            return Err(Error::ShapeMismatch {
-                op: "gather_backward (gradient vs index)",
-                lhs: self.shape().clone(),
-                rhs: index.shape().clone(),
-            });
+            return Err(crate::Error::shape_mismatch(
+                "gather_backward (gradient vs index)",
+                self.shape(),
+                index.shape(),
+            ));
         }
         let (g, i) = (self.contiguous()?, index.contiguous()?);
         let (gg, gi) = (g.read_storage(op)?, i.read_storage(op)?);

@@ -11,11 +11,11 @@ impl Tensor {
         let _prof = crate::profile::scope("copy_from");
         same_kind("copy_from", self, src)?;
         if self.shape() != src.shape() {
-            return Err(Error::ShapeMismatch {
-                op: "copy_from",
-                lhs: self.shape().clone(),
-                rhs: src.shape().clone(),
-            });
+            return Err(Error::shape_mismatch(
+                "copy_from",
+                self.shape(),
+                src.shape(),
+            ));
         }
         // A source sharing our storage is copied first so the read and the write never overlap.
         let src = if self.same_storage(src) {
@@ -55,11 +55,11 @@ impl Tensor {
         }
         let sum = self.add(other)?;
         if sum.shape() != self.shape() {
-            return Err(Error::ShapeMismatch {
-                op: "add_assign",
-                lhs: self.shape().clone(),
-                rhs: other.shape().clone(),
-            });
+            return Err(Error::shape_mismatch(
+                "add_assign",
+                self.shape(),
+                other.shape(),
+            ));
         }
         self.copy_from(&sum)
     }
@@ -76,11 +76,7 @@ impl Tensor {
         for o in others {
             same_kind(op, self, o)?;
             if o.shape() != self.shape() || !o.is_contiguous() {
-                return Err(Error::ShapeMismatch {
-                    op,
-                    lhs: self.shape().clone(),
-                    rhs: o.shape().clone(),
-                });
+                return Err(Error::shape_mismatch(op, self.shape(), o.shape()));
             }
         }
         // The step holds a read lock on the gradient and write locks on the others: operands

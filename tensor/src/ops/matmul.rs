@@ -47,11 +47,11 @@ impl Tensor {
         let (m, k) = (self.dims()[self.rank() - 2], self.dims()[self.rank() - 1]);
         let (k2, n) = (rhs.dims()[rhs.rank() - 2], rhs.dims()[rhs.rank() - 1]);
         if k != k2 {
-            return Err(Error::ShapeMismatch {
-                op: "matmul",
-                lhs: self.shape().clone(),
-                rhs: rhs.shape().clone(),
-            });
+            return Err(crate::Error::shape_mismatch(
+                "matmul",
+                self.shape(),
+                rhs.shape(),
+            ));
         }
         let ba = Shape::from(&self.dims()[..self.rank() - 2]);
         let bb = Shape::from(&rhs.dims()[..rhs.rank() - 2]);

@@ -42,6 +42,17 @@ pub fn compute_dtype(dtype: DType) -> DType {
     }
 }
 
+/// Refuses a tensor whose dtype is not a float one ([`Error::UnsupportedDType`] of `op`).
+pub(crate) fn float_only(op: &'static str, t: &Tensor) -> crate::Result<()> {
+    if !t.dtype().is_float() {
+        return Err(Error::UnsupportedDType {
+            op,
+            dtype: t.dtype(),
+        });
+    }
+    Ok(())
+}
+
 /// Checks that two tensors share a device and dtype.
 pub(crate) fn same_kind(op: &'static str, a: &Tensor, b: &Tensor) -> crate::Result<()> {
     same_device(op, a, b)?;

@@ -1,17 +1,14 @@
 //! Reductions over dimensions.
 
+use crate::backend::api::ReduceDims;
+use crate::ops::float_only;
 use crate::storage::Storage;
 use crate::{DType, Result, Shape, Tensor};
 use meshgrad_kernels::ops::ReduceOp;
 
 impl Tensor {
     fn reduce_dim(&self, dim: usize, op: ReduceOp, name: &'static str) -> Result<Tensor> {
-        if !self.dtype().is_float() {
-            return Err(crate::Error::UnsupportedDType {
-                op: name,
-                dtype: self.dtype(),
-            });
-        }
+        float_only(name, self)?;
         let dims = self.dims();
         if matches!(op, ReduceOp::Max | ReduceOp::ArgMax) && dims[dim] == 0 {
             crate::bail!(
@@ -23,7 +20,12 @@ impl Tensor {
         let inner: usize = dims[dim + 1..].iter().product();
         let x = self.contiguous()?;
         let g = x.read_storage(name)?;
-        let s = Storage::reduce(op, (&g, x.layout()), outer, dims[dim], inner)?;
+        let d = ReduceDims {
+            outer,
+            red: dims[dim],
+            inner,
+        };
+        let s = Storage::reduce(op, (&g, x.layout()), d)?;
         let mut out = dims.to_vec();
         out[dim] = 1;
         Ok(Tensor::from_storage(s, out))

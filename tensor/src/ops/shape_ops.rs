@@ -22,11 +22,11 @@ impl Tensor {
                     .enumerate()
                     .all(|(i, (a, b))| i == d || a == b);
             if !ok {
-                return Err(Error::ShapeMismatch {
-                    op: "cat",
-                    lhs: first.shape().clone(),
-                    rhs: t.shape().clone(),
-                });
+                return Err(crate::Error::shape_mismatch(
+                    "cat",
+                    first.shape(),
+                    t.shape(),
+                ));
             }
             total += t.dims()[d];
         }

@@ -6,25 +6,11 @@
 use meshgrad_kernels::cuda::{binary_op, cmp_op, unary_op, GatherArgs, StridedArgs};
 use meshgrad_kernels::ops::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
 
-use crate::cuda_backend::{grid_for, kernel_args, DeviceContext, KernelArgs, BLOCK};
-use crate::Result;
+use crate::backend::api::ReduceDims;
+use crate::cuda_backend::{grid_for, kernel_args, KernelArgs, KernelLaunch, BLOCK};
 
-/// One kernel launch: entry `entry` of `kernels/cuda/<file>`, its grid, block, dynamic shared
-/// memory and arguments.
-pub(crate) struct Launch {
-    /// The source file.
-    pub file: &'static str,
-    /// The entry point.
-    pub entry: String,
-    /// Grid dimensions.
-    pub grid: (u32, u32, u32),
-    /// Block dimensions.
-    pub block: (u32, u32, u32),
-    /// Dynamic shared memory in bytes.
-    pub shared: u32,
-    /// The arguments.
-    pub args: KernelArgs,
-}
+/// One kernel launch of a basic op, with raw arguments.
+pub(crate) type Launch = KernelLaunch<KernelArgs>;
 
 impl Launch {
     /// A launch of `threads` threads in 1-D blocks of [`BLOCK`] (the kernels loop with a grid
@@ -39,26 +25,15 @@ impl Launch {
             args,
         }
     }
-
-    /// Launches on `ctx`'s compute stream (the arguments are checked against the kernel's
-    /// declaration there).
-    pub fn run(self, ctx: &DeviceContext) -> Result<()> {
-        ctx.launch(
-            self.file,
-            &self.entry,
-            self.grid,
-            self.block,
-            self.shared,
-            self.args,
-        )
-    }
 }
 
 const EW: &str = "elementwise.cu";
+const CAST: &str = "cast.cu";
 const RANDOM: &str = "random.cu";
 const REDUCE: &str = "reduce.cu";
 const EMBEDDING: &str = "embedding.cu";
 const GATHER: &str = "gather.cu";
+const INDEX_SELECT: &str = "index_select.cu";
 
 /// `unary_<t>`'s op code and its two f64 parameters (`a`, `b`; 0 when unused).
 pub(crate) fn unary_code(op: UnaryOp) -> (i32, f64, f64) {
@@ -171,7 +146,7 @@ pub(crate) fn randint(out: u64, n: usize, seed: u64, start: u64, low: i64, width
 /// `cast_<a>_to_<b>(const S *x, D *out, i64 n)`.
 pub(crate) fn cast(from: &str, to: &str, x: u64, out: u64, n: usize) -> Launch {
     let a = kernel_args![x, out, n as i64];
-    Launch::threads(EW, format!("cast_{from}_to_{to}"), n, a)
+    Launch::threads(CAST, format!("cast_{from}_to_{to}"), n, a)
 }
 
 /// `copy_strided_<t>(StridedArgs s, const T *x, T *out)`.
@@ -222,24 +197,15 @@ fn reduce_name(op: ReduceOp) -> &'static str {
 
 /// `<op>_strided_<t>(const T *x, T *out, i64 outer, i64 red, i64 inner)` (argmax: `i64 *out`):
 /// one thread per output element.
-pub(crate) fn reduce_strided(
-    op: ReduceOp,
-    sfx: &str,
-    x: u64,
-    out: u64,
-    outer: usize,
-    red: usize,
-    inner: usize,
-) -> Launch {
-    let a = reduce_args(x, out, outer, red, inner);
+pub(crate) fn reduce_strided(op: ReduceOp, sfx: &str, x: u64, out: u64, d: ReduceDims) -> Launch {
     let entry = format!("{}_strided_{sfx}", reduce_name(op));
-    Launch::threads(REDUCE, entry, outer * inner, a)
+    Launch::threads(REDUCE, entry, d.outer * d.inner, reduce_args(x, out, d))
 }
 
 /// The arguments `(x, out, outer, red, inner)` of the reductions over the middle dim of
 /// `[outer, red, inner]`.
-fn reduce_args(x: u64, out: u64, outer: usize, red: usize, inner: usize) -> KernelArgs {
-    kernel_args![x, out, outer as i64, red as i64, inner as i64]
+fn reduce_args(x: u64, out: u64, d: ReduceDims) -> KernelArgs {
+    kernel_args![x, out, d.outer as i64, d.red as i64, d.inner as i64]
 }
 
 /// Threads per block of a `_lastdim` reduction of rows of `red` elements: a multiple of 32 (the
@@ -275,16 +241,9 @@ pub(crate) const COLS_BLOCK: u32 = 1024;
 /// `sum_cols_<t>(const T *x, T *out, i64 outer, i64 red, i64 inner)`: one block of
 /// [`COLS_BLOCK`] threads per tile of 32 adjacent outputs (the kernel loops over the
 /// `outer x ceil(inner / 32)` tiles with a grid stride).
-pub(crate) fn reduce_cols(
-    sfx: &str,
-    x: u64,
-    out: u64,
-    outer: usize,
-    red: usize,
-    inner: usize,
-) -> Launch {
-    let a = reduce_args(x, out, outer, red, inner);
-    let tiles = outer.saturating_mul(inner.div_ceil(32));
+pub(crate) fn reduce_cols(sfx: &str, x: u64, out: u64, d: ReduceDims) -> Launch {
+    let a = reduce_args(x, out, d);
+    let tiles = d.outer.saturating_mul(d.inner.div_ceil(32));
     Launch {
         file: REDUCE,
         entry: format!("sum_cols_{sfx}"),
@@ -388,5 +347,5 @@ pub(crate) fn index_select(
     } else {
         ("index_select", outer * m * inner)
     };
-    Launch::threads(GATHER, format!("{entry}_{sfx}"), threads, a)
+    Launch::threads(INDEX_SELECT, format!("{entry}_{sfx}"), threads, a)
 }

@@ -71,11 +71,7 @@ pub(crate) fn copy_into(
 ) -> Result<()> {
     dst.dtype().matching("copy_into", src.dtype())?;
     if dl.dims() != sl.dims() {
-        return Err(Error::ShapeMismatch {
-            op: "copy_into",
-            lhs: dl.shape().clone(),
-            rhs: sl.shape().clone(),
-        });
+        return Err(Error::shape_mismatch("copy_into", dl.shape(), sl.shape()));
     }
     if dl.shape().elem_count() == 0 {
         return Ok(());

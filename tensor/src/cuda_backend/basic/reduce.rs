@@ -3,7 +3,7 @@
 use meshgrad_kernels::ops::ReduceOp;
 
 use super::{args, basic_sfx, contiguous};
-use crate::backend::api::In;
+use crate::backend::api::{In, ReduceDims};
 use crate::cuda_backend::CudaStorage;
 use crate::{DType, Error, Result};
 
@@ -45,10 +45,9 @@ pub(crate) fn use_lastdim(red: usize, inner: usize) -> bool {
 pub(crate) fn reduce(
     op: ReduceOp,
     (s, l): In<'_, CudaStorage>,
-    outer: usize,
-    red: usize,
-    inner: usize,
+    d: ReduceDims,
 ) -> Result<CudaStorage> {
+    let ReduceDims { outer, red, inner } = d;
     let sfx = basic_sfx("reduce", s.dtype())?;
     let out_dtype = if op == ReduceOp::ArgMax {
         DType::I64
@@ -69,9 +68,9 @@ pub(crate) fn reduce(
     let launch = if use_lastdim(red, inner) {
         args::reduce_lastdim(op, sfx, x, out.device_ptr(), outer, red)
     } else if use_cols(op, outer, red, inner) {
-        args::reduce_cols(sfx, x, out.device_ptr(), outer, red, inner)
+        args::reduce_cols(sfx, x, out.device_ptr(), d)
     } else {
-        args::reduce_strided(op, sfx, x, out.device_ptr(), outer, red, inner)
+        args::reduce_strided(op, sfx, x, out.device_ptr(), d)
     };
     launch.run(s.ctx())?;
     Ok(out)

@@ -10,6 +10,7 @@ use super::copy::cast_kernel;
 use super::indexing::gather_args;
 use super::reduce::{use_cols, use_lastdim};
 use super::{acc_dtype, basic_sfx, float_sfx, mover, Mover};
+use crate::backend::api::ReduceDims;
 use crate::cuda_backend::signature::check_args;
 use crate::DType;
 
@@ -144,17 +145,22 @@ fn op_codes_follow_the_kernels() {
     assert_eq!(l.args.sizes(), &[8, 8, 8, 4, 8, 8]);
 }
 
+/// The reduction shape `[outer, red, inner]`.
+fn dims(outer: usize, red: usize, inner: usize) -> ReduceDims {
+    ReduceDims { outer, red, inner }
+}
+
 #[test]
 fn reduce_launches_match_their_kernels() {
     for sfx in BASIC {
         for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::ArgMax] {
-            ok(args::reduce_strided(op, sfx, P[0], P[1], 3, 4, 5));
+            ok(args::reduce_strided(op, sfx, P[0], P[1], dims(3, 4, 5)));
             ok(args::reduce_lastdim(op, sfx, P[0], P[1], 3, 500));
         }
-        ok(args::reduce_cols(sfx, P[0], P[1], 2, 8192, 768));
+        ok(args::reduce_cols(sfx, P[0], P[1], dims(2, 8192, 768)));
     }
     // Column tiles: one block of 32 warps per 32 outputs; only long sums of few outputs.
-    let l = args::reduce_cols("bf16", P[0], P[1], 2, 8192, 770);
+    let l = args::reduce_cols("bf16", P[0], P[1], dims(2, 8192, 770));
     assert_eq!(
         (l.entry.as_str(), l.grid.0, l.block.0),
         ("sum_cols_bf16", 2 * 25, 1024)
@@ -174,7 +180,7 @@ fn reduce_launches_match_their_kernels() {
     assert_eq!(args::lastdim_block(100_000), 256);
     assert!(use_lastdim(1024, 1) && !use_lastdim(1024, 2) && !use_lastdim(8, 1));
     // The strided kernels run one thread per output element.
-    let l = args::reduce_strided(ReduceOp::ArgMax, "bf16", P[0], P[1], 2, 9, 300);
+    let l = args::reduce_strided(ReduceOp::ArgMax, "bf16", P[0], P[1], dims(2, 9, 300));
     assert_eq!((l.entry.as_str(), l.grid.0), ("argmax_strided_bf16", 3));
 }
 

@@ -5,7 +5,7 @@
 
 use meshgrad_kernels::cuda::AttnParams;
 
-use super::super::{DeviceContext, KernelArgs};
+use super::super::{DeviceContext, KernelArgs, KernelLaunch};
 use crate::{DType, Error, Result};
 
 /// One kernel parameter, by value, as the kernel declares it.
@@ -72,22 +72,8 @@ pub(crate) fn i64_of(n: usize) -> Arg {
     Arg::I64(n as i64)
 }
 
-/// One launch of entry `entry` of `kernels/cuda/<file>`.
-#[derive(Clone, Debug, PartialEq)]
-pub(crate) struct Launch {
-    /// The source file (a name of `meshgrad_kernels::cuda::SOURCES`).
-    pub file: &'static str,
-    /// The `extern "C"` entry point.
-    pub entry: String,
-    /// Blocks per grid dimension.
-    pub grid: (u32, u32, u32),
-    /// Threads per block dimension.
-    pub block: (u32, u32, u32),
-    /// Bytes of dynamic shared memory.
-    pub shared: u32,
-    /// The parameters, in the kernel's order.
-    pub args: Vec<Arg>,
-}
+/// One launch of a fused op's kernel, with typed parameters.
+pub(crate) type Launch = KernelLaunch<Vec<Arg>>;
 
 /// Kernel arguments written short: `args![ptr x, i64 n, i32 flag, f32 eps, f64 theta, size len]`
 /// is `[Arg::Ptr(x), Arg::I64(n), Arg::I32(flag), Arg::F32(eps), Arg::F64(theta), i64_of(len)]`.

@@ -1,5 +1,5 @@
-//! The weight-gradient partial sums of the norms (`norm_partials_reduce_<t>` of norms.cu) and the
-//! helpers every norm of norms.cu shares (the CUDA paths of layer norm,
+//! The weight-gradient partial sums of the norms (`norm_partials_reduce_<t>` of norm_partials.cu) and the
+//! helpers the norms of layer_norm.cu and rms_norm.cu share (the CUDA paths of layer norm,
 //! `ops/fused/layer_norm/cuda.rs`, and RMSNorm, `ops/fused/rms_norm/cuda.rs`, use them).
 //!
 //! Dtypes: f32, bf16 and f16 data (computed in f32); f64 is not provided on CUDA (`Ok(None)`).
@@ -47,7 +47,7 @@ pub(crate) fn partials_reduce_launch(
     accumulate: bool,
 ) -> Launch {
     Launch {
-        file: "norms.cu",
+        file: "norm_partials.cu",
         entry: format!("norm_partials_reduce_{t}"),
         grid: flat_grid(cols),
         block: BLOCK_1D,
@@ -123,9 +123,11 @@ pub(crate) fn param<'a>(w: Option<In<'a, CudaStorage>>, kd: DType) -> Result<Opt
     w.map(|w| as_dtype(w, kd)).transpose()
 }
 
-/// A row kernel of norms.cu: the pointers `p` in order, then `rows`, `cols` (i64) and, for the
-/// forward kernels, `eps` (f32), on `grid` blocks of [`BLOCK_1D`] threads.
+/// A row kernel of `file` (layer_norm.cu or rms_norm.cu, the row kernels of norm.cuh): the
+/// pointers `p` in order, then `rows`, `cols` (i64) and, for the forward kernels, `eps` (f32), on
+/// `grid` blocks of [`BLOCK_1D`] threads.
 pub(crate) fn norm_launch(
+    file: &'static str,
     entry: String,
     p: &[u64],
     rows: usize,
@@ -137,7 +139,7 @@ pub(crate) fn norm_launch(
     args.extend([i64_of(rows), i64_of(cols)]);
     args.extend(eps.map(|e| Arg::F32(e as f32)));
     Launch {
-        file: "norms.cu",
+        file,
         entry,
         grid,
         block: BLOCK_1D,

@@ -4,7 +4,7 @@
 //! returns what the fused op returns (dtypes and shapes included), and the tests beside it check
 //! it against the CPU's kernels (forced by declining fused kernels on the test's thread, with
 //! [`testutil`]). The helpers here: [`widen`], [`shifted`], [`replace`], [`column`],
-//! [`row_sum`], [`optimizer_dtype`] and [`scalar_like`].
+//! [`row_sum`], [`norm_input_grad`], [`optimizer_dtype`] and [`scalar_like`].
 
 #[cfg(test)]
 pub(crate) mod testutil;
@@ -47,6 +47,34 @@ pub(crate) fn replace(x: &Tensor, from: f64, to: f64) -> Result<Tensor> {
 /// `x`'s statistic `s` (shape `[rows]`) as a `[rows, 1]` column in compute precision.
 pub(crate) fn column(s: &Tensor, rows: usize) -> Result<Tensor> {
     widen(s)?.reshape((rows, 1))
+}
+
+/// The input gradient of a norm over the rows of `x` (layer norm when `centred`, RMSNorm
+/// otherwise) in `x`'s dtype and shape, from `dyc` (`dy` in compute precision, `[rows, cols]`),
+/// the optional weight, the normalised input `xhat` and the `[rows, 1]` column `rs` of `rstd`:
+/// with `g = weight · dy` (or `dy`), `rstd (g - mean(g) - xhat mean(g xhat))`, without the
+/// `mean(g)` term for RMSNorm.
+pub(crate) fn norm_input_grad(
+    x: &Tensor,
+    w: Option<&Tensor>,
+    [dyc, xhat, rs]: [&Tensor; 3],
+    centred: bool,
+) -> Result<Tensor> {
+    if x.elem_count() == 0 {
+        return x.zeros_like();
+    }
+    let g = match w {
+        Some(w) => dyc.mul(&widen(w)?)?,
+        None => dyc.clone(),
+    };
+    let gx_mean = g.mul(xhat)?.mean(&[-1], true)?;
+    let g = if centred {
+        g.sub(&g.mean(&[-1], true)?)?
+    } else {
+        g
+    };
+    let dx = g.sub(&xhat.mul(&gx_mean)?)?.mul(rs)?;
+    dx.to_dtype(x.dtype())?.reshape(x.shape().clone())
 }
 
 /// A weight gradient `Σ_rows g` of `[rows, cols]` `g`, in `dtype` (zeros when there are no rows).

@@ -52,3 +52,32 @@ pub(crate) fn rand(shape: &[usize], seed: u64, dtype: DType) -> Tensor {
         .normal(shape.to_vec(), 0.0, 2.0)
         .unwrap()
 }
+
+/// Every case of [`CASES`] with its inputs: normal values (as [`rand`]) of `shapes` in the
+/// case's dtype, input `i` from stream `seed + i`.
+pub(crate) fn cases<const N: usize>(
+    seed: u64,
+    shapes: [&[usize]; N],
+) -> impl Iterator<Item = (DType, f64, [Tensor; N])> + '_ {
+    CASES.into_iter().map(move |(dt, rel)| {
+        let mut stream = seed;
+        let inputs = shapes.map(|s| {
+            stream += 1;
+            rand(s, stream - 1, dt)
+        });
+        (dt, rel, inputs)
+    })
+}
+
+/// `t` with the elements at flat positions `at` set to the values given (rounded to `t`'s
+/// dtype): special points (zeros, bounds, infinities, NaN) among random inputs.
+pub(crate) fn with_values(t: &Tensor, at: &[(usize, f64)]) -> Tensor {
+    let mut v = t.to_vec_f64().unwrap();
+    for &(i, x) in at {
+        v[i] = x;
+    }
+    Tensor::from_vec(v, t.shape().clone(), t.device())
+        .unwrap()
+        .to_dtype(t.dtype())
+        .unwrap()
+}

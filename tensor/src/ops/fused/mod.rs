@@ -22,8 +22,8 @@
 //! 1. `ops/fused/foo/mod.rs`: the argument struct `Foo<T>` (`#[derive(FusedArgs)]`: its operands
 //!    are the fields of type `T` and `Option<T>`), its [`FusedOp`] impl (name, result types,
 //!    `finish`, and `fused_paths!(forward)` naming the three paths; `fused_op!` writes it for an
-//!    op returning one tensor) and the public `Tensor::foo` (checks shapes and dtypes, makes
-//!    operands contiguous, calls [`run`]);
+//!    op returning one tensor, two, a tensor and an optional one, or nothing) and the public
+//!    `Tensor::foo` (checks shapes and dtypes, makes operands contiguous, calls [`run`]);
 //! 2. `ops/fused/foo/cpu.rs` over the CPU kernel `kernels/src/cpu/foo.rs`;
 //! 3. `ops/fused/foo/cuda.rs` over the kernel `kernels/cuda/foo.cu` (optional);
 //! 4. `ops/fused/foo/fallback.rs`: the composition and the test that it agrees with the fused
@@ -84,7 +84,9 @@ pub(crate) type InMut<'a, S> = (&'a mut S, &'a Layout);
 /// An argument struct over `&Tensor` operands, seen over operands of other types. Derived
 /// (`#[derive(FusedArgs)]` of `meshgrad-derive`) for a struct `Foo<T>` or `Foo<T, W>`: fields
 /// of type `T` are operands read, `Option<T>` optional operands read, fields of type `W`
-/// operands written in place; the other fields are copied.
+/// operands written in place, fields of type `Part<T>` (itself `FusedArgs`: attention's
+/// `Mask`, the `Linear` inside `LinearGelu`) parts mapped by their own `map`; the other fields
+/// are copied.
 pub(crate) trait FusedArgs {
     /// The argument struct with operands read of type `T` and operands written of type `W`
     /// (`Self` is `Args<&Tensor, &Tensor>`).
@@ -137,13 +139,14 @@ fn rows_cols(t: &Tensor) -> (usize, usize) {
 
 /// The `cpu`, `cuda` and `fallback` methods of a [`FusedOp`] impl: `fused_paths!(forward)` calls
 /// `cpu::forward`, `cuda::forward` (with `--features cuda`) and `fallback::forward` of the op's
-/// folder.
+/// folder. `cpu::forward` returns the results, or an `Option` of them where it may answer "not
+/// provided".
 macro_rules! fused_paths {
     ($path:ident) => {
         fn cpu(
             args: &mut Self::Args<$crate::ops::fused::CpuIn<'_>, $crate::ops::fused::CpuMut<'_>>,
         ) -> $crate::Result<Option<Self::Out<$crate::storage::CpuStorage>>> {
-            cpu::$path(args).map(Some)
+            cpu::$path(args).map(Into::into)
         }
 
         #[cfg(feature = "cuda")]
@@ -160,10 +163,64 @@ macro_rules! fused_paths {
 }
 pub(crate) use fused_paths;
 
-/// The [`FusedOp`] impl of an op `$args<&Tensor>` named `$name` whose result is one tensor of
-/// dims `$dims` (an expression of the arguments `$a`), with the paths `$path` of its folder
-/// (see [`fused_paths`]): `fused_op!(Softmax, "softmax", forward, |a| a.x.shape())`.
+/// The [`FusedOp`] impl of an op `$args<&Tensor>` named `$name` with the paths `$path` of its
+/// folder (see [`fused_paths`]), by what it returns:
+/// - one tensor of dims `$dims` (an expression of the arguments `$a`):
+///   `fused_op!(Softmax, "softmax", forward, |a| a.x.shape())`;
+/// - two tensors: `fused_op!(Op, "op", forward, |a| (S, S) => (dims0, dims1))`;
+/// - a tensor and an optional one: `fused_op!(Op, "op", backward, |a| (S, Option<S>) =>
+///   (dims0, dims1))`;
+/// - nothing (an op on operands written in place, `$args<&Tensor, &Tensor>`):
+///   `fused_op!(Op<_, _>, "op", step, in_place)`.
 macro_rules! fused_op {
+    ($args:ident<_, _>, $name:literal, $path:ident, in_place) => {
+        impl $crate::ops::fused::FusedOp for $args<&$crate::Tensor, &$crate::Tensor> {
+            const NAME: &'static str = $name;
+            type Out<S> = ();
+            type Output = ();
+
+            fn finish<S: $crate::backend::Variant>(&self, (): ()) {}
+
+            $crate::ops::fused::fused_paths!($path);
+        }
+    };
+    ($args:ident, $name:literal, $path:ident, |$a:ident| (S, S) => ($d0:expr, $d1:expr)) => {
+        impl $crate::ops::fused::FusedOp for $args<&$crate::Tensor> {
+            const NAME: &'static str = $name;
+            type Out<S> = (S, S);
+            type Output = ($crate::Tensor, $crate::Tensor);
+
+            fn finish<S: $crate::backend::Variant>(&self, (y0, y1): (S, S)) -> Self::Output {
+                let $a = self;
+                (
+                    $crate::Tensor::from_storage(y0.wrap(), $d0),
+                    $crate::Tensor::from_storage(y1.wrap(), $d1),
+                )
+            }
+
+            $crate::ops::fused::fused_paths!($path);
+        }
+    };
+    ($args:ident, $name:literal, $path:ident, |$a:ident| (S, Option<S>) => ($d0:expr, $d1:expr)) => {
+        impl $crate::ops::fused::FusedOp for $args<&$crate::Tensor> {
+            const NAME: &'static str = $name;
+            type Out<S> = (S, Option<S>);
+            type Output = ($crate::Tensor, Option<$crate::Tensor>);
+
+            fn finish<S: $crate::backend::Variant>(
+                &self,
+                (y0, y1): (S, Option<S>),
+            ) -> Self::Output {
+                let $a = self;
+                (
+                    $crate::Tensor::from_storage(y0.wrap(), $d0),
+                    y1.map(|y| $crate::Tensor::from_storage(y.wrap(), $d1)),
+                )
+            }
+
+            $crate::ops::fused::fused_paths!($path);
+        }
+    };
     ($args:ident, $name:literal, $path:ident, |$a:ident| $dims:expr) => {
         impl $crate::ops::fused::FusedOp for $args<&$crate::Tensor> {
             const NAME: &'static str = $name;

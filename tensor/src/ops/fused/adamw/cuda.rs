@@ -1,4 +1,4 @@
-//! AdamW on CUDA, in place: the kernel `adamw_grad_<g>` of `kernels/cuda/optimizer.cu`.
+//! AdamW on CUDA, in place: the kernel `adamw_grad_<g>` of `kernels/cuda/adamw.cu`.
 //!
 //! The kernel keeps the parameter and the moments in f32 and reads the gradient as f32, bf16 or
 //! f16. Provided: parameter and moments f32 with contiguous views, gradient of a kernel dtype
@@ -47,7 +47,7 @@ pub(crate) fn adamw_launch(g: &str, p: [u64; 4], n: usize, hp: &AdamWStep) -> La
     args.extend(c.iter().map(|&x| Arg::F32(x)));
     args.push(Arg::I32(apply_decay as i32));
     Launch {
-        file: "optimizer.cu",
+        file: "adamw.cu",
         entry: format!("adamw_grad_{g}"),
         grid: flat_grid(n),
         block: BLOCK_1D,

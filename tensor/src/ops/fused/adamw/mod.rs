@@ -1,7 +1,7 @@
 //! One AdamW step in place: the argument struct [`AdamW`], its paths (`cpu.rs`, `cuda.rs`,
 //! `fallback.rs`) and the tensor ops [`Tensor::adamw_step_`] and [`Tensor::adamw_step_many`].
 //! The CPU kernel is `meshgrad_kernels::cpu::adamw::adamw_step`, the CUDA one `adamw_grad_<g>`
-//! of `kernels/cuda/optimizer.cu`; `nn`'s optimizer calls the tensor ops.
+//! of `kernels/cuda/adamw.cu`; `nn`'s optimizer calls the tensor ops.
 
 mod cpu;
 #[cfg(feature = "cuda")]
@@ -11,8 +11,7 @@ mod fallback;
 use meshgrad_derive::FusedArgs;
 use meshgrad_kernels::ops::AdamWStep;
 
-use super::{fused_paths, run, FusedOp};
-use crate::backend::Variant;
+use super::{fused_op, run};
 use crate::{Result, Tensor};
 
 /// One AdamW step from `grad` on `param` and its moments `m`, `v`, all updated in place
@@ -31,15 +30,7 @@ pub(crate) struct AdamW<T, W> {
     pub hp: AdamWStep,
 }
 
-impl FusedOp for AdamW<&Tensor, &Tensor> {
-    const NAME: &'static str = "adamw_step";
-    type Out<S> = ();
-    type Output = ();
-
-    fn finish<S: Variant>(&self, (): ()) {}
-
-    fused_paths!(step);
-}
+fused_op!(AdamW<_, _>, "adamw_step", step, in_place);
 
 impl Tensor {
     /// One AdamW step on many parameters at once (the "foreach" form of

@@ -77,7 +77,7 @@ pub(super) fn forward(a: &Attention<CpuIn<'_>>) -> Result<(CpuStorage, CpuStorag
     let (q, k, v, shape) = (a.q, a.k, a.v, a.shape);
     let dt = q.0.dtype();
     let n = shape.batch_heads * shape.seq_q * shape.head_dim;
-    let m = Prepared::new(&a.mask.args(a.key_padding, a.bias), "attention")?;
+    let m = Prepared::new(&a.mask.args(), "attention")?;
     Ok(
         with_floats!("attention", (q.0, range(q.1)) => qv, (k.0, range(k.1)) => kv, (v.0, range(v.1)) => vv; {
             let sm = m.mask(qv)?;
@@ -92,7 +92,7 @@ pub(super) fn forward(a: &Attention<CpuIn<'_>>) -> Result<(CpuStorage, CpuStorag
 /// See [`AttentionBackward`]: `(dq, dk, dv, dz)` with `dz` (compute precision) when `want_dz`.
 pub(super) fn backward(a: &AttentionBackward<CpuIn<'_>>) -> Result<Grads<CpuStorage>> {
     let (q, k, v, out, lse, dout) = (a.q, a.k, a.v, a.out, a.lse, a.dout);
-    let (shape, want_dz, mask) = (a.shape, a.want_dz, a.mask.args(a.key_padding, a.bias));
+    let (shape, want_dz, mask) = (a.shape, a.want_dz, a.mask.args());
     let dt = q.0.dtype();
     let nq = shape.batch_heads * shape.seq_q * shape.head_dim;
     let nk = shape.batch_heads * shape.seq_k * shape.head_dim;
@@ -137,7 +137,7 @@ fn btc_layout(shape: &AttentionShape, heads: usize) -> HeadLayout {
 
 /// See [`AttentionQkv`]: `(out [B, T, C], lse [B, H, T])`.
 pub(super) fn qkv_forward(a: &AttentionQkv<CpuIn<'_>>) -> Result<(CpuStorage, CpuStorage)> {
-    let (qkv, shape, heads, mask) = (a.qkv, a.shape, a.heads, a.mask.args(a.key_padding, a.bias));
+    let (qkv, shape, heads, mask) = (a.qkv, a.shape, a.heads, a.mask.args());
     let dt = qkv.0.dtype();
     let [ql, kl, vl] = qkv_layouts(&shape, heads);
     let ol = btc_layout(&shape, heads);
@@ -159,7 +159,7 @@ pub(super) fn qkv_backward(
 ) -> Result<(CpuStorage, Option<CpuStorage>)> {
     let (qkv, out, lse, dout) = (a.qkv, a.out, a.lse, a.dout);
     let (shape, heads, want_dz) = (a.shape, a.heads, a.want_dz);
-    let mask = a.mask.args(a.key_padding, a.bias);
+    let mask = a.mask.args();
     let dt = qkv.0.dtype();
     let [ql, kl, vl] = qkv_layouts(&shape, heads);
     let ol = btc_layout(&shape, heads);

@@ -10,20 +10,11 @@
 use meshgrad_kernels::ops::AttentionShape;
 
 use super::{
-    Attention, AttentionBackward, AttentionOutput, AttentionQkv, AttentionQkvBackward, Grads,
+    Attention, AttentionBackward, AttentionOutput, AttentionQkv, AttentionQkvBackward, Grads, Mask,
 };
 use crate::ops::compute_dtype;
 use crate::ops::fallback::{replace, widen};
 use crate::{DType, Result, Tensor};
-
-/// The padding mask and bias of one call, as the tensor op resolved them.
-#[derive(Clone, Copy, Default)]
-struct MaskParts<'a> {
-    /// Integer `[B, Tk]` (nonzero = attend), `B` the leading batch dim of q (1 without one).
-    pub key_padding: Option<&'a Tensor>,
-    /// The bias in q's dtype with the scores' rank, broadcastable to `[batch.., Tq, Tk]`.
-    pub bias: Option<&'a Tensor>,
-}
 
 /// `t` with the elements where `keep` (u8, broadcasting) is 0 set to `-inf`.
 fn hide(t: &Tensor, keep: &Tensor) -> Result<Tensor> {
@@ -32,8 +23,10 @@ fn hide(t: &Tensor, keep: &Tensor) -> Result<Tensor> {
 }
 
 /// The softmax inputs `[batch.., Tq, Tk]` in compute precision for q `[batch.., Tq, D]` and
-/// k `[batch.., Tk, D]`: scaled scores plus bias, `-inf` where a mask hides the key.
-fn scores(q: &Tensor, k: &Tensor, shape: &AttentionShape, mask: MaskParts<'_>) -> Result<Tensor> {
+/// k `[batch.., Tk, D]`: scaled scores plus bias, `-inf` where a mask hides the key. The padding
+/// mask is integer `[B, Tk]` (nonzero = attend), `B` the leading batch dim of q (1 without one);
+/// the bias is in q's dtype with the scores' rank, broadcastable to `[batch.., Tq, Tk]`.
+fn scores(q: &Tensor, k: &Tensor, shape: &AttentionShape, mask: &Mask<&Tensor>) -> Result<Tensor> {
     let (tq, tk) = (shape.seq_q, shape.seq_k);
     let dev = q.device();
     let mut z = widen(q)?
@@ -77,7 +70,7 @@ pub(super) fn forward(a: &Attention<&Tensor>) -> Result<AttentionOutput> {
         let out = q.zeros_like()?;
         return Ok(AttentionOutput { out, lse });
     }
-    let z = scores(q, k, &shape, mask_parts(a.key_padding, a.bias))?;
+    let z = scores(q, k, &shape, &a.mask)?;
     // Shifted by the row max (by 0 for a row that sees no key).
     let m = replace(&z.max(-1, true)?, f64::NEG_INFINITY, 0.0)?;
     let e = z.sub(&m)?.exp()?;
@@ -86,11 +79,6 @@ pub(super) fn forward(a: &Attention<&Tensor>) -> Result<AttentionOutput> {
     let p = e.div(&replace(&l, 0.0, 1.0)?)?;
     let out = p.matmul(&widen(v)?)?.to_dtype(q.dtype())?;
     Ok(AttentionOutput { out, lse })
-}
-
-/// The mask parts of an argument struct's operands.
-fn mask_parts<'a>(key_padding: Option<&'a Tensor>, bias: Option<&'a Tensor>) -> MaskParts<'a> {
-    MaskParts { key_padding, bias }
 }
 
 /// See [`AttentionBackward`] (any batch dims `[batch..]` kept): `(dq, dk, dv)` in q's dtype
@@ -114,7 +102,7 @@ pub(super) fn backward(a: &AttentionBackward<&Tensor>) -> Result<Grads<Tensor>> 
     }
     let (qc, kc, vc) = (widen(q)?, widen(k)?, widen(v)?);
     let (oc, gc) = (widen(out)?, widen(dout)?);
-    let z = scores(q, k, &shape, mask_parts(a.key_padding, a.bias))?;
+    let z = scores(q, k, &shape, &a.mask)?;
     let mut col = lse.dims().to_vec();
     col.push(1);
     let l = replace(&widen(lse)?.reshape(col)?, f64::NEG_INFINITY, 0.0)?;
@@ -160,8 +148,6 @@ pub(super) fn qkv_forward(a: &AttentionQkv<&Tensor>) -> Result<AttentionOutput> 
         q: &q,
         k: &k,
         v: &v,
-        key_padding: a.key_padding,
-        bias: a.bias,
         mask: a.mask,
         shape: a.shape,
     })?;
@@ -186,8 +172,6 @@ pub(super) fn qkv_backward(a: &AttentionQkvBackward<&Tensor>) -> Result<(Tensor,
         out: &o,
         lse: a.lse,
         dout: &g,
-        key_padding: a.key_padding,
-        bias: a.bias,
         mask: a.mask,
         shape: a.shape,
         want_dz: a.want_dz,
@@ -201,7 +185,7 @@ pub(super) fn qkv_backward(a: &AttentionQkvBackward<&Tensor>) -> Result<(Tensor,
 
 #[cfg(test)]
 mod tests {
-    use crate::ops::fallback::testutil::{both, close, rand, CASES};
+    use crate::ops::fallback::testutil::{both, cases, close, rand, CASES};
     use crate::{AttentionMask, DType, Device, Tensor};
 
     /// A `[batch, seq_k]` u8 padding mask: batch entry 0 hides keys 1 and 4, entry 1 (when
@@ -310,12 +294,10 @@ mod tests {
 
     #[test]
     fn attention_qkv_matches_its_composition() {
-        for (dt, rel) in CASES {
-            let (b, t, heads, d) = (2, 6, 2, 4);
-            let c = heads * d;
-            let qkv = rand(&[b, t, 3 * c], 130, dt);
-            let dout = rand(&[b, t, c], 131, dt);
-            let bias = rand(&[heads, t, t], 132, dt);
+        let (b, t, heads, d) = (2, 6, 2, 4);
+        let c = heads * d;
+        for (dt, rel, [qkv, dout, bias]) in cases(130, [&[b, t, 3 * c], &[b, t, c], &[heads, t, t]])
+        {
             for (name, mask) in masks(b, t, &bias) {
                 let what = format!("attention_qkv {dt} {name}");
                 let (a, r) = both(|| {

@@ -4,7 +4,8 @@
 
 use meshgrad_kernels::ops::BiasLayout;
 
-use super::MaskLayout;
+use super::{Mask, MaskLayout};
+use crate::ops::float_only;
 use crate::ops::same_device;
 use crate::{DType, Error, Result, Shape, Tensor};
 
@@ -121,17 +122,17 @@ impl Resolved {
         }
     }
 
-    /// The kernels' view of the mask (heads per batch entry, the bias's layout).
-    pub(super) fn layout(&self) -> MaskLayout {
-        MaskLayout {
-            heads: self.heads,
-            bias: self.bias.as_ref().map(|(_, l, ..)| *l),
+    /// The mask of an argument struct: the operands (contiguous, the bias in q's dtype) and
+    /// the kernels' view of them (heads per batch entry, the bias's layout).
+    pub(super) fn mask(&self) -> Mask<&Tensor> {
+        Mask {
+            key_padding: self.key_padding.as_ref(),
+            bias: self.bias.as_ref().map(|(t, ..)| t),
+            layout: MaskLayout {
+                heads: self.heads,
+                bias: self.bias.as_ref().map(|(_, l, ..)| *l),
+            },
         }
-    }
-
-    /// The bias operand (in q's dtype, contiguous).
-    pub(super) fn bias(&self) -> Option<&Tensor> {
-        self.bias.as_ref().map(|(t, ..)| t)
     }
 }
 
@@ -187,12 +188,7 @@ fn resolve_bias(
     seq_k: usize,
 ) -> Result<(Tensor, BiasLayout, Shape, DType)> {
     same_device(op, q, b)?;
-    if !b.dtype().is_float() {
-        return Err(Error::UnsupportedDType {
-            op: "attention (bias must be a float tensor)",
-            dtype: b.dtype(),
-        });
-    }
+    float_only("attention (bias must be a float tensor)", b)?;
     let mut full = batch.to_vec();
     full.extend([seq_q, seq_k]);
     let fits = b.rank() <= full.len()

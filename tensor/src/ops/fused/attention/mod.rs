@@ -20,11 +20,12 @@ use meshgrad_kernels::ops::{AttentionShape, BiasLayout};
 pub use mask::AttentionMask;
 use mask::{resolve, Resolved};
 
-use super::{fused_paths, run, FusedOp};
+use super::{fused_op, fused_paths, run, FusedOp};
 use crate::backend::api::In;
 use crate::backend::Variant;
+use crate::ops::float_only;
 use crate::ops::same_kind;
-use crate::{Error, Result, Tensor};
+use crate::{Result, Tensor};
 
 /// The mask of one call as the paths read it: `heads` heads per batch entry index both the key
 /// padding mask (a contiguous integer `[batch, seq_k]` operand) and the bias (a contiguous float
@@ -45,8 +46,8 @@ impl<S> Clone for MaskArgs<'_, S> {
 }
 impl<S> Copy for MaskArgs<'_, S> {}
 
-/// The mask's shapes in an argument struct (its operands are the struct's `key_padding` and
-/// `bias` fields).
+/// The mask's shapes in an argument struct (its operands are [`Mask`]'s `key_padding` and
+/// `bias`).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct MaskLayout {
     /// Heads per batch entry (what the padding mask's and the bias's batch index counts).
@@ -55,17 +56,25 @@ pub(crate) struct MaskLayout {
     pub bias: Option<BiasLayout>,
 }
 
-impl MaskLayout {
-    /// The mask of a call whose padding and bias operands are `key_padding` and `bias`.
-    pub(crate) fn args<'a, S>(
-        self,
-        key_padding: Option<In<'a, S>>,
-        bias: Option<In<'a, S>>,
-    ) -> MaskArgs<'a, S> {
+/// The mask of one call in an argument struct, shared by the four attention argument structs:
+/// its operands and their shapes.
+#[derive(Clone, Copy, Debug, FusedArgs)]
+pub(crate) struct Mask<T> {
+    /// The key padding mask, integer `[batch, seq_k]` (`[B, T]` for the qkv form).
+    pub key_padding: Option<T>,
+    /// The additive bias, in q's dtype.
+    pub bias: Option<T>,
+    /// The mask's shapes.
+    pub layout: MaskLayout,
+}
+
+impl<'a, S> Mask<In<'a, S>> {
+    /// The mask as the backend paths read it.
+    pub(crate) fn args(&self) -> MaskArgs<'a, S> {
         MaskArgs {
-            heads: self.heads,
-            key_padding,
-            bias: bias.zip(self.bias),
+            heads: self.layout.heads,
+            key_padding: self.key_padding,
+            bias: self.bias.zip(self.layout.bias),
         }
     }
 }
@@ -105,12 +114,8 @@ pub(crate) struct Attention<T> {
     pub k: T,
     /// The values.
     pub v: T,
-    /// The key padding mask, integer `[batch, seq_k]`.
-    pub key_padding: Option<T>,
-    /// The additive bias, in q's dtype.
-    pub bias: Option<T>,
-    /// The mask's shapes.
-    pub mask: MaskLayout,
+    /// The padding mask and the bias.
+    pub mask: Mask<T>,
     /// Sizes, causality and scale.
     pub shape: AttentionShape,
 }
@@ -132,12 +137,8 @@ pub(crate) struct AttentionBackward<T> {
     pub lse: T,
     /// The gradient of the output.
     pub dout: T,
-    /// The key padding mask, integer `[batch, seq_k]`.
-    pub key_padding: Option<T>,
-    /// The additive bias, in q's dtype.
-    pub bias: Option<T>,
-    /// The mask's shapes.
-    pub mask: MaskLayout,
+    /// The padding mask and the bias.
+    pub mask: Mask<T>,
     /// Sizes, causality and scale.
     pub shape: AttentionShape,
     /// Whether to return the softmax inputs' gradient.
@@ -150,12 +151,8 @@ pub(crate) struct AttentionBackward<T> {
 pub(crate) struct AttentionQkv<T> {
     /// The fused projection, q, k and v side by side.
     pub qkv: T,
-    /// The key padding mask, integer `[B, T]`.
-    pub key_padding: Option<T>,
-    /// The additive bias, in qkv's dtype.
-    pub bias: Option<T>,
-    /// The mask's shapes.
-    pub mask: MaskLayout,
+    /// The padding mask and the bias.
+    pub mask: Mask<T>,
     /// Sizes (`batch_heads = B * heads`), causality and scale.
     pub shape: AttentionShape,
     /// Heads.
@@ -174,12 +171,8 @@ pub(crate) struct AttentionQkvBackward<T> {
     pub lse: T,
     /// The gradient of the output, `[B, T, C]`.
     pub dout: T,
-    /// The key padding mask, integer `[B, T]`.
-    pub key_padding: Option<T>,
-    /// The additive bias, in qkv's dtype.
-    pub bias: Option<T>,
-    /// The mask's shapes.
-    pub mask: MaskLayout,
+    /// The padding mask and the bias.
+    pub mask: Mask<T>,
     /// Sizes, causality and scale.
     pub shape: AttentionShape,
     /// Heads.
@@ -243,21 +236,10 @@ impl FusedOp for AttentionQkv<&Tensor> {
     fused_paths!(qkv_forward);
 }
 
-impl FusedOp for AttentionQkvBackward<&Tensor> {
-    const NAME: &'static str = "attention_qkv_backward";
-    type Out<S> = (S, Option<S>);
-    type Output = (Tensor, Option<Tensor>);
-
-    fn finish<S: Variant>(&self, (dqkv, dz): (S, Option<S>)) -> (Tensor, Option<Tensor>) {
-        let (b, t) = (self.qkv.dims()[0], self.qkv.dims()[1]);
-        (
-            Tensor::from_storage(dqkv.wrap(), self.qkv.shape()),
-            dz.map(|dz| Tensor::from_storage(dz.wrap(), (b, self.heads, t, t))),
-        )
-    }
-
-    fused_paths!(qkv_backward);
-}
+fused_op!(AttentionQkvBackward, "attention_qkv_backward", qkv_backward, |a| (S, Option<S>) => (
+    a.qkv.shape(),
+    (a.qkv.dims()[0], a.heads, a.qkv.dims()[1], a.qkv.dims()[1])
+));
 
 impl Tensor {
     fn attention_shape(
@@ -329,9 +311,7 @@ impl Tensor {
             q: &q,
             k: &k,
             v: &v,
-            key_padding: m.key_padding.as_ref(),
-            bias: m.bias(),
-            mask: m.layout(),
+            mask: m.mask(),
             shape,
         })
     }
@@ -386,9 +366,7 @@ impl Tensor {
             out: &out,
             lse: &lse,
             dout: &dout,
-            key_padding: m.key_padding.as_ref(),
-            bias: m.bias(),
-            mask: m.layout(),
+            mask: m.mask(),
             shape,
             want_dz,
         })?;
@@ -407,12 +385,7 @@ impl Tensor {
                 qkv.shape()
             );
         }
-        if !qkv.dtype().is_float() {
-            return Err(Error::UnsupportedDType {
-                op: "attention_qkv",
-                dtype: qkv.dtype(),
-            });
-        }
+        float_only("attention_qkv", qkv)?;
         let (b, t, c3) = (qkv.dims()[0], qkv.dims()[1], qkv.dims()[2]);
         Ok(AttentionShape {
             batch_heads: b * heads,
@@ -443,9 +416,7 @@ impl Tensor {
         let x = self.contiguous()?;
         run(&AttentionQkv {
             qkv: &x,
-            key_padding: m.key_padding.as_ref(),
-            bias: m.bias(),
-            mask: m.layout(),
+            mask: m.mask(),
             shape,
             heads,
         })
@@ -489,9 +460,7 @@ impl Tensor {
             out: &o,
             lse: &l,
             dout: &d,
-            key_padding: m.key_padding.as_ref(),
-            bias: m.bias(),
-            mask: m.layout(),
+            mask: m.mask(),
             shape,
             heads,
             want_dz,

@@ -1,5 +1,5 @@
 //! Cross-entropy on CUDA, forward and backward: the kernels `cross_entropy_fused_<t>` and
-//! `cross_entropy_bwd_<t>` of `kernels/cuda/classifier.cu`, with `ignore_index`.
+//! `cross_entropy_bwd_<t>` of `kernels/cuda/cross_entropy.cu`, with `ignore_index`.
 //!
 //! Logits f32, bf16 or f16 (computed in f32); f64 is not provided (`Ok(None)`: the composed
 //! fallback runs). The
@@ -45,7 +45,7 @@ pub(crate) fn ce_fwd_launch(
     args.extend(ignore_args(ignore_index));
     args.push(Arg::Ptr(bad));
     Launch {
-        file: "classifier.cu",
+        file: "cross_entropy.cu",
         entry: format!("cross_entropy_fused_{t}"),
         grid: row_grid(rows),
         block: BLOCK_1D,
@@ -66,7 +66,7 @@ pub(crate) fn ce_bwd_launch(
     let mut args = args![ptr logits, ptr lse, ptr targets, ptr dloss, f32 0.0, ptr dlogits, size rows, size cols].to_vec();
     args.extend(ignore_args(ignore_index));
     Launch {
-        file: "classifier.cu",
+        file: "cross_entropy.cu",
         entry: format!("cross_entropy_bwd_{t}"),
         grid: flat_grid(rows * cols),
         block: BLOCK_1D,

@@ -3,7 +3,7 @@
 //! (`cpu.rs`, `cuda.rs`, `fallback.rs`) and the tensor ops [`Tensor::cross_entropy_rows`] and
 //! [`Tensor::cross_entropy_backward`]. The CPU kernels are
 //! `meshgrad_kernels::cpu::cross_entropy`, the CUDA ones `cross_entropy_fused_<t>` /
-//! `cross_entropy_bwd_<t>` of `kernels/cuda/classifier.cu`; the autograd rule is
+//! `cross_entropy_bwd_<t>` of `kernels/cuda/cross_entropy.cu`; the autograd rule is
 //! `Var::cross_entropy`.
 
 mod cpu;
@@ -11,8 +11,7 @@ mod cpu;
 pub(crate) mod cuda;
 mod fallback;
 
-use super::{fused_op, fused_paths, run, FusedOp};
-use crate::backend::Variant;
+use super::{fused_op, run};
 use crate::ops::same_device;
 use crate::{Error, Result, Tensor};
 use meshgrad_derive::FusedArgs;
@@ -56,20 +55,10 @@ pub(crate) struct CrossEntropyBackward<T> {
     pub ignore_index: Option<i64>,
 }
 
-impl FusedOp for CrossEntropy<&Tensor> {
-    const NAME: &'static str = "cross_entropy";
-    type Out<S> = (S, S);
-    type Output = (Tensor, Tensor);
-
-    fn finish<S: Variant>(&self, (loss, lse): (S, S)) -> (Tensor, Tensor) {
-        (
-            Tensor::from_storage(loss.wrap(), self.targets.shape()),
-            Tensor::from_storage(lse.wrap(), self.targets.shape()),
-        )
-    }
-
-    fused_paths!(forward);
-}
+fused_op!(CrossEntropy, "cross_entropy", forward, |a| (S, S) => (
+    a.targets.shape(),
+    a.targets.shape()
+));
 
 fused_op!(
     CrossEntropyBackward,

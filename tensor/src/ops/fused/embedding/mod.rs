@@ -85,11 +85,11 @@ impl Tensor {
         same_device("embedding_backward", self, ids)?;
         let dim = *self.dims().last().unwrap_or(&0);
         if self.elem_count() != ids.elem_count() * dim {
-            return Err(Error::ShapeMismatch {
-                op: "embedding_backward",
-                lhs: self.shape().clone(),
-                rhs: ids.shape().clone(),
-            });
+            return Err(Error::shape_mismatch(
+                "embedding_backward",
+                self.shape(),
+                ids.shape(),
+            ));
         }
         let (d, i) = (self.contiguous()?, ids.contiguous()?);
         run(&EmbeddingBackward {

@@ -2,7 +2,7 @@
 //! [`GeluBackward`], its paths (`cpu.rs`, `cuda.rs`, `fallback.rs`) and the tensor op
 //! [`Tensor::gelu_backward`]. The forward, [`Tensor::gelu`], is the basic unary op. The CPU kernel
 //! is `meshgrad_kernels::cpu::elementwise::gelu_backward`, the CUDA one `gelu_bwd_<t>` of
-//! `kernels/cuda/activations.cu`; the autograd rule is `Var::gelu`.
+//! `kernels/cuda/gelu.cu`; the autograd rule is `Var::gelu`.
 
 mod cpu;
 #[cfg(feature = "cuda")]
@@ -33,11 +33,11 @@ impl Tensor {
         let _prof = crate::profile::scope("gelu_backward");
         same_kind("gelu_backward", self, dy)?;
         if self.shape() != dy.shape() {
-            return Err(crate::Error::ShapeMismatch {
-                op: "gelu_backward",
-                lhs: self.shape().clone(),
-                rhs: dy.shape().clone(),
-            });
+            return Err(crate::Error::shape_mismatch(
+                "gelu_backward",
+                self.shape(),
+                dy.shape(),
+            ));
         }
         let (x, dy) = (self.contiguous()?, dy.contiguous()?);
         run(&GeluBackward {

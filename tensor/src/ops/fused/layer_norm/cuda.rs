@@ -1,5 +1,5 @@
 //! Layer norm on CUDA, forward and backward: the kernels `layer_norm_fwd_<t>` and
-//! `layer_norm_bwd_<t>` of `kernels/cuda/norms.cu`, with the helpers the norms share
+//! `layer_norm_bwd_<t>` of `kernels/cuda/layer_norm.cu`, with the helpers the norms share
 //! (`cuda_backend/fused/norm_partials.rs`: kernel dtype of mixed operands, statistics of empty rows, the
 //! parameter-gradient partial sums).
 //!
@@ -27,6 +27,7 @@ pub(crate) fn layer_norm_fwd_launch(
     eps: f64,
 ) -> Launch {
     norm_launch(
+        "layer_norm.cu",
         format!("layer_norm_fwd_{t}"),
         &p,
         rows,
@@ -47,6 +48,7 @@ pub(crate) fn layer_norm_bwd_launch(
     blocks: usize,
 ) -> Launch {
     norm_launch(
+        "layer_norm.cu",
         format!("layer_norm_bwd_{t}"),
         &p,
         rows,

@@ -2,7 +2,7 @@
 //! the fused paths.
 
 use super::{Grads, LayerNorm, LayerNormBackward, LayerNormOutput};
-use crate::ops::fallback::{column, row_sum, widen};
+use crate::ops::fallback::{column, norm_input_grad, row_sum, widen};
 use crate::{Result, Tensor};
 
 /// See [`LayerNorm`]: `y = (x - mean) rstd · w + b` with `mean`, `rstd` (shape `[rows]`) in
@@ -39,18 +39,7 @@ pub(super) fn backward(a: &LayerNormBackward<&Tensor>) -> Result<Grads<Tensor>> 
     let dyc = widen(dy)?.reshape((rows, cols))?;
     let rs = column(rstd, rows)?;
     let xhat = xc.sub(&column(mean, rows)?)?.mul(&rs)?;
-    let dx = if x.elem_count() == 0 {
-        x.zeros_like()?
-    } else {
-        let g = match w {
-            Some(w) => dyc.mul(&widen(w)?)?,
-            None => dyc.clone(),
-        };
-        let g_mean = g.mean(&[-1], true)?;
-        let gx_mean = g.mul(&xhat)?.mean(&[-1], true)?;
-        let dx = g.sub(&g_mean)?.sub(&xhat.mul(&gx_mean)?)?.mul(&rs)?;
-        dx.to_dtype(x.dtype())?.reshape(x.shape().clone())?
-    };
+    let dx = norm_input_grad(x, w, [&dyc, &xhat, &rs], true)?;
     if !param_grads {
         return Ok((dx, None, None));
     }
@@ -61,14 +50,11 @@ pub(super) fn backward(a: &LayerNormBackward<&Tensor>) -> Result<Grads<Tensor>> 
 
 #[cfg(test)]
 mod tests {
-    use crate::ops::fallback::testutil::{both, close, rand, CASES};
+    use crate::ops::fallback::testutil::{both, cases, close};
 
     #[test]
     fn layer_norm_matches_its_composition() {
-        for (dt, rel) in CASES {
-            let x = rand(&[4, 6, 33], 2, dt);
-            let w = rand(&[33], 3, dt);
-            let b = rand(&[33], 4, dt);
+        for (dt, rel, [x, w, b]) in cases(2, [&[4, 6, 33], &[33], &[33]]) {
             for affine in [false, true] {
                 let (wo, bo) = if affine {
                     (Some(&w), Some(&b))
@@ -86,10 +72,7 @@ mod tests {
 
     #[test]
     fn layer_norm_backward_matches_its_composition() {
-        for (dt, rel) in CASES {
-            let x = rand(&[4, 6, 33], 20, dt);
-            let w = rand(&[33], 21, dt);
-            let dy = rand(&[4, 6, 33], 22, dt);
+        for (dt, rel, [x, w, dy]) in cases(20, [&[4, 6, 33], &[33], &[4, 6, 33]]) {
             for wo in [None, Some(&w)] {
                 let fwd = x.layer_norm(wo, None, 1e-5).unwrap();
                 let (a, c) = both(|| {

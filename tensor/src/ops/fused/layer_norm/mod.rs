@@ -2,7 +2,7 @@
 //! structs [`LayerNorm`] and [`LayerNormBackward`], their paths (`cpu.rs`, `cuda.rs`,
 //! `fallback.rs`) and the tensor ops [`Tensor::layer_norm`] and [`Tensor::layer_norm_backward`].
 //! The CPU kernels are `meshgrad_kernels::cpu::layer_norm`, the CUDA ones `layer_norm_fwd_<t>` /
-//! `layer_norm_bwd_<t>` of `kernels/cuda/norms.cu`; the autograd rule is `Var::layer_norm`.
+//! `layer_norm_bwd_<t>` of `kernels/cuda/layer_norm.cu`; the autograd rule is `Var::layer_norm`.
 
 mod cpu;
 #[cfg(feature = "cuda")]
@@ -117,11 +117,11 @@ impl Tensor {
         for p in [weight, bias].into_iter().flatten() {
             same_device("layer_norm", self, p)?;
             if p.dims() != [cols] {
-                return Err(Error::ShapeMismatch {
-                    op: "layer_norm (weight/bias vs last dim)",
-                    lhs: self.shape().clone(),
-                    rhs: p.shape().clone(),
-                });
+                return Err(Error::shape_mismatch(
+                    "layer_norm (weight/bias vs last dim)",
+                    self.shape(),
+                    p.shape(),
+                ));
             }
         }
         let x = self.contiguous()?;

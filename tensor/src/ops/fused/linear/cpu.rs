@@ -5,7 +5,7 @@
 use meshgrad_kernels::cpu;
 use meshgrad_kernels::ops::MatrixLayout;
 
-use super::Linear;
+use super::{Linear, LinearGelu};
 use crate::cpu_backend::{entire, floats, pick, range, with_floats, Floats, IntoStorage};
 use crate::ops::fused::CpuIn;
 use crate::storage::CpuStorage;
@@ -43,4 +43,11 @@ pub(super) fn forward(a: &Linear<CpuIn<'_>>) -> Result<CpuStorage> {
             out.into_storage(dt)
         }),
     )
+}
+
+/// See [`LinearGelu`]: not provided, the composition runs `linear` then `gelu`, which is what an
+/// unfused model computes, so fusing changes no bit of a CPU run (and a CPU kernel would save
+/// only one elementwise pass over the output).
+pub(super) fn gelu(_a: &LinearGelu<CpuIn<'_>>) -> Result<Option<(CpuStorage, CpuStorage)>> {
+    Ok(None)
 }

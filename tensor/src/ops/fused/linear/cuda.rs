@@ -14,5 +14,6 @@ pub(super) fn forward(a: &Linear<CudaIn<'_>>) -> Result<Option<CudaStorage>> {
 
 /// See [`LinearGelu`] and `blas::linear_gelu`.
 pub(super) fn gelu(a: &LinearGelu<CudaIn<'_>>) -> Result<Option<(CudaStorage, CudaStorage)>> {
-    blas::linear_gelu(a.x.0, a.w.0, a.bias, &a.p, a.tanh_form)
+    let l = &a.lin;
+    blas::linear_gelu(l.x.0, l.w.0, l.bias, &l.p, a.tanh_form)
 }

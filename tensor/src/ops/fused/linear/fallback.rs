@@ -16,7 +16,8 @@ pub(super) fn forward(a: &Linear<&Tensor>) -> Result<Tensor> {
 
 /// See [`LinearGelu`]: [`Tensor::linear`] (fused where the backend provides it), then GELU.
 pub(super) fn gelu(a: &LinearGelu<&Tensor>) -> Result<(Tensor, Tensor)> {
-    let pre = a.x.linear(a.w, a.bias)?.reshape(a.out_dims.clone())?;
+    let l = &a.lin;
+    let pre = l.x.linear(l.w, l.bias)?.reshape(l.out_dims.clone())?;
     let kind = if a.tanh_form {
         GeluKind::Tanh
     } else {
@@ -27,16 +28,14 @@ pub(super) fn gelu(a: &LinearGelu<&Tensor>) -> Result<(Tensor, Tensor)> {
 
 #[cfg(test)]
 mod tests {
-    use crate::ops::fallback::testutil::{both, close, rand, CASES};
+    use crate::ops::fallback::testutil::{both, cases, close};
 
     #[test]
     fn linear_matches_its_composition() {
-        for (dt, rel) in CASES {
-            let x = rand(&[2, 5, 24], 15, dt);
-            let w = rand(&[7, 24], 16, dt);
-            let b = rand(&[7], 17, dt);
+        let shapes: [&[usize]; 4] = [&[2, 5, 24], &[7, 24], &[7], &[24, 7]];
+        for (dt, rel, [x, w, b, wt]) in cases(15, shapes) {
             // A transposed weight view too (the fused op reads it through its strides).
-            let wt = rand(&[24, 7], 18, dt).t().unwrap();
+            let wt = wt.t().unwrap();
             for (w, bias) in [(&w, None), (&w, Some(&b)), (&wt, Some(&b))] {
                 let (a, c) = both(|| x.linear(w, bias).unwrap());
                 close(&format!("linear {dt} bias={}", bias.is_some()), &a, &c, rel);

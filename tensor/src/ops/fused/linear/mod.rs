@@ -13,14 +13,10 @@ mod fallback;
 use meshgrad_derive::FusedArgs;
 use meshgrad_kernels::ops::MatrixLayout;
 
-#[cfg(feature = "cuda")]
-use super::CudaIn;
-use super::{fused_op, run, CpuIn, FusedOp};
-use crate::backend::{Product, Variant};
-#[cfg(feature = "cuda")]
-use crate::cuda_backend::CudaStorage;
+use super::{fused_op, run};
+use crate::backend::Product;
+use crate::ops::float_only;
 use crate::ops::same_kind;
-use crate::storage::CpuStorage;
 use crate::{Error, GeluKind, Result, Tensor};
 
 /// `x Wᵀ + bias` as one product: `x` (`[m, k]`, read through `p.al`), `W` (read as the `k × n`
@@ -44,50 +40,18 @@ pub(crate) struct Linear<T> {
 /// and shaped `out_dims`. `tanh_form`: the tanh approximation (else the erf form).
 #[derive(Clone, Debug, FusedArgs)]
 pub(crate) struct LinearGelu<T> {
-    /// The input.
-    pub x: T,
-    /// The weight.
-    pub w: T,
-    /// The optional bias.
-    pub bias: Option<T>,
-    /// The product.
-    pub p: Product,
-    /// The output's dims (`[..., n]`).
-    pub out_dims: Vec<usize>,
+    /// The product and its bias.
+    pub lin: Linear<T>,
     /// Whether GELU is the tanh approximation (else the erf form).
     pub tanh_form: bool,
 }
 
 fused_op!(Linear, "linear", forward, |a| a.out_dims.clone());
 
-impl FusedOp for LinearGelu<&Tensor> {
-    const NAME: &'static str = "linear_gelu";
-    type Out<S> = (S, S);
-    type Output = (Tensor, Tensor);
-
-    fn finish<S: Variant>(&self, (y, pre): (S, S)) -> (Tensor, Tensor) {
-        (
-            Tensor::from_storage(y.wrap(), self.out_dims.clone()),
-            Tensor::from_storage(pre.wrap(), self.out_dims.clone()),
-        )
-    }
-
-    /// Not provided: the composition runs `linear` then `gelu`, which is what an unfused model
-    /// computes, so fusing changes no bit of a CPU run (and a CPU kernel would save only one
-    /// elementwise pass over the output).
-    fn cpu(_args: &mut LinearGelu<CpuIn<'_>>) -> Result<Option<(CpuStorage, CpuStorage)>> {
-        Ok(None)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda(args: &mut LinearGelu<CudaIn<'_>>) -> Result<Option<(CudaStorage, CudaStorage)>> {
-        cuda::gelu(args)
-    }
-
-    fn fallback(&self) -> Result<(Tensor, Tensor)> {
-        fallback::gelu(self)
-    }
-}
+fused_op!(LinearGelu, "linear_gelu", gelu, |a| (S, S) => (
+    a.lin.out_dims.clone(),
+    a.lin.out_dims.clone()
+));
 
 /// The operands of one [`Tensor::linear`] (or [`Tensor::linear_gelu`]) as its argument struct
 /// takes them: the input folded to `[rows, in]`, the bias made contiguous, the product (the
@@ -189,18 +153,15 @@ impl Tensor {
     ) -> Result<(Tensor, Tensor)> {
         let _prof = crate::profile::scope("linear_gelu");
         let a = Prepared::new("linear_gelu", self, weight, bias)?;
-        if !a.x.dtype().is_float() {
-            return Err(Error::UnsupportedDType {
-                op: "linear_gelu",
-                dtype: a.x.dtype(),
-            });
-        }
+        float_only("linear_gelu", &a.x)?;
         run(&LinearGelu {
-            x: &a.x,
-            w: weight,
-            bias: a.bias.as_ref(),
-            p: a.p,
-            out_dims: a.out_dims,
+            lin: Linear {
+                x: &a.x,
+                w: weight,
+                bias: a.bias.as_ref(),
+                p: a.p,
+                out_dims: a.out_dims,
+            },
             tanh_form: kind == GeluKind::Tanh,
         })
     }

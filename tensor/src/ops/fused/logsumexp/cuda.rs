@@ -1,6 +1,6 @@
 //! Log-sum-exp on CUDA: the kernels `logsumexp_lastdim_<t>` and `logsumexp_strided_<t>` of
-//! `kernels/cuda/reduce.cu`. f32, bf16 and f16 (computed in f32) and f64 (computed in f64):
-//! reduce.cu instantiates log-sum-exp with the basic kernels' dtypes.
+//! `kernels/cuda/logsumexp.cu`. f32, bf16 and f16 (computed in f32) and f64 (computed in f64):
+//! logsumexp.cu instantiates log-sum-exp with the basic kernels' dtypes.
 
 use super::Logsumexp;
 use crate::cuda_backend::basic::basic_sfx;
@@ -32,7 +32,7 @@ pub(crate) fn logsumexp_launch(
     let mut args = args![ptr x, ptr out].to_vec();
     args.extend(sizes);
     Launch {
-        file: "reduce.cu",
+        file: "logsumexp.cu",
         entry: format!("logsumexp_{kind}_{t}"),
         grid,
         block: BLOCK_1D,
@@ -41,7 +41,7 @@ pub(crate) fn logsumexp_launch(
     }
 }
 
-/// See [`Logsumexp`]: the result in the input's dtype; `Ok(None)` for a dtype reduce.cu does
+/// See [`Logsumexp`]: the result in the input's dtype; `Ok(None)` for a dtype logsumexp.cu does
 /// not instantiate.
 pub(super) fn forward(a: &Logsumexp<CudaIn<'_>>) -> Result<Option<CudaStorage>> {
     let (x, outer, red, inner) = (a.x, a.outer, a.red, a.inner);

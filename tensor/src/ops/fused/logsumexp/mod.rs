@@ -1,7 +1,7 @@
 //! Log-sum-exp over one dim: the argument struct [`Logsumexp`], its paths (`cpu.rs`, `cuda.rs`,
 //! `fallback.rs`) and the tensor op [`Tensor::logsumexp`]. The CPU kernel is
 //! `meshgrad_kernels::cpu::logsumexp`, the CUDA ones `logsumexp_lastdim_<t>` /
-//! `logsumexp_strided_<t>` of `kernels/cuda/reduce.cu`; the autograd rule is `Var::logsumexp`.
+//! `logsumexp_strided_<t>` of `kernels/cuda/logsumexp.cu`; the autograd rule is `Var::logsumexp`.
 
 mod cpu;
 #[cfg(feature = "cuda")]
@@ -9,7 +9,8 @@ pub(crate) mod cuda;
 mod fallback;
 
 use super::{fused_op, run};
-use crate::{Error, Result, Shape, Tensor};
+use crate::ops::float_only;
+use crate::{Result, Shape, Tensor};
 use meshgrad_derive::FusedArgs;
 
 /// `ln Σ exp(x)` over the middle dim of `x` viewed as `[outer, red, inner]`, shaped `out` (the
@@ -38,12 +39,7 @@ impl Tensor {
     pub fn logsumexp(&self, dim: isize, keepdim: bool) -> Result<Tensor> {
         let _prof = crate::profile::scope("logsumexp");
         let d = self.dim("logsumexp", dim)?;
-        if !self.dtype().is_float() {
-            return Err(Error::UnsupportedDType {
-                op: "logsumexp",
-                dtype: self.dtype(),
-            });
-        }
+        float_only("logsumexp", self)?;
         let dims = self.dims();
         let mut out = dims.to_vec();
         if keepdim {

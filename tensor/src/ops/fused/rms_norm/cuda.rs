@@ -1,5 +1,5 @@
 //! RMSNorm on CUDA, forward and backward: the kernels `rms_norm_fwd_<t>` and `rms_norm_bwd_<t>`
-//! of `kernels/cuda/norms.cu`, with the helpers the norms share (`cuda_backend/fused/norm_partials.rs`:
+//! of `kernels/cuda/rms_norm.cu`, with the helpers the norms share (`cuda_backend/fused/norm_partials.rs`:
 //! kernel dtype of mixed operands, statistics of empty rows, the weight-gradient partial sums).
 //!
 //! Dtypes: f32, bf16 and f16 data (computed in f32); f64 is not provided (`Ok(None)`: the
@@ -24,6 +24,7 @@ pub(crate) fn rms_norm_fwd_launch(
     eps: f64,
 ) -> Launch {
     norm_launch(
+        "rms_norm.cu",
         format!("rms_norm_fwd_{t}"),
         &p,
         rows,
@@ -43,6 +44,7 @@ pub(crate) fn rms_norm_bwd_launch(
     blocks: usize,
 ) -> Launch {
     norm_launch(
+        "rms_norm.cu",
         format!("rms_norm_bwd_{t}"),
         &p,
         rows,

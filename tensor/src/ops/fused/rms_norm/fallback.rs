@@ -2,7 +2,7 @@
 //! fused paths.
 
 use super::{RmsNorm, RmsNormBackward, RmsNormOutput};
-use crate::ops::fallback::{column, row_sum, widen};
+use crate::ops::fallback::{column, norm_input_grad, row_sum, widen};
 use crate::{Result, Tensor};
 
 /// See [`RmsNorm`]: `y = x rstd · w` with `rstd = 1/sqrt(mean(x²) + eps)`, computed in compute
@@ -32,17 +32,7 @@ pub(super) fn backward(a: &RmsNormBackward<&Tensor>) -> Result<(Tensor, Option<T
     let dyc = widen(dy)?.reshape((rows, cols))?;
     let rs = column(rstd, rows)?;
     let xhat = xc.mul(&rs)?;
-    let dx = if x.elem_count() == 0 {
-        x.zeros_like()?
-    } else {
-        let g = match w {
-            Some(w) => dyc.mul(&widen(w)?)?,
-            None => dyc.clone(),
-        };
-        let gx_mean = g.mul(&xhat)?.mean(&[-1], true)?;
-        let dx = g.sub(&xhat.mul(&gx_mean)?)?.mul(&rs)?;
-        dx.to_dtype(x.dtype())?.reshape(x.shape().clone())?
-    };
+    let dx = norm_input_grad(x, w, [&dyc, &xhat, &rs], false)?;
     let dw = if weight_grad {
         Some(row_sum(&dyc.mul(&xhat)?, cols, wdt)?)
     } else {
@@ -53,13 +43,11 @@ pub(super) fn backward(a: &RmsNormBackward<&Tensor>) -> Result<(Tensor, Option<T
 
 #[cfg(test)]
 mod tests {
-    use crate::ops::fallback::testutil::{both, close, rand, CASES};
+    use crate::ops::fallback::testutil::{both, cases, close};
 
     #[test]
     fn rms_norm_matches_its_composition() {
-        for (dt, rel) in CASES {
-            let x = rand(&[5, 40], 5, dt);
-            let w = rand(&[40], 6, dt);
+        for (dt, rel, [x, w]) in cases(5, [&[5, 40], &[40]]) {
             for wo in [None, Some(&w)] {
                 let (a, c) = both(|| x.rms_norm(wo, 1e-6).unwrap());
                 let what = format!("rms_norm {dt} weight={}", wo.is_some());
@@ -71,10 +59,7 @@ mod tests {
 
     #[test]
     fn rms_norm_backward_matches_its_composition() {
-        for (dt, rel) in CASES {
-            let x = rand(&[3, 5, 40], 23, dt);
-            let w = rand(&[40], 24, dt);
-            let dy = rand(&[3, 5, 40], 25, dt);
+        for (dt, rel, [x, w, dy]) in cases(23, [&[3, 5, 40], &[40], &[3, 5, 40]]) {
             for (wo, wg) in [(None, false), (Some(&w), false), (Some(&w), true)] {
                 let fwd = x.rms_norm(wo, 1e-6).unwrap();
                 let (a, c) = both(|| x.rms_norm_backward(wo, &fwd.rstd, &dy, wg).unwrap());

@@ -2,15 +2,16 @@
 //! [`RmsNorm`] and [`RmsNormBackward`], their paths (`cpu.rs`, `cuda.rs`, `fallback.rs`) and the
 //! tensor ops [`Tensor::rms_norm`] and [`Tensor::rms_norm_backward`]. The CPU kernels are
 //! `meshgrad_kernels::cpu::rms_norm`, the CUDA ones `rms_norm_fwd_<t>` / `rms_norm_bwd_<t>` of
-//! `kernels/cuda/norms.cu`; the autograd rule is `Var::rms_norm`.
+//! `kernels/cuda/rms_norm.cu`; the autograd rule is `Var::rms_norm`.
 
 mod cpu;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
 mod fallback;
 
-use super::{fused_paths, rows_cols, run, FusedOp};
+use super::{fused_op, fused_paths, rows_cols, run, FusedOp};
 use crate::backend::Variant;
+use crate::ops::float_only;
 use crate::ops::{same_device, same_kind};
 use crate::{Error, Result, Tensor};
 use meshgrad_derive::FusedArgs;
@@ -78,37 +79,18 @@ impl FusedOp for RmsNorm<&Tensor> {
     fused_paths!(forward);
 }
 
-impl FusedOp for RmsNormBackward<&Tensor> {
-    const NAME: &'static str = "rms_norm_backward";
-    type Out<S> = (S, Option<S>);
-    type Output = (Tensor, Option<Tensor>);
-
-    fn finish<S: Variant>(&self, (dx, dw): (S, Option<S>)) -> (Tensor, Option<Tensor>) {
-        (
-            Tensor::from_storage(dx.wrap(), self.x.shape()),
-            dw.map(|s| Tensor::from_storage(s.wrap(), self.cols)),
-        )
-    }
-
-    fused_paths!(backward);
-}
+fused_op!(RmsNormBackward, "rms_norm_backward", backward, |a| (S, Option<S>) => (
+    a.x.shape(),
+    a.cols
+));
 
 /// Checks the optional weight against the input's last dim.
 fn check_weight(op: &'static str, x: &Tensor, weight: Option<&Tensor>) -> Result<()> {
     if let Some(w) = weight {
         same_device(op, x, w)?;
-        if !w.dtype().is_float() {
-            return Err(Error::UnsupportedDType {
-                op,
-                dtype: w.dtype(),
-            });
-        }
+        float_only(op, w)?;
         if w.dims() != [rows_cols(x).1] || x.rank() == 0 {
-            return Err(Error::ShapeMismatch {
-                op,
-                lhs: x.shape().clone(),
-                rhs: w.shape().clone(),
-            });
+            return Err(Error::shape_mismatch(op, x.shape(), w.shape()));
         }
     }
     Ok(())
@@ -127,12 +109,7 @@ impl Tensor {
                 self.shape()
             );
         }
-        if !self.dtype().is_float() {
-            return Err(Error::UnsupportedDType {
-                op: "rms_norm",
-                dtype: self.dtype(),
-            });
-        }
+        float_only("rms_norm", self)?;
         check_weight("rms_norm (weight vs last dim)", self, weight)?;
         let (rows, cols) = rows_cols(self);
         let x = self.contiguous()?;

@@ -31,13 +31,12 @@ pub(super) fn rotary(a: &Rotary<&Tensor>) -> Result<Tensor> {
 
 #[cfg(test)]
 mod tests {
-    use crate::ops::fallback::testutil::{both, close, rand, CASES};
+    use crate::ops::fallback::testutil::{both, cases, close};
     use crate::{Device, Tensor};
 
     #[test]
     fn rotary_embedding_matches_its_composition() {
-        for (dt, rel) in CASES {
-            let x = rand(&[2, 5, 3, 8], 31, dt);
+        for (dt, rel, [x]) in cases(31, [&[2, 5, 3, 8]]) {
             // Unordered, repeated and negative positions, and a large one.
             let p = Tensor::from_vec(vec![0i64, 7, 3, -2, 4096], 5, Device::Cpu).unwrap();
             for theta in [10_000.0, 500_000.0] {

@@ -10,6 +10,7 @@ pub(crate) mod cuda;
 mod fallback;
 
 use super::{fused_op, run};
+use crate::ops::float_only;
 use crate::ops::same_device;
 use crate::{Error, Result, Tensor};
 use meshgrad_derive::FusedArgs;
@@ -36,12 +37,7 @@ fused_op!(Rotary, "rotary_embedding", rotary, |a| a.x.shape());
 impl Tensor {
     fn rotary_dims(&self, positions: &Tensor, theta: f64, op: &'static str) -> Result<[usize; 4]> {
         same_device(op, self, positions)?;
-        if !self.dtype().is_float() {
-            return Err(Error::UnsupportedDType {
-                op,
-                dtype: self.dtype(),
-            });
-        }
+        float_only(op, self)?;
         if !positions.dtype().is_int() {
             return Err(Error::UnsupportedDType {
                 op: "rotary_embedding (positions must be integers)",

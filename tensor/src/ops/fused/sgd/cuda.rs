@@ -1,5 +1,5 @@
 //! SGD with momentum on CUDA, in place: the kernel `sgd_grad_<g>` of
-//! `kernels/cuda/optimizer.cu`. Provided as AdamW's (`adamw/cuda.rs`): f32 parameter and
+//! `kernels/cuda/sgd.cu`. Provided as AdamW's (`adamw/cuda.rs`): f32 parameter and
 //! momentum buffer with contiguous views, gradient f32 / bf16 / f16; `Ok(None)` otherwise.
 
 use super::Sgd;
@@ -29,7 +29,7 @@ pub(crate) fn sgd_launch(
         Arg::I32(first_step as i32),
     ]);
     Launch {
-        file: "optimizer.cu",
+        file: "sgd.cu",
         entry: format!("sgd_grad_{g}"),
         grid: flat_grid(n),
         block: BLOCK_1D,

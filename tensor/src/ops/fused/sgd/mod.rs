@@ -1,7 +1,7 @@
 //! One SGD-with-momentum step in place: the argument struct [`Sgd`], its paths (`cpu.rs`,
 //! `cuda.rs`, `fallback.rs`) and the tensor op [`Tensor::sgd_step_`]. The CPU kernel is
 //! `meshgrad_kernels::cpu::sgd::sgd_step`, the CUDA one `sgd_grad_<g>` of
-//! `kernels/cuda/optimizer.cu`.
+//! `kernels/cuda/sgd.cu`.
 
 mod cpu;
 #[cfg(feature = "cuda")]
@@ -10,8 +10,7 @@ mod fallback;
 
 use meshgrad_derive::FusedArgs;
 
-use super::{fused_paths, run, FusedOp};
-use crate::backend::Variant;
+use super::{fused_op, run};
 use crate::{Result, Tensor};
 
 /// One SGD-with-momentum step (PyTorch semantics) from `grad` on `param` and its momentum
@@ -35,15 +34,7 @@ pub(crate) struct Sgd<T, W> {
     pub first_step: bool,
 }
 
-impl FusedOp for Sgd<&Tensor, &Tensor> {
-    const NAME: &'static str = "sgd_step";
-    type Out<S> = ();
-    type Output = ();
-
-    fn finish<S: Variant>(&self, (): ()) {}
-
-    fused_paths!(step);
-}
+fused_op!(Sgd<_, _>, "sgd_step", step, in_place);
 
 impl Tensor {
     /// One SGD-with-momentum step in place (PyTorch semantics, see the kernel).

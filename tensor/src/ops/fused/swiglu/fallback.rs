@@ -28,14 +28,12 @@ pub(super) fn backward(
 
 #[cfg(test)]
 mod tests {
-    use crate::ops::fallback::testutil::{both, close, rand, CASES};
+    use crate::ops::fallback::testutil::{both, cases, close};
     use crate::Tensor;
 
     #[test]
     fn swiglu_matches_its_composition() {
-        for (dt, rel) in CASES {
-            let g = rand(&[3, 50], 9, dt);
-            let u = rand(&[3, 50], 10, dt);
+        for (dt, rel, [g, u]) in cases(9, [&[3, 50], &[3, 50]]) {
             let (a, c) = both(|| Tensor::swiglu(&g, &u).unwrap());
             close(&format!("swiglu {dt}"), &a, &c, rel);
         }
@@ -43,10 +41,7 @@ mod tests {
 
     #[test]
     fn swiglu_backward_matches_its_composition() {
-        for (dt, rel) in CASES {
-            let g = rand(&[3, 50], 28, dt);
-            let u = rand(&[3, 50], 29, dt);
-            let dy = rand(&[3, 50], 30, dt);
+        for (dt, rel, [g, u, dy]) in cases(28, [&[3, 50], &[3, 50], &[3, 50]]) {
             let (a, c) = both(|| Tensor::swiglu_backward(&g, &u, &dy).unwrap());
             close(&format!("swiglu_backward {dt} dgate"), &a.0, &c.0, rel);
             close(&format!("swiglu_backward {dt} dup"), &a.1, &c.1, rel);

@@ -2,15 +2,15 @@
 //! [`Swiglu`] and [`SwigluBackward`], their paths (`cpu.rs`, `cuda.rs`, `fallback.rs`) and the
 //! tensor ops [`Tensor::swiglu`] and [`Tensor::swiglu_backward`]. The CPU kernels are
 //! `meshgrad_kernels::cpu::swiglu`, the CUDA ones `swiglu_fwd_<t>` / `swiglu_bwd_<t>` of
-//! `kernels/cuda/activations.cu`; the autograd rule is `Var::swiglu`.
+//! `kernels/cuda/swiglu.cu`; the autograd rule is `Var::swiglu`.
 
 mod cpu;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
 mod fallback;
 
-use super::{fused_op, fused_paths, run, FusedOp};
-use crate::backend::Variant;
+use super::{fused_op, run};
+use crate::ops::float_only;
 use crate::ops::same_kind;
 use crate::{Error, Result, Tensor};
 use meshgrad_derive::FusedArgs;
@@ -38,36 +38,17 @@ pub(crate) struct SwigluBackward<T> {
 
 fused_op!(Swiglu, "swiglu", forward, |a| a.gate.shape());
 
-impl FusedOp for SwigluBackward<&Tensor> {
-    const NAME: &'static str = "swiglu_backward";
-    type Out<S> = (S, S);
-    type Output = (Tensor, Tensor);
-
-    fn finish<S: Variant>(&self, (dg, du): (S, S)) -> (Tensor, Tensor) {
-        (
-            Tensor::from_storage(dg.wrap(), self.gate.shape()),
-            Tensor::from_storage(du.wrap(), self.gate.shape()),
-        )
-    }
-
-    fused_paths!(backward);
-}
+fused_op!(SwigluBackward, "swiglu_backward", backward, |a| (S, S) => (
+    a.gate.shape(),
+    a.gate.shape()
+));
 
 /// Checks `other` against `gate`: same device, dtype and shape, a float dtype.
 fn check(op: &'static str, gate: &Tensor, other: &Tensor) -> Result<()> {
     same_kind(op, gate, other)?;
-    if !gate.dtype().is_float() {
-        return Err(Error::UnsupportedDType {
-            op,
-            dtype: gate.dtype(),
-        });
-    }
+    float_only(op, gate)?;
     if gate.shape() != other.shape() {
-        return Err(Error::ShapeMismatch {
-            op,
-            lhs: gate.shape().clone(),
-            rhs: other.shape().clone(),
-        });
+        return Err(Error::shape_mismatch(op, gate.shape(), other.shape()));
     }
     Ok(())
 }

@@ -29,22 +29,14 @@ pub(super) fn backward(&UnaryBackward { x, dy, op }: &UnaryBackward<&Tensor>) ->
 
 #[cfg(test)]
 mod tests {
-    use crate::ops::fallback::testutil::{both, close, rand, CASES};
-    use crate::{DType, Device, Tensor};
+    use crate::ops::fallback::testutil::{both, cases, close, with_values};
+    use crate::Tensor;
 
     #[test]
     fn unary_backward_matches_its_composition() {
-        for (dt, rel) in CASES {
+        for (dt, rel, [x, dy]) in cases(40, [&[3, 30], &[3, 30]]) {
             // Values on the clamp bounds (included) and a NaN (excluded) too.
-            let mut v = rand(&[3, 30], 40, DType::F64).to_vec::<f64>().unwrap();
-            v[2] = -1.0;
-            v[5] = 1.5;
-            v[9] = f64::NAN;
-            let x = Tensor::from_vec(v, (3, 30), Device::Cpu)
-                .unwrap()
-                .to_dtype(dt)
-                .unwrap();
-            let dy = rand(&[3, 30], 41, dt);
+            let x = with_values(&x, &[(2, -1.0), (5, 1.5), (9, f64::NAN)]);
             let (a, c) = both(|| x.silu_backward(&dy).unwrap());
             // The NaN input gives NaN on both sides: compare the rest.
             let keep = |t: &Tensor| t.narrow(1, 10, 20).unwrap();

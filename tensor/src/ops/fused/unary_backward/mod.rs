@@ -2,7 +2,7 @@
 //! its paths (`cpu.rs`, `cuda.rs`, `fallback.rs`) and the tensor op behind
 //! [`Tensor::silu_backward`] and [`Tensor::clamp_backward`] (whose forwards are basic unary
 //! ops). The CPU kernel is `meshgrad_kernels::cpu::unary_backward`, the CUDA one `unary_bwd_<t>`
-//! of `kernels/cuda/activations.cu`; the autograd rules are `Var::silu` and `Var::clamp`.
+//! of `kernels/cuda/unary_backward.cu`; the autograd rules are `Var::silu` and `Var::clamp`.
 
 mod cpu;
 #[cfg(feature = "cuda")]
@@ -13,6 +13,7 @@ use meshgrad_derive::FusedArgs;
 use meshgrad_kernels::ops::UnaryGrad;
 
 use super::{fused_op, run};
+use crate::ops::float_only;
 use crate::ops::same_kind;
 use crate::{Error, Result, Tensor};
 
@@ -41,18 +42,9 @@ impl Tensor {
     ) -> Result<Tensor> {
         let _prof = crate::profile::scope(name);
         same_kind(name, self, dy)?;
-        if !self.dtype().is_float() {
-            return Err(Error::UnsupportedDType {
-                op: name,
-                dtype: self.dtype(),
-            });
-        }
+        float_only(name, self)?;
         if self.shape() != dy.shape() {
-            return Err(Error::ShapeMismatch {
-                op: name,
-                lhs: self.shape().clone(),
-                rhs: dy.shape().clone(),
-            });
+            return Err(Error::shape_mismatch(name, self.shape(), dy.shape()));
         }
         let (x, dy) = (self.contiguous()?, dy.contiguous()?);
         run(&UnaryBackward { x: &x, dy: &dy, op })

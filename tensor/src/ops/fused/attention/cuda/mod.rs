@@ -179,7 +179,7 @@ fn run_backward(
 /// [batch_heads, seq_q])`. `Ok(None)` for what the kernels do not cover (module docs).
 pub(super) fn forward(a: &Attention<CudaIn<'_>>) -> Result<Option<(CudaStorage, CudaStorage)>> {
     let (q, k, v, shape) = (a.q, a.k, a.v, a.shape);
-    let mask = a.mask.args(a.key_padding, a.bias);
+    let mask = a.mask.args();
     let dt = q.0.dtype();
     let Some(t) = covered(dt, &shape, &mask, false) else {
         return Ok(None);
@@ -213,7 +213,7 @@ pub(super) fn forward(a: &Attention<CudaIn<'_>>) -> Result<Option<(CudaStorage, 
 /// kernels do not cover, `want_dz` included.
 pub(super) fn backward(a: &AttentionBackward<CudaIn<'_>>) -> Result<Option<Grads<CudaStorage>>> {
     let (q, k, v, out, lse, dout) = (a.q, a.k, a.v, a.out, a.lse, a.dout);
-    let (shape, want_dz, mask) = (a.shape, a.want_dz, a.mask.args(a.key_padding, a.bias));
+    let (shape, want_dz, mask) = (a.shape, a.want_dz, a.mask.args());
     let dt = q.0.dtype();
     let Some(t) = covered(dt, &shape, &mask, want_dz) else {
         return Ok(None);
@@ -281,7 +281,7 @@ pub(super) fn qkv_forward(
     a: &AttentionQkv<CudaIn<'_>>,
 ) -> Result<Option<(CudaStorage, CudaStorage)>> {
     let (qkv, shape, heads) = (a.qkv, a.shape, a.heads);
-    let mask = a.mask.args(a.key_padding, a.bias);
+    let mask = a.mask.args();
     let dt = qkv.0.dtype();
     let Some(t) = covered(dt, &shape, &mask, false) else {
         return Ok(None);
@@ -317,7 +317,7 @@ pub(super) fn qkv_backward(
 ) -> Result<Option<(CudaStorage, Option<CudaStorage>)>> {
     let (qkv, out, lse, dout) = (a.qkv, a.out, a.lse, a.dout);
     let (shape, heads, want_dz) = (a.shape, a.heads, a.want_dz);
-    let mask = a.mask.args(a.key_padding, a.bias);
+    let mask = a.mask.args();
     let dt = qkv.0.dtype();
     let Some(t) = covered(dt, &shape, &mask, want_dz) else {
         return Ok(None);

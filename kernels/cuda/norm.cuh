@@ -1,7 +1,7 @@
-// norms.cu: fused layer norm and RMSNorm over the last dimension, forward and backward.
+// norm.cuh: the row kernels layer norm (layer_norm.cu) and RMSNorm (rms_norm.cu) share, one
+// template each for the forward and the backward with `RMS` choosing the norm. Included by those
+// two files (kernels/build.rs lists it with each; NVRTC and the emulation get it inlined).
 //
-// CPU references: kernels/src/cpu/layer_norm.rs (`layer_norm_forward`, `layer_norm_backward`) and
-// kernels/src/cpu/rms_norm.rs (`rms_norm_forward`, `rms_norm_backward`).
 // Layout: `x`, `y`, `dy`, `dx` contiguous row-major `[rows, cols]`; `weight`, `bias` `[cols]`
 // (null = absent: 1 and 0); the saved statistics `mean`, `rstd` are f32 `[rows]` for every data
 // type (the CPU stores them in T; for f32 this is the same).
@@ -13,9 +13,9 @@
 // `dweight = Σ_rows dy xhat`, `dbias = Σ_rows dy` are written as per-block partials: block `b`
 // handles rows b, b + gridDim.x, ... in increasing order and writes its column sums to row `b` of
 // `dw_partial` / `db_partial` (f32 `[gridDim.x, cols]`, fully overwritten; null to skip); then
-// `norm_partials_reduce_<t>` sums the partials over blocks in increasing block order. Both are
-// deterministic for a given grid size (no atomics), but the order differs from the CPU's
-// increasing-row order, so the sums agree to rounding.
+// `norm_partials_reduce_<t>` (norm_partials.cu) sums the partials over blocks in increasing block
+// order. Both are deterministic for a given grid size (no atomics), but the order differs from
+// the CPU's increasing-row order, so the sums agree to rounding.
 // Row sums: per-thread strided pass then a block tree, in f32.
 
 template <typename T, bool RMS>
@@ -85,39 +85,3 @@ __device__ void norm_bwd_impl(const T *x, const T *w, const float *mean_in, cons
         }
     }
 }
-
-// out[c] = Σ_{b < nparts} partial[b, c] (increasing b), rounded to T; added to the existing
-// value of `out` when `accumulate` is nonzero (gradient accumulation), else overwriting it.
-template <typename T>
-__device__ void partials_reduce_impl(const float *partial, i64 nparts, i64 cols, T *out, int accumulate) {
-    MG_GRID_STRIDE(c, cols) {
-        float s = 0.0f;
-        for (i64 b = 0; b < nparts; ++b) s += partial[b * cols + c];
-        if (accumulate) s += load(out, c);
-        store(out, c, s);
-    }
-}
-
-#define NORM_ENTRIES(sfx, T)                                                                     \
-    extern "C" __global__ void layer_norm_fwd_##sfx(const T *x, const T *w, const T *b, T *y, float *mean, \
-                                                    float *rstd, i64 rows, i64 cols, float eps) { \
-        norm_fwd_impl<T, false>(x, w, b, y, mean, rstd, rows, cols, eps);                        \
-    }                                                                                            \
-    extern "C" __global__ void layer_norm_bwd_##sfx(const T *x, const T *w, const float *mean, const float *rstd, \
-                                                    const T *dy, T *dx, float *dw_partial, float *db_partial, \
-                                                    i64 rows, i64 cols) {                        \
-        norm_bwd_impl<T, false>(x, w, mean, rstd, dy, dx, dw_partial, db_partial, rows, cols);   \
-    }                                                                                            \
-    extern "C" __global__ void rms_norm_fwd_##sfx(const T *x, const T *w, T *y, float *rstd, i64 rows, i64 cols, \
-                                                  float eps) {                                   \
-        norm_fwd_impl<T, true>(x, w, nullptr, y, nullptr, rstd, rows, cols, eps);                \
-    }                                                                                            \
-    extern "C" __global__ void rms_norm_bwd_##sfx(const T *x, const T *w, const float *rstd, const T *dy, T *dx, \
-                                                  float *dw_partial, i64 rows, i64 cols) {       \
-        norm_bwd_impl<T, true>(x, w, nullptr, rstd, dy, dx, dw_partial, nullptr, rows, cols);    \
-    }                                                                                            \
-    extern "C" __global__ void norm_partials_reduce_##sfx(const float *partial, i64 nparts, i64 cols, T *out, \
-                                                          int accumulate) {                      \
-        partials_reduce_impl<T>(partial, nparts, cols, out, accumulate);                         \
-    }
-MG_FOR_FLOAT_TYPES(NORM_ENTRIES)

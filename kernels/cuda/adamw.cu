@@ -1,18 +1,18 @@
-// optimizer.cu: AdamW and SGD (momentum) updates over flat f32 buffers.
+// adamw.cu: the AdamW update over flat f32 buffers.
 //
-// CPU reference: kernels/src/cpu/adamw.rs (`adamw_step`, `sgd_step`).
-// Layout: `param`, `m`, `v`, `buf` flat f32 `[n]` (f32 master weights and optimizer state for
+// CPU reference: kernels/src/cpu/adamw.rs (`adamw_step`).
+// Layout: `param`, `m`, `v` flat f32 `[n]` (f32 master weights and optimizer state for
 // every model dtype); `grad` `[n]` in f32, bf16 or f16 (suffix = grad type, widened exactly to
 // f32); optional `param_bf16` `[n]` (null to skip): the updated parameter rounded to bf16, the
 // copy a bf16 model computes with.
-// AdamW: the host computes the step constants in f64 and rounds them to f32 exactly as
+// The host computes the step constants in f64 and rounds them to f32 exactly as
 // `adamw_step` does (decay = 1 - lr wd, b1, b2, 1 - b1, 1 - b2, step_size = lr / (1 - b1^t),
 // bc2_sqrt = sqrt(1 - b2^t), eps); per element, in f32: `p *= decay` (if apply_decay),
 // `m = b1 m + (1-b1) g`, `v = b2 v + (1-b2) g g`, `p -= step_size m / (sqrt(v) / bc2_sqrt + eps)`.
-// SGD: `g += wd p`; `buf = g` on the first step else `buf = momentum buf + g`; `p -= lr buf`.
 // Every multiply and add is an explicit round-to-nearest intrinsic (no fused multiply-add) and
-// sqrt/division are IEEE, in the CPU's order, so for f32 grads the results are bitwise those of
-// the CPU reference (by construction; not yet checked on a GPU). Elementwise: deterministic.
+// sqrt/division are IEEE, in
+// the CPU's order, so for f32 grads the results are bitwise those of the CPU reference (by
+// construction; not yet checked on a GPU). Elementwise: deterministic.
 
 template <typename G>
 __device__ void adamw_impl(float *param, const G *grad, float *m, float *v, __nv_bfloat16 *param_bf16, i64 n,
@@ -33,30 +33,12 @@ __device__ void adamw_impl(float *param, const G *grad, float *m, float *v, __nv
     }
 }
 
-template <typename G>
-__device__ void sgd_impl(float *param, const G *grad, float *buf, __nv_bfloat16 *param_bf16, i64 n, float lr,
-                         float momentum, float weight_decay, int first_step) {
-    MG_GRID_STRIDE(i, n) {
-        float p = param[i];
-        const float g = __fadd_rn(load(grad, i), __fmul_rn(weight_decay, p));
-        const float nb = first_step ? g : __fadd_rn(__fmul_rn(momentum, buf[i]), g);
-        buf[i] = nb;
-        p = __fsub_rn(p, __fmul_rn(lr, nb));
-        param[i] = p;
-        if (param_bf16) param_bf16[i] = __float2bfloat16_rn(p);
-    }
-}
-
-#define OPT_ENTRIES(sfx, G)                                                                      \
+#define ADAMW_ENTRIES(sfx, G)                                                                    \
     extern "C" __global__ void adamw_grad_##sfx(float *param, const G *grad, float *m, float *v,  \
                                                 __nv_bfloat16 *param_bf16, i64 n, float decay, float b1, float b2, \
                                                 float one_minus_b1, float one_minus_b2, float step_size, \
                                                 float bc2_sqrt, float eps, int apply_decay) {    \
         adamw_impl<G>(param, grad, m, v, param_bf16, n, decay, b1, b2, one_minus_b1, one_minus_b2, step_size, \
                       bc2_sqrt, eps, apply_decay);                                               \
-    }                                                                                            \
-    extern "C" __global__ void sgd_grad_##sfx(float *param, const G *grad, float *buf, __nv_bfloat16 *param_bf16, \
-                                              i64 n, float lr, float momentum, float weight_decay, int first_step) { \
-        sgd_impl<G>(param, grad, buf, param_bf16, n, lr, momentum, weight_decay, first_step);    \
     }
-MG_FOR_FLOAT_TYPES(OPT_ENTRIES)
+MG_FOR_FLOAT_TYPES(ADAMW_ENTRIES)

@@ -1,4 +1,4 @@
-// classifier.cu: fused cross-entropy over logits — loss, log-sum-exp and dlogits in one kernel.
+// cross_entropy.cu: fused cross-entropy over logits — loss, log-sum-exp and dlogits in one kernel.
 //
 // CPU reference: kernels/src/cpu/cross_entropy.rs (`cross_entropy_forward`,
 // `cross_entropy_backward`).
