@@ -142,7 +142,7 @@ pub use format::{
     VERSION,
 };
 pub use open::Checkpoint;
-pub use piece::{pieces_of_module, pieces_of_optimizer, Piece, OPTIM_PREFIX};
+pub use piece::{pieces_of_module, pieces_of_optimizer, pieces_of_parameters, Piece, OPTIM_PREFIX};
 pub use save::{save, save_single, SaveOptions};
 
 pub(crate) use load::{list as list_names, split_and_global};
