@@ -14,7 +14,9 @@
 //!   then unused, as the wrapper steps its shards).
 //!
 //! The gradient norm adds the experts' squares over the expert-parallel group to the dense ones
-//! ([`ApartParams`]).
+//! ([`ApartParams`]). A checkpoint under a sharded dense wrapper holds the dense parameters'
+//! segments and the rank's experts whole under their global names, with their AdamW's state
+//! ([`DataParallel::local_pieces`]), so it loads under any other layout.
 
 use std::sync::{Arc, Mutex};
 
