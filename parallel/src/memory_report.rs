@@ -50,10 +50,13 @@
 //! * expert parallelism (`ep=E`): a rank holds `X / E` of the `X` expert parameters, whole, with
 //!   their gradients (`4 X / E`, `8 X / E` when the data-parallel degree exceeds `E`: the
 //!   experts' own bucket copies) and AdamW moments (`8 X / E`); the other `L - X` parameters
-//!   follow the layout's wrapper as above: with DDP parameters `4 (L - X)`, optimizer state
-//!   twice that, gradients `8 (L - X)`; under a ZeRO stage they alone are sharded (the plan and
-//!   its largest unit without the experts). The report adds a line of expert parameters per
-//!   rank;
+//!   follow the layout's wrapper as above, parameters `4 (L - X)` and optimizer state twice that
+//!   with DDP, and under a ZeRO stage they alone are sharded (the plan and its largest unit
+//!   without the experts). Gradients: with DDP the larger of `8 (L - X) + 4 X / E` (the dense
+//!   buckets' copies, during the backward) and `4 (L - X)` plus the experts' figure (their own
+//!   copies, made after the dense ones are freed); under ZeRO the dense figure plus the
+//!   experts' (an upper bound: the two do not peak together). The report adds a line of expert
+//!   parameters per rank;
 //! * activations: no figure. Tensor parallelism splits the attention and MLP interiors by heads
 //!   and features and the logits by vocabulary; the LayerNorm / dropout / residual regions
 //!   (`[B, T, C]` tensors) stay whole on every rank unless sequence parallelism splits them
@@ -605,9 +608,16 @@ fn theory(model: &dyn Module, plan: &TpPlan, strategy: &MemoryStrategy) -> Resul
     let dense = local - apart;
     let Some(stage) = strategy.layout.zero() else {
         let copies = if averaged > 1 { 2 } else { 1 };
+        // Under ep the experts' bucket copies are made after the dense ones are freed (the
+        // experts' DDP finishes after the dense one): the larger of the two moments.
+        let grads = if e > 1 {
+            (copies * dense + held).max(dense + expert_grads)
+        } else {
+            copies * local
+        };
         return Ok(MemoryTheory {
             params: f32b * (dense + held),
-            grads: f32b * (copies * dense + expert_grads),
+            grads: f32b * grads,
             optimizer: 2 * f32b * (dense + held),
         });
     };

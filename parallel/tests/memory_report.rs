@@ -313,6 +313,12 @@ fn expert_parallelism_with_zero_shards_all_but_the_experts() {
         assert!(r.params <= r.theory.params, "{r:?}");
         assert!(r.grads <= r.theory.grads, "{r:?}");
         assert_eq!(r.optimizer, r.theory.optimizer, "{r:?}");
+        if r.strategy.layout.zero() != Some(ZeroStage::Two)
+            && r.strategy.layout.zero() != Some(ZeroStage::Three)
+        {
+            // DDP and ZeRO-1 hold whole gradients: the theory's figure exactly.
+            assert_eq!(r.grads, r.theory.grads, "{r:?}");
+        }
         // The planner's formula (and the preflight check's) gives both exactly: the experts
         // left out of ZeRO's shards and units (the root unit, embedding and untied head, is
         // then the largest).
