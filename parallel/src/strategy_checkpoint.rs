@@ -18,8 +18,10 @@ use crate::checkpoint::{pieces_of_module, pieces_of_optimizer, Checkpoint, Piece
 use crate::strategy::DataParallel;
 
 impl DataParallel {
-    /// This rank's pieces of a checkpoint of `model` trained with `opt` under this wrapper (see
-    /// the [module docs](self)). Local: nothing is gathered.
+    /// This rank's pieces of a checkpoint of `model` trained with `opt` under this wrapper: the
+    /// module's parameters and `opt`'s state without sharding; the wrapper's segments under
+    /// ZeRO; under expert parallelism with ZeRO, the dense segments and the rank's experts whole
+    /// with their own AdamW's state. Local: nothing is gathered.
     pub fn local_pieces(&self, model: &dyn Module, opt: &dyn Optimizer) -> Result<Vec<Piece>> {
         if let DataParallel::Experts(e) = self {
             if let Some(pieces) = e.sharded_pieces()? {
