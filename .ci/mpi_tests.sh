@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The MPI backend on real processes (needs Open MPI, gcc and libclang: see .ci/run and README.md):
 # * builds with `--features mpi`, runs the MPI test binary under `mpirun -np 4` (every collective
-#   on 4 ranks and on sub-groups, p2p, bf16/f16 sums) and checks that a panicking rank aborts it;
+#   on 4 ranks and on sub-groups, p2p, bf16/f16 sums, all-to-alls with uneven splits, one of them
+#   against its result written out by hand) and checks that a panicking rank aborts it;
 # * the launcher's MPI failure tests (tests/cli_launch.rs built with the mpi feature): under
 #   `meshgrad launch --backend mpi`, a rank killed by SIGKILL and a rank that panics, both while
 #   the others wait in MPI collectives, end the job within 30 s naming the rank, no rank left;
 # * trains the GPT under `mpirun -np 4` with dp=4, fsdp=4, dp=2,tp=2 and pp=2,dp=2, and under
-#   `mpirun -np 2` with pp=2, comparing every logged loss with the thread backend's run of the
-#   same layout: relative difference at most 1e-6, because MPI chooses its own reduction order
+#   `mpirun -np 2` with pp=2 and cp=2 (ring attention), and a tiny Mixtral under `mpirun -np 2`
+#   with ep=2 (all-to-alls with uneven splits), comparing every logged loss with the thread
+#   backend's run of the same layout: relative difference at most 1e-6, because MPI chooses its own reduction order
 #   (Open MPI: recursive doubling, rings...) where the in-process backend adds in rank order,
 #   so sums over more than two ranks may differ in the last bits (the script says when a layout
 #   is bit for bit);
@@ -105,6 +107,26 @@ for spec in 4:dp=4 4:fsdp=4 4:dp=2,tp=2 4:pp=2,dp=2 2:pp=2; do
     thread_run "${layout}"
     compare "mpirun -np ${np} ${layout}" "${WORK}/mpi_${name}.jsonl" "${WORK}/thr_${name}.jsonl" || status=1
 done
+
+# mpi_vs_threads NAME LAYOUT ARGS...: 4 steps under `mpirun -np 2` and on the thread backend, the
+# same losses within 1e-6 relative.
+mpi_vs_threads() {
+    local name=$1 layout=$2
+    shift 2
+    "${MPIRUN[@]}" -np 2 "${BIN}" train --layout "${layout}" --steps 4 "$@" \
+        --metrics "${WORK}/mpi_${name}.jsonl" --out "${WORK}/mpi_${name}" >"${WORK}/mpi_${name}.log" 2>&1 \
+        || { cat "${WORK}/mpi_${name}.log"; exit 1; }
+    "${BIN}" train --layout "${layout}" --steps 4 "$@" \
+        --metrics "${WORK}/thr_${name}.jsonl" --out "${WORK}/thr_${name}" >"${WORK}/thr_${name}.log" 2>&1 \
+        || { cat "${WORK}/thr_${name}.log"; exit 1; }
+    compare "mpirun -np 2 ${layout} $*" "${WORK}/mpi_${name}.jsonl" "${WORK}/thr_${name}.jsonl" || status=1
+}
+echo "expert parallelism (all-to-alls) and context parallelism (ring attention) under mpirun"
+mpi_vs_threads moe_ep_2 ep=2 --model mixtral --set model.n_layer=2 --set model.n_embd=32 \
+    --set model.n_head=4 --set model.n_kv_head=2 --set model.block_size=16 \
+    --set model.intermediate_size=16 --set model.n_experts=4 --set model.experts_per_token=2 \
+    --set model.dropout=0 --set train.batch_size=8
+mpi_vs_threads gpt_cp_2 cp=2 --set model.n_layer=2 --set model.dropout=0 --set train.batch_size=8
 
 echo "meshgrad launch --nproc-per-node 4 --backend mpi"
 for layout in dp=4 pp=2,dp=2; do

@@ -383,7 +383,8 @@ struct TrainArgs {
     /// split into 2C chunks; no dropout).
     /// ep=E shards a Mixtral's experts over E of the data-parallel ranks (expert parallelism;
     /// adds no ranks: ep=2 is dp=2,ep=2; E must divide the experts and the data-parallel
-    /// ranks; with dp, tp and pp). The global batch is the same for every layout.
+    /// ranks; with dp, zero1/zero2/fsdp/hsdp, tp and pp). The global batch is the same for
+    /// every layout.
     #[arg(long, value_name = "SPEC")]
     layout: Option<String>,
     /// Gradient accumulation: split each rank's rows of a step into this many micro-batches

@@ -360,11 +360,11 @@ fn rank_main<R: Recipe>(
         Some(ctx.comm.as_ref()),
         &module,
         &mut opt,
-        wrapper.sharded(),
+        &wrapper,
         world_pp > 1 || ep.is_some(),
     )?;
     let start_step = start.step;
-    let hook = saver.hook(wrapper.sharded());
+    let hook = saver.hook(&wrapper);
     let grads = PipelineGrads::new(&chunks, pp.clone())?;
     let sync = RankSync {
         grads: &grads,

@@ -123,14 +123,6 @@ impl<F: TrainFamily> Recipe for CausalRecipe<F> {
             };
             meshgrad_nn::moe::ExpertParallel::check_divides(layout.ep(), moe.n_experts)
                 .map_err(|e| anyhow::anyhow!("layout {layout}: {e} (model.n_experts)"))?;
-            let checkpoints = opts.save_every.is_some() || opts.resume.is_some();
-            if let (true, Some(z)) = (checkpoints, layout.zero()) {
-                anyhow::bail!(
-                    "layout {layout}: --save-every and --resume do not support expert \
-                     parallelism (ep) with {} yet (ep with dp, tp or pp does)",
-                    z.key()
-                );
-            }
         }
         F::check_tp(
             &F::padded(config, layout.tp()),

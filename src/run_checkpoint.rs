@@ -18,7 +18,7 @@ use meshgrad_nn::Module;
 use meshgrad_parallel::checkpoint::{self, Checkpoint, Piece, Role, SaveOptions};
 use meshgrad_parallel::comm::ReduceOp;
 use meshgrad_parallel::Communicator;
-use meshgrad_parallel::ShardedDataParallel;
+use meshgrad_parallel::DataParallel;
 
 use crate::config::TrainConfig;
 use crate::run_dir::checkpoints_dir;
@@ -159,10 +159,10 @@ pub(crate) type SaveHook<'b> =
 
 impl Saver<'_> {
     /// The training loop's hook: saves this rank's pieces of the model and optimizer it is
-    /// given, or of `sharded` (ZeRO) when there is one.
-    pub(crate) fn hook<'b>(&'b self, sharded: Option<&'b ShardedDataParallel>) -> SaveHook<'b> {
+    /// given, as its data-parallel `wrapper` holds them ([`DataParallel::local_pieces`]).
+    pub(crate) fn hook<'b>(&'b self, wrapper: &'b DataParallel) -> SaveHook<'b> {
         Box::new(move |steps, model, opt, scaler| {
-            self.save(steps, rank_pieces(model, opt, sharded)?, scaler)
+            self.save(steps, wrapper.local_pieces(model, opt)?, scaler)
         })
     }
 }
@@ -178,7 +178,8 @@ pub(crate) struct Start {
 }
 
 /// What a rank of a run starts from ([`Start`]: after `--resume`'s checkpoint, loaded into
-/// `model` and `opt`, or `sharded`) and its saver (with `--save-every`).
+/// `model` and `opt` as its data-parallel `wrapper` holds them) and its saver (with
+/// `--save-every`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn begin_rank<'a>(
     cfg: &TrainConfig,
@@ -187,13 +188,14 @@ pub(crate) fn begin_rank<'a>(
     world: Option<&'a dyn Communicator>,
     model: &dyn Module,
     opt: &mut dyn Optimizer,
-    sharded: Option<&ShardedDataParallel>,
+    wrapper: &DataParallel,
     partial: bool,
 ) -> Result<(Start, Saver<'a>)> {
     let start = match &opts.resume {
         Some(dir) => {
             let (ck, step) = open_resume(cfg, dir)?;
-            load_rank(&ck, model, opt, sharded, partial)
+            wrapper
+                .load_pieces(&ck, model, opt, !partial)
                 .with_context(|| format!("--resume {}", ck.path().display()))?;
             Start {
                 step,
@@ -228,23 +230,6 @@ fn resumed_loss_scaler(cfg: &TrainConfig, ck: &Checkpoint) -> Result<Option<Loss
         base.growth_interval(),
         good,
     )?))
-}
-
-/// This rank's pieces: a ZeRO wrapper's segments, or the model's parameters (whole or
-/// tensor-parallel) and the optimizer's state.
-pub(crate) fn rank_pieces(
-    model: &dyn Module,
-    opt: &dyn Optimizer,
-    sharded: Option<&ShardedDataParallel>,
-) -> Result<Vec<Piece>> {
-    Ok(match sharded {
-        Some(sdp) => sdp.local_pieces()?,
-        None => {
-            let mut p = checkpoint::pieces_of_module(model)?;
-            p.extend(checkpoint::pieces_of_optimizer(opt)?);
-            p
-        }
-    })
 }
 
 /// The checkpoint `--resume` names, opened: `DIR/checkpoints`' latest when `DIR` is a run's
@@ -326,25 +311,6 @@ fn saved_config(ck: &Checkpoint, dir: &Path) -> Result<Option<TrainConfig>> {
 pub fn resume_base_config(dir: &Path) -> Result<TrainConfig> {
     let ck = resume_checkpoint(dir)?;
     Ok(saved_config(&ck, dir)?.unwrap_or_default())
-}
-
-/// Loads `ck` into this rank's model and optimizer (or its ZeRO wrapper), under the current
-/// layout. `partial`: the rank holds only part of the model (a pipeline stage).
-pub(crate) fn load_rank(
-    ck: &Checkpoint,
-    model: &dyn Module,
-    opt: &mut dyn Optimizer,
-    sharded: Option<&ShardedDataParallel>,
-    partial: bool,
-) -> Result<()> {
-    match sharded {
-        Some(sdp) => sdp.load_pieces(ck, !partial)?,
-        None => {
-            ck.load_into_module(model, !partial)?;
-            ck.load_optimizer(opt, !partial)?;
-        }
-    }
-    Ok(())
 }
 
 /// A model loaded from a training checkpoint, with the run's tokenizer if it had one.

@@ -1,5 +1,6 @@
 //! `meshgrad train --layout` with context parallelism: GPT and Llama under cp=2, cp=4,
-//! dp=2,cp=2, tp=2,cp=2 and pp=2,cp=2 (GPT also zero1=2,cp=2 and fsdp=2,cp=2), and BERT (non-causal, masked LM) under cp=2, give the
+//! dp=2,cp=2, tp=2,cp=2, pp=2,cp=2 and hsdp=2x2,cp=2 (GPT also zero1=2,cp=2 and fsdp=2,cp=2),
+//! and BERT (non-causal, masked LM) under cp=2, give the
 //! single-device losses on the same global batch (within 1e-5 relative, train and validation;
 //! gradient norms within 1e-4), 4 steps of tiny models; GPT's gathered checkpoints hold the
 //! single device's weights to rounding (1e-5 of each tensor's scale), Llama's and BERT's Hugging
@@ -88,14 +89,22 @@ fn lockstep(model: &str, layouts: &[(&str, &str)]) {
 
 #[test]
 fn gpt_trains_in_lockstep_under_context_parallelism() {
-    // Sharded data parallelism shards over the data-parallel and context-parallel ranks.
-    let sharded = [("zero1cp2", "zero1=2,cp=2"), ("fsdp2cp2", "fsdp=2,cp=2")];
+    // Sharded data parallelism shards over the data-parallel and context-parallel ranks; hybrid
+    // sharding (8 ranks) replicates those shards over its replica groups.
+    let sharded = [
+        ("zero1cp2", "zero1=2,cp=2"),
+        ("fsdp2cp2", "fsdp=2,cp=2"),
+        ("hsdp2x2cp2", "hsdp=2x2,cp=2"),
+    ];
     lockstep("gpt", &[&LAYOUTS[..], &sharded].concat());
 }
 
 #[test]
 fn llama_trains_in_lockstep_under_context_parallelism() {
-    lockstep("llama", &LAYOUTS);
+    lockstep(
+        "llama",
+        &[&LAYOUTS[..], &[("hsdp2x2cp2", "hsdp=2x2,cp=2")]].concat(),
+    );
 }
 
 #[test]

@@ -14,7 +14,9 @@
 //!   then unused, as the wrapper steps its shards).
 //!
 //! The gradient norm adds the experts' squares over the expert-parallel group to the dense ones
-//! ([`ApartParams`]).
+//! ([`ApartParams`]). A checkpoint under a sharded dense wrapper holds the dense parameters'
+//! segments and the rank's experts whole under their global names, with their AdamW's state
+//! ([`DataParallel::local_pieces`]), so it loads under any other layout.
 
 use std::sync::{Arc, Mutex};
 
@@ -24,6 +26,9 @@ use meshgrad_nn::Module;
 use meshgrad_tensor::exact_sum::ExactSum;
 use meshgrad_tensor::Result;
 
+use crate::checkpoint::{
+    pieces_of_optimizer, pieces_of_parameters, Checkpoint, Piece, Role, StateRole,
+};
 use crate::comm::{all_reduce_scalar, Communicator};
 use crate::pipeline::{ApartParams, PipelineGrads};
 use crate::strategy::{sharded_sq_sum, DataParallel, ScaledStep};
@@ -39,6 +44,8 @@ pub struct ExpertDataParallel {
     /// The dense parameters' wrapper: [`DataParallel::Ddp`] or [`DataParallel::Sharded`].
     dense: DataParallel,
     experts: Option<Ddp>,
+    /// This rank's experts, by their global names.
+    named: Vec<(String, Var)>,
     params: Vec<Var>,
     ep: Arc<dyn Communicator>,
     /// What the experts' averaged gradients are multiplied by (see [`ExpertDataParallel::new`]).
@@ -111,7 +118,7 @@ impl ExpertDataParallel {
         };
         let experts = if replicas.world_size() > 1 {
             Some(Ddp::new(
-                mine,
+                mine.clone(),
                 replicas,
                 crate::strategy::sometimes_unused(),
             )?)
@@ -121,6 +128,7 @@ impl ExpertDataParallel {
         Ok(ExpertDataParallel {
             dense,
             experts,
+            named: mine,
             params,
             factor,
             ep,
@@ -181,6 +189,49 @@ impl ExpertDataParallel {
             params: &self.params,
             group: self.ep.as_ref(),
         }
+    }
+
+    /// This rank's checkpoint pieces under a sharded dense wrapper: its segments of the dense
+    /// parameters and of their optimizer state ([`ShardedDataParallel::local_pieces`]), and its
+    /// experts whole with their AdamW's state (whose global step counter is left to the dense
+    /// optimizer's, which steps with it: one tensor, written once). `None` under [`Ddp`] (the
+    /// module's parameters and the run's optimizer are then the whole state).
+    pub(crate) fn sharded_pieces(&self) -> Result<Option<Vec<Piece>>> {
+        let (Some(sdp), Some(own)) = (self.sharded(), self.own_opt()) else {
+            return Ok(None);
+        };
+        let mut pieces = sdp.local_pieces()?;
+        pieces.extend(pieces_of_parameters(&self.named));
+        let global = |p: &Piece| {
+            matches!(
+                p.role,
+                Role::Optimizer {
+                    state: StateRole::Global,
+                    ..
+                }
+            )
+        };
+        pieces.extend(
+            pieces_of_optimizer(&*own)?
+                .into_iter()
+                .filter(|p| !global(p)),
+        );
+        Ok(Some(pieces))
+    }
+
+    /// Loads `ck` (saved under any layout) under a sharded dense wrapper: the dense segments and
+    /// their optimizer state through it, this rank's experts and their AdamW's state by their
+    /// global names. `false` under [`Ddp`] (nothing loaded: the module and the run's optimizer
+    /// take the checkpoint then). Local.
+    pub(crate) fn load_sharded(&self, ck: &Checkpoint) -> Result<bool> {
+        let (Some(sdp), Some(mut own)) = (self.sharded(), self.own_opt()) else {
+            return Ok(false);
+        };
+        // Neither part holds every tensor of the checkpoint: not strict.
+        sdp.load_pieces(ck, false)?;
+        ck.load_parameters(&self.named, false)?;
+        ck.load_optimizer(&mut *own, false)?;
+        Ok(true)
     }
 
     /// The experts' squares summed over the expert-parallel group and the pipeline.

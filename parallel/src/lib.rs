@@ -53,6 +53,7 @@ pub mod pipeline;
 pub mod plan;
 pub mod sampler;
 pub mod strategy;
+mod strategy_checkpoint;
 pub mod tp;
 pub mod zero;
 

@@ -47,10 +47,16 @@
 //!   copies being averaged, whole at the end of the backward); ZeRO-2/3 `4 (L / S + padding) + `
 //!   the largest unit's tp-local gradient (whole, before its reduce-scatter);
 //! * optimizer state: two AdamW moments, `8 L`; under ZeRO `8 (L / S + padding)`;
-//! * expert parallelism (`ep=E`, with DDP): a rank holds `X / E` of the `X` expert parameters
-//!   (the rest whole): parameters `4 (L - X + X / E)`, optimizer state twice that, gradients
-//!   `8 (L - X)` plus `4 X / E` (`8 X / E` when the data-parallel degree exceeds `E`: the
-//!   experts' own bucket copies); the report adds a line of expert parameters per rank;
+//! * expert parallelism (`ep=E`): a rank holds `X / E` of the `X` expert parameters, whole, with
+//!   their gradients (`4 X / E`, `8 X / E` when the data-parallel degree exceeds `E`: the
+//!   experts' own bucket copies) and AdamW moments (`8 X / E`); the other `L - X` parameters
+//!   follow the layout's wrapper as above, parameters `4 (L - X)` and optimizer state twice that
+//!   with DDP, and under a ZeRO stage they alone are sharded (the plan and its largest unit
+//!   without the experts). Gradients: with DDP the larger of `8 (L - X) + 4 X / E` (the dense
+//!   buckets' copies, during the backward) and `4 (L - X)` plus the experts' figure (their own
+//!   copies, made after the dense ones are freed); under ZeRO the dense figure plus the
+//!   experts' (an upper bound: the two do not peak together). The report adds a line of expert
+//!   parameters per rank;
 //! * activations: no figure. Tensor parallelism splits the attention and MLP interiors by heads
 //!   and features and the logits by vocabulary; the LayerNorm / dropout / residual regions
 //!   (`[B, T, C]` tensors) stay whole on every rank unless sequence parallelism splits them
@@ -95,15 +101,6 @@ impl MemoryStrategy {
     /// A layout spec as `--layout` takes it (`dp=4`, `fsdp=2,tp=2`, ...).
     pub fn new(spec: &str, sequence_parallel: bool) -> Result<Self> {
         let layout: ParallelLayout = spec.parse()?;
-        if layout.ep() > 1 {
-            if let Some(z) = layout.zero() {
-                meshgrad_tensor::bail!(
-                    "memory report: layout {layout}: ep with {} is not covered yet (ep with dp, \
-                     tp or pp is)",
-                    z.key()
-                );
-            }
-        }
         Ok(MemoryStrategy {
             layout,
             sequence_parallel,
@@ -182,14 +179,22 @@ impl MemoryStrategy {
             (true, false) => Some("TP"),
             (true, true) => Some("TP + SP"),
         };
+        let ep = self.layout.ep() > 1;
         let dp = match dp {
-            Some("DDP") if self.layout.ep() > 1 => Some("DDP + EP"),
             Some("DDP") if self.layout.cp() > 1 => Some("DDP + CP"),
             d => d,
         };
+        // Expert parallelism beside the data-parallel wrapper (DDP or a ZeRO stage).
+        let dp = dp.map(|d| {
+            if ep {
+                format!("{d} + EP")
+            } else {
+                d.to_string()
+            }
+        });
         match (dp, tp) {
             (Some(d), Some(t)) => format!("{d} x {t}"),
-            (Some(d), None) => d.to_string(),
+            (Some(d), None) => d,
             (None, Some(t)) => t.to_string(),
             (None, None) => "one rank".to_string(),
         }
@@ -545,11 +550,27 @@ fn tp_local_shapes(
         .collect())
 }
 
-/// The ZeRO plan of the tp-local parameters over `shards` ranks (default wrap policy).
-fn shard_plan(model: &dyn Module, plan: &TpPlan, tp: usize, shards: usize) -> Result<ShardPlan> {
+/// The ZeRO plan of the tp-local parameters over `shards` ranks (default wrap policy), without
+/// those named in `ignored` (the experts under expert parallelism, which the wrapper leaves
+/// alone).
+fn shard_plan(
+    model: &dyn Module,
+    plan: &TpPlan,
+    tp: usize,
+    shards: usize,
+    ignored: &[String],
+) -> Result<ShardPlan> {
+    let shapes = tp_local_shapes(model, plan, tp)?;
+    let kept: Vec<bool> = shapes
+        .iter()
+        .map(|(n, _, _)| !ignored.contains(n))
+        .collect();
     let (units, of) = WrapPolicy::Auto.assign(model)?;
-    let specs = tp_local_shapes(model, plan, tp)?
+    let (units, of) = crate::zero::without_ignored(units, of, &kept);
+    let specs = shapes
         .into_iter()
+        .zip(&kept)
+        .filter_map(|(s, &k)| k.then_some(s))
         .zip(of)
         .map(|((name, shape, _), unit)| ParamSpec {
             name,
@@ -569,41 +590,58 @@ fn theory(model: &dyn Module, plan: &TpPlan, strategy: &MemoryStrategy) -> Resul
         .map(|(_, s, _)| s.iter().product::<usize>())
         .sum();
     let f32b = DType::F32.size_in_bytes();
+    // The gradients' bucket copy exists wherever gradients are averaged: over the
+    // data-parallel and the context-parallel ranks.
+    let averaged = strategy.layout.data_parallel_degree() * strategy.layout.cp();
+    // Under ep=E a rank holds 1/E of the experts, whole, with their gradients and AdamW
+    // moments; their gradients have a bucket copy only when other ranks hold the same experts
+    // (D / E above 1). Without ep the experts are parameters like the others.
+    let e = strategy.layout.ep();
+    let names = meshgrad_nn::moe::expert_parameter_names(model);
+    let apart = if e > 1 || strategy.layout.zero().is_none() {
+        expert_numel(model)
+    } else {
+        0
+    };
+    let held = apart / e;
+    let expert_grads = if averaged > e { 2 } else { 1 } * held;
+    let dense = local - apart;
     let Some(stage) = strategy.layout.zero() else {
-        // The gradients' bucket copy exists wherever gradients are averaged: over the
-        // data-parallel and the context-parallel ranks.
-        let averaged = strategy.layout.data_parallel_degree() * strategy.layout.cp();
         let copies = if averaged > 1 { 2 } else { 1 };
-        // Under ep=E a rank holds 1/E of the experts; their gradients have a bucket copy only
-        // when other ranks hold the same experts (D / E above 1).
-        let e = strategy.layout.ep();
-        let experts = expert_numel(model);
-        let held = local - experts + experts / e;
-        let expert_copies = if averaged > e { 2 } else { 1 };
-        let grads = copies * (local - experts) + expert_copies * experts / e;
+        // Under ep the experts' bucket copies are made after the dense ones are freed (the
+        // experts' DDP finishes after the dense one): the larger of the two moments.
+        let grads = if e > 1 {
+            (copies * dense + held).max(dense + expert_grads)
+        } else {
+            copies * local
+        };
         return Ok(MemoryTheory {
-            params: f32b * held,
+            params: f32b * (dense + held),
             grads: f32b * grads,
-            optimizer: 2 * f32b * held,
+            optimizer: 2 * f32b * (dense + held),
         });
     };
-    // The context-parallel ranks hold different shards (see `LayoutMesh::shard_topology`).
+    // The context-parallel ranks hold different shards (see `LayoutMesh::shard_topology`);
+    // under ep the experts are not sharded.
     let shards = strategy.layout.dp_shard() * strategy.layout.cp();
-    let plan = shard_plan(model, plan, tp, shards)?;
+    let ignored = if e > 1 { names } else { Vec::new() };
+    let plan = shard_plan(model, plan, tp, shards, &ignored)?;
     let shard = plan.shard_numel();
     let largest = plan.units.iter().map(|u| u.numel).max().unwrap_or(0);
     Ok(MemoryTheory {
         params: f32b
-            * match stage {
-                ZeroStage::Three => shard + largest,
-                _ => local,
-            },
+            * (held
+                + match stage {
+                    ZeroStage::Three => shard + largest,
+                    _ => dense,
+                }),
         grads: f32b
-            * match stage {
-                ZeroStage::One => local,
-                _ => shard + largest,
-            },
-        optimizer: 2 * f32b * shard,
+            * (expert_grads
+                + match stage {
+                    ZeroStage::One => dense,
+                    _ => shard + largest,
+                }),
+        optimizer: 2 * f32b * (shard + held),
     })
 }
 
@@ -685,7 +723,7 @@ pub fn memory_report<F: CausalFamily>(
             replicated_params += n;
         }
     }
-    let units = shard_plan(&model, &plan, 1, cfg.world)?;
+    let units = shard_plan(&model, &plan, 1, cfg.world, &[])?;
     let u = units
         .units
         .iter()

@@ -70,22 +70,27 @@ impl DataParallel {
                 mesh, module, &experts, opt,
             )?)));
         }
+        let has_experts = !meshgrad_nn::moe::expert_parameter_names(module).is_empty();
         Ok(match mesh.layout().zero() {
             Some(stage) => DataParallel::Sharded(ShardedDataParallel::new(
                 module,
                 opt.param_groups().to_vec(),
                 *opt.config(),
                 mesh.shard_topology()?,
-                ShardConfig::new(stage),
+                // Experts that a rank's tokens did not reach have no gradient there.
+                ShardConfig {
+                    sometimes_unused: has_experts,
+                    ..ShardConfig::new(stage)
+                },
             )?),
             // Experts that no rank's tokens reached keep no gradient, as on one device.
             None if mesh.dp_degree() > 1 => DataParallel::Ddp(Ddp::new(
                 module.named_parameters(),
                 mesh.dp_group(),
-                if meshgrad_nn::moe::expert_parameter_names(module).is_empty() {
-                    DdpConfig::default()
-                } else {
+                if has_experts {
                     sometimes_unused()
+                } else {
+                    DdpConfig::default()
                 },
             )?),
             None => DataParallel::Local,

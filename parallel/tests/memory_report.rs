@@ -214,22 +214,48 @@ fn a_llama_is_measured_the_same_way() {
     assert!(report.rows[1].model_states < report.rows[0].model_states);
 }
 
-/// Expert parallelism: under `ep=2` a rank holds half of a Mixtral's experts (the router and
-/// the rest whole), so its parameter bytes are the `dp=2` rank's less half the experts' bytes.
-#[test]
-fn expert_parallelism_halves_the_experts_per_rank() {
+/// A tiny Mixtral-style Llama (2 layers, n_embd 64, 4 experts of width 32, top 2) on `world`
+/// ranks, 4 rows of 32 tokens, 2 steps.
+fn tiny_mixtral(world: usize) -> MemoryReportConfig<LlamaConfig> {
     let mut model = LlamaConfig::new(256, 32, 64, 2, 4);
     model.n_kv_head = 2;
     model.intermediate_size = 32;
     model.moe = Some(meshgrad_nn::moe::MoeSettings::new(4, 2));
-    let cfg = MemoryReportConfig {
+    MemoryReportConfig {
         model,
-        world: 2,
+        world,
         global_batch: 4,
         seq_len: 32,
         steps: 2,
         seed: 3,
-    };
+    }
+}
+
+/// What the planner (and the preflight check) predicts per rank for `spec` with `cfg`'s model
+/// and batch: (parameters, gradients, optimizer state) bytes.
+fn planner_prediction(cfg: &MemoryReportConfig<LlamaConfig>, spec: &str) -> (u64, u64, u64) {
+    let layout = spec.parse().unwrap();
+    let e = meshgrad_parallel::plan::memory::estimate_training(
+        &meshgrad_parallel::plan::memory::TrainingRun {
+            model: cfg.model.shape(),
+            layout: &layout,
+            batch_size: cfg.global_batch,
+            microbatches: 1,
+            schedule: meshgrad_parallel::pipeline::ScheduleKind::OneFOneB,
+            sequence_parallel: false,
+            checkpoint_blocks: false,
+            reference_row_group: None,
+            precision: Default::default(),
+        },
+    );
+    (e.params, e.grads, e.optimizer)
+}
+
+/// Expert parallelism: under `ep=2` a rank holds half of a Mixtral's experts (the router and
+/// the rest whole), so its parameter bytes are the `dp=2` rank's less half the experts' bytes.
+#[test]
+fn expert_parallelism_halves_the_experts_per_rank() {
+    let cfg = tiny_mixtral(2);
     let strategies = vec![
         MemoryStrategy::ddp(2).unwrap(),
         MemoryStrategy::new("ep=2", false).unwrap(),
@@ -255,25 +281,73 @@ fn expert_parallelism_halves_the_experts_per_rank() {
     );
     // The preflight check's and the planner's formula gives each rank's parameter bytes
     // exactly: half the experts under ep=2, the router and the rest whole.
-    let predicted = |spec: &str| {
-        let layout = spec.parse().unwrap();
-        meshgrad_parallel::plan::memory::estimate_training(
-            &meshgrad_parallel::plan::memory::TrainingRun {
-                model: model.shape(),
-                layout: &layout,
-                batch_size: 4,
-                microbatches: 1,
-                schedule: meshgrad_parallel::pipeline::ScheduleKind::OneFOneB,
-                sequence_parallel: false,
-                checkpoint_blocks: false,
-                reference_row_group: None,
-                precision: Default::default(),
-            },
-        )
-        .params
-    };
-    assert_eq!(predicted("dp=2"), dp.params as u64);
-    assert_eq!(predicted("ep=2"), ep.params as u64);
+    assert_eq!(planner_prediction(&cfg, "dp=2").0, dp.params as u64);
+    assert_eq!(planner_prediction(&cfg, "ep=2").0, ep.params as u64);
+}
+
+/// Expert parallelism with ZeRO: a rank holds half of the experts whole (with their gradients
+/// and AdamW moments) and its shard of the rest, so `fsdp=4,ep=2` holds the `fsdp=4` rank's
+/// shard of the dense parameters plus half the experts, and its optimizer state is a quarter of
+/// the dense moments plus half the experts' moments.
+#[test]
+fn expert_parallelism_with_zero_shards_all_but_the_experts() {
+    let cfg = tiny_mixtral(4);
+    let specs = ["dp=4,ep=2", "zero1=4,ep=2", "fsdp=4,ep=2", "hsdp=2x2,ep=2"];
+    let strategies: Vec<MemoryStrategy> = specs
+        .iter()
+        .map(|s| MemoryStrategy::new(s, false).unwrap())
+        .collect();
+    let report = memory_report::<meshgrad_nn::Mixtral>(&cfg, &strategies).unwrap();
+    let md = report.to_markdown();
+    println!("{md}");
+    let experts = 2 * 4 * 3 * 64 * 32;
+    assert_eq!(report.expert_params, experts);
+    let dense = report.num_params - experts;
+    let [ddp, z1, z3, hsdp] = [0, 1, 2, 3].map(|i| report.rows[i]);
+    assert_eq!(z1.strategy.kind(), "ZeRO-1 + EP");
+    assert_eq!(z3.strategy.kind(), "ZeRO-3 / FSDP + EP");
+    for r in [ddp, z1, z3, hsdp] {
+        assert_eq!(r.expert_params, experts / 2, "{r:?}");
+        // Measured within the theory's figures, and its optimizer state exactly: the dense
+        // moments' shard (with the plan's padding) and half the experts' moments.
+        assert!(r.params <= r.theory.params, "{r:?}");
+        assert!(r.grads <= r.theory.grads, "{r:?}");
+        assert_eq!(r.optimizer, r.theory.optimizer, "{r:?}");
+        if r.strategy.layout.zero() != Some(ZeroStage::Two)
+            && r.strategy.layout.zero() != Some(ZeroStage::Three)
+        {
+            // DDP and ZeRO-1 hold whole gradients: the theory's figure exactly.
+            assert_eq!(r.grads, r.theory.grads, "{r:?}");
+        }
+        // The planner's formula (and the preflight check's) gives both exactly: the experts
+        // left out of ZeRO's shards and units (the root unit, embedding and untied head, is
+        // then the largest).
+        let (params, _, optimizer) = planner_prediction(&cfg, &r.strategy.name());
+        assert_eq!(params, r.params as u64, "planner, {r:?}");
+        assert_eq!(optimizer, r.optimizer as u64, "planner, {r:?}");
+    }
+    // Hand count: whole dense parameters and half the experts (DDP, ZeRO-1); the moments of a
+    // quarter of the dense parameters (padding: under 4 elements per unit and group) plus half
+    // the experts'.
+    assert_eq!(ddp.params, 4 * (dense + experts / 2));
+    assert_eq!(z1.params, ddp.params);
+    let pad = 4 * 8 * 4 * 2;
+    for z in [z1, z3] {
+        let want = 8 * (dense / 4 + experts / 2);
+        assert!(
+            z.optimizer >= want && z.optimizer <= want + pad,
+            "{z:?}: {want}"
+        );
+    }
+    // hsdp=2x2 shards the dense parameters 2 ways.
+    let want = 8 * (dense / 2 + experts / 2);
+    assert!(hsdp.optimizer >= want && hsdp.optimizer <= want + pad);
+    // ZeRO-3 holds a shard of the dense parameters plus its gathered unit, less than ZeRO-1.
+    assert!(z3.params < z1.params && z3.model_states < z1.model_states);
+    assert!(
+        md.contains(&format!("`fsdp=4,ep=2` {} of {experts} (1/2)", experts / 2)),
+        "{md}"
+    );
 }
 
 /// Context parallelism: at cp=4 a rank of a 1024-token GPT allocates at most 0.35 of one

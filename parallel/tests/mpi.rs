@@ -10,7 +10,8 @@
 //! `abort` (non-zero status). `MESHGRAD_MPI_TEST_STALL_GROUP=R` does the same with a group
 //! creation: every other rank calls `new_group` over the world, and must fail naming R.
 //! Every `checks` also runs the shared all-to-all cases (uneven and empty splits, f32, bf16,
-//! i64) against the expected rows.
+//! i64) against the expected rows; on 4 ranks one uneven all-to-all is also checked against its
+//! result written out by hand.
 #![cfg(feature = "mpi")]
 
 mod a2a;
@@ -234,6 +235,7 @@ fn main() {
                 g.describe()
             );
         }
+        uneven_all_to_all_by_hand(world.as_ref());
         // A group of 3 ranks made by its members only; rank 3 does not take part.
         if r < 3 {
             let g = world.new_group(&[2, 0, 1], "three").unwrap();
@@ -246,6 +248,64 @@ fn main() {
     if r == 0 {
         println!("mpi test: all checks passed on {w} ranks");
     }
+}
+
+/// One all-to-all on 4 ranks with uneven splits (zeros included), its result written out by
+/// hand. Row `k` of the block rank `s` sends rank `d` is `[v, -v]` with `v = 100 s + 10 d + k`.
+/// Rows sent (rank `s`'s row lists the rows for ranks 0..3):
+///
+/// ```text
+/// rank 0: 1 0 2 1   rank 1: 0 3 0 1   rank 2: 2 1 0 0   rank 3: 0 0 1 2
+/// ```
+fn uneven_all_to_all_by_hand(world: &dyn Communicator) {
+    let r = world.rank();
+    let (send, sent, recv, want): ([usize; 4], &[f32], [usize; 4], &[f32]) = match r {
+        0 => (
+            [1, 0, 2, 1],
+            &[0., 20., 21., 30.],
+            [1, 0, 2, 0],
+            &[0., 200., 201.],
+        ),
+        1 => (
+            [0, 3, 0, 1],
+            &[110., 111., 112., 130.],
+            [0, 3, 1, 0],
+            &[110., 111., 112., 210.],
+        ),
+        2 => (
+            [2, 1, 0, 0],
+            &[200., 201., 210.],
+            [2, 0, 0, 1],
+            &[20., 21., 320.],
+        ),
+        _ => (
+            [0, 0, 1, 2],
+            &[320., 330., 331.],
+            [1, 1, 0, 2],
+            &[30., 130., 330., 331.],
+        ),
+    };
+    let rows = |v: &[f32]| -> Tensor {
+        let flat: Vec<f32> = v.iter().flat_map(|&x| [x, -x]).collect();
+        t(flat, &[v.len(), 2])
+    };
+    let got = world
+        .all_to_all(&rows(sent), &send, &recv)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(got.dims(), &[want.len(), 2], "rank {r}");
+    assert_eq!(
+        got.to_vec::<f32>().unwrap(),
+        rows(want).to_vec::<f32>().unwrap(),
+        "rank {r}"
+    );
+    // The receive splits follow from the send splits.
+    assert_eq!(
+        meshgrad_parallel::comm::all_to_all_splits(world, &send).unwrap(),
+        recv.to_vec(),
+        "rank {r}"
+    );
 }
 
 /// The watchdog test (see the crate docs): never returns.

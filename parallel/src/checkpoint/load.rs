@@ -69,9 +69,15 @@ impl Checkpoint {
     /// Under ZeRO, load through the wrapper
     /// ([`ShardedDataParallel::load_pieces`](crate::ShardedDataParallel::load_pieces)).
     pub fn load_into_module(&self, model: &dyn Module, strict: bool) -> Result<()> {
-        let params = model.named_parameters();
+        self.load_parameters(&model.named_parameters(), strict)
+    }
+
+    /// [`Checkpoint::load_into_module`] for the named parameters `params` (some of a module's:
+    /// the experts a sharded wrapper leaves alone). With `strict`, every parameter of the
+    /// checkpoint must be among them.
+    pub fn load_parameters(&self, params: &[(String, Var)], strict: bool) -> Result<()> {
         let mut values: Vec<(&Var, Tensor)> = Vec::with_capacity(params.len());
-        for (name, var) in &params {
+        for (name, var) in params {
             let local = var.tensor().dims().to_vec();
             let (split, global) = split_and_global(var, &local);
             self.check_parameter(name, &global)?;

@@ -44,7 +44,10 @@
 //! Each rank collects its pieces: [`pieces_of_module`] (parameters with their placements) and
 //! [`pieces_of_optimizer`] for data-parallel, tensor-parallel and pipeline ranks without ZeRO;
 //! [`ShardedDataParallel::local_pieces`](crate::ShardedDataParallel::local_pieces) (parameter
-//! and optimizer-state segments) under ZeRO. [`save`] (collective over the world) exchanges the
+//! and optimizer-state segments) under ZeRO; both kinds under expert parallelism with ZeRO (the
+//! dense parameters' segments, the rank's experts whole with their own optimizer's state).
+//! [`DataParallel::local_pieces`](crate::DataParallel::local_pieces) and
+//! [`DataParallel::load_pieces`](crate::DataParallel::load_pieces) choose for a rank's wrapper. [`save`] (collective over the world) exchanges the
 //! piece descriptions, writes every distinct piece once (replicas share the writing), and
 //! publishes (see [`save`] for the steps).
 //!
@@ -142,7 +145,7 @@ pub use format::{
     VERSION,
 };
 pub use open::Checkpoint;
-pub use piece::{pieces_of_module, pieces_of_optimizer, Piece, OPTIM_PREFIX};
+pub use piece::{pieces_of_module, pieces_of_optimizer, pieces_of_parameters, Piece, OPTIM_PREFIX};
 pub use save::{save, save_single, SaveOptions};
 
 pub(crate) use load::{list as list_names, split_and_global};

@@ -128,14 +128,16 @@ impl Piece {
 /// the master weights, and a ZeRO-3 model's parameters are released between uses (reading them
 /// here would gather them).
 pub fn pieces_of_module(model: &dyn Module) -> Result<Vec<Piece>> {
-    Ok(model
-        .named_parameters()
-        .into_iter()
-        .map(|(name, v)| {
-            let data = v.tensor().clone();
-            Piece::placed_like(name, Role::Parameter, &v, data)
-        })
-        .collect())
+    Ok(pieces_of_parameters(&model.named_parameters()))
+}
+
+/// The pieces of the named parameters `params` on this rank, as [`pieces_of_module`] gives a
+/// module's (for some of a module's parameters: the experts a sharded wrapper leaves alone).
+pub fn pieces_of_parameters(params: &[(String, Var)]) -> Vec<Piece> {
+    params
+        .iter()
+        .map(|(name, v)| Piece::placed_like(name.clone(), Role::Parameter, v, v.tensor().clone()))
+        .collect()
 }
 
 /// The role of the optimizer state entry `key` by the optimizer's [`Optimizer::state_kind`].

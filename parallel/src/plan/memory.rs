@@ -20,8 +20,8 @@
 //!   checkpoint's buffer) comes after the backward, and the figure is the larger of the two
 //!   moments. Sharded over `S` ranks as ZeRO does: ZeRO-1 divides the moments
 //!   by `S`; ZeRO-2 also the gradients (`4 P / S`, plus the largest unit's fresh gradient); ZeRO-3
-//!   (fsdp) the parameters too (`4 P / S`, plus the largest unit, a block or the embedding,
-//!   gathered whole). At the end of a ZeRO-3 run every rank gathers its full parameters again
+//!   (fsdp) the parameters too (`4 P / S`, plus the largest unit, a block or the root unit,
+//!   which holds the embedding, the final norm and an untied head, gathered whole). At the end of a ZeRO-3 run every rank gathers its full parameters again
 //!   (for the checkpoint), which the per-rank figure also covers.
 //! * **Reference mode** adds to the gradients `(floor(log2 g) + 1) · 4 P` for the pending
 //!   subtrees of the rank's `g` row groups and `dp · 4 P` for a tree-ordered reduction receiving
@@ -551,7 +551,11 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
     let experts = stage.params.experts.div_ceil(n(layout.ep()));
     let dense = stage.params.dense(tp);
     let local = dense + experts;
-    let unit = block(shape).dense(tp).max(embedding(shape).dense(tp));
+    // The largest unit: a block, or the root unit (what the stage holds besides its blocks:
+    // the embedding, the head's norm and untied matrix), each without the experts.
+    let root = flag(stage.embedding) * embedding(shape).dense(tp)
+        + flag(stage.logits) * head(shape).dense(tp);
+    let unit = block(shape).dense(tp).max(root);
     let bytes = |x: N| x * N::of(F32);
     // Working copies: f32, or 2-byte copies beside f32 master weights (in the optimizer state).
     let half = N::of(run.precision.bytes());

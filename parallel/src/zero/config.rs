@@ -237,6 +237,14 @@ pub struct ShardConfig {
     /// not sharded, reduced, broadcast or stepped; another strategy owns them (the experts under
     /// expert parallelism, [`crate::ExpertDataParallel`]). Default none.
     pub ignored: Vec<String>,
+    /// Some parameters may get no gradient on some ranks in a backward (a mixture of experts'
+    /// experts that a rank's tokens did not reach), as DDP's `find_unused_parameters`: a unit is
+    /// then not complete on every rank at the same moment, so its reduction is not launched
+    /// during the backward but by [`ShardedDataParallel::finish`](super::ShardedDataParallel::finish),
+    /// every unit in the fixed order; every rank then issues the same collectives in the same
+    /// order (the backward's all-gathers, then the reductions). The whole flat gradients exist
+    /// at once before they are reduced. Default false.
+    pub sometimes_unused: bool,
 }
 
 impl ShardConfig {
@@ -249,6 +257,7 @@ impl ShardConfig {
             prefetch: true,
             broadcast_params: true,
             ignored: Vec::new(),
+            sometimes_unused: false,
         }
     }
 }

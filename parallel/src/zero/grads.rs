@@ -9,6 +9,8 @@
 //! * Units are launched strictly in a fixed order (reverse unit order, root last: the order
 //!   backward completes them in), so every rank issues the same collectives in the same order
 //!   whatever order its hooks fire in. A unit completed early waits for the ones before it.
+//!   With [`ShardConfig::sometimes_unused`](super::ShardConfig::sometimes_unused) nothing is
+//!   launched during the backward (a unit may complete on one rank and not on another).
 //! * [`ShardedDataParallel::finish`] launches what is left (parameters without a gradient
 //!   contribute zeros), agrees on which parameters had a gradient on any rank (a small max
 //!   all-reduce; the optimizer skips the others, as it would unsharded), waits, converts to the
@@ -57,7 +59,8 @@ impl Inner {
                 }
             }
         }
-        if sync {
+        // Parameters that may get no gradient on some ranks: `finish` launches every unit.
+        if sync && !self.config.sometimes_unused {
             self.launch_ready(&mut st)?;
         }
         Ok(())

@@ -157,4 +157,5 @@ pub use gather::GatherOrder;
 pub use optim::OptimizerFactory;
 pub use plan::{Segment, ShardPlan};
 pub use topology::ShardTopology;
+pub(crate) use wrapper::without_ignored;
 pub use wrapper::{GatherStats, ShardedDataParallel};

@@ -521,7 +521,7 @@ fn shard_vars(
 /// sharded like the others but never gets a gradient, so the optimizer never updates it.
 /// The units of the kept parameters (`kept[i]` for the model's parameter `i`): `unit_of`
 /// restricted to them, units left empty dropped and the rest renumbered in order.
-fn without_ignored(
+pub(crate) fn without_ignored(
     unit_names: Vec<String>,
     unit_of: Vec<usize>,
     kept: &[bool],
