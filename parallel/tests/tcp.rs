@@ -7,11 +7,10 @@
 
 use crate::a2a;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use meshgrad_parallel::comm::store::TcpStore;
-use meshgrad_parallel::comm::tcp::TcpCommunicator;
+use meshgrad_parallel::comm::tcp::{run_loopback_ranks, TcpCommunicator};
 use meshgrad_parallel::comm::{run_ranks, P2pOp, P2pWork, ReduceOp, RunOptions};
 use meshgrad_parallel::Communicator;
 use meshgrad_tensor::{CommErrorKind, DType, Device, Error, Random, Result, Tensor};
@@ -23,27 +22,7 @@ fn tcp_world<T: Send>(
     timeout: Duration,
     f: impl Fn(Arc<TcpCommunicator>) -> T + Sync,
 ) -> Vec<T> {
-    let first = TcpStore::serve(0, w, timeout).unwrap();
-    let port = first.port();
-    let first = Mutex::new(Some(first));
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..w)
-            .map(|r| {
-                let (f, first) = (&f, &first);
-                s.spawn(move || {
-                    let store = match r {
-                        0 => first.lock().unwrap().take().unwrap(),
-                        _ => TcpStore::connect("127.0.0.1", port, r, w, timeout).unwrap(),
-                    };
-                    let comm =
-                        TcpCommunicator::connect(r, w, "127.0.0.1", Arc::new(store), timeout)
-                            .unwrap();
-                    f(comm)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+    run_loopback_ranks(w, timeout, |comm| Ok(f(comm))).unwrap()
 }
 
 /// Rank r's input: distinct random values with a spread of magnitudes, so sums in another

@@ -22,14 +22,12 @@
 //! (`meshgrad`'s `cpu_profile`), as a [`super::compute::ComputeScale`].
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use meshgrad_tensor::{DType, Device, Tensor};
 
 use super::device::{DeviceError, DeviceKind};
-use crate::comm::store::TcpStore;
-use crate::comm::tcp::TcpCommunicator;
+use crate::comm::tcp::run_loopback_ranks;
 use crate::comm::{run_ranks, ReduceOp, RunOptions};
 use crate::Communicator;
 
@@ -85,7 +83,10 @@ fn timed_all_reduce(comm: &dyn Communicator, values: usize) -> meshgrad_tensor::
 /// the in-process backend or, with `tcp`, each thread its own rank of a loopback TCP world.
 fn all_reduce_time(ranks: usize, values: usize, tcp: bool) -> Result<f64, DeviceError> {
     let times = if tcp {
-        tcp_ranks(ranks, |comm| timed_all_reduce(&*comm, values))?
+        run_loopback_ranks(ranks, Duration::from_secs(60), |comm| {
+            timed_all_reduce(&*comm, values)
+        })
+        .map_err(err)?
     } else {
         run_ranks(ranks, &RunOptions::default(), |ctx| {
             timed_all_reduce(&*ctx.comm, values)
@@ -93,50 +94,6 @@ fn all_reduce_time(ranks: usize, values: usize, tcp: bool) -> Result<f64, Device
         .map_err(err)?
     };
     Ok(times.into_iter().fold(0.0, f64::max))
-}
-
-/// Runs `f` on every rank of a TCP world of `ranks` threads of this process, each connected to
-/// the others over loopback TCP as processes of `meshgrad launch` are.
-fn tcp_ranks<T: Send>(
-    ranks: usize,
-    f: impl Fn(Arc<TcpCommunicator>) -> meshgrad_tensor::Result<T> + Sync,
-) -> Result<Vec<T>, DeviceError> {
-    let timeout = Duration::from_secs(60);
-    let first = TcpStore::serve(0, ranks, timeout).map_err(err)?;
-    let port = first.port();
-    let first = Mutex::new(Some(first));
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..ranks)
-            .map(|r| {
-                let (f, first) = (&f, &first);
-                s.spawn(move || {
-                    let served = match r {
-                        0 => first.lock().ok().and_then(|mut g| g.take()),
-                        _ => None,
-                    };
-                    let store = match served {
-                        Some(store) => store,
-                        None => TcpStore::connect("127.0.0.1", port, r, ranks, timeout)?,
-                    };
-                    f(TcpCommunicator::connect(
-                        r,
-                        ranks,
-                        "127.0.0.1",
-                        Arc::new(store),
-                        timeout,
-                    )?)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .map_err(|_| err("a TCP rank thread panicked"))?
-                    .map_err(err)
-            })
-            .collect()
-    })
 }
 
 /// A link's latency (microseconds) and bandwidth (GB/s) solved from all-reduce times of 4 KiB

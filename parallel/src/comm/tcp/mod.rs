@@ -33,8 +33,11 @@
 //! * **Devices.** Tensors on any device are staged through host memory; results come back on the
 //!   input's device (a receive's on the CPU).
 
+mod loopback;
 mod net;
 mod ops;
+
+pub use loopback::run_loopback_ranks;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
