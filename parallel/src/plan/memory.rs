@@ -58,8 +58,10 @@
 //!   output being combined (`C`), split by `tp`. ZeRO shards over `dp_shard x cp` ranks.
 //! * **Mixture of experts** (`n_experts > 0`): a block holds `n_experts` MLPs and a router
 //!   (`C x n_experts`); tensor parallelism leaves both whole on every rank (each routes the same
-//!   tokens), expert parallelism (`ep=E`) divides the experts by `E`; ZeRO shards the other
-//!   parameters, the experts staying whole on their ranks with their gradients and AdamW state. Per token a block keeps, instead of one MLP's values, those of
+//!   tokens), expert parallelism (`ep=E`) divides the experts by `E`; under ep ZeRO shards the other
+//!   parameters, the experts staying whole on their ranks with their gradients and AdamW state,
+//!   and without ep it shards the experts with the rest (then, under ZeRO-2/3, all of a rank's
+//!   unsharded gradients exist after the backward, whose reductions wait for its end). Per token a block keeps, instead of one MLP's values, those of
 //!   its `k` experts with the copy each read and the output it wrote (`2 C` each), and the
 //!   router's logits and probabilities (`2 n_experts`), none split by `tp`; the all-to-alls
 //!   bring each rank as many token copies as it sends (balanced routing).
@@ -546,16 +548,22 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
     let layout = run.layout;
     let tp = layout.tp();
     let microbatches = run.microbatches.max(1);
-    // ZeRO shards what is not an expert; the experts (already split `ep` ways) stay whole on
+    // Under ep, ZeRO shards what is not an expert; the experts (split `ep` ways) stay whole on
     // their ranks with their gradients and an AdamW of their own (`ExpertDataParallel`).
-    let experts = stage.params.experts.div_ceil(n(layout.ep()));
-    let dense = stage.params.dense(tp);
+    // Without ep, ZeRO shards the experts with the rest.
+    let ep = layout.ep() > 1;
+    let experts = flag(ep) * stage.params.experts.div_ceil(n(layout.ep()));
+    let dense = stage.params.dense(tp) + flag(!ep) * stage.params.experts;
     let local = dense + experts;
     // The largest unit: a block, or the root unit (what the stage holds besides its blocks:
-    // the embedding, the head's norm and untied matrix), each without the experts.
+    // the embedding, the head's norm and untied matrix); a block's experts in it without ep.
     let root = flag(stage.embedding) * embedding(shape).dense(tp)
         + flag(stage.logits) * head(shape).dense(tp);
-    let unit = block(shape).dense(tp).max(root);
+    let unit = (block(shape).dense(tp) + flag(!ep) * block(shape).experts).max(root);
+    // A mixture of experts under ZeRO-2/3 without ep reduces its gradients after the backward
+    // (an expert may get no tokens on some rank: `ShardConfig::sometimes_unused`), so all of
+    // the rank's unsharded gradients exist at once.
+    let unused = !ep && shape.n_experts > 0;
     let bytes = |x: N| x * N::of(F32);
     // Working copies: f32, or 2-byte copies beside f32 master weights (in the optimizer state).
     let half = N::of(run.precision.bytes());
@@ -665,6 +673,14 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
         && run.reference_row_group.is_none()
         && matches!(layout.zero(), None | Some(ZeroStage::One));
     let grads_in_backward = if single_copy { bytes(local) } else { grads };
+    // After the backward of a mixture of experts under ZeRO-2/3 without ep, all of the rank's
+    // unsharded gradients (their reduction waits for the backward's end).
+    let stage_23 = matches!(layout.zero(), Some(ZeroStage::Two | ZeroStage::Three));
+    let grads = if unused && stage_23 {
+        grads.max(grads_of(local))
+    } else {
+        grads
+    };
     let training =
         (params + grads_in_backward + optimizer + activations).max(params + grads + optimizer);
     let per_rank = if layout.zero() == Some(ZeroStage::Three) {
@@ -778,6 +794,38 @@ pub fn estimate_inference(shape: &ModelShape, rows: u64) -> MemoryEstimate {
 mod tests {
     use super::*;
     use crate::pipeline::{simulate, Costs, Schedule};
+
+    #[test]
+    fn zero_shards_the_experts_with_the_rest_unless_expert_parallelism_holds_them() {
+        let mut model = meshgrad_nn::LlamaConfig::new(1024, 128, 128, 4, 4).shape();
+        (model.n_experts, model.experts_per_token) = (8, 2);
+        let total = num_parameters(&model).unwrap();
+        // One expert: gate, up and down projections of `C x F` each.
+        let experts = 4 * 8 * 3 * 128 * model.ffn as u64;
+        let optimizer = |spec: &str| {
+            let layout = spec.parse().unwrap();
+            estimate_training(&TrainingRun {
+                model: model.clone(),
+                layout: &layout,
+                batch_size: 8,
+                microbatches: 1,
+                schedule: ScheduleKind::OneFOneB,
+                sequence_parallel: false,
+                checkpoint_blocks: false,
+                reference_row_group: None,
+                precision: Precision::F32,
+            })
+            .optimizer
+        };
+        // AdamW's two f32 moments: 8 bytes a parameter. Without ep, fsdp=4 shards all of them
+        // four ways; with ep=2 each rank keeps its half of the experts whole and shards the rest.
+        assert_eq!(optimizer("fsdp=4"), (8 * total).div_ceil(4));
+        let dense = total - experts;
+        assert_eq!(
+            optimizer("fsdp=4,ep=2"),
+            (8 * dense).div_ceil(4) + 8 * experts / 2
+        );
+    }
 
     #[test]
     fn zero_bubble_holds_what_the_simulator_counts() {
