@@ -805,7 +805,7 @@ mod tests {
         let optimizer = |spec: &str| {
             let layout = spec.parse().unwrap();
             estimate_training(&TrainingRun {
-                model: model.clone(),
+                model,
                 layout: &layout,
                 batch_size: 8,
                 microbatches: 1,
