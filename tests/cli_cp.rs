@@ -6,7 +6,8 @@
 //! single device's weights to rounding (1e-5 of each tensor's scale), Llama's and BERT's Hugging
 //! Face folders within 1e-5 relative L2 over all parameters.
 //!
-//! Reference mode (`--reference` with `train.reference_positions=folded`) under cp=2, cp=4 and
+//! Reference mode (`--reference` with `train.reference_positions=folded`) under cp=2 (also as two
+//! processes of `meshgrad launch` over TCP), cp=4 and
 //! dp=2,cp=2 gives one device's reference run (in the same order) bit for bit, GPT and Llama:
 //! every metrics value and the weights file.
 //!
@@ -23,6 +24,17 @@ use common::{assert_lockstep, assert_one_line_error, metric_lines, metrics, tmpd
 
 /// Trains a tiny `model` (4 heads, 16 positions: 8 chunks of 2 under cp=4) for 4 steps.
 fn train(dir: &Path, model: &str, tag: &str, extra: &[&str]) -> Output {
+    train_on(None, dir, model, tag, extra)
+}
+
+/// [`train`] as `processes` processes of `meshgrad launch` (over TCP) when given.
+fn train_on(
+    processes: Option<usize>,
+    dir: &Path,
+    model: &str,
+    tag: &str,
+    extra: &[&str],
+) -> Output {
     let mut sets = vec![
         "model.n_layer=2",
         "model.n_embd=32",
@@ -39,13 +51,8 @@ fn train(dir: &Path, model: &str, tag: &str, extra: &[&str]) -> Output {
     if model == "llama" || model == "mixtral" {
         sets.push("model.n_kv_head=2");
     }
-    common::train(
-        dir,
-        tag,
-        4,
-        &sets,
-        &[&["--model", model, "--lr", "1e-3"], extra].concat(),
-    )
+    let flags = [&["--model", model, "--lr", "1e-3"], extra].concat();
+    common::train_on(processes, dir, tag, 4, &[&sets, &flags])
 }
 
 const LAYOUTS: [(&str, &str); 5] = [
@@ -148,6 +155,21 @@ fn reference_is_bit_identical(model: &str, extra: &[&str]) {
         );
         assert!(weights(tag) == single, "{model} {tag}: weights differ");
     }
+    // cp=2 as two processes of `meshgrad launch`: the same bits over TCP.
+    let layout = ["--layout", "cp=2"];
+    let o = train_on(
+        Some(2),
+        &dir,
+        model,
+        "cp2tcp",
+        &[&reference[..], &layout].concat(),
+    );
+    common::assert_ok(&o);
+    assert_eq!(metric_lines(&dir, "cp2tcp"), want, "{model} cp=2 over TCP");
+    assert!(
+        weights("cp2tcp") == single,
+        "{model} cp=2 over TCP: weights differ"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
