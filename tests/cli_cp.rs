@@ -1,5 +1,5 @@
 //! `meshgrad train --layout` with context parallelism: GPT and Llama under cp=2, cp=4,
-//! dp=2,cp=2, tp=2,cp=2, pp=2,cp=2 and hsdp=2x2,cp=2 (GPT also zero1=2,cp=2 and fsdp=2,cp=2),
+//! dp=2,cp=2, tp=2,cp=2 (also with sequence parallelism), pp=2,cp=2 and hsdp=2x2,cp=2 (GPT also zero1=2,cp=2 and fsdp=2,cp=2),
 //! and BERT (non-causal, masked LM) under cp=2, give the
 //! single-device losses on the same global batch (within 1e-5 relative, train and validation;
 //! gradient norms within 1e-4), 4 steps of tiny models; GPT's gathered checkpoints hold the
@@ -55,11 +55,12 @@ fn train_on(
     common::train_on(processes, dir, tag, 4, &[&sets, &flags])
 }
 
-const LAYOUTS: [(&str, &str); 5] = [
+const LAYOUTS: [(&str, &str); 6] = [
     ("cp2", "cp=2"),
     ("cp4", "cp=4"),
     ("dp2cp2", "dp=2,cp=2"),
     ("tp2cp2", "cp=2,tp=2"),
+    ("tp2cp2sp", "cp=2,tp=2 --sequence-parallel"),
     ("pp2cp2", "pp=2,cp=2"),
 ];
 
@@ -70,7 +71,11 @@ fn lockstep(model: &str, layouts: &[(&str, &str)]) {
     let single = metrics(&dir, "single");
     assert_eq!(single.len(), 4);
     for &(tag, layout) in layouts {
-        let o = train(&dir, model, tag, &["--layout", layout]);
+        // A layout, then any flags (`cp=2,tp=2 --sequence-parallel`).
+        let mut words = layout.split(' ');
+        let layout = words.next().unwrap();
+        let flags: Vec<&str> = ["--layout", layout].into_iter().chain(words).collect();
+        let o = train(&dir, model, tag, &flags);
         let out = String::from_utf8_lossy(&o.stdout);
         assert!(
             o.status.success(),

@@ -77,7 +77,8 @@ impl Forward for CausalSelfAttention {
             // heads of q, k, v as [B, h, T, d], ring (or folded) attention, heads back side by
             // side.
             Some(cp) => {
-                let (b, t) = (dims[0], dims[1]);
+                // The projection's rows: under sequence parallelism the gathered sequence.
+                let (b, t) = (dims[0], qkv.tensor().dims()[1]);
                 let parts = qkv.split(&[h * d, h * d, h * d], -1)?;
                 let heads = |v: &Var| v.reshape((b, t, h, d))?.transpose(1, 2);
                 cp.causal_attention(
