@@ -448,8 +448,9 @@ struct TrainArgs {
     #[arg(long)]
     overwrite: bool,
     /// Print the planner's line for this run on this machine (`plan: ... fits=yes|no`; the CPU
-    /// calibrated as `meshgrad plan --device-kind cpu` does) and stop before any work; a run
-    /// that does not fit is refused in one line, as the preflight check would.
+    /// calibrated and the model's layers profiled as `meshgrad plan --device-kind cpu` does,
+    /// over TCP under `meshgrad launch`) and stop before any work; a run that does not fit is
+    /// refused in one line, as the preflight check would.
     #[arg(long)]
     dry_run: bool,
     /// Recompute activations in the backward pass instead of keeping them: none (default), all

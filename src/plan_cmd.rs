@@ -35,7 +35,8 @@ pub struct PlanArgs {
     /// Devices per node (default: the device kind's).
     #[arg(long)]
     pub devices_per_node: Option<usize>,
-    /// h100, h200, a100-80gb, a100-40gb, cpu (this machine, calibrated) or a FILE.toml.
+    /// h100, h200, a100-80gb, a100-40gb, cpu (this machine, calibrated and the model's layers
+    /// profiled; cached in ~/.cache/meshgrad) or a FILE.toml.
     #[arg(long)]
     pub device_kind: String,
     /// Rows per optimizer step.
