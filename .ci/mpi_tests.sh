@@ -20,8 +20,8 @@
 # * a checkpoint saved under mpirun (fsdp=4, `--save-every`) resumes under the thread backend
 #   and continues with the thread run's losses (rank 0 wrote the index, every rank its shards);
 # * reference mode (`--reference`) under `mpirun -np 4` (hsdp=2x2; BERT dp=2,tp=2 with sequence
-#   parallelism) and `meshgrad launch` (fsdp=4): metrics and weight bytes identical to the
-#   one-device reference run.
+#   parallelism; GPT dp=2,cp=2 in the folded position order) and `meshgrad launch` (fsdp=4):
+#   metrics and weight bytes identical to the one-device reference run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
@@ -235,6 +235,16 @@ REFB=(train --reference --model bert --steps 3 --set model.n_layer=2 --set model
 "${MPIRUN[@]}" -np 4 "${BIN}" "${REFB[@]}" --layout dp=2,tp=2 --sequence-parallel \
     --metrics "${WORK}/refb_mpi.jsonl" --out "${WORK}/refb_mpi" >"${WORK}/refb_mpi.log" 2>&1 \
     || { cat "${WORK}/refb_mpi.log"; exit 1; }
+# GPT under context parallelism in reference mode's folded position order (dp=2,cp=2, 4
+# processes).
+REFC=(train --reference --set train.reference_positions=folded --steps 3 --set model.n_layer=2
+      --set model.dropout=0 --batch-size 8 --set train.eval_interval=2 --set train.eval_batches=2
+      --set train.sample_tokens=0)
+"${BIN}" "${REFC[@]}" --metrics "${WORK}/refc_one.jsonl" --out "${WORK}/refc_one" \
+    >"${WORK}/refc_one.log" 2>&1 || { cat "${WORK}/refc_one.log"; exit 1; }
+"${MPIRUN[@]}" -np 4 "${BIN}" "${REFC[@]}" --layout dp=2,cp=2 \
+    --metrics "${WORK}/refc_mpi.jsonl" --out "${WORK}/refc_mpi" >"${WORK}/refc_mpi.log" 2>&1 \
+    || { cat "${WORK}/refc_mpi.log"; exit 1; }
 # Whether run RUN equals run ONE bit for bit: metrics strings and weight bytes.
 same_as_one() {
     local one=$1 run=$2
@@ -249,4 +259,5 @@ same_as_one() {
 same_as_one ref_one ref_mpi
 same_as_one ref_one ref_launch
 same_as_one refb_one refb_mpi
+same_as_one refc_one refc_mpi
 exit "${status}"
