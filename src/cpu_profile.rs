@@ -96,10 +96,7 @@ pub(crate) fn compute_scale(cfg: &TrainConfig, rows: usize) -> Result<ComputeSca
              embedding = {}\nhead = {}\n",
             scale.block, scale.embedding, scale.head
         );
-        if let Some(dir) = f.parent() {
-            let _ = std::fs::create_dir_all(dir);
-        }
-        let _ = std::fs::write(f, text);
+        calibrate::write_cache(f, &text);
     }
     Ok(scale)
 }

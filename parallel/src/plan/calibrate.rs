@@ -191,17 +191,41 @@ pub fn cpu_device(ranks: usize) -> Result<DeviceKind, DeviceError> {
     }
     let text = measure(ranks)?;
     if let Some(f) = &file {
-        if let Some(dir) = f.parent() {
-            let _ = std::fs::create_dir_all(dir);
-        }
-        let _ = std::fs::write(f, &text);
+        write_cache(f, &text);
     }
     DeviceKind::parse(&text, "the cpu calibration")
+}
+
+/// Writes a cache file atomically (a temporary file of this process, renamed over it), so that
+/// the processes of one job calibrating at once never read a half-written file; a cache that
+/// cannot be written is skipped (the next run measures again).
+pub fn write_cache(path: &std::path::Path, text: &str) {
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    let written = path
+        .parent()
+        .map_or(Ok(()), std::fs::create_dir_all)
+        .and_then(|()| std::fs::write(&tmp, text))
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cache_file_is_replaced_whole_and_leaves_no_temporary_behind() {
+        let dir = std::env::temp_dir().join(format!("meshgrad-cache-{}", std::process::id()));
+        let file = dir.join("sub").join("cpu.toml");
+        write_cache(&file, "a = 1\n");
+        write_cache(&file, "a = 2\n");
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), "a = 2\n");
+        let names: Vec<_> = std::fs::read_dir(dir.join("sub")).unwrap().collect();
+        assert_eq!(names.len(), 1, "{names:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn a_measurement_of_two_ranks_is_a_device_file_with_both_links() {
