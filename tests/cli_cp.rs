@@ -52,7 +52,7 @@ fn train_on(
         sets.push("model.n_kv_head=2");
     }
     let flags = [&["--model", model, "--lr", "1e-3"], extra].concat();
-    common::train_on(processes, dir, tag, 4, &[&sets, &flags])
+    common::train_on(processes, dir, tag, 4, &sets, &flags)
 }
 
 const LAYOUTS: [(&str, &str); 6] = [

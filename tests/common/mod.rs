@@ -65,17 +65,17 @@ pub fn assert_one_line_error(o: &Output, needles: &[&str]) {
 /// `meshgrad train --steps <steps>` into `dir/<tag>` with metrics in `dir/<tag>.jsonl`, one
 /// `--set` per entry of `sets` (in order), then `extra`.
 pub fn train(dir: &Path, tag: &str, steps: usize, sets: &[&str], extra: &[&str]) -> Output {
-    train_on(None, dir, tag, steps, &[sets, extra])
+    train_on(None, dir, tag, steps, sets, extra)
 }
 
-/// [`train`] (`sets_extra`: its `sets` and `extra`) as `processes` processes of `meshgrad
-/// launch` (one rank each, over TCP) when given.
+/// [`train`] as `processes` processes of `meshgrad launch` (one rank each, over TCP) when given.
 pub fn train_on(
     processes: Option<usize>,
     dir: &Path,
     tag: &str,
     steps: usize,
-    [sets, extra]: &[&[&str]; 2],
+    sets: &[&str],
+    extra: &[&str],
 ) -> Output {
     let out = dir.join(tag);
     let metrics = dir.join(format!("{tag}.jsonl"));
@@ -86,10 +86,10 @@ pub fn train_on(
     cmd.args(["train", "--steps", &steps.to_string()])
         .args(["--out", out.to_str().unwrap()])
         .args(["--metrics", metrics.to_str().unwrap()]);
-    for s in *sets {
+    for s in sets {
         cmd.args(["--set", s]);
     }
-    cmd.args(*extra).output().unwrap()
+    cmd.args(extra).output().unwrap()
 }
 
 /// `meshgrad eval --checkpoint <ckpt> --data <data>`.

@@ -738,25 +738,24 @@ mod tests {
         }
     }
 
+    /// `c` on `cl` running `w`.
+    fn estimate(w: &Workload, cl: &Cluster, c: &Candidate) -> Estimate {
+        let m = CostModel {
+            workload: w,
+            cluster: cl,
+        };
+        m.estimate(c, &mut BubbleCache::new()).unwrap()
+    }
+
     #[test]
     fn a_measured_compute_scale_multiplies_the_compute_and_nothing_else() {
         let w = workload(4);
         let mut cl = cluster(2);
         let c = candidate("tp=2", 1);
-        let base = CostModel {
-            workload: &w,
-            cluster: &cl,
-        }
-        .estimate(&c, &mut BubbleCache::new())
-        .unwrap();
+        let base = estimate(&w, &cl, &c);
         // Blocks twice as slow as modelled, the embedding and the head as modelled.
         cl.compute_scale.block = 2.0;
-        let slow = CostModel {
-            workload: &w,
-            cluster: &cl,
-        }
-        .estimate(&c, &mut BubbleCache::new())
-        .unwrap();
+        let slow = estimate(&w, &cl, &c);
         let mb = MicroBatch {
             model: &w.model,
             device: &cl.device,
@@ -785,19 +784,9 @@ mod tests {
         let w = workload(8);
         let mut cl = cluster(2);
         let c = candidate("pp=2", 1);
-        let apart = CostModel {
-            workload: &w,
-            cluster: &cl,
-        }
-        .estimate(&c, &mut BubbleCache::new())
-        .unwrap();
+        let apart = estimate(&w, &cl, &c);
         cl.one_machine = true;
-        let shared = CostModel {
-            workload: &w,
-            cluster: &cl,
-        }
-        .estimate(&c, &mut BubbleCache::new())
-        .unwrap();
+        let shared = estimate(&w, &cl, &c);
         // 8 micro-batches over 2 stages under 1F1B: a bubble of one micro-batch's forward and
         // backward per stage, which ranks on one machine spend on the other stage's work.
         assert!(apart.time.bubble > 0.0, "{:?}", apart.time);
