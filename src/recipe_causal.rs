@@ -104,15 +104,6 @@ impl<F: TrainFamily> Recipe for CausalRecipe<F> {
         crate::ranks::check_context_parallel(cfg, layout)?;
         // The other sizes first; then the vocabulary, whose error names the key that pads it.
         let config = F::config(cfg);
-        if layout.cp() > 1 && F::moe(&config).is_some() {
-            // The load-balancing loss and the capacity are per sequence, and a context-parallel
-            // rank sees only its chunks of each.
-            anyhow::bail!(
-                "layout {layout}: context parallelism (cp) is not supported for a mixture of \
-                 experts ({}) yet; use dp, fsdp, hsdp or pp",
-                F::NAME
-            );
-        }
         if layout.ep() > 1 {
             let Some(moe) = F::moe(&config) else {
                 anyhow::bail!(

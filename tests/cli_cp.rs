@@ -1,6 +1,8 @@
 //! `meshgrad train --layout` with context parallelism: GPT and Llama under cp=2, cp=4,
-//! dp=2,cp=2, tp=2,cp=2 (also with sequence parallelism), pp=2,cp=2 and hsdp=2x2,cp=2 (GPT also zero1=2,cp=2 and fsdp=2,cp=2),
-//! and BERT (non-causal, masked LM) under cp=2, give the
+//! dp=2,cp=2, tp=2,cp=2 (also with sequence parallelism), pp=2,cp=2 and hsdp=2x2,cp=2 (GPT also
+//! zero1=2,cp=2 and fsdp=2,cp=2), the Mixtral under the same but sequence parallelism and
+//! hsdp, plus fsdp=2,cp=2 and cp with ep (also with a capacity factor under cp=2, cp=4 and
+//! dp=2,cp=2), and BERT (non-causal, masked LM) under cp=2, give the
 //! single-device losses on the same global batch (within 1e-5 relative, train and validation;
 //! gradient norms within 1e-4), 4 steps of tiny models; GPT's gathered checkpoints hold the
 //! single device's weights to rounding (1e-5 of each tensor's scale), Llama's and BERT's Hugging
@@ -8,12 +10,12 @@
 //!
 //! Reference mode (`--reference` with `train.reference_positions=folded`) under cp=2 (also as two
 //! processes of `meshgrad launch` over TCP), cp=4 and
-//! dp=2,cp=2 gives one device's reference run (in the same order) bit for bit, GPT and Llama:
-//! every metrics value and the weights file.
+//! dp=2,cp=2 gives one device's reference run (in the same order) bit for bit, GPT, Llama and
+//! Mixtral: every metrics value and the weights file.
 //!
 //! Bad input is refused in one line: a sequence that does not split into 2 x cp chunks,
-//! dropout, a mixture of experts, reference mode without the folded order or on a layout it
-//! does not cover.
+//! dropout, reference mode without the folded order, on a layout it does not cover or with a
+//! capacity factor.
 
 use crate::common;
 
@@ -51,6 +53,14 @@ fn train_on(
     if model == "llama" || model == "mixtral" {
         sets.push("model.n_kv_head=2");
     }
+    if model == "mixtral" {
+        sets.extend([
+            "model.intermediate_size=16",
+            "model.n_experts=4",
+            "model.experts_per_token=2",
+            "model.router_aux_loss_coef=0.05",
+        ]);
+    }
     let flags = [&["--model", model, "--lr", "1e-3"], extra].concat();
     common::train_on(processes, dir, tag, 4, &sets, &flags)
 }
@@ -65,8 +75,13 @@ const LAYOUTS: [(&str, &str); 6] = [
 ];
 
 fn lockstep(model: &str, layouts: &[(&str, &str)]) {
+    lockstep_with(model, &[], layouts)
+}
+
+/// [`lockstep`] with `extra` flags in every run.
+fn lockstep_with(model: &str, extra: &[&str], layouts: &[(&str, &str)]) {
     let dir = tmpdir(&format!("cp-lockstep-{model}"));
-    let o = train(&dir, model, "single", &[]);
+    let o = train(&dir, model, "single", extra);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let single = metrics(&dir, "single");
     assert_eq!(single.len(), 4);
@@ -74,7 +89,11 @@ fn lockstep(model: &str, layouts: &[(&str, &str)]) {
         // A layout, then any flags (`cp=2,tp=2 --sequence-parallel`).
         let mut words = layout.split(' ');
         let layout = words.next().unwrap();
-        let flags: Vec<&str> = ["--layout", layout].into_iter().chain(words).collect();
+        let flags: Vec<&str> = ["--layout", layout]
+            .into_iter()
+            .chain(words)
+            .chain(extra.iter().copied())
+            .collect();
         let o = train(&dir, model, tag, &flags);
         let out = String::from_utf8_lossy(&o.stdout);
         assert!(
@@ -116,6 +135,36 @@ fn llama_trains_in_lockstep_under_context_parallelism() {
     lockstep(
         "llama",
         &[&LAYOUTS[..], &[("hsdp2x2cp2", "hsdp=2x2,cp=2")]].concat(),
+    );
+}
+
+#[test]
+fn mixtral_trains_in_lockstep_under_context_parallelism() {
+    // The load-balancing loss's counts are the whole sequences' (summed over the cp group);
+    // with ep the experts are sharded over the cp ranks (dp=1,cp=2,ep=2) or over dp x cp.
+    let more = [
+        ("cp2ep2", "dp=1,cp=2,ep=2"),
+        ("dp2cp2ep4", "dp=2,cp=2,ep=4"),
+        ("fsdp2cp2", "fsdp=2,cp=2"),
+    ];
+    // Mixtral refuses sequence parallelism (LAYOUTS[4]).
+    let layouts: Vec<_> = LAYOUTS
+        .iter()
+        .filter(|(t, _)| *t != "tp2cp2sp")
+        .copied()
+        .collect();
+    lockstep("mixtral", &[&layouts[..], &more].concat());
+}
+
+#[test]
+fn mixtral_with_a_capacity_trains_in_lockstep_under_context_parallelism() {
+    // The capacity keeps copies in the sequence's token order across the ranks' chunks: the
+    // same copies are dropped as on one device (some are: 0.75 of an even share).
+    let capacity = ["--set", "model.expert_capacity_factor=0.75"];
+    lockstep_with(
+        "mixtral",
+        &capacity,
+        &[("cp2", "cp=2"), ("cp4", "cp=4"), ("dp2cp2", "dp=2,cp=2")],
     );
 }
 
@@ -190,6 +239,13 @@ fn llama_reference_runs_are_bit_identical_to_one_device_under_context_parallelis
 }
 
 #[test]
+fn mixtral_reference_runs_are_bit_identical_to_one_device_under_context_parallelism() {
+    // The layer runs once per position leaf (router, experts and the leaf's part of the
+    // load-balancing loss) after counting the whole sequences' routed copies.
+    reference_is_bit_identical("mixtral", &["--set", "model.n_kv_head=4"]);
+}
+
+#[test]
 fn what_context_parallelism_does_not_support_is_refused_in_one_line() {
     let dir = tmpdir("cp-refusals");
     for (extra, needle) in [
@@ -218,8 +274,17 @@ fn what_context_parallelism_does_not_support_is_refused_in_one_line() {
     ] {
         assert_one_line_error(&train(&dir, "gpt", "refused", extra), &[needle]);
     }
+    let capacity_folded = [
+        "--layout",
+        "cp=2",
+        "--reference",
+        "--set",
+        "train.reference_positions=folded",
+        "--set",
+        "model.expert_capacity_factor=1.5",
+    ];
     assert_one_line_error(
-        &train(&dir, "mixtral", "refused-mixtral", &["--layout", "cp=2"]),
-        &["not supported for a mixture of experts (Mixtral) yet"],
+        &train(&dir, "mixtral", "refused-mixtral", &capacity_folded),
+        &["folded covers dropless experts only"],
     );
 }

@@ -4,7 +4,9 @@
 //! the one-line refusals, and the expert load collected per step.
 
 use meshgrad_autograd::{gradcheck, ForwardCtx, GradcheckOptions, Var};
-use meshgrad_nn::moe::{collect_expert_load, MoeSettings, Routing, RoutingArgs, SparseMoe};
+use meshgrad_nn::moe::{
+    collect_expert_load, run_counts, MoeSettings, Routing, RoutingArgs, SequenceSplit, SparseMoe,
+};
 use meshgrad_nn::{Forward, Module, ParamBuilder};
 use meshgrad_tensor::{DType, Device, Random, Tensor};
 
@@ -114,6 +116,7 @@ fn routing_matches_a_hand_reference() {
         n_experts: 3,
         top_k: 2,
         capacity_factor: None,
+        split: None,
     };
     let r = Routing::new(args).unwrap();
     assert_eq!(r.choices, vec![0, 2, 1, 2, 0, 1, 2, 1]);
@@ -128,6 +131,7 @@ fn routing_matches_a_hand_reference() {
     // copy is dropped (expert 1 in row 1: t3; expert 2 in row 0: t1).
     let r = Routing::new(RoutingArgs {
         capacity_factor: Some(0.5),
+        split: None,
         ..args
     })
     .unwrap();
@@ -154,6 +158,88 @@ fn routing_matches_a_hand_reference() {
         e.contains("experts_per_token = 5") && !e.contains('\n'),
         "{e}"
     );
+}
+
+#[test]
+fn a_capacity_over_context_parallel_chunks_keeps_one_devices_copies() {
+    // One row of 8 tokens, 3 experts, top 2, capacity ceil(0.75 * 8 * 2 / 3) = 4 copies. Two
+    // ranks hold chunks {0, 3} and {1, 2} of 4 (two tokens each); each routes its chunks with
+    // the copies routed at earlier chunks (from both ranks' run counts, added by hand here).
+    let (t, n, k) = (8, 3, 2);
+    let probs: Vec<f64> = Random::new(7)
+        .dtype(DType::F64)
+        .uniform(&[t, n][..], 0.0, 1.0)
+        .unwrap()
+        .to_vec_f64()
+        .unwrap();
+    let whole = RoutingArgs {
+        probs: &probs,
+        rows: 1,
+        tokens: t,
+        n_experts: n,
+        top_k: k,
+        capacity_factor: Some(0.75),
+        split: None,
+    };
+    let one = Routing::new(whole).unwrap();
+    assert!(one.dropped > 0, "{one:?}");
+    // Whether each token's j-th copy was kept, by global token.
+    let kept = |r: &Routing, s: usize| r.slot_position[s] < r.permuted_tokens.len() as u32;
+    let chunks = [[0usize, 3], [1, 2]];
+    let local: Vec<Vec<f64>> = chunks
+        .iter()
+        .map(|cs| {
+            cs.iter()
+                .flat_map(|&c| probs[c * 2 * n..(c + 1) * 2 * n].to_vec())
+                .collect()
+        })
+        .collect();
+    fn args<'a>(whole: RoutingArgs<'a>, p: &'a [f64]) -> RoutingArgs<'a> {
+        RoutingArgs {
+            probs: p,
+            tokens: 4,
+            ..whole
+        }
+    }
+    let counts: Vec<Vec<usize>> = local
+        .iter()
+        .map(|p| run_counts(&args(whole, p), 2).unwrap())
+        .collect();
+    // counts[rank][run * n + e]: chunk c of the sequence is rank/run `owner[c]`.
+    let owner = [(0, 0), (1, 0), (1, 1), (0, 1)];
+    let mut dropped = 0;
+    for (rank, cs) in chunks.iter().enumerate() {
+        let mut before = vec![0; 2 * n];
+        for (run, &c) in cs.iter().enumerate() {
+            for &(r, s) in &owner[..c] {
+                for e in 0..n {
+                    before[run * n + e] += counts[r][s * n + e];
+                }
+            }
+        }
+        let r = Routing::new(RoutingArgs {
+            split: Some(SequenceSplit {
+                sequence: t,
+                segments: 2,
+                routed_before: &before,
+            }),
+            ..args(whole, &local[rank])
+        })
+        .unwrap();
+        dropped += r.dropped;
+        for (run, &c) in cs.iter().enumerate() {
+            for s in 0..2 * k {
+                let (mine, global) = (run * 2 * k + s, c * 2 * k + s);
+                assert_eq!(r.choices[mine], one.choices[global]);
+                assert_eq!(
+                    kept(&r, mine),
+                    kept(&one, global),
+                    "rank {rank} chunk {c} slot {s}"
+                );
+            }
+        }
+    }
+    assert_eq!(dropped, one.dropped);
 }
 
 #[test]
@@ -275,7 +361,7 @@ fn capacity_drops_copies_and_the_load_is_collected() {
     let x = input(2, 6);
     let (out, load) = collect_expert_load(|| m.forward_routed(&Var::leaf(x.clone())).unwrap());
     // ceil(0.5 * 6 * 2 / 4) = 2 copies per expert and row.
-    let r = &out.routing;
+    let r = &out.routings[0];
     assert!(r.dropped > 0, "{r:?}");
     assert_eq!(r.expert_sizes.iter().sum::<usize>() + r.dropped, 2 * 6 * 2);
     assert!(r.expert_sizes.iter().all(|&n| n <= 2 * 2));

@@ -484,7 +484,11 @@ impl fmt::Display for ParallelLayout {
                 parts.push(format!("{}={}", stage.key(), self.dp_shard));
             }
             None => {
-                if self.dp_replicate > 1 || (self.tp == 1 && self.pp == 1 && self.cp == 1) {
+                // `dp=1` stays beside `ep` (alone, `ep=E` means `dp=E,ep=E`).
+                if self.dp_replicate > 1
+                    || self.ep > 1
+                    || (self.tp == 1 && self.pp == 1 && self.cp == 1)
+                {
                     parts.push(format!("dp={}", self.dp_replicate));
                 }
             }
@@ -605,6 +609,8 @@ mod tests {
             ("ep=2,pp=2", "pp=2,dp=2,ep=2"),
             ("ep=1", "dp=1"),
             ("tp=2,ep=2", "dp=2,tp=2,ep=2"),
+            ("dp=1,cp=2,ep=2", "dp=1,cp=2,ep=2"),
+            ("cp=2,ep=2", "dp=2,cp=2,ep=2"),
         ] {
             let layout = p(s).unwrap();
             assert_eq!(layout.to_string(), canonical, "{s}");

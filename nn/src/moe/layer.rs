@@ -1,14 +1,15 @@
 //! [`SparseMoe`]: Mixtral's sparse feed-forward (`block_sparse_moe`): the router, the experts
 //! and the dispatch between them (see the [module docs](super)).
 
-use meshgrad_autograd::distributed::all_to_all_rows;
+use meshgrad_autograd::distributed::{all_to_all_rows, FoldedPositions};
 use meshgrad_autograd::source_grads::set_aside;
 use meshgrad_autograd::Var;
 use meshgrad_tensor::{DType, Device, Result, Tensor};
 
 use super::ep::ExpertParallel;
 use super::load;
-use super::routing::{check_top_k, Routing, RoutingArgs};
+use super::routing::{check_top_k, run_counts, Routing, RoutingArgs, SequenceSplit};
+use crate::cp::ContextParallel;
 use crate::layers::Linear;
 use crate::llama::block::proj;
 use crate::module::{Child, Forward, ModuleField};
@@ -135,6 +136,9 @@ pub struct SparseMoe {
     pub experts: ExpertList,
     /// Expert parallelism: the group the experts are sharded over.
     pub ep: Option<ExpertParallel>,
+    /// Context parallelism: the group that splits each sequence (the routed counts and the
+    /// capacity's order are the whole sequences'), from the builder.
+    pub cp: Option<ContextParallel>,
     /// Routing settings.
     pub settings: MoeSettings,
     /// The layer's global index (its load's key in [`super::collect_expert_load`]).
@@ -148,10 +152,12 @@ pub struct SparseMoe {
 pub struct MoeOutput {
     /// The output `[B, T, C]` (carrying the load-balancing loss's gradient, when weighted).
     pub output: Var,
-    /// The load-balancing loss averaged over the sequences (a scalar, differentiable).
+    /// The load-balancing loss averaged over the sequences (a scalar, differentiable); under
+    /// context parallelism this rank's part of it (the group's parts add up to it), in the
+    /// folded position order the whole value (a constant).
     pub aux: Var,
-    /// The routing.
-    pub routing: Routing,
+    /// The routing: one, or one per position leaf in reference mode's folded order.
+    pub routings: Vec<Routing>,
 }
 
 impl SparseMoe {
@@ -182,6 +188,10 @@ impl SparseMoe {
                     .collect::<Result<_>>()?,
             },
             ep,
+            cp: p
+                .context_parallel_group()
+                .filter(|c| c.is_active())
+                .cloned(),
             settings,
             layer,
             aux_weight,
@@ -189,7 +199,9 @@ impl SparseMoe {
     }
 
     /// The output of `x [B, T, C]` with the loss and the routing (see the [module
-    /// docs](super)); records the layer's load in the current collection.
+    /// docs](super)); records the layer's load in the current collection. Under context
+    /// parallelism `x` is this rank's chunks of the sequences: the counts behind the loss (and
+    /// the capacity's token order) are the whole sequences', gathered over the group.
     pub fn forward_routed(&self, x: &Var) -> Result<MoeOutput> {
         let d = x.tensor().dims().to_vec();
         if d.len() != 3 {
@@ -200,57 +212,189 @@ impl SparseMoe {
             );
         }
         let (b, t, c) = (d[0], d[1], d[2]);
-        let (n, k) = (self.settings.n_experts, self.settings.experts_per_token);
+        let cp = self.cp.as_ref();
+        if let Some(folded) = cp.and_then(|cp| cp.folded()).filter(|f| f.splits(t)) {
+            return self.forward_folded(x, folded);
+        }
+        let cp = cp.filter(|cp| cp.degree() > 1);
+        let share = cp.map_or(1, |cp| cp.degree());
         let flat = x.reshape((b * t, c))?;
-        // Routing in f32 (f64 for an f64 model), as transformers' softmax(dtype=float).
-        let route_dtype = if x.tensor().dtype() == DType::F64 {
-            DType::F64
-        } else {
-            DType::F32
+        let probs = self.router(&flat)?;
+        let p = probs.tensor().to_vec_f64()?;
+        let args = self.routing_args(&p, b, t);
+        let routed_before = match (cp, self.settings.capacity_factor) {
+            (Some(cp), Some(_)) => Some(routed_before(&args, cp)?),
+            _ => None,
         };
-        let probs = self
-            .gate
-            .forward(&flat)?
-            .to_dtype(route_dtype)?
-            .softmax(-1)?;
         let routing = Routing::new(RoutingArgs {
-            probs: &probs.tensor().to_vec_f64()?,
-            rows: b,
-            tokens: t,
-            n_experts: n,
-            top_k: k,
-            capacity_factor: self.settings.capacity_factor,
+            split: routed_before.as_ref().map(|r| SequenceSplit {
+                sequence: t * share,
+                segments: 2,
+                routed_before: r,
+            }),
+            ..args
         })?;
-        let device = x.tensor().device();
-        let choices = Tensor::from_vec(routing.choices.clone(), (b * t, k), device)?;
-        let top = probs.gather(1, &choices)?;
-        let weights = top
-            .div(&top.sum(&[-1], true)?)?
-            .to_dtype(x.tensor().dtype())?;
-        let permuted = permute(&flat, &routing)?;
-        let expert_out = match &self.ep {
-            Some(ep) => self.run_experts_parallel(&permuted, &routing, ep)?,
-            None => self.run_experts(&permuted, &routing.expert_sizes)?,
+        let mut row_routed: Vec<f64> = routing.row_routed.iter().map(|&c| c as f64).collect();
+        if let Some(cp) = cp {
+            // Exact: integer counts far below 2^53.
+            let t = Tensor::from_vec(row_routed, b * self.settings.n_experts, Device::Cpu)?;
+            row_routed = cp.group.all_reduce_sum(&t)?.to_vec_f64()?;
+        }
+        let totals = Totals {
+            row_routed,
+            sequence: t * share,
         };
-        let y = unpermute(&expert_out, &routing, &weights)?.reshape((b, t, c))?;
-        let aux = load_balancing_loss(&probs, &routing, (b, t, n))?;
-        let output = if self.aux_weight != 0.0 {
-            y.attach_aux_loss(&aux, self.aux_weight * meshgrad_autograd::loss_scale())?
-        } else {
-            y
-        };
+        let (y, aux) = self.dispatch(&flat, &probs, &routing, &totals)?;
+        // Each rank's objective is its share of the loss times the group size (the gradients
+        // average over the group, as the cross-entropy's).
+        let output = self.attach(y.reshape((b, t, c))?, &aux, share as f64)?;
+        let mut value = aux.tensor().to_dtype(DType::F64)?;
+        if let Some(cp) = cp {
+            value = cp.group.all_reduce_sum(&value.reshape(1)?)?;
+        }
         load::record(
             self.layer,
             &routing.routed,
             routing.dropped,
-            aux.tensor().item()? * b as f64,
+            value.to_vec_f64()?[0] * b as f64,
             b,
         );
         Ok(MoeOutput {
             output,
             aux,
-            routing,
+            routings: vec![routing],
         })
+    }
+
+    /// Reference mode's folded position order (see
+    /// [`meshgrad_autograd::distributed::folded`]): the layer once per position leaf (router,
+    /// experts and this leaf's part of the loss), its parameters' gradients the tree over the
+    /// leaves, with the whole sequences' routed counts counted first (the router once more per
+    /// leaf, without gradients). Dropless only (the recipe refuses a capacity factor here).
+    fn forward_folded(&self, x: &Var, folded: &FoldedPositions) -> Result<MoeOutput> {
+        if self.settings.capacity_factor.is_some() {
+            meshgrad_tensor::bail!(
+                "moe layer {}: a capacity factor is not supported in reference mode's folded \
+                 position order",
+                self.layer
+            );
+        }
+        let d = x.tensor().dims().to_vec();
+        let (b, c, n) = (d[0], d[2], self.settings.n_experts);
+        let leaves = folded.local_leaves();
+        let leaf_routing = |xl: &Var| -> Result<(Var, Var, Routing)> {
+            let tl = xl.tensor().dims()[1];
+            let flat = xl.reshape((b * tl, c))?;
+            let probs = self.router(&flat)?;
+            let routing = Routing::new(self.routing_args(&probs.tensor().to_vec_f64()?, b, tl))?;
+            Ok((flat, probs, routing))
+        };
+        let mut counts = vec![0.0; b * n];
+        meshgrad_autograd::no_grad(|| -> Result<()> {
+            for a in 0..leaves {
+                let xl = Var::constant(folded.leaf(x.tensor(), 1, a)?);
+                for (s, &r) in counts.iter_mut().zip(&leaf_routing(&xl)?.2.row_routed) {
+                    *s += r as f64;
+                }
+            }
+            Ok(())
+        })?;
+        let counts = Tensor::from_vec(counts, b * n, Device::Cpu)?;
+        let totals = Totals {
+            row_routed: folded.sum_over_group(&[counts])?.to_vec_f64()?,
+            sequence: x.tensor().dims()[1] * folded.group().size(),
+        };
+        let mut params: Vec<&Var> = vec![&self.gate.weight];
+        for e in &self.experts.list {
+            params.extend([&e.w1.weight, &e.w2.weight, &e.w3.weight]);
+        }
+        let parts = std::cell::RefCell::new((Vec::new(), Vec::new()));
+        let output = folded.leafwise(x, 1, &params, |xl| {
+            let (flat, probs, routing) = leaf_routing(xl)?;
+            let (y, aux) = self.dispatch(&flat, &probs, &routing, &totals)?;
+            let y = self.attach(y.reshape(xl.tensor().dims())?, &aux, 1.0)?;
+            let mut parts = parts.borrow_mut();
+            parts.0.push(aux.tensor().to_dtype(DType::F64)?.reshape(1)?);
+            parts.1.push(routing);
+            Ok(y)
+        })?;
+        let (values, routings) = parts.into_inner();
+        let aux = folded.sum_over_group(&values)?;
+        let mut routed = vec![0; n];
+        for r in &routings {
+            for (s, &c) in routed.iter_mut().zip(&r.routed) {
+                *s += c;
+            }
+        }
+        load::record(self.layer, &routed, 0, aux.to_vec_f64()?[0] * b as f64, b);
+        Ok(MoeOutput {
+            output,
+            aux: Var::constant(aux),
+            routings,
+        })
+    }
+
+    /// The router's probabilities `[tokens, N]` of `flat [tokens, C]`: the softmax of the
+    /// gate's scores in f32 (f64 for an f64 model), as transformers' `softmax(dtype=float)`.
+    fn router(&self, flat: &Var) -> Result<Var> {
+        let route_dtype = if flat.tensor().dtype() == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        self.gate.forward(flat)?.to_dtype(route_dtype)?.softmax(-1)
+    }
+
+    /// The routing of `rows` sequences of `tokens` tokens from their probabilities `p`.
+    fn routing_args<'a>(&self, p: &'a [f64], rows: usize, tokens: usize) -> RoutingArgs<'a> {
+        RoutingArgs {
+            probs: p,
+            rows,
+            tokens,
+            n_experts: self.settings.n_experts,
+            top_k: self.settings.experts_per_token,
+            capacity_factor: self.settings.capacity_factor,
+            split: None,
+        }
+    }
+
+    /// The routed tokens of `flat [tokens, C]` through their experts, weighted and added back
+    /// (`[tokens, C]`), and their part of the load-balancing loss ([`load_balancing_loss`]).
+    fn dispatch(
+        &self,
+        flat: &Var,
+        probs: &Var,
+        routing: &Routing,
+        totals: &Totals,
+    ) -> Result<(Var, Var)> {
+        let device = flat.tensor().device();
+        let k = self.settings.experts_per_token;
+        let tokens = flat.tensor().dims()[0];
+        let choices = Tensor::from_vec(routing.choices.clone(), (tokens, k), device)?;
+        let top = probs.gather(1, &choices)?;
+        let weights = top
+            .div(&top.sum(&[-1], true)?)?
+            .to_dtype(flat.tensor().dtype())?;
+        let permuted = permute(flat, routing)?;
+        let expert_out = match &self.ep {
+            Some(ep) => self.run_experts_parallel(&permuted, routing, ep)?,
+            None => self.run_experts(&permuted, &routing.expert_sizes)?,
+        };
+        let y = unpermute(&expert_out, routing, &weights)?;
+        let aux = load_balancing_loss(probs, totals, self.settings.n_experts)?;
+        Ok((y, aux))
+    }
+
+    /// `y` carrying the loss `aux`'s gradient, weighted by the layer's weight, the forward's
+    /// loss scale and `share` (unless the layer's weight is zero).
+    fn attach(&self, y: Var, aux: &Var, share: f64) -> Result<Var> {
+        if self.aux_weight == 0.0 {
+            return Ok(y);
+        }
+        y.attach_aux_loss(
+            aux,
+            self.aux_weight * meshgrad_autograd::loss_scale() * share,
+        )
     }
 
     /// Each held expert on its contiguous slice of `permuted [S, C]`, `sizes[i]` rows for
@@ -423,25 +567,61 @@ pub fn unpermute(expert_out: &Var, routing: &Routing, weights: &Var) -> Result<V
         .sum(&[1], false)
 }
 
-/// The load-balancing loss averaged over the `b` sequences: per sequence
-/// `N * sum_e f_e * P_e` (see the [module docs](super)), from `probs [b * t, N]`.
-fn load_balancing_loss(
-    probs: &Var,
-    routing: &Routing,
-    (b, t, n): (usize, usize, usize),
-) -> Result<Var> {
+/// The routed counts of the sequences a forward's tokens belong to (the whole sequences, over
+/// every context-parallel rank).
+struct Totals {
+    /// Copies routed to each expert per row, `[rows * N]`.
+    row_routed: Vec<f64>,
+    /// Tokens of a whole sequence (`T`).
+    sequence: usize,
+}
+
+/// The load-balancing loss of the tokens of `probs [rows * t, N]` averaged over the rows: per
+/// sequence `N * sum_e f_e * P_e` (see the [module docs](super)) with `f_e` from the whole
+/// sequences' counts `totals` and `P_e` summed over these tokens only, so that the parts of a
+/// sequence's tokens (context-parallel ranks, position leaves) add up to its loss.
+fn load_balancing_loss(probs: &Var, totals: &Totals, n: usize) -> Result<Var> {
     let p = probs.tensor();
-    let f: Vec<f64> = routing
+    let rows = totals.row_routed.len() / n.max(1);
+    let t = totals.sequence as f64;
+    let f: Vec<f64> = totals
         .row_routed
         .iter()
-        .map(|&c| c as f64 / t as f64)
+        .map(|&c| n as f64 * c / (t * t))
         .collect();
-    let f = Tensor::from_vec(f, (b, n), p.device())?.to_dtype(p.dtype())?;
+    let f = Tensor::from_vec(f, (rows, n), p.device())?.to_dtype(p.dtype())?;
     probs
-        .reshape((b, t, n))?
-        .mean(&[1], false)?
+        .reshape((rows, p.dims()[0] / rows.max(1), n))?
+        .sum(&[1], false)?
         .mul(&Var::constant(f))?
         .sum(&[-1], false)?
-        .mean_all()?
-        .mul_scalar(n as f64)
+        .mean_all()
+}
+
+/// Under context parallelism with a capacity factor: for each row, run (this rank's two chunks)
+/// and expert `[rows, 2, N]`, the copies routed at the sequence's earlier chunks, from every
+/// rank's [`run_counts`] (an all-gather over the group).
+fn routed_before(args: &RoutingArgs<'_>, cp: &ContextParallel) -> Result<Vec<usize>> {
+    let (rows, n) = (args.rows, args.n_experts);
+    let local: Vec<f64> = run_counts(args, 2)?.iter().map(|&c| c as f64).collect();
+    let all = cp
+        .group
+        .all_gather(&Tensor::from_vec(local, rows * 2 * n, Device::Cpu)?)?
+        .to_vec_f64()?;
+    let (size, me) = (cp.degree(), cp.group.rank());
+    // Rank r's run s is chunk r (s = 0) or 2C - 1 - r (s = 1) of the sequence's 2C.
+    let chunk = |r: usize, s: usize| if s == 0 { r } else { 2 * size - 1 - r };
+    let mut out = vec![0; rows * 2 * n];
+    for row in 0..rows {
+        for s in 0..2 {
+            for e in 0..n {
+                out[(row * 2 + s) * n + e] = (0..size)
+                    .flat_map(|r| (0..2).map(move |s2| (r, s2)))
+                    .filter(|&(r, s2)| chunk(r, s2) < chunk(me, s))
+                    .map(|(r, s2)| all[((r * rows + row) * 2 + s2) * n + e] as usize)
+                    .sum();
+            }
+        }
+    }
+    Ok(out)
 }

@@ -55,4 +55,4 @@ mod routing;
 pub use ep::{expert_parameter_names, ExpertParallel};
 pub use layer::{ExpertList, MoeExpert, MoeOutput, MoeSettings, SparseMoe};
 pub use load::{collect_expert_load, ExpertLoad, LayerLoad};
-pub use routing::{Routing, RoutingArgs};
+pub use routing::{run_counts, Routing, RoutingArgs, SequenceSplit};

@@ -18,9 +18,27 @@ pub struct RoutingArgs<'a> {
     pub n_experts: usize,
     /// Experts per token.
     pub top_k: usize,
-    /// `Some(cf)`: an expert takes at most `ceil(cf * tokens * top_k / n_experts)` copies of
-    /// each sequence; `None`: dropless.
+    /// `Some(cf)`: an expert takes at most `ceil(cf * T * top_k / n_experts)` copies of each
+    /// sequence of `T` tokens (`tokens`, or [`SequenceSplit::sequence`]); `None`: dropless.
     pub capacity_factor: Option<f64>,
+    /// Under context parallelism, where the rows' tokens lie in their sequences (for the
+    /// capacity's token order); `None`: each row is a whole sequence.
+    pub split: Option<SequenceSplit<'a>>,
+}
+
+/// A context-parallel rank's part of each sequence, for the capacity: the local tokens of a row
+/// are `segments` equal runs, each contiguous in the sequence, and copies are kept in the
+/// sequence's token order as one device keeps them.
+#[derive(Clone, Copy, Debug)]
+pub struct SequenceSplit<'a> {
+    /// Tokens of a whole sequence (the capacity's `T`).
+    pub sequence: usize,
+    /// Runs of contiguous positions per row.
+    pub segments: usize,
+    /// `[rows, segments, n_experts]`: the copies of each row routed to each expert (kept or
+    /// not) at the sequence's positions before each run, on this rank or another
+    /// ([`run_counts`] of every rank).
+    pub routed_before: &'a [usize],
 }
 
 /// A batch's routing. Token copy ("slot") `s = token * top_k + j` is token `token`'s `j`-th
@@ -62,22 +80,25 @@ impl Routing {
                 a.tokens
             );
         }
-        let cap = match a.capacity_factor {
-            None => usize::MAX,
-            Some(cf) if cf.is_finite() && cf > 0.0 => {
-                (cf * (a.tokens * k) as f64 / n as f64).ceil() as usize
+        let cap = capacity(&a)?;
+        let segments = a.split.map_or(1, |s| s.segments);
+        if let Some(s) = a.split {
+            if s.segments == 0
+                || !a.tokens.is_multiple_of(s.segments)
+                || s.routed_before.len() != a.rows * s.segments * n
+            {
+                meshgrad_tensor::bail!(
+                    "moe routing: {} tokens per row do not split into {} runs with {} earlier \
+                     counts for {} rows x {n} experts",
+                    a.tokens,
+                    s.segments,
+                    s.routed_before.len(),
+                    a.rows
+                );
             }
-            Some(cf) => meshgrad_tensor::bail!(
-                "moe routing: the capacity factor must be finite and > 0, got {cf}"
-            ),
-        };
-        let mut choices = Vec::with_capacity(n_tok * k);
-        let mut order: Vec<usize> = (0..n).collect();
-        for t in 0..n_tok {
-            let p = &a.probs[t * n..(t + 1) * n];
-            order.sort_by(|&x, &y| p[y].total_cmp(&p[x]).then(x.cmp(&y)));
-            choices.extend(order[..k].iter().map(|&e| e as u32));
         }
+        let run = a.tokens.max(1) / segments;
+        let choices = choose(a.probs, n, k);
         let mut routed = vec![0; n];
         let mut row_routed = vec![0; a.rows * n];
         for (s, &e) in choices.iter().enumerate() {
@@ -89,17 +110,25 @@ impl Routing {
         let mut slot_position = vec![u32::MAX; n_tok * k];
         let mut dropped = 0;
         for (e, size) in expert_sizes.iter_mut().enumerate() {
-            let mut per_row = vec![0usize; a.rows];
+            // Copies kept so far per row and run: before a run, every copy routed earlier was
+            // kept up to the capacity.
+            let mut kept: Vec<usize> = match a.split {
+                Some(s) => (0..a.rows * segments)
+                    .map(|rs| s.routed_before[rs * n + e].min(cap))
+                    .collect(),
+                None => vec![0; a.rows],
+            };
             for (s, &c) in choices.iter().enumerate() {
                 if c as usize != e {
                     continue;
                 }
-                let (token, row) = (s / k, s / k / a.tokens.max(1));
-                if per_row[row] >= cap {
+                let token = s / k;
+                let at = token / run.max(1);
+                if kept[at] >= cap {
                     dropped += 1;
                     continue;
                 }
-                per_row[row] += 1;
+                kept[at] += 1;
                 slot_position[s] = permuted_tokens.len() as u32;
                 permuted_tokens.push(token as u32);
                 *size += 1;
@@ -120,6 +149,58 @@ impl Routing {
             dropped,
         })
     }
+}
+
+/// Each token's `k` experts by decreasing probability (ties to the lower expert index), from
+/// probabilities `[tokens, n]`.
+fn choose(probs: &[f64], n: usize, k: usize) -> Vec<u32> {
+    let mut choices = Vec::with_capacity(probs.len() / n.max(1) * k);
+    let mut order: Vec<usize> = (0..n).collect();
+    for p in probs.chunks_exact(n) {
+        order.sort_by(|&x, &y| p[y].total_cmp(&p[x]).then(x.cmp(&y)));
+        choices.extend(order[..k].iter().map(|&e| e as u32));
+    }
+    choices
+}
+
+/// The copies an expert keeps per sequence (`usize::MAX`: dropless).
+fn capacity(a: &RoutingArgs<'_>) -> Result<usize> {
+    let tokens = a.split.map_or(a.tokens, |s| s.sequence);
+    Ok(match a.capacity_factor {
+        None => usize::MAX,
+        Some(cf) if cf.is_finite() && cf > 0.0 => {
+            (cf * (tokens * a.top_k) as f64 / a.n_experts as f64).ceil() as usize
+        }
+        Some(cf) => {
+            meshgrad_tensor::bail!(
+                "moe routing: the capacity factor must be finite and > 0, got {cf}"
+            )
+        }
+    })
+}
+
+/// Token copies routed to each expert per row and run of `segments` equal contiguous runs of
+/// each row's tokens (`[rows, segments, n_experts]`, before any capacity): what the other
+/// context-parallel ranks need to keep copies in the sequence's order ([`SequenceSplit`]).
+pub fn run_counts(a: &RoutingArgs<'_>, segments: usize) -> Result<Vec<usize>> {
+    let (n, k) = (a.n_experts, a.top_k);
+    check_top_k(k, n)?;
+    if segments == 0 || !a.tokens.is_multiple_of(segments) || a.probs.len() != a.rows * a.tokens * n
+    {
+        meshgrad_tensor::bail!(
+            "moe routing: {} probabilities for {} rows x {} tokens (in {segments} runs) x {n} \
+             experts",
+            a.probs.len(),
+            a.rows,
+            a.tokens
+        );
+    }
+    let run = a.tokens / segments;
+    let mut counts = vec![0; a.rows * segments * n];
+    for (s, &e) in choose(a.probs, n, k).iter().enumerate() {
+        counts[(s / k / run) * n + e as usize] += 1;
+    }
+    Ok(counts)
 }
 
 /// The one-line refusal of `top_k` experts per token among `n_experts`: 0, or more than there
