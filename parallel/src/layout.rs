@@ -20,12 +20,13 @@
 //! `dp=2,zero2=2` (hybrid ZeRO-2) or `dp=2,tp=2`. At most one sharding entry (`fsdp`, `zero1`,
 //! `zero2`, `zero3`) is allowed, `hsdp` excludes `dp` and the sharding entries, and no entry may
 //! be given twice; degree 1 is allowed everywhere (`fsdp=1` is a one-rank ZeRO-3 run). `cp`
-//! composes today with `dp` only (not with a sharding entry, `tp` or `pp`: refused in one line).
+//! composes with every other entry.
 //!
 //! `ep=E` adds no ranks: it divides the data-parallel (times context-parallel) ranks into groups
 //! of E consecutive ones (torchtitan's rule), each holding every expert once; the ranks that
 //! hold the same experts average their gradients (see [`LayoutMesh::ep_group`]). Without a
-//! `dp`, sharding or `hsdp` entry the data-parallel degree is E (`ep=2` is `dp=2,ep=2`). `ep`
+//! `dp`, sharding or `hsdp` entry the data-parallel degree is E (`ep=2` is `dp=2,ep=2`; over the
+//! context-parallel ranks alone, `dp=1,cp=2,ep=2`). `ep`
 //! composes with `dp`, the sharding entries, `hsdp`, `tp` and `pp`; under a sharding entry the
 //! experts stay whole on their ranks (already split E ways) while the other parameters are
 //! sharded ([`crate::ExpertDataParallel`]).

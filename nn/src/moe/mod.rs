@@ -19,7 +19,17 @@
 //! `ceil(cf * T * k / N)` token copies of each sequence of `T` tokens (in token order; the rest
 //! are dropped: that expert adds nothing to the token, the other choices keep their weights),
 //! and the dropped copies are counted. The capacity is per sequence, not per batch, so a layout
-//! that splits the batch by rows (data parallelism, microbatches) drops the same copies.
+//! that splits the batch by rows (data parallelism, microbatches) drops the same copies; under
+//! context parallelism a rank keeps its chunks' copies after those its group routed at earlier
+//! positions ([`SequenceSplit`], from every rank's [`run_counts`]), in the sequence's order.
+//!
+//! **Context parallelism** ([`crate::cp::ContextParallel`], from the builder): a rank routes its
+//! chunks of each sequence; the load-balancing loss's routed counts are the whole sequences'
+//! (all-reduced over the group, exact), each rank's loss is its tokens' part of it (the parts add
+//! up to the sequence's loss), and its value is summed over the group for the metrics. In
+//! reference mode's folded position order the layer runs once per position leaf
+//! ([`meshgrad_autograd::distributed::FoldedPositions::leafwise`]), dropless, so its parameters'
+//! gradients are the same tree over the leaves on one device and on every cp layout.
 //!
 //! **Expert parallelism** ([`ExpertParallel`], built with
 //! [`ParamBuilder::expert_parallel`](crate::ParamBuilder::expert_parallel)): a rank holds a block

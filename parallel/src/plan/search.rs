@@ -4,7 +4,7 @@
 //! node (tensor parallelism across nodes puts its all-reduces, which are on the critical path,
 //! on the network); every `pp` that divides what is left, up to the layers; every context-parallel
 //! `cp` that divides what is left, splits the sequence into `2 cp` chunks and keeps `tp x cp`
-//! inside a node (not for a mixture of experts, which does not run under cp yet); the rest,
+//! inside a node; the rest,
 //! `d = N / (tp pp cp)`, as plain data parallelism (`dp=d`), or sharded over `s` ranks and
 //! replicated `d / s` times for every divisor `s > 1` of `d` (ZeRO-1, ZeRO-2, ZeRO-3: `zero1=s`,
 //! `dp=r,zero2=s`, `fsdp=s`, `hsdp=rxs`; with cp also `s = 1`, ZeRO then sharding over the cp
@@ -96,9 +96,9 @@ pub fn layouts(devices: usize, devices_per_node: usize, model: &ModelShape) -> V
             }
             for cp in divisors(devices / tp / pp) {
                 // The ring stays inside a node with tensor parallelism; each rank holds two
-                // chunks of every row; a mixture of experts does not run under cp yet.
+                // chunks of every row.
                 let ring_fits = tp * cp <= node && model.positions.is_multiple_of(2 * cp);
-                if cp > 1 && (!ring_fits || model.n_experts > 0) {
+                if cp > 1 && !ring_fits {
                     continue;
                 }
                 let d = devices / tp / pp / cp;
