@@ -8,7 +8,7 @@
 #   the others wait in MPI collectives, end the job within 30 s naming the rank, no rank left;
 # * trains the GPT under `mpirun -np 4` with dp=4, fsdp=4, dp=2,tp=2 and pp=2,dp=2, and under
 #   `mpirun -np 2` with pp=2 and cp=2 (ring attention), and a tiny Mixtral under `mpirun -np 2`
-#   with ep=2 (all-to-alls with uneven splits), comparing every logged loss with the thread
+#   with ep=2 (all-to-alls with uneven splits) and with dp=1,cp=2,ep=2 and a capacity, comparing every logged loss with the thread
 #   backend's run of the same layout: relative difference at most 1e-6, because MPI chooses its own reduction order
 #   (Open MPI: recursive doubling, rings...) where the in-process backend adds in rank order,
 #   so sums over more than two ranks may differ in the last bits (the script says when a layout
@@ -20,7 +20,7 @@
 # * a checkpoint saved under mpirun (fsdp=4, `--save-every`) resumes under the thread backend
 #   and continues with the thread run's losses (rank 0 wrote the index, every rank its shards);
 # * reference mode (`--reference`) under `mpirun -np 4` (hsdp=2x2; BERT dp=2,tp=2 with sequence
-#   parallelism; GPT dp=2,cp=2 in the folded position order) and `meshgrad launch` (fsdp=4):
+#   parallelism; GPT and Mixtral dp=2,cp=2 in the folded position order) and `meshgrad launch` (fsdp=4):
 #   metrics and weight bytes identical to the one-device reference run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -127,6 +127,12 @@ mpi_vs_threads moe_ep_2 ep=2 --model mixtral --set model.n_layer=2 --set model.n
     --set model.intermediate_size=16 --set model.n_experts=4 --set model.experts_per_token=2 \
     --set model.dropout=0 --set train.batch_size=8
 mpi_vs_threads gpt_cp_2 cp=2 --set model.n_layer=2 --set model.dropout=0 --set train.batch_size=8
+# A Mixtral under cp with ep over the cp pair and a capacity: the routed counts' all-reduce, the
+# capacity's all-gather and the all-to-alls between the chunks' ranks.
+mpi_vs_threads moe_cp_2 dp=1,cp=2,ep=2 --model mixtral --set model.n_layer=2 --set model.n_embd=32 \
+    --set model.n_head=4 --set model.n_kv_head=2 --set model.block_size=16 \
+    --set model.intermediate_size=16 --set model.n_experts=4 --set model.experts_per_token=2 \
+    --set model.dropout=0 --set train.batch_size=8 --set model.expert_capacity_factor=0.75
 
 echo "meshgrad launch --nproc-per-node 4 --backend mpi"
 for layout in dp=4 pp=2,dp=2; do
@@ -245,6 +251,15 @@ REFC=(train --reference --set train.reference_positions=folded --steps 3 --set m
 "${MPIRUN[@]}" -np 4 "${BIN}" "${REFC[@]}" --layout dp=2,cp=2 \
     --metrics "${WORK}/refc_mpi.jsonl" --out "${WORK}/refc_mpi" >"${WORK}/refc_mpi.log" 2>&1 \
     || { cat "${WORK}/refc_mpi.log"; exit 1; }
+# The Mixtral the same way (its layers once per position leaf).
+REFM=("${REFC[@]}" --model mixtral --set model.n_embd=32 --set model.n_head=4
+      --set model.n_kv_head=2 --set model.block_size=16 --set model.intermediate_size=16
+      --set model.n_experts=4 --set model.experts_per_token=2)
+"${BIN}" "${REFM[@]}" --metrics "${WORK}/refm_one.jsonl" --out "${WORK}/refm_one" \
+    >"${WORK}/refm_one.log" 2>&1 || { cat "${WORK}/refm_one.log"; exit 1; }
+"${MPIRUN[@]}" -np 4 "${BIN}" "${REFM[@]}" --layout dp=2,cp=2 \
+    --metrics "${WORK}/refm_mpi.jsonl" --out "${WORK}/refm_mpi" >"${WORK}/refm_mpi.log" 2>&1 \
+    || { cat "${WORK}/refm_mpi.log"; exit 1; }
 # Whether run RUN equals run ONE bit for bit: metrics strings and weight bytes.
 same_as_one() {
     local one=$1 run=$2
@@ -260,4 +275,5 @@ same_as_one ref_one ref_mpi
 same_as_one ref_one ref_launch
 same_as_one refb_one refb_mpi
 same_as_one refc_one refc_mpi
+same_as_one refm_one refm_mpi
 exit "${status}"
