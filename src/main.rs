@@ -397,6 +397,13 @@ struct TrainArgs {
     /// sequence across the tensor-parallel ranks. Needs tp>1 in --layout.
     #[arg(long)]
     sequence_parallel: bool,
+    /// Context parallelism's attention (with cp>1 in --layout): ring (keys and values pass
+    /// around the group, C-1 hops) or allgather (every rank's keys and values gathered once,
+    /// their gradients reduce-scattered home: fewer, larger transfers, and every rank holds the
+    /// whole sequence's keys and values). Reference mode's folded order runs its own attention
+    /// whatever the mode.
+    #[arg(long, default_value = "ring", value_parser = ["ring", "allgather"])]
+    cp_mode: String,
     /// Pipeline schedule (with pp>1 in --layout): gpipe, 1f1b, interleaved (Megatron's, V chunks
     /// per rank, microbatches divisible by pp) or zb (zero bubble, ZB-H1 style).
     #[arg(long, value_parser = ["gpipe", "1f1b", "interleaved", "zb"])]
@@ -547,6 +554,7 @@ fn run(cli: Cli) -> Result<()> {
             let opts = meshgrad::run_setup::TrainOptions {
                 microbatches: a.microbatches,
                 sequence_parallel: a.sequence_parallel,
+                cp_mode: meshgrad_parallel::plan::cost::CpMode::parse(&a.cp_mode)?,
                 pipeline,
                 activation_checkpointing: a
                     .activation_checkpointing

@@ -8,6 +8,7 @@ use meshgrad_nn::ModelShape;
 use meshgrad_parallel::layout::ParallelLayout;
 use meshgrad_parallel::pipeline::ScheduleKind;
 use meshgrad_parallel::plan::bubble::BubbleCache;
+use meshgrad_parallel::plan::cost::CpMode;
 use meshgrad_parallel::plan::cost::{Candidate, Cluster, CostModel, Workload};
 use meshgrad_parallel::plan::device::DeviceKind;
 use meshgrad_parallel::plan::memory::Precision;
@@ -54,6 +55,10 @@ pub struct PlanArgs {
     /// With --layout: sequence parallelism.
     #[arg(long, requires = "layout")]
     pub sequence_parallel: bool,
+    /// With --layout: ring attention (ring) or an all-gather of the keys and values
+    /// (allgather) under cp.
+    #[arg(long, requires = "layout", default_value = "ring", value_parser = ["ring", "allgather"])]
+    pub cp_mode: String,
     /// With --layout: gpipe, 1f1b, interleaved or zb.
     #[arg(long, requires = "layout", value_parser = ["gpipe", "1f1b", "interleaved", "zb"])]
     pub schedule: Option<String>,
@@ -129,6 +134,7 @@ fn fixed(a: &PlanArgs, spec: &str) -> Result<Candidate> {
     Ok(Candidate {
         layout,
         sequence_parallel: a.sequence_parallel,
+        cp_mode: CpMode::parse(&a.cp_mode)?,
         schedule,
         chunks: a.chunks.unwrap_or(if interleaved { 2 } else { 1 }),
         microbatch_size: a.microbatch_size.unwrap_or(1),
@@ -200,6 +206,7 @@ pub fn dry_run(
     let candidate = Candidate {
         layout,
         sequence_parallel: opts.sequence_parallel,
+        cp_mode: opts.cp_mode,
         schedule,
         chunks: opts
             .pipeline

@@ -56,6 +56,7 @@ pub fn estimate_run(
         microbatches: opts.microbatches,
         schedule: opts.pipeline.schedule,
         sequence_parallel: opts.sequence_parallel,
+        cp_mode: opts.cp_mode,
         checkpoint_blocks: matches!(opts.activation_checkpointing, ActivationCheckpointing::All),
         reference_row_group: cfg.train.reference.then_some(cfg.train.row_group),
         precision: Precision::parse(&cfg.train.precision).unwrap_or_default(),

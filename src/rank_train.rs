@@ -314,7 +314,8 @@ fn rank_main<R: Recipe>(
     let cp = match (layout.cp() > 1, folded) {
         (false, None) => None,
         (_, leaves) => {
-            let cp = context_parallel_traced(mesh.cp_group(), traced.clone());
+            let cp =
+                context_parallel_traced(mesh.cp_group(), traced.clone()).with_mode(opts.cp_mode);
             Some(match leaves {
                 Some(k) => cp.with_folded(k)?,
                 None => cp,

@@ -426,6 +426,7 @@ fn on_mpi_rank<T: Send>(
 /// A one-line reason `layout` cannot run (yet) or does not fit the run, before any work.
 pub fn check_layout(cfg: &TrainConfig, layout: &ParallelLayout, opts: &TrainOptions) -> Result<()> {
     check_sequence_parallel(opts, layout.tp())?;
+    crate::run_setup::check_cp_mode(opts, layout.cp())?;
     crate::run_setup::check_pipeline_flags(opts, layout.pp())?;
     opts.activation_checkpointing.check(layout.pp())?;
     crate::run_setup::check_run_options(cfg, opts)?;

@@ -13,6 +13,7 @@ use meshgrad_nn::optim::{AdamW, CosineSchedule, LossScaler};
 use meshgrad_nn::tokenizer::Tokenizer;
 use meshgrad_nn::Module;
 use meshgrad_parallel::pipeline::ScheduleKind;
+use meshgrad_parallel::plan::cost::CpMode;
 use meshgrad_tensor::{DType, Device, Tensor};
 
 use crate::config::TrainConfig;
@@ -87,6 +88,9 @@ pub struct TrainOptions {
     /// outside the tensor-parallel layers are split along the sequence across the tensor-parallel
     /// ranks. Needs `tp > 1` in the layout; refused otherwise.
     pub sequence_parallel: bool,
+    /// Context parallelism's attention (`--cp-mode`): the ring (the default) or an all-gather of
+    /// the keys and values. `allgather` needs `cp > 1` in the layout; refused otherwise.
+    pub cp_mode: CpMode,
     /// Pipeline parallelism's options (schedule, chunks, partition, trace), for layouts with
     /// `pp` above 1; refused otherwise when set.
     pub pipeline: crate::run_setup::PipelineOptions,
@@ -182,6 +186,7 @@ impl Default for TrainOptions {
         TrainOptions {
             microbatches: 1,
             sequence_parallel: false,
+            cp_mode: CpMode::Ring,
             pipeline: Default::default(),
             activation_checkpointing: ActivationCheckpointing::None,
             save_every: None,
@@ -213,6 +218,17 @@ pub(crate) fn check_run_options(cfg: &TrainConfig, opts: &TrainOptions) -> Resul
 
 /// Refuses `--sequence-parallel` without tensor parallelism (`tp` is the layout's
 /// tensor-parallel degree, 1 on one device), in one line.
+/// The one-line refusal of `--cp-mode allgather` without context parallelism (`cp` of the
+/// layout, 1 without one).
+pub(crate) fn check_cp_mode(opts: &TrainOptions, cp: usize) -> Result<()> {
+    if opts.cp_mode == CpMode::AllGather && cp <= 1 {
+        anyhow::bail!(
+            "--cp-mode allgather needs context parallelism: give cp=C (C > 1) in --layout"
+        );
+    }
+    Ok(())
+}
+
 pub(crate) fn check_sequence_parallel(opts: &TrainOptions, tp: usize) -> Result<()> {
     if opts.sequence_parallel && tp <= 1 {
         anyhow::bail!("--sequence-parallel needs tensor parallelism (tp>1 in --layout)");

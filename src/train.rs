@@ -140,6 +140,7 @@ fn prepare(
         Some(l) => crate::ranks::check_layout(&cfg, l, &opts)?,
         None => {
             check_sequence_parallel(&opts, 1)?;
+            crate::run_setup::check_cp_mode(&opts, 1)?;
             crate::run_setup::check_pipeline_flags(&opts, 1)?;
             opts.activation_checkpointing.check(1)?;
             check_run_options(&cfg, &opts)?;

@@ -2,7 +2,9 @@
 //! dp=2,cp=2, tp=2,cp=2 (also with sequence parallelism), pp=2,cp=2 and hsdp=2x2,cp=2 (GPT also
 //! zero1=2,cp=2 and fsdp=2,cp=2), the Mixtral under the same but sequence parallelism and
 //! hsdp, plus fsdp=2,cp=2 and cp with ep (also with a capacity factor under cp=2, cp=4 and
-//! dp=2,cp=2), and BERT (non-causal, masked LM) under cp=2, give the
+//! dp=2,cp=2), and BERT (non-causal, masked LM) under cp=2, and with all-gather attention
+//! (`--cp-mode allgather`: GPT under cp=2, cp=4, dp=2,cp=2, tp=2,cp=2 and pp=2,cp=2, Llama and
+//! BERT under cp=2 and cp=4, the Mixtral under cp=2), give the
 //! single-device losses on the same global batch (within 1e-5 relative, train and validation;
 //! gradient norms within 1e-4), 4 steps of tiny models; GPT's gathered checkpoints hold the
 //! single device's weights to rounding (1e-5 of each tensor's scale), Llama's and BERT's Hugging
@@ -15,7 +17,7 @@
 //!
 //! Bad input is refused in one line: a sequence that does not split into 2 x cp chunks,
 //! dropout, reference mode without the folded order, on a layout it does not cover or with a
-//! capacity factor.
+//! capacity factor, `--cp-mode allgather` without cp.
 
 use crate::common;
 
@@ -64,6 +66,15 @@ fn train_on(
     let flags = [&["--model", model, "--lr", "1e-3"], extra].concat();
     common::train_on(processes, dir, tag, 4, &sets, &flags)
 }
+
+/// All-gather attention (`--cp-mode allgather`) instead of the ring.
+const ALLGATHER: [(&str, &str); 5] = [
+    ("cp2ag", "cp=2 --cp-mode allgather"),
+    ("cp4ag", "cp=4 --cp-mode allgather"),
+    ("dp2cp2ag", "dp=2,cp=2 --cp-mode allgather"),
+    ("tp2cp2ag", "cp=2,tp=2 --cp-mode allgather"),
+    ("pp2cp2ag", "pp=2,cp=2 --cp-mode allgather"),
+];
 
 const LAYOUTS: [(&str, &str); 6] = [
     ("cp2", "cp=2"),
@@ -127,14 +138,19 @@ fn gpt_trains_in_lockstep_under_context_parallelism() {
         ("fsdp2cp2", "fsdp=2,cp=2"),
         ("hsdp2x2cp2", "hsdp=2x2,cp=2"),
     ];
-    lockstep("gpt", &[&LAYOUTS[..], &sharded].concat());
+    lockstep("gpt", &[&LAYOUTS[..], &sharded, &ALLGATHER].concat());
 }
 
 #[test]
 fn llama_trains_in_lockstep_under_context_parallelism() {
     lockstep(
         "llama",
-        &[&LAYOUTS[..], &[("hsdp2x2cp2", "hsdp=2x2,cp=2")]].concat(),
+        &[
+            &LAYOUTS[..],
+            &[("hsdp2x2cp2", "hsdp=2x2,cp=2")],
+            &ALLGATHER[..2],
+        ]
+        .concat(),
     );
 }
 
@@ -146,6 +162,7 @@ fn mixtral_trains_in_lockstep_under_context_parallelism() {
         ("cp2ep2", "dp=1,cp=2,ep=2"),
         ("dp2cp2ep4", "dp=2,cp=2,ep=4"),
         ("fsdp2cp2", "fsdp=2,cp=2"),
+        ALLGATHER[0],
     ];
     // Mixtral refuses sequence parallelism (LAYOUTS[4]).
     let layouts: Vec<_> = LAYOUTS
@@ -170,7 +187,7 @@ fn mixtral_with_a_capacity_trains_in_lockstep_under_context_parallelism() {
 
 #[test]
 fn bert_trains_in_lockstep_under_context_parallelism() {
-    lockstep("bert", &[("cp2", "cp=2")]);
+    lockstep("bert", &[("cp2", "cp=2"), ALLGATHER[0], ALLGATHER[1]]);
 }
 
 /// `model` in reference mode's folded order on one device, then under cp=2, cp=4 and
@@ -260,6 +277,10 @@ fn what_context_parallelism_does_not_support_is_refused_in_one_line() {
         (
             &["--layout", "cp=2", "--reference"][..],
             "pass --set train.reference_positions=folded",
+        ),
+        (
+            &["--layout", "dp=2", "--cp-mode", "allgather"][..],
+            "--cp-mode allgather needs context parallelism",
         ),
         (
             &[

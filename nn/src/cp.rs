@@ -4,7 +4,8 @@
 //! [`ContextParallel`] ([`ParamBuilder::context_parallel`](crate::ParamBuilder::context_parallel))
 //! takes this rank's part of each sequence: chunks `i` and `2C - 1 - i` of `2C`
 //! ([`ChunkOrder`]), side by side. Its attention layers run ring attention over the group
-//! ([`meshgrad_autograd::distributed::ring_attention()`]) and its position encodings (GPT's
+//! ([`meshgrad_autograd::distributed::ring_attention()`]; or, with [`CpMode::AllGather`],
+//! [`meshgrad_autograd::distributed::allgather_attention()`]) and its position encodings (GPT's
 //! learned table, Llama's rotary embedding) read the global positions of the local tokens
 //! ([`ContextParallel::positions`]). Everything else in a transformer is per token. On a group of
 //! one rank the model is the plain model.
@@ -17,7 +18,8 @@
 use std::sync::Arc;
 
 use meshgrad_autograd::distributed::{
-    folded_attention, ring_attention, ChunkOrder, Collectives, FoldedPositions, RingAttention,
+    allgather_attention, folded_attention, ring_attention, ChunkOrder, Collectives, CpMode,
+    FoldedPositions, RingAttention,
 };
 use meshgrad_autograd::Var;
 use meshgrad_tensor::{DType, Device, Result, Tensor};
@@ -29,6 +31,8 @@ pub struct ContextParallel {
     pub group: Arc<dyn Collectives>,
     /// Reference mode's folded position order over the group, if set ([`Self::folded`]).
     folded: Option<FoldedPositions>,
+    /// Ring or all-gather attention ([`Self::with_mode`]).
+    mode: CpMode,
 }
 
 impl std::fmt::Debug for ContextParallel {
@@ -48,7 +52,21 @@ impl ContextParallel {
         ContextParallel {
             group,
             folded: None,
+            mode: CpMode::Ring,
         }
+    }
+
+    /// The attention the group runs: the ring (the default) or an all-gather of the keys and
+    /// values ([`allgather_attention()`]). Reference mode's folded order runs
+    /// [`folded_attention()`] whatever the mode.
+    pub fn with_mode(mut self, mode: CpMode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// The attention the group runs outside the folded order.
+    pub fn mode(&self) -> CpMode {
+        self.mode
     }
 
     /// Reference mode's folded position order of `leaves` position leaves over the group (see
@@ -99,14 +117,15 @@ impl ContextParallel {
     }
 
     /// Causal self-attention of this rank's `q`, `k`, `v` (`[B, H, 2L, D]`) over the whole
-    /// sequence: ring attention over the group.
+    /// sequence: ring (or all-gather) attention over the group.
     pub fn causal_attention(&self, q: &Var, k: &Var, v: &Var, scale: f64) -> Result<Var> {
         self.attention(q, k, v, None, true, scale)
     }
 
     /// Self-attention of this rank's `q`, `k`, `v` (`[B, H, 2L, D]`) over the whole sequence,
     /// causal or not, with this rank's key padding `[B, 2L]` (integer, nonzero = attend) if any:
-    /// ring attention over the group (in the folded order, [`folded_attention()`]).
+    /// ring attention over the group, or all-gather attention ([`Self::with_mode`]; in the
+    /// folded order, [`folded_attention()`]).
     pub fn attention(
         &self,
         q: &Var,
@@ -125,9 +144,10 @@ impl ContextParallel {
             scale,
             group: &self.group,
         };
-        match &self.folded {
-            Some(positions) => folded_attention(args, positions.leaves()),
-            None => ring_attention(args),
+        match (&self.folded, self.mode) {
+            (Some(positions), _) => folded_attention(args, positions.leaves()),
+            (None, CpMode::Ring) => ring_attention(args),
+            (None, CpMode::AllGather) => allgather_attention(args),
         }
     }
 }

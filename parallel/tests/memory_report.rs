@@ -243,6 +243,7 @@ fn planner_prediction(cfg: &MemoryReportConfig<LlamaConfig>, spec: &str) -> (u64
             microbatches: 1,
             schedule: meshgrad_parallel::pipeline::ScheduleKind::OneFOneB,
             sequence_parallel: false,
+            cp_mode: Default::default(),
             checkpoint_blocks: false,
             reference_row_group: None,
             precision: Default::default(),

@@ -1,4 +1,5 @@
-//! Ring attention (`meshgrad_autograd::distributed::ring_attention`) against single-device fused
+//! Ring attention (`meshgrad_autograd::distributed::ring_attention`), and all-gather attention
+//! (`allgather_attention`, `--cp-mode allgather`), against single-device fused
 //! attention over the whole sequence: every rank of a context-parallel group of threads (the
 //! in-process backend, with sends that rendezvous as NCCL's and MPI's large sends do) holds
 //! chunks `i` and `2C - 1 - i`; its output rows and its gradients of q, k and v must equal the
@@ -14,7 +15,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use meshgrad_autograd::distributed::{
-    folded_attention, ring_attention, ChunkOrder, Collectives, FoldedPositions, RingAttention,
+    allgather_attention, folded_attention, ring_attention, ChunkOrder, Collectives,
+    FoldedPositions, RingAttention,
 };
 use meshgrad_autograd::Var;
 use meshgrad_parallel::comm::tree::TreeReduce;
@@ -103,6 +105,18 @@ fn local_operands(
 
 /// Runs ring attention on `cp` threads and compares every rank's rows with the single device.
 fn check(cp: usize, t: usize, causal: bool, padded: bool, dtype: DType, tol: f64) {
+    check_with(ring_attention, cp, t, (causal, padded), dtype, tol)
+}
+
+/// [`check`] with the attention `attend` (the ring or the all-gather).
+fn check_with(
+    attend: fn(RingAttention<'_>) -> Result<Var>,
+    cp: usize,
+    t: usize,
+    (causal, padded): (bool, bool),
+    dtype: DType,
+    tol: f64,
+) {
     let dims = [B, H, t, D];
     let (q, k, v, w) = (
         randn(1, &dims, dtype),
@@ -120,7 +134,7 @@ fn check(cp: usize, t: usize, causal: bool, padded: bool, dtype: DType, tol: f64
         let order = ChunkOrder::new(ctx.rank, cp);
         let local = |x: &Tensor| order.local_of(x, 2);
         let ([lq, lk, lv], lpad) = local_operands(&order, [&q, &k, &v], pad.as_ref())?;
-        let out = ring_attention(RingAttention {
+        let out = attend(RingAttention {
             q: &lq,
             k: &lk,
             v: &lv,
@@ -180,6 +194,38 @@ fn ring_attention_equals_one_device_f32() {
     check(2, 32, true, false, DType::F32, 1e-5);
     check(4, 32, true, false, DType::F32, 1e-5);
     check(2, 24, false, true, DType::F32, 1e-5);
+}
+
+#[test]
+fn allgather_attention_equals_one_device() {
+    for cp in [1, 2, 3, 4] {
+        check_with(
+            allgather_attention,
+            cp,
+            4 * cp,
+            (true, false),
+            DType::F64,
+            1e-12,
+        );
+        check_with(
+            allgather_attention,
+            cp,
+            6 * cp,
+            (false, true),
+            DType::F64,
+            1e-12,
+        );
+    }
+    check_with(
+        allgather_attention,
+        2,
+        160,
+        (true, false),
+        DType::F64,
+        1e-12,
+    );
+    check_with(allgather_attention, 4, 32, (true, false), DType::F32, 1e-5);
+    check_with(allgather_attention, 2, 24, (false, true), DType::F32, 1e-5);
 }
 
 #[test]

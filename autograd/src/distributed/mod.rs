@@ -11,6 +11,7 @@
 //! | [`reduce_scatter_dim`]       | this rank's chunk of the sum  | concatenate the chunks       |
 //! | [`split_dim`]                | this rank's chunk             | concatenate the chunks       |
 //! | [`ring_attention()`]         | attention over the sequence split across the group (keys and values pass around the ring) | the same ring backwards (dk, dv return to their owner) |
+//! | [`allgather_attention()`]    | attention over the split sequence after an all-gather of the keys and values (`--cp-mode allgather`) | through the all-gather's reduce-scatter |
 //! | [`folded_attention()`]       | reference mode's attention over the split sequence: fine chunk pairs in one order after an all-gather | each pair's shares added in one order; keys' over the position leaves' tree and the group |
 //! | [`all_to_all_rows`]          | rows sent to the ranks by split sizes | the reverse all-to-all of the gradients |
 //!
@@ -28,11 +29,13 @@ use meshgrad_tensor::{Result, Tensor};
 
 use crate::Var;
 
+pub mod allgather_attention;
 pub mod chunk_order;
 pub mod folded;
 pub mod folded_attention;
 pub mod ring_attention;
 
+pub use allgather_attention::{allgather_attention, CpMode};
 pub use chunk_order::ChunkOrder;
 pub use folded::FoldedPositions;
 pub use folded_attention::folded_attention;

@@ -40,6 +40,7 @@
 //! Left out: compute slowed by overlapping communication, kernel launch gaps, data loading,
 //! uneven layer splits beyond rounding up, the attention's causal half-skipping, stragglers.
 
+pub use meshgrad_autograd::distributed::CpMode;
 use meshgrad_nn::ModelShape;
 
 use super::bubble::{BubbleCache, PipelineRun, StageCosts};
@@ -128,6 +129,9 @@ pub struct Candidate {
     pub layout: ParallelLayout,
     /// Sequence parallelism (with `tp > 1`).
     pub sequence_parallel: bool,
+    /// How attention meets the keys of the other context-parallel ranks (with `cp > 1`): the
+    /// ring, or one all-gather of the keys and values.
+    pub cp_mode: CpMode,
     /// The pipeline schedule (`1f1b` without a pipeline).
     pub schedule: ScheduleKind,
     /// Model chunks per pipeline rank (1 except for the interleaved schedule).
@@ -372,6 +376,7 @@ impl CostModel<'_> {
             microbatches,
             schedule: c.schedule,
             sequence_parallel: c.sequence_parallel,
+            cp_mode: c.cp_mode,
             checkpoint_blocks: c.recompute,
             reference_row_group: None,
             precision: self.workload.precision,
@@ -443,10 +448,19 @@ impl CostModel<'_> {
         let kv_bytes = tokens * 2.0 * kv * bytes;
         let ring_f = hops * comm::p2p(&ring, kv_bytes);
         let ring_b = hops * comm::p2p(&ring, 2.0 * kv_bytes) + comm::p2p(&ring, kv_bytes);
-        let (cp_f, cp_b) = if l.cp() > 1 {
-            (ring_f, recompute * ring_f + ring_b)
-        } else {
-            (0.0, 0.0)
+        // All-gather attention instead: one all-gather of every rank's keys and values in the
+        // forward, one reduce-scatter of their gradients in the backward (not overlapped).
+        let all = kv_bytes * l.cp() as f64;
+        let (cp_f, cp_b) = match (l.cp() > 1, c.cp_mode) {
+            (false, _) => (0.0, 0.0),
+            (true, CpMode::Ring) => (ring_f, recompute * ring_f + ring_b),
+            (true, CpMode::AllGather) => {
+                let gather = comm::all_gather(&ring, all);
+                (
+                    gather,
+                    recompute * gather + comm::reduce_scatter(&ring, all),
+                )
+            }
         };
         // Expert parallelism: the token copies (`k` per token, `C` wide) go to their experts'
         // ranks and come back, two all-to-alls in the forward and two in the backward.
@@ -730,6 +744,7 @@ mod tests {
         Candidate {
             layout: spec.parse().unwrap(),
             sequence_parallel: false,
+            cp_mode: CpMode::Ring,
             schedule: ScheduleKind::OneFOneB,
             chunks: 1,
             microbatch_size: m,
@@ -776,6 +791,36 @@ mod tests {
         );
         assert_eq!(slow.time.tp, base.time.tp);
         assert_eq!(slow.memory.per_rank, base.memory.per_rank);
+    }
+
+    #[test]
+    fn all_gather_attention_trades_memory_for_one_transfer_each_way() {
+        let w = workload(8);
+        let cl = cluster(8);
+        let ring = candidate("dp=2,cp=4", 1);
+        let gather = Candidate {
+            cp_mode: CpMode::AllGather,
+            ..ring
+        };
+        let (r, g) = (estimate(&w, &cl, &ring), estimate(&w, &cl, &gather));
+        // Every rank holds the whole sequence's keys and values: more activation memory, the
+        // same parameters; the compute is the same, only the cp transfers differ.
+        assert!(
+            g.memory.activations > r.memory.activations,
+            "{g:?} vs {r:?}"
+        );
+        assert_eq!(g.memory.params, r.memory.params);
+        assert_eq!(g.time.compute, r.time.compute);
+        assert!(g.time.cp > 0.0 && g.time.cp != r.time.cp);
+        // Without cp the mode changes nothing.
+        let plain = candidate("dp=8", 1);
+        let plain_gather = Candidate {
+            cp_mode: CpMode::AllGather,
+            ..plain
+        };
+        let (p, pg) = (estimate(&w, &cl, &plain), estimate(&w, &cl, &plain_gather));
+        assert_eq!(p.time.step, pg.time.step);
+        assert_eq!(p.memory.per_rank, pg.memory.per_rank);
     }
 
     #[test]

@@ -55,7 +55,12 @@
 //!   keys at a time (one ring hop); ring attention adds, for the micro-batch being computed, the
 //!   key and value blocks in flight (the backward's message carries keys, values and their
 //!   gradients, received beside the held one: `8` key/value widths per token) and the partial
-//!   output being combined (`C`), split by `tp`. ZeRO shards over `dp_shard x cp` ranks.
+//!   output being combined (`C`), split by `tp`. All-gather attention (`--cp-mode allgather`)
+//!   instead keeps the keys and values its two query chunks read (`(2C + 1) / 2` local lengths
+//!   each, in place of the local ones), holds every rank's keys and values twice while it
+//!   gathers and orders them (`4 C` key/value widths), and its later query chunk's scores cover
+//!   up to the whole sequence (`C / 2` times a ring step's). ZeRO shards over `dp_shard x cp`
+//!   ranks.
 //! * **Mixture of experts** (`n_experts > 0`): a block holds `n_experts` MLPs and a router
 //!   (`C x n_experts`); tensor parallelism leaves both whole on every rank (each routes the same
 //!   tokens), expert parallelism (`ep=E`) divides the experts by `E`; under ep ZeRO shards the other
@@ -79,6 +84,7 @@
 use std::fmt;
 use std::ops::{Add, Mul};
 
+use meshgrad_autograd::distributed::CpMode;
 use meshgrad_nn::ModelShape;
 
 use crate::layout::{ParallelLayout, ZeroStage};
@@ -429,6 +435,8 @@ pub struct TrainingRun<'a> {
     pub schedule: ScheduleKind,
     /// Sequence parallelism (divides the activations outside attention and MLP by `tp`).
     pub sequence_parallel: bool,
+    /// Ring or all-gather attention under context parallelism.
+    pub cp_mode: CpMode,
     /// Recompute every block's activations in the backward (keep the block inputs only).
     pub checkpoint_blocks: bool,
     /// Reference mode's row group (rows of one accumulation), `None` outside reference mode.
@@ -451,6 +459,7 @@ pub struct TrainingRun<'a> {
 ///     microbatches: 1,
 ///     schedule: ScheduleKind::OneFOneB,
 ///     sequence_parallel: false,
+///     cp_mode: Default::default(),
 ///     checkpoint_blocks: false,
 ///     reference_row_group: None,
 ///     precision: Default::default(),
@@ -620,8 +629,13 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
         experts,
         scores,
     } = block_activations(shape, seq.div_ceil(cp));
+    // All-gather attention keeps, for the backward, the keys and values its two query chunks
+    // read (`(2C + 1) / 2` local lengths of each) instead of the local ones.
+    let kv = n(shape.n_embd / shape.n_head.max(1)) * n(shape.n_kv_head);
+    let gathered = flag(cp > 1 && run.cp_mode == CpMode::AllGather);
     let one_block = outside.div_ceil(sp_n)
         + inside.div_ceil(tp_n)
+        + (gathered * n(2 * cp - 1) * kv).div_ceil(tp_n)
         + experts
         + tp_plumbing(shape, tp, run.sequence_parallel);
     // What every micro-batch in flight keeps, and the temporaries of the one being computed:
@@ -645,9 +659,20 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
     let logits = flag(stage.logits) * (N::of(3) * n(shape.vocab_size)).div_ceil(tp_n);
     // Ring attention: the key and value blocks in flight (forward: the held pair and the
     // received one; backward: both with their gradients, `8` key/value widths) and the partial
-    // output being combined (`C`), split by tensor parallelism.
-    let kv = n(shape.n_embd / shape.n_head.max(1)) * n(shape.n_kv_head);
-    let ring = flag(cp > 1) * (N::of(8) * kv + n(shape.n_embd)).div_ceil(tp_n);
+    // output being combined (`C`), split by tensor parallelism. All-gather attention: every
+    // rank's keys and values as gathered and in sequence order (`4 C` local widths; in the
+    // backward their gradients before the reduce-scatter).
+    let ring = match run.cp_mode {
+        CpMode::Ring => flag(cp > 1) * (N::of(8) * kv + n(shape.n_embd)),
+        CpMode::AllGather => gathered * N::of(4) * n(cp) * kv,
+    }
+    .div_ceil(tp_n);
+    // All-gather attention's later query chunk meets up to the whole sequence's keys at once:
+    // its scores are `C / 2` times a ring step's.
+    let scores = match cp > 2 && run.cp_mode == CpMode::AllGather {
+        true => (scores * n(cp)).div_ceil(N::of(2)),
+        false => scores,
+    };
     let temporaries = temporaries + scores.div_ceil(tp_n) + logits + ring;
     // A micro-batch whose weight backward is still to come also holds the gradients of its
     // projections' outputs (q/k/v and the MLP's up projections split by tensor parallelism, the
@@ -811,6 +836,7 @@ mod tests {
                 microbatches: 1,
                 schedule: ScheduleKind::OneFOneB,
                 sequence_parallel: false,
+                cp_mode: Default::default(),
                 checkpoint_blocks: false,
                 reference_row_group: None,
                 precision: Precision::F32,

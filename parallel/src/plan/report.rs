@@ -80,7 +80,7 @@ pub fn table(rows: &[Estimate]) -> String {
              {:>7.4} | \
              {:>9.1} {:>5.3}  {}{}\n",
             i + 1,
-            c.layout.to_string(),
+            layout_label(c),
             yes(c.sequence_parallel),
             c.schedule.to_string(),
             c.chunks,
@@ -110,6 +110,14 @@ pub fn table(rows: &[Estimate]) -> String {
     out
 }
 
+/// The layout as the table shows it: its spec, and `allgather` under all-gather attention.
+fn layout_label(c: &super::cost::Candidate) -> String {
+    match (c.layout.cp() > 1, c.cp_mode) {
+        (true, super::cost::CpMode::AllGather) => format!("{} allgather", c.layout),
+        _ => c.layout.to_string(),
+    }
+}
+
 /// One estimate as JSON.
 pub fn to_json(e: &Estimate) -> Value {
     let c = &e.candidate;
@@ -118,6 +126,7 @@ pub fn to_json(e: &Estimate) -> Value {
     json!({
         "layout": c.layout.to_string(),
         "sequence_parallel": c.sequence_parallel,
+        "cp_mode": c.cp_mode.as_str(),
         "schedule": c.schedule.to_string(),
         "chunks": c.chunks,
         "microbatch_size": c.microbatch_size,

@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use meshgrad_nn::ModelShape;
 
 use super::bubble::BubbleCache;
-use super::cost::{Candidate, CostModel, Estimate};
+use super::cost::{Candidate, CostModel, CpMode, Estimate};
 use crate::layout::{ParallelLayout, ZeroStage};
 use crate::pipeline::ScheduleKind;
 
@@ -177,6 +177,7 @@ pub fn candidates(
                     out.push(Candidate {
                         layout,
                         sequence_parallel,
+                        cp_mode: CpMode::Ring,
                         schedule,
                         chunks,
                         microbatch_size: m,
