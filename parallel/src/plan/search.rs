@@ -334,9 +334,20 @@ mod tests {
             .iter()
             .all(|l| l.world_size() == 8 && l.tp() * l.cp() <= 8));
         // Expert parallelism: 4 experts; ep in {2, 4} dividing the data-parallel ranks, for
-        // every data-parallel layout of them (plain, ZeRO, hybrid).
+        // every data-parallel layout of them (plain, ZeRO, hybrid). With cp the same cp layouts
+        // as without experts, each also with every ep dividing the experts and dp x cp.
         let with_ep = layouts(8, 8, &shape(16, 4));
-        assert!(with_ep.iter().all(|l| l.cp() == 1));
+        let (cp_ep, with_ep): (Vec<_>, Vec<_>) = with_ep.into_iter().partition(|l| l.cp() > 1);
+        assert_eq!(cp_ep.iter().filter(|l| l.ep() == 1).count(), cp.len());
+        let cp_ep: Vec<_> = cp_ep.iter().filter(|l| l.ep() > 1).collect();
+        assert!(cp_ep
+            .iter()
+            .all(|l| 4 % l.ep() == 0 && (l.data_parallel_degree() * l.cp()) % l.ep() == 0));
+        // dp=1,cp=2,ep=2 (8 = tp 4 x cp 2) and dp=2,cp=4,ep=4 are among them.
+        for spec in ["dp=1,cp=2,tp=4,ep=2", "dp=2,cp=4,ep=4"] {
+            let want: ParallelLayout = spec.parse().unwrap();
+            assert!(cp_ep.iter().any(|l| **l == want), "{spec}");
+        }
         let ep: Vec<_> = with_ep.iter().filter(|l| l.ep() > 1).collect();
         assert!(ep.iter().all(|l| 4 % l.ep() == 0));
         assert!(ep.iter().any(|l| l.zero().is_some()));
