@@ -5,15 +5,19 @@
 //!
 //! Each rank holds chunks `i` and `2C - 1 - i` of `2C` ([`ChunkOrder`](super::ChunkOrder)). The
 //! group all-gathers every rank's keys and values (its backward reduce-scatters their gradients
-//! home; both are spans of `--trace`) and puts the chunks in sequence order; each local query
+//! home; both are spans of `--trace`) and keeps, in sequence order, the chunks its queries read
+//! (those up to its later chunk `2C - 1 - i`; the whole sequence without the causal mask); each
+//! local query
 //! chunk `g` then attends, in one fused kernel call, to the keys of chunks `0..=g` with the
 //! causal mask aligned bottom-right (query `j` of chunk `g` sees keys up to position
 //! `g L + j`). Without the causal mask (BERT) both query chunks attend to the whole sequence
 //! at once, masked by the all-gathered key padding.
 //!
 //! Against the ring: one collective per direction instead of `C - 1` hops, no combination of
-//! partial results (so one device's online softmax over the keys, in sequence order), but every
-//! rank holds, and the backward keeps, the whole sequence's keys and values.
+//! partial results (so one device's online softmax over the keys, in sequence order), but a
+//! rank holds, and the backward keeps, up to the whole sequence's keys and values (`(2C + 1) /
+//! 2` times its own: the longer prefix, and the shorter one's contiguous copy that attention
+//! keeps).
 
 use meshgrad_tensor::{AttentionMask, Result};
 
@@ -21,43 +25,60 @@ use super::ring_attention::RingAttention;
 use super::{gather_along, reduce_scatter_along, Group};
 use crate::Var;
 
-/// Every rank's `x` concatenated along `dim` (forward), the gradients' sum cut back to this
-/// rank's part (backward), each one span of the group's timeline (`--trace`) named `what`.
-fn gather_traced(x: &Var, dim: usize, group: &Group, what: &'static str) -> Result<Var> {
-    let full = group.traced(
+/// Where chunk `g` of the sequence's `2C` lies among the gathered ranks' chunks: rank `g`'s
+/// first for `g < C`, else rank `2C - 1 - g`'s second; as the index of that piece in rank
+/// order (`2 r` or `2 r + 1`).
+fn piece_of(g: usize, size: usize) -> usize {
+    if g < size {
+        2 * g
+    } else {
+        2 * (2 * size - 1 - g) + 1
+    }
+}
+
+/// The first `chunks` chunks of the sequence of every rank's `x` (`[B, H, 2L, D]`, chunks `i`
+/// and `2C - 1 - i`) along dimension 2, in sequence order and contiguous (`[B, H, chunks L,
+/// D]`): one all-gather forward; backward, the gradient's chunks put back in rank order (zeros
+/// past the prefix) and reduce-scattered home. Only the prefix stays with the graph; both
+/// transfers are spans of the group's timeline (`--trace`) named `what`.
+fn gathered_prefix(x: &Var, group: &Group, chunks: usize, what: &'static str) -> Result<Var> {
+    let (size, half) = (group.size(), x.tensor().dims()[2] / 2);
+    let raw = group.traced(
         &|| format!("{} all-gather {what} forward", group.describe()),
-        &mut || gather_along(x.tensor(), dim, &**group),
+        &mut || gather_along(&x.tensor().contiguous()?, 2, &**group),
     )?;
+    let pieces: Vec<_> = (0..chunks)
+        .map(|g| raw.narrow(2, piece_of(g, size) * half, half))
+        .collect::<Result<_>>()?;
+    let refs: Vec<_> = pieces.iter().collect();
+    let prefix = meshgrad_tensor::Tensor::cat(&refs, 2)?.contiguous()?;
+    drop((pieces, raw));
     let g = group.clone();
     Ok(Var::from_op(
         "allgather_attention_gather",
-        full,
+        prefix,
         &[x],
         Box::new(move |grad, _| {
+            // Rank order: piece p is chunk g with piece_of(g) = p; zeros past the prefix.
+            let zero = grad.narrow(2, 0, half)?.zeros_like()?;
+            let by_rank: Vec<_> = (0..2 * size)
+                .map(|p| {
+                    let g = (0..2 * size).find(|&g| piece_of(g, size) == p).unwrap_or(0);
+                    match g < chunks {
+                        true => grad.narrow(2, g * half, half),
+                        false => Ok(zero.clone()),
+                    }
+                })
+                .collect::<Result<_>>()?;
+            let refs: Vec<_> = by_rank.iter().collect();
+            let full = meshgrad_tensor::Tensor::cat(&refs, 2)?;
             let back = g.traced(
                 &|| format!("{} reduce-scatter {what} gradients backward", g.describe()),
-                &mut || reduce_scatter_along(grad, dim, &*g),
+                &mut || reduce_scatter_along(&full, 2, &*g),
             )?;
             Ok(vec![Some(back)])
         }),
     ))
-}
-
-/// The chunks of an all-gathered `[.., C 2L, ..]` (rank `r`'s chunks `r` and `2C - 1 - r` at
-/// `r 2L`) along `dim`, put in sequence order: chunk `g` of `2C`.
-fn sequence_order(all: &Var, dim: usize, size: usize, half: usize) -> Result<Var> {
-    let pieces: Vec<Var> = (0..2 * size)
-        .map(|g| {
-            let (rank, second) = if g < size {
-                (g, 0)
-            } else {
-                (2 * size - 1 - g, 1)
-            };
-            all.narrow(dim as isize, (2 * rank + second) * half, half)
-        })
-        .collect::<Result<_>>()?;
-    let refs: Vec<&Var> = pieces.iter().collect();
-    Var::cat(&refs, dim as isize)
 }
 
 /// Self-attention of this rank's `q`, `k`, `v` (`[B, H, 2L, D]`, chunks `i` and `2C - 1 - i`)
@@ -100,11 +121,11 @@ pub fn allgather_attention(args: RingAttention<'_>) -> Result<Var> {
         );
     }
     let (size, me, half) = (group.size(), group.rank(), len / 2);
-    let gather = |x: &Var, what: &'static str| -> Result<Var> {
-        let all = gather_traced(&x.contiguous()?, 2, group, what)?;
-        sequence_order(&all, 2, size, half)
-    };
-    let (k, v) = (gather(args.k, "keys")?, gather(args.v, "values")?);
+    // Query chunk g (of 2C) attends to the keys of chunks 0..=g; the later local chunk
+    // (2C - 1 - i) reads the longest prefix, the earlier one (i) a part of it.
+    let chunks = if args.causal { 2 * size - me } else { 2 * size };
+    let k = gathered_prefix(args.k, group, chunks, "keys")?;
+    let v = gathered_prefix(args.v, group, chunks, "values")?;
     if !args.causal {
         let mut mask = AttentionMask::none();
         if let Some(p) = args.key_padding {
@@ -115,24 +136,28 @@ pub fn allgather_attention(args: RingAttention<'_>) -> Result<Var> {
                 .collect::<Result<_>>()?;
             let refs: Vec<&Var> = by_rank.iter().collect();
             let rows = Var::cat(&refs, 1)?;
-            mask = mask.with_key_padding(
-                sequence_order(&rows, 1, size, half)?
-                    .tensor()
-                    .contiguous()?,
-            );
+            let pieces: Vec<Var> = (0..2 * size)
+                .map(|g| rows.narrow(1, piece_of(g, size) * half, half))
+                .collect::<Result<_>>()?;
+            let refs: Vec<&Var> = pieces.iter().collect();
+            mask = mask.with_key_padding(Var::cat(&refs, 1)?.tensor().contiguous()?);
         }
         return Var::attention(args.q, &k, &v, &mask, args.scale);
     }
-    // Query chunk g of the sequence attends to the keys of chunks 0..=g, causal bottom-right.
+    // Causal, aligned bottom-right: query j of chunk g sees keys up to g L + j.
     let outs: Vec<Var> = [me, 2 * size - 1 - me]
         .iter()
         .enumerate()
         .map(|(h, &g)| {
             let keys = (g + 1) * half;
+            let (k, v) = match keys == chunks * half {
+                true => (k.clone(), v.clone()),
+                false => (k.narrow(2, 0, keys)?, v.narrow(2, 0, keys)?),
+            };
             Var::attention(
-                &args.q.narrow(2, h * half, half)?.contiguous()?,
-                &k.narrow(2, 0, keys)?.contiguous()?,
-                &v.narrow(2, 0, keys)?.contiguous()?,
+                &args.q.narrow(2, h * half, half)?,
+                &k,
+                &v,
                 &AttentionMask::causal(),
                 args.scale,
             )

@@ -441,8 +441,9 @@ impl CostModel<'_> {
         };
         // Ring attention (not overlapped with the attention it feeds): the forward passes this
         // rank's keys and values `cp - 1` hops; the backward passes them with their gradients
-        // `cp - 1` hops and the gradients one more hop home. Key/value heads split by `tp`.
-        let kv = (s.n_embd / s.n_head.max(1) * s.n_kv_head) as f64 / l.tp() as f64;
+        // `cp - 1` hops and the gradients one more hop home. The keys and values of every query
+        // head (grouped-query attention's are repeated before the ring), split by `tp`.
+        let kv = s.n_embd as f64 / l.tp() as f64;
         let ring = topo.group(l.cp(), l.tp());
         let hops = l.cp().saturating_sub(1) as f64;
         let kv_bytes = tokens * 2.0 * kv * bytes;

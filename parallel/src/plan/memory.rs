@@ -54,11 +54,13 @@
 //!   per-token figure above counts `1 / C` of the tokens and the attention scores cover `T / C`
 //!   keys at a time (one ring hop); ring attention adds, for the micro-batch being computed, the
 //!   key and value blocks in flight (the backward's message carries keys, values and their
-//!   gradients, received beside the held one: `8` key/value widths per token) and the partial
+//!   gradients, received beside the held one: `8` key/value widths per token, a key/value width
+//!   being every query head's, `n_embd`, as grouped-query attention's heads are repeated before
+//!   the ring) and the partial
 //!   output being combined (`C`), split by `tp`. All-gather attention (`--cp-mode allgather`)
 //!   instead keeps the keys and values its two query chunks read (`(2C + 1) / 2` local lengths
 //!   each, in place of the local ones), holds every rank's keys and values twice while it
-//!   gathers and orders them (`4 C` key/value widths), and its later query chunk's scores cover
+//!   gathers and orders them (`4 cp` key/value widths), and its later query chunk's scores cover
 //!   up to the whole sequence (`C / 2` times a ring step's). ZeRO shards over `dp_shard x cp`
 //!   ranks.
 //! * **Mixture of experts** (`n_experts > 0`): a block holds `n_experts` MLPs and a router
@@ -630,8 +632,10 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
         scores,
     } = block_activations(shape, seq.div_ceil(cp));
     // All-gather attention keeps, for the backward, the keys and values its two query chunks
-    // read (`(2C + 1) / 2` local lengths of each) instead of the local ones.
-    let kv = n(shape.n_embd / shape.n_head.max(1)) * n(shape.n_kv_head);
+    // read (`(2C + 1) / 2` local lengths of each) instead of the local ones. Context
+    // parallelism carries the keys and values of every query head (grouped-query attention's
+    // are repeated before the ring or the all-gather): `C` wide each.
+    let kv = n(shape.n_embd);
     let gathered = flag(cp > 1 && run.cp_mode == CpMode::AllGather);
     let one_block = outside.div_ceil(sp_n)
         + inside.div_ceil(tp_n)
