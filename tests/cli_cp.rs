@@ -56,12 +56,7 @@ fn train_on(
         sets.push("model.n_kv_head=2");
     }
     if model == "mixtral" {
-        sets.extend([
-            "model.intermediate_size=16",
-            "model.n_experts=4",
-            "model.experts_per_token=2",
-            "model.router_aux_loss_coef=0.05",
-        ]);
+        sets.extend(common::TINY_EXPERTS);
     }
     let flags = [&["--model", model, "--lr", "1e-3"], extra].concat();
     common::train_on(processes, dir, tag, 4, &sets, &flags)

@@ -46,12 +46,7 @@ fn train_on(dir: &Path, model: &str, tag: &str, n: Option<usize>, extra: &[&str]
         sets.push("model.n_kv_head=2");
     }
     if model == "mixtral" {
-        sets.extend([
-            "model.intermediate_size=16",
-            "model.n_experts=4",
-            "model.experts_per_token=2",
-            "model.router_aux_loss_coef=0.05",
-        ]);
+        sets.extend(common::TINY_EXPERTS);
     }
     let mut c = common::bin();
     for v in [

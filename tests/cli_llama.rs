@@ -320,10 +320,6 @@ fn train_mixtral(dir: &Path, tag: &str, steps: usize, extra: &[&str]) -> std::pr
         "model.n_head=4",
         "model.n_kv_head=2",
         "model.n_embd=32",
-        "model.intermediate_size=16",
-        "model.n_experts=4",
-        "model.experts_per_token=2",
-        "model.router_aux_loss_coef=0.05",
         "model.block_size=16",
         "train.batch_size=8",
         "train.warmup_steps=1",
@@ -335,7 +331,7 @@ fn train_mixtral(dir: &Path, tag: &str, steps: usize, extra: &[&str]) -> std::pr
         dir,
         tag,
         steps,
-        &sets,
+        &[&sets[..], &common::TINY_EXPERTS].concat(),
         &[&["--model", "mixtral"], extra].concat(),
     )
 }

@@ -101,6 +101,15 @@ pub fn eval(ckpt: &Path, data: &Path) -> Output {
         .unwrap()
 }
 
+/// A tiny Mixtral's experts (with the tests' `model.*` sizes): 4 experts of width 16, 2 per
+/// token, load-balancing coefficient 0.05.
+pub const TINY_EXPERTS: [&str; 4] = [
+    "model.intermediate_size=16",
+    "model.n_experts=4",
+    "model.experts_per_token=2",
+    "model.router_aux_loss_coef=0.05",
+];
+
 /// The value of the first `loss=` line of stdout.
 pub fn loss_line(o: &Output) -> f64 {
     let (out, _) = text(o);

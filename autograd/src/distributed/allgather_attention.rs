@@ -87,39 +87,7 @@ fn gathered_prefix(x: &Var, group: &Group, chunks: usize, what: &'static str) ->
 /// a padding mask not `[B, 2L]`.
 pub fn allgather_attention(args: RingAttention<'_>) -> Result<Var> {
     let group: &Group = args.group;
-    let q = args.q.tensor();
-    let where_ = || {
-        format!(
-            "all-gather attention (rank {} of {})",
-            group.rank(),
-            group.describe()
-        )
-    };
-    if q.rank() != 4 || args.k.tensor().shape() != q.shape() || args.v.tensor().shape() != q.shape()
-    {
-        meshgrad_tensor::bail!(
-            "{}: q {}, k {}, v {} must be one shape [B, H, 2L, D]",
-            where_(),
-            q.shape(),
-            args.k.tensor().shape(),
-            args.v.tensor().shape()
-        );
-    }
-    let (b, len) = (q.dims()[0], q.dims()[2]);
-    if len == 0 || !len.is_multiple_of(2) {
-        meshgrad_tensor::bail!(
-            "{}: the local sequence of {len} positions is not two equal chunks (q {})",
-            where_(),
-            q.shape()
-        );
-    }
-    if let Some(p) = args.key_padding.filter(|p| p.dims() != [b, len]) {
-        meshgrad_tensor::bail!(
-            "{}: key padding {} is not [B, 2L] = [{b}, {len}]",
-            where_(),
-            p.shape()
-        );
-    }
+    let (b, len) = args.checked_sizes("all-gather attention")?;
     let (size, me, half) = (group.size(), group.rank(), len / 2);
     // Query chunk g (of 2C) attends to the keys of chunks 0..=g; the later local chunk
     // (2C - 1 - i) reads the longest prefix, the earlier one (i) a part of it.

@@ -92,6 +92,47 @@ pub struct RingAttention<'a> {
     pub group: &'a Group,
 }
 
+impl RingAttention<'_> {
+    /// The batch size and local length `(B, 2L)`, after the checks both context-parallel
+    /// attentions make (one-line errors naming `name` and the rank): q, k and v of one 4-D shape
+    /// `[B, H, 2L, D]`, an even local length, a padding mask `[B, 2L]`.
+    pub(crate) fn checked_sizes(&self, name: &str) -> Result<(usize, usize)> {
+        let (q, k, v) = (self.q.tensor(), self.k.tensor(), self.v.tensor());
+        let where_ = || {
+            format!(
+                "{name} (rank {} of {})",
+                self.group.rank(),
+                self.group.describe()
+            )
+        };
+        if q.rank() != 4 || k.shape() != q.shape() || v.shape() != q.shape() {
+            meshgrad_tensor::bail!(
+                "{}: q {}, k {}, v {} must be one shape [B, H, 2L, D]",
+                where_(),
+                q.shape(),
+                k.shape(),
+                v.shape()
+            );
+        }
+        let (b, len) = (q.dims()[0], q.dims()[2]);
+        if len == 0 || !len.is_multiple_of(2) {
+            meshgrad_tensor::bail!(
+                "{}: the local sequence of {len} positions is not two equal chunks (q {})",
+                where_(),
+                q.shape()
+            );
+        }
+        if let Some(p) = self.key_padding.filter(|p| p.dims() != [b, len]) {
+            meshgrad_tensor::bail!(
+                "{}: key padding {} is not [B, 2L] = [{b}, {len}]",
+                where_(),
+                p.shape()
+            );
+        }
+        Ok((b, len))
+    }
+}
+
 /// Which queries of this rank meet which keys of the block it holds, and how.
 #[derive(Clone, Debug)]
 struct Pair {
@@ -238,42 +279,14 @@ fn unstack(t: &Tensor, i: usize) -> Result<Tensor> {
 /// shape, an odd local length, a padding mask not `[B, 2L]`.
 pub fn ring_attention(args: RingAttention<'_>) -> Result<Var> {
     let group = args.group;
+    let (b, _) = args.checked_sizes("ring attention")?;
     let (q, k, v) = (
         args.q.tensor().contiguous()?,
         args.k.tensor().contiguous()?,
         args.v.tensor().contiguous()?,
     );
-    let where_ = || {
-        format!(
-            "ring attention (rank {} of {})",
-            group.rank(),
-            group.describe()
-        )
-    };
-    if q.rank() != 4 || k.shape() != q.shape() || v.shape() != q.shape() {
-        meshgrad_tensor::bail!(
-            "{}: q {}, k {}, v {} must be one shape [B, H, 2L, D]",
-            where_(),
-            q.shape(),
-            k.shape(),
-            v.shape()
-        );
-    }
-    let (b, len) = (q.dims()[0], q.dims()[2]);
-    if len == 0 || !len.is_multiple_of(2) {
-        meshgrad_tensor::bail!(
-            "{}: the local sequence of {len} positions is not two equal chunks (q {})",
-            where_(),
-            q.shape()
-        );
-    }
     let pads = match args.key_padding {
         None => None,
-        Some(p) if p.dims() != [b, len] => meshgrad_tensor::bail!(
-            "{}: key padding {} is not [B, 2L] = [{b}, {len}]",
-            where_(),
-            p.shape()
-        ),
         Some(p) if group.size() == 1 => Some(vec![p.clone()]),
         Some(p) => {
             let all = group.all_gather(&p.contiguous()?)?;
