@@ -34,6 +34,10 @@ pub struct ModelShape {
     pub bias: bool,
     /// Whether positions are a learned table (`false`: rotary, nothing to learn).
     pub learned_positions: bool,
+    /// Whether attention reads q, k and v in place from the fused qkv projection (GPT's
+    /// `c_attn`), keeping no heads-first copies of them (a single-device or tensor-parallel
+    /// run; context parallelism makes the copies anyway).
+    pub fused_qkv: bool,
     /// Rows of the token-type table (0 when there is none).
     pub type_vocab_size: usize,
     /// Whether the embedding ends with a norm (BERT).

@@ -66,6 +66,7 @@ impl BertConfig {
             ffn: self.intermediate_size,
             bias: true,
             learned_positions: true,
+            fused_qkv: false,
             type_vocab_size: self.type_vocab_size,
             embedding_norm: true,
             gated_mlp: false,

@@ -39,6 +39,7 @@ impl GptConfig {
             ffn: self.n_embd.saturating_mul(4),
             bias: self.bias,
             learned_positions: true,
+            fused_qkv: true,
             type_vocab_size: 0,
             embedding_norm: false,
             gated_mlp: false,

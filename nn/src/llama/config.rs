@@ -58,6 +58,7 @@ impl LlamaConfig {
             ffn: self.intermediate_size,
             bias: false,
             learned_positions: false,
+            fused_qkv: false,
             type_vocab_size: 0,
             embedding_norm: false,
             gated_mlp: true,

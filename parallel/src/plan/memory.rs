@@ -32,13 +32,14 @@
 //!   `4 C` outside the attention and the MLP (the block input, the two norms' outputs, the
 //!   residual; divided by `tp` under sequence parallelism) and `4 C + 2 F` inside them (q/k/v,
 //!   the attention output, the MLP's up-projection and activation of width `F`; `3 F` for a
-//!   gated MLP; with rotary positions `4 C` more plus the key/value width, for the rotated q and
-//!   k and the heads-first copies the attention reads; divided by `tp`), the fused attention
+//!   gated MLP; unless the attention reads the fused qkv projection in place (GPT), `4 C` more
+//!   for the heads-first copies of q, k, v and of its output, with rotary positions the rotated
+//!   ones, plus the key/value width kept before the repetition; divided by `tp`), the fused attention
 //!   keeping no `T x T` probabilities; under sequence parallelism also the column-parallel
 //!   projections' gathered inputs (`2 C`). That for every block of the rank, plus the backward's
-//!   temporaries (the gradients of one block's inside values), and the `H T` attention scores
-//!   of one block being computed (with activation checkpointing: the block inputs `C` plus one
-//!   whole block recomputed); `2 C` for the embedding on its stage (under `tp` also its
+//!   temporaries (the gradients of one block's inside values; no attention scores: the fused
+//!   kernels work through them in tiles) (with activation checkpointing: the block inputs `C`
+//!   plus one whole block recomputed); `2 C` for the embedding on its stage (under `tp` also its
 //!   vocabulary-parallel partial lookup `C`) and `2 C` for the final norm on the head's (`6 C`
 //!   with a head transform; under `tp` also the loss-parallel cross-entropy's `2 V / tp`);
 //!   `3 V / tp` for the logits, their softmax and their gradient, on the stage that computes
@@ -46,13 +47,14 @@
 //!   `min(microbatches, pp)` micro-batches in flight (1F1B, zero bubble), `min(microbatches,
 //!   2 pp)` (interleaved) or all of them (GPipe), the last stage one under 1F1B: each keeps its
 //!   blocks' values (or their inputs), the embedding's and its boundary values (the input it
-//!   received and the output it sent, `2 C`, without recomputation), while the backward's temporaries,
-//!   the attention scores and the logits exist for one micro-batch at a time. Under zero bubble
+//!   received and the output it sent, `2 C`, without recomputation), while the backward's temporaries
+//!   and the logits exist for one micro-batch at a time. Under zero bubble
 //!   every stage holds `min(microbatches, pp)` until their weight backwards, each also with its
 //!   projections' output gradients (`3 C + F` split by `tp`, `2 C`).
 //! * **Context parallelism** (`cp=C`): a rank holds `positions / C` tokens of each row, so every
-//!   per-token figure above counts `1 / C` of the tokens and the attention scores cover `T / C`
-//!   keys at a time (one ring hop); ring attention adds, for the micro-batch being computed, the
+//!   per-token figure above counts `1 / C` of the tokens; a model whose attention reads the fused
+//!   qkv projection in place keeps the heads-first copies of q, k, v and the attention output
+//!   (`4 C`, split by `tp`), as the others always do; ring attention adds, for the micro-batch being computed, the
 //!   key and value blocks in flight (the backward's message carries keys, values and their
 //!   gradients, received beside the held one: `8` key/value widths per token, a key/value width
 //!   being every query head's, `n_embd`, as grouped-query attention's heads are repeated before
@@ -60,9 +62,7 @@
 //!   output being combined (`C`), split by `tp`. All-gather attention (`--cp-mode allgather`)
 //!   instead keeps the keys and values its two query chunks read (`(2C + 1) / 2` local lengths
 //!   each, in place of the local ones), holds every rank's keys and values twice while it
-//!   gathers and orders them (`4 cp` key/value widths), and its later query chunk's scores cover
-//!   up to the whole sequence (`C / 2` times a ring step's). ZeRO shards over `dp_shard x cp`
-//!   ranks.
+//!   gathers them (`4 cp` key/value widths). ZeRO shards over `dp_shard x cp` ranks.
 //! * **Mixture of experts** (`n_experts > 0`): a block holds `n_experts` MLPs and a router
 //!   (`C x n_experts`); tensor parallelism leaves both whole on every rank (each routes the same
 //!   tokens), expert parallelism (`ep=E`) divides the experts by `E`; under ep ZeRO shards the other
@@ -293,25 +293,25 @@ pub fn num_parameters(shape: &ModelShape) -> Option<u64> {
 }
 
 /// f32 values one token keeps in one block for the backward: outside the attention and the
-/// MLP, inside them (split by tensor parallelism), in a mixture of experts (whole on every
-/// tensor-parallel rank), and the attention scores one token needs while a block runs (see the
-/// module docs).
+/// MLP, inside them (split by tensor parallelism) and in a mixture of experts (whole on every
+/// tensor-parallel rank; see the module docs).
 struct BlockValues {
     outside: N,
     inside: N,
     experts: N,
-    scores: N,
 }
 
-fn block_activations(s: &ModelShape, seq: usize) -> BlockValues {
-    let (c, f, h, t) = (n(s.n_embd), n(s.ffn), n(s.n_head), n(seq.min(s.positions)));
+fn block_activations(s: &ModelShape) -> BlockValues {
+    let (c, f) = (n(s.n_embd), n(s.ffn));
     let four = N::of(4);
     // The gated MLP keeps its gate, its up projection and their product.
     let mlp = if s.gated_mlp { N::of(3) } else { N::of(2) } * f;
-    // Rotary positions (no learned table): the rotated q and k, and the heads-first copies of
-    // q, k and v (k and v repeated for every query head) that the attention reads.
+    // Unless attention reads the fused qkv projection in place: the heads-first copies of q,
+    // k and v that it reads and of the output it writes (with rotary positions, q and k are
+    // rotated into theirs, and the key/value heads are kept once more before their repetition
+    // for the query heads).
     let kv = n(s.n_embd / s.n_head.max(1)) * n(s.n_kv_head);
-    let rotary = flag(!s.learned_positions) * (four * c + kv);
+    let copies = flag(!s.fused_qkv) * four * c + flag(!s.learned_positions) * kv;
     let moe = s.n_experts > 0;
     // A mixture of experts: each of the token's `k` experts keeps its MLP values, the token's
     // copy it read and the output it wrote (`2 C`); the router its logits and probabilities.
@@ -319,9 +319,8 @@ fn block_activations(s: &ModelShape, seq: usize) -> BlockValues {
     let experts = flag(moe) * (k * (mlp + N::of(2) * c) + N::of(2) * n(s.n_experts));
     BlockValues {
         outside: four * c,
-        inside: four * c + flag(!moe) * mlp + rotary,
+        inside: four * c + flag(!moe) * mlp + copies,
         experts,
-        scores: h * t,
     }
 }
 
@@ -629,17 +628,20 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
         outside,
         inside,
         experts,
-        scores,
-    } = block_activations(shape, seq.div_ceil(cp));
+    } = block_activations(shape);
     // All-gather attention keeps, for the backward, the keys and values its two query chunks
     // read (`(2C + 1) / 2` local lengths of each) instead of the local ones. Context
     // parallelism carries the keys and values of every query head (grouped-query attention's
     // are repeated before the ring or the all-gather): `C` wide each.
     let kv = n(shape.n_embd);
     let gathered = flag(cp > 1 && run.cp_mode == CpMode::AllGather);
+    // Under context parallelism a model whose attention otherwise reads the fused qkv
+    // projection in place keeps the heads-first copies of q, k and v that the ring or the
+    // all-gather reads, and of the output it writes (`4 C`), as the others always do.
+    let heads_first = flag(cp > 1 && shape.fused_qkv) * N::of(4) * n(shape.n_embd);
     let one_block = outside.div_ceil(sp_n)
         + inside.div_ceil(tp_n)
-        + (gathered * n(2 * cp - 1) * kv).div_ceil(tp_n)
+        + (gathered * n(2 * cp - 1) * kv + heads_first).div_ceil(tp_n)
         + experts
         + tp_plumbing(shape, tp, run.sequence_parallel);
     // What every micro-batch in flight keeps, and the temporaries of the one being computed:
@@ -671,13 +673,7 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
         CpMode::AllGather => gathered * N::of(4) * n(cp) * kv,
     }
     .div_ceil(tp_n);
-    // All-gather attention's later query chunk meets up to the whole sequence's keys at once:
-    // its scores are `C / 2` times a ring step's.
-    let scores = match cp > 2 && run.cp_mode == CpMode::AllGather {
-        true => (scores * n(cp)).div_ceil(N::of(2)),
-        false => scores,
-    };
-    let temporaries = temporaries + scores.div_ceil(tp_n) + logits + ring;
+    let temporaries = temporaries + logits + ring;
     // A micro-batch whose weight backward is still to come also holds the gradients of its
     // projections' outputs (q/k/v and the MLP's up projections split by tensor parallelism, the
     // two output projections' `C` each as the residual stream is split).
@@ -800,9 +796,8 @@ pub fn in_flight(schedule: ScheduleKind, microbatches: usize, pp: usize) -> usiz
 pub fn estimate_inference(shape: &ModelShape, rows: u64) -> MemoryEstimate {
     let params = N(num_parameters(shape)) * N::of(F32);
     let tokens = N::of(rows) * n(shape.positions);
-    let b = block_activations(shape, shape.positions);
+    let b = block_activations(shape);
     let per_token = N::of(2) * (b.outside + b.inside + b.experts)
-        + b.scores
         + edge_activations(shape, true, true)
         + N::of(2) * n(shape.vocab_size);
     let activations = tokens * per_token * N::of(F32);
@@ -823,6 +818,43 @@ pub fn estimate_inference(shape: &ModelShape, rows: u64) -> MemoryEstimate {
 mod tests {
     use super::*;
     use crate::pipeline::{simulate, Costs, Schedule};
+
+    #[test]
+    fn activations_grow_with_the_context_not_its_square() {
+        // The fused attention works through the scores in tiles (measured here: a 2-layer GPT
+        // of width 64, batch 2, peaks at 8.6, 15.5, 29.4 and 57.1 MiB for 256 to 2048 tokens):
+        // a token's values do not depend on the context length.
+        let run = |positions: usize| {
+            let mut model = meshgrad_nn::GptConfig {
+                vocab_size: 256,
+                block_size: positions,
+                n_layer: 2,
+                n_head: 4,
+                n_embd: 64,
+                dropout: 0.0,
+                bias: true,
+                layer_norm_eps: 1e-5,
+            }
+            .shape();
+            model.positions = positions;
+            let layout = ParallelLayout::default();
+            estimate_training(&TrainingRun {
+                model,
+                layout: &layout,
+                batch_size: 2,
+                microbatches: 1,
+                schedule: ScheduleKind::OneFOneB,
+                sequence_parallel: false,
+                cp_mode: Default::default(),
+                checkpoint_blocks: false,
+                reference_row_group: None,
+                precision: Default::default(),
+            })
+            .activations
+        };
+        assert_eq!(run(2048), 2 * run(1024));
+        assert_eq!(run(1024), 4 * run(256));
+    }
 
     #[test]
     fn zero_shards_the_experts_with_the_rest_unless_expert_parallelism_holds_them() {
