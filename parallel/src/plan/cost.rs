@@ -344,7 +344,8 @@ impl CostModel<'_> {
     /// The memory estimate of `c`: the preflight check's, plus, for an attention that
     /// materialises its scores ([`Attention::Materialized`], not meshgrad's), the scores' 2-byte
     /// softmax output and 1-byte dropout mask (`3 H T / tp` bytes per token) for every block
-    /// of every micro-batch in flight (one block with recomputation).
+    /// of every micro-batch in flight (one block with recomputation), and the scores of the
+    /// block being computed (`H T / tp` values per token).
     pub fn memory(&self, c: &Candidate, microbatches: usize) -> MemoryEstimate {
         let mut m = self.preflight_memory(c, microbatches);
         if self.workload.attention == Attention::Materialized {
@@ -355,11 +356,16 @@ impl CostModel<'_> {
             } else {
                 s.n_layer.div_ceil(l.pp()) * in_flight(c.schedule, microbatches, l.pp())
             };
-            let per_token = 3 * (s.n_head * s.positions / l.tp()) as u64;
+            let scores = (s.n_head * s.positions / l.tp()) as u64;
             let tokens = (c.microbatch_size * s.positions) as u64;
-            let extra = per_token
+            let extra = (3 * scores)
                 .saturating_mul(tokens)
-                .saturating_mul(blocks as u64);
+                .saturating_mul(blocks as u64)
+                .saturating_add(
+                    scores
+                        .saturating_mul(tokens)
+                        .saturating_mul(self.workload.precision.bytes()),
+                );
             m.activations = m.activations.saturating_add(extra);
             m.per_rank = m.per_rank.saturating_add(extra);
             m.total = m.total.saturating_add(extra.saturating_mul(m.ranks as u64));
