@@ -1,10 +1,12 @@
 //! `meshgrad train --layout` with expert parallelism: a tiny Mixtral-style Llama (4 experts, top
-//! 2) under ep=2, ep=4, dp=4,ep=2, fsdp=4,ep=2, hsdp=2x2,ep=2, zero1=4,ep=2, pp=2,ep=2, tp=2
-//! and tp=2,ep=2 gives the single-device losses on the same global batch
+//! 2) under ep=2, ep=4, dp=4,ep=2, fsdp=4,ep=2, hsdp=2x2,ep=2, zero1=4,ep=2, zero2=4,ep=2,
+//! fsdp=2,ep=2, pp=2,ep=2, tp=2 and tp=2,ep=2 (under ZeRO the experts sharded over the ranks
+//! holding the same ones) gives the single-device losses on the same global batch
 //! (within 1e-5 relative, train and validation; gradient norms within 1e-4) for 4 steps, and
 //! the same for ep=2 as two processes of `meshgrad launch` over TCP; its Hugging Face folder holds the single device's weights within 1e-5 relative L2 over all
-//! parameters (every expert gathered under its full name); fsdp=4 and hsdp=2x2 without ep, with
-//! 8 experts some of which get no tokens on some ranks, also train in lockstep. Bad input is
+//! parameters (every expert gathered under its full name); fsdp=4 and hsdp=2x2 without ep, and
+//! fsdp=4,ep=2 and zero2=4,ep=2, with 8 experts some of which get no tokens on some ranks, also
+//! train in lockstep. Bad input is
 //! refused in one line: ep
 //! that does not divide the experts or the data-parallel ranks, ep on a model without experts.
 //!
@@ -122,13 +124,16 @@ fn mixtral_trains_in_lockstep_under_expert_parallelism() {
     // tensor-parallel ranks (routing the same tokens), alone and with ep=2 (4 ranks).
     assert_lockstep_layouts(&dir, &[("tp2", "tp=2"), ("tp2ep2", "tp=2,ep=2")], &[]);
     // Sharded data parallelism: the other parameters sharded over the 4 ranks (ZeRO-3,
-    // hybrid, ZeRO-1), each expert whole on the 2 ranks that hold it.
+    // hybrid, ZeRO-1, ZeRO-2), each expert sharded at the same stage over the 2 ranks that
+    // hold it; and over 2 ranks (fsdp=2,ep=2), where no other rank holds the same experts.
     assert_lockstep_layouts(
         &dir,
         &[
             ("fsdp4ep2", "fsdp=4,ep=2"),
             ("hsdp2x2ep2", "hsdp=2x2,ep=2"),
             ("zero1ep2", "zero1=4,ep=2"),
+            ("zero2ep2", "zero2=4,ep=2"),
+            ("fsdp2ep2", "fsdp=2,ep=2"),
         ],
         &[],
     );
@@ -142,13 +147,25 @@ fn mixtral_trains_in_lockstep_under_expert_parallelism() {
 /// ZeRO-3 without expert parallelism shards the experts with the rest; with 8 experts some get
 /// no tokens on some ranks in a step, so a block's unit completes its gradients on one rank and
 /// not on another: its reduction must wait for the backward's end on every rank, or the ranks'
-/// reduce-scatters and all-gathers interleave differently (mismatched collectives).
+/// reduce-scatters and all-gathers interleave differently (mismatched collectives). With
+/// expert parallelism the experts are sharded over the ranks holding the same ones, in units of
+/// their own: the same holds for them, and a rank whose experts of a block got no tokens still
+/// gathers them when the others do.
 #[test]
 fn mixtral_trains_in_lockstep_under_fsdp_with_experts_left_unused() {
     let dir = tmpdir("ep-fsdp-unused");
     let more = ["--set", "model.n_experts=8", "--set", "model.n_layer=4"];
     common::assert_ok(&train(&dir, "mixtral", "single", &more));
-    assert_lockstep_layouts(&dir, &[("fsdp4", "fsdp=4"), ("hsdp2x2", "hsdp=2x2")], &more);
+    assert_lockstep_layouts(
+        &dir,
+        &[
+            ("fsdp4", "fsdp=4"),
+            ("hsdp2x2", "hsdp=2x2"),
+            ("fsdp4ep2", "fsdp=4,ep=2"),
+            ("zero2ep2", "zero2=4,ep=2"),
+        ],
+        &more,
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
