@@ -218,8 +218,9 @@ fn checkpoints_move_between_one_device_and_expert_parallelism() {
     go("single", &[]);
     go("saved_ep2", &["--layout", "ep=2", "--save-every", "2"]);
     go("saved_single", &["--save-every", "2"]);
-    // Under a sharding entry the dense parameters are saved as ZeRO segments, the experts whole
-    // with their own AdamW's state.
+    // Under a sharding entry the dense parameters are saved as ZeRO segments, the experts as
+    // segments of their own wrapper's (sharded over the 2 ranks holding them), each with its
+    // optimizer state.
     go(
         "saved_fsdp4ep2",
         &["--layout", "fsdp=4,ep=2", "--save-every", "2"],

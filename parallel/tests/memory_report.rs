@@ -372,7 +372,7 @@ fn expert_parallelism_with_zero_shards_the_experts_over_their_replicas() {
 fn fsdp_with_expert_parallelism_shards_the_experts_parameters() {
     let mut cfg = tiny_mixtral(4);
     cfg.model.n_layer = 4;
-    let specs = ["zero1=4,ep=2", "fsdp=4,ep=2"];
+    let specs = ["zero1=4,ep=2", "fsdp=4,ep=2", "fsdp=2,ep=2"];
     let strategies: Vec<MemoryStrategy> = specs
         .iter()
         .map(|s| MemoryStrategy::new(s, false).unwrap())
@@ -399,6 +399,21 @@ fn fsdp_with_expert_parallelism_shards_the_experts_parameters() {
     assert_eq!(z3.params, z3.theory.params, "{z3:?}");
     let (params, _, _) = planner_prediction(&cfg, "fsdp=4,ep=2");
     assert_eq!(params, z3.params as u64);
+    // fsdp=2,ep=2: the held experts whole (parameters and both moments), the dense half (its
+    // moments padded under 2 elements per unit).
+    let two = report.rows[2];
+    assert!(two.params >= 4 * (dense / 2 + experts / 2), "{two:?}");
+    let want = 8 * (dense / 2 + experts / 2);
+    assert!(
+        two.optimizer >= want && two.optimizer <= want + 8 * 16,
+        "{two:?}"
+    );
+    assert_eq!(two.optimizer, two.theory.optimizer, "{two:?}");
+    let (params, _, optimizer) = planner_prediction(&cfg, "fsdp=2,ep=2");
+    assert_eq!(
+        (params, optimizer),
+        (two.params as u64, two.optimizer as u64)
+    );
 }
 
 /// Context parallelism: at cp=4 a rank of a 1024-token GPT allocates at most 0.35 of one
