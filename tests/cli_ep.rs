@@ -6,7 +6,8 @@
 //! the same for ep=2 as two processes of `meshgrad launch` over TCP; its Hugging Face folder holds the single device's weights within 1e-5 relative L2 over all
 //! parameters (every expert gathered under its full name); fsdp=4 and hsdp=2x2 without ep, and
 //! fsdp=4,ep=2 and zero2=4,ep=2, with 8 experts some of which get no tokens on some ranks, also
-//! train in lockstep. Bad input is
+//! train in lockstep, and so does fsdp=16,ep=8 with 16 experts, one per token, where a rank's
+//! two experts often get no tokens at all while their other holder's do. Bad input is
 //! refused in one line: ep
 //! that does not divide the experts or the data-parallel ranks, ep on a model without experts.
 //!
@@ -166,6 +167,26 @@ fn mixtral_trains_in_lockstep_under_fsdp_with_experts_left_unused() {
         ],
         &more,
     );
+    std::fs::remove_dir_all(&dir).unwrap();
+    // 16 experts, one per token, rows of 4 tokens: under fsdp=16,ep=8 a rank holds 2 experts,
+    // sharded over the 2 ranks holding them, and often neither gets a token on one of the two
+    // while the other's do. Both still gather them, in the forward and in the backward (without
+    // that, measured: the ranks' collectives mismatch and the run times out).
+    let dir = tmpdir("ep-fsdp-no-tokens");
+    let more = [
+        "--set",
+        "model.n_experts=16",
+        "--set",
+        "model.experts_per_token=1",
+        "--set",
+        "model.block_size=4",
+        "--set",
+        "train.batch_size=16",
+        "--collective-timeout",
+        "30",
+    ];
+    common::assert_ok(&train(&dir, "mixtral", "single", &more));
+    assert_lockstep_layouts(&dir, &[("fsdp16ep8", "fsdp=16,ep=8")], &more);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
