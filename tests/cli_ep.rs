@@ -12,9 +12,10 @@
 //! that does not divide the experts or the data-parallel ranks, ep on a model without experts.
 //!
 //! Reference mode (`--reference`) under ep=2, ep=4, dp=4,ep=2, fsdp=4,ep=2, hsdp=2x2,ep=2,
-//! tp=2,ep=2 and pp=2,ep=2 gives one device's reference run bit for bit: every metrics value
+//! zero1=4,ep=2, zero2=4,ep=2, fsdp=2,ep=2, tp=2,ep=2 and pp=2,ep=2 gives one device's reference run bit for bit: every metrics value
 //! and the weights file; and a checkpoint moves between one device and ep=2 / ep=4 / dp=4,ep=2
-//! / fsdp=4,ep=2 (and from zero1=4,ep=2 to hsdp=2x2,ep=2) with the resumed run continuing the
+//! / fsdp=4,ep=2 (and from zero1=4,ep=2 to hsdp=2x2,ep=2 and zero2=4,ep=2, from fsdp=4,ep=2 to
+//! fsdp=2,ep=2) with the resumed run continuing the
 //! uninterrupted one bit for bit (weights and optimizer state restored).
 
 use crate::common;
@@ -224,6 +225,9 @@ fn mixtral_reference_runs_are_bit_identical_to_one_device_under_expert_paralleli
         ("dp4ep2", "dp=4,ep=2"),
         ("fsdp4ep2", "fsdp=4,ep=2"),
         ("hsdp2x2ep2", "hsdp=2x2,ep=2"),
+        ("zero1ep2", "zero1=4,ep=2"),
+        ("zero2ep2", "zero2=4,ep=2"),
+        ("fsdp2ep2", "fsdp=2,ep=2"),
         ("tp2ep2", "tp=2,ep=2"),
         ("pp2ep2", "pp=2,ep=2"),
     ] {
@@ -313,6 +317,26 @@ fn checkpoints_move_between_one_device_and_expert_parallelism() {
             &step2("saved_zero1ep2"),
         ],
     );
+    // The experts' shards move to other shardings of them: whole on their one holder
+    // (fsdp=2,ep=2), ZeRO-2 over their 2 holders.
+    go(
+        "fsdp4ep2_to_fsdp2ep2",
+        &[
+            "--layout",
+            "fsdp=2,ep=2",
+            "--resume",
+            &step2("saved_fsdp4ep2"),
+        ],
+    );
+    go(
+        "zero1ep2_to_zero2ep2",
+        &[
+            "--layout",
+            "zero2=4,ep=2",
+            "--resume",
+            &step2("saved_zero1ep2"),
+        ],
+    );
     let want = metric_lines(&dir, "single");
     let weights = |tag: &str| std::fs::read(dir.join(tag).join("model.safetensors")).unwrap();
     for tag in ["saved_fsdp4ep2", "saved_zero1ep2"] {
@@ -326,6 +350,8 @@ fn checkpoints_move_between_one_device_and_expert_parallelism() {
         "fsdp4ep2_to_dp4ep2",
         "single_to_fsdp4ep2",
         "zero1ep2_to_hsdp2x2ep2",
+        "fsdp4ep2_to_fsdp2ep2",
+        "zero1ep2_to_zero2ep2",
     ] {
         assert_eq!(
             metric_lines(&dir, tag),
