@@ -384,7 +384,8 @@ struct TrainArgs {
     /// ep=E shards a Mixtral's experts over E of the data-parallel ranks (expert parallelism;
     /// adds no ranks: ep=2 is dp=2,ep=2, dp=1,cp=2,ep=2 shards them over a cp pair; E must
     /// divide the experts and the data-parallel x cp ranks; with dp, zero1/zero2/fsdp/hsdp,
-    /// cp, tp and pp). The global batch is the same for every layout.
+    /// cp, tp and pp; under zero1/zero2/fsdp/hsdp the experts get the same ZeRO stage over the
+    /// ranks holding the same ones). The global batch is the same for every layout.
     #[arg(long, value_name = "SPEC")]
     layout: Option<String>,
     /// Gradient accumulation: split each rank's rows of a step into this many micro-batches

@@ -2,38 +2,57 @@
 //! [`DataParallel::for_layout`] picks when the layout has `ep=E`.
 //!
 //! A rank holds every parameter but the experts whole (or its shard of them), and its block of
-//! the experts. The two kinds are reduced apart, as torchtitan does (its experts live on a mesh
-//! of their own):
+//! the experts (or its shard of that block). The two kinds are reduced apart, as torchtitan does
+//! (its experts live on a mesh of their own):
 //!
 //! * the **dense** parameters (router, attention, norms, embeddings) over the whole
 //!   data-parallel group, by [`Ddp`] or, under `zero1/zero2/fsdp/hsdp`, by the sharded wrapper
-//!   ([`ShardedDataParallel`], told to leave the experts alone: [`ShardConfig::ignored`]);
-//! * the **experts** by [`Ddp`] over the `D / E` ranks that hold the same ones
-//!   ([`LayoutMesh::expert_replica_group`]), whole on every one of them (they are already split
-//!   `E` ways); under a sharded wrapper they get an AdamW of their own (the run's optimizer is
-//!   then unused, as the wrapper steps its shards).
+//!   ([`ShardedDataParallel`] over the layout's shard topology, told to leave the experts alone:
+//!   [`ShardConfig::ignored`]);
+//! * the **experts** over the `D / E` ranks that hold the same ones
+//!   ([`LayoutMesh::expert_replica_group`]): without a sharding entry by [`Ddp`], whole on every
+//!   one of them (they are already split `E` ways); under a sharding entry by a second
+//!   [`ShardedDataParallel`] at the same ZeRO stage over that group
+//!   ([`ShardTopology::flat`]; its `ignored` are the dense parameters, and
+//!   [`ShardConfig::sometimes_unused`] is on, as an expert may get no tokens on a rank): ZeRO-1
+//!   shards their optimizer state over the replicas, ZeRO-2 their gradients too, ZeRO-3 (`fsdp`,
+//!   `hsdp`) their parameters too, gathered unit by unit when read (the two wrappers' hooks
+//!   and prefetches sit on different parameters of the same blocks). With one replica
+//!   (`fsdp=2,ep=2`) there is nothing to shard: the expert wrapper is ZeRO-1 over that one rank,
+//!   which keeps the experts, their gradients and their optimizer state whole and steps them.
+//!   The run's optimizer is unused under a sharding entry: the two wrappers step their shards.
 //!
-//! The gradient norm adds the experts' squares over the expert-parallel group to the dense ones
-//! ([`ApartParams`]). A checkpoint under a sharded dense wrapper holds the dense parameters'
-//! segments and the rank's experts whole under their global names, with their AdamW's state
-//! ([`DataParallel::local_pieces`]), so it loads under any other layout.
+//! The gradient norm adds the experts' squares (summed over their shards in the replica group,
+//! then over the expert-parallel group) to the dense ones, then over the pipeline: every element
+//! counted once ([`ApartParams`] without sharding). A checkpoint under a sharding entry holds the
+//! dense parameters' segments and the experts' segments, both under their global names, with
+//! their optimizers' state ([`DataParallel::local_pieces`]), so it loads under any other layout.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use meshgrad_autograd::{no_grad, Var};
-use meshgrad_nn::optim::{clip_grads_with_norm, grad_sq_sum, AdamW, Optimizer, ParamGroup};
+use meshgrad_nn::optim::{clip_grads_with_norm, grad_sq_sum, AdamW, Optimizer};
 use meshgrad_nn::Module;
 use meshgrad_tensor::exact_sum::ExactSum;
-use meshgrad_tensor::Result;
+use meshgrad_tensor::{Device, Result, Tensor};
 
-use crate::checkpoint::{
-    pieces_of_optimizer, pieces_of_parameters, Checkpoint, Piece, Role, StateRole,
-};
+use crate::checkpoint::{Checkpoint, Piece, Role, StateRole};
 use crate::comm::{all_reduce_scalar, Communicator};
 use crate::pipeline::{ApartParams, PipelineGrads};
 use crate::strategy::{sharded_sq_sum, DataParallel, ScaledStep};
-use crate::zero::{ShardConfig, ShardedDataParallel};
+use crate::zero::{ShardConfig, ShardTopology, ShardedDataParallel, ZeroStage};
 use crate::{Ddp, DdpConfig, LayoutMesh, ReduceOp};
+
+/// What reduces (and under a sharding entry shards and steps) a rank's experts.
+enum ExpertReduce {
+    /// No sharding entry and one replica: nothing to reduce (the run's optimizer steps them).
+    Local,
+    /// No sharding entry: [`Ddp`] over the replica group (the run's optimizer steps them).
+    Ddp(Ddp),
+    /// A sharding entry: ZeRO over the replica group, at the layout's stage (ZeRO-1 over a
+    /// single replica), which also owns the experts' optimizer state and steps them.
+    Sharded(ShardedDataParallel),
+}
 
 /// Data parallelism under expert parallelism (`ep=E` over `D` data-parallel ranks; see the
 /// [module docs](self)). The experts' scaling: the loss is averaged over the `D` ranks, and an
@@ -43,15 +62,11 @@ use crate::{Ddp, DdpConfig, LayoutMesh, ReduceOp};
 pub struct ExpertDataParallel {
     /// The dense parameters' wrapper: [`DataParallel::Ddp`] or [`DataParallel::Sharded`].
     dense: DataParallel,
-    experts: Option<Ddp>,
-    /// This rank's experts, by their global names.
-    named: Vec<(String, Var)>,
+    experts: ExpertReduce,
     params: Vec<Var>,
     ep: Arc<dyn Communicator>,
     /// What the experts' averaged gradients are multiplied by (see [`ExpertDataParallel::new`]).
     factor: f64,
-    /// Under a sharded dense wrapper: the experts' optimizer.
-    opt: Option<Mutex<AdamW>>,
 }
 
 impl ExpertDataParallel {
@@ -76,14 +91,14 @@ impl ExpertDataParallel {
             .named_parameters()
             .into_iter()
             .partition(|(n, _)| experts.contains(n));
-        let params = mine.iter().map(|(_, v)| v.clone()).collect();
+        let params: Vec<Var> = mine.iter().map(|(_, v)| v.clone()).collect();
         // The factor after the replicas' average: `1 / E` where an average divides; where it
         // adds without dividing (reference mode's tree sums) the replicas' sum is already the
         // sum over all ranks, and the factor is 1. Measured on the groups themselves.
         let avg_of_one = |g: &dyn Communicator| all_reduce_scalar(g, 1.0, ReduceOp::Avg);
         let factor = avg_of_one(mesh.dp_group().as_ref())?
             / (avg_of_one(replicas.as_ref())? * ep.world_size() as f64);
-        let (dense, own_opt) = match mesh.layout().zero() {
+        let (dense, experts) = match mesh.layout().zero() {
             Some(stage) => {
                 let mut config = ShardConfig::new(stage);
                 config.ignored = experts.to_vec();
@@ -94,45 +109,44 @@ impl ExpertDataParallel {
                     mesh.shard_topology()?,
                     config,
                 )?;
-                let groups: Vec<ParamGroup> = opt
-                    .param_groups()
-                    .iter()
-                    .map(|g| ParamGroup {
-                        params: g
-                            .params
-                            .iter()
-                            .filter(|(n, _)| experts.contains(n))
-                            .cloned()
-                            .collect(),
-                        ..g.clone()
-                    })
-                    .filter(|g| !g.params.is_empty())
-                    .collect();
-                let own = AdamW::new(groups, *opt.config())?;
-                (DataParallel::Sharded(sdp), Some(Mutex::new(own)))
+                // The experts at the same stage over their replicas (nothing to shard over one:
+                // ZeRO-1 keeps them whole without ZeRO-3's gathers).
+                let stage = if replicas.world_size() > 1 {
+                    stage
+                } else {
+                    ZeroStage::One
+                };
+                let mut config = ShardConfig::new(stage);
+                config.ignored = dense.iter().map(|(n, _)| n.clone()).collect();
+                config.sometimes_unused = true;
+                let esdp = ShardedDataParallel::new(
+                    module,
+                    opt.param_groups().to_vec(),
+                    *opt.config(),
+                    ShardTopology::flat(replicas),
+                    config,
+                )?;
+                (DataParallel::Sharded(sdp), ExpertReduce::Sharded(esdp))
             }
             None => (
                 DataParallel::Ddp(Ddp::new(dense, mesh.dp_group(), DdpConfig::default())?),
-                None,
+                if replicas.world_size() > 1 {
+                    ExpertReduce::Ddp(Ddp::new(
+                        mine,
+                        replicas,
+                        crate::strategy::sometimes_unused(),
+                    )?)
+                } else {
+                    ExpertReduce::Local
+                },
             ),
-        };
-        let experts = if replicas.world_size() > 1 {
-            Some(Ddp::new(
-                mine.clone(),
-                replicas,
-                crate::strategy::sometimes_unused(),
-            )?)
-        } else {
-            None
         };
         Ok(ExpertDataParallel {
             dense,
             experts,
-            named: mine,
             params,
             factor,
             ep,
-            opt: own_opt,
         })
     }
 
@@ -141,34 +155,50 @@ impl ExpertDataParallel {
         &self.dense
     }
 
-    fn sharded(&self) -> Option<&ShardedDataParallel> {
-        self.dense.sharded()
+    /// The experts' sharded wrapper under a sharding entry (ZeRO over the expert-replica group,
+    /// see the [module docs](self)); `None` without one.
+    pub fn experts_sharded(&self) -> Option<&ShardedDataParallel> {
+        match &self.experts {
+            ExpertReduce::Sharded(s) => Some(s),
+            _ => None,
+        }
     }
 
-    fn own_opt(&self) -> Option<std::sync::MutexGuard<'_, AdamW>> {
-        self.opt
-            .as_ref()
-            .map(|o| o.lock().unwrap_or_else(|e| e.into_inner()))
+    /// Both sharded wrappers, under a sharding entry.
+    fn both(&self) -> Option<(&ShardedDataParallel, &ShardedDataParallel)> {
+        Some((self.dense.sharded()?, self.experts_sharded()?))
     }
 
     pub(crate) fn set_sync(&self, on: bool) {
         self.dense.set_sync(on);
-        if let Some(e) = &self.experts {
-            e.set_sync(on);
+        match &self.experts {
+            ExpertReduce::Local => {}
+            ExpertReduce::Ddp(d) => d.set_sync(on),
+            ExpertReduce::Sharded(s) => s.set_sync(on),
         }
     }
 
     pub(crate) fn zero_grad(&self, opt: &AdamW) {
         self.dense.zero_grad(opt);
-        if let Some(o) = self.own_opt() {
-            o.zero_grad();
+        if let ExpertReduce::Sharded(s) = &self.experts {
+            s.zero_grad();
         }
     }
 
+    /// Completes both reductions and applies the experts' factor (to their reduced shards under
+    /// a sharding entry, to their whole gradients otherwise).
     pub(crate) fn finish(&self) -> Result<()> {
         self.dense.finish()?;
-        if let Some(e) = &self.experts {
-            e.finish()?;
+        match &self.experts {
+            ExpertReduce::Local => {}
+            ExpertReduce::Ddp(d) => d.finish()?,
+            ExpertReduce::Sharded(s) => {
+                s.finish()?;
+                if self.factor != 1.0 {
+                    s.scale_grads(self.factor)?;
+                }
+                return Ok(());
+            }
         }
         let f = self.factor;
         if f == 1.0 {
@@ -184,6 +214,15 @@ impl ExpertDataParallel {
         })
     }
 
+    /// ZeRO-3: gathers the full parameters of both wrappers (every rank takes part).
+    pub(crate) fn summon_full_params(&self) -> Result<()> {
+        self.dense.summon_full_params()?;
+        match self.experts_sharded() {
+            Some(s) => s.summon_full_params(),
+            None => Ok(()),
+        }
+    }
+
     fn apart(&self) -> ApartParams<'_> {
         ApartParams {
             params: &self.params,
@@ -191,17 +230,16 @@ impl ExpertDataParallel {
         }
     }
 
-    /// This rank's checkpoint pieces under a sharded dense wrapper: its segments of the dense
-    /// parameters and of their optimizer state ([`ShardedDataParallel::local_pieces`]), and its
-    /// experts whole with their AdamW's state (whose global step counter is left to the dense
-    /// optimizer's, which steps with it: one tensor, written once). `None` under [`Ddp`] (the
-    /// module's parameters and the run's optimizer are then the whole state).
+    /// This rank's checkpoint pieces under a sharding entry: its segments of the dense
+    /// parameters and of the experts, both under their global names, and of their optimizers'
+    /// state ([`ShardedDataParallel::local_pieces`]); the global step counter is left to the
+    /// dense optimizer's, which steps with the experts' (one tensor, written once). `None`
+    /// without (the module's parameters and the run's optimizer are then the whole state).
     pub(crate) fn sharded_pieces(&self) -> Result<Option<Vec<Piece>>> {
-        let (Some(sdp), Some(own)) = (self.sharded(), self.own_opt()) else {
+        let Some((sdp, esdp)) = self.both() else {
             return Ok(None);
         };
         let mut pieces = sdp.local_pieces()?;
-        pieces.extend(pieces_of_parameters(&self.named));
         let global = |p: &Piece| {
             matches!(
                 p.role,
@@ -211,51 +249,55 @@ impl ExpertDataParallel {
                 }
             )
         };
-        pieces.extend(
-            pieces_of_optimizer(&*own)?
-                .into_iter()
-                .filter(|p| !global(p)),
-        );
+        pieces.extend(esdp.local_pieces()?.into_iter().filter(|p| !global(p)));
         Ok(Some(pieces))
     }
 
-    /// Loads `ck` (saved under any layout) under a sharded dense wrapper: the dense segments and
-    /// their optimizer state through it, this rank's experts and their AdamW's state by their
-    /// global names. `false` under [`Ddp`] (nothing loaded: the module and the run's optimizer
-    /// take the checkpoint then). Local.
+    /// Loads `ck` (saved under any layout) under a sharding entry: the dense segments and the
+    /// experts' segments, with their optimizers' state, each through its wrapper by global
+    /// names. `false` without (nothing loaded: the module and the run's optimizer take the
+    /// checkpoint then). Local, except that a summoned ZeRO-3 wrapper gathers again.
     pub(crate) fn load_sharded(&self, ck: &Checkpoint) -> Result<bool> {
-        let (Some(sdp), Some(mut own)) = (self.sharded(), self.own_opt()) else {
+        let Some((sdp, esdp)) = self.both() else {
             return Ok(false);
         };
         // Neither part holds every tensor of the checkpoint: not strict.
         sdp.load_pieces(ck, false)?;
-        ck.load_parameters(&self.named, false)?;
-        ck.load_optimizer(&mut *own, false)?;
+        esdp.load_pieces(ck, false)?;
         Ok(true)
     }
 
-    /// The experts' squares summed over the expert-parallel group and the pipeline.
+    /// The experts' squares summed over their shards (the replica group), then over the
+    /// expert-parallel group and the pipeline: every element once.
     fn expert_sq_sum(&self, grads: &PipelineGrads) -> Result<f64> {
-        let local = grad_sq_sum(&self.params)?;
+        let local = match self.experts_sharded() {
+            Some(s) => s.grad_sq_sum_without(&|_| false)?,
+            None => grad_sq_sum(&self.params)?,
+        };
         let ep = all_reduce_scalar(self.ep.as_ref(), local, ReduceOp::Sum)?;
         all_reduce_scalar(grads.pipeline_group(), ep, ReduceOp::Sum)
     }
 
     pub(crate) fn grad_norm(&self, grads: &PipelineGrads) -> Result<f64> {
-        match self.sharded() {
+        match self.dense.sharded() {
             Some(sdp) => Ok((sharded_sq_sum(sdp, grads)? + self.expert_sq_sum(grads)?).sqrt()),
             None => grads.grad_norm(Some(self.apart())),
         }
     }
 
     pub(crate) fn exact_grad_sq_sum(&self, grads: &PipelineGrads) -> Result<ExactSum> {
-        match self.sharded() {
-            Some(sdp) => {
+        match self.both() {
+            Some((sdp, esdp)) => {
                 let mut local = sdp.exact_grad_sq_sum_without(&|n| grads.is_left_out_of_norm(n))?;
-                local.merge(&crate::pipeline::exact_sq_sum_over(
-                    &self.params,
-                    self.ep.as_ref(),
-                )?);
+                // The experts' exact sum over their shards, then over the ep group (integer
+                // words: any order is exact).
+                let words = esdp.exact_grad_sq_sum_without(&|_| false)?.to_words();
+                let n = words.len();
+                let summed = self
+                    .ep
+                    .all_reduce(&Tensor::from_vec(words, n, Device::Cpu)?, ReduceOp::Sum)?
+                    .wait()?;
+                local.merge(&ExactSum::from_words(&summed.to_vec::<f64>()?)?);
                 grads.exact_sum_over_pipeline(&local)
             }
             None => grads.exact_grad_sq_sum(Some(self.apart())),
@@ -268,46 +310,48 @@ impl ExpertDataParallel {
         max_norm: f64,
         norm: f64,
     ) -> Result<()> {
-        match self.sharded() {
-            Some(sdp) => {
+        match self.both() {
+            Some((sdp, esdp)) => {
                 sdp.clip_grads_with_norm(max_norm, norm)?;
-                clip_grads_with_norm(&self.params, max_norm, norm)
+                esdp.clip_grads_with_norm(max_norm, norm)
             }
             None => clip_grads_with_norm(grads.params(), max_norm, norm),
         }
     }
 
     pub(crate) fn step(&self, opt: &mut AdamW, lr: f64) -> Result<()> {
-        match (self.sharded(), self.own_opt()) {
-            (Some(sdp), Some(mut own)) => {
+        match self.both() {
+            Some((sdp, esdp)) => {
                 sdp.step(lr)?;
-                own.step(lr)
+                esdp.step(lr)
             }
-            _ => opt.step(lr),
+            None => opt.step(lr),
         }
     }
 
     pub(crate) fn unscaled_grad_norm(&self, grads: &PipelineGrads, scale: f64) -> Result<f64> {
-        match self.sharded() {
-            Some(sdp) => {
+        match self.both() {
+            Some((sdp, esdp)) => {
                 if scale != 1.0 {
                     sdp.scale_grads(1.0 / scale)?;
+                    esdp.scale_grads(1.0 / scale)?;
                 }
-                let experts = self.expert_sq_sum(grads)? / (scale * scale);
-                Ok((sharded_sq_sum(sdp, grads)? + experts).sqrt())
+                Ok((sharded_sq_sum(sdp, grads)? + self.expert_sq_sum(grads)?).sqrt())
             }
             None => Ok(self.grad_norm(grads)? / scale),
         }
     }
 
     pub(crate) fn step_scaled(&self, opt: &mut AdamW, step: ScaledStep) -> Result<()> {
-        match (self.sharded(), self.own_opt()) {
-            (Some(_), Some(mut own)) => {
+        match self.both() {
+            Some((_, esdp)) => {
                 self.dense.step_scaled(opt, step)?;
-                let coef = meshgrad_nn::optim::clip_coef(step.max_norm, step.norm);
-                own.step_scaled(step.lr, coef / step.scale)
+                if step.max_norm > 0.0 {
+                    esdp.clip_grads_with_norm(step.max_norm, step.norm)?;
+                }
+                esdp.step(step.lr)
             }
-            _ => {
+            None => {
                 let coef = meshgrad_nn::optim::clip_coef(step.max_norm, step.norm);
                 opt.step_scaled(step.lr, coef / step.scale)
             }

@@ -28,8 +28,9 @@
 //! `dp`, sharding or `hsdp` entry the data-parallel degree is E (`ep=2` is `dp=2,ep=2`; over the
 //! context-parallel ranks alone, `dp=1,cp=2,ep=2`). `ep`
 //! composes with `dp`, the sharding entries, `hsdp`, `tp` and `pp`; under a sharding entry the
-//! experts stay whole on their ranks (already split E ways) while the other parameters are
-//! sharded ([`crate::ExpertDataParallel`]).
+//! other parameters are sharded over the data-parallel ranks and a rank's experts (already
+//! split E ways) at the same ZeRO stage over the D / E ranks holding the same ones
+//! ([`crate::ExpertDataParallel`]).
 //!
 //! The ranks form a [`crate::DeviceMesh`] with dimensions `["pp", "dp_replicate", "dp_shard",
 //! "cp", "tp"]` (torchtitan's order; every one present, possibly of size 1; `tp` fastest, so

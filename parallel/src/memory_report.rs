@@ -47,16 +47,22 @@
 //!   copies being averaged, whole at the end of the backward); ZeRO-2/3 `4 (L / S + padding) + `
 //!   the largest unit's tp-local gradient (whole, before its reduce-scatter);
 //! * optimizer state: two AdamW moments, `8 L`; under ZeRO `8 (L / S + padding)`;
-//! * expert parallelism (`ep=E`): a rank holds `X / E` of the `X` expert parameters, whole, with
-//!   their gradients (`4 X / E`, `8 X / E` when the data-parallel degree exceeds `E`: the
-//!   experts' own bucket copies) and AdamW moments (`8 X / E`); the other `L - X` parameters
-//!   follow the layout's wrapper as above, parameters `4 (L - X)` and optimizer state twice that
-//!   with DDP, and under a ZeRO stage they alone are sharded (the plan and its largest unit
-//!   without the experts). Gradients: with DDP the larger of `8 (L - X) + 4 X / E` (the dense
-//!   buckets' copies, during the backward) and `4 (L - X)` plus the experts' figure (their own
-//!   copies, made after the dense ones are freed); under ZeRO the dense figure plus the
-//!   experts' (an upper bound: the two do not peak together). The report adds a line of expert
-//!   parameters per rank;
+//! * expert parallelism (`ep=E`): a rank holds `X / E` of the `X` expert parameters. Without a
+//!   ZeRO stage they are whole, with their gradients (`4 X / E`, `8 X / E` when the
+//!   data-parallel degree exceeds `E`: the experts' own bucket copies) and AdamW moments
+//!   (`8 X / E`); the other `L - X` parameters follow the layout's wrapper, parameters
+//!   `4 (L - X)` and optimizer state twice that, gradients the larger of `8 (L - X) + 4 X / E`
+//!   (the dense buckets' copies, during the backward) and `4 (L - X)` plus the experts' figure
+//!   (their own copies, made after the dense ones are freed). Under a ZeRO stage the dense
+//!   parameters are sharded as above (the plan and its largest unit without the experts), and
+//!   the rank's experts are sharded at the same stage over the `R = D / E` ranks holding the
+//!   same ones (a plan of their own, one unit per block; ZeRO-1 over `R = 1`): optimizer state
+//!   `8 (X / E / R + padding)`; parameters `4 X / E`, ZeRO-3 `4 (X / E / R + padding) + ` the
+//!   largest expert unit (a block's held experts, gathered whole); gradients `4 X / E` (padded)
+//!   under ZeRO-1, and under ZeRO-2/3 that plus their shard (the whole flats exist until the
+//!   reduction after the backward, as an expert may get no tokens on a rank). The two wrappers'
+//!   figures are added (an upper bound: they need not peak together). The report adds a line
+//!   of expert parameters per rank;
 //! * activations: no figure. Tensor parallelism splits the attention and MLP interiors by heads
 //!   and features and the logits by vocabulary; the LayerNorm / dropout / residual regions
 //!   (`[B, T, C]` tensors) stay whole on every rank unless sequence parallelism splits them
@@ -593,9 +599,10 @@ fn theory(model: &dyn Module, plan: &TpPlan, strategy: &MemoryStrategy) -> Resul
     // The gradients' bucket copy exists wherever gradients are averaged: over the
     // data-parallel and the context-parallel ranks.
     let averaged = strategy.layout.data_parallel_degree() * strategy.layout.cp();
-    // Under ep=E a rank holds 1/E of the experts, whole, with their gradients and AdamW
-    // moments; their gradients have a bucket copy only when other ranks hold the same experts
-    // (D / E above 1). Without ep the experts are parameters like the others.
+    // Under ep=E a rank holds 1/E of the experts. Without a ZeRO stage they are whole, with
+    // their gradients and AdamW moments; their gradients have a bucket copy only when other
+    // ranks hold the same experts (D / E above 1). Without ep the experts are parameters like
+    // the others.
     let e = strategy.layout.ep();
     let names = meshgrad_nn::moe::expert_parameter_names(model);
     let apart = if e > 1 || strategy.layout.zero().is_none() {
@@ -622,27 +629,75 @@ fn theory(model: &dyn Module, plan: &TpPlan, strategy: &MemoryStrategy) -> Resul
         });
     };
     // The context-parallel ranks hold different shards (see `LayoutMesh::shard_topology`);
-    // under ep the experts are not sharded.
+    // under ep the dense parameters alone are in this plan.
     let shards = strategy.layout.dp_shard() * strategy.layout.cp();
-    let ignored = if e > 1 { names } else { Vec::new() };
-    let plan = shard_plan(model, plan, tp, shards, &ignored)?;
-    let shard = plan.shard_numel();
-    let largest = plan.units.iter().map(|u| u.numel).max().unwrap_or(0);
+    let ignored = if e > 1 { names.clone() } else { Vec::new() };
+    let dplan = shard_plan(model, plan, tp, shards, &ignored)?;
+    let shard = dplan.shard_numel();
+    let largest = dplan.units.iter().map(|u| u.numel).max().unwrap_or(0);
+    // Under ep with ZeRO the experts a rank holds (those of the first expert-parallel rank:
+    // every rank holds as many) are sharded over the `D / E` ranks holding the same ones, at
+    // the same stage (ZeRO-1 over a single one: whole): their own plan. ZeRO-1 keeps their
+    // whole (padded) gradients; ZeRO-2/3 reduce them after the backward (an expert may get no
+    // tokens on a rank), so the whole flats exist before the shards: both counted.
+    let (e_params, e_grads, e_shard) = if e > 1 {
+        let replicas = (strategy.layout.data_parallel_degree() / e).max(1);
+        let estage = if replicas > 1 { stage } else { ZeroStage::One };
+        let not_held: Vec<String> = model
+            .named_parameters()
+            .into_iter()
+            .map(|(n, _)| n)
+            .filter(|n| {
+                !names.contains(n) || expert_index(n).is_some_and(|i| i >= per_rank(model, e))
+            })
+            .collect();
+        let eplan = shard_plan(model, plan, tp, replicas, &not_held)?;
+        let eshard = eplan.shard_numel();
+        let padded: usize = eplan.units.iter().map(|u| u.padded(replicas)).sum();
+        let eunit = eplan.units.iter().map(|u| u.numel).max().unwrap_or(0);
+        match estage {
+            ZeroStage::One => (held, padded, eshard),
+            ZeroStage::Two => (held, padded + eshard, eshard),
+            ZeroStage::Three => (eshard + eunit, padded + eshard, eshard),
+        }
+    } else {
+        (0, 0, 0)
+    };
     Ok(MemoryTheory {
         params: f32b
-            * (held
+            * (e_params
                 + match stage {
                     ZeroStage::Three => shard + largest,
                     _ => dense,
                 }),
         grads: f32b
-            * (expert_grads
+            * (e_grads
                 + match stage {
                     ZeroStage::One => dense,
                     _ => shard + largest,
                 }),
-        optimizer: 2 * f32b * (shard + held),
+        optimizer: 2 * f32b * (shard + e_shard),
     })
+}
+
+/// The index of the expert an expert parameter belongs to (the path component after
+/// `experts`: `layers.0.block_sparse_moe.experts.3.w1.weight` is expert 3).
+fn expert_index(name: &str) -> Option<usize> {
+    let mut parts = name.split('.');
+    parts.find(|p| *p == "experts")?;
+    parts.next()?.parse().ok()
+}
+
+/// Experts per layer on each of `ep` expert-parallel ranks (the largest expert index plus one,
+/// divided by `ep`).
+fn per_rank(model: &dyn Module, ep: usize) -> usize {
+    let n = model
+        .named_parameters()
+        .iter()
+        .filter_map(|(n, _)| expert_index(n))
+        .max()
+        .map_or(0, |i| i + 1);
+    n / ep
 }
 
 /// Trains a model of family `F` under `strategies` (one after another, each on its layout's

@@ -5,8 +5,9 @@
 //! * `dp=N` (nothing sharded): [`Ddp`] over the mesh's data-parallel group, its bucketed
 //!   all-reduces launched during the backward of the step's last microbatch;
 //! * `ep=E` (with `dp`, `zero1/2`, `fsdp` or `hsdp`): [`ExpertDataParallel`]: the layout's
-//!   wrapper for every parameter but the experts, and [`Ddp`] over the ranks holding the same
-//!   experts for those (see [`crate::expert_dp`]);
+//!   wrapper for every parameter but the experts, and for those, over the ranks holding the
+//!   same experts, [`Ddp`] (with `dp`) or a second [`ShardedDataParallel`] at the layout's ZeRO
+//!   stage (see [`crate::expert_dp`]);
 //! * `zero1/2=N`, `fsdp=N`, `hsdp=RxS`, `dp=R,zero1=S`, ...: [`ShardedDataParallel`] over the
 //!   mesh's shard topology, which also owns the optimizer state (its shard of it) and steps.
 //!
@@ -177,12 +178,13 @@ impl DataParallel {
         }
     }
 
-    /// fsdp/hsdp keep only shards: gathers the full parameters (every rank takes part), for a
-    /// checkpoint or a sample. Nothing to do for the other layouts.
+    /// fsdp/hsdp keep only shards: gathers the full parameters (every rank takes part; under
+    /// expert parallelism the experts' wrapper's too), for a checkpoint or a sample. Nothing to
+    /// do for the other layouts.
     pub fn summon_full_params(&self) -> Result<()> {
         match self {
             DataParallel::Sharded(sdp) => sdp.summon_full_params(),
-            DataParallel::Experts(e) => e.dense().summon_full_params(),
+            DataParallel::Experts(e) => e.summon_full_params(),
             _ => Ok(()),
         }
     }

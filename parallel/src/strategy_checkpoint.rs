@@ -7,7 +7,8 @@
 //! * ZeRO-1/2/3 ([`ShardedDataParallel`](crate::ShardedDataParallel)): the wrapper's segments
 //!   of the parameters and of its optimizer's state;
 //! * expert parallelism with `zero1/zero2/fsdp/hsdp`: the dense segments as above, and the
-//!   rank's experts whole with their own AdamW's state
+//!   rank's segments of its experts (sharded over the ranks holding the same experts) with
+//!   their optimizer's state, under their global names
 //!   ([`ExpertDataParallel`](crate::ExpertDataParallel)).
 
 use meshgrad_nn::optim::Optimizer;
@@ -20,8 +21,8 @@ use crate::strategy::DataParallel;
 impl DataParallel {
     /// This rank's pieces of a checkpoint of `model` trained with `opt` under this wrapper: the
     /// module's parameters and `opt`'s state without sharding; the wrapper's segments under
-    /// ZeRO; under expert parallelism with ZeRO, the dense segments and the rank's experts whole
-    /// with their own AdamW's state. Local: nothing is gathered.
+    /// ZeRO; under expert parallelism with ZeRO, the dense segments and the experts' segments
+    /// with their optimizers' state. Local: nothing is gathered.
     pub fn local_pieces(&self, model: &dyn Module, opt: &dyn Optimizer) -> Result<Vec<Piece>> {
         if let DataParallel::Experts(e) = self {
             if let Some(pieces) = e.sharded_pieces()? {

@@ -10,6 +10,7 @@ mod checkpoint;
 mod comm;
 mod ddp;
 mod delayed_init;
+mod expert_zero;
 mod gpt_stages_tp;
 mod megatron_table1;
 mod memory_report;

@@ -286,12 +286,14 @@ fn expert_parallelism_halves_the_experts_per_rank() {
     assert_eq!(planner_prediction(&cfg, "ep=2").0, ep.params as u64);
 }
 
-/// Expert parallelism with ZeRO: a rank holds half of the experts whole (with their gradients
-/// and AdamW moments) and its shard of the rest, so `fsdp=4,ep=2` holds the `fsdp=4` rank's
-/// shard of the dense parameters plus half the experts, and its optimizer state is a quarter of
-/// the dense moments plus half the experts' moments.
+/// Expert parallelism with ZeRO: a rank holds half of the experts, sharded at the layout's stage
+/// over the 2 ranks holding the same ones (the expert-replica group), and its shard of the
+/// rest, so `zero1=4,ep=2` and `fsdp=4,ep=2` keep a quarter of the dense moments plus half of
+/// the held experts' moments (a quarter of all the experts'), half of `dp=4,ep=2`'s expert
+/// moments; `fsdp=4,ep=2` keeps half of the held experts' parameters plus one block's held
+/// experts gathered whole.
 #[test]
-fn expert_parallelism_with_zero_shards_all_but_the_experts() {
+fn expert_parallelism_with_zero_shards_the_experts_over_their_replicas() {
     let cfg = tiny_mixtral(4);
     let specs = ["dp=4,ep=2", "zero1=4,ep=2", "fsdp=4,ep=2", "hsdp=2x2,ep=2"];
     let strategies: Vec<MemoryStrategy> = specs
@@ -301,6 +303,7 @@ fn expert_parallelism_with_zero_shards_all_but_the_experts() {
     let report = memory_report::<meshgrad_nn::Mixtral>(&cfg, &strategies).unwrap();
     let md = report.to_markdown();
     println!("{md}");
+    // 2 layers x 4 experts x (w1, w2, w3) of 64 x 32.
     let experts = 2 * 4 * 3 * 64 * 32;
     assert_eq!(report.expert_params, experts);
     let dense = report.num_params - experts;
@@ -309,8 +312,7 @@ fn expert_parallelism_with_zero_shards_all_but_the_experts() {
     assert_eq!(z3.strategy.kind(), "ZeRO-3 / FSDP + EP");
     for r in [ddp, z1, z3, hsdp] {
         assert_eq!(r.expert_params, experts / 2, "{r:?}");
-        // Measured within the theory's figures, and its optimizer state exactly: the dense
-        // moments' shard (with the plan's padding) and half the experts' moments.
+        // Measured within the theory's figures, and its optimizer state exactly.
         assert!(r.params <= r.theory.params, "{r:?}");
         assert!(r.grads <= r.theory.grads, "{r:?}");
         assert_eq!(r.optimizer, r.theory.optimizer, "{r:?}");
@@ -320,34 +322,97 @@ fn expert_parallelism_with_zero_shards_all_but_the_experts() {
             // DDP and ZeRO-1 hold whole gradients: the theory's figure exactly.
             assert_eq!(r.grads, r.theory.grads, "{r:?}");
         }
-        // The planner's formula (and the preflight check's) gives both exactly: the experts
-        // left out of ZeRO's shards and units (the root unit, embedding and untied head, is
-        // then the largest).
+        // The planner's formula (and the preflight check's) gives both exactly.
         let (params, _, optimizer) = planner_prediction(&cfg, &r.strategy.name());
         assert_eq!(params, r.params as u64, "planner, {r:?}");
         assert_eq!(optimizer, r.optimizer as u64, "planner, {r:?}");
     }
-    // Hand count: whole dense parameters and half the experts (DDP, ZeRO-1); the moments of a
-    // quarter of the dense parameters (padding: under 4 elements per unit and group) plus half
-    // the experts'.
+    // Hand count. Parameters: whole dense ones and half the experts (DDP, ZeRO-1).
     assert_eq!(ddp.params, 4 * (dense + experts / 2));
     assert_eq!(z1.params, ddp.params);
+    // AdamW's two f32 moments: DDP whole; ZeRO a quarter of the dense parameters' (padding:
+    // under 4 elements per unit and group) plus half of the held experts' (each block's 2
+    // experts, 12288 elements, split evenly over the 2 replicas: no padding).
+    assert_eq!(ddp.optimizer, 8 * (dense + experts / 2));
     let pad = 4 * 8 * 4 * 2;
     for z in [z1, z3] {
-        let want = 8 * (dense / 4 + experts / 2);
+        let want = 8 * (dense / 4 + experts / 2 / 2);
         assert!(
             z.optimizer >= want && z.optimizer <= want + pad,
             "{z:?}: {want}"
         );
+        // The experts' share: half of DDP's (whose dense share is 4 times the ZeRO one's).
+        let dense_share = z.optimizer - 8 * experts / 4;
+        assert!(dense_share >= 8 * dense / 4 && dense_share <= 8 * dense / 4 + pad);
+        assert_eq!(ddp.optimizer - 8 * dense, 2 * (8 * experts / 4));
     }
-    // hsdp=2x2 shards the dense parameters 2 ways.
-    let want = 8 * (dense / 2 + experts / 2);
+    // hsdp=2x2 shards the dense parameters 2 ways, the experts over their 2 replicas.
+    let want = 8 * (dense / 2 + experts / 2 / 2);
     assert!(hsdp.optimizer >= want && hsdp.optimizer <= want + pad);
-    // ZeRO-3 holds a shard of the dense parameters plus its gathered unit, less than ZeRO-1.
+    // Gradients: ZeRO-1 keeps the whole dense gradient and the held experts' whole.
+    assert_eq!(z1.grads, 4 * (dense + experts / 2));
+    // ZeRO-3 parameters: a quarter of the dense ones (padded) and the largest dense unit, half
+    // of the held experts (6144 elements per block, 12288 in all) and one block's held experts
+    // (2 x 3 x 64 x 32 = 12288) gathered whole.
+    let block_held = 2 * 3 * 64 * 32;
+    let experts_z3 = 4 * (experts / 2 / 2 + block_held);
+    assert!(z3.params > experts_z3 && z3.params < z1.params);
     assert!(z3.params < z1.params && z3.model_states < z1.model_states);
     assert!(
         md.contains(&format!("`fsdp=4,ep=2` {} of {experts} (1/2)", experts / 2)),
         "{md}"
+    );
+}
+
+/// With 4 layers the sharded experts show in ZeRO-3's parameters too: `fsdp=4,ep=2` holds half
+/// of the held experts (a quarter of all) plus one block's held experts gathered, less than the
+/// held experts whole, and exactly the planner's figure; `fsdp=2,ep=2` (one rank per expert
+/// block: nothing to shard) keeps them whole.
+#[test]
+fn fsdp_with_expert_parallelism_shards_the_experts_parameters() {
+    let mut cfg = tiny_mixtral(4);
+    cfg.model.n_layer = 4;
+    let specs = ["zero1=4,ep=2", "fsdp=4,ep=2", "fsdp=2,ep=2"];
+    let strategies: Vec<MemoryStrategy> = specs
+        .iter()
+        .map(|s| MemoryStrategy::new(s, false).unwrap())
+        .collect();
+    let report = memory_report::<meshgrad_nn::Mixtral>(&cfg, &strategies).unwrap();
+    println!("{}", report.to_markdown());
+    // 4 layers x 4 experts x (w1, w2, w3) of 64 x 32.
+    let experts = 4 * 4 * 3 * 64 * 32;
+    assert_eq!(report.expert_params, experts);
+    let dense = report.num_params - experts;
+    let (z1, z3) = (report.rows[0], report.rows[1]);
+    assert_eq!(z1.params, 4 * (dense + experts / 2));
+    // fsdp=4: the dense quarter (padded: under 4 elements per unit) plus the largest dense unit
+    // at most (a block, or the root's embedding and head: 2 x 256 x 64 and a norm).
+    let block_held = 2 * 3 * 64 * 32;
+    let experts_z3 = 4 * (experts / 2 / 2 + block_held);
+    assert!(experts_z3 < 4 * experts / 2);
+    let root = 2 * 256 * 64 + 64;
+    let dense_z3 = z3.params - experts_z3;
+    assert!(
+        dense_z3 >= 4 * dense / 4 && dense_z3 <= 4 * (dense / 4 + 16 + root),
+        "{z3:?}"
+    );
+    assert_eq!(z3.params, z3.theory.params, "{z3:?}");
+    let (params, _, _) = planner_prediction(&cfg, "fsdp=4,ep=2");
+    assert_eq!(params, z3.params as u64);
+    // fsdp=2,ep=2: the held experts whole (parameters and both moments), the dense half (its
+    // moments padded under 2 elements per unit).
+    let two = report.rows[2];
+    assert!(two.params >= 4 * (dense / 2 + experts / 2), "{two:?}");
+    let want = 8 * (dense / 2 + experts / 2);
+    assert!(
+        two.optimizer >= want && two.optimizer <= want + 8 * 16,
+        "{two:?}"
+    );
+    assert_eq!(two.optimizer, two.theory.optimizer, "{two:?}");
+    let (params, _, optimizer) = planner_prediction(&cfg, "fsdp=2,ep=2");
+    assert_eq!(
+        (params, optimizer),
+        (two.params as u64, two.optimizer as u64)
     );
 }
 

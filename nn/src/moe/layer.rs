@@ -454,6 +454,7 @@ impl SparseMoe {
         if ep.reference {
             let out =
                 self.run_experts_by_source(&received, e, |src, i| count(src, me * per + i))?;
+            let out = self.read_experts(&out)?;
             return all_to_all_rows(&out, &recv, &send, &ep.group);
         }
         // Arrived grouped by source, then expert: regroup by expert, then source.
@@ -474,6 +475,7 @@ impl SparseMoe {
         let device = permuted.tensor().device();
         let by_expert = gather_rows(&received, &order, device)?;
         let out = self.run_experts(&by_expert, &local_sizes)?;
+        let out = self.read_experts(&out)?;
         // Back to source order: the inverse permutation.
         let mut inverse = vec![0u32; order.len()];
         for (pos, &src_row) in order.iter().enumerate() {
@@ -481,6 +483,35 @@ impl SparseMoe {
         }
         let back = gather_rows(&out, &inverse, device)?;
         all_to_all_rows(&back, &recv, &send, &ep.group)
+    }
+
+    /// `out` itself, after reading every parameter of the experts held, and reading them again
+    /// in its backward (before the experts' backward, which follows it). An expert without
+    /// tokens is skipped, so without this a rank whose experts of this layer all got none would
+    /// not read them, where a rank holding the same experts with tokens would: under expert
+    /// parallelism with ZeRO-3 the experts are sharded over the ranks holding the same ones
+    /// (see `meshgrad_parallel::ExpertDataParallel`) and gathered when first read, and every
+    /// rank of that group must gather the same units in the same order. Reading an already
+    /// present parameter costs nothing, and nothing is added to any gradient.
+    fn read_experts(&self, out: &Var) -> Result<Var> {
+        let params: Vec<Tensor> = (self.experts.list.iter())
+            .flat_map(crate::Module::parameters)
+            .map(|v| v.tensor().clone())
+            .collect();
+        for t in &params {
+            t.ensure_materialized()?;
+        }
+        Ok(Var::from_op(
+            "read_experts",
+            out.tensor().clone(),
+            &[out],
+            Box::new(move |g, _| {
+                for t in &params {
+                    t.ensure_materialized()?;
+                }
+                Ok(vec![Some(g.clone())])
+            }),
+        ))
     }
 
     /// Reference mode's experts under expert parallelism: `received` holds the copies of each

@@ -44,8 +44,9 @@
 //! Each rank collects its pieces: [`pieces_of_module`] (parameters with their placements) and
 //! [`pieces_of_optimizer`] for data-parallel, tensor-parallel and pipeline ranks without ZeRO;
 //! [`ShardedDataParallel::local_pieces`](crate::ShardedDataParallel::local_pieces) (parameter
-//! and optimizer-state segments) under ZeRO; both kinds under expert parallelism with ZeRO (the
-//! dense parameters' segments, the rank's experts whole with their own optimizer's state).
+//! and optimizer-state segments) under ZeRO; two sets of segments under expert parallelism with
+//! ZeRO (the dense parameters' over the data-parallel ranks, the rank's experts' over the ranks
+//! holding the same experts, each with its optimizer's state).
 //! [`DataParallel::local_pieces`](crate::DataParallel::local_pieces) and
 //! [`DataParallel::load_pieces`](crate::DataParallel::load_pieces) choose for a rank's wrapper. [`save`] (collective over the world) exchanges the
 //! piece descriptions, writes every distinct piece once (replicas share the writing), and

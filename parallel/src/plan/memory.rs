@@ -66,8 +66,11 @@
 //! * **Mixture of experts** (`n_experts > 0`): a block holds `n_experts` MLPs and a router
 //!   (`C x n_experts`); tensor parallelism leaves both whole on every rank (each routes the same
 //!   tokens), expert parallelism (`ep=E`) divides the experts by `E`; under ep ZeRO shards the other
-//!   parameters, the experts staying whole on their ranks with their gradients and AdamW state,
-//!   and without ep it shards the experts with the rest (then, under ZeRO-2/3, all of a rank's
+//!   parameters over the data-parallel ranks and a rank's experts at the same stage over the
+//!   `D / E` ranks holding the same ones (optimizer state under ZeRO-1, + gradients under
+//!   ZeRO-2, whose whole expert gradients exist until their reduction after the backward, +
+//!   parameters under ZeRO-3, one block's held experts gathered at a time; whole when
+//!   `D = E`), and without ep it shards the experts with the rest (then, under ZeRO-2/3, all of a rank's
 //!   unsharded gradients exist after the backward, whose reductions wait for its end). Per token a block keeps, instead of one MLP's values, those of
 //!   its `k` experts with the copy each read and the output it wrote (`2 C` each), and the
 //!   router's logits and probabilities (`2 n_experts`), none split by `tp`; the all-to-alls
@@ -558,9 +561,10 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
     let layout = run.layout;
     let tp = layout.tp();
     let microbatches = run.microbatches.max(1);
-    // Under ep, ZeRO shards what is not an expert; the experts (split `ep` ways) stay whole on
-    // their ranks with their gradients and an AdamW of their own (`ExpertDataParallel`).
-    // Without ep, ZeRO shards the experts with the rest.
+    // Under ep, the layout's ZeRO shards what is not an expert over the data-parallel ranks,
+    // and the experts (split `ep` ways) at the same stage over the `D / ep` ranks holding the
+    // same ones (`ExpertDataParallel`; whole when there is one). Without ep, ZeRO shards the
+    // experts with the rest.
     let ep = layout.ep() > 1;
     let experts = flag(ep) * stage.params.experts.div_ceil(n(layout.ep()));
     let dense = stage.params.dense(tp) + flag(!ep) * stage.params.experts;
@@ -584,17 +588,29 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
         (local * half, grads_of(local), optimizer_of(local));
     let shard = n(layout.shard_degree());
     let sharded = |x: N| x.div_ceil(shard);
+    // The experts' replicas (`D / ep`), over which ZeRO shards them; ZeRO-3 gathers one block's
+    // held experts at a time (none with a single replica: nothing to shard, nothing gathered).
+    let replicas = (layout.data_parallel_degree() / layout.ep().max(1)).max(1);
+    let e_sharded = |x: N| x.div_ceil(n(replicas));
+    let e_unit = flag(ep && replicas > 1) * block(shape).experts.div_ceil(n(layout.ep()));
     match layout.zero() {
         None => {}
-        Some(ZeroStage::One) => optimizer = sharded(optimizer_of(dense)) + optimizer_of(experts),
+        Some(ZeroStage::One) => {
+            optimizer = sharded(optimizer_of(dense)) + e_sharded(optimizer_of(experts))
+        }
         Some(ZeroStage::Two) => {
-            grads = sharded(bytes(dense)) + unit * half + grads_of(experts);
-            optimizer = sharded(optimizer_of(dense)) + optimizer_of(experts);
+            // The experts' whole gradients exist until their reduction after the backward (an
+            // expert may get no tokens on a rank), then their shard.
+            grads =
+                sharded(bytes(dense)) + unit * half + grads_of(experts) + e_sharded(bytes(experts));
+            optimizer = sharded(optimizer_of(dense)) + e_sharded(optimizer_of(experts));
         }
         Some(ZeroStage::Three) => {
-            params = sharded(dense * half) + unit * half + experts * half;
-            grads = sharded(bytes(dense)) + unit * half + grads_of(experts);
-            optimizer = sharded(optimizer_of(dense)) + optimizer_of(experts);
+            params =
+                sharded(dense * half) + unit * half + e_sharded(experts * half) + e_unit * half;
+            grads =
+                sharded(bytes(dense)) + unit * half + grads_of(experts) + e_sharded(bytes(experts));
+            optimizer = sharded(optimizer_of(dense)) + e_sharded(optimizer_of(experts));
         }
     }
 
@@ -862,13 +878,13 @@ mod tests {
     }
 
     #[test]
-    fn zero_shards_the_experts_with_the_rest_unless_expert_parallelism_holds_them() {
+    fn zero_shards_the_experts_with_the_rest_or_over_their_replicas_under_expert_parallelism() {
         let mut model = meshgrad_nn::LlamaConfig::new(1024, 128, 128, 4, 4).shape();
         (model.n_experts, model.experts_per_token) = (8, 2);
         let total = num_parameters(&model).unwrap();
         // One expert: gate, up and down projections of `C x F` each.
         let experts = 4 * 8 * 3 * 128 * model.ffn as u64;
-        let optimizer = |spec: &str| {
+        let estimate = |spec: &str| {
             let layout = spec.parse().unwrap();
             estimate_training(&TrainingRun {
                 model,
@@ -882,16 +898,41 @@ mod tests {
                 reference_row_group: None,
                 precision: Precision::F32,
             })
-            .optimizer
         };
+        let optimizer = |spec: &str| estimate(spec).optimizer;
         // AdamW's two f32 moments: 8 bytes a parameter. Without ep, fsdp=4 shards all of them
-        // four ways; with ep=2 each rank keeps its half of the experts whole and shards the rest.
+        // four ways; with ep=2 each rank holds half of the experts and shards their moments over
+        // the 2 ranks holding the same ones (the rest four ways); with fsdp=2,ep=2 no other rank
+        // holds the same experts: their moments stay whole.
         assert_eq!(optimizer("fsdp=4"), (8 * total).div_ceil(4));
         let dense = total - experts;
+        for spec in ["fsdp=4,ep=2", "zero1=4,ep=2", "zero2=4,ep=2"] {
+            assert_eq!(
+                optimizer(spec),
+                (8 * dense).div_ceil(4) + 8 * experts / 2 / 2,
+                "{spec}"
+            );
+        }
+        assert_eq!(optimizer("dp=4,ep=2"), 8 * dense + 8 * experts / 2);
         assert_eq!(
-            optimizer("fsdp=4,ep=2"),
-            (8 * dense).div_ceil(4) + 8 * experts / 2
+            optimizer("fsdp=2,ep=2"),
+            (8 * dense).div_ceil(2) + 8 * experts / 2
         );
+        assert_eq!(
+            optimizer("hsdp=2x2,ep=2"),
+            (8 * dense).div_ceil(2) + 8 * experts / 2 / 2
+        );
+        // ZeRO-3's parameters: a quarter of the dense ones and its largest unit (here the root:
+        // the 1024 x 128 embedding, the untied head and the final norm), a half of the held
+        // experts (a quarter of them all) and one block's held ones.
+        let params = |spec: &str| estimate(spec).params;
+        let block_experts = experts / 4 / 2;
+        let z3 = params("fsdp=4,ep=2");
+        let z1 = params("zero1=4,ep=2");
+        assert_eq!(z1, 4 * dense + 4 * experts / 2);
+        assert!(z3 < z1);
+        let unit = z3 - (4 * dense).div_ceil(4) - 4 * experts / 4 - 4 * block_experts;
+        assert_eq!(unit, 4 * (2 * 1024 * 128 + 128));
     }
 
     #[test]

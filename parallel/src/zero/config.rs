@@ -243,7 +243,9 @@ pub struct ShardConfig {
     /// during the backward but by [`ShardedDataParallel::finish`](super::ShardedDataParallel::finish),
     /// every unit in the fixed order; every rank then issues the same collectives in the same
     /// order (the backward's all-gathers, then the reductions). The whole flat gradients exist
-    /// at once before they are reduced. Default false.
+    /// at once before they are reduced. Under ZeRO-3 a unit is not released when its gradients
+    /// are complete (that moment differs between ranks) but at the next gather of another
+    /// unit or `finish`, so every rank gathers it at the same reads. Default false.
     pub sometimes_unused: bool,
 }
 

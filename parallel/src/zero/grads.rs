@@ -18,7 +18,12 @@
 //!   all-reduce over the replicate group).
 //! * With sync off ([`ShardedDataParallel::set_sync`]), the hooks only track completion (ZeRO-3
 //!   still releases finished units) and gradients accumulate in `.grad` at full size; the next
-//!   synchronised backward reduces the sums.
+//!   synchronised backward reduces the sums (and `finish` adds what a parameter accumulated
+//!   with sync off and got nothing for since).
+//! * With [`ShardConfig::sometimes_unused`](super::ShardConfig::sometimes_unused) a unit is
+//!   not released when its gradients are complete (it may complete on one rank and not on
+//!   another, and a released unit is gathered again when read: on some ranks only); the next
+//!   gather of another unit, or `finish`, releases it on every rank alike.
 //!
 //! Order of additions: a rank's micro-batches accumulate in `.grad` in micro-batch order (sync
 //! off), or each synchronised micro-batch is reduced and the reduced results are added in
@@ -53,7 +58,13 @@ impl Inner {
             st.ready[pi] = true;
             st.pending[u] -= 1;
             if st.pending[u] == 0 {
-                self.release(&mut st, u);
+                // A unit that may complete on one rank and not on another is not released
+                // here: its gathered state must stay the same on every rank, or a later read
+                // would gather it on some ranks only (the next gather of another unit, or
+                // `finish`, releases it).
+                if !self.config.sometimes_unused {
+                    self.release(&mut st, u);
+                }
                 if !sync {
                     self.reset_unit(&mut st, u);
                 }
@@ -128,15 +139,17 @@ impl Inner {
         Ok(())
     }
 
-    /// Adds gradients accumulated in `.grad` (sync off) of unit `u`'s parameters that have not
-    /// reported in this backward.
+    /// Adds gradients accumulated in `.grad` (sync off) of unit `u`'s parameters that a
+    /// synchronised backward has not taken: those that have not reported in it, and (a unit
+    /// that did not complete: [`ShardConfig::sometimes_unused`](super::ShardConfig::sometimes_unused))
+    /// those that reported in a backward with sync off and got nothing since.
     fn fill_missing(&self, st: &mut State, u: usize) -> Result<()> {
         for &pi in &self.plan.units[u].params {
-            if st.ready[pi] {
-                continue;
-            }
             if let Some(g) = self.vars[pi].grad() {
-                self.add_to_flat(st, pi, &g, false)?;
+                // A parameter that reported with sync on had its gradient moved to the flat
+                // buffer (and `.grad` cleared): add to it; otherwise its part is still zero.
+                let accumulate = st.ready[pi];
+                self.add_to_flat(st, pi, &g, accumulate)?;
                 self.vars[pi].set_grad(None);
                 st.had_grad[pi] = true;
             }
