@@ -73,8 +73,10 @@
 //!   `D = E`), and without ep it shards the experts with the rest (then, under ZeRO-2/3, all of a rank's
 //!   unsharded gradients exist after the backward, whose reductions wait for its end). Per token a block keeps, instead of one MLP's values, those of
 //!   its `k` experts with the copy each read and the output it wrote (`2 C` each), and the
-//!   router's logits and probabilities (`2 n_experts`), none split by `tp`; the all-to-alls
-//!   bring each rank as many token copies as it sends (balanced routing).
+//!   router's logits and probabilities (`2 n_experts`), none split by `tp`; under ep also the
+//!   dispatch's received rows, their regrouping, the returned outputs in source order and the
+//!   return all-to-all's output (`4 C` per copy): the all-to-alls are taken to bring each rank
+//!   as many token copies as it sends (balanced routing; an uneven one brings more).
 //! * **Gathering**: with `tp` or `pp` above 1, rank 0 builds the whole model once more at the end
 //!   (`4 P`) to write the checkpoint.
 //!
@@ -655,6 +657,14 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
     // projection in place keeps the heads-first copies of q, k and v that the ring or the
     // all-gather reads, and of the output it writes (`4 C`), as the others always do.
     let heads_first = flag(cp > 1 && shape.fused_qkv) * N::of(4) * n(shape.n_embd);
+    // Expert parallelism's dispatch keeps, per token copy, the rows the first all-to-all
+    // received, their regrouping by expert, the outputs put back in source order and what the
+    // second all-to-all returned (`4 C`), with routing taken as balanced.
+    let dispatch = flag(shape.n_experts > 0 && layout.ep() > 1)
+        * n(shape.mlps_per_token())
+        * N::of(4)
+        * n(shape.n_embd);
+    let experts = experts + dispatch;
     let one_block = outside.div_ceil(sp_n)
         + inside.div_ceil(tp_n)
         + (gathered * n(2 * cp - 1) * kv + heads_first).div_ceil(tp_n)
