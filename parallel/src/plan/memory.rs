@@ -40,7 +40,7 @@
 //!   temporaries (the gradients of one block's inside values; no attention scores: the fused
 //!   kernels work through them in tiles) (with activation checkpointing: the block inputs `C`
 //!   plus one whole block recomputed, and the gradients of half of its inside values); `2 C` for the embedding on its stage (under `tp` also its
-//!   vocabulary-parallel partial lookup `C`) and `2 C` for the final norm on the head's (`6 C`
+//!   vocabulary-parallel partial lookup and its sum over the ranks, `2 C`) and `2 C` for the final norm on the head's (`6 C`
 //!   with a head transform; under `tp` also the loss-parallel cross-entropy's `2 V / tp`);
 //!   `3 V / tp` for the logits, their softmax and their gradient, on the stage that computes
 //!   them. A pipeline's first stage holds
@@ -766,14 +766,14 @@ fn tp_plumbing(shape: &ModelShape, tp: usize, sequence_parallel: bool) -> N {
 }
 
 /// Values per token outside the blocks that tensor parallelism keeps beyond one device's: on
-/// the stage with the embedding its vocabulary-parallel partial lookup (`C`), on the stage with
-/// the head the loss-parallel cross-entropy's per-rank logits statistics and gradient
-/// (`2 V / tp`).
+/// the stage with the embedding its vocabulary-parallel partial lookup and the lookup summed
+/// over the ranks (`2 C`; both stay with the graph until the backward), on the stage with the
+/// head the loss-parallel cross-entropy's per-rank logits statistics and gradient (`2 V / tp`).
 fn tp_edge(shape: &ModelShape, tp: usize, stage: &Stage) -> N {
     if tp <= 1 {
         return N::of(0);
     }
-    flag(stage.embedding) * n(shape.n_embd)
+    flag(stage.embedding) * N::of(2) * n(shape.n_embd)
         + flag(stage.logits) * (N::of(2) * n(shape.vocab_size)).div_ceil(n(tp))
 }
 
