@@ -170,17 +170,10 @@ fn mixtral_trains_in_lockstep_under_fsdp_with_experts_left_unused() {
     // that, measured: the ranks' collectives mismatch and the run times out).
     let dir = tmpdir("ep-fsdp-no-tokens");
     let more = [
-        "--set",
-        "model.n_experts=16",
-        "--set",
-        "model.experts_per_token=1",
-        "--set",
-        "model.block_size=4",
-        "--set",
-        "train.batch_size=16",
-        "--collective-timeout",
-        "30",
-    ];
+        &common::IDLE_EXPERTS[..],
+        &["--set", "train.batch_size=16", "--collective-timeout", "30"],
+    ]
+    .concat();
     common::assert_ok(&train(&dir, "mixtral", "single", &more));
     assert_lockstep_layouts(&dir, &[("fsdp16ep8", "fsdp=16,ep=8")], &more);
     // Gradient accumulation (2 microbatches of one row per rank, the first with sync off): a

@@ -343,16 +343,7 @@ fn train_mixtral(dir: &Path, tag: &str, steps: usize, extra: &[&str]) -> std::pr
 #[test]
 fn mixtral_with_experts_idle_on_a_rank_keeps_lockstep() {
     let dir = tmpdir("mixtral-idle");
-    let sets = [
-        "--set",
-        "model.n_experts=16",
-        "--set",
-        "model.experts_per_token=1",
-        "--set",
-        "model.block_size=4",
-        "--set",
-        "train.batch_size=2",
-    ];
+    let sets = [&IDLE_EXPERTS[..], &["--set", "train.batch_size=2"]].concat();
     assert_ok(&train_mixtral(&dir, "single", 3, &sets));
     let want = metrics(&dir, "single");
     let single_w = hf_folder_weights(&dir, "single");

@@ -110,6 +110,17 @@ pub const TINY_EXPERTS: [&str; 4] = [
     "model.router_aux_loss_coef=0.05",
 ];
 
+/// A tiny Mixtral whose experts often get no token on a rank: 16 experts, one per token, rows
+/// of 4 tokens (`--set` flags).
+pub const IDLE_EXPERTS: [&str; 6] = [
+    "--set",
+    "model.n_experts=16",
+    "--set",
+    "model.experts_per_token=1",
+    "--set",
+    "model.block_size=4",
+];
+
 /// The value of the first `loss=` line of stdout.
 pub fn loss_line(o: &Output) -> f64 {
     let (out, _) = text(o);

@@ -850,6 +850,22 @@ mod tests {
     use super::*;
     use crate::pipeline::{simulate, Costs, Schedule};
 
+    /// A run of `batch_size` rows in one micro-batch, no recomputation, outside reference mode.
+    fn plain_run(model: ModelShape, layout: &ParallelLayout, batch_size: usize) -> TrainingRun<'_> {
+        TrainingRun {
+            model,
+            layout,
+            batch_size,
+            microbatches: 1,
+            schedule: ScheduleKind::OneFOneB,
+            sequence_parallel: false,
+            cp_mode: Default::default(),
+            checkpoint_blocks: false,
+            reference_row_group: None,
+            precision: Default::default(),
+        }
+    }
+
     #[test]
     fn activations_grow_with_the_context_not_its_square() {
         // The fused attention works through the scores in tiles (measured here: a 2-layer GPT
@@ -869,19 +885,7 @@ mod tests {
             .shape();
             model.positions = positions;
             let layout = ParallelLayout::default();
-            estimate_training(&TrainingRun {
-                model,
-                layout: &layout,
-                batch_size: 2,
-                microbatches: 1,
-                schedule: ScheduleKind::OneFOneB,
-                sequence_parallel: false,
-                cp_mode: Default::default(),
-                checkpoint_blocks: false,
-                reference_row_group: None,
-                precision: Default::default(),
-            })
-            .activations
+            estimate_training(&plain_run(model, &layout, 2)).activations
         };
         assert_eq!(run(2048), 2 * run(1024));
         assert_eq!(run(1024), 4 * run(256));
@@ -897,16 +901,8 @@ mod tests {
         let estimate = |spec: &str| {
             let layout = spec.parse().unwrap();
             estimate_training(&TrainingRun {
-                model,
-                layout: &layout,
-                batch_size: 8,
-                microbatches: 1,
-                schedule: ScheduleKind::OneFOneB,
-                sequence_parallel: false,
-                cp_mode: Default::default(),
-                checkpoint_blocks: false,
-                reference_row_group: None,
                 precision: Precision::F32,
+                ..plain_run(model, &layout, 8)
             })
         };
         let optimizer = |spec: &str| estimate(spec).optimizer;
