@@ -400,9 +400,9 @@ struct TrainArgs {
     sequence_parallel: bool,
     /// Context parallelism's attention (with cp>1 in --layout): ring (keys and values pass
     /// around the group, C-1 hops) or allgather (every rank's keys and values gathered once,
-    /// their gradients reduce-scattered home: fewer, larger transfers, and every rank holds the
-    /// whole sequence's keys and values). Reference mode's folded order runs its own attention
-    /// whatever the mode.
+    /// their gradients reduce-scattered home: fewer, larger transfers, and a rank keeps the keys
+    /// and values up to its later chunk, up to the whole sequence's). Reference mode's folded
+    /// order runs its own attention whatever the mode.
     #[arg(long, default_value = "ring", value_parser = ["ring", "allgather"])]
     cp_mode: String,
     /// Pipeline schedule (with pp>1 in --layout): gpipe, 1f1b, interleaved (Megatron's, V chunks
