@@ -22,19 +22,8 @@
 use meshgrad_tensor::{AttentionMask, Result};
 
 use super::ring_attention::RingAttention;
-use super::{gather_along, reduce_scatter_along, Group};
+use super::{gather_along, reduce_scatter_along, ChunkOrder, Group};
 use crate::Var;
-
-/// Where chunk `g` of the sequence's `2C` lies among the gathered ranks' chunks: rank `g`'s
-/// first for `g < C`, else rank `2C - 1 - g`'s second; as the index of that piece in rank
-/// order (`2 r` or `2 r + 1`).
-fn piece_of(g: usize, size: usize) -> usize {
-    if g < size {
-        2 * g
-    } else {
-        2 * (2 * size - 1 - g) + 1
-    }
-}
 
 /// The first `chunks` chunks of the sequence of every rank's `x` (`[B, H, 2L, D]`, chunks `i`
 /// and `2C - 1 - i`) along dimension 2, in sequence order and contiguous (`[B, H, chunks L,
@@ -48,7 +37,7 @@ fn gathered_prefix(x: &Var, group: &Group, chunks: usize, what: &'static str) ->
         &mut || gather_along(&x.tensor().contiguous()?, 2, &**group),
     )?;
     let pieces: Vec<_> = (0..chunks)
-        .map(|g| raw.narrow(2, piece_of(g, size) * half, half))
+        .map(|g| raw.narrow(2, ChunkOrder::gathered_piece(size, g) * half, half))
         .collect::<Result<_>>()?;
     let refs: Vec<_> = pieces.iter().collect();
     let prefix = meshgrad_tensor::Tensor::cat(&refs, 2)?.contiguous()?;
@@ -59,11 +48,11 @@ fn gathered_prefix(x: &Var, group: &Group, chunks: usize, what: &'static str) ->
         prefix,
         &[x],
         Box::new(move |grad, _| {
-            // Rank order: piece p is chunk g with piece_of(g) = p; zeros past the prefix.
+            // Rank order: piece 2 r + s is rank r's chunk s; zeros past the prefix.
             let zero = grad.narrow(2, 0, half)?.zeros_like()?;
             let by_rank: Vec<_> = (0..2 * size)
                 .map(|p| {
-                    let g = (0..2 * size).find(|&g| piece_of(g, size) == p).unwrap_or(0);
+                    let g = ChunkOrder::new(p / 2, size).chunks()[p % 2];
                     match g < chunks {
                         true => grad.narrow(2, g * half, half),
                         false => Ok(zero.clone()),
@@ -105,7 +94,7 @@ pub fn allgather_attention(args: RingAttention<'_>) -> Result<Var> {
             let refs: Vec<&Var> = by_rank.iter().collect();
             let rows = Var::cat(&refs, 1)?;
             let pieces: Vec<Var> = (0..2 * size)
-                .map(|g| rows.narrow(1, piece_of(g, size) * half, half))
+                .map(|g| rows.narrow(1, ChunkOrder::gathered_piece(size, g) * half, half))
                 .collect::<Result<_>>()?;
             let refs: Vec<&Var> = pieces.iter().collect();
             mask = mask.with_key_padding(Var::cat(&refs, 1)?.tensor().contiguous()?);
@@ -113,7 +102,8 @@ pub fn allgather_attention(args: RingAttention<'_>) -> Result<Var> {
         return Var::attention(args.q, &k, &v, &mask, args.scale);
     }
     // Causal, aligned bottom-right: query j of chunk g sees keys up to g L + j.
-    let outs: Vec<Var> = [me, 2 * size - 1 - me]
+    let outs: Vec<Var> = ChunkOrder::new(me, size)
+        .chunks()
         .iter()
         .enumerate()
         .map(|(h, &g)| {
@@ -134,7 +124,7 @@ pub fn allgather_attention(args: RingAttention<'_>) -> Result<Var> {
     Var::cat(&[&outs[0], &outs[1]], 2)
 }
 
-/// Which attention a context-parallel group runs (`train.cp_mode`, `--cp-mode`).
+/// Which attention a context-parallel group runs (`--cp-mode`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum CpMode {
     /// Ring attention: keys and values pass around the group, `C - 1` hops

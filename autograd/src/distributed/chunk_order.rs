@@ -28,6 +28,17 @@ impl ChunkOrder {
         [self.rank, 2 * self.size - 1 - self.rank]
     }
 
+    /// Where chunk `g` (of `2 size`) lies when every rank's two chunks are concatenated in rank
+    /// order (an all-gather of the ranks' local sequences): piece `2 r + s` is rank `r`'s chunk
+    /// `chunks()[s]`.
+    pub fn gathered_piece(size: usize, g: usize) -> usize {
+        if g < size {
+            2 * g
+        } else {
+            2 * (2 * size - 1 - g) + 1
+        }
+    }
+
     /// The length of one chunk of a sequence of `t` positions, or a one-line error when `t` does
     /// not split into `2 size` equal chunks.
     pub fn chunk_len(&self, t: usize) -> Result<usize> {

@@ -1,7 +1,7 @@
 //! [`SparseMoe`]: Mixtral's sparse feed-forward (`block_sparse_moe`): the router, the experts
 //! and the dispatch between them (see the [module docs](super)).
 
-use meshgrad_autograd::distributed::{all_to_all_rows, FoldedPositions};
+use meshgrad_autograd::distributed::{all_to_all_rows, ChunkOrder, FoldedPositions};
 use meshgrad_autograd::source_grads::set_aside;
 use meshgrad_autograd::Var;
 use meshgrad_tensor::{DType, Device, Result, Tensor};
@@ -248,15 +248,14 @@ impl SparseMoe {
         // Each rank's objective is its share of the loss times the group size (the gradients
         // average over the group, as the cross-entropy's).
         let output = self.attach(y.reshape((b, t, c))?, &aux, share as f64)?;
-        let mut value = aux.tensor().to_dtype(DType::F64)?;
-        if let Some(cp) = cp {
-            value = cp.group.all_reduce_sum(&value.reshape(1)?)?;
-        }
+        // This rank's part times the group size, over its rows: the step's reduction sums both
+        // over the data-parallel ranks, the context-parallel ones among them, so the parts add
+        // up to the sequences' loss with no collective here.
         load::record(
             self.layer,
             &routing.routed,
             routing.dropped,
-            value.to_vec_f64()?[0] * b as f64,
+            aux.tensor().to_vec_f64()?[0] * (share * b) as f64,
             b,
         );
         Ok(MoeOutput {
@@ -640,8 +639,8 @@ fn routed_before(args: &RoutingArgs<'_>, cp: &ContextParallel) -> Result<Vec<usi
         .all_gather(&Tensor::from_vec(local, rows * 2 * n, Device::Cpu)?)?
         .to_vec_f64()?;
     let (size, me) = (cp.degree(), cp.group.rank());
-    // Rank r's run s is chunk r (s = 0) or 2C - 1 - r (s = 1) of the sequence's 2C.
-    let chunk = |r: usize, s: usize| if s == 0 { r } else { 2 * size - 1 - r };
+    // Rank r's run s is its chunk `chunks()[s]` of the sequence's 2C.
+    let chunk = |r: usize, s: usize| ChunkOrder::new(r, size).chunks()[s];
     let mut out = vec![0; rows * 2 * n];
     for row in 0..rows {
         for s in 0..2 {

@@ -12,7 +12,9 @@ pub struct LayerLoad {
     pub routed: Vec<f64>,
     /// Token copies dropped for capacity.
     pub dropped: f64,
-    /// The load-balancing loss summed over the sequences.
+    /// The load-balancing loss summed over the sequences (under context parallelism, this rank's
+    /// part of each sequence's loss times the group size: the group's sums over its `rows`
+    /// give the sequences' mean).
     pub aux_sum: f64,
     /// Sequences.
     pub rows: f64,
