@@ -3,15 +3,14 @@
 //! the alternative to the [ring](super::ring_attention()) that Megatron-LM and torchtitan also
 //! offer.
 //!
-//! Each rank holds chunks `i` and `2C - 1 - i` of `2C` ([`ChunkOrder`](super::ChunkOrder)). The
-//! group all-gathers every rank's keys and values (its backward reduce-scatters their gradients
-//! home; both are spans of `--trace`) and keeps, in sequence order, the chunks its queries read
-//! (those up to its later chunk `2C - 1 - i`; the whole sequence without the causal mask); each
-//! local query
-//! chunk `g` then attends, in one fused kernel call, to the keys of chunks `0..=g` with the
-//! causal mask aligned bottom-right (query `j` of chunk `g` sees keys up to position
-//! `g L + j`). Without the causal mask (BERT) both query chunks attend to the whole sequence
-//! at once, masked by the all-gathered key padding.
+//! Each rank holds chunks `i` and `2C - 1 - i` of `2C` ([`ChunkOrder`]). The group all-gathers
+//! every rank's keys and values (its backward reduce-scatters their gradients home; both are spans
+//! of `--trace`) and keeps, in sequence order, the chunks its queries read (those up to its later
+//! chunk `2C - 1 - i`; the whole sequence without the causal mask); each local query chunk `g` then
+//! attends, in one fused kernel call, to the keys of chunks `0..=g` with the causal mask aligned
+//! bottom-right (query `j` of chunk `g` sees keys up to position `g L + j`). Without the causal
+//! mask (BERT) both query chunks attend to the whole sequence at once, masked by the all-gathered
+//! key padding.
 //!
 //! Against the ring: one collective per direction instead of `C - 1` hops, no combination of
 //! partial results (so one device's online softmax over the keys, in sequence order), but a
