@@ -380,7 +380,7 @@ struct TrainArgs {
     /// dp=2,tp=2,pp=2, fsdp=2,pp=2). cp=C splits every row's sequence over C ranks (context
     /// parallelism, GPT, Llama, Mixtral and BERT: chunks i and 2C-1-i of 2C per rank, ring
     /// attention; composes with dp, fsdp/zeroN, tp, pp and ep, e.g. dp=2,cp=2, cp=2,tp=2; the
-    /// sequence must split into 2C chunks; no dropout).
+    /// sequence must split into 2C chunks; no BERT dropout).
     /// ep=E shards a Mixtral's experts over E of the data-parallel ranks (expert parallelism;
     /// adds no ranks: ep=2 is dp=2,ep=2, dp=1,cp=2,ep=2 shards them over a cp pair; E must
     /// divide the experts and the data-parallel x cp ranks; with dp, zero1/zero2/fsdp/hsdp,

@@ -476,10 +476,9 @@ pub(crate) fn check_vocab_splits(
     Ok(())
 }
 
-/// One-line refusals of context parallelism (`cp` above 1 in `layout`) for what it does not
-/// support: a sequence (`model.block_size`) that does not split into `2 cp` equal chunks,
-/// dropout (its masks are keyed by local positions). Reference mode's conditions are
-/// [`crate::reference::check_reference`]'s.
+/// The one-line refusal of context parallelism (`cp` above 1 in `layout`) for a sequence
+/// (`model.block_size`) that does not split into `2 cp` equal chunks. Reference mode's
+/// conditions are [`crate::reference::check_reference`]'s.
 pub(crate) fn check_context_parallel(cfg: &TrainConfig, layout: &ParallelLayout) -> Result<()> {
     let cp = layout.cp();
     if cp <= 1 {
@@ -488,13 +487,6 @@ pub(crate) fn check_context_parallel(cfg: &TrainConfig, layout: &ParallelLayout)
     meshgrad_autograd::distributed::ChunkOrder::new(0, cp)
         .chunk_len(cfg.model.block_size)
         .map_err(|e| anyhow::anyhow!("layout {layout}: {e} (model.block_size)"))?;
-    if cfg.model.dropout > 0.0 {
-        anyhow::bail!(
-            "layout {layout}: context parallelism (cp) does not support dropout yet (model.dropout \
-             = {}; its masks are keyed by local positions): set model.dropout=0",
-            cfg.model.dropout
-        );
-    }
     Ok(())
 }
 

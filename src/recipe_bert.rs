@@ -179,6 +179,15 @@ impl Recipe for BertRecipe {
                 "layout {l}: expert parallelism (ep) needs a model with experts; BERT has none"
             );
         }
+        crate::ranks::check_context_parallel(cfg, l)?;
+        if l.cp() > 1 && cfg.model.dropout > 0.0 {
+            anyhow::bail!(
+                "layout {l}: BERT's attention-probability dropout (model.dropout = {}) does not \
+                 run under context parallelism (ring and all-gather attention never form the \
+                 probabilities): set model.dropout=0",
+                cfg.model.dropout
+            );
+        }
         // The other sizes first; then the vocabulary, whose error names the key that pads it.
         let mut sizes = bert_config(cfg);
         sizes.vocab_size = sizes.vocab_size.next_multiple_of(l.tp());

@@ -4,19 +4,19 @@
 //! hsdp, plus fsdp=2,cp=2 and cp with ep (also with a capacity factor under cp=2, cp=4 and
 //! dp=2,cp=2), and BERT (non-causal, masked LM) under cp=2, and with all-gather attention
 //! (`--cp-mode allgather`: GPT under cp=2, cp=4, dp=2,cp=2, tp=2,cp=2 and pp=2,cp=2, Llama and
-//! BERT under cp=2 and cp=4, the Mixtral under cp=2), give the
-//! single-device losses on the same global batch (within 1e-5 relative, train and validation;
+//! BERT under cp=2 and cp=4, the Mixtral under cp=2), and the GPT with dropout (under the ring
+//! layouts and cp=2 all-gather), give the single-device losses on the same global batch (within 1e-5 relative, train and validation;
 //! gradient norms within 1e-4), 4 steps of tiny models; GPT's gathered checkpoints hold the
 //! single device's weights to rounding (1e-5 of each tensor's scale), Llama's and BERT's Hugging
 //! Face folders within 1e-5 relative L2 over all parameters.
 //!
 //! Reference mode (`--reference` with `train.reference_positions=folded`) under cp=2 (also as two
 //! processes of `meshgrad launch` over TCP), cp=4 and
-//! dp=2,cp=2 gives one device's reference run (in the same order) bit for bit, GPT, Llama and
-//! Mixtral: every metrics value and the weights file.
+//! dp=2,cp=2 gives one device's reference run (in the same order) bit for bit, GPT (with
+//! dropout), Llama and Mixtral: every metrics value and the weights file.
 //!
-//! Bad input is refused in one line: a sequence that does not split into 2 x cp chunks,
-//! dropout, reference mode without the folded order, on a layout it does not cover or with a
+//! Bad input is refused in one line: a sequence that does not split into 2 x cp chunks, BERT's
+//! dropout (on the attention probabilities), reference mode without the folded order, on a layout it does not cover or with a
 //! capacity factor, `--cp-mode allgather` without cp.
 
 use crate::common;
@@ -141,6 +141,24 @@ fn gpt_trains_in_lockstep_under_context_parallelism() {
 }
 
 #[test]
+fn gpt_with_dropout_trains_in_lockstep_under_context_parallelism() {
+    // Each local position draws its global position's mask (the dropout is on: its run is not
+    // the run without it).
+    let dropout = ["--set", "model.dropout=0.1"];
+    let dir = tmpdir("cp-dropout-check");
+    common::assert_ok(&train(&dir, "gpt", "with", &dropout));
+    common::assert_ok(&train(&dir, "gpt", "without", &[]));
+    let loss = |tag| metrics(&dir, tag)[0].loss;
+    assert_ne!(
+        loss("with"),
+        loss("without"),
+        "model.dropout=0.1 changed nothing"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+    lockstep_with("gpt", &dropout, &[&LAYOUTS[..], &ALLGATHER[..1]].concat());
+}
+
+#[test]
 fn llama_trains_in_lockstep_under_context_parallelism() {
     lockstep(
         "llama",
@@ -245,7 +263,8 @@ fn reference_is_bit_identical(model: &str, extra: &[&str]) {
 
 #[test]
 fn gpt_reference_runs_are_bit_identical_to_one_device_under_context_parallelism() {
-    reference_is_bit_identical("gpt", &[]);
+    // With dropout: each local position draws its global position's mask.
+    reference_is_bit_identical("gpt", &["--set", "model.dropout=0.1"]);
 }
 
 #[test]
@@ -268,10 +287,6 @@ fn what_context_parallelism_does_not_support_is_refused_in_one_line() {
         (
             &["--layout", "cp=3"][..],
             "sequence length 16 does not split into 2 x cp = 6 equal chunks",
-        ),
-        (
-            &["--layout", "cp=2", "--set", "model.dropout=0.1"][..],
-            "does not support dropout yet",
         ),
         (
             &["--layout", "cp=2", "--reference"][..],
@@ -306,5 +321,15 @@ fn what_context_parallelism_does_not_support_is_refused_in_one_line() {
     assert_one_line_error(
         &train(&dir, "mixtral", "refused-mixtral", &capacity_folded),
         &["folded covers dropless experts only"],
+    );
+    // BERT's dropout includes the attention probabilities, which the ring never forms.
+    assert_one_line_error(
+        &train(
+            &dir,
+            "bert",
+            "refused-bert",
+            &["--layout", "cp=2", "--set", "model.dropout=0.1"],
+        ),
+        &["BERT's attention-probability dropout (model.dropout = 0.1) does not run"],
     );
 }

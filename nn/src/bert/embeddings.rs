@@ -53,7 +53,7 @@ impl BertEmbeddings {
                 .then(|| LayerNorm::new(p, c.hidden_size, true, c.layer_norm_eps))
                 .transpose()?,
             dropout: lookup
-                .then(|| Dropout::new(c.hidden_dropout_prob))
+                .then(|| Dropout::on_sequence(c.hidden_dropout_prob, p))
                 .transpose()?,
             cp: p.context_parallel_group().cloned(),
         })

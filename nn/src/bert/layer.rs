@@ -57,6 +57,13 @@ impl BertSelfAttention {
             total: self.num_heads,
         };
         match self.cp.as_ref().filter(|cp| cp.is_active()) {
+            Some(_) if self.dropout.is_training() && self.dropout.p > 0.0 => {
+                meshgrad_tensor::bail!(
+                    "BERT attention: probability dropout (p = {}) does not run under context \
+                     parallelism (ring and all-gather attention never form the probabilities)",
+                    self.dropout.p
+                )
+            }
             Some(cp) => ring_attention(cp, &q, &k, &v, mask, local),
             None => masked_attention(&q, &k, &v, mask, heads, &self.dropout),
         }
@@ -181,7 +188,7 @@ impl BertResidualOutput {
                 .std(c.initializer_range)
                 .build(p)?,
             layer_norm: LayerNorm::new(p, c.hidden_size, true, c.layer_norm_eps)?,
-            dropout: Dropout::new(c.hidden_dropout_prob)?,
+            dropout: Dropout::on_sequence(c.hidden_dropout_prob, p)?,
         })
     }
 

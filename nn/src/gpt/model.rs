@@ -173,7 +173,9 @@ impl Gpt {
                 wpe: first
                     .then(|| Embedding::new(p, c.block_size, c.n_embd, 0.01))
                     .transpose()?,
-                drop: first.then(|| Dropout::new(c.dropout)).transpose()?,
+                drop: first
+                    .then(|| Dropout::on_sequence(c.dropout, p))
+                    .transpose()?,
                 h: BlockRange::new(
                     spec.blocks.start,
                     new_blocks(p, c.block_config(), spec.blocks.clone())?,

@@ -47,7 +47,7 @@ impl CausalSelfAttention {
                 .bias(bias)
                 .std(proj_std)
                 .build(p)?,
-            resid_dropout: Dropout::new(dropout)?,
+            resid_dropout: Dropout::on_sequence(dropout, p)?,
             n_head,
             cp: p.context_parallel_group().cloned(),
         })

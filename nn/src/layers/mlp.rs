@@ -36,7 +36,7 @@ impl Mlp {
                 .bias(bias)
                 .std(proj_std)
                 .build(p)?,
-            dropout: Dropout::new(dropout)?,
+            dropout: Dropout::on_sequence(dropout, p)?,
             gelu: GeluKind::Tanh,
         })
     }
