@@ -56,6 +56,13 @@ pub struct ModelShape {
     pub n_experts: usize,
     /// Experts each token goes through (with `n_experts > 0`).
     pub experts_per_token: usize,
+    /// Whether training drops out the embedding's output and each block's attention and MLP
+    /// outputs (the residual stream's dropouts; a dropout probability above 0).
+    pub dropout: bool,
+    /// Whether training drops out the attention probabilities (BERT's
+    /// `attention_probs_dropout_prob` above 0): the attention is then composed from ops that
+    /// form the `T x T` scores, not the fused kernel.
+    pub attention_dropout: bool,
 }
 
 impl ModelShape {

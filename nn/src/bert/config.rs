@@ -75,6 +75,8 @@ impl BertConfig {
             tied: true,
             n_experts: 0,
             experts_per_token: 0,
+            dropout: self.hidden_dropout_prob > 0.0,
+            attention_dropout: self.attention_probs_dropout_prob > 0.0,
         }
     }
 

@@ -48,6 +48,8 @@ impl GptConfig {
             tied: true,
             n_experts: 0,
             experts_per_token: 0,
+            dropout: self.dropout > 0.0,
+            attention_dropout: false,
         }
     }
 

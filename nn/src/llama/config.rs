@@ -67,6 +67,8 @@ impl LlamaConfig {
             tied: self.tie_embeddings,
             n_experts: self.moe.map_or(0, |m| m.n_experts),
             experts_per_token: self.moe.map_or(0, |m| m.experts_per_token),
+            dropout: false,
+            attention_dropout: false,
         }
     }
 

@@ -36,7 +36,12 @@
 //!   for the heads-first copies of q, k, v and of its output, with rotary positions the rotated
 //!   ones, plus the key/value width kept before the repetition; divided by `tp`), the fused attention
 //!   keeping no `T x T` probabilities; under sequence parallelism also the column-parallel
-//!   projections' gathered inputs (`2 C`). That for every block of the rank, plus the backward's
+//!   projections' gathered inputs (`2 C`). Training's dropouts: each residual-stream dropout (two
+//!   per block, one after the embedding) keeps its mask and its output (`2 C`, divided by `tp`
+//!   under sequence parallelism); attention-probability dropout (BERT's) composes attention from
+//!   ops that keep the scores, their softmax, the mask and the dropped probabilities (`4 H T`,
+//!   divided by `tp`), and its backward holds their gradients (`3 H T / tp`) once the logits'
+//!   temporaries are gone (the larger of the two counts). That for every block of the rank, plus the backward's
 //!   temporaries (the gradients of one block's inside values; no attention scores: the fused
 //!   kernels work through them in tiles) (with activation checkpointing: the block inputs `C`
 //!   plus one whole block recomputed, and the gradients of half of its inside values); `2 C` for the embedding on its stage (under `tp` also its
@@ -327,6 +332,17 @@ fn block_activations(s: &ModelShape) -> BlockValues {
         inside: four * c + flag(!moe) * mlp + copies,
         experts,
     }
+}
+
+/// f32 values one token keeps per block for training's dropouts (none in inference), outside
+/// the attention and the MLP and inside them: each residual-stream dropout (after the attention
+/// and after the MLP) its mask and its output (`2 C` each, `4 C`); a composed attention with
+/// probability dropout (BERT's) its scores, their softmax, the mask and the dropped
+/// probabilities (`4 H T`, split by tensor parallelism with the heads).
+fn dropout_values(s: &ModelShape) -> (N, N) {
+    let outside = flag(s.dropout) * N::of(4) * n(s.n_embd);
+    let inside = flag(s.attention_dropout) * N::of(4) * n(s.n_head) * n(s.positions);
+    (outside, inside)
 }
 
 /// The width of the MLP's up projections' outputs per token: `F`, or `2 F` with a gate.
@@ -647,6 +663,8 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
         inside,
         experts,
     } = block_activations(shape);
+    let (dropped_outside, dropped_inside) = dropout_values(shape);
+    let outside = outside + dropped_outside;
     // All-gather attention keeps, for the backward, the keys and values its two query chunks
     // read (`(2C + 1) / 2` local lengths of each) instead of the local ones. Context
     // parallelism carries the keys and values of every query head (grouped-query attention's
@@ -666,7 +684,7 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
         * n(shape.n_embd);
     let experts = experts + dispatch;
     let one_block = outside.div_ceil(sp_n)
-        + inside.div_ceil(tp_n)
+        + (inside + dropped_inside).div_ceil(tp_n)
         + (gathered * n(2 * cp - 1) * kv + heads_first).div_ceil(tp_n)
         + experts
         + tp_plumbing(shape, tp, run.sequence_parallel);
@@ -689,8 +707,11 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
     // the copy of the output it sent (`C` each). With recomputation the received input is the
     // first block's input, already counted, and the sent copy is not told apart.
     let boundary = flag(layout.pp() > 1 && !run.checkpoint_blocks) * N::of(2) * n(shape.n_embd);
+    // The embedding's dropout keeps its mask and its output (`2 C`).
+    let embedding_dropout = flag(stage.embedding && shape.dropout) * N::of(2) * n(shape.n_embd);
     let kept = kept
-        + edge_activations(shape, stage.embedding, stage.logits).div_ceil(sp_n)
+        + (edge_activations(shape, stage.embedding, stage.logits) + embedding_dropout)
+            .div_ceil(sp_n)
         + tp_edge(shape, tp, stage)
         + boundary;
     let logits = flag(stage.logits) * (N::of(3) * n(shape.vocab_size)).div_ceil(tp_n);
@@ -704,7 +725,12 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
         CpMode::AllGather => gathered * N::of(4) * n(cp) * kv,
     }
     .div_ceil(tp_n);
-    let temporaries = temporaries + logits + ring;
+    // A composed attention's backward (BERT's probability dropout) holds the gradients of the
+    // dropped probabilities, the probabilities and the scores (`3 H T`, split by `tp`) once the
+    // logits are gone: the larger of the two.
+    let score_grads = flag(shape.attention_dropout)
+        * (N::of(3) * n(shape.n_head) * n(shape.positions)).div_ceil(tp_n);
+    let temporaries = temporaries + logits.max(score_grads) + ring;
     // A micro-batch whose weight backward is still to come also holds the gradients of its
     // projections' outputs (q/k/v and the MLP's up projections split by tensor parallelism, the
     // two output projections' `C` each as the residual stream is split).
