@@ -150,6 +150,7 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         global_batch: a.global_batch,
         precision: Precision::parse(&a.precision).expect("clap checked it"),
         attention: Default::default(),
+        retention: Default::default(),
     };
     let cluster = cluster(a, cfg.as_ref())?;
     let model = CostModel {
@@ -220,6 +221,7 @@ pub fn dry_run(
         global_batch: cfg.train.batch_size,
         precision: Precision::parse(&cfg.train.precision).unwrap_or_default(),
         attention: Default::default(),
+        retention: Default::default(),
     };
     let mut device = calibrate::cpu_device(layout.world_size())?;
     if over_tcp {

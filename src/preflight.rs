@@ -60,6 +60,7 @@ pub fn estimate_run(
         checkpoint_blocks: matches!(opts.activation_checkpointing, ActivationCheckpointing::All),
         reference_row_group: cfg.train.reference.then_some(cfg.train.row_group),
         precision: Precision::parse(&cfg.train.precision).unwrap_or_default(),
+        retention: Default::default(),
     })
 }
 

@@ -9,12 +9,12 @@
 //! `MEGATRON_ROWS=10 cargo test --release -p meshgrad-parallel --test integration megatron_table1:: --
 //! --nocapture` to see the whole table.
 
-use meshgrad_nn::GptConfig;
+use meshgrad_nn::{GptConfig, ModelShape};
 use meshgrad_parallel::plan::bubble::BubbleCache;
 use meshgrad_parallel::plan::compute::Attention;
 use meshgrad_parallel::plan::cost::{Cluster, CostModel, Estimate, Workload};
 use meshgrad_parallel::plan::device::DeviceKind;
-use meshgrad_parallel::plan::memory::Precision;
+use meshgrad_parallel::plan::memory::{Precision, Retention};
 use meshgrad_parallel::plan::search::{candidates, search, SearchOptions};
 use meshgrad_parallel::ParallelLayout;
 use serde::Deserialize;
@@ -49,23 +49,32 @@ struct Outcome {
 }
 
 fn compare(row: &Row, device: &DeviceKind) -> Outcome {
-    let shape = GptConfig {
-        vocab_size: 51200,
-        block_size: 2048,
-        n_layer: row.layers,
-        n_head: row.heads,
-        n_embd: row.hidden,
-        dropout: 0.1,
-        bias: true,
-        layer_norm_eps: 1e-5,
-    }
-    .shape();
+    let shape = ModelShape {
+        // Megatron-LM's fused bias-dropout-add keeps a 1-byte mask per element, not meshgrad's
+        // mask and output that `dropout` counts (left out here: 2 bytes per token and width per
+        // block); its attention dropout's mask is part of
+        // `Attention::Materialized`.
+        dropout: false,
+        ..GptConfig {
+            vocab_size: 51200,
+            block_size: 2048,
+            n_layer: row.layers,
+            n_head: row.heads,
+            n_embd: row.hidden,
+            dropout: 0.1,
+            bias: true,
+            layer_norm_eps: 1e-5,
+        }
+        .shape()
+    };
     let workload = Workload {
         model: shape,
         global_batch: row.batch,
         precision: Precision::Bf16,
         // Megatron-LM of 2021 ran a fused softmax over materialised scores.
         attention: Attention::Materialized,
+        // PyTorch's autograd keeps only what the backward functions save.
+        retention: Retention::Saved,
     };
     let cluster = Cluster {
         device: device.clone(),

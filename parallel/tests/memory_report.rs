@@ -247,6 +247,7 @@ fn planner_prediction(cfg: &MemoryReportConfig<LlamaConfig>, spec: &str) -> (u64
             checkpoint_blocks: false,
             reference_row_group: None,
             precision: Default::default(),
+            retention: Default::default(),
         },
     );
     (e.params, e.grads, e.optimizer)

@@ -48,7 +48,9 @@ use super::comm::{self, Topology};
 use super::compute::{Attention, ComputeScale, MicroBatch};
 use super::device::DeviceKind;
 use super::flops::training_step;
-use super::memory::{estimate_training, in_flight, MemoryEstimate, Precision, TrainingRun};
+use super::memory::{
+    estimate_training, in_flight, MemoryEstimate, Precision, Retention, TrainingRun,
+};
 use crate::layout::{ParallelLayout, ZeroStage};
 use crate::pipeline::ScheduleKind;
 
@@ -71,6 +73,8 @@ pub struct Workload {
     pub precision: Precision,
     /// The attention kernel.
     pub attention: Attention,
+    /// Which activations the framework keeps (meshgrad's graph by default).
+    pub retention: Retention,
 }
 
 /// The devices a run has.
@@ -386,6 +390,7 @@ impl CostModel<'_> {
             checkpoint_blocks: c.recompute,
             reference_row_group: None,
             precision: self.workload.precision,
+            retention: self.workload.retention,
         })
     }
 
@@ -734,6 +739,7 @@ mod tests {
             global_batch: batch,
             precision: Precision::Bf16,
             attention: Attention::Fused,
+            retention: Default::default(),
         }
     }
 

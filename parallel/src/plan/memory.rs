@@ -30,7 +30,9 @@
 //! * **Activations**, per token of a micro-batch (`batch_size / dp` rows split into
 //!   `microbatches`, of `positions` tokens), in values of 4 bytes (2 under mixed precision): per block, what the backward keeps:
 //!   `4 C` outside the attention and the MLP (the block input, the two norms' outputs, the
-//!   residual; divided by `tp` under sequence parallelism) and `4 C + 2 F` inside them (q/k/v,
+//!   residual) and, as meshgrad's graph keeps every op's inputs until the backward
+//!   ([`Retention::Graph`]), the two output projections' outputs that the residual adds read
+//!   (`2 C`; one with a mixture of experts), all divided by `tp` under sequence parallelism, and `4 C + 2 F` inside them (q/k/v,
 //!   the attention output, the MLP's up-projection and activation of width `F`; `3 F` for a
 //!   gated MLP; unless the attention reads the fused qkv projection in place (GPT), `4 C` more
 //!   for the heads-first copies of q, k, v and of its output, with rotary positions the rotated
@@ -41,14 +43,18 @@
 //!   under sequence parallelism); attention-probability dropout (BERT's) composes attention from
 //!   ops that keep the scores, their softmax, the mask and the dropped probabilities (`4 H T`,
 //!   divided by `tp`), and its backward holds their gradients (`3 H T / tp`) once the logits'
-//!   temporaries are gone (the larger of the two counts). That for every block of the rank, plus the backward's
-//!   temporaries (the gradients of one block's inside values; no attention scores: the fused
+//!   temporaries are gone. That for every block of the rank, plus the backward's
+//!   temporaries (the gradients of one block's inside values, with a mixture of experts `2 C`
+//!   per token copy, one expert's values at a time; no attention scores: the fused
 //!   kernels work through them in tiles) (with activation checkpointing: the block inputs `C`
 //!   plus one whole block recomputed, and the gradients of half of its inside values); `2 C` for the embedding on its stage (under `tp` also its
 //!   vocabulary-parallel partial lookup and its sum over the ranks, `2 C`) and `2 C` for the final norm on the head's (`6 C`
 //!   with a head transform; under `tp` also the loss-parallel cross-entropy's `2 V / tp`);
-//!   `3 V / tp` for the logits, their softmax and their gradient, on the stage that computes
-//!   them. A pipeline's first stage holds
+//!   `2 V / tp` for the logits and their gradient (the fused cross-entropy keeps the
+//!   log-sum-exp alone) on the stage that computes them, which the backward's temporaries
+//!   replace (the larger of the two counts; with recomputation both). Measured on the CPU
+//!   against this (`benches/memory_vs_predicted.sh`): 56 runs of the GPT, Llama, BERT and a
+//!   Mixtral within 3.2% on average, all but one within 10%. A pipeline's first stage holds
 //!   `min(microbatches, pp)` micro-batches in flight (1F1B, zero bubble), `min(microbatches,
 //!   2 pp)` (interleaved) or all of them (GPipe), the last stage one under 1F1B: each keeps its
 //!   blocks' values (or their inputs), the embedding's and its boundary values (the input it
@@ -76,9 +82,12 @@
 //!   ZeRO-2, whose whole expert gradients exist until their reduction after the backward, +
 //!   parameters under ZeRO-3, one block's held experts gathered at a time; whole when
 //!   `D = E`), and without ep it shards the experts with the rest (then, under ZeRO-2/3, all of a rank's
-//!   unsharded gradients exist after the backward, whose reductions wait for its end). Per token a block keeps, instead of one MLP's values, those of
-//!   its `k` experts with the copy each read and the output it wrote (`2 C` each), and the
-//!   router's logits and probabilities (`2 n_experts`), none split by `tp`; under ep also the
+//!   unsharded gradients exist through the backward, one copy in an f32 run, and after it,
+//!   beside their shards, since their reductions wait for its end). Per token a block keeps, instead of one MLP's values, those of
+//!   its `k` experts and, per copy, the copy the experts read, the output its expert wrote, the
+//!   experts' outputs concatenated, the output gathered back and weighted (`5 C`), the token's
+//!   flattened input and summed output (`2 C`) and the router's logits and probabilities (`2
+//!   n_experts`), none split by `tp`; under ep also the
 //!   dispatch's received rows, their regrouping, the returned outputs in source order and the
 //!   return all-to-all's output (`4 C` per copy): the all-to-alls are taken to bring each rank
 //!   as many token copies as it sends (balanced routing; an uneven one brings more).
@@ -311,7 +320,7 @@ struct BlockValues {
     experts: N,
 }
 
-fn block_activations(s: &ModelShape) -> BlockValues {
+fn block_activations(s: &ModelShape, retention: Retention) -> BlockValues {
     let (c, f) = (n(s.n_embd), n(s.ffn));
     let four = N::of(4);
     // The gated MLP keeps its gate, its up projection and their product.
@@ -323,12 +332,18 @@ fn block_activations(s: &ModelShape) -> BlockValues {
     let kv = n(s.n_embd / s.n_head.max(1)) * n(s.n_kv_head);
     let copies = flag(!s.fused_qkv) * four * c + flag(!s.learned_positions) * kv;
     let moe = s.n_experts > 0;
-    // A mixture of experts: each of the token's `k` experts keeps its MLP values, the token's
-    // copy it read and the output it wrote (`2 C`); the router its logits and probabilities.
+    // A mixture of experts: each of the token's `k` experts keeps its MLP values, and each copy
+    // of the token the copy the experts read, the output its expert wrote, the experts'
+    // outputs concatenated, the output gathered back to the token and weighted (`5 C`); the
+    // token its flattened input and the summed output (`2 C`), the router its logits and
+    // probabilities.
     let k = n(s.mlps_per_token());
-    let experts = flag(moe) * (k * (mlp + N::of(2) * c) + N::of(2) * n(s.n_experts));
+    let experts = flag(moe) * (k * (mlp + N::of(5) * c) + N::of(2) * c + N::of(2) * n(s.n_experts));
+    // meshgrad's graph also keeps the output projections' outputs, which only the residual
+    // adds read (a mixture of experts' output is counted with the experts).
+    let projections = flag(retention == Retention::Graph) * (c + flag(!moe) * c);
     BlockValues {
-        outside: four * c,
+        outside: four * c + projections,
         inside: four * c + flag(!moe) * mlp + copies,
         experts,
     }
@@ -442,6 +457,19 @@ pub fn binary_bytes(bytes: u64, decimals: usize) -> String {
     format!("{v:.decimals$} {}", UNITS[unit])
 }
 
+/// Which activations the training framework keeps for the backward.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Retention {
+    /// meshgrad's autograd: every op's inputs stay with the graph until the backward reaches
+    /// the op, so also the output projections' outputs that the residual adds read (`C` for
+    /// the attention's and `C` for a dense MLP's per block; a mixture of experts' output is
+    /// counted with the experts), which no backward reads.
+    #[default]
+    Graph,
+    /// PyTorch's autograd (Megatron-LM): only what the backward functions save.
+    Saved,
+}
+
 /// A training run, as the memory estimate needs it.
 #[derive(Clone, Copy, Debug)]
 pub struct TrainingRun<'a> {
@@ -465,6 +493,8 @@ pub struct TrainingRun<'a> {
     pub reference_row_group: Option<usize>,
     /// Parameters' and activations' precision.
     pub precision: Precision,
+    /// Which activations the framework keeps ([`Retention::Graph`]: meshgrad's).
+    pub retention: Retention,
 }
 
 /// The memory `run` needs (see the module docs for the formula).
@@ -485,6 +515,7 @@ pub struct TrainingRun<'a> {
 ///     checkpoint_blocks: false,
 ///     reference_row_group: None,
 ///     precision: Default::default(),
+///     retention: Default::default(),
 /// };
 /// let est = estimate_training(&run);
 /// // ZeRO-3 over 4 ranks: a quarter of AdamW's state on each of them.
@@ -601,6 +632,10 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
     let half = N::of(run.precision.bytes());
     let mixed = flag(run.precision != Precision::F32);
     let grads_of = |x: N| bytes(x) + x * half;
+    // Whole gradients that a reduction waits for: the backward adds each fresh one to the
+    // accumulated one at once in an f32 run outside reference mode (one copy).
+    let one_copy = run.precision == Precision::F32 && run.reference_row_group.is_none();
+    let whole_of = |x: N| if one_copy { bytes(x) } else { grads_of(x) };
     let optimizer_of = |x: N| bytes(x * (N::of(2) + mixed));
     let (mut params, mut grads, mut optimizer) =
         (local * half, grads_of(local), optimizer_of(local));
@@ -620,14 +655,14 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
             // The experts' whole gradients exist until their reduction after the backward (an
             // expert may get no tokens on a rank), then their shard.
             grads =
-                sharded(bytes(dense)) + unit * half + grads_of(experts) + e_sharded(bytes(experts));
+                sharded(bytes(dense)) + unit * half + whole_of(experts) + e_sharded(bytes(experts));
             optimizer = sharded(optimizer_of(dense)) + e_sharded(optimizer_of(experts));
         }
         Some(ZeroStage::Three) => {
             params =
                 sharded(dense * half) + unit * half + e_sharded(experts * half) + e_unit * half;
             grads =
-                sharded(bytes(dense)) + unit * half + grads_of(experts) + e_sharded(bytes(experts));
+                sharded(bytes(dense)) + unit * half + whole_of(experts) + e_sharded(bytes(experts));
             optimizer = sharded(optimizer_of(dense)) + e_sharded(optimizer_of(experts));
         }
     }
@@ -662,7 +697,7 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
         outside,
         inside,
         experts,
-    } = block_activations(shape);
+    } = block_activations(shape, run.retention);
     let (dropped_outside, dropped_inside) = dropout_values(shape);
     let outside = outside + dropped_outside;
     // All-gather attention keeps, for the backward, the keys and values its two query chunks
@@ -693,8 +728,19 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
     // communication (the residual-width gradients replace one another); with recomputation
     // the recomputed block, kept whole until its backward ends, beside the gradients of half
     // of its inside values (the MLP's, then the attention's: measured, a GPT of 2 to 8 blocks
-    // peaks 1-4% above this).
-    let backward = inside.div_ceil(tp_n) + experts + tp_plumbing(shape, tp, run.sequence_parallel);
+    // peaks 1-4% above this). A mixture of experts runs its experts' backwards one at a time:
+    // the gradients of each copy's gathered-back output and of the experts' concatenated
+    // outputs (`2 C` per copy) are what it adds. A composed attention's backward (BERT's
+    // probability dropout) holds the gradients of the dropped probabilities, the probabilities
+    // and the scores (`3 H T`, split by `tp`).
+    let expert_grads =
+        flag(shape.n_experts > 0) * n(shape.mlps_per_token()) * N::of(2) * n(shape.n_embd);
+    let score_grads = flag(shape.attention_dropout)
+        * (N::of(3) * n(shape.n_head) * n(shape.positions)).div_ceil(tp_n);
+    let backward = inside.div_ceil(tp_n)
+        + expert_grads
+        + score_grads
+        + tp_plumbing(shape, tp, run.sequence_parallel);
     let (kept, temporaries) = if run.checkpoint_blocks {
         (
             n(blocks) * n(shape.n_embd).div_ceil(sp_n),
@@ -714,7 +760,8 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
             .div_ceil(sp_n)
         + tp_edge(shape, tp, stage)
         + boundary;
-    let logits = flag(stage.logits) * (N::of(3) * n(shape.vocab_size)).div_ceil(tp_n);
+    // The logits and their gradient (the fused cross-entropy keeps the log-sum-exp alone).
+    let logits = flag(stage.logits) * (N::of(2) * n(shape.vocab_size)).div_ceil(tp_n);
     // Ring attention: the key and value blocks in flight (forward: the held pair and the
     // received one; backward: both with their gradients, `8` key/value widths) and the partial
     // output being combined (`C`), split by tensor parallelism. All-gather attention: every
@@ -725,12 +772,13 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
         CpMode::AllGather => gathered * N::of(4) * n(cp) * kv,
     }
     .div_ceil(tp_n);
-    // A composed attention's backward (BERT's probability dropout) holds the gradients of the
-    // dropped probabilities, the probabilities and the scores (`3 H T`, split by `tp`) once the
-    // logits are gone: the larger of the two.
-    let score_grads = flag(shape.attention_dropout)
-        * (N::of(3) * n(shape.n_head) * n(shape.positions)).div_ceil(tp_n);
-    let temporaries = temporaries + logits.max(score_grads) + ring;
+    // The logits and their gradient are gone when the blocks' backward begins: the larger of
+    // the two; with recomputation both count (measured).
+    let temporaries = if run.checkpoint_blocks {
+        temporaries + logits
+    } else {
+        temporaries.max(logits)
+    } + ring;
     // A micro-batch whose weight backward is still to come also holds the gradients of its
     // projections' outputs (q/k/v and the MLP's up projections split by tensor parallelism, the
     // two output projections' `C` each as the residual stream is split).
@@ -754,10 +802,17 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
     let single_copy = run.precision == Precision::F32
         && run.reference_row_group.is_none()
         && matches!(layout.zero(), None | Some(ZeroStage::One));
-    let grads_in_backward = if single_copy { bytes(local) } else { grads };
-    // After the backward of a mixture of experts under ZeRO-2/3 without ep, all of the rank's
-    // unsharded gradients (their reduction waits for the backward's end).
+    // A mixture of experts under ZeRO-2/3 without ep keeps all of the rank's unsharded
+    // gradients through the backward (their reduction waits for its end): one copy in an f32 run
+    // outside reference mode, as without ZeRO; after the backward, beside their shards.
     let stage_23 = matches!(layout.zero(), Some(ZeroStage::Two | ZeroStage::Three));
+    let grads_in_backward = if single_copy || (unused && stage_23 && one_copy) {
+        bytes(local)
+    } else if unused && stage_23 {
+        grads.max(grads_of(local))
+    } else {
+        grads
+    };
     let grads = if unused && stage_23 {
         grads.max(grads_of(local))
     } else {
@@ -853,7 +908,7 @@ pub fn in_flight(schedule: ScheduleKind, microbatches: usize, pp: usize) -> usiz
 pub fn estimate_inference(shape: &ModelShape, rows: u64) -> MemoryEstimate {
     let params = N(num_parameters(shape)) * N::of(F32);
     let tokens = N::of(rows) * n(shape.positions);
-    let b = block_activations(shape);
+    let b = block_activations(shape, Retention::Graph);
     let per_token = N::of(2) * (b.outside + b.inside + b.experts)
         + edge_activations(shape, true, true)
         + N::of(2) * n(shape.vocab_size);
@@ -889,6 +944,7 @@ mod tests {
             checkpoint_blocks: false,
             reference_row_group: None,
             precision: Default::default(),
+            retention: Default::default(),
         }
     }
 

@@ -373,6 +373,7 @@ mod tests {
             global_batch: 64,
             precision: Precision::Bf16,
             attention: Attention::Fused,
+            retention: Default::default(),
         };
         let cl = Cluster {
             device: DeviceKind::preset("a100-40gb").unwrap(),
