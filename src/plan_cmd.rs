@@ -24,7 +24,8 @@ pub struct PlanArgs {
     /// gpt, bert, llama or mixtral (sets model.kind; the rest of the model from --set).
     #[arg(long, default_value = "gpt", value_parser = ["gpt", "bert", "llama", "mixtral"])]
     pub model: String,
-    /// A Hugging Face config.json (GPT-2, BERT, Llama) instead of --model and --set.
+    /// A Hugging Face config.json (GPT-2, BERT, Llama, Mixtral) instead of --model and --set;
+    /// its dropout probabilities count as set there (GPT-2's and BERT's 0.1 by default).
     #[arg(long, value_name = "FILE")]
     pub hf_config: Option<PathBuf>,
     /// Any model key, e.g. --set model.n_layer=24 (repeatable).
