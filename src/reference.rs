@@ -123,8 +123,8 @@ pub(crate) fn folded_positions(cfg: &TrainConfig) -> bool {
 }
 
 /// A one-line reason reference mode cannot run its position order on `layout`: context
-/// parallelism needs the folded order, which covers GPT, Llama and a dropless Mixtral on dp
-/// and cp layouts, with
+/// parallelism needs the folded order, which covers GPT, Llama and Mixtral on dp and cp
+/// layouts, with
 /// position leaves (the reference chunk count `K`) that split the sequence into `2K` chunks
 /// and that the cp degree divides.
 fn check_positions(cfg: &TrainConfig, layout: Option<&ParallelLayout>) -> Result<()> {
@@ -149,12 +149,6 @@ fn check_positions(cfg: &TrainConfig, layout: Option<&ParallelLayout>) -> Result
             "reference mode: train.reference_positions=folded covers GPT, Llama and Mixtral, \
              not {}",
             cfg.model.kind.as_str()
-        );
-    }
-    if cfg.model.expert_capacity_factor.is_some() {
-        anyhow::bail!(
-            "reference mode: train.reference_positions=folded covers dropless experts only \
-             (unset model.expert_capacity_factor)"
         );
     }
     let k = crate::reference_tp::chunk_count(cfg).unwrap_or(1);

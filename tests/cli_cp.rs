@@ -13,11 +13,12 @@
 //! Reference mode (`--reference` with `train.reference_positions=folded`) under cp=2 (also as two
 //! processes of `meshgrad launch` over TCP), cp=4 and
 //! dp=2,cp=2 gives one device's reference run (in the same order) bit for bit, GPT (with
-//! dropout), Llama and Mixtral: every metrics value and the weights file.
+//! dropout), Llama and Mixtral (also with a capacity factor): every metrics value and the
+//! weights file.
 //!
 //! Bad input is refused in one line: a sequence that does not split into 2 x cp chunks, BERT's
-//! dropout (on the attention probabilities), reference mode without the folded order, on a layout it does not cover or with a
-//! capacity factor, `--cp-mode allgather` without cp.
+//! dropout (on the attention probabilities), reference mode without the folded order or on a
+//! layout it does not cover, `--cp-mode allgather` without cp.
 
 use crate::common;
 
@@ -209,8 +210,8 @@ fn bert_trains_in_lockstep_under_context_parallelism() {
 
 /// `model` in reference mode's folded order on one device, then under cp=2, cp=4 and
 /// dp=2,cp=2: every metrics value and the weights file must be the same bits.
-fn reference_is_bit_identical(model: &str, extra: &[&str]) {
-    let dir = tmpdir(&format!("cp-reference-{model}"));
+fn reference_is_bit_identical(tag: &str, model: &str, extra: &[&str]) {
+    let dir = tmpdir(&format!("cp-reference-{tag}"));
     // 4 row groups of one row: 2 per rank under dp=2,cp=2.
     let reference = [
         &[
@@ -264,20 +265,56 @@ fn reference_is_bit_identical(model: &str, extra: &[&str]) {
 #[test]
 fn gpt_reference_runs_are_bit_identical_to_one_device_under_context_parallelism() {
     // With dropout: each local position draws its global position's mask.
-    reference_is_bit_identical("gpt", &["--set", "model.dropout=0.1"]);
+    reference_is_bit_identical("gpt", "gpt", &["--set", "model.dropout=0.1"]);
 }
 
 #[test]
 fn llama_reference_runs_are_bit_identical_to_one_device_under_context_parallelism() {
     // Four kv heads: the reference chunk count (4 position leaves) must divide by cp = 4.
-    reference_is_bit_identical("llama", &["--set", "model.n_kv_head=4"]);
+    reference_is_bit_identical("llama", "llama", &["--set", "model.n_kv_head=4"]);
 }
 
 #[test]
 fn mixtral_reference_runs_are_bit_identical_to_one_device_under_context_parallelism() {
     // The layer runs once per position leaf (router, experts and the leaf's part of the
     // load-balancing loss) after counting the whole sequences' routed copies.
-    reference_is_bit_identical("mixtral", &["--set", "model.n_kv_head=4"]);
+    reference_is_bit_identical("mixtral", "mixtral", &["--set", "model.n_kv_head=4"]);
+}
+
+#[test]
+fn mixtral_reference_runs_with_a_capacity_are_bit_identical_under_context_parallelism() {
+    // Each leaf's two chunks start from the copies the sequence routed before them (counted
+    // per fine chunk over the group): the copies one device keeps, in token order.
+    let capacity = [
+        "--set",
+        "model.n_kv_head=4",
+        "--set",
+        "model.expert_capacity_factor=0.75",
+    ];
+    // The folded order drops the copies a plain one-device run drops (at the first step, from
+    // the same weights), and some are dropped.
+    let dir = tmpdir("cp-reference-capacity-drops");
+    let folded = ["--reference", "--set", "train.reference_positions=folded"];
+    common::assert_ok(&train(&dir, "mixtral", "plain", &capacity));
+    common::assert_ok(&train(
+        &dir,
+        "mixtral",
+        "folded",
+        &[&capacity[..], &folded].concat(),
+    ));
+    let dropped = |tag: &str| -> f64 {
+        let text = std::fs::read_to_string(dir.join(format!("{tag}.jsonl"))).unwrap();
+        let first: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+        first["expert_tokens_dropped"].as_f64().unwrap()
+    };
+    assert!(dropped("plain") > 0.0, "no copy dropped");
+    assert_eq!(
+        dropped("folded"),
+        dropped("plain"),
+        "copies dropped at step 1"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+    reference_is_bit_identical("mixtral-capacity", "mixtral", &capacity);
 }
 
 #[test]
@@ -309,19 +346,6 @@ fn what_context_parallelism_does_not_support_is_refused_in_one_line() {
     ] {
         assert_one_line_error(&train(&dir, "gpt", "refused", extra), &[needle]);
     }
-    let capacity_folded = [
-        "--layout",
-        "cp=2",
-        "--reference",
-        "--set",
-        "train.reference_positions=folded",
-        "--set",
-        "model.expert_capacity_factor=1.5",
-    ];
-    assert_one_line_error(
-        &train(&dir, "mixtral", "refused-mixtral", &capacity_folded),
-        &["folded covers dropless experts only"],
-    );
     // BERT's dropout includes the attention probabilities, which the ring never forms.
     assert_one_line_error(
         &train(

@@ -269,39 +269,77 @@ impl SparseMoe {
     /// [`meshgrad_autograd::distributed::folded`]): the layer once per position leaf (router,
     /// experts and this leaf's part of the loss), its parameters' gradients the tree over the
     /// leaves, with the whole sequences' routed counts counted first (the router once more per
-    /// leaf, without gradients). Dropless only (the recipe refuses a capacity factor here).
+    /// leaf, without gradients). With a capacity factor those counts are kept per fine chunk
+    /// (gathered over the group) and each leaf's two chunks start from what the sequence routed
+    /// before them, so the copies kept are those one device keeps in token order.
     fn forward_folded(&self, x: &Var, folded: &FoldedPositions) -> Result<MoeOutput> {
-        if self.settings.capacity_factor.is_some() {
-            meshgrad_tensor::bail!(
-                "moe layer {}: a capacity factor is not supported in reference mode's folded \
-                 position order",
-                self.layer
-            );
-        }
         let d = x.tensor().dims().to_vec();
         let (b, c, n) = (d[0], d[2], self.settings.n_experts);
         let leaves = folded.local_leaves();
-        let leaf_routing = |xl: &Var| -> Result<(Var, Var, Routing)> {
-            let tl = xl.tensor().dims()[1];
-            let flat = xl.reshape((b * tl, c))?;
-            let probs = self.router(&flat)?;
-            let routing = Routing::new(self.routing_args(&probs.tensor().to_vec_f64()?, b, tl))?;
-            Ok((flat, probs, routing))
-        };
-        let mut counts = vec![0.0; b * n];
+        let sequence = d[1] * folded.group().size();
+        // Per local fine chunk (leaf `a`'s early chunk at `a`, its late one at `2m - 1 - a`),
+        // row and expert: the copies routed there (kept or not), `[2m, rows, N]`.
+        let mut chunk_routed = vec![0.0; 2 * leaves * b * n];
         meshgrad_autograd::no_grad(|| -> Result<()> {
             for a in 0..leaves {
                 let xl = Var::constant(folded.leaf(x.tensor(), 1, a)?);
-                for (s, &r) in counts.iter_mut().zip(&leaf_routing(&xl)?.2.row_routed) {
-                    *s += r as f64;
+                let tl = xl.tensor().dims()[1];
+                let probs = self.router(&xl.reshape((b * tl, c))?)?;
+                let p = probs.tensor().to_vec_f64()?;
+                let runs = run_counts(&self.routing_args(&p, b, tl), 2)?;
+                for (s, chunk) in [a, 2 * leaves - 1 - a].into_iter().enumerate() {
+                    for row in 0..b {
+                        for e in 0..n {
+                            chunk_routed[(chunk * b + row) * n + e] =
+                                runs[(row * 2 + s) * n + e] as f64;
+                        }
+                    }
                 }
             }
             Ok(())
         })?;
+        let mut counts = vec![0.0; b * n];
+        for chunk in chunk_routed.chunks_exact(b * n) {
+            for (s, &r) in counts.iter_mut().zip(chunk) {
+                *s += r;
+            }
+        }
         let counts = Tensor::from_vec(counts, b * n, Device::Cpu)?;
         let totals = Totals {
             row_routed: folded.sum_over_group(&[counts])?.to_vec_f64()?,
-            sequence: x.tensor().dims()[1] * folded.group().size(),
+            sequence,
+        };
+        let before = match self.settings.capacity_factor {
+            Some(_) => Some(folded_routed_before(folded, &chunk_routed, b * n)?),
+            None => None,
+        };
+        let leaf = std::cell::Cell::new(0);
+        let leaf_routing = |xl: &Var| -> Result<(Var, Var, Routing)> {
+            let tl = xl.tensor().dims()[1];
+            let flat = xl.reshape((b * tl, c))?;
+            let probs = self.router(&flat)?;
+            let p = probs.tensor().to_vec_f64()?;
+            let a = leaf.replace(leaf.get() + 1);
+            let routed_before = before.as_ref().map(|before| {
+                let at = |chunk: usize, row: usize| {
+                    let g = folded.global_chunk(chunk);
+                    &before[(g * b + row) * n..(g * b + row + 1) * n]
+                };
+                (0..b)
+                    .flat_map(|row| [at(a, row), at(2 * leaves - 1 - a, row)])
+                    .flatten()
+                    .copied()
+                    .collect::<Vec<usize>>()
+            });
+            let routing = Routing::new(RoutingArgs {
+                split: routed_before.as_ref().map(|r| SequenceSplit {
+                    sequence,
+                    segments: 2,
+                    routed_before: r,
+                }),
+                ..self.routing_args(&p, b, tl)
+            })?;
+            Ok((flat, probs, routing))
         };
         let mut params: Vec<&Var> = vec![&self.gate.weight];
         for e in &self.experts.list {
@@ -325,7 +363,14 @@ impl SparseMoe {
                 *s += c;
             }
         }
-        load::record(self.layer, &routed, 0, aux.to_vec_f64()?[0] * b as f64, b);
+        let dropped = routings.iter().map(|r| r.dropped).sum();
+        load::record(
+            self.layer,
+            &routed,
+            dropped,
+            aux.to_vec_f64()?[0] * b as f64,
+            b,
+        );
         Ok(MoeOutput {
             output,
             aux: Var::constant(aux),
@@ -626,6 +671,48 @@ fn load_balancing_loss(probs: &Var, totals: &Totals, n: usize) -> Result<Var> {
         .mul(&Var::constant(f))?
         .sum(&[-1], false)?
         .mean_all()
+}
+
+/// Reference mode's folded order with a capacity factor: for each global fine chunk (of `2K`),
+/// row and expert, the copies routed at the sequence's earlier fine chunks, `[2K, rows, N]`,
+/// from every rank's `chunk_routed` (`[2K/C, rows, N]` by local fine chunk; an all-gather over
+/// the group, the whole of it on one device).
+fn folded_routed_before(
+    folded: &FoldedPositions,
+    chunk_routed: &[f64],
+    per_chunk: usize,
+) -> Result<Vec<usize>> {
+    let group = folded.group();
+    let local = 2 * folded.local_leaves();
+    let all = group
+        .all_gather(&Tensor::from_vec(
+            chunk_routed.to_vec(),
+            local * per_chunk,
+            Device::Cpu,
+        )?)?
+        .to_vec_f64()?;
+    let mut by_chunk = vec![0; 2 * folded.leaves() * per_chunk];
+    for r in 0..group.size() {
+        for lc in 0..local {
+            let g = folded.chunk_at(r, lc);
+            let from = &all[(r * local + lc) * per_chunk..(r * local + lc + 1) * per_chunk];
+            for (to, &v) in by_chunk[g * per_chunk..(g + 1) * per_chunk]
+                .iter_mut()
+                .zip(from)
+            {
+                *to = v as usize;
+            }
+        }
+    }
+    // Exclusive prefix sums over the fine chunks in sequence order.
+    let mut before = vec![0; by_chunk.len()];
+    for g in 1..2 * folded.leaves() {
+        for i in 0..per_chunk {
+            before[g * per_chunk + i] =
+                before[(g - 1) * per_chunk + i] + by_chunk[(g - 1) * per_chunk + i];
+        }
+    }
+    Ok(before)
 }
 
 /// Under context parallelism with a capacity factor: for each row, run (this rank's two chunks)

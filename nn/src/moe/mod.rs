@@ -28,8 +28,11 @@
 //! (all-reduced over the group, exact), each rank's loss is its tokens' part of it (the parts add
 //! up to the sequence's loss), and its value is summed over the group for the metrics. In
 //! reference mode's folded position order the layer runs once per position leaf
-//! ([`meshgrad_autograd::distributed::FoldedPositions::leafwise`]), dropless, so its parameters'
-//! gradients are the same tree over the leaves on one device and on every cp layout.
+//! ([`meshgrad_autograd::distributed::FoldedPositions::leafwise`]), so its parameters'
+//! gradients are the same tree over the leaves on one device and on every cp layout; with a
+//! capacity factor each leaf's two fine chunks start from the copies the sequence routed at
+//! its earlier fine chunks (counted first, over the group), so the kept copies are one
+//! device's in token order.
 //!
 //! **Expert parallelism** ([`ExpertParallel`], built with
 //! [`ParamBuilder::expert_parallel`](crate::ParamBuilder::expert_parallel)): a rank holds a block
