@@ -20,7 +20,8 @@
 # * a checkpoint saved under mpirun (fsdp=4, `--save-every`) resumes under the thread backend
 #   and continues with the thread run's losses (rank 0 wrote the index, every rank its shards);
 # * reference mode (`--reference`) under `mpirun -np 4` (hsdp=2x2; BERT dp=2,tp=2 with sequence
-#   parallelism; GPT and Mixtral dp=2,cp=2 in the folded position order) and `meshgrad launch` (fsdp=4):
+#   parallelism; GPT (with dropout) and Mixtral (with a capacity factor) dp=2,cp=2 in the folded
+#   position order) and `meshgrad launch` (fsdp=4):
 #   metrics and weight bytes identical to the one-device reference run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -242,19 +243,21 @@ REFB=(train --reference --model bert --steps 3 --set model.n_layer=2 --set model
     --metrics "${WORK}/refb_mpi.jsonl" --out "${WORK}/refb_mpi" >"${WORK}/refb_mpi.log" 2>&1 \
     || { cat "${WORK}/refb_mpi.log"; exit 1; }
 # GPT under context parallelism in reference mode's folded position order (dp=2,cp=2, 4
-# processes).
+# processes), with dropout (each position's mask is its global position's).
 REFC=(train --reference --set train.reference_positions=folded --steps 3 --set model.n_layer=2
-      --set model.dropout=0 --batch-size 8 --set train.eval_interval=2 --set train.eval_batches=2
+      --set model.dropout=0.1 --batch-size 8 --set train.eval_interval=2 --set train.eval_batches=2
       --set train.sample_tokens=0)
 "${BIN}" "${REFC[@]}" --metrics "${WORK}/refc_one.jsonl" --out "${WORK}/refc_one" \
     >"${WORK}/refc_one.log" 2>&1 || { cat "${WORK}/refc_one.log"; exit 1; }
 "${MPIRUN[@]}" -np 4 "${BIN}" "${REFC[@]}" --layout dp=2,cp=2 \
     --metrics "${WORK}/refc_mpi.jsonl" --out "${WORK}/refc_mpi" >"${WORK}/refc_mpi.log" 2>&1 \
     || { cat "${WORK}/refc_mpi.log"; exit 1; }
-# The Mixtral the same way (its layers once per position leaf).
-REFM=("${REFC[@]}" --model mixtral --set model.n_embd=32 --set model.n_head=4
-      --set model.n_kv_head=2 --set model.block_size=16 --set model.intermediate_size=16
-      --set model.n_experts=4 --set model.experts_per_token=2)
+# The Mixtral the same way (its layers once per position leaf), with a capacity factor (each
+# leaf's chunks start from the copies routed before them, all-gathered over the cp group).
+REFM=("${REFC[@]}" --model mixtral --set model.dropout=0 --set model.n_embd=32
+      --set model.n_head=4 --set model.n_kv_head=2 --set model.block_size=16
+      --set model.intermediate_size=16 --set model.n_experts=4 --set model.experts_per_token=2
+      --set model.expert_capacity_factor=0.75)
 "${BIN}" "${REFM[@]}" --metrics "${WORK}/refm_one.jsonl" --out "${WORK}/refm_one" \
     >"${WORK}/refm_one.log" 2>&1 || { cat "${WORK}/refm_one.log"; exit 1; }
 "${MPIRUN[@]}" -np 4 "${BIN}" "${REFM[@]}" --layout dp=2,cp=2 \

@@ -162,9 +162,10 @@ impl Dropout {
         self.slice_mask(x, seed, ctx.first_row, &runs)
     }
 
-    /// Where the `n` local positions of dimension 1 lie in the global sequence: `window` is
-    /// `(start, len)` of them in the rank's sequence (all of it, or its sequence-parallel part),
-    /// which under context parallelism is its two chunks side by side.
+    /// Where the `n` local positions of dimension 1 lie in the global sequence, given `window =
+    /// (start, len)`: they begin at position `start` of the rank's sequence of `len` positions
+    /// (`start` 0 and `len` `n` without sequence parallelism), which under context parallelism
+    /// is its two chunks side by side.
     fn position_runs(&self, n: usize, (start, len): (usize, usize)) -> Result<SliceRuns> {
         let Some(order) = self.chunks else {
             return Ok(SliceRuns {
