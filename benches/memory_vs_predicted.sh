@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The planner's memory estimate against the measured peak, per rank: for each of 56 runs (the
+# The planner's memory estimate against the measured peak, per rank: for each of 57 runs (the
 # default GPT under every kind of layout, recomputation, bf16, dropout, a larger vocabulary and
 # long rows; Llama, BERT and a small Mixtral under theirs) it prints what `train --dry-run`
 # predicts (`predicted_memory_per_rank_mib=`), what a 2-step run measures
@@ -92,6 +92,7 @@ check mx_zero2_4ep2 "${MX[@]}" --layout zero2=4,ep=2
 check mx_fsdp8ep2 "${MX[@]}" --layout fsdp=8,ep=2
 check mx_cp2 "${MX[@]}" --layout cp=2
 check mx_tp2 "${MX[@]}" --layout tp=2
+check mx_tp2sp "${MX[@]}" --layout tp=2 --sequence-parallel
 check mx_pp2 "${MX[@]}" --layout pp=2 --microbatches 4
 python3 -c "
 import sys

@@ -1,7 +1,6 @@
 //! `meshgrad train --layout` with context parallelism: GPT and Llama under cp=2, cp=4,
 //! dp=2,cp=2, tp=2,cp=2 (also with sequence parallelism), pp=2,cp=2 and hsdp=2x2,cp=2 (GPT also
-//! zero1=2,cp=2 and fsdp=2,cp=2), the Mixtral under the same but sequence parallelism and
-//! hsdp, plus fsdp=2,cp=2 and cp with ep (also with a capacity factor under cp=2, cp=4 and
+//! zero1=2,cp=2 and fsdp=2,cp=2), the Mixtral under the same but hsdp, plus fsdp=2,cp=2 and cp with ep (also with a capacity factor under cp=2, cp=4 and
 //! dp=2,cp=2), and BERT (non-causal, masked LM) under cp=2, and with all-gather attention
 //! (`--cp-mode allgather`: GPT under cp=2, cp=4, dp=2,cp=2, tp=2,cp=2 and pp=2,cp=2, Llama and
 //! BERT under cp=2 and cp=4, the Mixtral under cp=2), and the GPT with dropout (under the ring
@@ -182,13 +181,7 @@ fn mixtral_trains_in_lockstep_under_context_parallelism() {
         ("fsdp2cp2", "fsdp=2,cp=2"),
         ALLGATHER[0],
     ];
-    // Mixtral refuses sequence parallelism (LAYOUTS[4]).
-    let layouts: Vec<_> = LAYOUTS
-        .iter()
-        .filter(|(t, _)| *t != "tp2cp2sp")
-        .copied()
-        .collect();
-    lockstep("mixtral", &[&layouts[..], &more].concat());
+    lockstep("mixtral", &[&LAYOUTS[..], &more].concat());
 }
 
 #[test]

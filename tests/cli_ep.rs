@@ -1,7 +1,7 @@
 //! `meshgrad train --layout` with expert parallelism: a tiny Mixtral-style Llama (4 experts, top
 //! 2) under ep=2, ep=4, dp=4,ep=2, fsdp=4,ep=2, hsdp=2x2,ep=2, zero1=4,ep=2, zero2=4,ep=2,
-//! fsdp=2,ep=2, pp=2,ep=2, tp=2 and tp=2,ep=2 (under ZeRO the experts sharded over the ranks
-//! holding the same ones) gives the single-device losses on the same global batch
+//! fsdp=2,ep=2, pp=2,ep=2, tp=2 and tp=2,ep=2, the last two also with sequence parallelism
+//! (under ZeRO the experts sharded over the ranks holding the same ones) gives the single-device losses on the same global batch
 //! (within 1e-5 relative, train and validation; gradient norms within 1e-4) for 4 steps, and
 //! the same for ep=2 as two processes of `meshgrad launch` over TCP; its Hugging Face folder holds the single device's weights within 1e-5 relative L2 over all
 //! parameters (every expert gathered under its full name); fsdp=4 and hsdp=2x2 without ep, and
@@ -12,7 +12,8 @@
 //! that does not divide the experts or the data-parallel ranks, ep on a model without experts.
 //!
 //! Reference mode (`--reference`) under ep=2, ep=4, dp=4,ep=2, fsdp=4,ep=2, hsdp=2x2,ep=2,
-//! zero1=4,ep=2, zero2=4,ep=2, fsdp=2,ep=2, tp=2,ep=2 and pp=2,ep=2 gives one device's reference run bit for bit: every metrics value
+//! zero1=4,ep=2, zero2=4,ep=2, fsdp=2,ep=2, tp=2,ep=2 (also with sequence parallelism) and
+//! pp=2,ep=2 gives one device's reference run bit for bit: every metrics value
 //! and the weights file; and a checkpoint moves between one device and ep=2 / ep=4 / dp=4,ep=2
 //! / fsdp=4,ep=2 (and from zero1=4,ep=2 to hsdp=2x2,ep=2 and zero2=4,ep=2, from fsdp=4,ep=2 to
 //! fsdp=2,ep=2) with the resumed run continuing the
@@ -118,8 +119,14 @@ fn mixtral_trains_in_lockstep_under_expert_parallelism() {
         &[],
     );
     // Tensor parallelism splits the attention; the mixtures of experts stay whole on both
-    // tensor-parallel ranks (routing the same tokens), alone and with ep=2 (4 ranks).
+    // tensor-parallel ranks (routing the same tokens), alone and with ep=2 (4 ranks); under
+    // sequence parallelism they gather the sequence first.
     assert_lockstep_layouts(&dir, &[("tp2", "tp=2"), ("tp2ep2", "tp=2,ep=2")], &[]);
+    assert_lockstep_layouts(
+        &dir,
+        &[("tp2sp", "tp=2"), ("tp2ep2sp", "tp=2,ep=2")],
+        &["--sequence-parallel"],
+    );
     // Sharded data parallelism: the other parameters sharded over the 4 ranks (ZeRO-3,
     // hybrid, ZeRO-1, ZeRO-2), each expert sharded at the same stage over the 2 ranks that
     // hold it; and over 2 ranks (fsdp=2,ep=2), where no other rank holds the same experts.
@@ -217,13 +224,18 @@ fn mixtral_reference_runs_are_bit_identical_to_one_device_under_expert_paralleli
         ("zero2ep2", "zero2=4,ep=2"),
         ("fsdp2ep2", "fsdp=2,ep=2"),
         ("tp2ep2", "tp=2,ep=2"),
+        ("tp2ep2sp", "tp=2,ep=2 --sequence-parallel"),
         ("pp2ep2", "pp=2,ep=2"),
     ] {
+        // A layout, then any flags.
+        let mut words = layout.split(' ');
+        let layout = ["--layout", words.next().unwrap()];
+        let flags: Vec<&str> = layout.into_iter().chain(words).collect();
         common::assert_ok(&train(
             &dir,
             "mixtral",
             tag,
-            &[&reference[..], &["--layout", layout]].concat(),
+            &[&reference[..], &flags].concat(),
         ));
         assert_eq!(metric_lines(&dir, tag), want, "{tag}: metrics differ");
         let got = std::fs::read(dir.join(tag).join("model.safetensors")).unwrap();
@@ -371,14 +383,6 @@ fn expert_parallelism_refuses_bad_layouts_in_one_line() {
     assert_one_line_error(&o, &["expert parallelism (ep) needs a model with experts"]);
     let o = train(&dir, "gpt", "gpt", &["--layout", "ep=2"]);
     assert_one_line_error(&o, &["expert parallelism (ep) needs a model with experts"]);
-    // Not supported yet: sequence parallelism.
-    let o = train(
-        &dir,
-        "mixtral",
-        "sp",
-        &["--layout", "tp=2", "--sequence-parallel"],
-    );
-    assert_one_line_error(&o, &["sequence parallelism", "mixture of experts"]);
     // Reference mode needs each expert-parallel group's row groups to form a subtree.
     let o = train(
         &dir,

@@ -349,6 +349,30 @@ pub fn all_gather_dim(x: &Var, dim: usize, group: &Group) -> Result<Var> {
     ))
 }
 
+/// Every rank's `x` concatenated along `dim` forward; backward, this rank's chunk of the
+/// gradient, which every rank holds whole (entering a replicated region from a
+/// sequence-parallel one: the region computes the same on every rank, and leaves it through
+/// [`split_dim`], whose backward gathers the gradient).
+pub fn all_gather_replicated(x: &Var, dim: usize, group: &Group) -> Result<Var> {
+    check_dim("all_gather_replicated", x, dim, &**group, false)?;
+    if group.size() == 1 {
+        return Ok(x.clone());
+    }
+    let full = gather_along(x.tensor(), dim, &**group)?;
+    let (rank, size) = (group.rank(), group.size());
+    Ok(Var::from_op(
+        "all_gather_replicated",
+        full,
+        &[x],
+        Box::new(move |grad, _| {
+            let n = grad.dims()[dim] / size;
+            Ok(vec![Some(
+                grad.narrow(dim as isize, rank * n, n)?.contiguous()?,
+            )])
+        }),
+    ))
+}
+
 /// The sum over the ranks of `x`, cut along `dim` to this rank's chunk, forward; backward, the
 /// chunks' gradients concatenated (entering a sequence-parallel region from partial sums).
 pub fn reduce_scatter_dim(x: &Var, dim: usize, group: &Group) -> Result<Var> {

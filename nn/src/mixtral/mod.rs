@@ -40,17 +40,11 @@ impl CausalFamily for Mixtral {
         config.vocab_size
     }
     /// Tensor parallelism splits the attention and the vocabulary as for a Llama; the router
-    /// and the experts stay whole on every tensor-parallel rank (each routes the same tokens).
-    /// Sequence parallelism is refused: the experts' gradients would then need a sum over the
-    /// tensor-parallel ranks' tokens.
+    /// and the experts stay whole on every tensor-parallel rank (each routes the same tokens;
+    /// under sequence parallelism the layer gathers the sequence first and returns each rank's
+    /// part, see [`crate::moe::SparseMoe::sp`]).
     fn check_tp(config: &LlamaConfig, tp: usize, sequence: Option<usize>) -> Result<()> {
-        if tp > 1 && sequence.is_some() {
-            meshgrad_tensor::bail!(
-                "mixtral: sequence parallelism (tp = {tp}) is not supported for a mixture of \
-                 experts yet; use tp without --sequence-parallel"
-            );
-        }
-        crate::llama::check_tp_sizes(config, tp, None)
+        crate::llama::check_tp_sizes(config, tp, sequence)
     }
     fn n_layer(config: &LlamaConfig) -> usize {
         config.n_layer

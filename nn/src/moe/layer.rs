@@ -1,7 +1,9 @@
 //! [`SparseMoe`]: Mixtral's sparse feed-forward (`block_sparse_moe`): the router, the experts
 //! and the dispatch between them (see the [module docs](super)).
 
-use meshgrad_autograd::distributed::{all_to_all_rows, ChunkOrder, FoldedPositions};
+use meshgrad_autograd::distributed::{
+    all_gather_replicated, all_to_all_rows, split_dim, ChunkOrder, FoldedPositions,
+};
 use meshgrad_autograd::source_grads::set_aside;
 use meshgrad_autograd::Var;
 use meshgrad_tensor::{DType, Device, Result, Tensor};
@@ -14,6 +16,7 @@ use crate::layers::Linear;
 use crate::llama::block::proj;
 use crate::module::{Child, Forward, ModuleField};
 use crate::param_builder::ParamBuilder;
+use crate::tp::TensorParallel;
 
 /// A mixture of experts' settings (Hugging Face `MixtralConfig` keys in the comments).
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -139,6 +142,12 @@ pub struct SparseMoe {
     /// Context parallelism: the group that splits each sequence (the routed counts and the
     /// capacity's order are the whole sequences'), from the builder.
     pub cp: Option<ContextParallel>,
+    /// Sequence parallelism (from the builder's tensor parallelism): the layer gathers its
+    /// input's sequence over the group, computes on it as every tensor-parallel rank does
+    /// without sequence parallelism (whole experts, the same tokens), and returns this rank's
+    /// part.
+    #[module(skip)]
+    pub sp: Option<TensorParallel>,
     /// Routing settings.
     pub settings: MoeSettings,
     /// The layer's global index (its load's key in [`super::collect_expert_load`]).
@@ -192,6 +201,10 @@ impl SparseMoe {
                 .context_parallel_group()
                 .filter(|c| c.is_active())
                 .cloned(),
+            sp: p
+                .tensor_parallel_group()
+                .filter(|tp| tp.splits_sequence())
+                .cloned(),
             settings,
             layer,
             aux_weight,
@@ -203,6 +216,21 @@ impl SparseMoe {
     /// parallelism `x` is this rank's chunks of the sequences: the counts behind the loss (and
     /// the capacity's token order) are the whole sequences', gathered over the group.
     pub fn forward_routed(&self, x: &Var) -> Result<MoeOutput> {
+        let Some(tp) = &self.sp else {
+            return self.forward_whole(x);
+        };
+        // Sequence parallelism: the tensor-parallel ranks' positions gathered, the layer as
+        // without it (the same on every rank, so its parameters' gradients too), this rank's
+        // positions of the output (whose backward gathers the gradient).
+        let whole = all_gather_replicated(x, 1, &tp.group)?;
+        let mut out = self.forward_whole(&whole)?;
+        out.output = split_dim(&out.output, 1, &tp.group)?;
+        Ok(out)
+    }
+
+    /// [`Self::forward_routed`] of `x` holding whole (context-parallel) sequences of this
+    /// rank's rows.
+    fn forward_whole(&self, x: &Var) -> Result<MoeOutput> {
         let d = x.tensor().dims().to_vec();
         if d.len() != 3 {
             meshgrad_tensor::bail!(

@@ -192,11 +192,6 @@ impl Candidate {
                 2 * cp
             ));
         }
-        if s.n_experts > 0 && self.sequence_parallel {
-            return Err(format!(
-                "layout {l}: a mixture of experts does not run under sequence parallelism yet"
-            ));
-        }
         if ep > 1 && (s.n_experts == 0 || !s.n_experts.is_multiple_of(ep)) {
             return Err(format!(
                 "layout {l}: ep={ep} does not divide the model's {} experts",

@@ -53,7 +53,7 @@
 //!   `2 V / tp` for the logits and their gradient (the fused cross-entropy keeps the
 //!   log-sum-exp alone) on the stage that computes them, which the backward's temporaries
 //!   replace (the larger of the two counts; with recomputation both). Measured on the CPU
-//!   against this (`benches/memory_vs_predicted.sh`): 56 runs of the GPT, Llama, BERT and a
+//!   against this (`benches/memory_vs_predicted.sh`): 57 runs of the GPT, Llama, BERT and a
 //!   Mixtral within 3.2% on average, all but one within 10%. A pipeline's first stage holds
 //!   `min(microbatches, pp)` micro-batches in flight (1F1B, zero bubble), `min(microbatches,
 //!   2 pp)` (interleaved) or all of them (GPipe), the last stage one under 1F1B: each keeps its
