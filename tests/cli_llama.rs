@@ -441,16 +441,9 @@ fn mixtral_trains_and_keeps_lockstep_with_one_device_under_dp_fsdp_and_pp() {
         .output()
         .unwrap();
     assert_ok(&o);
-    // One-line refusals: top-k above the experts, and layouts not supported yet.
+    // A one-line refusal: top-k above the experts.
     let o = train_mixtral(&dir, "bad_k", 1, &["--set", "model.experts_per_token=5"]);
     assert_one_line_error(&o, &["model.experts_per_token", "1..=4"]);
-    let o = train_mixtral(
-        &dir,
-        "bad_sp",
-        1,
-        &["--layout", "tp=2", "--sequence-parallel"],
-    );
-    assert_one_line_error(&o, &["sequence parallelism", "mixture of experts"]);
     // Fine-tuning from the folder: it fixes the shape, the coefficient is a training setting.
     let single = dir.join("single");
     let o = train_mixtral(
