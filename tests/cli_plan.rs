@@ -271,17 +271,6 @@ fn train_dry_run_prints_the_plan_line_and_agrees_with_the_preflight_check() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// The `key=` line's value in `o`'s output, as a number.
-fn mib(o: &Output, key: &str) -> f64 {
-    let (out, err) = text(o);
-    assert!(o.status.success(), "{err}");
-    out.lines()
-        .find_map(|l| l.strip_prefix(key))
-        .unwrap_or_else(|| panic!("no {key} line: {out}"))
-        .parse()
-        .unwrap()
-}
-
 #[test]
 fn the_dry_runs_memory_is_within_ten_percent_of_the_measured_peak() {
     // Runs the estimate once missed by more than 10%: dropout (a mask and an output per
@@ -323,11 +312,11 @@ fn the_dry_runs_memory_is_within_ten_percent_of_the_measured_peak() {
     ] {
         let args = [&quick[..], run].concat();
         let out = dir.join(tag);
-        let predicted = mib(
+        let predicted = common::printed_number(
             &train(&out, &[&args[..], &["--dry-run"]].concat()),
             "predicted_memory_per_rank_mib=",
         );
-        let measured = mib(&train(&out, &args), "peak_memory_per_rank_mib=");
+        let measured = common::printed_number(&train(&out, &args), "peak_memory_per_rank_mib=");
         let err = (predicted - measured).abs() / measured;
         assert!(
             err < 0.1,

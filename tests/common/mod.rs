@@ -39,6 +39,18 @@ pub fn text(o: &Output) -> (String, String) {
     )
 }
 
+/// The number a successful run printed after `key` (`peak_memory_per_rank_mib=`) on the first
+/// stdout line that starts with it.
+pub fn printed_number(o: &Output, key: &str) -> f64 {
+    let (out, err) = text(o);
+    assert!(o.status.success(), "{err}");
+    out.lines()
+        .find_map(|l| l.strip_prefix(key))
+        .unwrap_or_else(|| panic!("no {key} line: {out}"))
+        .parse()
+        .unwrap()
+}
+
 /// Asserts a successful run, showing its stdout and stderr otherwise.
 pub fn assert_ok(o: &Output) {
     let (out, err) = text(o);
