@@ -236,19 +236,11 @@ fn tiny_mixtral(world: usize) -> MemoryReportConfig<LlamaConfig> {
 fn planner_prediction(cfg: &MemoryReportConfig<LlamaConfig>, spec: &str) -> (u64, u64, u64) {
     let layout = spec.parse().unwrap();
     let e = meshgrad_parallel::plan::memory::estimate_training(
-        &meshgrad_parallel::plan::memory::TrainingRun {
-            model: cfg.model.shape(),
-            layout: &layout,
-            batch_size: cfg.global_batch,
-            microbatches: 1,
-            schedule: meshgrad_parallel::pipeline::ScheduleKind::OneFOneB,
-            sequence_parallel: false,
-            cp_mode: Default::default(),
-            checkpoint_blocks: false,
-            reference_row_group: None,
-            precision: Default::default(),
-            retention: Default::default(),
-        },
+        &meshgrad_parallel::plan::memory::TrainingRun::new(
+            cfg.model.shape(),
+            &layout,
+            cfg.global_batch,
+        ),
     );
     (e.params, e.grads, e.optimizer)
 }

@@ -497,26 +497,35 @@ pub struct TrainingRun<'a> {
     pub retention: Retention,
 }
 
+impl<'a> TrainingRun<'a> {
+    /// `batch_size` rows of `model` under `layout`, each data-parallel rank's in one
+    /// micro-batch: 1F1B, no sequence parallelism, ring attention under cp, no recomputation,
+    /// outside reference mode, f32, meshgrad's [`Retention::Graph`]. Set the rest with struct
+    /// update syntax.
+    pub fn new(model: ModelShape, layout: &'a ParallelLayout, batch_size: usize) -> Self {
+        TrainingRun {
+            model,
+            layout,
+            batch_size,
+            microbatches: 1,
+            schedule: ScheduleKind::OneFOneB,
+            sequence_parallel: false,
+            cp_mode: CpMode::Ring,
+            checkpoint_blocks: false,
+            reference_row_group: None,
+            precision: Precision::F32,
+            retention: Retention::Graph,
+        }
+    }
+}
+
 /// The memory `run` needs (see the module docs for the formula).
 ///
 /// ```
 /// use meshgrad_nn::LlamaConfig;
 /// use meshgrad_parallel::plan::memory::{estimate_training, TrainingRun};
-/// use meshgrad_parallel::pipeline::ScheduleKind;
 /// let layout = "fsdp=4".parse().unwrap();
-/// let run = TrainingRun {
-///     model: LlamaConfig::new(32000, 512, 256, 4, 8).shape(),
-///     layout: &layout,
-///     batch_size: 8,
-///     microbatches: 1,
-///     schedule: ScheduleKind::OneFOneB,
-///     sequence_parallel: false,
-///     cp_mode: Default::default(),
-///     checkpoint_blocks: false,
-///     reference_row_group: None,
-///     precision: Default::default(),
-///     retention: Default::default(),
-/// };
+/// let run = TrainingRun::new(LlamaConfig::new(32000, 512, 256, 4, 8).shape(), &layout, 8);
 /// let est = estimate_training(&run);
 /// // ZeRO-3 over 4 ranks: a quarter of AdamW's state on each of them.
 /// let single = Default::default();
@@ -798,23 +807,17 @@ fn stage_memory(run: &TrainingRun, stage: &Stage, blocks: usize) -> RankMemory {
     // backward adds each parameter's fresh gradient to the accumulated one as soon as it is
     // complete (the first micro-batch's becomes it): one copy (4 P) exists beside the
     // activations; the second copy (DDP's buckets, a checkpoint's buffer) comes once the
-    // activations are freed.
-    let single_copy = run.precision == Precision::F32
-        && run.reference_row_group.is_none()
-        && matches!(layout.zero(), None | Some(ZeroStage::One));
-    // A mixture of experts under ZeRO-2/3 without ep keeps all of the rank's unsharded
-    // gradients through the backward (their reduction waits for its end): one copy in an f32 run
-    // outside reference mode, as without ZeRO; after the backward, beside their shards.
+    // activations are freed. A mixture of experts under ZeRO-2/3 without ep keeps all of the
+    // rank's unsharded gradients through the backward (their reduction waits for its end): one
+    // copy in such a run, as without ZeRO; after the backward, beside their shards.
     let stage_23 = matches!(layout.zero(), Some(ZeroStage::Two | ZeroStage::Three));
-    let grads_in_backward = if single_copy || (unused && stage_23 && one_copy) {
-        bytes(local)
-    } else if unused && stage_23 {
+    let grads = if unused && stage_23 {
         grads.max(grads_of(local))
     } else {
         grads
     };
-    let grads = if unused && stage_23 {
-        grads.max(grads_of(local))
+    let grads_in_backward = if one_copy && (!stage_23 || unused) {
+        bytes(local)
     } else {
         grads
     };
@@ -931,23 +934,6 @@ mod tests {
     use super::*;
     use crate::pipeline::{simulate, Costs, Schedule};
 
-    /// A run of `batch_size` rows in one micro-batch, no recomputation, outside reference mode.
-    fn plain_run(model: ModelShape, layout: &ParallelLayout, batch_size: usize) -> TrainingRun<'_> {
-        TrainingRun {
-            model,
-            layout,
-            batch_size,
-            microbatches: 1,
-            schedule: ScheduleKind::OneFOneB,
-            sequence_parallel: false,
-            cp_mode: Default::default(),
-            checkpoint_blocks: false,
-            reference_row_group: None,
-            precision: Default::default(),
-            retention: Default::default(),
-        }
-    }
-
     #[test]
     fn activations_grow_with_the_context_not_its_square() {
         // The fused attention works through the scores in tiles (measured here: a 2-layer GPT
@@ -967,7 +953,7 @@ mod tests {
             .shape();
             model.positions = positions;
             let layout = ParallelLayout::default();
-            estimate_training(&plain_run(model, &layout, 2)).activations
+            estimate_training(&TrainingRun::new(model, &layout, 2)).activations
         };
         assert_eq!(run(2048), 2 * run(1024));
         assert_eq!(run(1024), 4 * run(256));
@@ -984,7 +970,7 @@ mod tests {
             let layout = spec.parse().unwrap();
             estimate_training(&TrainingRun {
                 precision: Precision::F32,
-                ..plain_run(model, &layout, 8)
+                ..TrainingRun::new(model, &layout, 8)
             })
         };
         let optimizer = |spec: &str| estimate(spec).optimizer;
