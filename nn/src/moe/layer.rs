@@ -2,7 +2,7 @@
 //! and the dispatch between them (see the [module docs](super)).
 
 use meshgrad_autograd::distributed::{
-    all_gather_replicated, all_to_all_rows, split_dim, ChunkOrder, FoldedPositions,
+    all_gather_replicated, all_to_all_rows, split_dim, ChunkOrder, Collectives, FoldedPositions,
 };
 use meshgrad_autograd::source_grads::set_aside;
 use meshgrad_autograd::Var;
@@ -338,7 +338,12 @@ impl SparseMoe {
             sequence,
         };
         let before = match self.settings.capacity_factor {
-            Some(_) => Some(folded_routed_before(folded, &chunk_routed, b * n)?),
+            Some(_) => Some(routed_before_chunks(
+                &**folded.group(),
+                &chunk_routed,
+                (2 * folded.leaves(), b * n),
+                |r, c| folded.chunk_at(r, c),
+            )?),
             None => None,
         };
         let leaf = std::cell::Cell::new(0);
@@ -348,17 +353,8 @@ impl SparseMoe {
             let probs = self.router(&flat)?;
             let p = probs.tensor().to_vec_f64()?;
             let a = leaf.replace(leaf.get() + 1);
-            let routed_before = before.as_ref().map(|before| {
-                let at = |chunk: usize, row: usize| {
-                    let g = folded.global_chunk(chunk);
-                    &before[(g * b + row) * n..(g * b + row + 1) * n]
-                };
-                (0..b)
-                    .flat_map(|row| [at(a, row), at(2 * leaves - 1 - a, row)])
-                    .flatten()
-                    .copied()
-                    .collect::<Vec<usize>>()
-            });
+            let runs = [a, 2 * leaves - 1 - a].map(|c| folded.global_chunk(c));
+            let routed_before = before.as_ref().map(|r| runs_before(r, (b, n), runs));
             let routing = Routing::new(RoutingArgs {
                 split: routed_before.as_ref().map(|r| SequenceSplit {
                     sequence,
@@ -701,46 +697,47 @@ fn load_balancing_loss(probs: &Var, totals: &Totals, n: usize) -> Result<Var> {
         .mean_all()
 }
 
-/// Reference mode's folded order with a capacity factor: for each global fine chunk (of `2K`),
-/// row and expert, the copies routed at the sequence's earlier fine chunks, `[2K, rows, N]`,
-/// from every rank's `chunk_routed` (`[2K/C, rows, N]` by local fine chunk; an all-gather over
-/// the group, the whole of it on one device).
-fn folded_routed_before(
-    folded: &FoldedPositions,
-    chunk_routed: &[f64],
-    per_chunk: usize,
+/// The copies routed at each chunk's earlier chunks of the sequence, `[chunks, per_chunk]` for
+/// every global chunk (of `chunks`) and `per_chunk` counts (rows x experts), from every rank's
+/// copies routed at its local chunks (`local`, `[local chunks, per_chunk]`; an all-gather over
+/// `group`), `chunk_at(r, c)` naming rank `r`'s local chunk `c`. What the capacity needs to keep
+/// copies in the sequence's token order when a rank holds chunks of it.
+fn routed_before_chunks(
+    group: &dyn Collectives,
+    local: &[f64],
+    (chunks, per_chunk): (usize, usize),
+    chunk_at: impl Fn(usize, usize) -> usize,
 ) -> Result<Vec<usize>> {
-    let group = folded.group();
-    let local = 2 * folded.local_leaves();
     let all = group
-        .all_gather(&Tensor::from_vec(
-            chunk_routed.to_vec(),
-            local * per_chunk,
-            Device::Cpu,
-        )?)?
+        .all_gather(&Tensor::from_vec(local.to_vec(), local.len(), Device::Cpu)?)?
         .to_vec_f64()?;
-    let mut by_chunk = vec![0; 2 * folded.leaves() * per_chunk];
-    for r in 0..group.size() {
-        for lc in 0..local {
-            let g = folded.chunk_at(r, lc);
-            let from = &all[(r * local + lc) * per_chunk..(r * local + lc + 1) * per_chunk];
-            for (to, &v) in by_chunk[g * per_chunk..(g + 1) * per_chunk]
-                .iter_mut()
-                .zip(from)
-            {
-                *to = v as usize;
-            }
+    let local_chunks = local.len() / per_chunk.max(1);
+    let mut by_chunk = vec![0; chunks * per_chunk];
+    for (at, counts) in all.chunks_exact(per_chunk).enumerate() {
+        let g = chunk_at(at / local_chunks, at % local_chunks);
+        for (to, &c) in by_chunk[g * per_chunk..(g + 1) * per_chunk]
+            .iter_mut()
+            .zip(counts)
+        {
+            *to = c as usize;
         }
     }
-    // Exclusive prefix sums over the fine chunks in sequence order.
+    // Exclusive prefix sums over the chunks in sequence order.
     let mut before = vec![0; by_chunk.len()];
-    for g in 1..2 * folded.leaves() {
-        for i in 0..per_chunk {
-            before[g * per_chunk + i] =
-                before[(g - 1) * per_chunk + i] + by_chunk[(g - 1) * per_chunk + i];
-        }
+    for i in per_chunk..before.len() {
+        before[i] = before[i - per_chunk] + by_chunk[i - per_chunk];
     }
     Ok(before)
+}
+
+/// A rank's [`SequenceSplit::routed_before`], `[rows, 2, N]`, for its two runs at global chunks
+/// `runs` from [`routed_before_chunks`]' `before` (`[chunks, rows, N]`).
+fn runs_before(before: &[usize], (rows, n): (usize, usize), runs: [usize; 2]) -> Vec<usize> {
+    (0..rows)
+        .flat_map(|row| runs.map(|g| &before[(g * rows + row) * n..(g * rows + row + 1) * n]))
+        .flatten()
+        .copied()
+        .collect()
 }
 
 /// Under context parallelism with a capacity factor: for each row, run (this rank's two chunks)
@@ -748,25 +745,14 @@ fn folded_routed_before(
 /// rank's [`run_counts`] (an all-gather over the group).
 fn routed_before(args: &RoutingArgs<'_>, cp: &ContextParallel) -> Result<Vec<usize>> {
     let (rows, n) = (args.rows, args.n_experts);
-    let local: Vec<f64> = run_counts(args, 2)?.iter().map(|&c| c as f64).collect();
-    let all = cp
-        .group
-        .all_gather(&Tensor::from_vec(local, rows * 2 * n, Device::Cpu)?)?
-        .to_vec_f64()?;
-    let (size, me) = (cp.degree(), cp.group.rank());
-    // Rank r's run s is its chunk `chunks()[s]` of the sequence's 2C.
-    let chunk = |r: usize, s: usize| ChunkOrder::new(r, size).chunks()[s];
-    let mut out = vec![0; rows * 2 * n];
-    for row in 0..rows {
-        for s in 0..2 {
-            for e in 0..n {
-                out[(row * 2 + s) * n + e] = (0..size)
-                    .flat_map(|r| (0..2).map(move |s2| (r, s2)))
-                    .filter(|&(r, s2)| chunk(r, s2) < chunk(me, s))
-                    .map(|(r, s2)| all[((r * rows + row) * 2 + s2) * n + e] as usize)
-                    .sum();
-            }
-        }
-    }
-    Ok(out)
+    // [rows, 2, N] to [2, rows, N]: by local chunk.
+    let runs = run_counts(args, 2)?;
+    let local: Vec<f64> = (0..2)
+        .flat_map(|s| (0..rows).flat_map(move |row| (0..n).map(move |e| (row, s, e))))
+        .map(|(row, s, e)| runs[(row * 2 + s) * n + e] as f64)
+        .collect();
+    let size = cp.degree();
+    let chunk_at = |r: usize, s: usize| ChunkOrder::new(r, size).chunks()[s];
+    let before = routed_before_chunks(&*cp.group, &local, (2 * size, rows * n), chunk_at)?;
+    Ok(runs_before(&before, (rows, n), cp.order().chunks()))
 }
