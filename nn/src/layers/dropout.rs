@@ -197,28 +197,24 @@ impl Dropout {
         let (b, n) = (t.dims()[0], t.dims()[1]);
         let inner = (t.elem_count() / (b * n).max(1)) as u64;
         let row = runs.global as u64 * inner;
+        // The masks of each row's runs in row-major order are the local tensor's elements in
+        // order: one concatenation of flat pieces (a mask depends on the element index alone).
         let masks: Vec<Tensor> = (0..b as u64)
             .flat_map(|i| runs.runs.iter().map(move |&(start, len)| (i, start, len)))
             .map(|(i, start, len)| {
-                let mut one = t.dims().to_vec();
-                (one[0], one[1]) = (1, len);
                 Tensor::dropout_mask(
                     seed,
                     (first_row + i) * row + start as u64 * inner,
                     self.p,
-                    one,
+                    len * inner as usize,
                     t.dtype(),
                     t.device(),
                 )
             })
             .collect::<Result<_>>()?;
         let refs: Vec<&Tensor> = masks.iter().collect();
-        let rows: Vec<Tensor> = refs
-            .chunks(runs.runs.len().max(1))
-            .map(|r| Tensor::cat(r, 1))
-            .collect::<Result<_>>()?;
-        let rows: Vec<&Tensor> = rows.iter().collect();
-        x.mul(&Var::constant(Tensor::cat(&rows, 0)?))
+        let mask = Tensor::cat(&refs, 0)?.reshape(t.dims())?;
+        x.mul(&Var::constant(mask))
     }
 }
 
